@@ -1,0 +1,109 @@
+"""The one configuration object every front end builds.
+
+CLI flags, ``LLM(**kwargs)`` and server options are all merged into a frozen
+:class:`EngineConfig` once, so the rest of the engine never re-parses flags.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from llmsys.engine.errors import InvalidParameterError
+
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 1000,
+    "KB": 1000,
+    "KIB": 1024,
+    "KI": 1024,
+    "M": 1000**2,
+    "MB": 1000**2,
+    "MIB": 1024**2,
+    "MI": 1024**2,
+    "G": 1000**3,
+    "GB": 1000**3,
+    "GIB": 1024**3,
+    "GI": 1024**3,
+    "T": 1000**4,
+    "TB": 1000**4,
+    "TIB": 1024**4,
+    "TI": 1024**4,
+}
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def parse_size(text: str | int | None) -> int | None:
+    """Parse '6GiB', '512MiB', '1.5G', or a byte count into bytes."""
+    if text is None or isinstance(text, int):
+        return text
+    m = _SIZE_RE.match(str(text))
+    if not m:
+        raise InvalidParameterError(
+            f"cannot read memory size {text!r}; write it like 6GiB, 512MiB or 1000000"
+        )
+    unit = (m.group(2) or "").upper()
+    if unit not in _UNITS:
+        raise InvalidParameterError(f"unknown size unit in {text!r}; use B, KiB, MiB, GiB or TiB")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def format_bytes(n: float) -> str:
+    """Human-readable bytes with binary units (the units the budgets use)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything that decides how a model is loaded and run.
+
+    Sizes are bytes (``None`` = choose from what the machine has free).
+    """
+
+    model: str
+    device: str = "auto"
+    dtype: str = "auto"
+    max_model_len: int | None = None  # None: the model's trained context
+    block_size: int = 16  # tokens per KV block
+    kv_cache_tokens: int | None = None  # KV pool capacity; None: sized from memory
+    max_num_seqs: int = 32  # sequences decoded together at most
+    max_num_batched_tokens: int = 512  # tokens per step (chunked prefill budget)
+    threads: int | None = None
+    quant: str = "none"
+    kv_dtype: str = "auto"
+    gpu_mem: int | None = None
+    cpu_mem: int | None = None
+    offload_dir: str | None = None
+    kv_policy: str = "full"
+    progress: bool = True  # loading progress bar (only drawn on a TTY)
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise InvalidParameterError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
+        if self.device not in DEVICES and not self.device.startswith("cuda:"):
+            raise InvalidParameterError(f"unknown device {self.device!r}; choose one of {', '.join(DEVICES)}")
+        if self.block_size < 1 or self.block_size > 1024:
+            raise InvalidParameterError(f"block_size must be in 1..1024, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise InvalidParameterError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise InvalidParameterError("max_num_batched_tokens must be >= 1")
+        if self.threads is not None and self.threads < 1:
+            raise InvalidParameterError(f"threads must be >= 1, got {self.threads}")
+        for name in ("gpu_mem", "cpu_mem"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, int):
+                object.__setattr__(self, name, parse_size(v))
+
+    def with_(self, **changes: Any) -> "EngineConfig":
+        return replace(self, **changes)
