@@ -1,0 +1,38 @@
+"""Architecture registry: Hugging Face ``architectures`` / ``model_type`` -> family module."""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import Any
+
+from llmsys.engine.errors import UnsupportedModelError
+
+# model_type -> module name; architectures map onto the same modules.
+FAMILIES = {
+    "llama": "llama",
+    "mistral": "mistral",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+}
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+def family_for(cfg: dict[str, Any], source: str = "config.json") -> ModuleType:
+    """Pick the family module for a config, or fail naming the supported ones."""
+    archs = cfg.get("architectures") or []
+    mt = cfg.get("model_type")
+    name = FAMILIES.get(mt) if mt else None
+    if name is None:
+        name = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
+    if name is None:
+        what = ", ".join(archs) or mt or "no architectures/model_type"
+        raise UnsupportedModelError(
+            f"{source}: unsupported architecture {what}; supported: {', '.join(ARCHITECTURES)}"
+        )
+    return importlib.import_module(f"llmsys.engine.models.{name}")

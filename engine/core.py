@@ -1,0 +1,205 @@
+"""The engine core: ``add_request`` / ``step`` / ``abort``.
+
+One thread owns an :class:`EngineCore`. Each ``step`` asks the scheduler for a
+batch, runs it, samples one token for every sequence that reached the end of
+its known tokens, turns new tokens into text deltas (incremental
+detokenization, stop strings held back until resolved) and returns one
+:class:`StreamChunk` per request that has news. Front ends (LLM facade,
+server, TUI, bench) are all built on these three calls.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from llmsys.engine.config import EngineConfig
+from llmsys.engine.detokenizer import IncrementalDetokenizer, StopChecker
+from llmsys.engine.errors import ContextOverflowError, InvalidParameterError
+from llmsys.engine.kv_cache import BlockAllocator, KVCache, KVCacheSpec
+from llmsys.engine.loader.common import LoadedModel
+from llmsys.engine.outputs import StreamChunk, Timings, Usage
+from llmsys.engine.runner import ModelRunner
+from llmsys.engine.sampling import Sampler, SamplingBatch, SamplingParams, make_generator
+from llmsys.engine.scheduler import Scheduler
+from llmsys.engine.sequence import Sequence
+from llmsys.engine.tokenizer import Tokenizer
+
+
+@dataclass
+class _TextState:
+    """Per-request text bookkeeping (detokenizer + stop-string matcher)."""
+
+    detok: IncrementalDetokenizer
+    stop: StopChecker | None
+    start_time: float | None = None
+    logprobs: list = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Bytes per tier and kind: the engine's own accounting (TUI/bench show it)."""
+
+    weights: dict[str, int]  # tier -> bytes
+    kv_total: dict[str, int]  # tier -> bytes reserved for the KV pool
+    kv_used: dict[str, int]  # tier -> bytes of blocks in use
+    kv_blocks_total: int
+    kv_blocks_used: int
+    block_size: int
+
+
+class EngineCore:
+    def __init__(self, loaded: LoadedModel, tokenizer: Tokenizer, config: EngineConfig, kv_spec: KVCacheSpec, max_len: int):
+        self.loaded = loaded
+        self.tokenizer = tokenizer
+        self.config = config
+        self.max_len = max_len  # prompt + output tokens per request, at most
+        self.kv = KVCache(kv_spec, loaded.device)
+        self.allocator = BlockAllocator(kv_spec.num_blocks)
+        self.scheduler = Scheduler(self.allocator, kv_spec.block_size, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(loaded.model, self.kv, loaded.device, kv_spec.block_size)
+        self.sampler = Sampler()
+        eos = set(loaded.args.eos_token_id) | set(tokenizer.eos_token_ids)
+        gen_eos = loaded.generation_config.get("eos_token_id")
+        if gen_eos is not None:
+            eos |= {gen_eos} if isinstance(gen_eos, int) else set(gen_eos)
+        self.eos_token_ids = tuple(sorted(eos))
+        self.requests: dict[str, Sequence] = {}
+        self._pending: list[StreamChunk] = []  # chunks produced outside step() (aborts)
+        self._ids = itertools.count()
+
+    # -- requests ------------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        if not prompt_ids:
+            raise InvalidParameterError("the prompt is empty; give at least one token")
+        vocab = self.loaded.args.vocab_size
+        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidParameterError(f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        if len(prompt_ids) >= self.max_len:
+            raise ContextOverflowError(len(prompt_ids), self.max_len)
+        rid = request_id or f"req-{next(self._ids)}"
+        if rid in self.requests:
+            raise InvalidParameterError(f"request id {rid!r} is already in use")
+        seq = Sequence(rid, list(prompt_ids), params, self.max_len)
+        seq.generator = make_generator(params.seed, self.loaded.device)
+        seq.state = _TextState(
+            IncrementalDetokenizer(self.tokenizer, seq.prompt_ids),
+            StopChecker(params.stop) if params.stop else None,
+        )
+        self.requests[rid] = seq
+        self.scheduler.add(seq)
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now and free its KV blocks (e.g. client went away)."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None or seq.finished:
+            return
+        self.scheduler.finish(seq, "abort")
+        seq.finish_time = time.perf_counter()
+        self._pending.append(self._final_chunk(seq, "", []))
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work() or bool(self._pending)
+
+    # -- one step ------------------------------------------------------------
+    def step(self) -> list[StreamChunk]:
+        chunks, self._pending = self._pending, []
+        sched = self.scheduler.schedule()
+        if sched.empty:
+            return chunks
+        now = time.perf_counter()
+        for s in sched.scheduled:
+            if s.seq.state.start_time is None:
+                s.seq.state.start_time = now
+        logits, rows = self.runner.execute(sched)
+        if not rows:
+            return chunks
+        seqs = [sched.scheduled[r].seq for r in rows]
+        batch = SamplingBatch(
+            params=[s.params for s in seqs],
+            prompt_ids=[s.prompt_ids for s in seqs],
+            output_ids=[s.output_ids for s in seqs],
+            generators=[s.generator for s in seqs],
+            eos_token_ids=self.eos_token_ids,
+        )
+        sampled = self.sampler.sample(logits, batch)
+        now = time.perf_counter()
+        for seq, tok, lp in zip(seqs, sampled.token_ids, sampled.logprobs):
+            chunk = self._append(seq, tok, lp, now)
+            if chunk is not None:
+                chunks.append(chunk)
+        return chunks
+
+    def _append(self, seq: Sequence, tok: int, lp, now: float) -> StreamChunk | None:
+        st: _TextState = seq.state
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.output_ids.append(tok)
+        p = seq.params
+        reason = None
+        if tok in self.eos_token_ids and not p.ignore_eos:
+            reason = "stop"
+            delta = ""
+        else:
+            delta = st.detok.add(tok)
+            if tok in p.stop_token_ids:
+                reason = "stop"
+        if st.stop is not None:
+            delta, hit = st.stop.feed(delta)
+            if hit:
+                reason = "stop"
+        if reason is None:
+            if p.max_tokens is not None and len(seq.output_ids) >= p.max_tokens:
+                reason = "length"
+            elif seq.num_tokens >= seq.max_len:
+                reason = "length"
+        lps = [lp] if lp is not None else []
+        if reason is None:
+            return StreamChunk(seq.request_id, delta, [tok], lps)
+        if reason != "stop" or not (st.stop and st.stop.stopped):
+            tail = st.detok.flush()
+            if st.stop is not None:
+                tail, _ = st.stop.feed(tail)
+                tail += st.stop.flush()
+            delta += tail
+        self.scheduler.finish(seq, reason)
+        seq.finish_time = now
+        self.requests.pop(seq.request_id, None)
+        return self._final_chunk(seq, delta, [tok], lps)
+
+    def _final_chunk(self, seq: Sequence, delta: str, toks: list[int], lps=None) -> StreamChunk:
+        st: _TextState = seq.state
+        start = st.start_time or seq.arrival
+        first = seq.first_token_time
+        end = seq.finish_time or time.perf_counter()
+        timings = Timings(
+            ttft_s=(first - seq.arrival) if first else 0.0,
+            prefill_s=(first - start) if first else 0.0,
+            decode_s=(end - first) if first else 0.0,
+            total_s=end - seq.arrival,
+            prompt_tokens=len(seq.prompt_ids),
+            generated_tokens=len(seq.output_ids),
+        )
+        usage = Usage(len(seq.prompt_ids), len(seq.output_ids))
+        return StreamChunk(seq.request_id, delta, toks, lps or [], seq.finish_reason, usage, timings)
+
+    # -- accounting ----------------------------------------------------------
+    def memory_report(self) -> MemoryReport:
+        tier = self.loaded.device.type
+        tier = "gpu" if tier == "cuda" else "cpu"
+        spec = self.kv.spec
+        per_block = spec.bytes_per_token * spec.block_size
+        used = self.allocator.num_used
+        return MemoryReport(
+            weights={tier: self.loaded.weight_bytes},
+            kv_total={tier: spec.nbytes},
+            kv_used={tier: used * per_block},
+            kv_blocks_total=spec.num_blocks - 1,
+            kv_blocks_used=used,
+            block_size=spec.block_size,
+        )

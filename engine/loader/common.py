@@ -1,0 +1,201 @@
+"""Build a model on the meta device, then materialize it tensor by tensor.
+
+The model skeleton costs no memory (meta device); each checkpoint tensor is
+read, converted to the target dtype (or handed to a ``make_linear`` hook that
+quantizes it) and moved to its device before the next is read, so peak memory
+is the finished model plus one tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from llmsys.engine.errors import CheckpointError, ModelNotFoundError
+from llmsys.engine.models import family_for
+from llmsys.engine.models.base import DecoderModel, TransformerArgs, rope_inv_freq
+
+# A hook that may replace an nn.Linear when its weight arrives, e.g. with a
+# quantized layer: (qualified name, weight [N, K], bias | None) -> module or None.
+MakeLinear = Callable[[str, torch.Tensor, "torch.Tensor | None"], "nn.Module | None"]
+
+
+@dataclass
+class LoadedModel:
+    """What the loader hands to the engine."""
+
+    model: DecoderModel
+    args: TransformerArgs
+    family: str
+    path: Path  # the checkpoint file or directory
+    tokenizer_path: Path  # where the tokenizer files live
+    dtype: torch.dtype
+    device: torch.device
+    config: dict[str, Any] = field(default_factory=dict)
+    generation_config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def weight_bytes(self) -> int:
+        seen: set[int] = set()
+        total = 0
+        for t in list(self.model.parameters()) + list(self.model.buffers()):
+            if id(t) in seen or t.device.type == "meta":
+                continue
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+        return total
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelNotFoundError("--device cuda requested but no CUDA GPU is available; use --device cpu")
+    return torch.device(device)
+
+
+def _cpu_has_fast_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """``auto``: bf16 where the hardware computes it natively, else float32.
+
+    On CUDA bf16 needs compute capability >= 8.0 (else fp16). On CPU, bf16
+    matmuls beat float32 only with AVX512-BF16 or AMX (measured in
+    docs/benchmarks.md); without them torch emulates bf16 and float32 wins.
+    """
+    if dtype != "auto":
+        return getattr(torch, dtype)
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if _cpu_has_fast_bf16() else torch.float32
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: cannot parse JSON ({e})") from None
+
+
+def _progress(items: list[str], enabled: bool, label: str) -> Iterator[str]:
+    """Yield items, drawing a progress bar on stderr only when it is a TTY."""
+    show = enabled and sys.stderr.isatty() and len(items) > 1
+    n = len(items)
+    for i, item in enumerate(items):
+        if show:
+            done = int(30 * (i + 1) / n)
+            sys.stderr.write(f"\r{label} [{'#' * done}{'.' * (30 - done)}] {i + 1}/{n}")
+            sys.stderr.flush()
+        yield item
+    if show:
+        sys.stderr.write("\n")
+
+
+def set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    """Replace parameter/buffer ``name`` (dotted) with ``value``."""
+    mod_name, _, leaf = name.rpartition(".")
+    mod = model.get_submodule(mod_name) if mod_name else model
+    if leaf in mod._parameters:
+        mod._parameters[leaf] = nn.Parameter(value, requires_grad=False)
+    else:
+        mod._buffers[leaf] = value
+
+
+def materialize(
+    model: DecoderModel,
+    read: Callable[[str], torch.Tensor],
+    available: Callable[[str], bool],
+    dtype: torch.dtype,
+    device: torch.device,
+    source: Path,
+    make_linear: MakeLinear | None = None,
+    progress: bool = True,
+) -> None:
+    """Fill every meta tensor of ``model`` from ``read(name)``."""
+    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    tied = model.args.tie_word_embeddings
+    wanted = [n for n in names if not (tied and n == "lm_head.weight")]
+    missing = [n for n in wanted if not available(n)]
+    if tied and not available("model.embed_tokens.weight"):
+        missing.append("model.embed_tokens.weight")
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"{source}: missing tensor {missing[0]}{more}; the checkpoint does not match its config")
+    linears = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    done: set[str] = set()
+    for name in _progress(wanted, progress, "loading"):
+        if name in done:
+            continue
+        mod_name, _, leaf = name.rpartition(".")
+        if make_linear is not None and mod_name in linears and leaf == "weight":
+            w = read(name)
+            bname = mod_name + ".bias"
+            b = read(bname).to(dtype) if bname in names else None
+            new = make_linear(mod_name, w, b)
+            if new is not None:
+                parent, _, child = mod_name.rpartition(".")
+                setattr(model.get_submodule(parent) if parent else model, child, new.to(device))
+                done.update({name, bname})
+                continue
+            set_tensor(model, name, w.to(device=device, dtype=dtype))
+            if b is not None:
+                set_tensor(model, bname, b.to(device))
+                done.add(bname)
+            continue
+        t = read(name)
+        want = dtype if t.is_floating_point() else t.dtype
+        set_tensor(model, name, t.to(device=device, dtype=want))
+    model.inv_freq = rope_inv_freq(model.args).to(device)
+    model.tie_weights()
+
+
+def load_model(
+    path: str | Path,
+    dtype: str = "auto",
+    device: str = "auto",
+    make_linear: MakeLinear | None = None,
+    progress: bool = True,
+) -> LoadedModel:
+    """Load a Hugging Face directory or a llama2.c ``.bin`` checkpoint."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ModelNotFoundError(f"no such file or directory: {p}")
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    from llmsys.engine.loader import llama2c
+
+    if llama2c.is_llama2c(p):
+        return llama2c.load(p, dt, dev, make_linear, progress)
+    return _load_hf(p, dt, dev, make_linear, progress)
+
+
+def _load_hf(p: Path, dt, dev, make_linear, progress) -> LoadedModel:
+    from llmsys.engine.loader.safetensors_io import CheckpointIndex
+
+    if p.is_file():
+        raise CheckpointError(f"{p}: expected a model directory (with config.json) or a llama2.c .bin checkpoint")
+    cfg_path = p / "config.json"
+    if not cfg_path.exists():
+        raise CheckpointError(f"{p}: no config.json; point at a Hugging Face model directory")
+    cfg = read_json(cfg_path)
+    family = family_for(cfg, str(cfg_path))
+    args = family.ModelArgs.from_hf_config(cfg)
+    index = CheckpointIndex.open_dir(p)
+    with torch.device("meta"):
+        model = family.Model(args)
+    materialize(model, index.read, index.__contains__, dt, dev, p, make_linear, progress)
+    model.eval()
+    gen = read_json(p / "generation_config.json") if (p / "generation_config.json").exists() else {}
+    return LoadedModel(model, args, family.__name__.rsplit(".", 1)[1], p, p, dt, dev, cfg, gen)

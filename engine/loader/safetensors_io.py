@@ -1,0 +1,173 @@
+"""A small safetensors reader built for low peak memory.
+
+Why not ``safetensors.safe_open``: it memory-maps the file, and every page it
+touches stays resident (and counted in RSS) until the map closes, so loading a
+model that way peaks near 2x its size. Reading each tensor with ``readinto``
+into a buffer we own keeps peak memory at "the model so far + one tensor", and
+the same reader serves the offload streamer (read a layer straight into a
+preallocated staging buffer). The header is validated up front so a truncated
+or corrupt file fails with its name, not deep inside a forward pass.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from llmsys.engine.errors import CheckpointError
+
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+
+
+class SafetensorsFile:
+    """Index of one ``.safetensors`` file; tensors are read on demand."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        try:
+            size = self.path.stat().st_size
+            with open(self.path, "rb") as f:
+                raw = f.read(8)
+                if len(raw) < 8:
+                    raise ValueError("file shorter than its 8-byte header length")
+                (hlen,) = struct.unpack("<Q", raw)
+                if hlen > size - 8 or hlen > 100 * 1024 * 1024:
+                    raise ValueError(f"header length {hlen} exceeds the file size {size}")
+                header = json.loads(f.read(hlen))
+        except (OSError, ValueError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{self.path}: not a readable safetensors file ({e}); re-download it") from None
+        self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
+        base = 8 + hlen
+        self.tensors: dict[str, TensorInfo] = {}
+        for name, h in header.items():
+            try:
+                dtype = DTYPES[h["dtype"]]
+                start, end = h["data_offsets"]
+                shape = tuple(int(s) for s in h["shape"])
+            except (KeyError, TypeError, ValueError):
+                raise CheckpointError(f"{self.path}: corrupt header entry for tensor {name!r}; re-download it") from None
+            if base + end > size:
+                raise CheckpointError(
+                    f"{self.path}: truncated: tensor {name!r} ends at byte {base + end} but the file has {size} bytes; "
+                    "re-download it"
+                )
+            numel = 1
+            for s in shape:
+                numel *= s
+            if numel * torch.tensor([], dtype=dtype).element_size() != end - start:
+                raise CheckpointError(f"{self.path}: tensor {name!r} size does not match its shape {shape}")
+            self.tensors[name] = TensorInfo(name, dtype, shape, base + start, end - start)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def keys(self) -> list[str]:
+        return list(self.tensors)
+
+    def read(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Read one tensor (into ``out`` when given: same dtype/shape, contiguous, CPU)."""
+        info = self.tensors[name]
+        if out is None:
+            out = torch.empty(info.shape, dtype=info.dtype)
+        elif out.dtype != info.dtype or tuple(out.shape) != info.shape:
+            raise ValueError(f"buffer {out.dtype}{tuple(out.shape)} does not fit {name} {info.dtype}{info.shape}")
+        if info.nbytes:
+            view = memoryview(out.view(-1).view(torch.uint8).numpy())
+            fd = os.open(self.path, os.O_RDONLY)
+            try:
+                got = os.preadv(fd, [view], info.offset)
+            finally:
+                os.close(fd)
+            if got != info.nbytes:
+                raise CheckpointError(f"{self.path}: short read of tensor {name!r}; the file is truncated")
+        return out
+
+
+class CheckpointIndex:
+    """All tensors of a (possibly sharded) checkpoint, by name."""
+
+    def __init__(self, files: list[SafetensorsFile]):
+        self.files = files
+        self.where: dict[str, SafetensorsFile] = {}
+        for f in files:
+            for name in f.tensors:
+                self.where[name] = f
+
+    @classmethod
+    def open_dir(cls, directory: Path) -> "CheckpointIndex":
+        index = directory / "model.safetensors.index.json"
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError):
+                raise CheckpointError(f"{index}: corrupt shard index (no weight_map); re-download it") from None
+            names = sorted(set(weight_map.values()))
+            missing = [n for n in names if not (directory / n).exists()]
+            if missing:
+                raise CheckpointError(f"{directory}: shard {missing[0]} listed in {index.name} is missing")
+            return cls([SafetensorsFile(directory / n) for n in names])
+        files = sorted(directory.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{directory}: no *.safetensors weights found")
+        return cls([SafetensorsFile(p) for p in files])
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.where
+
+    def info(self, name: str) -> TensorInfo:
+        return self.where[name].tensors[name]
+
+    def read(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.where[name].read(name, out)
+
+
+def save_file(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None) -> None:
+    """Write tensors as safetensors one at a time (no whole-state copy)."""
+    header: dict[str, object] = {}
+    if metadata:
+        header["__metadata__"] = metadata
+    offset = 0
+    items = list(tensors.items())
+    for name, t in items:
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    hbytes = json.dumps(header, separators=(",", ":")).encode()
+    hbytes += b" " * (-len(hbytes) % 8)
+    tmp = Path(str(path) + ".part")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(hbytes)))
+        f.write(hbytes)
+        for _, t in items:
+            t = t.detach().contiguous().cpu()
+            if t.numel():
+                f.write(t.view(-1).view(torch.uint8).numpy().tobytes())
+    os.replace(tmp, path)

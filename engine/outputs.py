@@ -1,0 +1,72 @@
+"""Typed results every front end consumes (stdout, TUI, SSE, bench)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from llmsys.engine.sampling import TokenLogprobs
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    evicted_tokens: int = 0  # KV tokens dropped by an eviction policy
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass
+class Timings:
+    """Seconds measured inside the engine (tokenization excluded)."""
+
+    ttft_s: float = 0.0  # arrival -> first token sampled
+    prefill_s: float = 0.0  # first scheduled -> prompt fully processed
+    decode_s: float = 0.0  # first token -> last token
+    total_s: float = 0.0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+
+    @property
+    def prompt_tok_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        # The first token comes out of prefill; decode speed counts the rest.
+        n = self.generated_tokens - 1
+        return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
+
+
+@dataclass
+class StreamChunk:
+    """One step's news for one request."""
+
+    request_id: str
+    text: str  # new text since the last chunk (stop strings never included)
+    token_ids: list[int]  # new tokens since the last chunk
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort" when finished
+    usage: Usage | None = None  # on the final chunk
+    timings: Timings | None = None  # on the final chunk
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """A finished request."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    usage: Usage
+    timings: Timings
+    logprobs: list[TokenLogprobs] = field(default_factory=list)

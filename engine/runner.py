@@ -1,0 +1,78 @@
+"""Turns a scheduler decision into tensors, runs the model, returns logits.
+
+The runner is the only place where scheduler state (Python lists) becomes
+tensors: packed input ids and positions, KV slots, attention metadata. It
+returns the logits of the sequences that sample this step; sampling itself is
+the engine core's job.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from llmsys.engine.attention import AttentionMetadata, build_metadata
+from llmsys.engine.kv_cache import KVCache, slots_for
+from llmsys.engine.models.base import DecoderModel
+from llmsys.engine.scheduler import SchedulerOutput
+
+
+@dataclass
+class StepBatch:
+    """Tensors of one step, ready for the model."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    sample_index: torch.Tensor  # [S] packed index of the last token of each sampling seq
+    sample_rows: list[int]  # which scheduled entries sample (in order)
+
+
+class ModelRunner:
+    def __init__(self, model: DecoderModel, kv: KVCache, device: torch.device, block_size: int):
+        self.model = model
+        self.kv = kv
+        self.device = device
+        self.block_size = block_size
+
+    def prepare(self, sched: SchedulerOutput) -> StepBatch:
+        ids: list[int] = []
+        pos: list[int] = []
+        qlens: list[int] = []
+        clens: list[int] = []
+        slot_lists: list[list[int]] = []
+        sample_index: list[int] = []
+        sample_rows: list[int] = []
+        for row, s in enumerate(sched.scheduled):
+            seq, n = s.seq, s.num_new_tokens
+            start = seq.num_computed
+            toks = seq.tokens
+            ids.extend(toks[start : start + n])
+            pos.extend(range(start, start + n))
+            qlens.append(n)
+            clens.append(start + n)
+            slot_lists.append(slots_for(seq.block_table, 0, start + n, self.block_size))
+            if s.samples:
+                sample_index.append(len(ids) - 1)
+                sample_rows.append(row)
+        meta = build_metadata(qlens, clens, slot_lists, self.device)
+        return StepBatch(
+            input_ids=torch.as_tensor(ids, dtype=torch.int64, device=self.device),
+            positions=torch.as_tensor(pos, dtype=torch.int64, device=self.device),
+            meta=meta,
+            sample_index=torch.as_tensor(sample_index, dtype=torch.int64, device=self.device),
+            sample_rows=sample_rows,
+        )
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
+        """Run one step; returns logits ``[S, V]`` (float32) and the sampling rows."""
+        batch = self.prepare(sched)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv, batch.meta)  # [T, hidden]
+        if not batch.sample_rows:
+            return hidden.new_empty((0, self.model.args.vocab_size), dtype=torch.float32), []
+        logits = self.model.compute_logits(hidden.index_select(0, batch.sample_index)).float()
+        for s in sched.scheduled:
+            s.seq.num_computed += s.num_new_tokens
+        return logits, batch.sample_rows

@@ -1,0 +1,126 @@
+"""Continuous batching with chunked prefill over a paged KV pool.
+
+Every step the scheduler decides which sequences run and how many of their
+tokens: running decodes first (one token each, so latency stays steady), then
+prompt chunks from waiting requests up to the step's token budget. Requests
+join and leave between steps. When the pool runs out of blocks the newest
+running sequence is preempted: its blocks return to the pool and it is
+re-prefilled later (recompute), which keeps older requests moving.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from llmsys.engine.kv_cache import BlockAllocator, blocks_needed
+from llmsys.engine.sequence import Sequence, SeqStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # tokens fed this step, starting at seq.num_computed
+
+    @property
+    def samples(self) -> bool:
+        """Does this step reach the end of the known tokens (so we sample)?"""
+        return self.seq.num_computed + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, allocator: BlockAllocator, block_size: int, max_num_seqs: int, max_num_batched_tokens: int):
+        self.allocator = allocator
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    # -- queue management -------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Mark finished and return its blocks to the pool at once."""
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.allocator.free(seq.block_table)
+        seq.block_table = []
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- the step decision ------------------------------------------------
+    def _grow(self, seq: Sequence, upto_tokens: int) -> bool:
+        need = blocks_needed(upto_tokens, self.block_size) - len(seq.block_table)
+        if need <= 0:
+            return True
+        if not self.allocator.can_allocate(need):
+            return False
+        seq.block_table.extend(self.allocator.allocate(need))
+        return True
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.allocator.free(seq.block_table)
+        seq.block_table = []
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_tokens
+        # 1. Running sequences (decodes, or prefills continuing in chunks), oldest first.
+        for seq in sorted(self.running, key=lambda s: s.arrival):
+            if seq not in self.running:
+                continue  # preempted below to make room for an older one
+            if budget <= 0:
+                break
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            while not self._grow(seq, seq.num_computed + n):
+                victim = max(self.running, key=lambda s: s.arrival)
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            if seq.status is not SeqStatus.RUNNING:
+                continue
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+        # 2. Waiting sequences, in arrival order, while budget and blocks last.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            if not self._grow(seq, seq.num_computed + n):
+                break
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+        return out
+
+    def num_blocks_used(self) -> int:
+        return self.allocator.num_used

@@ -1,0 +1,58 @@
+"""One request's state as the scheduler and runner see it.
+
+Plain Python: token ids and block ids, no tensors. ``num_computed`` counts the
+tokens whose K/V are already in the cache; a step feeds
+``tokens[num_computed : num_computed + n]`` and, when that reaches the end of
+the known tokens, samples the next one.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmsys.engine.sampling import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_len: int  # prompt + output may not exceed this many tokens
+    output_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    status: SeqStatus = SeqStatus.WAITING
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    prefill_done_time: float | None = None
+    finish_time: float | None = None
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    generator: Any = None  # torch.Generator | None, seeded once per request
+    state: Any = None  # front-end state (detokenizer, stop checker), owned by the engine core
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_computed < self.num_tokens - 1
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED

@@ -1,0 +1,85 @@
+"""Every architecture against Hugging Face transformers on the same weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmsys.engine.attention import build_metadata
+from llmsys.engine.kv_cache import KVCache, KVCacheSpec, slots_for
+from llmsys.engine.loader import load_model
+from tiny_models import ARCH_CONFIGS, make_hf_model
+
+ARCHS = list(ARCH_CONFIGS)
+
+
+def llmsys_logits(loaded, prompt: list[int], cont: list[int]) -> list[torch.Tensor]:
+    """Prefill ``prompt`` then decode ``cont`` one token at a time; logits [V] per step."""
+    a = loaded.args
+    bs = 16
+    spec = KVCacheSpec(a.num_hidden_layers, 16, bs, a.num_key_value_heads, a.head_dim, loaded.dtype)
+    kv = KVCache(spec, loaded.device)
+    table = list(range(1, 9))
+    out = []
+    tokens = list(prompt)
+    with torch.inference_mode():
+        n = len(prompt)
+        meta = build_metadata([n], [n], [slots_for(table, 0, n, bs)], loaded.device)
+        h = loaded.model(torch.tensor(prompt), torch.arange(n), kv, meta)
+        out.append(loaded.model.compute_logits(h[-1:])[0])
+        for t in cont:
+            tokens.append(t)
+            L = len(tokens)
+            meta = build_metadata([1], [L], [slots_for(table, 0, L, bs)], loaded.device)
+            h = loaded.model(torch.tensor([t]), torch.tensor([L - 1]), kv, meta)
+            out.append(loaded.model.compute_logits(h)[0])
+    return out
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_logits_match_transformers(arch, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    path = make_hf_model(arch, tmp_path / arch)
+    hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    loaded = load_model(path, dtype="float32", device="cpu")
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(3, 512, (32,), generator=g).tolist()
+    cont = torch.randint(3, 512, (32,), generator=g).tolist()
+    ours = llmsys_logits(loaded, prompt, cont)
+    with torch.no_grad():
+        full = hf(torch.tensor([prompt + cont])).logits[0]  # [64, V]
+    ref = [full[31]] + [full[32 + i] for i in range(32)]
+    worst = max((o - r).abs().max().item() for o, r in zip(ours, ref))
+    assert worst < 1e-4, f"{arch}: max |logit diff| {worst:.2e} over prefill + 32 decode steps"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_tokens_match_transformers(arch, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from llmsys import LLM, SamplingParams
+
+    path = make_hf_model(arch, tmp_path / arch, seed=3)
+    hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    prompt = torch.randint(3, 512, (12,), generator=torch.Generator().manual_seed(5)).tolist()
+    with torch.no_grad():
+        ref = hf.generate(
+            torch.tensor([prompt]), max_new_tokens=64, do_sample=False, eos_token_id=None, pad_token_id=0,
+            min_new_tokens=64,
+        )[0, len(prompt):].tolist()
+    llm = LLM(str(path), dtype="float32", device="cpu", kv_cache_tokens=512)
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))[0]
+    assert out.token_ids == ref
+
+
+def test_unsupported_architecture_is_one_line(tmp_path):
+    import json
+
+    from llmsys.engine.errors import UnsupportedModelError
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    with pytest.raises(UnsupportedModelError) as e:
+        load_model(tmp_path, dtype="float32")
+    msg = str(e.value)
+    assert "GPT2LMHeadModel" in msg and "LlamaForCausalLM" in msg and "\n" not in msg

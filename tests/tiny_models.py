@@ -1,0 +1,57 @@
+"""Tiny random checkpoints made with transformers (the correctness oracle)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TINY = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+)
+
+ARCH_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama": dict(model_type="llama", tie_word_embeddings=False, rope_theta=10000.0),
+    "llama3.2": dict(
+        model_type="llama",
+        tie_word_embeddings=True,
+        rope_theta=500000.0,
+        rope_scaling=dict(
+            rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+            original_max_position_embeddings=64,
+        ),
+    ),
+    "mistral": dict(model_type="mistral", tie_word_embeddings=False, sliding_window=None),
+    "qwen2": dict(model_type="qwen2", tie_word_embeddings=True, rope_theta=1000000.0),
+    "qwen3": dict(model_type="qwen3", tie_word_embeddings=True, head_dim=32, rope_theta=1000000.0),
+}
+
+
+def make_hf_model(kind: str, out: Path, seed: int = 0, **overrides: Any) -> Path:
+    """Save a random transformers model of family ``kind`` to ``out``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = dict(TINY, **ARCH_CONFIGS[kind], **overrides)
+    mt = spec.pop("model_type")
+    cfg = AutoConfig.for_model(mt, **spec)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
+    # Random init has tiny std; scale up so logits are not all ~0 and greedy is decisive.
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+            elif "norm" in n:
+                p.uniform_(0.8, 1.2)
+            else:
+                p.normal_(0, 0.05)
+    model.save_pretrained(out, safe_serialization=True)
+    return out
