@@ -150,8 +150,9 @@ class EngineCore:
             if tok in p.stop_token_ids:
                 reason = "stop"
         if st.stop is not None:
-            delta, hit = st.stop.feed(delta)
-            if hit:
+            upd = st.stop.add(delta)
+            delta = upd.text
+            if upd.stopped:
                 reason = "stop"
         if reason is None:
             if p.max_tokens is not None and len(seq.output_ids) >= p.max_tokens:
@@ -164,8 +165,7 @@ class EngineCore:
         if reason != "stop" or not (st.stop and st.stop.stopped):
             tail = st.detok.flush()
             if st.stop is not None:
-                tail, _ = st.stop.feed(tail)
-                tail += st.stop.flush()
+                tail = st.stop.add(tail).text + st.stop.flush()
             delta += tail
         self.scheduler.finish(seq, reason)
         seq.finish_time = now

@@ -1,0 +1,44 @@
+"""Kernels for the decode path: Triton on CUDA, plain torch everywhere else.
+
+Import the public ops from here (``from llmsys.kernels import rms_norm``);
+nothing outside this package imports triton. See ``README.md`` for the layering
+rules, the tensor layouts (paged KV cache, int8 KV, int4 weights) and what each
+op computes.
+"""
+
+from llmsys.kernels._backend import interpreter_enabled, triton_available
+from llmsys.kernels.ops import (
+    DEFAULT_PARTITION_SIZE,
+    DecodeAttentionResult,
+    kv_store,
+    paged_decode_attention,
+    paged_prefill_attention,
+    rms_norm,
+    rope,
+    silu_mul,
+    w4a16_matmul,
+    w8a16_matmul,
+)
+from llmsys.kernels.reference import dequant_int4, pack_int4, quantize_int8_ref, unpack_int4
+from llmsys.kernels.rope_cache import build_rope_cache, rope_inv_freq
+
+__all__ = [
+    "DEFAULT_PARTITION_SIZE",
+    "DecodeAttentionResult",
+    "build_rope_cache",
+    "dequant_int4",
+    "interpreter_enabled",
+    "kv_store",
+    "pack_int4",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "quantize_int8_ref",
+    "rms_norm",
+    "rope",
+    "rope_inv_freq",
+    "silu_mul",
+    "triton_available",
+    "unpack_int4",
+    "w4a16_matmul",
+    "w8a16_matmul",
+]

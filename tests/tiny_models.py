@@ -54,4 +54,38 @@ def make_hf_model(kind: str, out: Path, seed: int = 0, **overrides: Any) -> Path
             else:
                 p.normal_(0, 0.05)
     model.save_pretrained(out, safe_serialization=True)
+    write_tiny_tokenizer(out, spec["vocab_size"])
     return out
+
+
+def write_tiny_tokenizer(out: Path, vocab_size: int = 512, chat_template: str | None = None) -> None:
+    """Train a byte-level BPE tokenizer (``vocab_size`` ids) and save HF files.
+
+    The random models need a real tokenizer with a matching vocabulary; a
+    BPE trained in-process on a few sentences is one, and keeps these tests
+    independent of ../shared.
+    """
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    text = [
+        "Once upon a time there was a little girl who loved to play in the park.",
+        "The quick brown fox jumps over the lazy dog. Hello, world! 12345",
+        "def main():\n    print('hello')\n",
+    ] * 20
+    tok.train_from_iterator(text, trainer)
+    tok.save(str(out / "tokenizer.json"))
+    cfg = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": False}
+    if chat_template:
+        cfg["chat_template"] = chat_template
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg))

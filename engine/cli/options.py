@@ -1,0 +1,106 @@
+"""Shared CLI options, parsed once into an :class:`EngineConfig`.
+
+Every command that loads a model takes the same engine flags. Instead of
+repeating a dozen parameters per command, :func:`engine_command` appends them
+to the command's signature (Typer reads ``__signature__``) and hands the
+command one ``EngineConfig``; :func:`sampling_command` does the same for
+sampling flags -> :class:`SamplingParams`.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import typing
+from typing import Annotated, Any, Callable, Optional
+
+import typer
+
+from llmsys.engine.config import EngineConfig, parse_size
+from llmsys.engine.sampling import SamplingParams
+
+P = inspect.Parameter
+
+
+def _opt(name: str, annotation: Any, default: Any, *flags: str, help: str) -> inspect.Parameter:
+    return P(name, P.KEYWORD_ONLY, default=default, annotation=Annotated[annotation, typer.Option(*flags, help=help, rich_help_panel="Engine" if name in _ENGINE_NAMES else "Sampling")])
+
+
+_ENGINE_NAMES = {
+    "device", "dtype", "max_model_len", "block_size", "kv_cache_tokens", "max_num_seqs",
+    "max_num_batched_tokens", "threads", "quant", "kv_dtype", "gpu_mem", "cpu_mem", "offload_dir", "kv_policy",
+}
+
+ENGINE_PARAMS = [
+    _opt("device", str, "auto", "--device", help="auto, cpu, cuda or cuda:N"),
+    _opt("dtype", str, "auto", "--dtype", help="auto, float32, bfloat16, float16"),
+    _opt("max_model_len", Optional[int], None, "--max-model-len", help="context limit in tokens (default: the model's)"),
+    _opt("block_size", int, 16, "--block-size", help="tokens per KV block"),
+    _opt("kv_cache_tokens", Optional[int], None, "--kv-cache-tokens", help="KV pool capacity in tokens (default: from free memory)"),
+    _opt("max_num_seqs", int, 32, "--max-num-seqs", help="sequences decoded together at most"),
+    _opt("max_num_batched_tokens", int, 512, "--max-batched-tokens", help="tokens per step (chunked prefill)"),
+    _opt("threads", Optional[int], None, "--threads", "-t", help="CPU threads (default: torch's)"),
+    _opt("quant", str, "none", "--quant", help="weight format: none, int8, int4, nf4, fp8"),
+    _opt("kv_dtype", str, "auto", "--kv-dtype", help="KV cache format: auto, int8, int4"),
+    _opt("gpu_mem", Optional[str], None, "--gpu-mem", help="GPU budget, e.g. 6GiB"),
+    _opt("cpu_mem", Optional[str], None, "--cpu-mem", help="CPU RAM budget, e.g. 512MiB"),
+    _opt("offload_dir", Optional[str], None, "--offload-dir", help="folder for disk-offloaded weights/KV"),
+    _opt("kv_policy", str, "full", "--kv-policy", help="KV eviction: full, window:N, sink:S,window:N, ..."),
+]
+
+SAMPLING_PARAMS = [
+    _opt("max_tokens", int, 256, "--max-tokens", "-n", help="tokens to generate at most"),
+    _opt("temperature", float, 0.8, "--temperature", "--temp", help="0 = greedy"),
+    _opt("top_k", int, 0, "--top-k", help="0 = off"),
+    _opt("top_p", float, 1.0, "--top-p", help="nucleus sampling mass, (0, 1]"),
+    _opt("min_p", float, 0.0, "--min-p", help="drop tokens below min_p x the top probability"),
+    _opt("repetition_penalty", float, 1.0, "--repeat-penalty", "--repetition-penalty", help="HF-style, 1 = off"),
+    _opt("presence_penalty", float, 0.0, "--presence-penalty", help="OpenAI-style, [-2, 2]"),
+    _opt("frequency_penalty", float, 0.0, "--frequency-penalty", help="OpenAI-style, [-2, 2]"),
+    _opt("seed", Optional[int], None, "--seed", help="same seed + params -> same text"),
+    _opt("stop", Optional[list[str]], None, "--stop", help="stop string (repeatable; not printed)"),
+    _opt("ignore_eos", bool, False, "--ignore-eos", help="keep generating past EOS"),
+]
+
+
+def build_engine_config(model: str, values: dict[str, Any]) -> EngineConfig:
+    kw = dict(values)
+    kw["gpu_mem"] = parse_size(kw.get("gpu_mem"))
+    kw["cpu_mem"] = parse_size(kw.get("cpu_mem"))
+    return EngineConfig(model=model, **kw)
+
+
+def build_sampling(values: dict[str, Any]) -> SamplingParams:
+    kw = dict(values)
+    kw["stop"] = tuple(kw.get("stop") or ())
+    return SamplingParams(**kw)
+
+
+def _extend(fn: Callable, extra: list[inspect.Parameter], build: Callable[[dict[str, Any]], Any], arg: str) -> Callable:
+    sig = inspect.signature(fn)
+    names = {p.name for p in extra}
+    # Resolve string annotations (``from __future__ import annotations``) in
+    # the command's own module: Typer evaluates hints in the wrapper's.
+    hints = typing.get_type_hints(fn, include_extras=True)
+    base = [p.replace(annotation=hints.get(p.name, p.annotation)) for p in sig.parameters.values() if p.name != arg]
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        picked = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
+        return fn(*args, **kwargs, **{arg: build(picked)})
+
+    params = base + extra
+    wrapper.__signature__ = sig.replace(parameters=params, return_annotation=inspect.Signature.empty)  # type: ignore[attr-defined]
+    wrapper.__annotations__ = {p.name: p.annotation for p in params}
+    del wrapper.__wrapped__
+    return wrapper
+
+
+def engine_command(fn: Callable) -> Callable:
+    """Give ``fn(model, ..., engine_flags: dict)`` every engine flag."""
+    return _extend(fn, ENGINE_PARAMS, lambda v: v, "engine_flags")
+
+
+def sampling_command(fn: Callable) -> Callable:
+    """Give ``fn(..., sampling: SamplingParams)`` every sampling flag."""
+    return _extend(fn, SAMPLING_PARAMS, build_sampling, "sampling")

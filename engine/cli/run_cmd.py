@@ -1,0 +1,64 @@
+"""``llmsys run MODEL PROMPT``: stream a completion, then one stats line."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Annotated, Any, Optional
+
+import typer
+
+from llmsys.engine.cli.options import build_engine_config, engine_command, sampling_command
+from llmsys.engine.sampling import SamplingParams
+
+
+@sampling_command
+@engine_command
+def run_command(
+    model: Annotated[str, typer.Argument(help="model directory, llama2.c .bin, or catalog name")],
+    prompt: Annotated[str, typer.Argument(help="the prompt text ('-' reads stdin)")],
+    chat: Annotated[bool, typer.Option("--chat", help="apply the model's chat template")] = False,
+    system: Annotated[Optional[str], typer.Option("--system", help="system message (with --chat)")] = None,
+    *,
+    sampling: SamplingParams,
+    engine_flags: dict[str, Any],
+) -> int:
+    from llmsys.engine.llm import LLM
+
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    llm = LLM(build_engine_config(model, engine_flags))
+    if chat:
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        ids = llm.tokenizer.encode_chat(messages)
+    else:
+        ids = llm.encode(prompt)
+    t0 = time.perf_counter()
+    final = None
+    n_out = 0
+    interrupted = False
+    it = llm.stream(ids, sampling)
+    try:
+        for ch in it:
+            n_out += len(ch.token_ids)
+            if ch.text:
+                sys.stdout.write(ch.text)
+                sys.stdout.flush()
+            if ch.finished:
+                final = ch
+    except KeyboardInterrupt:
+        interrupted = True
+        it.close()  # aborts the request, frees its KV blocks
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    wall = time.perf_counter() - t0
+    if final is not None and final.timings is not None:
+        t = final.timings
+        sys.stderr.write(
+            f"prompt {t.prompt_tokens} tok | generated {t.generated_tokens} tok | "
+            f"ttft {t.ttft_s * 1000:.0f} ms | prefill {t.prompt_tok_s:.1f} tok/s | decode {t.decode_tok_s:.1f} tok/s | "
+            f"finish {final.finish_reason}\n"
+        )
+        return 0
+    sys.stderr.write(f"interrupted after {n_out} generated tokens ({wall:.1f} s)\n")
+    return 130 if interrupted else 0

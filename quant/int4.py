@@ -1,0 +1,239 @@
+"""Asymmetric group-wise int4 (W4A16) in the canonical llmsys layout.
+
+Canonical stored layout (shared with ``llmsys.kernels`` and the AWQ/GPTQ
+converters), for a weight ``[N, K]`` and group size ``g`` in {32, 64, 128}:
+
+* K is zero-padded up to ``Kp = G * g`` with ``G = ceil(K / g)``;
+* ``qweight uint8 [N, Kp/2]``: byte j of row n holds k = 2j in the low nibble
+  and k = 2j+1 in the high nibble, q in 0..15;
+* ``scales [N, G]`` and ``zeros [N, G]`` float (bf16 from our quantizers,
+  fp16 from AWQ/GPTQ checkpoints); zeros are integer-valued in practice;
+* dequantization: ``w[n, k] = (q[n, k] - zeros[n, k // g]) * scales[n, k // g]``.
+
+CPU runtime: torch's ``_weight_int4pack_mm_for_cpu`` (AVX-512/AVX2 kernel,
+bf16-only fast path) needs the weight repacked by
+``_convert_weight_to_int4pack_for_cpu`` and computes
+``w = (q - 8) * scale + zero_t``, so ``zero_t = (8 - zeros) * scales``. When that
+op is available the layer keeps *only* the repacked buffer at run time (plus
+bf16 scales/zero_t and uint8 zeros) and converts back to the canonical layout
+in ``state_dict()`` — the repacked layout is a pure nibble permutation
+(:func:`unpack_cpu_int4`), so the round trip is exact.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from llmsys.engine.errors import CheckpointError
+from llmsys.quant.base import QuantLinear, check_weight, require
+
+GROUP_SIZES = (32, 64, 128)
+CPU_BLOCK_N = 64  # the CPU int4 layout tiles rows in blocks of 64 (see unpack_cpu_int4)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """``q [N, Kp] (0..15) -> uint8 [N, Kp/2]``: even k low nibble, odd k high."""
+    q = q.to(torch.uint8)
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+
+
+def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_int4`: ``uint8 [N, Kp/2] -> uint8 [N, Kp]``."""
+    lo = qweight & 15
+    hi = qweight >> 4
+    return torch.stack([lo, hi], dim=-1).reshape(qweight.shape[0], -1)
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int = 64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round-to-nearest asymmetric int4: ``[N, K] -> (qweight, scales bf16 [N,G], zeros bf16 [N,G])``.
+
+    Range per group is [min(w, 0), max(w, 0)] (as GPTQ does) so the integer
+    zero point is always in 0..15; the scale is rounded to bf16 first and q is
+    computed against the rounded scale, so the stored tensors reproduce the
+    grid exactly. Worst-case error per element: scale/2 = (max - min)/30.
+    """
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size}")
+    n, k = weight.shape
+    g = group_size
+    n_groups = -(-k // g)
+    w = F.pad(weight.float(), (0, n_groups * g - k)).view(n, n_groups, g)  # [N, G, g]
+    wmin = w.amin(dim=2).clamp(max=0.0)
+    wmax = w.amax(dim=2).clamp(min=0.0)
+    scales = ((wmax - wmin).clamp_min(1e-8) / 15).to(torch.bfloat16)  # [N, G]
+    s = scales.float()
+    zeros = torch.round(-wmin / s).clamp_(0, 15)  # [N, G]
+    q = (torch.round(w / s[..., None]) + zeros[..., None]).clamp_(0, 15)  # [N, G, g]
+    return pack_int4(q.view(n, n_groups * g)), scales, zeros.to(torch.bfloat16)
+
+
+def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                    in_features: int | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Canonical reference dequantization: ``-> [N, in_features]`` (defaults to Kp)."""
+    n, n_groups = scales.shape
+    q = unpack_int4(qweight).float().view(n, n_groups, -1)  # [N, G, g]
+    w = (q - zeros.float()[..., None]) * scales.float()[..., None]
+    w = w.reshape(n, -1)
+    return w[:, : (in_features or w.shape[1])].to(dtype)
+
+
+def cpu_int4_available() -> bool:
+    """Whether this torch build has the CPU int4 pack/matmul ops."""
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and hasattr(
+        torch.ops.aten, "_convert_weight_to_int4pack_for_cpu"
+    )
+
+
+def unpack_cpu_int4(packed: torch.Tensor, n: int, kp: int) -> torch.Tensor:
+    """Invert ``_convert_weight_to_int4pack_for_cpu`` for N a multiple of 64.
+
+    Measured layout: bytes form ``[N/64, Kp, 32]``; byte (b, k, j) holds row
+    64b+j in its low nibble and row 64b+32+j in its high nibble, at column k.
+    (For N not a multiple of 64 torch uses another tiling; we always pad N.)
+    """
+    p = packed.reshape(n // CPU_BLOCK_N, kp, CPU_BLOCK_N // 2)
+    q = torch.cat([p & 15, p >> 4], dim=2)  # [N/64, Kp, 64]
+    return q.permute(0, 2, 1).reshape(n, kp)  # [N, Kp] uint8
+
+
+class Int4Linear(QuantLinear):
+    """W4A16 linear in the canonical int4 layout (see module docstring).
+
+    Two run-time modes, chosen at construction from the tensors' device:
+
+    * ``packed_cpu`` (CPU with torch's int4 ops): holds ``packed uint8``
+      (torch's CPU tiling, rows padded to a multiple of 64), ``scales_zeros
+      bf16 [G, Np, 2]`` = (scale, (8 - zero) * scale), and ``zeros_u8 [N, G]``.
+      Matmul always runs in bf16 (the op is ~30x slower in fp32/fp16);
+      fp32 inputs are cast to bf16 and the output cast back.
+    * ``canonical`` (GPU, or no op): holds ``qweight``/``scales``/``zeros`` and
+      dequantizes + GEMMs in the input dtype.
+
+    ``state_dict()`` always yields the canonical tensors
+    (``qweight``, ``scales``, ``zeros``, ``bias``).
+    """
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 bias: torch.Tensor | None = None, in_features: int | None = None,
+                 prefer_packed: bool = True, perm: torch.Tensor | None = None) -> None:
+        n, half_kp = qweight.shape
+        kp = 2 * half_kp
+        n_groups = scales.shape[1]
+        if tuple(scales.shape) != (n, n_groups) or tuple(zeros.shape) != (n, n_groups) or kp % n_groups:
+            raise CheckpointError(
+                f"int4 tensors disagree: qweight {tuple(qweight.shape)}, scales {tuple(scales.shape)}, "
+                f"zeros {tuple(zeros.shape)}; expected qweight [N, Kp/2], scales/zeros [N, Kp/group]"
+            )
+        group_size = kp // n_groups
+        if group_size not in GROUP_SIZES:
+            raise CheckpointError(f"int4 group size {group_size} unsupported; expected one of {GROUP_SIZES}")
+        k = kp if in_features is None else int(in_features)
+        if not kp - group_size < k <= kp:
+            raise CheckpointError(f"int4 in_features {k} does not fit padded width {kp} (group {group_size})")
+        super().__init__(k, n, bias)
+        self.group_size = group_size
+        self.padded_in_features = kp
+        # Act-order (GPTQ desc_act) checkpoints: stored column j is input feature
+        # perm[j]; forward gathers x[..., perm] so groups are contiguous.
+        if perm is not None and tuple(perm.shape) != (k,):
+            raise CheckpointError(f"int4 perm has shape {tuple(perm.shape)}, expected ({k},)")
+        self.register_buffer("perm", None if perm is None else perm.to(torch.int32).contiguous())
+        zeros_int = bool(torch.all((zeros == torch.round(zeros)) & (zeros >= 0) & (zeros <= 15)))
+        self.mode = (
+            "packed_cpu"
+            if prefer_packed and qweight.device.type == "cpu" and cpu_int4_available() and zeros_int
+            else "canonical"
+        )
+        if self.mode == "canonical":
+            self.register_buffer("qweight", qweight.to(torch.uint8).contiguous())  # [N, Kp/2]
+            self.register_buffer("scales", scales.contiguous())  # [N, G]
+            self.register_buffer("zeros", zeros.contiguous())  # [N, G]
+            return
+        self._scale_dtype = scales.dtype
+        np_ = -(-n // CPU_BLOCK_N) * CPU_BLOCK_N
+        q = unpack_int4(qweight).to(torch.int32)  # [N, Kp]
+        q = F.pad(q, (0, 0, 0, np_ - n), value=8)  # padded rows: (8-8)*0 = 0
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)  # uint8 [Np, Kp/2]
+        del q
+        s = F.pad(scales.float(), (0, 0, 0, np_ - n))  # [Np, G]
+        z = F.pad(zeros.float(), (0, 0, 0, np_ - n), value=8.0)
+        sz = torch.stack([s.t(), ((8.0 - z) * s).t()], dim=-1).to(torch.bfloat16).contiguous()  # [G, Np, 2]
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales_zeros", sz)
+        self.register_buffer("zeros_u8", zeros.to(torch.uint8).contiguous())  # [N, G]
+        # The canonical scales' exact values: bf16 scales are recoverable from
+        # scales_zeros; any other dtype needs its own copy for an exact state_dict.
+        self.register_buffer(
+            "scales_orig", None if scales.dtype == torch.bfloat16 else scales.contiguous()
+        )
+
+    # --- constructors -------------------------------------------------------
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, spec=None,
+                   group_size: int | None = None) -> "Int4Linear":
+        check_weight(weight, bias)
+        g = group_size or (spec.group_size if spec is not None else 64)
+        qweight, scales, zeros = quantize_int4(weight, g)
+        return cls(qweight, scales, zeros, bias, in_features=weight.shape[1])
+
+    @classmethod
+    def from_quantized(cls, tensors: dict[str, torch.Tensor], in_features: int | None = None,
+                       prefer_packed: bool = True) -> "Int4Linear":
+        """Rebuild from canonical tensors; ``in_features`` defaults to the padded width."""
+        qweight, scales, zeros = require(tensors, ("qweight", "scales", "zeros"), "int4")
+        return cls(qweight, scales, zeros, tensors.get("bias"), in_features, prefer_packed, tensors.get("perm"))
+
+    # --- canonical view -----------------------------------------------------
+    def canonical_tensors(self) -> dict[str, torch.Tensor]:
+        """``{"qweight", "scales", "zeros"}`` in the canonical layout (exact)."""
+        if self.mode == "canonical":
+            return {"qweight": self.qweight, "scales": self.scales, "zeros": self.zeros}
+        n, kp = self.out_features, self.padded_in_features
+        np_ = self.packed.shape[0]
+        q = unpack_cpu_int4(self.packed, np_, kp)[:n]  # [N, Kp]
+        if self.scales_orig is not None:
+            scales = self.scales_orig
+        else:
+            scales = self.scales_zeros[:, :n, 0].t().contiguous()  # bf16, exact
+        return {"qweight": pack_int4(q), "scales": scales, "zeros": self.zeros_u8.to(scales.dtype)}
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):  # noqa: D401 - torch hook
+        """Write the canonical tensors, whatever the run-time layout is."""
+        for name, t in self.canonical_tensors().items():
+            destination[prefix + name] = t if keep_vars else t.detach()
+        for name in ("bias", "perm"):
+            t = getattr(self, name)
+            if t is not None:
+                destination[prefix + name] = t if keep_vars else t.detach()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        raise NotImplementedError(
+            "Int4Linear cannot load_state_dict in place (its run-time layout depends on the device); "
+            "use Int4Linear.from_quantized(tensors, in_features=K)"
+        )
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        t = self.canonical_tensors()
+        w = dequantize_int4(t["qweight"], t["scales"], t["zeros"], self.in_features, dtype)  # [N, K] stored order
+        if self.perm is None:
+            return w
+        out = torch.empty_like(w)
+        out[:, self.perm.long()] = w  # back to the original input-feature order
+        return out
+
+    def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        k, kp = self.in_features, self.padded_in_features
+        if self.perm is not None:
+            x2 = x2.index_select(1, self.perm)
+        if self.mode == "packed_cpu":
+            xb = x2.to(torch.bfloat16)
+            if kp != k:
+                xb = F.pad(xb, (0, kp - k))  # zero activations: padded columns contribute 0
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                xb.contiguous(), self.packed, self.group_size, self.scales_zeros
+            )  # [M, Np]
+            return y[:, : self.out_features].to(x2.dtype)
+        w = dequantize_int4(self.qweight, self.scales, self.zeros, k, x2.dtype)  # [N, K] stored order
+        return F.linear(x2, w)

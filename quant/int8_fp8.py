@@ -1,0 +1,140 @@
+"""8-bit weight formats: symmetric int8 (W8A16) and FP8 e4m3, per output channel.
+
+Both store one scale per output row, so a row's dequantized weight is
+``q[n, :] * scales[n]``. Per-channel (not per-group) keeps the overhead at
+2-4 bytes per row and is what the fused kernels (``torch._weight_int8pack_mm``
+on CPU, ``torch._scaled_mm`` on FP8 GPUs) consume directly.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from llmsys.quant.base import PACKED_MAX_ROWS, QuantLinear, check_weight, require
+
+INT8_MAX = 127
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8: ``weight [N, K] -> (q int8 [N, K], scales bf16 [N])``.
+
+    The scale is rounded to bf16 *before* computing q, so the stored
+    (bf16) scale is exactly the one q was computed against: the only error is
+    rounding to the int8 grid, |w - q*s| <= s/2 with s = amax/127.
+    """
+    w = weight.float()
+    amax = w.abs().amax(dim=1).clamp_min(1e-8)  # [N]
+    scales = (amax / INT8_MAX).to(torch.bfloat16)  # [N]
+    q = torch.round(w / scales.float()[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scales
+
+
+class Int8Linear(QuantLinear):
+    """W8A16 linear: ``qweight int8 [N, K]``, ``scales bf16 [N]``; w = q * scale.
+
+    CPU: decode-sized inputs (<= PACKED_MAX_ROWS rows) go through
+    ``torch._weight_int8pack_mm``, which needs activations and scales of the
+    same dtype and is only vectorized for bf16 (fp32/fp16 were 3-10x slower
+    than dense in our measurement), so float32 inputs are cast to bf16 for it
+    and the result cast back. Larger inputs (prefill) dequantize and GEMM in
+    the input dtype, which is faster there. The packed op crashes (SIGSEGV,
+    torch 2.13 CPU) on bf16 inputs when K % 16 != 0, so such layers (e.g.
+    stories260k's FFN, K=172) always take the dequant path.
+    """
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
+        n, k = qweight.shape
+        super().__init__(k, n, bias)
+        self.register_buffer("qweight", qweight.to(torch.int8).contiguous())  # [N, K]
+        self.register_buffer("scales", scales.reshape(n).to(torch.bfloat16).contiguous())  # [N]
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, spec=None) -> "Int8Linear":
+        check_weight(weight, bias)
+        q, s = quantize_int8(weight)
+        return cls(q, s, bias)
+
+    @classmethod
+    def from_quantized(cls, tensors: dict[str, torch.Tensor]) -> "Int8Linear":
+        qweight, scales = require(tensors, ("qweight", "scales"), "int8")
+        return cls(qweight, scales, tensors.get("bias"))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (self.qweight.to(torch.float32) * self.scales.float()[:, None]).to(dtype)  # [N, K]
+
+    def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        if (
+            x2.device.type == "cpu"
+            and x2.shape[0] <= PACKED_MAX_ROWS
+            and x2.dtype in (torch.bfloat16, torch.float32)
+            and self.in_features % 16 == 0  # torch 2.13's bf16 kernel segfaults otherwise
+        ):
+            y = torch._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), self.qweight, self.scales)
+            return y.to(x2.dtype)
+        return F.linear(x2, self.qweight.to(x2.dtype)) * self.scales.to(x2.dtype)
+
+
+def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row FP8 e4m3: ``weight [N, K] -> (q float8_e4m3fn [N, K], scales fp32 [N])``.
+
+    The scale maps each row's absmax to 448 (e4m3's largest finite value);
+    e4m3 has 3 mantissa bits, so the relative error per element is <= 2^-4
+    for normal values.
+    """
+    w = weight.float()
+    amax = w.abs().amax(dim=1).clamp_min(1e-12)  # [N]
+    scales = amax / FP8_MAX  # [N]
+    q = (w / scales[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scales
+
+
+def fp8_gemm_supported(device: torch.device) -> bool:
+    """True on CUDA GPUs with FP8 tensor cores (compute capability >= 8.9)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+class FP8Linear(QuantLinear):
+    """FP8 e4m3 weights with per-row fp32 scales; w = q.float() * scale.
+
+    On FP8 GPUs (sm >= 8.9) the activations are quantized per token to e4m3
+    as well and ``torch._scaled_mm`` runs the GEMM with row-wise scales (W8A8,
+    the usual FP8 inference recipe). Elsewhere: dequantize + GEMM in the input
+    dtype, which keeps W8A16 numerics.
+    """
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
+        n, k = qweight.shape
+        super().__init__(k, n, bias)
+        self.register_buffer("qweight", qweight.to(torch.float8_e4m3fn).contiguous())  # [N, K]
+        self.register_buffer("scales", scales.reshape(n).float().contiguous())  # [N]
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, spec=None) -> "FP8Linear":
+        check_weight(weight, bias)
+        q, s = quantize_fp8(weight)
+        return cls(q, s, bias)
+
+    @classmethod
+    def from_quantized(cls, tensors: dict[str, torch.Tensor]) -> "FP8Linear":
+        qweight, scales = require(tensors, ("qweight", "scales"), "fp8")
+        return cls(qweight, scales, tensors.get("bias"))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (self.qweight.float() * self.scales[:, None]).to(dtype)  # [N, K]
+
+    def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        k, n = self.in_features, self.out_features
+        if fp8_gemm_supported(x2.device) and k % 16 == 0 and n % 16 == 0:
+            xf = x2.float()
+            sa = (xf.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / FP8_MAX)  # [M, 1]
+            xq = (xf / sa).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)  # [M, K]
+            out_dtype = x2.dtype if x2.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+            y = torch._scaled_mm(
+                xq, self.qweight.t(), scale_a=sa, scale_b=self.scales[None, :], out_dtype=out_dtype
+            )  # [M, N]; row-wise scaling needs scale_a [M,1], scale_b [1,N] fp32
+            return y.to(x2.dtype)
+        return F.linear(x2, self.qweight.to(x2.dtype)) * self.scales.to(x2.dtype)

@@ -1,0 +1,453 @@
+"""The model catalog, resolve_model rules, and real pulls from a local fake hub.
+
+The fake hub is a real HTTP server on a loopback port that answers the
+Hub's file-resolve route (`/{repo_id}/resolve/{revision}/{filename}`) with the
+headers huggingface_hub's `hf_hub_download` reads (X-Repo-Commit, ETag,
+Content-Length; X-Error-Code on errors), so `pull` runs the genuine
+huggingface_hub download code end to end.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import socket
+import threading
+import urllib.parse
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import numpy as np
+import pytest
+import typer
+from safetensors.numpy import save as save_safetensors
+from typer.testing import CliRunner
+
+from llmsys.engine.catalog import (
+    PULL_MANIFEST,
+    CatalogEntry,
+    is_downloaded,
+    llmsys_home,
+    load_catalog,
+    local_path,
+    pull,
+    resolve_model,
+    synthetic_configs,
+)
+from llmsys.engine.cli.models_cmd import models_command, pull_command
+from llmsys.engine.errors import HubError, LLMSysError, ModelNotFoundError
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+FAKE_REPO = "llmsys-test/tiny-model"
+
+
+# --------------------------------------------------------------------------
+# Fake hub
+# --------------------------------------------------------------------------
+
+
+class _Hub(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, files: dict[tuple[str, str], bytes]):
+        super().__init__(("127.0.0.1", 0), _HubHandler)
+        self.files = files  # (repo_id, path in repo) -> content
+        self.requests: list[str] = []
+
+
+class _HubHandler(BaseHTTPRequestHandler):
+    server: _Hub
+
+    def log_message(self, *args):  # keep pytest output clean
+        pass
+
+    def do_HEAD(self):
+        self._serve(send_body=False)
+
+    def do_GET(self):
+        self._serve(send_body=True)
+
+    def _reply(self, status: int, headers: dict[str, str], body: bytes, send_body: bool):
+        self.send_response(status)
+        for key, value in headers.items():
+            self.send_header(key, value)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if send_body:
+            self.wfile.write(body)
+
+    def _serve(self, send_body: bool):
+        path = urllib.parse.unquote(urllib.parse.urlsplit(self.path).path)
+        self.server.requests.append(f"{self.command} {path}")
+        parts = path.strip("/").split("/")
+        if len(parts) < 5 or parts[2] != "resolve":
+            self._reply(404, {}, b"not found", send_body)
+            return
+        repo, filename = "/".join(parts[:2]), "/".join(parts[4:])
+        if not any(r == repo for r, _ in self.server.files):
+            # What the Hub answers for a missing (or private) repo.
+            self._reply(401, {"X-Error-Code": "RepoNotFound"}, b"Repository not found", send_body)
+            return
+        data = self.server.files.get((repo, filename))
+        if data is None:
+            headers = {"X-Error-Code": "EntryNotFound", "X-Repo-Commit": COMMIT}
+            self._reply(404, headers, b"Entry not found", send_body)
+            return
+        headers = {
+            "X-Repo-Commit": COMMIT,
+            "ETag": '"' + hashlib.sha256(data).hexdigest() + '"',
+            "Content-Type": "application/octet-stream",
+            "Accept-Ranges": "bytes",
+        }
+        self._reply(200, headers, data, send_body)
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLMSYS_HOME", str(tmp_path / "home"))
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_ENDPOINT"):
+        monkeypatch.delenv(var, raising=False)
+    # huggingface_hub reads HF_HUB_OFFLINE once at import: undo it for these tests.
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    return tmp_path / "home"
+
+
+def _start_hub(files: dict[tuple[str, str], bytes]):
+    hub = _Hub(files)
+    thread = threading.Thread(target=hub.serve_forever, daemon=True)
+    thread.start()
+    return hub, thread
+
+
+@pytest.fixture
+def tiny_files() -> dict[str, bytes]:
+    """A small but genuine HF-style model dir: safetensors + json files."""
+    weights = {
+        "model.embed_tokens.weight": np.arange(64 * 16, dtype=np.float32).reshape(64, 16),
+        "model.norm.weight": np.ones(16, dtype=np.float32),
+    }
+    config = {"model_type": "llama", "hidden_size": 16, "vocab_size": 64}
+    return {
+        "config.json": json.dumps(config).encode(),
+        "tokenizer_config.json": b'{"bos_token": "<s>"}',
+        "model.safetensors": save_safetensors(weights),
+    }
+
+
+@pytest.fixture
+def hub(tiny_files):
+    files = {(FAKE_REPO, name): data for name, data in tiny_files.items()}
+    server, thread = _start_hub(files)
+    yield server
+    server.shutdown()
+    server.server_close()
+    thread.join(timeout=5)
+
+
+def _endpoint(server: _Hub) -> str:
+    host, port = server.server_address[:2]
+    return f"http://{host}:{port}"
+
+
+def _entry(files, name="tiny-test", repo=FAKE_REPO, **kw) -> CatalogEntry:
+    return CatalogEntry(
+        name=name,
+        repo=repo,
+        files=tuple(files),
+        architecture="LlamaForCausalLM",
+        params="1K",
+        size_bytes=4096,
+        licence="mit",
+        default_dtype="float32",
+        chat=False,
+        description="test model",
+        **kw,
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _leftovers(home: Path) -> list[str]:
+    models = home / "models"
+    return sorted(p.name for p in models.iterdir()) if models.exists() else []
+
+
+# --------------------------------------------------------------------------
+# Catalog contents
+# --------------------------------------------------------------------------
+
+
+def test_every_entry_is_complete():
+    catalog = load_catalog()
+    required_models = {
+        "stories260k", "SmolLM2-135M-Instruct", "SmolLM2-360M-Instruct",
+        "SmolLM2-1.7B-Instruct", "Qwen2.5-0.5B-Instruct", "Qwen2.5-1.5B-Instruct",
+        "Qwen2.5-3B-Instruct", "Qwen2.5-7B-Instruct", "Qwen3-0.6B",
+        "Llama-3.2-1B-Instruct", "Llama-3.2-3B-Instruct", "Llama-3.1-8B-Instruct",
+        "Mistral-7B-Instruct-v0.3",
+    }  # fmt: skip
+    assert required_models <= set(catalog)
+    assert sum(entry.chat for entry in catalog.values()) >= 9
+    for name, entry in catalog.items():
+        assert entry.name == name
+        assert entry.repo.count("/") == 1, name
+        assert entry.size_bytes > 0 and entry.params and entry.licence, name
+        assert entry.default_dtype in ("float32", "bfloat16", "float16"), name
+        assert len(set(entry.files)) == len(entry.files), name
+        if entry.format == "llama2c":
+            continue
+        assert entry.architecture.endswith("ForCausalLM"), name
+        for needed in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+            assert needed in entry.files, (name, needed)
+        shards = [f for f in entry.files if f.endswith(".safetensors")]
+        assert shards, name
+        if len(shards) > 1:
+            # Sharded checkpoints: model-0000i-of-0000N plus the index.
+            assert "model.safetensors.index.json" in entry.files, name
+            n = len(shards)
+            expected = {f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)}
+            assert set(shards) == expected, name
+        else:
+            assert shards == ["model.safetensors"], name
+    stories = catalog["stories260k"]
+    assert stories.format == "llama2c" and not stories.chat
+
+
+def test_synthetic_shapes_are_valid_transformers_configs():
+    from transformers import AutoConfig
+
+    shapes = synthetic_configs()
+    assert {"llama-1b", "llama-8b", "qwen2.5-0.5b", "smollm2-135m"} <= set(shapes)
+    for name, raw in shapes.items():
+        cfg = AutoConfig.for_model(**raw)
+        assert cfg.model_type == raw["model_type"], name
+        assert cfg.num_attention_heads % cfg.num_key_value_heads == 0, name
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        assert head_dim * cfg.num_attention_heads == cfg.hidden_size, name
+    qwen = AutoConfig.for_model(**shapes["qwen2.5-0.5b"])
+    assert (qwen.hidden_size, qwen.num_hidden_layers, qwen.intermediate_size) == (896, 24, 4864)
+    assert (qwen.num_attention_heads, qwen.num_key_value_heads, qwen.vocab_size) == (14, 2, 151936)
+    assert qwen.tie_word_embeddings
+    smol = AutoConfig.for_model(**shapes["smollm2-135m"])
+    assert (smol.hidden_size, smol.num_hidden_layers, smol.intermediate_size) == (576, 30, 1536)
+    assert (smol.num_attention_heads, smol.num_key_value_heads, smol.vocab_size) == (9, 3, 49152)
+    assert smol.tie_word_embeddings and smol.max_position_embeddings == 2048
+    assert shapes["smollm2-135m"]["rope_theta"] == 100000.0
+    llama8 = AutoConfig.for_model(**shapes["llama-8b"])
+    assert (llama8.hidden_size, llama8.num_hidden_layers, llama8.vocab_size) == (4096, 32, 128256)
+    assert not llama8.tie_word_embeddings
+
+
+def test_synthetic_configs_are_fresh_copies():
+    first = synthetic_configs()
+    first["llama-1b"]["hidden_size"] = 1
+    assert synthetic_configs()["llama-1b"]["hidden_size"] == 2048
+
+
+def test_bad_catalog_is_reported(tmp_path):
+    bad = tmp_path / "models.toml"
+    bad.write_text('["x"]\nrepo = "a/b"\nfiles = ["config.json"]\n')
+    with pytest.raises(LLMSysError, match=r"\[x\] lacks the 'architecture' field"):
+        load_catalog(bad)
+
+
+# --------------------------------------------------------------------------
+# resolve_model
+# --------------------------------------------------------------------------
+
+
+def test_resolve_existing_paths(home, tmp_path):
+    directory = tmp_path / "some-model"
+    directory.mkdir()
+    single = tmp_path / "weights.bin"
+    single.write_bytes(b"x")
+    assert resolve_model(str(directory)) == directory
+    assert resolve_model(str(single)) == single
+
+
+def test_resolve_catalog_name_not_downloaded(home):
+    with pytest.raises(ModelNotFoundError, match=r"run `llmsys pull Qwen3-0.6B`") as info:
+        resolve_model("Qwen3-0.6B")
+    assert "\n" not in str(info.value)
+    # Case-insensitive names reach the same entry.
+    with pytest.raises(ModelNotFoundError, match=r"llmsys pull Qwen3-0.6B"):
+        resolve_model("qwen3-0.6b")
+
+
+def test_resolve_unknown(home, tmp_path):
+    missing = str(tmp_path / "nope")
+    with pytest.raises(ModelNotFoundError) as info:
+        resolve_model(missing)
+    assert str(info.value).startswith(
+        f"no such file or directory: {missing}, and {missing} is not a model name in "
+        "models.toml (llmsys models lists them)"
+    )
+
+
+def test_is_downloaded_catches_truncation(home, tiny_files):
+    entry = _entry(tiny_files)
+    root = local_path(entry)
+    assert root == home / "models" / "tiny-test" and llmsys_home() == home
+    root.mkdir(parents=True)
+    for name, data in tiny_files.items():
+        (root / name).write_bytes(data)
+    assert is_downloaded(entry)  # no manifest (copied by hand): still complete
+    (root / "model.safetensors").write_bytes(tiny_files["model.safetensors"][:-10])
+    assert not is_downloaded(entry)
+    (root / "model.safetensors").unlink()
+    assert not is_downloaded(entry)
+
+
+# --------------------------------------------------------------------------
+# pull against the fake hub
+# --------------------------------------------------------------------------
+
+
+def test_pull_downloads_byte_identical_files(home, hub, tiny_files):
+    entry = _entry(tiny_files)
+    path = pull(entry, endpoint=_endpoint(hub), progress=False)
+    assert path == home / "models" / "tiny-test"
+    for name, data in tiny_files.items():
+        assert (path / name).read_bytes() == data, name
+    # Only the model files (and our manifest) remain: no hf bookkeeping.
+    assert sorted(p.name for p in path.iterdir()) == sorted([*tiny_files, PULL_MANIFEST])
+    assert _leftovers(home) == ["tiny-test"]
+    assert is_downloaded(entry)
+    assert any(r.startswith("GET /llmsys-test/tiny-model/resolve/main/") for r in hub.requests)
+
+    # A second pull is a no-op: it succeeds even with the hub gone.
+    hub.requests.clear()
+    assert pull(entry, endpoint=f"http://127.0.0.1:{_free_port()}", progress=False) == path
+    assert hub.requests == []
+
+
+def test_pull_uses_hf_endpoint_env(home, hub, tiny_files, monkeypatch):
+    monkeypatch.setenv("HF_ENDPOINT", _endpoint(hub))
+    path = pull(_entry(tiny_files), progress=False)
+    assert (path / "config.json").read_bytes() == tiny_files["config.json"]
+
+
+def test_pull_flattens_subfolder(home, tiny_files):
+    files = {(FAKE_REPO, f"sub/{name}"): data for name, data in tiny_files.items()}
+    server, thread = _start_hub(files)
+    try:
+        entry = _entry(tiny_files, subfolder="sub")
+        path = pull(entry, endpoint=_endpoint(server), progress=False)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert sorted(p.name for p in path.iterdir()) == sorted([*tiny_files, PULL_MANIFEST])
+    assert (path / "model.safetensors").read_bytes() == tiny_files["model.safetensors"]
+
+
+def test_pull_missing_file_names_it_and_leaves_nothing(home, hub, tiny_files):
+    # The missing file comes last, so earlier files were already downloaded.
+    entry = _entry([*tiny_files, "generation_config.json"])
+    with pytest.raises(HubError) as info:
+        pull(entry, endpoint=_endpoint(hub), progress=False)
+    message = str(info.value)
+    assert "generation_config.json" in message and FAKE_REPO in message
+    assert "\n" not in message
+    assert _leftovers(home) == []
+    assert not is_downloaded(entry)
+
+
+def test_pull_missing_repo(home, hub, tiny_files):
+    entry = _entry(tiny_files, repo="llmsys-test/no-such-repo")
+    with pytest.raises(HubError, match=r"repository llmsys-test/no-such-repo not found"):
+        pull(entry, endpoint=_endpoint(hub), progress=False)
+    assert _leftovers(home) == []
+
+
+def test_pull_with_hub_down(home, tiny_files):
+    endpoint = f"http://127.0.0.1:{_free_port()}"
+    with pytest.raises(HubError) as info:
+        pull(_entry(tiny_files), endpoint=endpoint, progress=False)
+    message = str(info.value)
+    assert message.startswith(f"cannot reach the hub at {endpoint}")
+    assert "llmsys run /path/to/model-dir" in message and "\n" not in message
+    assert _leftovers(home) == []
+
+
+def test_pull_offline_mode(home, hub, tiny_files, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(HubError, match=r"cannot reach the hub at .*HF_HUB_OFFLINE"):
+        pull(_entry(tiny_files), endpoint=_endpoint(hub), progress=False)
+    assert hub.requests == [] and _leftovers(home) == []
+
+
+def test_pull_unknown_name(home):
+    with pytest.raises(ModelNotFoundError, match=r"llmsys models"):
+        pull("no-such-model", progress=False)
+
+
+def test_pull_real_stories260k_entry_then_resolve(home):
+    """The real catalog entry (repo, subfolder, file names) pulled end to end."""
+    src = SHARED / "models" / "stories260k"
+    if not src.is_dir():
+        pytest.skip(f"shared test data not found at {src}")
+    entry = load_catalog()["stories260k"]
+    files = {
+        (entry.repo, f"{entry.subfolder}/{name}"): (src / name).read_bytes()
+        for name in entry.files
+    }
+    server, thread = _start_hub(files)
+    try:
+        path = pull("stories260k", endpoint=_endpoint(server), progress=False)
+    finally:
+        server.shutdown()
+        server.server_close()
+    for name in entry.files:
+        assert (path / name).read_bytes() == (src / name).read_bytes()
+    assert resolve_model("stories260k") == path == home / "models" / "stories260k"
+
+
+# --------------------------------------------------------------------------
+# CLI commands
+# --------------------------------------------------------------------------
+
+
+def _app() -> typer.Typer:
+    app = typer.Typer()
+    app.command("models")(models_command)
+    app.command("pull")(pull_command)
+    return app
+
+
+def test_models_command_lists_catalog(home):
+    result = CliRunner().invoke(_app(), ["models"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[0].split() == ["NAME", "PARAMS", "ARCHITECTURE", "SIZE", "LICENCE", "DOWNLOADED"]
+    row = next(line for line in lines if line.startswith("Llama-3.2-1B-Instruct "))
+    assert "1.24B" in row and "LlamaForCausalLM" in row and row.rstrip().endswith("no")
+    assert str(home / "models") in result.output
+
+
+def test_models_command_shows_downloaded_path(home):
+    src = SHARED / "models" / "stories260k"
+    if not src.is_dir():
+        pytest.skip(f"shared test data not found at {src}")
+    dest = home / "models" / "stories260k"
+    shutil.copytree(src, dest)
+    result = CliRunner().invoke(_app(), ["models"])
+    row = next(line for line in result.output.splitlines() if line.startswith("stories260k "))
+    assert row.rstrip().endswith(f"yes  {dest}")
+
+
+def test_pull_command(home, hub, tiny_files):
+    result = CliRunner().invoke(_app(), ["pull", "no-such-model"])
+    assert isinstance(result.exception, ModelNotFoundError)
+    result = CliRunner().invoke(
+        _app(), ["pull", "Qwen3-0.6B", "--endpoint", f"http://127.0.0.1:{_free_port()}"]
+    )
+    assert isinstance(result.exception, HubError)
+    assert "cannot reach the hub" in str(result.exception)
