@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -37,6 +38,9 @@ class _TextState:
     stop: StopChecker | None
     start_time: float | None = None
     logprobs: list = field(default_factory=list)
+    # Optional per-request token constraint (the server's JSON mode): an object
+    # with ``allowed(vocab) -> bool tensor [vocab]`` and ``advance(token_id)``.
+    constraint: Any = None
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,22 @@ class MemoryReport:
     kv_blocks_total: int
     kv_blocks_used: int
     block_size: int
+
+
+def _apply_constraints(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Mask tokens a request's constraint forbids (logits [B, V] -> -inf).
+
+    Per request, not per batch: a constrained row must not change what an
+    unconstrained neighbour samples, so only its own row is touched.
+    """
+    rows = [i for i, s in enumerate(seqs) if s.state.constraint is not None]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    for i in rows:
+        allowed = seqs[i].state.constraint.allowed(logits.shape[-1]).to(logits.device)  # [V] bool
+        logits[i].masked_fill_(~allowed, float("-inf"))
+    return logits
 
 
 class EngineCore:
@@ -72,7 +92,9 @@ class EngineCore:
         self._ids = itertools.count()
 
     # -- requests ------------------------------------------------------------
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+    def add_request(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None, constraint: Any = None
+    ) -> str:
         if not prompt_ids:
             raise InvalidParameterError("the prompt is empty; give at least one token")
         vocab = self.loaded.args.vocab_size
@@ -89,6 +111,7 @@ class EngineCore:
         seq.state = _TextState(
             IncrementalDetokenizer(self.tokenizer, seq.prompt_ids),
             StopChecker(params.stop) if params.stop else None,
+            constraint=constraint,
         )
         self.requests[rid] = seq
         self.scheduler.add(seq)
@@ -127,9 +150,11 @@ class EngineCore:
             generators=[s.generator for s in seqs],
             eos_token_ids=self.eos_token_ids,
         )
-        sampled = self.sampler.sample(logits, batch)
+        sampled = self.sampler.sample(_apply_constraints(logits, seqs), batch)
         now = time.perf_counter()
         for seq, tok, lp in zip(seqs, sampled.token_ids, sampled.logprobs):
+            if seq.state.constraint is not None:
+                seq.state.constraint.advance(tok)
             chunk = self._append(seq, tok, lp, now)
             if chunk is not None:
                 chunks.append(chunk)

@@ -77,6 +77,8 @@ class IncrementalDetokenizer:
         if not final:
             if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT):
                 return ""
+            if self._ends_in_byte_run():
+                return ""
         delta = new_text[len(prefix_text) :]
         self._prefix = self._read
         self._read = len(self._ids)

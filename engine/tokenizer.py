@@ -198,7 +198,9 @@ class _Llama2cBackend:
                 scores.append(score)
                 offset += n
         except (OSError, struct.error) as e:
-            raise TokenizerError(f"{path} is not a llama2.c tokenizer ({e}); re-export it with llama2.c's tokenizer.py") from e
+            raise TokenizerError(
+                f"{path} is not a llama2.c tokenizer ({e}); re-export it with llama2.c's tokenizer.py"
+            ) from e
         if len(pieces) < 259:
             raise TokenizerError(f"{path} has only {len(pieces)} tokens; a llama2.c tokenizer has >= 259")
         self._pieces = pieces

@@ -27,7 +27,7 @@ def triton_available() -> bool:
     ``sys.modules`` lookup; callers on CPU never reach it in ``auto`` mode)."""
     try:
         import triton  # noqa: F401
-        import triton.language  # noqa: F401
+        import triton.language  # noqa: F401  (a broken install fails here)
     except Exception:  # ImportError, or a broken install raising anything else
         return False
     return True

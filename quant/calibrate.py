@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from llmsys.engine.errors import InvalidParameterError
-from llmsys.quant.int4 import GROUP_SIZES, Int4Linear, pack_int4
+from llmsys.quant.int4 import GROUP_SIZES, Int4Linear, bf16_ceil, pack_int4
 
 
 def hessian_from_inputs(x: torch.Tensor) -> torch.Tensor:
@@ -33,7 +33,7 @@ def _group_params(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Asymmetric 4-bit params for a slab ``w [N, g]``: (scale bf16-rounded fp32 [N], zero [N])."""
     wmin = w.amin(dim=1).clamp(max=0.0)
     wmax = w.amax(dim=1).clamp(min=0.0)
-    scale = ((wmax - wmin).clamp_min(1e-8) / 15).to(torch.bfloat16).float()
+    scale = bf16_ceil((wmax - wmin).clamp_min(1e-8) / 15).float()
     zero = torch.round(-wmin / scale).clamp_(0, 15)
     return scale, zero
 

@@ -51,7 +51,8 @@ def quantize_int4(weight: torch.Tensor, group_size: int = 64) -> tuple[torch.Ten
     Range per group is [min(w, 0), max(w, 0)] (as GPTQ does) so the integer
     zero point is always in 0..15; the scale is rounded to bf16 first and q is
     computed against the rounded scale, so the stored tensors reproduce the
-    grid exactly. Worst-case error per element: scale/2 = (max - min)/30.
+    grid exactly; it is rounded *up* so the grid still spans the range.
+    Worst-case error per element: scale/2 ~= (max - min)/30.
     """
     if group_size not in GROUP_SIZES:
         raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size}")
@@ -61,11 +62,16 @@ def quantize_int4(weight: torch.Tensor, group_size: int = 64) -> tuple[torch.Ten
     w = F.pad(weight.float(), (0, n_groups * g - k)).view(n, n_groups, g)  # [N, G, g]
     wmin = w.amin(dim=2).clamp(max=0.0)
     wmax = w.amax(dim=2).clamp(min=0.0)
-    scales = ((wmax - wmin).clamp_min(1e-8) / 15).to(torch.bfloat16)  # [N, G]
+    scales = bf16_ceil((wmax - wmin).clamp_min(1e-8) / 15)  # [N, G]
     s = scales.float()
     zeros = torch.round(-wmin / s).clamp_(0, 15)  # [N, G]
     q = (torch.round(w / s[..., None]) + zeros[..., None]).clamp_(0, 15)  # [N, G, g]
     return pack_int4(q.view(n, n_groups * g)), scales, zeros.to(torch.bfloat16)
+
+
+def bf16_ceil(x: torch.Tensor) -> torch.Tensor:
+    """Round fp32 up to a bf16 value >= x (x > 0), so 15 (or 127) steps still cover the range."""
+    return (x * (1 + 2**-8)).to(torch.bfloat16)  # bf16 rounding error <= 2^-9 relative
 
 
 def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from llmsys.quant.base import PACKED_MAX_ROWS, QuantLinear, check_weight, require
+from llmsys.quant.int4 import bf16_ceil
 
 INT8_MAX = 127
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -26,7 +27,7 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     w = weight.float()
     amax = w.abs().amax(dim=1).clamp_min(1e-8)  # [N]
-    scales = (amax / INT8_MAX).to(torch.bfloat16)  # [N]
+    scales = bf16_ceil(amax / INT8_MAX)  # [N], >= amax/127 so nothing clips
     q = torch.round(w / scales.float()[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
     return q, scales
 

@@ -6,7 +6,8 @@ in a fresh subprocess with the flag; a plain pytest run skips it as a module.
 To run it by hand: ``TRITON_INTERPRET=1 python -m pytest tests/test_kernels_interp.py``.
 
 Tolerances (Triton vs reference): float32 1e-5 abs/rel (attention, matmuls:
-1e-4 abs for accumulations over K); bf16/fp16 one rounding step (2e-2);
+1e-4 abs for accumulations over K); bf16/fp16 one rounding step (2e-2; the
+interpreter truncates f32 -> bf16 instead of rounding);
 kv_store codes and scales exact (same float32 operations).
 Shapes are tiny: the interpreter runs numpy per program.
 """
@@ -67,7 +68,9 @@ def test_rms_norm_bf16():
     r = torch.randn(3, 40).bfloat16()
     (out, res), (out_r, res_r) = both(K.rms_norm, x, w, 1e-5, r)
     assert out.dtype == torch.bfloat16
-    _close(res, res_r, atol=0, rtol=0)
+    # Not bit-exact here: the interpreter truncates f32 -> bf16 where GPUs and
+    # torch round to nearest even, so allow one bf16 step.
+    _close(res, res_r, **LOW)
     _close(out, out_r, **LOW)
 
 
@@ -126,13 +129,16 @@ def test_w4a16(m, k, group_size):
     _close(got, want, atol=1e-4, rtol=1e-5)
 
 
-def test_w4a16_bf16():
+@pytest.mark.parametrize("m,dtype", [(2, torch.bfloat16), (2, torch.float16), (20, torch.float16)])
+def test_w4a16_half(m, dtype):
+    # bf16 only on the GEMV path: the interpreter's tl.dot multiplies bf16 bit
+    # patterns as uint16 (numpy has no bf16), so bf16 GEMM/attention can only
+    # be checked on a GPU; fp16 exercises the same half-precision dot here.
     codes = torch.randint(0, 16, (16, 64))
-    scales, zeros = torch.rand(16, 2).bfloat16() * 0.1, torch.full((16, 2), 8.0).bfloat16()
-    for m in (2, 20):
-        x = torch.randn(m, 64).bfloat16()
-        got, want = both(K.w4a16_matmul, x, K.pack_int4(codes), scales, zeros, 32)
-        _close(got, want, **LOW)
+    scales, zeros = (torch.rand(16, 2) * 0.1).to(dtype), torch.full((16, 2), 8.0).to(dtype)
+    x = torch.randn(m, 64).to(dtype)
+    got, want = both(K.w4a16_matmul, x, K.pack_int4(codes), scales, zeros, 32)
+    _close(got, want, **LOW)
 
 
 # ------------------------------------------------------------- paged KV cache
@@ -231,9 +237,10 @@ def test_paged_decode_attention_int8(block_size):
         _close(g, w, **F32)
 
 
-def test_paged_decode_attention_bf16():
-    q, kc, vc, _, _, tables, cl = _decode_case([7, 26], 4, 2, 16, 8, torch.bfloat16)
+def test_paged_decode_attention_fp16():
+    # fp16, not bf16: see test_w4a16_half about the interpreter's bf16 tl.dot.
+    q, kc, vc, _, _, tables, cl = _decode_case([7, 26], 4, 2, 16, 8, torch.float16)
     got = K.paged_decode_attention(q, kc, vc, tables, cl, 0.25, partition_size=16, impl="triton")
     want = K.paged_decode_attention(q, kc, vc, tables, cl, 0.25, impl="reference")
-    assert got.dtype == torch.bfloat16
+    assert got.dtype == torch.float16
     _close(got, want, **LOW)

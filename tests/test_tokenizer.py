@@ -208,7 +208,8 @@ QWEN_TEMPLATE = """{%- if tools %}
     {%- endif %}
 {%- endif %}
 {%- for message in messages %}
-    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or \
+(message.role == "assistant" and not message.tool_calls) %}
         {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
     {%- elif message.role == "assistant" %}
         {{- '<|im_start|>' + message.role }}
@@ -285,8 +286,9 @@ CONVERSATION = [
     {"role": "assistant", "content": "It said meow. 猫 😀"},
     {"role": "user", "content": " And then?  "},
 ]
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Wetter in München",
-                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Wetter in München",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
 
 
 def _chat_model_dir(tmp_path: Path, template: object, name: str) -> Path:

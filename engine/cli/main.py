@@ -32,6 +32,14 @@ def _register() -> None:
     app.command("perplexity", help="Score a text file (llama-perplexity's job).")(perplexity_command)
     app.command("models", help="List the model catalog and what is downloaded.")(models_command)
     app.command("pull", help="Download a catalog model into $LLMSYS_HOME.")(pull_command)
+    from llmsys.engine.cli.serve_cmd import serve_command
+
+    app.command("serve", help="Serve MODEL over an OpenAI-compatible HTTP API.")(serve_command)
+    from llmsys.engine.cli.chat_cmd import chat_command
+    from llmsys.engine.cli.monitor_cmd import monitor_command
+
+    app.command("chat", help="Chat with MODEL in a terminal app (--plain: line REPL).")(chat_command)
+    app.command("monitor", help="Live memory/throughput panel of a running llmsys serve.")(monitor_command)
 
 
 def main(argv: list[str] | None = None) -> int:

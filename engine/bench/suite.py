@@ -1,0 +1,442 @@
+"""The bench matrix: sweep axes -> one engine per load configuration -> rows.
+
+Axes that change how the model is loaded (dtype, quant, KV dtype, KV policy,
+memory budgets) cost a reload, so they form the outer loop; threads, batch
+size and the tests reuse the loaded engine. A configuration that fails (a
+value not supported yet, a budget too small) turns into rows that carry the
+error message instead of ending the sweep - a sweep is often run to find
+exactly where things stop working.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from llmsys.engine.bench.machine import MachineInfo
+from llmsys.engine.bench.measure import TestSpec, measure_e2e, measure_test
+from llmsys.engine.errors import InvalidParameterError, LLMSysError
+
+LOAD_AXES = ("dtype", "quant", "kv_dtype", "kv_policy", "gpu_mem", "cpu_mem")
+DEFAULTS = {"dtype": "auto", "quant": "none", "kv_dtype": "auto", "kv_policy": "full", "gpu_mem": None, "cpu_mem": None}
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """One point of the load axes (values as the user wrote them)."""
+
+    dtype: str = "auto"
+    quant: str = "none"
+    kv_dtype: str = "auto"
+    kv_policy: str = "full"
+    gpu_mem: str | None = None
+    cpu_mem: str | None = None
+
+
+@dataclass
+class BenchSpec:
+    """Everything ``llmsys bench`` was asked to do."""
+
+    model: str  # folder / .bin / catalog name, or the synthetic folder
+    tests: list[TestSpec]
+    configs: list[LoadConfig] = field(default_factory=lambda: [LoadConfig()])
+    batches: list[int] = field(default_factory=lambda: [1])
+    threads: list[int | None] = field(default_factory=lambda: [None])
+    repetitions: int = 5
+    warmup: bool = True
+    e2e: bool = True
+    vs: list[str] = field(default_factory=list)
+    seed: int = 0
+    synthetic: str | None = None  # shape name when the weights are random
+    engine_flags: dict[str, Any] = field(default_factory=dict)  # other EngineConfig fields
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.configs) * len(self.threads) * len(self.batches) * len(self.tests)
+
+
+@dataclass
+class BaselineFigures:
+    tok_s: float | None = None
+    tok_s_std: float | None = None
+    ratio: float | None = None  # ours / baseline
+    error: str | None = None
+
+
+@dataclass
+class BenchRow:
+    model: str
+    synthetic: bool
+    params: int | None
+    test: str
+    n_prompt: int
+    n_gen: int
+    depth: int
+    batch: int
+    threads: int
+    device: str
+    dtype: str  # resolved torch dtype name ("bfloat16"), or what was asked if loading failed
+    quant: str
+    kv_dtype: str
+    kv_policy: str
+    gpu_mem: str | None
+    cpu_mem: str | None
+    reps: int = 0
+    tok_s: float | None = None
+    tok_s_std: float | None = None
+    ttft_ms: float | None = None
+    itl_p50_ms: float | None = None
+    itl_p99_ms: float | None = None
+    e2e_tok_s: float | None = None
+    e2e_ttft_ms: float | None = None
+    weight_bytes: int | None = None
+    kv_bytes: int | None = None  # KV pool reserved, all tiers
+    weights_by_tier: dict[str, int] = field(default_factory=dict)
+    peak_cpu_bytes: int | None = None  # process peak RSS since this configuration started loading
+    peak_gpu_bytes: int | None = None
+    roof_pct: float | None = None  # decode: achieved bytes/s over measured memory bandwidth
+    error: str | None = None
+    baselines: dict[str, BaselineFigures] = field(default_factory=dict)
+    command: str = ""
+
+    def to_dict(self, machine: MachineInfo | None = None) -> dict[str, Any]:
+        d = asdict(self)
+        if machine is not None:
+            d["machine"] = machine.to_dict()
+        return d
+
+
+@dataclass
+class BenchResult:
+    machine: MachineInfo
+    rows: list[BenchRow]
+    spec: BenchSpec
+    wall_s: float = 0.0
+
+
+# --------------------------------------------------------------------------
+# Parsing sweep lists
+# --------------------------------------------------------------------------
+
+
+def split_list(text: str | None) -> list[str]:
+    """``"none,int8, int4"`` -> ``["none", "int8", "int4"]``."""
+    if text is None:
+        return []
+    return [p.strip() for p in str(text).split(",") if p.strip()]
+
+
+def split_policies(text: str | None) -> list[str]:
+    """KV policies, whose own syntax has commas (``sink:4,window:256``).
+
+    ``;`` separates policies when present; otherwise a comma does, except
+    that a ``window:`` part joins a preceding ``sink:`` part.
+    """
+    if text is None:
+        return []
+    if ";" in text:
+        return [p.strip() for p in text.split(";") if p.strip()]
+    out: list[str] = []
+    for part in split_list(text):
+        if out and part.startswith("window") and out[-1].startswith("sink") and "window" not in out[-1]:
+            out[-1] += "," + part
+        else:
+            out.append(part)
+    return out
+
+
+def int_list(text: str | None, flag: str, minimum: int = 0) -> list[int]:
+    out = []
+    for p in split_list(text):
+        try:
+            v = int(p)
+        except ValueError:
+            raise InvalidParameterError(f"{flag}: {p!r} is not an integer; give a comma list like 1,8,32") from None
+        if v < minimum:
+            raise InvalidParameterError(f"{flag}: {v} is below {minimum}")
+        out.append(v)
+    return out
+
+
+def build_tests(n_prompt: list[int], n_gen: list[int], pg: list[tuple[int, int]], depths: list[int]) -> list[TestSpec]:
+    """llama-bench's test list: pp for each -p, tg for each -n, each pg pair; x each depth."""
+    tests: list[TestSpec] = []
+    for d in depths or [0]:
+        tests += [TestSpec(p, 0, d) for p in n_prompt if p > 0]
+        tests += [TestSpec(0, n, d) for n in n_gen if n > 0]
+        tests += [TestSpec(p, n, d) for p, n in pg if p > 0 or n > 0]
+    if not tests:
+        raise InvalidParameterError("no tests to run: give -p N, -n N or --pg P,N with N > 0")
+    return tests
+
+
+def build_configs(**axes: list[str]) -> list[LoadConfig]:
+    """Cartesian product of the load axes (an empty list means the default)."""
+    names = list(LOAD_AXES)
+    values = [axes.get(n) or [DEFAULTS[n]] for n in names]
+    return [LoadConfig(**dict(zip(names, combo))) for combo in itertools.product(*values)]
+
+
+# --------------------------------------------------------------------------
+# Measurement helpers
+# --------------------------------------------------------------------------
+
+
+def reset_peak_memory() -> None:
+    """Start a new peak-RSS window (Linux: clear_refs 5 resets VmHWM)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+    except OSError:
+        pass
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_memory() -> tuple[int | None, int | None]:
+    """(peak RSS bytes of this process, peak CUDA bytes allocated)."""
+    cpu = None
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                cpu = int(line.split()[1]) * 1024
+    except OSError:
+        import resource
+
+        cpu = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    gpu = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+    return cpu, gpu
+
+
+def count_params(loaded) -> int:
+    """Parameter count of the architecture (not of a quantized storage format)."""
+    try:
+        from llmsys.engine.models import family_for
+
+        family = family_for(loaded.config, "config")
+        with torch.device("meta"):
+            m = family.Model(loaded.args)
+        return sum(p.numel() for p in m.parameters())
+    except Exception:  # llama2.c checkpoints have no HF config: count what is loaded
+        return sum(p.numel() for p in loaded.model.parameters())
+
+
+def not_applied(llm, cfg: LoadConfig) -> str | None:
+    """Guard against silently unquantized rows while features are being built."""
+    if cfg.quant not in ("none", "auto"):
+        try:
+            from llmsys.quant.base import QuantLinear
+
+            if not any(isinstance(m, QuantLinear) for m in llm.loaded.model.modules()):
+                return f"--quant {cfg.quant} was not applied by this engine (no quantized layers were loaded)"
+        except ImportError:
+            pass
+    if cfg.kv_dtype not in ("auto",) and cfg.kv_dtype != str(llm.loaded.dtype).removeprefix("torch."):
+        k = getattr(getattr(llm.core, "kv", None), "k", None)
+        if k and k[0].dtype == llm.loaded.dtype:
+            return f"--kv-dtype {cfg.kv_dtype} was not applied by this engine (the KV pool is {llm.loaded.dtype})"
+    return None
+
+
+def decode_roof_pct(row: BenchRow, kv_bytes_per_token: int, bw_gbps: float | None) -> float | None:
+    """Decode bytes per second over the measured memory bandwidth, in percent.
+
+    Each decode step reads every weight once (shared by the batch) plus each
+    sequence's KV context (on average depth + n_gen / 2 tokens).
+    """
+    if not bw_gbps or not row.tok_s or row.n_prompt or not row.n_gen or row.weight_bytes is None:
+        return None
+    steps_s = row.tok_s / row.batch
+    ctx = row.depth + 1 + row.n_gen / 2
+    per_step = row.weight_bytes + row.batch * ctx * kv_bytes_per_token
+    return 100.0 * per_step * steps_s / (bw_gbps * 1e9)
+
+
+def row_command(spec: BenchSpec, cfg: LoadConfig, test: TestSpec, batch: int, threads: int | None) -> str:
+    """The ``llmsys bench`` command that reproduces one row."""
+    parts = ["llmsys bench"]
+    parts.append(f"--synthetic {spec.synthetic}" if spec.synthetic else _q(spec.model))
+    if test.n_prompt and test.n_gen:
+        parts += ["-p 0 -n 0", f"--pg {test.n_prompt},{test.n_gen}"]
+    else:
+        parts += [f"-p {test.n_prompt}", f"-n {test.n_gen}"]
+    if test.depth:
+        parts.append(f"-d {test.depth}")
+    parts.append(f"-r {spec.repetitions}")
+    if batch != 1:
+        parts.append(f"-b {batch}")
+    if threads:
+        parts.append(f"-t {threads}")
+    for name in LOAD_AXES:
+        v = getattr(cfg, name)
+        if v != DEFAULTS[name]:
+            parts.append(f"--{name.replace('_', '-')} {_q(str(v))}")
+    for name, v in spec.engine_flags.items():
+        if v is not None and name != "progress":
+            parts.append(f"--{name.replace('_', '-')} {_q(str(v))}")
+    if spec.vs:
+        parts.append(f"--vs {','.join(spec.vs)}")
+    return " ".join(parts)
+
+
+def _q(s: str) -> str:
+    import shlex
+
+    return shlex.quote(s)
+
+
+# --------------------------------------------------------------------------
+# The run
+# --------------------------------------------------------------------------
+
+
+def _engine_config(spec: BenchSpec, cfg: LoadConfig):
+    from llmsys.engine.config import EngineConfig, parse_size
+
+    need = max(t.context for t in spec.tests)
+    flags = {k: v for k, v in spec.engine_flags.items() if v is not None}
+    bmax = max(spec.batches)
+    block = flags.get("block_size", 16)
+    flags["max_num_seqs"] = max(flags.get("max_num_seqs", 1), bmax)
+    flags.setdefault("kv_cache_tokens", bmax * (-(-need // block) + 1) * block)
+    flags["progress"] = False
+    return EngineConfig(
+        model=spec.model,
+        dtype=cfg.dtype,
+        quant=cfg.quant,
+        kv_dtype=cfg.kv_dtype,
+        kv_policy=cfg.kv_policy,
+        gpu_mem=parse_size(cfg.gpu_mem),
+        cpu_mem=parse_size(cfg.cpu_mem),
+        **flags,
+    )
+
+
+def _error_text(e: BaseException) -> str:
+    msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return msg if isinstance(e, LLMSysError) else f"{type(e).__name__}: {msg}"
+
+
+Progress = Callable[[int, int, str], None]
+
+
+def run_bench(spec: BenchSpec, machine: MachineInfo, progress: Progress | None = None) -> BenchResult:
+    """Run the whole matrix; one :class:`BenchRow` per (config, threads, batch, test)."""
+    from llmsys.engine.llm import LLM
+
+    t_start = time.perf_counter()
+    rows: list[BenchRow] = []
+    done = 0
+    total = spec.num_rows
+    label = f"synthetic {spec.synthetic}" if spec.synthetic else Path(spec.model).name
+    default_threads = torch.get_num_threads()
+    for cfg in spec.configs:
+        llm = None
+        baselines: dict[str, Any] = {}
+        base_err: dict[str, str] = {}
+        load_error = None
+        gc.collect()
+        reset_peak_memory()
+        try:
+            llm = LLM(_engine_config(spec, cfg))
+            load_error = not_applied(llm, cfg)
+        except Exception as e:  # noqa: BLE001 - shown in the row, the sweep goes on
+            load_error = _error_text(e)
+        if llm is not None and load_error is None:
+            load_error = _max_context_check(spec, llm)
+        for kind in spec.vs if (llm is not None and load_error is None) else []:
+            try:
+                from llmsys.engine.bench.baseline import HFBaseline
+
+                baselines[kind] = HFBaseline(
+                    llm.loaded.path, llm.loaded.dtype, llm.loaded.device, kind,
+                    llm.config.gpu_mem, llm.config.cpu_mem,
+                )
+            except Exception as e:  # noqa: BLE001
+                base_err[kind] = _error_text(e)
+        for threads in spec.threads:
+            torch.set_num_threads(threads or default_threads)
+            for batch in spec.batches:
+                for test in spec.tests:
+                    row = BenchRow(
+                        model=label, synthetic=bool(spec.synthetic), params=None, test=test.name,
+                        n_prompt=test.n_prompt, n_gen=test.n_gen, depth=test.depth, batch=batch,
+                        threads=threads or default_threads, device="?", dtype=cfg.dtype, quant=cfg.quant,
+                        kv_dtype=cfg.kv_dtype, kv_policy=cfg.kv_policy, gpu_mem=cfg.gpu_mem, cpu_mem=cfg.cpu_mem,
+                        error=load_error, command=row_command(spec, cfg, test, batch, threads),
+                    )
+                    if progress is not None:
+                        progress(done, total, f"{test.name} b{batch} t{row.threads} {cfg.dtype} {cfg.quant}")
+                    if llm is not None and load_error is None:
+                        _measure_row(row, llm, spec, test, batch, machine)
+                        for kind in spec.vs:
+                            row.baselines[kind] = _measure_baseline(baselines.get(kind), base_err.get(kind), row, spec, test, batch)
+                    else:
+                        for kind in spec.vs:
+                            row.baselines[kind] = BaselineFigures(error=base_err.get(kind) or "engine row failed")
+                    rows.append(row)
+                    done += 1
+        for b in baselines.values():
+            b.close()
+        del llm, baselines
+    torch.set_num_threads(default_threads)
+    if progress is not None:
+        progress(total, total, "done")
+    return BenchResult(machine=machine, rows=rows, spec=spec, wall_s=time.perf_counter() - t_start)
+
+
+def _max_context_check(spec: BenchSpec, llm) -> str | None:
+    need = max(t.context for t in spec.tests)
+    if need > llm.max_model_len:
+        return f"tests need {need} tokens of context but the engine allows {llm.max_model_len}; lower -p/-n/-d or raise --max-model-len"
+    return None
+
+
+def _measure_row(row: BenchRow, llm, spec: BenchSpec, test: TestSpec, batch: int, machine: MachineInfo) -> None:
+    loaded = llm.loaded
+    rep = llm.memory_report()
+    row.device = loaded.device.type
+    row.dtype = str(loaded.dtype).removeprefix("torch.")
+    row.weights_by_tier = dict(rep.weights)
+    row.weight_bytes = sum(rep.weights.values())
+    row.kv_bytes = sum(rep.kv_total.values())
+    row.params = count_params(loaded)
+    try:
+        res = measure_test(llm.core, test, batch, spec.repetitions, seed=spec.seed, warmup=spec.warmup)
+        row.reps = res.reps
+        row.tok_s, row.tok_s_std = res.tok_s_mean, res.tok_s_std
+        row.ttft_ms, row.itl_p50_ms, row.itl_p99_ms = res.ttft_ms, res.itl_p50_ms, res.itl_p99_ms
+        if spec.e2e:
+            e2e = measure_e2e(llm, test, batch, seed=spec.seed)
+            row.e2e_tok_s, row.e2e_ttft_ms = e2e.tok_s, e2e.ttft_ms
+        kv_tok = llm.core.kv.spec.bytes_per_token
+        row.roof_pct = decode_roof_pct(row, kv_tok, machine.bandwidths.roof_gbps(row.device))
+    except Exception as e:  # noqa: BLE001
+        row.error = _error_text(e)
+        _drain(llm)
+    row.peak_cpu_bytes, row.peak_gpu_bytes = peak_memory()
+
+
+def _drain(llm) -> None:
+    """Free whatever a failed measurement left in the scheduler."""
+    sched = llm.core.scheduler
+    for seq in list(sched.running) + list(sched.waiting):
+        sched.finish(seq, "abort")
+    llm.core.requests.clear()
+
+
+def _measure_baseline(base, err: str | None, row: BenchRow, spec: BenchSpec, test: TestSpec, batch: int) -> BaselineFigures:
+    if base is None:
+        return BaselineFigures(error=err or "baseline not loaded")
+    try:
+        res = base.measure(test, batch, spec.repetitions, seed=spec.seed, warmup=spec.warmup)
+    except Exception as e:  # noqa: BLE001
+        return BaselineFigures(error=_error_text(e))
+    ratio = row.tok_s / res.tok_s_mean if row.tok_s and res.tok_s_mean else None
+    return BaselineFigures(tok_s=res.tok_s_mean, tok_s_std=res.tok_s_std, ratio=ratio)

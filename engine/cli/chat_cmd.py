@@ -1,0 +1,44 @@
+"""``llmsys chat [MODEL]`` (Textual app) and ``--plain`` (line REPL)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated, Any, Optional
+
+import typer
+
+from llmsys.engine.cli.options import build_engine_config, engine_command, sampling_command
+from llmsys.engine.sampling import SamplingParams
+
+DEFAULT_MODEL = "stories260k"
+
+
+@sampling_command
+@engine_command
+def chat_command(
+    model: Annotated[str, typer.Argument(help="model directory, llama2.c .bin, or catalog name")] = DEFAULT_MODEL,
+    plain: Annotated[bool, typer.Option("--plain", help="line-by-line REPL instead of the full-screen app")] = False,
+    system: Annotated[Optional[str], typer.Option("--system", help="system prompt")] = None,
+    theme: Annotated[str, typer.Option("--theme", help="Textual theme, e.g. textual-dark, textual-light")] = "textual-dark",
+    refresh_hz: Annotated[float, typer.Option("--refresh-hz", help="memory panel updates per second while generating")] = 4.0,
+    *,
+    sampling: SamplingParams,
+    engine_flags: dict[str, Any],
+) -> int:
+    from llmsys.engine.llm import LLM
+
+    tty = sys.stdin.isatty() and sys.stdout.isatty()
+    if plain or not tty:
+        from llmsys.tui.repl import run_repl
+
+        config = build_engine_config(model, engine_flags)
+        llm = LLM(config)
+        return run_repl(llm, sampling, system=system, model_name=model)
+
+    from llmsys.tui.app import ChatApp
+
+    flags = dict(engine_flags)
+    config = build_engine_config(model, flags).with_(progress=False)  # a bar would draw under the app
+    app = ChatApp(lambda: LLM(config), model_name=model, sampling=sampling, system=system, refresh_hz=refresh_hz, theme=theme)
+    app.run()
+    return 0

@@ -1,0 +1,234 @@
+"""From a validated request to OpenAI-shaped JSON or SSE.
+
+A :class:`Job` is one HTTP request: ``len(prompts) * n`` engine requests
+submitted together (so they batch), one asyncio queue their chunks arrive on,
+and ``abort_rest`` to cancel whatever has not finished (client gone, error).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+import uuid
+from dataclasses import replace
+from typing import Any, AsyncIterator, Callable
+
+from llmsys.engine.outputs import StreamChunk, Timings
+from llmsys.engine.sampling import SamplingParams
+from llmsys.engine.server.protocol import APIError
+from llmsys.engine.server.state import ServerState
+from llmsys.engine.server.worker import QueueFullError, Submission
+
+_SEED_STRIDE = 0x9E3779B97F4A7C15  # the same stride make_generator uses for sample ``index``
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def seed_for_sample(seed: int, index: int) -> int:
+    """The seed whose generator equals ``make_generator(seed, index=index)``:
+    the ``n`` samples of one seeded request differ, and sample 0 equals n=1."""
+    return (seed + index * _SEED_STRIDE) % (1 << 64) if index else seed
+
+
+class Job:
+    def __init__(
+        self,
+        state: ServerState,
+        resp_id: str,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        n: int,
+        json_mode: bool,
+    ):
+        from llmsys.engine.server.json_mode import JsonConstraint
+
+        self.state = state
+        self.prompts = prompts
+        self.n = n
+        self.out: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        vocab = state.json_vocab() if json_mode else None
+        max_len = state.llm.max_model_len
+        self.subs: list[Submission] = []
+        for ids in prompts:
+            for j in range(n):
+                sp = params if params.seed is None or j == 0 else replace(params, seed=seed_for_sample(params.seed, j))
+                constraint = None
+                if vocab is not None:
+                    room = max_len - len(ids)
+                    budget = min(room, sp.max_tokens) if sp.max_tokens is not None else room
+                    constraint = JsonConstraint(vocab, budget)
+                k = len(self.subs)
+                self.subs.append(Submission(f"{resp_id}-{k}", k, ids, sp, loop, self.out, constraint))
+        try:
+            state.worker.submit(self.subs)
+        except QueueFullError as e:
+            raise APIError(429, f"server busy: {e}; retry later", type="rate_limit_error",
+                           code="queue_full", headers={"Retry-After": "1"}) from None
+        self.done: set[int] = set()
+
+    async def items(self, is_disconnected: Callable[[], Any] | None = None) -> AsyncIterator[tuple[int, StreamChunk]]:
+        """Chunks as they come, until every engine request finished."""
+        while len(self.done) < len(self.subs):
+            if is_disconnected is None:
+                idx, item = await self.out.get()
+            else:
+                try:
+                    idx, item = await asyncio.wait_for(self.out.get(), timeout=0.5)
+                except asyncio.TimeoutError:
+                    if await is_disconnected():
+                        self.abort_rest()
+                        return
+                    continue
+            if isinstance(item, Exception):
+                self.done.add(idx)
+                self.abort_rest()
+                raise item
+            if item.finished:
+                self.done.add(idx)
+            yield idx, item
+
+    def abort_rest(self) -> None:
+        for s in self.subs:
+            if s.index not in self.done:
+                self.state.worker.abort(s.request_id)
+                self.done.add(s.index)
+
+    def usage(self, completion_tokens: int) -> dict[str, int]:
+        p = sum(len(ids) for ids in self.prompts)
+        return {"prompt_tokens": p, "completion_tokens": completion_tokens, "total_tokens": p + completion_tokens}
+
+
+def timings_dict(ts: list[Timings]) -> dict[str, float]:
+    """llama.cpp-style ``timings``: prompt/generation speed and TTFT (ms)."""
+    ts = [t for t in ts if t is not None] or [Timings()]
+    prompt_n = sum(t.prompt_tokens for t in ts)
+    prompt_s = max(t.prefill_s for t in ts)
+    gen_n = sum(t.generated_tokens for t in ts)
+    dec_s = max(t.decode_s for t in ts)
+    dec_n = sum(max(t.generated_tokens - 1, 0) for t in ts)
+    return {
+        "prompt_n": prompt_n,
+        "prompt_ms": prompt_s * 1000,
+        "prompt_per_second": prompt_n / prompt_s if prompt_s > 0 else 0.0,
+        "predicted_n": gen_n,
+        "predicted_ms": dec_s * 1000,
+        "predicted_per_second": dec_n / dec_s if dec_s > 0 else 0.0,
+        "ttft_ms": min(t.ttft_s for t in ts) * 1000,
+    }
+
+
+# -- logprobs in both wire shapes ------------------------------------------------
+# In JSON mode the logits of forbidden tokens are -inf before the logprobs are
+# taken (they describe the constrained distribution); JSON has no -inf, so
+# such values go out as -9999.0, the floor OpenAI's API uses.
+
+
+def _lp(v: float) -> float:
+    return v if math.isfinite(v) else -9999.0
+
+
+
+def chat_logprobs(state: ServerState, lps: list, top: int) -> dict[str, Any]:
+    def entry(tid: int, lp: float) -> dict[str, Any]:
+        s = state.token_text(tid)
+        return {"token": s, "logprob": _lp(lp), "bytes": list(s.encode("utf-8"))}
+
+    content = []
+    for lp in lps:
+        e = entry(lp.token_id, lp.logprob)
+        e["top_logprobs"] = [entry(t, v) for t, v in lp.top[:top]]
+        content.append(e)
+    return {"content": content}
+
+
+def completion_logprobs(state: ServerState, lps: list, offset: int) -> tuple[dict[str, Any], int]:
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for lp in lps:
+        s = state.token_text(lp.token_id)
+        tokens.append(s)
+        token_lps.append(_lp(lp.logprob))
+        tops.append({state.token_text(t): _lp(v) for t, v in lp.top})
+        offsets.append(offset)
+        offset += len(s)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}, offset
+
+
+# -- responses ---------------------------------------------------------------------
+
+
+async def collect(job: Job, is_disconnected: Callable[[], Any]) -> list[dict[str, Any]]:
+    """Run a non-streaming job; per choice: text, tokens, logprobs, finish, timings."""
+    res = [{"text": [], "n": 0, "lps": [], "finish": None, "timings": None} for _ in job.subs]
+    async for idx, ch in job.items(is_disconnected):
+        r = res[idx]
+        r["text"].append(ch.text)
+        r["n"] += len(ch.token_ids)
+        r["lps"].extend(ch.logprobs)
+        if ch.finished:
+            r["finish"] = ch.finish_reason
+            r["timings"] = ch.timings
+    for r in res:
+        r["text"] = "".join(r["text"])
+    return res
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+async def stream_events(
+    job: Job,
+    state: ServerState,
+    resp_id: str,
+    chat: bool,
+    include_usage: bool,
+    logprobs: int | None,
+) -> AsyncIterator[str]:
+    """SSE frames of a streaming job; ``finally`` aborts what is unfinished,
+    which is how a client that disconnects frees its KV blocks."""
+    created = int(time.time())
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    base = {"id": resp_id, "object": obj, "created": created, "model": state.model_name}
+    offsets = [0] * len(job.subs)
+    n_out = 0
+    timings: list[Timings] = []
+    try:
+        if chat:
+            for i in range(len(job.subs)):
+                yield sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                "logprobs": None, "finish_reason": None}]})
+        try:
+            async for idx, ch in job.items():
+                n_out += len(ch.token_ids)
+                if ch.timings is not None:
+                    timings.append(ch.timings)
+                if not (ch.text or ch.finished or (logprobs is not None and ch.logprobs)):
+                    continue
+                lp = None
+                if logprobs is not None and ch.logprobs:
+                    if chat:
+                        lp = chat_logprobs(state, ch.logprobs, logprobs)
+                    else:
+                        lp, offsets[idx] = completion_logprobs(state, ch.logprobs, offsets[idx])
+                choice: dict[str, Any] = {"index": idx, "logprobs": lp, "finish_reason": ch.finish_reason}
+                if chat:
+                    choice["delta"] = {"content": ch.text} if ch.text else {}
+                else:
+                    choice["text"] = ch.text
+                frame = {**base, "choices": [choice]}
+                if ch.finished and len(job.done) == len(job.subs):
+                    frame["timings"] = timings_dict(timings)
+                yield sse(frame)
+        except Exception as e:  # mid-stream: headers are sent, so report in-band
+            err = e if isinstance(e, APIError) else APIError(500, str(e), type="server_error")
+            yield sse(err.body())
+        if include_usage:
+            yield sse({**base, "choices": [], "usage": job.usage(n_out), "timings": timings_dict(timings)})
+        yield "data: [DONE]\n\n"
+    finally:
+        job.abort_rest()

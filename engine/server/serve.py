@@ -1,0 +1,103 @@
+"""Running the app: the blocking CLI entry and an in-process thread runner.
+
+``serve`` binds the socket first and loads the model on a background thread,
+so ``/health`` answers 503 while weights load. On SIGINT/SIGTERM uvicorn stops
+accepting, gives in-flight requests ``shutdown_timeout_s`` to finish, cancels
+the rest (their streams abort and free KV blocks), then the lifespan hook
+stops the engine thread; the process exits 0. uvicorn re-raises the caught
+signal after a graceful stop by default (exit 130 / killed by SIGTERM), which
+would make a clean shutdown look like a crash, so :class:`_Server` does not.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import uvicorn
+
+from llmsys.engine.config import EngineConfig
+from llmsys.engine.server.app import create_app
+from llmsys.engine.server.state import ServerSettings, ServerState
+
+log = logging.getLogger("llmsys.server")
+
+
+class _Server(uvicorn.Server):
+    def handle_exit(self, sig: int, frame) -> None:  # type: ignore[override]
+        super().handle_exit(sig, frame)
+        self._captured_signals.clear()  # a signal-initiated graceful stop is a normal exit
+
+
+def _uvicorn_config(state: ServerState, host: str, port: int, log_level: str) -> uvicorn.Config:
+    return uvicorn.Config(
+        create_app(state),
+        host=host,
+        port=port,
+        log_level=log_level,
+        timeout_graceful_shutdown=state.settings.shutdown_timeout_s,
+        access_log=log_level == "debug",
+        lifespan="on",
+    )
+
+
+def serve(config: EngineConfig, settings: ServerSettings, host: str = "127.0.0.1", port: int = 8000,
+          log_level: str = "info") -> int:
+    """Serve until SIGINT/SIGTERM; 0 on a clean stop, 2 if the model failed to load."""
+    state = ServerState(settings)
+    server = _Server(_uvicorn_config(state, host, port, log_level))
+
+    def load() -> None:
+        t0 = time.perf_counter()
+        try:
+            state.load(config)
+        except Exception as e:  # LLMSysError or worse: report and stop serving
+            state.load_error = str(e).splitlines()[0] if str(e) else type(e).__name__
+            print(f"error: {state.load_error}", flush=True)
+            server.should_exit = True
+            return
+        print(f"llmsys: model '{state.model_name}' ready in {time.perf_counter() - t0:.1f} s; "
+              f"OpenAI API at http://{host}:{port}/v1", flush=True)
+
+    threading.Thread(target=load, name="llmsys-load", daemon=True).start()
+    server.run()
+    state.close()
+    return 2 if state.load_error else 0
+
+
+@dataclass
+class ServerThread:
+    """A server on a free loopback port inside this process (tests, benchmark)."""
+
+    state: ServerState
+    server: uvicorn.Server
+    thread: threading.Thread
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.state.close()
+
+
+def start_server_thread(state: ServerState, log_level: str = "warning") -> ServerThread:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(_uvicorn_config(state, "127.0.0.1", port, log_level))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="llmsys-http", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.02)
+    return ServerThread(state, server, thread, port)

@@ -1,0 +1,98 @@
+"""What the HTTP app needs at hand: settings, the loaded model, the worker.
+
+The model loads after the HTTP socket is up (``/health`` answers 503 until
+``ready``), so everything model-dependent is optional here.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from llmsys.engine.config import EngineConfig
+from llmsys.engine.server.metrics import Metrics
+
+if TYPE_CHECKING:
+    from llmsys.engine.llm import LLM
+    from llmsys.engine.server.json_mode import JsonVocab
+    from llmsys.engine.server.worker import EngineWorker
+
+DEFAULT_MAX_BODY = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    api_key: str | None = None
+    max_concurrency: int | None = None  # None: the engine's max_num_seqs
+    max_queue: int = 256
+    max_body_bytes: int = DEFAULT_MAX_BODY
+    model_name: str | None = None  # the id /v1/models shows; default: the model argument
+    shutdown_timeout_s: float = 10.0  # in-flight requests get this long to finish on SIGTERM
+
+
+class ServerState:
+    def __init__(self, settings: ServerSettings):
+        self.settings = settings
+        self.metrics = Metrics()
+        self.llm: LLM | None = None
+        self.worker: EngineWorker | None = None
+        self.model_name = settings.model_name or "model"
+        self.load_error: str | None = None
+        self.created = int(time.time())
+        self._vocab_lock = threading.Lock()
+        self._token_strings: list[str | None] | None = None
+        self._json_vocab: JsonVocab | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.worker is not None
+
+    def load(self, config: EngineConfig) -> None:
+        """Load the model and start the engine thread (blocking; run it in a thread)."""
+        from llmsys.engine.llm import LLM
+
+        llm = LLM(config)
+        self.attach(llm, self.settings.model_name or config.model)
+
+    def attach(self, llm: LLM, name: str) -> None:
+        """Serve an already loaded :class:`LLM` (tests, the benchmark)."""
+        from llmsys.engine.server.worker import EngineWorker
+
+        self.llm = llm
+        self.model_name = name
+        s = self.settings
+        worker = EngineWorker(llm.core, self.metrics, s.max_concurrency or llm.config.max_num_seqs, s.max_queue)
+        worker.start()
+        self.worker = worker
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.stop()
+
+    # -- vocabulary views (computed once, on first use) -----------------------
+    def token_strings(self) -> list[str | None]:
+        from llmsys.engine.server.json_mode import token_strings
+
+        with self._vocab_lock:
+            if self._token_strings is None:
+                self._token_strings = token_strings(self.llm.tokenizer)
+            return self._token_strings
+
+    def token_text(self, token_id: int) -> str:
+        strings = self.token_strings()
+        s = strings[token_id] if 0 <= token_id < len(strings) else None
+        if s is not None:
+            return s
+        return self.llm.tokenizer.convert_ids_to_tokens(token_id) or ""
+
+    def json_vocab(self) -> JsonVocab:
+        from llmsys.engine.server.json_mode import JsonVocab
+
+        strings = self.token_strings()
+        with self._vocab_lock:
+            if self._json_vocab is None:
+                llm = self.llm
+                self._json_vocab = JsonVocab(strings, llm.core.eos_token_ids, llm.loaded.args.vocab_size)
+            return self._json_vocab

@@ -1,0 +1,232 @@
+"""The engine thread: the only thread that touches the :class:`EngineCore`.
+
+HTTP handlers never call the core (it is not thread-safe). They build
+:class:`Submission` objects and hand them over through a thread-safe inbox;
+aborts (client gone) travel the same way. The worker drains the inbox between
+steps, admits waiting submissions while fewer than ``max_concurrency`` run,
+calls ``core.step()`` -- which batches every running request together
+(continuous batching) -- and relays each chunk to the owning handler's
+asyncio queue with ``loop.call_soon_threadsafe``.
+
+Admission control is here too, so it is atomic with the engine's view: a
+submission is refused (:class:`QueueFullError`, HTTP 429) when running +
+queued would exceed ``max_concurrency + max_queue``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmsys.engine.core import EngineCore
+from llmsys.engine.errors import LLMSysError
+from llmsys.engine.outputs import StreamChunk
+from llmsys.engine.sampling import SamplingParams
+from llmsys.engine.server.metrics import Metrics
+
+log = logging.getLogger("llmsys.server")
+
+
+class QueueFullError(Exception):
+    """Every slot and queue place is taken; the client should retry later."""
+
+
+@dataclass
+class Submission:
+    """One engine request and where its chunks go.
+
+    ``index`` is the choice index within the HTTP request (``n`` > 1, or a
+    batch of prompts); items put on ``out`` are ``(index, StreamChunk)`` or
+    ``(index, Exception)``.
+    """
+
+    request_id: str
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    out: asyncio.Queue
+    constraint: Any = None
+    arrival: float = field(default_factory=time.perf_counter)
+    last_token: float | None = None
+    finished: bool = False
+
+
+class EngineWorker(threading.Thread):
+    def __init__(self, core: EngineCore, metrics: Metrics, max_concurrency: int, max_queue: int):
+        super().__init__(name="llmsys-engine", daemon=True)
+        self.core = core
+        self.metrics = metrics
+        self.max_concurrency = max(1, min(max_concurrency, core.config.max_num_seqs))
+        self.max_queue = max(0, max_queue)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()  # guards _in_system
+        self._in_system = 0  # submitted and not yet finished (queued + running)
+        self._waiting: deque[Submission] = deque()  # accepted, not yet in the core
+        self._active: dict[str, Submission] = {}  # in the core
+        self._stopping = threading.Event()
+
+    # -- called from HTTP handlers (any thread) -------------------------------
+    def submit(self, subs: list[Submission]) -> None:
+        """Queue all of ``subs`` or none (raises :class:`QueueFullError`)."""
+        with self._lock:
+            if self._stopping.is_set():
+                raise QueueFullError("the server is shutting down")
+            if self._in_system + len(subs) > self.max_concurrency + self.max_queue:
+                raise QueueFullError(
+                    f"{self._in_system} requests are running or queued (limit "
+                    f"{self.max_concurrency} running + {self.max_queue} queued)"
+                )
+            self._in_system += len(subs)
+        for s in subs:
+            self._inbox.put(("add", s))
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Abort whatever is left and end the thread."""
+        self._stopping.set()
+        self._inbox.put(("stop", None))
+        if self.is_alive():
+            self.join(timeout)
+
+    @property
+    def queued(self) -> int:
+        return len(self._waiting)
+
+    # -- the engine thread ----------------------------------------------------
+    def run(self) -> None:
+        while True:
+            idle = not self._waiting and not self.core.has_unfinished()
+            if not self._drain(block=idle):
+                break
+            self._admit()
+            if self.core.has_unfinished():
+                try:
+                    chunks = self.core.step()
+                except Exception as e:  # an engine bug: fail the running requests, keep serving
+                    log.exception("engine step failed")
+                    self._fail_all(e)
+                    chunks = []
+                now = time.perf_counter()
+                for ch in chunks:
+                    self._relay(ch, now)
+            self._update_gauges()
+        self._shutdown()
+
+    def _drain(self, block: bool) -> bool:
+        """Apply inbox commands; False when told to stop."""
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            kind, arg = item
+            if kind == "stop":
+                return False
+            if kind == "add":
+                self._waiting.append(arg)
+            elif kind == "abort":
+                self._abort(arg)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _abort(self, request_id: str) -> None:
+        sub = self._active.get(request_id)
+        if sub is not None:
+            self.core.abort(request_id)  # frees the KV blocks now; the abort chunk comes from step()
+            return
+        for s in self._waiting:
+            if s.request_id == request_id:
+                self._waiting.remove(s)
+                self._finish(s)
+                break
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._active) < self.max_concurrency:
+            sub = self._waiting.popleft()
+            try:
+                self.core.add_request(sub.prompt_ids, sub.params, sub.request_id, constraint=sub.constraint)
+            except Exception as e:  # LLMSysError (validated earlier, so rare) or a bug
+                self._finish(sub)
+                self._send(sub, e)
+                continue
+            sub.arrival = min(sub.arrival, time.perf_counter())
+            self._active[sub.request_id] = sub
+
+    def _relay(self, ch: StreamChunk, now: float) -> None:
+        sub = self._active.get(ch.request_id)
+        if sub is None:
+            return
+        if ch.token_ids:
+            ttft = itl = None
+            if sub.last_token is None:
+                ttft = now - sub.arrival
+            else:
+                itl = (now - sub.last_token) / len(ch.token_ids)
+            sub.last_token = now
+            self.metrics.on_tokens(len(ch.token_ids), ttft, itl)
+        if ch.finished:
+            del self._active[ch.request_id]
+            u = ch.usage
+            self.metrics.on_finish(
+                ch.finish_reason or "stop", u.prompt_tokens if u else 0, u.evicted_tokens if u else 0, now - sub.arrival
+            )
+            self._finish(sub)
+        self._send(sub, ch)
+
+    def _finish(self, sub: Submission) -> None:
+        if not sub.finished:
+            sub.finished = True
+            with self._lock:
+                self._in_system -= 1
+
+    @staticmethod
+    def _send(sub: Submission, item: Any) -> None:
+        try:
+            sub.loop.call_soon_threadsafe(sub.out.put_nowait, (sub.index, item))
+        except RuntimeError:  # the handler's loop is closed (server stopping)
+            pass
+
+    def _fail_all(self, e: Exception) -> None:
+        for rid, sub in list(self._active.items()):
+            self.core.abort(rid)
+            self._finish(sub)
+            self._send(sub, e if isinstance(e, LLMSysError) else RuntimeError(f"engine error: {e}"))
+        self._active.clear()
+        try:
+            self.core.step()  # flush the abort chunks
+        except Exception:
+            log.exception("engine step failed while aborting")
+
+    def _update_gauges(self) -> None:
+        rep = self.core.memory_report()
+        tiers = {t: 0 for t in rep.kv_total} or {"cpu": 0}
+        first = next(iter(tiers))
+        tiers[first] = rep.kv_blocks_used  # the pool lives on one tier today
+        sched = self.core.scheduler
+        self.metrics.set_gauges(len(self._waiting) + len(sched.waiting), len(sched.running), tiers, rep.kv_blocks_total)
+
+    def _shutdown(self) -> None:
+        while self._waiting:
+            sub = self._waiting.popleft()
+            self._finish(sub)
+            self._send(sub, StreamChunk(sub.request_id, "", [], finish_reason="abort"))
+        for rid in list(self._active):
+            self.core.abort(rid)
+        now = time.perf_counter()
+        try:
+            for ch in self.core.step():
+                self._relay(ch, now)
+        except Exception:
+            log.exception("engine step failed during shutdown")
+        self._update_gauges()

@@ -1,0 +1,169 @@
+"""Measured machine speeds the placement cost model runs on.
+
+Why measure: the best placement flips with the numbers (a layer in CPU RAM
+computed on the CPU beats streaming it to the GPU only while the CPU's memory
+bandwidth beats PCIe; disk streaming is only worth planning around with the
+disk's real read speed). Each probe takes well under a second and runs once
+per machine: results are cached as JSON under ``$LLMSYS_HOME/machine/``.
+
+This is offload's own small probe (offload must not import the engine's
+bench package); the keys match ``engine.bench.machine.Bandwidths`` where
+they overlap (``mem_gbps``, ``disk_read_gbps``, ``h2d_gbps``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+CACHE_VERSION = 2
+
+
+@dataclass(frozen=True)
+class Bandwidths:
+    """GB/s (1e9 bytes/s) and GFLOP/s of this machine."""
+
+    mem_gbps: float  # CPU RAM read bandwidth (what a memory-bound matvec gets)
+    disk_read_gbps: float  # sequential cold read of a file in the offload folder
+    h2d_gbps: float | None = None  # pinned host -> GPU copy; None without CUDA
+    gpu_mem_gbps: float | None = None  # GPU memory bandwidth; None without CUDA
+    cpu_gflops: dict[str, float] = field(default_factory=dict)  # dtype name -> GEMM GFLOP/s
+    gpu_gflops: dict[str, float] = field(default_factory=dict)
+
+    def cpu_flops(self, dtype: torch.dtype) -> float:
+        name = str(dtype).removeprefix("torch.")
+        return 1e9 * self.cpu_gflops.get(name, min(self.cpu_gflops.values(), default=20.0))
+
+    def gpu_flops(self, dtype: torch.dtype) -> float:
+        name = str(dtype).removeprefix("torch.")
+        return 1e9 * self.gpu_gflops.get(name, min(self.gpu_gflops.values(), default=50_000.0))
+
+
+def llmsys_home() -> Path:
+    return Path(os.environ.get("LLMSYS_HOME") or "~/.cache/llmsys").expanduser()
+
+
+def _cache_path() -> Path:
+    return llmsys_home() / "machine" / f"offload_bandwidths_{platform.node() or 'host'}.json"
+
+
+def _best(fn, repeat: int = 3) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return max(best, 1e-9)
+
+
+def probe_mem_gbps(nbytes: int = 128 << 20) -> float:
+    """Read bandwidth: a sum over a buffer far larger than the caches."""
+    x = torch.ones(nbytes // 4, dtype=torch.float32)
+    dt = _best(lambda: x.sum())
+    return nbytes / dt / 1e9
+
+
+def probe_cpu_gflops(dtype: torch.dtype, m: int = 32, n: int = 2048, k: int = 2048) -> float:
+    a = torch.randn(m, k).to(dtype)
+    b = torch.randn(n, k).to(dtype)
+    torch.nn.functional.linear(a, b)
+    dt = _best(lambda: torch.nn.functional.linear(a, b))
+    return 2 * m * n * k / dt / 1e9
+
+
+def probe_disk_read_gbps(folder: Path, nbytes: int = 64 << 20) -> float:
+    """Write a file, drop it from the page cache, time sequential reads."""
+    folder.mkdir(parents=True, exist_ok=True)
+    buf = torch.ones(nbytes, dtype=torch.uint8)
+    view = memoryview(buf.numpy())
+    fd_, path = tempfile.mkstemp(prefix=".llmsys_bw_", dir=folder)
+    try:
+        with os.fdopen(fd_, "wb") as f:
+            f.write(view)
+            f.flush()
+            os.fsync(f.fileno())
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            chunk = 8 << 20
+            t = time.perf_counter()
+            for off in range(0, nbytes, chunk):
+                os.preadv(fd, [view[off : off + chunk]], off)
+            dt = time.perf_counter() - t
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    finally:
+        os.unlink(path)
+    return nbytes / max(dt, 1e-9) / 1e9
+
+
+def probe_cuda() -> tuple[float, float, dict[str, float]]:  # pragma: no cover - needs a GPU
+    """(h2d GB/s from pinned memory, GPU memory GB/s, GPU GFLOP/s per dtype)."""
+    n = 256 << 20
+    host = torch.empty(n, dtype=torch.uint8).pin_memory()
+    dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+
+    def h2d():
+        dev.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+
+    h2d_gbps = n / _best(h2d) / 1e9
+    dev2 = torch.empty_like(dev)
+
+    def d2d():
+        dev2.copy_(dev)
+        torch.cuda.synchronize()
+
+    gpu_mem = 2 * n / _best(d2d) / 1e9
+    flops: dict[str, float] = {}
+    for dt in (torch.bfloat16, torch.float16, torch.float32):
+        a = torch.randn(4096, 4096, device="cuda", dtype=dt)
+
+        def mm():
+            a @ a
+            torch.cuda.synchronize()
+
+        flops[str(dt).removeprefix("torch.")] = 2 * 4096**3 / _best(mm) / 1e9
+    return h2d_gbps, gpu_mem, flops
+
+
+def measure_bandwidths(cache: bool = True, probe_dir: Path | None = None) -> Bandwidths:
+    """Measure (or load the cached) speeds of this machine.
+
+    ``probe_dir`` is where the disk probe writes its scratch file: the offload
+    folder when there is one, since that is the disk that will be read.
+    """
+    path = _cache_path()
+    if cache and path.exists():
+        try:
+            raw = json.loads(path.read_text())
+            if raw.pop("version", None) == CACHE_VERSION and (raw.get("h2d_gbps") is None) != torch.cuda.is_available():
+                return Bandwidths(**raw)
+        except (OSError, ValueError, TypeError):
+            pass
+    threads = torch.get_num_threads()
+    mem = probe_mem_gbps()
+    flops = {str(dt).removeprefix("torch."): probe_cpu_gflops(dt) for dt in (torch.float32, torch.bfloat16)}
+    disk = probe_disk_read_gbps(probe_dir or llmsys_home() / "machine")
+    h2d = gpu_mem = None
+    gpu_flops: dict[str, float] = {}
+    if torch.cuda.is_available():  # pragma: no cover - untested here (no GPU)
+        h2d, gpu_mem, gpu_flops = probe_cuda()
+    bw = Bandwidths(mem, disk, h2d, gpu_mem, flops, gpu_flops)
+    if cache:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            data = dict(asdict(bw), version=CACHE_VERSION, threads=threads)
+            data.pop("threads")
+            path.write_text(json.dumps(data, indent=1))
+        except OSError:
+            pass
+    return bw

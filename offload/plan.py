@@ -1,0 +1,410 @@
+"""The placement planner: where each layer lives and where it is computed.
+
+Placement kinds (``Placement.kind``):
+
+- ``gpu``: resident in GPU memory, computed there.
+- ``cpu``: resident in CPU RAM and computed by the CPU (llama.cpp ``-ngl``
+  style; on a CPU-only machine every resident layer is this).
+- ``cpu->gpu``: resident in CPU RAM (pinned), copied to the GPU every step
+  (FlexGen / Accelerate style).
+- ``disk``: on disk, read every step by a reader thread into a ring of
+  preallocated buffers (then computed on the CPU, or copied on to the GPU).
+
+Cost model. With prefetch the resources work in parallel: the disk reads
+layer i+1 while the host-to-device link copies layer i and the compute device
+runs layer i-1. Compute is sequential across layers (each needs the previous
+output), so one decode step takes about
+``max(sum(compute), sum(disk reads), sum(h2d copies))``; the argmax is the
+*bound* resource. Compute of a layer is ``max(bytes / memory bandwidth,
+flops / peak)`` on its device. The planner enumerates how many layers go to
+each kind (layers of a model are the same size, so counts are enough), picks
+the fastest plan that fits every budget, and spreads the kinds evenly over
+the layer indices so resident layers' compute overlaps the reads of the
+streamed ones.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from llmsys.offload.bandwidth import Bandwidths
+from llmsys.offload.budgets import Budgets, format_bytes
+
+KINDS = ("gpu", "cpu", "cpu->gpu", "disk")
+RING_SLOTS = 2  # staging buffers per link: one being filled, one being computed
+STREAM_LATENCY_S = 50e-6  # per streamed unit: thread hand-off, sync
+
+
+@dataclass(frozen=True)
+class UnitShape:
+    """One placeable piece of the model."""
+
+    name: str  # "layers.3", "embed", "lm_head", "embed+lm_head" (tied)
+    kind: str  # "layer" | "embed" | "head"
+    nbytes: int  # weight bytes as stored at run time (dtype / quantized format)
+    params: int  # weights used per token (2 * params flops/token); 0 for an embedding gather
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the planner needs to know about a model (built from the meta model)."""
+
+    layers: tuple[UnitShape, ...]
+    embed: UnitShape | None  # None when tied to the LM head
+    head: UnitShape
+    hidden: int
+    intermediate: int
+    vocab: int
+    kv_bytes_per_token_layer: int  # K + V bytes of one token in one layer
+    dtype: torch.dtype
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(u.nbytes for u in self.layers) + self.head.nbytes + (self.embed.nbytes if self.embed else 0)
+
+    @property
+    def tied(self) -> bool:
+        return self.embed is None
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the plan is optimized for."""
+
+    batch: int = 1
+    prompt_len: int = 128
+    output_len: int = 128
+    kv_tokens: int = 4096  # KV pool capacity (tokens, all sequences)
+    max_batched_tokens: int = 512  # prefill chunk
+
+
+@dataclass(frozen=True)
+class Placement:
+    name: str
+    kind: str  # one of KINDS
+    compute: str  # "gpu" | "cpu"
+    nbytes: int
+    ms: float  # predicted ms of this unit per decode step
+    bound: str  # what bounds it: "compute", "disk", "h2d", "memory"
+
+    @property
+    def tier(self) -> str:
+        return {"gpu": "gpu", "cpu": "cpu", "cpu->gpu": "cpu", "disk": "disk"}[self.kind]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The chosen placement: data the engine, TUI and bench read."""
+
+    layers: tuple[Placement, ...]
+    embed: Placement | None  # None when tied (the head placement covers it)
+    head: Placement
+    head_chunk_rows: int  # LM head rows per streamed chunk (vocab rows)
+    kv_tier: str  # "gpu" | "cpu"
+    kv_bytes: int
+    staging: dict[str, int]  # tier -> bytes of ring / staging buffers
+    activations: dict[str, int]  # tier -> estimated activation scratch
+    budgets: Budgets
+    bandwidths: Bandwidths
+    workload: Workload
+    decode_ms: float  # predicted ms per decode step (one token per sequence)
+    prefill_ms: float  # predicted ms for the workload's prompt(s)
+    bound: str  # resource that bounds a decode step
+    resources_ms: dict[str, float]  # resource -> busy ms per decode step
+    reasons: tuple[str, ...] = ()
+    alternatives: tuple[tuple[str, float], ...] = ()  # (description, decode ms) of other feasible plans
+    min_cpu_bytes: int = 0  # smallest --cpu-mem that could run at all
+
+    @property
+    def units(self) -> tuple[Placement, ...]:
+        return self.layers + ((self.embed,) if self.embed else ()) + (self.head,)
+
+    def bytes_in(self, tier: str) -> int:
+        """Weight bytes resident in (or, for disk, read from) ``tier``."""
+        return sum(u.nbytes for u in self.units if u.tier == tier)
+
+    def used(self, tier: str) -> int:
+        """Everything the plan allocates on ``tier`` (the number checked against the budget)."""
+        kv = self.kv_bytes if self.kv_tier == tier else 0
+        return self.bytes_in(tier) + kv + self.staging.get(tier, 0) + self.activations.get(tier, 0)
+
+    @property
+    def streamed_bytes_per_step(self) -> int:
+        return sum(u.nbytes for u in self.units if u.kind in ("disk", "cpu->gpu") and u is not self.embed)
+
+    @property
+    def disk_bytes_per_step(self) -> int:
+        return sum(u.nbytes for u in self.units if u.kind == "disk" and u is not self.embed)
+
+    @property
+    def tok_s(self) -> float:
+        return 1000.0 * self.workload.batch / max(self.decode_ms, 1e-9)
+
+    @property
+    def needs_streaming(self) -> bool:
+        return any(u.kind in ("disk", "cpu->gpu") for u in self.units)
+
+    def layer_kinds(self) -> list[str]:
+        return [p.kind for p in self.layers]
+
+
+# -- cost model ---------------------------------------------------------------
+
+
+@dataclass
+class _Cost:
+    compute: float = 0.0
+    disk: float = 0.0
+    h2d: float = 0.0
+    per_unit: dict[str, tuple[float, str]] = field(default_factory=dict)
+
+    @property
+    def total(self) -> float:
+        return max(self.compute, self.disk, self.h2d)
+
+    @property
+    def bound(self) -> str:
+        r = {"compute": self.compute, "disk read": self.disk, "host-to-device": self.h2d}
+        return max(r, key=r.get)
+
+
+def _unit_cost(u: UnitShape, kind: str, tokens: int, ctx: int, shape: ModelShape, bw: Bandwidths,
+               compute_dev: str) -> tuple[float, float, float]:
+    """(compute s, disk s, h2d s) of one unit for one step of ``tokens`` tokens."""
+    if u.kind == "embed":
+        # A gather of `tokens` rows; from disk it is one small read per row.
+        row = u.nbytes // max(shape.vocab, 1)
+        if kind == "disk":
+            return 0.0, tokens * (row / (bw.disk_read_gbps * 1e9) + 20e-6), 0.0
+        return 0.0, 0.0, 0.0
+    mem_bw = (bw.gpu_mem_gbps or 1000.0) * 1e9 if compute_dev == "gpu" else bw.mem_gbps * 1e9
+    flops = bw.gpu_flops(shape.dtype) if compute_dev == "gpu" else bw.cpu_flops(shape.dtype)
+    kv_read = shape.kv_bytes_per_token_layer * ctx * min(tokens, shape.vocab) if u.kind == "layer" else 0
+    compute = max(u.nbytes / mem_bw, 2.0 * u.params * tokens / flops) + kv_read / mem_bw
+    disk = u.nbytes / (bw.disk_read_gbps * 1e9) if kind == "disk" else 0.0
+    h2d = u.nbytes / ((bw.h2d_gbps or 16.0) * 1e9) if (kind == "cpu->gpu" or (kind == "disk" and compute_dev == "gpu")) else 0.0
+    if kind in ("disk", "cpu->gpu"):
+        compute += STREAM_LATENCY_S
+    return compute, disk, h2d
+
+
+def _step_cost(shape: ModelShape, kinds: list[str], embed_kind: str | None, head_kind: str, tokens: int, ctx: int,
+               bw: Bandwidths, gpu: bool) -> _Cost:
+    c = _Cost()
+    items = list(zip(shape.layers, kinds)) + ([(shape.embed, embed_kind)] if shape.embed else []) + [(shape.head, head_kind)]
+    for u, kind in items:
+        dev = "cpu" if (kind == "cpu" or not gpu) else "gpu"
+        if u.kind == "embed" and kind == "cpu":
+            dev = "cpu"
+        comp, disk, h2d = _unit_cost(u, kind, tokens, ctx, shape, bw, dev)
+        c.compute += comp
+        c.disk += disk
+        c.h2d += h2d
+        parts = {"compute": comp, "disk": disk, "h2d": h2d}
+        b = max(parts, key=parts.get)
+        if b == "compute" and comp and kind in ("gpu", "cpu"):
+            b = "memory" if u.nbytes / ((bw.gpu_mem_gbps or 1000) * 1e9 if dev == "gpu" else bw.mem_gbps * 1e9) >= comp * 0.5 else "compute"
+        c.per_unit[u.name] = (max(parts.values()), b)
+    return c
+
+
+def spread(counts: dict[str, int]) -> list[str]:
+    """Interleave kinds evenly: 2 x 'cpu' + 4 x 'disk' -> disk cpu disk disk cpu disk."""
+    slots: list[tuple[float, int, str]] = []
+    order = {k: i for i, k in enumerate(KINDS)}
+    for kind, c in counts.items():
+        n = sum(counts.values())
+        for j in range(c):
+            slots.append(((j + 0.5) * n / c, order[kind], kind))
+    return [k for _, _, k in sorted(slots)]
+
+
+def activation_bytes(shape: ModelShape, max_batched_tokens: int, max_seqs: int) -> int:
+    """Scratch for one step: hidden states, MLP intermediates, logits (float32) + sampling copies."""
+    elt = torch.tensor([], dtype=shape.dtype).element_size()
+    per_tok = (6 * shape.hidden + 3 * shape.intermediate) * max(elt, 4)
+    return max_batched_tokens * per_tok + max_seqs * shape.vocab * 4 * 3
+
+
+def head_chunk_rows(shape: ModelShape) -> int:
+    """Rows of a streamed LM-head chunk: about one layer's bytes (so one ring serves both)."""
+    layer = max((u.nbytes for u in shape.layers), default=shape.head.nbytes)
+    row = max(shape.head.nbytes // max(shape.vocab, 1), 1)
+    rows = max(layer // row, 1)
+    if rows >= 256:
+        rows -= rows % 256
+    return min(rows, shape.vocab)
+
+
+def plan_placement(shape: ModelShape, budgets: Budgets, bw: Bandwidths, workload: Workload,
+                   max_seqs: int | None = None, force: dict[str, int] | None = None) -> Plan:
+    """The fastest feasible placement (or the one ``force`` = kind -> layer count asks for).
+
+    Raises ``BudgetError`` (with the minimum that would work) when nothing fits.
+    """
+    gpu = budgets.has_gpu
+    n = len(shape.layers)
+    layer_bytes = max((u.nbytes for u in shape.layers), default=0)
+    rows = head_chunk_rows(shape)
+    chunk_bytes = rows * max(shape.head.nbytes // max(shape.vocab, 1), 1)
+    kv_bytes = workload.kv_tokens * shape.kv_bytes_per_token_layer * n
+    act = activation_bytes(shape, workload.max_batched_tokens, max_seqs or workload.batch)
+    ctx = workload.prompt_len + workload.output_len // 2
+    layer_kinds = ("gpu", "cpu", "cpu->gpu", "disk") if gpu else ("cpu", "disk")
+    embed_kinds = ((("gpu", "cpu", "disk") if gpu else ("cpu", "disk")) if shape.embed else (None,))
+    head_kinds = ("gpu", "cpu", "cpu->gpu", "disk") if gpu else ("cpu", "disk")
+
+    best: tuple[float, dict] | None = None
+    feasible: list[tuple[str, float]] = []
+    min_cpu = None
+
+    def consider(counts: dict[str, int], ek: str | None, hk: str) -> None:
+        nonlocal best, min_cpu
+        kinds = spread(counts)
+        tiers = {"gpu": 0, "cpu": 0}
+        for k, c in counts.items():
+            if k == "gpu":
+                tiers["gpu"] += c * layer_bytes
+            elif k in ("cpu", "cpu->gpu"):
+                tiers["cpu"] += c * layer_bytes
+        for u, k in ((shape.embed, ek), (shape.head, hk)):
+            if u is None:
+                continue
+            if k == "gpu":
+                tiers["gpu"] += u.nbytes
+            elif k in ("cpu", "cpu->gpu"):
+                tiers["cpu"] += u.nbytes
+        disk_units = [k for k in kinds + [hk] if k == "disk"]
+        stream_units = [k for k in kinds + [hk] if k in ("disk", "cpu->gpu")]
+        big = max(layer_bytes if any(k in ("disk", "cpu->gpu") for k in kinds) else 0,
+                  chunk_bytes if hk in ("disk", "cpu->gpu") else 0)
+        staging = {"cpu": RING_SLOTS * big if disk_units else 0,
+                   "gpu": RING_SLOTS * big if (gpu and stream_units) else 0}
+        kv_tier = "gpu" if gpu and counts.get("cpu", 0) < n else "cpu"
+        acts = {"cpu": act if not gpu else act // 4, "gpu": act if gpu else 0}
+        need = {t: tiers[t] + staging[t] + acts[t] + (kv_bytes if kv_tier == t else 0) for t in tiers}
+        if min_cpu is None or need["cpu"] < min_cpu:
+            min_cpu = need["cpu"]
+        if need["cpu"] > budgets.cpu or (gpu and need["gpu"] > (budgets.gpu or 0)):
+            return
+        dec = _step_cost(shape, kinds, ek, hk, workload.batch, ctx, bw, gpu)
+        pre_tokens = workload.batch * workload.prompt_len
+        steps = math.ceil(pre_tokens / workload.max_batched_tokens)
+        pre = _step_cost(shape, kinds, ek, hk, min(pre_tokens, workload.max_batched_tokens), workload.prompt_len // 2, bw, gpu)
+        total = steps * pre.total + workload.output_len * dec.total
+        desc = ", ".join(f"{c} {k}" for k, c in counts.items() if c) + f"; head {hk}" + (f"; embed {ek}" if ek else "")
+        feasible.append((desc, dec.total * 1000))
+        if best is None or total < best[0] - 1e-12:
+            best = (total, dict(kinds=kinds, ek=ek, hk=hk, dec=dec, pre=pre, steps=steps, staging=staging,
+                                kv_tier=kv_tier, acts=acts, counts=counts))
+
+    for ek in embed_kinds:
+        for hk in head_kinds:
+            if force is not None:
+                consider({k: force.get(k, 0) for k in layer_kinds if force.get(k, 0)}, ek, hk)
+                continue
+            if not gpu:
+                for c in range(n + 1):
+                    consider({"cpu": c, "disk": n - c}, ek, hk)
+                continue
+            for g in range(n + 1):  # pragma: no cover - GPU planning is exercised in unit tests with fake budgets
+                for c in range(n - g + 1):
+                    r = n - g - c
+                    for s in (r, r // 2, 0):
+                        consider({"gpu": g, "cpu": c, "cpu->gpu": s, "disk": r - s}, ek, hk)
+
+    if best is None:
+        from llmsys.engine.errors import BudgetError
+
+        what = "--cpu-mem" if not gpu else "--gpu-mem/--cpu-mem"
+        raise BudgetError(
+            f"{what} {format_bytes(budgets.cpu)} is too small to run even one layer at a time: this model needs at least "
+            f"{format_bytes(min_cpu or 0)} of CPU RAM (2 staging buffers of {format_bytes(max(layer_bytes, chunk_bytes))}, "
+            f"KV pool {format_bytes(kv_bytes)}, activations {format_bytes(act)}); raise the budget or shrink the KV pool "
+            "(--kv-cache-tokens)"
+        )
+    _, b = best
+    dec: _Cost = b["dec"]
+    gpu_dev = lambda k: "cpu" if (k == "cpu" or not gpu) else "gpu"  # noqa: E731
+    layers = tuple(
+        Placement(u.name, k, gpu_dev(k), u.nbytes, dec.per_unit[u.name][0] * 1000, dec.per_unit[u.name][1])
+        for u, k in zip(shape.layers, b["kinds"])
+    )
+    embed = None
+    if shape.embed is not None:
+        ms, bound = dec.per_unit[shape.embed.name]
+        embed = Placement(shape.embed.name, b["ek"], "cpu" if b["ek"] in ("cpu", "disk") else "gpu", shape.embed.nbytes, ms * 1000, bound)
+    ms, bound = dec.per_unit[shape.head.name]
+    head = Placement(shape.head.name, b["hk"], gpu_dev(b["hk"]), shape.head.nbytes, ms * 1000, bound)
+    plan = Plan(
+        layers=layers, embed=embed, head=head, head_chunk_rows=rows, kv_tier=b["kv_tier"], kv_bytes=kv_bytes,
+        staging={k: v for k, v in b["staging"].items() if v}, activations={k: v for k, v in b["acts"].items() if v},
+        budgets=budgets, bandwidths=bw, workload=workload, decode_ms=dec.total * 1000,
+        prefill_ms=b["steps"] * b["pre"].total * 1000, bound=dec.bound,
+        resources_ms={"compute": dec.compute * 1000, "disk read": dec.disk * 1000, "host-to-device": dec.h2d * 1000},
+        alternatives=tuple(sorted(set(feasible), key=lambda x: x[1])[:8]), min_cpu_bytes=min_cpu or 0,
+    )
+    return _with_reasons(plan, shape)
+
+
+def _with_reasons(plan: Plan, shape: ModelShape) -> Plan:
+    from dataclasses import replace
+
+    from llmsys.offload.report import explain_lines
+
+    return replace(plan, reasons=tuple(explain_lines(plan, shape)))
+
+
+def model_shape(
+    layers: list[torch.nn.Module],
+    embed: torch.nn.Module,
+    head: torch.nn.Module,
+    tied: bool,
+    dtype: torch.dtype,
+    kv_bytes_per_token_layer: int,
+    bytes_per_weight: float | None = None,
+) -> ModelShape:
+    """Describe a (meta-device) model for the planner.
+
+    ``bytes_per_weight`` overrides the element size of 2-D weights (a
+    quantized format: int4 with scales ~0.56); 1-D tensors keep ``dtype``.
+    """
+    elt = torch.tensor([], dtype=dtype).element_size()
+
+    def size(mod: torch.nn.Module) -> tuple[int, int]:
+        nbytes = params = 0
+        for t in list(mod.parameters()) + list(mod.buffers()):
+            if t.dim() >= 2:
+                params += t.numel()
+                nbytes += int(t.numel() * (bytes_per_weight or elt))
+            else:
+                nbytes += t.numel() * (elt if t.is_floating_point() else t.element_size())
+        return nbytes, params
+
+    lus = []
+    for i, layer in enumerate(layers):
+        nb, p = size(layer)
+        lus.append(UnitShape(f"layers.{i}", "layer", nb, p))
+    e_nb, _ = size(embed)
+    vocab, hidden = embed.weight.shape
+    if tied:
+        head_u = UnitShape("embed+lm_head", "head", e_nb, vocab * hidden)
+        embed_u = None
+    else:
+        h_nb, h_p = size(head)
+        head_u = UnitShape("lm_head", "head", h_nb, h_p)
+        embed_u = UnitShape("embed", "embed", e_nb, 0)
+    inter = 0
+    for m in layers[0].modules() if layers else ():
+        if hasattr(m, "up_proj"):
+            inter = m.up_proj.weight.shape[0] if hasattr(m.up_proj, "weight") else 0
+    return ModelShape(tuple(lus), embed_u, head_u, hidden, inter or 4 * hidden, vocab, kv_bytes_per_token_layer, dtype)
+
+
+def describe_budgets(b: Budgets) -> str:
+    gpu = f"gpu {format_bytes(b.gpu)}" if b.gpu is not None else "no gpu"
+    folder = str(b.offload_dir) if b.offload_dir else "(checkpoint / scratch)"
+    return f"cpu {format_bytes(b.cpu)}{'' if b.cpu_explicit else ' (free)'}, {gpu}, offload dir {folder}"

@@ -1,0 +1,100 @@
+"""The plan as text: a table of layer ranges (``llmsys plan``) and the why."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from llmsys.offload.budgets import format_bytes
+
+if TYPE_CHECKING:
+    from llmsys.offload.plan import ModelShape, Plan, Placement
+
+_KIND_TEXT = {
+    "gpu": "GPU (resident)",
+    "cpu": "CPU RAM, computed on CPU",
+    "cpu->gpu": "CPU RAM, streamed to GPU",
+    "disk": "disk, streamed",
+}
+
+
+def layer_ranges(plan: "Plan") -> list[tuple[int, int, "Placement"]]:
+    """Runs of consecutive layers with the same placement: (first, last, placement of first)."""
+    out: list[tuple[int, int, Placement]] = []
+    for i, p in enumerate(plan.layers):
+        if out and out[-1][2].kind == p.kind and out[-1][1] == i - 1:
+            out[-1] = (out[-1][0], i, out[-1][2])
+        else:
+            out.append((i, i, p))
+    return out
+
+
+def format_plan(plan: "Plan") -> str:
+    """Fixed-width table: what lives where, bytes, predicted ms per decode step, the bound."""
+    rows: list[tuple[str, str, str, str, str]] = []
+    for a, b, p in layer_ranges(plan):
+        n = b - a + 1
+        name = f"layers {a}" if a == b else f"layers {a}-{b}"
+        per = sum(x.nbytes for x in plan.layers[a : b + 1])
+        ms = sum(x.ms for x in plan.layers[a : b + 1])
+        rows.append((name, _KIND_TEXT[p.kind], format_bytes(per), f"{ms:.2f}", p.bound + (f" (x{n})" if n > 1 else "")))
+    for p in ((plan.embed,) if plan.embed else ()) + (plan.head,):
+        extra = f", {plan.head_chunk_rows}-row chunks" if p is plan.head and p.kind in ("disk", "cpu->gpu") else ""
+        rows.append((p.name, _KIND_TEXT[p.kind] + extra, format_bytes(p.nbytes), f"{p.ms:.2f}", p.bound))
+    rows.append(("KV pool", f"{plan.kv_tier.upper()} RAM" if plan.kv_tier == "cpu" else "GPU", format_bytes(plan.kv_bytes),
+                 "", f"{plan.workload.kv_tokens} tokens"))
+    for tier, nb in plan.staging.items():
+        rows.append((f"staging ({tier})", f"{2} ring buffers", format_bytes(nb), "", ""))
+    head = ("unit", "placement", "bytes", "ms/step", "bound")
+    widths = [max(len(r[i]) for r in rows + [head]) for i in range(5)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths)), "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    w = plan.workload
+    lines.append("")
+    budgets = f"cpu {format_bytes(plan.used('cpu'))} of {format_bytes(plan.budgets.cpu)}"
+    if plan.budgets.gpu is not None:
+        budgets += f"; gpu {format_bytes(plan.used('gpu'))} of {format_bytes(plan.budgets.gpu)}"
+    lines.append(f"memory: {budgets}; disk read per step {format_bytes(plan.disk_bytes_per_step)}")
+    lines.append(
+        f"predicted: {plan.decode_ms:.1f} ms per decode step at batch {w.batch} ({plan.tok_s:.1f} tok/s), "
+        f"prefill {plan.prefill_ms:.0f} ms for {w.batch} x {w.prompt_len} tokens; bound by {plan.bound}"
+    )
+    return "\n".join(lines)
+
+
+def explain_lines(plan: "Plan", shape: "ModelShape") -> list[str]:
+    """Why this plan: budgets, measured speeds, resource times, runners-up."""
+    bw = plan.bandwidths
+    out = [
+        f"model: {len(shape.layers)} layers of {format_bytes(max((u.nbytes for u in shape.layers), default=0))}, "
+        f"{'tied embeddings/LM head' if shape.tied else 'embeddings + LM head'} {format_bytes(shape.head.nbytes + (shape.embed.nbytes if shape.embed else 0))}, "
+        f"total {format_bytes(shape.weight_bytes)}",
+        f"measured: RAM {bw.mem_gbps:.1f} GB/s, disk read {bw.disk_read_gbps:.2f} GB/s"
+        + (f", host-to-device {bw.h2d_gbps:.1f} GB/s" if bw.h2d_gbps else "")
+        + ", CPU " + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in bw.cpu_gflops.items()),
+    ]
+    fits_cpu = shape.weight_bytes + plan.kv_bytes <= plan.budgets.cpu
+    if not plan.needs_streaming:
+        out.append("everything fits its tier's budget, so nothing streams: weights are read from memory only")
+    else:
+        out.append(
+            f"the weights ({format_bytes(shape.weight_bytes)}) do not fit the budgets"
+            + ("" if fits_cpu or plan.budgets.has_gpu else f" (cpu {format_bytes(plan.budgets.cpu)})")
+            + f", so {format_bytes(plan.streamed_bytes_per_step)} stream each step; "
+            "resident layers are spread between streamed ones so their compute overlaps the reads"
+        )
+    r = plan.resources_ms
+    out.append(
+        "per decode step: " + ", ".join(f"{k} {v:.1f} ms" for k, v in r.items() if v)
+        + f" -> max {plan.decode_ms:.1f} ms (prefetch overlaps them); bound: {plan.bound}"
+    )
+    if plan.head.kind == "disk":
+        out.append(
+            f"the LM head streams in {plan.head_chunk_rows}-row chunks (one ring buffer each) because it is larger than "
+            "what is left of the budget"
+        )
+    if plan.embed is not None and plan.embed.kind == "disk":
+        out.append("embeddings stay on disk: a step reads only the rows of its tokens")
+    alts = [a for a in plan.alternatives[1:4]]
+    if alts:
+        out.append("runners-up (decode ms/step): " + "; ".join(f"[{d}] {ms:.1f}" for d, ms in alts))
+    return out

@@ -1,0 +1,491 @@
+"""Carrying out a plan: what the loader skips, and the per-layer hook at run time.
+
+Life cycle (the engine drives it; offload never imports the engine):
+
+1. ``OffloadRuntime(plan, ...)`` before loading. The loader asks it, per
+   checkpoint tensor, ``skip(name)`` (leave it on disk: it will be streamed
+   straight from the checkpoint), ``device_for(name, default)`` (CPU RAM for
+   layers that live on the CPU of a GPU machine) and calls ``loaded(name,
+   model)`` after placing one (a streamed layer that had to be converted or
+   quantized in memory is written to the offload file as soon as its last
+   tensor arrives, then dropped: peak memory is one layer, not the model).
+2. ``install(model)`` after loading: streamed layers get their tensors'
+   disk locations and a reader ring; the model's ``layer_hook`` is set so
+   layer i's tensors are bound to buffer views (no copy) just before it runs
+   and released after; an on-disk embedding / LM head is swapped for modules
+   that read rows / stream chunks.
+3. ``close()`` stops the reader thread and removes scratch files.
+
+Streamed tensors are whatever parameters and buffers a layer module owns, so
+quantized layers (their packed weights are buffers) stream quantized.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmsys.offload.budgets import scratch_offload_dir
+from llmsys.offload.plan import Plan
+from llmsys.offload.streamer import ALIGN, CudaStager, ReaderRing, StreamItem, StreamUnit, TensorSource
+
+# locate(name) -> (file path, info with .dtype .shape .offset .nbytes) or None (not in a safetensors file)
+Locate = Callable[[str], "tuple[str, Any] | None"]
+CONVERT_CHUNK = 16 << 20  # bytes per read/convert/write step when writing the offload file
+
+
+@dataclass
+class _Binding:
+    owner: nn.Module
+    leaf: str
+    is_param: bool
+    placeholder: torch.Tensor  # what the slot holds while the unit is not resident (meta)
+
+
+def _tensor_slots(module: nn.Module) -> list[tuple[nn.Module, str, bool, torch.Tensor]]:
+    """Every (owner, leaf, is_param, tensor) a module owns, recursively (None entries skipped)."""
+    out = []
+    for _, mod in module.named_modules():
+        for leaf, t in mod._parameters.items():
+            if t is not None:
+                out.append((mod, leaf, True, t))
+        for leaf, t in mod._buffers.items():
+            if t is not None:
+                out.append((mod, leaf, False, t))
+    return out
+
+
+def _meta_like(t: torch.Tensor, is_param: bool) -> torch.Tensor:
+    m = torch.empty(t.shape, dtype=t.dtype, device="meta")
+    return nn.Parameter(m, requires_grad=False) if is_param else m
+
+
+class OffloadWriter:
+    """Appends tensors to one offload file, aligned, and drops them from the page cache."""
+
+    def __init__(self, folder: Path, name: str):
+        folder.mkdir(parents=True, exist_ok=True)
+        self.path = folder / name
+        self._f = open(self.path, "wb")
+        self._off = 0
+
+    def _write(self, data: memoryview) -> None:
+        self._f.write(data)
+        self._off += len(data)
+
+    def _pad(self) -> None:
+        pad = -self._off % ALIGN
+        if pad:
+            self._write(memoryview(bytes(pad)))
+
+    def add(self, t: torch.Tensor) -> TensorSource:
+        self._pad()
+        start = self._off
+        t = t.detach().contiguous().cpu()
+        if t.numel():
+            self._write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+        self._flush()
+        return TensorSource(str(self.path), start, self._off - start)
+
+    def add_converted(self, path: str, info: Any, dtype: torch.dtype) -> TensorSource:
+        """Copy a checkpoint tensor into the file in ``dtype``, a few MiB at a time."""
+        self._pad()
+        start = self._off
+        shape = tuple(info.shape)
+        row_elems = 1
+        for s in shape[1:]:
+            row_elems *= s
+        src_elt = info.nbytes // max(1, _numel(shape)) if _numel(shape) else 1
+        rows = shape[0] if shape else 1
+        step = max(1, CONVERT_CHUNK // max(row_elems * src_elt, 1))
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for a in range(0, rows, step):
+                b = min(rows, a + step)
+                n = (b - a) * row_elems if shape else 1
+                buf = torch.empty(n, dtype=info.dtype)
+                os.preadv(fd, [memoryview(buf.view(torch.uint8).numpy())], info.offset + a * row_elems * src_elt)
+                self._write(memoryview(buf.to(dtype).view(torch.uint8).numpy()))
+            os.posix_fadvise(fd, info.offset, info.nbytes, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        self._flush()
+        return TensorSource(str(self.path), start, self._off - start)
+
+    def _flush(self) -> None:
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        os.posix_fadvise(self._f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+
+    def close(self) -> None:
+        if not self._f.closed:
+            self._flush()
+            self._f.close()
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+class DiskEmbedding(nn.Module):
+    """An embedding table left on disk: a step reads only the rows of its tokens."""
+
+    def __init__(self, src: TensorSource, vocab: int, hidden: int, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.src, self.vocab, self.hidden, self.dtype, self.device = src, vocab, hidden, dtype, device
+        self.row_bytes = src.nbytes // vocab
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        out = torch.empty(ids.shape[0], self.hidden, dtype=self.dtype)
+        view = memoryview(out.view(torch.uint8).numpy()).cast("B")
+        fd = os.open(self.src.path, os.O_RDONLY)
+        try:
+            for j, tok in enumerate(ids.tolist()):
+                off = self.src.offset + tok * self.row_bytes
+                os.preadv(fd, [view[j * self.row_bytes : (j + 1) * self.row_bytes]], off)
+                os.posix_fadvise(fd, off, self.row_bytes, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        return out.to(self.device)
+
+
+class StreamedLMHead(nn.Module):
+    """The LM head in row chunks streamed through the ring: logits[:, a:b] = h @ W[a:b].T."""
+
+    def __init__(self, runtime: "OffloadRuntime", chunks: list[tuple[int, int, int]], vocab: int):
+        super().__init__()
+        self._rt = [runtime]  # a list: not registered as a submodule
+        self.chunks = chunks  # (first row, end row, ring unit index)
+        self.vocab = vocab
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
+        rt = self._rt[0]
+        out = torch.empty(h.shape[0], self.vocab, dtype=h.dtype, device=h.device)
+        for a, b, u in self.chunks:
+            (w,) = rt.bring(u)
+            try:
+                out[:, a:b] = F.linear(h, w)
+            finally:
+                rt.drop(u)
+        return out
+
+
+class OffloadRuntime:
+    def __init__(self, plan: Plan, device: torch.device, dtype: torch.dtype, locate: Locate, quantized: bool = False):
+        self.plan = plan
+        self.device = device
+        self.dtype = dtype
+        self.locate = locate
+        self.quantized = quantized
+        self.cuda = device.type == "cuda"
+        self.kind = {i: p.kind for i, p in enumerate(plan.layers)}
+        self.ring: ReaderRing | None = None
+        self.stager: CudaStager | None = None
+        self._scratch: Path | None = None
+        self._writer: OffloadWriter | None = None
+        self._written: dict[str, list[tuple[_Binding, StreamItem]]] = {}  # unit -> tensors written while loading
+        self._pending: dict[str, set[str]] = {}  # unit -> names not loaded yet (in-memory conversion)
+        self._direct: set[str] = set()  # units streamed straight from the checkpoint
+        self._convert: set[str] = set()  # units converted chunk-wise into the offload file
+        self._units: list[StreamUnit] = []
+        self._bindings: list[list[_Binding]] = []
+        self._layer_unit: dict[int, int] = {}
+        self._tokens: dict[int, Any] = {}
+        self._resident_cpu: dict[int, tuple[list[_Binding], list[torch.Tensor]]] = {}
+        self.disk_bytes = 0
+
+    # -- which unit a checkpoint tensor belongs to -------------------------
+    def unit_of(self, name: str) -> str | None:
+        if name.startswith("model.layers."):
+            i = int(name.split(".")[2])
+            return f"layers.{i}" if self.kind.get(i) == "disk" else None
+        head = self.plan.head
+        if name == "model.embed_tokens.weight":
+            if self.plan.embed is None:
+                return "head" if head.kind == "disk" else None
+            return "embed" if self.plan.embed.kind == "disk" else None
+        if name == "lm_head.weight" and self.plan.embed is not None:
+            return "head" if head.kind == "disk" else None
+        return None
+
+    def prepare(self, names: list[str]) -> None:
+        """Decide per streamed unit how its bytes get to disk (called with every checkpoint name)."""
+        by_unit: dict[str, list[str]] = {}
+        for n in names:
+            u = self.unit_of(n)
+            if u is not None:
+                by_unit.setdefault(u, []).append(n)
+        for u, ns in by_unit.items():
+            found = [self.locate(n) for n in ns]
+            quant_here = self.quantized and u.startswith("layers.")
+            if not quant_here and all(f is not None for f in found):
+                same = all(f[1].dtype == self.dtype or not f[1].dtype.is_floating_point for f in found)
+                (self._direct if same else self._convert).add(u)
+            else:
+                self._pending[u] = set(ns)
+
+    # -- loader policy -------------------------------------------------------
+    def skip(self, name: str) -> bool:
+        u = self.unit_of(name)
+        return u is not None and (u in self._direct or u in self._convert)
+
+    def device_for(self, name: str, default: torch.device) -> torch.device:
+        if name.startswith("model.layers."):
+            i = int(name.split(".")[2])
+            if self.kind.get(i) in ("cpu", "cpu->gpu", "disk"):
+                return torch.device("cpu")
+        u = self.unit_of(name)
+        if u is not None:
+            return torch.device("cpu")
+        return default
+
+    def loaded(self, name: str, model: nn.Module) -> None:
+        u = self.unit_of(name)
+        if u is None or u not in self._pending:
+            return
+        left = self._pending[u]
+        left.discard(name)
+        if left:
+            return
+        del self._pending[u]
+        mod = model.get_submodule("model." + u) if u.startswith("layers.") else None
+        if mod is None:
+            mod = model.get_submodule("model.embed_tokens" if u in ("embed",) or self.plan.embed is None else "lm_head")
+        self._written[u] = self._write_module(mod)
+
+    def _writer_for(self) -> OffloadWriter:
+        if self._writer is None:
+            folder = self.plan.budgets.offload_dir
+            if folder is None:
+                folder = self._scratch = scratch_offload_dir()
+            self._writer = OffloadWriter(Path(folder), f"llmsys-offload-{os.getpid()}-{id(self):x}.bin")
+        return self._writer
+
+    def _write_module(self, mod: nn.Module) -> list[tuple[_Binding, StreamItem]]:
+        out = []
+        w = self._writer_for()
+        seen: dict[int, StreamItem] = {}
+        for owner, leaf, is_param, t in _tensor_slots(mod):
+            item = seen.get(id(t))
+            if item is None:
+                item = seen[id(t)] = StreamItem(t.dtype, tuple(t.shape), w.add(t))
+            b = _Binding(owner, leaf, is_param, _meta_like(t, is_param))
+            (owner._parameters if is_param else owner._buffers)[leaf] = b.placeholder
+            out.append((b, item))
+        return out
+
+    # -- after loading ---------------------------------------------------------
+    def install(self, model: nn.Module) -> None:
+        """Wire streaming into a loaded model (no-op when nothing streams)."""
+        sources: dict[str, TensorSource] = {}
+        for u in sorted(self._direct | self._convert):
+            names = self._names_of(model, u)
+            for n in names:
+                path, info = self.locate(n)
+                if u in self._direct:
+                    sources[n] = TensorSource(str(path), info.offset, info.nbytes)
+                else:
+                    sources[n] = self._writer_for().add_converted(str(path), info, self.dtype)
+        if self._writer is not None:
+            self._writer.close()
+        layers = model.model.layers
+        for i, kind in self.kind.items():
+            u = f"layers.{i}"
+            if kind == "disk":
+                pairs = self._written.get(u) or self._bind_direct(layers[i], f"model.layers.{i}.", sources)
+                self._add_unit(u, pairs)
+                self._layer_unit[i] = len(self._units) - 1
+            elif kind == "cpu->gpu" and self.cuda:  # pragma: no cover - GPU only
+                slots = _tensor_slots(layers[i])
+                binds = [_Binding(o, leaf, p, t.pin_memory()) for o, leaf, p, t in slots]
+                self._resident_cpu[i] = (binds, [b.placeholder for b in binds])
+        self._install_embed_head(model, sources)
+        self.disk_bytes = sum(u.nbytes for u in self._units)
+        if self._units:
+            self.ring = ReaderRing(self._units, pin=self.cuda)
+            if self.cuda:  # pragma: no cover - GPU only
+                self.stager = CudaStager(self.ring.slot_bytes, self.device)
+        if self._units or self._resident_cpu or any(k == "cpu" for k in self.kind.values()) and self.cuda:
+            model.layer_hook = self.layer_hook
+
+    def _names_of(self, model: nn.Module, u: str) -> list[str]:
+        if u.startswith("layers."):
+            return [f"model.{u}.{n}" for n, _ in model.get_submodule("model." + u).named_parameters()]
+        if u == "embed" or self.plan.embed is None:
+            return ["model.embed_tokens.weight"]
+        return ["lm_head.weight"]
+
+    def _bind_direct(self, layer: nn.Module, prefix: str, sources: dict[str, TensorSource]):
+        pairs = []
+        for name, p in layer.named_parameters():
+            mod_name, _, leaf = name.rpartition(".")
+            owner = layer.get_submodule(mod_name) if mod_name else layer
+            b = _Binding(owner, leaf, True, _meta_like(p, True))
+            owner._parameters[leaf] = b.placeholder
+            pairs.append((b, StreamItem(self.dtype if p.is_floating_point() else p.dtype, tuple(p.shape), sources[prefix + name])))
+        return pairs
+
+    def _add_unit(self, name: str, pairs: list[tuple[_Binding, StreamItem]]) -> None:
+        self._units.append(StreamUnit(name, [it for _, it in pairs]))
+        self._bindings.append([b for b, _ in pairs])
+
+    def _install_embed_head(self, model: nn.Module, sources: dict[str, TensorSource]) -> None:
+        a = model.args
+        plan = self.plan
+        tied = plan.embed is None
+        head_disk = plan.head.kind == "disk"
+        embed_disk = head_disk if tied else plan.embed.kind == "disk"
+        if embed_disk:
+            src = sources.get("model.embed_tokens.weight")
+            if src is None:  # converted in memory while loading
+                (_, item), = [(b, it) for b, it in self._written["head" if tied else "embed"]]
+                src = item.src
+            model.model.embed_tokens = DiskEmbedding(src, a.vocab_size, a.hidden_size, self.dtype, self.device)
+        if head_disk:
+            name = "model.embed_tokens.weight" if tied else "lm_head.weight"
+            src = sources.get(name)
+            if src is None:
+                written = self._written["head"]
+                if len(written) != 1:  # a quantized head: stream the whole module as one unit
+                    self._add_unit("lm_head", written)
+                    idx = len(self._units) - 1
+                    head = model.lm_head
+                    rt = self
+
+                    class _WholeHead(nn.Module):
+                        def forward(self, h):
+                            rt.bring(idx)
+                            try:
+                                return head(h)
+                            finally:
+                                rt.drop(idx)
+
+                    model.lm_head = _WholeHead()
+                    return
+                src = written[0][1].src
+            row = src.nbytes // a.vocab_size
+            rows = plan.head_chunk_rows
+            chunks = []
+            for s in range(0, a.vocab_size, rows):
+                e = min(a.vocab_size, s + rows)
+                item = StreamItem(self.dtype, (e - s, a.hidden_size), TensorSource(src.path, src.offset + s * row, (e - s) * row))
+                self._units.append(StreamUnit(f"lm_head[{s}:{e}]", [item]))
+                self._bindings.append([])
+                chunks.append((s, e, len(self._units) - 1))
+            model.lm_head = StreamedLMHead(self, chunks, a.vocab_size)
+
+    # -- run time ------------------------------------------------------------------
+    def bring(self, u: int) -> list[torch.Tensor]:
+        """Make ring unit ``u`` resident on the compute device; its tensors, bound into the model."""
+        views = self.ring.acquire(u)
+        if self.stager is not None:  # pragma: no cover - GPU only
+            unit = self._units[u]
+            k = self.stager.copy_in(views, unit.offsets)
+            self._tokens[u] = k
+            views = self.stager.views(k, unit.items, unit.offsets)
+        for b, v in zip(self._bindings[u], views):
+            (b.owner._parameters if b.is_param else b.owner._buffers)[b.leaf] = v
+        return views
+
+    def drop(self, u: int) -> None:
+        for b in self._bindings[u]:
+            (b.owner._parameters if b.is_param else b.owner._buffers)[b.leaf] = b.placeholder
+        if self.stager is not None:  # pragma: no cover - GPU only
+            k = self._tokens.pop(u)
+            self.stager.done(k)
+            self.stager.wait_copied(k)
+        self.ring.release(u)
+
+    def layer_hook(self, i: int, layer: nn.Module, h, cos, sin, k_cache, v_cache, meta):
+        u = self._layer_unit.get(i)
+        if u is not None:
+            self.bring(u)
+            try:
+                return layer(h, cos, sin, k_cache, v_cache, meta)
+            finally:
+                self.drop(u)
+        if i in self._resident_cpu:  # pragma: no cover - GPU only: pinned CPU weights copied to the GPU
+            binds, srcs = self._resident_cpu[i]
+            offsets, off = [], 0
+            for t in srcs:
+                offsets.append(off)
+                off += -(-(t.numel() * t.element_size()) // ALIGN) * ALIGN
+            k = self.stager.copy_in(srcs, offsets)
+            items = [StreamItem(t.dtype, tuple(t.shape), TensorSource("", 0, t.numel() * t.element_size())) for t in srcs]
+            for b, v in zip(binds, self.stager.views(k, items, offsets)):
+                (b.owner._parameters if b.is_param else b.owner._buffers)[b.leaf] = v
+            try:
+                return layer(h, cos, sin, k_cache, v_cache, meta)
+            finally:
+                self.stager.done(k)
+        if self.cuda and self.kind.get(i) == "cpu":  # pragma: no cover - GPU only: computed on the CPU
+            cpu = torch.device("cpu")
+            m = _meta_to(meta, cpu)
+            out = layer(h.to(cpu), cos.to(cpu), sin.to(cpu), k_cache, v_cache, m)
+            return out.to(self.device, non_blocking=True)
+        return layer(h, cos, sin, k_cache, v_cache, meta)
+
+    def place_kv(self, kv: Any) -> None:  # pragma: no cover - GPU only
+        """Move the KV tensors of CPU-computed layers to CPU RAM (kv has lists ``k`` and ``v``)."""
+        if not self.cuda:
+            return
+        for i, kind in self.kind.items():
+            if kind == "cpu":
+                kv.k[i] = kv.k[i].cpu()
+                kv.v[i] = kv.v[i].cpu()
+
+    # -- accounting --------------------------------------------------------------
+    def weight_bytes(self, model: nn.Module) -> dict[str, int]:
+        """Resident weight bytes per tier ("gpu"/"cpu") plus "disk" (streamed units)."""
+        out: dict[str, int] = {}
+        seen: set[int] = set()
+        for t in list(model.parameters()) + list(model.buffers()):
+            if id(t) in seen or t.device.type == "meta":
+                continue
+            seen.add(id(t))
+            tier = "gpu" if t.device.type == "cuda" else "cpu"
+            out[tier] = out.get(tier, 0) + t.numel() * t.element_size()
+        for binds, srcs in self._resident_cpu.values():  # pragma: no cover - GPU only
+            out["cpu"] = out.get("cpu", 0) + sum(t.numel() * t.element_size() for t in srcs)
+        if self.disk_bytes:
+            out["disk"] = self.disk_bytes
+        return out
+
+    def staging_bytes(self) -> dict[str, int]:
+        out = {}
+        if self.ring is not None:
+            out["cpu"] = self.ring.slot_bytes * len(self.ring.slots)
+        if self.stager is not None:  # pragma: no cover - GPU only
+            out["gpu"] = sum(b.numel() for b in self.stager.bufs)
+        return out
+
+    def close(self) -> None:
+        if self.ring is not None:
+            self.ring.close()
+            self.ring = None
+        if self._writer is not None:
+            self._writer.close()
+            try:
+                os.unlink(self._writer.path)
+            except OSError:
+                pass
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+
+
+def _meta_to(meta: Any, device: torch.device) -> Any:  # pragma: no cover - GPU only
+    """Copy a dataclass of tensors (attention metadata) to ``device``."""
+    from dataclasses import fields, replace
+
+    return replace(meta, **{f.name: getattr(meta, f.name).to(device) for f in fields(meta)
+                            if isinstance(getattr(meta, f.name), torch.Tensor)})

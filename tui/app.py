@@ -1,0 +1,241 @@
+"""``llmsys chat``: the Textual app.
+
+Layout: transcript + input on the left, the memory panel on the right, a
+status line at the bottom. All engine work happens on :class:`EngineWorker`'s
+thread; this module only reacts to its messages, so a slow step never freezes
+the screen and a failed load or a full context becomes a notice, not a crash.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.widgets import Markdown
+
+from llmsys.engine.errors import LLMSysError
+from llmsys.engine.sampling import SamplingParams
+from llmsys.tui.chat_message import ChatMessage
+from llmsys.tui.commands import HELP, SlashCommand, parse_command
+from llmsys.tui.conversation import Conversation, apply_settings, sampling_from_dict, sampling_to_dict
+from llmsys.tui.memory_panel import MemoryPanel
+from llmsys.tui.messages import (
+    EngineFailed,
+    EngineReady,
+    GenerationDone,
+    GenerationFailed,
+    ModelInfo,
+    SnapshotUpdated,
+    TokensReceived,
+)
+from llmsys.tui.prompt_input import PromptInput
+from llmsys.tui.status_line import StatusLine
+from llmsys.tui.transcript import Transcript
+from llmsys.tui.worker import Abort, EngineWorker, Generate, Refresh, error_line
+
+
+class ChatApp(App):
+    CSS_PATH = "chat.tcss"
+    TITLE = "llmsys chat"
+    BINDINGS = [
+        Binding("escape", "stop", "Stop", priority=True, show=False),
+        Binding("ctrl+q", "quit", "Quit", priority=True, show=False),
+    ]
+
+    def __init__(
+        self,
+        load: Callable[[], Any],
+        *,
+        model_name: str = "model",
+        sampling: SamplingParams | None = None,
+        system: str | None = None,
+        refresh_hz: float = 4.0,
+        theme: str | None = None,
+    ):
+        """``load`` builds the LLM; it runs on the engine thread (so loading shows
+        progress and a failure becomes a notice). Pass ``lambda: llm`` to reuse one."""
+        super().__init__()
+        self._load = load
+        self.model_name = model_name
+        self.sampling = sampling or SamplingParams(max_tokens=256)
+        self.conversation = Conversation(system=system)
+        self.refresh_hz = refresh_hz
+        self.worker: EngineWorker | None = None
+        self.info: ModelInfo | None = None
+        self.load_error: str | None = None
+        self.generating: int | None = None  # gen id in flight
+        self._gen_ids = 0
+        self._reply: ChatMessage | None = None
+        self._stream: Any = None
+        self.last_finish: str | None = None
+        if theme:
+            self.theme = theme
+
+    # -- layout --------------------------------------------------------------
+    def compose(self) -> ComposeResult:
+        with Horizontal(id="main"):
+            with Vertical(id="chat"):
+                yield Transcript(id="transcript")
+                yield PromptInput(id="prompt")
+            yield MemoryPanel(id="memory")
+        yield StatusLine(id="status")
+
+    @property
+    def transcript(self) -> Transcript:
+        return self.query_one(Transcript)
+
+    @property
+    def panel(self) -> MemoryPanel:
+        return self.query_one(MemoryPanel)
+
+    @property
+    def status(self) -> StatusLine:
+        return self.query_one(StatusLine)
+
+    def on_mount(self) -> None:
+        self.status.show_loading(self.model_name)
+        self.query_one(PromptInput).focus()
+        self.worker = EngineWorker(self._load, self.post_message, refresh_hz=self.refresh_hz)
+        self.worker.start()
+
+    def on_unmount(self) -> None:
+        if self.worker is not None:
+            self.worker.stop()
+
+    def _show_status(self, state: str) -> None:
+        if self.info is not None:
+            plan = self.panel.snapshot.plan_phrase if self.panel.snapshot else ""
+            self.status.show_info(self.info, plan, state)
+
+    # -- engine messages -----------------------------------------------------
+    def on_engine_ready(self, msg: EngineReady) -> None:
+        self.info = msg.info
+        self.panel.update_snapshot(msg.snapshot)
+        self._show_status("ready")
+
+    async def on_engine_failed(self, msg: EngineFailed) -> None:
+        self.load_error = msg.error
+        self.status.show_text(f"{self.model_name}: not loaded ({msg.error})  ·  /help · Ctrl+Q quit")
+        self.notify(msg.error, title="model failed to load", severity="error", timeout=15)
+        await self.transcript.add_message("error", f"**Could not load the model:** {msg.error}")
+
+    def on_snapshot_updated(self, msg: SnapshotUpdated) -> None:
+        self.panel.update_snapshot(msg.snapshot)
+
+    async def on_tokens_received(self, msg: TokensReceived) -> None:
+        if msg.gen_id != self.generating or self._reply is None or not msg.text:
+            return
+        self._reply.add_text(msg.text)
+        await self._stream.write(msg.text)
+        self.transcript.follow()
+
+    async def _end_reply(self) -> str:
+        text = self._reply.raw if self._reply is not None else ""
+        if self._stream is not None:
+            await self._stream.stop()
+        self._stream = None
+        self.generating = None
+        return text
+
+    async def on_generation_done(self, msg: GenerationDone) -> None:
+        if msg.gen_id != self.generating:
+            return
+        text = await self._end_reply()
+        self.conversation.add("assistant", text)
+        self._reply = None
+        self.last_finish = msg.finish_reason
+        if msg.finish_reason == "abort":
+            self.notify(f"stopped after {msg.completion_tokens} tokens; the text so far is kept", timeout=4)
+        elif msg.finish_reason == "length" and self.info and msg.prompt_tokens + msg.completion_tokens >= self.info.max_len:
+            self.notify(f"the context is full ({self.info.max_len} tokens); /reset to start over", severity="warning", timeout=8)
+        self._show_status("ready")
+        self.transcript.follow()
+
+    async def on_generation_failed(self, msg: GenerationFailed) -> None:
+        if msg.gen_id == self.generating:
+            await self._end_reply()
+            if self._reply is not None and not self._reply.raw:
+                await self._reply.remove()
+            self._reply = None
+            if self.conversation.messages and self.conversation.messages[-1]["role"] == "user":
+                self.conversation.messages.pop()  # the turn did not happen
+        self.notify(msg.error, title="generation failed", severity="error", timeout=10)
+        self._show_status("ready")
+
+    # -- input ---------------------------------------------------------------
+    async def on_prompt_input_submitted(self, msg: PromptInput.Submitted) -> None:
+        try:
+            cmd = parse_command(msg.text)
+            if cmd is not None:
+                await self.run_command(cmd)
+            else:
+                await self.send(msg.text)
+        except LLMSysError as e:
+            self.notify(error_line(e), severity="error", timeout=8)
+
+    async def send(self, text: str) -> None:
+        if self.info is None:
+            why = f"the model did not load: {self.load_error}" if self.load_error else "the model is still loading"
+            self.notify(f"cannot generate: {why}", severity="warning")
+            return
+        if self.generating is not None:
+            self.notify("a reply is still being generated; press Esc to stop it", severity="warning")
+            return
+        self.conversation.add("user", text)
+        await self.transcript.add_message("user", text)
+        self._reply = await self.transcript.add_message("assistant", "")
+        self._stream = Markdown.get_stream(self._reply)
+        self._gen_ids += 1
+        self.generating = self._gen_ids
+        if self.info.is_chat:
+            job = Generate(self.generating, self.sampling, messages=self.conversation.chat_messages())
+        else:
+            job = Generate(self.generating, self.sampling, text=self.conversation.completion_text())
+        self._show_status("generating")
+        self.worker.submit(job)
+
+    async def run_command(self, cmd: SlashCommand) -> None:
+        busy = self.generating is not None
+        if cmd.name == "help":
+            await self.transcript.add_message("notice", f"```text\n{HELP}\n```")
+        elif cmd.name == "system":
+            self.conversation.system = cmd.arg or None
+            self.notify("system prompt set" if cmd.arg else "system prompt removed")
+        elif cmd.name == "set":
+            self.sampling = apply_settings(self.sampling, list(cmd.args))
+            shown = {k: v for k, v in sampling_to_dict(self.sampling).items() if k in ("temperature", "top_p", "top_k", "max_tokens", "seed")}
+            self.notify("sampling: " + " ".join(f"{k}={v}" for k, v in shown.items()))
+        elif busy:
+            self.notify(f"/{cmd.name} waits until the reply is done; press Esc to stop it", severity="warning")
+        elif cmd.name == "reset":
+            self.conversation.reset()
+            await self.transcript.clear()
+            if self.worker is not None and self.info is not None:
+                self.worker.submit(Refresh())
+            self.notify("conversation cleared")
+        elif cmd.name == "save":
+            p = self.conversation.save(cmd.args[0], self.sampling, self.model_name)
+            self.notify(f"saved {len(self.conversation.messages)} messages to {p}")
+        elif cmd.name == "load":
+            conv, sampling = Conversation.load(cmd.args[0])
+            if sampling:
+                try:
+                    self.sampling = sampling_from_dict(self.sampling, sampling)
+                except (LLMSysError, TypeError) as e:
+                    self.notify(f"kept the current sampling settings: {e}", severity="warning")
+            self.conversation = conv
+            await self.transcript.clear()
+            for m in conv.messages:
+                await self.transcript.add_message(m["role"], m["content"])
+            self.notify(f"loaded {len(conv.messages)} messages from {cmd.args[0]}")
+
+    # -- actions -------------------------------------------------------------
+    def action_stop(self) -> None:
+        if self.generating is not None and self.worker is not None:
+            self.worker.submit(Abort(self.generating))
+
+    def replace_sampling(self, **changes: Any) -> None:
+        self.sampling = dataclasses.replace(self.sampling, **changes)

@@ -1,0 +1,77 @@
+"""The memory-tier panel: tier bars, layer map, KV/context figures, speed."""
+
+from __future__ import annotations
+
+import time
+
+from textual.app import ComposeResult
+from textual.containers import VerticalScroll
+from textual.widgets import Sparkline, Static
+
+from llmsys.tui.layer_map import LayerMap
+from llmsys.tui.snapshot import TIER_LABELS, TIERS, TierSnapshot
+from llmsys.tui.tier_bar import TierBar
+
+
+def _n(v: object, fmt: str = "{}") -> str:
+    return "n/a" if v is None else fmt.format(v)
+
+
+def describe(s: TierSnapshot) -> list[str]:
+    """The panel's figures as text lines (also what tests compare)."""
+    kv = "  ".join(f"{TIER_LABELS[t.tier]} {t.kv_blocks_used}/{t.kv_blocks_total}" for t in s.tiers if t.kv_blocks_total) or "n/a"
+    lines = [f"KV blocks  {kv}"]
+    if s.context_budget is not None or s.tokens_in_context is not None:
+        lines.append(f"context    {_n(s.tokens_in_context)} / {_n(s.context_budget)} tokens")
+    lines.append(f"evicted    {_n(s.evicted_tokens)} tokens · policy {_n(s.kv_policy)}")
+    if s.source == "server":
+        lines.append(f"requests   {_n(s.requests_running)} running · {_n(s.requests_waiting)} queued")
+        lines.append(f"per req    {_n(s.per_request_tok_s, '{:.1f}')} tok/s")
+    lines.append(f"speed      {_n(s.tok_s, '{:.1f}')} tok/s · TTFT {_n(None if s.ttft_s is None else s.ttft_s * 1000, '{:.0f}')} ms")
+    wait = "no weight streaming" if s.transfer_wait_share is None and not any(s.layer_streamed) else _n(None if s.transfer_wait_share is None else s.transfer_wait_share * 100, "{:.0f}%")
+    lines.append(f"transfers  {wait}" + (" waiting" if s.transfer_wait_share is not None else ""))
+    return lines
+
+
+class MemoryPanel(VerticalScroll):
+    """Shows one :class:`TierSnapshot`; ``update_snapshot`` is cheap (no engine calls)."""
+
+    can_focus = False
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.snapshot: TierSnapshot | None = None
+        self.update_s = 0.0  # time spent in update_snapshot, for the overhead check
+        self.updates = 0
+        self.border_title = "memory"
+
+    def compose(self) -> ComposeResult:
+        for t in TIERS:
+            yield TierBar(t, id=f"tier-{t}")
+        yield Static("layers", classes="panel-heading")
+        yield LayerMap(id="layer-map")
+        yield Static("", id="panel-figures")
+        yield Static("tokens/s", classes="panel-heading")
+        yield Sparkline([], id="tok-spark")
+
+    def update_snapshot(self, s: TierSnapshot) -> None:
+        t0 = time.perf_counter()
+        self.snapshot = s
+        for t in TIERS:
+            self.query_one(f"#tier-{t}", TierBar).set_usage(s.tier(t))
+        self.query_one(LayerMap).set_layers(s.layer_tiers, s.layer_streamed)
+        self.query_one("#panel-figures", Static).update("\n".join(describe(s)))
+        spark = self.query_one(Sparkline)
+        data = list(s.tok_s_history) or [0.0]
+        if list(spark.data or []) != data:
+            spark.data = data
+        self.update_s += time.perf_counter() - t0
+        self.updates += 1
+
+    @property
+    def render_s(self) -> float:
+        return sum(b.render_s for b in self.query(TierBar)) + self.query_one(LayerMap).render_s
+
+    @property
+    def figures_text(self) -> str:
+        return "\n".join(describe(self.snapshot)) if self.snapshot else ""
