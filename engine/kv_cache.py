@@ -1,8 +1,8 @@
 """The paged KV cache: a pool of fixed-size blocks plus a block allocator.
 
 The pool is one tensor per layer for keys and one for values, laid out as
-``[num_blocks * block_size, n_kv_heads, head_dim]`` so a token's *slot*
-(``block * block_size + offset``) indexes it directly. Sequences own lists of
+``[num_blocks, block_size, n_kv_heads, head_dim]`` (the layout the kernels
+take); a token's *slot* is ``block * block_size + offset``. Sequences own lists of
 block ids (their block table); the allocator is plain Python and never touches
 tensors, so the scheduler can reason about memory without the model.
 """
@@ -46,7 +46,7 @@ class KVCache:
 
     def __init__(self, spec: KVCacheSpec, device: torch.device):
         self.spec = spec
-        shape = (spec.num_slots, spec.num_kv_heads, spec.head_dim)
+        shape = (spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
         self.k = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
         self.v = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
 
@@ -89,8 +89,3 @@ class BlockAllocator:
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
-
-
-def slots_for(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
-    """Slots of token positions ``start..end-1`` of a sequence."""
-    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from llmsys.engine.attention import AttentionMetadata, build_metadata
-from llmsys.engine.kv_cache import KVCache, slots_for
+from llmsys.engine.kv_cache import KVCache
 from llmsys.engine.models.base import DecoderModel
 from llmsys.engine.scheduler import SchedulerOutput
 
@@ -41,7 +41,7 @@ class ModelRunner:
         pos: list[int] = []
         qlens: list[int] = []
         clens: list[int] = []
-        slot_lists: list[list[int]] = []
+        tables: list[list[int]] = []
         sample_index: list[int] = []
         sample_rows: list[int] = []
         for row, s in enumerate(sched.scheduled):
@@ -52,11 +52,11 @@ class ModelRunner:
             pos.extend(range(start, start + n))
             qlens.append(n)
             clens.append(start + n)
-            slot_lists.append(slots_for(seq.block_table, 0, start + n, self.block_size))
+            tables.append(seq.block_table)
             if s.samples:
                 sample_index.append(len(ids) - 1)
                 sample_rows.append(row)
-        meta = build_metadata(qlens, clens, slot_lists, self.device)
+        meta = build_metadata(qlens, clens, tables, self.block_size, self.device)
         return StepBatch(
             input_ids=torch.as_tensor(ids, dtype=torch.int64, device=self.device),
             positions=torch.as_tensor(pos, dtype=torch.int64, device=self.device),

@@ -13,7 +13,7 @@ import torch
 
 from llmsys.engine.attention import build_metadata
 from llmsys.engine.core import EngineCore
-from llmsys.engine.kv_cache import blocks_needed, slots_for
+from llmsys.engine.kv_cache import blocks_needed
 
 
 @dataclass
@@ -36,7 +36,7 @@ def score_sequences(core: EngineCore, seqs: list[list[int]]) -> list[torch.Tenso
         for s in seqs:
             tables.append(core.allocator.allocate(blocks_needed(len(s), bs)))
         lens = [len(s) for s in seqs]
-        meta = build_metadata(lens, lens, [slots_for(t, 0, n, bs) for t, n in zip(tables, lens)], core.loaded.device)
+        meta = build_metadata(lens, lens, tables, bs, core.loaded.device)
         ids = torch.tensor([t for s in seqs for t in s], device=core.loaded.device)
         pos = torch.cat([torch.arange(n) for n in lens]).to(core.loaded.device)
         hidden = core.loaded.model(ids, pos, core.kv, meta)  # [T, hidden]

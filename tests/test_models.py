@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from llmsys.engine.attention import build_metadata
-from llmsys.engine.kv_cache import KVCache, KVCacheSpec, slots_for
+from llmsys.engine.kv_cache import KVCache, KVCacheSpec
 from llmsys.engine.loader import load_model
 from tiny_models import ARCH_CONFIGS, make_hf_model
 
@@ -24,13 +24,13 @@ def llmsys_logits(loaded, prompt: list[int], cont: list[int]) -> list[torch.Tens
     tokens = list(prompt)
     with torch.inference_mode():
         n = len(prompt)
-        meta = build_metadata([n], [n], [slots_for(table, 0, n, bs)], loaded.device)
+        meta = build_metadata([n], [n], [table], bs, loaded.device)
         h = loaded.model(torch.tensor(prompt), torch.arange(n), kv, meta)
         out.append(loaded.model.compute_logits(h[-1:])[0])
         for t in cont:
             tokens.append(t)
             L = len(tokens)
-            meta = build_metadata([1], [L], [slots_for(table, 0, L, bs)], loaded.device)
+            meta = build_metadata([1], [L], [table], bs, loaded.device)
             h = loaded.model(torch.tensor([t]), torch.tensor([L - 1]), kv, meta)
             out.append(loaded.model.compute_logits(h)[0])
     return out

@@ -19,7 +19,7 @@ from torch import nn
 
 from llmsys.engine.errors import CheckpointError, ModelNotFoundError
 from llmsys.engine.models import family_for
-from llmsys.engine.models.base import DecoderModel, TransformerArgs, rope_inv_freq
+from llmsys.engine.models.base import DecoderModel, TransformerArgs, rope_cache
 
 # A hook that may replace an nn.Linear when its weight arrives, e.g. with a
 # quantized layer: (qualified name, weight [N, K], bias | None) -> module or None.
@@ -122,8 +122,14 @@ def materialize(
     source: Path,
     make_linear: MakeLinear | None = None,
     progress: bool = True,
+    offload: Any = None,
 ) -> None:
-    """Fill every meta tensor of ``model`` from ``read(name)``."""
+    """Fill every meta tensor of ``model`` from ``read(name)``.
+
+    ``offload`` (an ``llmsys.offload.runtime.OffloadRuntime``) may leave a
+    tensor on disk (``skip``), place it in CPU RAM (``device_for``) and is told
+    when one is placed (``loaded``), so a streamed layer never becomes resident.
+    """
     names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
     tied = model.args.tie_word_embeddings
     wanted = [n for n in names if not (tied and n == "lm_head.weight")]
@@ -138,27 +144,38 @@ def materialize(
     for name in _progress(wanted, progress, "loading"):
         if name in done:
             continue
-        mod_name, _, leaf = name.rpartition(".")
-        if make_linear is not None and mod_name in linears and leaf == "weight":
-            w = read(name)
-            bname = mod_name + ".bias"
-            b = read(bname).to(dtype) if bname in names else None
-            new = make_linear(mod_name, w, b)
-            if new is not None:
-                parent, _, child = mod_name.rpartition(".")
-                setattr(model.get_submodule(parent) if parent else model, child, new.to(device))
-                done.update({name, bname})
-                continue
-            set_tensor(model, name, w.to(device=device, dtype=dtype))
-            if b is not None:
-                set_tensor(model, bname, b.to(device))
-                done.add(bname)
+        if offload is not None and offload.skip(name):
             continue
-        t = read(name)
-        want = dtype if t.is_floating_point() else t.dtype
-        set_tensor(model, name, t.to(device=device, dtype=want))
-    model.inv_freq = rope_inv_freq(model.args).to(device)
+        dev = offload.device_for(name, device) if offload is not None else device
+        before = set(done)
+        _materialize_one(model, name, names, linears, done, read, dtype, dev, make_linear)
+        if offload is not None:
+            for n in [name, *sorted(done - before - {name})]:
+                offload.loaded(n, model)
+    model.rope_cache = rope_cache(model.args, device)
     model.tie_weights()
+
+
+def _materialize_one(model, name, names, linears, done, read, dtype, device, make_linear) -> None:
+    mod_name, _, leaf = name.rpartition(".")
+    if make_linear is not None and mod_name in linears and leaf == "weight":
+        w = read(name)
+        bname = mod_name + ".bias"
+        b = read(bname).to(dtype) if bname in names else None
+        new = make_linear(mod_name, w, b)
+        if new is not None:
+            parent, _, child = mod_name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, new.to(device))
+            done.update({name, bname})
+            return
+        set_tensor(model, name, w.to(device=device, dtype=dtype))
+        if b is not None:
+            set_tensor(model, bname, b.to(device))
+            done.add(bname)
+        return
+    t = read(name)
+    want = dtype if t.is_floating_point() else t.dtype
+    set_tensor(model, name, t.to(device=device, dtype=want))
 
 
 def load_model(
@@ -167,8 +184,14 @@ def load_model(
     device: str = "auto",
     make_linear: MakeLinear | None = None,
     progress: bool = True,
+    offload: Callable[[DecoderModel, Callable[[str], Any]], Any] | None = None,
 ) -> LoadedModel:
-    """Load a Hugging Face directory or a llama2.c ``.bin`` checkpoint."""
+    """Load a Hugging Face directory or a llama2.c ``.bin`` checkpoint.
+
+    ``offload(meta_model, locate)`` is called before any weight is read
+    (``locate(name) -> (file path, TensorInfo) | None``) and returns the
+    runtime handed to :func:`materialize` (llama2c files are always resident).
+    """
     p = Path(path).expanduser()
     if not p.exists():
         raise ModelNotFoundError(f"no such file or directory: {p}")
@@ -178,10 +201,10 @@ def load_model(
 
     if llama2c.is_llama2c(p):
         return llama2c.load(p, dt, dev, make_linear, progress)
-    return _load_hf(p, dt, dev, make_linear, progress)
+    return _load_hf(p, dt, dev, make_linear, progress, offload)
 
 
-def _load_hf(p: Path, dt, dev, make_linear, progress) -> LoadedModel:
+def _load_hf(p: Path, dt, dev, make_linear, progress, offload=None) -> LoadedModel:
     from llmsys.engine.loader.safetensors_io import CheckpointIndex
 
     if p.is_file():
@@ -195,7 +218,10 @@ def _load_hf(p: Path, dt, dev, make_linear, progress) -> LoadedModel:
     index = CheckpointIndex.open_dir(p)
     with torch.device("meta"):
         model = family.Model(args)
-    materialize(model, index.read, index.__contains__, dt, dev, p, make_linear, progress)
+    runtime = None
+    if offload is not None:
+        runtime = offload(model, lambda n: (index.where[n].path, index.info(n)) if n in index else None)
+    materialize(model, index.read, index.__contains__, dt, dev, p, make_linear, progress, runtime)
     model.eval()
     gen = read_json(p / "generation_config.json") if (p / "generation_config.json").exists() else {}
     return LoadedModel(model, args, family.__name__.rsplit(".", 1)[1], p, p, dt, dev, cfg, gen)

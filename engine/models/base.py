@@ -10,7 +10,6 @@ config onto :class:`TransformerArgs`. Tokens of a batch are packed into one
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmsys import kernels
 from llmsys.engine.attention import AttentionMetadata, paged_attention
+from llmsys.engine.errors import UnsupportedModelError
 from llmsys.engine.kv_cache import KVCache
 
 
@@ -70,30 +71,14 @@ class TransformerArgs:
         return kw
 
 
-def rope_inv_freq(args: TransformerArgs) -> torch.Tensor:
-    """Inverse frequencies ``[head_dim/2]`` incl. Llama 3 / linear scaling."""
-    d = args.head_dim
-    inv = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    sc = args.rope_scaling or {}
-    kind = sc.get("rope_type", sc.get("type", "default"))
-    if kind == "linear":
-        inv = inv / sc["factor"]
-    elif kind == "llama3":
-        factor = sc["factor"]
-        lo, hi = sc.get("low_freq_factor", 1.0), sc.get("high_freq_factor", 4.0)
-        old_ctx = sc["original_max_position_embeddings"]
-        lo_wl, hi_wl = old_ctx / lo, old_ctx / hi
-        wavelen = 2 * math.pi / inv
-        scaled = torch.where(wavelen > lo_wl, inv / factor, inv)
-        smooth = (old_ctx / wavelen - lo) / (hi - lo)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelen < hi_wl) & ~(wavelen > lo_wl)
-        inv = torch.where(medium, smoothed, scaled)
-    elif kind not in ("default", None):
-        from llmsys.engine.errors import UnsupportedModelError
-
-        raise UnsupportedModelError(f"rope_scaling type {kind!r} is not supported; supported: default, linear, llama3")
-    return inv
+def rope_cache(args: TransformerArgs, device: torch.device | None = None) -> torch.Tensor:
+    """``[max_pos, head_dim]`` float32 cos|sin table (default/linear/llama3 scaling)."""
+    try:
+        return kernels.build_rope_cache(
+            args.head_dim, args.max_position_embeddings, args.rope_theta, args.rope_scaling, device
+        )
+    except ValueError as e:
+        raise UnsupportedModelError(f"config.json: {e}") from None
 
 
 class RMSNorm(nn.Module):
@@ -102,19 +87,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Same op order as HF LlamaRMSNorm: normalize in float32, cast, scale.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE. x: [T, H, D]; cos/sin: [T, 1, D]."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    rot = torch.cat((-x2, x1), dim=-1)
-    return x * cos + rot * sin
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        # HF LlamaRMSNorm numerics; with ``residual`` the add is fused and
+        # ``(normed, x + residual)`` is returned.
+        return kernels.rms_norm(x, self.weight, self.eps, residual)
 
 
 class Attention(nn.Module):
@@ -129,16 +105,15 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, a.rms_norm_eps) if a.qk_norm else None
         self.scale = self.head_dim**-0.5
 
-    def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata):
+    def forward(self, x, positions, rope_cache, k_cache, v_cache, meta: AttentionMetadata):
         T = x.shape[0]
         q = self.q_proj(x).view(T, self.n_heads, self.head_dim)  # [T, Hq, D]
         k = self.k_proj(x).view(T, self.n_kv, self.head_dim)  # [T, Hk, D]
         v = self.v_proj(x).view(T, self.n_kv, self.head_dim)  # [T, Hk, D]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        q, k = kernels.rope(q, k, positions, rope_cache)
+        kernels.kv_store(k, v, k_cache, v_cache, meta.slot_mapping)
         o = paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
         return self.o_proj(o.reshape(T, self.n_heads * self.head_dim))
 
@@ -162,9 +137,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
-    def forward(self, h, cos, sin, k_cache, v_cache, meta):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, k_cache, v_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h, positions, rope_cache, k_cache, v_cache, meta):
+        a = self.self_attn(self.input_layernorm(h), positions, rope_cache, k_cache, v_cache, meta)
+        x, h = self.post_attention_layernorm(a, residual=h)  # h <- h + a
+        return h + self.mlp(x)
 
 
 class DecoderModel(nn.Module):
@@ -182,16 +158,15 @@ class DecoderModel(nn.Module):
         self.model.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_hidden_layers))
         self.model.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+        self.register_buffer("rope_cache", rope_cache(args), persistent=False)
+        # Set by the offload runtime (llmsys.offload.runtime): called instead of
+        # layer(...) as hook(i, layer, h, positions, rope_cache, k_cache, v_cache, meta) so
+        # layer i's weights are made resident just before it runs and released after.
+        self.layer_hook: Any = None
 
     def tie_weights(self) -> None:
         if self.args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-
-    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
-        return emb.cos().to(dtype).unsqueeze(1), emb.sin().to(dtype).unsqueeze(1)  # [T, 1, D]
 
     def forward(
         self,
@@ -201,10 +176,12 @@ class DecoderModel(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
         h = self.model.embed_tokens(input_ids)
-        cos, sin = self.rope(positions, h.dtype)
         for i, layer in enumerate(self.model.layers):
             k_cache, v_cache = kv.layer(i)
-            h = layer(h, cos, sin, k_cache, v_cache, meta)
+            if self.layer_hook is not None:
+                h = self.layer_hook(i, layer, h, positions, self.rope_cache, k_cache, v_cache, meta)
+            else:
+                h = layer(h, positions, self.rope_cache, k_cache, v_cache, meta)
         return self.model.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V]

@@ -1,0 +1,103 @@
+"""The CPU fast path of paged attention: one gather + one batched SDPA.
+
+The reference (``reference.py``) loops over sequences for obviousness; on a
+CPU, where decode is bound by Python overhead as much as by bytes, that loop
+costs more than the math. Here a :class:`GatherPlan` is built once per engine
+step (it depends only on the batch layout, not the layer) and every layer
+does: gather each sequence's K/V by slot into ``[B, Lmax, Hk, D]``, run one
+``scaled_dot_product_attention`` with a causal/length mask, unpad.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class GatherPlan:
+    """Batch layout for :func:`paged_attention_gathered` (layer-independent)."""
+
+    gather_slots: torch.Tensor  # [B, Lmax] int64 flat slots (padding -> slot 0)
+    attn_mask: torch.Tensor | None  # [B, 1, Qmax, Lmax] bool, None when not needed
+    query_pad_index: torch.Tensor | None  # [B, Qmax] int64 into packed queries (pad -> T)
+    query_start: tuple[int, ...]  # B + 1 offsets of each sequence's queries
+    is_decode: bool  # one query per sequence
+
+
+def make_gather_plan(
+    query_lens: list[int],
+    context_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device,
+) -> GatherPlan:
+    """Plan for sequences whose new tokens are the last ``query_lens[b]`` of
+    their ``context_lens[b]``-token context."""
+    B = len(query_lens)
+    lmax, qmax = max(context_lens), max(query_lens)
+    nblk = max(len(t) for t in block_tables)
+    table = torch.zeros((B, nblk), dtype=torch.int64)
+    for b, t in enumerate(block_tables):
+        table[b, : len(t)] = torch.as_tensor(t, dtype=torch.int64)
+    pos = torch.arange(lmax)
+    lens = torch.tensor(context_lens)
+    valid_k = pos.unsqueeze(0) < lens.unsqueeze(1)  # [B, Lmax]
+    slots = table[:, pos // block_size] * block_size + pos % block_size  # [B, Lmax]
+    slots = torch.where(valid_k, slots, torch.zeros((), dtype=torch.int64))
+    starts = [0]
+    for q in query_lens:
+        starts.append(starts[-1] + q)
+    is_decode = qmax == 1
+    mask = None
+    pad_index = None
+    if not (is_decode and min(context_lens) == lmax):
+        qlens = torch.tensor(query_lens)
+        q_pos = torch.arange(qmax).unsqueeze(0) + (lens - qlens).unsqueeze(1)  # [B, Qmax]
+        m = (pos.view(1, 1, lmax) <= q_pos.unsqueeze(2)) & valid_k.unsqueeze(1)  # [B, Qmax, Lmax]
+        # Padded query rows attend to key 0 only, so their softmax stays finite.
+        qvalid = torch.arange(qmax).unsqueeze(0) < qlens.unsqueeze(1)
+        m[:, :, 0] |= ~qvalid
+        mask = m.unsqueeze(1).to(device)
+        if not is_decode:
+            T = starts[-1]
+            idx = torch.arange(qmax).unsqueeze(0) + torch.tensor(starts[:-1]).unsqueeze(1)
+            pad_index = torch.where(qvalid, idx, torch.full((), T)).to(device)
+    return GatherPlan(slots.to(device), mask, pad_index, tuple(starts), is_decode)
+
+
+def _gather(cache: torch.Tensor, scale: torch.Tensor | None, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    hk, d = cache.shape[-2], cache.shape[-1]
+    x = cache.view(-1, hk, d)[slots]  # [B, Lmax, Hk, D]
+    if scale is not None:  # int8 cache: per (token, head) scales
+        x = (x.float() * scale.view(-1, hk)[slots].unsqueeze(-1)).to(dtype)
+    return x
+
+
+def paged_attention_gathered(
+    q: torch.Tensor,  # [T, Hq, D] packed new tokens
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hk, D] float or int8
+    v_cache: torch.Tensor,
+    plan: GatherPlan,
+    scale: float,
+    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, Hk] f32 for int8 caches
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:  # [T, Hq, D]
+    T, Hq, D = q.shape
+    Hk = k_cache.shape[-2]
+    B = len(plan.query_start) - 1
+    k = _gather(k_cache, k_scale, plan.gather_slots, q.dtype).transpose(1, 2)  # [B, Hk, Lmax, D]
+    v = _gather(v_cache, v_scale, plan.gather_slots, q.dtype).transpose(1, 2)
+    if plan.is_decode:
+        qb = q.view(B, 1, Hq, D).transpose(1, 2)  # [B, Hq, 1, D]
+    else:
+        qpad = torch.cat([q, q.new_zeros(1, Hq, D)], dim=0)  # row T is the pad row
+        qb = qpad[plan.query_pad_index].transpose(1, 2)  # [B, Hq, Qmax, D]
+    out = F.scaled_dot_product_attention(qb, k, v, attn_mask=plan.attn_mask, scale=scale, enable_gqa=Hq != Hk)
+    out = out.transpose(1, 2)  # [B, Qmax, Hq, D]
+    if plan.is_decode:
+        return out.reshape(T, Hq, D)
+    qs = plan.query_start
+    return torch.cat([out[b, : qs[b + 1] - qs[b]] for b in range(B)], dim=0)
