@@ -12,6 +12,7 @@ paged attention on CUDA, the gather + SDPA fast path on CPU.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -36,6 +37,9 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [B + 1] int32
     is_decode: bool  # every sequence has exactly one new token
     plan: GatherPlan | None  # CPU fast path layout (None on CUDA)
+    # KV policy override (llmsys.offload.kv_policy): called as f(q, k_cache, v_cache, meta, scale)
+    # instead of the kernels when a policy needs scores (H2O/SnapKV) or page selection (Quest).
+    policy_attn: Any = None
 
     @property
     def num_seqs(self) -> int:
@@ -81,14 +85,52 @@ def build_metadata(
     )
 
 
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache, v_cache, slot_mapping: torch.Tensor) -> None:
+    """Write new K/V ``[T, Hk, D]`` into the pool; quantized pools quantize on write."""
+    if isinstance(k_cache, torch.Tensor):
+        kernels.kv_store(k, v, k_cache, v_cache, slot_mapping)
+    elif k_cache.bits == 8:  # kernels' int8 layout: codes + per (slot, head) scales
+        kernels.kv_store(k, v, k_cache.codes, v_cache.codes, slot_mapping, k_cache.scale, v_cache.scale)
+    else:  # int4 KIVI (torch)
+        k_cache.store(k, slot_mapping)
+        v_cache.store(v, slot_mapping)
+
+
+def _quantized_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Quantized pools: int8 -> the kernels (dequantize inside); int4 -> gather, dequantize, SDPA."""
+    if k_cache.bits == 8:
+        kc, vc, ks, vs = k_cache.codes, v_cache.codes, k_cache.scale, v_cache.scale
+        if meta.plan is not None:
+            return paged_attention_gathered(q, kc, vc, meta.plan, scale, ks, vs)
+        if meta.is_decode:
+            return kernels.paged_decode_attention(q, kc, vc, meta.block_tables, meta.context_lens_t, scale, ks, vs)
+        return kernels.paged_prefill_attention(
+            q, kc, vc, meta.block_tables, meta.context_lens_t, meta.query_start_loc, scale, ks, vs
+        )
+    from llmsys.quant.kv_paged import attention_gathered
+
+    plan = meta.plan
+    if plan is None:  # CUDA metadata has no gather plan; int4 KV runs the torch path there too
+        qlens = [meta.query_start[b + 1] - meta.query_start[b] for b in range(meta.num_seqs)]
+        tables = [row[: -(-n // k_cache.bs)] for row, n in zip(meta.block_tables.tolist(), meta.context_lens)]
+        plan = make_gather_plan(qlens, meta.context_lens, tables, k_cache.bs, q.device)
+    k = k_cache.gather(plan.gather_slots, q.dtype)  # [B, Lmax, Hk, D]
+    v = v_cache.gather(plan.gather_slots, q.dtype)
+    return attention_gathered(q, k, v, plan, scale)
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, Hq, D]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, Hk, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hk, D] (or a quantized side, llmsys.quant.kv_paged)
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Attend each new token over its sequence's cached context."""
+    if meta.policy_attn is not None:
+        return meta.policy_attn(q, k_cache, v_cache, meta, scale)
+    if not isinstance(k_cache, torch.Tensor):
+        return _quantized_attention(q, k_cache, v_cache, meta, scale)
     if meta.plan is not None:
         return paged_attention_gathered(q, k_cache, v_cache, meta.plan, scale)
     if meta.is_decode:

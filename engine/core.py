@@ -28,6 +28,7 @@ from llmsys.engine.sampling import Sampler, SamplingBatch, SamplingParams, make_
 from llmsys.engine.scheduler import Scheduler
 from llmsys.engine.sequence import Sequence
 from llmsys.engine.tokenizer import Tokenizer
+from llmsys.offload.kv_policy import make_policy_runtime
 
 
 @dataclass
@@ -53,6 +54,7 @@ class MemoryReport:
     kv_blocks_total: int
     kv_blocks_used: int
     block_size: int
+    staging: dict[str, int] = field(default_factory=dict)  # tier -> offload ring/staging buffer bytes
 
 
 def _apply_constraints(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -81,6 +83,9 @@ class EngineCore:
         self.allocator = BlockAllocator(kv_spec.num_blocks)
         self.scheduler = Scheduler(self.allocator, kv_spec.block_size, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(loaded.model, self.kv, loaded.device, kv_spec.block_size)
+        # KV eviction / page selection (None under `full`: the plain path, no per-token policy work).
+        self.kv_policy = make_policy_runtime(config.kv_policy, loaded.model, self.kv, self.allocator, kv_spec.block_size, max_len)
+        self.scheduler.kv_policy = self.runner.kv_policy = self.kv_policy
         self.sampler = Sampler()
         eos = set(loaded.args.eos_token_id) | set(tokenizer.eos_token_ids)
         gen_eos = loaded.generation_config.get("eos_token_id")
@@ -101,12 +106,16 @@ class EngineCore:
         bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidParameterError(f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})")
-        if len(prompt_ids) >= self.max_len:
+        long_ok = self.kv_policy is not None and self.kv_policy.allows_long_prompts
+        if len(prompt_ids) >= self.max_len and not long_ok:
             raise ContextOverflowError(len(prompt_ids), self.max_len)
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.requests:
             raise InvalidParameterError(f"request id {rid!r} is already in use")
-        seq = Sequence(rid, list(prompt_ids), params, self.max_len)
+        # Evicting policies slide past the context: up to max_len new tokens after the prompt.
+        limit = self.max_len if self.kv_policy is None or not self.kv_policy.policy.evicts else len(prompt_ids) + self.max_len
+        seq = Sequence(rid, list(prompt_ids), params, limit)
+        seq.kv = self.kv_policy.new_state() if self.kv_policy is not None else None
         seq.generator = make_generator(params.seed, self.loaded.device)
         seq.state = _TextState(
             IncrementalDetokenizer(self.tokenizer, seq.prompt_ids),
@@ -210,7 +219,7 @@ class EngineCore:
             prompt_tokens=len(seq.prompt_ids),
             generated_tokens=len(seq.output_ids),
         )
-        usage = Usage(len(seq.prompt_ids), len(seq.output_ids))
+        usage = Usage(len(seq.prompt_ids), len(seq.output_ids), seq.kv.evicted if seq.kv is not None else 0)
         return StreamChunk(seq.request_id, delta, toks, lps or [], seq.finish_reason, usage, timings)
 
     # -- accounting ----------------------------------------------------------
@@ -220,8 +229,11 @@ class EngineCore:
         spec = self.kv.spec
         per_block = spec.bytes_per_token * spec.block_size
         used = self.allocator.num_used
+        rt = getattr(self.loaded.model, "offload_runtime", None)  # llmsys.offload: weights per tier
+        weights = rt.weight_bytes(self.loaded.model) if rt is not None else {tier: self.loaded.weight_bytes}
         return MemoryReport(
-            weights={tier: self.loaded.weight_bytes},
+            weights=weights,
+            staging=rt.staging_bytes() if rt is not None else {},
             kv_total={tier: spec.nbytes},
             kv_used={tier: used * per_block},
             kv_blocks_total=spec.num_blocks - 1,

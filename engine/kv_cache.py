@@ -25,7 +25,8 @@ class KVCacheSpec:
     block_size: int
     num_kv_heads: int
     head_dim: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the model's float dtype (the pool's dtype when kv_dtype is "auto")
+    kv_dtype: str = "auto"  # "auto" (= dtype), "int8" (kernels' layout) or "int4" (KIVI, llmsys.quant.kv_paged)
 
     @property
     def num_slots(self) -> int:
@@ -33,8 +34,17 @@ class KVCacheSpec:
 
     @property
     def bytes_per_token(self) -> int:
+        """K+V bytes per token over all layers (quantized pools: codes + scales)."""
+        n = self.num_layers * self.num_kv_heads
+        if self.kv_dtype == "int8":
+            return 2 * n * (self.head_dim + 4)  # int8 codes + one f32 scale per (token, head)
+        if self.kv_dtype == "int4":
+            from llmsys.quant.kv_paged import int4_bytes_per_token
+
+            per = int4_bytes_per_token(self.num_kv_heads, self.head_dim, self.block_size)
+            return int(-(-per * self.num_layers // 1))
         itemsize = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+        return 2 * n * self.head_dim * itemsize
 
     @property
     def nbytes(self) -> int:
@@ -47,8 +57,27 @@ class KVCache:
     def __init__(self, spec: KVCacheSpec, device: torch.device):
         self.spec = spec
         shape = (spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        if spec.kv_dtype in ("int8", "int4"):
+            # Quantized pools: per layer a K and a V "side" object (store/gather/nbytes),
+            # see llmsys.quant.kv_paged; engine.attention dispatches on them.
+            from llmsys.quant.kv_paged import kv_sides
+
+            sides = [kv_sides(spec.kv_dtype, *shape, device, spec.dtype) for _ in range(spec.num_layers)]
+            self.k = [kv for kv, _ in sides]
+            self.v = [vv for _, vv in sides]
+            return
         self.k = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
         self.v = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+
+    @property
+    def quantized(self) -> bool:
+        return self.spec.kv_dtype in ("int8", "int4")
+
+    def nbytes(self) -> int:
+        """Bytes the pool holds now (int4 includes its full-precision open-block window)."""
+        if not self.quantized:
+            return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return sum(s.nbytes() for s in self.k + self.v)
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[i], self.v[i]

@@ -48,7 +48,11 @@ def size_kv_pool(loaded: LoadedModel, config: EngineConfig) -> tuple[KVCacheSpec
     max_len = min(config.max_model_len or a.max_position_embeddings, getattr(a, "max_context", 1 << 30))
     if max_len < 2:
         raise InvalidParameterError(f"max_model_len must be >= 2, got {max_len}")
-    probe = KVCacheSpec(a.num_hidden_layers, 1, 1, a.num_key_value_heads, a.head_dim, loaded.dtype)
+    from llmsys.engine.quantize import parse_kv_dtype
+
+    kv_dtype = parse_kv_dtype(config.kv_dtype, a.head_dim)
+    probe = KVCacheSpec(a.num_hidden_layers, 1, config.block_size, a.num_key_value_heads, a.head_dim, loaded.dtype,
+                        kv_dtype)
     per_tok = probe.bytes_per_token
     if config.kv_cache_tokens is not None:
         tokens = config.kv_cache_tokens
@@ -63,7 +67,7 @@ def size_kv_pool(loaded: LoadedModel, config: EngineConfig) -> tuple[KVCacheSpec
         max_len = min(max_len, tokens)
     bs = config.block_size
     num_blocks = blocks_needed(tokens, bs) + 1  # + the reserved scratch block
-    spec = KVCacheSpec(a.num_hidden_layers, num_blocks, bs, a.num_key_value_heads, a.head_dim, loaded.dtype)
+    spec = KVCacheSpec(a.num_hidden_layers, num_blocks, bs, a.num_key_value_heads, a.head_dim, loaded.dtype, kv_dtype)
     return spec, max_len
 
 
@@ -78,10 +82,60 @@ class LLM:
         if config.threads:
             torch.set_num_threads(config.threads)
         path = _resolve_path(config.model)
-        self.loaded = load_model(path, dtype=config.dtype, device=config.device, progress=config.progress)
+        # Offloading (llmsys.offload): budgets -> plan -> place. The plan is made
+        # on the meta model before any weight is read; `self.plan` is data the
+        # TUI and bench show. `_plan_offload` may set a KV size that fits the budget.
+        self.plan = None
+        self.offload = None
+        self._kv_tokens = config.kv_cache_tokens
+        from llmsys.engine.quantize import loader_quantizer
+
+        self.loaded = load_model(path, dtype=config.dtype, device=config.device, progress=config.progress,
+                                 offload=self._plan_offload, make_linear=loader_quantizer(config))
+        if self.offload is not None:
+            import weakref
+
+            self.offload.install(self.loaded.model)
+            self.loaded.model.offload_runtime = self.offload
+            weakref.finalize(self, self.offload.close)
+        if self._kv_tokens != config.kv_cache_tokens:
+            config = self.config = config.with_(kv_cache_tokens=self._kv_tokens)
         self.tokenizer = Tokenizer.load(self.loaded.tokenizer_path)
         spec, max_len = size_kv_pool(self.loaded, config)
         self.core = EngineCore(self.loaded, self.tokenizer, config, spec, max_len)
+        if self.offload is not None:
+            self.offload.place_kv(self.core.kv)
+
+    def _plan_offload(self, meta_model: Any, locate: Any) -> Any:
+        """Plan placement for the meta model; return the runtime the loader needs (or None)."""
+        from llmsys.engine.loader.common import resolve_device, resolve_dtype
+        from llmsys.offload.budgets import resolve_budgets
+        from llmsys.offload.plan import Workload
+        from llmsys.offload.prepare import kv_bytes_per_token_layer, kv_tokens_within, make_runtime, plan_for, runtime_needed
+
+        c = self.config
+        a = meta_model.args
+        dev = resolve_device(c.device)
+        dt = resolve_dtype(c.dtype, dev)
+        budgets = resolve_budgets(c.gpu_mem, c.cpu_mem, c.offload_dir, dev)
+        per_tok = kv_bytes_per_token_layer(a, dt) * a.num_hidden_layers
+        max_len = min(c.max_model_len or a.max_position_embeddings, getattr(a, "max_context", 1 << 30))
+        tokens = c.kv_cache_tokens
+        if tokens is None and (budgets.cpu_explicit or budgets.gpu_explicit):
+            budget = budgets.gpu if budgets.gpu_explicit else budgets.cpu
+            tokens = self._kv_tokens = kv_tokens_within(budget, per_tok, max_len * c.max_num_seqs, min(max_len, 512))
+        if tokens is None:
+            free = budgets.gpu if budgets.gpu is not None else budgets.cpu
+            tokens = max(min(max_len * c.max_num_seqs, free // 4 // per_tok), min(max_len, 1))
+        extra = c.extra or {}
+        work = Workload(batch=int(extra.get("plan_batch", 1)), kv_tokens=tokens + c.block_size,
+                        max_batched_tokens=c.max_num_batched_tokens)
+        self.plan, _ = plan_for(meta_model, dt, budgets, work, c.quant, max_seqs=c.max_num_seqs,
+                                force=extra.get("placement"))
+        if not runtime_needed(self.plan, dev):
+            return None
+        self.offload = make_runtime(meta_model, locate, dt, dev, self.plan, c.quant)
+        return self.offload
 
     # -- properties ----------------------------------------------------------
     @property

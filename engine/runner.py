@@ -9,6 +9,7 @@ the engine core's job.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -35,6 +36,7 @@ class ModelRunner:
         self.kv = kv
         self.device = device
         self.block_size = block_size
+        self.kv_policy: Any = None  # llmsys.offload.kv_policy.PolicyRuntime, or None under `full`
 
     def prepare(self, sched: SchedulerOutput) -> StepBatch:
         ids: list[int] = []
@@ -47,16 +49,19 @@ class ModelRunner:
         for row, s in enumerate(sched.scheduled):
             seq, n = s.seq, s.num_new_tokens
             start = seq.num_computed
+            base = seq.kv_len  # == start unless a policy evicted (positions = cache indices)
             toks = seq.tokens
             ids.extend(toks[start : start + n])
-            pos.extend(range(start, start + n))
+            pos.extend(range(base, base + n))
             qlens.append(n)
-            clens.append(start + n)
+            clens.append(base + n)
             tables.append(seq.block_table)
             if s.samples:
                 sample_index.append(len(ids) - 1)
                 sample_rows.append(row)
         meta = build_metadata(qlens, clens, tables, self.block_size, self.device)
+        if self.kv_policy is not None:
+            self.kv_policy.annotate(meta, sched.scheduled)
         return StepBatch(
             input_ids=torch.as_tensor(ids, dtype=torch.int64, device=self.device),
             positions=torch.as_tensor(pos, dtype=torch.int64, device=self.device),
@@ -70,9 +75,11 @@ class ModelRunner:
         """Run one step; returns logits ``[S, V]`` (float32) and the sampling rows."""
         batch = self.prepare(sched)
         hidden = self.model(batch.input_ids, batch.positions, self.kv, batch.meta)  # [T, hidden]
+        if self.kv_policy is not None:
+            self.kv_policy.after_forward(sched.scheduled, batch.meta)
+        for s in sched.scheduled:  # before any return: a step of mid-prefill chunks must advance too
+            s.seq.num_computed += s.num_new_tokens
         if not batch.sample_rows:
             return hidden.new_empty((0, self.model.args.vocab_size), dtype=torch.float32), []
         logits = self.model.compute_logits(hidden.index_select(0, batch.sample_index)).float()
-        for s in sched.scheduled:
-            s.seq.num_computed += s.num_new_tokens
         return logits, batch.sample_rows

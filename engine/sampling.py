@@ -306,7 +306,9 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor |
         sorted_logits, order = torch.sort(x, dim=-1, descending=True)  # [R, V]
     cum = torch.cumsum(probs.gather(1, order), dim=-1)
     before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=-1)  # mass above each token
-    n_keep = (before < p[:, None]).sum(dim=-1, keepdim=True)  # >= 1: before[:, 0] == 0 < p
+    # >= 1: before[:, 0] == 0 < p, except when a tiny p (e.g. 5e-324) underflows
+    # to 0 in float32; the clamp keeps the top token then (found by fuzzing the server).
+    n_keep = (before < p[:, None]).sum(dim=-1, keepdim=True).clamp_(min=1)
     cutoff = sorted_logits.gather(1, n_keep - 1)  # [R, 1] smallest surviving logit
     out = logits.clone()
     out[rows] = x.masked_fill(x < cutoff, -math.inf)

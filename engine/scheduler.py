@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from llmsys.engine.kv_cache import BlockAllocator, blocks_needed
 from llmsys.engine.sequence import Sequence, SeqStatus
@@ -50,6 +51,9 @@ class Scheduler:
         self.max_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # KV policy runtime (llmsys.offload.kv_policy.PolicyRuntime) or None under `full`: it caps
+        # a policy sequence's chunk and evicts before the block table grows.
+        self.kv_policy: Any = None
 
     # -- queue management -------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -85,6 +89,8 @@ class Scheduler:
         self.allocator.free(seq.block_table)
         seq.block_table = []
         seq.num_computed = 0
+        if seq.kv is not None:
+            seq.kv.reset()
         seq.num_preemptions += 1
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
@@ -100,7 +106,9 @@ class Scheduler:
             if budget <= 0:
                 break
             n = min(seq.num_tokens - seq.num_computed, budget)
-            while not self._grow(seq, seq.num_computed + n):
+            if seq.kv is not None:
+                n = self.kv_policy.before_step(seq, n)
+            while not self._grow(seq, seq.kv_len + n):
                 victim = max(self.running, key=lambda s: s.arrival)
                 self._preempt(victim, out)
                 if victim is seq:
@@ -113,7 +121,9 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             n = min(seq.num_tokens - seq.num_computed, budget)
-            if not self._grow(seq, seq.num_computed + n):
+            if seq.kv is not None:
+                n = self.kv_policy.before_step(seq, n)
+            if not self._grow(seq, seq.kv_len + n):
                 break
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING

@@ -7,6 +7,7 @@ kernels, dtypes and placement as generation) and returns them at once.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -71,3 +72,204 @@ def perplexity_windows(
             nll -= lp.double().sum().item()
             count += lp.numel()
     return PerplexityResult(nll, count, len(windows))
+
+
+# -- long-stream scoring under a KV policy ---------------------------------------
+
+
+@dataclass
+class StreamResult:
+    """Per-token NLL of one continuous stream scored under a KV policy."""
+
+    policy: str
+    nll: torch.Tensor  # [N-1] float64: -log p(tok[i+1] | what the cache holds after tok[i])
+    kv_bytes: list[int]  # KV bytes in use after each segment
+    seconds: float  # wall time of the whole stream
+    steady_s_per_token: float  # mean time per token once the budget is reached (token by token)
+    evicted: int = 0
+    segment: int = 1000
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(float(self.nll.mean())) if self.nll.numel() else float("nan")
+
+    def segments(self) -> list[tuple[int, int, float]]:
+        """(first token, end, perplexity) per ``segment`` scored tokens."""
+        out = []
+        for a in range(0, self.nll.numel(), self.segment):
+            part = self.nll[a : a + self.segment]
+            out.append((a, a + part.numel(), math.exp(float(part.mean()))))
+        return out
+
+
+def _forward_chunk(core: EngineCore, toks: list[int], positions: range, table: list[int], ctx: int, policy=None, sched=None):
+    """One sequence, ``len(toks)`` new tokens whose context ends at ``ctx`` -> logits ``[n, V]``."""
+    dev = core.loaded.device
+    meta = build_metadata([len(toks)], [ctx], [table], core.kv.spec.block_size, dev)
+    if policy is not None:
+        policy.annotate(meta, sched)
+    ids = torch.tensor(toks, device=dev)
+    pos = torch.tensor(list(positions), device=dev)
+    hidden = core.loaded.model(ids, pos, core.kv, meta)
+    if policy is not None:
+        policy.after_forward(sched, meta)
+    return core.loaded.model.compute_logits(hidden).float()
+
+
+def _nll(logits: torch.Tensor, targets: list[int]) -> torch.Tensor:
+    lp = torch.log_softmax(logits[: len(targets)], dim=-1)
+    tgt = torch.tensor(targets, device=lp.device)
+    return -lp.gather(1, tgt[:, None])[:, 0].double().cpu()
+
+
+@torch.inference_mode()
+def perplexity_stream(
+    core: EngineCore, ids: list[int], policy: str, segment: int = 1000, chunk: int | None = None,
+    max_tokens: int | None = None,
+) -> StreamResult:
+    """Score ``ids`` as one stream under ``policy`` (token by token once the budget is reached).
+
+    ``full``: chunked causal prefill over everything (positions run past the
+    trained context). ``recompute:N``: every fed token is recomputed with its
+    N-1 predecessors from scratch (the sliding-window oracle). Evicting
+    policies: the first ``budget`` tokens as one prefill, then one token per
+    step, evicting ``chunk`` tokens (default 1: exact) whenever the cache is full.
+    """
+    from llmsys.engine.errors import InvalidParameterError
+    from llmsys.offload.kv_policy import PolicyRuntime, SeqKVState, ensure_rope_positions, parse_kv_policy
+
+    pol = parse_kv_policy(policy).resolve(core.kv.spec.bytes_per_token)
+    if len(ids) < 2:
+        raise InvalidParameterError("the stream needs at least 2 tokens")
+    if max_tokens is not None:
+        ids = ids[:max_tokens]
+    if pol.kind == "recompute":
+        return perplexity_recompute(core, ids, pol.window, segment=segment)
+    if pol.kind not in ("full", "window", "sink", "h2o", "snapkv"):
+        raise InvalidParameterError(f"--stream supports full, window, sink, h2o, snapkv and recompute, not {pol.kind!r}")
+    bs = core.kv.spec.block_size
+    per_block = core.kv.spec.bytes_per_token * bs
+    model = core.loaded.model
+    from llmsys.engine.sampling import SamplingParams
+    from llmsys.engine.scheduler import ScheduledSeq
+    from llmsys.engine.sequence import Sequence
+
+    step = core.config.max_num_batched_tokens
+    first = min(step if pol.kind == "full" else pol.budget, len(ids) - 1)
+    seq = Sequence("stream", ids[:first], SamplingParams(max_tokens=None), 1 << 62)
+    seq.output_ids = ids[first:]
+    rt = None
+    if pol.kind == "full":
+        need = blocks_needed(len(ids), bs)
+        if not core.allocator.can_allocate(need):
+            raise InvalidParameterError(
+                f"--kv-policy full needs {len(ids)} tokens of KV for this stream but the pool has "
+                f"{core.allocator.num_free * bs}; raise --kv-cache-tokens or use --limit"
+            )
+        ensure_rope_positions(model, len(ids) + 1)
+    else:
+        rt = PolicyRuntime(pol, model, core.kv, core.allocator, bs, chunk=chunk or 1)
+        seq.kv = SeqKVState()
+        ensure_rope_positions(model, pol.budget + bs)
+    nll: list[torch.Tensor] = []
+    kv_bytes: list[int] = []
+    steady: list[float] = []
+    t0 = time.perf_counter()
+    next_mark = segment
+    try:
+        while seq.num_computed < len(ids) - 1:
+            n = min(first if seq.num_computed == 0 else (step if rt is None else 1), len(ids) - 1 - seq.num_computed)
+            ts = time.perf_counter()
+            if rt is not None:
+                n = rt.before_step(seq, n)
+            base = seq.kv_len
+            grow = blocks_needed(base + n, bs) - len(seq.block_table)
+            if grow > 0:
+                seq.block_table.extend(core.allocator.allocate(grow))
+            s = seq.num_computed
+            sched = [ScheduledSeq(seq, n)]
+            logits = _forward_chunk(core, ids[s : s + n], range(base, base + n), seq.block_table, base + n, rt, sched)
+            seq.num_computed += n
+            nll.append(_nll(logits, ids[s + 1 : s + n + 1]))
+            if n == 1 and rt is not None and base + 1 >= pol.budget:
+                steady.append(time.perf_counter() - ts)
+            while seq.num_computed >= next_mark or seq.num_computed >= len(ids) - 1:
+                kv_bytes.append(len(seq.block_table) * per_block)
+                next_mark += segment
+                if seq.num_computed >= len(ids) - 1:
+                    break
+    finally:
+        core.allocator.free(seq.block_table)
+        seq.block_table = []
+    return StreamResult(
+        policy=pol.text, nll=torch.cat(nll), kv_bytes=kv_bytes, seconds=time.perf_counter() - t0,
+        steady_s_per_token=sum(steady) / len(steady) if steady else 0.0,
+        evicted=seq.kv.evicted if seq.kv is not None else 0, segment=segment,
+    )
+
+
+def _causal_windows(window: int):
+    """Attention override for B equal, fresh windows (the oracle): one causal SDPA.
+
+    Equivalent to the paged path (every window is a whole sequence starting at
+    position 0) but uses SDPA's causal kernel instead of an explicit mask.
+    """
+
+    def attend(q, k_cache, v_cache, meta, scale):  # q [B*window, Hq, D]
+        T, Hq, D = q.shape
+        Hk = k_cache.shape[-2]
+        B = T // window
+        slots = meta.slot_mapping.view(B, window)
+        k = k_cache.view(-1, Hk, D)[slots].transpose(1, 2)  # [B, Hk, window, D]
+        v = v_cache.view(-1, Hk, D)[slots].transpose(1, 2)
+        qb = q.view(B, window, Hq, D).transpose(1, 2)  # [B, Hq, window, D]
+        o = torch.nn.functional.scaled_dot_product_attention(qb, k, v, is_causal=True, scale=scale, enable_gqa=Hq != Hk)
+        return o.transpose(1, 2).reshape(T, Hq, D)
+
+    return attend
+
+
+@torch.inference_mode()
+def perplexity_recompute(
+    core: EngineCore, ids: list[int], window: int, segment: int = 1000, batch: int = 16, fast: bool = True
+) -> StreamResult:
+    """Sliding window with recomputation: fed token j is processed with its
+    ``window - 1`` predecessors from scratch (positions 0..window-1), and its
+    logits score token j+1. ``batch`` windows run per forward; with ``batch=1,
+    fast=False`` the per-token time is that of a generator recomputing its
+    window through the engine each step."""
+    bs = core.kv.spec.block_size
+    dev = core.loaded.device
+    model = core.loaded.model
+    t0 = time.perf_counter()
+    first = min(window, len(ids) - 1)
+    nll = [score_sequences(core, [ids[: first + 1]])[0].double().neg()]  # fed tokens 0..first-1
+    ends = list(range(first, len(ids) - 1))  # fed token j = end, window ids[j-window+1 .. j]
+    per_tok: list[float] = []
+    nb = blocks_needed(window, bs)
+    batch = max(1, min(batch, core.allocator.num_free // nb))
+    for i in range(0, len(ends), batch):
+        grp = ends[i : i + batch]
+        ts = time.perf_counter()
+        tables = [core.allocator.allocate(nb) for _ in grp]
+        try:
+            wins = [ids[j - window + 1 : j + 1] for j in grp]
+            lens = [window] * len(grp)
+            meta = build_metadata(lens, lens, tables, bs, dev)
+            if fast:  # batched oracle: same math, causal kernel (fast=False: the engine's own prefill path)
+                meta.policy_attn = _causal_windows(window)
+            x = torch.tensor([t for w in wins for t in w], device=dev)
+            pos = torch.arange(window, device=dev).repeat(len(grp))
+            hidden = model(x, pos, core.kv, meta)  # [B*window, hidden]
+            last = hidden[window - 1 :: window]  # [B, hidden]
+            logits = model.compute_logits(last).float()
+            nll.append(_nll(logits, [ids[j + 1] for j in grp]))
+        finally:
+            for t in tables:
+                core.allocator.free(t)
+        per_tok.append((time.perf_counter() - ts) / len(grp))
+    return StreamResult(
+        policy=f"recompute:{window}", nll=torch.cat(nll), kv_bytes=[nb * bs * core.kv.spec.bytes_per_token * batch],
+        seconds=time.perf_counter() - t0, steady_s_per_token=sum(per_tok) / len(per_tok) if per_tok else 0.0,
+        segment=segment,
+    )

@@ -40,6 +40,7 @@ class Sequence:
     num_preemptions: int = 0
     generator: Any = None  # torch.Generator | None, seeded once per request
     state: Any = None  # front-end state (detokenizer, stop checker), owned by the engine core
+    kv: Any = None  # KV policy bookkeeping (llmsys.offload.kv_policy.SeqKVState); None under `full`
 
     @property
     def tokens(self) -> list[int]:
@@ -48,6 +49,11 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def kv_len(self) -> int:
+        """Tokens in the KV cache (fewer than ``num_computed`` once a policy evicted)."""
+        return self.num_computed if self.kv is None else self.kv.cache_len
 
     @property
     def is_prefill(self) -> bool:

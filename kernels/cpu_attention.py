@@ -101,3 +101,60 @@ def paged_attention_gathered(
         return out.reshape(T, Hq, D)
     qs = plan.query_start
     return torch.cat([out[b, : qs[b + 1] - qs[b]] for b in range(B)], dim=0)
+
+
+def paged_attention_gathered_scores(
+    q: torch.Tensor,  # [T, Hq, D] packed new tokens
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hk, D]
+    v_cache: torch.Tensor,
+    plan: GatherPlan,
+    scale: float,
+    score_from: list[int],  # per sequence: first new-token index whose attention row is returned
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    q_chunk: int = 128,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:  # out [T, Hq, D], rows[b] [nq_b, Lmax] f32
+    """Like :func:`paged_attention_gathered`, also returning attention rows.
+
+    Eviction policies (H2O, SnapKV) need how much each cached token was
+    attended. Softmax(QK^T) is computed explicitly, ``q_chunk`` queries at a
+    time, so at most ``[B, Hq, q_chunk, Lmax]`` probabilities exist at once
+    (never the full ``[Lq, L]`` matrix of a long prefill). Row ``i`` of
+    ``rows[b]`` is the probability mass of query ``score_from[b] + i`` summed
+    over all query heads (each row sums to Hq).
+    """
+    T, Hq, D = q.shape
+    Hk = k_cache.shape[-2]
+    B = len(plan.query_start) - 1
+    k = _gather(k_cache, k_scale, plan.gather_slots, q.dtype).transpose(1, 2)  # [B, Hk, Lmax, D]
+    v = _gather(v_cache, v_scale, plan.gather_slots, q.dtype).transpose(1, 2)
+    if Hq != Hk:
+        k = k.repeat_interleave(Hq // Hk, dim=1)  # [B, Hq, Lmax, D]
+        v = v.repeat_interleave(Hq // Hk, dim=1)
+    if plan.is_decode:
+        qb = q.view(B, 1, Hq, D).transpose(1, 2)  # [B, Hq, 1, D]
+    else:
+        qpad = torch.cat([q, q.new_zeros(1, Hq, D)], dim=0)
+        qb = qpad[plan.query_pad_index].transpose(1, 2)  # [B, Hq, Qmax, D]
+    qmax = qb.shape[2]
+    qs = plan.query_start
+    out = torch.empty_like(qb)
+    rows: list[list[torch.Tensor]] = [[] for _ in range(B)]
+    kt = k.transpose(-1, -2).float()
+    for c0 in range(0, qmax, q_chunk):
+        c1 = min(qmax, c0 + q_chunk)
+        logits = torch.matmul(qb[:, :, c0:c1].float(), kt) * scale  # [B, Hq, c, Lmax]
+        if plan.attn_mask is not None:
+            logits = logits.masked_fill(~plan.attn_mask[:, :, c0:c1], float("-inf"))
+        p = torch.softmax(logits, dim=-1)
+        out[:, :, c0:c1] = torch.matmul(p, v.float()).to(q.dtype)
+        mass = p.sum(dim=1)  # [B, c, Lmax]
+        for b in range(B):
+            lo, hi = max(score_from[b], c0), min(qs[b + 1] - qs[b], c1)
+            if lo < hi:
+                rows[b].append(mass[b, lo - c0 : hi - c0])
+    res = [torch.cat(r, dim=0) if r else q.new_zeros((0, k.shape[2]), dtype=torch.float32) for r in rows]
+    out = out.transpose(1, 2)  # [B, Qmax, Hq, D]
+    if plan.is_decode:
+        return out.reshape(T, Hq, D), res
+    return torch.cat([out[b, : qs[b + 1] - qs[b]] for b in range(B)], dim=0), res

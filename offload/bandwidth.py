@@ -63,7 +63,7 @@ def _best(fn, repeat: int = 3) -> float:
     return max(best, 1e-9)
 
 
-def probe_mem_gbps(nbytes: int = 128 << 20) -> float:
+def probe_mem_gbps(nbytes: int = 64 << 20) -> float:
     """Read bandwidth: a sum over a buffer far larger than the caches."""
     x = torch.ones(nbytes // 4, dtype=torch.float32)
     dt = _best(lambda: x.sum())
@@ -78,7 +78,7 @@ def probe_cpu_gflops(dtype: torch.dtype, m: int = 32, n: int = 2048, k: int = 20
     return 2 * m * n * k / dt / 1e9
 
 
-def probe_disk_read_gbps(folder: Path, nbytes: int = 64 << 20) -> float:
+def probe_disk_read_gbps(folder: Path, nbytes: int = 32 << 20) -> float:
     """Write a file, drop it from the page cache, time sequential reads."""
     folder.mkdir(parents=True, exist_ok=True)
     buf = torch.ones(nbytes, dtype=torch.uint8)

@@ -263,7 +263,7 @@ def plan_placement(shape: ModelShape, budgets: Budgets, bw: Bandwidths, workload
 
     def consider(counts: dict[str, int], ek: str | None, hk: str) -> None:
         nonlocal best, min_cpu
-        kinds = spread(counts)
+        kinds = [k for k, c in counts.items() for _ in range(c)]  # spread() only for the winner
         tiers = {"gpu": 0, "cpu": 0}
         for k, c in counts.items():
             if k == "gpu":
@@ -290,21 +290,47 @@ def plan_placement(shape: ModelShape, budgets: Budgets, bw: Bandwidths, workload
             min_cpu = need["cpu"]
         if need["cpu"] > budgets.cpu or (gpu and need["gpu"] > (budgets.gpu or 0)):
             return
-        dec = _step_cost(shape, kinds, ek, hk, workload.batch, ctx, bw, gpu)
-        pre_tokens = workload.batch * workload.prompt_len
-        steps = math.ceil(pre_tokens / workload.max_batched_tokens)
-        pre = _step_cost(shape, kinds, ek, hk, min(pre_tokens, workload.max_batched_tokens), workload.prompt_len // 2, bw, gpu)
-        total = steps * pre.total + workload.output_len * dec.total
+        dec = fast_cost(counts, ek, hk, workload.batch, ctx)
+        pre = fast_cost(counts, ek, hk, min(pre_tokens, workload.max_batched_tokens), workload.prompt_len // 2)
+        total = steps * pre + workload.output_len * dec
         desc = ", ".join(f"{c} {k}" for k, c in counts.items() if c) + f"; head {hk}" + (f"; embed {ek}" if ek else "")
-        feasible.append((desc, dec.total * 1000))
+        feasible.append((desc, dec * 1000))
         if best is None or total < best[0] - 1e-12:
-            best = (total, dict(kinds=kinds, ek=ek, hk=hk, dec=dec, pre=pre, steps=steps, staging=staging,
-                                kv_tier=kv_tier, acts=acts, counts=counts))
+            best = (total, dict(kinds=kinds, ek=ek, hk=hk, staging=staging, kv_tier=kv_tier, acts=acts, counts=counts))
 
+    pre_tokens = workload.batch * workload.prompt_len
+    steps = math.ceil(pre_tokens / workload.max_batched_tokens)
+    memo: dict[tuple, tuple[float, float, float]] = {}
+
+    def unit_cost(u: UnitShape, kind: str, tokens: int, c: int) -> tuple[float, float, float]:
+        key = (u.kind, u.nbytes, u.params, kind, tokens, c)
+        got = memo.get(key)
+        if got is None:
+            dev = "cpu" if (kind == "cpu" or not gpu) else "gpu"
+            got = memo[key] = _unit_cost(u, kind, tokens, c, shape, bw, dev)
+        return got
+
+    rep = max(shape.layers, key=lambda u: u.nbytes) if shape.layers else None
+
+    def fast_cost(counts: dict[str, int], ek: str | None, hk: str, tokens: int, c: int) -> float:
+        comp = disk = h2d = 0.0
+        for k, cnt in counts.items():
+            a, b, d = unit_cost(rep, k, tokens, c)
+            comp, disk, h2d = comp + cnt * a, disk + cnt * b, h2d + cnt * d
+        for u, k in ((shape.embed, ek), (shape.head, hk)):
+            if u is not None:
+                a, b, d = unit_cost(u, k, tokens, c)
+                comp, disk, h2d = comp + a, disk + b, h2d + d
+        return max(comp, disk, h2d)
+
+    if force is not None and force.get("head"):
+        head_kinds = (force["head"],)
+    if force is not None and force.get("embed") and shape.embed is not None:
+        embed_kinds = (force["embed"],)
     for ek in embed_kinds:
         for hk in head_kinds:
             if force is not None:
-                consider({k: force.get(k, 0) for k in layer_kinds if force.get(k, 0)}, ek, hk)
+                consider({k: int(force.get(k, 0)) for k in layer_kinds if force.get(k, 0)}, ek, hk)
                 continue
             if not gpu:
                 for c in range(n + 1):
@@ -327,7 +353,11 @@ def plan_placement(shape: ModelShape, budgets: Budgets, bw: Bandwidths, workload
             "(--kv-cache-tokens)"
         )
     _, b = best
-    dec: _Cost = b["dec"]
+    b["kinds"] = spread(b["counts"])
+    dec = _step_cost(shape, b["kinds"], b["ek"], b["hk"], workload.batch, ctx, bw, gpu)
+    b["pre"] = _step_cost(shape, b["kinds"], b["ek"], b["hk"], min(pre_tokens, workload.max_batched_tokens),
+                          workload.prompt_len // 2, bw, gpu)
+    b["steps"] = steps
     gpu_dev = lambda k: "cpu" if (k == "cpu" or not gpu) else "gpu"  # noqa: E731
     layers = tuple(
         Placement(u.name, k, gpu_dev(k), u.nbytes, dec.per_unit[u.name][0] * 1000, dec.per_unit[u.name][1])

@@ -258,9 +258,12 @@ class OffloadRuntime:
         if left:
             return
         del self._pending[u]
-        mod = model.get_submodule("model." + u) if u.startswith("layers.") else None
-        if mod is None:
-            mod = model.get_submodule("model.embed_tokens" if u in ("embed",) or self.plan.embed is None else "lm_head")
+        if u.startswith("layers."):
+            mod = model.get_submodule("model." + u)
+        elif u == "embed" or self.plan.embed is None:  # tied: the head's tensor is the embedding table
+            mod = model.get_submodule("model.embed_tokens")
+        else:
+            mod = model.get_submodule("lm_head")
         self._written[u] = self._write_module(mod)
 
     def _writer_for(self) -> OffloadWriter:
@@ -406,12 +409,12 @@ class OffloadRuntime:
             self.stager.wait_copied(k)
         self.ring.release(u)
 
-    def layer_hook(self, i: int, layer: nn.Module, h, cos, sin, k_cache, v_cache, meta):
+    def layer_hook(self, i: int, layer: nn.Module, h, positions, rope, k_cache, v_cache, meta):
         u = self._layer_unit.get(i)
         if u is not None:
             self.bring(u)
             try:
-                return layer(h, cos, sin, k_cache, v_cache, meta)
+                return layer(h, positions, rope, k_cache, v_cache, meta)
             finally:
                 self.drop(u)
         if i in self._resident_cpu:  # pragma: no cover - GPU only: pinned CPU weights copied to the GPU
@@ -425,15 +428,15 @@ class OffloadRuntime:
             for b, v in zip(binds, self.stager.views(k, items, offsets)):
                 (b.owner._parameters if b.is_param else b.owner._buffers)[b.leaf] = v
             try:
-                return layer(h, cos, sin, k_cache, v_cache, meta)
+                return layer(h, positions, rope, k_cache, v_cache, meta)
             finally:
                 self.stager.done(k)
         if self.cuda and self.kind.get(i) == "cpu":  # pragma: no cover - GPU only: computed on the CPU
             cpu = torch.device("cpu")
             m = _meta_to(meta, cpu)
-            out = layer(h.to(cpu), cos.to(cpu), sin.to(cpu), k_cache, v_cache, m)
+            out = layer(h.to(cpu), positions.to(cpu), rope.to(cpu), k_cache, v_cache, m)
             return out.to(self.device, non_blocking=True)
-        return layer(h, cos, sin, k_cache, v_cache, meta)
+        return layer(h, positions, rope, k_cache, v_cache, meta)
 
     def place_kv(self, kv: Any) -> None:  # pragma: no cover - GPU only
         """Move the KV tensors of CPU-computed layers to CPU RAM (kv has lists ``k`` and ``v``)."""

@@ -43,6 +43,14 @@ class QuantLinear(nn.Module):
         """``x2 [M, K] -> [M, N]`` in ``x2.dtype``; bias is added by ``forward``."""
         return x2 @ self.dequantize(x2.dtype).t()
 
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Dequantized weight rows ``ids [M] -> [M, K]`` (an embedding lookup).
+
+        Subclasses gather only the requested rows; this fallback dequantizes
+        the whole matrix and is only used by formats without a row path.
+        """
+        return self.dequantize(dtype)[ids]
+
     # --- shared -------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]

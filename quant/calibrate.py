@@ -29,24 +29,53 @@ def hessian_from_inputs(x: torch.Tensor) -> torch.Tensor:
     return 2.0 * (xf.t() @ xf) / xf.shape[0]
 
 
-def _group_params(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Asymmetric 4-bit params for a slab ``w [N, g]``: (scale bf16-rounded fp32 [N], zero [N])."""
-    wmin = w.amin(dim=1).clamp(max=0.0)
-    wmax = w.amax(dim=1).clamp(min=0.0)
-    scale = bf16_ceil((wmax - wmin).clamp_min(1e-8) / 15).float()
-    zero = torch.round(-wmin / scale).clamp_(0, 15)
-    return scale, zero
+def _group_params(w: torch.Tensor, mse: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit params for a slab ``w [N, g]``: (scale bf16-rounded fp32 [N], zero [N]).
+
+    ``mse``: shrink the [min, max] range by the factor (1.0, 0.95, ... 0.70) that
+    minimizes the group's squared rounding error, per row (GPTQ's ``mse``
+    option): clipping a few outliers buys a finer grid for the rest.
+    """
+    wmin0 = w.amin(dim=1).clamp(max=0.0)
+    wmax0 = w.amax(dim=1).clamp(min=0.0)
+    best = None
+    for p in (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7) if mse else (1.0,):
+        wmin, wmax = wmin0 * p, wmax0 * p
+        scale = bf16_ceil((wmax - wmin).clamp_min(1e-8) / 15).float()
+        zero = torch.round(-wmin / scale).clamp_(0, 15)
+        if not mse:
+            return scale, zero
+        q = (torch.round(w / scale[:, None]) + zero[:, None]).clamp_(0, 15)
+        err = ((q - zero[:, None]) * scale[:, None] - w).pow(2).sum(dim=1)  # [N]
+        if best is None:
+            best = [err, scale, zero]
+        else:
+            better = err < best[0]
+            best = [torch.where(better, err, best[0]), torch.where(better, scale, best[1]),
+                    torch.where(better, zero, best[2])]
+    return best[1], best[2]
 
 
 def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, group_size: int = 64,
-                  damp: float = 0.01, block_size: int = 128) -> dict[str, torch.Tensor]:
+                  damp: float = 0.01, block_size: int = 128, act_order: bool = False,
+                  mse: bool = False) -> dict[str, torch.Tensor]:
     """GPTQ-quantize ``weight [N, K]`` given ``H [K, K]``.
 
     Returns canonical int4 tensors ``{"qweight" uint8 [N, Kp/2], "scales" bf16
     [N, G], "zeros" bf16 [N, G]}`` (feed to ``Int4Linear.from_quantized`` with
     ``in_features=K``). ``damp`` is the fraction of mean(diag H) added to the
-    diagonal for a stable Cholesky.
+    diagonal for a stable Cholesky. ``act_order`` quantizes columns in order
+    of decreasing ``diag(H)`` (the most active inputs first, while the most
+    columns remain to absorb their error); the columns are *stored* in that
+    order with groups contiguous, and ``"perm" int32 [K]`` is returned for
+    :class:`~llmsys.quant.int4.Int4Linear` (stored column j = input ``perm[j]``).
+    ``mse`` picks each group's range by error search (:func:`_group_params`).
     """
+    if act_order:
+        perm = torch.argsort(torch.diag(H), descending=True, stable=True)
+        out = gptq_quantize(weight[:, perm], H[perm][:, perm], group_size, damp, block_size, False, mse)
+        out["perm"] = perm.to(torch.int32)
+        return out
     if group_size not in GROUP_SIZES:
         raise InvalidParameterError(f"GPTQ group size must be one of {GROUP_SIZES}, got {group_size}")
     n, k = weight.shape
@@ -76,7 +105,7 @@ def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, group_size: int = 64,
         for i in range(i2 - i1):
             col = i1 + i
             if col % g == 0:
-                s, z = _group_params(W1[:, i:i + g])
+                s, z = _group_params(W1[:, i:i + g], mse)
                 scales[:, col // g], zeros[:, col // g] = s, z
             w = W1[:, i]
             q = (torch.round(w / s) + z).clamp_(0, 15)

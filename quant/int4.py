@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from llmsys.engine.errors import CheckpointError
+from llmsys.kernels import w4a16_matmul
 from llmsys.quant.base import QuantLinear, check_weight, require
 
 GROUP_SIZES = (32, 64, 128)
@@ -229,6 +230,28 @@ class Int4Linear(QuantLinear):
         out[:, self.perm.long()] = w  # back to the original input-feature order
         return out
 
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows ``ids [M] -> [M, K]`` straight from the run-time layout (embedding lookup)."""
+        if self.perm is not None:
+            return self.dequantize(dtype)[ids]
+        ids = ids.long()
+        g, kp = self.group_size, self.padded_in_features
+        m = ids.numel()
+        if self.mode == "packed_cpu":
+            # torch's CPU tiling: bytes [Np/64, Kp, 32]; row 64b+j sits at (b, :, j % 32),
+            # low nibble for j < 32, high nibble otherwise (see unpack_cpu_int4).
+            p3 = self.packed.view(-1, kp, CPU_BLOCK_N // 2)
+            j = ids % CPU_BLOCK_N
+            byte = p3[ids // CPU_BLOCK_N, :, j % (CPU_BLOCK_N // 2)]  # [M, Kp]
+            shift = torch.where(j < CPU_BLOCK_N // 2, 0, 4).to(torch.uint8)[:, None]
+            q = ((byte >> shift) & 15).float().view(m, -1, g)  # [M, G, g]
+            sz = self.scales_zeros[:, ids].float()  # [G, M, 2]: w = (q - 8) * scale + zero_t
+            w = (q - 8.0) * sz[..., 0].t()[..., None] + sz[..., 1].t()[..., None]
+        else:
+            q = unpack_int4(self.qweight[ids]).float().view(m, -1, g)  # [M, G, g]
+            w = (q - self.zeros[ids].float()[..., None]) * self.scales[ids].float()[..., None]
+        return w.reshape(m, kp)[:, : self.in_features].to(dtype)
+
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
         k, kp = self.in_features, self.padded_in_features
         if self.perm is not None:
@@ -241,5 +264,7 @@ class Int4Linear(QuantLinear):
                 xb.contiguous(), self.packed, self.group_size, self.scales_zeros
             )  # [M, Np]
             return y[:, : self.out_features].to(x2.dtype)
+        if x2.device.type == "cuda":  # Triton W4A16 (masks K < Kp itself, no padding copy)
+            return w4a16_matmul(x2.contiguous(), self.qweight, self.scales, self.zeros, self.group_size)
         w = dequantize_int4(self.qweight, self.scales, self.zeros, k, x2.dtype)  # [N, K] stored order
         return F.linear(x2, w)

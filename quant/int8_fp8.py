@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from llmsys.kernels import w8a16_matmul
 from llmsys.quant.base import PACKED_MAX_ROWS, QuantLinear, check_weight, require
 from llmsys.quant.int4 import bf16_ceil
 
@@ -65,7 +66,12 @@ class Int8Linear(QuantLinear):
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return (self.qweight.to(torch.float32) * self.scales.float()[:, None]).to(dtype)  # [N, K]
 
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (self.qweight[ids].float() * self.scales[ids].float()[:, None]).to(dtype)  # [M, K]
+
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        if x2.device.type == "cuda":
+            return w8a16_matmul(x2.contiguous(), self.qweight, self.scales)  # Triton W8A16
         if (
             x2.device.type == "cpu"
             and x2.shape[0] <= PACKED_MAX_ROWS
@@ -126,6 +132,9 @@ class FP8Linear(QuantLinear):
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return (self.qweight.float() * self.scales[:, None]).to(dtype)  # [N, K]
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (self.qweight[ids].float() * self.scales[ids][:, None]).to(dtype)  # [M, K]
 
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
         k, n = self.in_features, self.out_features

@@ -177,5 +177,13 @@ class NF4Linear(QuantLinear):
             w[full:].mul_(absmax[-1])
         return w.view(n, k)
 
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        k = self.in_features
+        idx = ids.long()[:, None] * k + torch.arange(k, device=ids.device)  # [M, K] flat element index
+        byte = self.qweight[idx // 2]
+        q = torch.where(idx % 2 == 0, byte >> 4, byte & 15)  # element 2i in the high nibble
+        absmax = nf4_absmax(self._stored())  # [nblocks]
+        return (nf4_code().to(byte.device)[q.long()] * absmax[idx // NF4_BLOCK]).to(dtype)
+
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(x2, self.dequantize(x2.dtype))

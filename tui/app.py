@@ -8,12 +8,14 @@ the screen and a failed load or a full context becomes a notice, not a crash.
 
 from __future__ import annotations
 
+from pathlib import Path
 import dataclasses
 from typing import Any, Callable
 
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
+from textual.css.query import NoMatches
 from textual.widgets import Markdown
 
 from llmsys.engine.errors import LLMSysError
@@ -38,7 +40,7 @@ from llmsys.tui.worker import Abort, EngineWorker, Generate, Refresh, error_line
 
 
 class ChatApp(App):
-    CSS_PATH = "chat.tcss"
+    CSS_PATH = str(Path(__file__).with_name("chat.tcss"))  # absolute: subclasses live elsewhere
     TITLE = "llmsys chat"
     BINDINGS = [
         Binding("escape", "stop", "Stop", priority=True, show=False),
@@ -71,8 +73,13 @@ class ChatApp(App):
         self._reply: ChatMessage | None = None
         self._stream: Any = None
         self.last_finish: str | None = None
+        self.notices: list[tuple[str, str]] = []  # (severity, text) of every notice shown
         if theme:
             self.theme = theme
+
+    def notify(self, message: str, *, title: str = "", severity: str = "information", **kwargs: Any) -> None:  # type: ignore[override]
+        self.notices.append((severity, f"{title}: {message}" if title else message))
+        super().notify(message, title=title, severity=severity, **kwargs)
 
     # -- layout --------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -123,7 +130,10 @@ class ChatApp(App):
         await self.transcript.add_message("error", f"**Could not load the model:** {msg.error}")
 
     def on_snapshot_updated(self, msg: SnapshotUpdated) -> None:
-        self.panel.update_snapshot(msg.snapshot)
+        try:
+            self.panel.update_snapshot(msg.snapshot)
+        except NoMatches:  # posted by the engine thread while the app was closing
+            pass
 
     async def on_tokens_received(self, msg: TokensReceived) -> None:
         if msg.gen_id != self.generating or self._reply is None or not msg.text:

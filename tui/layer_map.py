@@ -29,8 +29,11 @@ class LayerMap(Widget):
             self.tiers, self.streamed = tiers, streamed
             self.refresh(layout=True)
 
+    def _gap(self, width: int) -> str:
+        return " " if 2 * len(self.tiers) <= width else ""  # separate cells when they fit
+
     def get_content_height(self, container, viewport, width: int) -> int:
-        per_line = max(width, 1)
+        per_line = max(width // (1 + len(self._gap(width))), 1)
         return 1 + max(1, -(-len(self.tiers) // per_line))
 
     def render(self) -> Text:
@@ -38,7 +41,10 @@ class LayerMap(Widget):
         text = Text(no_wrap=False)
         if not self.tiers:
             text.append("no layers yet", style=self.get_component_rich_style("layermap--legend"))
+        gap = self._gap(self.content_size.width)
         for tier, streamed in zip(self.tiers, self.streamed):
+            if gap and text:
+                text.append(gap)
             cls = f"layermap--{tier}" if tier in ("gpu", "cpu", "disk") else "layermap--legend"
             text.append(STREAMED if streamed else RESIDENT, style=self.get_component_rich_style(cls))
         text.append("\n")

@@ -7,6 +7,7 @@ notice, and the app keeps polling so it recovers when the server comes back.
 
 from __future__ import annotations
 
+from pathlib import Path
 import threading
 import time
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal
+from textual.css.query import NoMatches
 from textual.message import Message
 
 from llmsys.tui.memory_panel import MemoryPanel
@@ -28,7 +30,7 @@ class MetricsUnavailable(Message):
 
 
 class MonitorApp(App):
-    CSS_PATH = "chat.tcss"
+    CSS_PATH = str(Path(__file__).with_name("chat.tcss"))  # absolute: subclasses live elsewhere
     TITLE = "llmsys monitor"
     BINDINGS = [Binding("ctrl+q", "quit", "Quit", priority=True, show=False), Binding("q", "quit", "Quit", show=False)]
 
@@ -71,6 +73,18 @@ class MonitorApp(App):
             self._stop.wait(self.interval)
 
     def on_snapshot_updated(self, msg: SnapshotUpdated) -> None:
+        try:
+            self._show(msg)
+        except NoMatches:  # a scrape that lands while the app is closing
+            pass
+
+    def on_metrics_unavailable(self, msg: MetricsUnavailable) -> None:
+        try:
+            self._show_error(msg)
+        except NoMatches:
+            pass
+
+    def _show(self, msg: SnapshotUpdated) -> None:
         self.scrapes += 1
         if self.last_error is not None:
             self.notify("connected again")
@@ -82,7 +96,7 @@ class MonitorApp(App):
             f" · {s.requests_waiting if s.requests_waiting is not None else 'n/a'} queued  ·  Ctrl+Q quit"
         )
 
-    def on_metrics_unavailable(self, msg: MetricsUnavailable) -> None:
+    def _show_error(self, msg: MetricsUnavailable) -> None:
         if self.last_error is None:
             self.notify(f"cannot read {self.url}/metrics: {msg.error}", severity="error", timeout=8)
         self.last_error = msg.error

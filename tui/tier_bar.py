@@ -23,7 +23,7 @@ class TierBar(Widget):
     """Two lines: the bar with 'used / budget', then the split in words."""
 
     COMPONENT_CLASSES = {"tierbar--weights", "tierbar--kv", "tierbar--kvfree", "tierbar--workspace", "tierbar--free", "tierbar--label"}
-    DEFAULT_CSS = "TierBar { height: 2; }"
+    DEFAULT_CSS = "TierBar { height: 3; }"
 
     def __init__(self, tier: str, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -42,10 +42,10 @@ class TierBar(Widget):
         label = f"{TIER_LABELS.get(self.tier, self.tier):<5}"
         style = self.get_component_rich_style
         text = Text(label, style=style("tierbar--label"))
-        width = max(self.size.width - len(label), 10)
+        width = max(self.content_size.width - len(label), 10)
         if u.budget is None and u.used == 0:
             text.append("n/a", style=style("tierbar--free"))
-            text.append("\n     " + ("no GPU" if self.tier == "gpu" else "not used"))
+            text.append("\n     " + ("no GPU" if self.tier == "gpu" else "not used") + "\n")
             self.render_s += time.perf_counter() - t0
             return text
         budget = u.budget or max(u.used, 1)
@@ -55,7 +55,8 @@ class TierBar(Widget):
             text.append(ch * n, style=style(f"tierbar--{cls}"))
         text.append("░" * max(width - sum(cells), 0), style=style("tierbar--free"))
         budget_s = format_bytes(u.budget) if u.budget is not None else "n/a"
-        text.append(f"\n     {format_bytes(u.used)} / {budget_s}  W {format_bytes(u.weights)} KV {format_bytes(u.kv_used)}/{format_bytes(u.kv_reserved)} WS {format_bytes(u.workspace)}")
+        text.append(f"\n     {format_bytes(u.used)} / {budget_s} · WS {format_bytes(u.workspace)}")
+        text.append(f"\n     W {format_bytes(u.weights)} · KV {format_bytes(u.kv_used)}/{format_bytes(u.kv_reserved)}")
         text.no_wrap = True
         text.overflow = "ellipsis"
         self.render_s += time.perf_counter() - t0

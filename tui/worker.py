@@ -234,7 +234,7 @@ class EngineWorker:
                 if pending_n and (final is not None or t1 - last_text >= self._text_interval):
                     self._post(TokensReceived(job.gen_id, "".join(pending_text), pending_n))
                     pending_text, pending_n, last_text = [], 0, t1
-                if t1 - last_snap >= self._interval:
+                if final is None and t1 - last_snap >= self._interval:  # (a finished request's blocks are already freed)
                     self._history.append(window_tokens / (t1 - last_snap))
                     window_tokens = 0
                     last_snap = t1

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -65,10 +66,12 @@ class HFBaseline:
 
     @torch.inference_mode()
     def _forward(self, ids: torch.Tensor, cache) -> torch.Tensor:
-        try:
-            out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        except TypeError:  # older transformers
-            out = self.model(input_ids=ids, past_key_values=cache, use_cache=True)
+        with warnings.catch_warnings():  # transformers 5 renames past_key_values; both still work
+            warnings.simplefilter("ignore", FutureWarning)
+            try:
+                out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            except TypeError:  # older transformers
+                out = self.model(input_ids=ids, past_key_values=cache, use_cache=True)
         return out.logits[:, -1]
 
     def run(self, test: TestSpec, batch: int, gen: torch.Generator) -> RunTimes:

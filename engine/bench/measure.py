@@ -28,6 +28,8 @@ from llmsys.engine.sequence import Sequence
 class TestSpec:
     """One llama-bench test: ``pp512``, ``tg128``, ``pg512,128`` (``@ d4096``)."""
 
+    __test__ = False  # not a pytest class, despite the name
+
     n_prompt: int
     n_gen: int
     depth: int = 0
@@ -128,11 +130,16 @@ class StepDriver:
     def run(self, test: TestSpec, batch: int, gen: torch.Generator) -> RunTimes:
         """One repetition of ``test`` for ``batch`` sequences."""
         sched = self.core.scheduler
-        max_len = self.core.max_len
+        policy = getattr(self.core, "kv_policy", None)  # KV eviction runtime; None under `full`
+        # As EngineCore.add_request: evicting policies slide past the context limit.
+        evicts = policy is not None and policy.policy.evicts
+        max_len = self.core.max_len + (test.context if evicts else 0)
         seqs = []
         for _ in range(batch):
             self._n += 1
-            seqs.append(Sequence(f"bench-{self._n}", [], self._params, max_len))
+            seq = Sequence(f"bench-{self._n}", [], self._params, max_len)
+            seq.kv = policy.new_state() if policy is not None else None
+            seqs.append(seq)
         times = RunTimes()
         try:
             if test.depth:  # untimed context; its last step samples the token tg continues from
@@ -140,8 +147,8 @@ class StepDriver:
                     s.prompt_ids = _random_ids(test.depth, self.vocab, gen)
                     sched.add(s)
                 self._run_until_sampled(seqs)
-                for s in seqs:
-                    s.prompt_ids, s.output_ids = s.prompt_ids + s.output_ids, []
+                for s in seqs:  # pp continues with exactly n_prompt new tokens; tg from the sampled one
+                    s.prompt_ids, s.output_ids = s.prompt_ids + ([] if test.n_prompt else s.output_ids), []
             if test.n_prompt:
                 for s in seqs:
                     s.prompt_ids = s.prompt_ids + _random_ids(test.n_prompt, self.vocab, gen)

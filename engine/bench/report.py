@@ -83,12 +83,10 @@ def to_markdown(result: BenchResult) -> str:
             else:
                 cells += [f"{_f(f.tok_s)} ± {_f(f.tok_s_std)}", f"{_f(f.ratio)}x" if f.ratio else "-"]
         lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
-    reps = rows[0].reps or result.spec.repetitions
     note = (
         f"\n{len(rows)} rows, -r {result.spec.repetitions} (mean ± stddev, warm-up excluded; t/s times model steps only, "
         f"e2e t/s is LLM.generate on text) in {result.wall_s:.1f} s"
     )
-    del reps
     return "\n".join(out + lines) + "\n" + note
 
 

@@ -67,6 +67,8 @@ class BaselineFigures:
     tok_s_std: float | None = None
     ratio: float | None = None  # ours / baseline
     error: str | None = None
+    peak_cpu_bytes: int | None = None  # the baseline's own peak RSS
+    peak_gpu_bytes: int | None = None
 
 
 @dataclass
@@ -222,7 +224,8 @@ def count_params(loaded) -> int:
         family = family_for(loaded.config, "config")
         with torch.device("meta"):
             m = family.Model(loaded.args)
-        return sum(p.numel() for p in m.parameters())
+        tied = loaded.args.tie_word_embeddings  # the meta skeleton is not tied yet
+        return sum(p.numel() for n, p in m.named_parameters() if not (tied and n == "lm_head.weight"))
     except Exception:  # llama2.c checkpoints have no HF config: count what is loaded
         return sum(p.numel() for p in loaded.model.parameters())
 
@@ -327,39 +330,32 @@ Progress = Callable[[int, int, str], None]
 
 
 def run_bench(spec: BenchSpec, machine: MachineInfo, progress: Progress | None = None) -> BenchResult:
-    """Run the whole matrix; one :class:`BenchRow` per (config, threads, batch, test)."""
+    """Run the whole matrix; one :class:`BenchRow` per (config, threads, batch, test).
+
+    Per load configuration our engine runs all its rows first and is freed
+    before any ``--vs`` baseline loads, so two models never share the memory
+    (and the peak RSS of each is its own, up to allocator leftovers).
+    """
     from llmsys.engine.llm import LLM
 
     t_start = time.perf_counter()
     rows: list[BenchRow] = []
     done = 0
-    total = spec.num_rows
+    total = spec.num_rows * (1 + len(spec.vs))
     label = f"synthetic {spec.synthetic}" if spec.synthetic else Path(spec.model).name
     default_threads = torch.get_num_threads()
     for cfg in spec.configs:
         llm = None
-        baselines: dict[str, Any] = {}
-        base_err: dict[str, str] = {}
         load_error = None
         gc.collect()
         reset_peak_memory()
         try:
             llm = LLM(_engine_config(spec, cfg))
-            load_error = not_applied(llm, cfg)
+            load_error = not_applied(llm, cfg) or _max_context_check(spec, llm)
         except Exception as e:  # noqa: BLE001 - shown in the row, the sweep goes on
             load_error = _error_text(e)
-        if llm is not None and load_error is None:
-            load_error = _max_context_check(spec, llm)
-        for kind in spec.vs if (llm is not None and load_error is None) else []:
-            try:
-                from llmsys.engine.bench.baseline import HFBaseline
-
-                baselines[kind] = HFBaseline(
-                    llm.loaded.path, llm.loaded.dtype, llm.loaded.device, kind,
-                    llm.config.gpu_mem, llm.config.cpu_mem,
-                )
-            except Exception as e:  # noqa: BLE001
-                base_err[kind] = _error_text(e)
+        where = (llm.loaded.path, llm.loaded.dtype, llm.loaded.device) if llm is not None else None
+        cfg_rows: list[tuple[BenchRow, TestSpec, int | None]] = []
         for threads in spec.threads:
             torch.set_num_threads(threads or default_threads)
             for batch in spec.batches:
@@ -375,16 +371,28 @@ def run_bench(spec: BenchSpec, machine: MachineInfo, progress: Progress | None =
                         progress(done, total, f"{test.name} b{batch} t{row.threads} {cfg.dtype} {cfg.quant}")
                     if llm is not None and load_error is None:
                         _measure_row(row, llm, spec, test, batch, machine)
-                        for kind in spec.vs:
-                            row.baselines[kind] = _measure_baseline(baselines.get(kind), base_err.get(kind), row, spec, test, batch)
-                    else:
-                        for kind in spec.vs:
-                            row.baselines[kind] = BaselineFigures(error=base_err.get(kind) or "engine row failed")
+                    cfg_rows.append((row, test, threads))
                     rows.append(row)
                     done += 1
-        for b in baselines.values():
-            b.close()
-        del llm, baselines
+        del llm
+        gc.collect()
+        for kind in spec.vs:  # also where our engine failed (e.g. a budget it rejects)
+            reset_peak_memory()
+            base, err = None, None
+            try:
+                base = _load_baseline(spec, cfg, where, kind)
+            except Exception as e:  # noqa: BLE001
+                err = _error_text(e)
+            for row, test, threads in cfg_rows:
+                torch.set_num_threads(threads or default_threads)
+                if progress is not None:
+                    progress(done, total, f"{kind} {test.name} b{row.batch} t{row.threads}")
+                row.baselines[kind] = _measure_baseline(base, err, row, spec, test, row.batch)
+                done += 1
+            if base is not None:
+                base.close()
+            del base
+            gc.collect()
     torch.set_num_threads(default_threads)
     if progress is not None:
         progress(total, total, "done")
@@ -393,9 +401,29 @@ def run_bench(spec: BenchSpec, machine: MachineInfo, progress: Progress | None =
 
 def _max_context_check(spec: BenchSpec, llm) -> str | None:
     need = max(t.context for t in spec.tests)
+    policy = getattr(llm.core, "kv_policy", None)
+    if policy is not None and policy.policy.evicts:
+        return None  # an evicting policy runs past the context limit by design
     if need > llm.max_model_len:
         return f"tests need {need} tokens of context but the engine allows {llm.max_model_len}; lower -p/-n/-d or raise --max-model-len"
     return None
+
+
+def _load_baseline(spec: BenchSpec, cfg: LoadConfig, where, kind: str):
+    """Load ``kind`` on what our engine used (``where`` = (path, dtype, device)) or would have."""
+    from llmsys.engine.bench.baseline import HFBaseline
+    from llmsys.engine.config import parse_size
+
+    if where is not None:
+        path, dtype, device = where
+    else:
+        from llmsys.engine.llm import _resolve_path
+        from llmsys.engine.loader import resolve_device, resolve_dtype
+
+        path = _resolve_path(spec.model)
+        device = resolve_device(spec.engine_flags.get("device") or "auto")
+        dtype = resolve_dtype(cfg.dtype, device)
+    return HFBaseline(path, dtype, device, kind, parse_size(cfg.gpu_mem), parse_size(cfg.cpu_mem))
 
 
 def _measure_row(row: BenchRow, llm, spec: BenchSpec, test: TestSpec, batch: int, machine: MachineInfo) -> None:
@@ -439,4 +467,5 @@ def _measure_baseline(base, err: str | None, row: BenchRow, spec: BenchSpec, tes
     except Exception as e:  # noqa: BLE001
         return BaselineFigures(error=_error_text(e))
     ratio = row.tok_s / res.tok_s_mean if row.tok_s and res.tok_s_mean else None
-    return BaselineFigures(tok_s=res.tok_s_mean, tok_s_std=res.tok_s_std, ratio=ratio)
+    cpu, gpu = peak_memory()
+    return BaselineFigures(tok_s=res.tok_s_mean, tok_s_std=res.tok_s_std, ratio=ratio, peak_cpu_bytes=cpu, peak_gpu_bytes=gpu)

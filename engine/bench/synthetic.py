@@ -64,6 +64,11 @@ def _fill(name: str, shape: tuple[int, ...], gen: torch.Generator, dtype: torch.
     return (torch.randn(shape, generator=gen, dtype=torch.float32) * std).to(dtype)
 
 
+def param_count(cfg: dict[str, Any]) -> int:
+    """Parameters of a config's architecture (tied embeddings counted once)."""
+    return sum(int(torch.Size(shape).numel()) for _, shape in _param_shapes(cfg))
+
+
 def _param_shapes(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
     """Every tensor a checkpoint of this config holds, with HF names (meta device)."""
     from llmsys.engine.models import family_for
@@ -109,11 +114,17 @@ def write_wordlevel_tokenizer(out: Path, vocab_size: int, bos_id: int | None, eo
     (out / "tokenizer_config.json").write_text(json.dumps(cfg))
 
 
-def make_synthetic(name: str, seed: int = 0, root: Path | None = None, progress: bool = False) -> Path:
-    """Create (or reuse) the random-weight checkpoint folder of shape ``name``."""
+def make_synthetic(
+    name: str, seed: int = 0, root: Path | None = None, progress: bool = False, config: dict[str, Any] | None = None
+) -> Path:
+    """Create (or reuse) the random-weight checkpoint folder of shape ``name``.
+
+    ``config`` overrides the models.toml shape (an HF config dict), e.g. a
+    cut-down copy for tests.
+    """
     from safetensors.torch import save_file
 
-    cfg = synthetic_config(name)
+    cfg = dict(config) if config is not None else synthetic_config(name)
     out = synthetic_dir(name, seed, root)
     if (out / _DONE).exists():
         return out

@@ -8,6 +8,7 @@ is the finished model plus one tensor.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from dataclasses import dataclass, field
@@ -103,6 +104,25 @@ def _progress(items: list[str], enabled: bool, label: str) -> Iterator[str]:
         sys.stderr.write("\n")
 
 
+@contextlib.contextmanager
+def skip_init() -> Iterator[None]:
+    """Skip weight init while building a meta skeleton (the checkpoint overwrites it).
+
+    Why: ``normal_`` on a meta tensor makes torch import its symbolic-shape
+    stack (sympy, ~900 modules, ~150 MiB of RSS) -- a third of a 512 MiB
+    memory cap, for values that are never used.
+    """
+    names = ("normal_", "uniform_", "kaiming_uniform_", "trunc_normal_")
+    saved = {n: getattr(nn.init, n) for n in names}
+    try:
+        for n in names:
+            setattr(nn.init, n, lambda t, *a, **k: t)
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(nn.init, n, f)
+
+
 def set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
     """Replace parameter/buffer ``name`` (dotted) with ``value``."""
     mod_name, _, leaf = name.rpartition(".")
@@ -158,6 +178,14 @@ def materialize(
 
 def _materialize_one(model, name, names, linears, done, read, dtype, device, make_linear) -> None:
     mod_name, _, leaf = name.rpartition(".")
+    if make_linear is not None and name == "model.embed_tokens.weight":
+        # The hook may quantize the embedding too (a module with forward(ids) and,
+        # for tied models, as_linear() -> the LM head; see DecoderModel.tie_weights).
+        new = make_linear(mod_name, read(name), None)
+        if new is not None:
+            model.model.embed_tokens = new.to(device)
+            done.add(name)
+            return
     if make_linear is not None and mod_name in linears and leaf == "weight":
         w = read(name)
         bname = mod_name + ".bias"
@@ -216,8 +244,17 @@ def _load_hf(p: Path, dt, dev, make_linear, progress, offload=None) -> LoadedMod
     family = family_for(cfg, str(cfg_path))
     args = family.ModelArgs.from_hf_config(cfg)
     index = CheckpointIndex.open_dir(p)
-    with torch.device("meta"):
+    with torch.device("meta"), skip_init():
         model = family.Model(args)
+    if cfg.get("quantization_config") is not None:  # llmsys / AWQ / GPTQ: rebuild quantized layers as stored
+        from llmsys.engine.loader.quantized import load_quantized_into
+
+        load_quantized_into(model, cfg, index, dt, dev, p, make_linear)
+        model.rope_cache = rope_cache(args, dev)
+        model.tie_weights()
+        model.eval()
+        gen = read_json(p / "generation_config.json") if (p / "generation_config.json").exists() else {}
+        return LoadedModel(model, args, family.__name__.rsplit(".", 1)[1], p, p, dt, dev, cfg, gen)
     runtime = None
     if offload is not None:
         runtime = offload(model, lambda n: (index.where[n].path, index.info(n)) if n in index else None)

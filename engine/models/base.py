@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmsys import kernels
-from llmsys.engine.attention import AttentionMetadata, paged_attention
+from llmsys.engine.attention import AttentionMetadata, paged_attention, store_kv
 from llmsys.engine.errors import UnsupportedModelError
 from llmsys.engine.kv_cache import KVCache
 
@@ -113,7 +113,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = kernels.rope(q, k, positions, rope_cache)
-        kernels.kv_store(k, v, k_cache, v_cache, meta.slot_mapping)
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)  # quantizes on write for int8/int4 pools
         o = paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
         return self.o_proj(o.reshape(T, self.n_heads * self.head_dim))
 
@@ -158,7 +158,12 @@ class DecoderModel(nn.Module):
         self.model.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_hidden_layers))
         self.model.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        self.register_buffer("rope_cache", rope_cache(args), persistent=False)
+        # On the meta device (the loader's skeleton) the table is a placeholder the
+        # loader rebuilds; computing it there imports torch's symbolic-shape stack
+        # (sympy, ~150 MiB RSS), a third of a 512 MiB memory cap (llmsys.offload).
+        on_meta = torch.empty(0).is_meta
+        cache = torch.empty(args.max_position_embeddings, args.head_dim) if on_meta else rope_cache(args)
+        self.register_buffer("rope_cache", cache, persistent=False)
         # Set by the offload runtime (llmsys.offload.runtime): called instead of
         # layer(...) as hook(i, layer, h, positions, rope_cache, k_cache, v_cache, meta) so
         # layer i's weights are made resident just before it runs and released after.
@@ -166,7 +171,11 @@ class DecoderModel(nn.Module):
 
     def tie_weights(self) -> None:
         if self.args.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            emb = self.model.embed_tokens
+            if hasattr(emb, "as_linear"):  # quantized table (llmsys.quant.embedding): share it as the head
+                self.lm_head = emb.as_linear()
+            else:
+                self.lm_head.weight = emb.weight
 
     def forward(
         self,

@@ -43,10 +43,6 @@ log = logging.getLogger("llmsys.server")
 _ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"}
 
 
-class _TooLarge(Exception):
-    pass
-
-
 class GuardMiddleware:
     """Pure ASGI (so it sees the raw body stream): request-size limit (413),
     API key on ``/v1`` (401), and the per-endpoint request counter."""
@@ -71,30 +67,27 @@ class GuardMiddleware:
             err = self._check(scope)
             if err is not None:
                 return await _send_error(send_counted, err)
+            # Read the whole body first (it is small by construction): a body
+            # over the limit is refused before any handler sees it, whether or
+            # not the client sent Content-Length.
             limit = self.state.settings.max_body_bytes
+            body, more = [], scope.get("method") in ("POST", "PUT", "PATCH")
             seen = 0
-            started = False
-
-            async def limited_receive() -> dict:
-                nonlocal seen
+            while more:
                 msg = await receive()
-                if msg["type"] == "http.request":
-                    seen += len(msg.get("body", b""))
-                    if seen > limit:
-                        raise _TooLarge()
-                return msg
+                if msg["type"] != "http.request":
+                    return  # client went away while sending
+                body.append(msg.get("body", b""))
+                seen += len(body[-1])
+                more = msg.get("more_body", False)
+                if seen > limit:
+                    return await _send_error(send_counted, _too_large(limit))
+            replay = [{"type": "http.request", "body": b"".join(body), "more_body": False}]
 
-            async def send_tracked(msg: dict) -> None:
-                nonlocal started
-                if msg["type"] == "http.response.start":
-                    started = True
-                await send_counted(msg)
+            async def replay_receive() -> dict:
+                return replay.pop() if replay else await receive()
 
-            try:
-                await self.app(scope, limited_receive, send_tracked)
-            except _TooLarge:
-                if not started:
-                    await _send_error(send_counted, _too_large(limit))
+            await self.app(scope, replay_receive, send_counted)
         finally:
             self.state.metrics.count_request(endpoint, status_box["status"])
 
@@ -247,7 +240,7 @@ def create_app(state: ServerState) -> FastAPI:
             results = await collect(job, request.is_disconnected)
         finally:
             job.abort_rest()
-        choices, offsets = [], 0
+        choices = []
         for i, r in enumerate(results):
             lp = None
             if logprobs is not None:

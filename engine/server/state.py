@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -54,7 +55,7 @@ class ServerState:
         from llmsys.engine.llm import LLM
 
         llm = LLM(config)
-        self.attach(llm, self.settings.model_name or config.model)
+        self.attach(llm, self.settings.model_name or Path(config.model).name or config.model)
 
     def attach(self, llm: LLM, name: str) -> None:
         """Serve an already loaded :class:`LLM` (tests, the benchmark)."""

@@ -1,0 +1,248 @@
+"""Load test of ``llmsys serve`` with the official AsyncOpenAI client.
+
+Makes the random-weight SmolLM2-135M-shaped checkpoint (``make_synthetic``)
+in a temp dir, starts ``llmsys serve`` on it in a subprocess on a free
+loopback port, then:
+
+1. single client: each distinct request once, one after another (streaming,
+   greedy) -> reference texts and the single-client generated tok/s;
+2. load: ``--clients`` concurrent streaming clients work through
+   ``--requests`` requests drawn from the same set; ``--cancel`` of them are
+   closed mid-stream (the server must abort them and free their KV blocks);
+3. checks: zero 5xx (client side and /metrics), KV blocks used back to 0,
+   every completed load output identical to its sequential reference, and
+   aggregate generated tok/s / single-client tok/s.
+
+Prints a Markdown block (for docs/benchmarks.md). Usage:
+
+    python benchmarks/bench_server.py [--requests 200] [--clients 16] [--cancel 0.1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import openai
+
+
+@dataclass
+class Spec:
+    prompt: str
+    max_tokens: int
+
+
+@dataclass
+class Result:
+    spec_idx: int
+    text: str = ""
+    tokens: int = 0  # content chunks received (one token each, give or take held-back text)
+    ttft: float | None = None
+    itls: list[float] = field(default_factory=list)
+    cancelled: bool = False
+    error: str | None = None
+    completion_tokens: int | None = None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+_WORDS = "once upon a time there was a little girl who loved to play in the park with her dog".split()
+
+
+def _specs(n: int, vocab: int | None, seed: int) -> list[Spec]:
+    """Prompts of mixed lengths: ``t<id>`` words (one token each with the
+    synthetic word-level tokenizer) or, for a real model, plain words."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        plen = rng.choice([8, 16, 32, 64, 128] if vocab else [4, 8, 16, 32, 64])
+        pick = (lambda: f"t{rng.randrange(3, vocab)}") if vocab else (lambda: rng.choice(_WORDS))
+        words = " ".join(pick() for _ in range(plen))
+        out.append(Spec(words, rng.choice([16, 32, 48, 64, 96])))
+    return out
+
+
+async def _one(client: openai.AsyncOpenAI, spec: Spec, idx: int, cancel_after: int | None) -> Result:
+    r = Result(idx)
+    t0 = time.perf_counter()
+    last = None
+    try:
+        stream = await client.completions.create(
+            model="m", prompt=spec.prompt, max_tokens=spec.max_tokens, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )
+        async for ch in stream:
+            if ch.usage is not None:
+                r.completion_tokens = ch.usage.completion_tokens
+            if not ch.choices or not ch.choices[0].text:
+                continue
+            now = time.perf_counter()
+            if last is None:
+                r.ttft = now - t0
+            else:
+                r.itls.append(now - last)
+            last = now
+            r.text += ch.choices[0].text
+            r.tokens += 1
+            if cancel_after is not None and r.tokens >= cancel_after:
+                r.cancelled = True
+                await stream.close()  # client goes away mid-stream
+                break
+    except openai.APIStatusError as e:
+        r.error = f"{e.status_code}: {e.message}"
+    return r
+
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def _metrics(url: str) -> dict[str, float]:
+    from llmsys.engine.server.metrics import parse_metrics
+
+    return parse_metrics(httpx.get(url + "/metrics").text)
+
+
+async def run(args: argparse.Namespace, url: str, vocab: int) -> str:
+    specs = _specs(args.distinct, vocab, args.seed)
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=600)
+    async with client:
+        await _one(client, specs[0], 0, None)  # warm-up
+        # 1. one client, sequential
+        t0 = time.perf_counter()
+        ref = [await _one(client, s, i, None) for i, s in enumerate(specs)]
+        seq_wall = time.perf_counter() - t0
+        seq_tokens = sum(r.completion_tokens or 0 for r in ref)
+        single_tps = seq_tokens / seq_wall
+        # 2. load
+        rng = random.Random(args.seed + 1)
+        jobs = []
+        for k in range(args.requests):
+            i = k % len(specs)
+            cancel = rng.randrange(2, specs[i].max_tokens // 2) if rng.random() < args.cancel else None
+            jobs.append((i, cancel))
+        queue: asyncio.Queue = asyncio.Queue()
+        for j in jobs:
+            queue.put_nowait(j)
+        results: list[Result] = []
+
+        async def worker() -> None:
+            while not queue.empty():
+                i, cancel = queue.get_nowait()
+                results.append(await _one(client, specs[i], i, cancel))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*[worker() for _ in range(args.clients)])
+        load_wall = time.perf_counter() - t0
+    # 3. checks
+    await asyncio.sleep(0.5)
+    m = _metrics(url)
+    kv_used = m.get('llmsys_kv_blocks_used{tier="cpu"}', m.get('llmsys_kv_blocks_used{tier="gpu"}', -1))
+    # /health answers 503 by design while the model loads; count the API's 5xx only.
+    server_5xx = sum(v for k, v in m.items()
+                     if k.startswith('llmsys_requests_total{endpoint="/v1') and 'status="5' in k)
+    errors = [r for r in results if r.error]
+    client_5xx = [r for r in errors if r.error.startswith("5")]
+    done = [r for r in results if not r.cancelled and not r.error]
+    mismatched = [r for r in done if r.text != ref[r.spec_idx].text]
+    cancelled = [r for r in results if r.cancelled]
+    load_tokens = sum(r.completion_tokens or 0 for r in done) + sum(r.tokens for r in cancelled)
+    agg_tps = load_tokens / load_wall
+    ttfts = [r.ttft for r in results if r.ttft is not None]
+    itls = [x for r in results for x in r.itls]
+    seq_ttft = [r.ttft for r in ref if r.ttft is not None]
+    seq_itl = [x for r in ref for x in r.itls]
+    ok = not client_5xx and server_5xx == 0 and kv_used == 0 and not mismatched and agg_tps >= 6 * single_tps
+    lines = [
+        f"### `llmsys serve` load test ({args.model_desc})",
+        "",
+        f"{args.clients} concurrent streaming clients (AsyncOpenAI), {args.requests} greedy requests over "
+        f"{len(specs)} distinct prompts (8-128 tokens, 16-96 new), {len(cancelled)} cancelled mid-stream.",
+        "",
+        "| metric | value |",
+        "|---|---|",
+        f"| single client, sequential: generated tok/s | {single_tps:.1f} |",
+        f"| {args.clients} clients: aggregate generated tok/s | {agg_tps:.1f} ({agg_tps / single_tps:.1f}x) |",
+        f"| load wall time | {load_wall:.1f} s |",
+        f"| TTFT p50 / p99 (load) | {_pct(ttfts, .5) * 1e3:.0f} / {_pct(ttfts, .99) * 1e3:.0f} ms |",
+        f"| inter-token latency p50 / p99 (load) | {_pct(itls, .5) * 1e3:.1f} / {_pct(itls, .99) * 1e3:.1f} ms |",
+        f"| TTFT p50 / ITL p50 (single client) | {_pct(seq_ttft, .5) * 1e3:.0f} / {_pct(seq_itl, .5) * 1e3:.1f} ms |",
+        f"| 5xx (client / server metrics) | {len(client_5xx)} / {server_5xx:.0f} |",
+        f"| other errors | {len(errors) - len(client_5xx)} |",
+        f"| KV blocks in use after the run | {kv_used:.0f} |",
+        f"| greedy outputs identical to sequential | {len(done) - len(mismatched)}/{len(done)} |",
+        f"| verdict (zero 5xx, KV 0, identical, >= 6x) | {'PASS' if ok else 'FAIL'} |",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument("--cancel", type=float, default=0.1, help="fraction cancelled mid-stream")
+    ap.add_argument("--distinct", type=int, default=20, help="distinct requests (sequential references)")
+    ap.add_argument("--shape", default="smollm2-135m")
+    ap.add_argument("--model", default=None, help="serve this model dir instead of the synthetic shape (smoke runs)")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    from llmsys.engine.bench.synthetic import make_synthetic, synthetic_config
+
+    with tempfile.TemporaryDirectory(prefix="llmsys-bench-server-") as tmp:
+        if args.model:
+            model, vocab = Path(args.model), None
+            args.model_desc = f"{model.name}, {args.dtype}, CPU"
+        else:
+            model = make_synthetic(args.shape, seed=args.seed, root=Path(tmp))
+            vocab = synthetic_config(args.shape)["vocab_size"]
+            args.model_desc = f"random {args.shape}-shaped model, {args.dtype}, CPU"
+        port = _free_port()
+        cmd = [sys.executable, "-m", "llmsys.engine.cli.main", "serve", str(model), "--port", str(port),
+               "--dtype", args.dtype, "--device", "cpu", "--max-num-seqs", str(max(16, args.clients)),
+               "--max-model-len", "512", "--log-level", "warning"]
+        if args.threads:
+            cmd += ["--threads", str(args.threads)]
+        proc = subprocess.Popen(cmd)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 300
+            while True:
+                try:
+                    if httpx.get(url + "/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    print("server did not start", file=sys.stderr)
+                    return 1
+                time.sleep(0.2)
+            report = asyncio.run(run(args, url, vocab))
+        finally:
+            proc.terminate()
+            rc = proc.wait(60)
+    print(report)
+    print(f"\n(server exited with {rc} after SIGTERM)")
+    return 0 if "PASS" in report and rc == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""``llmsys plan MODEL --gpu-mem ... --cpu-mem ... [--batch N] [--explain]``.
+
+Prints where each layer would live and be computed, the bytes per tier and
+the predicted time per token, without reading a single weight: the model is
+built on the meta device from its config. MODEL may be a model directory, a
+catalog name, or a synthetic benchmark shape (``llama-8b``), so a plan for a
+model you have not downloaded is one command away.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import torch
+import typer
+
+from llmsys.engine.cli.options import build_engine_config, engine_command
+from llmsys.engine.errors import CheckpointError
+
+
+def _config_for(model: str) -> tuple[dict[str, Any], str]:
+    p = Path(model).expanduser()
+    if p.is_dir() and (p / "config.json").exists():
+        return json.loads((p / "config.json").read_text()), str(p)
+    if p.is_file() and p.suffix == ".json":
+        return json.loads(p.read_text()), str(p)
+    from llmsys.engine.catalog import resolve_model, synthetic_configs
+
+    synth = {k.lower(): v for k, v in synthetic_configs().items()}
+    if model.lower() in synth:
+        return dict(synth[model.lower()]), f"synthetic:{model}"
+    path = resolve_model(model)
+    if not (path / "config.json").exists():
+        raise CheckpointError(f"{path}: no config.json; `llmsys plan` needs a Hugging Face model directory")
+    return json.loads((path / "config.json").read_text()), str(path)
+
+
+def meta_model(cfg: dict[str, Any], source: str = "config.json"):
+    from llmsys.engine.models import family_for
+
+    family = family_for(cfg, source)
+    args = family.ModelArgs.from_hf_config(cfg)
+    from llmsys.engine.loader.common import skip_init
+
+    with torch.device("meta"), skip_init():
+        return family.Model(args)
+
+
+@engine_command
+def plan_command(
+    model: Annotated[str, typer.Argument(help="model directory, catalog name or synthetic shape (e.g. llama-8b)")],
+    batch: Annotated[int, typer.Option("--batch", help="sequences decoded together")] = 1,
+    prompt_len: Annotated[int, typer.Option("--prompt-len", help="prompt tokens per sequence")] = 128,
+    output_len: Annotated[int, typer.Option("--output-len", help="generated tokens per sequence")] = 128,
+    explain: Annotated[bool, typer.Option("--explain", help="say why this placement was chosen")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="print the plan as JSON")] = False,
+    *,
+    engine_flags: dict[str, Any],
+) -> int:
+    from llmsys.engine.loader.common import resolve_device, resolve_dtype
+    from llmsys.offload.budgets import Budgets, resolve_budgets
+    from llmsys.offload.plan import Workload
+    from llmsys.offload.prepare import kv_bytes_per_token_layer, kv_tokens_within, plan_for
+    from llmsys.offload.report import format_plan
+
+    config = build_engine_config(model, engine_flags)
+    cfg, source = _config_for(model)
+    meta = meta_model(cfg, source)
+    a = meta.args
+    hypothetical = config.gpu_mem is not None and not torch.cuda.is_available()
+    dev = torch.device("cpu") if hypothetical else resolve_device(config.device)
+    dt = resolve_dtype(config.dtype, torch.device("cuda") if hypothetical else dev)
+    budgets = resolve_budgets(config.gpu_mem, config.cpu_mem, config.offload_dir, dev)
+    if hypothetical:  # plan for a GPU this machine does not have (what-if)
+        budgets = Budgets(budgets.cpu, config.gpu_mem, budgets.offload_dir, budgets.cpu_explicit, True)
+    max_len = min(config.max_model_len or a.max_position_embeddings, prompt_len + output_len)
+    per_tok = kv_bytes_per_token_layer(a, dt) * a.num_hidden_layers
+    tokens = config.kv_cache_tokens or max_len * batch
+    if config.kv_cache_tokens is None and (budgets.cpu_explicit or budgets.gpu_explicit):
+        budget = budgets.gpu if budgets.gpu is not None else budgets.cpu
+        tokens = kv_tokens_within(budget, per_tok, tokens, min(max_len, 512))
+    work = Workload(batch=batch, prompt_len=prompt_len, output_len=output_len, kv_tokens=tokens,
+                    max_batched_tokens=config.max_num_batched_tokens)
+    plan, _ = plan_for(meta, dt, budgets, work, config.quant, max_seqs=batch)
+    if as_json:
+        print(json.dumps(plan_to_dict(plan), indent=1))
+        return 0
+    print(f"{source}: {a.num_hidden_layers} layers, {str(dt).removeprefix('torch.')}"
+          + (" (hypothetical GPU: no CUDA device here, host-to-device 16 GB/s assumed)" if hypothetical else ""))
+    print(format_plan(plan))
+    if explain:
+        print()
+        for line in plan.reasons:
+            print(f"- {line}")
+    return 0
+
+
+def plan_to_dict(plan) -> dict[str, Any]:
+    """A JSON-able view of a plan (what the bench records)."""
+    from dataclasses import asdict
+
+    d = {
+        "layers": [asdict(p) for p in plan.layers],
+        "embed": asdict(plan.embed) if plan.embed else None,
+        "head": asdict(plan.head),
+        "kv_tier": plan.kv_tier,
+        "kv_bytes": plan.kv_bytes,
+        "staging": plan.staging,
+        "decode_ms": plan.decode_ms,
+        "prefill_ms": plan.prefill_ms,
+        "bound": plan.bound,
+        "resources_ms": plan.resources_ms,
+        "reasons": list(plan.reasons),
+        "budgets": {"cpu": plan.budgets.cpu, "gpu": plan.budgets.gpu},
+    }
+    return d

@@ -1,0 +1,95 @@
+"""``llmsys quantize MODEL --quant int4 -o DIR``: write a quantized checkpoint.
+
+The output directory (``model.safetensors`` + ``config.json`` with a
+``quantization_config`` + tokenizer files) loads with ``llmsys run DIR``
+directly: quantized layers are rebuilt from the stored tensors, never
+re-quantized and never expanded to full precision.
+
+``--method rtn`` quantizes while loading (round to nearest, the same as
+``--quant`` on any command, so ``quantize`` -> ``run`` gives the tokens of
+quantizing on the fly). ``--method gptq`` (int4 only) loads the float model,
+runs calibration sequences through it and quantizes layer by layer with GPTQ;
+calibration text defaults to sequences the model generates itself, so it
+never overlaps an evaluation file.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from llmsys.engine.cli.options import build_engine_config, engine_command
+from llmsys.engine.errors import InvalidParameterError
+
+METHODS = ("rtn", "gptq")
+
+
+@engine_command
+def quantize_command(
+    model: Annotated[str, typer.Argument(help="model directory or catalog name (Hugging Face safetensors)")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="directory to write the quantized checkpoint to")],
+    method: Annotated[str, typer.Option("--method", help="rtn (round to nearest) or gptq (calibrated, int4)")] = "rtn",
+    calib: Annotated[Optional[Path], typer.Option("--calib", help="calibration text file (default: text the model generates itself)")] = None,
+    calib_samples: Annotated[int, typer.Option("--calib-samples", help="calibration sequences")] = 32,
+    calib_len: Annotated[int, typer.Option("--calib-len", help="tokens per calibration sequence")] = 256,
+    seed: Annotated[int, typer.Option("--seed", help="seed for self-generated calibration text")] = 0,
+    *,
+    engine_flags: dict[str, Any],
+) -> int:
+    from llmsys.engine.loader.quantized import save_quantized
+    from llmsys.engine.quantize import parse_quant_flag
+
+    method = method.strip().lower()
+    if method not in METHODS:
+        raise InvalidParameterError(f"unknown --method {method!r}; valid: {', '.join(METHODS)}")
+    spec = parse_quant_flag(engine_flags.get("quant"))
+    if spec.method == "none":
+        raise InvalidParameterError("llmsys quantize needs --quant (int8, int4, int4:g32, int4:g128, nf4, nf4:dq, fp8)")
+    if calib_samples < 1 or calib_len < 8:
+        raise InvalidParameterError("--calib-samples must be >= 1 and --calib-len >= 8")
+    t0 = time.perf_counter()
+    if method == "rtn":
+        llm = _load(model, engine_flags, quant=spec.name)
+    else:
+        llm = _load(model, engine_flags, quant="none")
+        model_obj = llm.loaded.model
+        from llmsys.engine.quantize import file_calibration, gptq_calibrate, self_generated_calibration
+
+        if calib is not None:
+            seqs = file_calibration(llm, str(calib), calib_samples, calib_len)
+            source = calib.name
+        else:
+            seqs = self_generated_calibration(llm, calib_samples, min(calib_len, llm.max_model_len - 1), seed)
+            source = f"self-generated (seed {seed})"
+        sys.stderr.write(f"calibrating on {len(seqs)} x {len(seqs[0])} tokens ({source})\n")
+        gptq_calibrate(model_obj, seqs, spec, progress=True)
+    loaded = llm.loaded
+    if loaded.config.get("quantization_config") is not None:
+        raise InvalidParameterError(f"{model} is already quantized; quantize its float checkpoint instead")
+    if not loaded.config:
+        raise InvalidParameterError(f"{model}: llmsys quantize needs a Hugging Face directory (config.json)")
+    extra = {"calibration": source} if method == "gptq" else {}
+    out = save_quantized(loaded.model, loaded.config, output, spec.name, method, loaded.tokenizer_path, extra)
+    mem = llm.memory_report()
+    wbytes = sum(mem.weights.values())
+    sys.stderr.write(
+        f"wrote {out} ({spec.name}, {method}): weights {wbytes} bytes, file {out.stat().st_size} bytes, "
+        f"{time.perf_counter() - t0:.1f} s\n"
+    )
+    return 0
+
+
+def _load(model: str, flags: dict[str, Any], quant: str):
+    from llmsys.engine.llm import LLM
+
+    f = dict(flags)
+    f["quant"] = quant
+    if f.get("dtype", "auto") == "auto":
+        f["dtype"] = "float32"  # keep float tensors at checkpoint precision; quantizers read that anyway
+    if f.get("kv_cache_tokens") is None:
+        f["kv_cache_tokens"] = 8192
+    return LLM(build_engine_config(model, f))

@@ -1,0 +1,241 @@
+"""Quantized checkpoints: ``llmsys quantize`` output, AWQ and GPTQ directories.
+
+A directory whose ``config.json`` has a ``quantization_config`` is loaded
+here instead of through float materialization: every quantized linear is
+rebuilt from its stored tensors (``from_quantized``: no re-quantization and
+no full-precision copy at any point), tensor by tensor, with each tensor's
+shape checked against the model so a corrupt or mismatched file fails with
+the tensor's name.
+
+Formats (``quantization_config.quant_method``):
+
+* ``llmsys`` — written by :func:`save_quantized`. Per quantized module
+  ``{name}.qweight`` plus the layer's other ``state_dict`` tensors
+  (``quant/README.md`` layouts), ``format`` = the ``--quant`` name. A quantized
+  token embedding is stored as ``model.embed_tokens.{qweight,...}`` and, for tied
+  models, is also the LM head.
+* ``awq`` — AutoAWQ GEMM (``qweight int32 [K, N/8]``, ``qzeros``, ``scales``),
+  4 bits; converted by ``llmsys.quant.awq_gptq.awq_to_canonical``.
+* ``gptq`` — AutoGPTQ/optimum (``qweight int32 [K/8, N]``, ``qzeros``,
+  ``scales``, ``g_idx``; act-order supported), 4 bits; ``checkpoint_format``
+  ``gptq`` (v1, zero + 1) or ``gptq_v2``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmsys.engine.errors import CheckpointError, InvalidParameterError
+from llmsys.engine.loader.safetensors_io import CheckpointIndex, save_file
+from llmsys.quant import FP8Linear, Int4Linear, Int8Linear, NF4Linear, QuantLinear, parse_quant
+from llmsys.quant.awq_gptq import awq_to_canonical, gptq_to_canonical
+from llmsys.quant.embedding import QuantEmbedding
+
+EMBED = "model.embed_tokens"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "generation_config.json", "chat_template.jinja", "vocab.json", "merges.txt")
+
+
+def stored_format(cfg: dict[str, Any]) -> str:
+    """The ``--quant`` name a quantized checkpoint holds (e.g. ``int4:g128`` for AWQ g128)."""
+    qc = cfg["quantization_config"]
+    method = str(qc.get("quant_method", "")).lower()
+    if method == "llmsys":
+        return str(qc.get("format"))
+    return f"int4:g{qc.get('group_size')}"
+
+
+def _check_request(cfg: dict[str, Any], make_linear: Any, path: Path) -> None:
+    """A --quant that differs from what the directory holds is an error, not a silent re-quantization."""
+    spec = getattr(make_linear, "spec", None)
+    if spec is None:
+        return
+    have = stored_format(cfg)
+    if spec.name != have:
+        raise InvalidParameterError(
+            f"{path} is already quantized ({have}); drop --quant {spec.name} (or pass --quant {have})"
+        )
+
+
+def _need(index: CheckpointIndex, name: str, path: Path) -> torch.Tensor:
+    if name not in index:
+        raise CheckpointError(f"{path}: missing tensor {name}; the quantized checkpoint does not match its config")
+    return index.read(name)
+
+
+def _expect(name: str, t: torch.Tensor, shape: tuple[int, ...], path: Path) -> None:
+    if tuple(t.shape) != tuple(shape):
+        raise CheckpointError(
+            f"{path}: tensor {name} has shape {tuple(t.shape)}, expected {tuple(shape)} for this model; "
+            "the checkpoint is corrupt or belongs to another model"
+        )
+
+
+def _llmsys_layer(fmt: str, prefix: str, index: CheckpointIndex, n: int, k: int, path: Path,
+                  device: torch.device) -> QuantLinear:
+    spec = parse_quant(fmt)
+    names = [x for x in index.where if x.startswith(prefix + ".") and "." not in x[len(prefix) + 1:]]
+    t = {x[len(prefix) + 1:]: index.read(x).to(device) for x in names}
+    if "qweight" not in t:
+        raise CheckpointError(f"{path}: missing tensor {prefix}.qweight")
+    q = t["qweight"]
+    try:
+        if spec.method in ("int8", "fp8"):
+            _expect(prefix + ".qweight", q, (n, k), path)
+            _expect(prefix + ".scales", t.get("scales", torch.empty(0)), (n,), path)
+            return (Int8Linear if spec.method == "int8" else FP8Linear).from_quantized(t)
+        if spec.method == "int4":
+            g = spec.group_size
+            kp = -(-k // g) * g
+            _expect(prefix + ".qweight", q, (n, kp // 2), path)
+            for s in ("scales", "zeros"):
+                _expect(f"{prefix}.{s}", t.get(s, torch.empty(0)), (n, kp // g), path)
+            return Int4Linear.from_quantized(t, in_features=k)
+        if spec.method == "nf4":
+            _expect(prefix + ".qweight", q, (-(-n * k // 2),), path)
+            return NF4Linear.from_quantized(t, k, n)
+    except CheckpointError as e:
+        if str(path) in str(e):
+            raise
+        raise CheckpointError(f"{path}: module {prefix}: {e}") from None
+    raise CheckpointError(f"{path}: unknown llmsys quantized format {fmt!r} in config.json")
+
+
+def _awq_gptq_layer(qc: dict[str, Any], prefix: str, index: CheckpointIndex, n: int, k: int,
+                    path: Path, device: torch.device) -> QuantLinear:
+    method = str(qc.get("quant_method")).lower()
+    g = int(qc.get("group_size", 128))
+    if g <= 0 or k % g:
+        raise CheckpointError(f"{path}: {method} group_size {g} does not divide {prefix} in_features {k}")
+    qweight = _need(index, prefix + ".qweight", path)
+    qzeros = _need(index, prefix + ".qzeros", path)
+    scales = _need(index, prefix + ".scales", path)
+    _expect(prefix + ".scales", scales, (k // g, n), path)
+    _expect(prefix + ".qzeros", qzeros, (k // g, n // 8), path)
+    if method == "awq":
+        _expect(prefix + ".qweight", qweight, (k, n // 8), path)
+        t = awq_to_canonical(qweight, qzeros, scales)
+    else:
+        _expect(prefix + ".qweight", qweight, (k // 8, n), path)
+        g_idx = index.read(prefix + ".g_idx") if prefix + ".g_idx" in index else None
+        if g_idx is not None:
+            _expect(prefix + ".g_idx", g_idx, (k,), path)
+        v2 = str(qc.get("checkpoint_format", "gptq")).lower() == "gptq_v2"
+        try:
+            t = gptq_to_canonical(qweight, qzeros, scales, g_idx, zero_offset=0 if v2 else 1)
+        except CheckpointError as e:
+            raise CheckpointError(f"{path}: module {prefix}: {e}") from None
+    if prefix + ".bias" in index:
+        t["bias"] = index.read(prefix + ".bias")
+    t = {name: x.to(device) for name, x in t.items()}
+    return Int4Linear.from_quantized(t, in_features=k)
+
+
+def validate_quant_config(cfg: dict[str, Any], path: Path) -> dict[str, Any]:
+    qc = cfg.get("quantization_config")
+    if not isinstance(qc, dict):
+        raise CheckpointError(f"{path}/config.json: quantization_config must be an object")
+    method = str(qc.get("quant_method", "")).lower()
+    if method == "llmsys":
+        parse_quant(str(qc.get("format")))
+        return qc
+    if method not in ("awq", "gptq"):
+        raise CheckpointError(
+            f"{path}/config.json: quant_method {method!r} is not supported; llmsys loads llmsys, awq and gptq checkpoints"
+        )
+    if int(qc.get("bits", qc.get("w_bit", 4))) != 4:
+        raise CheckpointError(f"{path}/config.json: {method} with bits={qc.get('bits')} is not supported (4 bits only)")
+    if "group_size" not in qc and "q_group_size" in qc:
+        qc = dict(qc, group_size=qc["q_group_size"])
+    if int(qc.get("group_size", 128)) not in (32, 64, 128):
+        raise CheckpointError(
+            f"{path}/config.json: {method} group_size {qc.get('group_size')} unsupported (32, 64 or 128)"
+        )
+    if method == "awq" and str(qc.get("version", "gemm")).lower() != "gemm":
+        raise CheckpointError(f"{path}/config.json: AWQ version {qc.get('version')!r} unsupported (GEMM layout only)")
+    return qc
+
+
+def load_quantized_into(model: nn.Module, cfg: dict[str, Any], index: CheckpointIndex, dtype: torch.dtype,
+                        device: torch.device, path: Path, make_linear: Any = None) -> None:
+    """Fill the meta ``model`` from a quantized checkpoint (see the module docstring)."""
+    from llmsys.engine.loader.common import set_tensor
+
+    qc = validate_quant_config(cfg, path)
+    _check_request(cfg, make_linear, path)
+    method = str(qc.get("quant_method")).lower()
+    fmt = str(qc.get("format", ""))
+    tied = bool(model.args.tie_word_embeddings)
+    done: set[str] = set()
+    targets = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    for name, lin in targets:
+        if tied and name == "lm_head":
+            continue
+        if name + ".qweight" not in index:
+            continue  # stored in float (e.g. AWQ/GPTQ keep lm_head float)
+        n, k = lin.out_features, lin.in_features
+        if method == "llmsys":
+            q = _llmsys_layer(fmt, name, index, n, k, path, device)
+        else:
+            q = _awq_gptq_layer(qc, name, index, n, k, path, device)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, q)
+        done.update(x for x in index.where if x.startswith(name + "."))
+    if method == "llmsys" and EMBED + ".qweight" in index:
+        emb = model.model.embed_tokens
+        table = _llmsys_layer(fmt, EMBED, index, emb.num_embeddings, emb.embedding_dim, path, device)
+        model.model.embed_tokens = QuantEmbedding(table, dtype)
+        done.update(x for x in index.where if x.startswith(EMBED + "."))
+    for name, p in list(model.named_parameters(remove_duplicate=False)):
+        if name in done or p.device.type != "meta" or (tied and name == "lm_head.weight"):
+            continue
+        t = _need(index, name, path)
+        _expect(name, t, tuple(p.shape), path)
+        set_tensor(model, name, t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype))
+
+
+# ------------------------------------------------------------------ writing
+
+
+def quantized_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every tensor to save: quantized layers' canonical state + float parameters (ties stored once)."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for mname, mod in model.named_modules():
+        if isinstance(mod, (QuantLinear, QuantEmbedding)):
+            table = mod.table if isinstance(mod, QuantEmbedding) else mod
+            if id(table) in seen:
+                continue  # the tied LM head is the embedding table
+            seen.add(id(table))
+            for k, v in table.state_dict().items():
+                out[f"{mname}.{k}"] = v.contiguous()
+    for name, p in model.named_parameters():  # quantized layers hold buffers only
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        out[name] = p.detach().contiguous()
+    return out
+
+
+def save_quantized(model: nn.Module, cfg: dict[str, Any], out_dir: Path, fmt: str, method: str,
+                   tokenizer_dir: Path | None, extra: dict[str, Any] | None = None) -> Path:
+    """Write ``model.safetensors`` + ``config.json`` (+ tokenizer files) that ``llmsys run`` loads."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    state = quantized_state(model)
+    save_file(state, out_dir / "model.safetensors", metadata={"format": "pt", "llmsys_quant": fmt})
+    new_cfg = dict(cfg)
+    new_cfg["quantization_config"] = {"quant_method": "llmsys", "format": fmt, "method": method, **(extra or {})}
+    (out_dir / "config.json").write_text(json.dumps(new_cfg, indent=2) + "\n")
+    if tokenizer_dir is not None:
+        for f in TOKENIZER_FILES:
+            src = tokenizer_dir / f
+            if src.is_file() and src.resolve() != (out_dir / f).resolve():
+                shutil.copyfile(src, out_dir / f)
+    return out_dir / "model.safetensors"
+

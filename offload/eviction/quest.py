@@ -1,0 +1,120 @@
+"""Quest: keep every KV page, attend per query over the top-K pages only.
+
+Each page (KV block) keeps the element-wise min and max of its keys per KV
+head (``[num_blocks, Hk, D]`` per layer, updated as tokens are stored). For a
+query ``q`` the largest possible score of any key in the page is bounded by
+``sum_d max(q_d * min_d, q_d * max_d)``; the K pages with the largest bound
+(the page being written is always among them) are gathered and attended
+exactly. With K covering every page the result is exact attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from llmsys import kernels
+from llmsys.kernels.cpu_attention import paged_attention_gathered
+
+
+@dataclass
+class QuestStats:
+    """Tokens attention read vs tokens it would read with full attention."""
+
+    tokens_read: int = 0
+    tokens_total: int = 0
+
+    @property
+    def fraction(self) -> float:
+        return self.tokens_read / self.tokens_total if self.tokens_total else 1.0
+
+
+@dataclass
+class QuestAttention:
+    """Attention override for ``AttentionMetadata.policy_attn`` (all layers share it).
+
+    Per-layer summaries are found by the identity of the layer's key cache
+    tensor, since attention is called with the cache, not a layer index.
+    """
+
+    top_pages: int
+    block_size: int
+    stats: QuestStats = field(default_factory=QuestStats)
+    _summ: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def summaries(self, k_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        key = k_cache.data_ptr()
+        if key not in self._summ:
+            nb, _, hk, d = k_cache.shape
+            lo = torch.full((nb, hk, d), float("inf"), device=k_cache.device)
+            self._summ[key] = (lo, -lo.clone())
+        return self._summ[key]
+
+    def update(self, k_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Fold the keys just stored at ``slot_mapping`` into their pages' min/max."""
+        kmin, kmax = self.summaries(k_cache)
+        hk, d = k_cache.shape[-2], k_cache.shape[-1]
+        blocks = slot_mapping // self.block_size  # [T]
+        fresh = blocks[(slot_mapping % self.block_size) == 0]  # pages started this step: forget old contents
+        kmin[fresh] = float("inf")
+        kmax[fresh] = float("-inf")
+        knew = k_cache.view(-1, hk, d)[slot_mapping].float().view(-1, hk * d)  # [T, Hk*D]
+        idx = blocks[:, None].expand(-1, hk * d)
+        kmin.view(kmin.shape[0], -1).scatter_reduce_(0, idx, knew, "amin")
+        kmax.view(kmax.shape[0], -1).scatter_reduce_(0, idx, knew, "amax")
+
+    def __call__(self, q, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
+        if k_cache.dtype == torch.int8:
+            raise ValueError("quest: int8 KV caches are not supported (use kv_dtype auto)")
+        self.update(k_cache, meta.slot_mapping)
+        if meta.is_decode:
+            return self.decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens_t, scale)
+        if meta.plan is not None:
+            return paged_attention_gathered(q, k_cache, v_cache, meta.plan, scale)
+        return kernels.paged_prefill_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.context_lens_t, meta.query_start_loc, scale
+        )
+
+    def decode(
+        self,
+        q: torch.Tensor,  # [B, Hq, D]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, Hk, D]
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,  # [B, nb] int32
+        context_lens: torch.Tensor,  # [B] int32
+        scale: float,
+    ) -> torch.Tensor:  # [B, Hq, D]
+        B, Hq, D = q.shape
+        Hk, bs = k_cache.shape[2], self.block_size
+        G = Hq // Hk
+        kmin, kmax = self.summaries(k_cache)
+        table = block_tables.long()
+        lens = context_lens.long()
+        nb = table.shape[1]
+        nblk = (lens + bs - 1) // bs  # [B]
+        qg = q.float().view(B, 1, Hk, G, D)
+        lo, hi = kmin[table].unsqueeze(3), kmax[table].unsqueeze(3)  # [B, nb, Hk, 1, D]
+        bound = torch.maximum(qg * lo, qg * hi).sum(-1).sum(-1).transpose(1, 2)  # [B, Hk, nb]
+        bidx = torch.arange(nb, device=q.device)
+        live = bidx[None, :] < nblk[:, None]  # [B, nb]
+        bound = bound.masked_fill(~live[:, None, :], float("-inf"))
+        bound = bound.masked_fill((bidx[None, :] == (nblk - 1)[:, None])[:, None, :], float("inf"))
+        k = min(self.top_pages, nb)
+        top = bound.topk(k, dim=-1).indices  # [B, Hk, k] page index within the sequence
+        blk = table.gather(1, top.reshape(B, -1)).view(B, Hk, k)
+        offs = torch.arange(bs, device=q.device)
+        slots = (blk[..., None] * bs + offs).reshape(B, Hk, k * bs)
+        pos = (top[..., None] * bs + offs).reshape(B, Hk, k * bs)
+        valid = (pos < lens[:, None, None]) & (top < nblk[:, None, None]).repeat_interleave(bs, dim=2)
+        hidx = torch.arange(Hk, device=q.device).view(1, Hk, 1)
+        keys = k_cache.view(-1, Hk, D)[slots, hidx]  # [B, Hk, k*bs, D]
+        vals = v_cache.view(-1, Hk, D)[slots, hidx]
+        mask = valid.repeat_interleave(G, dim=1).unsqueeze(2)  # [B, Hq, 1, k*bs]
+        out = F.scaled_dot_product_attention(
+            q.view(B, Hq, 1, D), keys, vals, attn_mask=mask, scale=scale, enable_gqa=G > 1
+        )
+        self.stats.tokens_read += int(valid.sum())
+        self.stats.tokens_total += int(lens.sum()) * Hk
+        return out.view(B, Hq, D)

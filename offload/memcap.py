@@ -1,0 +1,116 @@
+"""Run a command in a memory cgroup: honest proof that a budget holds.
+
+"Peak memory stays within the budget" is only believable when the kernel
+enforces it: a process in a cgroup whose memory limit is below the model's
+size is killed the moment it (or the page cache it fills) exceeds the limit.
+Supports cgroup v2 (``memory.max``) and v1 (``memory.limit_in_bytes``); needs
+root. ``unavailable_reason()`` says why it cannot run here (tests skip with it).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path("/sys/fs/cgroup")
+
+
+@dataclass(frozen=True)
+class CappedResult:
+    returncode: int
+    stdout: str
+    stderr: str
+    peak_bytes: int | None  # the cgroup's peak charge (RSS + page cache), when the kernel reports it
+    limit_bytes: int
+    oom_killed: bool
+
+
+def _v2() -> bool:
+    return (ROOT / "cgroup.controllers").exists()
+
+
+def _v1_memory_root() -> Path | None:
+    mem = ROOT / "memory"
+    if not (mem / "memory.limit_in_bytes").exists():
+        return None
+    try:
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, ctrls, path = line.split(":", 2)
+            if "memory" in ctrls.split(","):
+                cand = mem / path.lstrip("/")
+                return cand if cand.exists() else mem
+    except OSError:
+        return None
+    return mem
+
+
+def unavailable_reason() -> str | None:
+    """None when a capped run is possible here, else a one-line reason."""
+    if os.geteuid() != 0:
+        return "memory cgroups need root to create"
+    if _v2():
+        if "memory" not in (ROOT / "cgroup.controllers").read_text().split():
+            return f"{ROOT} is cgroup v2 without the memory controller"
+        return None if os.access(ROOT, os.W_OK) else f"{ROOT} is not writable"
+    base = _v1_memory_root()
+    if base is None:
+        return f"no memory cgroup (neither cgroup v2 at {ROOT} nor v1 at {ROOT / 'memory'})"
+    return None if os.access(base, os.W_OK) else f"{base} is not writable"
+
+
+def run_capped(cmd: list[str], limit_bytes: int, timeout: float = 600, env: dict | None = None,
+               cwd: str | None = None) -> CappedResult:
+    """Run ``cmd`` inside a fresh memory cgroup capped at ``limit_bytes`` (no swap)."""
+    why = unavailable_reason()
+    if why:
+        raise RuntimeError(why)
+    name = f"llmsys-cap-{os.getpid()}-{time.monotonic_ns()}"
+    v2 = _v2()
+    cg = (ROOT / name) if v2 else (_v1_memory_root() / name)  # type: ignore[operator]
+    cg.mkdir()
+    try:
+        if v2:
+            if (ROOT / "cgroup.subtree_control").exists():
+                try:
+                    (ROOT / "cgroup.subtree_control").write_text("+memory")
+                except OSError:
+                    pass
+            (cg / "memory.max").write_text(str(limit_bytes))
+            if (cg / "memory.swap.max").exists():
+                (cg / "memory.swap.max").write_text("0")
+        else:
+            (cg / "memory.limit_in_bytes").write_text(str(limit_bytes))
+            if (cg / "memory.memsw.limit_in_bytes").exists():
+                try:
+                    (cg / "memory.memsw.limit_in_bytes").write_text(str(limit_bytes))
+                except OSError:
+                    pass
+        procs = cg / "cgroup.procs"
+        # The shell moves itself into the cgroup, then execs the command: every byte is charged.
+        wrapped = ["sh", "-c", f'echo $$ > "{procs}" && exec "$@"', "sh", *cmd]
+        p = subprocess.run(wrapped, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
+        peak = None
+        for f in ("memory.peak", "memory.max_usage_in_bytes"):
+            try:
+                peak = int((cg / f).read_text().split()[0])
+                break
+            except (OSError, ValueError, IndexError):
+                continue
+        oom = p.returncode in (-9, 137)
+        try:
+            events = (cg / "memory.events").read_text() if v2 else (cg / "memory.oom_control").read_text()
+            oom = oom or any(l.split()[0] in ("oom_kill", "oom_kill_disable") and l.split()[1] != "0" and l.startswith("oom_kill ")
+                             for l in events.splitlines())
+        except OSError:
+            pass
+        return CappedResult(p.returncode, p.stdout, p.stderr, peak, limit_bytes, oom)
+    finally:
+        for _ in range(50):
+            try:
+                cg.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)

@@ -1,0 +1,64 @@
+"""The one call the engine makes before loading: shape -> plan -> runtime.
+
+It reads the meta-device model the loader built (no weights yet) by duck
+typing (``model.model.layers``, ``model.model.embed_tokens``,
+``model.lm_head``, ``model.args``) so offload stays below the engine in the
+import order.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmsys.offload.bandwidth import Bandwidths, measure_bandwidths
+from llmsys.offload.budgets import Budgets
+from llmsys.offload.plan import ModelShape, Plan, Workload, model_shape, plan_placement
+from llmsys.offload.runtime import Locate, OffloadRuntime
+
+# Approximate stored bytes per weight of each quantized format (scales included),
+# used to plan before the layers are quantized. Actual bytes are measured after.
+QUANT_BYTES_PER_WEIGHT: dict[str, float] = {"int8": 1.03, "fp8": 1.03, "int4": 0.5625, "nf4": 0.5625, "awq": 0.5625, "gptq": 0.5625}
+
+
+def kv_bytes_per_token_layer(args: Any, dtype: torch.dtype) -> int:
+    elt = torch.tensor([], dtype=dtype).element_size()
+    return 2 * args.num_key_value_heads * args.head_dim * elt
+
+
+def shape_of(model: nn.Module, dtype: torch.dtype, quant: str = "none") -> ModelShape:
+    a = model.args
+    return model_shape(
+        list(model.model.layers), model.model.embed_tokens, model.lm_head, bool(a.tie_word_embeddings), dtype,
+        kv_bytes_per_token_layer(a, dtype), QUANT_BYTES_PER_WEIGHT.get(quant),
+    )
+
+
+def kv_tokens_within(budget: int, per_token: int, wanted: int, floor: int) -> int:
+    """KV pool tokens under an explicit budget: at most an eighth of it, at least ``floor`` tokens."""
+    return max(min(wanted, budget // 8 // max(per_token, 1)), min(floor, wanted))
+
+
+def plan_for(model: nn.Module, dtype: torch.dtype, budgets: Budgets, workload: Workload, quant: str = "none",
+             bandwidths: Bandwidths | None = None, max_seqs: int | None = None,
+             force: dict[str, int] | None = None) -> tuple[Plan, ModelShape]:
+    shape = shape_of(model, dtype, quant)
+    bw = bandwidths or measure_bandwidths(probe_dir=budgets.offload_dir)
+    return plan_placement(shape, budgets, bw, workload, max_seqs=max_seqs, force=force), shape
+
+
+def make_runtime(model: nn.Module, locate: Locate, dtype: torch.dtype, device: torch.device, plan: Plan,
+                 quant: str = "none") -> OffloadRuntime:
+    """The runtime that carries ``plan`` out; ``prepare`` has seen every checkpoint name."""
+    rt = OffloadRuntime(plan, device, dtype, locate, quantized=quant not in ("none", "", None))
+    rt.prepare([n for n, _ in model.named_parameters(remove_duplicate=False)])
+    return rt
+
+
+def runtime_needed(plan: Plan, device: torch.device) -> bool:
+    """Does carrying out the plan need hooks (anything streamed or computed off the main device)?"""
+    if plan.needs_streaming:
+        return True
+    return device.type == "cuda" and any(p.kind != "gpu" for p in plan.units)

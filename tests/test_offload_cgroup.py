@@ -1,0 +1,89 @@
+"""Honest memory: a model larger than a kernel-enforced memory cap still runs.
+
+The child process runs inside a memory cgroup (limit below the checkpoint's
+size; page cache included) with ``--cpu-mem`` set, and must produce the same
+greedy tokens as an unconstrained run. The same cap kills an all-resident run
+(the negative control shows the cap is real). Skipped, with the reason, where
+cgroups cannot be created (not root, no memory controller).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from llmsys.offload.memcap import run_capped, unavailable_reason
+from tiny_models import write_tiny_tokenizer
+
+MiB = 1 << 20
+CFG = dict(
+    model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=512, hidden_size=1024, intermediate_size=4096,
+    num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512,
+    rms_norm_eps=1e-5, tie_word_embeddings=False, torch_dtype="bfloat16",
+)
+CHILD = r"""
+import json, sys
+from llmsys import LLM, SamplingParams
+kw = json.loads(sys.argv[2])
+llm = LLM(sys.argv[1], progress=False, **kw)
+out = llm.generate([[5, 17, 99, 200, 31]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+r = llm.memory_report()
+print(json.dumps({"tokens": out.token_ids, "weights": r.weights, "kinds": llm.plan.layer_kinds()}))
+"""
+KW = dict(dtype="bfloat16", device="cpu", kv_cache_tokens=128, max_num_seqs=2, max_num_batched_tokens=16, threads=2)
+
+
+def write_random_checkpoint(out: Path, cfg: dict, dtype=torch.bfloat16, seed: int = 0) -> Path:
+    """A random-weight HF checkpoint written tensor by tensor (no transformers model in memory)."""
+    from llmsys.engine.cli.plan_cmd import meta_model
+    from llmsys.engine.loader.safetensors_io import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, p in meta_model(cfg).named_parameters():
+        if "norm" in name:
+            tensors[name] = torch.ones(p.shape, dtype=dtype)
+        else:
+            tensors[name] = ((torch.rand(p.shape, generator=g) - 0.5) * 0.12).to(dtype)
+    save_file(tensors, out / "model.safetensors", {"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg))
+    write_tiny_tokenizer(out, cfg["vocab_size"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def big_model(tmp_path_factory):
+    why = unavailable_reason()
+    if why:
+        pytest.skip(f"cannot create a memory cgroup here: {why}")
+    return write_random_checkpoint(tmp_path_factory.mktemp("capped") / "m", CFG)
+
+
+def test_model_larger_than_the_cap_runs_streamed_with_identical_tokens(big_model, tmp_path, monkeypatch):
+    monkeypatch.setenv("LLMSYS_HOME", str(tmp_path / "home"))
+    from llmsys import LLM, SamplingParams
+
+    size = (big_model / "model.safetensors").stat().st_size
+    cap = 340 * MiB
+    assert cap < size, "the cap must be below the checkpoint size for this test to mean anything"
+    ref_llm = LLM(str(big_model), progress=False, **KW)
+    ref = ref_llm.generate([[5, 17, 99, 200, 31]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0].token_ids
+    del ref_llm
+
+    env = dict(__import__("os").environ, LLMSYS_HOME=str(tmp_path / "home"))
+    r = run_capped([sys.executable, "-c", CHILD, str(big_model), json.dumps(dict(KW, cpu_mem="96MiB"))], cap,
+                   timeout=300, env=env)
+    assert r.returncode == 0, f"capped streamed run failed (rc {r.returncode}, oom {r.oom_killed}): {r.stderr[-800:]}"
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["tokens"] == ref
+    assert "disk" in got["kinds"] and got["weights"]["disk"] > size // 2
+    assert r.peak_bytes is None or r.peak_bytes <= cap
+
+    # Negative control: the same cap kills a run that keeps every weight resident.
+    r = run_capped([sys.executable, "-c", CHILD, str(big_model), json.dumps(KW)], cap, timeout=300, env=env)
+    assert r.returncode != 0 and r.oom_killed, "an all-resident run fit under the cap; the cap proves nothing"
