@@ -43,9 +43,18 @@ class LoadedModel:
 
     @property
     def weight_bytes(self) -> int:
+        # Parameters and persistent buffers (quantized layers keep their codes
+        # and scales as buffers); non-persistent ones such as the RoPE table
+        # are workspace, not weights.
         seen: set[int] = set()
         total = 0
-        for t in list(self.model.parameters()) + list(self.model.buffers()):
+        persistent = [
+            b
+            for mod in self.model.modules()
+            for name, b in mod.named_buffers(recurse=False)
+            if name not in mod._non_persistent_buffers_set
+        ]
+        for t in list(self.model.parameters()) + persistent:
             if id(t) in seen or t.device.type == "meta":
                 continue
             seen.add(id(t))

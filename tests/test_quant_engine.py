@@ -1,0 +1,201 @@
+"""Quantization inside the engine: load-time --quant, quantized checkpoints (llmsys/AWQ/GPTQ),
+quantized embeddings, int8/int4 KV pools, errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from llmsys import LLM, SamplingParams
+from llmsys.engine.errors import CheckpointError, InvalidParameterError
+from llmsys.engine.loader.safetensors_io import SafetensorsFile, save_file
+from llmsys.quant import parse_quant, quantize_linear
+from llmsys.quant.embedding import QuantEmbedding
+from llmsys.quant.int4 import Int4Linear, unpack_int4
+from llmsys.quant.kv_paged import Int4Side
+from tiny_models import make_hf_model
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return make_hf_model("llama", tmp_path_factory.mktemp("q-tiny"), seed=3)
+
+
+def _llm(path, **kw) -> LLM:
+    kw.setdefault("dtype", "float32")
+    return LLM(str(path), kv_cache_tokens=1024, max_num_seqs=4, progress=False, **kw)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "int4:g32", "nf4", "nf4:dq", "fp8"])
+def test_rows_match_dequantized_weight(name):
+    torch.manual_seed(0)
+    m = quantize_linear(torch.randn(200, 172), None, parse_quant(name))
+    ids = torch.tensor([0, 3, 63, 64, 127, 199])
+    ref = m.dequantize()[ids]
+    # int4 rows use the run-time (bf16 scale/zero) form, like the matmul kernel
+    assert (m.rows(ids) - ref).abs().max().item() <= 0.01 * ref.abs().max().item()
+
+
+def test_on_the_fly_quant_swaps_every_linear_and_ties_embedding(tiny):
+    llm = _llm(tiny, quant="int4")
+    model = llm.loaded.model
+    assert isinstance(model.model.embed_tokens, QuantEmbedding)
+    assert model.lm_head is model.model.embed_tokens.table or not llm.loaded.args.tie_word_embeddings
+    assert not any(type(m) is torch.nn.Linear for m in model.modules())
+    ref = _llm(tiny)
+    assert llm.loaded.weight_bytes < 0.2 * ref.loaded.weight_bytes  # vs float32
+    rep = llm.memory_report()
+    assert sum(rep.weights.values()) == llm.loaded.weight_bytes
+
+
+def test_int8_weights_track_float_logits(tiny):
+    ids = list(range(5, 40))
+    out = [_llm(tiny, quant=q).generate([ids], SamplingParams(max_tokens=1, temperature=0, logprobs=5))[0]
+           for q in ("none", "int8")]
+    a = {t: lp for t, lp in out[0].logprobs[0].top}
+    b = {t: lp for t, lp in out[1].logprobs[0].top}
+    assert out[0].token_ids == out[1].token_ids
+    assert max(abs(a[t] - b[t]) for t in a if t in b) < 0.05
+
+
+def test_quantize_then_run_matches_on_the_fly(tiny, tmp_path):
+    from llmsys.engine.cli.main import main
+
+    out = tmp_path / "q4"
+    assert main(["quantize", str(tiny), "--quant", "int4", "-o", str(out), "--threads", "2"]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["quantization_config"]["format"] == "int4:g64"
+    names = SafetensorsFile(out / "model.safetensors").keys()
+    assert "model.layers.0.mlp.down_proj.qweight" in names and not any(n.endswith("proj.weight") for n in names)
+    a = _llm(out).generate("hello world", GREEDY)[0].token_ids
+    b = _llm(tiny, quant="int4").generate("hello world", GREEDY)[0].token_ids
+    assert a == b
+    with pytest.raises(InvalidParameterError, match="already quantized"):
+        _llm(out, quant="int8")
+
+
+def test_corrupt_quantized_checkpoint_names_the_tensor(tiny, tmp_path):
+    from llmsys.engine.cli.main import main
+
+    out = tmp_path / "q8"
+    assert main(["quantize", str(tiny), "--quant", "int8", "-o", str(out)]) == 0
+    f = SafetensorsFile(out / "model.safetensors")
+    state = {n: f.read(n) for n in f.keys()}
+    bad = "model.layers.1.self_attn.o_proj.qweight"
+    state[bad] = state[bad][:, :-8].contiguous()
+    save_file(state, out / "model.safetensors")
+    with pytest.raises(CheckpointError, match=bad.replace(".", r"\.")):
+        _llm(out)
+    del state["model.layers.0.mlp.up_proj.scales"]
+    state[bad] = f.read(bad)
+    save_file(state, out / "model.safetensors")
+    with pytest.raises(CheckpointError, match="up_proj"):
+        _llm(out)
+
+
+def _pack_seq(v: torch.Tensor, dim: int) -> torch.Tensor:
+    from test_quant_awq_gptq import pack_seq
+
+    return pack_seq(v, dim)
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "awq"])
+def test_awq_gptq_directory_loads_into_int4(tiny, tmp_path, fmt):
+    """Re-express our RTN int4 g32 layers as an AutoGPTQ/AutoAWQ checkpoint; the engine must read them back."""
+    from test_quant_awq_gptq import pack_awq_cols
+
+    g = 32
+    src = SafetensorsFile(next(tiny.glob("*.safetensors")))
+    state, ref_w = {}, {}
+    for name in src.keys():
+        t = src.read(name)
+        if ".layers." in name and name.endswith("proj.weight"):
+            prefix = name[: -len(".weight")]
+            q = Int4Linear.from_float(t, group_size=g).canonical_tensors()
+            codes = unpack_int4(q["qweight"])  # [N, K]
+            zeros = q["zeros"].to(torch.int64)  # [N, G]
+            scales = q["scales"].half()  # [N, G]
+            ref_w[prefix] = ((codes.float().view(t.shape[0], -1, g) - zeros[..., None]) * scales.float()[..., None]).view_as(t)
+            if fmt == "gptq":
+                state[prefix + ".qweight"] = _pack_seq(codes.t(), 0)  # [K/8, N]
+                state[prefix + ".qzeros"] = _pack_seq((zeros - 1).t(), 1)  # [G, N/8], v1 stores zero - 1
+                state[prefix + ".g_idx"] = torch.arange(t.shape[1], dtype=torch.int32) // g
+            else:
+                state[prefix + ".qweight"] = pack_awq_cols(codes.t())  # [K, N/8]
+                state[prefix + ".qzeros"] = pack_awq_cols(zeros.t())  # [G, N/8]
+            state[prefix + ".scales"] = scales.t().contiguous()  # [G, N]
+        else:
+            state[name] = t.half()
+    out = tmp_path / fmt
+    out.mkdir()
+    save_file(state, out / "model.safetensors")
+    cfg = json.loads((tiny / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": fmt, "bits": 4, "group_size": g, "version": "gemm",
+                                  "desc_act": False, "sym": False, "checkpoint_format": "gptq"}
+    (out / "config.json").write_text(json.dumps(cfg))
+    for f in tiny.iterdir():
+        if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
+            (out / f.name).write_bytes(f.read_bytes())
+    llm = _llm(out)
+    model = llm.loaded.model
+    for prefix, w in ref_w.items():
+        layer = model.get_submodule(prefix)
+        assert isinstance(layer, Int4Linear)
+        torch.testing.assert_close(layer.dequantize(), w, atol=1e-6, rtol=0)
+    assert llm.generate("hello", GREEDY)[0].token_ids  # runs end to end
+    cfg["quantization_config"]["bits"] = 3
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="bits=3"):
+        _llm(out)
+
+
+def test_unknown_names_list_the_valid_ones(tiny):
+    with pytest.raises(InvalidParameterError, match="valid: none, int8, int4"):
+        _llm(tiny, quant="int3")
+    with pytest.raises(InvalidParameterError, match="valid: auto, int8, int4"):
+        _llm(tiny, kv_dtype="fp4")
+
+
+def test_fp8_on_cpu_falls_back_with_one_notice(tiny, capsys):
+    llm = _llm(tiny, quant="fp8")
+    assert llm.generate("hi", GREEDY)[0].token_ids
+    err = capsys.readouterr().err
+    assert err.count("notice: fp8") == 1 and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("kv,mean_err", [("int8", 0.01), ("int4", 0.1)])
+def test_quantized_kv_pool_scores_like_float(tiny, kv, mean_err):
+    from llmsys.engine.scoring import score_sequences
+
+    ref = _llm(tiny)
+    llm = _llm(tiny, kv_dtype=kv)
+    assert llm.core.kv.spec.bytes_per_token < 0.4 * ref.core.kv.spec.bytes_per_token
+    seqs = [list(range(3, 120)), list(range(200, 260))]  # 117 tokens: an open (partial) tail block
+    for a, b in zip(score_sequences(ref.core, seqs), score_sequences(llm.core, seqs)):
+        assert (a - b).abs().mean().item() < mean_err  # measured: int8 0.003, int4 0.04
+    assert llm.generate(["hello world", "a b c"], GREEDY)[1].token_ids  # decode path runs
+
+
+def test_int4_side_window_and_block_quantization():
+    torch.manual_seed(0)
+    nb, bs, hk, d = 6, 16, 2, 8
+    x = torch.randn(40, hk, d) * torch.tensor([1.0, 5, 0.1, 1, 1, 20, 1, 1])  # outlier channels
+    slots = torch.arange(16, 56)  # blocks 1, 2 full; block 3 has 8 tokens (open)
+    one = Int4Side("key", nb, bs, hk, d, torch.device("cpu"), torch.float32)
+    for t in range(40):  # decode-style writes, one token at a time
+        one.store(x[t : t + 1], slots[t : t + 1])
+    bulk = Int4Side("key", nb, bs, hk, d, torch.device("cpu"), torch.float32)
+    bulk.store(x, slots)  # prefill-style: whole blocks quantized directly
+    g1, g2 = one.gather(slots[None], torch.float32)[0], bulk.gather(slots[None], torch.float32)[0]
+    torch.testing.assert_close(g1, g2)
+    assert torch.equal(g1[32:], x[32:])  # the open block is the full-precision window
+    rng = x[:32].view(2, bs, hk, d).amax(1) - x[:32].view(2, bs, hk, d).amin(1)  # per block, per channel
+    err = (g1[:32] - x[:32]).abs().view(2, bs, hk, d)
+    assert bool((err <= rng[:, None] / 15 * 0.51 + 1e-3).all())
+    bulk.store(x[:1] * 0 + 7, slots[:1])  # offset 0 rewritten: a new owner reopens block 1
+    assert bulk.gather(slots[None, :1], torch.float32)[0, 0].eq(7).all()
