@@ -448,10 +448,9 @@ def _sdpa_baseline(b: int, hq: int, hk: int, new: int, ctx: int, d: int):
         q = a["q"].view(b, new, hq, d).transpose(1, 2)  # [B, Hq, new, D]
         k = torch.randn(b, hk, ctx, d, device=q.device, dtype=q.dtype)
         v = torch.randn_like(k)
-        mask = None
-        if new > 1:  # causal with the cached prefix before the new tokens (bottom-right aligned)
-            from torch.nn.attention.bias import causal_lower_right
-            mask = causal_lower_right(new, ctx)
+        mask = None  # decode: the one query sees everything
+        if new > 1:  # query i sits at position ctx - new + i: causal, bottom-right aligned
+            mask = torch.ones(new, ctx, dtype=torch.bool, device=q.device).tril(ctx - new)
         try:
             F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
             return "SDPA", lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
