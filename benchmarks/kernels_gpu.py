@@ -14,7 +14,14 @@ host, marked ``*``), cycling through enough input copies to defeat the L2.
 ``floor`` = bytes read + written / measured device-to-device copy bandwidth;
 ``%floor`` = floor / kernel time. The decode-step row times batch-1 decoding
 through the model's forward exactly as the engine runs it (metadata built on
-the host, greedy token synced back every step).
+the host, greedy token synced back every step); a second row replays that step as
+a CUDA graph (the kernels' ceiling without Python launch overhead).
+
+On a device machine: ``python benchmarks/kernels_gpu.py --out $OUT/`` writes
+``kernels_gpu_<gpu>.md`` there (rewritten after every row, so a timeout keeps
+what was measured). Rows with targets and the decode step run first; later
+rows are skipped past ``--max-seconds``. Expected: ~1-2 min full (mostly
+Triton compiles), under 1 min ``--quick`` (4-layer model); not yet measured.
 
 Exit codes: 0 ran and every correctness check passed (with ``--strict`` also
 every target met); 1 a check failed or a case errored (``--strict``: or a
@@ -117,10 +124,12 @@ class Spec:
         return f"{self.label} {self.shape}"
 
 
-TOLERANCE = {  # max|triton - reference| / max|reference| (bf16 rounds at 2^-8 = 3.9e-3)
-    "rms_norm": 1e-2, "rope": 1e-2, "silu_mul": 1e-2, "w8a16": 1e-2, "w4a16": 1e-2,
-    "kv_store": 0.0,  # a bf16 copy must be exact; int8 caches compare dequantized (one code step)
-    "kv_store_int8": 1e-2, "paged_decode": 2e-2,
+# max|triton - reference| / max|reference|. A bf16 ulp is 2^-7 of a value's leading power of
+# two, so two differently placed roundings stay under 2 * 2^-7 = 1.6e-2 of the max; indexing
+# bugs give errors of order 1. int8 KV compares dequantized caches: one code step is 1/127.
+TOLERANCE = {
+    "rms_norm": 2e-2, "rope": 2e-2, "silu_mul": 2e-2, "w8a16": 2e-2, "w4a16": 2e-2,
+    "kv_store": 0.0, "kv_store_int8": 1e-2, "paged_decode": 2e-2,
 }
 
 
@@ -314,7 +323,7 @@ def format_table(rows: list[Row]) -> str:
     for r in rows:
         base = "; ".join(f"{n} {_us(u)}" for n, u in r.baselines) or "-"
         pct = "-" if r.floor_pct is None else f"{r.floor_pct:.0f}%"
-        tgt = r.target.describe(r.baselines[0][0] if r.baselines else "baseline") if r.target else "-"
+        tgt = r.target.describe(r.baselines[0][0].rstrip("*") if r.baselines else "baseline") if r.target else "-"
         ok = {None: "-", True: "yes", False: "NO"}[r.passed]
         kernel = r.kernel + (f" ({r.note})" if r.note else "")
         tri, eag = _us(r.triton_us, "triton" in r.looped), _us(r.eager_us, "eager" in r.looped)
@@ -339,7 +348,8 @@ def format_report(env: dict[str, str], rows: list[Row], checks: list[Check]) -> 
     notes = ("Times: median of CUDA-event samples, microseconds per call, each sample a CUDA graph "
              "of many calls; `*` = an eager loop instead (the op syncs the host: launch overhead "
              "included). floor = bytes read + written / copy bandwidth; %floor = floor / triton us "
-             "(the torch path where there is no Triton kernel).")
+             "(the torch path where there is no Triton kernel). Decode-shape elementwise rows move "
+             "kilobytes: they are launch-bound, so their %floor is low by nature.")
     return "\n".join(head + ["", notes, "", format_table(rows), "", "## Correctness (triton vs reference)",
                              "", format_checks(checks), ""])
 
@@ -347,7 +357,8 @@ def format_report(env: dict[str, str], rows: list[Row], checks: list[Check]) -> 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Check then time every llmsys kernel on a CUDA GPU.")
     p.add_argument("--quick", action="store_true", help="decode shapes only, fewer samples, 4-layer model")
-    p.add_argument("--out", type=Path, default=None, help="also write the Markdown report here")
+    p.add_argument("--out", default=None,
+                   help="also write the Markdown report here (a directory: kernels_gpu_<gpu>.md in it)")
     p.add_argument("--only", default="", help="comma-separated substrings of row names to run")
     p.add_argument("--layers", type=int, default=None, help="decode-step model layers (32; --quick 4)")
     p.add_argument("--samples", type=int, default=None, help="timed samples per measurement (25; --quick 10)")
@@ -366,6 +377,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--layers and --samples must be >= 1")
     a.only = [s.strip() for s in a.only.split(",") if s.strip()]
     return a
+
+
+def report_path(out: str, gpu: str) -> Path:
+    """``--out`` as given, or ``kernels_gpu_<gpu>.md`` inside it when it is (or ends like) a directory."""
+    if Path(out).is_dir() or out.endswith("/"):
+        slug = "".join(c if c.isalnum() else "_" for c in gpu.lower()).strip("_") or "gpu"
+        return Path(out) / f"kernels_gpu_{slug}.md"
+    return Path(out)
 
 
 def selected(name: str, only: list[str]) -> bool:
@@ -790,11 +809,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kernels_gpu: {reason}; nothing measured (run on an NVIDIA GPU machine)", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda")
     torch.manual_seed(0)
     env = environment(args)
+    out = report_path(args.out, env["gpu"]) if args.out else None
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
     bw = measure_copy_bandwidth((512 if args.quick else 1024) * MIB, args.samples)
     env["copy bandwidth"] = f"{bw / 1e9:.0f} GB/s (device-to-device copy, read + write counted)"
     specs = [s for s in kernel_specs(quick=args.quick) if selected(s.key, args.only)]
@@ -834,12 +854,13 @@ def main(argv: list[str] | None = None) -> int:
         for r in done[key]:
             print(f"[{time.perf_counter() - t0:6.1f}s] {r.kernel}: {_us(r.triton_us)} us, "
                   f"%floor {'-' if r.floor_pct is None else f'{r.floor_pct:.0f}'} {r.note}", file=sys.stderr)
-        if args.out:
-            args.out.write_text(report())  # partial results survive a timeout
+        if out:
+            out.write_text(report())  # partial results survive a timeout
     text = report()
     print(text)
-    if args.out:
-        args.out.write_text(text)
+    if out:
+        out.write_text(text)
+        print(f"kernels_gpu: report written to {out}", file=sys.stderr)
     rows = [r for rs in done.values() for r in rs]
     failed = any(not c.ok for c in checks)
     missed = any(r.passed is False for r in rows)

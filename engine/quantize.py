@@ -178,8 +178,9 @@ def gptq_calibrate(model: nn.Module, seqs: list[list[int]], spec: QuantSpec, dam
     pos = torch.cat([torch.arange(n) for n in lens]).to(dev)
     h = model.model.embed_tokens(ids)  # [T, hidden]
 
-    def quantize_module(parent: nn.Module, child: str, lin: nn.Linear, H: torch.Tensor) -> Int4Linear:
-        t = gptq_quantize(lin.weight.float(), H, spec.group_size, damp, act_order=act_order, mse=mse)
+    def quantize_module(parent: nn.Module, child: str, lin: nn.Linear, H: torch.Tensor,
+                        order: bool = act_order) -> Int4Linear:
+        t = gptq_quantize(lin.weight.float(), H, spec.group_size, damp, act_order=order, mse=mse)
         if lin.bias is not None:
             t["bias"] = lin.bias.detach()
         q = Int4Linear.from_quantized({k: v.to(dev) for k, v in t.items()}, in_features=lin.in_features)
@@ -209,7 +210,8 @@ def gptq_calibrate(model: nn.Module, seqs: list[list[int]], spec: QuantSpec, dam
             print(f"gptq: layer {i + 1}/{len(model.model.layers)}", file=sys.stderr)
     x = model.model.norm(h).float()  # [T, hidden]
     H = 2.0 * (x.t() @ x) / x.shape[0]
-    head = quantize_module(model, "lm_head", model.lm_head, H)
+    # A tied table also serves embedding lookups, which gather rows fast only without a permutation.
+    head = quantize_module(model, "lm_head", model.lm_head, H, act_order and not a.tie_word_embeddings)
     emb = model.model.embed_tokens
     if a.tie_word_embeddings:
         model.model.embed_tokens = QuantEmbedding(head, dtype)
@@ -250,3 +252,12 @@ def file_calibration(llm, path: str, n: int, length: int) -> list[list[int]]:
     if not seqs:
         raise InvalidParameterError(f"{p} has fewer than {length} tokens; give a longer calibration text")
     return seqs[:n]
+
+
+def format_memory(report) -> str:
+    """One line from a :class:`~llmsys.engine.core.MemoryReport`: bytes per tier and kind."""
+    def tiers(d: dict[str, int]) -> str:
+        return ", ".join(f"{t} {n:,} B" for t, n in sorted(d.items())) or "0 B"
+
+    return (f"memory: weights {tiers(report.weights)} | KV pool {tiers(report.kv_total)} "
+            f"({report.kv_blocks_total} blocks x {report.block_size} tokens, {tiers(report.kv_used)} in use)")

@@ -42,7 +42,7 @@ def test_parse_args_defaults_quick_and_errors():
     assert (a.quick, a.out, a.only, a.layers, a.samples, a.max_seconds) == (False, None, [], 32, 25, 200.0)
     q = kg.parse_args(["--quick", "--out", "r/x.md", "--only", "w4a16, paged_decode,"])
     assert (q.layers, q.samples, q.max_seconds) == (4, 10, 60.0)
-    assert q.out == Path("r/x.md") and q.only == ["w4a16", "paged_decode"]
+    assert q.out == "r/x.md" and q.only == ["w4a16", "paged_decode"]
     assert kg.parse_args(["--quick", "--layers", "8"]).layers == 8
     with pytest.raises(SystemExit):
         kg.parse_args(["--layers", "0"])
@@ -137,6 +137,12 @@ def test_rows_targets_and_markdown_table():
     assert "| rope | T=16 | 1.50e-03 | 0.01 | yes |" in checks and "| prefill (no Triton kernel) |" in checks
     rep = kg.format_report({"gpu": "NVIDIA H200", "copy bandwidth": "4100 GB/s"}, [ok], [])
     assert rep.startswith("# llmsys kernels on NVIDIA H200\n") and "- copy bandwidth: 4100 GB/s" in rep
+
+
+def test_report_path_names_the_gpu_for_directories(tmp_path):
+    assert kg.report_path("r/x.md", "NVIDIA H200") == Path("r/x.md")
+    assert kg.report_path("res/", "NVIDIA H200") == Path("res/kernels_gpu_nvidia_h200.md")
+    assert kg.report_path(str(tmp_path), "NVIDIA H100 80GB HBM3") == tmp_path / "kernels_gpu_nvidia_h100_80gb_hbm3.md"
 
 
 def test_rel_err():

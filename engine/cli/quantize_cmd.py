@@ -74,8 +74,11 @@ def quantize_command(
         raise InvalidParameterError(f"{model}: llmsys quantize needs a Hugging Face directory (config.json)")
     extra = {"calibration": source} if method == "gptq" else {}
     out = save_quantized(loaded.model, loaded.config, output, spec.name, method, loaded.tokenizer_path, extra)
+    from llmsys.engine.quantize import format_memory
+
     mem = llm.memory_report()
     wbytes = sum(mem.weights.values())
+    sys.stderr.write(format_memory(mem) + "\n")
     sys.stderr.write(
         f"wrote {out} ({spec.name}, {method}): weights {wbytes} bytes, file {out.stat().st_size} bytes, "
         f"{time.perf_counter() - t0:.1f} s\n"
