@@ -7,6 +7,7 @@ op computes.
 """
 
 from llmsys.kernels._backend import interpreter_enabled, triton_available
+from llmsys.kernels.cpu_linear import linear
 from llmsys.kernels.ops import (
     DEFAULT_PARTITION_SIZE,
     DecodeAttentionResult,
@@ -29,6 +30,7 @@ __all__ = [
     "dequant_int4",
     "interpreter_enabled",
     "kv_store",
+    "linear",
     "pack_int4",
     "paged_decode_attention",
     "paged_prefill_attention",

@@ -76,6 +76,30 @@ def _gather(cache: torch.Tensor, scale: torch.Tensor | None, slots: torch.Tensor
     return x
 
 
+def _decode_grouped(
+    q: torch.Tensor,  # [B, Hq, D]: one query per sequence
+    k: torch.Tensor,  # [B, Hk, L, D]
+    v: torch.Tensor,  # [B, Hk, L, D]
+    mask: torch.Tensor | None,  # [B, 1, 1, L] bool or None
+    scale: float,
+) -> torch.Tensor:  # [B, Hq, D]
+    """Decode attention as two grouped matmuls, softmax in float32.
+
+    Why not SDPA: for one query row, torch's CPU SDPA in bfloat16 costs ~7x
+    this (1.5 ms vs 0.2 ms at batch 8, 9/3 heads, 192 keys, measured); the
+    query heads sharing a KV head are stacked as rows of one matmul instead of
+    repeating K/V.
+    """
+    B, Hq, D = q.shape
+    Hk = k.shape[1]
+    qg = q.view(B, Hk, Hq // Hk, D)  # [B, Hk, G, D]
+    s = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [B, Hk, G, L]
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))  # mask [B, 1, 1, L] broadcasts over heads
+    p = torch.softmax(s, dim=-1).to(v.dtype)
+    return torch.matmul(p, v).reshape(B, Hq, D)  # [B, Hk, G, D] -> [B, Hq, D]
+
+
 def paged_attention_gathered(
     q: torch.Tensor,  # [T, Hq, D] packed new tokens
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hk, D] float or int8
@@ -91,14 +115,12 @@ def paged_attention_gathered(
     k = _gather(k_cache, k_scale, plan.gather_slots, q.dtype).transpose(1, 2)  # [B, Hk, Lmax, D]
     v = _gather(v_cache, v_scale, plan.gather_slots, q.dtype).transpose(1, 2)
     if plan.is_decode:
-        qb = q.view(B, 1, Hq, D).transpose(1, 2)  # [B, Hq, 1, D]
+        return _decode_grouped(q, k, v, plan.attn_mask, scale)
     else:
         qpad = torch.cat([q, q.new_zeros(1, Hq, D)], dim=0)  # row T is the pad row
         qb = qpad[plan.query_pad_index].transpose(1, 2)  # [B, Hq, Qmax, D]
     out = F.scaled_dot_product_attention(qb, k, v, attn_mask=plan.attn_mask, scale=scale, enable_gqa=Hq != Hk)
     out = out.transpose(1, 2)  # [B, Qmax, Hq, D]
-    if plan.is_decode:
-        return out.reshape(T, Hq, D)
     qs = plan.query_start
     return torch.cat([out[b, : qs[b + 1] - qs[b]] for b in range(B)], dim=0)
 

@@ -194,6 +194,12 @@ def kv_store(
     check_int8_scales(op, k_cache, k_scale, "k_scale")
     check_int8_scales(op, v_cache, v_scale, "v_scale")
     if not use_triton(impl, k.device, op):
+        if k_cache.dtype != torch.int8 and impl == "auto" and t and int(slot_mapping.min()) >= 0:
+            # CPU fast path: one index_copy_ per cache into its flat slot view
+            # (the reference's 2-D advanced indexing costs ~2x on decode steps).
+            k_cache.view(-1, hk, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+            v_cache.view(-1, hk, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+            return
         ref.kv_store_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
         return
     triton_module("triton_elementwise").kv_store(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)

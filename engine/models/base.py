@@ -81,6 +81,15 @@ def rope_cache(args: TransformerArgs, device: torch.device | None = None) -> tor
         raise UnsupportedModelError(f"config.json: {e}") from None
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` whose matmul goes through ``kernels.linear`` (the faster
+    GEMM library per shape on CPU). Still an ``nn.Linear``, so quantization
+    swaps it and checkpoints load into it by name."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -97,10 +106,10 @@ class Attention(nn.Module):
     def __init__(self, a: TransformerArgs):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = a.num_attention_heads, a.num_key_value_heads, a.head_dim
-        self.q_proj = nn.Linear(a.hidden_size, self.n_heads * self.head_dim, bias=a.attention_bias)
-        self.k_proj = nn.Linear(a.hidden_size, self.n_kv * self.head_dim, bias=a.attention_bias)
-        self.v_proj = nn.Linear(a.hidden_size, self.n_kv * self.head_dim, bias=a.attention_bias)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, a.hidden_size, bias=False)
+        self.q_proj = Linear(a.hidden_size, self.n_heads * self.head_dim, bias=a.attention_bias)
+        self.k_proj = Linear(a.hidden_size, self.n_kv * self.head_dim, bias=a.attention_bias)
+        self.v_proj = Linear(a.hidden_size, self.n_kv * self.head_dim, bias=a.attention_bias)
+        self.o_proj = Linear(self.n_heads * self.head_dim, a.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, a.rms_norm_eps) if a.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, a.rms_norm_eps) if a.qk_norm else None
         self.scale = self.head_dim**-0.5
@@ -121,9 +130,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, a: TransformerArgs):
         super().__init__()
-        self.gate_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
+        self.gate_proj = Linear(a.hidden_size, a.intermediate_size, bias=False)
+        self.up_proj = Linear(a.hidden_size, a.intermediate_size, bias=False)
+        self.down_proj = Linear(a.intermediate_size, a.hidden_size, bias=False)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -157,7 +166,7 @@ class DecoderModel(nn.Module):
         self.model.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.model.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_hidden_layers))
         self.model.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         # On the meta device (the loader's skeleton) the table is a placeholder the
         # loader rebuilds; computing it there imports torch's symbolic-shape stack
         # (sympy, ~150 MiB RSS), a third of a 512 MiB memory cap (llmsys.offload).
