@@ -90,6 +90,31 @@ SECTIONS = [
 ]
 
 
+# Benchmarks that are their own scripts (they compare against other systems or
+# need set-ups `llmsys bench` does not do: cgroups, servers, long streams).
+# Their Markdown output is cached as results/script-<key>.md and appended.
+SCRIPTS: dict[str, list[str]] = {
+    "core-bf16": ["benchmarks/bench_core.py", "--dtype", "bfloat16", "--threads", "2", "--runs", "5"],
+    "core-f32": ["benchmarks/bench_core.py", "--dtype", "float32", "--threads", "2", "--runs", "5"],
+    "quant": ["benchmarks/bench_quant.py", "--threads", "2"],
+    "longctx": ["benchmarks/bench_longctx.py", "--chunk", "16"],
+    "offload": ["benchmarks/bench_offload.py"],
+    "server": ["benchmarks/bench_server.py"],
+}
+
+
+def run_script(key: str, results: Path) -> None:
+    cmd = [sys.executable, *SCRIPTS[key]]
+    shown = shlex.join(["python", *SCRIPTS[key]])
+    print(f"[script {key}] {shown}", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    body = proc.stdout.strip() if proc.returncode == 0 else f"*(failed, exit {proc.returncode}: {(proc.stderr.strip().splitlines() or ['no output'])[-1]})*"
+    when = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
+    text = f"### Script `{key}`\n\n```\n{shown}\n```\n\n*Run {when} UTC, {time.perf_counter() - t0:.0f} s.*\n\n{body}\n"
+    (results / f"script-{key}.md").write_text(text)
+
+
 def bench_cmd(section: Section, plot_path: Path | None) -> list[str]:
     cmd = [sys.executable, "-m", "llmsys.engine.cli.main", "bench", *section.args, "-o", "json", "--no-progress"]
     if plot_path is not None:
@@ -197,6 +222,11 @@ def render(results: Path, out_dir: Path) -> str:
         ]
     for s in SECTIONS:
         out += render_section(s, cached[s.key], out_dir)
+    scripts = sorted(results.glob("script-*.md"))
+    if scripts:
+        out += ["## Benchmark scripts", "", "Side-by-side comparisons run by their own scripts (same machine unless a section says otherwise).", ""]
+        for p in scripts:
+            out += [p.read_text().strip(), ""]
     return "\n".join(out)
 
 
@@ -207,9 +237,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--dry-run", action="store_true", help="print the commands and exit")
     ap.add_argument("--render-only", action="store_true", help="rebuild the page from cached results")
+    ap.add_argument("--scripts", help="comma list of benchmark scripts to run too: " + ", ".join(SCRIPTS))
     args = ap.parse_args(argv)
     keys = {s.key for s in SECTIONS}
     only = [k.strip() for k in args.only.split(",")] if args.only else [s.key for s in SECTIONS]
+    if only == ["none"]:  # scripts only
+        only = []
     unknown = [k for k in only if k not in keys]
     if unknown:
         ap.error(f"unknown section {unknown[0]!r}; choose from {', '.join(sorted(keys))}")
@@ -224,6 +257,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.render_only:
         for s in chosen:
             run_section(s, args.results, img)
+        for key in [k.strip() for k in (args.scripts or "").split(",") if k.strip()]:
+            if key not in SCRIPTS:
+                ap.error(f"unknown script {key!r}; choose from {', '.join(SCRIPTS)}")
+            run_script(key, args.results)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(render(args.results, args.out.parent))
     print(f"wrote {args.out}", file=sys.stderr)

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from llmsys.engine.errors import InvalidParameterError
-from llmsys.quant.int4 import GROUP_SIZES, Int4Linear, bf16_ceil, pack_int4
+from llmsys.quant.int4 import GROUP_SIZES, Int4Linear, bf16_ceil, pack_int4, unpack_int4
 
 
 def hessian_from_inputs(x: torch.Tensor) -> torch.Tensor:
@@ -124,3 +124,63 @@ def gptq_linear(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor
     if bias is not None:
         t["bias"] = bias
     return Int4Linear.from_quantized(t, in_features=weight.shape[1])
+
+
+class TunableInt4:
+    """A trainable view of an :class:`Int4Linear`, for refining GPTQ's output end to end.
+
+    ``W = (clamp(round(q + v), 0, 15) - z) * s0 * exp(log_s)`` with the integer
+    codes ``q``, zero points ``z`` and scales ``s0`` from GPTQ. Two things are
+    learned (AutoRound / OmniQuant-style): ``log_s [N, G]`` (Adam) and rounding
+    offsets ``v [N, G, g]`` in [-1, 1] (signed gradient steps through a
+    straight-through round), so a code can move one step where that lowers the
+    *model's* loss rather than one layer's squared error. Zero points stay
+    integers, so the result keeps the fast packed CPU layout.
+    """
+
+    def __init__(self, lin: Int4Linear) -> None:
+        t = lin.canonical_tensors()
+        self.lin = lin
+        self.n, self.k, g = lin.out_features, lin.in_features, lin.group_size
+        self.q = unpack_int4(t["qweight"]).float().view(self.n, -1, g)  # [N, G, g] codes, stored order
+        self.z = t["zeros"].float()[..., None]  # [N, G, 1]
+        self.s0 = t["scales"].float()  # [N, G]
+        self.log_s = torch.zeros_like(self.s0, requires_grad=True)
+        self.v = torch.zeros_like(self.q, requires_grad=True)
+        self.inv = None if lin.perm is None else lin.perm.long()
+
+    def codes(self) -> torch.Tensor:
+        """``[N, G, g]`` integer codes (as float) with the straight-through rounding."""
+        c = self.q + self.v
+        return (c + (torch.round(c) - c).detach()).clamp(0, 15)
+
+    def weight(self) -> torch.Tensor:
+        """Differentiable dense ``[N, K]`` weight in input-feature order."""
+        w = ((self.codes() - self.z) * (self.s0 * self.log_s.exp())[..., None]).reshape(self.n, -1)[:, : self.k]
+        if self.inv is None:
+            return w
+        out = torch.empty_like(w)
+        out[:, self.inv] = w  # stored column j is input perm[j]
+        return out
+
+    @torch.no_grad()
+    def round_step(self, lr: float) -> None:
+        """Signed-gradient step on the rounding offsets (AutoRound's update)."""
+        if self.v.grad is not None:
+            self.v -= lr * self.v.grad.sign()
+            self.v.clamp_(-1.0, 1.0)
+            self.v.grad = None
+
+    @torch.no_grad()
+    def to_linear(self) -> Int4Linear:
+        """The refined layer: new codes and bf16 scales, same zeros / permutation / bias."""
+        t = {
+            "qweight": pack_int4(self.codes().reshape(self.n, -1).to(torch.uint8)),
+            "scales": (self.s0 * self.log_s.exp()).to(torch.bfloat16),
+            "zeros": self.z[..., 0].to(torch.bfloat16),
+        }
+        if self.lin.perm is not None:
+            t["perm"] = self.lin.perm
+        if self.lin.bias is not None:
+            t["bias"] = self.lin.bias
+        return Int4Linear.from_quantized(t, in_features=self.k)

@@ -27,23 +27,11 @@ import torch.nn.functional as F
 
 from llmsys.engine.errors import CheckpointError
 from llmsys.kernels import w4a16_matmul
+from llmsys.kernels.reference import pack_int4, unpack_int4  # the canonical layout lives with its kernels
 from llmsys.quant.base import QuantLinear, check_weight, require
 
 GROUP_SIZES = (32, 64, 128)
 CPU_BLOCK_N = 64  # the CPU int4 layout tiles rows in blocks of 64 (see unpack_cpu_int4)
-
-
-def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """``q [N, Kp] (0..15) -> uint8 [N, Kp/2]``: even k low nibble, odd k high."""
-    q = q.to(torch.uint8)
-    return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
-
-
-def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`pack_int4`: ``uint8 [N, Kp/2] -> uint8 [N, Kp]``."""
-    lo = qweight & 15
-    hi = qweight >> 4
-    return torch.stack([lo, hi], dim=-1).reshape(qweight.shape[0], -1)
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int = 64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

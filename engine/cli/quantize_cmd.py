@@ -8,9 +8,11 @@ re-quantized and never expanded to full precision.
 ``--method rtn`` quantizes while loading (round to nearest, the same as
 ``--quant`` on any command, so ``quantize`` -> ``run`` gives the tokens of
 quantizing on the fly). ``--method gptq`` (int4 only) loads the float model,
-runs calibration sequences through it and quantizes layer by layer with GPTQ;
-calibration text defaults to sequences the model generates itself, so it
-never overlaps an evaluation file.
+runs calibration sequences through it and quantizes layer by layer with GPTQ,
+then refines the result by distilling the float model on the same sequences
+(``--tune-steps``: learned scales, one-step code moves, RMSNorm weights; see
+``engine.quantize.refine_quantized``); calibration text defaults to sequences
+the model generates itself, so it never overlaps an evaluation file.
 """
 
 from __future__ import annotations
@@ -34,9 +36,10 @@ def quantize_command(
     output: Annotated[Path, typer.Option("--output", "-o", help="directory to write the quantized checkpoint to")],
     method: Annotated[str, typer.Option("--method", help="rtn (round to nearest) or gptq (calibrated, int4)")] = "rtn",
     calib: Annotated[Optional[Path], typer.Option("--calib", help="calibration text file (default: text the model generates itself)")] = None,
-    calib_samples: Annotated[int, typer.Option("--calib-samples", help="calibration sequences")] = 32,
+    calib_samples: Annotated[int, typer.Option("--calib-samples", help="calibration sequences")] = 256,
     calib_len: Annotated[int, typer.Option("--calib-len", help="tokens per calibration sequence")] = 256,
     seed: Annotated[int, typer.Option("--seed", help="seed for self-generated calibration text")] = 0,
+    tune_steps: Annotated[int, typer.Option("--tune-steps", help="gptq: distillation steps after GPTQ (0: plain GPTQ)")] = 400,
     *,
     engine_flags: dict[str, Any],
 ) -> int:
@@ -51,13 +54,15 @@ def quantize_command(
         raise InvalidParameterError("llmsys quantize needs --quant (int8, int4, int4:g32, int4:g128, nf4, nf4:dq, fp8)")
     if calib_samples < 1 or calib_len < 8:
         raise InvalidParameterError("--calib-samples must be >= 1 and --calib-len >= 8")
+    if tune_steps < 0:
+        raise InvalidParameterError(f"--tune-steps must be >= 0, got {tune_steps}")
     t0 = time.perf_counter()
     if method == "rtn":
         llm = _load(model, engine_flags, quant=spec.name)
     else:
         llm = _load(model, engine_flags, quant="none")
         model_obj = llm.loaded.model
-        from llmsys.engine.quantize import file_calibration, gptq_calibrate, self_generated_calibration
+        from llmsys.engine.quantize import file_calibration, gptq_calibrate, refine_quantized, self_generated_calibration
 
         if calib is not None:
             seqs = file_calibration(llm, str(calib), calib_samples, calib_len)
@@ -66,13 +71,19 @@ def quantize_command(
             seqs = self_generated_calibration(llm, calib_samples, min(calib_len, llm.max_model_len - 1), seed)
             source = f"self-generated (seed {seed})"
         sys.stderr.write(f"calibrating on {len(seqs)} x {len(seqs[0])} tokens ({source})\n")
+        teacher = {k: v.detach().clone() for k, v in model_obj.state_dict().items()} if tune_steps else {}
         gptq_calibrate(model_obj, seqs, spec, progress=True)
+        if tune_steps:
+            rep = refine_quantized(model_obj, teacher, seqs, steps=tune_steps)
+            del teacher
+            sys.stderr.write(f"refined: KL(float || int4) per token {rep.kl_before:.4f} -> {rep.kl_after:.4f} "
+                             f"({rep.steps} steps)\n")
     loaded = llm.loaded
     if loaded.config.get("quantization_config") is not None:
         raise InvalidParameterError(f"{model} is already quantized; quantize its float checkpoint instead")
     if not loaded.config:
         raise InvalidParameterError(f"{model}: llmsys quantize needs a Hugging Face directory (config.json)")
-    extra = {"calibration": source} if method == "gptq" else {}
+    extra = {"calibration": source, "tune_steps": tune_steps} if method == "gptq" else {}
     out = save_quantized(loaded.model, loaded.config, output, spec.name, method, loaded.tokenizer_path, extra)
     from llmsys.engine.quantize import format_memory
 
