@@ -241,6 +241,7 @@ def test_calibrated_int4_beats_rtn_on_stories260k():
         ids = llm.tokenizer.encode(corpus.read_text(encoding="utf-8")[:20000], add_special_tokens=False)[:3000]
         return perplexity_windows(llm.core, ids, 256, llm.tokenizer.bos_token_id).perplexity
 
+    torch.set_num_threads(1)  # many small ops: 2 threads on the shared 2-core box were ~10x slower (conftest resets)
     rtn = ppl(LLM(str(model_dir), dtype="float32", kv_cache_tokens=8192, progress=False, quant="int4"))
     llm = LLM(str(model_dir), dtype="float32", kv_cache_tokens=8192, progress=False)
     base = ppl(llm)

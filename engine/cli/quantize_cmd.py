@@ -36,7 +36,7 @@ def quantize_command(
     output: Annotated[Path, typer.Option("--output", "-o", help="directory to write the quantized checkpoint to")],
     method: Annotated[str, typer.Option("--method", help="rtn (round to nearest) or gptq (calibrated, int4)")] = "rtn",
     calib: Annotated[Optional[Path], typer.Option("--calib", help="calibration text file (default: text the model generates itself)")] = None,
-    calib_samples: Annotated[int, typer.Option("--calib-samples", help="calibration sequences")] = 256,
+    calib_samples: Annotated[int, typer.Option("--calib-samples", help="calibration sequences")] = 512,
     calib_len: Annotated[int, typer.Option("--calib-len", help="tokens per calibration sequence")] = 256,
     seed: Annotated[int, typer.Option("--seed", help="seed for self-generated calibration text")] = 0,
     tune_steps: Annotated[int, typer.Option("--tune-steps", help="gptq: distillation steps after GPTQ (0: plain GPTQ)")] = 400,
