@@ -8,7 +8,6 @@ the core directly; this class is the simple, synchronous way in.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -240,7 +239,3 @@ class LLM:
 
     def chat_prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
         return self.tokenizer.encode_chat(messages)
-
-
-def _debug() -> bool:
-    return os.environ.get("LLMSYS_DEBUG") == "1"
