@@ -33,7 +33,39 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scales
 
 
-class Int8Linear(QuantLinear):
+class _PerRowLinear(QuantLinear):
+    """Shared plumbing of the per-row formats: ``w[n, :] = q[n, :] * scales[n]``.
+
+    Subclasses set ``FORMAT``, ``quantize`` (float weight -> codes, scales)
+    and store their tensors in ``__init__``; loading, dequantizing and row
+    lookups are the same for both.
+    """
+
+    FORMAT = ""
+
+    @staticmethod
+    def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, spec=None):
+        check_weight(weight, bias)
+        q, s = cls.quantize(weight)
+        return cls(q, s, bias)
+
+    @classmethod
+    def from_quantized(cls, tensors: dict[str, torch.Tensor]):
+        qweight, scales = require(tensors, ("qweight", "scales"), cls.FORMAT)
+        return cls(qweight, scales, tensors.get("bias"))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (self.qweight.float() * self.scales.float()[:, None]).to(dtype)  # [N, K]
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (self.qweight[ids].float() * self.scales[ids].float()[:, None]).to(dtype)  # [M, K]
+
+
+class Int8Linear(_PerRowLinear):
     """W8A16 linear: ``qweight int8 [N, K]``, ``scales bf16 [N]``; w = q * scale.
 
     CPU: decode-sized inputs (<= PACKED_MAX_ROWS rows) go through
@@ -52,22 +84,8 @@ class Int8Linear(QuantLinear):
         self.register_buffer("qweight", qweight.to(torch.int8).contiguous())  # [N, K]
         self.register_buffer("scales", scales.reshape(n).to(torch.bfloat16).contiguous())  # [N]
 
-    @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, spec=None) -> "Int8Linear":
-        check_weight(weight, bias)
-        q, s = quantize_int8(weight)
-        return cls(q, s, bias)
-
-    @classmethod
-    def from_quantized(cls, tensors: dict[str, torch.Tensor]) -> "Int8Linear":
-        qweight, scales = require(tensors, ("qweight", "scales"), "int8")
-        return cls(qweight, scales, tensors.get("bias"))
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return (self.qweight.to(torch.float32) * self.scales.float()[:, None]).to(dtype)  # [N, K]
-
-    def rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return (self.qweight[ids].float() * self.scales[ids].float()[:, None]).to(dtype)  # [M, K]
+    FORMAT = "int8"
+    quantize = staticmethod(quantize_int8)
 
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
         if x2.device.type == "cuda":
@@ -104,7 +122,7 @@ def fp8_gemm_supported(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-class FP8Linear(QuantLinear):
+class FP8Linear(_PerRowLinear):
     """FP8 e4m3 weights with per-row fp32 scales; w = q.float() * scale.
 
     On FP8 GPUs (sm >= 8.9) the activations are quantized per token to e4m3
@@ -119,22 +137,8 @@ class FP8Linear(QuantLinear):
         self.register_buffer("qweight", qweight.to(torch.float8_e4m3fn).contiguous())  # [N, K]
         self.register_buffer("scales", scales.reshape(n).float().contiguous())  # [N]
 
-    @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, spec=None) -> "FP8Linear":
-        check_weight(weight, bias)
-        q, s = quantize_fp8(weight)
-        return cls(q, s, bias)
-
-    @classmethod
-    def from_quantized(cls, tensors: dict[str, torch.Tensor]) -> "FP8Linear":
-        qweight, scales = require(tensors, ("qweight", "scales"), "fp8")
-        return cls(qweight, scales, tensors.get("bias"))
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return (self.qweight.float() * self.scales[:, None]).to(dtype)  # [N, K]
-
-    def rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return (self.qweight[ids].float() * self.scales[ids][:, None]).to(dtype)  # [M, K]
+    FORMAT = "fp8"
+    quantize = staticmethod(quantize_fp8)
 
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
         k, n = self.in_features, self.out_features
