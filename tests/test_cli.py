@@ -90,3 +90,11 @@ def test_models_lists_catalog():
     assert r.returncode == 0
     for name in ("stories260k", "Qwen2.5-0.5B-Instruct", "Llama-3.2-1B-Instruct", "Mistral-7B-Instruct-v0.3"):
         assert name.lower() in r.stdout.lower()
+
+
+def test_context_full_is_said_not_silent():
+    need_shared(STORIES_HF)
+    r = llmsys("run", str(STORIES_HF), "Once upon a time", "--temperature", "0", "-n", "1000", "--ignore-eos",
+               "--dtype", "float32", "--max-model-len", "40")
+    assert r.returncode == 0, r.stderr
+    assert "finish length" in r.stderr and "context full: 40 of 40 tokens" in r.stderr

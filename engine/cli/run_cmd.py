@@ -59,6 +59,12 @@ def run_command(
             f"ttft {t.ttft_s * 1000:.0f} ms | prefill {t.prompt_tok_s:.1f} tok/s | decode {t.decode_tok_s:.1f} tok/s | "
             f"finish {final.finish_reason}\n"
         )
+        if final.finish_reason == "length" and t.prompt_tokens + t.generated_tokens >= llm.max_model_len:
+            # Never a silent truncation: say the context, not max_tokens, ended it.
+            sys.stderr.write(
+                f"context full: {t.prompt_tokens + t.generated_tokens} of {llm.max_model_len} tokens; "
+                "raise --max-model-len (up to the model's limit) or use --kv-policy sink:4,window:N to continue past it\n"
+            )
         return 0
     sys.stderr.write(f"interrupted after {n_out} generated tokens ({wall:.1f} s)\n")
     return 130 if interrupted else 0
