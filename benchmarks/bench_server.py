@@ -34,6 +34,8 @@ from pathlib import Path
 import httpx
 import openai
 
+from llmsys.engine.server.serve import wait_until_healthy
+
 
 @dataclass
 class Spec:
@@ -224,17 +226,9 @@ def main() -> int:
         proc = subprocess.Popen(cmd)
         url = f"http://127.0.0.1:{port}"
         try:
-            deadline = time.monotonic() + 300
-            while True:
-                try:
-                    if httpx.get(url + "/health").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    print("server did not start", file=sys.stderr)
-                    return 1
-                time.sleep(0.2)
+            if not wait_until_healthy(url, proc, timeout_s=300):
+                print("server did not start", file=sys.stderr)
+                return 1
             report = asyncio.run(run(args, url, vocab))
         finally:
             proc.terminate()

@@ -24,6 +24,7 @@ import pytest
 
 from conftest import STORIES_HF, need_shared
 from llmsys.engine.server.metrics import parse_metrics
+from llmsys.engine.server.serve import wait_until_healthy
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -388,15 +389,7 @@ def test_cli_serve_graceful_shutdown(sig):
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else "timeout"
-            time.sleep(0.1)
+        assert wait_until_healthy(url, proc, timeout_s=60), proc.stdout.read() if proc.poll() is not None else "timeout"
         body = {"prompt": PROMPT, "max_tokens": 300, "temperature": 0, "stream": True, "ignore_eos": True}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
             lines = r.iter_lines()

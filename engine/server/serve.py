@@ -101,3 +101,28 @@ def start_server_thread(state: ServerState, log_level: str = "warning") -> Serve
             raise RuntimeError("the test server did not start")
         time.sleep(0.02)
     return ServerThread(state, server, thread, port)
+
+
+def wait_until_healthy(url: str, proc=None, timeout_s: float = 60.0, poll_s: float = 0.1) -> bool:
+    """Poll ``url/health`` until it answers 200 (the model is loaded).
+
+    Returns False when ``proc`` (a ``subprocess.Popen`` running the server)
+    exits first or ``timeout_s`` passes. Used by tests and benchmarks that
+    start ``llmsys serve`` as a child process.
+    """
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return True
+        except (urllib.error.URLError, ConnectionError, OSError):
+            pass  # not listening yet, or 503 while loading
+        if proc is not None and proc.poll() is not None:
+            return False
+        time.sleep(poll_s)
+    return False
+
