@@ -83,6 +83,9 @@ class EngineConfig:
     gpu_mem: int | None = None
     cpu_mem: int | None = None
     offload_dir: str | None = None
+    # Swap space for preempted sequences' KV (llmsys.offload.kv_swap): bytes, 0 = off (recompute),
+    # None = auto (as many blocks as the pool, at most 4 GiB; CPU RAM for a GPU pool, else disk).
+    swap_space: int | None = None
     kv_policy: str = "full"
     progress: bool = True  # loading progress bar (only drawn on a TTY)
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
@@ -100,7 +103,7 @@ class EngineConfig:
             raise InvalidParameterError("max_num_batched_tokens must be >= 1")
         if self.threads is not None and self.threads < 1:
             raise InvalidParameterError(f"threads must be >= 1, got {self.threads}")
-        for name in ("gpu_mem", "cpu_mem"):
+        for name in ("gpu_mem", "cpu_mem", "swap_space"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, int):
                 object.__setattr__(self, name, parse_size(v))

@@ -29,6 +29,7 @@ from llmsys.engine.scheduler import Scheduler
 from llmsys.engine.sequence import Sequence
 from llmsys.engine.tokenizer import Tokenizer
 from llmsys.offload.kv_policy import make_policy_runtime
+from llmsys.offload.kv_swap import make_swap_space
 
 
 @dataclass
@@ -55,6 +56,8 @@ class MemoryReport:
     kv_blocks_used: int
     block_size: int
     staging: dict[str, int] = field(default_factory=dict)  # tier -> offload ring/staging buffer bytes
+    kv_swap_total: dict[str, int] = field(default_factory=dict)  # tier -> swap space for preempted KV
+    kv_swap_used: dict[str, int] = field(default_factory=dict)  # tier -> bytes of swapped-out blocks
 
 
 def _apply_constraints(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -86,6 +89,9 @@ class EngineCore:
         # KV eviction / page selection (None under `full`: the plain path, no per-token policy work).
         self.kv_policy = make_policy_runtime(config.kv_policy, loaded.model, self.kv, self.allocator, kv_spec.block_size, max_len)
         self.scheduler.kv_policy = self.runner.kv_policy = self.kv_policy
+        # Swap space for preempted sequences (None: recompute only).
+        self.swap = make_swap_space(self.kv, config.swap_space, config.offload_dir)
+        self.scheduler.swap = self.runner.swap = self.swap
         self.sampler = Sampler()
         eos = set(loaded.args.eos_token_id) | set(tokenizer.eos_token_ids)
         gen_eos = loaded.generation_config.get("eos_token_id")
@@ -149,6 +155,9 @@ class EngineCore:
             if s.seq.state.start_time is None:
                 s.seq.state.start_time = now
         logits, rows = self.runner.execute(sched)
+        if self.swap is not None and sched.num_tokens > len(sched.scheduled):
+            # A step with prefill chunks: what recomputing a token costs here (swap vs recompute).
+            self.swap.observe_prefill(time.perf_counter() - now, sched.num_tokens)
         if not rows:
             return chunks
         seqs = [sched.scheduled[r].seq for r in rows]
@@ -231,6 +240,7 @@ class EngineCore:
         used = self.allocator.num_used
         rt = getattr(self.loaded.model, "offload_runtime", None)  # llmsys.offload: weights per tier
         weights = rt.weight_bytes(self.loaded.model) if rt is not None else {tier: self.loaded.weight_bytes}
+        sw = self.swap
         return MemoryReport(
             weights=weights,
             staging=rt.staging_bytes() if rt is not None else {},
@@ -239,4 +249,6 @@ class EngineCore:
             kv_blocks_total=spec.num_blocks - 1,
             kv_blocks_used=used,
             block_size=spec.block_size,
+            kv_swap_total={sw.tier: sw.nbytes()} if sw is not None else {},
+            kv_swap_used={sw.tier: sw.used_bytes()} if sw is not None else {},
         )

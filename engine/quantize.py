@@ -409,5 +409,7 @@ def format_memory(report) -> str:
     def tiers(d: dict[str, int]) -> str:
         return ", ".join(f"{t} {n:,} B" for t, n in sorted(d.items())) or "0 B"
 
+    swap = (f" | KV swap {tiers(report.kv_swap_total)} ({tiers(report.kv_swap_used)} in use)"
+            if report.kv_swap_total else "")
     return (f"memory: weights {tiers(report.weights)} | KV pool {tiers(report.kv_total)} "
-            f"({report.kv_blocks_total} blocks x {report.block_size} tokens, {tiers(report.kv_used)} in use)")
+            f"({report.kv_blocks_total} blocks x {report.block_size} tokens, {tiers(report.kv_used)} in use){swap}")

@@ -37,6 +37,7 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         self.kv_policy: Any = None  # llmsys.offload.kv_policy.PolicyRuntime, or None under `full`
+        self.swap: Any = None  # llmsys.offload.kv_swap.KVSwapSpace, or None (no swap space)
 
     def prepare(self, sched: SchedulerOutput) -> StepBatch:
         ids: list[int] = []
@@ -73,6 +74,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
         """Run one step; returns logits ``[S, V]`` (float32) and the sampling rows."""
+        if sched.swap_out or sched.swap_in:
+            # Outs first: a block freed by a swap-out may be the target of a swap-in this step.
+            self.swap.copy_out(sched.swap_out)
+            self.swap.copy_in(sched.swap_in)
         batch = self.prepare(sched)
         hidden = self.model(batch.input_ids, batch.positions, self.kv, batch.meta)  # [T, hidden]
         if self.kv_policy is not None:

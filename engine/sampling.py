@@ -343,11 +343,17 @@ class Sampler:
         the argmax of; ``filtered`` (plus temperature, top-k, top-p, min-p) is
         the distribution random rows draw from. Exposed for tests and tools.
         """
+        penalized = self._penalize(logits, batch)
+        return penalized, self._filter(penalized, batch.params)
+
+    @staticmethod
+    def _penalize(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """min_tokens mask + penalties -> float32 [B, V] (the caller's logits are never modified)."""
         b, v = logits.shape
         if len(batch.params) != b:
             raise ValueError(f"logits have {b} rows but the batch has {len(batch.params)} params")
         device = logits.device
-        x = logits.to(torch.float32, copy=True)  # never mutate the caller's tensor
+        x = logits.float()  # [B, V]; may alias the caller's tensor, so never written in place below
         params = batch.params
 
         # min_tokens: forbid ending before the floor is reached.
@@ -359,6 +365,7 @@ class Sampler:
                 mask_rows += [i] * len(ends)
                 mask_cols += ends
         if mask_rows:
+            x = x.clone()
             x[torch.tensor(mask_rows, device=device), torch.tensor(mask_cols, device=device)] = -math.inf
 
         def per_row(values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -378,23 +385,33 @@ class Sampler:
                 per_row([p.presence_penalty for p in params]),
                 per_row([p.frequency_penalty for p in params]),
             )
-        penalized = x
+        return x
+
+    @staticmethod
+    def _filter(penalized: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """Temperature, top-k, top-p, min-p over penalized logits [B, V] -> the draw distribution's logits."""
+        device = penalized.device
+
+        def per_row(values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
 
         temps = per_row([1.0 if p.greedy else p.temperature for p in params])
-        x = x / temps[:, None]
+        x = penalized / temps[:, None]
         top_k = per_row([p.top_k for p in params], torch.long)
         x = apply_top_k(x, top_k)
         x = apply_top_p(x, per_row([p.top_p for p in params]), top_k)
-        x = apply_min_p(x, per_row([p.min_p for p in params]))
-        return penalized, x
+        return apply_min_p(x, per_row([p.min_p for p in params]))
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
         """Pick one token per row of ``logits`` [B, V] (any float dtype)."""
         b, v = logits.shape
         device = logits.device
-        penalized, filtered = self.process_logits(logits, batch)
         params = batch.params
         greedy = [p.greedy for p in params]
+        penalized = self._penalize(logits, batch)
+        # All-greedy batches (the server's common case) skip the filters: they
+        # only shape the draw distribution, which no greedy row reads.
+        filtered = penalized if all(greedy) else self._filter(penalized, params)
 
         chosen = torch.empty(b, dtype=torch.long, device=device)
         if any(greedy):

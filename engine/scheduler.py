@@ -4,8 +4,11 @@ Every step the scheduler decides which sequences run and how many of their
 tokens: running decodes first (one token each, so latency stays steady), then
 prompt chunks from waiting requests up to the step's token budget. Requests
 join and leave between steps. When the pool runs out of blocks the newest
-running sequence is preempted: its blocks return to the pool and it is
-re-prefilled later (recompute), which keeps older requests moving.
+running sequence is preempted, which keeps older requests moving: its blocks
+either move to the swap space (``llmsys.offload.kv_swap``; copied back when it
+is readmitted) or are dropped and its context re-prefilled later (recompute),
+whichever the swap space estimates is cheaper. The scheduler only decides;
+``SchedulerOutput.swap_out``/``swap_in`` tell the runner which blocks to copy.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (pool block, swap block), copied first
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (swap block, pool block)
 
     @property
     def num_tokens(self) -> int:
@@ -54,6 +59,8 @@ class Scheduler:
         # KV policy runtime (llmsys.offload.kv_policy.PolicyRuntime) or None under `full`: it caps
         # a policy sequence's chunk and evicts before the block table grows.
         self.kv_policy: Any = None
+        # Swap space for preempted sequences (llmsys.offload.kv_swap.KVSwapSpace) or None: recompute only.
+        self.swap: Any = None
 
     # -- queue management -------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -70,6 +77,9 @@ class Scheduler:
             self.waiting.remove(seq)
         self.allocator.free(seq.block_table)
         seq.block_table = []
+        if seq.swapped_blocks:
+            self.swap.release(seq.swapped_blocks)
+            seq.swapped_blocks = []
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -86,11 +96,22 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
+        keep = blocks_needed(seq.num_computed, self.block_size)  # blocks holding computed tokens
+        swap = self.swap
+        # Policy sequences (seq.kv) carry eviction state beside the blocks: they recompute.
+        ids = swap.allocate(keep) if swap is not None and seq.kv is None and swap.prefer_swap(keep, seq.num_computed) else None
+        if ids is not None:
+            out.swap_out.extend(zip(seq.block_table[:keep], ids))
+            seq.swapped_blocks = ids
+            swap.stats.swap_outs += 1
+        else:
+            seq.num_computed = 0
+            if seq.kv is not None:
+                seq.kv.reset()
+            if swap is not None:
+                swap.stats.recomputes += 1
         self.allocator.free(seq.block_table)
         seq.block_table = []
-        seq.num_computed = 0
-        if seq.kv is not None:
-            seq.kv.reset()
         seq.num_preemptions += 1
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
@@ -99,6 +120,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_tokens
+        if self.swap is not None:
+            self.swap.end_step()  # last step's swap-ins are copied: their swap blocks are free again
         # 1. Running sequences (decodes, or prefills continuing in chunks), oldest first.
         for seq in sorted(self.running, key=lambda s: s.arrival):
             if seq not in self.running:
@@ -125,6 +148,10 @@ class Scheduler:
                 n = self.kv_policy.before_step(seq, n)
             if not self._grow(seq, seq.kv_len + n):
                 break
+            if seq.swapped_blocks:  # readmitted after a swap-out: copy its blocks back first
+                out.swap_in.extend(zip(seq.swapped_blocks, seq.block_table))
+                self.swap.release(seq.swapped_blocks)
+                seq.swapped_blocks = []
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)

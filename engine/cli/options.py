@@ -29,6 +29,7 @@ def _opt(name: str, annotation: Any, default: Any, *flags: str, help: str) -> in
 _ENGINE_NAMES = {
     "device", "dtype", "max_model_len", "block_size", "kv_cache_tokens", "max_num_seqs",
     "max_num_batched_tokens", "threads", "quant", "kv_dtype", "gpu_mem", "cpu_mem", "offload_dir", "kv_policy",
+    "swap_space",
 }
 
 ENGINE_PARAMS = [
@@ -46,6 +47,8 @@ ENGINE_PARAMS = [
     _opt("cpu_mem", Optional[str], None, "--cpu-mem", help="CPU RAM budget, e.g. 512MiB"),
     _opt("offload_dir", Optional[str], None, "--offload-dir", help="folder for disk-offloaded weights/KV"),
     _opt("kv_policy", str, "full", "--kv-policy", help="KV eviction: full, window:N, sink:S,window:N, ..."),
+    _opt("swap_space", Optional[str], None, "--swap-space",
+         help="swap space for preempted requests' KV, e.g. 2GiB; 0 = recompute instead (default: pool size, <= 4GiB)"),
 ]
 
 SAMPLING_PARAMS = [
@@ -67,6 +70,7 @@ def build_engine_config(model: str, values: dict[str, Any]) -> EngineConfig:
     kw = dict(values)
     kw["gpu_mem"] = parse_size(kw.get("gpu_mem"))
     kw["cpu_mem"] = parse_size(kw.get("cpu_mem"))
+    kw["swap_space"] = parse_size(kw.get("swap_space"))
     return EngineConfig(model=model, **kw)
 
 

@@ -1,0 +1,235 @@
+"""Swap space for preempted sequences: move their KV blocks out, not away.
+
+When the paged pool runs out of blocks the scheduler preempts the newest
+sequence. Without swap space its blocks are simply freed and its whole
+context is re-prefilled later (recompute). With swap space the blocks are
+copied to a slower tier first -- pinned CPU RAM when the pool lives on a GPU,
+a file in the offload folder when the pool lives in CPU RAM -- and copied back
+into fresh blocks when the sequence is readmitted, so none of its tokens are
+computed twice.
+
+Which is cheaper depends on the machine and the context length: swapping
+costs ``2 x bytes / bandwidth`` (out and back in), recomputing costs a prefill
+of every cached token. :class:`KVSwapSpace` keeps both estimates from what
+it measures (its own copy speed, and the engine's prefill time per token fed
+back by the core) and :meth:`KVSwapSpace.prefer_swap` compares them.
+
+The scheduler only decides (``SchedulerOutput.swap_out`` / ``swap_in`` block
+pairs); the runner moves the bytes before the step's forward pass, swap-outs
+first, so a block freed by a swap-out can be refilled in the same step.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:  # the engine imports offload, not the other way round
+    from llmsys.engine.kv_cache import KVCache
+
+# Priors used until the first copy is timed (then the measured speed wins).
+_PRIOR_GBPS = {"cpu": 5.0, "disk": 0.5}
+_EMA = 0.5  # weight of the newest measurement
+
+
+@dataclass
+class SwapStats:
+    """Counters the memory report and the metrics endpoint show."""
+
+    swapped_out_blocks: int = 0
+    swapped_in_blocks: int = 0
+    swap_outs: int = 0  # preemptions that swapped
+    recomputes: int = 0  # preemptions that dropped the KV (recompute later)
+    bytes_moved: int = 0
+    seconds: float = 0.0
+
+
+class KVSwapSpace:
+    """A second, slower home for whole KV blocks of preempted sequences.
+
+    Layout: swap block ``j`` holds every layer's K and V of one pool block,
+    ``[num_layers, 2, block_size, Hk, D]`` contiguous (``chunk_bytes``), so one
+    pool block is one write and one read. Only full-precision pools swap
+    (quantized pools keep their scales in side objects; they recompute).
+    """
+
+    def __init__(self, kv: KVCache, num_blocks: int, folder: str | Path | None = None, tier: str | None = None):
+        if tier not in (None, "cpu", "disk"):
+            raise ValueError(f"swap tier must be 'cpu' or 'disk', got {tier!r}")
+        self.kv = kv
+        self.num_blocks = num_blocks
+        self._tier = tier  # None: follow the pool (see `tier`)
+        s = kv.spec
+        self._block_shape = (s.num_layers, 2, s.block_size, s.num_kv_heads, s.head_dim)
+        self.chunk_bytes = int(torch.Size(self._block_shape).numel()) * torch.tensor([], dtype=s.dtype).element_size()
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self._pending_free: list[int] = []  # freed by a swap-in scheduled this step (copied in the runner)
+        self.stats = SwapStats()
+        self.gbps: float | None = None  # measured copy speed (None: the tier's prior)
+        self.recompute_s_per_token: float | None = None  # fed back by the engine core
+        self._store: torch.Tensor | None = None  # cpu tier: [num_blocks, L, 2, bs, Hk, D]
+        self._fd: int | None = None  # disk tier: one file, opened on first use
+        self._path: Path | None = None
+        self._folder = Path(folder) if folder else None
+
+    @property
+    def tier(self) -> str:
+        """Where swapped blocks go: CPU RAM for a pool with GPU layers, else disk.
+
+        Read from the pool each time: the offload runtime may move layers' KV
+        after the engine (and this object) is built.
+        """
+        if self._tier is not None:
+            return self._tier
+        return "cpu" if any(t.is_cuda for t in self.kv.k) else "disk"
+
+    # -- bookkeeping (scheduler side, no tensors) --------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free) - len(self._pending_free)
+
+    def nbytes(self) -> int:
+        return self.num_blocks * self.chunk_bytes
+
+    def used_bytes(self) -> int:
+        return self.num_used * self.chunk_bytes
+
+    def allocate(self, n: int) -> list[int] | None:
+        if n > len(self._free):
+            return None
+        return [self._free.pop() for _ in range(n)]
+
+    def release(self, ids: list[int]) -> None:
+        """Free swap blocks whose data is copied in this step (reusable from the next step)."""
+        self._pending_free.extend(ids)
+
+    def end_step(self) -> None:
+        self._free.extend(reversed(self._pending_free))
+        self._pending_free = []
+
+    def swap_seconds(self, num_blocks: int) -> float:
+        gbps = self.gbps if self.gbps is not None else _PRIOR_GBPS[self.tier]
+        return 2 * num_blocks * self.chunk_bytes / (gbps * 1e9)
+
+    def prefer_swap(self, num_blocks: int, num_tokens: int) -> bool:
+        """Swap (True) or recompute (False) a sequence holding ``num_tokens`` in ``num_blocks``?"""
+        if num_blocks == 0 or num_blocks > len(self._free):
+            return False
+        if self.recompute_s_per_token is None:
+            return True  # nothing measured yet: keeping computed work is the safe bet
+        return self.swap_seconds(num_blocks) < num_tokens * self.recompute_s_per_token
+
+    def observe_prefill(self, seconds: float, tokens: int) -> None:
+        """Feed back one step that prefilled ``tokens`` tokens in ``seconds``."""
+        if tokens <= 0 or seconds <= 0:
+            return
+        x = seconds / tokens
+        r = self.recompute_s_per_token
+        self.recompute_s_per_token = x if r is None else (1 - _EMA) * r + _EMA * x
+
+    # -- data movement (runner side) ---------------------------------------------
+    def _gather(self, blocks: list[int]) -> torch.Tensor:  # [n, L, 2, bs, Hk, D] in CPU RAM
+        idx = torch.tensor(blocks, dtype=torch.long)
+        per_layer = []  # L x [n, 2, bs, Hk, D]; layers may live on different devices
+        for k, v in zip(self.kv.k, self.kv.v):
+            i = idx.to(k.device)
+            per_layer.append(torch.stack([k.index_select(0, i), v.index_select(0, i)], dim=1).cpu())
+        return torch.stack(per_layer, dim=1)
+
+    def _scatter(self, blocks: list[int], data: torch.Tensor) -> None:  # data [n, L, 2, bs, Hk, D] in CPU RAM
+        idx = torch.tensor(blocks, dtype=torch.long)
+        for layer, (k, v) in enumerate(zip(self.kv.k, self.kv.v)):
+            i = idx.to(k.device)
+            k.index_copy_(0, i, data[:, layer, 0].to(k.device, non_blocking=True))
+            v.index_copy_(0, i, data[:, layer, 1].to(v.device, non_blocking=True))
+
+    def _ensure_store(self) -> None:
+        if self.tier == "cpu" and self._store is None:
+            pin = torch.cuda.is_available()
+            self._store = torch.empty((self.num_blocks, *self._block_shape), dtype=self.kv.spec.dtype, pin_memory=pin)
+        if self.tier == "disk" and self._fd is None:
+            folder = self._folder or Path(tempfile.gettempdir())
+            folder.mkdir(parents=True, exist_ok=True)
+            fd, name = tempfile.mkstemp(prefix="llmsys-kv-swap-", suffix=".bin", dir=folder)
+            os.ftruncate(fd, self.nbytes())  # sparse: disk is used only by blocks actually written
+            self._fd, self._path = fd, Path(name)
+            os.unlink(name)  # the open fd keeps it; nothing is left behind if the process dies
+
+    def copy_out(self, pairs: list[tuple[int, int]]) -> None:
+        """Pool block -> swap block, for every layer."""
+        if not pairs:
+            return
+        t0 = time.perf_counter()
+        self._ensure_store()
+        data = self._gather([p for p, _ in pairs])  # [n, L, 2, bs, Hk, D]
+        if self.tier == "cpu":
+            self._store.index_copy_(0, torch.tensor([s for _, s in pairs]), data)
+        else:
+            raw = data.view(torch.uint8).numpy().reshape(len(pairs), self.chunk_bytes)
+            for i, (_, s) in enumerate(pairs):
+                os.pwrite(self._fd, raw[i], s * self.chunk_bytes)
+        self._account(len(pairs), time.perf_counter() - t0, out=True)
+
+    def copy_in(self, pairs: list[tuple[int, int]]) -> None:
+        """Swap block -> pool block, for every layer."""
+        if not pairs:
+            return
+        t0 = time.perf_counter()
+        if self.tier == "cpu":
+            data = self._store.index_select(0, torch.tensor([s for s, _ in pairs]))
+        else:
+            data = torch.empty((len(pairs), *self._block_shape), dtype=self.kv.spec.dtype)
+            raw = data.view(torch.uint8).numpy().reshape(len(pairs), self.chunk_bytes)
+            for i, (s, _) in enumerate(pairs):
+                got = os.preadv(self._fd, [raw[i]], s * self.chunk_bytes)
+                if got != self.chunk_bytes:
+                    raise OSError(f"KV swap file {self._path}: short read of block {s} ({got} of {self.chunk_bytes} bytes)")
+        self._scatter([p for _, p in pairs], data)
+        self._account(len(pairs), time.perf_counter() - t0, out=False)
+
+    def _account(self, n: int, seconds: float, out: bool) -> None:
+        nbytes = n * self.chunk_bytes
+        st = self.stats
+        st.bytes_moved += nbytes
+        st.seconds += seconds
+        if out:
+            st.swapped_out_blocks += n
+        else:
+            st.swapped_in_blocks += n
+        if seconds > 0:
+            gbps = nbytes / seconds / 1e9
+            self.gbps = gbps if self.gbps is None else (1 - _EMA) * self.gbps + _EMA * gbps
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        self._store = None
+
+
+def make_swap_space(kv: KVCache, swap_bytes: int | None, offload_dir: str | None) -> KVSwapSpace | None:
+    """The engine's swap space, or None (swap disabled, or a pool that cannot swap).
+
+    ``swap_bytes`` None means auto: room for as many blocks as the pool has,
+    capped at 4 GiB. The tier follows the pool: a GPU pool swaps to CPU RAM,
+    a CPU pool to a (sparse, unlinked) file in ``offload_dir`` or the temp dir.
+    """
+    if swap_bytes == 0 or kv.quantized:
+        return None
+    space = KVSwapSpace(kv, 0, offload_dir)
+    if swap_bytes is None:
+        swap_bytes = min(kv.spec.num_blocks * space.chunk_bytes, 4 << 30)
+    n = swap_bytes // space.chunk_bytes
+    if n < 1:
+        return None
+    return KVSwapSpace(kv, n, offload_dir)
