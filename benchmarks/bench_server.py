@@ -13,8 +13,8 @@ loopback port, then:
    every completed load output identical to its sequential reference, and
    aggregate generated tok/s / single-client tok/s.
 
-``--client openai`` drives the server with the official AsyncOpenAI client;
-``--client raw`` (default) with a minimal asyncio HTTP/1.1 + SSE reader. Why
+``--client openai`` (default) drives the server with the official AsyncOpenAI client;
+``--client raw`` with a minimal asyncio HTTP/1.1 + SSE reader. Why
 both: the load generator shares this machine's two cores with the server, and
 the openai client's per-chunk pydantic parsing costs CPU the engine then loses
 (its OpenMP threads stall while the client runs). The raw client speaks the
@@ -314,7 +314,7 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--client", choices=["raw", "openai"], default="raw", help="load generator (see module doc)")
+    ap.add_argument("--client", choices=["raw", "openai"], default="openai", help="load generator (see module doc)")
     args = ap.parse_args()
 
     from llmsys.engine.bench.synthetic import make_synthetic, synthetic_config
