@@ -133,7 +133,10 @@ class LLM:
                                 force=extra.get("placement"))
         if not runtime_needed(self.plan, dev):
             return None
-        self.offload = make_runtime(meta_model, locate, dt, dev, self.plan, c.quant)
+        # extra["keep_page_cache"]: let streamed pages stay in the page cache (benchmarks that
+        # compare with Accelerate's memmaps, which keep them); the default drops them.
+        self.offload = make_runtime(meta_model, locate, dt, dev, self.plan, c.quant,
+                                    drop_cache=not extra.get("keep_page_cache", False))
         return self.offload
 
     # -- properties ----------------------------------------------------------

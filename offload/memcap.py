@@ -114,3 +114,33 @@ def run_capped(cmd: list[str], limit_bytes: int, timeout: float = 600, env: dict
                 break
             except OSError:
                 time.sleep(0.1)
+
+
+def tighten_own_limit(limit_bytes: int) -> Path:
+    """Lower the memory limit of the cgroup this process runs in; returns the file written.
+
+    Why: HF Accelerate loads the whole model before it offloads, so it cannot
+    start under a cap smaller than the model. A benchmark starts it in a
+    roomy cgroup and the child calls this after loading: from then on it
+    decodes under the same cap as llmsys (the kernel reclaims page cache to
+    get under it, or OOM-kills the process if its own memory does not fit;
+    cgroup v1 instead refuses the write with EBUSY when it cannot reclaim enough).
+    """
+    if _v2():
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            if line.startswith("0::"):
+                f = ROOT / line[3:].lstrip("/") / "memory.max"
+                f.write_text(str(limit_bytes))
+                return f
+        raise RuntimeError("no cgroup v2 entry in /proc/self/cgroup")
+    cg = _v1_memory_root()  # this process's own memory cgroup (v1)
+    if cg is None or cg == ROOT / "memory":
+        raise RuntimeError("this process is not in a memory cgroup of its own: nothing to tighten")
+    f = cg / "memory.limit_in_bytes"
+    f.write_text(str(limit_bytes))  # first: memsw must never be below it
+    if (cg / "memory.memsw.limit_in_bytes").exists():
+        try:
+            (cg / "memory.memsw.limit_in_bytes").write_text(str(limit_bytes))
+        except OSError:
+            pass
+    return f

@@ -50,9 +50,9 @@ def plan_for(model: nn.Module, dtype: torch.dtype, budgets: Budgets, workload: W
 
 
 def make_runtime(model: nn.Module, locate: Locate, dtype: torch.dtype, device: torch.device, plan: Plan,
-                 quant: str = "none") -> OffloadRuntime:
+                 quant: str = "none", drop_cache: bool = True) -> OffloadRuntime:
     """The runtime that carries ``plan`` out; ``prepare`` has seen every checkpoint name."""
-    rt = OffloadRuntime(plan, device, dtype, locate, quantized=quant not in ("none", "", None))
+    rt = OffloadRuntime(plan, device, dtype, locate, quantized=quant not in ("none", "", None), drop_cache=drop_cache)
     rt.prepare([n for n, _ in model.named_parameters(remove_duplicate=False)])
     return rt
 

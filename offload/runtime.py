@@ -181,8 +181,12 @@ class StreamedLMHead(nn.Module):
 
 
 class OffloadRuntime:
-    def __init__(self, plan: Plan, device: torch.device, dtype: torch.dtype, locate: Locate, quantized: bool = False):
+    def __init__(self, plan: Plan, device: torch.device, dtype: torch.dtype, locate: Locate, quantized: bool = False,
+                 drop_cache: bool = True):
         self.plan = plan
+        # Drop streamed pages from the page cache (the budget then holds for the whole
+        # machine); False lets the kernel cache them, as Accelerate's memmaps do.
+        self.drop_cache = drop_cache
         self.device = device
         self.dtype = dtype
         self.locate = locate
@@ -315,7 +319,7 @@ class OffloadRuntime:
         self._install_embed_head(model, sources)
         self.disk_bytes = sum(u.nbytes for u in self._units)
         if self._units:
-            self.ring = ReaderRing(self._units, pin=self.cuda)
+            self.ring = ReaderRing(self._units, pin=self.cuda, drop_cache=self.drop_cache)
             if self.cuda:  # pragma: no cover - GPU only
                 self.stager = CudaStager(self.ring.slot_bytes, self.device)
         if self._units or self._resident_cpu or any(k == "cpu" for k in self.kind.values()) and self.cuda:

@@ -87,3 +87,31 @@ def test_model_larger_than_the_cap_runs_streamed_with_identical_tokens(big_model
     # Negative control: the same cap kills a run that keeps every weight resident.
     r = run_capped([sys.executable, "-c", CHILD, str(big_model), json.dumps(KW)], cap, timeout=300, env=env)
     assert r.returncode != 0 and r.oom_killed, "an all-resident run fit under the cap; the cap proves nothing"
+
+
+TIGHTEN = r"""
+import sys
+from llmsys.offload.memcap import tighten_own_limit
+big = bytearray(int(sys.argv[1]) << 20)  # touched: charged before the limit drops
+del big
+f = tighten_own_limit(1 << 30)  # where the limit lives; then: what this process holds now + 64 MiB
+usage = f.with_name("memory.current" if f.name == "memory.max" else "memory.usage_in_bytes")
+tighten_own_limit(int(usage.read_text()) + (64 << 20))
+keep = bytearray(int(sys.argv[2]) << 20)
+for i in range(0, len(keep), 4096):
+    keep[i] = 1
+print("survived")
+"""
+
+
+@pytest.mark.parametrize("after_mib, killed", [(16, False), (256, True)])
+def test_tighten_own_limit_caps_what_comes_after(after_mib, killed):
+    """A process may allocate freely before tightening and is held to the new cap after it
+    (how the offload benchmark gives Accelerate, which must load everything first, the same cap)."""
+    why = unavailable_reason()
+    if why:
+        pytest.skip(why)
+    r = run_capped([sys.executable, "-c", TIGHTEN, "300", str(after_mib)], 1 << 30, timeout=120)
+    assert ("survived" not in r.stdout) == killed, (r.returncode, r.stderr[-500:])
+    if killed:
+        assert r.oom_killed or r.returncode != 0
