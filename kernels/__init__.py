@@ -7,7 +7,7 @@ op computes.
 """
 
 from llmsys.kernels._backend import interpreter_enabled, triton_available
-from llmsys.kernels.cpu_linear import linear
+from llmsys.kernels.cpu_linear import linear, packable, prepack
 from llmsys.kernels.ops import (
     DEFAULT_PARTITION_SIZE,
     DecodeAttentionResult,
@@ -31,6 +31,8 @@ __all__ = [
     "interpreter_enabled",
     "kv_store",
     "linear",
+    "packable",
+    "prepack",
     "pack_int4",
     "paged_decode_attention",
     "paged_prefill_attention",

@@ -5,9 +5,19 @@ float32 with more than one row, MKL's sgemm (what ``F.linear`` calls) takes a
 slow path (a 49152x576 LM head costs 2.5x more at M=2..8 than at M=1), while
 oneDNN's matmul stays near the M=1 cost. At M=1 the two are within 5% on
 large weights, but oneDNN's fixed cost per call (~30 us) dominates on tiny
-ones (stories260k's 64x64 projections). So float32 batches (M > 1) on weights
-of at least 64K elements go through oneDNN; everything else, and other
-dtypes and devices, use ``F.linear``.
+ones (stories260k's 64x64 projections). So float32 on weights of at least 64K
+elements goes through oneDNN (at M = 1 too, where the two are within 5%, so
+packed and unpacked weights agree bitwise); everything else, and other dtypes
+and devices, use ``F.linear``.
+
+Prepacked weights (:func:`prepack`): oneDNN can reorder a weight once into
+its blocked layout, after which a matmul streams it at ~13 GB/s instead of
+~7 GB/s (bfloat16 GEMV over a 269 MB SmolLM2-135M-shaped set of weights, 2
+threads, measured), and float32 at 11.7 vs 8.3 GB/s. The engine packs
+resident CPU weights once after loading. Results are bit-identical to the
+unpacked oneDNN call in both dtypes, and in bfloat16 also to ``F.linear``
+(tested), so a packed resident layer and the same layer streamed from disk
+(unpacked) agree exactly.
 """
 
 from __future__ import annotations
@@ -24,22 +34,50 @@ _ONEDNN = _onednn_available()  # a fact about this torch build, never mutated
 _ONEDNN_MIN_WEIGHT = 1 << 16  # elements; below this oneDNN's per-call cost dominates
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` with a faster CPU GEMM choice for float32 batches.
+_PACKABLE = (torch.float32, torch.bfloat16)
 
-    x: [M, K] (or [..., K]); weight: [N, K]; returns [..., N].
-    """
-    if (
+
+def packable(weight: torch.Tensor) -> bool:
+    """Is ``weight`` [N, K] one that :func:`prepack` would pack (and that then pays)?"""
+    return (
         _ONEDNN
-        and x.device.type == "cpu"
-        and x.dtype == torch.float32
+        and weight.device.type == "cpu"
+        and weight.dtype in _PACKABLE
+        and weight.dim() == 2
+        and weight.numel() >= _ONEDNN_MIN_WEIGHT
+        and weight.is_contiguous()
+        and not weight.is_mkldnn
+    )
+
+
+def prepack(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's blocked copy of ``weight`` [N, K] (an opaque tensor), or None when not packable.
+
+    The caller replaces its weight with the result, so memory does not grow.
+    """
+    if not packable(weight):
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` with a faster CPU GEMM choice for float32 batches and packed weights.
+
+    x: [M, K] (or [..., K]); weight: [N, K] (plain or from :func:`prepack`); returns [..., N].
+    """
+    if weight.is_mkldnn:  # prepacked: only oneDNN can read it
+        x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+        out = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), weight, bias, "none", [], "")
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
+    # float32 on packable weights always takes oneDNN (M = 1 too), so a layer gives
+    # bit-identical results whether its weight is packed (resident) or not (streamed).
+    if (
+        x.dtype == torch.float32
         and weight.dtype == torch.float32
         and x.dim() == 2
-        and x.shape[0] > 1
-        and weight.numel() >= _ONEDNN_MIN_WEIGHT
         and x.is_contiguous()
-        and weight.is_contiguous()
         and not torch.is_grad_enabled()
+        and packable(weight)
     ):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)

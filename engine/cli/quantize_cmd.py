@@ -106,4 +106,5 @@ def _load(model: str, flags: dict[str, Any], quant: str):
         f["dtype"] = "float32"  # keep float tensors at checkpoint precision; quantizers read that anyway
     if f.get("kv_cache_tokens") is None:
         f["kv_cache_tokens"] = 8192
+    f["extra"] = {"prepack": False}  # calibration reads and rewrites Linear weights
     return LLM(build_engine_config(model, f))

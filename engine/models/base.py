@@ -204,3 +204,25 @@ class DecoderModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V]
         return self.lm_head(hidden)
+
+    def prepack_linears(self) -> int:
+        """Replace resident CPU ``Linear`` weights by oneDNN's prepacked copies; returns how many.
+
+        Why: a prepacked weight streams ~1.4-1.9x faster through the GEMV that
+        dominates decode (see ``kernels.cpu_linear``), with bit-identical
+        results. Each weight is replaced, not copied, so memory does not grow.
+        A head tied to the embedding stays plain: the embedding's row lookup
+        needs the plain layout and a second copy would cost memory. Only for
+        inference engines: code that reads or writes ``.weight`` afterwards
+        (quantization, calibration) must not call this.
+        """
+        tied = getattr(self.lm_head, "weight", None) is getattr(self.model.embed_tokens, "weight", 0)
+        n = 0
+        for name, mod in self.named_modules():
+            if type(mod) is not Linear or (tied and mod is self.lm_head):
+                continue
+            packed = kernels.prepack(mod.weight)
+            if packed is not None:
+                mod.weight = nn.Parameter(packed, requires_grad=False)
+                n += 1
+        return n
