@@ -20,3 +20,58 @@ def test_linear_matches_f_linear(m, dtype):
     tol = 1e-4 if dtype == torch.float32 else 5e-2
     assert got.dtype == dtype and got.shape == (m, 130)
     assert (got.double() - ref).abs().max().item() < tol * ref.abs().max().item()
+
+
+def _weights(dtype, n=512, k=256, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, k, generator=g).to(dtype), torch.randn(n, generator=g).to(dtype)
+
+
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prepacked_weight_is_bit_identical_to_the_plain_one(m, dtype):
+    """A resident layer (packed) and the same layer streamed from disk (plain) must agree exactly."""
+    w, b = _weights(dtype)
+    packed = kernels.prepack(w)
+    assert packed is not None and packed.is_mkldnn and packed.shape == w.shape
+    x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)).to(dtype)
+    with torch.inference_mode():
+        plain, fast = kernels.linear(x, w, b), kernels.linear(x, packed, b)
+        fast3d = kernels.linear(x.view(1, m, 256), packed, b)  # [..., K] inputs keep their leading dims
+    assert torch.equal(plain, fast) and torch.equal(fast3d.view(m, 512), fast)
+    if dtype == torch.bfloat16:
+        assert torch.equal(fast, F.linear(x, w, b))  # bf16: the same bits as torch's own linear
+    ref = F.linear(x.double(), w.double(), b.double())
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert (fast.double() - ref).abs().max().item() < tol * ref.abs().max().item()
+
+
+def test_prepack_skips_what_would_not_pay_or_cannot_pack():
+    assert kernels.prepack(torch.randn(64, 64)) is None  # tiny: oneDNN's per-call cost dominates
+    assert kernels.prepack(torch.randn(512, 256).half()) is None
+    assert kernels.prepack(torch.randn(256, 512).t()) is None  # not contiguous
+    assert kernels.prepack(kernels.prepack(torch.randn(512, 256))) is None  # already packed
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])  # untied and tied heads
+def test_engine_prepacks_resident_linears_with_identical_tokens(tmp_path, dtype, kind):
+    from tiny_models import make_hf_model
+
+    from llmsys import LLM, SamplingParams
+
+    path = make_hf_model(kind, tmp_path / kind, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                         num_key_value_heads=4)
+    kw = dict(dtype=dtype, device="cpu", kv_cache_tokens=512, progress=False)
+    packed = LLM(str(path), **kw)
+    plain = LLM(str(path), extra={"prepack": False}, **kw)
+    model = packed.loaded.model
+    mods = [m for m in model.modules() if hasattr(m, "weight") and type(m).__name__ == "Linear"]
+    is_packed = {m: m.weight.is_mkldnn for m in mods}
+    assert is_packed[model.model.layers[0].mlp.down_proj]  # 256 x 512 = 128K elements: packed
+    assert is_packed[model.lm_head] == (kind == "llama")  # a head tied to the embedding stays plain
+    assert not any(m.weight.is_mkldnn for m in plain.loaded.model.modules() if hasattr(m, "weight"))
+    assert packed.memory_report().weights == plain.memory_report().weights  # replaced, not copied
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [[5, 17, 99, 200, 31], [7, 7, 300]]
+    assert [o.token_ids for o in packed.generate(prompts, sp)] == [o.token_ids for o in plain.generate(prompts, sp)]

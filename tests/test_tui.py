@@ -142,11 +142,20 @@ weird line that is not a metric
 # -- the app ---------------------------------------------------------------------
 
 
-def test_stream_tokens_then_stop_with_escape(llm):
+def test_stream_tokens_then_stop_with_escape(llm, monkeypatch):
     params = SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True)
     # The reference runs to the context limit, like the app's request, so the
     # stopped reply is a strict prefix of it however fast the machine is.
     ref = reference(llm, "Once upon a time", params)
+    # stories260k fills its 512-token context in about a second, faster than the
+    # UI can be driven to press Escape mid-stream; pace the engine like a bigger model.
+    step = llm.core.step
+
+    def paced_step():
+        time.sleep(0.01)
+        return step()
+
+    monkeypatch.setattr(llm.core, "step", paced_step)
 
     async def go():
         app = ChatApp(lambda: llm, sampling=params)
