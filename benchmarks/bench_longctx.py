@@ -150,6 +150,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--policies", default="full;recompute:{B};window:{B};sink:4,window:{W};h2o:{H},recent:{H};snapkv:{B}")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "img" / "longctx.png")
+    ap.add_argument("--timing-only", action="store_true",
+                    help="only the sink vs recompute per-token time (median of 3 rounds): a quick rerun on a quiet machine")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from llmsys import LLM
@@ -158,6 +160,13 @@ def main() -> None:
     B = args.budget
     llm = LLM(str(args.model), dtype="float32", progress=False, kv_cache_tokens=max(args.tokens, 16 * B) + 1024, threads=args.threads)
     ids = build_stream(llm.tokenizer, args.corpus, args.tokens)
+    if args.timing_only:
+        rounds = [timing(llm.core, ids, B, args.timing_steps, args.chunk) for _ in range(3)]
+        sink = sorted(r["sink"] for r in rounds)[1]
+        rec = sorted(r["recompute"] for r in rounds)[1]
+        print(f"| recompute last {B} tokens each step | {rec * 1e3:.2f} ms/token | 1.0x |")
+        print(f"| `sink:4,window:{B - 4}` (chunk {args.chunk}) | {sink * 1e3:.2f} ms/token | {rec / sink:.1f}x |")
+        return
     results = []
     for p in args.policies.format(B=B, W=B - 4, H=B // 2).split(";"):
         t = time.perf_counter()

@@ -103,6 +103,10 @@ SCRIPTS: dict[str, list[str]] = {
 }
 
 
+CURATED = "<!-- curated -->"  # in a script-<key>.md: assembled by hand, see run_script
+CURATED_NOTE = "script-<key>.md is curated"
+
+
 def run_script(key: str, results: Path) -> None:
     cmd = [sys.executable, *SCRIPTS[key]]
     shown = shlex.join(["python", *SCRIPTS[key]])
@@ -112,7 +116,13 @@ def run_script(key: str, results: Path) -> None:
     body = proc.stdout.strip() if proc.returncode == 0 else f"*(failed, exit {proc.returncode}: {(proc.stderr.strip().splitlines() or ['no output'])[-1]})*"
     when = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
     text = f"### Script `{key}`\n\n```\n{shown}\n```\n\n*Run {when} UTC, {time.perf_counter() - t0:.0f} s.*\n\n{body}\n"
-    (results / f"script-{key}.md").write_text(text)
+    target = results / f"script-{key}.md"
+    if target.exists() and CURATED in target.read_text():
+        # Hand-merged results (several commands, earlier runs kept for comparison):
+        # never clobbered; the fresh output goes beside it to be merged by hand.
+        target = results / f"latest-{key}.md"
+        print(f"[script {key}] {CURATED_NOTE}: fresh output in {target.relative_to(ROOT)}", file=sys.stderr)
+    target.write_text(text)
 
 
 def bench_cmd(section: Section, plot_path: Path | None) -> list[str]:

@@ -244,6 +244,9 @@ def test_models_health_metrics(env):
         assert name in m
     assert m["llmsys_generation_tokens_total"] > 0 and m["llmsys_time_to_first_token_seconds_count"] > 0
     assert m['llmsys_requests_total{endpoint="/v1/completions",status="200"}'] > 0
+    # Swap space for preempted requests is on by default (a CPU pool swaps to disk).
+    assert m['llmsys_kv_swap_blocks_used{tier="disk"}'] == 0
+    assert 'llmsys_kv_preemptions_total{kind="swap"}' in m and 'llmsys_kv_preemptions_total{kind="recompute"}' in m
     spec = httpx.get(env["a"].url + "/openapi.json").json()
     assert {"/v1/chat/completions", "/v1/completions", "/v1/models"} <= set(spec["paths"])
 

@@ -57,6 +57,7 @@ class Metrics:
         self.running = 0
         self.kv_blocks_used: dict[str, int] = {}
         self.kv_blocks_total = 0
+        self.swap: dict[str, int] = {}  # swap space: tier, used blocks, swap_outs, recomputes
 
     def count_request(self, endpoint: str, status: int) -> None:
         with self._lock:
@@ -78,12 +79,15 @@ class Metrics:
             self.evicted_tokens += evicted
             self.e2e.observe(e2e)
 
-    def set_gauges(self, queue_depth: int, running: int, kv_used: dict[str, int], kv_total: int) -> None:
+    def set_gauges(self, queue_depth: int, running: int, kv_used: dict[str, int], kv_total: int,
+                   swap: dict[str, int] | None = None) -> None:
+        """``swap``: swap space counters (``llmsys.offload.kv_swap``), None when swap is off."""
         with self._lock:
             self.queue_depth = queue_depth
             self.running = running
             self.kv_blocks_used = dict(kv_used)
             self.kv_blocks_total = kv_total
+            self.swap = dict(swap) if swap else {}
 
     def render(self) -> str:
         with self._lock:
@@ -111,6 +115,15 @@ class Metrics:
             lines += ["# HELP llmsys_kv_blocks_used KV blocks in use, per memory tier.", "# TYPE llmsys_kv_blocks_used gauge"]
             for tier, v in sorted(self.kv_blocks_used.items()):
                 lines.append(f'llmsys_kv_blocks_used{{tier="{tier}"}} {v}')
+            sw = self.swap
+            if sw:
+                lines += ["# HELP llmsys_kv_swap_blocks_used Swap-space blocks holding preempted requests' KV.",
+                          "# TYPE llmsys_kv_swap_blocks_used gauge",
+                          f'llmsys_kv_swap_blocks_used{{tier="{sw["tier"]}"}} {sw["used"]}',
+                          "# HELP llmsys_kv_preemptions_total Preempted requests, by what happened to their KV.",
+                          "# TYPE llmsys_kv_preemptions_total counter",
+                          f'llmsys_kv_preemptions_total{{kind="swap"}} {sw["swap_outs"]}',
+                          f'llmsys_kv_preemptions_total{{kind="recompute"}} {sw["recomputes"]}']
             for name, help_, h in (
                 ("llmsys_time_to_first_token_seconds", "Request arrival to first generated token.", self.ttft),
                 ("llmsys_inter_token_latency_seconds", "Time between consecutive tokens of a request.", self.itl),

@@ -214,7 +214,11 @@ class EngineWorker(threading.Thread):
         first = next(iter(tiers))
         tiers[first] = rep.kv_blocks_used  # the pool lives on one tier today
         sched = self.core.scheduler
-        self.metrics.set_gauges(len(self._waiting) + len(sched.waiting), len(sched.running), tiers, rep.kv_blocks_total)
+        sw = self.core.swap
+        swap = None if sw is None else {"tier": sw.tier, "used": sw.num_used, "swap_outs": sw.stats.swap_outs,
+                                        "recomputes": sw.stats.recomputes}
+        self.metrics.set_gauges(len(self._waiting) + len(sched.waiting), len(sched.running), tiers,
+                                rep.kv_blocks_total, swap)
 
     def _shutdown(self) -> None:
         while self._waiting:
