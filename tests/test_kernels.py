@@ -393,3 +393,25 @@ def test_triton_kernels_under_interpreter():
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     summary = proc.stdout.strip().splitlines()[-1]
     assert " passed" in summary and "skipped" not in summary, proc.stdout[-2000:]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8])
+def test_cpu_gathered_attention_mixed_step_equals_reference(dtype):
+    """Continuous batching mixes decodes with prompt chunks in one step; the CPU
+    fast path runs them as two batches (GatherPlan.split) and must equal the
+    reference over the whole mixed batch."""
+    from llmsys.kernels.cpu_attention import make_gather_plan, paged_attention_gathered
+
+    lens, qlens, hq, hk, d, bs = [9, 30, 5, 17, 12], [1, 6, 5, 1, 1], 8, 2, 16, 8
+    kc, vc, ks, vs, tables, _, _ = _paged_setup(lens, hk, d, bs, dtype=dtype)
+    starts = [0]
+    for q_ in qlens:
+        starts.append(starts[-1] + q_)
+    q = torch.randn(starts[-1], hq, d, generator=torch.Generator().manual_seed(3))
+    block_lists = [row[: -(-n // bs)].tolist() for row, n in zip(tables, lens)]
+    plan = make_gather_plan(qlens, lens, block_lists, bs, torch.device("cpu"))
+    assert plan.split is not None and not plan.is_decode
+    got = paged_attention_gathered(q, kc, vc, plan, 0.3, ks, vs)
+    want = K.paged_prefill_attention(q, kc, vc, tables, torch.tensor(lens, dtype=torch.int32),
+                                     torch.tensor(starts), 0.3, ks, vs, impl="reference")
+    _close(got, want)
