@@ -407,3 +407,24 @@ def test_cli_serve_graceful_shutdown(sig):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_context_full_is_said_not_silent(env):
+    """finish_reason is `length` for max_tokens and for a full context alike; only
+    the second carries finish_details naming the limit (streamed and not)."""
+    c = _client(env["a"])
+    long = c.completions.create(model="m", prompt="Once upon a time", max_tokens=2000, temperature=0,
+                                extra_body={"ignore_eos": True})
+    ch = long.choices[0]
+    assert ch.finish_reason == "length"
+    det = ch.model_extra["finish_details"]
+    assert det["type"] == "context_full" and det["n_ctx"] == 512 and det["n_tokens"] == 512
+    assert "--max-model-len" in det["message"]
+    short = c.completions.create(model="m", prompt="Once upon a time", max_tokens=5, temperature=0)
+    assert short.choices[0].finish_reason == "length" and "finish_details" not in short.choices[0].model_extra
+    last = None
+    for part in c.completions.create(model="m", prompt="Once upon a time", max_tokens=2000, temperature=0,
+                                     stream=True, extra_body={"ignore_eos": True}):
+        if part.choices and part.choices[0].finish_reason:
+            last = part.choices[0]
+    assert last.finish_reason == "length" and last.model_extra["finish_details"]["n_ctx"] == 512

@@ -25,6 +25,7 @@ from llmsys.engine.server.completions import (
     chat_logprobs,
     collect,
     completion_logprobs,
+    finish_details,
     new_id,
     stream_events,
     timings_dict,
@@ -246,6 +247,9 @@ def create_app(state: ServerState) -> FastAPI:
             if logprobs is not None:
                 lp = chat_logprobs(state, r["lps"], logprobs) if chat else completion_logprobs(state, r["lps"], 0)[0]
             c: dict[str, Any] = {"index": i, "logprobs": lp, "finish_reason": r["finish"] or "abort"}
+            details = finish_details(r["finish"], r["timings"], state.llm.max_model_len)
+            if details is not None:
+                c["finish_details"] = details
             if chat:
                 c["message"] = {"role": "assistant", "content": r["text"]}
             else:

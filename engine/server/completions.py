@@ -122,6 +122,21 @@ def timings_dict(ts: list[Timings]) -> dict[str, float]:
     }
 
 
+def finish_details(reason: str | None, timings: Timings | None, n_ctx: int) -> dict[str, Any] | None:
+    """Say so when the context, not ``max_tokens``, ended a choice (``finish_reason`` is
+    ``length`` either way): never a silent truncation. None otherwise."""
+    if reason != "length" or timings is None:
+        return None
+    n = timings.prompt_tokens + timings.generated_tokens
+    if n < n_ctx:
+        return None
+    return {
+        "type": "context_full", "n_tokens": n, "n_ctx": n_ctx,
+        "message": f"the context is full ({n} of {n_ctx} tokens); start the server with a larger --max-model-len "
+                   "(up to the model's limit) or --kv-policy sink:4,window:N to continue past it",
+    }
+
+
 # -- logprobs in both wire shapes ------------------------------------------------
 # In JSON mode the logits of forbidden tokens are -inf before the logprobs are
 # taken (they describe the constrained distribution); JSON has no -inf, so
@@ -216,6 +231,9 @@ async def stream_events(
                     else:
                         lp, offsets[idx] = completion_logprobs(state, ch.logprobs, offsets[idx])
                 choice: dict[str, Any] = {"index": idx, "logprobs": lp, "finish_reason": ch.finish_reason}
+                details = finish_details(ch.finish_reason, ch.timings, state.llm.max_model_len)
+                if details is not None:
+                    choice["finish_details"] = details
                 if chat:
                     choice["delta"] = {"content": ch.text} if ch.text else {}
                 else:
