@@ -37,14 +37,18 @@ _ONEDNN_MIN_WEIGHT = 1 << 16  # elements; below this oneDNN's per-call cost domi
 _PACKABLE = (torch.float32, torch.bfloat16)
 
 
-def packable(weight: torch.Tensor) -> bool:
-    """Is ``weight`` [N, K] one that :func:`prepack` would pack (and that then pays)?"""
+def packable(weight: torch.Tensor, numel: int | None = None) -> bool:
+    """Is ``weight`` [N, K] one that :func:`prepack` would pack (and that then pays)?
+
+    ``numel``: judge the size as if the weight had this many elements (a row chunk
+    of a bigger matrix, see ``linear(rows_of=...)``).
+    """
     return (
         _ONEDNN
         and weight.device.type == "cpu"
         and weight.dtype in _PACKABLE
         and weight.dim() == 2
-        and weight.numel() >= _ONEDNN_MIN_WEIGHT
+        and (weight.numel() if numel is None else numel) >= _ONEDNN_MIN_WEIGHT
         and weight.is_contiguous()
         and not weight.is_mkldnn
     )
@@ -64,10 +68,16 @@ def prepack(weight: torch.Tensor) -> torch.Tensor | None:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, rows_of: int | None = None
+) -> torch.Tensor:
     """``F.linear`` with a faster CPU GEMM choice for float32 batches and packed weights.
 
     x: [M, K] (or [..., K]); weight: [N, K] (plain or from :func:`prepack`); returns [..., N].
+    ``rows_of``: ``weight`` is a row chunk of a matrix with this many rows (an LM
+    head streamed in chunks); the GEMM library is chosen by the whole matrix, so
+    the chunks give the same bits as the resident head would (oneDNN's results
+    per output row do not depend on how the rows are chunked; tested).
     """
     if weight.is_mkldnn:  # prepacked: only oneDNN can read it
         x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
@@ -81,7 +91,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         and x.dim() == 2
         and x.is_contiguous()
         and not torch.is_grad_enabled()
-        and packable(weight)
+        and packable(weight, numel=None if rows_of is None else rows_of * weight.shape[1])
     ):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)

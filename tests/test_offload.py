@@ -151,14 +151,19 @@ def tiny_tied(tmp_path_factory):
     return make_hf_model("qwen2", tmp_path_factory.mktemp("m") / "qwen2", **SMALL)
 
 
-_REFS: dict[tuple[str, str], list[list[int]]] = {}
+_REFS: dict[tuple[str, str], tuple[list[list[int]], list[list[float]]]] = {}
 
 
 def _ref(path: Path, dtype="float32") -> list[list[int]]:
     """The all-resident run's tokens (cached: one per model and dtype)."""
+    return _ref_full(path, dtype)[0]
+
+
+def _ref_full(path: Path, dtype="float32") -> tuple[list[list[int]], list[list[float]]]:
     key = (str(path), dtype)
     if key not in _REFS:
-        _REFS[key] = _run(path, dtype)[1]
+        llm, toks = _run(path, dtype)
+        _REFS[key] = (toks, llm.last_logprobs)
     return _REFS[key]
 
 
@@ -168,7 +173,8 @@ def _run(path: Path, dtype="float32", **kw):
     llm = LLM(str(path), dtype=dtype, device="cpu", kv_cache_tokens=256, max_num_batched_tokens=64, max_num_seqs=4,
               progress=False, **kw)
     prompts = [[5, 17, 99, 200, 31, 7, 8], [300, 12, 4]]
-    outs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    outs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=0))
+    llm.last_logprobs = [[lp.logprob for lp in o.logprobs] for o in outs]  # the logits' bits, in effect
     return llm, [o.token_ids for o in outs]
 
 
@@ -186,9 +192,12 @@ def test_greedy_tokens_identical_per_placement(kind, tiny_untied, tiny_tied):
     for path in (tiny_untied, tiny_tied):
         if "embed" in force and path is tiny_tied:
             continue  # tied: the embedding is the head's tensor
-        ref = _ref(path)
+        ref, ref_lps = _ref_full(path)
         llm, got = _run(path, cpu_mem="64MiB", extra={"placement": force})
         assert got == ref, f"{kind} on {path.name}"
+        # Stronger than equal tokens: bit-identical logprobs, i.e. the streamed and
+        # resident layers (and a chunked head) compute the same float32 bits.
+        assert llm.last_logprobs == ref_lps, f"{kind} on {path.name}: logprobs differ"
         assert llm.plan.layer_kinds().count("disk") == force.get("disk", 0)
         rep = llm.memory_report()
         streamed = llm.plan.disk_bytes_per_step
