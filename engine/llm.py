@@ -97,10 +97,16 @@ class LLM:
             self.offload.install(self.loaded.model)
             self.loaded.model.offload_runtime = self.offload
             weakref.finalize(self, self.offload.close)
-        if self.offload is None and self.loaded.device.type == "cpu" and (config.extra or {}).get("prepack", True):
-            # Resident CPU weights in oneDNN's blocked layout: faster GEMV, same results
-            # (extra={"prepack": False} for tools that read .weight, e.g. `llmsys quantize`).
-            self.loaded.model.prepack_linears()
+        if self.loaded.device.type == "cpu":
+            if (config.extra or {}).get("prepack", True):
+                # Resident CPU weights in oneDNN's blocked layout: faster GEMV, same bits as
+                # streamed layers (kernels.cpu_linear). Streamed layers hold no real weight
+                # here (the offload runtime binds one per step), so they are skipped.
+                self.loaded.model.prepack_linears()
+            else:
+                # Tools that read or rewrite .weight (`llmsys quantize`): nothing is packed,
+                # and no layer packs on the fly either.
+                self.loaded.model.never_pack()
         if self._kv_tokens != config.kv_cache_tokens:
             config = self.config = config.with_(kv_cache_tokens=self._kv_tokens)
         self.tokenizer = Tokenizer.load(self.loaded.tokenizer_path)

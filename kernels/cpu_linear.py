@@ -6,18 +6,15 @@ slow path (a 49152x576 LM head costs 2.5x more at M=2..8 than at M=1), while
 oneDNN's matmul stays near the M=1 cost. At M=1 the two are within 5% on
 large weights, but oneDNN's fixed cost per call (~30 us) dominates on tiny
 ones (stories260k's 64x64 projections). So float32 on weights of at least 64K
-elements goes through oneDNN (at M = 1 too, where the two are within 5%, so
-packed and unpacked weights agree bitwise); everything else, and other dtypes
+elements goes through oneDNN (at M = 1 too); everything else, and other dtypes
 and devices, use ``F.linear``.
 
 Prepacked weights (:func:`prepack`): oneDNN can reorder a weight once into
 its blocked layout, after which a matmul streams it at ~13 GB/s instead of
 ~7 GB/s (bfloat16 GEMV over a 269 MB SmolLM2-135M-shaped set of weights, 2
 threads, measured), and float32 at 11.7 vs 8.3 GB/s. The engine packs
-resident CPU weights once after loading. Results are bit-identical to the
-unpacked oneDNN call in both dtypes, and in bfloat16 also to ``F.linear``
-(tested), so a packed resident layer and the same layer streamed from disk
-(unpacked) agree exactly.
+resident CPU weights once after loading; ``linear`` keeps a packed resident
+layer and the same layer streamed from disk (plain) bit-identical.
 """
 
 from __future__ import annotations
@@ -35,6 +32,13 @@ _ONEDNN_MIN_WEIGHT = 1 << 16  # elements; below this oneDNN's per-call cost domi
 
 
 _PACKABLE = (torch.float32, torch.bfloat16)
+# oneDNN's batch-size hint picks the blocking. 16 rather than 1: over the 210
+# SmolLM2-135M layer matrices in float32, M = 16 steps run 1.46x faster
+# (30.2 vs 44.0 ms) and M = 1 no slower (24.5 vs 26.4 ms); bfloat16 is the same
+# either way (measured, 2 threads). A hint-16 float32 weight gives other bits at
+# M = 1 than the plain oneDNN call, which is why `linear` packs plain float32
+# weights on the fly (see there).
+_PACK_HINT = 16
 
 
 def packable(weight: torch.Tensor, numel: int | None = None) -> bool:
@@ -61,23 +65,32 @@ def prepack(weight: torch.Tensor) -> torch.Tensor | None:
     """
     if not packable(weight):
         return None
-    # Batch-size hint 1: oneDNN then blocks the weight as the unpacked call does, so
-    # the two agree bitwise at every M. Hint 16 would make float32 M = 16 steps
-    # ~1.46x faster but changes M = 1 results (measured), breaking the
-    # packed-resident == plain-streamed guarantee.
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_HINT)
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, rows_of: int | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    rows_of: int | None = None,
+    packed_when_resident: bool = True,
 ) -> torch.Tensor:
     """``F.linear`` with a faster CPU GEMM choice for float32 batches and packed weights.
 
     x: [M, K] (or [..., K]); weight: [N, K] (plain or from :func:`prepack`); returns [..., N].
+
+    ``packed_when_resident``: this layer's weight is prepacked when resident (every
+    packable layer but a head tied to the embedding). A plain float32 weight of such
+    a layer -- streamed from disk, or in an engine that does not prepack -- is
+    packed on the fly, so it gives the same bits as the resident packed layer: the
+    identical-answers-at-any-budget guarantee. The reorder costs a copy of the
+    weight per call, noise next to the disk read it follows. bfloat16 needs none of
+    this (packed, plain and ``F.linear`` agree bitwise; tests/test_cpu_linear.py).
+
     ``rows_of``: ``weight`` is a row chunk of a matrix with this many rows (an LM
-    head streamed in chunks); the GEMM library is chosen by the whole matrix, so
-    the chunks give the same bits as the resident head would (oneDNN's results
-    per output row do not depend on how the rows are chunked; tested).
+    head streamed in chunks); the GEMM choice follows the whole matrix, and
+    oneDNN's per-row results do not depend on the chunking (tested).
     """
     if weight.is_mkldnn:  # prepacked: only oneDNN can read it
         x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
@@ -93,5 +106,7 @@ def linear(
         and not torch.is_grad_enabled()
         and packable(weight, numel=None if rows_of is None else rows_of * weight.shape[1])
     ):
+        if packed_when_resident:
+            weight = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_HINT)
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)

@@ -162,11 +162,13 @@ class DiskEmbedding(nn.Module):
 class StreamedLMHead(nn.Module):
     """The LM head in row chunks streamed through the ring: logits[:, a:b] = h @ W[a:b].T."""
 
-    def __init__(self, runtime: "OffloadRuntime", chunks: list[tuple[int, int, int]], vocab: int):
+    def __init__(self, runtime: "OffloadRuntime", chunks: list[tuple[int, int, int]], vocab: int,
+                 packed_when_resident: bool = True):
         super().__init__()
         self._rt = [runtime]  # a list: not registered as a submodule
         self.chunks = chunks  # (first row, end row, ring unit index)
         self.vocab = vocab
+        self.packed_when_resident = packed_when_resident  # False: a tied head (never prepacked)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
         rt = self._rt[0]
@@ -175,7 +177,7 @@ class StreamedLMHead(nn.Module):
             (w,) = rt.bring(u)
             try:
                 # kernels.linear as the resident head: the same GEMM choice, so the same bits.
-                out[:, a:b] = kernels.linear(h, w, rows_of=self.vocab)
+                out[:, a:b] = kernels.linear(h, w, rows_of=self.vocab, packed_when_resident=self.packed_when_resident)
             finally:
                 rt.drop(u)
         return out
@@ -390,7 +392,7 @@ class OffloadRuntime:
                 self._units.append(StreamUnit(f"lm_head[{s}:{e}]", [item]))
                 self._bindings.append([])
                 chunks.append((s, e, len(self._units) - 1))
-            model.lm_head = StreamedLMHead(self, chunks, a.vocab_size)
+            model.lm_head = StreamedLMHead(self, chunks, a.vocab_size, packed_when_resident=not tied)
 
     # -- run time ------------------------------------------------------------------
     def bring(self, u: int) -> list[torch.Tensor]:

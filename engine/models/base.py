@@ -86,8 +86,12 @@ class Linear(nn.Linear):
     GEMM library per shape on CPU). Still an ``nn.Linear``, so quantization
     swaps it and checkpoints load into it by name."""
 
+    # False for a head tied to the embedding: never prepacked (see prepack_linears),
+    # so its plain weight must not be packed on the fly either (kernels.linear).
+    packed_when_resident = True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.linear(x, self.weight, self.bias)
+        return kernels.linear(x, self.weight, self.bias, packed_when_resident=self.packed_when_resident)
 
 
 class RMSNorm(nn.Module):
@@ -185,6 +189,7 @@ class DecoderModel(nn.Module):
                 self.lm_head = emb.as_linear()
             else:
                 self.lm_head.weight = emb.weight
+                self.lm_head.packed_when_resident = False
 
     def forward(
         self,
@@ -205,6 +210,12 @@ class DecoderModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V]
         return self.lm_head(hidden)
 
+    def never_pack(self) -> None:
+        """Mark every ``Linear`` as never packed (an engine whose weights are read or rewritten)."""
+        for mod in self.modules():
+            if isinstance(mod, Linear):
+                mod.packed_when_resident = False
+
     def prepack_linears(self) -> int:
         """Replace resident CPU ``Linear`` weights by oneDNN's prepacked copies; returns how many.
 
@@ -216,10 +227,9 @@ class DecoderModel(nn.Module):
         inference engines: code that reads or writes ``.weight`` afterwards
         (quantization, calibration) must not call this.
         """
-        tied = getattr(self.lm_head, "weight", None) is getattr(self.model.embed_tokens, "weight", 0)
         n = 0
         for name, mod in self.named_modules():
-            if type(mod) is not Linear or (tied and mod is self.lm_head):
+            if type(mod) is not Linear or not mod.packed_when_resident or mod.weight.device.type != "cpu":
                 continue
             packed = kernels.prepack(mod.weight)
             if packed is not None:
