@@ -218,11 +218,11 @@ def render(results: Path, out_dir: Path) -> str:
         "Reading the CPU decode figures: at batch 1 a decode step reads every weight once, so it is bound by",
         "how fast the GEMV streams weights. transformers' F.linear streams ~8 GB/s (float32) and ~7 GB/s",
         "(bfloat16) on the CI machine (2-core AMD EPYC); llmsys prepacks resident weights into oneDNN's",
-        "blocked layout once after loading (bit-identical results), which streams ~11.7 and ~13 GB/s",
+        "blocked layout once after loading (same bits as a streamed layer), which streams ~11.7 and ~13 GB/s",
         "(measured over the SmolLM2-135M shape's 269 MB of bf16 weights). What is left per token is",
         "per-op overhead (~45 small ops per layer, ~0.4 ms per layer in bfloat16) and, for tied",
         "embeddings, the LM head, which stays unpacked because the embedding lookup shares it.",
-        "Batching reads the weights once for every sequence (5.3-5.7x at 8 prompts).",
+        "Batching reads the weights once for every sequence (5.3-6.5x at 8 prompts).",
         "",
     ]
     if machine:
