@@ -64,6 +64,21 @@ class Result:
     cancelled: bool = False
     error: str | None = None
     completion_tokens: int | None = None
+    t0: float = field(default_factory=time.perf_counter)  # request sent
+    last: float | None = None  # last content chunk received
+
+    def add_text(self, text: str, cancel_after: int | None) -> bool:
+        """Record one content chunk (TTFT / inter-token gap); True when the client should cancel now."""
+        now = time.perf_counter()
+        if self.last is None:
+            self.ttft = now - self.t0
+        else:
+            self.itls.append(now - self.last)
+        self.last = now
+        self.text += text
+        self.tokens += 1
+        self.cancelled = cancel_after is not None and self.tokens >= cancel_after
+        return self.cancelled
 
 
 def _free_port() -> int:
@@ -141,8 +156,6 @@ class RawClient:
 
 async def _one_raw(client: RawClient, spec: Spec, idx: int, cancel_after: int | None) -> Result:
     r = Result(idx)
-    t0 = time.perf_counter()
-    last = None
     body = {"model": "m", "prompt": spec.prompt, "max_tokens": spec.max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, "ignore_eos": True}
     gen = client.stream(body)
@@ -152,16 +165,7 @@ async def _one_raw(client: RawClient, spec: Spec, idx: int, cancel_after: int | 
                 r.completion_tokens = ch["usage"]["completion_tokens"]
             if not ch.get("choices") or not ch["choices"][0].get("text"):
                 continue
-            now = time.perf_counter()
-            if last is None:
-                r.ttft = now - t0
-            else:
-                r.itls.append(now - last)
-            last = now
-            r.text += ch["choices"][0]["text"]
-            r.tokens += 1
-            if cancel_after is not None and r.tokens >= cancel_after:
-                r.cancelled = True
+            if r.add_text(ch["choices"][0]["text"], cancel_after):
                 break
     except RuntimeError as e:
         r.error = str(e)
@@ -172,8 +176,6 @@ async def _one_raw(client: RawClient, spec: Spec, idx: int, cancel_after: int | 
 
 async def _one(client: openai.AsyncOpenAI, spec: Spec, idx: int, cancel_after: int | None) -> Result:
     r = Result(idx)
-    t0 = time.perf_counter()
-    last = None
     try:
         stream = await client.completions.create(
             model="m", prompt=spec.prompt, max_tokens=spec.max_tokens, temperature=0, stream=True,
@@ -184,16 +186,7 @@ async def _one(client: openai.AsyncOpenAI, spec: Spec, idx: int, cancel_after: i
                 r.completion_tokens = ch.usage.completion_tokens
             if not ch.choices or not ch.choices[0].text:
                 continue
-            now = time.perf_counter()
-            if last is None:
-                r.ttft = now - t0
-            else:
-                r.itls.append(now - last)
-            last = now
-            r.text += ch.choices[0].text
-            r.tokens += 1
-            if cancel_after is not None and r.tokens >= cancel_after:
-                r.cancelled = True
+            if r.add_text(ch.choices[0].text, cancel_after):
                 await stream.close()  # client goes away mid-stream
                 break
     except openai.APIStatusError as e:
