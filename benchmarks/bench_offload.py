@@ -37,70 +37,35 @@ MiB = 1 << 20
 PROMPT = [1, 450, 4996, 17354, 1701, 432, 29885, 975, 278, 17366, 11203, 29889]
 
 
-def write_random_checkpoint(out: Path, cfg: dict, dtype=torch.bfloat16, seed: int = 0) -> Path:
-    """Random weights written tensor by tensor (never the whole model in memory)."""
-    from llmsys.engine.cli.plan_cmd import meta_model
-    from llmsys.engine.loader.safetensors_io import save_file
+def random_checkpoint(work: Path, name: str, cfg: dict) -> Path:
+    """The project's random-weight checkpoint of shape ``cfg`` (``make_synthetic``; reused when present)."""
+    from llmsys.engine.bench.synthetic import make_synthetic
 
-    if (out / "model.safetensors").exists() and (out / "tokenizer.json").exists():
-        return out
-    out.mkdir(parents=True, exist_ok=True)
-    g = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for name, p in meta_model(cfg).named_parameters():
-        if name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
-            continue
-        if "norm" in name:
-            tensors[name] = torch.ones(p.shape, dtype=dtype)
-        else:
-            tensors[name] = ((torch.rand(p.shape, generator=g) - 0.5) * 0.1).to(dtype)
-    save_file(tensors, out / "model.safetensors", {"format": "pt"})
-    (out / "config.json").write_text(json.dumps(cfg))
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from tiny_models import write_tiny_tokenizer
-
-    write_tiny_tokenizer(out, 512)
-    return out
+    return make_synthetic(name, root=work, config=cfg)
 
 
 def drop_page_cache(path: Path) -> None:
-    """Evict the file's clean pages, so the next run reads it from disk.
+    """Evict the clean pages of a file (or of a checkpoint folder's shards), so the next run reads from disk.
 
     Why before every run: a memory cgroup charges a page to whoever faulted it
     in first, so pages an earlier run left cached would be free reads for the
     next run, cap or no cap (Accelerate's capped run read 1 GB/token in
     327 ms that way, faster than this disk can deliver).
     """
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    for f in [path] if path.is_file() else sorted(path.glob("*.safetensors")):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def cold_read_gbps(path: Path, repeat: int = 3) -> float:
     """Median of ``repeat`` cold sequential reads (this VM's disk varies run to run)."""
-    runs = sorted(_cold_read_once(path) for _ in range(repeat))
+    from llmsys.offload.bandwidth import cold_read_gbps as once
+
+    runs = sorted(once(path) for _ in range(repeat))
     return runs[len(runs) // 2]
-
-
-def _cold_read_once(path: Path) -> float:
-    """Sequential read of the whole file after dropping it from the page cache."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        buf = memoryview(bytearray(16 * MiB))
-        n, t = 0, time.perf_counter()
-        while True:
-            got = os.readv(fd, [buf])
-            if got <= 0:
-                break
-            n += got
-        dt = time.perf_counter() - t
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-    return n / dt / 1e9
 
 
 # -- child processes --------------------------------------------------------------
@@ -182,7 +147,7 @@ def child_accelerate(args: dict) -> dict:
 
 
 def run_child(kind: str, args: dict, cap: int | None = None, timeout: float = 3000) -> dict:
-    drop_page_cache(Path(args["model"]) / "model.safetensors")  # every run starts cold
+    drop_page_cache(Path(args["model"]))  # every run starts cold
     cmd = [sys.executable, __file__, f"--child-{kind}", json.dumps(args)]
     if cap is not None:
         from llmsys.offload.memcap import run_capped
@@ -209,7 +174,7 @@ def bench_cpu(work: Path, tokens: int, threads: int) -> str:
     cfg = dict(synthetic_configs()["qwen2.5-0.5b"])
     cfg["max_position_embeddings"] = 4096
     t = time.perf_counter()
-    model = write_random_checkpoint(work / "qwen2.5-0.5b-random-bf16", cfg)
+    model = random_checkpoint(work, "qwen2.5-0.5b-pos4096", cfg)
     build_s = time.perf_counter() - t
     ckpt = model / "model.safetensors"
     size = ckpt.stat().st_size
@@ -293,7 +258,7 @@ def bench_gpu(work: Path, tokens: int) -> str:  # pragma: no cover - needs a GPU
 
     cfg = dict(synthetic_configs()["llama-8b"])
     cfg["max_position_embeddings"] = 4096
-    model = write_random_checkpoint(work / "llama-8b-random-bf16", cfg)
+    model = random_checkpoint(work, "llama-8b-pos4096", cfg)
     kw = dict(dtype="bfloat16", device="cuda", gpu_mem="4GiB", kv_cache_tokens=8192, max_num_seqs=32,
               max_num_batched_tokens=512, extra={"plan_batch": 32})
     lines = [f"### Offloading on GPU: {torch.cuda.get_device_name()}, llama-8b-shaped bf16, `--gpu-mem 4GiB`", "",

@@ -629,6 +629,11 @@ def time_calls(fns: list[Callable[[], Any]], samples: int, graph: bool = True) -
         def run() -> None:
             for f in calls:
                 f()
+    return _median_event_us(run, samples) / inner, used_graph
+
+
+def _median_event_us(run: Callable[[], None], samples: int) -> float:
+    """Median GPU time of ``run()`` over ``samples`` calls, from CUDA events (us)."""
     events = []
     for _ in range(samples):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -637,7 +642,7 @@ def time_calls(fns: list[Callable[[], Any]], samples: int, graph: bool = True) -
         e.record()
         events.append((s, e))
     torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) * 1000 / inner for s, e in events), used_graph
+    return statistics.median(s.elapsed_time(e) * 1000 for s, e in events)
 
 
 def measure_copy_bandwidth(nbytes: int, samples: int) -> float:
@@ -740,15 +745,7 @@ def _graph_step_us(h: DecodeHarness, tok: int, samples: int) -> float:
         run = _capture([lambda: h.model.compute_logits(h.model(x, pos, h.kv, meta))])
         if run is None:
             raise RuntimeError("the decode step could not be captured")
-        times = []
-        for _ in range(samples):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            run()
-            e.record()
-            times.append((s, e))
-        torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) * 1000 for s, e in times)
+        return _median_event_us(run, samples)
 
 
 def measure_decode(m: ModelShape, device: torch.device, bw: float, steps: int, samples: int,

@@ -37,7 +37,7 @@ sampling settings.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -333,6 +333,11 @@ def _exp1(shape: tuple[int, ...], device: torch.device, generator: torch.Generat
     return torch.rand(shape, device=device, generator=generator).log_().neg_()
 
 
+def _per_row(values: list, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """One value per batch row as a tensor [B] on ``device``."""
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
 class Sampler:
     """Stateless batched sampler; all per-request state lives in the batch."""
 
@@ -368,9 +373,6 @@ class Sampler:
             x = x.clone()
             x[torch.tensor(mask_rows, device=device), torch.tensor(mask_cols, device=device)] = -math.inf
 
-        def per_row(values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
-
         rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
         out_rows = [
             i for i, p in enumerate(params)
@@ -381,9 +383,9 @@ class Sampler:
                 x,
                 _counts(batch.prompt_ids, rep_rows, b, v, device),
                 _counts(batch.output_ids, out_rows, b, v, device),
-                per_row([p.repetition_penalty for p in params]),
-                per_row([p.presence_penalty for p in params]),
-                per_row([p.frequency_penalty for p in params]),
+                _per_row([p.repetition_penalty for p in params], device),
+                _per_row([p.presence_penalty for p in params], device),
+                _per_row([p.frequency_penalty for p in params], device),
             )
         return x
 
@@ -392,15 +394,12 @@ class Sampler:
         """Temperature, top-k, top-p, min-p over penalized logits [B, V] -> the draw distribution's logits."""
         device = penalized.device
 
-        def per_row(values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
-
-        temps = per_row([1.0 if p.greedy else p.temperature for p in params])
+        temps = _per_row([1.0 if p.greedy else p.temperature for p in params], device)
         x = penalized / temps[:, None]
-        top_k = per_row([p.top_k for p in params], torch.long)
+        top_k = _per_row([p.top_k for p in params], device, torch.long)
         x = apply_top_k(x, top_k)
-        x = apply_top_p(x, per_row([p.top_p for p in params]), top_k)
-        return apply_min_p(x, per_row([p.min_p for p in params]))
+        x = apply_top_p(x, _per_row([p.top_p for p in params], device), top_k)
+        return apply_min_p(x, _per_row([p.min_p for p in params], device))
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
         """Pick one token per row of ``logits`` [B, V] (any float dtype)."""

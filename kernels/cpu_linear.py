@@ -96,8 +96,8 @@ def linear(
         x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
         out = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), weight, bias, "none", [], "")
         return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
-    # float32 on packable weights always takes oneDNN (M = 1 too), so a layer gives
-    # bit-identical results whether its weight is packed (resident) or not (streamed).
+    # float32 on packable weights always takes oneDNN (M = 1 too), packed on the fly
+    # unless this layer is never packed (see the docstring).
     if (
         x.dtype == torch.float32
         and weight.dtype == torch.float32

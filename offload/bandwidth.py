@@ -78,31 +78,42 @@ def probe_cpu_gflops(dtype: torch.dtype, m: int = 32, n: int = 2048, k: int = 20
     return 2 * m * n * k / dt / 1e9
 
 
+def cold_read_gbps(path: Path, chunk: int = 8 << 20) -> float:
+    """Sequential read of the whole file after evicting its pages from the page cache (GB/s).
+
+    Where ``posix_fadvise`` is missing the pages cannot be evicted, and the figure
+    may be the page cache's speed; callers that care check ``hasattr(os, "posix_fadvise")``.
+    """
+    evict = hasattr(os, "posix_fadvise")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if evict:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        view = memoryview(bytearray(chunk))
+        total, t = 0, time.perf_counter()
+        while (n := os.readv(fd, [view])) > 0:
+            total += n
+        dt = time.perf_counter() - t
+        if evict:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # leave the cache as we found it
+    finally:
+        os.close(fd)
+    return total / max(dt, 1e-9) / 1e9
+
+
 def probe_disk_read_gbps(folder: Path, nbytes: int = 32 << 20) -> float:
-    """Write a file, drop it from the page cache, time sequential reads."""
+    """Write a file, then time a cold sequential read of it."""
     folder.mkdir(parents=True, exist_ok=True)
     buf = torch.ones(nbytes, dtype=torch.uint8)
-    view = memoryview(buf.numpy())
     fd_, path = tempfile.mkstemp(prefix=".llmsys_bw_", dir=folder)
     try:
         with os.fdopen(fd_, "wb") as f:
-            f.write(view)
+            f.write(memoryview(buf.numpy()))
             f.flush()
             os.fsync(f.fileno())
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            chunk = 8 << 20
-            t = time.perf_counter()
-            for off in range(0, nbytes, chunk):
-                os.preadv(fd, [view[off : off + chunk]], off)
-            dt = time.perf_counter() - t
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        return cold_read_gbps(Path(path))
     finally:
         os.unlink(path)
-    return nbytes / max(dt, 1e-9) / 1e9
 
 
 def probe_cuda() -> tuple[float, float, dict[str, float]]:  # pragma: no cover - needs a GPU

@@ -65,9 +65,8 @@ class KVSwapSpace:
         self.kv = kv
         self.num_blocks = num_blocks
         self._tier = tier  # None: follow the pool (see `tier`)
-        s = kv.spec
-        self._block_shape = (s.num_layers, 2, s.block_size, s.num_kv_heads, s.head_dim)
-        self.chunk_bytes = int(torch.Size(self._block_shape).numel()) * torch.tensor([], dtype=s.dtype).element_size()
+        self._block_shape = _block_shape(kv)
+        self.chunk_bytes = _chunk_bytes(kv)
         self._free = list(range(num_blocks - 1, -1, -1))
         self._pending_free: list[int] = []  # freed by a swap-in scheduled this step (copied in the runner)
         self.stats = SwapStats()
@@ -217,6 +216,16 @@ class KVSwapSpace:
         self._store = None
 
 
+def _block_shape(kv: KVCache) -> tuple[int, ...]:
+    s = kv.spec
+    return (s.num_layers, 2, s.block_size, s.num_kv_heads, s.head_dim)
+
+
+def _chunk_bytes(kv: KVCache) -> int:
+    """Bytes of one swap block: every layer's K and V of one pool block."""
+    return int(torch.Size(_block_shape(kv)).numel()) * torch.tensor([], dtype=kv.spec.dtype).element_size()
+
+
 def make_swap_space(kv: KVCache, swap_bytes: int | None, offload_dir: str | None) -> KVSwapSpace | None:
     """The engine's swap space, or None (swap disabled, or a pool that cannot swap).
 
@@ -226,10 +235,10 @@ def make_swap_space(kv: KVCache, swap_bytes: int | None, offload_dir: str | None
     """
     if swap_bytes == 0 or kv.quantized:
         return None
-    space = KVSwapSpace(kv, 0, offload_dir)
+    chunk = _chunk_bytes(kv)
     if swap_bytes is None:
-        swap_bytes = min(kv.spec.num_blocks * space.chunk_bytes, 4 << 30)
-    n = swap_bytes // space.chunk_bytes
+        swap_bytes = min(kv.spec.num_blocks * chunk, 4 << 30)
+    n = swap_bytes // chunk
     if n < 1:
         return None
     return KVSwapSpace(kv, n, offload_dir)

@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
-import torch
 
 from llmsys.offload.memcap import run_capped, unavailable_reason
-from tiny_models import write_tiny_tokenizer
 
 MiB = 1 << 20
 CFG = dict(
@@ -37,31 +34,15 @@ print(json.dumps({"tokens": out.token_ids, "weights": r.weights, "kinds": llm.pl
 KW = dict(dtype="bfloat16", device="cpu", kv_cache_tokens=128, max_num_seqs=2, max_num_batched_tokens=16, threads=2)
 
 
-def write_random_checkpoint(out: Path, cfg: dict, dtype=torch.bfloat16, seed: int = 0) -> Path:
-    """A random-weight HF checkpoint written tensor by tensor (no transformers model in memory)."""
-    from llmsys.engine.cli.plan_cmd import meta_model
-    from llmsys.engine.loader.safetensors_io import save_file
-
-    out.mkdir(parents=True, exist_ok=True)
-    g = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for name, p in meta_model(cfg).named_parameters():
-        if "norm" in name:
-            tensors[name] = torch.ones(p.shape, dtype=dtype)
-        else:
-            tensors[name] = ((torch.rand(p.shape, generator=g) - 0.5) * 0.12).to(dtype)
-    save_file(tensors, out / "model.safetensors", {"format": "pt"})
-    (out / "config.json").write_text(json.dumps(cfg))
-    write_tiny_tokenizer(out, cfg["vocab_size"])
-    return out
-
-
 @pytest.fixture(scope="module")
 def big_model(tmp_path_factory):
     why = unavailable_reason()
     if why:
         pytest.skip(f"cannot create a memory cgroup here: {why}")
-    return write_random_checkpoint(tmp_path_factory.mktemp("capped") / "m", CFG)
+    from llmsys.engine.bench.synthetic import make_synthetic
+
+    # The project's random-checkpoint writer (word-level tokenizer, HF layout).
+    return make_synthetic("capped", root=tmp_path_factory.mktemp("capped"), config=CFG)
 
 
 def test_model_larger_than_the_cap_runs_streamed_with_identical_tokens(big_model, tmp_path, monkeypatch):

@@ -64,6 +64,12 @@ async def type_and_send(pilot, text: str) -> None:
     await pilot.press("enter")
 
 
+async def send_and_wait_reply(pilot, text: str) -> None:
+    """Send ``text`` and wait until the whole reply has streamed."""
+    await type_and_send(pilot, text)
+    await wait_for(pilot, lambda: pilot.app.generating is None, timeout=60, what="the reply")
+
+
 async def ready(pilot) -> None:
     await wait_for(pilot, lambda: pilot.app.info is not None or pilot.app.load_error is not None, what="model load")
 
@@ -197,8 +203,7 @@ def test_panel_numbers_equal_engine_accounting(llm):
         app = Recording(lambda: llm, sampling=SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True), refresh_hz=20)
         async with app.run_test(size=SIZE) as pilot:
             await ready(pilot)
-            await type_and_send(pilot, "Once upon a time")
-            await wait_for(pilot, lambda: app.generating is None, timeout=60, what="the reply")
+            await send_and_wait_reply(pilot, "Once upon a time")
             mid = [s for s in snaps if s[0].generating]
             assert len(mid) >= 2, "the panel should update while generating"
             for snap, figures, bar in mid:
@@ -325,8 +330,7 @@ def test_panel_refresh_costs_under_five_percent_of_decode(llm):
         app = ChatApp(lambda: llm, sampling=SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True), refresh_hz=4)
         async with app.run_test(size=SIZE) as pilot:
             await ready(pilot)
-            await type_and_send(pilot, "Once upon a time")
-            await wait_for(pilot, lambda: app.generating is None, timeout=60, what="the reply")
+            await send_and_wait_reply(pilot, "Once upon a time")
             c = app.worker.costs
             panel_s = c.snapshot_s + app.panel.update_s + app.panel.render_s
             return panel_s, c.decode_s, app.panel.updates

@@ -175,35 +175,20 @@ def measure_disk_read_gbps(directory: Path, nbytes: int = _DISK_BYTES) -> tuple[
     asked to drop the pages (no ``posix_fadvise``), so the figure may be the
     page cache's speed rather than the disk's.
     """
+    from llmsys.offload.bandwidth import cold_read_gbps
+
     directory.mkdir(parents=True, exist_ok=True)
     chunk = os.urandom(8 * 1024**2)  # incompressible, so no filesystem shortcut
     fd, name = tempfile.mkstemp(prefix=".bw-", dir=directory)
-    cached = not hasattr(os, "posix_fadvise")
     try:
         with os.fdopen(fd, "wb") as fh:
             for _ in range(nbytes // len(chunk)):
                 fh.write(chunk)
             fh.flush()
             os.fsync(fh.fileno())
-        rfd = os.open(name, os.O_RDONLY)
-        try:
-            if not cached:
-                os.posix_fadvise(rfd, 0, 0, os.POSIX_FADV_DONTNEED)
-            buf = bytearray(8 * 1024**2)
-            view = memoryview(buf)
-            t0 = time.perf_counter()
-            total = 0
-            while True:
-                n = os.readv(rfd, [view])
-                if n <= 0:
-                    break
-                total += n
-            dt = time.perf_counter() - t0
-        finally:
-            os.close(rfd)
+        return cold_read_gbps(Path(name)), not hasattr(os, "posix_fadvise")
     finally:
         os.unlink(name)
-    return total / dt / 1e9, cached
 
 
 def measure_h2d_gbps(nbytes: int = _H2D_BYTES, reps: int = 5) -> float | None:
