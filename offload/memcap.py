@@ -61,13 +61,16 @@ def unavailable_reason() -> str | None:
     return None if os.access(base, os.W_OK) else f"{base} is not writable"
 
 
+_PREFIX = "llmsys-cap-"  # names of the cgroups run_capped makes (and only those may be tightened)
+
+
 def run_capped(cmd: list[str], limit_bytes: int, timeout: float = 600, env: dict | None = None,
                cwd: str | None = None) -> CappedResult:
     """Run ``cmd`` inside a fresh memory cgroup capped at ``limit_bytes`` (no swap)."""
     why = unavailable_reason()
     if why:
         raise RuntimeError(why)
-    name = f"llmsys-cap-{os.getpid()}-{time.monotonic_ns()}"
+    name = f"{_PREFIX}{os.getpid()}-{time.monotonic_ns()}"
     v2 = _v2()
     cg = (ROOT / name) if v2 else (_v1_memory_root() / name)  # type: ignore[operator]
     cg.mkdir()
@@ -125,17 +128,24 @@ def tighten_own_limit(limit_bytes: int) -> Path:
     decodes under the same cap as llmsys (the kernel reclaims page cache to
     get under it, or OOM-kills the process if its own memory does not fit;
     cgroup v1 instead refuses the write with EBUSY when it cannot reclaim enough).
+
+    Only a cgroup made by :func:`run_capped` is touched: lowering whatever
+    cgroup a stray caller sits in (a container's, a session's) would cap far
+    more than this process.
     """
     if _v2():
-        for line in Path("/proc/self/cgroup").read_text().splitlines():
-            if line.startswith("0::"):
-                f = ROOT / line[3:].lstrip("/") / "memory.max"
-                f.write_text(str(limit_bytes))
-                return f
-        raise RuntimeError("no cgroup v2 entry in /proc/self/cgroup")
-    cg = _v1_memory_root()  # this process's own memory cgroup (v1)
-    if cg is None or cg == ROOT / "memory":
-        raise RuntimeError("this process is not in a memory cgroup of its own: nothing to tighten")
+        cg = next((ROOT / line[3:].lstrip("/") for line in Path("/proc/self/cgroup").read_text().splitlines()
+                   if line.startswith("0::")), None)
+    else:
+        cg = _v1_memory_root()  # this process's own memory cgroup (v1)
+    if cg is None or not cg.name.startswith(_PREFIX):
+        raise RuntimeError(
+            f"this process is not in a cgroup made by run_capped (it is in {cg}); refusing to lower that cgroup's limit"
+        )
+    if _v2():
+        f = cg / "memory.max"
+        f.write_text(str(limit_bytes))
+        return f
     f = cg / "memory.limit_in_bytes"
     f.write_text(str(limit_bytes))  # first: memsw must never be below it
     if (cg / "memory.memsw.limit_in_bytes").exists():

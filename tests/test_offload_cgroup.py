@@ -96,3 +96,11 @@ def test_tighten_own_limit_caps_what_comes_after(after_mib, killed):
     assert ("survived" not in r.stdout) == killed, (r.returncode, r.stderr[-500:])
     if killed:
         assert r.oom_killed or r.returncode != 0
+
+
+def test_tighten_own_limit_refuses_a_cgroup_it_did_not_make():
+    """Outside run_capped (this test process), lowering 'our' cgroup would cap the whole session."""
+    from llmsys.offload.memcap import tighten_own_limit
+
+    with pytest.raises(RuntimeError, match="not in a cgroup made by run_capped"):
+        tighten_own_limit(64 << 20)

@@ -124,3 +124,30 @@ def test_quantized_pools_and_zero_budget_have_no_swap_space():
     assert make_swap_space(_pool(), 0, None) is None
     auto = make_swap_space(_pool(num_blocks=6), None, None)
     assert auto.num_blocks == 6  # auto: as many blocks as the pool
+
+
+def test_unknown_tier_is_refused_with_the_choices():
+    with pytest.raises(ValueError, match="swap tier must be 'cpu' or 'disk', got 'nvme'"):
+        KVSwapSpace(_pool(), 2, tier="nvme")
+
+
+def test_a_short_read_of_the_swap_file_names_the_block(tmp_path):
+    import os
+
+    sw = KVSwapSpace(_pool(), 2, tmp_path, tier="disk")
+    (j,) = sw.allocate(1)
+    sw.copy_out([(1, j)])
+    os.ftruncate(sw._fd, 0)  # the file lost its data (disk full, someone truncated it)
+    with pytest.raises(OSError, match=f"short read of block {j}"):
+        sw.copy_in([(j, 2)])
+    sw.close()
+
+
+def test_swap_space_flag_reads_sizes_and_rejects_garbage():
+    from llmsys.engine.cli.options import build_engine_config
+    from llmsys.engine.errors import InvalidParameterError
+
+    assert build_engine_config("m", {"swap_space": "2GiB"}).swap_space == 2 << 30
+    assert build_engine_config("m", {"swap_space": "0"}).swap_space == 0
+    with pytest.raises(InvalidParameterError, match="cannot read memory size 'lots'"):
+        build_engine_config("m", {"swap_space": "lots"})
