@@ -10,9 +10,9 @@ elements goes through oneDNN (at M = 1 too); everything else, and other dtypes
 and devices, use ``F.linear``.
 
 Prepacked weights (:func:`prepack`): oneDNN can reorder a weight once into
-its blocked layout, after which a matmul streams it at ~13 GB/s instead of
-~7 GB/s (bfloat16 GEMV over a 269 MB SmolLM2-135M-shaped set of weights, 2
-threads, measured), and float32 at 11.7 vs 8.3 GB/s. The engine packs
+its blocked layout, after which a matmul streams it 1.2-1.9x faster than
+``F.linear`` at M = 1 and 1.5-1.9x at M = 16 (the SmolLM2-135M layer
+matrices, 2 threads; ``python benchmarks/bench_gemv.py``). The engine packs
 resident CPU weights once after loading; ``linear`` keeps a packed resident
 layer and the same layer streamed from disk (plain) bit-identical.
 """
