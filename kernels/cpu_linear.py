@@ -32,10 +32,10 @@ _ONEDNN_MIN_WEIGHT = 1 << 16  # elements; below this oneDNN's per-call cost domi
 
 
 _PACKABLE = (torch.float32, torch.bfloat16)
-# oneDNN's batch-size hint picks the blocking. 16 rather than 1: over the 210
-# SmolLM2-135M layer matrices in float32, M = 16 steps run 1.46x faster
-# (30.2 vs 44.0 ms) and M = 1 no slower (24.5 vs 26.4 ms); bfloat16 is the same
-# either way (measured, 2 threads). A hint-16 float32 weight gives other bits at
+# oneDNN's batch-size hint picks the blocking. 16 rather than 1 (1 blocks like the
+# plain oneDNN call): over the 210 SmolLM2-135M layer matrices in float32, M = 16
+# runs ~1.4x faster than plain oneDNN and M = 1 is no slower
+# (`python benchmarks/bench_gemv.py`, 2 threads). A hint-16 float32 weight gives other bits at
 # M = 1 than the plain oneDNN call, which is why `linear` packs plain float32
 # weights on the fly (see there).
 _PACK_HINT = 16
