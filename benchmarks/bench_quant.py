@@ -13,7 +13,6 @@ of ``--repeats`` runs is kept (the machine is shared). Quality rows are the
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 

@@ -160,7 +160,7 @@ def gptq_calibrate(model: nn.Module, seqs: list[list[int]], spec: QuantSpec, dam
     is round-to-nearest (it has no input to weight the error by).
     """
     from llmsys.engine.attention import build_metadata
-    from llmsys.quant.calibrate import gptq_quantize, hessian_from_inputs  # noqa: F401 - documents the method
+    from llmsys.quant.calibrate import gptq_quantize
     from llmsys.quant.int4 import Int4Linear
 
     if spec.method != "int4":

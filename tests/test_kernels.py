@@ -15,10 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from llmsys import kernels as K
-from llmsys.kernels import reference as ref
 
 REPO = Path(__file__).resolve().parents[1]
 
