@@ -87,6 +87,9 @@ class EngineConfig:
     # None = auto (as many blocks as the pool, at most 4 GiB; CPU RAM for a GPU pool, else disk).
     swap_space: int | None = None
     kv_policy: str = "full"
+    # Reuse the KV blocks of prompt prefixes seen before (llmsys.engine.prefix_cache). Benchmarks
+    # of prefill speed turn it off: a repeated prompt would not be computed at all.
+    prefix_caching: bool = True
     progress: bool = True  # loading progress bar (only drawn on a TTY)
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 

@@ -84,7 +84,10 @@ class EngineCore:
         self.max_len = max_len  # prompt + output tokens per request, at most
         self.kv = KVCache(kv_spec, loaded.device)
         self.allocator = BlockAllocator(kv_spec.num_blocks)
-        self.scheduler = Scheduler(self.allocator, kv_spec.block_size, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.allocator, kv_spec.block_size, config.max_num_seqs, config.max_num_batched_tokens,
+            prefix_caching=config.prefix_caching,
+        )
         self.runner = ModelRunner(loaded.model, self.kv, loaded.device, kv_spec.block_size)
         # KV eviction / page selection (None under `full`: the plain path, no per-token policy work).
         self.kv_policy = make_policy_runtime(config.kv_policy, loaded.model, self.kv, self.allocator, kv_spec.block_size, max_len)
@@ -155,6 +158,7 @@ class EngineCore:
             if s.seq.state.start_time is None:
                 s.seq.state.start_time = now
         logits, rows = self.runner.execute(sched)
+        self.scheduler.after_forward(sched)  # before sampling: a request that stops now frees its blocks
         if self.swap is not None and sched.num_tokens > len(sched.scheduled):
             # A step with prefill chunks: what recomputing a token costs here (swap vs recompute).
             self.swap.observe_prefill(time.perf_counter() - now, sched.num_tokens)
@@ -228,7 +232,9 @@ class EngineCore:
             prompt_tokens=len(seq.prompt_ids),
             generated_tokens=len(seq.output_ids),
         )
-        usage = Usage(len(seq.prompt_ids), len(seq.output_ids), seq.kv.evicted if seq.kv is not None else 0)
+        usage = Usage(
+            len(seq.prompt_ids), len(seq.output_ids), seq.kv.evicted if seq.kv is not None else 0, seq.num_cached_tokens
+        )
         return StreamChunk(seq.request_id, delta, toks, lps or [], seq.finish_reason, usage, timings)
 
     # -- accounting ----------------------------------------------------------

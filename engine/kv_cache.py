@@ -9,6 +9,7 @@ tensors, so the scheduler can reason about memory without the model.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -84,10 +85,19 @@ class KVCache:
 
 
 class BlockAllocator:
-    """Hands out block ids from a free list; returns them when sequences end.
+    """Hands out block ids; counts references; keeps freed prefix blocks findable.
 
     Block 0 is reserved as a scratch block: padded gather indices point at it,
     so it must never hold a live token.
+
+    A block may be shared by several sequences (prefix caching,
+    :mod:`llmsys.engine.prefix_cache`): ``share`` adds a reference, ``free``
+    drops one, and the block is free again only at zero. A full block whose
+    contents were registered under a prefix hash (``register``) is not wiped
+    when its last reference goes: it waits in a least-recently-freed list and
+    can be found again by ``lookup`` until ``allocate`` needs it for new data
+    (plain free blocks go first). Such blocks count as free: they hold no live
+    request's tokens.
     """
 
     def __init__(self, num_blocks: int):
@@ -95,25 +105,75 @@ class BlockAllocator:
             raise BudgetError(f"KV pool needs at least 2 blocks, got {num_blocks}; raise the KV budget")
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, 0, -1))  # pop() yields 1, 2, ...
+        self._refs = [0] * num_blocks
+        self._hash_of: dict[int, bytes] = {}  # block -> prefix hash of its contents
+        self._block_of: dict[bytes, int] = {}  # prefix hash -> block
+        self._cached: OrderedDict[int, None] = OrderedDict()  # unreferenced registered blocks, oldest first
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._cached)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - 1 - len(self._free)
+        """Blocks some request references now."""
+        return self.num_blocks - 1 - self.num_free
+
+    @property
+    def num_cached(self) -> int:
+        """Free blocks that still hold a registered prefix."""
+        return len(self._cached)
 
     def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
+        return n <= self.num_free
 
     def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise BudgetError(f"KV pool exhausted: need {n} blocks, {len(self._free)} free")
-        return [self._free.pop() for _ in range(n)]
+        """``n`` blocks for new data: never-registered ones first, then the oldest cached."""
+        if n > self.num_free:
+            raise BudgetError(f"KV pool exhausted: need {n} blocks, {self.num_free} free")
+        out = []
+        for _ in range(n):
+            if self._free:
+                b = self._free.pop()
+            else:
+                b, _ = self._cached.popitem(last=False)
+                del self._block_of[self._hash_of.pop(b)]
+            self._refs[b] = 1
+            out.append(b)
+        return out
 
     def free(self, blocks: list[int]) -> None:
-        self._free.extend(reversed(blocks))
+        """Drop one reference to each block (a sequence's table, oldest first)."""
+        plain = []
+        for b in reversed(blocks):  # the tail of a sequence is the least likely prefix: evicted first
+            self._refs[b] -= 1
+            if self._refs[b] > 0:
+                continue
+            if b in self._hash_of:
+                self._cached[b] = None
+            else:
+                plain.append(b)
+        self._free.extend(plain)
+
+    # -- prefix caching --------------------------------------------------------
+    def register(self, block: int, key: bytes) -> None:
+        """Record that ``block`` (full, referenced) holds the prefix ``key``; first writer wins."""
+        if key not in self._block_of and block not in self._hash_of:
+            self._block_of[key] = block
+            self._hash_of[block] = key
+
+    def lookup(self, keys: list[bytes]) -> list[int]:
+        """Blocks for the longest registered prefix of ``keys``, each with one more reference."""
+        out = []
+        for key in keys:
+            b = self._block_of.get(key)
+            if b is None:
+                break
+            if self._refs[b] == 0:
+                del self._cached[b]
+            self._refs[b] += 1
+            out.append(b)
+        return out
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:

@@ -12,6 +12,7 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     evicted_tokens: int = 0  # KV tokens dropped by an eviction policy
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (not computed)
 
     @property
     def total_tokens(self) -> int:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmsys.engine.kv_cache import BlockAllocator, blocks_needed
+from llmsys.engine.prefix_cache import forget_blocks, match_prefix, register_full_blocks
 from llmsys.engine.sequence import Sequence, SeqStatus
 
 
@@ -49,8 +50,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, allocator: BlockAllocator, block_size: int, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(
+        self, allocator: BlockAllocator, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+        prefix_caching: bool = False,
+    ):
         self.allocator = allocator
+        self.prefix_caching = prefix_caching  # reuse registered prompt-prefix blocks (llmsys.engine.prefix_cache)
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_tokens = max_num_batched_tokens
@@ -112,6 +117,7 @@ class Scheduler:
                 swap.stats.recomputes += 1
         self.allocator.free(seq.block_table)
         seq.block_table = []
+        forget_blocks(seq)
         seq.num_preemptions += 1
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
@@ -143,11 +149,18 @@ class Scheduler:
         # 2. Waiting sequences, in arrival order, while budget and blocks last.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            reused = match_prefix(seq, self.allocator, self.block_size) if self.prefix_caching else 0
             n = min(seq.num_tokens - seq.num_computed, budget)
             if seq.kv is not None:
                 n = self.kv_policy.before_step(seq, n)
             if not self._grow(seq, seq.kv_len + n):
+                if reused:  # not admitted: do not pin the shared blocks while it waits
+                    self.allocator.free(seq.block_table)
+                    seq.block_table = []
+                    seq.num_computed = seq.num_registered = 0
                 break
+            if reused and not seq.num_preemptions:
+                seq.num_cached_tokens = reused
             if seq.swapped_blocks:  # readmitted after a swap-out: copy its blocks back first
                 out.swap_in.extend(zip(seq.swapped_blocks, seq.block_table))
                 self.swap.release(seq.swapped_blocks)
@@ -158,6 +171,12 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
         return out
+
+    def after_forward(self, out: SchedulerOutput) -> None:
+        """The step's KV is written: make its newly full blocks findable by later prompts."""
+        if self.prefix_caching:
+            for s in out.scheduled:
+                register_full_blocks(s.seq, self.allocator, self.block_size)
 
     def num_blocks_used(self) -> int:
         return self.allocator.num_used

@@ -42,6 +42,11 @@ class Sequence:
     state: Any = None  # front-end state (detokenizer, stop checker), owned by the engine core
     kv: Any = None  # KV policy bookkeeping (llmsys.offload.kv_policy.SeqKVState); None under `full`
     swapped_blocks: list[int] = field(default_factory=list)  # swap-space blocks holding its KV while preempted
+    # Prefix caching (llmsys.engine.prefix_cache): keys of its full blocks, how many of its
+    # blocks are registered under them, and prompt tokens served from the cache at admission.
+    block_keys: list[bytes] = field(default_factory=list)
+    num_registered: int = 0
+    num_cached_tokens: int = 0
 
     @property
     def tokens(self) -> list[int]:

@@ -251,6 +251,30 @@ def test_models_health_metrics(env):
     assert {"/v1/chat/completions", "/v1/completions", "/v1/models"} <= set(spec["paths"])
 
 
+def test_repeated_prompt_reuses_cached_prefix(env):
+    """Prefix caching is on by default: the second identical prompt computes only its last block."""
+    from llmsys import SamplingParams
+
+    prompt = "Once upon a time there was a little girl named Lily who loved to play outside in the sun with her dog"
+    cl = _client(env["a"])
+    before = _metrics(env["a"]).get("llmsys_prefix_cache_hit_tokens_total", 0)
+    first = cl.completions.create(model="m", prompt=prompt, max_tokens=12, temperature=0)
+    parts, usage = [], None
+    for ch in cl.completions.create(model="m", prompt=prompt, max_tokens=12, temperature=0, stream=True,
+                                   stream_options={"include_usage": True}):
+        parts.extend(c.text for c in ch.choices)
+        usage = ch.usage or usage
+    n = first.usage.prompt_tokens
+    assert n > 16
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert usage.prompt_tokens_details.cached_tokens == (n - 1) // 16 * 16  # default block size 16
+    ref = env["ref"].generate(prompt, SamplingParams(temperature=0, max_tokens=12))[0]
+    assert first.choices[0].text == "".join(parts) == ref.text
+    m = _wait_idle(env["a"])
+    assert m["llmsys_prefix_cache_hit_tokens_total"] - before == usage.prompt_tokens_details.cached_tokens
+    assert m["llmsys_kv_blocks_cached"] > 0 and m['llmsys_kv_blocks_used{tier="cpu"}'] == 0
+
+
 def test_client_disconnect_aborts_and_frees_kv(env):
     srv = env["a"]
     before = _metrics(srv).get('llmsys_request_finished_total{reason="abort"}', 0)

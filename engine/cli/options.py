@@ -29,7 +29,7 @@ def _opt(name: str, annotation: Any, default: Any, *flags: str, help: str) -> in
 _ENGINE_NAMES = {
     "device", "dtype", "max_model_len", "block_size", "kv_cache_tokens", "max_num_seqs",
     "max_num_batched_tokens", "threads", "quant", "kv_dtype", "gpu_mem", "cpu_mem", "offload_dir", "kv_policy",
-    "swap_space",
+    "swap_space", "prefix_caching",
 }
 
 ENGINE_PARAMS = [
@@ -49,6 +49,8 @@ ENGINE_PARAMS = [
     _opt("kv_policy", str, "full", "--kv-policy", help="KV eviction: full, window:N, sink:S,window:N, ..."),
     _opt("swap_space", Optional[str], None, "--swap-space",
          help="swap space for preempted requests' KV, e.g. 2GiB; 0 = recompute instead (default: pool size, <= 4GiB)"),
+    _opt("prefix_caching", bool, True, "--prefix-caching/--no-prefix-caching",
+         help="reuse the KV of prompt prefixes seen before (off: every prompt is computed in full)"),
 ]
 
 SAMPLING_PARAMS = [

@@ -70,6 +70,7 @@ class Job:
             raise APIError(429, f"server busy: {e}; retry later", type="rate_limit_error",
                            code="queue_full", headers={"Retry-After": "1"}) from None
         self.done: set[int] = set()
+        self.cached_tokens = 0  # prompt tokens served from the prefix cache, over every choice
 
     async def items(self, is_disconnected: Callable[[], Any] | None = None) -> AsyncIterator[tuple[int, StreamChunk]]:
         """Chunks as they come, until every engine request finished."""
@@ -90,6 +91,8 @@ class Job:
                 raise item
             if item.finished:
                 self.done.add(idx)
+                if item.usage is not None and idx % self.n == 0:  # one prompt's n samples share it
+                    self.cached_tokens += item.usage.cached_tokens
             yield idx, item
 
     def abort_rest(self) -> None:
@@ -98,9 +101,10 @@ class Job:
                 self.state.worker.abort(s.request_id)
                 self.done.add(s.index)
 
-    def usage(self, completion_tokens: int) -> dict[str, int]:
+    def usage(self, completion_tokens: int) -> dict[str, Any]:
         p = sum(len(ids) for ids in self.prompts)
-        return {"prompt_tokens": p, "completion_tokens": completion_tokens, "total_tokens": p + completion_tokens}
+        return {"prompt_tokens": p, "completion_tokens": completion_tokens, "total_tokens": p + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
 
 def timings_dict(ts: list[Timings]) -> dict[str, float]:

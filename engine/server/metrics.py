@@ -50,6 +50,8 @@ class Metrics:
         self.generation_tokens = 0
         self.finished: dict[str, int] = {}  # finish reason -> count
         self.evicted_tokens = 0
+        self.cached_tokens = 0
+        self.kv_blocks_cached = 0
         self.ttft = Histogram()
         self.itl = Histogram()
         self.e2e = Histogram()
@@ -72,17 +74,20 @@ class Metrics:
             if itl is not None:
                 self.itl.observe(itl)
 
-    def on_finish(self, reason: str, prompt_tokens: int, evicted: int, e2e: float) -> None:
+    def on_finish(self, reason: str, prompt_tokens: int, evicted: int, e2e: float, cached: int = 0) -> None:
         with self._lock:
             self.finished[reason] = self.finished.get(reason, 0) + 1
             self.prompt_tokens += prompt_tokens
             self.evicted_tokens += evicted
+            self.cached_tokens += cached
             self.e2e.observe(e2e)
 
     def set_gauges(self, queue_depth: int, running: int, kv_used: dict[str, int], kv_total: int,
-                   swap: dict[str, int] | None = None) -> None:
-        """``swap``: swap space counters (``llmsys.offload.kv_swap``), None when swap is off."""
+                   swap: dict[str, int] | None = None, kv_cached: int = 0) -> None:
+        """``swap``: swap space counters (``llmsys.offload.kv_swap``), None when swap is off;
+        ``kv_cached``: free blocks still holding a reusable prompt prefix."""
         with self._lock:
+            self.kv_blocks_cached = kv_cached
             self.queue_depth = queue_depth
             self.running = running
             self.kv_blocks_used = dict(kv_used)
@@ -107,6 +112,10 @@ class Metrics:
                 ("llmsys_prompt_tokens_total", "counter", "Prompt tokens of finished requests.", self.prompt_tokens),
                 ("llmsys_generation_tokens_total", "counter", "Tokens generated.", self.generation_tokens),
                 ("llmsys_kv_evicted_tokens_total", "counter", "KV tokens evicted by the KV policy.", self.evicted_tokens),
+                ("llmsys_prefix_cache_hit_tokens_total", "counter", "Prompt tokens whose KV came from the prefix cache.",
+                 self.cached_tokens),
+                ("llmsys_kv_blocks_cached", "gauge", "Free KV blocks still holding a reusable prompt prefix.",
+                 self.kv_blocks_cached),
                 ("llmsys_queue_depth", "gauge", "Requests waiting (server queue + engine waiting).", self.queue_depth),
                 ("llmsys_requests_running", "gauge", "Requests being decoded.", self.running),
                 ("llmsys_kv_blocks_total", "gauge", "KV blocks in the pool.", self.kv_blocks_total),

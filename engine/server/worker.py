@@ -179,7 +179,8 @@ class EngineWorker(threading.Thread):
             del self._active[ch.request_id]
             u = ch.usage
             self.metrics.on_finish(
-                ch.finish_reason or "stop", u.prompt_tokens if u else 0, u.evicted_tokens if u else 0, now - sub.arrival
+                ch.finish_reason or "stop", u.prompt_tokens if u else 0, u.evicted_tokens if u else 0, now - sub.arrival,
+                u.cached_tokens if u else 0,
             )
             self._finish(sub)
         self._send(sub, ch)
@@ -218,7 +219,7 @@ class EngineWorker(threading.Thread):
         swap = None if sw is None else {"tier": sw.tier, "used": sw.num_used, "swap_outs": sw.stats.swap_outs,
                                         "recomputes": sw.stats.recomputes}
         self.metrics.set_gauges(len(self._waiting) + len(sched.waiting), len(sched.running), tiers,
-                                rep.kv_blocks_total, swap)
+                                rep.kv_blocks_total, swap, self.core.allocator.num_cached)
 
     def _shutdown(self) -> None:
         while self._waiting:
