@@ -71,7 +71,8 @@ def main() -> None:
         path = make_model(Path(d) / "m", dtype)
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
         llm = LLM(str(path), dtype=a.dtype, device="cpu", threads=a.threads, progress=False, kv_cache_tokens=4096,
-                  max_num_batched_tokens=a.prompt * a.batch)  # all prompts prefill in one step
+                  max_num_batched_tokens=a.prompt * a.batch,  # all prompts prefill in one step
+                  prefix_caching=False)  # every run computes its prompt (as transformers does)
         g = torch.Generator().manual_seed(0)
         prompt = torch.randint(3, 500, (1, a.prompt), generator=g)
         sp = SamplingParams(temperature=0, max_tokens=a.new, ignore_eos=True)

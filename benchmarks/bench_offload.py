@@ -179,7 +179,7 @@ def bench_cpu(work: Path, tokens: int, threads: int) -> str:
     ckpt = model / "model.safetensors"
     size = ckpt.stat().st_size
     read_gbps = cold_read_gbps(ckpt)
-    base_kw = dict(dtype="bfloat16", device="cpu", kv_cache_tokens=1024, max_num_seqs=16, max_num_batched_tokens=64,
+    base_kw = dict(dtype="bfloat16", device="cpu", prefix_caching=False, kv_cache_tokens=1024, max_num_seqs=16, max_num_batched_tokens=64,
                    threads=threads)
     ref = run_child("llmsys", dict(model=str(model), kw=base_kw, tokens=tokens, batches=[1]))
     kw = dict(base_kw, cpu_mem="256MiB")

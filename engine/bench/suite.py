@@ -309,6 +309,7 @@ def _engine_config(spec: BenchSpec, cfg: LoadConfig):
     flags["max_num_seqs"] = max(flags.get("max_num_seqs", 1), bmax)
     flags.setdefault("kv_cache_tokens", bmax * (-(-need // block) + 1) * block)
     flags["progress"] = False
+    flags["prefix_caching"] = False  # llama-bench semantics: every repetition computes its prompt
     return EngineConfig(
         model=spec.model,
         dtype=cfg.dtype,
