@@ -24,6 +24,12 @@ which client ran and the CPU seconds each side used.
 Prints a Markdown block (for docs/benchmarks.md). Usage:
 
     python benchmarks/bench_server.py [--requests 200] [--clients 16] [--cancel 0.1] [--client raw|openai]
+                                      [--no-prefix-caching]
+
+The load phase sends each distinct prompt about ``requests / distinct`` times,
+so with prefix caching on (the server's default) most prompts' KV is reused;
+the report gives the reused share, and ``--no-prefix-caching`` measures the
+same load with every prompt computed in full.
 """
 
 from __future__ import annotations
@@ -243,6 +249,7 @@ async def run(args: argparse.Namespace, url: str, vocab: int) -> str:
                 i, cancel = queue.get_nowait()
                 results.append(await one(client, specs[i], i, cancel))
 
+        m0 = _metrics(url)
         cpu0 = resource.getrusage(resource.RUSAGE_SELF)
         scpu0 = server.cpu_times()
         t0 = time.perf_counter()
@@ -255,6 +262,8 @@ async def run(args: argparse.Namespace, url: str, vocab: int) -> str:
     # 3. checks
     await asyncio.sleep(0.5)
     m = _metrics(url)
+    hit_tokens = m.get("llmsys_prefix_cache_hit_tokens_total", 0) - m0.get("llmsys_prefix_cache_hit_tokens_total", 0)
+    prompt_tokens = m.get("llmsys_prompt_tokens_total", 0) - m0.get("llmsys_prompt_tokens_total", 0)
     kv_used = m.get('llmsys_kv_blocks_used{tier="cpu"}', m.get('llmsys_kv_blocks_used{tier="gpu"}', -1))
     # /health answers 503 by design while the model loads; count the API's 5xx only.
     server_5xx = sum(v for k, v in m.items()
@@ -283,6 +292,8 @@ async def run(args: argparse.Namespace, url: str, vocab: int) -> str:
         f"| single client, sequential: generated tok/s | {single_tps:.1f} |",
         f"| {args.clients} clients: aggregate generated tok/s | {agg_tps:.1f} ({agg_tps / single_tps:.1f}x) |",
         f"| load wall time | {load_wall:.1f} s |",
+        f"| prefix cache ({'on' if args.prefix_caching else 'off'}): prompt tokens reused / prompt tokens (load) | "
+        f"{hit_tokens:.0f} / {prompt_tokens:.0f} |",
         f"| CPU seconds during the load: server / load generator | {server_cpu:.1f} / {client_cpu:.1f} |",
         f"| TTFT p50 / p99 (load) | {_pct(ttfts, .5) * 1e3:.0f} / {_pct(ttfts, .99) * 1e3:.0f} ms |",
         f"| inter-token latency p50 / p99 (load) | {_pct(itls, .5) * 1e3:.1f} / {_pct(itls, .99) * 1e3:.1f} ms |",
@@ -308,6 +319,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--client", choices=["raw", "openai"], default="openai", help="load generator (see module doc)")
+    ap.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                    help="serve with --no-prefix-caching (every prompt computed in full)")
     args = ap.parse_args()
 
     from llmsys.engine.bench.synthetic import make_synthetic, synthetic_config
@@ -326,6 +339,8 @@ def main() -> int:
                "--max-model-len", "512", "--log-level", "warning"]
         if args.threads:
             cmd += ["--threads", str(args.threads)]
+        if not args.prefix_caching:
+            cmd += ["--no-prefix-caching"]
         proc = subprocess.Popen(cmd)
         url = f"http://127.0.0.1:{port}"
         try:
