@@ -89,7 +89,8 @@ class EngineCore:
             prefix_caching=config.prefix_caching,
         )
         self.runner = ModelRunner(loaded.model, self.kv, loaded.device, kv_spec.block_size)
-        # KV eviction / page selection (None under `full`: the plain path, no per-token policy work).
+        # KV eviction / page selection. config.kv_policy is the default; a request may choose its own
+        # (SamplingParams.kv_policy). Sequences under `full` carry no policy state: no per-token work.
         self.kv_policy = make_policy_runtime(config.kv_policy, loaded.model, self.kv, self.allocator, kv_spec.block_size, max_len)
         self.scheduler.kv_policy = self.runner.kv_policy = self.kv_policy
         # Swap space for preempted sequences (None: recompute only).
@@ -115,16 +116,19 @@ class EngineCore:
         bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidParameterError(f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})")
-        long_ok = self.kv_policy is not None and self.kv_policy.allows_long_prompts
-        if len(prompt_ids) >= self.max_len and not long_ok:
+        policy = self.kv_policy.resolve(params.kv_policy)  # the request's, else the engine's
+        if len(prompt_ids) >= self.max_len and not policy.allows_long_prompts:
             raise ContextOverflowError(len(prompt_ids), self.max_len)
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.requests:
             raise InvalidParameterError(f"request id {rid!r} is already in use")
-        # Evicting policies slide past the context: up to max_len new tokens after the prompt.
-        limit = self.max_len if self.kv_policy is None or not self.kv_policy.policy.evicts else len(prompt_ids) + self.max_len
+        # Evicting policies slide past the context (their KV stays within the budget): max_tokens
+        # new tokens after the prompt, or max_len of them when the request sets no max_tokens.
+        limit = self.max_len
+        if policy.evicts:
+            limit = len(prompt_ids) + (params.max_tokens if params.max_tokens is not None else self.max_len)
         seq = Sequence(rid, list(prompt_ids), params, limit)
-        seq.kv = self.kv_policy.new_state() if self.kv_policy is not None else None
+        seq.kv = self.kv_policy.new_state(policy)
         seq.generator = make_generator(params.seed, self.loaded.device)
         seq.state = _TextState(
             IncrementalDetokenizer(self.tokenizer, seq.prompt_ids),

@@ -36,7 +36,7 @@ class ModelRunner:
         self.kv = kv
         self.device = device
         self.block_size = block_size
-        self.kv_policy: Any = None  # llmsys.offload.kv_policy.PolicyRuntime, or None under `full`
+        self.kv_policy: Any = None  # llmsys.offload.kv_policy.PolicyRuntime (the engine sets it)
         self.swap: Any = None  # llmsys.offload.kv_swap.KVSwapSpace, or None (no swap space)
 
     def prepare(self, sched: SchedulerOutput) -> StepBatch:

@@ -43,6 +43,7 @@ from typing import Sequence
 import torch
 
 from llmsys.engine.errors import InvalidParameterError
+from llmsys.offload.eviction.policy import KVPolicy, parse_kv_policy
 
 # Temperatures below this are treated as greedy: dividing by ~0 overflows and
 # the distribution is a point mass on the argmax anyway.
@@ -71,6 +72,11 @@ class SamplingParams:
     ``max_tokens=None`` generates up to the context limit; ``temperature=0`` is
     greedy; ``top_k`` of 0 or -1 disables top-k; ``logprobs=k`` returns the
     chosen token's logprob plus the top-k alternatives (``None`` = off).
+
+    ``kv_policy``: this request's KV eviction policy (``--kv-policy`` syntax,
+    e.g. ``"sink:4,window:252"``, parsed here; ``None`` = the engine's). It is
+    not a sampling knob but rides along because every front end builds one of
+    these per request; the engine checks it fits (``PolicyRuntime.resolve``).
     """
 
     max_tokens: int | None = 16
@@ -88,6 +94,7 @@ class SamplingParams:
     logprobs: int | None = None
     min_tokens: int = 0
     n: int = 1
+    kv_policy: KVPolicy | None = None  # a str is parsed into a KVPolicy
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise through the back door once
@@ -154,6 +161,10 @@ class SamplingParams:
             raise _bad("min_tokens", self.min_tokens, f"must be <= max_tokens ({self.max_tokens})")
         if not _is_int(self.n) or self.n < 1:
             raise _bad("n", self.n, "must be an integer >= 1")
+        if isinstance(self.kv_policy, str):
+            set_(self, "kv_policy", parse_kv_policy(self.kv_policy))
+        elif self.kv_policy is not None and not isinstance(self.kv_policy, KVPolicy):
+            raise _bad("kv_policy", self.kv_policy, "must be a policy like 'sink:4,window:252', or None for the engine's")
 
     @property
     def greedy(self) -> bool:

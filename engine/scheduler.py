@@ -61,8 +61,8 @@ class Scheduler:
         self.max_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        # KV policy runtime (llmsys.offload.kv_policy.PolicyRuntime) or None under `full`: it caps
-        # a policy sequence's chunk and evicts before the block table grows.
+        # KV policy runtime (llmsys.offload.kv_policy.PolicyRuntime): it caps a policy sequence's
+        # (seq.kv set) chunk and evicts before the block table grows.
         self.kv_policy: Any = None
         # Swap space for preempted sequences (llmsys.offload.kv_swap.KVSwapSpace) or None: recompute only.
         self.swap: Any = None

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-from llmsys.engine.attention import build_metadata
+from llmsys.engine.attention import AttentionMetadata, build_metadata
 from llmsys.engine.core import EngineCore
 from llmsys.engine.kv_cache import blocks_needed
+from llmsys.kernels.cpu_attention import GatherPlan, make_gather_plan
 
 
 @dataclass
@@ -102,15 +103,53 @@ class StreamResult:
         return out
 
 
-def _forward_chunk(core: EngineCore, toks: list[int], positions: range, table: list[int], ctx: int, policy=None, sched=None):
-    """One sequence, ``len(toks)`` new tokens whose context ends at ``ctx`` -> logits ``[n, V]``."""
+class _StepLayout:
+    """Attention metadata of one CPU sequence, built incrementally (the stream's hot loop).
+
+    ``build_metadata`` makes a few dozen small tensors per call; here the flat
+    slot of every cache index is computed once per block table (which changes
+    only when blocks are added or freed) and a step takes slices of it. The
+    result equals ``build_metadata([n], [ctx], [table], ...)``.
+    """
+
+    def __init__(self, block_size: int, max_ctx: int):
+        self.bs = block_size
+        self._table: list[int] = []
+        self._slots = torch.zeros(0, dtype=torch.int64)  # [blocks * bs] flat slot of each cache index
+        self._bt = torch.zeros((1, 0), dtype=torch.int32)
+        self._lens = torch.arange(max_ctx + 1, dtype=torch.int32)
+        self._starts: dict[int, torch.Tensor] = {}
+
+    def meta(self, table: list[int], n: int, ctx: int) -> AttentionMetadata:
+        if table != self._table:
+            t = torch.tensor(table, dtype=torch.int64)
+            self._slots = (t[:, None] * self.bs + torch.arange(self.bs)).view(-1)
+            self._bt = t.to(torch.int32)[None]
+            self._table = list(table)
+        start = self._starts.get(n)
+        if start is None:
+            start = self._starts[n] = torch.tensor([0, n], dtype=torch.int32)
+        if n == 1:
+            plan = GatherPlan(self._slots[:ctx].view(1, ctx), None, None, (0, 1), True)
+        else:
+            plan = make_gather_plan([n], [ctx], [self._table], self.bs, torch.device("cpu"))
+        return AttentionMetadata(
+            slot_mapping=self._slots[ctx - n : ctx], query_start=[0, n], context_lens=[ctx], block_tables=self._bt,
+            context_lens_t=self._lens[ctx : ctx + 1], query_start_loc=start, is_decode=n == 1, plan=plan,
+        )
+
+
+def _forward_chunk(core: EngineCore, ids: torch.Tensor, pos: torch.Tensor, table: list[int], ctx: int, layout, policy, sched):
+    """One sequence, ``len(ids)`` new tokens whose context ends at ``ctx`` -> logits ``[n, V]``."""
     dev = core.loaded.device
-    meta = build_metadata([len(toks)], [ctx], [table], core.kv.spec.block_size, dev)
+    n = ids.numel()
+    if layout is not None:
+        meta = layout.meta(table, n, ctx)
+    else:
+        meta = build_metadata([n], [ctx], [table], core.kv.spec.block_size, dev)
     if policy is not None:
         policy.annotate(meta, sched)
-    ids = torch.tensor(toks, device=dev)
-    pos = torch.tensor(list(positions), device=dev)
-    hidden = core.loaded.model(ids, pos, core.kv, meta)
+    hidden = core.loaded.model(ids.to(dev), pos.to(dev), core.kv, meta)
     if policy is not None:
         policy.after_forward(sched, meta)
     return core.loaded.model.compute_logits(hidden).float()
@@ -134,9 +173,13 @@ def perplexity_stream(
     N-1 predecessors from scratch (the sliding-window oracle). Evicting
     policies: the first ``budget`` tokens as one prefill, then one token per
     step, evicting ``chunk`` tokens (default 1: exact) whenever the cache is full.
+
+    The one-token steps are the hot loop: their metadata comes from a
+    :class:`_StepLayout`, token ids and positions are slices of tensors made
+    once, and a step's NLL is one row's log-softmax read as a Python float.
     """
     from llmsys.engine.errors import InvalidParameterError
-    from llmsys.offload.kv_policy import PolicyRuntime, SeqKVState, ensure_rope_positions, parse_kv_policy
+    from llmsys.offload.kv_policy import PolicyRuntime, ensure_rope_positions, parse_kv_policy
 
     pol = parse_kv_policy(policy).resolve(core.kv.spec.bytes_per_token)
     if len(ids) < 2:
@@ -169,16 +212,19 @@ def perplexity_stream(
         ensure_rope_positions(model, len(ids) + 1)
     else:
         rt = PolicyRuntime(pol, model, core.kv, core.allocator, bs, chunk=chunk or 1)
-        seq.kv = SeqKVState()
-        ensure_rope_positions(model, pol.budget + bs)
+        seq.kv = rt.new_state(pol)
+    ids_t = torch.tensor(ids, dtype=torch.int64)
+    pos_t = torch.arange(len(ids) + 1, dtype=torch.int64)  # positions: stream indices (full) or cache indices
+    layout = _StepLayout(bs, len(ids)) if core.loaded.device.type != "cuda" else None
     nll: list[torch.Tensor] = []
     kv_bytes: list[int] = []
     steady: list[float] = []
     t0 = time.perf_counter()
     next_mark = segment
+    end = len(ids) - 1
     try:
-        while seq.num_computed < len(ids) - 1:
-            n = min(first if seq.num_computed == 0 else (step if rt is None else 1), len(ids) - 1 - seq.num_computed)
+        while seq.num_computed < end:
+            n = min(first if seq.num_computed == 0 else (step if rt is None else 1), end - seq.num_computed)
             ts = time.perf_counter()
             if rt is not None:
                 n = rt.before_step(seq, n)
@@ -188,24 +234,44 @@ def perplexity_stream(
                 seq.block_table.extend(core.allocator.allocate(grow))
             s = seq.num_computed
             sched = [ScheduledSeq(seq, n)]
-            logits = _forward_chunk(core, ids[s : s + n], range(base, base + n), seq.block_table, base + n, rt, sched)
+            logits = _forward_chunk(core, ids_t[s : s + n], pos_t[base : base + n], seq.block_table, base + n, layout, rt, sched)
             seq.num_computed += n
-            nll.append(_nll(logits, ids[s + 1 : s + n + 1]))
+            if n == 1:  # -log p(next): the same log-softmax row, one float
+                nll.append(-float(torch.log_softmax(logits[0], dim=-1)[ids[s + 1]]))
+            else:
+                nll.append(_nll(logits, ids[s + 1 : s + n + 1]))
             if n == 1 and rt is not None and base + 1 >= pol.budget:
                 steady.append(time.perf_counter() - ts)
-            while seq.num_computed >= next_mark or seq.num_computed >= len(ids) - 1:
+            while seq.num_computed >= next_mark or seq.num_computed >= end:
                 kv_bytes.append(len(seq.block_table) * per_block)
                 next_mark += segment
-                if seq.num_computed >= len(ids) - 1:
+                if seq.num_computed >= end:
                     break
     finally:
         core.allocator.free(seq.block_table)
         seq.block_table = []
     return StreamResult(
-        policy=pol.text, nll=torch.cat(nll), kv_bytes=kv_bytes, seconds=time.perf_counter() - t0,
+        policy=pol.text, nll=_cat_nll(nll), kv_bytes=kv_bytes, seconds=time.perf_counter() - t0,
         steady_s_per_token=sum(steady) / len(steady) if steady else 0.0,
         evicted=seq.kv.evicted if seq.kv is not None else 0, segment=segment,
     )
+
+
+def _cat_nll(parts: list) -> torch.Tensor:
+    """Tensors (chunks) and floats (one-token steps) in stream order -> one float64 tensor."""
+    out: list[torch.Tensor] = []
+    run: list[float] = []
+    for p in parts:
+        if isinstance(p, float):
+            run.append(p)
+            continue
+        if run:
+            out.append(torch.tensor(run, dtype=torch.float64))
+            run = []
+        out.append(p)
+    if run:
+        out.append(torch.tensor(run, dtype=torch.float64))
+    return torch.cat(out)
 
 
 def _causal_windows(window: int):

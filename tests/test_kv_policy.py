@@ -309,3 +309,63 @@ def test_cli_stream_perplexity(capsys):
     assert rc == 0 and "stream perplexity" in out and out.count("  tokens ") == 3 and "evicted" in out
     rc = main(["perplexity", str(STORIES_HF), str(f), "--stream", "--kv-policy", "lru:3"])
     assert rc == 2 and "valid:" in capsys.readouterr().err
+
+
+# -- per-request policies (SamplingParams.kv_policy) -------------------------------
+
+
+def test_mixed_policies_batch_like_each_alone():
+    """sink + full + h2o + snapkv sequences in one engine, batched (prefill chunks beside
+    decodes): each gives the greedy tokens of an engine running its policy engine-wide."""
+    from llmsys import LLM, SamplingParams
+
+    need_shared(STORIES_HF)
+    kw = dict(dtype="float32", progress=False, block_size=4, kv_cache_tokens=256, max_model_len=40,
+              max_num_batched_tokens=12)
+    llm = LLM(str(STORIES_HF), **kw)
+    prompts = [[1] + llm.tokenizer.encode(t, add_special_tokens=False)
+               for t in ("Once upon a time", "The dog ran to the big red ball and", "Tom", "Lily saw a bird")]
+    policies = ["sink:2,window:14", None, "h2o:8,recent:8", "snapkv:12,obs:4,pool:3"]
+
+    def sp(p):
+        return SamplingParams(max_tokens=48, temperature=0, ignore_eos=True, kv_policy=p)
+
+    mixed = llm.generate(prompts, [sp(p) for p in policies])
+    for prompt, policy, out in zip(prompts, policies, mixed):
+        alone = LLM(str(STORIES_HF), kv_policy=policy or "full", **kw).generate([prompt], sp(None))[0]
+        assert out.token_ids == alone.token_ids, policy
+        assert out.usage.evicted_tokens == alone.usage.evicted_tokens
+        if policy is None:  # full: stops at the context, as always
+            assert out.finish_reason == "length" and len(prompt) + len(out.token_ids) == 40
+            assert out.usage.evicted_tokens == 0
+        else:  # evicting: slides past it, max_tokens honoured
+            assert len(out.token_ids) == 48 and out.usage.evicted_tokens > 0
+    assert llm.core.allocator.num_used == 0
+
+
+def test_per_request_policy_checks():
+    from llmsys import LLM, SamplingParams
+
+    need_shared(STORIES_HF)
+    with pytest.raises(InvalidParameterError, match="unknown KV policy"):
+        SamplingParams(kv_policy="lru:3")
+    llm = LLM(str(STORIES_HF), dtype="float32", progress=False, block_size=4, kv_cache_tokens=128, max_model_len=24)
+    rt = llm.core.kv_policy
+    assert rt.resolve(None).kind == "full" and rt.resolve("sink:2,window:14").budget == 16
+    for text, needle in (("window:200", "KV pool"), ("recompute:16", "perplexity"), ("quest:2", "engine-wide")):
+        with pytest.raises(InvalidParameterError, match=needle):
+            llm.core.add_request([1, 5, 6], SamplingParams(kv_policy=text))
+    # a long prompt is fine for a sliding policy, an overflow for the default
+    long_prompt = [1] + [7] * 30
+    with pytest.raises(ContextOverflowError):
+        llm.core.add_request(long_prompt, SamplingParams())
+    out = llm.generate([long_prompt], SamplingParams(max_tokens=5, temperature=0, kv_policy="window:16"))[0]
+    assert len(out.token_ids) == 5 and out.usage.evicted_tokens > 0
+    int8 = LLM(str(STORIES_HF), dtype="float32", progress=False, kv_cache_tokens=128, kv_dtype="int8")
+    with pytest.raises(InvalidParameterError, match="float KV pool"):
+        int8.core.kv_policy.resolve("sink:4,window:28")
+    quest = LLM(str(STORIES_HF), dtype="float32", progress=False, block_size=4, kv_cache_tokens=256, kv_policy="quest:8")
+    assert quest.core.kv_policy.resolve("quest:8") is quest.core.kv_policy.policy  # the engine's own: fine
+    for text in ("full", "sink:2,window:14", "quest:4"):
+        with pytest.raises(InvalidParameterError, match="engine-wide"):
+            quest.core.kv_policy.resolve(text)

@@ -452,3 +452,60 @@ def test_context_full_is_said_not_silent(env):
         if part.choices and part.choices[0].finish_reason:
             last = part.choices[0]
     assert last.finish_reason == "length" and last.model_extra["finish_details"]["n_ctx"] == 512
+
+
+# -- per-request KV policy (llmsys extension field `kv_policy`) -------------------------
+
+
+def test_per_request_sink_continues_past_the_context(env):
+    """A request with kv_policy sink slides past the 512-token context (evictions in usage);
+    a default request on the same server stops there with finish_details context_full."""
+    c = _client(env["a"])
+    body = {"ignore_eos": True, "kv_policy": "sink:4,window:60"}
+    sink = c.completions.create(model="m", prompt="Once upon a time", max_tokens=600, temperature=0, extra_body=body)
+    ch = sink.choices[0]
+    assert ch.finish_reason == "length" and "finish_details" not in ch.model_extra
+    n_prompt = sink.usage.prompt_tokens
+    assert sink.usage.completion_tokens == 600 and n_prompt + 600 > 512
+    assert sink.usage.model_extra["evicted_tokens"] >= n_prompt + 600 - 64 - 16  # kept <= budget + one chunk
+    default = c.completions.create(model="m", prompt="Once upon a time", max_tokens=600, temperature=0,
+                                   extra_body={"ignore_eos": True})
+    assert default.choices[0].model_extra["finish_details"]["type"] == "context_full"
+    assert default.usage.completion_tokens == 512 - n_prompt and default.usage.model_extra["evicted_tokens"] == 0
+    # streamed chat, same policy: also past the context, no context_full
+    last, usage = None, None
+    for part in c.chat.completions.create(model="m", messages=[{"role": "user", "content": "Tell a story"}],
+                                          max_tokens=600, temperature=0, stream=True, extra_body=body,
+                                          stream_options={"include_usage": True}):
+        if part.choices and part.choices[0].finish_reason:
+            last = part.choices[0]
+        usage = part.usage or usage
+    assert last.finish_reason == "length" and "finish_details" not in last.model_extra
+    assert usage.completion_tokens == 600 and usage.model_extra["evicted_tokens"] > 0
+
+
+@pytest.mark.parametrize("policy,needle", [
+    ("lru:3", "unknown KV policy 'lru'"),
+    ("sink:4", "write it as one of"),
+    ("window:1", "at least 2 tokens"),
+    ("window:" + "9" * 30, "too large"),
+    ("x" * 300, "at most 200 characters"),
+    ("window:1000000", "does not fit the KV pool"),
+    ("recompute:64", "scoring oracle"),
+    ("quest:4", "engine-wide"),
+    (17, "valid string"),
+])
+def test_bad_kv_policy_is_400(env, policy, needle):
+    for path, body in (("/v1/completions", {"prompt": "x", "max_tokens": 2}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2})):
+        r = _post(env["a"], path, {**body, "kv_policy": policy})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert needle in err["message"] and err["param"] == "kv_policy", err
+
+
+def test_kv_policy_is_in_the_openapi_schema(env):
+    schema = httpx.get(env["a"].url + "/openapi.json").json()["components"]["schemas"]
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        field = schema[name]["properties"]["kv_policy"]
+        assert "sink:S,window:N" in field["description"]

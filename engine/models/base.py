@@ -181,6 +181,9 @@ class DecoderModel(nn.Module):
         # layer(...) as hook(i, layer, h, positions, rope_cache, k_cache, v_cache, meta) so
         # layer i's weights are made resident just before it runs and released after.
         self.layer_hook: Any = None
+        # Set by the engine (engine/models/fast_decode.py): the same decode step in fewer
+        # torch ops, used for the steps it accepts (pure decode, CPU, float32 pool).
+        self.fast_decode: Any = None
 
     def tie_weights(self) -> None:
         if self.args.tie_word_embeddings:
@@ -198,6 +201,9 @@ class DecoderModel(nn.Module):
         kv: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
+        fast = self.fast_decode
+        if fast is not None and fast.accepts(kv, meta):
+            return fast(input_ids, positions, kv, meta)
         h = self.model.embed_tokens(input_ids)
         for i, layer in enumerate(self.model.layers):
             k_cache, v_cache = kv.layer(i)

@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmsys.engine.errors import ContextOverflowError, LLMSysError
 from llmsys.engine.sampling import SamplingParams
+from llmsys.offload.kv_policy import KVPolicy
 from llmsys.engine.server.completions import (
     Job,
     chat_logprobs,
@@ -185,9 +186,19 @@ def create_app(state: ServerState) -> FastAPI:
             "max_model_len": state.llm.max_model_len,
         }]}
 
-    def check_prompt(ids: list[int], field: str) -> None:
+    def kv_policy(req: Any) -> KVPolicy | None:
+        """The request's ``kv_policy`` checked against this engine (400 naming the problem), or None."""
+        if req.kv_policy is None:
+            return None
+        try:
+            return state.llm.core.kv_policy.resolve(req.kv_policy)
+        except LLMSysError as e:
+            raise APIError(400, str(e), param="kv_policy", code="invalid_kv_policy") from None
+
+    def check_prompt(ids: list[int], field: str, policy: KVPolicy | None) -> None:
         max_len = state.llm.max_model_len
-        if len(ids) >= max_len:
+        slides = (policy or state.llm.core.kv_policy.policy).allows_long_prompts  # the window slides in prefill
+        if len(ids) >= max_len and not slides:
             raise APIError(
                 400,
                 f"this model's context holds {max_len} tokens but the prompt has {len(ids)}; "
@@ -201,7 +212,7 @@ def create_app(state: ServerState) -> FastAPI:
         if bad is not None:
             raise APIError(400, f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})", param=field)
 
-    def sampling(req: Any, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling(req: Any, max_tokens: int | None, logprobs: int | None, policy: KVPolicy | None) -> SamplingParams:
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
@@ -217,6 +228,7 @@ def create_app(state: ServerState) -> FastAPI:
                 ignore_eos=req.ignore_eos,
                 logprobs=logprobs,
                 min_tokens=req.min_tokens,
+                kv_policy=policy,
             )
         except LLMSysError as e:
             raise APIError(400, str(e)) from None
@@ -247,7 +259,7 @@ def create_app(state: ServerState) -> FastAPI:
             if logprobs is not None:
                 lp = chat_logprobs(state, r["lps"], logprobs) if chat else completion_logprobs(state, r["lps"], 0)[0]
             c: dict[str, Any] = {"index": i, "logprobs": lp, "finish_reason": r["finish"] or "abort"}
-            details = finish_details(r["finish"], r["timings"], state.llm.max_model_len)
+            details = finish_details(r["finish"], r["timings"], state.llm.max_model_len, job.evicts)
             if details is not None:
                 c["finish_details"] = details
             if chat:
@@ -274,12 +286,13 @@ def create_app(state: ServerState) -> FastAPI:
                                 "use /v1/completions with a plain prompt", param="messages", code="no_chat_template")
         messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()} for m in req.messages]
         ids = tok.encode_chat(messages)
-        check_prompt(ids, "messages")
+        policy = kv_policy(req)
+        check_prompt(ids, "messages", policy)
         top = None
         if req.logprobs:
             top = req.top_logprobs or 0
         max_tokens = req.max_completion_tokens or req.max_tokens
-        return await run(request, req, True, [ids], sampling(req, max_tokens, top), top)
+        return await run(request, req, True, [ids], sampling(req, max_tokens, top, policy), top)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
@@ -296,9 +309,10 @@ def create_app(state: ServerState) -> FastAPI:
         if len(raw) * req.n > 64:
             raise APIError(400, f"{len(raw)} prompts x n={req.n} is more than 64 completions per request", param="n")
         prompts = [state.llm.tokenizer.encode(x) if isinstance(x, str) else list(x) for x in raw]
+        policy = kv_policy(req)
         for ids in prompts:
-            check_prompt(ids, "prompt")
+            check_prompt(ids, "prompt", policy)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
-        return await run(request, req, False, prompts, sampling(req, max_tokens, req.logprobs), req.logprobs)
+        return await run(request, req, False, prompts, sampling(req, max_tokens, req.logprobs, policy), req.logprobs)
 
     return app

@@ -53,13 +53,15 @@ class Job:
         loop = asyncio.get_running_loop()
         vocab = state.json_vocab() if json_mode else None
         max_len = state.llm.max_model_len
+        # An evicting KV policy (the request's, else the server's) slides past the context.
+        self.evicts = state.llm.core.kv_policy.resolve(params.kv_policy).evicts
         self.subs: list[Submission] = []
         for ids in prompts:
             for j in range(n):
                 sp = params if params.seed is None or j == 0 else replace(params, seed=seed_for_sample(params.seed, j))
                 constraint = None
                 if vocab is not None:
-                    room = max_len - len(ids)
+                    room = max_len if self.evicts else max_len - len(ids)
                     budget = min(room, sp.max_tokens) if sp.max_tokens is not None else room
                     constraint = JsonConstraint(vocab, budget)
                 k = len(self.subs)
@@ -71,6 +73,7 @@ class Job:
                            code="queue_full", headers={"Retry-After": "1"}) from None
         self.done: set[int] = set()
         self.cached_tokens = 0  # prompt tokens served from the prefix cache, over every choice
+        self.evicted_tokens = 0  # KV tokens the eviction policy dropped, over every choice
 
     async def items(self, is_disconnected: Callable[[], Any] | None = None) -> AsyncIterator[tuple[int, StreamChunk]]:
         """Chunks as they come, until every engine request finished."""
@@ -93,6 +96,8 @@ class Job:
                 self.done.add(idx)
                 if item.usage is not None and idx % self.n == 0:  # one prompt's n samples share it
                     self.cached_tokens += item.usage.cached_tokens
+                if item.usage is not None:
+                    self.evicted_tokens += item.usage.evicted_tokens
             yield idx, item
 
     def abort_rest(self) -> None:
@@ -104,7 +109,8 @@ class Job:
     def usage(self, completion_tokens: int) -> dict[str, Any]:
         p = sum(len(ids) for ids in self.prompts)
         return {"prompt_tokens": p, "completion_tokens": completion_tokens, "total_tokens": p + completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+                "evicted_tokens": self.evicted_tokens}  # llmsys extension: the KV policy's evictions
 
 
 def timings_dict(ts: list[Timings]) -> dict[str, float]:
@@ -126,10 +132,11 @@ def timings_dict(ts: list[Timings]) -> dict[str, float]:
     }
 
 
-def finish_details(reason: str | None, timings: Timings | None, n_ctx: int) -> dict[str, Any] | None:
+def finish_details(reason: str | None, timings: Timings | None, n_ctx: int, evicts: bool = False) -> dict[str, Any] | None:
     """Say so when the context, not ``max_tokens``, ended a choice (``finish_reason`` is
-    ``length`` either way): never a silent truncation. None otherwise."""
-    if reason != "length" or timings is None:
+    ``length`` either way): never a silent truncation. None otherwise, and None under an
+    evicting KV policy (``evicts``), which slides past the context instead."""
+    if reason != "length" or timings is None or evicts:
         return None
     n = timings.prompt_tokens + timings.generated_tokens
     if n < n_ctx:
@@ -235,7 +242,7 @@ async def stream_events(
                     else:
                         lp, offsets[idx] = completion_logprobs(state, ch.logprobs, offsets[idx])
                 choice: dict[str, Any] = {"index": idx, "logprobs": lp, "finish_reason": ch.finish_reason}
-                details = finish_details(ch.finish_reason, ch.timings, state.llm.max_model_len)
+                details = finish_details(ch.finish_reason, ch.timings, state.llm.max_model_len, job.evicts)
                 if details is not None:
                     choice["finish_details"] = details
                 if chat:

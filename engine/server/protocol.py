@@ -85,7 +85,8 @@ class ChatMessage(BaseModel):
 
 class _Common(BaseModel):
     """Fields both completion endpoints share (OpenAI names, plus a few
-    vLLM-style extensions: top_k, min_p, repetition_penalty, ignore_eos, min_tokens)."""
+    vLLM-style extensions: top_k, min_p, repetition_penalty, ignore_eos, min_tokens,
+    and llmsys's kv_policy)."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -106,6 +107,13 @@ class _Common(BaseModel):
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
+    kv_policy: str | None = Field(
+        None, max_length=200,
+        description="llmsys extension: this request's KV eviction policy, in --kv-policy syntax: full, window:N, "
+                    "sink:S,window:N, h2o:H,recent:R or snapkv:N (budgets in tokens, or sizes like 64KiB). "
+                    "Default: the server's --kv-policy. quest:K is engine-wide (server flag only).",
+        examples=["sink:4,window:252"],
+    )
 
 
 class ChatCompletionRequest(_Common):

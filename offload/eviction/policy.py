@@ -7,7 +7,8 @@ last few queries (``obs [W, L]``, SnapKV). It returns the sorted cache indices
 to keep; the mechanics (moving K/V, re-rotating keys, freeing blocks) live in
 :mod:`llmsys.offload.eviction.compact` so every policy shares one tested path.
 
-Text syntax (``--kv-policy``, ``LLM(kv_policy=...)``):
+Text syntax (``--kv-policy``, ``LLM(kv_policy=...)``, per request
+``SamplingParams(kv_policy=...)`` and the server's ``kv_policy`` field):
 
 * ``full``                        no eviction (context full -> finish "length")
 * ``window:N``                    the last N tokens
@@ -57,14 +58,16 @@ class Amount:
 def _amount(key: str, text: str, policy: str) -> Amount:
     m = _NUM.match(text)
     if not m:
-        raise InvalidParameterError(f"--kv-policy {policy!r}: {key} needs a number of tokens or a size like 64KiB, got {text!r}")
+        raise InvalidParameterError(f"kv_policy {policy!r}: {key} needs a number of tokens or a size like 64KiB, got {text!r}")
     unit = (m.group(2) or "").upper()
+    if len(m.group(1)) > 15:  # beyond any pool (and int()/float() of a huge digit string fails oddly)
+        raise InvalidParameterError(f"kv_policy {policy!r}: {key} {text!r} is too large")
     if unit not in _UNITS:
-        raise InvalidParameterError(f"--kv-policy {policy!r}: unknown size unit {m.group(2)!r}; use B, KiB, MiB or GiB")
+        raise InvalidParameterError(f"kv_policy {policy!r}: unknown size unit {m.group(2)!r}; use B, KiB, MiB or GiB")
     if unit:
         return Amount(float(m.group(1)) * _UNITS[unit], True)
     if "." in m.group(1):
-        raise InvalidParameterError(f"--kv-policy {policy!r}: {key} must be a whole number of tokens, got {text!r}")
+        raise InvalidParameterError(f"kv_policy {policy!r}: {key} must be a whole number of tokens, got {text!r}")
     return Amount(int(m.group(1)), False)
 
 
@@ -95,6 +98,11 @@ class KVPolicy:
         return self.kind in ("window", "sink", "h2o", "snapkv")
 
     @property
+    def allows_long_prompts(self) -> bool:
+        """Prompts longer than the context are fine: the window slides during prefill."""
+        return self.kind in ("window", "sink", "h2o")
+
+    @property
     def needs_scores(self) -> bool:
         return self.kind in ("h2o", "snapkv")
 
@@ -121,7 +129,7 @@ class KVPolicy:
         return pol
 
     def _validate(self) -> None:
-        bad = lambda msg: InvalidParameterError(f"--kv-policy {self.text!r}: {msg}")  # noqa: E731
+        bad = lambda msg: InvalidParameterError(f"kv_policy {self.text!r}: {msg}")  # noqa: E731
         if self.kind in ("window", "recompute") and self.window < 2:
             raise bad("the window must hold at least 2 tokens")
         if self.kind == "sink" and (self.sinks < 1 or self.window < 1):
@@ -130,6 +138,8 @@ class KVPolicy:
             raise bad("h2o needs H >= 1 heavy hitters and R >= 1 recent tokens (write h2o:128,recent:128)")
         if self.kind == "snapkv" and (self.keep <= self.obs or self.pool < 1 or self.pool % 2 == 0):
             raise bad(f"snapkv needs N > obs ({self.obs}) and an odd pool size")
+        if self.kind == "snapkv" and self.pool > self.keep:
+            raise bad(f"snapkv's pool ({self.pool}) must not be wider than N ({self.keep})")
         if self.kind == "quest" and self.top_pages < 1:
             raise bad("quest needs K >= 1 pages")
         if self.chunk < 0:
@@ -219,22 +229,22 @@ def parse_kv_policy(text: str | KVPolicy | None) -> KVPolicy:
     for k in names:
         if k not in allowed:
             raise InvalidParameterError(
-                f"--kv-policy {src!r}: {k!r} does not belong to {kind!r}; valid: {_SYNTAX}"
+                f"kv_policy {src!r}: {k!r} does not belong to {kind!r}; valid: {_SYNTAX}"
             )
     missing = [k for k in required if k not in names]
     if missing or len(set(names)) != len(names):
-        raise InvalidParameterError(f"--kv-policy {src!r}: write it as one of {_SYNTAX}")
+        raise InvalidParameterError(f"kv_policy {src!r}: write it as one of {_SYNTAX}")
     fields: dict = {}
     raw = []
     for k, v in kv:
         if kind == "full" and k == "full":
             continue
         if v is None:
-            raise InvalidParameterError(f"--kv-policy {src!r}: {k} needs a value ({k}:N); valid: {_SYNTAX}")
+            raise InvalidParameterError(f"kv_policy {src!r}: {k} needs a value ({k}:N); valid: {_SYNTAX}")
         name = _FIELD[k]
         amt = _amount(k, v, src)
         if amt.is_bytes and name not in _BYTES_OK:
-            raise InvalidParameterError(f"--kv-policy {src!r}: {k} is a count, not a size")
+            raise InvalidParameterError(f"kv_policy {src!r}: {k} is a count, not a size")
         if amt.is_bytes:
             raw.append((name, amt))
             fields[name] = 0

@@ -1,13 +1,21 @@
-"""Applying a :class:`KVPolicy` to running sequences.
+"""Applying :class:`KVPolicy` objects to running sequences.
 
-The engine calls three hooks, and only when a policy other than ``full`` is
-active (the default path does no extra per-token work):
+Each sequence carries its own policy (``SeqKVState.policy``): the engine's
+``--kv-policy`` is only the default, and a request may choose another
+(``SamplingParams.kv_policy``), so sequences under ``full``, ``sink`` and
+``h2o`` run in one batch. A :class:`PolicyRuntime` is the engine-wide part:
+the pool, the model's RoPE table, Quest's page summaries (Quest selects pages
+for every sequence of a batch, so it is an engine-wide choice only), and
+:meth:`PolicyRuntime.resolve`, which checks a request's policy against this
+engine. The engine calls three hooks; a sequence without state (``full``)
+costs no per-token work:
 
 * ``before_step(seq, n)`` from the scheduler, before it grows the block
   table: caps a prefill chunk and evicts so ``cache_len + n`` fits the budget
   (freed blocks go back to the allocator at once);
 * ``annotate(meta, scheduled)`` from the runner: installs the attention
-  override that records scores (H2O, SnapKV) or selects pages (Quest);
+  override that records scores (H2O, SnapKV: only those sequences' rows; the
+  others attend as they would alone) or selects pages (Quest);
 * ``after_forward(scheduled, meta)`` from the runner: appends the new tokens
   to each sequence's bookkeeping, folds in the scores, and compresses a
   SnapKV prompt at the end of its prefill.
@@ -20,40 +28,68 @@ trained context.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import torch
 
 from llmsys import kernels
-from llmsys.kernels.cpu_attention import make_gather_plan, paged_attention_gathered_scores
-from llmsys.offload.eviction.compact import compact_kv
-from llmsys.offload.eviction.policy import KVPolicy
+from llmsys.engine.errors import InvalidParameterError
+from llmsys.kernels.cpu_attention import make_gather_plan, paged_attention_gathered, paged_attention_gathered_scores
+from llmsys.offload.eviction.compact import compact_kv, ensure_rope_positions
+from llmsys.offload.eviction.policy import KVPolicy, parse_kv_policy
 from llmsys.offload.eviction.quest import QuestAttention
 
 
-@dataclass
 class SeqKVState:
-    """One sequence's cache bookkeeping (CPU tensors, indexed by cache index)."""
+    """One sequence's policy and cache bookkeeping (CPU tensors, indexed by cache index).
 
-    cache_len: int = 0
-    orig: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))  # [L] stream positions
-    score: torch.Tensor | None = None  # [L] f32 accumulated attention mass (h2o)
-    obs: torch.Tensor | None = None  # [W', L] f32 attention rows of the last queries (snapkv)
-    evicted: int = 0  # tokens dropped so far (reported in Usage.evicted_tokens)
-    max_cache_len: int = 0  # high-water mark (tests: budget honoured)
+    ``orig`` (the stream position of every cached token) grows by one range
+    per step; the ranges are kept as two ints and turned into a tensor only
+    when something reads ``orig`` (an eviction), not with a ``torch.cat``
+    every token.
+    """
+
+    def __init__(self, policy: KVPolicy, chunk: int = 1):
+        self.policy = policy  # resolved, evicting
+        self.chunk = chunk  # tokens evicted at once
+        self.cache_len = 0
+        self._orig = torch.zeros(0, dtype=torch.int64)  # [L'] materialised prefix of orig
+        self._tail = (0, 0)  # (first stream position, count) appended after _orig
+        self.score: torch.Tensor | None = None  # [L] f32 accumulated attention mass (h2o)
+        self.obs: torch.Tensor | None = None  # [W', L] f32 attention rows of the last queries (snapkv)
+        self.evicted = 0  # tokens dropped so far (reported in Usage.evicted_tokens)
+        self.max_cache_len = 0  # high-water mark (tests: budget honoured)
+
+    @property
+    def orig(self) -> torch.Tensor:  # [L] int64 stream positions of the cached tokens
+        start, count = self._tail
+        if count:
+            self._orig = torch.cat([self._orig, torch.arange(start, start + count)])
+            self._tail = (0, 0)
+        return self._orig
+
+    def append(self, start: int, n: int) -> None:
+        """``n`` new tokens at stream positions ``start..`` joined the cache."""
+        s, c = self._tail
+        if c and s + c != start:
+            self.orig  # noqa: B018 -- not contiguous with the pending range: materialise it first
+            s, c = 0, 0
+        self._tail = (start if not c else s, c + n)
+        self.cache_len += n
+        self.max_cache_len = max(self.max_cache_len, self.cache_len)
 
     def reset(self) -> None:
         """After preemption: the sequence is recomputed from scratch."""
         self.cache_len = 0
-        self.orig = self.orig[:0]
+        self._orig = self._orig[:0]
+        self._tail = (0, 0)
         self.score = None
         self.obs = None
 
     def keep(self, idx: torch.Tensor) -> None:
+        self._orig = self.orig[idx]
         self.evicted += self.cache_len - idx.numel()
         self.cache_len = idx.numel()
-        self.orig = self.orig[idx]
         if self.score is not None:
             self.score = self.score[idx]
         if self.obs is not None:
@@ -63,17 +99,23 @@ class SeqKVState:
 class ScoreCollector:
     """Attention override that also sums attention rows over layers.
 
-    ``score_from[b]``: first new token of sequence ``b`` whose row is kept.
+    ``score_from[b]``: first new token of sequence ``b`` whose row is kept,
+    or None for a sequence that needs no scores (another policy, or ``full``):
+    those attend through the plain path, batched apart from the scoring ones,
+    exactly as they would without a scoring neighbour.
     ``rows[b]``: ``[nq_b, context_len_b]`` mass summed over heads and layers.
     """
 
-    def __init__(self, score_from: list[int], context_lens: list[int]):
+    def __init__(self, score_from: list[int | None], context_lens: list[int]):
         self.score_from = score_from
         self.context_lens = context_lens
         self.rows: list[torch.Tensor | None] = [None] * len(score_from)
         self._plan = None
+        self._split = None  # (scoring rows, their plan, their tokens, other plan, other tokens)
 
     def __call__(self, q, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
+        if any(f is None for f in self.score_from):
+            return self._mixed(q, k_cache, v_cache, meta, scale)
         if q.is_cuda and meta.is_decode and k_cache.dtype != torch.int8:
             res = kernels.paged_decode_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.context_lens_t, scale, return_scores=True
@@ -89,14 +131,47 @@ class ScoreCollector:
                     self._plan = make_gather_plan(qlens, meta.context_lens, tables, k_cache.shape[1], q.device)
                 plan = self._plan
             out, rows = paged_attention_gathered_scores(q, k_cache, v_cache, plan, scale, self.score_from)
-        for b, r in enumerate(rows):
+        self._add_rows(range(len(rows)), rows)
+        return out
+
+    def _add_rows(self, seqs: Iterable[int], rows: list[torch.Tensor]) -> None:
+        for b, r in zip(seqs, rows):
             r = r[:, : self.context_lens[b]].float().cpu()
             self.rows[b] = r if self.rows[b] is None else self.rows[b] + r
+
+    def _mixed(self, q, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
+        """Scoring sequences through the scores path, the others through the plain one (two sub-batches)."""
+        if self._split is None:  # layer-independent: once per step
+            bs = k_cache.shape[1]
+            qs = meta.query_start
+            tables = [row[: -(-n // bs)] for row, n in zip(meta.block_tables.cpu().tolist(), meta.context_lens)]
+            parts = []
+            for want in (True, False):
+                rows = [b for b, f in enumerate(self.score_from) if (f is not None) == want]
+                plan = make_gather_plan([qs[b + 1] - qs[b] for b in rows], [meta.context_lens[b] for b in rows],
+                                        [tables[b] for b in rows], bs, q.device)
+                tok = torch.tensor([t for b in rows for t in range(qs[b], qs[b + 1])], dtype=torch.int64, device=q.device)
+                parts += [rows, plan, tok]
+            self._split = parts
+        srows, splan, stok, _, oplan, otok = self._split
+        out = q.new_empty(q.shape)
+        res, rows = paged_attention_gathered_scores(
+            q.index_select(0, stok), k_cache, v_cache, splan, scale, [self.score_from[b] for b in srows]
+        )
+        out.index_copy_(0, stok, res)
+        out.index_copy_(0, otok, paged_attention_gathered(q.index_select(0, otok), k_cache, v_cache, oplan, scale))
+        self._add_rows(srows, rows)
         return out
 
 
 class PolicyRuntime:
-    """Engine-wide policy state: the policy, the pool, the model's RoPE table."""
+    """Engine-wide policy state: the default policy, the pool, the model's RoPE table.
+
+    ``policy`` is the engine's default (``--kv-policy``); a sequence's own
+    policy is in its :class:`SeqKVState`. ``chunk``: tokens evicted at once
+    when a policy does not say (the block size in the engine, 1 in stream
+    scoring).
+    """
 
     def __init__(self, policy: KVPolicy, model: Any, kv: Any, allocator: Any, block_size: int, chunk: int | None = None):
         self.policy = policy
@@ -104,30 +179,50 @@ class PolicyRuntime:
         self.kv = kv
         self.allocator = allocator
         self.block_size = block_size
-        self.chunk = max(1, policy.chunk or chunk or block_size)  # tokens evicted at once
+        self.chunk = max(1, chunk or block_size)
         self.quest = QuestAttention(policy.top_pages, block_size) if policy.kind == "quest" else None
         self.evicted_total = 0
 
-    @classmethod
-    def create(cls, policy: KVPolicy, model: Any, kv: Any, allocator: Any, block_size: int) -> "PolicyRuntime | None":
-        """None for ``full`` (the engine then runs its plain path)."""
-        if policy.kind == "full":
+    def resolve(self, text: str | KVPolicy | None) -> KVPolicy:
+        """A request's policy (None: the engine's), resolved and checked against this engine.
+
+        No side effects, so the server can call it from a handler thread.
+        Raises :class:`InvalidParameterError` naming the problem.
+        """
+        if text is None:
+            return self.policy
+        pol = parse_kv_policy(text).resolve(self.kv.spec.bytes_per_token)
+        if pol.kind == self.policy.kind and pol.text == self.policy.text:
+            return self.policy
+        check_policy(pol, self.kv, self.block_size)
+        if pol.kind == "quest":
+            raise InvalidParameterError(
+                f"kv_policy {pol.text!r}: quest is engine-wide (it selects KV pages for every sequence of a batch); "
+                "start the engine with --kv-policy quest:K instead of asking for it per request"
+            )
+        if self.quest is not None:
+            raise InvalidParameterError(
+                f"kv_policy {pol.text!r}: this engine runs {self.policy.text} for every request (quest is "
+                "engine-wide); restart it without --kv-policy quest to choose a policy per request"
+            )
+        return pol
+
+    def new_state(self, policy: KVPolicy | None = None) -> SeqKVState | None:
+        """Bookkeeping for a new sequence under ``policy`` (default: the engine's); None unless it evicts.
+
+        Grows the model's RoPE table to the budget first (positions are cache indices).
+        """
+        pol = policy or self.policy
+        if not pol.evicts:
             return None
-        return cls(policy, model, kv, allocator, block_size)
-
-    @property
-    def allows_long_prompts(self) -> bool:
-        """Prompts longer than the context are fine when the window slides during prefill."""
-        return self.policy.kind in ("window", "sink", "h2o")
-
-    def new_state(self) -> SeqKVState | None:
-        return SeqKVState() if self.policy.evicts else None
+        ensure_rope_positions(self.model, pol.budget + self.block_size)
+        return SeqKVState(pol, max(1, pol.chunk or self.chunk))
 
     # -- scheduler hook ------------------------------------------------------
     def before_step(self, seq: Any, n: int) -> int:
         """Cap ``n`` and evict so the step fits the budget; returns the new ``n``."""
         st: SeqKVState = seq.kv
-        pol = self.policy
+        pol = st.policy
         budget = pol.budget
         if st.cache_len + n <= budget:
             return n
@@ -136,16 +231,16 @@ class PolicyRuntime:
         # Every new token of a chunk should see at least half the budget of history.
         n = min(n, max(1, budget - max(pol.min_keep, budget // 2)))
         if st.cache_len + n > budget:
-            target = max(min(budget - n - (self.chunk - 1), st.cache_len), min(pol.min_keep, budget - n))
+            target = max(min(budget - n - (st.chunk - 1), st.cache_len), min(pol.min_keep, budget - n))
             self.evict(seq, min(target, budget - n))
         return n
 
     def evict(self, seq: Any, target: int) -> None:
-        """Keep ``target`` tokens of ``seq`` (the policy picks which), free spare blocks."""
+        """Keep ``target`` tokens of ``seq`` (its policy picks which), free spare blocks."""
         st: SeqKVState = seq.kv
         if target >= st.cache_len:
             return
-        keep = self.policy.select(st.orig, target, st.score, st.obs)
+        keep = st.policy.select(st.orig, target, st.score, st.obs)
         compact_kv(self.kv.k, self.kv.v, seq.block_table, self.block_size, keep, self.model.rope_cache)
         before = st.cache_len
         st.keep(keep)
@@ -160,13 +255,15 @@ class PolicyRuntime:
         if self.quest is not None:
             meta.policy_attn = self.quest
             return
-        if not self.policy.needs_scores:
-            return
-        frm = []
+        frm: list[int | None] = []
         for s in scheduled:
-            n = s.num_new_tokens
-            frm.append(0 if self.policy.kind == "h2o" else max(0, n - self.policy.obs))
-        meta.policy_attn = ScoreCollector(frm, list(meta.context_lens))
+            pol = s.seq.kv.policy if s.seq.kv is not None else None
+            if pol is None or not pol.needs_scores:
+                frm.append(None)
+            else:
+                frm.append(0 if pol.kind == "h2o" else max(0, s.num_new_tokens - pol.obs))
+        if any(f is not None for f in frm):
+            meta.policy_attn = ScoreCollector(frm, list(meta.context_lens))
 
     def after_forward(self, scheduled: Iterable[Any], meta: Any) -> None:
         coll = getattr(meta, "policy_attn", None)
@@ -176,51 +273,52 @@ class PolicyRuntime:
             st: SeqKVState | None = seq.kv
             if st is None:
                 continue
-            L = st.cache_len + n
-            st.orig = torch.cat([st.orig, torch.arange(seq.num_computed, seq.num_computed + n)])
-            st.cache_len = L
-            st.max_cache_len = max(st.max_cache_len, L)
+            st.append(seq.num_computed, n)
+            pol = st.policy
+            if not pol.needs_scores:
+                continue
+            L = st.cache_len
             r = rows[b] if rows is not None else None
-            if self.policy.kind == "h2o":
+            if pol.kind == "h2o":
                 add = r.sum(0) if r is not None else torch.zeros(L)
                 prev = st.score if st.score is not None else torch.zeros(0)
                 st.score = torch.cat([prev, torch.zeros(n)]) + add
-            elif self.policy.kind == "snapkv" and r is not None:
+            elif pol.kind == "snapkv" and r is not None:
                 prev = st.obs if st.obs is not None else torch.zeros(0, L - n)
                 prev = torch.cat([prev, torch.zeros(prev.shape[0], n)], dim=1)
-                st.obs = torch.cat([prev, r], dim=0)[-self.policy.obs :]
-                if seq.num_computed + n == len(seq.prompt_ids) and L > self.policy.budget:
+                st.obs = torch.cat([prev, r], dim=0)[-pol.obs :]
+                if seq.num_computed + n == len(seq.prompt_ids) and L > pol.budget:
                     # End of prefill: compress the prompt (room left for the chunk of decodes).
-                    self.evict(seq, max(self.policy.obs + 1, self.policy.budget - self.chunk))
+                    self.evict(seq, max(pol.obs + 1, pol.budget - st.chunk))
 
 
-def make_policy_runtime(text: Any, model: Any, kv: Any, allocator: Any, block_size: int, max_len: int) -> PolicyRuntime | None:
-    """Parse + resolve + check a policy for an engine; None for ``full``.
-
-    Also extends the model's RoPE table when the engine's context (or the
-    policy's budget) reaches past the trained positions.
-    """
-    from llmsys.engine.errors import InvalidParameterError
-    from llmsys.offload.eviction.compact import ensure_rope_positions
-    from llmsys.offload.eviction.policy import parse_kv_policy
-
+def check_policy(pol: KVPolicy, kv: Any, block_size: int) -> None:
+    """Can this engine run ``pol`` for generation? Raises :class:`InvalidParameterError` naming why not."""
     spec = kv.spec
-    pol = parse_kv_policy(text).resolve(spec.bytes_per_token)
-    ensure_rope_positions(model, max(max_len, pol.budget) + block_size)
-    if pol.kind == "full":
-        return None
     if pol.kind == "recompute":
         raise InvalidParameterError(
-            "--kv-policy recompute:N is a scoring oracle; use it with `llmsys perplexity --stream`, not for generation"
+            f"kv_policy {pol.text!r}: recompute:N is a scoring oracle; use it with `llmsys perplexity --stream`, "
+            "not for generation"
         )
-    if getattr(kv, "quantized", False):
+    if pol.kind != "full" and getattr(kv, "quantized", False):
         raise InvalidParameterError(
-            f"--kv-policy {pol.text!r} needs a float KV pool; drop --kv-dtype {spec.kv_dtype} or use --kv-policy full"
+            f"kv_policy {pol.text!r} needs a float KV pool; drop --kv-dtype {spec.kv_dtype} or use full"
         )
     pool = (spec.num_blocks - 1) * block_size
     if pol.evicts and pol.budget + block_size > pool:
         raise InvalidParameterError(
-            f"--kv-policy {pol.text!r}: budget {pol.budget} tokens does not fit the KV pool ({pool} tokens); "
-            "lower the budget or raise --kv-cache-tokens"
+            f"kv_policy {pol.text!r}: budget {pol.budget} tokens does not fit the KV pool ({pool} tokens, "
+            f"less one block of headroom); lower the budget or raise --kv-cache-tokens"
         )
+
+
+def make_policy_runtime(text: Any, model: Any, kv: Any, allocator: Any, block_size: int, max_len: int) -> PolicyRuntime:
+    """Parse + resolve + check the engine's default policy; the runtime every engine has.
+
+    Also extends the model's RoPE table when the engine's context (or the
+    policy's budget) reaches past the trained positions.
+    """
+    pol = parse_kv_policy(text).resolve(kv.spec.bytes_per_token)
+    check_policy(pol, kv, block_size)
+    ensure_rope_positions(model, max(max_len, pol.budget) + block_size)
     return PolicyRuntime(pol, model, kv, allocator, block_size)
