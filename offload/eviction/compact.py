@@ -23,10 +23,18 @@ def rotate_by(
     delta: torch.Tensor,  # [M] int64 position change (new - old), any sign
     rope_cache: torch.Tensor,  # [max_pos, D] float32 cos | sin
 ) -> torch.Tensor:  # [M, H, D] keys rotated at old + delta
-    half = x.shape[-1] // 2
+    return _rotate(x, *_rotation(delta, rope_cache))
+
+
+def _rotation(delta: torch.Tensor, rope_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin ``[M, 1, D/2]`` of the angles ``delta`` (shared by every layer's keys)."""
+    half = rope_cache.shape[-1] // 2
     rows = rope_cache[delta.abs()]  # [M, D]
-    cos = rows[:, None, :half]
-    sin = rows[:, None, half:] * delta.sign().to(rows.dtype)[:, None, None]  # sin(-a) = -sin(a)
+    return rows[:, None, :half], rows[:, None, half:] * delta.sign().to(rows.dtype)[:, None, None]  # sin(-a) = -sin(a)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
     xf = x.float()
     x1, x2 = xf[..., :half], xf[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
@@ -59,12 +67,12 @@ def compact_kv(
     table = torch.as_tensor(block_table, dtype=torch.int64)
     s_slots = slots_of(src, table, block_size).to(device)
     d_slots = slots_of(dst, table, block_size).to(device)
-    delta = (dst - src).to(device)
+    rot = _rotation((dst - src).to(device), rope_cache) if rope_cache is not None else None  # once for all layers
     for k, v in zip(k_caches, v_caches):
         hk, d = k.shape[-2], k.shape[-1]
         kf, vf = k.view(-1, hk, d), v.view(-1, hk, d)
         ks = kf[s_slots]  # [M, Hk, D] copies (src > dst, so no aliasing)
-        kf[d_slots] = rotate_by(ks, delta, rope_cache) if rope_cache is not None else ks
+        kf[d_slots] = _rotate(ks, *rot) if rot is not None else ks
         vf[d_slots] = vf[s_slots]
     return int(src.numel())
 
