@@ -407,7 +407,8 @@ class Sampler:
 
         temps = _per_row([1.0 if p.greedy else p.temperature for p in params], device)
         x = penalized / temps[:, None]
-        top_k = _per_row([p.top_k for p in params], device, torch.long)
+        # top_k >= V is off; clamped so a huge value (the server does not bound it) fits a long tensor
+        top_k = _per_row([min(p.top_k, penalized.shape[-1]) for p in params], device, torch.long)
         x = apply_top_k(x, top_k)
         x = apply_top_p(x, _per_row([p.top_p for p in params], device), top_k)
         return apply_min_p(x, _per_row([p.min_p for p in params], device))

@@ -484,6 +484,16 @@ def test_per_request_sink_continues_past_the_context(env):
     assert usage.completion_tokens == 600 and usage.model_extra["evicted_tokens"] > 0
 
 
+def test_per_request_window_takes_a_prompt_longer_than_the_context(env):
+    prompt = "a " * 600  # over the 512-token context: 400 by default (test_context_overflow_400)
+    r = _client(env["a"]).completions.create(model="m", prompt=prompt, max_tokens=4, temperature=0,
+                                             extra_body={"kv_policy": "window:128"})
+    assert r.usage.prompt_tokens > 512 and r.usage.completion_tokens == 4
+    assert r.usage.model_extra["evicted_tokens"] >= r.usage.prompt_tokens - 128
+    r = _post(env["a"], "/v1/completions", {"prompt": prompt, "kv_policy": "snapkv:64"})  # compresses a whole prompt
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+
+
 @pytest.mark.parametrize("policy,needle", [
     ("lru:3", "unknown KV policy 'lru'"),
     ("sink:4", "write it as one of"),
