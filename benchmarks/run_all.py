@@ -100,6 +100,7 @@ SCRIPTS: dict[str, list[str]] = {
     "quant": ["benchmarks/bench_quant.py", "--threads", "2"],
     "longctx": ["benchmarks/bench_longctx.py", "--chunk", "16"],
     "offload": ["benchmarks/bench_offload.py"],
+    "kv-tier": ["benchmarks/bench_kv_tier.py", "--prompt", "3500", "--new", "32", "--rounds", "3"],
     "server": ["benchmarks/bench_server.py"],
 }
 

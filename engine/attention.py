@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from llmsys import kernels
-from llmsys.kernels.cpu_attention import GatherPlan, make_gather_plan, paged_attention_gathered
+from llmsys.kernels.cpu_attention import ColdBlocks, GatherPlan, make_gather_plan, paged_attention_gathered
 
 
 @dataclass
@@ -40,6 +40,9 @@ class AttentionMetadata:
     # KV policy override (llmsys.offload.kv_policy): called as f(q, k_cache, v_cache, meta, scale)
     # instead of the kernels when a policy needs scores (H2O/SnapKV) or page selection (Quest).
     policy_attn: Any = None
+    # The step's cold KV blocks (llmsys.offload.kv_tier): block-table ids >= cold.first live outside
+    # the pool; the gather plan reads them from the tier's staging (None: every block is in the pool).
+    cold: ColdBlocks | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -52,12 +55,16 @@ def build_metadata(
     block_tables: list[list[int]],
     block_size: int,
     device: torch.device,
+    cold: ColdBlocks | None = None,
 ) -> AttentionMetadata:
     """Tensors attention needs, from plain Python lists.
 
     Sequence ``b``'s new tokens are positions ``context_lens[b] -
     query_lens[b] .. context_lens[b] - 1`` of its context; ``block_tables[b]``
-    must cover ``context_lens[b]`` tokens.
+    must cover ``context_lens[b]`` tokens. With ``cold``, table entries
+    ``>= cold.first`` are cold blocks: the step gets a gather plan on any
+    device (the plan reads them from the tier's staging), and new tokens must
+    land in pool blocks.
     """
     B = len(query_lens)
     nblk = max(len(t) for t in block_tables)
@@ -71,8 +78,8 @@ def build_metadata(
         slots.append(tt[pos // block_size] * block_size + pos % block_size)
         starts.append(starts[-1] + query_lens[b])
     plan = None
-    if device.type != "cuda":
-        plan = make_gather_plan(query_lens, context_lens, block_tables, block_size, device)
+    if device.type != "cuda" or cold is not None:
+        plan = make_gather_plan(query_lens, context_lens, block_tables, block_size, device, cold)
     return AttentionMetadata(
         slot_mapping=torch.cat(slots).to(device),
         query_start=starts,
@@ -82,6 +89,7 @@ def build_metadata(
         query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
         is_decode=max(query_lens) == 1,
         plan=plan,
+        cold=cold,
     )
 
 

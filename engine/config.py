@@ -86,6 +86,10 @@ class EngineConfig:
     # Swap space for preempted sequences' KV (llmsys.offload.kv_swap): bytes, 0 = off (recompute),
     # None = auto (as many blocks as the pool, at most 4 GiB; CPU RAM for a GPU pool, else disk).
     swap_space: int | None = None
+    # Cold KV tier (llmsys.offload.kv_tier): room for this many tokens of KV beyond the pool
+    # (--kv-cache-tokens is then the hot part), or a size such as "2GiB"; 0 = off. On disk
+    # (the offload folder) for a CPU pool, in pinned CPU RAM for a GPU pool.
+    kv_offload_tokens: int | str = 0
     kv_policy: str = "full"
     # Reuse the KV blocks of prompt prefixes seen before (llmsys.engine.prefix_cache). Benchmarks
     # of prefill speed turn it off: a repeated prompt would not be computed at all.
@@ -110,6 +114,18 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and not isinstance(v, int):
                 object.__setattr__(self, name, parse_size(v))
+        off = self.kv_offload_tokens
+        if off is None or (isinstance(off, str) and off.strip().isdigit()):
+            object.__setattr__(self, "kv_offload_tokens", int(off or 0))
+        elif isinstance(off, str):
+            parse_size(off)  # a size: checked now, turned into tokens once the KV shape is known
+        if isinstance(self.kv_offload_tokens, int) and self.kv_offload_tokens < 0:
+            raise InvalidParameterError(f"kv_offload_tokens must be >= 0, got {self.kv_offload_tokens}")
+
+    def offload_tokens(self, bytes_per_token: int) -> int:
+        """Tokens of KV the cold tier holds (``kv_offload_tokens`` as tokens, or its size over the KV per token)."""
+        off = self.kv_offload_tokens
+        return off if isinstance(off, int) else (parse_size(off) or 0) // bytes_per_token
 
     def with_(self, **changes: Any) -> "EngineConfig":
         return replace(self, **changes)

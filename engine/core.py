@@ -30,6 +30,7 @@ from llmsys.engine.sequence import Sequence
 from llmsys.engine.tokenizer import Tokenizer
 from llmsys.offload.kv_policy import make_policy_runtime
 from llmsys.offload.kv_swap import make_swap_space
+from llmsys.offload.kv_tier import make_kv_tier
 
 
 @dataclass
@@ -58,6 +59,10 @@ class MemoryReport:
     staging: dict[str, int] = field(default_factory=dict)  # tier -> offload ring/staging buffer bytes
     kv_swap_total: dict[str, int] = field(default_factory=dict)  # tier -> swap space for preempted KV
     kv_swap_used: dict[str, int] = field(default_factory=dict)  # tier -> bytes of swapped-out blocks
+    # Cold KV tier (llmsys.offload.kv_tier); its bytes are also in kv_total / kv_used under its tier.
+    kv_cold_blocks_total: int = 0
+    kv_cold_blocks_used: int = 0
+    kv_blocks_by_tier: dict[str, tuple[int, int]] | None = None  # tier -> (used, total) blocks, with a cold tier
 
 
 def _apply_constraints(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -83,7 +88,11 @@ class EngineCore:
         self.config = config
         self.max_len = max_len  # prompt + output tokens per request, at most
         self.kv = KVCache(kv_spec, loaded.device)
-        self.allocator = BlockAllocator(kv_spec.num_blocks)
+        # Cold KV tier (None unless --kv-offload-tokens): block ids past the pool, demoted to disk / RAM.
+        extra = config.extra or {}
+        self.tier = make_kv_tier(self.kv, config.offload_tokens(kv_spec.bytes_per_token), config.offload_dir,
+                                 extra.get("kv_offload_tier"), bool(extra.get("kv_offload_drop_cache", False)))
+        self.allocator = BlockAllocator(kv_spec.num_blocks, self.tier.num_cold if self.tier is not None else 0)
         self.scheduler = Scheduler(
             self.allocator, kv_spec.block_size, config.max_num_seqs, config.max_num_batched_tokens,
             prefix_caching=config.prefix_caching,
@@ -96,6 +105,9 @@ class EngineCore:
         # Swap space for preempted sequences (None: recompute only).
         self.swap = make_swap_space(self.kv, config.swap_space, config.offload_dir)
         self.scheduler.swap = self.runner.swap = self.swap
+        self.scheduler.tier = self.runner.tier = self.tier
+        if self.tier is not None and self.kv_policy.quest is not None:
+            self.kv_policy.quest.tier = self.tier  # Quest reads only the cold pages it selects
         self.sampler = Sampler()
         eos = set(loaded.args.eos_token_id) | set(tokenizer.eos_token_ids)
         gen_eos = loaded.generation_config.get("eos_token_id")
@@ -251,14 +263,28 @@ class EngineCore:
         rt = getattr(self.loaded.model, "offload_runtime", None)  # llmsys.offload: weights per tier
         weights = rt.weight_bytes(self.loaded.model) if rt is not None else {tier: self.loaded.weight_bytes}
         sw = self.swap
+        kv_total, kv_used = {tier: spec.nbytes}, {tier: used * per_block}
+        staging = rt.staging_bytes() if rt is not None else {}
+        tr, by_tier = self.tier, None
+        if tr is not None:  # cold blocks under their own tier ('disk' for a CPU pool, 'cpu' for a GPU pool)
+            cold = self.allocator.num_cold_used
+            kv_total[tr.tier] = kv_total.get(tr.tier, 0) + tr.nbytes()
+            kv_used[tr.tier] = kv_used.get(tr.tier, 0) + cold * tr.block_bytes
+            staging[tier] = staging.get(tier, 0) + tr.staging_bytes()
+            by_tier = {tier: (used, spec.num_blocks - 1)}
+            u, t = by_tier.get(tr.tier, (0, 0))
+            by_tier[tr.tier] = (u + cold, t + tr.num_cold)
         return MemoryReport(
             weights=weights,
-            staging=rt.staging_bytes() if rt is not None else {},
-            kv_total={tier: spec.nbytes},
-            kv_used={tier: used * per_block},
+            staging=staging,
+            kv_total=kv_total,
+            kv_used=kv_used,
             kv_blocks_total=spec.num_blocks - 1,
             kv_blocks_used=used,
             block_size=spec.block_size,
             kv_swap_total={sw.tier: sw.nbytes()} if sw is not None else {},
             kv_swap_used={sw.tier: sw.used_bytes()} if sw is not None else {},
+            kv_cold_blocks_total=tr.num_cold if tr is not None else 0,
+            kv_cold_blocks_used=self.allocator.num_cold_used if tr is not None else 0,
+            kv_blocks_by_tier=by_tier,
         )

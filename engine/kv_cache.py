@@ -98,17 +98,28 @@ class BlockAllocator:
     can be found again by ``lookup`` until ``allocate`` needs it for new data
     (plain free blocks go first). Such blocks count as free: they hold no live
     request's tokens.
+
+    Cold blocks (``num_cold`` > 0, a KV tier beyond the pool,
+    :mod:`llmsys.offload.kv_tier`): ids ``num_blocks .. num_blocks + num_cold
+    - 1``. They are never handed out for new data; :meth:`demote` moves a
+    referenced pool block's reference (and its prefix registration) to a cold
+    id, and the pool block is free again. Freed registered cold blocks wait in
+    their own least-recently-freed list, so a later prompt finds its prefix in
+    the cold tier. ``num_free`` / ``num_used`` count pool blocks only.
     """
 
-    def __init__(self, num_blocks: int):
+    def __init__(self, num_blocks: int, num_cold: int = 0):
         if num_blocks < 2:
             raise BudgetError(f"KV pool needs at least 2 blocks, got {num_blocks}; raise the KV budget")
         self.num_blocks = num_blocks
+        self.num_cold = num_cold
         self._free = list(range(num_blocks - 1, 0, -1))  # pop() yields 1, 2, ...
-        self._refs = [0] * num_blocks
+        self._refs = [0] * (num_blocks + num_cold)
         self._hash_of: dict[int, bytes] = {}  # block -> prefix hash of its contents
         self._block_of: dict[bytes, int] = {}  # prefix hash -> block
         self._cached: OrderedDict[int, None] = OrderedDict()  # unreferenced registered blocks, oldest first
+        self._cold_free = list(range(num_blocks + num_cold - 1, num_blocks - 1, -1))
+        self._cold_cached: OrderedDict[int, None] = OrderedDict()
 
     @property
     def num_free(self) -> int:
@@ -126,6 +137,49 @@ class BlockAllocator:
 
     def can_allocate(self, n: int) -> bool:
         return n <= self.num_free
+
+    @property
+    def num_cold_free(self) -> int:
+        return len(self._cold_free) + len(self._cold_cached)
+
+    @property
+    def num_cold_used(self) -> int:
+        """Cold blocks some request references now."""
+        return self.num_cold - self.num_cold_free
+
+    @property
+    def num_cold_cached(self) -> int:
+        """Free cold blocks that still hold a registered prefix."""
+        return len(self._cold_cached)
+
+    def is_cold(self, block: int) -> bool:
+        return block >= self.num_blocks
+
+    def refs(self, block: int) -> int:
+        return self._refs[block]
+
+    def demote(self, block: int) -> int | None:
+        """Move a pool block held by one reference to a cold id (None: the cold tier is full).
+
+        The caller swaps the id in its block table and copies the data; a
+        prefix registration follows the data to the cold id.
+        """
+        if self._refs[block] != 1 or block >= self.num_blocks:
+            raise ValueError(f"block {block} cannot be demoted (refs {self._refs[block]})")
+        if self._cold_free:
+            c = self._cold_free.pop()
+        elif self._cold_cached:
+            c, _ = self._cold_cached.popitem(last=False)
+            del self._block_of[self._hash_of.pop(c)]
+        else:
+            return None
+        self._refs[c], self._refs[block] = 1, 0
+        key = self._hash_of.pop(block, None)
+        if key is not None:
+            self._hash_of[c] = key
+            self._block_of[key] = c
+        self._free.append(block)
+        return c
 
     def allocate(self, n: int) -> list[int]:
         """``n`` blocks for new data: never-registered ones first, then the oldest cached."""
@@ -149,7 +203,12 @@ class BlockAllocator:
             self._refs[b] -= 1
             if self._refs[b] > 0:
                 continue
-            if b in self._hash_of:
+            if b >= self.num_blocks:
+                if b in self._hash_of:
+                    self._cold_cached[b] = None
+                else:
+                    self._cold_free.append(b)
+            elif b in self._hash_of:
                 self._cached[b] = None
             else:
                 plain.append(b)
@@ -170,7 +229,7 @@ class BlockAllocator:
             if b is None:
                 break
             if self._refs[b] == 0:
-                del self._cached[b]
+                del (self._cold_cached if b >= self.num_blocks else self._cached)[b]
             self._refs[b] += 1
             out.append(b)
         return out

@@ -41,7 +41,9 @@ def size_kv_pool(loaded: LoadedModel, config: EngineConfig) -> tuple[KVCacheSpec
     The context limit is the model's trained context (or ``max_model_len``).
     The pool holds ``kv_cache_tokens`` tokens when given; otherwise enough for
     ``max_num_seqs`` full contexts, capped at a quarter of the memory free now
-    (never less than one full context).
+    (never less than one full context). A cold tier (``kv_offload_tokens``)
+    adds to what one request may hold: the context limit is then at most hot
+    plus cold tokens.
     """
     a = loaded.args
     max_len = min(config.max_model_len or a.max_position_embeddings, getattr(a, "max_context", 1 << 30))
@@ -53,9 +55,10 @@ def size_kv_pool(loaded: LoadedModel, config: EngineConfig) -> tuple[KVCacheSpec
     probe = KVCacheSpec(a.num_hidden_layers, 1, config.block_size, a.num_key_value_heads, a.head_dim, loaded.dtype,
                         kv_dtype)
     per_tok = probe.bytes_per_token
+    cold = config.offload_tokens(per_tok)
     if config.kv_cache_tokens is not None:
         tokens = config.kv_cache_tokens
-        max_len = min(max_len, tokens)
+        max_len = min(max_len, tokens + cold)
     else:
         if loaded.device.type == "cuda":
             free = torch.cuda.mem_get_info(loaded.device)[0]
@@ -63,7 +66,7 @@ def size_kv_pool(loaded: LoadedModel, config: EngineConfig) -> tuple[KVCacheSpec
             free = psutil.virtual_memory().available
         cap = max(free // 4 // per_tok, 1)
         tokens = max(min(max_len * config.max_num_seqs, cap), min(max_len, cap))
-        max_len = min(max_len, tokens)
+        max_len = min(max_len, tokens + cold)
     bs = config.block_size
     num_blocks = blocks_needed(tokens, bs) + 1  # + the reserved scratch block
     spec = KVCacheSpec(a.num_hidden_layers, num_blocks, bs, a.num_key_value_heads, a.head_dim, loaded.dtype, kv_dtype)
@@ -143,7 +146,7 @@ class LLM:
             tokens = max(min(max_len * c.max_num_seqs, free // 4 // per_tok), min(max_len, 1))
         extra = c.extra or {}
         work = Workload(batch=int(extra.get("plan_batch", 1)), kv_tokens=tokens + c.block_size,
-                        max_batched_tokens=c.max_num_batched_tokens)
+                        max_batched_tokens=c.max_num_batched_tokens, kv_cold_tokens=c.offload_tokens(per_tok))
         self.plan, _ = plan_for(meta_model, dt, budgets, work, c.quant, max_seqs=c.max_num_seqs,
                                 force=extra.get("placement"))
         if not runtime_needed(self.plan, dev):

@@ -38,6 +38,7 @@ class ModelRunner:
         self.block_size = block_size
         self.kv_policy: Any = None  # llmsys.offload.kv_policy.PolicyRuntime (the engine sets it)
         self.swap: Any = None  # llmsys.offload.kv_swap.KVSwapSpace, or None (no swap space)
+        self.tier: Any = None  # llmsys.offload.kv_tier.KVTier, or None (every block in the pool)
 
     def prepare(self, sched: SchedulerOutput) -> StepBatch:
         ids: list[int] = []
@@ -60,9 +61,17 @@ class ModelRunner:
             if s.samples:
                 sample_index.append(len(ids) - 1)
                 sample_rows.append(row)
-        meta = build_metadata(qlens, clens, tables, self.block_size, self.device)
+        cold = None
+        if self.tier is not None:
+            first = self.tier.first
+            cold_ids = sorted({b for t in tables for b in t if b >= first})
+            cold = self.tier.cold_blocks(cold_ids) if cold_ids else None
+        meta = build_metadata(qlens, clens, tables, self.block_size, self.device, cold)
         if self.kv_policy is not None:
             self.kv_policy.annotate(meta, sched.scheduled)
+        if cold is not None:
+            # Quest decode reads only the pages it selects (synchronously, per layer): no prefetch.
+            self.tier.begin_step(prefetch=not (meta.is_decode and getattr(meta.policy_attn, "selects_pages", False)))
         return StepBatch(
             input_ids=torch.as_tensor(ids, dtype=torch.int64, device=self.device),
             positions=torch.as_tensor(pos, dtype=torch.int64, device=self.device),
@@ -74,12 +83,22 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
         """Run one step; returns logits ``[S, V]`` (float32) and the sampling rows."""
-        if sched.swap_out or sched.swap_in:
-            # Outs first: a block freed by a swap-out may be the target of a swap-in this step.
+        # Outs first: a block freed by a swap-out or a demotion may be the target of a swap-in this step.
+        if sched.swap_out:
             self.swap.copy_out(sched.swap_out)
+        if sched.demote:
+            self.tier.demote(sched.demote)
+            quest = getattr(self.kv_policy, "quest", None)
+            if quest is not None:
+                quest.move_pages(sched.demote)
+        if sched.swap_in:
             self.swap.copy_in(sched.swap_in)
         batch = self.prepare(sched)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv, batch.meta)  # [T, hidden]
+        try:
+            hidden = self.model(batch.input_ids, batch.positions, self.kv, batch.meta)  # [T, hidden]
+        finally:
+            if batch.meta.cold is not None:
+                self.tier.end_step()
         if self.kv_policy is not None:
             self.kv_policy.after_forward(sched.scheduled, batch.meta)
         for s in sched.scheduled:  # before any return: a step of mid-prefill chunks must advance too

@@ -9,6 +9,14 @@ either move to the swap space (``llmsys.offload.kv_swap``; copied back when it
 is readmitted) or are dropped and its context re-prefilled later (recompute),
 whichever the swap space estimates is cheaper. The scheduler only decides;
 ``SchedulerOutput.swap_out``/``swap_in`` tell the runner which blocks to copy.
+
+With a cold KV tier (``llmsys.offload.kv_tier``, ``--kv-offload-tokens``) the
+pool's blocks are the hot ones: when it runs out, full blocks of running
+sequences move to cold ids first (oldest positions first; never the open
+block new tokens go to, a shared block, or a block of a sequence under an
+evicting policy), listed in ``SchedulerOutput.demote``; only when the cold
+tier is full too is anything preempted. New tokens always land in hot
+blocks, so a prompt chunk is capped to what the hot pool can hold.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (pool block, swap block), copied first
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (swap block, pool block)
+    demote: list[tuple[int, int]] = field(default_factory=list)  # (pool block, cold block), copied in order
 
     @property
     def num_tokens(self) -> int:
@@ -66,6 +75,9 @@ class Scheduler:
         self.kv_policy: Any = None
         # Swap space for preempted sequences (llmsys.offload.kv_swap.KVSwapSpace) or None: recompute only.
         self.swap: Any = None
+        # Cold KV tier (llmsys.offload.kv_tier.KVTier) or None: the allocator's cold ids are its blocks.
+        self.tier: Any = None
+        self._swapped_in: set[int] = set()  # id() of sequences whose blocks are copied in this step
 
     # -- queue management -------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -90,21 +102,61 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # -- the step decision ------------------------------------------------
-    def _grow(self, seq: Sequence, upto_tokens: int) -> bool:
+    def _grow(self, seq: Sequence, upto_tokens: int, out: SchedulerOutput) -> bool:
         need = blocks_needed(upto_tokens, self.block_size) - len(seq.block_table)
         if need <= 0:
             return True
+        if not self.allocator.can_allocate(need) and self.tier is not None:
+            self._demote(need - self.allocator.num_free, seq, out)
         if not self.allocator.can_allocate(need):
             return False
         seq.block_table.extend(self.allocator.allocate(need))
         return True
 
+    def _demote(self, n: int, growing: Sequence, out: SchedulerOutput) -> int:
+        """Move up to ``n`` hot blocks of running sequences (and ``growing``) to the cold tier.
+
+        Candidates: blocks full of computed KV (so never the open block new
+        tokens go to), held by one reference, of sequences without an evicting
+        policy (their compaction moves tokens between blocks) whose blocks are
+        not being copied in this step. Oldest positions first, older sequences
+        first on a tie. Returns how many moved.
+        """
+        alloc, bs = self.allocator, self.block_size
+        seqs = self.running if growing in self.running else [*self.running, growing]
+        cands = []
+        for s in seqs:
+            if s.kv is not None or id(s) in self._swapped_in:
+                continue
+            table = s.block_table
+            for i in range(min(s.num_computed // bs, len(table))):
+                b = table[i]
+                if not alloc.is_cold(b) and alloc.refs(b) == 1:
+                    cands.append((i, s.arrival, s))
+        cands.sort(key=lambda c: (c[0], c[1]))
+        moved = 0
+        for i, _, s in cands[:n]:
+            hot = s.block_table[i]
+            cold = alloc.demote(hot)
+            if cold is None:
+                break
+            s.block_table[i] = cold
+            out.demote.append((hot, cold))
+            moved += 1
+        return moved
+
+    def _hot_room(self, seq: Sequence) -> int:
+        """New tokens of ``seq`` the hot pool can take in one step (its open block + every other block)."""
+        return (self.allocator.num_blocks - 1) * self.block_size - seq.kv_len % self.block_size
+
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
         keep = blocks_needed(seq.num_computed, self.block_size)  # blocks holding computed tokens
         swap = self.swap
-        # Policy sequences (seq.kv) carry eviction state beside the blocks: they recompute.
-        ids = swap.allocate(keep) if swap is not None and seq.kv is None and swap.prefer_swap(keep, seq.num_computed) else None
+        # Policy sequences (seq.kv) carry eviction state beside the blocks, and the swap space copies
+        # pool blocks only (a sequence holding cold blocks is longer than the hot pool): they recompute.
+        can_swap = swap is not None and seq.kv is None and not any(self.allocator.is_cold(b) for b in seq.block_table)
+        ids = swap.allocate(keep) if can_swap and swap.prefer_swap(keep, seq.num_computed) else None
         if ids is not None:
             out.swap_out.extend(zip(seq.block_table[:keep], ids))
             seq.swapped_blocks = ids
@@ -128,6 +180,7 @@ class Scheduler:
         budget = self.max_tokens
         if self.swap is not None:
             self.swap.end_step()  # last step's swap-ins are copied: their swap blocks are free again
+        self._swapped_in.clear()
         # 1. Running sequences (decodes, or prefills continuing in chunks), oldest first.
         for seq in sorted(self.running, key=lambda s: s.arrival):
             if seq not in self.running:
@@ -137,7 +190,9 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed, budget)
             if seq.kv is not None:
                 n = self.kv_policy.before_step(seq, n)
-            while not self._grow(seq, seq.kv_len + n):
+            if self.tier is not None:
+                n = min(n, self._hot_room(seq))
+            while not self._grow(seq, seq.kv_len + n, out):
                 victim = max(self.running, key=lambda s: s.arrival)
                 self._preempt(victim, out)
                 if victim is seq:
@@ -153,7 +208,9 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed, budget)
             if seq.kv is not None:
                 n = self.kv_policy.before_step(seq, n)
-            if not self._grow(seq, seq.kv_len + n):
+            if self.tier is not None:
+                n = min(n, self._hot_room(seq))
+            if not self._grow(seq, seq.kv_len + n, out):
                 if reused:  # not admitted: do not pin the shared blocks while it waits
                     self.allocator.free(seq.block_table)
                     seq.block_table = []
@@ -163,6 +220,7 @@ class Scheduler:
                 seq.num_cached_tokens = reused
             if seq.swapped_blocks:  # readmitted after a swap-out: copy its blocks back first
                 out.swap_in.extend(zip(seq.swapped_blocks, seq.block_table))
+                self._swapped_in.add(id(seq))
                 self.swap.release(seq.swapped_blocks)
                 seq.swapped_blocks = []
             self.waiting.popleft()

@@ -6,14 +6,37 @@ costs more than the math. Here a :class:`GatherPlan` is built once per engine
 step (it depends only on the batch layout, not the layer) and every layer
 does: gather each sequence's K/V by slot into ``[B, Lmax, Hk, D]``, run one
 ``scaled_dot_product_attention`` with a causal/length mask, unpad.
+
+Cold blocks (a KV tier beyond the pool, ``llmsys.offload.kv_tier``): block ids
+``>= ColdBlocks.first`` are not in the pool tensors. The plan gathers their
+positions from scratch slot 0 and then copies the rows the tier staged for the
+layer over them (``cold_dst`` <- ``cold_src``), so attention sees exactly the
+K/V an all-resident pool would give.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class ColdBlocks:
+    """The cold blocks one step reads (see the module doc); layer-independent.
+
+    ``ids``: the step's cold block ids, sorted; staged block ``j`` holds
+    ``ids[j]``. ``reader.rows(cache)`` returns the staged rows of ``cache``'s
+    layer as ``[n, Hk, D]`` where staged block ``j``'s offset ``o`` is row
+    ``j * rows_per_block + o`` (the reader waits for the layer's read).
+    """
+
+    first: int  # block ids >= first are cold
+    ids: torch.Tensor  # [S] int64, sorted
+    reader: Any
+    rows_per_block: int
 
 
 @dataclass(frozen=True)
@@ -29,6 +52,15 @@ class GatherPlan:
     # batches, (decode plan, their token indices [Bd], prefill plan, their token
     # indices [Tp]), so a decode row is not padded to the longest prompt chunk.
     split: tuple["GatherPlan", torch.Tensor, "GatherPlan", torch.Tensor] | None = None
+    # Cold positions (see ColdBlocks): flat [B * Lmax] indices and their staged rows.
+    cold: ColdBlocks | None = None
+    cold_dst: torch.Tensor | None = None  # [Nc] int64
+    cold_src: torch.Tensor | None = None  # [Nc] int64
+    # The same as (dst start, src start, length) runs when there are few (one per sequence whose
+    # cold blocks were demoted in order), with the [start, end) runs of the other positions: each
+    # gathered row is then written once (pool rows by index_select, cold rows by a slice copy).
+    cold_runs: tuple[tuple[int, int, int], ...] | None = None
+    hot_runs: tuple[tuple[int, int], ...] | None = None
 
 
 def make_gather_plan(
@@ -37,9 +69,10 @@ def make_gather_plan(
     block_tables: list[list[int]],
     block_size: int,
     device: torch.device,
+    cold: ColdBlocks | None = None,
 ) -> GatherPlan:
     """Plan for sequences whose new tokens are the last ``query_lens[b]`` of
-    their ``context_lens[b]``-token context."""
+    their ``context_lens[b]``-token context (block ids ``>= cold.first`` are cold)."""
     B = len(query_lens)
     lmax, qmax = max(context_lens), max(query_lens)
     nblk = max(len(t) for t in block_tables)
@@ -51,6 +84,22 @@ def make_gather_plan(
     valid_k = pos.unsqueeze(0) < lens.unsqueeze(1)  # [B, Lmax]
     slots = table[:, pos // block_size] * block_size + pos % block_size  # [B, Lmax]
     slots = torch.where(valid_k, slots, torch.zeros((), dtype=torch.int64))
+    cold_dst = cold_src = cold_runs = hot_runs = None
+    if cold is not None:
+        blk = table[:, pos // block_size]  # [B, Lmax]
+        is_cold = (blk >= cold.first) & valid_k
+        if bool(is_cold.any()):
+            flat = is_cold.view(-1)
+            cold_dst = flat.nonzero().view(-1)
+            staged = torch.searchsorted(cold.ids, blk.view(-1)[cold_dst])
+            cold_src = staged * cold.rows_per_block + (pos % block_size).repeat(B)[cold_dst]
+            cold_runs = _runs(cold_dst, cold_src)
+            if cold_runs is not None:
+                hot_runs = _gaps(cold_runs, B * lmax)
+            cold_src, cold_dst = cold_src.to(device), cold_dst.to(device)
+            slots = torch.where(is_cold, torch.zeros((), dtype=torch.int64), slots)
+        else:
+            cold = None
     starts = [0]
     for q in query_lens:
         starts.append(starts[-1] + q)
@@ -75,20 +124,67 @@ def make_gather_plan(
         pre = [b for b, q in enumerate(query_lens) if q != 1]
         sub = [
             make_gather_plan([query_lens[b] for b in rows], [context_lens[b] for b in rows],
-                             [block_tables[b] for b in rows], block_size, device)
+                             [block_tables[b] for b in rows], block_size, device, cold)
             for rows in (dec, pre)
         ]
         dec_tok = torch.tensor([starts[b] for b in dec], dtype=torch.int64, device=device)
         pre_tok = torch.tensor([t for b in pre for t in range(starts[b], starts[b + 1])], dtype=torch.int64, device=device)
         split = (sub[0], dec_tok, sub[1], pre_tok)
-    return GatherPlan(slots.to(device), mask, pad_index, tuple(starts), is_decode, split)
+    return GatherPlan(slots.to(device), mask, pad_index, tuple(starts), is_decode, split, cold, cold_dst, cold_src,
+                      cold_runs, hot_runs)
 
 
-def _gather(cache: torch.Tensor, scale: torch.Tensor | None, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+MAX_COLD_RUNS = 64  # more runs than this: one index_select + index_copy_ beats a Python loop of slice copies
+
+
+def _runs(dst: torch.Tensor, src: torch.Tensor) -> tuple[tuple[int, int, int], ...] | None:
+    """Maximal runs where ``dst`` and ``src`` both step by one, or None when there are too many."""
+    brk = ((dst[1:] - dst[:-1] != 1) | (src[1:] - src[:-1] != 1)).nonzero().view(-1) + 1
+    if brk.numel() >= MAX_COLD_RUNS:
+        return None
+    bounds = [0, *brk.tolist(), dst.numel()]
+    dl, sl = dst.tolist(), src.tolist()
+    return tuple((dl[a], sl[a], b - a) for a, b in zip(bounds[:-1], bounds[1:]))
+
+
+def _gaps(runs: tuple[tuple[int, int, int], ...], total: int) -> tuple[tuple[int, int], ...]:
+    """The ``[start, end)`` ranges of ``0..total`` that no run covers (runs are sorted by start)."""
+    out, at = [], 0
+    for dst, _, n in runs:
+        if dst > at:
+            out.append((at, dst))
+        at = dst + n
+    if at < total:
+        out.append((at, total))
+    return tuple(out)
+
+
+def gather_rows(cache: torch.Tensor, plan: GatherPlan) -> torch.Tensor:  # [B * Lmax, Hk, D]
+    """The plan's K or V rows of a float pool: pool slots, then the staged cold rows over their positions."""
     hk, d = cache.shape[-2], cache.shape[-1]
+    flat, slots = cache.view(-1, hk, d), plan.gather_slots.view(-1)
+    if plan.cold is None:
+        # index_select, not cache[slots]: the same gather, ~6x cheaper on CPU (measured).
+        return torch.index_select(flat, 0, slots)
+    rows = plan.cold.reader.rows(cache)
+    if plan.cold_runs is None:  # many runs: gather all (cold positions read scratch slot 0), then overwrite
+        x = torch.index_select(flat, 0, slots)
+        return x.index_copy_(0, plan.cold_dst, rows.index_select(0, plan.cold_src))
+    x = flat.new_empty((slots.numel(), hk, d))
+    for a, b in plan.hot_runs:
+        torch.index_select(flat, 0, slots[a:b], out=x[a:b])
+    for dst, src, n in plan.cold_runs:
+        x[dst : dst + n].copy_(rows[src : src + n])
+    return x
+
+
+def _gather(cache: torch.Tensor, scale: torch.Tensor | None, plan: GatherPlan, dtype: torch.dtype) -> torch.Tensor:
+    hk, d = cache.shape[-2], cache.shape[-1]
+    slots = plan.gather_slots
     flat = slots.reshape(-1)
-    # index_select, not cache[slots]: the same gather, ~6x cheaper on CPU (measured).
-    x = torch.index_select(cache.view(-1, hk, d), 0, flat).view(*slots.shape, hk, d)  # [B, Lmax, Hk, D]
+    if plan.cold is not None and scale is not None:
+        raise ValueError("cold KV blocks: quantized pools have no cold tier")
+    x = gather_rows(cache, plan).view(*slots.shape, hk, d)  # [B, Lmax, Hk, D]
     if scale is not None:  # int8 cache: per (token, head) scales
         sc = torch.index_select(scale.view(-1, hk), 0, flat).view(*slots.shape, hk, 1)
         x = (x.float() * sc).to(dtype)
@@ -96,7 +192,7 @@ def _gather(cache: torch.Tensor, scale: torch.Tensor | None, slots: torch.Tensor
 
 
 def _gather_heads_first(
-    cache: torch.Tensor, scale: torch.Tensor | None, slots: torch.Tensor, dtype: torch.dtype
+    cache: torch.Tensor, scale: torch.Tensor | None, plan: GatherPlan, dtype: torch.dtype
 ) -> torch.Tensor:  # [Hk, B, Lmax, D] contiguous
     """Gather K or V by slot straight into head-major order.
 
@@ -108,7 +204,7 @@ def _gather_heads_first(
     (whose batch dims merge for free) costs half of what gathering from a
     head-major view does, and a quarter of the copies matmul makes.
     """
-    return _gather(cache, scale, slots, dtype).permute(2, 0, 1, 3).contiguous()  # [Hk, B, Lmax, D]
+    return _gather(cache, scale, plan, dtype).permute(2, 0, 1, 3).contiguous()  # [Hk, B, Lmax, D]
 
 
 def _decode_grouped(
@@ -162,11 +258,11 @@ def paged_attention_gathered(
             out.index_copy_(0, tok, res)
         return out
     if plan.is_decode:
-        k = _gather_heads_first(k_cache, k_scale, plan.gather_slots, q.dtype)  # [Hk, B, Lmax, D]
-        v = _gather_heads_first(v_cache, v_scale, plan.gather_slots, q.dtype)
+        k = _gather_heads_first(k_cache, k_scale, plan, q.dtype)  # [Hk, B, Lmax, D]
+        v = _gather_heads_first(v_cache, v_scale, plan, q.dtype)
         return _decode_grouped(q, k, v, plan.attn_mask, scale)
-    k = _gather(k_cache, k_scale, plan.gather_slots, q.dtype).transpose(1, 2)  # [B, Hk, Lmax, D]
-    v = _gather(v_cache, v_scale, plan.gather_slots, q.dtype).transpose(1, 2)
+    k = _gather(k_cache, k_scale, plan, q.dtype).transpose(1, 2)  # [B, Hk, Lmax, D]
+    v = _gather(v_cache, v_scale, plan, q.dtype).transpose(1, 2)
     qpad = torch.cat([q, q.new_zeros(1, Hq, D)], dim=0)  # row T is the pad row
     qb = qpad[plan.query_pad_index].transpose(1, 2)  # [B, Hq, Qmax, D]
     out = F.scaled_dot_product_attention(qb, k, v, attn_mask=plan.attn_mask, scale=scale, enable_gqa=Hq != Hk)
@@ -198,8 +294,8 @@ def paged_attention_gathered_scores(
     T, Hq, D = q.shape
     Hk = k_cache.shape[-2]
     B = len(plan.query_start) - 1
-    k = _gather(k_cache, k_scale, plan.gather_slots, q.dtype).transpose(1, 2)  # [B, Hk, Lmax, D]
-    v = _gather(v_cache, v_scale, plan.gather_slots, q.dtype).transpose(1, 2)
+    k = _gather(k_cache, k_scale, plan, q.dtype).transpose(1, 2)  # [B, Hk, Lmax, D]
+    v = _gather(v_cache, v_scale, plan, q.dtype).transpose(1, 2)
     if Hq != Hk:
         k = k.repeat_interleave(Hq // Hk, dim=1)  # [B, Hq, Lmax, D]
         v = v.repeat_interleave(Hq // Hk, dim=1)

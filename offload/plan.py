@@ -78,6 +78,7 @@ class Workload:
     prompt_len: int = 128
     output_len: int = 128
     kv_tokens: int = 4096  # KV pool capacity (tokens, all sequences)
+    kv_cold_tokens: int = 0  # cold KV tier beyond the pool (llmsys.offload.kv_tier; not in the cost model)
     max_batched_tokens: int = 512  # prefill chunk
 
 
@@ -117,6 +118,15 @@ class Plan:
     reasons: tuple[str, ...] = ()
     alternatives: tuple[tuple[str, float], ...] = ()  # (description, decode ms) of other feasible plans
     min_cpu_bytes: int = 0  # smallest --cpu-mem that could run at all
+
+    @property
+    def kv_cold_tier(self) -> str:
+        """Where the cold KV tier lives: pinned CPU RAM beside a GPU pool, else the offload folder."""
+        return "cpu" if self.kv_tier == "gpu" else "disk"
+
+    @property
+    def kv_cold_bytes(self) -> int:
+        return self.workload.kv_cold_tokens * self.kv_bytes // max(self.workload.kv_tokens, 1)
 
     @property
     def units(self) -> tuple[Placement, ...]:

@@ -42,6 +42,9 @@ def format_plan(plan: "Plan") -> str:
         rows.append((p.name, _KIND_TEXT[p.kind] + extra, format_bytes(p.nbytes), f"{p.ms:.2f}", p.bound))
     rows.append(("KV pool", f"{plan.kv_tier.upper()} RAM" if plan.kv_tier == "cpu" else "GPU", format_bytes(plan.kv_bytes),
                  "", f"{plan.workload.kv_tokens} tokens"))
+    if plan.workload.kv_cold_tokens:
+        where = "CPU RAM (pinned), read per layer" if plan.kv_cold_tier == "cpu" else "disk, read per layer"
+        rows.append(("KV cold tier", where, format_bytes(plan.kv_cold_bytes), "", f"{plan.workload.kv_cold_tokens} tokens"))
     for tier, nb in plan.staging.items():
         rows.append((f"staging ({tier})", f"{2} ring buffers", format_bytes(nb), "", ""))
     head = ("unit", "placement", "bytes", "ms/step", "bound")
@@ -94,6 +97,17 @@ def explain_lines(plan: "Plan", shape: "ModelShape") -> list[str]:
         )
     if plan.embed is not None and plan.embed.kind == "disk":
         out.append("embeddings stay on disk: a step reads only the rows of its tokens")
+    w = plan.workload
+    kv_home = "GPU memory" if plan.kv_tier == "gpu" else "CPU RAM"
+    if w.kv_cold_tokens:
+        cold = "pinned CPU RAM" if plan.kv_cold_tier == "cpu" else "a file in the offload folder"
+        out.append(
+            f"KV: {w.kv_tokens} tokens hot in {kv_home}, {w.kv_cold_tokens} more cold in {cold} "
+            f"({format_bytes(plan.kv_cold_bytes)}); older full blocks move there when the hot pool is full and "
+            "attention reads them back one layer ahead (those reads are not in the step times above)"
+        )
+    else:
+        out.append(f"KV: {w.kv_tokens} tokens in {kv_home} (--kv-offload-tokens adds a cold tier beyond them)")
     alts = [a for a in plan.alternatives[1:4]]
     if alts:
         out.append("runners-up (decode ms/step): " + "; ".join(f"[{d}] {ms:.1f}" for d, ms in alts))

@@ -13,6 +13,7 @@ import torch
 from llmsys import LLM, SamplingParams
 from llmsys.engine.kv_cache import KVCache, KVCacheSpec
 from llmsys.offload.kv_swap import KVSwapSpace, make_swap_space
+from tiny_models import random_kv_pool
 
 PROMPTS = ["Once upon a time", "The cat sat", "Tom and Sue went to", "One day, a big dog"]
 SP = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
@@ -63,19 +64,9 @@ def test_full_swap_space_falls_back_to_recompute(stories_hf, reference, tmp_path
     assert llm.core.swap.stats.recomputes > 0
 
 
-def _pool(num_blocks=6, layers=3) -> KVCache:
-    spec = KVCacheSpec(num_layers=layers, num_blocks=num_blocks, block_size=4, num_kv_heads=2, head_dim=8,
-                       dtype=torch.float32)
-    kv = KVCache(spec, torch.device("cpu"))
-    g = torch.Generator().manual_seed(0)
-    for t in kv.k + kv.v:
-        t.copy_(torch.randn(t.shape, generator=g))
-    return kv
-
-
 @pytest.mark.parametrize("tier", ["cpu", "disk"])
 def test_copy_out_then_in_is_exact_for_every_layer(tier, tmp_path):
-    kv = _pool()
+    kv = random_kv_pool()
     before_k = [t.clone() for t in kv.k]
     before_v = [t.clone() for t in kv.v]
     sw = KVSwapSpace(kv, 4, tmp_path, tier=tier)
@@ -94,7 +85,7 @@ def test_copy_out_then_in_is_exact_for_every_layer(tier, tmp_path):
 
 
 def test_swap_blocks_freed_by_a_swap_in_wait_for_the_next_step():
-    sw = KVSwapSpace(_pool(), 2)
+    sw = KVSwapSpace(random_kv_pool(), 2)
     ids = sw.allocate(2)
     assert sw.allocate(1) is None
     sw.release(ids)  # copied in by the runner later this step
@@ -104,7 +95,7 @@ def test_swap_blocks_freed_by_a_swap_in_wait_for_the_next_step():
 
 
 def test_prefer_swap_follows_the_measured_costs():
-    sw = KVSwapSpace(_pool(), 4, tier="disk")
+    sw = KVSwapSpace(random_kv_pool(), 4, tier="disk")
     assert sw.prefer_swap(2, 8)  # nothing measured yet: keep the computed work
     assert not sw.prefer_swap(5, 20)  # more blocks than the swap space has
     assert not sw.prefer_swap(0, 0)
@@ -121,20 +112,20 @@ def test_quantized_pools_and_zero_budget_have_no_swap_space():
     spec = KVCacheSpec(num_layers=2, num_blocks=4, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32,
                        kv_dtype="int8")
     assert make_swap_space(KVCache(spec, torch.device("cpu")), None, None) is None
-    assert make_swap_space(_pool(), 0, None) is None
-    auto = make_swap_space(_pool(num_blocks=6), None, None)
+    assert make_swap_space(random_kv_pool(), 0, None) is None
+    auto = make_swap_space(random_kv_pool(num_blocks=6), None, None)
     assert auto.num_blocks == 6  # auto: as many blocks as the pool
 
 
 def test_unknown_tier_is_refused_with_the_choices():
     with pytest.raises(ValueError, match="swap tier must be 'cpu' or 'disk', got 'nvme'"):
-        KVSwapSpace(_pool(), 2, tier="nvme")
+        KVSwapSpace(random_kv_pool(), 2, tier="nvme")
 
 
 def test_a_short_read_of_the_swap_file_names_the_block(tmp_path):
     import os
 
-    sw = KVSwapSpace(_pool(), 2, tmp_path, tier="disk")
+    sw = KVSwapSpace(random_kv_pool(), 2, tmp_path, tier="disk")
     (j,) = sw.allocate(1)
     sw.copy_out([(1, j)])
     os.ftruncate(sw._fd, 0)  # the file lost its data (disk full, someone truncated it)

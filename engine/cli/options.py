@@ -29,7 +29,7 @@ def _opt(name: str, annotation: Any, default: Any, *flags: str, help: str) -> in
 _ENGINE_NAMES = {
     "device", "dtype", "max_model_len", "block_size", "kv_cache_tokens", "max_num_seqs",
     "max_num_batched_tokens", "threads", "quant", "kv_dtype", "gpu_mem", "cpu_mem", "offload_dir", "kv_policy",
-    "swap_space", "prefix_caching",
+    "swap_space", "prefix_caching", "kv_offload_tokens",
 }
 
 ENGINE_PARAMS = [
@@ -49,6 +49,9 @@ ENGINE_PARAMS = [
     _opt("kv_policy", str, "full", "--kv-policy", help="KV eviction: full, window:N, sink:S,window:N, ..."),
     _opt("swap_space", Optional[str], None, "--swap-space",
          help="swap space for preempted requests' KV, e.g. 2GiB; 0 = recompute instead (default: pool size, <= 4GiB)"),
+    _opt("kv_offload_tokens", str, "0", "--kv-offload-tokens",
+         help="KV beyond --kv-cache-tokens, kept cold (disk for a CPU pool, RAM for a GPU pool) and read per layer: "
+              "tokens or a size, e.g. 32768 or 2GiB; 0 = off"),
     _opt("prefix_caching", bool, True, "--prefix-caching/--no-prefix-caching",
          help="reuse the KV of prompt prefixes seen before (off: every prompt is computed in full)"),
 ]

@@ -82,7 +82,7 @@ def plan_command(
         budget = budgets.gpu if budgets.gpu is not None else budgets.cpu
         tokens = kv_tokens_within(budget, per_tok, tokens, min(max_len, 512))
     work = Workload(batch=batch, prompt_len=prompt_len, output_len=output_len, kv_tokens=tokens,
-                    max_batched_tokens=config.max_num_batched_tokens)
+                    max_batched_tokens=config.max_num_batched_tokens, kv_cold_tokens=config.offload_tokens(per_tok))
     plan, _ = plan_for(meta, dt, budgets, work, config.quant, max_seqs=batch)
     if as_json:
         print(json.dumps(plan_to_dict(plan), indent=1))
@@ -107,6 +107,8 @@ def plan_to_dict(plan) -> dict[str, Any]:
         "head": asdict(plan.head),
         "kv_tier": plan.kv_tier,
         "kv_bytes": plan.kv_bytes,
+        "kv_cold_tier": plan.kv_cold_tier if plan.workload.kv_cold_tokens else None,
+        "kv_cold_bytes": plan.kv_cold_bytes,
         "staging": plan.staging,
         "decode_ms": plan.decode_ms,
         "prefill_ms": plan.prefill_ms,

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from llmsys import kernels
-from llmsys.kernels.cpu_attention import paged_attention_gathered
+from llmsys.kernels.cpu_attention import gather_rows
 
 
 def _plain_gemm(mod: Any) -> torch.Tensor | None:
@@ -162,7 +162,6 @@ class FastDecode:
         slots, plan = meta.slot_mapping, meta.plan
         # Decode attention as kernels.cpu_attention computes it for a float32 pool (gather each
         # sequence's K/V head-major, two grouped matmuls), minus its no-op casts and re-views.
-        gather = plan.gather_slots.view(-1)
         L = plan.gather_slots.shape[1]
         neg_mask = None if plan.attn_mask is None else ~plan.attn_mask.transpose(0, 1)
         emb = self.model.model.embed_tokens
@@ -186,8 +185,8 @@ class FastDecode:
             r = qk * cos2 + sw * sin2  # [T, Hq + Hk, D]: RoPE, as kernels.rope's reference computes it
             kf.index_copy_(0, slots, r[:, hq:])
             vf.index_copy_(0, slots, v)
-            kg = kf.index_select(0, gather).view(T, L, hk, d).permute(2, 0, 1, 3).contiguous()  # [Hk, B, L, D]
-            vg = vf.index_select(0, gather).view(T, L, hk, d).permute(2, 0, 1, 3).contiguous()
+            kg = gather_rows(kf, plan).view(T, L, hk, d).permute(2, 0, 1, 3).contiguous()  # [Hk, B, L, D]
+            vg = gather_rows(vf, plan).view(T, L, hk, d).permute(2, 0, 1, 3).contiguous()
             s = torch.matmul(r[:, :hq].contiguous().view(T, hk, g, d).transpose(0, 1), kg.transpose(-1, -2)) * fl.scale
             if neg_mask is not None:
                 s = s.masked_fill(neg_mask, float("-inf"))

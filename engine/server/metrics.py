@@ -59,6 +59,7 @@ class Metrics:
         self.running = 0
         self.kv_blocks_used: dict[str, int] = {}
         self.kv_blocks_total = 0
+        self.kv_cold_blocks_total = 0  # cold KV tier (llmsys.offload.kv_tier); 0 = none
         self.swap: dict[str, int] = {}  # swap space: tier, used blocks, swap_outs, recomputes
 
     def count_request(self, endpoint: str, status: int) -> None:
@@ -83,15 +84,17 @@ class Metrics:
             self.e2e.observe(e2e)
 
     def set_gauges(self, queue_depth: int, running: int, kv_used: dict[str, int], kv_total: int,
-                   swap: dict[str, int] | None = None, kv_cached: int = 0) -> None:
+                   swap: dict[str, int] | None = None, kv_cached: int = 0, kv_cold_total: int = 0) -> None:
         """``swap``: swap space counters (``llmsys.offload.kv_swap``), None when swap is off;
-        ``kv_cached``: free blocks still holding a reusable prompt prefix."""
+        ``kv_cached``: free blocks still holding a reusable prompt prefix; ``kv_used`` counts hot
+        blocks under the pool's tier and cold ones (``kv_cold_total`` of them) under theirs."""
         with self._lock:
             self.kv_blocks_cached = kv_cached
             self.queue_depth = queue_depth
             self.running = running
             self.kv_blocks_used = dict(kv_used)
             self.kv_blocks_total = kv_total
+            self.kv_cold_blocks_total = kv_cold_total
             self.swap = dict(swap) if swap else {}
 
     def render(self) -> str:
@@ -121,7 +124,11 @@ class Metrics:
                 ("llmsys_kv_blocks_total", "gauge", "KV blocks in the pool.", self.kv_blocks_total),
             ):
                 lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {val}"]
-            lines += ["# HELP llmsys_kv_blocks_used KV blocks in use, per memory tier.", "# TYPE llmsys_kv_blocks_used gauge"]
+            if self.kv_cold_blocks_total:
+                lines += ["# HELP llmsys_kv_cold_blocks_total KV blocks of the cold tier (offloaded beyond the pool).",
+                          "# TYPE llmsys_kv_cold_blocks_total gauge", f"llmsys_kv_cold_blocks_total {self.kv_cold_blocks_total}"]
+            lines += ["# HELP llmsys_kv_blocks_used KV blocks in use, per memory tier (pool and cold tier).",
+                      "# TYPE llmsys_kv_blocks_used gauge"]
             for tier, v in sorted(self.kv_blocks_used.items()):
                 lines.append(f'llmsys_kv_blocks_used{{tier="{tier}"}} {v}')
             sw = self.swap

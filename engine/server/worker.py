@@ -213,13 +213,15 @@ class EngineWorker(threading.Thread):
         rep = self.core.memory_report()
         tiers = {t: 0 for t in rep.kv_total} or {"cpu": 0}
         first = next(iter(tiers))
-        tiers[first] = rep.kv_blocks_used  # the pool lives on one tier today
+        tiers[first] = rep.kv_blocks_used  # the pool (hot blocks) lives on one tier
+        if rep.kv_cold_blocks_total:  # a cold KV tier (llmsys.offload.kv_tier): 'disk' for a CPU pool
+            tiers[self.core.tier.tier] += rep.kv_cold_blocks_used
         sched = self.core.scheduler
         sw = self.core.swap
         swap = None if sw is None else {"tier": sw.tier, "used": sw.num_used, "swap_outs": sw.stats.swap_outs,
                                         "recomputes": sw.stats.recomputes}
         self.metrics.set_gauges(len(self._waiting) + len(sched.waiting), len(sched.running), tiers,
-                                rep.kv_blocks_total, swap, self.core.allocator.num_cached)
+                                rep.kv_blocks_total, swap, self.core.allocator.num_cached, rep.kv_cold_blocks_total)
 
     def _shutdown(self) -> None:
         while self._waiting:

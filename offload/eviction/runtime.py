@@ -128,7 +128,8 @@ class ScoreCollector:
                 if self._plan is None:
                     qlens = [meta.query_start[i + 1] - meta.query_start[i] for i in range(meta.num_seqs)]
                     tables = [row.tolist() for row in meta.block_tables.cpu()]
-                    self._plan = make_gather_plan(qlens, meta.context_lens, tables, k_cache.shape[1], q.device)
+                    self._plan = make_gather_plan(qlens, meta.context_lens, tables, k_cache.shape[1], q.device,
+                                                  meta.cold)
                 plan = self._plan
             out, rows = paged_attention_gathered_scores(q, k_cache, v_cache, plan, scale, self.score_from)
         self._add_rows(range(len(rows)), rows)
@@ -149,7 +150,7 @@ class ScoreCollector:
             for want in (True, False):
                 rows = [b for b, f in enumerate(self.score_from) if (f is not None) == want]
                 plan = make_gather_plan([qs[b + 1] - qs[b] for b in rows], [meta.context_lens[b] for b in rows],
-                                        [tables[b] for b in rows], bs, q.device)
+                                        [tables[b] for b in rows], bs, q.device, meta.cold)  # a full neighbour may be cold
                 tok = torch.tensor([t for b in rows for t in range(qs[b], qs[b + 1])], dtype=torch.int64, device=q.device)
                 parts += [rows, plan, tok]
             self._split = parts
