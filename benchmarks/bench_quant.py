@@ -17,6 +17,12 @@ import argparse
 import torch
 
 FORMATS = ("bf16", "int8", "int4")
+# The quality rows of docs/benchmarks.md (stories260k perplexity), printed for reference.
+QUALITY = """\
+M=../shared/models/stories260k-hf; F=../shared/corpus/tinystories-valid.txt
+llmsys perplexity $M $F --ctx 256 --limit 30000 --dtype float32 -t 1 [--quant int8|int4|nf4] [--kv-dtype int8|int4]
+llmsys quantize $M --quant int4 --method gptq|awq [--tune-steps 0] -o /tmp/s260k-int4-calibrated -t 1
+llmsys perplexity /tmp/s260k-int4-calibrated $F --ctx 256 --limit 30000 --dtype float32 -t 1 [--kv-dtype int8]"""
 
 
 def measure(path: str, quant: str, threads: int, prompt_len: int, decode: int, repeats: int) -> dict:
@@ -58,6 +64,7 @@ def main() -> None:
     for r in rows:
         print(f"| {r['quant']} | {r['weights']:,} | {r['weights'] / base['weights']:.3f} | {r['prefill']:.1f} | "
               f"{r['prefill'] / base['prefill']:.2f} | {r['decode']:.2f} | {r['decode'] / base['decode']:.2f} |")
+    print(f"\nquality rows (run separately):\n{QUALITY}")
 
 
 if __name__ == "__main__":

@@ -146,6 +146,58 @@ def _calib_layout(lens: list[int], block_size: int) -> list[list[int]]:
     return tables
 
 
+def _calib_batch(model: nn.Module, seqs: list[list[int]]):
+    """All calibration sequences as one packed prefill: ``(h [T, hidden], run_layer)``.
+
+    ``run_layer(layer, h)`` runs one decoder layer on the whole batch (its own
+    paged KV scratch pool, causal per sequence) and returns the next hidden states.
+    """
+    from llmsys.engine.attention import build_metadata
+
+    a = model.args
+    dev = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    bs = 16
+    lens = [len(s) for s in seqs]
+    tables = _calib_layout(lens, bs)
+    nblocks = sum(len(t) for t in tables) + 1
+    kc = torch.zeros((nblocks, bs, a.num_key_value_heads, a.head_dim), dtype=dtype, device=dev)
+    vc = torch.zeros_like(kc)
+    meta = build_metadata(lens, lens, tables, bs, dev)
+    ids = torch.tensor([t for s in seqs for t in s], device=dev)
+    pos = torch.cat([torch.arange(n) for n in lens]).to(dev)
+
+    def run_layer(layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        return layer(h, pos, model.rope_cache, kc, vc, meta)
+
+    return model.model.embed_tokens(ids), run_layer  # [T, hidden]
+
+
+def _input_stats(layer: nn.Module, h: torch.Tensor, run_layer, names: tuple[str, ...] | None = None):
+    """Run ``layer`` on ``h`` once, summing each linear's inputs: ``({name: [X^T X, sum |X|, n]}, output)``.
+
+    ``names``: only these linears (default every ``nn.Linear`` of the layer).
+    """
+    stats: dict[str, list] = {}
+    hooks = []
+    for name, mod in layer.named_modules():
+        if isinstance(mod, nn.Linear) and (names is None or name in names):
+            def hook(m, inp, name=name):
+                x = inp[0].reshape(-1, inp[0].shape[-1]).float()
+                s = stats.setdefault(name, [torch.zeros(x.shape[1], x.shape[1], device=x.device),
+                                            torch.zeros(x.shape[1], device=x.device), 0])
+                s[0] += x.t() @ x
+                s[1] += x.abs().sum(0)
+                s[2] += x.shape[0]
+            hooks.append(mod.register_forward_pre_hook(hook))
+    try:
+        out = run_layer(layer, h)
+    finally:
+        for hk in hooks:
+            hk.remove()
+    return stats, out
+
+
 @torch.inference_mode()
 def gptq_calibrate(model: nn.Module, seqs: list[list[int]], spec: QuantSpec, damp: float = 0.01,
                    progress: bool = False, act_order: bool = True, mse: bool = True) -> int:
@@ -159,25 +211,14 @@ def gptq_calibrate(model: nn.Module, seqs: list[list[int]], spec: QuantSpec, dam
     too) is calibrated on the final normed hidden states; an untied embedding
     is round-to-nearest (it has no input to weight the error by).
     """
-    from llmsys.engine.attention import build_metadata
     from llmsys.quant.calibrate import gptq_quantize
     from llmsys.quant.int4 import Int4Linear
 
     if spec.method != "int4":
         raise InvalidParameterError(f"--method gptq quantizes int4 weights; got --quant {spec.name} (use --method rtn)")
     a = model.args
-    dev = next(model.parameters()).device
-    dtype = next(model.parameters()).dtype
-    bs = 16
-    lens = [len(s) for s in seqs]
-    tables = _calib_layout(lens, bs)
-    nblocks = sum(len(t) for t in tables) + 1
-    kc = torch.zeros((nblocks, bs, a.num_key_value_heads, a.head_dim), dtype=dtype, device=dev)
-    vc = torch.zeros_like(kc)
-    meta = build_metadata(lens, lens, tables, bs, dev)
-    ids = torch.tensor([t for s in seqs for t in s], device=dev)
-    pos = torch.cat([torch.arange(n) for n in lens]).to(dev)
-    h = model.model.embed_tokens(ids)  # [T, hidden]
+    h, run_layer = _calib_batch(model, seqs)
+    dev, dtype = h.device, h.dtype
 
     def quantize_module(parent: nn.Module, child: str, lin: nn.Linear, H: torch.Tensor,
                         order: bool = act_order) -> Int4Linear:
@@ -189,35 +230,115 @@ def gptq_calibrate(model: nn.Module, seqs: list[list[int]], spec: QuantSpec, dam
         return q
 
     for i, layer in enumerate(model.model.layers):
-        stats: dict[str, list] = {}
-        hooks = []
-        for name, mod in layer.named_modules():
-            if isinstance(mod, nn.Linear):
-                def hook(m, inp, name=name):
-                    x = inp[0].reshape(-1, inp[0].shape[-1]).float()
-                    s = stats.setdefault(name, [torch.zeros(x.shape[1], x.shape[1], device=dev), 0])
-                    s[0] += x.t() @ x
-                    s[1] += x.shape[0]
-                hooks.append(mod.register_forward_pre_hook(hook))
-        layer(h, pos, model.rope_cache, kc, vc, meta)
-        for hk in hooks:
-            hk.remove()
-        for name, (xtx, n) in stats.items():
+        stats, _ = _input_stats(layer, h, run_layer)
+        for name, (xtx, _, n) in stats.items():
             parent_name, _, child = name.rpartition(".")
             parent = layer.get_submodule(parent_name) if parent_name else layer
             quantize_module(parent, child, getattr(parent, child), 2.0 * xtx / n)
-        h = layer(h, pos, model.rope_cache, kc, vc, meta)
+        h = run_layer(layer, h)
         if progress:
             print(f"gptq: layer {i + 1}/{len(model.model.layers)}", file=sys.stderr)
     x = model.model.norm(h).float()  # [T, hidden]
     H = 2.0 * (x.t() @ x) / x.shape[0]
     # A tied table also serves embedding lookups, which gather rows fast only without a permutation.
     head = quantize_module(model, "lm_head", model.lm_head, H, act_order and not a.tie_word_embeddings)
-    emb = model.model.embed_tokens
-    if a.tie_word_embeddings:
+    _quantize_embedding(model, head, spec, dtype)
+    return len(model.model.layers)
+
+
+def _quantize_embedding(model: nn.Module, head: nn.Module, spec: QuantSpec, dtype: torch.dtype) -> None:
+    """After calibrating the LM head: a tied embedding reads the quantized head, an untied one is RTN."""
+    if model.args.tie_word_embeddings:
         model.model.embed_tokens = QuantEmbedding(head, dtype)
     else:
-        model.model.embed_tokens = QuantEmbedding(quantize_linear(emb.weight.detach(), None, spec), dtype)
+        emb = model.model.embed_tokens.weight.detach()
+        model.model.embed_tokens = QuantEmbedding(quantize_linear(emb, None, spec), dtype)
+
+
+@torch.inference_mode()
+def awq_calibrate(model: nn.Module, seqs: list[list[int]], spec: QuantSpec, progress: bool = False,
+                  clip: bool = True) -> int:
+    """Quantize a float ``model`` in place with AWQ (``llmsys.quant.awq``); returns layers quantized.
+
+    Per decoder layer, one float pass collects the inputs' ``X^T X`` and
+    ``mean|x|`` of each group of linears that read one input; each group's
+    per-input-channel scale ``s`` is searched (``quant.awq.search_scale``),
+    multiplied into the readers' columns and divided out of the op that
+    produces the input: ``input_layernorm`` (q, k, v), ``post_attention_layernorm``
+    (gate, up), ``up_proj``'s output rows (down), ``v_proj``'s output rows (o,
+    only without grouped-query attention; with it o_proj keeps ``1/s`` as its
+    ``input_scale``). Then every linear is rounded to int4 with AWQ's clip
+    search (``clip``; not on q/k, whose errors attention amplifies). As in AWQ,
+    the next layer is calibrated on the float layer's outputs. The LM head is
+    scaled into the final norm when untied; a head tied to the embedding is
+    only clip-searched (a scale would change the embedding rows), and an untied
+    embedding is round-to-nearest.
+    """
+    from llmsys.quant.awq import quantize_int4_clipped, search_clip, search_scale
+    from llmsys.quant.int4 import Int4Linear
+
+    if spec.method != "int4":
+        raise InvalidParameterError(f"--method awq quantizes int4 weights; got --quant {spec.name} (use --method rtn)")
+    a = model.args
+    g = spec.group_size
+    h, run_layer = _calib_batch(model, seqs)
+    dev, dtype = h.device, h.dtype
+
+    def quantize(parent: nn.Module, child: str, w: torch.Tensor, H: torch.Tensor, bias: torch.Tensor | None,
+                 input_scale: torch.Tensor | None = None, search: bool = clip) -> Int4Linear:
+        t = quantize_int4_clipped(w, g, search_clip(w, H, g) if search else None)
+        if bias is not None:
+            t["bias"] = bias.to(dtype)
+        if input_scale is not None:
+            t["input_scale"] = input_scale
+        q = Int4Linear.from_quantized({k: v.to(dev) for k, v in t.items()}, in_features=w.shape[1])
+        setattr(parent, child, q)
+        return q
+
+    for i, layer in enumerate(model.model.layers):
+        mha = layer.self_attn.n_heads == layer.self_attn.n_kv
+        # (linears reading one input, where its 1/s goes: a norm, a linear's output rows, or None = input_scale)
+        groups = [(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "input_layernorm"),
+                  (("self_attn.o_proj",), "self_attn.v_proj" if mha else None),
+                  (("mlp.gate_proj", "mlp.up_proj"), "post_attention_layernorm"),
+                  (("mlp.down_proj",), "mlp.up_proj")]
+        stats, h_next = _input_stats(layer, h, run_layer, tuple(names[0] for names, _ in groups))
+        lins = {n: layer.get_submodule(n) for names, _ in groups for n in names}
+        w = {n: m.weight.detach().float().clone() for n, m in lins.items()}
+        b = {n: None if m.bias is None else m.bias.detach().float().clone() for n, m in lins.items()}
+        hs, input_scale = {}, {}
+        for names, prev in groups:
+            xtx, absum, n = stats[names[0]]
+            s, _ = search_scale([w[m] for m in names], absum / n, xtx / n, g)
+            for m in names:
+                w[m] *= s
+                hs[m] = xtx / n / (s[:, None] * s[None, :])  # second moments of the scaled input x / s
+            if prev is None:
+                input_scale[names[0]] = 1.0 / s
+            elif prev in w:  # a linear: its output rows (and bias) carry 1/s
+                w[prev] /= s[:, None]
+                if b[prev] is not None:
+                    b[prev] /= s
+            else:
+                norm = layer.get_submodule(prev)
+                norm.weight.copy_((norm.weight.float() / s).to(norm.weight.dtype))
+        for n, m in lins.items():
+            parent_name, _, child = n.rpartition(".")
+            quantize(layer.get_submodule(parent_name), child, w[n], hs[n], b[n], input_scale.get(n),
+                     clip and child not in ("q_proj", "k_proj"))
+        h = h_next
+        if progress:
+            print(f"awq: layer {i + 1}/{len(model.model.layers)}", file=sys.stderr)
+    x = model.model.norm(h).float()  # [T, hidden]
+    H = x.t() @ x / x.shape[0]
+    w_head = model.lm_head.weight.detach().float().clone()
+    if not a.tie_word_embeddings:
+        s, _ = search_scale([w_head], x.abs().mean(0), H, g)
+        w_head *= s
+        H = H / (s[:, None] * s[None, :])
+        norm = model.model.norm
+        norm.weight.copy_((norm.weight.float() / s).to(norm.weight.dtype))
+    _quantize_embedding(model, quantize(model, "lm_head", w_head, H, None), spec, dtype)
     return len(model.model.layers)
 
 

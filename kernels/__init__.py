@@ -7,6 +7,8 @@ op computes.
 """
 
 from llmsys.kernels._backend import interpreter_enabled, triton_available
+from llmsys.kernels.cpu_int4 import CPU_BLOCK_N as CPU_INT4_BLOCK_N
+from llmsys.kernels.cpu_int4 import dequant_cpu_int4, unpack_cpu_int4
 from llmsys.kernels.cpu_linear import linear, packable, prepack
 from llmsys.kernels.ops import (
     DEFAULT_PARTITION_SIZE,
@@ -24,9 +26,11 @@ from llmsys.kernels.reference import dequant_int4, pack_int4, quantize_int8_ref,
 from llmsys.kernels.rope_cache import build_rope_cache, rope_inv_freq
 
 __all__ = [
+    "CPU_INT4_BLOCK_N",
     "DEFAULT_PARTITION_SIZE",
     "DecodeAttentionResult",
     "build_rope_cache",
+    "dequant_cpu_int4",
     "dequant_int4",
     "interpreter_enabled",
     "kv_store",
@@ -42,6 +46,7 @@ __all__ = [
     "rope_inv_freq",
     "silu_mul",
     "triton_available",
+    "unpack_cpu_int4",
     "unpack_int4",
     "w4a16_matmul",
     "w8a16_matmul",

@@ -148,6 +148,8 @@ class TunableInt4:
         self.log_s = torch.zeros_like(self.s0, requires_grad=True)
         self.v = torch.zeros_like(self.q, requires_grad=True)
         self.inv = None if lin.perm is None else lin.perm.long()
+        # AWQ scale kept in the layer (None when folded away); a clone, as it may be an inference tensor
+        self.input_scale = None if lin.input_scale is None else lin.input_scale.clone()
 
     def codes(self) -> torch.Tensor:
         """``[N, G, g]`` integer codes (as float) with the straight-through rounding."""
@@ -157,11 +159,11 @@ class TunableInt4:
     def weight(self) -> torch.Tensor:
         """Differentiable dense ``[N, K]`` weight in input-feature order."""
         w = ((self.codes() - self.z) * (self.s0 * self.log_s.exp())[..., None]).reshape(self.n, -1)[:, : self.k]
-        if self.inv is None:
-            return w
-        out = torch.empty_like(w)
-        out[:, self.inv] = w  # stored column j is input perm[j]
-        return out
+        if self.inv is not None:
+            out = torch.empty_like(w)
+            out[:, self.inv] = w  # stored column j is input perm[j]
+            w = out
+        return w if self.input_scale is None else w * self.input_scale
 
     @torch.no_grad()
     def round_step(self, lr: float) -> None:
@@ -181,6 +183,8 @@ class TunableInt4:
         }
         if self.lin.perm is not None:
             t["perm"] = self.lin.perm
+        if self.input_scale is not None:
+            t["input_scale"] = self.input_scale
         if self.lin.bias is not None:
             t["bias"] = self.lin.bias
         return Int4Linear.from_quantized(t, in_features=self.k)

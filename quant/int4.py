@@ -17,7 +17,10 @@ bf16-only fast path) needs the weight repacked by
 op is available the layer keeps *only* the repacked buffer at run time (plus
 bf16 scales/zero_t and uint8 zeros) and converts back to the canonical layout
 in ``state_dict()`` — the repacked layout is a pure nibble permutation
-(:func:`unpack_cpu_int4`), so the round trip is exact.
+(:func:`unpack_cpu_int4`), so the round trip is exact. Batches of more than
+:data:`PACKED_MAX_ROWS` rows (prefill) instead dequantize the repacked buffer
+to bf16 (``llmsys.kernels.dequant_cpu_int4``, the canonical formula) and run a
+dense bf16 GEMM: the packed op costs about 2x a bf16 GEMM per row there.
 """
 
 from __future__ import annotations
@@ -26,12 +29,20 @@ import torch
 import torch.nn.functional as F
 
 from llmsys.engine.errors import CheckpointError
-from llmsys.kernels import w4a16_matmul
+from llmsys.kernels import CPU_INT4_BLOCK_N as CPU_BLOCK_N  # the CPU layout tiles rows in blocks of 64
+from llmsys.kernels import dequant_cpu_int4, unpack_cpu_int4, w4a16_matmul
 from llmsys.kernels.reference import pack_int4, unpack_int4  # the canonical layout lives with its kernels
 from llmsys.quant.base import QuantLinear, check_weight, require
 
 GROUP_SIZES = (32, 64, 128)
-CPU_BLOCK_N = 64  # the CPU int4 layout tiles rows in blocks of 64 (see unpack_cpu_int4)
+# Rows of x up to which the packed CPU op runs; more rows dequantize to bf16 + GEMM.
+# Measured (1 thread, Zen 4 EPYC, bf16, g64; `dequant + F.linear` vs `_weight_int4pack_mm_for_cpu`):
+# 4864x896 M=16 2.5 vs 1.7 ms, M=32 3.8 vs 3.6, M=64 5.5 vs 8.5, M=128 8.2 vs 14.7;
+# 896x896 M=32 0.57 vs 0.61, M=64 1.03 vs 1.21.
+PACKED_MAX_ROWS = 32
+# Bigger weights (a 151936-row LM head when every position is scored) dequantize
+# in row chunks of at most this many bf16 bytes, so the transient copy stays small.
+DEQUANT_CHUNK_BYTES = 16 << 20
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int = 64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -80,18 +91,6 @@ def cpu_int4_available() -> bool:
     )
 
 
-def unpack_cpu_int4(packed: torch.Tensor, n: int, kp: int) -> torch.Tensor:
-    """Invert ``_convert_weight_to_int4pack_for_cpu`` for N a multiple of 64.
-
-    Measured layout: bytes form ``[N/64, Kp, 32]``; byte (b, k, j) holds row
-    64b+j in its low nibble and row 64b+32+j in its high nibble, at column k.
-    (For N not a multiple of 64 torch uses another tiling; we always pad N.)
-    """
-    p = packed.reshape(n // CPU_BLOCK_N, kp, CPU_BLOCK_N // 2)
-    q = torch.cat([p & 15, p >> 4], dim=2)  # [N/64, Kp, 64]
-    return q.permute(0, 2, 1).reshape(n, kp)  # [N, Kp] uint8
-
-
 class Int4Linear(QuantLinear):
     """W4A16 linear in the canonical int4 layout (see module docstring).
 
@@ -101,7 +100,10 @@ class Int4Linear(QuantLinear):
       (torch's CPU tiling, rows padded to a multiple of 64), ``scales_zeros
       bf16 [G, Np, 2]`` = (scale, (8 - zero) * scale), and ``zeros_u8 [N, G]``.
       Matmul always runs in bf16 (the op is ~30x slower in fp32/fp16);
-      fp32 inputs are cast to bf16 and the output cast back.
+      fp32 inputs are cast to bf16 and the output cast back. Up to
+      :data:`PACKED_MAX_ROWS` rows use the packed op, more rows the bf16
+      weight from ``dequant_cpu_int4`` (exactly ``dequantize(torch.bfloat16)``)
+      and a dense bf16 GEMM.
     * ``canonical`` (GPU, or no op): holds ``qweight``/``scales``/``zeros`` and
       dequantizes + GEMMs in the input dtype.
 
@@ -111,7 +113,8 @@ class Int4Linear(QuantLinear):
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                  bias: torch.Tensor | None = None, in_features: int | None = None,
-                 prefer_packed: bool = True, perm: torch.Tensor | None = None) -> None:
+                 prefer_packed: bool = True, perm: torch.Tensor | None = None,
+                 input_scale: torch.Tensor | None = None) -> None:
         n, half_kp = qweight.shape
         kp = 2 * half_kp
         n_groups = scales.shape[1]
@@ -134,6 +137,11 @@ class Int4Linear(QuantLinear):
         if perm is not None and tuple(perm.shape) != (k,):
             raise CheckpointError(f"int4 perm has shape {tuple(perm.shape)}, expected ({k},)")
         self.register_buffer("perm", None if perm is None else perm.to(torch.int32).contiguous())
+        # AWQ scales that had no preceding op to fold into: forward multiplies
+        # the input (original feature order) by input_scale [K] first.
+        if input_scale is not None and tuple(input_scale.shape) != (k,):
+            raise CheckpointError(f"int4 input_scale has shape {tuple(input_scale.shape)}, expected ({k},)")
+        self.register_buffer("input_scale", None if input_scale is None else input_scale.float().contiguous())
         zeros_int = bool(torch.all((zeros == torch.round(zeros)) & (zeros >= 0) & (zeros <= 15)))
         self.mode = (
             "packed_cpu"
@@ -177,7 +185,8 @@ class Int4Linear(QuantLinear):
                        prefer_packed: bool = True) -> "Int4Linear":
         """Rebuild from canonical tensors; ``in_features`` defaults to the padded width."""
         qweight, scales, zeros = require(tensors, ("qweight", "scales", "zeros"), "int4")
-        return cls(qweight, scales, zeros, tensors.get("bias"), in_features, prefer_packed, tensors.get("perm"))
+        return cls(qweight, scales, zeros, tensors.get("bias"), in_features, prefer_packed, tensors.get("perm"),
+                   tensors.get("input_scale"))
 
     # --- canonical view -----------------------------------------------------
     def canonical_tensors(self) -> dict[str, torch.Tensor]:
@@ -197,7 +206,7 @@ class Int4Linear(QuantLinear):
         """Write the canonical tensors, whatever the run-time layout is."""
         for name, t in self.canonical_tensors().items():
             destination[prefix + name] = t if keep_vars else t.detach()
-        for name in ("bias", "perm"):
+        for name in ("bias", "perm", "input_scale"):
             t = getattr(self, name)
             if t is not None:
                 destination[prefix + name] = t if keep_vars else t.detach()
@@ -212,15 +221,17 @@ class Int4Linear(QuantLinear):
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         t = self.canonical_tensors()
         w = dequantize_int4(t["qweight"], t["scales"], t["zeros"], self.in_features, dtype)  # [N, K] stored order
-        if self.perm is None:
-            return w
-        out = torch.empty_like(w)
-        out[:, self.perm.long()] = w  # back to the original input-feature order
-        return out
+        if self.perm is not None:
+            out = torch.empty_like(w)
+            out[:, self.perm.long()] = w  # back to the original input-feature order
+            w = out
+        if self.input_scale is not None:
+            w = (w.float() * self.input_scale).to(dtype)
+        return w
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Rows ``ids [M] -> [M, K]`` straight from the run-time layout (embedding lookup)."""
-        if self.perm is not None:
+        if self.perm is not None or self.input_scale is not None:
             return self.dequantize(dtype)[ids]
         ids = ids.long()
         g, kp = self.group_size, self.padded_in_features
@@ -242,10 +253,14 @@ class Int4Linear(QuantLinear):
 
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
         k, kp = self.in_features, self.padded_in_features
+        if self.input_scale is not None:
+            x2 = (x2.float() * self.input_scale).to(x2.dtype)
         if self.perm is not None:
             x2 = x2.index_select(1, self.perm)
         if self.mode == "packed_cpu":
             xb = x2.to(torch.bfloat16)
+            if xb.shape[0] > PACKED_MAX_ROWS:
+                return self._dequant_matmul(xb).to(x2.dtype)
             if kp != k:
                 xb = F.pad(xb, (0, kp - k))  # zero activations: padded columns contribute 0
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
@@ -256,3 +271,17 @@ class Int4Linear(QuantLinear):
             return w4a16_matmul(x2.contiguous(), self.qweight, self.scales, self.zeros, self.group_size)
         w = dequantize_int4(self.qweight, self.scales, self.zeros, k, x2.dtype)  # [N, K] stored order
         return F.linear(x2, w)
+
+    def _dequant_matmul(self, xb: torch.Tensor) -> torch.Tensor:
+        """``xb`` bf16 ``[M, K]`` (stored column order) ``-> [M, N]`` bf16 via the dequantized bf16 weight."""
+        n, k = self.out_features, self.in_features
+        scales = self.scales_orig if self.scales_orig is not None else self.scales_zeros[:, :n, 0].t()  # [N, G]
+        step = max(CPU_BLOCK_N, DEQUANT_CHUNK_BYTES // (2 * k) // CPU_BLOCK_N * CPU_BLOCK_N)
+        if step >= n:
+            return F.linear(xb, dequant_cpu_int4(self.packed, scales, self.zeros_u8, k, self.group_size))
+        y = torch.empty(xb.shape[0], n, dtype=torch.bfloat16)
+        for r0 in range(0, n, step):
+            rows = (r0, min(n, r0 + step))
+            y[:, rows[0]:rows[1]] = F.linear(xb, dequant_cpu_int4(self.packed, scales, self.zeros_u8, k,
+                                                                  self.group_size, rows))
+        return y

@@ -42,7 +42,7 @@ def _register() -> None:
     app.command("bench", help="Benchmark prefill/decode (llama-bench tests), sweeping engine settings.")(bench_command)
     app.command("plan", help="Show where each layer would live (GPU/CPU/disk) under the memory budgets.")(plan_command)
     app.command("perplexity", help="Score a text file (llama-perplexity's job).")(perplexity_command)
-    app.command("quantize", help="Write a quantized checkpoint (int8/int4/nf4/fp8; --method rtn|gptq).")(quantize_command)
+    app.command("quantize", help="Write a quantized checkpoint (int8/int4/nf4/fp8; --method rtn|gptq|awq).")(quantize_command)
     app.command("models", help="List the model catalog and what is downloaded.")(models_command)
     app.command("pull", help="Download a catalog model into $LLMSYS_HOME.")(pull_command)
     app.command("monitor", help="Live memory/throughput panel of a running llmsys serve.")(monitor_command)

@@ -7,10 +7,12 @@ re-quantized and never expanded to full precision.
 
 ``--method rtn`` quantizes while loading (round to nearest, the same as
 ``--quant`` on any command, so ``quantize`` -> ``run`` gives the tokens of
-quantizing on the fly). ``--method gptq`` (int4 only) loads the float model,
-runs calibration sequences through it and quantizes layer by layer with GPTQ,
-then refines the result by distilling the float model on the same sequences
-(``--tune-steps``: learned scales, one-step code moves, RMSNorm weights; see
+quantizing on the fly). ``--method gptq`` and ``--method awq`` (int4 only)
+load the float model, run calibration sequences through it and quantize layer
+by layer, with GPTQ error compensation or with AWQ activation-aware
+per-input-channel scales (``engine.quantize.awq_calibrate``), then refine the
+result by distilling the float model on the same sequences (``--tune-steps``:
+learned scales, one-step code moves, RMSNorm weights; see
 ``engine.quantize.refine_quantized``); calibration text defaults to sequences
 the model generates itself, so it never overlaps an evaluation file.
 """
@@ -27,19 +29,19 @@ import typer
 from llmsys.engine.cli.options import build_engine_config, engine_command
 from llmsys.engine.errors import InvalidParameterError
 
-METHODS = ("rtn", "gptq")
+METHODS = ("rtn", "gptq", "awq")
 
 
 @engine_command
 def quantize_command(
     model: Annotated[str, typer.Argument(help="model directory or catalog name (Hugging Face safetensors)")],
     output: Annotated[Path, typer.Option("--output", "-o", help="directory to write the quantized checkpoint to")],
-    method: Annotated[str, typer.Option("--method", help="rtn (round to nearest) or gptq (calibrated, int4)")] = "rtn",
+    method: Annotated[str, typer.Option("--method", help="rtn (round to nearest), gptq or awq (calibrated, int4)")] = "rtn",
     calib: Annotated[Optional[Path], typer.Option("--calib", help="calibration text file (default: text the model generates itself)")] = None,
     calib_samples: Annotated[int, typer.Option("--calib-samples", help="calibration sequences")] = 512,
     calib_len: Annotated[int, typer.Option("--calib-len", help="tokens per calibration sequence")] = 256,
     seed: Annotated[int, typer.Option("--seed", help="seed for self-generated calibration text")] = 0,
-    tune_steps: Annotated[int, typer.Option("--tune-steps", help="gptq: distillation steps after GPTQ (0: plain GPTQ)")] = 400,
+    tune_steps: Annotated[int, typer.Option("--tune-steps", help="gptq/awq: distillation steps after calibration (0: plain GPTQ/AWQ)")] = 400,
     *,
     engine_flags: dict[str, Any],
 ) -> int:
@@ -62,7 +64,8 @@ def quantize_command(
     else:
         llm = _load(model, engine_flags, quant="none")
         model_obj = llm.loaded.model
-        from llmsys.engine.quantize import file_calibration, gptq_calibrate, refine_quantized, self_generated_calibration
+        from llmsys.engine.quantize import (awq_calibrate, file_calibration, gptq_calibrate, refine_quantized,
+                                            self_generated_calibration)
 
         if calib is not None:
             seqs = file_calibration(llm, str(calib), calib_samples, calib_len)
@@ -72,7 +75,7 @@ def quantize_command(
             source = f"self-generated (seed {seed})"
         sys.stderr.write(f"calibrating on {len(seqs)} x {len(seqs[0])} tokens ({source})\n")
         teacher = {k: v.detach().clone() for k, v in model_obj.state_dict().items()} if tune_steps else {}
-        gptq_calibrate(model_obj, seqs, spec, progress=True)
+        (gptq_calibrate if method == "gptq" else awq_calibrate)(model_obj, seqs, spec, progress=True)
         if tune_steps:
             rep = refine_quantized(model_obj, teacher, seqs, steps=tune_steps)
             del teacher
@@ -83,7 +86,7 @@ def quantize_command(
         raise InvalidParameterError(f"{model} is already quantized; quantize its float checkpoint instead")
     if not loaded.config:
         raise InvalidParameterError(f"{model}: llmsys quantize needs a Hugging Face directory (config.json)")
-    extra = {"calibration": source, "tune_steps": tune_steps} if method == "gptq" else {}
+    extra = {"calibration": source, "tune_steps": tune_steps} if method != "rtn" else {}
     out = save_quantized(loaded.model, loaded.config, output, spec.name, method, loaded.tokenizer_path, extra)
     from llmsys.engine.quantize import format_memory
 

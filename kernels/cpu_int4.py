@@ -1,0 +1,203 @@
+"""CPU int4: dequantize torch's packed int4 weights to bfloat16 in one pass.
+
+Why: for prefill-sized batches torch's ``_weight_int4pack_mm_for_cpu`` costs
+about twice a bf16 GEMM per row (M >= 16), and dequantizing the packed
+layout with torch ops takes 16-28 ms per 4864x896 matrix, so neither beat
+bf16. :func:`dequant_cpu_int4` writes the bf16 weight in ~1 ms (C kernel,
+``cpu_int4.c``), after which the prefill GEMM runs at bf16 speed.
+
+The C kernel is compiled on first use with ``gcc -O3 -march=native -fopenmp
+-shared`` into ``$LLMSYS_HOME/kernels`` (default ``~/.cache/llmsys/kernels``),
+named by a hash of the source, flags, compiler and CPU, and loaded with
+ctypes; it shares torch's OpenMP runtime and runs on
+``torch.get_num_threads()`` threads. Without a compiler, when the build
+fails, or with ``LLMSYS_NO_CKERNELS=1``, :func:`dequant_cpu_int4_ref` (plain
+torch, the definition) runs instead: the results are bit-identical
+(``tests/test_cpu_int4.py``), only slower.
+
+Layout (torch's ``_convert_weight_to_int4pack_for_cpu`` with N a multiple of
+64): bytes ``[Np/64, Kp, 32]``; byte ``(b, k, j)`` holds row ``64b+j`` in its
+low nibble and row ``64b+32+j`` in its high nibble, at column k.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+CPU_BLOCK_N = 64  # the CPU int4 layout tiles rows in blocks of 64
+_SOURCE = Path(__file__).with_name("cpu_int4.c")
+_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared")
+_ARGTYPES = [
+    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,  # packed, scales, strides, f32?
+    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,  # zeros, out, ldo
+    ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,  # N, Kp, K, group, threads
+]
+
+
+def unpack_cpu_int4(packed: torch.Tensor, n: int, kp: int) -> torch.Tensor:
+    """Invert ``_convert_weight_to_int4pack_for_cpu`` for N a multiple of 64: ``-> q uint8 [N, Kp]``.
+
+    Measured layout: bytes form ``[N/64, Kp, 32]``; byte (b, k, j) holds row
+    64b+j in its low nibble and row 64b+32+j in its high nibble, at column k.
+    (For N not a multiple of 64 torch uses another tiling; callers pad N.)
+    """
+    p = packed.reshape(n // CPU_BLOCK_N, kp, CPU_BLOCK_N // 2)
+    q = torch.cat([p & 15, p >> 4], dim=2)  # [N/64, Kp, 64]
+    return q.permute(0, 2, 1).reshape(n, kp)  # [N, Kp] uint8
+
+
+def dequant_cpu_int4_ref(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                         in_features: int, group_size: int, rows: tuple[int, int] | None = None) -> torch.Tensor:
+    """Plain-torch definition of :func:`dequant_cpu_int4` (same arguments, same bits)."""
+    n, n_groups = zeros.shape
+    kp = n_groups * group_size
+    r0, r1 = rows or (0, n)
+    b0, b1 = r0 // CPU_BLOCK_N, -(-r1 // CPU_BLOCK_N)  # the 64-row tiles holding rows r0..r1-1
+    p = packed.reshape(-1, CPU_BLOCK_N * kp // 2)[b0:b1]
+    q = unpack_cpu_int4(p, (b1 - b0) * CPU_BLOCK_N, kp)[: r1 - r0].float().view(r1 - r0, n_groups, group_size)
+    w = (q - zeros[r0:r1].float()[..., None]) * scales[r0:r1].float()[..., None]  # the canonical int4 formula
+    return w.reshape(r1 - r0, kp)[:, :in_features].to(torch.bfloat16)
+
+
+def dequant_cpu_int4(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                     in_features: int, group_size: int, rows: tuple[int, int] | None = None,
+                     *, impl: str = "auto") -> torch.Tensor:
+    """``w[n, k] = bf16((q[n, k] - zeros[n, g]) * scales[n, g])``, g = k // group_size: ``-> [N, K]`` bf16.
+
+    packed: uint8, torch's CPU int4 tiling of ``[Np, Kp]`` codes (Np = N rounded
+    up to 64, Kp = G * group_size); scales: ``[N, G]`` of any strides (e.g. a
+    view into ``scales_zeros``), any float dtype; zeros: uint8 ``[N, G]``
+    integer zero points. ``rows=(r0, r1)``: only rows r0..r1-1 (r0 a multiple
+    of 64), ``-> [r1 - r0, K]``. ``impl``: "auto" (C kernel when built, else
+    torch), "reference" (torch), "c" (the C kernel; ``RuntimeError`` if unavailable).
+    """
+    op = "dequant_cpu_int4"
+    if impl not in ("auto", "reference", "c"):
+        raise ValueError(f"{op}: impl must be 'auto', 'reference' or 'c', got {impl!r}")
+    if zeros.dim() != 2 or zeros.dtype != torch.uint8 or not zeros.is_contiguous():
+        raise ValueError(f"{op}: zeros must be a contiguous uint8 [N, G] tensor, "
+                         f"got {zeros.dtype} {tuple(zeros.shape)}")
+    n, n_groups = zeros.shape
+    kp = n_groups * group_size
+    padded = -(-n // CPU_BLOCK_N) * CPU_BLOCK_N
+    if packed.dtype != torch.uint8 or packed.numel() != padded * kp // 2 or not packed.is_contiguous():
+        raise ValueError(f"{op}: packed must be contiguous uint8 with {padded * kp // 2} bytes "
+                         f"(N={n} padded to {padded}, Kp={kp}), got {packed.dtype} {tuple(packed.shape)}")
+    if tuple(scales.shape) != (n, n_groups) or not scales.is_floating_point():
+        raise ValueError(f"{op}: scales must be float [N, G] = {(n, n_groups)}, "
+                         f"got {scales.dtype} {tuple(scales.shape)}")
+    if group_size % 32 or group_size > 128 or not kp - group_size < in_features <= kp:
+        raise ValueError(f"{op}: group_size {group_size} (32, 64 or 128) and in_features {in_features} "
+                         f"(within the last group of Kp={kp}) do not fit")
+    r0, r1 = rows or (0, n)
+    if r0 % CPU_BLOCK_N or not 0 <= r0 < r1 <= n:
+        raise ValueError(f"{op}: rows {rows} must satisfy 0 <= r0 < r1 <= N={n} with r0 a multiple of {CPU_BLOCK_N}")
+    if any(t.device.type != "cpu" for t in (packed, scales, zeros)):
+        raise ValueError(f"{op}: CPU tensors only")
+    lib = None if impl == "reference" else _build()[0]
+    if lib is None:
+        if impl == "c":
+            raise RuntimeError(f"{op}: the C kernel is unavailable ({kernel_status()})")
+        return dequant_cpu_int4_ref(packed, scales, zeros, in_features, group_size, rows)
+    return run_kernel(lib, packed, scales, zeros, in_features, group_size, (r0, r1))
+
+
+def kernel_status() -> str:
+    """``"ok: <path>"`` when the C kernel is loaded, else why the torch path runs."""
+    return _build()[1]
+
+
+def cache_dir() -> Path:
+    """Where compiled kernels are kept: ``$LLMSYS_HOME/kernels`` (default ``~/.cache/llmsys``)."""
+    return Path(os.environ.get("LLMSYS_HOME") or "~/.cache/llmsys").expanduser() / "kernels"
+
+
+@functools.cache
+def _build() -> tuple[ctypes.CDLL | None, str]:
+    """Build (once per source/compiler/CPU, cached on disk) and load the C kernel: ``(lib or None, status)``.
+
+    Memoized for the process: the outcome is a fact about this machine and
+    source (like ``cpu_linear._ONEDNN``), never changed afterwards.
+    """
+    if os.environ.get("LLMSYS_NO_CKERNELS", "0") not in ("", "0"):
+        return None, "disabled by LLMSYS_NO_CKERNELS"
+    cc = os.environ.get("CC") or shutil.which("gcc")
+    if not cc:
+        return None, "no C compiler (gcc) on PATH"
+    try:
+        source = _SOURCE.read_bytes()
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+        key = hashlib.sha256(b"\0".join([source, " ".join(_FLAGS).encode(), version.encode(),
+                                         _cpu_signature().encode()])).hexdigest()[:16]
+        target = cache_dir() / f"cpu_int4-{key}.so"
+        if not target.exists():
+            error = compile_kernel(cc, target)
+            if error:
+                return None, error
+        return load_kernel(target), f"ok: {target}"
+    except (OSError, subprocess.SubprocessError, AttributeError) as exc:
+        return None, f"build or load failed: {exc}"
+
+
+def compile_kernel(cc: str, target: Path, extra_flags: tuple[str, ...] = ()) -> str | None:
+    """Compile ``cpu_int4.c`` to ``target`` (atomically); returns an error line, or None.
+
+    ``extra_flags`` (e.g. ``-mno-avx512f``) build the other code paths for the tests.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        tmp_so = Path(tmp) / target.name
+        res = subprocess.run([cc, *_FLAGS, *extra_flags, "-o", str(tmp_so), str(_SOURCE)],
+                             capture_output=True, text=True, timeout=300)
+        if res.returncode != 0:
+            return f"{cc} failed: {(res.stderr or res.stdout).strip().splitlines()[-1:]}"
+        os.replace(tmp_so, target)  # atomic: concurrent builders each write their own temp file
+    return None
+
+
+def load_kernel(path: Path) -> ctypes.CDLL:
+    """Load a compiled kernel and declare its signature."""
+    lib = ctypes.CDLL(str(path))
+    lib.llmsys_int4_cpu_dequant.restype = ctypes.c_int
+    lib.llmsys_int4_cpu_dequant.argtypes = _ARGTYPES
+    return lib
+
+
+def run_kernel(lib: ctypes.CDLL, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+               in_features: int, group_size: int, rows: tuple[int, int] | None = None) -> torch.Tensor:
+    """Call a loaded kernel on checked arguments (see :func:`dequant_cpu_int4`)."""
+    n, n_groups = zeros.shape
+    kp = n_groups * group_size
+    r0, r1 = rows or (0, n)
+    if scales.dtype not in (torch.bfloat16, torch.float32):
+        scales = scales.float()  # fp16 checkpoint scales: exact in float32
+    out = torch.empty(r1 - r0, in_features, dtype=torch.bfloat16)
+    rc = lib.llmsys_int4_cpu_dequant(
+        packed.data_ptr() + r0 * kp // 2, scales.data_ptr() + r0 * scales.stride(0) * scales.element_size(),
+        scales.stride(0), scales.stride(1), int(scales.dtype == torch.float32),
+        zeros.data_ptr() + r0 * n_groups, out.data_ptr(), in_features,
+        r1 - r0, kp, in_features, group_size, torch.get_num_threads(),
+    )
+    if rc:  # dequant_cpu_int4's argument checks make this unreachable
+        raise RuntimeError(f"dequant_cpu_int4: kernel rejected N={n} Kp={kp} K={in_features} group={group_size}")
+    return out
+
+
+def _cpu_signature() -> str:
+    """-march=native code is only valid on the CPU it was built for: key the cache by it."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor() or platform.machine()
