@@ -262,6 +262,9 @@ class EngineCore:
         used = self.allocator.num_used
         rt = getattr(self.loaded.model, "offload_runtime", None)  # llmsys.offload: weights per tier
         weights = rt.weight_bytes(self.loaded.model) if rt is not None else {tier: self.loaded.weight_bytes}
+        on_file = getattr(self.loaded.model, "embed_file_bytes", 0)  # a tied embedding served from the checkpoint
+        if on_file:
+            weights["disk"] = weights.get("disk", 0) + on_file
         sw = self.swap
         kv_total, kv_used = {tier: spec.nbytes}, {tier: used * per_block}
         staging = rt.staging_bytes() if rt is not None else {}

@@ -81,7 +81,8 @@ def linear(
     x: [M, K] (or [..., K]); weight: [N, K] (plain or from :func:`prepack`); returns [..., N].
 
     ``packed_when_resident``: this layer's weight is prepacked when resident (every
-    packable layer but a head tied to the embedding). A plain float32 weight of such
+    packable layer; a head tied to the embedding only when the embedding rows can be
+    read from the checkpoint, ``DecoderModel.prepack_linears``). A plain float32 weight of such
     a layer -- streamed from disk, or in an engine that does not prepack -- is
     packed on the fly, so it gives the same bits as the resident packed layer: the
     identical-answers-at-any-budget guarantee. The reorder costs a copy of the

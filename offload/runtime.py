@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -138,25 +139,40 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 class DiskEmbedding(nn.Module):
-    """An embedding table left on disk: a step reads only the rows of its tokens."""
+    """An embedding table left on disk: a step reads only the rows of its tokens.
 
-    def __init__(self, src: TensorSource, vocab: int, hidden: int, dtype: torch.dtype, device: torch.device):
+    ``stored``: the file's dtype when it is not ``dtype`` (a checkpoint read in
+    place); rows are converted with the same elementwise ``Tensor.to`` the loader
+    applies to the whole table, so a lookup gives the bits of the converted table.
+    ``drop_cache=False`` leaves read pages in the page cache (a table that stays
+    on disk only so its tied head can be prepacked: ``DecoderModel.prepack_linears``).
+    The file is opened once, here: lookups keep reading the file that was loaded
+    even if its path is later replaced (a re-download) or removed.
+    """
+
+    def __init__(self, src: TensorSource, vocab: int, hidden: int, dtype: torch.dtype, device: torch.device,
+                 stored: torch.dtype | None = None, drop_cache: bool = True):
         super().__init__()
         self.src, self.vocab, self.hidden, self.dtype, self.device = src, vocab, hidden, dtype, device
+        self.stored = stored or dtype
+        self.drop_cache = drop_cache
         self.row_bytes = src.nbytes // vocab
+        self._fd = os.open(src.path, os.O_RDONLY)
+        weakref.finalize(self, os.close, self._fd)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
-        out = torch.empty(ids.shape[0], self.hidden, dtype=self.dtype)
-        view = memoryview(out.view(torch.uint8).numpy()).cast("B")
-        fd = os.open(self.src.path, os.O_RDONLY)
-        try:
-            for j, tok in enumerate(ids.tolist()):
-                off = self.src.offset + tok * self.row_bytes
-                os.preadv(fd, [view[j * self.row_bytes : (j + 1) * self.row_bytes]], off)
-                os.posix_fadvise(fd, off, self.row_bytes, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-        return out.to(self.device)
+        buf = torch.empty(ids.shape[0], self.hidden, dtype=self.stored)
+        view = memoryview(buf.view(torch.uint8).numpy()).cast("B")
+        fd, n = self._fd, self.row_bytes
+        for j, tok in enumerate(ids.tolist()):
+            if not 0 <= tok < self.vocab:
+                raise IndexError(f"token id {tok} is outside the embedding table ({self.vocab} rows)")
+            off = self.src.offset + tok * n
+            if os.preadv(fd, [view[j * n : (j + 1) * n]], off) != n:
+                raise OSError(f"{self.src.path}: short read of embedding row {tok}; the file is truncated")
+            if self.drop_cache:
+                os.posix_fadvise(fd, off, n, os.POSIX_FADV_DONTNEED)
+        return buf.to(device=self.device, dtype=self.dtype)
 
 
 class StreamedLMHead(nn.Module):
@@ -168,7 +184,7 @@ class StreamedLMHead(nn.Module):
         self._rt = [runtime]  # a list: not registered as a submodule
         self.chunks = chunks  # (first row, end row, ring unit index)
         self.vocab = vocab
-        self.packed_when_resident = packed_when_resident  # False: a tied head (never prepacked)
+        self.packed_when_resident = packed_when_resident  # False: a tied head that is never prepacked
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
         rt = self._rt[0]
@@ -392,7 +408,11 @@ class OffloadRuntime:
                 self._units.append(StreamUnit(f"lm_head[{s}:{e}]", [item]))
                 self._bindings.append([])
                 chunks.append((s, e, len(self._units) - 1))
-            model.lm_head = StreamedLMHead(self, chunks, a.vocab_size, packed_when_resident=not tied)
+            # A tied head is packed when resident iff its embedding can be served from the
+            # checkpoint (DecoderModel.prepack_linears): chunks then pack on the fly, so the
+            # streamed head gives the resident head's bits.
+            packed = not tied or getattr(model, "embed_file", None) is not None
+            model.lm_head = StreamedLMHead(self, chunks, a.vocab_size, packed_when_resident=packed)
 
     # -- run time ------------------------------------------------------------------
     def bring(self, u: int) -> list[torch.Tensor]:

@@ -69,9 +69,11 @@ def test_engine_prepacks_resident_linears_with_identical_tokens(tmp_path, dtype,
     mods = [m for m in model.modules() if hasattr(m, "weight") and type(m).__name__ == "Linear"]
     is_packed = {m: m.weight.is_mkldnn for m in mods}
     assert is_packed[model.model.layers[0].mlp.down_proj]  # 256 x 512 = 128K elements: packed
-    assert is_packed[model.lm_head] == (kind == "llama")  # a head tied to the embedding stays plain
+    assert is_packed[model.lm_head]  # tied too: its embedding rows are then read from the checkpoint
     assert not any(m.weight.is_mkldnn for m in plain.loaded.model.modules() if hasattr(m, "weight"))
-    assert packed.memory_report().weights == plain.memory_report().weights  # replaced, not copied
+    # Replaced, not copied; a tied embedding table now lives in the checkpoint file (page cache).
+    on_disk = {"disk": 512 * 256 * 4} if kind == "qwen2" else {}  # the float32 checkpoint's table
+    assert packed.memory_report().weights == {**plain.memory_report().weights, **on_disk}
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = [[5, 17, 99, 200, 31], [7, 7, 300]]
     assert [o.token_ids for o in packed.generate(prompts, sp)] == [o.token_ids for o in plain.generate(prompts, sp)]

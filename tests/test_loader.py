@@ -43,6 +43,55 @@ def test_dtype_conversion_one_tensor_at_a_time(tiny):
     assert m.weight_bytes == sum(p.numel() * 2 for p in m.model.parameters())
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+# float32 values that conversion rounds at its edges: bf16 ties (to even, down and up),
+# an fp32 subnormal, fp16 subnormal / largest / overflow, negative zero.
+EDGES = [1 + 2**-8, 1 + 3 * 2**-8, 1e-40, 2**-20, 65519.0, 65520.0, 7e4, -0.0, -(1 + 2**-8)]
+
+
+@pytest.mark.parametrize("stored", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_embedding_rows_read_from_the_checkpoint_equal_the_loaded_table(tmp_path, stored, dtype):
+    """A tied head is packed with its embedding served from the file: the rows must be the loaded bits."""
+    path = make_hf_model("qwen2", tmp_path / "m")  # tied
+    f = SafetensorsFile(path / "model.safetensors")
+    tensors = {n: f.read(n) for n in f.keys()}
+    tensors["model.embed_tokens.weight"][7, : len(EDGES)] = torch.tensor(EDGES)
+    save_file({n: t.to(getattr(torch, stored)) for n, t in tensors.items()}, path / "model.safetensors")
+    model = load_model(path, dtype=dtype, device="cpu").model
+    table = model.model.embed_tokens.weight
+    emb = model.file_embedding()
+    ids = torch.tensor([7, 0, table.shape[0] - 1, 7, 3, *range(table.shape[0])])
+    got = emb(ids)
+    assert got.dtype == table.dtype and torch.equal(_bits(got), _bits(table[ids]))
+    with pytest.raises(IndexError, match="outside the embedding table"):
+        emb(torch.tensor([table.shape[0]]))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_llama2c_embedding_rows_read_from_the_checkpoint_equal_the_loaded_table(stories_c, dtype):
+    model = load_model(stories_c, dtype=dtype, device="cpu").model
+    table = model.model.embed_tokens.weight
+    got = model.file_embedding()(torch.arange(table.shape[0]))
+    assert torch.equal(_bits(got), _bits(table))
+
+
+def test_an_untied_or_in_memory_model_has_no_file_embedding(tiny):
+    from llmsys.engine.models.llama import Model, ModelArgs
+
+    assert load_model(tiny, dtype="float32").model.file_embedding() is None  # untied: the head has its own matrix
+    cfg = dict(json.loads((tiny / "config.json").read_text()), tie_word_embeddings=True, hidden_size=128)
+    args = ModelArgs.from_hf_config(cfg)  # 512 x 128: a head big enough to pack
+    model = Model(args)
+    model.tie_weights()
+    model.prepack_linears()
+    assert model.file_embedding() is None and type(model.model.embed_tokens) is torch.nn.Embedding
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # no file: the head stays the plain table
+
+
 def test_missing_path(tmp_path):
     with pytest.raises(ModelNotFoundError, match="no such file"):
         load_model(tmp_path / "nope")

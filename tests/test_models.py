@@ -83,3 +83,32 @@ def test_unsupported_architecture_is_one_line(tmp_path):
         load_model(tmp_path, dtype="float32")
     msg = str(e.value)
     assert "GPT2LMHeadModel" in msg and "LlamaForCausalLM" in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize("arch", [a for a in ARCHS if ARCH_CONFIGS[a].get("tie_word_embeddings")])
+def test_packed_tied_head_matches_transformers(arch, tmp_path):
+    """A tied head big enough to pack is packed, its embedding rows read from the checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    from llmsys import LLM, SamplingParams
+    from llmsys.offload.runtime import DiskEmbedding
+
+    path = make_hf_model(arch, tmp_path / arch, seed=3, hidden_size=128)  # 512 x 128 head: packable
+    hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    loaded = load_model(path, dtype="float32", device="cpu")
+    loaded.model.prepack_linears()
+    assert isinstance(loaded.model.model.embed_tokens, DiskEmbedding) and loaded.model.lm_head.weight.is_mkldnn
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(3, 512, (32,), generator=g).tolist()
+    cont = torch.randint(3, 512, (32,), generator=g).tolist()
+    ours = llmsys_logits(loaded, prompt, cont)
+    with torch.no_grad():
+        full = hf(torch.tensor([prompt + cont])).logits[0]
+        ref_toks = hf.generate(torch.tensor([prompt[:12]]), max_new_tokens=64, min_new_tokens=64, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)[0, 12:].tolist()
+    worst = max((o - r).abs().max().item() for o, r in zip(ours, [full[31]] + [full[32 + i] for i in range(32)]))
+    assert worst < 1e-4, f"{arch}: max |logit diff| {worst:.2e} over prefill + 32 decode steps"
+    llm = LLM(str(path), dtype="float32", device="cpu", kv_cache_tokens=512, progress=False)
+    assert isinstance(llm.loaded.model.model.embed_tokens, DiskEmbedding)
+    out = llm.generate([prompt[:12]], SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))[0]
+    assert out.token_ids == ref_toks

@@ -173,7 +173,10 @@ def _run(path: Path, dtype="float32", **kw):
     llm = LLM(str(path), dtype=dtype, device="cpu", kv_cache_tokens=256, max_num_batched_tokens=64, max_num_seqs=4,
               progress=False, **kw)
     prompts = [[5, 17, 99, 200, 31, 7, 8], [300, 12, 4]]
-    outs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=0))
+    sp = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=0)
+    # Batched (M = 2 rows per step) and alone (M = 1): oneDNN's float32 bits for a packed
+    # and a plain weight differ only at M = 1, so both must be covered.
+    outs = llm.generate(prompts, sp) + llm.generate([[42, 9, 77]], sp)
     llm.last_logprobs = [[lp.logprob for lp in o.logprobs] for o in outs]  # the logits' bits, in effect
     return llm, [o.token_ids for o in outs]
 

@@ -433,7 +433,8 @@ def _measure_row(row: BenchRow, llm, spec: BenchSpec, test: TestSpec, batch: int
     row.device = loaded.device.type
     row.dtype = str(loaded.dtype).removeprefix("torch.")
     row.weights_by_tier = dict(rep.weights)
-    row.weight_bytes = sum(rep.weights.values())
+    # Weights a decode step reads: not a tied embedding served from the checkpoint (its head twin counts).
+    row.weight_bytes = sum(rep.weights.values()) - getattr(loaded.model, "embed_file_bytes", 0)
     row.kv_bytes = sum(rep.kv_total.values())
     row.params = count_params(loaded)
     try:

@@ -25,6 +25,7 @@ from llmsys.engine.models.base import DecoderModel, TransformerArgs, rope_cache
 # A hook that may replace an nn.Linear when its weight arrives, e.g. with a
 # quantized layer: (qualified name, weight [N, K], bias | None) -> module or None.
 MakeLinear = Callable[[str, torch.Tensor, "torch.Tensor | None"], "nn.Module | None"]
+EMBED = "model.embed_tokens.weight"
 
 
 @dataclass
@@ -215,6 +216,22 @@ def _materialize_one(model, name, names, linears, done, read, dtype, device, mak
     set_tensor(model, name, t.to(device=device, dtype=want))
 
 
+def embed_file(args: TransformerArgs, path: Path, info: Any) -> tuple[Any, torch.dtype] | None:
+    """Where a tied model's embedding table lies in its checkpoint (``DecoderModel.embed_file``).
+
+    ``info``: ``.dtype .shape .offset .nbytes`` of the stored tensor (any float
+    dtype: rows are converted as they are read). None when the head is not tied
+    or the table is not a plain ``[vocab, hidden]`` float matrix.
+    """
+    from llmsys.offload.streamer import TensorSource
+
+    if not args.tie_word_embeddings or not info.dtype.is_floating_point:
+        return None
+    if tuple(info.shape) != (args.vocab_size, args.hidden_size):
+        return None
+    return TensorSource(str(path), info.offset, info.nbytes), info.dtype
+
+
 def load_model(
     path: str | Path,
     dtype: str = "auto",
@@ -264,6 +281,7 @@ def _load_hf(p: Path, dt, dev, make_linear, progress, offload=None) -> LoadedMod
         model.eval()
         gen = read_json(p / "generation_config.json") if (p / "generation_config.json").exists() else {}
         return LoadedModel(model, args, family.__name__.rsplit(".", 1)[1], p, p, dt, dev, cfg, gen)
+    model.embed_file = embed_file(model.args, index.where[EMBED].path, index.info(EMBED)) if EMBED in index else None
     runtime = None
     if offload is not None:
         runtime = offload(model, lambda n: (index.where[n].path, index.info(n)) if n in index else None)

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from llmsys.engine.errors import CheckpointError
+from llmsys.engine.loader.safetensors_io import TensorInfo
 from llmsys.engine.models import llama
 
 HEADER = struct.Struct("<7i")
@@ -45,7 +46,7 @@ def _permute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def load(p: Path, dtype: torch.dtype, device: torch.device, make_linear, progress: bool):
-    from llmsys.engine.loader.common import LoadedModel, materialize
+    from llmsys.engine.loader.common import LoadedModel, embed_file, materialize
 
     ckpt = find_checkpoint(p)
     assert ckpt is not None
@@ -149,6 +150,8 @@ def load(p: Path, dtype: torch.dtype, device: torch.device, make_linear, progres
     args = llama.ModelArgs.from_hf_config(cfg)
     with torch.device("meta"):
         model = llama.Model(args)
+    tok_off, tok_shape = offsets["tok"]
+    model.embed_file = embed_file(args, ckpt, TensorInfo("tok", torch.float32, tok_shape, tok_off, 4 * vocab * dim))
     try:
         materialize(model, read, lambda n: not (n == "lm_head.weight" and shared), dtype, device, ckpt, make_linear, progress)
     finally:

@@ -86,8 +86,8 @@ class Linear(nn.Linear):
     GEMM library per shape on CPU). Still an ``nn.Linear``, so quantization
     swaps it and checkpoints load into it by name."""
 
-    # False for a head tied to the embedding: never prepacked (see prepack_linears),
-    # so its plain weight must not be packed on the fly either (kernels.linear).
+    # False for a head tied to an embedding held in memory: never prepacked (see
+    # prepack_linears), so its plain weight must not be packed on the fly either (kernels.linear).
     packed_when_resident = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -184,6 +184,11 @@ class DecoderModel(nn.Module):
         # Set by the engine (engine/models/fast_decode.py): the same decode step in fewer
         # torch ops, used for the steps it accepts (pure decode, CPU, float32 pool).
         self.fast_decode: Any = None
+        # Set by the loader for a tied model whose checkpoint stores the embedding table
+        # plainly: (source with .path .offset .nbytes, stored dtype). prepack_linears then
+        # serves embedding rows from the file so the tied head can be packed.
+        self.embed_file: tuple[Any, torch.dtype] | None = None
+        self.embed_file_bytes = 0  # bytes of the embedding table served from the file (memory_report: "disk")
 
     def tie_weights(self) -> None:
         if self.args.tie_word_embeddings:
@@ -217,9 +222,9 @@ class DecoderModel(nn.Module):
         return self.lm_head(hidden)
 
     def never_pack(self) -> None:
-        """Mark every ``Linear`` as never packed (an engine whose weights are read or rewritten)."""
+        """Mark every ``Linear`` (and streamed head) as never packed (an engine whose weights are read or rewritten)."""
         for mod in self.modules():
-            if isinstance(mod, Linear):
+            if hasattr(mod, "packed_when_resident"):
                 mod.packed_when_resident = False
 
     def prepack_linears(self) -> int:
@@ -228,11 +233,14 @@ class DecoderModel(nn.Module):
         Why: a prepacked weight streams ~1.4-1.9x faster through the GEMV that
         dominates decode (see ``kernels.cpu_linear``), with bit-identical
         results. Each weight is replaced, not copied, so memory does not grow.
-        A head tied to the embedding stays plain: the embedding's row lookup
-        needs the plain layout and a second copy would cost memory. Only for
-        inference engines: code that reads or writes ``.weight`` afterwards
-        (quantization, calibration) must not call this.
+        A head tied to the embedding is packed too when the loader recorded
+        where the checkpoint keeps the table (see :meth:`_embed_from_file`);
+        else it stays plain, as the embedding's row lookup needs the plain
+        layout and a second copy would cost memory. Only for inference engines:
+        code that reads or writes ``.weight`` afterwards (quantization,
+        calibration) must not call this.
         """
+        self._embed_from_file()
         n = 0
         for name, mod in self.named_modules():
             if type(mod) is not Linear or not mod.packed_when_resident or mod.weight.device.type != "cpu":
@@ -242,3 +250,37 @@ class DecoderModel(nn.Module):
                 mod.weight = nn.Parameter(packed, requires_grad=False)
                 n += 1
         return n
+
+    def _embed_from_file(self) -> None:
+        """Serve a tied embedding's rows from the checkpoint, so the head alone owns the matrix.
+
+        Why: a packed head cannot answer row lookups, and a plain second copy would
+        double the table's memory (~20% of SmolLM2-135M). A step reads only its tokens'
+        rows (``os.preadv``; the page cache keeps hot rows), converted as the loader
+        converts the whole table, so lookups give the same bits. Not done without a
+        file (a model built in memory), on other devices, for a head that would not be
+        packed, or when the embedding is not the plain table (quantized).
+        """
+        head = self.lm_head
+        if type(head) is not Linear or head.weight is not getattr(self.model.embed_tokens, "weight", None):
+            return
+        emb = self.file_embedding()
+        if emb is None or not kernels.packable(head.weight):
+            return
+        self.model.embed_tokens = emb
+        self.embed_file_bytes = emb.src.nbytes
+        head.packed_when_resident = True
+
+    def file_embedding(self) -> nn.Module | None:
+        """A module that looks embedding rows up in the checkpoint file (``embed_file``), or None.
+
+        Its lookups equal indexing the loaded table bit for bit (tests/test_loader.py).
+        """
+        emb = self.model.embed_tokens
+        if self.embed_file is None or type(emb) is not nn.Embedding:
+            return None
+        from llmsys.offload.runtime import DiskEmbedding
+
+        src, stored = self.embed_file
+        w = emb.weight
+        return DiskEmbedding(src, w.shape[0], w.shape[1], w.dtype, w.device, stored=stored, drop_cache=False)
