@@ -8,7 +8,7 @@ op computes.
 
 from llmsys.kernels._backend import interpreter_enabled, triton_available
 from llmsys.kernels.cpu_int4 import CPU_BLOCK_N as CPU_INT4_BLOCK_N
-from llmsys.kernels.cpu_int4 import dequant_cpu_int4, unpack_cpu_int4
+from llmsys.kernels.cpu_int4 import dequant_cpu_int4, transpose_bf16, unpack_cpu_int4
 from llmsys.kernels.cpu_linear import linear, packable, prepack
 from llmsys.kernels.ops import (
     DEFAULT_PARTITION_SIZE,
@@ -45,6 +45,7 @@ __all__ = [
     "rope",
     "rope_inv_freq",
     "silu_mul",
+    "transpose_bf16",
     "triton_available",
     "unpack_cpu_int4",
     "unpack_int4",

@@ -57,21 +57,23 @@ static inline uint16_t f32_to_bf16(float f) {
 /* ------------------------------------------------------------ byte transpose */
 
 #if defined(__AVX2__)
-/* In each 128-bit lane, transpose the 16x16 bytes held by x[0..15] (row r = x[r]).
-   A round on register bit i pairs x[r], x[r | 2^i]: unpacklo/hi move that bit into the
-   lowest byte-position bit and the top position bit into the register bit; rounds on
-   bits 3, 2, 1, 0 swap the register and position bits completely. */
-static inline void transpose16_lanes(__m256i *x) {
-#pragma GCC unroll 4
-    for (int bit = 8; bit; bit >>= 1)
-#pragma GCC unroll 16
-        for (int r = 0; r < 16; ++r)
-            if (!(r & bit)) {
-                const __m256i lo = _mm256_unpacklo_epi8(x[r], x[r | bit]);
-                x[r | bit] = _mm256_unpackhi_epi8(x[r], x[r | bit]);
-                x[r] = lo;
-            }
-}
+/* In each 128-bit lane, transpose the n x n elements held by x[0..n-1] (row r = x[r]): 16x16
+   bytes with the epi8 unpacks, 8x8 16-bit values with the epi16 ones. A round on register
+   bit i pairs x[r], x[r | 2^i]: unpacklo/hi move that bit into the lowest element-position
+   bit and the top position bit into the register bit; rounds on every register bit, highest
+   first, swap the register and position bits completely. */
+#define LANE_TRANSPOSE(name, n, unpacklo, unpackhi)                 \
+    static inline void name(__m256i *x) {                           \
+        _Pragma("GCC unroll 4") for (int bit = n / 2; bit; bit >>= 1) \
+            _Pragma("GCC unroll 16") for (int r = 0; r < n; ++r)    \
+                if (!(r & bit)) {                                   \
+                    const __m256i lo = unpacklo(x[r], x[r | bit]);  \
+                    x[r | bit] = unpackhi(x[r], x[r | bit]);        \
+                    x[r] = lo;                                      \
+                }                                                   \
+    }
+LANE_TRANSPOSE(transpose16_lanes, 16, _mm256_unpacklo_epi8, _mm256_unpackhi_epi8)
+LANE_TRANSPOSE(transpose8_lanes_u16, 8, _mm256_unpacklo_epi16, _mm256_unpackhi_epi16)
 #endif
 
 /* src: 32 rows (columns k of the weight) of 32 bytes, contiguous; dst[j * ds + kk] = src[kk * 32 + j]. */
@@ -174,6 +176,40 @@ static inline void lookup_pair(const uint8_t *idx, lut_t lut_lo, lut_t lut_hi, u
 }
 #define STORE_FENCE() ((void)0)
 #endif
+
+/* ------------------------------------------------------------ bf16 transpose */
+
+/* dst[c * rows + r] = src[r * cols + c] for 16-bit elements. */
+int llmsys_u16_transpose(const uint16_t *src, uint16_t *dst, int64_t rows, int64_t cols, int nthreads) {
+    if (rows <= 0 || cols <= 0) return 1;
+    const int64_t rt = (rows + 15) / 16, ct = (cols + 15) / 16;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t w = 0; w < rt * ct; ++w) {
+        const int64_t r0 = (w / ct) * 16, c0 = (w % ct) * 16;
+#if defined(__AVX2__)
+        if (r0 + 16 <= rows && c0 + 16 <= cols) {
+            for (int half = 0; half < 16; half += 8) { /* source rows r0..r0+7, then r0+8..r0+15 */
+                __m256i x[8];
+#pragma GCC unroll 8
+                for (int i = 0; i < 8; ++i)
+                    x[i] = _mm256_loadu_si256((const __m256i *)(src + (r0 + half + i) * cols + c0));
+                transpose8_lanes_u16(x);
+                /* x[c] lane L: these 8 rows of column c0 + 8L + c */
+#pragma GCC unroll 8
+                for (int c = 0; c < 8; ++c) {
+                    _mm_storeu_si128((__m128i *)(dst + (c0 + c) * rows + r0 + half), _mm256_castsi256_si128(x[c]));
+                    _mm_storeu_si128((__m128i *)(dst + (c0 + 8 + c) * rows + r0 + half),
+                                     _mm256_extracti128_si256(x[c], 1));
+                }
+            }
+            continue;
+        }
+#endif
+        for (int64_t c = c0; c < c0 + 16 && c < cols; ++c)
+            for (int64_t r = r0; r < r0 + 16 && r < rows; ++r) dst[c * rows + r] = src[r * cols + c];
+    }
+    return 0;
+}
 
 /* ------------------------------------------------------------ entry point */
 

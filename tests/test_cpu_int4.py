@@ -135,7 +135,7 @@ def _run_isolated(env_extra: dict, tmp_path) -> str:
                            lin.dequantize(torch.bfloat16).view(torch.int16))
         x = torch.randn(40, 172)
         y = lin(x)  # 40 rows: the dequantize + GEMM path
-        ref = torch.nn.functional.linear(x.bfloat16(), lin.dequantize(torch.bfloat16)).float()
+        ref = torch.mm(lin.dequantize(torch.bfloat16), x.bfloat16().t()).t().float()
         print(cpu_int4.kernel_status().split(":")[0], same, torch.equal(y, ref))
     """)
     env = {**os.environ, "LLMSYS_HOME": str(tmp_path), **env_extra}
@@ -172,7 +172,8 @@ def test_layer_prefill_path(n, k, g):
         x = torch.randn(m, k)
         y = lin(x)
         assert y.dtype == torch.float32
-        assert torch.equal(y, F.linear(x.bfloat16(), wq).float())
+        assert torch.equal(y, torch.mm(wq, x.bfloat16().t()).t().float())  # the weight as oneDNN's first operand
+        assert torch.allclose(y, F.linear(x.bfloat16(), wq).float(), rtol=1e-2, atol=1e-3)
         ref = x @ dequantize_int4(*[lin.canonical_tensors()[t] for t in ("qweight", "scales", "zeros")], k).t()
         assert (y - ref).norm() / ref.norm() < 3e-3  # bf16 activations, as on the packed path
     x = torch.randn(int4_mod.PACKED_MAX_ROWS, k)
@@ -189,4 +190,13 @@ def test_layer_chunks_big_weights(monkeypatch):
     monkeypatch.setattr(int4_mod, "DEQUANT_CHUNK_BYTES", 300 * 256 * 2)  # 256-row chunks: 4 GEMMs
     chunked = lin(x)
     assert torch.allclose(chunked.float(), whole.float(), rtol=1e-2, atol=1e-3)
-    assert torch.equal(chunked[:, 256:512], F.linear(x, lin.dequantize(torch.bfloat16)[256:512]))
+    assert torch.equal(chunked[:, 256:512], torch.mm(lin.dequantize(torch.bfloat16)[256:512], x.t()).t())
+
+
+@pytest.mark.parametrize("shape", [(4864, 128), (896, 33), (100, 37), (17, 4864), (1, 5)])
+def test_transpose_bf16(shape):
+    x = torch.randn(shape).bfloat16()
+    out = cpu_int4.transpose_bf16(x)
+    assert out.is_contiguous() and torch.equal(out, x.t())
+    h = torch.randn(shape).half()
+    assert torch.equal(cpu_int4.transpose_bf16(h), h.t())
