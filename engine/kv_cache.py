@@ -91,8 +91,9 @@ class BlockAllocator:
     so it must never hold a live token.
 
     A block may be shared by several sequences (prefix caching,
-    :mod:`llmsys.engine.prefix_cache`): ``share`` adds a reference, ``free``
-    drops one, and the block is free again only at zero. A full block whose
+    :mod:`llmsys.engine.prefix_cache`): ``lookup`` adds a reference to each
+    block it finds, ``free`` drops one, and the block is free again only at
+    zero. A full block whose
     contents were registered under a prefix hash (``register``) is not wiped
     when its last reference goes: it waits in a least-recently-freed list and
     can be found again by ``lookup`` until ``allocate`` needs it for new data
@@ -166,14 +167,10 @@ class BlockAllocator:
         """
         if self._refs[block] != 1 or block >= self.num_blocks:
             raise ValueError(f"block {block} cannot be demoted (refs {self._refs[block]})")
-        if self._cold_free:
-            c = self._cold_free.pop()
-        elif self._cold_cached:
-            c, _ = self._cold_cached.popitem(last=False)
-            del self._block_of[self._hash_of.pop(c)]
-        else:
+        if not self._cold_free and not self._cold_cached:
             return None
-        self._refs[c], self._refs[block] = 1, 0
+        c = self._take(self._cold_free, self._cold_cached)
+        self._refs[block] = 0
         key = self._hash_of.pop(block, None)
         if key is not None:
             self._hash_of[c] = key
@@ -185,16 +182,17 @@ class BlockAllocator:
         """``n`` blocks for new data: never-registered ones first, then the oldest cached."""
         if n > self.num_free:
             raise BudgetError(f"KV pool exhausted: need {n} blocks, {self.num_free} free")
-        out = []
-        for _ in range(n):
-            if self._free:
-                b = self._free.pop()
-            else:
-                b, _ = self._cached.popitem(last=False)
-                del self._block_of[self._hash_of.pop(b)]
-            self._refs[b] = 1
-            out.append(b)
-        return out
+        return [self._take(self._free, self._cached) for _ in range(n)]
+
+    def _take(self, free: list[int], cached: OrderedDict[int, None]) -> int:
+        """One block for new data, with one reference: a plain free one, else the oldest cached (unregistered)."""
+        if free:
+            b = free.pop()
+        else:
+            b, _ = cached.popitem(last=False)
+            del self._block_of[self._hash_of.pop(b)]
+        self._refs[b] = 1
+        return b
 
     def free(self, blocks: list[int]) -> None:
         """Drop one reference to each block (a sequence's table, oldest first)."""

@@ -113,14 +113,14 @@ class Scheduler:
         seq.block_table.extend(self.allocator.allocate(need))
         return True
 
-    def _demote(self, n: int, growing: Sequence, out: SchedulerOutput) -> int:
+    def _demote(self, n: int, growing: Sequence, out: SchedulerOutput) -> None:
         """Move up to ``n`` hot blocks of running sequences (and ``growing``) to the cold tier.
 
         Candidates: blocks full of computed KV (so never the open block new
         tokens go to), held by one reference, of sequences without an evicting
         policy (their compaction moves tokens between blocks) whose blocks are
         not being copied in this step. Oldest positions first, older sequences
-        first on a tie. Returns how many moved.
+        first on a tie.
         """
         alloc, bs = self.allocator, self.block_size
         seqs = self.running if growing in self.running else [*self.running, growing]
@@ -134,7 +134,6 @@ class Scheduler:
                 if not alloc.is_cold(b) and alloc.refs(b) == 1:
                     cands.append((i, s.arrival, s))
         cands.sort(key=lambda c: (c[0], c[1]))
-        moved = 0
         for i, _, s in cands[:n]:
             hot = s.block_table[i]
             cold = alloc.demote(hot)
@@ -142,8 +141,6 @@ class Scheduler:
                 break
             s.block_table[i] = cold
             out.demote.append((hot, cold))
-            moved += 1
-        return moved
 
     def _hot_room(self, seq: Sequence) -> int:
         """New tokens of ``seq`` the hot pool can take in one step (its open block + every other block)."""

@@ -82,11 +82,11 @@ def make_gather_plan(
     pos = torch.arange(lmax)
     lens = torch.tensor(context_lens)
     valid_k = pos.unsqueeze(0) < lens.unsqueeze(1)  # [B, Lmax]
-    slots = table[:, pos // block_size] * block_size + pos % block_size  # [B, Lmax]
+    blk = table[:, pos // block_size]  # [B, Lmax] block id of each context position
+    slots = blk * block_size + pos % block_size  # [B, Lmax]
     slots = torch.where(valid_k, slots, torch.zeros((), dtype=torch.int64))
     cold_dst = cold_src = cold_runs = hot_runs = None
     if cold is not None:
-        blk = table[:, pos // block_size]  # [B, Lmax]
         is_cold = (blk >= cold.first) & valid_k
         if bool(is_cold.any()):
             flat = is_cold.view(-1)
