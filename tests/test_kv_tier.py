@@ -221,6 +221,13 @@ def test_flag_takes_tokens_or_a_size():
         build_engine_config("m", {"kv_offload_tokens": "lots"})
 
 
+def test_negative_offload_tokens_is_an_error():
+    from llmsys.engine.config import EngineConfig
+
+    with pytest.raises(InvalidParameterError, match="kv_offload_tokens must be >= 0, got -5"):
+        EngineConfig(model="m", kv_offload_tokens=-5)
+
+
 def test_quantized_pool_refuses_a_cold_tier():
     spec = KVCacheSpec(num_layers=2, num_blocks=4, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32,
                        kv_dtype="int8")
@@ -321,7 +328,8 @@ def test_scheduler_demotes_oldest_positions_first_never_open_or_shared_blocks():
     assert b.block_table[0] == cold and alloc.is_cold(cold)  # position 0 of b (a's position 0 is shared)
     assert c.block_table == [c.block_table[0], hot]  # the freed hot block holds c's new token
     out = SchedulerOutput()
-    assert sched._demote(10, c, out) == 4  # positions 0 (c), 1 (a, b), 2 (a); never an open block
+    sched._demote(10, c, out)
+    assert len(out.demote) == 4  # positions 0 (c), 1 (a, b), 2 (a); never an open block
     assert [alloc.is_cold(x) for x in a.block_table] == [False, True, True, False]
     assert [alloc.is_cold(x) for x in b.block_table] == [True, True, False]
     assert [alloc.is_cold(x) for x in c.block_table] == [True, False]
