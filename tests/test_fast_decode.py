@@ -38,19 +38,22 @@ def _step_both(llm, lens: list[int], seed: int = 0):
 
 
 @pytest.mark.parametrize(
-    "kind,overrides,fused",
+    "kind,overrides,dtype,fused",
     [
-        ("llama", {}, True),  # small plain weights: fused q|k|v and gate|up GEMMs
-        ("qwen2", {}, False),  # q/k/v biases: the layers' own projections
-        ("qwen3", {}, False),  # per-head q/k norms
-        ("llama", {"hidden_size": 256, "intermediate_size": 512}, False),  # prepacked (oneDNN) weights
+        ("llama", {}, "float32", True),  # small plain weights: fused q|k|v and gate|up GEMMs
+        ("qwen2", {}, "float32", False),  # q/k/v biases: the layers' own projections
+        ("qwen3", {}, "float32", False),  # per-head q/k norms
+        ("llama", {"hidden_size": 256, "intermediate_size": 512}, "float32", False),  # prepacked (oneDNN) weights
+        ("llama", {}, "bfloat16", False),  # bf16: the layers' projections, float32 RoPE and attention
+        ("qwen2", {"hidden_size": 256, "intermediate_size": 512}, "bfloat16", False),  # prepacked bf16, biases
+        ("qwen3", {}, "bfloat16", False),
     ],
 )
-def test_fast_decode_is_bit_identical(tmp_path, kind, overrides, fused):
+def test_fast_decode_is_bit_identical(tmp_path, kind, overrides, dtype, fused):
     from llmsys import LLM
 
     path = make_hf_model(kind, tmp_path / kind, **overrides)
-    llm = LLM(str(path), dtype="float32", progress=False, block_size=4, kv_cache_tokens=256)
+    llm = LLM(str(path), dtype=dtype, progress=False, block_size=4, kv_cache_tokens=256)
     fast = llm.loaded.model.fast_decode
     assert fast is not None and all((layer.qkv is not None) == fused for layer in fast.layers)
     for lens in ([9], [3, 17, 8], [12, 12]):  # one sequence; unequal lengths (masked); equal lengths
@@ -64,8 +67,8 @@ def test_fast_decode_only_where_it_applies(tmp_path):
     from llmsys.engine.attention import build_metadata
 
     path = make_hf_model("llama", tmp_path / "m")
-    bf16 = LLM(str(path), dtype="bfloat16", progress=False, kv_cache_tokens=256)
-    assert bf16.loaded.model.fast_decode is None  # float32 decoders only
+    fp16 = LLM(str(path), dtype="float16", progress=False, kv_cache_tokens=256)
+    assert fp16.loaded.model.fast_decode is None  # float32 and bfloat16 decoders only
     llm = LLM(str(path), dtype="float32", progress=False, block_size=4, kv_cache_tokens=256)
     fast, kv = llm.loaded.model.fast_decode, llm.core.kv
     t = [[1, 2], [3]]

@@ -1,11 +1,12 @@
-"""The CPU decode step of a float32 model with fewer torch ops, same bits.
+"""The CPU decode step of a float32 or bfloat16 model with fewer torch ops, same bits.
 
 A one-token step of a small model is bound by per-op overhead, not by math:
 stories260k (5 layers, hidden 64) spends ~1.8 ms per token in ~45 small torch
-ops per layer, module calls and input checks. :class:`FastDecode` runs the
-same decoder for a pure-decode step (every sequence feeds one token; CPU
-gather plan; plain float32 KV pool; no attention override, no offload hook)
-with:
+ops per layer, module calls and input checks, and a bfloat16 SmolLM2-135M
+spends about as long (~15 ms per token) outside its GEMVs as in them.
+:class:`FastDecode` runs the same decoder for a pure-decode step (every
+sequence feeds one token; CPU gather plan; plain KV pool of the model's dtype;
+no attention override, no offload hook) with:
 
 * one GEMM for q|k|v and one for gate|up where the layers' weights go through
   ``F.linear`` anyway (plain float32 weights too small to pack): the weights
@@ -17,16 +18,21 @@ with:
   ``[x2, x1]`` directly, and RoPE is three elementwise ops over q|k at once,
   with the ``[cos, cos]`` / ``[-sin, sin]`` rows read from a table built once
   (``kernels.rope``'s reference does the same products and sums);
+* bfloat16: the reference RMSNorm (float32 statistics, rounded to bf16, times
+  the bf16 weight) as ``F.rms_norm`` on the float32 upcast plus one multiply
+  (the fused op computes the same float32 ``x * rsqrt(mean(x^2) + eps)``,
+  tested bit for bit), RoPE over q|k in one float32 pass, and attention's
+  float32 upcast of the gathered K/V written by the head-major copy itself;
 * the cos/sin rows, K/V slots and gather layout taken once per step, not per
   layer; no ``nn.Module.__call__`` and no wrapper checks inside the loop (the
   shapes are the engine's own).
 
 Everything else calls what the module path calls (``F.rms_norm`` as
-``kernels.rms_norm`` does for float32, the CPU attention fast path, the
-layers' own ``forward`` for weights that are packed or quantized), so the
-hidden states equal ``DecoderModel.forward``'s exactly. Built by the engine
-after prepacking (an inference engine whose weights are no longer rewritten);
-``DecoderModel.forward`` uses it for the steps it accepts.
+``kernels.rms_norm`` does for float32, the CPU attention fast path's float32
+grouped matmuls, the layers' own ``forward`` for weights that are packed or
+quantized), so the hidden states equal ``DecoderModel.forward``'s exactly.
+Built by the engine after prepacking (an inference engine whose weights are no
+longer rewritten); ``DecoderModel.forward`` uses it for the steps it accepts.
 """
 
 from __future__ import annotations
@@ -75,12 +81,16 @@ class _Layer:
     down: torch.Tensor | None
 
 
-class FastDecode:
-    """Decode steps of one float32 CPU :class:`DecoderModel` (see the module doc)."""
+_DTYPES = (torch.float32, torch.bfloat16)  # the model dtypes whose module path this reproduces
 
-    def __init__(self, model: Any):
+
+class FastDecode:
+    """Decode steps of one float32 or bfloat16 CPU :class:`DecoderModel` (see the module doc)."""
+
+    def __init__(self, model: Any, dtype: torch.dtype):
         a = model.args
         self.model = model
+        self.dtype = dtype  # of the weights, norms and KV pool (the model's dtype)
         self.hidden = a.hidden_size
         self.hq, self.hk, self.d = a.num_attention_heads, a.num_key_value_heads, a.head_dim
         self.inter = a.intermediate_size
@@ -105,22 +115,24 @@ class FastDecode:
 
     @classmethod
     def build(cls, model: Any) -> "FastDecode | None":
-        """None when the model is not a float32 CPU decoder with plain RMSNorms."""
+        """None when the model is not a float32 or bfloat16 CPU decoder with plain RMSNorms."""
         from llmsys.engine.models.base import RMSNorm
 
         p = next(model.parameters(), None)
         norms = [m for layer in model.model.layers for m in (layer.input_layernorm, layer.post_attention_layernorm)]
         norms.append(model.model.norm)
+        dtype = norms[0].weight.dtype
         ok = (
             p is not None
             and p.device.type == "cpu"
+            and dtype in _DTYPES
             and model.rope_cache.dtype == torch.float32
-            and all(type(n) is RMSNorm and n.weight.dtype == torch.float32 for n in norms)
+            and all(type(n) is RMSNorm and n.weight.dtype == dtype for n in norms)
         )
-        return cls(model) if ok else None
+        return cls(model, dtype) if ok else None
 
     def accepts(self, kv: Any, meta: Any) -> bool:
-        """A pure-decode CPU step on a plain float32 pool, nothing overriding attention or layers."""
+        """A pure-decode CPU step on a plain pool of the model's dtype, nothing overriding attention or layers."""
         plan = meta.plan
         return (
             plan is not None
@@ -128,7 +140,7 @@ class FastDecode:
             and meta.policy_attn is None
             and self.model.layer_hook is None
             and not kv.quantized
-            and kv.spec.dtype == torch.float32
+            and kv.spec.dtype == self.dtype
         )
 
     def _rope_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,6 +153,13 @@ class FastDecode:
             self._rope_src = src
         rows = self._rope.index_select(0, positions)  # [T, 2, D]
         return rows[:, :1], rows[:, 1:]
+
+    def _norm(self, h: torch.Tensor, weight_eps: tuple[torch.Tensor, float]) -> torch.Tensor:  # [T, hidden]
+        """``kernels.rms_norm``'s result: float32 fused; bfloat16 the reference's roundings (module doc)."""
+        w, eps = weight_eps
+        if self.dtype == torch.float32:
+            return F.rms_norm(h, (self.hidden,), w, eps)
+        return w * F.rms_norm(h.float(), (self.hidden,), None, eps).to(self.dtype)
 
     def _pool(self, kv: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
         if self._kv_src is not kv:
@@ -156,19 +175,20 @@ class FastDecode:
         meta: Any,
     ) -> torch.Tensor:  # [T, hidden], equal to DecoderModel.forward's
         T = input_ids.shape[0]
-        hq, hk, d, hidden, inter = self.hq, self.hk, self.d, self.hidden, self.inter
+        hq, hk, d, inter, dtype = self.hq, self.hk, self.d, self.inter, self.dtype
+        f32 = dtype == torch.float32
         g, nqk = hq // hk, (hq + hk) * d
         cos2, sin2 = self._rope_rows(positions)
         slots, plan = meta.slot_mapping, meta.plan
-        # Decode attention as kernels.cpu_attention computes it for a float32 pool (gather each
-        # sequence's K/V head-major, two grouped matmuls), minus its no-op casts and re-views.
+        # Decode attention as kernels.cpu_attention computes it (gather each sequence's K/V
+        # head-major, two grouped float32 matmuls), minus its no-op casts and re-views.
         L = plan.gather_slots.shape[1]
         neg_mask = None if plan.attn_mask is None else ~plan.attn_mask.transpose(0, 1)
         emb = self.model.model.embed_tokens
         plain = type(emb) is torch.nn.Embedding and emb.max_norm is None
         h = F.embedding(input_ids, emb.weight) if plain else emb(input_ids)
         for fl, (kf, vf) in zip(self.layers, self._pool(kv)):
-            x = F.rms_norm(h, (hidden,), *fl.norm1)
+            x = self._norm(h, fl.norm1)
             if fl.qkv is not None:
                 out = F.linear(x, fl.qkv)
                 qk, sw = out[:, :nqk].view(T, hq + hk, d), out[:, nqk : 2 * nqk].view(T, hq + hk, d)
@@ -180,20 +200,23 @@ class FastDecode:
                 v = at.v_proj.forward(x).view(T, hk, d)
                 if at.q_norm is not None:
                     q, k = at.q_norm.forward(q), at.k_norm.forward(k)
-                qk = torch.cat([q, k], dim=1)
+                qk = torch.cat([q, k], dim=1).float()  # [T, Hq + Hk, D] float32
                 sw = torch.cat([qk[..., d // 2 :], qk[..., : d // 2]], dim=-1)
             r = qk * cos2 + sw * sin2  # [T, Hq + Hk, D]: RoPE, as kernels.rope's reference computes it
+            if not f32:
+                r = r.to(dtype)
             kf.index_copy_(0, slots, r[:, hq:])
             vf.index_copy_(0, slots, v)
-            kg = gather_rows(kf, plan).view(T, L, hk, d).permute(2, 0, 1, 3).contiguous()  # [Hk, B, L, D]
-            vg = gather_rows(vf, plan).view(T, L, hk, d).permute(2, 0, 1, 3).contiguous()
-            s = torch.matmul(r[:, :hq].contiguous().view(T, hk, g, d).transpose(0, 1), kg.transpose(-1, -2)) * fl.scale
+            kg, vg = (self._heads_first(gather_rows(c, plan), T, L) for c in (kf, vf))  # [Hk, B, L, D] f32
+            qg = r[:, :hq].contiguous().view(T, hk, g, d).transpose(0, 1).float()  # [Hk, B, G, D]
+            s = torch.matmul(qg, kg.transpose(-1, -2)) * fl.scale
             if neg_mask is not None:
                 s = s.masked_fill(neg_mask, float("-inf"))
-            o = torch.matmul(torch.softmax(s, dim=-1), vg).transpose(0, 1).reshape(T, hq * d)
+            o = torch.matmul(torch.softmax(s, dim=-1), vg)
+            o = (o if f32 else o.to(dtype)).transpose(0, 1).reshape(T, hq * d)
             a = F.linear(o, fl.o) if fl.o is not None else fl.attn.o_proj.forward(o)
             h = a + h
-            x = F.rms_norm(h, (hidden,), *fl.norm2)
+            x = self._norm(h, fl.norm2)
             if fl.gate_up is not None:
                 gu = F.linear(x, fl.gate_up)
                 # contiguous: silu's vectorized and scalar loops round differently, so the
@@ -202,4 +225,15 @@ class FastDecode:
             else:
                 y = F.silu(fl.mlp.gate_proj.forward(x)) * fl.mlp.up_proj.forward(x)
             h = h + (F.linear(y, fl.down) if fl.down is not None else fl.mlp.down_proj.forward(y))
-        return F.rms_norm(h, (hidden,), *self.final_norm)
+        return self._norm(h, self.final_norm)
+
+    def _heads_first(self, rows: torch.Tensor, T: int, L: int) -> torch.Tensor:  # [T * L, Hk, D] -> [Hk, T, L, D]
+        """Gathered K or V as the contiguous float32 ``[Hk, B, L, D]`` the grouped matmuls read.
+
+        One copy: the permute and (for bfloat16) the upcast that the module path
+        does as two (``_gather_heads_first`` then ``.float()``), same values, same layout.
+        """
+        src = rows.view(T, L, self.hk, self.d).permute(2, 0, 1, 3)
+        if self.dtype == torch.float32:
+            return src.contiguous()
+        return torch.empty(src.shape, dtype=torch.float32).copy_(src)
