@@ -22,6 +22,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from llmsys.kernels import cpu_decode
+
 
 @dataclass(frozen=True)
 class ColdBlocks:
@@ -61,6 +63,7 @@ class GatherPlan:
     # gathered row is then written once (pool rows by index_select, cold rows by a slice copy).
     cold_runs: tuple[tuple[int, int, int], ...] | None = None
     hot_runs: tuple[tuple[int, int], ...] | None = None
+    lens: torch.Tensor | None = None  # [B] int64 context lengths, on the CPU (kernels.cpu_decode reads them)
 
 
 def make_gather_plan(
@@ -131,7 +134,7 @@ def make_gather_plan(
         pre_tok = torch.tensor([t for b in pre for t in range(starts[b], starts[b + 1])], dtype=torch.int64, device=device)
         split = (sub[0], dec_tok, sub[1], pre_tok)
     return GatherPlan(slots.to(device), mask, pad_index, tuple(starts), is_decode, split, cold, cold_dst, cold_src,
-                      cold_runs, hot_runs)
+                      cold_runs, hot_runs, lens)
 
 
 MAX_COLD_RUNS = 64  # more runs than this: one index_select + index_copy_ beats a Python loop of slice copies
@@ -257,6 +260,16 @@ def paged_attention_gathered(
             res = paged_attention_gathered(q.index_select(0, tok), k_cache, v_cache, sub, scale, k_scale, v_scale)
             out.index_copy_(0, tok, res)
         return out
+    if plan.is_decode and cpu_decode.applies(q) and cpu_decode.available():
+        # bfloat16: the C decode attention (kernels/cpu_decode.c), reading a plain pool by slot
+        # (the same rows a gather would copy), else the gathered (dequantized / staged) rows.
+        if k_scale is None and plan.cold is None:
+            hk, d = k_cache.shape[-2], k_cache.shape[-1]
+            return cpu_decode.decode_attention(q, k_cache.view(-1, hk, d), v_cache.view(-1, hk, d), plan.lens, scale,
+                                               plan.gather_slots)
+        k = _gather(k_cache, k_scale, plan, q.dtype)  # [B, Lmax, Hk, D]
+        v = _gather(v_cache, v_scale, plan, q.dtype)
+        return cpu_decode.decode_attention(q, k, v, plan.lens, scale)
     if plan.is_decode:
         k = _gather_heads_first(k_cache, k_scale, plan, q.dtype)  # [Hk, B, Lmax, D]
         v = _gather_heads_first(v_cache, v_scale, plan, q.dtype)

@@ -24,19 +24,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
+from llmsys.kernels import _cbuild
+
 CPU_BLOCK_N = 64  # the CPU int4 layout tiles rows in blocks of 64
 _SOURCE = Path(__file__).with_name("cpu_int4.c")
-_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared")
 _ARGTYPES = [
     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,  # packed, scales, strides, f32?
     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,  # zeros, out, ldo
@@ -128,62 +123,33 @@ def kernel_status() -> str:
     return _build()[1]
 
 
-def cache_dir() -> Path:
-    """Where compiled kernels are kept: ``$LLMSYS_HOME/kernels`` (default ``~/.cache/llmsys``)."""
-    return Path(os.environ.get("LLMSYS_HOME") or "~/.cache/llmsys").expanduser() / "kernels"
-
-
 @functools.cache
 def _build() -> tuple[ctypes.CDLL | None, str]:
-    """Build (once per source/compiler/CPU, cached on disk) and load the C kernel: ``(lib or None, status)``.
+    """Build (once per source/compiler/CPU, cached on disk; see ``kernels._cbuild``) and load the C kernel.
 
     Memoized for the process: the outcome is a fact about this machine and
     source (like ``cpu_linear._ONEDNN``), never changed afterwards.
     """
-    if os.environ.get("LLMSYS_NO_CKERNELS", "0") not in ("", "0"):
-        return None, "disabled by LLMSYS_NO_CKERNELS"
-    cc = os.environ.get("CC") or shutil.which("gcc")
-    if not cc:
-        return None, "no C compiler (gcc) on PATH"
+    path, status = _cbuild.build(_SOURCE)
+    if path is None:
+        return None, status
     try:
-        source = _SOURCE.read_bytes()
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-        key = hashlib.sha256(b"\0".join([source, " ".join(_FLAGS).encode(), version.encode(),
-                                         _cpu_signature().encode()])).hexdigest()[:16]
-        target = cache_dir() / f"cpu_int4-{key}.so"
-        if not target.exists():
-            error = compile_kernel(cc, target)
-            if error:
-                return None, error
-        return load_kernel(target), f"ok: {target}"
-    except (OSError, subprocess.SubprocessError, AttributeError) as exc:
-        return None, f"build or load failed: {exc}"
+        return load_kernel(path), status
+    except (OSError, AttributeError) as exc:
+        return None, f"load failed: {exc}"
 
 
 def compile_kernel(cc: str, target: Path, extra_flags: tuple[str, ...] = ()) -> str | None:
-    """Compile ``cpu_int4.c`` to ``target`` (atomically); returns an error line, or None.
-
-    ``extra_flags`` (e.g. ``-mno-avx512f``) build the other code paths for the tests.
-    """
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        tmp_so = Path(tmp) / target.name
-        res = subprocess.run([cc, *_FLAGS, *extra_flags, "-o", str(tmp_so), str(_SOURCE)],
-                             capture_output=True, text=True, timeout=300)
-        if res.returncode != 0:
-            return f"{cc} failed: {(res.stderr or res.stdout).strip().splitlines()[-1:]}"
-        os.replace(tmp_so, target)  # atomic: concurrent builders each write their own temp file
-    return None
+    """Compile ``cpu_int4.c`` to ``target``; returns an error line, or None (tests build other ISAs)."""
+    return _cbuild.compile_source(cc, _SOURCE, target, extra_flags)
 
 
 def load_kernel(path: Path) -> ctypes.CDLL:
     """Load a compiled kernel and declare its signature."""
-    lib = ctypes.CDLL(str(path))
-    lib.llmsys_int4_cpu_dequant.restype = ctypes.c_int
-    lib.llmsys_int4_cpu_dequant.argtypes = _ARGTYPES
-    lib.llmsys_u16_transpose.restype = ctypes.c_int
-    lib.llmsys_u16_transpose.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
-    return lib
+    return _cbuild.load(path, {
+        "llmsys_int4_cpu_dequant": _ARGTYPES,
+        "llmsys_u16_transpose": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int],
+    })
 
 
 def run_kernel(lib: ctypes.CDLL, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -204,13 +170,3 @@ def run_kernel(lib: ctypes.CDLL, packed: torch.Tensor, scales: torch.Tensor, zer
     if rc:  # dequant_cpu_int4's argument checks make this unreachable
         raise RuntimeError(f"dequant_cpu_int4: kernel rejected N={n} Kp={kp} K={in_features} group={group_size}")
     return out
-
-
-def _cpu_signature() -> str:
-    """-march=native code is only valid on the CPU it was built for: key the cache by it."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            lines = [ln for ln in f if ln.startswith(("model name", "flags"))]
-        return "".join(sorted(set(lines)))
-    except OSError:
-        return platform.processor() or platform.machine()

@@ -15,6 +15,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from llmsys.kernels import cpu_decode
 from llmsys.kernels import reference as ref
 from llmsys.kernels._backend import Impl, triton_module, use_triton
 from llmsys.kernels._validate import (
@@ -68,6 +69,8 @@ def rms_norm(
             h = x if residual is None else x + residual
             out = F.rms_norm(h, (d,), weight, eps)
             return out if residual is None else (out, h)
+        if impl == "auto" and cpu_decode.applies(x) and weight.dtype == torch.bfloat16 and cpu_decode.available():
+            return cpu_decode.rms_norm(x, weight, eps, residual)  # one C call, HF's roundings
         return ref.rms_norm_ref(x, weight, eps, residual)
     res2d = residual.reshape(-1, d) if residual is not None else None
     result = triton_module("triton_elementwise").rms_norm(x.reshape(-1, d), weight, eps, res2d)
@@ -97,6 +100,9 @@ def rope(
     check(op, "cos_sin_cache", cos_sin_cache, ndim=2, shape=(None, d), dtypes=(torch.float32,),
           device=q.device, contiguous=True)
     if not use_triton(impl, q.device, op):
+        if (impl == "auto" and cpu_decode.applies(q) and cpu_decode.applies(k) and cpu_decode.available()
+                and q.stride(1) == d and k.stride(1) == d):
+            return cpu_decode.rope(q, k, positions, cos_sin_cache)  # the reference's bits in one C call
         return ref.rope_ref(q, k, positions, cos_sin_cache)
     return triton_module("triton_elementwise").rope(q, k, positions, cos_sin_cache)
 

@@ -251,3 +251,17 @@ def test_plan_cli_prints_table_and_explains(capsys):
     rc = main(["plan", "llama-8b", "--gpu-mem", "4GiB", "--cpu-mem", "32GiB", "--dtype", "bfloat16"])
     out = capsys.readouterr().out
     assert rc == 0 and "GPU (resident)" in out and "streamed to GPU" in out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_projections_match_streamed_layers(tmp_path, dtype):
+    """Resident layers run q|k|v and gate|up as one GEMM each (``DecoderModel.fuse_projections``),
+    streamed layers run the checkpoint's separate matrices: the same bits (q/k/v biases too)."""
+    path = make_hf_model("qwen2", tmp_path / "m", **dict(SMALL, num_key_value_heads=4))  # every part packable
+    ref_llm, ref = _run(path, dtype)
+    layer = ref_llm.loaded.model.model.layers[0]
+    assert layer.self_attn.qkv_proj is not None and layer.self_attn.q_proj is None
+    assert layer.mlp.gate_up_proj is not None and layer.mlp.gate_proj is None
+    llm, got = _run(path, dtype, cpu_mem="64MiB", extra={"placement": {"disk": 6}})
+    assert llm.plan.layer_kinds().count("disk") == 6
+    assert got == ref and llm.last_logprobs == ref_llm.last_logprobs

@@ -117,14 +117,29 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, a.rms_norm_eps) if a.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, a.rms_norm_eps) if a.qk_norm else None
         self.scale = self.head_dim**-0.5
+        # q|k|v rows in one GEMM, set by DecoderModel.fuse_projections (which drops q/k/v_proj).
+        self.qkv_proj: Linear | None = None
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q ``[T, Hq, D]``, k and v ``[T, Hk, D]`` (views into one fused output when fused), q/k normed."""
+        T = x.shape[0]
+        if self.qkv_proj is not None:
+            out = self.qkv_proj(x)  # [T, (Hq + 2 Hk) D]
+            nq, nk = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+            q = out[:, :nq].view(T, self.n_heads, self.head_dim)
+            k = out[:, nq : nq + nk].view(T, self.n_kv, self.head_dim)
+            v = out[:, nq + nk :].view(T, self.n_kv, self.head_dim)
+        else:
+            q = self.q_proj(x).view(T, self.n_heads, self.head_dim)  # [T, Hq, D]
+            k = self.k_proj(x).view(T, self.n_kv, self.head_dim)  # [T, Hk, D]
+            v = self.v_proj(x).view(T, self.n_kv, self.head_dim)  # [T, Hk, D]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
+        return q, k, v
 
     def forward(self, x, positions, rope_cache, k_cache, v_cache, meta: AttentionMetadata):
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.n_heads, self.head_dim)  # [T, Hq, D]
-        k = self.k_proj(x).view(T, self.n_kv, self.head_dim)  # [T, Hk, D]
-        v = self.v_proj(x).view(T, self.n_kv, self.head_dim)  # [T, Hk, D]
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = self.project(x)
         q, k = kernels.rope(q, k, positions, rope_cache)
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)  # quantizes on write for int8/int4 pools
         o = paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
@@ -137,9 +152,21 @@ class MLP(nn.Module):
         self.gate_proj = Linear(a.hidden_size, a.intermediate_size, bias=False)
         self.up_proj = Linear(a.hidden_size, a.intermediate_size, bias=False)
         self.down_proj = Linear(a.intermediate_size, a.hidden_size, bias=False)
+        # gate|up rows in one GEMM, set by DecoderModel.fuse_projections (which drops gate/up_proj).
+        self.gate_up_proj: Linear | None = None
+
+    def act(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, I]
+        """``silu(gate(x)) * up(x)``, the input of ``down_proj``."""
+        if self.gate_up_proj is None:
+            return F.silu(self.gate_proj(x)) * self.up_proj(x)
+        gu = self.gate_up_proj(x)  # [T, 2 I]
+        inter = gu.shape[-1] // 2
+        # contiguous: silu's vectorized and scalar loops round differently, so the gate
+        # must sit in memory as the unfused GEMM's output does (the same bits either way).
+        return F.silu(gu[..., :inter].contiguous()) * gu[..., inter:]
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(x))
 
 
 class DecoderLayer(nn.Module):
@@ -241,6 +268,7 @@ class DecoderModel(nn.Module):
         calibration) must not call this.
         """
         self._embed_from_file()
+        self.fuse_projections()
         n = 0
         for name, mod in self.named_modules():
             if type(mod) is not Linear or not mod.packed_when_resident or mod.weight.device.type != "cpu":
@@ -249,6 +277,34 @@ class DecoderModel(nn.Module):
             if packed is not None:
                 mod.weight = nn.Parameter(packed, requires_grad=False)
                 n += 1
+        return n
+
+    def fuse_projections(self) -> int:
+        """Concatenate each layer's q/k/v and gate/up weights into one GEMM each; returns how many.
+
+        Why: at decode a layer's GEMVs are 7 calls of oneDNN's ~15 us fixed cost on
+        small matrices (a 576x192 k_proj streams at ~8 GB/s, a 960-row q|k|v at ~17);
+        fused, a bfloat16 SmolLM2-135M token takes ~1.6 ms less. Exact: each output
+        of the fused GEMM equals the separate GEMM's bit for bit (oneDNN and MKL
+        reduce every output over K the same way whatever N is;
+        tests/test_fast_decode.py), so resident fused layers and streamed unfused
+        ones agree. The separate modules are dropped (set to None), so memory does
+        not grow. Only for resident CPU ``Linear`` weights that would be prepacked
+        (inference engines, see :meth:`prepack_linears`); the rest stay as they are.
+        """
+        n = 0
+        for layer in self.model.layers:
+            at, mlp = layer.self_attn, layer.mlp
+            if at.qkv_proj is None and at.q_proj is not None:
+                fused = _fused_linear([at.q_proj, at.k_proj, at.v_proj])
+                if fused is not None:
+                    at.qkv_proj, at.q_proj, at.k_proj, at.v_proj = fused, None, None, None
+                    n += 1
+            if mlp.gate_up_proj is None and mlp.gate_proj is not None:
+                fused = _fused_linear([mlp.gate_proj, mlp.up_proj])
+                if fused is not None:
+                    mlp.gate_up_proj, mlp.gate_proj, mlp.up_proj = fused, None, None
+                    n += 1
         return n
 
     def _embed_from_file(self) -> None:
@@ -284,3 +340,29 @@ class DecoderModel(nn.Module):
         src, stored = self.embed_file
         w = emb.weight
         return DiskEmbedding(src, w.shape[0], w.shape[1], w.dtype, w.device, stored=stored, drop_cache=False)
+
+
+def _fused_linear(mods: list[nn.Module]) -> Linear | None:
+    """One ``Linear`` whose rows are the given layers' rows in order, or None when they do not fuse.
+
+    They fuse when all are plain resident CPU ``Linear`` layers meant to be packed, each
+    packable (so each, streamed alone, takes the same GEMM library), with one dtype and
+    input size, all with or all without bias.
+    """
+    if any(type(m) is not Linear or not m.packed_when_resident for m in mods):
+        return None
+    ws = [m.weight for m in mods]
+    w0 = ws[0]
+    if any(w.device.type != "cpu" or w.is_mkldnn or w.dtype != w0.dtype or w.shape[1] != w0.shape[1] for w in ws):
+        return None
+    biased = [m.bias is not None for m in mods]
+    if any(b != biased[0] for b in biased):
+        return None
+    if not all(kernels.packable(w) for w in ws):  # a small part alone would take another GEMM (other bits)
+        return None
+    weight = torch.cat([w.detach() for w in ws])  # [sum N, K]
+    lin = Linear(weight.shape[1], weight.shape[0], bias=biased[0], device="meta")
+    lin.weight = nn.Parameter(weight, requires_grad=False)
+    if biased[0]:
+        lin.bias = nn.Parameter(torch.cat([m.bias.detach() for m in mods]), requires_grad=False)
+    return lin

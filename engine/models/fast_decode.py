@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from llmsys import kernels
+from llmsys.kernels import cpu_decode
 from llmsys.kernels.cpu_attention import gather_rows
 
 
@@ -174,6 +175,8 @@ class FastDecode:
         kv: Any,
         meta: Any,
     ) -> torch.Tensor:  # [T, hidden], equal to DecoderModel.forward's
+        if self.dtype == torch.bfloat16 and cpu_decode.available():
+            return self._call_c(input_ids, positions, kv, meta)
         T = input_ids.shape[0]
         hq, hk, d, inter, dtype = self.hq, self.hk, self.d, self.inter, self.dtype
         f32 = dtype == torch.float32
@@ -193,13 +196,8 @@ class FastDecode:
                 out = F.linear(x, fl.qkv)
                 qk, sw = out[:, :nqk].view(T, hq + hk, d), out[:, nqk : 2 * nqk].view(T, hq + hk, d)
                 v = out[:, 2 * nqk :].view(T, hk, d)
-            else:  # packed / quantized / biased projections, or per-head norms: the layer's own forward
-                at = fl.attn
-                q = at.q_proj.forward(x).view(T, hq, d)
-                k = at.k_proj.forward(x).view(T, hk, d)
-                v = at.v_proj.forward(x).view(T, hk, d)
-                if at.q_norm is not None:
-                    q, k = at.q_norm.forward(q), at.k_norm.forward(k)
+            else:  # packed / quantized / biased projections, or per-head norms: the layer's own
+                q, k, v = fl.attn.project(x)
                 qk = torch.cat([q, k], dim=1).float()  # [T, Hq + Hk, D] float32
                 sw = torch.cat([qk[..., d // 2 :], qk[..., : d // 2]], dim=-1)
             r = qk * cos2 + sw * sin2  # [T, Hq + Hk, D]: RoPE, as kernels.rope's reference computes it
@@ -223,9 +221,42 @@ class FastDecode:
                 # gate must sit in memory as the unfused GEMM's output did.
                 y = F.silu(gu[:, :inter].contiguous()) * gu[:, inter:]
             else:
-                y = F.silu(fl.mlp.gate_proj.forward(x)) * fl.mlp.up_proj.forward(x)
+                y = fl.mlp.act(x)
             h = h + (F.linear(y, fl.down) if fl.down is not None else fl.mlp.down_proj.forward(y))
         return self._norm(h, self.final_norm)
+
+    def _call_c(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: Any, meta: Any) -> torch.Tensor:
+        """The bfloat16 step on ``kernels.cpu_decode``'s C kernels, which the module path also calls.
+
+        Per layer: RMSNorm (fused with the residual add before it), the q|k|v GEMV, RoPE with
+        the K/V stores, attention reading the pool by slot, the o GEMV, RMSNorm + residual,
+        and the MLP's gate|up GEMV, SiLU and product, down GEMV -- ~10 calls where the
+        module path makes ~60.
+        The residual add after the MLP is fused into the next layer's RMSNorm (the module
+        path adds, then normalizes: the same bf16 sum).
+        """
+        T = input_ids.shape[0]
+        hq, hk, d = self.hq, self.hk, self.d
+        plan, slots, rope = meta.plan, meta.slot_mapping, self.model.rope_cache
+        L = plan.gather_slots.shape[1]
+        emb = self.model.model.embed_tokens
+        plain = type(emb) is torch.nn.Embedding and emb.max_norm is None
+        h = F.embedding(input_ids, emb.weight) if plain else emb(input_ids)
+        x = cpu_decode.rms_norm(h, *self.layers[0].norm1)
+        last = len(self.layers) - 1
+        for i, (fl, (kf, vf)) in enumerate(zip(self.layers, self._pool(kv))):
+            at, mlp = fl.attn, fl.mlp
+            q, k, v = at.project(x)
+            q = cpu_decode.rope_store(q, k, v, positions, rope, kf, vf, slots)  # k, v into the pool
+            if plan.cold is None:  # attention reads the pool rows by slot
+                o = cpu_decode.decode_attention(q, kf, vf, plan.lens, fl.scale, plan.gather_slots)  # [T, Hq, D]
+            else:  # hot and staged cold rows gathered into one tensor first
+                kg, vg = (gather_rows(c, plan).view(T, L, hk, d) for c in (kf, vf))
+                o = cpu_decode.decode_attention(q, kg, vg, plan.lens, fl.scale)
+            x, h = cpu_decode.rms_norm(at.o_proj.forward(o.view(T, hq * d)), *fl.norm2, residual=h)
+            y = mlp.down_proj.forward(mlp.act(x))
+            x, h = cpu_decode.rms_norm(y, *(self.final_norm if i == last else self.layers[i + 1].norm1), residual=h)
+        return x
 
     def _heads_first(self, rows: torch.Tensor, T: int, L: int) -> torch.Tensor:  # [T * L, Hk, D] -> [Hk, T, L, D]
         """Gathered K or V as the contiguous float32 ``[Hk, B, L, D]`` the grouped matmuls read.

@@ -1,0 +1,185 @@
+/* bfloat16 decode-step kernels for the CPU: RMSNorm, RoPE, decode attention.
+ *
+ * Built and loaded by kernels/cpu_decode.py (gcc -O3 -march=native -fopenmp
+ * -ffp-contract=off -shared, cached under a hash of this file). Why: a
+ * bfloat16 decode step of a small model spends as long in small torch ops
+ * (upcasts, elementwise, softmax, their dispatch) as in its GEMVs; each kernel
+ * here replaces 4-12 of them with one call. The engine uses these kernels for
+ * every CPU bfloat16 step that computes the op (prefill and decode, resident
+ * or streamed layers), so all paths give the same bits.
+ *
+ * Arithmetic (documented because tests/test_cpu_decode.py holds the torch
+ * definitions in kernels/cpu_decode.py to it):
+ *   - bf16 -> f32 is exact; f32 -> bf16 rounds to nearest even (torch's).
+ *   - No fused multiply-adds (-ffp-contract=off): every product and sum is
+ *     one float32 rounding, so the torch definitions can reproduce them.
+ *   - Dot products and sums of squares accumulate in 16 float32 lanes, lane j
+ *     taking elements j, j+16, j+32, ... in order, then reduce the lanes as a
+ *     tree: lanes i + (i+8), then i + (i+4), then i + (i+2), then i + (i+1).
+ *
+ * rms_norm:  h = residual ? bf16(x + residual) : x
+ *            ms = sumsq(h) / D;  r = 1 / sqrt(ms + eps)
+ *            out = bf16(w * bf16(h * r))      (HF LlamaRMSNorm's roundings)
+ * rope:      out = bf16(x * [cos, cos] + [x2, x1] * [-sin, sin])  (kernels.rope's reference, exactly)
+ * attention: per sequence b, query head h (KV head h / G):
+ *            s_l = dot(q, k_l) * scale for l < len_b;  m = max s
+ *            e_l = expf(s_l - m);  z = sum_l e_l (in order);  p_l = e_l / z
+ *            out = bf16(sum_l p_l * v_l)    (in order of l, per element)
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define LANES 16
+
+static inline float bf(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t rne(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float tree(float *a) {
+    for (int w = LANES / 2; w >= 1; w /= 2)
+        for (int i = 0; i < w; i++) a[i] = a[i] + a[i + w];
+    return a[0];
+}
+
+/* sum of x[i] * y[i], i < n, in the lane order above (float32 inputs). */
+static inline float dot_f32(const float *x, const float *y, int64_t n) {
+    float acc[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int j = 0; j < LANES; j++) acc[j] = acc[j] + x[i + j] * y[i + j];
+    for (int j = 0; i + j < n; j++) acc[j] = acc[j] + x[i + j] * y[i + j];
+    return tree(acc);
+}
+
+int llmsys_rms_norm_bf16(const uint16_t *x, const uint16_t *res, const uint16_t *w, uint16_t *out,
+                         uint16_t *new_res, int64_t rows, int64_t d, float eps, int threads) {
+    if (d <= 0 || d > (1 << 20)) return 1;
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * d >= (1 << 16))
+    for (int64_t t = 0; t < rows; t++) {
+        float *h = malloc(sizeof(float) * (size_t)d);
+        const uint16_t *xr = x + t * d;
+        for (int64_t i = 0; i < d; i++) {
+            if (res) {
+                uint16_t s = rne(bf(xr[i]) + bf(res[t * d + i]));
+                new_res[t * d + i] = s;
+                h[i] = bf(s);
+            } else {
+                h[i] = bf(xr[i]);
+            }
+        }
+        float ms = dot_f32(h, h, d) / (float)d;
+        float r = 1.0f / sqrtf(ms + eps);
+        for (int64_t i = 0; i < d; i++) out[t * d + i] = rne(bf(w[i]) * bf(rne(h[i] * r)));
+        free(h);
+    }
+    return 0;
+}
+
+/* x [T, H, D] rows with row stride `stride` (elements between tokens), out [T, H, D] contiguous. */
+static void rope_one(const uint16_t *x, int64_t stride, uint16_t *out, const int64_t *pos, const float *cache,
+                     int64_t t_count, int64_t heads, int64_t d) {
+    int64_t half = d / 2;
+    for (int64_t t = 0; t < t_count; t++) {
+        const float *cs = cache + pos[t] * d; /* cos | sin */
+        for (int64_t hh = 0; hh < heads; hh++) {
+            const uint16_t *xr = x + t * stride + hh * d;
+            uint16_t *o = out + (t * heads + hh) * d;
+            for (int64_t i = 0; i < half; i++) {
+                float x1 = bf(xr[i]), x2 = bf(xr[i + half]), c = cs[i], s = cs[half + i];
+                float a = x1 * c, b = x2 * -s;
+                o[i] = rne(a + b);
+                float a2 = x2 * c, b2 = x1 * s;
+                o[i + half] = rne(a2 + b2);
+            }
+        }
+    }
+}
+
+int llmsys_rope_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride, uint16_t *q_out,
+                     uint16_t *k_out, const int64_t *pos, const float *cache, int64_t max_pos, int64_t t_count,
+                     int64_t hq, int64_t hk, int64_t d) {
+    if (d % 2) return 1;
+    for (int64_t t = 0; t < t_count; t++)
+        if (pos[t] < 0 || pos[t] >= max_pos) return 2;
+    rope_one(q, q_stride, q_out, pos, cache, t_count, hq, d);
+    rope_one(k, k_stride, k_out, pos, cache, t_count, hk, d);
+    return 0;
+}
+
+/* RoPE on q (-> q_out) and k, with k and v written straight into their pool rows:
+ * token t's k and v go to row slots[t] of k_pool / v_pool ([slots, Hk, D]); slots[t] < 0 skips the token. */
+int llmsys_rope_store_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride,
+                           const uint16_t *v, int64_t v_stride, uint16_t *q_out, uint16_t *k_pool, uint16_t *v_pool,
+                           const int64_t *slots, int64_t n_slots, const int64_t *pos, const float *cache,
+                           int64_t max_pos, int64_t t_count, int64_t hq, int64_t hk, int64_t d) {
+    if (d % 2) return 1;
+    for (int64_t t = 0; t < t_count; t++) {
+        if (pos[t] < 0 || pos[t] >= max_pos) return 2;
+        if (slots[t] >= n_slots) return 3;
+    }
+    rope_one(q, q_stride, q_out, pos, cache, t_count, hq, d);
+    for (int64_t t = 0; t < t_count; t++) {
+        if (slots[t] < 0) continue;
+        rope_one(k + t * k_stride, 0, k_pool + slots[t] * hk * d, pos + t, cache, 1, hk, d);
+        memcpy(v_pool + slots[t] * hk * d, v + t * v_stride, sizeof(uint16_t) * (size_t)(hk * d));
+    }
+    return 0;
+}
+
+/* q [B, Hq, D]; k, v: rows of [Hk, D]: with slots [B, L], row slots[b, l] of the pool, else row b * L + l
+ * (gathered); lens [B]; out [B, Hq, D]. */
+int llmsys_decode_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, const int64_t *slots,
+                                 const int64_t *lens, float scale, uint16_t *out, int64_t b_count, int64_t l_max,
+                                 int64_t hq, int64_t hk, int64_t d, int threads) {
+    if (hk <= 0 || hq % hk || d <= 0 || d > 1024) return 1;
+    for (int64_t b = 0; b < b_count; b++)
+        if (lens[b] < 1 || lens[b] > l_max) return 2;
+    int64_t g = hq / hk;
+#pragma omp parallel for num_threads(threads) schedule(static) if (b_count * hk > 1)
+    for (int64_t item = 0; item < b_count * hk; item++) {
+        int64_t b = item / hk, j = item % hk, len = lens[b];
+        float *s = malloc(sizeof(float) * (size_t)(len * g + (g + 2) * d));
+        float *qf = s + len * g, *kf = qf + g * d, *acc = kf + d;
+        for (int64_t gi = 0; gi < g; gi++)
+            for (int64_t i = 0; i < d; i++) qf[gi * d + i] = bf(q[(b * hq + j * g + gi) * d + i]);
+        for (int64_t l = 0; l < len; l++) {
+            int64_t row = slots ? slots[b * l_max + l] : b * l_max + l;
+            const uint16_t *kr = k + (row * hk + j) * d;
+            for (int64_t i = 0; i < d; i++) kf[i] = bf(kr[i]);
+            for (int64_t gi = 0; gi < g; gi++) s[gi * len + l] = dot_f32(qf + gi * d, kf, d) * scale;
+        }
+        for (int64_t gi = 0; gi < g; gi++) {
+            float *sr = s + gi * len, m = -INFINITY, z = 0.0f;
+            for (int64_t l = 0; l < len; l++) m = sr[l] > m ? sr[l] : m;
+            for (int64_t l = 0; l < len; l++) {
+                sr[l] = expf(sr[l] - m);
+                z = z + sr[l];
+            }
+            for (int64_t l = 0; l < len; l++) sr[l] = sr[l] / z;
+            for (int64_t i = 0; i < d; i++) acc[i] = 0.0f;
+            for (int64_t l = 0; l < len; l++) {
+                int64_t row = slots ? slots[b * l_max + l] : b * l_max + l;
+                const uint16_t *vr = v + (row * hk + j) * d;
+                float p = sr[l];
+                for (int64_t i = 0; i < d; i++) acc[i] = acc[i] + p * bf(vr[i]);
+            }
+            uint16_t *o = out + (b * hq + j * g + gi) * d;
+            for (int64_t i = 0; i < d; i++) o[i] = rne(acc[i]);
+        }
+        free(s);
+    }
+    return 0;
+}

@@ -1,0 +1,209 @@
+"""CPU bfloat16 RMSNorm, RoPE and decode attention: one C call each (``cpu_decode.c``).
+
+Why: a bfloat16 decode step of SmolLM2-135M spent ~11 ms of its ~27 ms
+outside the GEMVs, in ~40 small torch ops per layer (upcasts, elementwise
+products, softmax, and the dispatch around each). These kernels replace the
+RMSNorm (with its residual add), RoPE over q and k, and decode attention over
+gathered K/V with one call each.
+
+Every CPU bfloat16 computation of these ops in the engine goes through here
+(``kernels.rms_norm``, ``kernels.rope``, the CPU attention fast path and the
+fast decode step), so resident, streamed and batched paths keep giving the
+same bits. The arithmetic is spelled out in ``cpu_decode.c``; the ``*_def``
+functions below are its torch definitions: RMSNorm and RoPE bit for bit, the
+attention up to ``expf`` against ``torch.exp`` (tests/test_cpu_decode.py).
+Without the C kernel (no compiler, ``LLMSYS_NO_CKERNELS=1``) the definitions
+run instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from llmsys.kernels import _cbuild
+
+LANES = 16  # float32 accumulator lanes of the C reductions
+_SOURCE = Path(__file__).with_name("cpu_decode.c")
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {
+    "llmsys_rms_norm_bf16": [_P, _P, _P, _P, _P, _I, _I, _F, ctypes.c_int],
+    "llmsys_rope_bf16": [_P, _I, _P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _I],
+    "llmsys_rope_store_bf16": [_P, _I, _P, _I, _P, _I, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I],
+    "llmsys_decode_attention_bf16": [_P, _P, _P, _P, _P, _F, _P, _I, _I, _I, _I, _I, ctypes.c_int],
+}
+
+
+@functools.cache
+def _lib() -> tuple[ctypes.CDLL | None, str]:
+    """The loaded kernel (built once per source/compiler/CPU) and a status line; memoized per process."""
+    path, status = _cbuild.build(_SOURCE)
+    if path is None:
+        return None, status
+    try:
+        return _cbuild.load(path, _SIGNATURES), status
+    except (OSError, AttributeError) as exc:
+        return None, f"build or load failed: {exc}"
+
+
+def kernel_status() -> str:
+    """``"ok: <path>"`` when the C kernel is loaded, else why the torch definitions run."""
+    return _lib()[1]
+
+
+def available() -> bool:
+    return _lib()[0] is not None
+
+
+def applies(x: torch.Tensor) -> bool:
+    """Do this module's kernels handle ``x`` (a CPU bfloat16 tensor)?"""
+    return x.dtype == torch.bfloat16 and x.device.type == "cpu"
+
+
+# ------------------------------------------------------------------ definitions
+
+
+def lane_sum(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # [..., n] f32 x2 -> [...]
+    """``sum(x * y)`` over the last dim in the C kernels' order (16 lanes in order, then a tree)."""
+    n = x.shape[-1]
+    pad = -n % LANES
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad))
+        y = torch.nn.functional.pad(y, (0, pad))
+    xs, ys = x.unflatten(-1, (-1, LANES)), y.unflatten(-1, (-1, LANES))
+    acc = torch.zeros(xs.shape[:-2] + (LANES,), dtype=torch.float32)
+    for c in range(xs.shape[-2]):
+        acc = acc + xs[..., c, :] * ys[..., c, :]
+    while acc.shape[-1] > 1:
+        w = acc.shape[-1] // 2
+        acc = acc[..., :w] + acc[..., w:]
+    return acc[..., 0]
+
+
+def rms_norm_def(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """The C RMSNorm in torch ops: HF's roundings, the sum of squares in lane order."""
+    h = x if residual is None else (x.float() + residual.float()).to(torch.bfloat16)
+    hf = h.float()
+    ms = lane_sum(hf, hf) / hf.shape[-1]
+    r = 1.0 / torch.sqrt(ms + torch.tensor(eps, dtype=torch.float32))
+    out = (weight.float() * (hf * r.unsqueeze(-1)).to(torch.bfloat16).float()).to(torch.bfloat16)
+    return out if residual is None else (out, h)
+
+
+def decode_attention_def(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+    """The C decode attention in torch ops (``torch.exp`` for ``expf``): ``q [B, Hq, D]``, ``k, v [B, L, Hk, D]``."""
+    B, Hq, D = q.shape
+    Hk = k.shape[2]
+    out = torch.empty(B, Hq, D, dtype=torch.bfloat16)
+    for b in range(B):
+        n = int(lens[b])
+        kb = k[b, :n].float().transpose(0, 1).repeat_interleave(Hq // Hk, dim=0)  # [Hq, n, D]
+        vb = v[b, :n].float().transpose(0, 1).repeat_interleave(Hq // Hk, dim=0)
+        s = lane_sum(q[b].float().unsqueeze(1).expand(-1, n, -1), kb) * scale  # [Hq, n]
+        e = torch.exp(s - s.max(dim=-1, keepdim=True).values)
+        z = torch.zeros(Hq)
+        for i in range(n):
+            z = z + e[:, i]
+        p = e / z.unsqueeze(-1)
+        acc = torch.zeros(Hq, D)
+        for i in range(n):
+            acc = acc + p[:, i : i + 1] * vb[:, i]
+        out[b] = acc.to(torch.bfloat16)
+    return out
+
+
+# ------------------------------------------------------------------ kernels
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """``x [..., D]`` bf16 contiguous, ``weight [D]`` bf16 (``residual`` like x): as :func:`rms_norm_def`."""
+    lib = _lib()[0]
+    if lib is None:
+        return rms_norm_def(x, weight, eps, residual)
+    d = x.shape[-1]
+    out = torch.empty_like(x)
+    new_res = None if residual is None else torch.empty_like(x)
+    rc = lib.llmsys_rms_norm_bf16(x.data_ptr(), _ptr(residual), weight.data_ptr(), out.data_ptr(), _ptr(new_res),
+                                  x.numel() // d, d, eps, torch.get_num_threads())
+    if rc:
+        raise RuntimeError(f"rms_norm: the C kernel rejected D={d}")
+    return out if residual is None else (out, new_res)
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor):
+    """``q [T, Hq, D]``, ``k [T, Hk, D]`` bf16 (rows may be strided) -> new contiguous (q, k).
+
+    Bit for bit ``kernels.reference.rope_ref``; positions must lie in the cache.
+    """
+    lib = _lib()[0]
+    if lib is None:
+        from llmsys.kernels.reference import rope_ref
+
+        return rope_ref(q, k, positions, cos_sin_cache)
+    T, hq, d = q.shape
+    hk = k.shape[1]
+    for t in (q, k):
+        if t.stride(2) != 1 or t.stride(1) != d:
+            raise ValueError(f"rope: heads of q and k must be contiguous, got strides {t.stride()}")
+    qo, ko = torch.empty(T, hq, d, dtype=q.dtype), torch.empty(T, hk, d, dtype=k.dtype)
+    rc = lib.llmsys_rope_bf16(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), qo.data_ptr(), ko.data_ptr(),
+                              positions.data_ptr(), cos_sin_cache.data_ptr(), cos_sin_cache.shape[0], T, hq, hk, d)
+    if rc == 2:
+        raise ValueError(f"rope: a position lies outside the cos/sin cache (0..{cos_sin_cache.shape[0] - 1})")
+    if rc:
+        raise ValueError(f"rope: head_dim must be even, got {d}")
+    return qo, ko
+
+
+def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+               cos_sin_cache: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+               slots: torch.Tensor) -> torch.Tensor:
+    """:func:`rope` with k and v stored into the pools (``[num_slots, Hk, D]``) at ``slots [T]`` -> roped q.
+
+    The same bits as ``rope`` then ``kernels.kv_store``; slot -1 skips a token.
+    Needs the C kernel (callers check :func:`available`).
+    """
+    lib = _lib()[0]
+    T, hq, d = q.shape
+    hk = k.shape[1]
+    for t in (q, k, v):
+        if t.stride(2) != 1 or t.stride(1) != d:
+            raise ValueError(f"rope_store: heads of q, k and v must be contiguous, got strides {t.stride()}")
+    qo = torch.empty(T, hq, d, dtype=q.dtype)
+    rc = lib.llmsys_rope_store_bf16(
+        q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), qo.data_ptr(),
+        k_pool.data_ptr(), v_pool.data_ptr(), slots.data_ptr(), k_pool.shape[0], positions.data_ptr(),
+        cos_sin_cache.data_ptr(), cos_sin_cache.shape[0], T, hq, hk, d)
+    if rc:
+        raise ValueError(f"rope_store: odd head_dim {d}, or a position or slot outside its table (code {rc})")
+    return qo
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor,
+                     scale: float, slots: torch.Tensor | None = None) -> torch.Tensor:
+    """One query per sequence over its context: ``q [B, Hq, D]``; ``k, v [B, L, Hk, D]`` gathered rows,
+    or with ``slots [B, L]`` (int64, padding any valid slot) the pools ``[num_slots, Hk, D]`` themselves;
+    bf16 contiguous; ``lens [B]`` int64 (1..L) -> ``[B, Hq, D]`` bf16 (as :func:`decode_attention_def`)."""
+    lib = _lib()[0]
+    if lib is None:
+        if slots is not None:
+            k, v = (c.view(-1, c.shape[-2], c.shape[-1])[slots.view(-1)].view(*slots.shape, *c.shape[-2:])
+                    for c in (k, v))
+        return decode_attention_def(q, k, v, lens, scale)
+    B, hq, d = q.shape
+    L = k.shape[1] if slots is None else slots.shape[1]
+    hk = k.shape[-2]
+    out = torch.empty(B, hq, d, dtype=torch.bfloat16)
+    rc = lib.llmsys_decode_attention_bf16(q.data_ptr(), k.data_ptr(), v.data_ptr(), _ptr(slots), lens.data_ptr(),
+                                          scale, out.data_ptr(), B, L, hq, hk, d, torch.get_num_threads())
+    if rc:
+        raise ValueError(f"decode_attention: bad shapes (Hq={hq}, Hk={hk}, D={d}) or lengths outside 1..{L}")
+    return out
