@@ -1,0 +1,153 @@
+"""The CPU bfloat16 decode kernels (kernels/cpu_decode.c) against their torch definitions and the references."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from llmsys import kernels
+from llmsys.kernels import _cbuild, cpu_decode
+from llmsys.kernels.reference import rms_norm_ref, rope_ref
+
+KERNEL = cpu_decode.available()
+needs_kernel = pytest.mark.skipif(not KERNEL, reason=f"C kernel not built: {cpu_decode.kernel_status()}")
+BF = torch.bfloat16
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16)
+
+
+@needs_kernel
+@pytest.mark.parametrize("d", [64, 100, 576, 4096])
+def test_rms_norm_is_its_definition_and_hf_within_one_ulp(d):
+    g = torch.Generator().manual_seed(d)
+    x = (torch.randn(7, d, generator=g) * 3).to(BF)
+    r = torch.randn(7, d, generator=g).to(BF)
+    w = torch.randn(d, generator=g).to(BF)
+    out = cpu_decode.rms_norm(x, w, 1e-5)
+    assert torch.equal(_bits(out), _bits(cpu_decode.rms_norm_def(x, w, 1e-5)))
+    out2, h = cpu_decode.rms_norm(x, w, 1e-5, residual=r)
+    ref2, href = cpu_decode.rms_norm_def(x, w, 1e-5, residual=r)
+    assert torch.equal(_bits(out2), _bits(ref2)) and torch.equal(_bits(h), _bits(x + r))
+    # HF's LlamaRMSNorm (the torch reference) sums the squares in another order: at most
+    # one bf16 rounding step apart, through the normalized value and the weight product.
+    hf = rms_norm_ref(x, w, 1e-5)
+    assert torch.allclose(out.float(), hf.float(), rtol=2 * 2**-8, atol=1e-6)
+    # kernels.rms_norm routes CPU bf16 here, 3-D inputs (per-head q/k norms) included
+    assert torch.equal(_bits(kernels.rms_norm(x, w, 1e-5)), _bits(out))
+    x3 = x.view(7, -1, d // 4 if d % 4 == 0 else d)
+    w3 = w[: x3.shape[-1]].contiguous()
+    assert torch.equal(_bits(kernels.rms_norm(x3, w3, 1e-5)), _bits(cpu_decode.rms_norm_def(x3, w3, 1e-5)))
+
+
+@needs_kernel
+def test_rope_is_the_reference_bit_for_bit_and_stores_kv():
+    g = torch.Generator().manual_seed(1)
+    cache = kernels.build_rope_cache(64, 512, 10000.0, None, None)
+    fused = torch.randn(5, (9 + 3 + 3) * 64, generator=g).to(BF)  # a q|k|v GEMM output: strided views
+    q, k, v = fused[:, :576].view(5, 9, 64), fused[:, 576:768].view(5, 3, 64), fused[:, 768:].view(5, 3, 64)
+    pos = torch.tensor([0, 5, 100, 511, 7])
+    qo, ko = cpu_decode.rope(q, k, pos, cache)
+    qr, kr = rope_ref(q, k, pos, cache)
+    assert torch.equal(_bits(qo), _bits(qr)) and torch.equal(_bits(ko), _bits(kr))
+    assert torch.equal(_bits(kernels.rope(q, k, pos, cache)[0]), _bits(qr))
+    kp, vp = torch.zeros(20, 3, 64, dtype=BF), torch.zeros(20, 3, 64, dtype=BF)
+    slots = torch.tensor([3, 19, -1, 0, 8])  # -1: no slot (skipped)
+    qs = cpu_decode.rope_store(q, k, v, pos, cache, kp, vp, slots)
+    assert torch.equal(_bits(qs), _bits(qr))
+    for t, s in enumerate(slots.tolist()):
+        if s >= 0:
+            assert torch.equal(_bits(kp[s]), _bits(kr[t])) and torch.equal(_bits(vp[s]), _bits(v[t]))
+    assert int((kp != 0).any(-1).any(-1).sum()) == 4
+    with pytest.raises(ValueError, match="position"):
+        cpu_decode.rope(q, k, torch.tensor([0, 1, 2, 512, 3]), cache)
+    with pytest.raises(ValueError, match="slot"):
+        cpu_decode.rope_store(q, k, v, pos, cache, kp, vp, torch.tensor([3, 20, -1, 0, 8]))
+
+
+def _attention_inputs(seed: int, B=3, L=40, hq=9, hk=3, d=64):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, hq, d, generator=g).to(BF)
+    k = torch.randn(B, L, hk, d, generator=g).to(BF)
+    v = torch.randn(B, L, hk, d, generator=g).to(BF)
+    return q, k, v, torch.tensor([L, 7, 23][:B])
+
+
+@needs_kernel
+def test_decode_attention_matches_its_definition_and_float_attention():
+    q, k, v, lens = _attention_inputs(2)
+    out = cpu_decode.decode_attention(q, k, v, lens, 0.125)
+    ref = cpu_decode.decode_attention_def(q, k, v, lens, 0.125)
+    assert (out.float() - ref.float()).abs().max() <= 2**-8 * ref.float().abs().max()  # expf vs torch.exp
+    for b in range(3):
+        n = int(lens[b])
+        kb = k[b, :n].float().transpose(0, 1).repeat_interleave(3, 0)  # [Hq, n, D]
+        vb = v[b, :n].float().transpose(0, 1).repeat_interleave(3, 0)
+        p = torch.softmax(q[b].float().unsqueeze(1) @ kb.transpose(-1, -2) * 0.125, -1)
+        assert torch.allclose(out[b].float(), (p @ vb).squeeze(1), atol=1e-2, rtol=1e-2)
+
+
+@needs_kernel
+def test_decode_attention_by_slot_equals_gathered_and_is_batch_invariant():
+    q, k, v, lens = _attention_inputs(3)
+    B, L, hk, d = k.shape
+    # the same rows scattered over a pool, read back by slot
+    perm = torch.randperm(B * L, generator=torch.Generator().manual_seed(0))
+    kp, vp = torch.empty(B * L, hk, d, dtype=BF), torch.empty(B * L, hk, d, dtype=BF)
+    kp[perm], vp[perm] = k.reshape(-1, hk, d), v.reshape(-1, hk, d)
+    slots = perm.view(B, L).clone()
+    gathered = cpu_decode.decode_attention(q, k, v, lens, 0.125)
+    assert torch.equal(_bits(cpu_decode.decode_attention(q, kp, vp, lens, 0.125, slots)), _bits(gathered))
+    for b in range(B):  # each sequence alone gives the bits it got in the batch
+        alone = cpu_decode.decode_attention(q[b : b + 1], k[b : b + 1], v[b : b + 1], lens[b : b + 1], 0.125)
+        assert torch.equal(_bits(alone[0]), _bits(gathered[b]))
+    with pytest.raises(ValueError, match="lengths"):
+        cpu_decode.decode_attention(q, k, v, torch.tensor([L + 1, 1, 1]), 0.125)
+
+
+@needs_kernel
+@pytest.mark.parametrize("flags", [("-mno-avx512f",), ("-mno-avx2", "-mno-avx512f")])
+def test_other_isas_give_the_same_bits(flags, tmp_path):
+    """No FMA contraction and a fixed reduction order: a build for another ISA computes the same bits."""
+    cc = os.environ.get("CC") or "gcc"
+    err = _cbuild.compile_source(cc, cpu_decode._SOURCE, tmp_path / "k.so", flags)
+    if err:
+        pytest.skip(f"{cc} cannot build with {flags}: {err}")
+    lib = _cbuild.load(tmp_path / "k.so", cpu_decode._SIGNATURES)
+    x = (torch.randn(4, 300) * 2).to(BF)
+    w = torch.randn(300).to(BF)
+    out = torch.empty_like(x)
+    assert lib.llmsys_rms_norm_bf16(x.data_ptr(), None, w.data_ptr(), out.data_ptr(), None, 4, 300, 1e-6, 2) == 0
+    assert torch.equal(_bits(out), _bits(cpu_decode.rms_norm(x, w, 1e-6)))
+    q, k, v, lens = _attention_inputs(4)
+    o = torch.empty_like(q)
+    assert lib.llmsys_decode_attention_bf16(q.data_ptr(), k.data_ptr(), v.data_ptr(), None, lens.data_ptr(), 0.125,
+                                            o.data_ptr(), 3, 40, 9, 3, 64, 2) == 0
+    assert torch.equal(_bits(o), _bits(cpu_decode.decode_attention(q, k, v, lens, 0.125)))
+
+
+def test_without_the_kernel_the_torch_paths_run(tmp_path):
+    """LLMSYS_NO_CKERNELS=1: the references run (kernels.rms_norm = HF's), and a bf16 model still decodes."""
+    code = textwrap.dedent("""
+        import torch
+        from llmsys import kernels
+        from llmsys.kernels import cpu_decode
+        from llmsys.kernels.reference import rms_norm_ref
+        x, w = torch.randn(3, 64).bfloat16(), torch.randn(64).bfloat16()
+        same = torch.equal(kernels.rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6))
+        q, k, v = torch.randn(2, 4, 8).bfloat16(), torch.randn(2, 5, 2, 8).bfloat16(), torch.randn(2, 5, 2, 8).bfloat16()
+        lens = torch.tensor([5, 3])
+        att = torch.equal(cpu_decode.decode_attention(q, k, v, lens, 0.3), cpu_decode.decode_attention_def(q, k, v, lens, 0.3))
+        print(cpu_decode.kernel_status(), same, att)
+    """)
+    env = {**os.environ, "LLMSYS_HOME": str(tmp_path), "LLMSYS_NO_CKERNELS": "1"}
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip().splitlines()[-1] == "disabled by LLMSYS_NO_CKERNELS True True"
+    assert not list(tmp_path.glob("kernels/*.so"))
