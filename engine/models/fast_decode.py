@@ -1,38 +1,41 @@
-"""The CPU decode step of a float32 or bfloat16 model with fewer torch ops, same bits.
+"""The CPU decode step of a float32 or bfloat16 model with fewer calls, same bits.
 
 A one-token step of a small model is bound by per-op overhead, not by math:
 stories260k (5 layers, hidden 64) spends ~1.8 ms per token in ~45 small torch
 ops per layer, module calls and input checks, and a bfloat16 SmolLM2-135M
-spends about as long (~15 ms per token) outside its GEMVs as in them.
+spent about as long (~15 ms per token) outside its GEMVs as in them.
 :class:`FastDecode` runs the same decoder for a pure-decode step (every
 sequence feeds one token; CPU gather plan; plain KV pool of the model's dtype;
-no attention override, no offload hook) with:
+no attention override, no offload hook). What it saves:
 
-* one GEMM for q|k|v and one for gate|up where the layers' weights go through
-  ``F.linear`` anyway (plain float32 weights too small to pack): the weights
-  are concatenated once; each output row of the fused GEMM equals the
-  separate GEMMs' bit for bit (MKL reduces each output over K the same way
-  whatever N is; ``tests/test_fast_decode.py`` checks the whole step);
-* RoPE's rotate-half folded into that GEMM: the q and k weights are also
-  stored with the two halves of every head swapped, so the GEMM yields
-  ``[x2, x1]`` directly, and RoPE is three elementwise ops over q|k at once,
-  with the ``[cos, cos]`` / ``[-sin, sin]`` rows read from a table built once
-  (``kernels.rope``'s reference does the same products and sums);
-* bfloat16: the reference RMSNorm (float32 statistics, rounded to bf16, times
-  the bf16 weight) as ``F.rms_norm`` on the float32 upcast plus one multiply
-  (the fused op computes the same float32 ``x * rsqrt(mean(x^2) + eps)``,
-  tested bit for bit), RoPE over q|k in one float32 pass, and attention's
-  float32 upcast of the gathered K/V written by the head-major copy itself;
+* float32: one GEMM for q|k|v and one for gate|up where the layers' weights go
+  through ``F.linear`` anyway (plain weights too small to pack; bigger ones are
+  fused by ``DecoderModel.fuse_projections`` for both paths): the weights are
+  concatenated once; each output row of the fused GEMM equals the separate
+  GEMMs' bit for bit. RoPE's rotate-half is folded into that GEMM: the q and k
+  weights are also stored with the two halves of every head swapped, so the
+  GEMM yields ``[x2, x1]`` directly, and RoPE is three elementwise ops over q|k
+  at once, with the ``[cos, cos]`` / ``[-sin, sin]`` rows read from a table
+  built once (``kernels.rope``'s reference does the same products and sums);
+* bfloat16 (with the C kernels of ``kernels/cpu_decode.c``): RMSNorm fused with
+  the residual add before it, RoPE writing K/V straight into the pool, and
+  attention reading the pool by slot -- the kernels ``kernels.rms_norm``,
+  ``kernels.rope`` and the CPU decode attention call on the module path, so
+  the bits agree; ~10 calls per layer instead of ~60. Without the C kernels,
+  the reference RMSNorm as ``F.rms_norm`` on the float32 upcast plus one
+  multiply (the fused op computes the same float32 ``x * rsqrt(mean(x^2) +
+  eps)``, tested), RoPE over q|k in one float32 pass, and attention's upcast
+  done by the head-major copy;
 * the cos/sin rows, K/V slots and gather layout taken once per step, not per
   layer; no ``nn.Module.__call__`` and no wrapper checks inside the loop (the
   shapes are the engine's own).
 
-Everything else calls what the module path calls (``F.rms_norm`` as
-``kernels.rms_norm`` does for float32, the CPU attention fast path's float32
-grouped matmuls, the layers' own ``forward`` for weights that are packed or
-quantized), so the hidden states equal ``DecoderModel.forward``'s exactly.
-Built by the engine after prepacking (an inference engine whose weights are no
-longer rewritten); ``DecoderModel.forward`` uses it for the steps it accepts.
+Everything else calls what the module path calls (the layers' own
+``project`` / ``act`` / ``forward`` for packed, fused or quantized weights), so
+the hidden states equal ``DecoderModel.forward``'s exactly
+(``tests/test_fast_decode.py``). Built by the engine after prepacking (an
+inference engine whose weights are no longer rewritten);
+``DecoderModel.forward`` uses it for the steps it accepts.
 """
 
 from __future__ import annotations
