@@ -35,7 +35,7 @@ from torch import nn
 from llmsys import kernels
 from llmsys.offload.budgets import scratch_offload_dir
 from llmsys.offload.plan import Plan
-from llmsys.offload.streamer import ALIGN, CudaStager, ReaderRing, StreamItem, StreamUnit, TensorSource
+from llmsys.offload.streamer import ALIGN, CudaStager, MappedUnits, ReaderRing, StreamItem, StreamUnit, TensorSource
 
 # locate(name) -> (file path, info with .dtype .shape .offset .nbytes) or None (not in a safetensors file)
 Locate = Callable[[str], "tuple[str, Any] | None"]
@@ -212,7 +212,7 @@ class OffloadRuntime:
         self.quantized = quantized
         self.cuda = device.type == "cuda"
         self.kind = {i: p.kind for i, p in enumerate(plan.layers)}
-        self.ring: ReaderRing | None = None
+        self.ring: ReaderRing | MappedUnits | None = None
         self.stager: CudaStager | None = None
         self._scratch: Path | None = None
         self._writer: OffloadWriter | None = None
@@ -338,7 +338,10 @@ class OffloadRuntime:
         self._install_embed_head(model, sources)
         self.disk_bytes = sum(u.nbytes for u in self._units)
         if self._units:
-            self.ring = ReaderRing(self._units, pin=self.cuda, drop_cache=self.drop_cache)
+            if self.cuda or self.drop_cache:
+                self.ring = ReaderRing(self._units, pin=self.cuda, drop_cache=self.drop_cache)
+            else:  # CPU, page cache kept: compute reads the cached pages in place
+                self.ring = MappedUnits(self._units)
             if self.cuda:  # pragma: no cover - GPU only
                 self.stager = CudaStager(self.ring.slot_bytes, self.device)
         if self._units or self._resident_cpu or any(k == "cpu" for k in self.kind.values()) and self.cuda:

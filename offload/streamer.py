@@ -7,7 +7,9 @@ each unit's tensors straight from the checkpoint's safetensors file (or an
 offload file written in the run dtype) with ``os.preadv`` at the tensors'
 offsets: no per-step allocation, no mmap, no copy after the read. Read pages
 are dropped from the page cache (``POSIX_FADV_DONTNEED``) so streaming a file
-larger than RAM does not quietly turn into caching it.
+larger than RAM does not quietly turn into caching it. An engine that keeps
+the page cache on the CPU maps the files instead (:class:`MappedUnits`): the
+cached pages are then read in place, with no copy at all.
 
 ``preadv`` releases the GIL, so the read of layer i+1 overlaps the compute of
 layer i on the main thread. The order is cyclic: after the last unit of a
@@ -187,6 +189,59 @@ class ReaderRing:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+
+
+class MappedUnits:
+    """Streamed units read in place from the page cache: every tensor a view of its file, mapped.
+
+    For ``keep_page_cache`` engines on the CPU (the kernel may cache the
+    checkpoint; nothing is dropped): where the pages are cached, a unit costs
+    no read and no copy -- the GEMV streams the page cache itself, as
+    llama.cpp's mmap does -- and a page that is not cached is faulted in from
+    disk on first touch. The files hold the run dtype (the checkpoint, or the
+    offload file written in it), so a view needs no conversion. The mapping is
+    private (copy-on-write, never written), and the views are built once.
+    Same interface as :class:`ReaderRing`; ``slot_bytes`` 0 (no buffers).
+    """
+
+    def __init__(self, units: list[StreamUnit]):
+        import mmap
+
+        self.units = units
+        self.slot_bytes = 0
+        self.slots: list[torch.Tensor] = []
+        self.stats = RingStats()
+        self._maps: dict[str, mmap.mmap] = {}
+        self._views: list[list[torch.Tensor]] = []
+        for u in units:
+            views = []
+            for it in u.items:
+                mm = self._maps.get(it.src.path)
+                if mm is None:
+                    with open(it.src.path, "rb") as f:
+                        mm = self._maps[it.src.path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+                if it.src.offset + it.src.nbytes > len(mm):
+                    raise OSError(f"{it.src.path}: {u.name} ends at byte {it.src.offset + it.src.nbytes}, "
+                                  f"past the end of the file ({len(mm)} bytes)")
+                raw = torch.frombuffer(mm, dtype=torch.uint8, count=it.src.nbytes, offset=it.src.offset)
+                views.append(raw.view(it.dtype).view(it.shape))
+            self._views.append(views)
+
+    def acquire(self, index: int) -> list[torch.Tensor]:
+        """Unit ``index``'s tensors, views of the mapped files (no read, no copy)."""
+        return self._views[index]
+
+    def release(self, index: int) -> None:
+        """Nothing to refill."""
+
+    def close(self) -> None:
+        self._views.clear()
+        for mm in self._maps.values():
+            try:
+                mm.close()
+            except BufferError:  # a tensor view still exported by someone: the GC unmaps it later
+                pass
+        self._maps.clear()
 
 
 class CudaStager:  # pragma: no cover - untested: this machine has no GPU

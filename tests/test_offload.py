@@ -265,3 +265,17 @@ def test_fused_projections_match_streamed_layers(tmp_path, dtype):
     llm, got = _run(path, dtype, cpu_mem="64MiB", extra={"placement": {"disk": 6}})
     assert llm.plan.layer_kinds().count("disk") == 6
     assert got == ref and llm.last_logprobs == ref_llm.last_logprobs
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_page_cache_kept_maps_streamed_layers_in_place(tmp_path, dtype):
+    """``keep_page_cache`` on the CPU: streamed tensors are views of the mapped checkpoint
+    (``MappedUnits``, no read, no copy), and the answers stay the resident run's bits."""
+    from llmsys.offload.streamer import MappedUnits
+
+    path = make_hf_model("qwen2", tmp_path / "m", **SMALL)
+    ref_llm, ref = _run(path, dtype)
+    llm, got = _run(path, dtype, cpu_mem="64MiB", extra={"placement": {"cpu": 1, "disk": 5, "head": "disk"},
+                                                         "keep_page_cache": True})
+    assert isinstance(llm.offload.ring, MappedUnits) and llm.offload.staging_bytes() == {"cpu": 0}
+    assert got == ref and llm.last_logprobs == ref_llm.last_logprobs
