@@ -222,9 +222,10 @@ def render(results: Path, out_dir: Path) -> str:
         "resident weights into oneDNN's blocked layout once after loading (same bits as a streamed layer; a",
         "tied LM head too, its embedding rows then read from the checkpoint file): over the SmolLM2-135M layer",
         "matrices that streams 1.2-1.9x faster than transformers' F.linear at batch 1 and 1.2-2.2x at batch 16",
-        "over the runs of 2026-11-29 (script `gemv` below, `python benchmarks/bench_gemv.py`). Decode is still",
-        "far below the memory roof (script `core-roofline`): llmsys's GEMVs take about half of a bfloat16",
-        "token; the rest is other ops and per-op overhead (~45 small ops per layer).",
+        "over the runs of 2026-11-29 (script `gemv` below, `python benchmarks/bench_gemv.py`). Resident layers",
+        "also run q|k|v and gate|up as one GEMM each, and a bfloat16 decode step does RMSNorm, RoPE with the",
+        "K/V store, and attention in one C call each (`kernels/cpu_decode.c`): ~10 calls per layer where it",
+        "took ~60, so the GEMVs are now most of a token (they were about half).",
         "Batching reads the weights once for every sequence (5.3-6.5x at 8 prompts).",
         "",
     ]
