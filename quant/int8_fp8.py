@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from llmsys.kernels import w8a16_matmul
+from llmsys.kernels import cpu_qgemv, w8a16_matmul
 from llmsys.quant.base import PACKED_MAX_ROWS, QuantLinear, check_weight, require
 from llmsys.quant.int4 import bf16_ceil
 
@@ -68,14 +68,16 @@ class _PerRowLinear(QuantLinear):
 class Int8Linear(_PerRowLinear):
     """W8A16 linear: ``qweight int8 [N, K]``, ``scales bf16 [N]``; w = q * scale.
 
-    CPU: decode-sized inputs (<= PACKED_MAX_ROWS rows) go through
-    ``torch._weight_int8pack_mm``, which needs activations and scales of the
-    same dtype and is only vectorized for bf16 (fp32/fp16 were 3-10x slower
-    than dense in our measurement), so float32 inputs are cast to bf16 for it
+    CPU: decode-sized inputs (<= PACKED_MAX_ROWS rows) go through the C GEMV
+    ``kernels.cpu_qgemv.int8_gemv`` (bf16 activations, float32 accumulation,
+    ``bf16(dot * scale)``; ~2x the weight bandwidth of
+    ``torch._weight_int8pack_mm``, which runs instead when the kernel is not
+    built). Both need bf16 activations, so float32 inputs are cast to bf16
     and the result cast back. Larger inputs (prefill) dequantize and GEMM in
-    the input dtype, which is faster there. The packed op crashes (SIGSEGV,
-    torch 2.13 CPU) on bf16 inputs when K % 16 != 0, so such layers (e.g.
-    stories260k's FFN, K=172) always take the dequant path.
+    the input dtype, which is faster there. torch's packed op crashes
+    (SIGSEGV, torch 2.13 CPU) on bf16 inputs when K % 16 != 0, so float32
+    inputs of such layers (e.g. stories260k's FFN, K=172) keep the exact
+    dequant path; bf16 inputs take the C kernel at any K.
     """
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -88,15 +90,24 @@ class Int8Linear(_PerRowLinear):
     quantize = staticmethod(quantize_int8)
 
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        buf = self._buffers  # read directly: nn.Module.__getattr__ costs ~1 us a buffer on the decode path
         if x2.device.type == "cuda":
-            return w8a16_matmul(x2.contiguous(), self.qweight, self.scales)  # Triton W8A16
+            return w8a16_matmul(x2.contiguous(), buf["qweight"], buf["scales"])  # Triton W8A16
         if (
             x2.device.type == "cpu"
             and x2.shape[0] <= PACKED_MAX_ROWS
             and x2.dtype in (torch.bfloat16, torch.float32)
-            and self.in_features % 16 == 0  # torch 2.13's bf16 kernel segfaults otherwise
+            and (self.in_features % 16 == 0 or (x2.dtype == torch.bfloat16 and cpu_qgemv.available()))
         ):
-            y = torch._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), self.qweight, self.scales)
+            xb = x2 if x2.dtype == torch.bfloat16 else x2.to(torch.bfloat16)
+            if xb.stride(-1) != 1:
+                xb = xb.contiguous()
+            if cpu_qgemv.available():
+                if xb.shape[1] != self.in_features:
+                    raise ValueError(f"Int8Linear: input has {xb.shape[1]} features, expected {self.in_features}")
+                y = cpu_qgemv.int8_gemv(xb, buf["qweight"], buf["scales"], check=False)  # [M, N]; checked in __init__
+                return y if x2.dtype == torch.bfloat16 else y.to(x2.dtype)
+            y = torch._weight_int8pack_mm(xb.contiguous(), buf["qweight"], buf["scales"])  # K % 16 == 0 here
             return y.to(x2.dtype)
         return F.linear(x2, self.qweight.to(x2.dtype)) * self.scales.to(x2.dtype)
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmsys.kernels import cpu_int4
+from llmsys.kernels import cpu_int4, cpu_qgemv
 from llmsys.kernels.cpu_int4 import dequant_cpu_int4
 from llmsys.quant import int4 as int4_mod
 from llmsys.quant.int4 import Int4Linear, cpu_int4_available, dequantize_int4, quantize_int4
@@ -160,12 +160,13 @@ def test_build_is_cached_by_source_hash(tmp_path):
     assert len(built) == 1
     stamp = built[0].stat().st_mtime_ns
     assert _run_isolated({}, tmp_path) == "ok True True"  # second process reuses the build
-    assert built[0].stat().st_mtime_ns == stamp and len(list(tmp_path.glob("kernels/*"))) == 1
+    assert built[0].stat().st_mtime_ns == stamp and len(list(tmp_path.glob("kernels/cpu_int4*"))) == 1
+    assert all(p.suffix == ".so" for p in tmp_path.glob("kernels/*"))  # no temporary files left (other kernels too)
 
 
 @pytest.mark.parametrize("n,k,g", [(4864, 896, 64), (200, 172, 32), (96, 256, 128)])
 def test_layer_prefill_path(n, k, g):
-    """More than PACKED_MAX_ROWS rows: dense bf16 GEMM on exactly dequantize(bf16); fewer: the packed op."""
+    """More than PACKED_MAX_ROWS rows: dense bf16 GEMM on exactly dequantize(bf16); fewer: the C GEMV or torch's op."""
     lin = _layer(n, k, g, seed=4)
     wq = lin.dequantize(torch.bfloat16)
     for m in (int4_mod.PACKED_MAX_ROWS + 1, 128):
@@ -177,8 +178,11 @@ def test_layer_prefill_path(n, k, g):
         ref = x @ dequantize_int4(*[lin.canonical_tensors()[t] for t in ("qweight", "scales", "zeros")], k).t()
         assert (y - ref).norm() / ref.norm() < 3e-3  # bf16 activations, as on the packed path
     x = torch.randn(int4_mod.PACKED_MAX_ROWS, k)
-    packed = torch.ops.aten._weight_int4pack_mm_for_cpu(
-        F.pad(x.bfloat16(), (0, lin.padded_in_features - k)), lin.packed, g, lin.scales_zeros)[:, :n]
+    if cpu_qgemv.available():  # the C GEMV (tests/test_cpu_qgemv.py)
+        packed = cpu_qgemv.int4_gemv_def(x.bfloat16(), *_args(lin)[:3], g)
+    else:
+        packed = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            F.pad(x.bfloat16(), (0, lin.padded_in_features - k)), lin.packed, g, lin.scales_zeros)[:, :n]
     assert torch.equal(lin(x), packed.float())
 
 

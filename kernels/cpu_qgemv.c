@@ -1,0 +1,492 @@
+/* Quantized-weight GEMV for decode-sized batches on the CPU: int8 per row, int4 per group.
+ *
+ * Built and loaded by kernels/cpu_qgemv.py (gcc -O3 -march=native -fopenmp
+ * -ffp-contract=off -shared, cached under a hash of this file). Why: torch's
+ * _weight_int8pack_mm and _weight_int4pack_mm_for_cpu read their weights at
+ * ~13 and ~18 GB/s at M = 1 on Zen 4 (2 threads, from DRAM), below the bf16
+ * prepacked GEMV's ~22 GB/s, so the quantized formats lost most of their byte
+ * savings at decode. These kernels read every weight byte once, at ~26-33 GB/s.
+ *
+ * Arithmetic (tests/test_cpu_qgemv.py holds the torch definitions in
+ * kernels/cpu_qgemv.py to it, bit for bit):
+ *   - bf16 -> f32 is exact; f32 -> bf16 rounds to nearest even (torch's).
+ *   - Every product x * w below multiplies a bf16 value (8 significant bits)
+ *     by an integer of at most 8 bits, so it is exact in float32 (for finite,
+ *     non-overflowing products): a fused multiply-add then gives the same
+ *     bits as the separate product and sum of the definition, which is why
+ *     the AVX-512 paths may use FMA while the C is built with
+ *     -ffp-contract=off and the portable paths multiply, then add.
+ *
+ * int8: x [M, K] bf16, q int8 [N, K], scale [N] bf16
+ *       acc = dot(x[m], q[n]) in 16 float32 lanes (lane j takes k = j, j+16,
+ *             ... in order), lanes reduced as a tree: i + (i+8), i + (i+4),
+ *             i + (i+2), i + (i+1)   (cpu_decode.c's order)
+ *       out[m, n] = bf16(acc * scale[n])
+ * int4: x [M, K] bf16 (zero-padded to Kp), torch's CPU int4 tiling of q [Np, Kp]
+ *       (bytes [Np/64, Kp, 32]: byte (b, k, j) holds row 64b+j in its low
+ *       nibble, row 64b+32+j in its high nibble), zero [N, G] uint8,
+ *       scale [N, G] (bf16, fp16 or f32 values, read as f32):
+ *       per row n, group g (columns g*gs .. g*gs+gs-1):
+ *           a_g = sum over k of x[m, k] * (q[n, k] - zero[n, g]), in order of k
+ *       acc = sum over g of a_g * scale[n, g], in order of g (product rounded, then added)
+ *       out[m, n] = bf16(acc)
+ *       (w = (q - zero) * scale is the canonical int4 formula, dequantize_int4's.)
+ *
+ * The result for one (m, n) depends only on x[m] and row n: not on M, N, the
+ * thread count or how work is split, so a batched decode step gives each
+ * sequence the bits it would get alone.
+ *
+ * How: int8 works on 8 weight rows at once at M = 1 (4 rows times up to 4
+ * rows of x otherwise), converting each 16-byte piece of q to float once, and
+ * prefetches the rows 16 ahead into L2 (without it the row streams reached
+ * only ~11 GB/s from DRAM, with it ~27-33). int4 works on one 64-row block at
+ * a time, whose bytes for consecutive columns are contiguous (32 bytes per
+ * column give 64 rows' codes), one group at a time: with AVX512-BF16 two
+ * columns' codes are interleaved into words, looked up as bf16(q - zero)
+ * (exact, vpermw on a 32-entry table) and multiplied into 16 float lanes by
+ * vdpbf16ps, which adds the column-k product before the column-k+1 product,
+ * each rounded: the definition's order (it also treats subnormal x and partial
+ * sums as zero, the one case where it differs); without it (q - zero) becomes
+ * float by the 2^23 trick ((2^23 + q) - (2^23 + zero), exact) and meets a
+ * broadcast x[m, k] in an FMA. A group's 64 zero points and scales are vector
+ * loads when they lie contiguously (Int4Linear's group-major zeros_gm, its
+ * scales_zeros view), a scalar gather otherwise (~1.4x slower). OpenMP splits
+ * rows (int8) or 64-row blocks (int4) over threads.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define QG_AVX512 1
+#endif
+
+#define LANES 16
+/* Software prefetch distances (into L2), measured on Zen 4 at M = 1, 2 threads, weights from DRAM:
+   int8 rows ahead: none 11 GB/s, L1 hint 14, L2 hint 8-16 rows ahead 27-33 (151936 x 896). */
+#define I8_AHEAD 16
+#define MTILE 4             /* rows of x per pass over a weight tile */
+#define PAR_MIN (1 << 16)   /* multiply-adds below which one thread runs (no fork) */
+
+static inline float bf(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t rne(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float half_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu, u;
+    if (e == 0x1f) {
+        u = sign | 0x7f800000u | (m << 13);
+    } else if (e) {
+        u = sign | ((e + 112u) << 23) | (m << 13);
+    } else if (m) { /* subnormal: normalize */
+        int sh = 0;
+        while (!(m & 0x400u)) { m <<= 1; sh++; }
+        u = sign | ((uint32_t)(113 - sh) << 23) | ((m & 0x3ffu) << 13);
+    } else {
+        u = sign;
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* scale_kind: 0 bf16, 1 float32, 2 float16 */
+static inline float load_scale(const void *s, int64_t at, int kind) {
+    if (kind == 1) return ((const float *)s)[at];
+    if (kind == 2) return half_to_f32(((const uint16_t *)s)[at]);
+    return bf(((const uint16_t *)s)[at]);
+}
+
+static inline float tree(float *a) {
+    for (int w = LANES / 2; w >= 1; w /= 2)
+        for (int i = 0; i < w; i++) a[i] = a[i] + a[i + w];
+    return a[0];
+}
+
+/* x bf16 rows (stride ldx) -> float rows of width kpad, zero beyond k. */
+static float *widen(const uint16_t *x, int64_t ldx, int64_t m_count, int64_t k, int64_t kpad) {
+    float *xf = aligned_alloc(64, sizeof(float) * (size_t)(m_count * kpad));
+    if (!xf) return NULL;
+    for (int64_t m = 0; m < m_count; m++) {
+        for (int64_t i = 0; i < k; i++) xf[m * kpad + i] = bf(x[m * ldx + i]);
+        for (int64_t i = k; i < kpad; i++) xf[m * kpad + i] = 0.0f;
+    }
+    return xf;
+}
+
+/* ------------------------------------------------------------ int8 */
+
+#ifdef QG_AVX512
+static inline float tree512(__m512 v) {
+    __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));                  /* lanes i + (i+2) */
+    __m128 d = _mm_add_ss(c, _mm_shuffle_ps(c, c, 1));              /* lane 0 + lane 1 */
+    return _mm_cvtss_f32(d);
+}
+
+/* R weight rows from q (stride ldq) against MT rows of xf (stride kpad): res[m * R + r]. */
+static inline __attribute__((always_inline)) void int8_tile(const float *xf, int64_t kpad, int mt_count,
+                                                            const int8_t *q, int64_t ldq, int64_t k, float *res,
+                                                            const int R, const int MT) {
+    __m512 acc[8][MTILE];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int m = 0; m < MT; m++) acc[r][m] = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + LANES <= k; i += LANES) {
+        __m512 xv[MTILE];
+#pragma GCC unroll 4
+        for (int m = 0; m < MT; m++) xv[m] = _mm512_load_ps(xf + m * kpad + i);
+        if ((i & 63) == 0) /* into L2, I8_AHEAD rows ahead: ~2.5x the bandwidth of no or L1 prefetches */
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++) _mm_prefetch((const char *)(q + (r + I8_AHEAD) * ldq + i), _MM_HINT_T1);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + r * ldq + i))));
+#pragma GCC unroll 4
+            for (int m = 0; m < MT; m++) acc[r][m] = _mm512_fmadd_ps(xv[m], w, acc[r][m]);
+        }
+    }
+    if (i < k) { /* tail: zero codes against zero-padded x add +0 to every lane (acc is never -0) */
+        const __mmask16 mask = (__mmask16)((1u << (k - i)) - 1u);
+        __m512 xv[MTILE];
+#pragma GCC unroll 4
+        for (int m = 0; m < MT; m++) xv[m] = _mm512_load_ps(xf + m * kpad + i);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, q + r * ldq + i)));
+#pragma GCC unroll 4
+            for (int m = 0; m < MT; m++) acc[r][m] = _mm512_fmadd_ps(xv[m], w, acc[r][m]);
+        }
+    }
+    (void)mt_count;
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int m = 0; m < MT; m++) res[m * R + r] = tree512(acc[r][m]);
+}
+#endif
+
+#ifndef QG_AVX512
+/* Portable: the same lanes, products and sums in plain C. */
+static void int8_tile_c(const float *xf, int64_t kpad, int mt_count, const int8_t *q, int64_t ldq, int64_t k,
+                        float *res, int r_count) {
+    for (int r = 0; r < r_count; r++)
+        for (int m = 0; m < mt_count; m++) {
+            float acc[LANES] = {0};
+            const float *xr = xf + m * kpad;
+            const int8_t *qr = q + r * ldq;
+            int64_t i = 0;
+            for (; i + LANES <= k; i += LANES)
+                for (int j = 0; j < LANES; j++) acc[j] = acc[j] + xr[i + j] * (float)qr[i + j];
+            for (int j = 0; i + j < k; j++) acc[j] = acc[j] + xr[i + j] * (float)qr[i + j];
+            res[m * r_count + r] = tree(acc);
+        }
+}
+#endif
+
+#define I8_ROWS 8 /* weight rows per step at M = 1 (4 with more rows of x: 16 accumulators) */
+
+/* out[m, n] (stride ldo) for rows n in [n0, n1): all rows of x, in tiles of MTILE. */
+static void int8_rows(const float *xf, int64_t kpad, int64_t m_count, const int8_t *q, int64_t k,
+                      const uint16_t *scales, uint16_t *out, int64_t ldo, int64_t n0, int64_t n1) {
+    float res[I8_ROWS * MTILE];
+    for (int64_t m0 = 0; m0 < m_count; m0 += MTILE) {
+        const int mt = m_count - m0 < MTILE ? (int)(m_count - m0) : MTILE;
+        const float *xt = xf + m0 * kpad;
+        const int rows = mt == 1 ? 8 : 4;
+        for (int64_t n = n0; n < n1;) {
+            const int r = n1 - n >= rows ? rows : 1;
+            const int8_t *qn = q + n * k;
+#ifdef QG_AVX512
+            if (r == 8) int8_tile(xt, kpad, 1, qn, k, k, res, 8, 1);
+            else if (r == 4 && mt == 4) int8_tile(xt, kpad, 4, qn, k, k, res, 4, 4);
+            else if (r == 4 && mt == 3) int8_tile(xt, kpad, 3, qn, k, k, res, 4, 3);
+            else if (r == 4 && mt == 2) int8_tile(xt, kpad, 2, qn, k, k, res, 4, 2);
+            else if (mt == 1) int8_tile(xt, kpad, 1, qn, k, k, res, 1, 1);
+            else if (mt == 2) int8_tile(xt, kpad, 2, qn, k, k, res, 1, 2);
+            else if (mt == 3) int8_tile(xt, kpad, 3, qn, k, k, res, 1, 3);
+            else int8_tile(xt, kpad, 4, qn, k, k, res, 1, 4);
+#else
+            int8_tile_c(xt, kpad, mt, qn, k, k, res, r);
+#endif
+            for (int rr = 0; rr < r; rr++) {
+                const float s = bf(scales[n + rr]);
+                for (int m = 0; m < mt; m++) out[(m0 + m) * ldo + n + rr] = rne(res[m * r + rr] * s);
+            }
+            n += r;
+        }
+    }
+}
+
+/* x [M, K] bf16 (row stride ldx), q int8 [N, K] contiguous, scales bf16 [N] -> out [M, N] bf16 (row stride ldo). */
+int llmsys_qgemv_int8(const uint16_t *x, int64_t ldx, const int8_t *q, const uint16_t *scales, uint16_t *out,
+                      int64_t ldo, int64_t m_count, int64_t n, int64_t k, int threads) {
+    if (m_count <= 0 || n <= 0 || k <= 0 || ldx < k || ldo < n) return 1;
+    const int64_t kpad = (k + LANES - 1) / LANES * LANES;
+    float *xf = widen(x, ldx, m_count, k, kpad);
+    if (!xf) return 2;
+    const int64_t step = 64; /* rows per work item: a multiple of both row counts */
+    const int64_t items = (n + step - 1) / step;
+    const int par = threads > 1 && m_count * n * k >= PAR_MIN && items > 1;
+#pragma omp parallel for num_threads(threads) schedule(static) if (par)
+    for (int64_t it = 0; it < items; it++) {
+        const int64_t n0 = it * step, n1 = n0 + step < n ? n0 + step : n;
+        int8_rows(xf, kpad, m_count, q, k, scales, out, ldo, n0, n1);
+    }
+    free(xf);
+    return 0;
+}
+
+/* ------------------------------------------------------------ int4 */
+
+#if defined(QG_AVX512) && defined(__AVX512BF16__)
+#define QG_BF16 1
+#endif
+
+/* One group's zero points and scales for the rows [row0, row0 + rows) of a block, rows past `rows`
+   (padding) getting zero 0 and scale 0 (their sums are never written). zeros at z[n * z_n + g * z_g],
+   scales at s[n * s_n + g * s_g]. */
+typedef struct {
+    const uint8_t *zeros;
+    int64_t z_n, z_g;
+    const void *scales;
+    int64_t s_n, s_g;
+    int kind;  /* scales: 0 bf16, 1 float32, 2 float16 */
+} int4_meta;
+
+static void meta_scalar(const int4_meta *md, int64_t row0, int64_t rows, int64_t g, float *zf, float *sf) {
+    for (int64_t j = 0; j < 64; j++) {
+        const int in = j < rows;
+        zf[j] = in ? (float)md->zeros[(row0 + j) * md->z_n + g * md->z_g] : 0.0f;
+        sf[j] = in ? load_scale(md->scales, (row0 + j) * md->s_n + g * md->s_g, md->kind) : 0.0f;
+    }
+}
+
+#ifdef QG_AVX512
+/* The same as vectors in row order: z[v], s[v] hold rows 16v .. 16v+15. Vector loads where the rows
+   of a group lie contiguously (zeros with z_n = 1, Int4Linear's group-major copy; bf16 scales with
+   s_n = 2, a view into its scales_zeros [G, Np, 2]; or s_n = 1), else the scalar gather. */
+static inline void meta_vec(const int4_meta *md, int64_t row0, int64_t rows, int64_t g, __m512i *z, __m512 *s) {
+    const int vz = md->z_n == 1, vs = (md->kind == 0 && (md->s_n == 2 || md->s_n == 1)) || (md->kind == 1 && md->s_n == 1);
+    float zf[64], sf[64];
+    if (!vz || !vs) meta_scalar(md, row0, rows, g, zf, sf);
+    for (int v = 0; v < 4; v++) {
+        const int64_t left = rows - 16 * v;
+        const __mmask16 m = left >= 16 ? 0xffff : left <= 0 ? 0 : (__mmask16)((1u << left) - 1u);
+        const int64_t r = row0 + 16 * v;
+        if (vz)
+            z[v] = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, md->zeros + r + g * md->z_g));
+        else
+            z[v] = _mm512_cvtps_epi32(_mm512_loadu_ps(zf + 16 * v));
+        if (!vs) {
+            s[v] = _mm512_loadu_ps(sf + 16 * v);
+        } else if (md->kind == 1) {
+            s[v] = _mm512_maskz_loadu_ps(m, (const float *)md->scales + r + g * md->s_g);
+        } else if (md->s_n == 2) { /* dwords (scale, other): the scale is the low half */
+            const __m512i d = _mm512_maskz_loadu_epi32(m, (const uint16_t *)md->scales + 2 * r + g * md->s_g);
+            s[v] = _mm512_castsi512_ps(_mm512_slli_epi32(d, 16));
+        } else {
+            const __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)md->scales + r + g * md->s_g);
+            s[v] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+        }
+    }
+}
+#endif
+
+#ifdef QG_BF16
+/* The AVX512-BF16 path keeps lane i of its accumulator v (0..3) for this row of the 64-row block:
+   lanes of the byte unpacks (_mm256_unpacklo/hi_epi8 work per 128-bit half). */
+static inline int slot_row(int slot) {
+    const int v = slot / 16, i = slot % 16;
+    return (v >= 2 ? 32 : 0) + ((v & 1) ? (i < 8 ? i + 8 : i + 16) : (i < 8 ? i : i + 8));
+}
+
+/* Row-order vectors r[0..3] -> slot order (see slot_row). */
+static inline void to_slots(__m512i *r) {
+    const __m512i a = _mm512_shuffle_i64x2(r[0], r[1], 0x44), b = _mm512_shuffle_i64x2(r[0], r[1], 0xEE);
+    const __m512i c = _mm512_shuffle_i64x2(r[2], r[3], 0x44), d = _mm512_shuffle_i64x2(r[2], r[3], 0xEE);
+    r[0] = a, r[1] = b, r[2] = c, r[3] = d;
+}
+
+/* One group of one 64-row block, MT rows of x (xs: bf16 pairs, see llmsys_qgemv_int4): per column pair
+   (c, c+1), the codes of both columns are interleaved into words (column c+1 low, c high), nibbles
+   become table indices q - zero + 16 and vpermw looks up bf16(q - zero) (exact); vdpbf16ps then adds
+   x[c] * w[c] and then x[c+1] * w[c+1] to each float lane, two roundings, in order of k: the
+   definition's sum (measured on Zen 4; Intel documents the same order, odd element first). It treats
+   subnormal x and sums as zero, the one difference from the definition. zz: 16 - zero in both words. */
+static inline __attribute__((always_inline)) void int4_group_bf16(const uint32_t *xs, int64_t xstride,
+                                                                  const uint8_t *p, int64_t gs, const __m512i *zz,
+                                                                  __m512i tbl, __m512 a[MTILE][4], const int MT) {
+    const __m512i lo4 = _mm512_set1_epi16(15);
+    for (int m = 0; m < MT; m++)
+        for (int v = 0; v < 4; v++) a[m][v] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < gs; c += 2) {
+        const __m256i b0 = _mm256_loadu_si256((const __m256i *)(p + c * 32));
+        const __m256i b1 = _mm256_loadu_si256((const __m256i *)(p + c * 32 + 32));
+        const __m512i ulo = _mm512_cvtepu8_epi16(_mm256_unpacklo_epi8(b1, b0));
+        const __m512i uhi = _mm512_cvtepu8_epi16(_mm256_unpackhi_epi8(b1, b0));
+        __m512i w[4];
+        w[0] = _mm512_permutexvar_epi16(_mm512_add_epi16(_mm512_and_si512(ulo, lo4), zz[0]), tbl);
+        w[1] = _mm512_permutexvar_epi16(_mm512_add_epi16(_mm512_and_si512(uhi, lo4), zz[1]), tbl);
+        w[2] = _mm512_permutexvar_epi16(_mm512_add_epi16(_mm512_srli_epi16(ulo, 4), zz[2]), tbl);
+        w[3] = _mm512_permutexvar_epi16(_mm512_add_epi16(_mm512_srli_epi16(uhi, 4), zz[3]), tbl);
+#pragma GCC unroll 4
+        for (int m = 0; m < MT; m++) {
+            const __m512i xv = _mm512_set1_epi32((int)xs[m * xstride + c / 2]);
+#pragma GCC unroll 4
+            for (int v = 0; v < 4; v++) a[m][v] = _mm512_dpbf16_ps(a[m][v], (__m512bh)w[v], (__m512bh)xv);
+        }
+    }
+}
+#else
+static inline int slot_row(int slot) { return slot; }
+#endif
+
+/* One 64-row block (rows row0.., n < n_rows), all rows of x: writes out[m, row0 + j].
+   x: float rows of width kp (xf), or with AVX512-BF16 pairs of bf16 (xs, kp / 2 per row). */
+static void int4_block(const void *x, int64_t kp, int64_t m_count, const uint8_t *blk, const int4_meta *md,
+                       int64_t n_groups, int64_t gs, int64_t row0, int64_t n_rows, uint16_t *out, int64_t ldo) {
+    const int64_t rows = n_rows - row0 < 64 ? n_rows - row0 : 64;
+    float acc[MTILE][64] __attribute__((aligned(64)));  /* per accumulator slot (slot_row) */
+#ifdef QG_BF16
+    uint16_t t[32];
+    for (int i = 0; i < 32; i++) t[i] = rne((float)(i - 16));
+    const __m512i tbl = _mm512_loadu_si512(t); /* bf16(i - 16) */
+#endif
+    for (int64_t m0 = 0; m0 < m_count; m0 += MTILE) {
+        const int mt = m_count - m0 < MTILE ? (int)(m_count - m0) : MTILE;
+        for (int m = 0; m < mt; m++)
+            for (int j = 0; j < 64; j++) acc[m][j] = 0.0f;
+        for (int64_t g = 0; g < n_groups; g++) {
+            const uint8_t *p = blk + g * gs * 32;
+#ifdef QG_AVX512
+            __m512i zi[4];
+            __m512 sv[4];
+            meta_vec(md, row0, rows, g, zi, sv);
+            __m512 a[MTILE][4];
+#endif
+#ifdef QG_BF16
+            __m512i *svi = (__m512i *)sv;
+            for (int v = 0; v < 4; v++) {
+                const __m512i w = _mm512_sub_epi32(_mm512_set1_epi32(16), zi[v]);
+                zi[v] = _mm512_or_si512(w, _mm512_slli_epi32(w, 16));
+                svi[v] = _mm512_castps_si512(sv[v]);
+            }
+            to_slots(zi);
+            to_slots(svi);
+            const uint32_t *xs = (const uint32_t *)x + m0 * (kp / 2) + g * gs / 2;
+            switch (mt) {
+            case 1: int4_group_bf16(xs, kp / 2, p, gs, zi, tbl, a, 1); break;
+            case 2: int4_group_bf16(xs, kp / 2, p, gs, zi, tbl, a, 2); break;
+            case 3: int4_group_bf16(xs, kp / 2, p, gs, zi, tbl, a, 3); break;
+            default: int4_group_bf16(xs, kp / 2, p, gs, zi, tbl, a, 4); break;
+            }
+#elif defined(QG_AVX512)
+            const float *xg = (const float *)x + m0 * kp + g * gs;
+            const __m512 magic = _mm512_set1_ps(8388608.0f); /* 2^23 */
+            const __m512i magic_i = _mm512_castps_si512(magic);
+            __m512 z[4];
+            for (int v = 0; v < 4; v++) z[v] = _mm512_add_ps(magic, _mm512_cvtepi32_ps(zi[v])); /* 2^23 + zero */
+            for (int m = 0; m < MTILE; m++)
+                for (int v = 0; v < 4; v++) a[m][v] = _mm512_setzero_ps();
+#define INT4_STEP(MT)                                                                                          \
+    for (int64_t c = 0; c < gs; c++) {                                                                         \
+        const __m512i d0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + c * 32)));               \
+        const __m512i d1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + c * 32 + 16)));          \
+        __m512 w[4];                                                                                           \
+        w[0] = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_ternarylogic_epi32(d0, _mm512_set1_epi32(15), magic_i, 0xEA)), z[0]); \
+        w[1] = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_ternarylogic_epi32(d1, _mm512_set1_epi32(15), magic_i, 0xEA)), z[1]); \
+        w[2] = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_or_si512(_mm512_srli_epi32(d0, 4), magic_i)), z[2]);  \
+        w[3] = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_or_si512(_mm512_srli_epi32(d1, 4), magic_i)), z[3]);  \
+        _Pragma("GCC unroll 4") for (int m = 0; m < MT; m++) {                                                 \
+            const __m512 xv = _mm512_set1_ps(xg[m * kp + c]);                                                  \
+            _Pragma("GCC unroll 4") for (int v = 0; v < 4; v++) a[m][v] = _mm512_fmadd_ps(xv, w[v], a[m][v]); \
+        }                                                                                                      \
+    }
+            switch (mt) {
+            case 1: INT4_STEP(1) break;
+            case 2: INT4_STEP(2) break;
+            case 3: INT4_STEP(3) break;
+            default: INT4_STEP(4) break;
+            }
+#undef INT4_STEP
+#endif
+#ifdef QG_AVX512
+            for (int m = 0; m < mt; m++)
+                for (int v = 0; v < 4; v++) { /* acc = acc + a_g * scale: product rounded, then added */
+                    const __m512 prod = _mm512_mul_ps(a[m][v], sv[v]);
+                    _mm512_store_ps(acc[m] + 16 * v, _mm512_add_ps(_mm512_load_ps(acc[m] + 16 * v), prod));
+                }
+#else
+            float zf[64], sf[64];
+            meta_scalar(md, row0, rows, g, zf, sf);
+            const float *xg = (const float *)x + m0 * kp + g * gs;
+            for (int m = 0; m < mt; m++) {
+                float a[64];
+                for (int j = 0; j < 64; j++) a[j] = 0.0f;
+                for (int64_t c = 0; c < gs; c++) {
+                    const float xv = xg[m * kp + c];
+                    const uint8_t *pc = p + c * 32;
+                    for (int j = 0; j < 32; j++) {
+                        a[j] = a[j] + xv * ((float)(pc[j] & 15) - zf[j]);
+                        a[j + 32] = a[j + 32] + xv * ((float)(pc[j] >> 4) - zf[j + 32]);
+                    }
+                }
+                for (int j = 0; j < 64; j++) acc[m][j] = acc[m][j] + a[j] * sf[j];
+            }
+#endif
+        }
+        for (int m = 0; m < mt; m++)
+            for (int slot = 0; slot < 64; slot++) {
+                const int64_t j = slot_row(slot);
+                if (j < rows) out[(m0 + m) * ldo + row0 + j] = rne(acc[m][slot]);
+            }
+    }
+}
+
+/* x [M, K] bf16 (row stride ldx); packed: torch's CPU int4 tiling of [Np, Kp]; zeros uint8 read at
+ * zeros[n * z_n + g * z_g]; scales at scales[n * s_n + g * s_g] (scale_kind 0 bf16, 1 f32, 2 f16)
+ * -> out [M, N] bf16 (row stride ldo). */
+int llmsys_qgemv_int4(const uint16_t *x, int64_t ldx, const uint8_t *packed, const void *scales, int64_t s_n,
+                      int64_t s_g, int scale_kind, const uint8_t *zeros, int64_t z_n, int64_t z_g, uint16_t *out,
+                      int64_t ldo, int64_t m_count, int64_t n, int64_t kp, int64_t k, int64_t gs, int threads) {
+    if (m_count <= 0 || n <= 0 || gs % 32 || gs > 128 || kp % gs || k <= kp - gs || k > kp || ldx < k || ldo < n)
+        return 1;
+    const int4_meta md = {zeros, z_n, z_g, scales, s_n, s_g, scale_kind};
+#ifdef QG_BF16
+    /* pairs of bf16 x: word 0 = x[2i+1], word 1 = x[2i] (the order vdpbf16ps adds them in), zero past K */
+    uint32_t *xw = aligned_alloc(64, sizeof(uint32_t) * (size_t)(m_count * kp / 2 + 16));
+    if (!xw) return 2;
+    for (int64_t m = 0; m < m_count; m++)
+        for (int64_t i = 0; i < kp / 2; i++) {
+            const uint32_t lo = 2 * i + 1 < k ? x[m * ldx + 2 * i + 1] : 0, hi = 2 * i < k ? x[m * ldx + 2 * i] : 0;
+            xw[m * (kp / 2) + i] = lo | hi << 16;
+        }
+    const void *xin = xw;
+#else
+    float *xw = widen(x, ldx, m_count, k, kp);
+    if (!xw) return 2;
+    const void *xin = xw;
+#endif
+    const int64_t blocks = (n + 63) / 64, n_groups = kp / gs;
+    const int par = threads > 1 && m_count * n * kp >= PAR_MIN && blocks > 1;
+#pragma omp parallel for num_threads(threads) schedule(static) if (par)
+    for (int64_t b = 0; b < blocks; b++)
+        int4_block(xin, kp, m_count, packed + b * kp * 32, &md, n_groups, gs, b * 64, n, out, ldo);
+    free(xw);
+    return 0;
+}

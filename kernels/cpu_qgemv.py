@@ -1,0 +1,206 @@
+"""CPU GEMV on int8 (per-row) and int4 (per-group) weights for decode-sized batches (``cpu_qgemv.c``).
+
+Why: at M = 1 torch's ``_weight_int8pack_mm`` and
+``_weight_int4pack_mm_for_cpu`` read their weights from DRAM at ~13 and
+~18 GB/s on this project's Zen 4 VM (2 threads, the 151936 x 896 LM head),
+below the bf16 prepacked oneDNN GEMV's ~22 GB/s, so int8 and int4 decode
+gained far less than their 2x and 4x fewer bytes. The C kernels here read
+each weight byte once, several rows (int8, prefetched into L2: ~28-33 GB/s)
+or one 64-row block (int4, AVX512-BF16 dot products: ~26 GB/s) at a time,
+and are faster than torch's ops at every M up to 32.
+
+Arithmetic (the ``*_def`` functions below are its torch definitions, equal
+to the C kernels bit for bit, tests/test_cpu_qgemv.py):
+
+* int8: ``out[m, n] = bf16(dot(x[m], q[n]) * scale[n])``, the dot product
+  in 16 float32 lanes then a tree (``cpu_decode.lane_sum``'s order);
+* int4: ``out[m, n] = bf16(sum_g a_g * scale[n, g])`` (sum in order of g)
+  with ``a_g = sum_k x[m, k] * (q[n, k] - zero[n, g])`` over the group's
+  columns in order, i.e. the canonical ``w = (q - zero) * scale`` with the
+  scale applied once per group.
+
+Each output depends only on its row of x and its weight row, so the kernels
+are batch-invariant (any M, N, thread count). Without the C kernel
+(no compiler, ``LLMSYS_NO_CKERNELS=1``) :func:`available` is False and the
+quantized layers keep torch's packed ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from llmsys.kernels import _cbuild
+from llmsys.kernels.cpu_decode import lane_sum
+from llmsys.kernels.cpu_int4 import CPU_BLOCK_N, unpack_cpu_int4
+
+_SOURCE = Path(__file__).with_name("cpu_qgemv.c")
+_P, _I, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_SIGNATURES = {
+    "llmsys_qgemv_int8": [_P, _I, _P, _P, _P, _I, _I, _I, _I, _C],
+    "llmsys_qgemv_int4": [_P, _I, _P, _P, _I, _I, _C, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _C],
+}
+_SCALE_KINDS = {torch.bfloat16: 0, torch.float32: 1, torch.float16: 2}
+
+
+@functools.cache
+def _lib() -> tuple[ctypes.CDLL | None, str]:
+    """The loaded kernel (built once per source/compiler/CPU) and a status line; memoized per process."""
+    path, status = _cbuild.build(_SOURCE)
+    if path is None:
+        return None, status
+    try:
+        return load_kernel(path), status
+    except (OSError, AttributeError) as exc:
+        return None, f"build or load failed: {exc}"
+
+
+def kernel_status() -> str:
+    """``"ok: <path>"`` when the C kernel is loaded, else why it is not."""
+    return _lib()[1]
+
+
+def available() -> bool:
+    return _lib()[0] is not None
+
+
+def compile_kernel(cc: str, target: Path, extra_flags: tuple[str, ...] = ()) -> str | None:
+    """Compile ``cpu_qgemv.c`` to ``target``; returns an error line, or None (tests build other ISAs)."""
+    return _cbuild.compile_source(cc, _SOURCE, target, extra_flags)
+
+
+def load_kernel(path: Path) -> ctypes.CDLL:
+    return _cbuild.load(path, _SIGNATURES)
+
+
+# ------------------------------------------------------------------ definitions
+
+
+def int8_gemv_def(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``x [M, K]`` bf16, ``qweight int8 [N, K]``, ``scales [N]`` bf16 ``-> [M, N]`` bf16, the C kernel's bits."""
+    acc = lane_sum(x.float()[:, None, :], qweight.float()[None, :, :])  # [M, N]
+    return (acc * scales.float()).to(torch.bfloat16)
+
+
+def int4_gemv_def(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                  group_size: int) -> torch.Tensor:
+    """``x [M, K]`` bf16 and an int4 weight in torch's CPU tiling ``-> [M, N]`` bf16, the C kernel's bits.
+
+    ``packed`` uint8 (``[Np/64, Kp, 32]`` bytes), ``scales [N, G]`` (any float
+    dtype; or torch's ``scales_zeros [G, Np, 2]``, scale at ``[g, n, 0]``),
+    ``zeros uint8 [N, G]``; ``Kp = G * group_size``.
+    """
+    n, n_groups = zeros.shape
+    kp = n_groups * group_size
+    np_ = -(-n // CPU_BLOCK_N) * CPU_BLOCK_N
+    scales = _scales_2d(scales, n)
+    q = unpack_cpu_int4(packed, np_, kp)[:n].float().view(n, n_groups, group_size)
+    d = q - zeros.float()[..., None]  # [N, G, gs] q - zero, exact
+    xg = torch.nn.functional.pad(x.float(), (0, kp - x.shape[1])).view(-1, 1, n_groups, group_size)  # [M, 1, G, gs]
+    a = torch.zeros(x.shape[0], n, n_groups)
+    for c in range(group_size):  # in order of k within each group
+        a = a + xg[..., c] * d[None, ..., c]
+    s = scales.float()
+    acc = torch.zeros(x.shape[0], n)
+    for g in range(n_groups):
+        acc = acc + a[..., g] * s[:, g]
+    return acc.to(torch.bfloat16)
+
+
+def _scales_2d(scales: torch.Tensor, n: int) -> torch.Tensor:
+    """``scales [N, G]``, or the ``[N, G]`` view of torch's ``scales_zeros [G, Np, 2]``."""
+    return scales[:, :n, 0].t() if scales.dim() == 3 else scales
+
+
+# ------------------------------------------------------------------ kernels
+
+
+def _check_x(op: str, x: torch.Tensor, k: int) -> None:
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1 or x.device.type != "cpu":
+        raise ValueError(f"{op}: x must be a CPU bf16 [M, {k}] tensor with unit column stride, "
+                         f"got {x.dtype} {tuple(x.shape)} strides {x.stride()}")
+
+
+def int8_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *, check: bool = True,
+              lib=None) -> torch.Tensor:
+    """``x [M, K]`` bf16 times the int8 weight ``qweight [N, K] * scales [N, None]`` ``-> [M, N]`` bf16.
+
+    The bits of :func:`int8_gemv_def`; qweight int8 and scales bf16, contiguous.
+
+    Needs the C kernel (callers check :func:`available`). ``check=False`` skips
+    the checks for callers that validated their tensors once (a layer's own
+    buffers: ~5 us a call on the decode path); ``lib``: another build, for tests.
+    """
+    n, k = qweight.shape
+    if check:
+        _check_x("int8_gemv", x, k)
+        if qweight.dtype != torch.int8 or not qweight.is_contiguous() or scales.dtype != torch.bfloat16 \
+                or tuple(scales.shape) != (n,) or not scales.is_contiguous():
+            raise ValueError(f"int8_gemv: qweight must be contiguous int8 [N, K] and scales contiguous bf16 [N], "
+                             f"got {qweight.dtype} {tuple(qweight.shape)}, {scales.dtype} {tuple(scales.shape)}")
+    m = x.shape[0]
+    out = torch.empty(m, n, dtype=torch.bfloat16)
+    rc = (lib or _lib()[0]).llmsys_qgemv_int8(x.data_ptr(), x.stride(0), qweight.data_ptr(), scales.data_ptr(),
+                                              out.data_ptr(), n, m, n, k, torch.get_num_threads())
+    if rc:
+        raise RuntimeError(f"int8_gemv: the C kernel failed (code {rc}) on M={m} N={n} K={k}")
+    return out
+
+
+def check_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+               group_size: int) -> None:
+    """Raise ``ValueError`` unless the arguments fit :func:`int4_gemv`."""
+    op = "int4_gemv"
+    if zeros.dim() != 2 or zeros.dtype != torch.uint8:
+        raise ValueError(f"{op}: zeros must be a uint8 [N, G] tensor, got {zeros.dtype} {tuple(zeros.shape)}")
+    n, n_groups = zeros.shape
+    kp = n_groups * group_size
+    k = x.shape[-1]
+    _check_x(op, x, k)
+    np_ = -(-n // CPU_BLOCK_N) * CPU_BLOCK_N
+    if packed.dtype != torch.uint8 or packed.numel() != np_ * kp // 2 or not packed.is_contiguous():
+        raise ValueError(f"{op}: packed must be contiguous uint8 with {np_ * kp // 2} bytes, "
+                         f"got {packed.dtype} {tuple(packed.shape)}")
+    if scales.dim() == 3 and (scales.shape[0] != n_groups or scales.shape[1] < n or scales.shape[2] != 2):
+        raise ValueError(f"{op}: scales_zeros must be [G, >= N, 2] = [{n_groups}, >= {n}, 2], "
+                         f"got {tuple(scales.shape)}")
+    scales = _scales_2d(scales, n)
+    if tuple(scales.shape) != (n, n_groups) or not scales.is_floating_point():
+        raise ValueError(f"{op}: scales must be float [N, G] = {(n, n_groups)}, "
+                         f"got {scales.dtype} {tuple(scales.shape)}")
+    if group_size % 32 or group_size > 128 or not kp - group_size < k <= kp:
+        raise ValueError(f"{op}: group_size {group_size} (32, 64 or 128) and K={k} (within the last group "
+                         f"of Kp={kp}) do not fit")
+
+
+def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+              group_size: int, *, check: bool = True, lib=None) -> torch.Tensor:
+    """``x [M, K]`` bf16 times an int4 weight in torch's CPU tiling ``-> [M, N]`` bf16 (as :func:`int4_gemv_def`).
+
+    ``scales [N, G]`` of any strides, any float dtype (bf16, fp16, fp32 read as
+    they are), or torch's ``scales_zeros [G, Np, 2]`` itself (the scale at
+    ``[g, n, 0]``, read in place: no view to build); ``zeros`` uint8 ``[N, G]``
+    of any strides (group-major, ``zeros_gm.t()``, is the fast one); K within the
+    last group of ``Kp = G * group_size`` (x is zero-padded to Kp inside).
+    Needs the C kernel (callers check :func:`available`). ``check=False`` skips
+    :func:`check_int4` for callers that validated their tensors once; ``lib``:
+    another build, for tests.
+    """
+    if check:
+        check_int4(x, packed, scales, zeros, group_size)
+    if scales.dtype not in _SCALE_KINDS:
+        scales = _scales_2d(scales, zeros.shape[0]).float()  # as the definition reads them
+    n, n_groups = zeros.shape
+    m, k = x.shape
+    s_n, s_g = (scales.stride(1), scales.stride(0)) if scales.dim() == 3 else scales.stride()
+    out = torch.empty(m, n, dtype=torch.bfloat16)
+    rc = (lib or _lib()[0]).llmsys_qgemv_int4(
+        x.data_ptr(), x.stride(0), packed.data_ptr(), scales.data_ptr(), s_n, s_g, _SCALE_KINDS[scales.dtype],
+        zeros.data_ptr(), zeros.stride(0), zeros.stride(1), out.data_ptr(), n,
+        m, n, n_groups * group_size, k, group_size, torch.get_num_threads())
+    if rc:
+        raise RuntimeError(f"int4_gemv: the C kernel failed (code {rc}) on M={m} N={n} K={k} group={group_size}")
+    return out

@@ -1,0 +1,198 @@
+"""The CPU int8/int4 GEMV kernels (kernels/cpu_qgemv.c) against their torch definitions.
+
+The kernels' arithmetic is fixed (kernels/cpu_qgemv.py), so they must match
+the definitions bit for bit at any M, N, K, group size and thread count,
+give row m of an M-row call the bits of the 1-row call on that row, stay close
+to the float matmul on the dequantized weight, and give the same bits when
+built without AVX-512. The quantized layers use them for decode-sized inputs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from llmsys.kernels import cpu_qgemv
+from llmsys.quant import int4 as int4_mod
+from llmsys.quant.base import PACKED_MAX_ROWS
+from llmsys.quant.int4 import Int4Linear, cpu_int4_available
+from llmsys.quant.int8_fp8 import Int8Linear, quantize_int8
+
+KERNEL = cpu_qgemv.kernel_status().startswith("ok")
+needs_kernel = pytest.mark.skipif(not KERNEL, reason=f"C kernel not built: {cpu_qgemv.kernel_status()}")
+needs_int4 = pytest.mark.skipif(not cpu_int4_available(), reason="torch build lacks the CPU int4 ops")
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16)
+
+
+def _int8(n: int, k: int, seed: int = 0):
+    torch.manual_seed(seed)
+    return quantize_int8(torch.randn(n, k) * 0.02)
+
+
+def _int4(n: int, k: int, g: int, seed: int = 0, scale_dtype=torch.bfloat16) -> Int4Linear:
+    torch.manual_seed(seed)
+    lin = Int4Linear.from_float(torch.randn(n, k) * 0.02, group_size=g)
+    if scale_dtype != torch.bfloat16:  # AWQ/GPTQ checkpoints carry fp16 scales
+        t = lin.canonical_tensors()
+        lin = Int4Linear(t["qweight"], t["scales"].to(scale_dtype), t["zeros"].to(scale_dtype), in_features=k)
+    return lin
+
+
+def _int4_args(lin: Int4Linear):
+    n = lin.out_features
+    scales = lin.scales_orig if lin.scales_orig is not None else lin.scales_zeros[:, :n, 0].t()
+    return lin.packed, scales, lin.zeros_u8, lin.group_size
+
+
+def _threads(n: int):
+    class _Ctx:
+        def __enter__(self):
+            self.before = torch.get_num_threads()
+            torch.set_num_threads(n)
+
+        def __exit__(self, *exc):
+            torch.set_num_threads(self.before)
+
+    return _Ctx()
+
+
+@needs_kernel
+@pytest.mark.parametrize("n,k", [(200, 172), (64, 33), (130, 1000), (7, 16), (896, 896)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_int8_bit_exact(n, k, threads):
+    q, s = _int8(n, k)
+    torch.manual_seed(1)
+    x = torch.randn(16, k).bfloat16()
+    with _threads(threads):
+        for m in (1, 2, 3, 4, 5, 9, 16):
+            y = cpu_qgemv.int8_gemv(x[:m], q, s)
+            assert torch.equal(_bits(y), _bits(cpu_qgemv.int8_gemv_def(x[:m], q, s))), (n, k, m)
+            ref = x[:m].float() @ (q.float() * s.float()[:, None]).t()
+            assert (y.float() - ref).norm() / ref.norm() < 5e-3
+        full = cpu_qgemv.int8_gemv(x, q, s)
+        for m in range(16):  # batch invariance: each row as if alone
+            assert torch.equal(_bits(full[m : m + 1]), _bits(cpu_qgemv.int8_gemv(x[m : m + 1], q, s)))
+
+
+@needs_kernel
+@needs_int4
+@pytest.mark.parametrize("n,k,g", [(200, 172, 64), (64, 64, 32), (130, 1000, 32), (96, 256, 128), (4864, 96, 64)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_int4_bit_exact(n, k, g, threads):
+    lin = _int4(n, k, g)
+    args = _int4_args(lin)
+    torch.manual_seed(2)
+    x = torch.randn(16, k).bfloat16()
+    w = lin.dequantize()
+    with _threads(threads):
+        for m in (1, 2, 3, 4, 5, 9, 16):
+            y = cpu_qgemv.int4_gemv(x[:m], *args)
+            assert torch.equal(_bits(y), _bits(cpu_qgemv.int4_gemv_def(x[:m], *args))), (n, k, g, m)
+            ref = x[:m].float() @ w.t()
+            assert (y.float() - ref).norm() / ref.norm() < 5e-3
+        full = cpu_qgemv.int4_gemv(x, *args)
+        for m in range(16):
+            assert torch.equal(_bits(full[m : m + 1]), _bits(cpu_qgemv.int4_gemv(x[m : m + 1], *args)))
+
+
+@needs_kernel
+@needs_int4
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])
+def test_int4_other_scale_dtypes(scale_dtype):
+    lin = _int4(192, 320, 64, seed=3, scale_dtype=scale_dtype)
+    args = _int4_args(lin)
+    assert args[1].dtype == scale_dtype
+    x = torch.randn(3, 320).bfloat16()
+    y = cpu_qgemv.int4_gemv(x, *args)
+    assert torch.equal(_bits(y), _bits(cpu_qgemv.int4_gemv_def(x, *args)))
+    # fp16 subnormal and odd scales read exactly
+    scales = (torch.rand(192, 5) * torch.logspace(-7, 2, 192)[:, None]).to(scale_dtype)
+    y = cpu_qgemv.int4_gemv(x, args[0], scales, args[2], 64)
+    assert torch.equal(_bits(y), _bits(cpu_qgemv.int4_gemv_def(x, args[0], scales, args[2], 64)))
+
+
+@needs_kernel
+@pytest.mark.parametrize("flags", [("-mno-avx512bf16",), ("-mno-avx512f",), ("-mno-avx2", "-mno-avx512f")])
+def test_other_code_paths_bit_exact(flags, tmp_path):
+    """The paths for CPUs without AVX512-BF16 or AVX-512, built here with those ISAs off: the same bits."""
+    cc = os.environ.get("CC") or "gcc"
+    err = cpu_qgemv.compile_kernel(cc, tmp_path / "k.so", flags)
+    if err:
+        pytest.skip(f"{cc} cannot build with {flags}: {err}")
+    lib = cpu_qgemv.load_kernel(tmp_path / "k.so")
+    torch.manual_seed(4)
+    x = torch.randn(5, 300).bfloat16()
+    for n, k in [(130, 300), (9, 37)]:
+        q, s = _int8(n, k)
+        for m in (1, 5):
+            assert torch.equal(_bits(cpu_qgemv.int8_gemv(x[:m, :k], q, s, lib=lib)),
+                               _bits(cpu_qgemv.int8_gemv(x[:m, :k], q, s))), (flags, n, k, m)
+    if cpu_int4_available():
+        for n, k, g in [(130, 300, 32), (70, 250, 128)]:
+            args = _int4_args(_int4(n, k, g))
+            for m in (1, 5):
+                assert torch.equal(_bits(cpu_qgemv.int4_gemv(x[:m, :k], *args, lib=lib)),
+                                   _bits(cpu_qgemv.int4_gemv_def(x[:m, :k], *args))), (flags, n, k, g, m)
+
+
+@needs_kernel
+def test_argument_checks():
+    q, s = _int8(64, 64)
+    with pytest.raises(ValueError, match="x must"):
+        cpu_qgemv.int8_gemv(torch.randn(1, 64), q, s)  # float32 x
+    with pytest.raises(ValueError, match="scales"):
+        cpu_qgemv.int8_gemv(torch.randn(1, 64).bfloat16(), q, s.float())
+    if cpu_int4_available():
+        packed, scales, zeros, g = _int4_args(_int4(64, 64, 32))
+        x = torch.randn(1, 64).bfloat16()
+        with pytest.raises(ValueError, match="packed"):
+            cpu_qgemv.int4_gemv(x, packed[:-1], scales, zeros, g)
+        with pytest.raises(ValueError, match="K=20"):
+            cpu_qgemv.int4_gemv(x[:, :20], packed, scales, zeros, g)
+
+
+@needs_kernel
+def test_int8_layer_uses_kernel():
+    """Decode-sized inputs: the kernel's bits (float32 inputs through bf16 when K % 16 == 0, as torch's op)."""
+    q, s = _int8(300, 176)
+    lin = Int8Linear(q, s, None)
+    x = torch.randn(PACKED_MAX_ROWS, 176)
+    y = lin(x)
+    assert y.dtype == torch.float32
+    assert torch.equal(y, cpu_qgemv.int8_gemv_def(x.bfloat16(), q, s).float())
+    q, s = _int8(300, 172)
+    lin = Int8Linear(q, s, None)
+    xb = torch.randn(3, 172).bfloat16()  # any K in bf16
+    assert torch.equal(_bits(lin(xb)), _bits(cpu_qgemv.int8_gemv_def(xb, q, s)))
+    x = torch.randn(3, 172)  # float32 at K % 16 != 0: the float32 dequant path, as before
+    assert torch.equal(lin(x), torch.nn.functional.linear(x, q.float()) * s.float())
+
+
+@needs_kernel
+@needs_int4
+def test_int4_layer_uses_kernel():
+    lin = _int4(200, 172, 32, seed=5)
+    x = torch.randn(int4_mod.PACKED_MAX_ROWS, 172)
+    y = lin(x)
+    assert y.dtype == torch.float32
+    assert torch.equal(y, cpu_qgemv.int4_gemv_def(x.bfloat16(), *_int4_args(lin)).float())
+
+
+@needs_kernel
+@needs_int4
+def test_int4_scales_zeros_in_place():
+    """torch's scales_zeros [G, Np, 2] as the scales: the same bits as its [N, G] view."""
+    lin = _int4(100, 200, 32, seed=6)
+    packed, scales, zeros, g = _int4_args(lin)
+    x = torch.randn(2, 200).bfloat16()
+    ref = cpu_qgemv.int4_gemv_def(x, packed, scales, zeros, g)
+    assert torch.equal(_bits(cpu_qgemv.int4_gemv_def(x, packed, lin.scales_zeros, zeros, g)), _bits(ref))
+    assert torch.equal(_bits(cpu_qgemv.int4_gemv(x, packed, lin.scales_zeros, zeros, g)), _bits(ref))
+    assert torch.equal(_bits(cpu_qgemv.int4_gemv(x, packed, lin.scales_zeros, lin.zeros_gm.t(), g)), _bits(ref))
+    with pytest.raises(ValueError, match="scales_zeros"):
+        cpu_qgemv.int4_gemv(x, packed, lin.scales_zeros[:1], zeros, g)
