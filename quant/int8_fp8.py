@@ -11,9 +11,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from llmsys.kernels import cpu_qgemv, w8a16_matmul
+from llmsys.kernels import CPU_INT4_BLOCK_N as CPU_BLOCK_N
+from llmsys.kernels import cpu_qgemv, transpose_bf16, w8a16_matmul
 from llmsys.quant.base import PACKED_MAX_ROWS, QuantLinear, check_weight, require
-from llmsys.quant.int4 import bf16_ceil
+from llmsys.quant.int4 import DEQUANT_CHUNK_BYTES, bf16_ceil
 
 INT8_MAX = 127
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -73,8 +74,9 @@ class Int8Linear(_PerRowLinear):
     ``bf16(dot * scale)``; ~2x the weight bandwidth of
     ``torch._weight_int8pack_mm``, which runs instead when the kernel is not
     built). Both need bf16 activations, so float32 inputs are cast to bf16
-    and the result cast back. Larger inputs (prefill) dequantize and GEMM in
-    the input dtype, which is faster there. torch's packed op crashes
+    and the result cast back. Larger inputs (prefill) convert q to the input
+    dtype and GEMM (bf16: the weight as oneDNN's first operand, see
+    ``_dequant_matmul``), which is faster there. torch's packed op crashes
     (SIGSEGV, torch 2.13 CPU) on bf16 inputs when K % 16 != 0, so float32
     inputs of such layers (e.g. stories260k's FFN, K=172) keep the exact
     dequant path; bf16 inputs take the C kernel at any K.
@@ -109,7 +111,29 @@ class Int8Linear(_PerRowLinear):
                 return y if x2.dtype == torch.bfloat16 else y.to(x2.dtype)
             y = torch._weight_int8pack_mm(xb.contiguous(), buf["qweight"], buf["scales"])  # K % 16 == 0 here
             return y.to(x2.dtype)
+        if x2.device.type == "cpu" and x2.dtype == torch.bfloat16:
+            return self._dequant_matmul(x2)
         return F.linear(x2, self.qweight.to(x2.dtype)) * self.scales.to(x2.dtype)
+
+    def _dequant_matmul(self, xb: torch.Tensor) -> torch.Tensor:
+        """``xb`` bf16 ``[M, K]`` (prefill) ``-> bf16(bf16(xb @ q^T) * scales)`` ``[M, N]``, q exact in bf16.
+
+        As ``Int4Linear._dequant_matmul``: the weight goes first, ``(q @ xb^T)^T``, because
+        oneDNN reads its first operand in place and reorders the second on every call
+        (``F.linear(xb, q)`` reordered the whole weight each time); weights above
+        ``DEQUANT_CHUNK_BYTES`` as bf16 are converted and multiplied in row chunks.
+        """
+        q, scales = self._buffers["qweight"], self._buffers["scales"]
+        n, k = q.shape
+        step = max(CPU_BLOCK_N, DEQUANT_CHUNK_BYTES // (2 * k) // CPU_BLOCK_N * CPU_BLOCK_N)
+        xt = xb.t()
+        if step >= n:
+            yt = torch.mm(q.to(torch.bfloat16), xt)  # [N, M]
+        else:
+            yt = torch.empty(n, xb.shape[0], dtype=torch.bfloat16)
+            for r0 in range(0, n, step):
+                torch.mm(q[r0 : r0 + step].to(torch.bfloat16), xt, out=yt[r0 : r0 + step])
+        return transpose_bf16(yt) * scales  # [M, N]
 
 
 def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
