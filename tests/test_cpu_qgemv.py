@@ -196,3 +196,23 @@ def test_int4_scales_zeros_in_place():
     assert torch.equal(_bits(cpu_qgemv.int4_gemv(x, packed, lin.scales_zeros, lin.zeros_gm.t(), g)), _bits(ref))
     with pytest.raises(ValueError, match="scales_zeros"):
         cpu_qgemv.int4_gemv(x, packed, lin.scales_zeros[:1], zeros, g)
+
+
+def test_int8_layer_prefill_path(monkeypatch):
+    """More than PACKED_MAX_ROWS bf16 rows: bf16(bf16(q @ x^T)^T * scales) with q exact in bf16, in row chunks
+    for big weights; float32 inputs keep the float32 path."""
+    from llmsys.quant import int8_fp8
+
+    q, s = _int8(300, 176, seed=7)
+    lin = Int8Linear(q, s, None)
+    xb = torch.randn(PACKED_MAX_ROWS + 5, 176).bfloat16()
+    want = torch.mm(q.bfloat16(), xb.t()).t() * s
+    assert torch.equal(_bits(lin(xb)), _bits(want))
+    ref = xb.float() @ (q.float() * s.float()[:, None]).t()
+    assert (lin(xb).float() - ref).norm() / ref.norm() < 5e-3
+    monkeypatch.setattr(int8_fp8, "DEQUANT_CHUNK_BYTES", 128 * 176 * 2)  # 128-row chunks: 3 GEMMs
+    chunked = lin(xb)
+    assert torch.allclose(chunked.float(), want.float(), rtol=1e-2, atol=1e-3)
+    assert torch.equal(_bits(chunked[:, 128:256]), _bits(torch.mm(q[128:256].bfloat16(), xb.t()).t() * s[128:256]))
+    x = torch.randn(PACKED_MAX_ROWS + 5, 176)
+    assert torch.equal(lin(x), torch.nn.functional.linear(x, q.float()) * s.float())
