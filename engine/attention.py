@@ -56,6 +56,7 @@ def build_metadata(
     block_size: int,
     device: torch.device,
     cold: ColdBlocks | None = None,
+    prompt: list[bool] | None = None,
 ) -> AttentionMetadata:
     """Tensors attention needs, from plain Python lists.
 
@@ -64,7 +65,9 @@ def build_metadata(
     must cover ``context_lens[b]`` tokens. With ``cold``, table entries
     ``>= cold.first`` are cold blocks: the step gets a gather plan on any
     device (the plan reads them from the tier's staging), and new tokens must
-    land in pool blocks.
+    land in pool blocks. ``prompt[b]``: sequence b's new tokens are prompt tokens
+    (the CPU plan gives them the prefill attention even one at a time, see
+    ``make_gather_plan``).
     """
     B = len(query_lens)
     nblk = max(len(t) for t in block_tables)
@@ -79,7 +82,7 @@ def build_metadata(
         starts.append(starts[-1] + query_lens[b])
     plan = None
     if device.type != "cuda" or cold is not None:
-        plan = make_gather_plan(query_lens, context_lens, block_tables, block_size, device, cold)
+        plan = make_gather_plan(query_lens, context_lens, block_tables, block_size, device, cold, prompt)
     return AttentionMetadata(
         slot_mapping=torch.cat(slots).to(device),
         query_start=starts,

@@ -48,6 +48,7 @@ class ModelRunner:
         tables: list[list[int]] = []
         sample_index: list[int] = []
         sample_rows: list[int] = []
+        prompt: list[bool] = []  # the step feeds sequence b prompt tokens
         for row, s in enumerate(sched.scheduled):
             seq, n = s.seq, s.num_new_tokens
             start = seq.num_computed
@@ -57,6 +58,7 @@ class ModelRunner:
             pos.extend(range(base, base + n))
             qlens.append(n)
             clens.append(base + n)
+            prompt.append(start < len(seq.prompt_ids))
             tables.append(seq.block_table)
             if s.samples:
                 sample_index.append(len(ids) - 1)
@@ -66,7 +68,7 @@ class ModelRunner:
             first = self.tier.first
             cold_ids = sorted({b for t in tables for b in t if b >= first})
             cold = self.tier.cold_blocks(cold_ids) if cold_ids else None
-        meta = build_metadata(qlens, clens, tables, self.block_size, self.device, cold)
+        meta = build_metadata(qlens, clens, tables, self.block_size, self.device, cold, prompt)
         if self.kv_policy is not None:
             self.kv_policy.annotate(meta, sched.scheduled)
         if cold is not None:

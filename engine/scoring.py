@@ -118,6 +118,7 @@ class _StepLayout:
         self._slots = torch.zeros(0, dtype=torch.int64)  # [blocks * bs] flat slot of each cache index
         self._bt = torch.zeros((1, 0), dtype=torch.int32)
         self._lens = torch.arange(max_ctx + 1, dtype=torch.int32)
+        self._lens64 = self._lens.long()  # the gather plan's context lengths (kernels.cpu_decode reads int64)
         self._starts: dict[int, torch.Tensor] = {}
 
     def meta(self, table: list[int], n: int, ctx: int) -> AttentionMetadata:
@@ -130,7 +131,7 @@ class _StepLayout:
         if start is None:
             start = self._starts[n] = torch.tensor([0, n], dtype=torch.int32)
         if n == 1:
-            plan = GatherPlan(self._slots[:ctx].view(1, ctx), None, None, (0, 1), True)
+            plan = GatherPlan(self._slots[:ctx].view(1, ctx), None, None, (0, 1), True, lens=self._lens64[ctx : ctx + 1])
         else:
             plan = make_gather_plan([n], [ctx], [self._table], self.bs, torch.device("cpu"))
         return AttentionMetadata(

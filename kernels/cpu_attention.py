@@ -73,9 +73,18 @@ def make_gather_plan(
     block_size: int,
     device: torch.device,
     cold: ColdBlocks | None = None,
+    prompt: list[bool] | None = None,
 ) -> GatherPlan:
     """Plan for sequences whose new tokens are the last ``query_lens[b]`` of
-    their ``context_lens[b]``-token context (block ids ``>= cold.first`` are cold)."""
+    their ``context_lens[b]``-token context (block ids ``>= cold.first`` are cold).
+
+    ``prompt[b]``: sequence b's new tokens are prompt tokens. Those always take the
+    prefill attention, even a chunk of one token (the last prompt token after a prefix
+    cache hit, or a prompt chunked at a step boundary), so a prompt token's attention
+    is computed the same way whatever the cache or the chunking; the decode kernel
+    computes only generated tokens.
+    """
+    pf = list(prompt) if prompt is not None else [False] * len(query_lens)
     B = len(query_lens)
     lmax, qmax = max(context_lens), max(query_lens)
     nblk = max(len(t) for t in block_tables)
@@ -106,7 +115,7 @@ def make_gather_plan(
     starts = [0]
     for q in query_lens:
         starts.append(starts[-1] + q)
-    is_decode = qmax == 1
+    is_decode = qmax == 1 and not any(pf)
     mask = None
     pad_index = None
     if not (is_decode and min(context_lens) == lmax):
@@ -122,12 +131,12 @@ def make_gather_plan(
             idx = torch.arange(qmax).unsqueeze(0) + torch.tensor(starts[:-1]).unsqueeze(1)
             pad_index = torch.where(qvalid, idx, torch.full((), T)).to(device)
     split = None
-    if not is_decode and 1 in query_lens:
-        dec = [b for b, q in enumerate(query_lens) if q == 1]
-        pre = [b for b, q in enumerate(query_lens) if q != 1]
+    dec = [b for b, q in enumerate(query_lens) if q == 1 and not pf[b]]
+    if not is_decode and dec:
+        pre = [b for b in range(B) if b not in set(dec)]
         sub = [
             make_gather_plan([query_lens[b] for b in rows], [context_lens[b] for b in rows],
-                             [block_tables[b] for b in rows], block_size, device, cold)
+                             [block_tables[b] for b in rows], block_size, device, cold, [pf[b] for b in rows])
             for rows in (dec, pre)
         ]
         dec_tok = torch.tensor([starts[b] for b in dec], dtype=torch.int64, device=device)
@@ -260,16 +269,19 @@ def paged_attention_gathered(
             res = paged_attention_gathered(q.index_select(0, tok), k_cache, v_cache, sub, scale, k_scale, v_scale)
             out.index_copy_(0, tok, res)
         return out
-    if plan.is_decode and cpu_decode.applies(q) and cpu_decode.available():
-        # bfloat16: the C decode attention (kernels/cpu_decode.c), reading a plain pool by slot
-        # (the same rows a gather would copy), else the gathered (dequantized / staged) rows.
+    same_dtype = k_scale is not None or k_cache.dtype == q.dtype  # int8 pools dequantize to q's dtype
+    if (plan.is_decode and same_dtype and plan.lens is not None and cpu_decode.attention_applies(q)
+            and cpu_decode.available()):
+        # The C decode attention (kernels/cpu_decode.c), reading a plain pool by slot (the same
+        # rows a gather would copy), else the gathered (dequantized / staged) rows. No gather,
+        # permute or padded matmul: at batch 16 those cost a third of a float32 step.
         if k_scale is None and plan.cold is None:
             hk, d = k_cache.shape[-2], k_cache.shape[-1]
-            return cpu_decode.decode_attention(q, k_cache.view(-1, hk, d), v_cache.view(-1, hk, d), plan.lens, scale,
-                                               plan.gather_slots)
+            return cpu_decode.decode_attention(q.contiguous(), k_cache.view(-1, hk, d), v_cache.view(-1, hk, d),
+                                               plan.lens, scale, plan.gather_slots)
         k = _gather(k_cache, k_scale, plan, q.dtype)  # [B, Lmax, Hk, D]
         v = _gather(v_cache, v_scale, plan, q.dtype)
-        return cpu_decode.decode_attention(q, k, v, plan.lens, scale)
+        return cpu_decode.decode_attention(q.contiguous(), k, v, plan.lens, scale)
     if plan.is_decode:
         k = _gather_heads_first(k_cache, k_scale, plan, q.dtype)  # [Hk, B, Lmax, D]
         v = _gather_heads_first(v_cache, v_scale, plan, q.dtype)

@@ -1,4 +1,4 @@
-/* bfloat16 decode-step kernels for the CPU: RMSNorm, RoPE, decode attention.
+/* Decode-step kernels for the CPU: bfloat16 RMSNorm and RoPE, bfloat16 / float32 decode attention.
  *
  * Built and loaded by kernels/cpu_decode.py (gcc -O3 -march=native -fopenmp
  * -ffp-contract=off -shared, cached under a hash of this file). Why: a
@@ -139,11 +139,21 @@ int llmsys_rope_store_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *
     return 0;
 }
 
+/* d elements of a bf16 (f32 = 0) or float32 (f32 = 1) array from element `at`, as float32. */
+static inline void load_row(const void *base, int64_t at, int f32, float *dst, int64_t d) {
+    if (f32) {
+        memcpy(dst, (const float *)base + at, sizeof(float) * (size_t)d);
+    } else {
+        const uint16_t *src = (const uint16_t *)base + at;
+        for (int64_t i = 0; i < d; i++) dst[i] = bf(src[i]);
+    }
+}
+
 /* q [B, Hq, D]; k, v: rows of [Hk, D]: with slots [B, L], row slots[b, l] of the pool, else row b * L + l
- * (gathered); lens [B]; out [B, Hq, D]. */
-int llmsys_decode_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, const int64_t *slots,
-                                 const int64_t *lens, float scale, uint16_t *out, int64_t b_count, int64_t l_max,
-                                 int64_t hq, int64_t hk, int64_t d, int threads) {
+ * (gathered); lens [B]; out [B, Hq, D]. All bf16 (f32 = 0) or all float32 (f32 = 1). */
+int llmsys_decode_attention(const void *q, const void *k, const void *v, const int64_t *slots, const int64_t *lens,
+                            float scale, void *out, int64_t b_count, int64_t l_max, int64_t hq, int64_t hk, int64_t d,
+                            int f32, int threads) {
     if (hk <= 0 || hq % hk || d <= 0 || d > 1024) return 1;
     for (int64_t b = 0; b < b_count; b++)
         if (lens[b] < 1 || lens[b] > l_max) return 2;
@@ -151,17 +161,15 @@ int llmsys_decode_attention_bf16(const uint16_t *q, const uint16_t *k, const uin
 #pragma omp parallel for num_threads(threads) schedule(static) if (b_count * hk > 1)
     for (int64_t item = 0; item < b_count * hk; item++) {
         int64_t b = item / hk, j = item % hk, len = lens[b];
-        float *s = malloc(sizeof(float) * (size_t)(len * g + (g + 2) * d));
-        float *qf = s + len * g, *kf = qf + g * d, *acc = kf + d;
-        for (int64_t gi = 0; gi < g; gi++)
-            for (int64_t i = 0; i < d; i++) qf[gi * d + i] = bf(q[(b * hq + j * g + gi) * d + i]);
-        for (int64_t l = 0; l < len; l++) {
-            int64_t row = slots ? slots[b * l_max + l] : b * l_max + l;
-            const uint16_t *kr = k + (row * hk + j) * d;
-            for (int64_t i = 0; i < d; i++) kf[i] = bf(kr[i]);
-            for (int64_t gi = 0; gi < g; gi++) s[gi * len + l] = dot_f32(qf + gi * d, kf, d) * scale;
+        float *s = malloc(sizeof(float) * (size_t)(len * g + (2 * g + 1) * d));
+        float *qf = s + len * g, *row = qf + g * d, *acc = row + d;
+        load_row(q, (b * hq + j * g) * d, f32, qf, g * d);
+        for (int64_t l = 0; l < len; l++) { /* scores: K row l against the g query heads of KV head j */
+            int64_t r = slots ? slots[b * l_max + l] : b * l_max + l;
+            load_row(k, (r * hk + j) * d, f32, row, d);
+            for (int64_t gi = 0; gi < g; gi++) s[gi * len + l] = dot_f32(qf + gi * d, row, d) * scale;
         }
-        for (int64_t gi = 0; gi < g; gi++) {
+        for (int64_t gi = 0; gi < g; gi++) { /* softmax per query head */
             float *sr = s + gi * len, m = -INFINITY, z = 0.0f;
             for (int64_t l = 0; l < len; l++) m = sr[l] > m ? sr[l] : m;
             for (int64_t l = 0; l < len; l++) {
@@ -169,15 +177,22 @@ int llmsys_decode_attention_bf16(const uint16_t *q, const uint16_t *k, const uin
                 z = z + sr[l];
             }
             for (int64_t l = 0; l < len; l++) sr[l] = sr[l] / z;
-            for (int64_t i = 0; i < d; i++) acc[i] = 0.0f;
-            for (int64_t l = 0; l < len; l++) {
-                int64_t row = slots ? slots[b * l_max + l] : b * l_max + l;
-                const uint16_t *vr = v + (row * hk + j) * d;
-                float p = sr[l];
-                for (int64_t i = 0; i < d; i++) acc[i] = acc[i] + p * bf(vr[i]);
+        }
+        for (int64_t i = 0; i < g * d; i++) acc[i] = 0.0f;
+        for (int64_t l = 0; l < len; l++) { /* each V row read once; every output sums over l in order */
+            int64_t r = slots ? slots[b * l_max + l] : b * l_max + l;
+            load_row(v, (r * hk + j) * d, f32, row, d);
+            for (int64_t gi = 0; gi < g; gi++) {
+                float p = s[gi * len + l];
+                float *a = acc + gi * d;
+                for (int64_t i = 0; i < d; i++) a[i] = a[i] + p * row[i];
             }
-            uint16_t *o = out + (b * hq + j * g + gi) * d;
-            for (int64_t i = 0; i < d; i++) o[i] = rne(acc[i]);
+        }
+        int64_t o = (b * hq + j * g) * d;
+        if (f32) {
+            memcpy((float *)out + o, acc, sizeof(float) * (size_t)(g * d));
+        } else {
+            for (int64_t i = 0; i < g * d; i++) ((uint16_t *)out)[o + i] = rne(acc[i]);
         }
         free(s);
     }

@@ -1,4 +1,4 @@
-"""CPU bfloat16 RMSNorm, RoPE and decode attention: one C call each (``cpu_decode.c``).
+"""CPU bfloat16 RMSNorm and RoPE, bfloat16 / float32 decode attention: one C call each (``cpu_decode.c``).
 
 Why: a bfloat16 decode step of SmolLM2-135M spent ~11 ms of its ~27 ms
 outside the GEMVs, in ~40 small torch ops per layer (upcasts, elementwise
@@ -33,7 +33,7 @@ _SIGNATURES = {
     "llmsys_rms_norm_bf16": [_P, _P, _P, _P, _P, _I, _I, _F, ctypes.c_int],
     "llmsys_rope_bf16": [_P, _I, _P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _I],
     "llmsys_rope_store_bf16": [_P, _I, _P, _I, _P, _I, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I],
-    "llmsys_decode_attention_bf16": [_P, _P, _P, _P, _P, _F, _P, _I, _I, _I, _I, _I, ctypes.c_int],
+    "llmsys_decode_attention": [_P, _P, _P, _P, _P, _F, _P, _I, _I, _I, _I, _I, ctypes.c_int, ctypes.c_int],
 }
 
 
@@ -59,8 +59,13 @@ def available() -> bool:
 
 
 def applies(x: torch.Tensor) -> bool:
-    """Do this module's kernels handle ``x`` (a CPU bfloat16 tensor)?"""
+    """Do this module's RMSNorm and RoPE kernels handle ``x`` (a CPU bfloat16 tensor)?"""
     return x.dtype == torch.bfloat16 and x.device.type == "cpu"
+
+
+def attention_applies(q: torch.Tensor) -> bool:
+    """Does :func:`decode_attention` handle ``q`` (a CPU bfloat16 or float32 tensor)?"""
+    return q.dtype in (torch.bfloat16, torch.float32) and q.device.type == "cpu"
 
 
 # ------------------------------------------------------------------ definitions
@@ -98,7 +103,7 @@ def decode_attention_def(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens
     """The C decode attention in torch ops (``torch.exp`` for ``expf``): ``q [B, Hq, D]``, ``k, v [B, L, Hk, D]``."""
     B, Hq, D = q.shape
     Hk = k.shape[2]
-    out = torch.empty(B, Hq, D, dtype=torch.bfloat16)
+    out = torch.empty(B, Hq, D, dtype=q.dtype)
     for b in range(B):
         n = int(lens[b])
         kb = k[b, :n].float().transpose(0, 1).repeat_interleave(Hq // Hk, dim=0)  # [Hq, n, D]
@@ -112,7 +117,7 @@ def decode_attention_def(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens
         acc = torch.zeros(Hq, D)
         for i in range(n):
             acc = acc + p[:, i : i + 1] * vb[:, i]
-        out[b] = acc.to(torch.bfloat16)
+        out[b] = acc.to(q.dtype)
     return out
 
 
@@ -191,7 +196,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: to
                      scale: float, slots: torch.Tensor | None = None) -> torch.Tensor:
     """One query per sequence over its context: ``q [B, Hq, D]``; ``k, v [B, L, Hk, D]`` gathered rows,
     or with ``slots [B, L]`` (int64, padding any valid slot) the pools ``[num_slots, Hk, D]`` themselves;
-    bf16 contiguous; ``lens [B]`` int64 (1..L) -> ``[B, Hq, D]`` bf16 (as :func:`decode_attention_def`)."""
+    all bf16 or all float32, contiguous; ``lens [B]`` int64 (1..L) -> ``[B, Hq, D]`` in q's dtype
+    (as :func:`decode_attention_def`)."""
     lib = _lib()[0]
     if lib is None:
         if slots is not None:
@@ -201,9 +207,12 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: to
     B, hq, d = q.shape
     L = k.shape[1] if slots is None else slots.shape[1]
     hk = k.shape[-2]
-    out = torch.empty(B, hq, d, dtype=torch.bfloat16)
-    rc = lib.llmsys_decode_attention_bf16(q.data_ptr(), k.data_ptr(), v.data_ptr(), _ptr(slots), lens.data_ptr(),
-                                          scale, out.data_ptr(), B, L, hq, hk, d, torch.get_num_threads())
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"decode_attention: q, k, v must all be bfloat16 or all float32, got {q.dtype}, {k.dtype}, {v.dtype}")
+    out = torch.empty(B, hq, d, dtype=q.dtype)
+    rc = lib.llmsys_decode_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), _ptr(slots), lens.data_ptr(), scale,
+                                     out.data_ptr(), B, L, hq, hk, d, int(q.dtype == torch.float32),
+                                     torch.get_num_threads())
     if rc:
         raise ValueError(f"decode_attention: bad shapes (Hq={hq}, Hk={hk}, D={d}) or lengths outside 1..{L}")
     return out

@@ -112,3 +112,26 @@ def test_eviction_policies_never_share_blocks(stories_pair):
     assert a.usage.cached_tokens == b.usage.cached_tokens == 0
     assert a.token_ids == b.token_ids
     assert sink.core.allocator.num_cached == 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_one_token_remainder_keeps_the_prefill_attention(dtype):
+    """A 17-token prompt on 16-token blocks hits 16 cached tokens and computes the last one alone.
+    That token still takes the prefill attention (not the decode kernel). In bfloat16 torch's
+    SDPA computes each query row alike whatever the row count, so the logprobs, not just the
+    tokens, equal the uncached run's bit for bit; in float32 its row blocking moves the last
+    bits (~3e-7 on one attention row), so there the tokens are equal and the logprobs close."""
+    from llmsys.kernels.cpu_attention import make_gather_plan
+
+    llm = LLM(str(need_shared(STORIES_HF)), dtype=dtype, progress=False, block_size=16)
+    ids = llm.tokenizer.encode(STORY)[:17]
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    first, again = llm.generate([ids], sp)[0], llm.generate([ids], sp)[0]
+    assert again.usage.cached_tokens == 16 and again.token_ids == first.token_ids
+    if dtype == "bfloat16":
+        assert [x.logprob for x in again.logprobs] == [x.logprob for x in first.logprobs]
+    else:
+        assert [x.logprob for x in again.logprobs] == pytest.approx([x.logprob for x in first.logprobs], rel=1e-5)
+    plan = make_gather_plan([1, 1, 3], [17, 9, 3], [[1, 2], [3], [4]], 16, llm.loaded.device, prompt=[True, False, True])
+    dplan, dtok, pplan, ptok = plan.split
+    assert dtok.tolist() == [1] and ptok.tolist() == [0, 2, 3, 4] and not pplan.is_decode and dplan.is_decode

@@ -141,6 +141,7 @@ class FastDecode:
         return (
             plan is not None
             and plan.is_decode
+            and plan.lens is not None
             and meta.policy_attn is None
             and self.model.layer_hook is None
             and not kv.quantized
@@ -183,6 +184,7 @@ class FastDecode:
         T = input_ids.shape[0]
         hq, hk, d, inter, dtype = self.hq, self.hk, self.d, self.inter, self.dtype
         f32 = dtype == torch.float32
+        c_attn = f32 and cpu_decode.available()  # bf16 without the C kernels: torch's grouped matmuls
         g, nqk = hq // hk, (hq + hk) * d
         cos2, sin2 = self._rope_rows(positions)
         slots, plan = meta.slot_mapping, meta.plan
@@ -208,13 +210,21 @@ class FastDecode:
                 r = r.to(dtype)
             kf.index_copy_(0, slots, r[:, hq:])
             vf.index_copy_(0, slots, v)
-            kg, vg = (self._heads_first(gather_rows(c, plan), T, L) for c in (kf, vf))  # [Hk, B, L, D] f32
-            qg = r[:, :hq].contiguous().view(T, hk, g, d).transpose(0, 1).float()  # [Hk, B, G, D]
-            s = torch.matmul(qg, kg.transpose(-1, -2)) * fl.scale
-            if neg_mask is not None:
-                s = s.masked_fill(neg_mask, float("-inf"))
-            o = torch.matmul(torch.softmax(s, dim=-1), vg)
-            o = (o if f32 else o.to(dtype)).transpose(0, 1).reshape(T, hq * d)
+            if c_attn:  # the C decode attention, as paged_attention_gathered calls it
+                if plan.cold is None:
+                    o = cpu_decode.decode_attention(r[:, :hq].contiguous(), kf, vf, plan.lens, fl.scale, plan.gather_slots)
+                else:
+                    kg, vg = (gather_rows(c, plan).view(T, L, hk, d) for c in (kf, vf))
+                    o = cpu_decode.decode_attention(r[:, :hq].contiguous(), kg, vg, plan.lens, fl.scale)
+                o = o.view(T, hq * d)
+            else:
+                kg, vg = (self._heads_first(gather_rows(c, plan), T, L) for c in (kf, vf))  # [Hk, B, L, D] f32
+                qg = r[:, :hq].contiguous().view(T, hk, g, d).transpose(0, 1).float()  # [Hk, B, G, D]
+                s = torch.matmul(qg, kg.transpose(-1, -2)) * fl.scale
+                if neg_mask is not None:
+                    s = s.masked_fill(neg_mask, float("-inf"))
+                o = torch.matmul(torch.softmax(s, dim=-1), vg)
+                o = (o if f32 else o.to(dtype)).transpose(0, 1).reshape(T, hq * d)
             a = F.linear(o, fl.o) if fl.o is not None else fl.attn.o_proj.forward(o)
             h = a + h
             x = self._norm(h, fl.norm2)
