@@ -24,7 +24,7 @@
  * contiguous run and each output row is written front to back; with
  * AVX-512BW 32 lookups are one vpermw, and with AVX512-BF16 the tables are
  * rounded by vcvtneps2bf16 (also round-to-nearest-even; used only for normal
- * finite scales, where no product is subnormal). Outputs of 4 MiB and more
+ * finite scales, where no product is subnormal). Outputs of 16 MiB and more
  * (bigger than the L3 cache) are written with streaming stores.
  */
 #include <float.h>
