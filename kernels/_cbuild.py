@@ -67,6 +67,17 @@ def compile_source(cc: str, source: Path, target: Path, extra_flags: tuple[str, 
     return None
 
 
+def build_and_load(source: Path, signatures: dict[str, list]) -> tuple[ctypes.CDLL | None, str]:
+    """:func:`build` then :func:`load`: ``(library or None, status line)``; callers memoize it per process."""
+    path, status = build(source)
+    if path is None:
+        return None, status
+    try:
+        return load(path, signatures), status
+    except (OSError, AttributeError) as exc:
+        return None, f"build or load failed: {exc}"
+
+
 def load(path: Path, signatures: dict[str, list]) -> ctypes.CDLL:
     """Load a compiled kernel; each named function returns int and takes ``signatures[name]``."""
     lib = ctypes.CDLL(str(path))

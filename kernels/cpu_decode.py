@@ -40,13 +40,7 @@ _SIGNATURES = {
 @functools.cache
 def _lib() -> tuple[ctypes.CDLL | None, str]:
     """The loaded kernel (built once per source/compiler/CPU) and a status line; memoized per process."""
-    path, status = _cbuild.build(_SOURCE)
-    if path is None:
-        return None, status
-    try:
-        return _cbuild.load(path, _SIGNATURES), status
-    except (OSError, AttributeError) as exc:
-        return None, f"build or load failed: {exc}"
+    return _cbuild.build_and_load(_SOURCE, _SIGNATURES)
 
 
 def kernel_status() -> str:

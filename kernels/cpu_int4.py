@@ -37,6 +37,10 @@ _ARGTYPES = [
     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,  # zeros, out, ldo
     ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,  # N, Kp, K, group, threads
 ]
+_SIGNATURES = {
+    "llmsys_int4_cpu_dequant": _ARGTYPES,
+    "llmsys_u16_transpose": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int],
+}
 
 
 def unpack_cpu_int4(packed: torch.Tensor, n: int, kp: int) -> torch.Tensor:
@@ -130,13 +134,7 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     Memoized for the process: the outcome is a fact about this machine and
     source (like ``cpu_linear._ONEDNN``), never changed afterwards.
     """
-    path, status = _cbuild.build(_SOURCE)
-    if path is None:
-        return None, status
-    try:
-        return load_kernel(path), status
-    except (OSError, AttributeError) as exc:
-        return None, f"load failed: {exc}"
+    return _cbuild.build_and_load(_SOURCE, _SIGNATURES)
 
 
 def compile_kernel(cc: str, target: Path, extra_flags: tuple[str, ...] = ()) -> str | None:
@@ -146,10 +144,7 @@ def compile_kernel(cc: str, target: Path, extra_flags: tuple[str, ...] = ()) -> 
 
 def load_kernel(path: Path) -> ctypes.CDLL:
     """Load a compiled kernel and declare its signature."""
-    return _cbuild.load(path, {
-        "llmsys_int4_cpu_dequant": _ARGTYPES,
-        "llmsys_u16_transpose": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int],
-    })
+    return _cbuild.load(path, _SIGNATURES)
 
 
 def run_kernel(lib: ctypes.CDLL, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
