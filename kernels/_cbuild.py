@@ -39,7 +39,8 @@ def build(source: Path) -> tuple[Path | None, str]:
         return None, "no C compiler (gcc) on PATH"
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-        key = hashlib.sha256(b"\0".join([source.read_bytes(), " ".join(FLAGS).encode(), version.encode(),
+        headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]  # what the sources include
+        key = hashlib.sha256(b"\0".join([source.read_bytes(), *headers, " ".join(FLAGS).encode(), version.encode(),
                                          cpu_signature().encode()])).hexdigest()[:16]
         target = cache_dir() / f"{source.stem}-{key}.so"
         if not target.exists():

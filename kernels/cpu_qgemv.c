@@ -56,6 +56,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "cpu_bf16.h"
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define QG_AVX512 1
@@ -68,20 +70,6 @@
 #define MTILE 4             /* rows of x per pass over a weight tile */
 #define PAR_MIN (1 << 16)   /* multiply-adds below which one thread runs (no fork) */
 
-static inline float bf(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t rne(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 static inline float half_to_f32(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu, u;

@@ -26,3 +26,13 @@ def test_public_api_and_no_top_level_engine_module():
 
     assert importlib.util.find_spec("llmsys.engine") is not None
     assert importlib.util.find_spec("llmsys.kernels").origin.endswith("kernels/__init__.py")
+
+
+def test_c_kernel_sources_ship_with_the_package():
+    """The C kernels compile on first use from their sources: a wheel must carry every .c and .h."""
+    import fnmatch
+
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    patterns = data.get("llmsys.kernels", [])
+    sources = [p.name for p in (ROOT / "kernels").iterdir() if p.suffix in (".c", ".h")]
+    assert sources and all(any(fnmatch.fnmatch(n, pat) for pat in patterns) for n in sources)
