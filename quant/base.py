@@ -43,6 +43,16 @@ class QuantLinear(nn.Module):
         """``x2 [M, K] -> [M, N]`` in ``x2.dtype``; bias is added by ``forward``."""
         return x2 @ self.dequantize(x2.dtype).t()
 
+    @classmethod
+    def cat_rows(cls, layers: list["QuantLinear"]) -> "QuantLinear | None":
+        """One layer whose outputs are ``layers``' outputs side by side (their rows in order), or None.
+
+        For fusing q|k|v and gate|up into one matmul (``DecoderModel.fuse_projections``).
+        A format returns a layer only where each output equals the separate layer's bit
+        for bit (its kernels compute every output row alone); the default cannot.
+        """
+        return None
+
     def rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Dequantized weight rows ``ids [M] -> [M, K]`` (an embedding lookup).
 

@@ -196,6 +196,30 @@ class Int4Linear(QuantLinear):
         return cls(qweight, scales, zeros, tensors.get("bias"), in_features, prefer_packed, tensors.get("perm"),
                    tensors.get("input_scale"))
 
+    @classmethod
+    def cat_rows(cls, layers: list[QuantLinear]) -> "Int4Linear | None":
+        """Rows concatenated, for CPU-packed layers of one group size, input width, column
+        permutation and input scale whose row counts are multiples of 64: the packed layout
+        tiles rows in blocks of 64, and the C GEMV and the dequantization compute each row alone."""
+        first = layers[0]
+        same = all(
+            type(m) is cls and m.mode == "packed_cpu" and m.out_features % CPU_BLOCK_N == 0
+            and (m.group_size, m.in_features, m.padded_in_features) == (first.group_size, first.in_features,
+                                                                          first.padded_in_features)
+            and _same_or_none(m.perm, first.perm) and _same_or_none(m.input_scale, first.input_scale)
+            and (m.bias is None) == (first.bias is None)
+            for m in layers
+        )
+        if not same:
+            return None
+        parts = [m.canonical_tensors() for m in layers]
+        if any(p["scales"].dtype != parts[0]["scales"].dtype for p in parts):
+            return None
+        cat = {k: torch.cat([p[k] for p in parts]) for k in ("qweight", "scales", "zeros")}
+        bias = torch.cat([m.bias for m in layers]) if first.bias is not None else None
+        return cls(cat["qweight"], cat["scales"], cat["zeros"], bias, first.in_features, True, first.perm,
+                   first.input_scale)
+
     # --- canonical view -----------------------------------------------------
     def canonical_tensors(self) -> dict[str, torch.Tensor]:
         """``{"qweight", "scales", "zeros"}`` in the canonical layout (exact)."""
@@ -319,3 +343,7 @@ class Int4Linear(QuantLinear):
                 w = dequant_cpu_int4(self.packed, scales, self.zeros_u8, k, self.group_size, rows)
                 torch.mm(w, xt, out=yt[rows[0]:rows[1]])
         return transpose_bf16(yt)  # [M, N]
+
+
+def _same_or_none(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))

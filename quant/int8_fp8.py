@@ -91,6 +91,18 @@ class Int8Linear(_PerRowLinear):
     FORMAT = "int8"
     quantize = staticmethod(quantize_int8)
 
+    @classmethod
+    def cat_rows(cls, layers: list[QuantLinear]) -> "Int8Linear | None":
+        """Rows concatenated: every kernel here (the C GEMV, the weight-first GEMM, dequantize +
+        GEMM) computes each output row from its own codes and scale alone."""
+        if any(type(m) is not cls or m.in_features != layers[0].in_features for m in layers):
+            return None
+        biased = [m.bias is not None for m in layers]
+        if any(b != biased[0] for b in biased):
+            return None
+        bias = torch.cat([m.bias for m in layers]) if biased[0] else None
+        return cls(torch.cat([m.qweight for m in layers]), torch.cat([m.scales for m in layers]), bias)
+
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
         buf = self._buffers  # read directly: nn.Module.__getattr__ costs ~1 us a buffer on the decode path
         if x2.device.type == "cuda":

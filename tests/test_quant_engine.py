@@ -256,3 +256,22 @@ def test_calibrated_int4_beats_rtn_on_stories260k():
     assert rep.kl_after < 0.8 * rep.kl_before, rep
     assert base < tuned < plain < rtn, (base, tuned, plain, rtn)
     assert tuned - base < 0.75 * (rtn - base), (base, tuned, rtn)
+
+
+@pytest.mark.parametrize("quant,dtype", [("int8", "float32"), ("int8", "bfloat16"), ("int4", "bfloat16")])
+def test_fused_quantized_projections_give_the_separate_layers_bits(tmp_path, quant, dtype):
+    """A CPU engine fuses quantized q|k|v and gate|up too (``cat_rows``); one that does not
+    (``prepack: False``, as ``llmsys quantize`` runs) computes the same logprobs, bit for bit,
+    through both the decode GEMV (one row) and the prefill path (many rows)."""
+    path = make_hf_model("qwen2", tmp_path / "m", hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                         num_key_value_heads=2)  # k/v: 128 rows, a multiple of int4's 64-row tiles
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    prompts = [list(range(5, 45)), [7, 8, 9]]
+    runs = []
+    for prepack in (True, False):
+        llm = LLM(str(path), dtype=dtype, quant=quant, progress=False, kv_cache_tokens=256, extra={"prepack": prepack})
+        layer = llm.loaded.model.model.layers[0]
+        assert (layer.self_attn.qkv_proj is not None) == prepack and (layer.mlp.gate_up_proj is not None) == prepack
+        outs = llm.generate(prompts, sp)
+        runs.append([(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in outs])
+    assert runs[0] == runs[1]

@@ -118,7 +118,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, a.rms_norm_eps) if a.qk_norm else None
         self.scale = self.head_dim**-0.5
         # q|k|v rows in one GEMM, set by DecoderModel.fuse_projections (which drops q/k/v_proj).
-        self.qkv_proj: Linear | None = None
+        self.qkv_proj: nn.Module | None = None
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q ``[T, Hq, D]``, k and v ``[T, Hk, D]`` (views into one fused output when fused), q/k normed."""
@@ -153,7 +153,7 @@ class MLP(nn.Module):
         self.up_proj = Linear(a.hidden_size, a.intermediate_size, bias=False)
         self.down_proj = Linear(a.intermediate_size, a.hidden_size, bias=False)
         # gate|up rows in one GEMM, set by DecoderModel.fuse_projections (which drops gate/up_proj).
-        self.gate_up_proj: Linear | None = None
+        self.gate_up_proj: nn.Module | None = None
 
     def act(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, I]
         """``silu(gate(x)) * up(x)``, the input of ``down_proj``."""
@@ -342,13 +342,17 @@ class DecoderModel(nn.Module):
         return DiskEmbedding(src, w.shape[0], w.shape[1], w.dtype, w.device, stored=stored, drop_cache=False)
 
 
-def _fused_linear(mods: list[nn.Module]) -> Linear | None:
-    """One ``Linear`` whose rows are the given layers' rows in order, or None when they do not fuse.
+def _fused_linear(mods: list[nn.Module]) -> nn.Module | None:
+    """One layer whose rows are the given layers' rows in order, or None when they do not fuse.
 
+    Quantized layers fuse through their format's ``cat_rows`` (llmsys.quant).
     They fuse when all are plain resident CPU ``Linear`` layers meant to be packed, each
     packable (so each, streamed alone, takes the same GEMM library), with one dtype and
     input size, all with or all without bias.
     """
+    kind = type(mods[0])
+    if kind is not Linear and all(type(m) is kind for m in mods) and hasattr(kind, "cat_rows"):
+        return kind.cat_rows(mods)  # a quantized format fuses its own way, or not at all
     if any(type(m) is not Linear or not m.packed_when_resident for m in mods):
         return None
     ws = [m.weight for m in mods]
