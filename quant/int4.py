@@ -135,6 +135,9 @@ class Int4Linear(QuantLinear):
         if not kp - group_size < k <= kp:
             raise CheckpointError(f"int4 in_features {k} does not fit padded width {kp} (group {group_size})")
         super().__init__(k, n, bias)
+        # A dequantization buffer shared by the model's layers (kernels.cpu_int4.Scratch), set by
+        # an inference engine (DecoderModel.share_scratch); None: a fresh tensor per prefill GEMM.
+        self.scratch = None
         self.group_size = group_size
         self.padded_in_features = kp
         # Act-order (GPTQ desc_act) checkpoints: stored column j is input feature
@@ -334,14 +337,19 @@ class Int4Linear(QuantLinear):
         scales = self._canonical_scales()
         step = max(CPU_BLOCK_N, DEQUANT_CHUNK_BYTES // (2 * k) // CPU_BLOCK_N * CPU_BLOCK_N)
         xt = xb.t()
+        ws = self.scratch
+
+        def weight(r0: int, r1: int) -> torch.Tensor:  # rows r0..r1-1 dequantized, [r1 - r0, K] bf16
+            out = None if ws is None else ws.take(r1 - r0, k)
+            return dequant_cpu_int4(self.packed, scales, self.zeros_u8, k, self.group_size, (r0, r1), out=out)
+
         if step >= n:
-            yt = torch.mm(dequant_cpu_int4(self.packed, scales, self.zeros_u8, k, self.group_size), xt)
+            yt = torch.mm(weight(0, n), xt)
         else:
             yt = torch.empty(n, xb.shape[0], dtype=torch.bfloat16)
             for r0 in range(0, n, step):
-                rows = (r0, min(n, r0 + step))
-                w = dequant_cpu_int4(self.packed, scales, self.zeros_u8, k, self.group_size, rows)
-                torch.mm(w, xt, out=yt[rows[0]:rows[1]])
+                r1 = min(n, r0 + step)
+                torch.mm(weight(r0, r1), xt, out=yt[r0:r1])
         return transpose_bf16(yt)  # [M, N]
 
 

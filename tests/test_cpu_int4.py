@@ -204,3 +204,19 @@ def test_transpose_bf16(shape):
     assert out.is_contiguous() and torch.equal(out, x.t())
     h = torch.randn(shape).half()
     assert torch.equal(cpu_int4.transpose_bf16(h), h.t())
+
+
+@pytest.mark.skipif(not KERNEL, reason=f"C kernel not built: {cpu_int4.kernel_status()}")
+def test_prefill_through_a_shared_scratch_buffer_gives_the_same_bits():
+    """Layers of an engine share one dequantization buffer (``Scratch``): same results, one buffer."""
+    from llmsys.kernels.cpu_int4 import Scratch
+
+    a, b = _layer(896, 512, 64, seed=5), _layer(256, 512, 64, seed=6)
+    x = torch.randn(100, 512)
+    ref = [a(x), b(x)]
+    shared = Scratch()
+    a.scratch = b.scratch = shared
+    assert torch.equal(a(x), ref[0]) and torch.equal(b(x), ref[1]) and torch.equal(a(x), ref[0])
+    assert shared.nbytes == 896 * 512 * 2  # grown to the largest layer, then reused
+    with pytest.raises(ValueError, match="out must be"):
+        dequant_cpu_int4(*_args(a), out=torch.empty(10, 10, dtype=torch.bfloat16))

@@ -269,6 +269,7 @@ class DecoderModel(nn.Module):
         """
         self._embed_from_file()
         self.fuse_projections()
+        self.share_scratch()
         n = 0
         for name, mod in self.named_modules():
             if type(mod) is not Linear or not mod.packed_when_resident or mod.weight.device.type != "cpu":
@@ -306,6 +307,16 @@ class DecoderModel(nn.Module):
                     mlp.gate_up_proj, mlp.gate_proj, mlp.up_proj = fused, None, None
                     n += 1
         return n
+
+    def share_scratch(self) -> None:
+        """One dequantization buffer for every layer that takes one (CPU int4 prefill, see
+        ``kernels.cpu_int4.Scratch``): no page faults per GEMM, memory of one chunk (<= 16 MiB)."""
+        from llmsys.kernels.cpu_int4 import Scratch
+
+        shared = Scratch()
+        for mod in self.modules():
+            if hasattr(mod, "scratch"):
+                mod.scratch = shared
 
     def _embed_from_file(self) -> None:
         """Serve a tied embedding's rows from the checkpoint, so the head alone owns the matrix.
