@@ -133,7 +133,8 @@ def make_gather_plan(
     split = None
     dec = [b for b, q in enumerate(query_lens) if q == 1 and not pf[b]]
     if not is_decode and dec:
-        pre = [b for b in range(B) if b not in set(dec)]
+        dset = set(dec)
+        pre = [b for b in range(B) if b not in dset]
         sub = [
             make_gather_plan([query_lens[b] for b in rows], [context_lens[b] for b in rows],
                              [block_tables[b] for b in rows], block_size, device, cold, [pf[b] for b in rows])
