@@ -17,6 +17,7 @@ no attention override, no offload hook). What it saves:
   GEMM yields ``[x2, x1]`` directly, and RoPE is three elementwise ops over q|k
   at once, with the ``[cos, cos]`` / ``[-sin, sin]`` rows read from a table
   built once (``kernels.rope``'s reference does the same products and sums);
+  attention is the C decode kernel reading the pool by slot, as on the module path;
 * bfloat16 (with the C kernels of ``kernels/cpu_decode.c``): RMSNorm fused with
   the residual add before it, RoPE writing K/V straight into the pool, and
   attention reading the pool by slot -- the kernels ``kernels.rms_norm``,
@@ -188,8 +189,8 @@ class FastDecode:
         g, nqk = hq // hk, (hq + hk) * d
         cos2, sin2 = self._rope_rows(positions)
         slots, plan = meta.slot_mapping, meta.plan
-        # Decode attention as kernels.cpu_attention computes it (gather each sequence's K/V
-        # head-major, two grouped float32 matmuls), minus its no-op casts and re-views.
+        # Decode attention as kernels.cpu_attention computes it: the C kernel (kernels/cpu_decode.c),
+        # or without it a head-major gather and two grouped float32 matmuls, minus no-op casts.
         L = plan.gather_slots.shape[1]
         neg_mask = None if plan.attn_mask is None else ~plan.attn_mask.transpose(0, 1)
         emb = self.model.model.embed_tokens
