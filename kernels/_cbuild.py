@@ -14,6 +14,7 @@ run their torch path instead.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -77,6 +78,34 @@ def build_and_load(source: Path, signatures: dict[str, list]) -> tuple[ctypes.CD
         return load(path, signatures), status
     except (OSError, AttributeError) as exc:
         return None, f"build or load failed: {exc}"
+
+
+class Kernel:
+    """One C source, built and loaded on first use and then kept for the process.
+
+    The outcome (a library, or the reason there is none) is a fact about this
+    machine and source, like ``cpu_linear._ONEDNN``, so it is computed once.
+    A kernel module holds one and re-exports :meth:`available` and :meth:`status`.
+    """
+
+    def __init__(self, source: Path, signatures: dict[str, list]):
+        self.source = source
+        self.signatures = signatures
+
+    @functools.cached_property
+    def _loaded(self) -> tuple[ctypes.CDLL | None, str]:
+        return build_and_load(self.source, self.signatures)
+
+    def lib(self) -> ctypes.CDLL | None:
+        """The loaded library, or None (then the callers' torch path runs)."""
+        return self._loaded[0]
+
+    def status(self) -> str:
+        """``"ok: <path>"`` when the library is loaded, else why not."""
+        return self._loaded[1]
+
+    def available(self) -> bool:
+        return self._loaded[0] is not None
 
 
 def load(path: Path, signatures: dict[str, list]) -> ctypes.CDLL:

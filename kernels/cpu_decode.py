@@ -19,7 +19,6 @@ run instead.
 from __future__ import annotations
 
 import ctypes
-import functools
 from pathlib import Path
 
 import torch
@@ -37,19 +36,9 @@ _SIGNATURES = {
 }
 
 
-@functools.cache
-def _lib() -> tuple[ctypes.CDLL | None, str]:
-    """The loaded kernel (built once per source/compiler/CPU) and a status line; memoized per process."""
-    return _cbuild.build_and_load(_SOURCE, _SIGNATURES)
-
-
-def kernel_status() -> str:
-    """``"ok: <path>"`` when the C kernel is loaded, else why the torch definitions run."""
-    return _lib()[1]
-
-
-def available() -> bool:
-    return _lib()[0] is not None
+_KERNEL = _cbuild.Kernel(_SOURCE, _SIGNATURES)  # built and loaded on first use, once per process
+kernel_status = _KERNEL.status  # "ok: <path>" when the C kernel is loaded, else why not
+available = _KERNEL.available
 
 
 def applies(x: torch.Tensor) -> bool:
@@ -124,7 +113,7 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """``x [..., D]`` bf16 contiguous, ``weight [D]`` bf16 (``residual`` like x): as :func:`rms_norm_def`."""
-    lib = _lib()[0]
+    lib = _KERNEL.lib()
     if lib is None:
         return rms_norm_def(x, weight, eps, residual)
     d = x.shape[-1]
@@ -142,7 +131,7 @@ def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cach
 
     Bit for bit ``kernels.reference.rope_ref``; positions must lie in the cache.
     """
-    lib = _lib()[0]
+    lib = _KERNEL.lib()
     if lib is None:
         from llmsys.kernels.reference import rope_ref
 
@@ -170,7 +159,7 @@ def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: tor
     The same bits as ``rope`` then ``kernels.kv_store``; slot -1 skips a token.
     Needs the C kernel (callers check :func:`available`).
     """
-    lib = _lib()[0]
+    lib = _KERNEL.lib()
     T, hq, d = q.shape
     hk = k.shape[1]
     for t in (q, k, v):
@@ -192,7 +181,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: to
     or with ``slots [B, L]`` (int64, padding any valid slot) the pools ``[num_slots, Hk, D]`` themselves;
     all bf16 or all float32, contiguous; ``lens [B]`` int64 (1..L) -> ``[B, Hq, D]`` in q's dtype
     (as :func:`decode_attention_def`)."""
-    lib = _lib()[0]
+    lib = _KERNEL.lib()
     if lib is None:
         if slots is not None:
             k, v = (c.view(-1, c.shape[-2], c.shape[-1])[slots.view(-1)].view(*slots.shape, *c.shape[-2:])

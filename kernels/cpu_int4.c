@@ -31,28 +31,14 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "cpu_bf16.h" /* bf(), rne(): torch's bf16 conversions */
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define LLMSYS_AVX512 1
 #endif
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-/* torch's c10::BFloat16 conversion: round to nearest even, NaN -> 0x7fc0. */
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if (f != f) return 0x7fc0u;
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 /* ------------------------------------------------------------ byte transpose */
 
@@ -163,7 +149,7 @@ typedef struct { uint16_t v[16]; } lut_t;
 
 static inline lut_t make_lut(float s, float z) {
     lut_t t;
-    for (int q = 0; q < 16; ++q) t.v[q] = f32_to_bf16(((float)q - z) * s);
+    for (int q = 0; q < 16; ++q) t.v[q] = rne(((float)q - z) * s);
     return t;
 }
 
@@ -248,7 +234,7 @@ int llmsys_int4_cpu_dequant(const uint8_t *packed, const void *scales, int64_t s
                 for (int h = 0; h < 2 && (h == 0 || n2 < n_rows); ++h) {
                     const int64_t row = h ? n2 : n, at = row * s_n + g * s_g;
                     const float s = scale_f32 ? ((const float *)scales)[at]
-                                              : bf16_to_f32(((const uint16_t *)scales)[at]);
+                                              : bf(((const uint16_t *)scales)[at]);
                     lut[h] = make_lut(s, (float)zeros[row * n_groups + g]);
                 }
                 lookup_pair(codes + j * kc + c, lut[0], lut[n2 < n_rows], out + n * ldo + k0 + c,

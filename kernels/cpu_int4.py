@@ -23,7 +23,6 @@ low nibble and row ``64b+32+j`` in its high nibble, at column k.
 from __future__ import annotations
 
 import ctypes
-import functools
 from pathlib import Path
 
 import torch
@@ -41,6 +40,8 @@ _SIGNATURES = {
     "llmsys_int4_cpu_dequant": _ARGTYPES,
     "llmsys_u16_transpose": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int],
 }
+_KERNEL = _cbuild.Kernel(_SOURCE, _SIGNATURES)  # built and loaded on first use, once per process
+kernel_status = _KERNEL.status  # "ok: <path>" when the C kernel is loaded, else why the torch path runs
 
 
 def unpack_cpu_int4(packed: torch.Tensor, n: int, kp: int) -> torch.Tensor:
@@ -68,6 +69,24 @@ def dequant_cpu_int4_ref(packed: torch.Tensor, scales: torch.Tensor, zeros: torc
     return w.reshape(r1 - r0, kp)[:, :in_features].to(torch.bfloat16)
 
 
+def check_int4_layout(op: str, packed: torch.Tensor, scales: torch.Tensor, n: int, n_groups: int, k: int,
+                      group_size: int) -> None:
+    """``ValueError`` naming ``op`` unless ``packed`` is torch's CPU tiling of N rows (padded to 64)
+    by ``Kp = n_groups * group_size`` columns, ``scales`` a float ``[N, G]``, and ``k`` (the input
+    width) lies within the last group of Kp. Shared by the kernels that read this layout."""
+    kp = n_groups * group_size
+    padded = -(-n // CPU_BLOCK_N) * CPU_BLOCK_N
+    if packed.dtype != torch.uint8 or packed.numel() != padded * kp // 2 or not packed.is_contiguous():
+        raise ValueError(f"{op}: packed must be contiguous uint8 with {padded * kp // 2} bytes "
+                         f"(N={n} padded to {padded}, Kp={kp}), got {packed.dtype} {tuple(packed.shape)}")
+    if tuple(scales.shape) != (n, n_groups) or not scales.is_floating_point():
+        raise ValueError(f"{op}: scales must be float [N, G] = {(n, n_groups)}, "
+                         f"got {scales.dtype} {tuple(scales.shape)}")
+    if group_size % 32 or group_size > 128 or not kp - group_size < k <= kp:
+        raise ValueError(f"{op}: group_size {group_size} (32, 64 or 128) and K={k} "
+                         f"(within the last group of Kp={kp}) do not fit")
+
+
 def dequant_cpu_int4(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                      in_features: int, group_size: int, rows: tuple[int, int] | None = None,
                      *, impl: str = "auto", out: torch.Tensor | None = None) -> torch.Tensor:
@@ -88,23 +107,13 @@ def dequant_cpu_int4(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
         raise ValueError(f"{op}: zeros must be a contiguous uint8 [N, G] tensor, "
                          f"got {zeros.dtype} {tuple(zeros.shape)}")
     n, n_groups = zeros.shape
-    kp = n_groups * group_size
-    padded = -(-n // CPU_BLOCK_N) * CPU_BLOCK_N
-    if packed.dtype != torch.uint8 or packed.numel() != padded * kp // 2 or not packed.is_contiguous():
-        raise ValueError(f"{op}: packed must be contiguous uint8 with {padded * kp // 2} bytes "
-                         f"(N={n} padded to {padded}, Kp={kp}), got {packed.dtype} {tuple(packed.shape)}")
-    if tuple(scales.shape) != (n, n_groups) or not scales.is_floating_point():
-        raise ValueError(f"{op}: scales must be float [N, G] = {(n, n_groups)}, "
-                         f"got {scales.dtype} {tuple(scales.shape)}")
-    if group_size % 32 or group_size > 128 or not kp - group_size < in_features <= kp:
-        raise ValueError(f"{op}: group_size {group_size} (32, 64 or 128) and in_features {in_features} "
-                         f"(within the last group of Kp={kp}) do not fit")
+    check_int4_layout(op, packed, scales, n, n_groups, in_features, group_size)
     r0, r1 = rows or (0, n)
     if r0 % CPU_BLOCK_N or not 0 <= r0 < r1 <= n:
         raise ValueError(f"{op}: rows {rows} must satisfy 0 <= r0 < r1 <= N={n} with r0 a multiple of {CPU_BLOCK_N}")
     if any(t.device.type != "cpu" for t in (packed, scales, zeros)):
         raise ValueError(f"{op}: CPU tensors only")
-    lib = None if impl == "reference" else _build()[0]
+    lib = None if impl == "reference" else _KERNEL.lib()
     if lib is None:
         if impl == "c":
             raise RuntimeError(f"{op}: the C kernel is unavailable ({kernel_status()})")
@@ -142,28 +151,13 @@ class Scratch:
 
 def transpose_bf16(x: torch.Tensor) -> torch.Tensor:
     """``x.t().contiguous()`` for a contiguous 2-D 16-bit CPU tensor, ~5x faster than torch's copy with the C kernel."""
-    lib = _build()[0]
+    lib = _KERNEL.lib()
     if (lib is None or x.dim() != 2 or x.element_size() != 2 or not x.is_contiguous() or x.device.type != "cpu"
             or x.numel() == 0):
         return x.t().contiguous()
     out = torch.empty(x.shape[1], x.shape[0], dtype=x.dtype)
     lib.llmsys_u16_transpose(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], torch.get_num_threads())
     return out
-
-
-def kernel_status() -> str:
-    """``"ok: <path>"`` when the C kernel is loaded, else why the torch path runs."""
-    return _build()[1]
-
-
-@functools.cache
-def _build() -> tuple[ctypes.CDLL | None, str]:
-    """Build (once per source/compiler/CPU, cached on disk; see ``kernels._cbuild``) and load the C kernel.
-
-    Memoized for the process: the outcome is a fact about this machine and
-    source (like ``cpu_linear._ONEDNN``), never changed afterwards.
-    """
-    return _cbuild.build_and_load(_SOURCE, _SIGNATURES)
 
 
 def compile_kernel(cc: str, target: Path, extra_flags: tuple[str, ...] = ()) -> str | None:

@@ -28,14 +28,13 @@ quantized layers keep torch's packed ops.
 from __future__ import annotations
 
 import ctypes
-import functools
 from pathlib import Path
 
 import torch
 
 from llmsys.kernels import _cbuild
 from llmsys.kernels.cpu_decode import lane_sum
-from llmsys.kernels.cpu_int4 import CPU_BLOCK_N, unpack_cpu_int4
+from llmsys.kernels.cpu_int4 import CPU_BLOCK_N, check_int4_layout, unpack_cpu_int4
 
 _SOURCE = Path(__file__).with_name("cpu_qgemv.c")
 _P, _I, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -46,19 +45,9 @@ _SIGNATURES = {
 _SCALE_KINDS = {torch.bfloat16: 0, torch.float32: 1, torch.float16: 2}
 
 
-@functools.cache
-def _lib() -> tuple[ctypes.CDLL | None, str]:
-    """The loaded kernel (built once per source/compiler/CPU) and a status line; memoized per process."""
-    return _cbuild.build_and_load(_SOURCE, _SIGNATURES)
-
-
-def kernel_status() -> str:
-    """``"ok: <path>"`` when the C kernel is loaded, else why it is not."""
-    return _lib()[1]
-
-
-def available() -> bool:
-    return _lib()[0] is not None
+_KERNEL = _cbuild.Kernel(_SOURCE, _SIGNATURES)  # built and loaded on first use, once per process
+kernel_status = _KERNEL.status  # "ok: <path>" when the C kernel is loaded, else why not
+available = _KERNEL.available
 
 
 def compile_kernel(cc: str, target: Path, extra_flags: tuple[str, ...] = ()) -> str | None:
@@ -137,7 +126,7 @@ def int8_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *, c
                              f"got {qweight.dtype} {tuple(qweight.shape)}, {scales.dtype} {tuple(scales.shape)}")
     m = x.shape[0]
     out = torch.empty(m, n, dtype=torch.bfloat16)
-    rc = (lib or _lib()[0]).llmsys_qgemv_int8(x.data_ptr(), x.stride(0), qweight.data_ptr(), scales.data_ptr(),
+    rc = (lib or _KERNEL.lib()).llmsys_qgemv_int8(x.data_ptr(), x.stride(0), qweight.data_ptr(), scales.data_ptr(),
                                               out.data_ptr(), n, m, n, k, torch.get_num_threads())
     if rc:
         raise RuntimeError(f"int8_gemv: the C kernel failed (code {rc}) on M={m} N={n} K={k}")
@@ -151,23 +140,12 @@ def check_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zero
     if zeros.dim() != 2 or zeros.dtype != torch.uint8:
         raise ValueError(f"{op}: zeros must be a uint8 [N, G] tensor, got {zeros.dtype} {tuple(zeros.shape)}")
     n, n_groups = zeros.shape
-    kp = n_groups * group_size
     k = x.shape[-1]
     _check_x(op, x, k)
-    np_ = -(-n // CPU_BLOCK_N) * CPU_BLOCK_N
-    if packed.dtype != torch.uint8 or packed.numel() != np_ * kp // 2 or not packed.is_contiguous():
-        raise ValueError(f"{op}: packed must be contiguous uint8 with {np_ * kp // 2} bytes, "
-                         f"got {packed.dtype} {tuple(packed.shape)}")
     if scales.dim() == 3 and (scales.shape[0] != n_groups or scales.shape[1] < n or scales.shape[2] != 2):
         raise ValueError(f"{op}: scales_zeros must be [G, >= N, 2] = [{n_groups}, >= {n}, 2], "
                          f"got {tuple(scales.shape)}")
-    scales = _scales_2d(scales, n)
-    if tuple(scales.shape) != (n, n_groups) or not scales.is_floating_point():
-        raise ValueError(f"{op}: scales must be float [N, G] = {(n, n_groups)}, "
-                         f"got {scales.dtype} {tuple(scales.shape)}")
-    if group_size % 32 or group_size > 128 or not kp - group_size < k <= kp:
-        raise ValueError(f"{op}: group_size {group_size} (32, 64 or 128) and K={k} (within the last group "
-                         f"of Kp={kp}) do not fit")
+    check_int4_layout(op, packed, _scales_2d(scales, n), n, n_groups, k, group_size)
 
 
 def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -191,7 +169,7 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros
     m, k = x.shape
     s_n, s_g = (scales.stride(1), scales.stride(0)) if scales.dim() == 3 else scales.stride()
     out = torch.empty(m, n, dtype=torch.bfloat16)
-    rc = (lib or _lib()[0]).llmsys_qgemv_int4(
+    rc = (lib or _KERNEL.lib()).llmsys_qgemv_int4(
         x.data_ptr(), x.stride(0), packed.data_ptr(), scales.data_ptr(), s_n, s_g, _SCALE_KINDS[scales.dtype],
         zeros.data_ptr(), zeros.stride(0), zeros.stride(1), out.data_ptr(), n,
         m, n, n_groups * group_size, k, group_size, torch.get_num_threads())

@@ -52,6 +52,7 @@ import torch
 
 from llmsys.engine.errors import InvalidParameterError
 from llmsys.kernels.cpu_attention import ColdBlocks
+from llmsys.offload.streamer import pread_full
 
 if TYPE_CHECKING:  # the engine imports offload, not the other way round
     from llmsys.engine.kv_cache import KVCache
@@ -240,12 +241,8 @@ class KVTier:
                 view = self._views[buf][kind]
                 for j0, c0, m in runs:
                     off, dst = self._offset(layer, kind, c0), view[j0 * sb : (j0 + m) * sb]
-                    got = 0
-                    while got < len(dst):  # preadv may return short; continue where it stopped
-                        r = os.preadv(self._fd, [dst[got:]], off + got)
-                        if r <= 0:
-                            raise OSError(f"KV offload file {self._path}: short read of layer {layer} block {c0}")
-                        got += r
+                    if pread_full(self._fd, [dst], off) < len(dst):
+                        raise OSError(f"KV offload file {self._path}: short read of layer {layer} block {c0}")
                     if self.drop_cache:
                         os.posix_fadvise(self._fd, off, m * sb, os.POSIX_FADV_DONTNEED)
         elif not self.cuda:

@@ -30,6 +30,29 @@ ALIGN = 64  # buffer offset alignment: any dtype view is legal, cache-line frien
 IOV_MAX = 1024
 
 
+def pread_full(fd: int, bufs: list[memoryview], offset: int) -> int:
+    """Fill ``bufs`` in order from ``fd`` at ``offset``; returns the bytes read.
+
+    ``preadv`` may return fewer bytes than asked (a signal, a large request):
+    this continues where it stopped, so a result short of the buffers' total
+    means the file ended there.
+    """
+    total, got = sum(len(b) for b in bufs), 0
+    while got < total:
+        skip, rest = got, []
+        for b in bufs:
+            if skip >= len(b):
+                skip -= len(b)
+                continue
+            rest.append(b[skip:])
+            skip = 0
+        n = os.preadv(fd, rest, offset + got)
+        if n <= 0:
+            break
+        got += n
+    return got
+
+
 @dataclass(frozen=True)
 class TensorSource:
     """Where one tensor's bytes are on disk."""
@@ -124,19 +147,9 @@ class ReaderRing:
             fd = self._fd(path)
             bufs = [view[b : b + n] for b, n in iov]
             total = sum(n for _, n in iov)
-            got = 0
-            while got < total:  # preadv may return short; continue where it stopped
-                skip, rest = got, []
-                for b in bufs:
-                    if skip >= len(b):
-                        skip -= len(b)
-                        continue
-                    rest.append(b[skip:])
-                    skip = 0
-                n = os.preadv(fd, rest, off + got)
-                if n <= 0:
-                    raise OSError(f"{path}: unexpected end of file at byte {off + got} while streaming {u.name}")
-                got += n
+            got = pread_full(fd, bufs, off)
+            if got < total:
+                raise OSError(f"{path}: unexpected end of file at byte {off + got} while streaming {u.name}")
             if self.drop_cache:
                 os.posix_fadvise(fd, off, total, os.POSIX_FADV_DONTNEED)
 

@@ -192,7 +192,7 @@ class FastDecode:
         # Decode attention as kernels.cpu_attention computes it: the C kernel (kernels/cpu_decode.c),
         # or without it a head-major gather and two grouped float32 matmuls, minus no-op casts.
         L = plan.gather_slots.shape[1]
-        neg_mask = None if plan.attn_mask is None else ~plan.attn_mask.transpose(0, 1)
+        neg_mask = None if c_attn or plan.attn_mask is None else ~plan.attn_mask.transpose(0, 1)  # torch path only
         emb = self.model.model.embed_tokens
         plain = type(emb) is torch.nn.Embedding and emb.max_norm is None
         h = F.embedding(input_ids, emb.weight) if plain else emb(input_ids)
