@@ -157,3 +157,22 @@ def test_without_the_kernel_the_torch_paths_run(tmp_path):
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip().splitlines()[-1] == "disabled by LLMSYS_NO_CKERNELS True True"
     assert not list(tmp_path.glob("kernels/*.so"))
+
+
+@needs_kernel
+def test_bad_inputs_are_one_line_errors():
+    """Each check in front of the C kernels names what is wrong (the kernels index raw memory)."""
+    cache = kernels.build_rope_cache(64, 16, 10000.0, None, None)
+    q, k = torch.randn(2, 4, 64).to(BF), torch.randn(2, 2, 64).to(BF)
+    pos = torch.tensor([0, 1])
+    with pytest.raises(ValueError, match="heads of q and k must be contiguous"):
+        cpu_decode.rope(q.transpose(0, 1).contiguous().transpose(0, 1), k, pos, cache)
+    odd = kernels.build_rope_cache(64, 16, 10000.0, None, None)[:, :63].contiguous()
+    with pytest.raises(ValueError, match="head_dim must be even"):
+        cpu_decode.rope(q[..., :63].contiguous(), k[..., :63].contiguous(), pos, odd)
+    qa, ka, va, lens = _attention_inputs(7)
+    with pytest.raises(ValueError, match="all be bfloat16 or all float32"):
+        cpu_decode.decode_attention(qa, ka.float(), va, lens, 0.125)
+    w = torch.ones((1 << 20) + 1, dtype=BF)
+    with pytest.raises(RuntimeError, match="rejected D=1048577"):
+        cpu_decode.rms_norm(torch.ones(1, (1 << 20) + 1, dtype=BF), w, 1e-6)

@@ -279,3 +279,17 @@ def test_page_cache_kept_maps_streamed_layers_in_place(tmp_path, dtype):
                                                          "keep_page_cache": True})
     assert isinstance(llm.offload.ring, MappedUnits) and llm.offload.staging_bytes() == {"cpu": 0}
     assert got == ref and llm.last_logprobs == ref_llm.last_logprobs
+
+
+def test_mapped_units_name_a_truncated_file(tmp_path):
+    """A unit that ends past its file (a checkpoint cut short) is refused when the map is built."""
+    from llmsys.offload.streamer import MappedUnits, StreamItem, StreamUnit, TensorSource
+
+    f = tmp_path / "w.bin"
+    f.write_bytes(bytes(100))
+    ok = StreamUnit("layers.0", [StreamItem(torch.float32, (5,), TensorSource(str(f), 40, 20))])
+    views = MappedUnits([ok]).acquire(0)
+    assert views[0].shape == (5,) and not views[0].any()
+    bad = StreamUnit("layers.1", [StreamItem(torch.float32, (10,), TensorSource(str(f), 80, 40))])
+    with pytest.raises(OSError, match="layers.1 ends at byte 120, past the end of the file"):
+        MappedUnits([bad])
