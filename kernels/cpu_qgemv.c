@@ -316,22 +316,30 @@ static inline void to_slots(__m512i *r) {
    x[c] * w[c] and then x[c+1] * w[c+1] to each float lane, two roundings, in order of k: the
    definition's sum (measured on Zen 4; Intel documents the same order, odd element first). It treats
    subnormal x and sums as zero, the one difference from the definition. zz: 16 - zero in both words. */
+/* The words of columns c, c+1 (codes at p: column c's 32 bytes, then column c+1's) for the 64 rows of a
+   block, in slot order (see slot_row): w[v] word 2i+1 = bf16(q[c] - zero), word 2i = bf16(q[c+1] - zero)
+   (exact). zz: 16 - zero in both words of each dword; tbl: bf16(i - 16). */
+static inline __attribute__((always_inline)) void int4_pair_words(const uint8_t *p, const __m512i *zz, __m512i tbl,
+                                                                  __m512i *w) {
+    const __m512i lo4 = _mm512_set1_epi16(15);
+    const __m256i b0 = _mm256_loadu_si256((const __m256i *)p);
+    const __m256i b1 = _mm256_loadu_si256((const __m256i *)(p + 32));
+    const __m512i ulo = _mm512_cvtepu8_epi16(_mm256_unpacklo_epi8(b1, b0));
+    const __m512i uhi = _mm512_cvtepu8_epi16(_mm256_unpackhi_epi8(b1, b0));
+    w[0] = _mm512_permutexvar_epi16(_mm512_add_epi16(_mm512_and_si512(ulo, lo4), zz[0]), tbl);
+    w[1] = _mm512_permutexvar_epi16(_mm512_add_epi16(_mm512_and_si512(uhi, lo4), zz[1]), tbl);
+    w[2] = _mm512_permutexvar_epi16(_mm512_add_epi16(_mm512_srli_epi16(ulo, 4), zz[2]), tbl);
+    w[3] = _mm512_permutexvar_epi16(_mm512_add_epi16(_mm512_srli_epi16(uhi, 4), zz[3]), tbl);
+}
+
 static inline __attribute__((always_inline)) void int4_group_bf16(const uint32_t *xs, int64_t xstride,
                                                                   const uint8_t *p, int64_t gs, const __m512i *zz,
                                                                   __m512i tbl, __m512 a[MTILE][4], const int MT) {
-    const __m512i lo4 = _mm512_set1_epi16(15);
     for (int m = 0; m < MT; m++)
         for (int v = 0; v < 4; v++) a[m][v] = _mm512_setzero_ps();
     for (int64_t c = 0; c < gs; c += 2) {
-        const __m256i b0 = _mm256_loadu_si256((const __m256i *)(p + c * 32));
-        const __m256i b1 = _mm256_loadu_si256((const __m256i *)(p + c * 32 + 32));
-        const __m512i ulo = _mm512_cvtepu8_epi16(_mm256_unpacklo_epi8(b1, b0));
-        const __m512i uhi = _mm512_cvtepu8_epi16(_mm256_unpackhi_epi8(b1, b0));
         __m512i w[4];
-        w[0] = _mm512_permutexvar_epi16(_mm512_add_epi16(_mm512_and_si512(ulo, lo4), zz[0]), tbl);
-        w[1] = _mm512_permutexvar_epi16(_mm512_add_epi16(_mm512_and_si512(uhi, lo4), zz[1]), tbl);
-        w[2] = _mm512_permutexvar_epi16(_mm512_add_epi16(_mm512_srli_epi16(ulo, 4), zz[2]), tbl);
-        w[3] = _mm512_permutexvar_epi16(_mm512_add_epi16(_mm512_srli_epi16(uhi, 4), zz[3]), tbl);
+        int4_pair_words(p + c * 32, zz, tbl, w);
 #pragma GCC unroll 4
         for (int m = 0; m < MT; m++) {
             const __m512i xv = _mm512_set1_epi32((int)xs[m * xstride + c / 2]);
@@ -342,6 +350,28 @@ static inline __attribute__((always_inline)) void int4_group_bf16(const uint32_t
 }
 #else
 static inline int slot_row(int slot) { return slot; }
+#endif
+
+#ifdef QG_BF16
+/* x bf16 [M, K] (row stride ldx) -> pairs [M, np]: word 0 = x[2i+1], word 1 = x[2i] (vdpbf16ps adds
+   the high word's product first, so the sum runs in order of k), zero past K. Rows in parallel. */
+static uint32_t *pairs(const uint16_t *x, int64_t ldx, int64_t m_count, int64_t k, int64_t np, int threads) {
+    uint32_t *xw = aligned_alloc(64, (sizeof(uint32_t) * (size_t)(m_count * np + 16) + 63) / 64 * 64);
+    if (!xw) return NULL;
+    const int64_t full = k / 32 * 16; /* pairs filled 16 at a time from 32 values */
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && m_count * np >= PAR_MIN)
+    for (int64_t m = 0; m < m_count; m++) {
+        const uint16_t *xr = x + m * ldx;
+        uint32_t *o = xw + m * np;
+        for (int64_t i = 0; i < full; i += 16)
+            _mm512_storeu_si512(o + i, _mm512_rol_epi32(_mm512_loadu_si512(xr + 2 * i), 16));
+        for (int64_t i = full; i < np; i++) {
+            const uint32_t lo = 2 * i + 1 < k ? xr[2 * i + 1] : 0, hi = 2 * i < k ? xr[2 * i] : 0;
+            o[i] = lo | hi << 16;
+        }
+    }
+    return xw;
+}
 #endif
 
 /* One 64-row block (rows row0.., n < n_rows), all rows of x: writes out[m, row0 + j].
@@ -456,14 +486,8 @@ int llmsys_qgemv_int4(const uint16_t *x, int64_t ldx, const uint8_t *packed, con
         return 1;
     const int4_meta md = {zeros, z_n, z_g, scales, s_n, s_g, scale_kind};
 #ifdef QG_BF16
-    /* pairs of bf16 x: word 0 = x[2i+1], word 1 = x[2i] (the order vdpbf16ps adds them in), zero past K */
-    uint32_t *xw = aligned_alloc(64, sizeof(uint32_t) * (size_t)(m_count * kp / 2 + 16));
+    uint32_t *xw = pairs(x, ldx, m_count, k, kp / 2, threads);
     if (!xw) return 2;
-    for (int64_t m = 0; m < m_count; m++)
-        for (int64_t i = 0; i < kp / 2; i++) {
-            const uint32_t lo = 2 * i + 1 < k ? x[m * ldx + 2 * i + 1] : 0, hi = 2 * i < k ? x[m * ldx + 2 * i] : 0;
-            xw[m * (kp / 2) + i] = lo | hi << 16;
-        }
     const void *xin = xw;
 #else
     float *xw = widen(x, ldx, m_count, k, kp);
@@ -477,4 +501,285 @@ int llmsys_qgemv_int4(const uint16_t *x, int64_t ldx, const uint8_t *packed, con
         int4_block(xin, kp, m_count, packed + b * kp * 32, &md, n_groups, gs, b * 64, n, out, ldo);
     free(xw);
     return 0;
+}
+
+/* ------------------------------------------------------------ prefill GEMM
+ *
+ * At prefill sizes the GEMV's loop order (each MTILE rows of x decode the block's codes afresh) spends
+ * most of its time decoding. The GEMM decodes each (64-row block, column chunk) of the weight once into
+ * words W (bf16 pairs in the GEMV's word order: int4 bf16(q - zero), int8 bf16(q)), small enough for
+ * L1, and runs every row of x against them, GM_MT rows at a time (4 x GM_MT float accumulators).
+ * int4 forms the GEMV's sums in the GEMV's order (a group's a_g from zero, then acc + a_g * scale), so
+ * llmsys_qgemm_int4 equals llmsys_qgemv_int4 bit for bit: prefill and decode give the same bits, and
+ * either may run for any M. int8 sums each 64-column chunk in order of k from zero, adds the chunk
+ * sums in order and scales once: out[m, n] = bf16(acc * scale[n]) (cpu_qgemv.int8_gemm_def). Needs
+ * AVX512-BF16 (llmsys_qgemm_native); other builds run the GEMV for int4 and refuse int8 (code 3).
+ */
+#define GM_MT 6      /* rows of x per tile: 24 accumulators, 4 weight vectors, 1 broadcast */
+#ifndef GM_MB
+#define GM_MB 128
+#endif
+#define I8_CHUNK 64  /* int8 columns decoded at a time (32 pairs: 8 KiB of words per 64 rows) */
+
+int llmsys_qgemm_native(void) {
+#ifdef QG_BF16
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#ifdef QG_BF16
+/* acc[m][slot] = acc + a * s[slot / 16] for MT rows of x, a = the sum over cp pairs of x . W (in order). */
+static inline __attribute__((always_inline)) void gm_tile(const uint32_t *xs, int64_t xstride, const __m512i *W,
+                                                          int64_t cp, const __m512 *s, float *acc, const int MT) {
+    __m512 a[GM_MT][4];
+#pragma GCC unroll 6
+    for (int m = 0; m < MT; m++)
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; v++) a[m][v] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < cp; c++) {
+        const __m512i w0 = _mm512_load_si512(W + 4 * c), w1 = _mm512_load_si512(W + 4 * c + 1);
+        const __m512i w2 = _mm512_load_si512(W + 4 * c + 2), w3 = _mm512_load_si512(W + 4 * c + 3);
+#pragma GCC unroll 6
+        for (int m = 0; m < MT; m++) {
+            const __m512i xv = _mm512_set1_epi32((int)xs[m * xstride + c]);
+            a[m][0] = _mm512_dpbf16_ps(a[m][0], (__m512bh)w0, (__m512bh)xv);
+            a[m][1] = _mm512_dpbf16_ps(a[m][1], (__m512bh)w1, (__m512bh)xv);
+            a[m][2] = _mm512_dpbf16_ps(a[m][2], (__m512bh)w2, (__m512bh)xv);
+            a[m][3] = _mm512_dpbf16_ps(a[m][3], (__m512bh)w3, (__m512bh)xv);
+        }
+    }
+#pragma GCC unroll 6
+    for (int m = 0; m < MT; m++)
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; v++) {
+            float *o = acc + m * 64 + 16 * v;
+            _mm512_store_ps(o, _mm512_add_ps(_mm512_load_ps(o), _mm512_mul_ps(a[m][v], s[v])));
+        }
+}
+
+/* gm_tile over all m_count rows of x (xs: row m at xs + m * xstride). */
+static void gm_rows(const uint32_t *xs, int64_t xstride, int64_t m_count, const __m512i *W, int64_t cp,
+                    const __m512 *s, float *acc) {
+    int64_t m0 = 0;
+    for (; m0 + GM_MT <= m_count; m0 += GM_MT) gm_tile(xs + m0 * xstride, xstride, W, cp, s, acc + m0 * 64, GM_MT);
+    const uint32_t *xt = xs + m0 * xstride;
+    float *at = acc + m0 * 64;
+    switch (m_count - m0) {
+    case 1: gm_tile(xt, xstride, W, cp, s, at, 1); break;
+    case 2: gm_tile(xt, xstride, W, cp, s, at, 2); break;
+    case 3: gm_tile(xt, xstride, W, cp, s, at, 3); break;
+    case 4: gm_tile(xt, xstride, W, cp, s, at, 4); break;
+    case 5: gm_tile(xt, xstride, W, cp, s, at, 5); break;
+    default: break;
+    }
+}
+
+/* 16 floats -> 16 bf16, rounded to nearest even, NaN -> 0x7fc0 (rne()'s bits). */
+static inline __m256i rne16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+/* out[m, row0 + 16v + i] = bf16(r[v] lane i) for rows below `rows`; r in row order. */
+static inline void store_rows(uint16_t *o, const __m512 *r, int64_t rows) {
+    for (int v = 0; v < 4; v++) {
+        const int64_t left = rows - 16 * v;
+        if (left <= 0) break;
+        const __mmask16 mk = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1u);
+        _mm256_mask_storeu_epi16(o + 16 * v, mk, rne16(r[v]));
+    }
+}
+
+static void int4_gemm_block(const uint32_t *xs, int64_t kp, int64_t m_count, const uint8_t *blk,
+                            const int4_meta *md, int64_t n_groups, int64_t gs, int64_t row0, int64_t n_rows,
+                            uint16_t *out, int64_t ldo, float *acc, __m512i *W) {
+    const int64_t rows = n_rows - row0 < 64 ? n_rows - row0 : 64;
+    uint16_t t[32];
+    for (int i = 0; i < 32; i++) t[i] = rne((float)(i - 16));
+    const __m512i tbl = _mm512_loadu_si512(t); /* bf16(i - 16) */
+    memset(acc, 0, sizeof(float) * (size_t)(m_count * 64));
+    for (int64_t g = 0; g < n_groups; g++) {
+        __m512i zi[4];
+        __m512 sv[4];
+        meta_vec(md, row0, rows, g, zi, sv);
+        __m512i *svi = (__m512i *)sv;
+        for (int v = 0; v < 4; v++) {
+            const __m512i w = _mm512_sub_epi32(_mm512_set1_epi32(16), zi[v]);
+            zi[v] = _mm512_or_si512(w, _mm512_slli_epi32(w, 16));
+        }
+        to_slots(zi);
+        to_slots(svi);
+        const uint8_t *p = blk + g * gs * 32;
+        for (int64_t c = 0; c < gs; c += 2) int4_pair_words(p + c * 32, zi, tbl, W + 2 * c);
+        gm_rows(xs + g * gs / 2, kp / 2, m_count, W, gs / 2, sv, acc);
+    }
+    for (int64_t m = 0; m < m_count; m++) {
+        __m512i r[4];
+        for (int v = 0; v < 4; v++) r[v] = _mm512_castps_si512(_mm512_load_ps(acc + m * 64 + 16 * v));
+        to_slots(r); /* its own inverse: slot order -> row order */
+        store_rows(out + m * ldo + row0, (const __m512 *)r, rows);
+    }
+}
+
+/* Transpose 16 x 16 dwords: r[i] lane j -> r[j] lane i. */
+static inline void transpose16(__m512i *r) {
+    __m512i t[16];
+#pragma GCC unroll 8
+    for (int i = 0; i < 16; i += 2) { /* t[i] lane L: r[i][4L], r[i+1][4L], r[i][4L+1], r[i+1][4L+1] (hi: +2) */
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < 16; i += 4) { /* r[i + c] lane L: rows i..i+3 of column 4L + c */
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; c++) { /* the 4 x 4 matrix of 128-bit lanes r[4k + c] lane L -> column 4L + c */
+        const __m512i v0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44), v1 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xEE);
+        const __m512i v2 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44);
+        const __m512i v3 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xEE);
+        t[c] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+        t[4 + c] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+        t[8 + c] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+        t[12 + c] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+    }
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; i++) r[i] = t[i];
+}
+
+/* W[4p + v] lane i = row row0 + 16v + i, pair p of the chunk at column k0: word 1 = bf16(q[k0 + 2p]),
+   word 0 = bf16(q[k0 + 2p + 1]) (exact; zero past K and for rows past `rows`). Each row's 32 codes
+   become 16 pair dwords (int8 -> float -> bf16, exact), and 16 rows' dwords are transposed. */
+static void int8_chunk_words(const int8_t *q, int64_t k, int64_t row0, int64_t rows, int64_t k0, __m512i *W) {
+    for (int v = 0; v < 4; v++)
+        for (int half = 0; half < 2; half++) {
+            const int64_t c0 = k0 + 32 * half, kn = k - c0 < 32 ? k - c0 : 32;
+            __m512i r[16];
+            if (16 * v >= rows || kn <= 0) {
+                for (int j = 0; j < 16; j++) W[4 * (16 * half + j) + v] = _mm512_setzero_si512();
+                continue;
+            }
+            const __mmask32 km = kn >= 32 ? ~(__mmask32)0 : (((__mmask32)1 << kn) - 1);
+#pragma GCC unroll 4
+            for (int i = 0; i < 16; i++) {
+                if (16 * v + i >= rows) {
+                    r[i] = _mm512_setzero_si512();
+                    continue;
+                }
+                const __m256i b = _mm256_maskz_loadu_epi8(km, q + (row0 + 16 * v + i) * k + c0);
+                const __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
+                const __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
+                r[i] = _mm512_rol_epi32((__m512i)_mm512_cvtne2ps_pbh(f1, f0), 16);
+            }
+            transpose16(r);
+            for (int j = 0; j < 16; j++) W[4 * (16 * half + j) + v] = r[j];
+        }
+}
+
+static void int8_gemm_block(const uint32_t *xs, int64_t np, int64_t m_count, const int8_t *q, int64_t k,
+                            const uint16_t *scales, int64_t row0, int64_t n_rows, uint16_t *out, int64_t ldo,
+                            float *acc, __m512i *W) {
+    const int64_t rows = n_rows - row0 < 64 ? n_rows - row0 : 64;
+    const __m512 one[4] = {_mm512_set1_ps(1.0f), _mm512_set1_ps(1.0f), _mm512_set1_ps(1.0f), _mm512_set1_ps(1.0f)};
+    memset(acc, 0, sizeof(float) * (size_t)(m_count * 64));
+    for (int64_t k0 = 0; k0 < k; k0 += I8_CHUNK) {
+        int8_chunk_words(q, k, row0, rows, k0, W);
+        const int64_t cp = np - k0 / 2 < I8_CHUNK / 2 ? np - k0 / 2 : I8_CHUNK / 2;
+        gm_rows(xs + k0 / 2, np, m_count, W, cp, one, acc); /* acc + a * 1: exact */
+    }
+    __m512 sc[4];
+    for (int v = 0; v < 4; v++) {
+        const int64_t left = rows - 16 * v;
+        const __mmask16 mk = left >= 16 ? 0xffff : left <= 0 ? 0 : (__mmask16)((1u << left) - 1u);
+        const __m256i h = _mm256_maskz_loadu_epi16(mk, scales + row0 + 16 * v);
+        sc[v] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    for (int64_t m = 0; m < m_count; m++) {
+        __m512 r[4];
+        for (int v = 0; v < 4; v++) r[v] = _mm512_mul_ps(_mm512_load_ps(acc + m * 64 + 16 * v), sc[v]);
+        store_rows(out + m * ldo + row0, r, rows);
+    }
+}
+#endif
+
+/* The int4 product of llmsys_qgemv_int4 (same arguments, same bits), in the GEMM's loop order. */
+int llmsys_qgemm_int4(const uint16_t *x, int64_t ldx, const uint8_t *packed, const void *scales, int64_t s_n,
+                      int64_t s_g, int scale_kind, const uint8_t *zeros, int64_t z_n, int64_t z_g, uint16_t *out,
+                      int64_t ldo, int64_t m_count, int64_t n, int64_t kp, int64_t k, int64_t gs, int threads) {
+#ifndef QG_BF16
+    return llmsys_qgemv_int4(x, ldx, packed, scales, s_n, s_g, scale_kind, zeros, z_n, z_g, out, ldo, m_count, n,
+                             kp, k, gs, threads);
+#else
+    if (m_count <= 0 || n <= 0 || gs % 32 || gs > 128 || kp % gs || k <= kp - gs || k > kp || ldx < k || ldo < n)
+        return 1;
+    const int4_meta md = {zeros, z_n, z_g, scales, s_n, s_g, scale_kind};
+    uint32_t *xw = pairs(x, ldx, m_count, k, kp / 2, threads);
+    if (!xw) return 2;
+    const int64_t blocks = (n + 63) / 64, n_groups = kp / gs, mblocks = (m_count + GM_MB - 1) / GM_MB;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1 && blocks * mblocks > 1)
+    {
+        float *acc = aligned_alloc(64, sizeof(float) * (size_t)((m_count < GM_MB ? m_count : GM_MB) * 64));
+        __m512i *W = aligned_alloc(64, sizeof(__m512i) * (size_t)(2 * gs)); /* gs / 2 pairs x 4 vectors */
+        if (!acc || !W) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t w = 0; w < blocks * mblocks; w++) {
+            const int64_t b = w / mblocks, m0 = (w % mblocks) * GM_MB;
+            const int64_t mc = m_count - m0 < GM_MB ? m_count - m0 : GM_MB;
+            if (acc && W)
+                int4_gemm_block(xw + m0 * (kp / 2), kp, mc, packed + b * kp * 32, &md, n_groups, gs, b * 64, n,
+                                out + m0 * ldo, ldo, acc, W);
+        }
+        free(acc);
+        free(W);
+    }
+    free(xw);
+    return failed ? 2 : 0;
+#endif
+}
+
+/* x [M, K] bf16 (row stride ldx), q int8 [N, K], scales bf16 [N] -> out [M, N] bf16 (row stride ldo):
+   int8_gemm_def's bits. Code 3: not built with AVX512-BF16 (the caller runs its dense GEMM). */
+int llmsys_qgemm_int8(const uint16_t *x, int64_t ldx, const int8_t *q, const uint16_t *scales, uint16_t *out,
+                      int64_t ldo, int64_t m_count, int64_t n, int64_t k, int threads) {
+#ifndef QG_BF16
+    (void)x, (void)ldx, (void)q, (void)scales, (void)out, (void)ldo, (void)m_count, (void)n, (void)k, (void)threads;
+    return 3;
+#else
+    if (m_count <= 0 || n <= 0 || k <= 0 || ldx < k || ldo < n) return 1;
+    const int64_t np = (k + 1) / 2, blocks = (n + 63) / 64, mblocks = (m_count + GM_MB - 1) / GM_MB;
+    uint32_t *xw = pairs(x, ldx, m_count, k, np, threads);
+    if (!xw) return 2;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1 && blocks * mblocks > 1)
+    {
+        float *acc = aligned_alloc(64, sizeof(float) * (size_t)((m_count < GM_MB ? m_count : GM_MB) * 64));
+        __m512i *W = aligned_alloc(64, sizeof(__m512i) * (size_t)(2 * I8_CHUNK));
+        if (!acc || !W) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t w = 0; w < blocks * mblocks; w++) {
+            const int64_t b = w / mblocks, m0 = (w % mblocks) * GM_MB;
+            const int64_t mc = m_count - m0 < GM_MB ? m_count - m0 : GM_MB;
+            if (acc && W) int8_gemm_block(xw + m0 * np, np, mc, q, k, scales, b * 64, n, out + m0 * ldo, ldo, acc, W);
+        }
+        free(acc);
+        free(W);
+    }
+    free(xw);
+    return failed ? 2 : 0;
+#endif
 }

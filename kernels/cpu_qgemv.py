@@ -41,6 +41,9 @@ _P, _I, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
     "llmsys_qgemv_int8": [_P, _I, _P, _P, _P, _I, _I, _I, _I, _C],
     "llmsys_qgemv_int4": [_P, _I, _P, _P, _I, _I, _C, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _C],
+    "llmsys_qgemm_int8": [_P, _I, _P, _P, _P, _I, _I, _I, _I, _C],
+    "llmsys_qgemm_int4": [_P, _I, _P, _P, _I, _I, _C, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _C],
+    "llmsys_qgemm_native": [],
 }
 _SCALE_KINDS = {torch.bfloat16: 0, torch.float32: 1, torch.float16: 2}
 
@@ -48,6 +51,14 @@ _SCALE_KINDS = {torch.bfloat16: 0, torch.float32: 1, torch.float16: 2}
 _KERNEL = _cbuild.Kernel(_SOURCE, _SIGNATURES)  # built and loaded on first use, once per process
 kernel_status = _KERNEL.status  # "ok: <path>" when the C kernel is loaded, else why not
 available = _KERNEL.available
+
+
+def gemm_native(lib=None) -> bool:
+    """Whether the prefill GEMMs (:func:`int8_gemm`, :func:`int4_gemm`) run natively: the C kernel is
+    built with AVX512-BF16. Elsewhere int4_gemm runs the GEMV's loop (same bits, slower) and int8_gemm
+    is unavailable, so the layers keep their dense bf16 GEMM for prefill."""
+    lib = lib or _KERNEL.lib()
+    return lib is not None and bool(lib.llmsys_qgemm_native())
 
 
 def compile_kernel(cc: str, target: Path, extra_flags: tuple[str, ...] = ()) -> str | None:
@@ -65,6 +76,19 @@ def load_kernel(path: Path) -> ctypes.CDLL:
 def int8_gemv_def(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``x [M, K]`` bf16, ``qweight int8 [N, K]``, ``scales [N]`` bf16 ``-> [M, N]`` bf16, the C kernel's bits."""
     acc = lane_sum(x.float()[:, None, :], qweight.float()[None, :, :])  # [M, N]
+    return (acc * scales.float()).to(torch.bfloat16)
+
+
+def int8_gemm_def(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, chunk: int = 64) -> torch.Tensor:
+    """The bits of :func:`int8_gemm`: per 64-column chunk a float32 sum in order of k from zero (the
+    products are exact), the chunk sums added in order, then ``bf16(acc * scale[n])``."""
+    xf, qf = x.float(), qweight.float()
+    acc = torch.zeros(x.shape[0], qweight.shape[0])
+    for k0 in range(0, x.shape[1], chunk):
+        a = torch.zeros_like(acc)
+        for c in range(k0, min(k0 + chunk, x.shape[1])):
+            a = a + xf[:, None, c] * qf[None, :, c]
+        acc = acc + a
     return (acc * scales.float()).to(torch.bfloat16)
 
 
@@ -108,7 +132,7 @@ def _check_x(op: str, x: torch.Tensor, k: int) -> None:
 
 
 def int8_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *, check: bool = True,
-              lib=None) -> torch.Tensor:
+              lib=None, op: str = "gemv") -> torch.Tensor:
     """``x [M, K]`` bf16 times the int8 weight ``qweight [N, K] * scales [N, None]`` ``-> [M, N]`` bf16.
 
     The bits of :func:`int8_gemv_def`; qweight int8 and scales bf16, contiguous.
@@ -119,24 +143,26 @@ def int8_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *, c
     """
     n, k = qweight.shape
     if check:
-        _check_x("int8_gemv", x, k)
+        _check_x(f"int8_{op}", x, k)
         if qweight.dtype != torch.int8 or not qweight.is_contiguous() or scales.dtype != torch.bfloat16 \
                 or tuple(scales.shape) != (n,) or not scales.is_contiguous():
-            raise ValueError(f"int8_gemv: qweight must be contiguous int8 [N, K] and scales contiguous bf16 [N], "
+            raise ValueError(f"int8_{op}: qweight must be contiguous int8 [N, K] and scales contiguous bf16 [N], "
                              f"got {qweight.dtype} {tuple(qweight.shape)}, {scales.dtype} {tuple(scales.shape)}")
     m = x.shape[0]
     out = torch.empty(m, n, dtype=torch.bfloat16)
-    rc = (lib or _KERNEL.lib()).llmsys_qgemv_int8(x.data_ptr(), x.stride(0), qweight.data_ptr(), scales.data_ptr(),
-                                              out.data_ptr(), n, m, n, k, torch.get_num_threads())
+    rc = getattr(lib or _KERNEL.lib(), f"llmsys_q{op}_int8")(
+        x.data_ptr(), x.stride(0), qweight.data_ptr(), scales.data_ptr(), out.data_ptr(), n, m, n, k,
+        torch.get_num_threads())
+    if rc == 3:
+        raise RuntimeError("int8_gemm: this build of the C kernel has no AVX512-BF16 (check gemm_native())")
     if rc:
-        raise RuntimeError(f"int8_gemv: the C kernel failed (code {rc}) on M={m} N={n} K={k}")
+        raise RuntimeError(f"int8_{op}: the C kernel failed (code {rc}) on M={m} N={n} K={k}")
     return out
 
 
 def check_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-               group_size: int) -> None:
-    """Raise ``ValueError`` unless the arguments fit :func:`int4_gemv`."""
-    op = "int4_gemv"
+               group_size: int, op: str = "int4_gemv") -> None:
+    """Raise ``ValueError`` (naming ``op``) unless the arguments fit :func:`int4_gemv`."""
     if zeros.dim() != 2 or zeros.dtype != torch.uint8:
         raise ValueError(f"{op}: zeros must be a uint8 [N, G] tensor, got {zeros.dtype} {tuple(zeros.shape)}")
     n, n_groups = zeros.shape
@@ -149,7 +175,7 @@ def check_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zero
 
 
 def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-              group_size: int, *, check: bool = True, lib=None) -> torch.Tensor:
+              group_size: int, *, check: bool = True, lib=None, op: str = "gemv") -> torch.Tensor:
     """``x [M, K]`` bf16 times an int4 weight in torch's CPU tiling ``-> [M, N]`` bf16 (as :func:`int4_gemv_def`).
 
     ``scales [N, G]`` of any strides, any float dtype (bf16, fp16, fp32 read as
@@ -162,17 +188,32 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros
     another build, for tests.
     """
     if check:
-        check_int4(x, packed, scales, zeros, group_size)
+        check_int4(x, packed, scales, zeros, group_size, op=f"int4_{op}")
     if scales.dtype not in _SCALE_KINDS:
         scales = _scales_2d(scales, zeros.shape[0]).float()  # as the definition reads them
     n, n_groups = zeros.shape
     m, k = x.shape
     s_n, s_g = (scales.stride(1), scales.stride(0)) if scales.dim() == 3 else scales.stride()
     out = torch.empty(m, n, dtype=torch.bfloat16)
-    rc = (lib or _KERNEL.lib()).llmsys_qgemv_int4(
+    rc = getattr(lib or _KERNEL.lib(), f"llmsys_q{op}_int4")(
         x.data_ptr(), x.stride(0), packed.data_ptr(), scales.data_ptr(), s_n, s_g, _SCALE_KINDS[scales.dtype],
         zeros.data_ptr(), zeros.stride(0), zeros.stride(1), out.data_ptr(), n,
         m, n, n_groups * group_size, k, group_size, torch.get_num_threads())
     if rc:
-        raise RuntimeError(f"int4_gemv: the C kernel failed (code {rc}) on M={m} N={n} K={k} group={group_size}")
+        raise RuntimeError(f"int4_{op}: the C kernel failed (code {rc}) on M={m} N={n} K={k} group={group_size}")
     return out
+
+
+def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+              group_size: int, *, check: bool = True, lib=None) -> torch.Tensor:
+    """:func:`int4_gemv`'s product and bits (same arguments) in the prefill loop order: each block of
+    the weight is decoded once for all rows of x, so it is fast for large M (needs :func:`gemm_native`
+    to be fast; without it the GEMV's loop runs)."""
+    return int4_gemv(x, packed, scales, zeros, group_size, check=check, lib=lib, op="gemm")
+
+
+def int8_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *, check: bool = True,
+              lib=None) -> torch.Tensor:
+    """``x [M, K]`` bf16 times ``qweight [N, K] * scales [N, None]`` ``-> [M, N]`` bf16 for prefill-sized M,
+    the bits of :func:`int8_gemm_def`. Needs :func:`gemm_native` (``RuntimeError`` otherwise)."""
+    return int8_gemv(x, qweight, scales, check=check, lib=lib, op="gemm")

@@ -43,6 +43,11 @@ GROUP_SIZES = (32, 64, 128)
 # 4864x896 M=24 1.39 vs 2.27, M=32 1.98 vs 1.76, M=64 3.31 vs 2.11;
 # 896x4864 M=24 1.24 vs 1.28, M=32 1.64 vs 1.23; 896x896 M=32 0.31 vs 0.23 (1 thread: the same order).
 PACKED_MAX_ROWS = 28
+# Rows of x from which the C GEMM (cpu_qgemv.int4_gemm: the GEMV's bits, each weight block decoded
+# once for all rows) beats the C GEMV (Zen 4, 2 threads, g64: GEMV/GEMM time at M = 4 0.88-1.10,
+# M = 6 1.09-1.22, M = 32 1.47-1.62). With the GEMM built natively (AVX512-BF16) it also replaces the
+# dequantize + bf16 GEMM above PACKED_MAX_ROWS (M = 128: 0.86-0.95x a prepacked bf16 GEMM, vs 0.65-0.82x).
+GEMM_MIN_ROWS = 6
 # Bigger weights (a 151936-row LM head when every position is scored) dequantize
 # in row chunks of at most this many bf16 bytes, so the transient copy stays small.
 DEQUANT_CHUNK_BYTES = 16 << 20
@@ -295,9 +300,10 @@ class Int4Linear(QuantLinear):
             x2 = x2.index_select(1, buf["perm"])
         if self.mode == "packed_cpu":
             xb = x2 if x2.dtype == torch.bfloat16 else x2.to(torch.bfloat16)
-            if xb.shape[0] > PACKED_MAX_ROWS:
-                return self._dequant_matmul(xb).to(x2.dtype)
-            if buf["zeros_gm"] is not None:  # the C GEMV is built: canonical arithmetic, ~2x torch's op at M = 1
+            m = xb.shape[0]
+            if buf["zeros_gm"] is not None and (m <= PACKED_MAX_ROWS or cpu_qgemv.gemm_native()):
+                # The C kernels, canonical arithmetic: the GEMV (~2x torch's op at M = 1), and from
+                # GEMM_MIN_ROWS rows the GEMM, which gives the GEMV's bits, so any batch gets the same bits.
                 if xb.shape[1] != k:
                     raise ValueError(f"Int4Linear: input has {xb.shape[1]} features, expected {k}")
                 if xb.stride(1) != 1:
@@ -305,9 +311,12 @@ class Int4Linear(QuantLinear):
                 scales = buf["scales_orig"]
                 if scales is None:
                     scales = buf["scales_zeros"]  # [G, Np, 2]: the kernel reads the bf16 scales in place
-                y = cpu_qgemv.int4_gemv(xb, buf["packed"], scales, buf["zeros_gm"].t(), self.group_size,
-                                        check=False)  # [M, N]; the buffers were checked at construction
+                kernel = cpu_qgemv.int4_gemm if m >= GEMM_MIN_ROWS else cpu_qgemv.int4_gemv
+                y = kernel(xb, buf["packed"], scales, buf["zeros_gm"].t(), self.group_size,
+                           check=False)  # [M, N]; the buffers were checked at construction
                 return y if x2.dtype == torch.bfloat16 else y.to(x2.dtype)
+            if m > PACKED_MAX_ROWS:
+                return self._dequant_matmul(xb).to(x2.dtype)
             if kp != k:
                 xb = F.pad(xb, (0, kp - k))  # zero activations: padded columns contribute 0
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(

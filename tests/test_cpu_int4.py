@@ -134,7 +134,7 @@ def _run_isolated(env_extra: dict, tmp_path) -> str:
         same = torch.equal(cpu_int4.dequant_cpu_int4(*args).view(torch.int16),
                            lin.dequantize(torch.bfloat16).view(torch.int16))
         x = torch.randn(40, 172)
-        y = lin(x)  # 40 rows: the dequantize + GEMM path
+        y = lin._dequant_matmul(x.bfloat16()).float()  # the dense prefill path: dequantize + GEMM
         ref = torch.mm(lin.dequantize(torch.bfloat16), x.bfloat16().t()).t().float()
         print(cpu_int4.kernel_status().split(":")[0], same, torch.equal(y, ref))
     """)
@@ -166,17 +166,22 @@ def test_build_is_cached_by_source_hash(tmp_path):
 
 @pytest.mark.parametrize("n,k,g", [(4864, 896, 64), (200, 172, 32), (96, 256, 128)])
 def test_layer_prefill_path(n, k, g):
-    """More than PACKED_MAX_ROWS rows: dense bf16 GEMM on exactly dequantize(bf16); fewer: the C GEMV or torch's op."""
+    """More than PACKED_MAX_ROWS rows: the C GEMM (the GEMV's bits) where it is native, else a dense
+    bf16 GEMM on exactly dequantize(bf16) (tested directly); fewer: the C GEMV or torch's op."""
     lin = _layer(n, k, g, seed=4)
     wq = lin.dequantize(torch.bfloat16)
+    native = cpu_qgemv.available() and cpu_qgemv.gemm_native()
     for m in (int4_mod.PACKED_MAX_ROWS + 1, 128):
         x = torch.randn(m, k)
         y = lin(x)
         assert y.dtype == torch.float32
-        assert torch.equal(y, torch.mm(wq, x.bfloat16().t()).t().float())  # the weight as oneDNN's first operand
-        assert torch.allclose(y, F.linear(x.bfloat16(), wq).float(), rtol=1e-2, atol=1e-3)
+        dense = lin._dequant_matmul(x.bfloat16()).float()
+        assert torch.equal(dense, torch.mm(wq, x.bfloat16().t()).t().float())  # the weight as oneDNN's first operand
+        assert torch.allclose(dense, F.linear(x.bfloat16(), wq).float(), rtol=1e-2, atol=1e-3)
+        assert torch.equal(y, cpu_qgemv.int4_gemv_def(x.bfloat16(), *_args(lin)[:3], g).float() if native else dense)
         ref = x @ dequantize_int4(*[lin.canonical_tensors()[t] for t in ("qweight", "scales", "zeros")], k).t()
-        assert (y - ref).norm() / ref.norm() < 3e-3  # bf16 activations, as on the packed path
+        for out in (y, dense):
+            assert (out - ref).norm() / ref.norm() < 3e-3  # bf16 activations, as on the packed path
     x = torch.randn(int4_mod.PACKED_MAX_ROWS, k)
     if cpu_qgemv.available():  # the C GEMV (tests/test_cpu_qgemv.py)
         packed = cpu_qgemv.int4_gemv_def(x.bfloat16(), *_args(lin)[:3], g)
@@ -190,9 +195,9 @@ def test_layer_chunks_big_weights(monkeypatch):
     """A weight bigger than DEQUANT_CHUNK_BYTES is dequantized and multiplied in row chunks."""
     lin = _layer(1000, 256, 64, seed=5)
     x = torch.randn(48, 256).bfloat16()
-    whole = lin(x)
+    whole = lin._dequant_matmul(x)
     monkeypatch.setattr(int4_mod, "DEQUANT_CHUNK_BYTES", 300 * 256 * 2)  # 256-row chunks: 4 GEMMs
-    chunked = lin(x)
+    chunked = lin._dequant_matmul(x)
     assert torch.allclose(chunked.float(), whole.float(), rtol=1e-2, atol=1e-3)
     assert torch.equal(chunked[:, 256:512], torch.mm(lin.dequantize(torch.bfloat16)[256:512], x.t()).t())
 
@@ -208,15 +213,17 @@ def test_transpose_bf16(shape):
 
 @pytest.mark.skipif(not KERNEL, reason=f"C kernel not built: {cpu_int4.kernel_status()}")
 def test_prefill_through_a_shared_scratch_buffer_gives_the_same_bits():
-    """Layers of an engine share one dequantization buffer (``Scratch``): same results, one buffer."""
+    """Layers of an engine share one dequantization buffer (``Scratch``) on the dense prefill path
+    (the one that runs where the C GEMM is not native): same results, one buffer."""
     from llmsys.kernels.cpu_int4 import Scratch
 
     a, b = _layer(896, 512, 64, seed=5), _layer(256, 512, 64, seed=6)
-    x = torch.randn(100, 512)
-    ref = [a(x), b(x)]
+    x = torch.randn(100, 512).bfloat16()
+    ref = [a._dequant_matmul(x), b._dequant_matmul(x)]
     shared = Scratch()
     a.scratch = b.scratch = shared
-    assert torch.equal(a(x), ref[0]) and torch.equal(b(x), ref[1]) and torch.equal(a(x), ref[0])
+    assert torch.equal(a._dequant_matmul(x), ref[0]) and torch.equal(b._dequant_matmul(x), ref[1])
+    assert torch.equal(a._dequant_matmul(x), ref[0])
     assert shared.nbytes == 896 * 512 * 2  # grown to the largest layer, then reused
     with pytest.raises(ValueError, match="out must be"):
         dequant_cpu_int4(*_args(a), out=torch.empty(10, 10, dtype=torch.bfloat16))

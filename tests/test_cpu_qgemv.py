@@ -100,6 +100,49 @@ def test_int4_bit_exact(n, k, g, threads):
             assert torch.equal(_bits(full[m : m + 1]), _bits(cpu_qgemv.int4_gemv(x[m : m + 1], *args)))
 
 
+needs_gemm = pytest.mark.skipif(not (KERNEL and cpu_qgemv.gemm_native()),
+                                reason="the prefill GEMM needs the C kernel built with AVX512-BF16")
+
+
+@needs_kernel
+@needs_int4
+@pytest.mark.parametrize("n,k,g", [(200, 172, 64), (130, 1000, 32), (96, 256, 128), (70, 64, 64)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_int4_gemm_is_the_gemv(n, k, g, threads):
+    """The prefill GEMM gives the GEMV's bits (the definition's) at every M, including the tails of its
+    6-row tiles and its 128-row blocks; so prefill, decode and any batch agree bit for bit."""
+    lin = _int4(n, k, g, seed=8)
+    args = _int4_args(lin)
+    torch.manual_seed(9)
+    x = torch.randn(140, k).bfloat16()
+    with _threads(threads):
+        full = cpu_qgemv.int4_gemm(x, *args)
+        assert torch.equal(_bits(full), _bits(cpu_qgemv.int4_gemv_def(x, *args))), (n, k, g)
+        for m in (1, 5, 6, 7, 13):
+            assert torch.equal(_bits(cpu_qgemv.int4_gemm(x[:m], *args)), _bits(full[:m])), (n, k, g, m)
+        for m in (0, 77, 139):
+            assert torch.equal(_bits(cpu_qgemv.int4_gemv(x[m : m + 1], *args)), _bits(full[m : m + 1]))
+
+
+@needs_gemm
+@pytest.mark.parametrize("n,k", [(200, 172), (64, 33), (130, 1000), (7, 16), (70, 64), (65, 129)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_int8_gemm_bit_exact(n, k, threads):
+    """int8_gemm equals its definition (64-column chunk sums, then the scale) at every M, row m of a
+    batch equals the row alone, and it stays close to the float product."""
+    q, s = _int8(n, k, seed=10)
+    torch.manual_seed(11)
+    x = torch.randn(135, k).bfloat16()
+    with _threads(threads):
+        full = cpu_qgemv.int8_gemm(x, q, s)
+        assert torch.equal(_bits(full), _bits(cpu_qgemv.int8_gemm_def(x, q, s))), (n, k)
+        for m in (1, 6, 11):
+            assert torch.equal(_bits(cpu_qgemv.int8_gemm(x[:m], q, s)), _bits(full[:m])), (n, k, m)
+        assert torch.equal(_bits(cpu_qgemv.int8_gemm(x[134:], q, s)), _bits(full[134:]))
+    ref = x.float() @ (q.float() * s.float()[:, None]).t()
+    assert (full.float() - ref).norm() / ref.norm() < 5e-3
+
+
 @needs_kernel
 @needs_int4
 @pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])
@@ -136,8 +179,14 @@ def test_other_code_paths_bit_exact(flags, tmp_path):
         for n, k, g in [(130, 300, 32), (70, 250, 128)]:
             args = _int4_args(_int4(n, k, g))
             for m in (1, 5):
-                assert torch.equal(_bits(cpu_qgemv.int4_gemv(x[:m, :k], *args, lib=lib)),
-                                   _bits(cpu_qgemv.int4_gemv_def(x[:m, :k], *args))), (flags, n, k, g, m)
+                want = _bits(cpu_qgemv.int4_gemv_def(x[:m, :k], *args))
+                assert torch.equal(_bits(cpu_qgemv.int4_gemv(x[:m, :k], *args, lib=lib)), want), (flags, n, k, g, m)
+                assert torch.equal(_bits(cpu_qgemv.int4_gemm(x[:m, :k], *args, lib=lib)), want), (flags, n, k, g, m)
+    # Without AVX512-BF16 there is no int8 GEMM: the layers see gemm_native() False and keep their dense GEMM.
+    assert not cpu_qgemv.gemm_native(lib)
+    q, s = _int8(9, 37)
+    with pytest.raises(RuntimeError, match="AVX512-BF16"):
+        cpu_qgemv.int8_gemm(x[:, :37], q, s, lib=lib)
 
 
 @needs_kernel
@@ -154,6 +203,10 @@ def test_argument_checks():
             cpu_qgemv.int4_gemv(x, packed[:-1], scales, zeros, g)
         with pytest.raises(ValueError, match="K=20"):
             cpu_qgemv.int4_gemv(x[:, :20], packed, scales, zeros, g)
+        with pytest.raises(ValueError, match="int4_gemm: packed"):
+            cpu_qgemv.int4_gemm(x, packed[:-1], scales, zeros, g)
+    with pytest.raises(ValueError, match="int8_gemm: x must"):
+        cpu_qgemv.int8_gemm(torch.randn(1, 64), q, s)
 
 
 @needs_kernel
@@ -183,6 +236,18 @@ def test_int4_layer_uses_kernel():
     assert torch.equal(y, cpu_qgemv.int4_gemv_def(x.bfloat16(), *_int4_args(lin)).float())
 
 
+@needs_gemm
+@needs_int4
+def test_int4_layer_prefill_equals_decode():
+    """With the native GEMM a prefill-sized input gets the bits each row gets alone (the GEMV's)."""
+    lin = _int4(200, 172, 32, seed=12)
+    x = torch.randn(int4_mod.PACKED_MAX_ROWS + 20, 172).bfloat16()
+    y = lin(x)
+    assert torch.equal(_bits(y), _bits(cpu_qgemv.int4_gemv_def(x, *_int4_args(lin))))
+    for m in (0, 47):
+        assert torch.equal(_bits(lin(x[m : m + 1])), _bits(y[m : m + 1]))
+
+
 @needs_kernel
 @needs_int4
 def test_int4_scales_zeros_in_place():
@@ -199,19 +264,22 @@ def test_int4_scales_zeros_in_place():
 
 
 def test_int8_layer_prefill_path(monkeypatch):
-    """More than PACKED_MAX_ROWS bf16 rows: bf16(bf16(q @ x^T)^T * scales) with q exact in bf16, in row chunks
-    for big weights; float32 inputs keep the float32 path."""
+    """More than PACKED_MAX_ROWS bf16 rows: the C GEMM's bits where it is native, else the dense path
+    bf16(bf16(q @ x^T)^T * scales) with q exact in bf16, in row chunks for big weights (tested here
+    directly); float32 inputs keep the float32 path."""
     from llmsys.quant import int8_fp8
 
     q, s = _int8(300, 176, seed=7)
     lin = Int8Linear(q, s, None)
     xb = torch.randn(PACKED_MAX_ROWS + 5, 176).bfloat16()
     want = torch.mm(q.bfloat16(), xb.t()).t() * s
-    assert torch.equal(_bits(lin(xb)), _bits(want))
+    native = KERNEL and cpu_qgemv.gemm_native()
+    assert torch.equal(_bits(lin(xb)), _bits(cpu_qgemv.int8_gemm_def(xb, q, s) if native else want))
+    assert torch.equal(_bits(lin._dequant_matmul(xb)), _bits(want))
     ref = xb.float() @ (q.float() * s.float()[:, None]).t()
     assert (lin(xb).float() - ref).norm() / ref.norm() < 5e-3
     monkeypatch.setattr(int8_fp8, "DEQUANT_CHUNK_BYTES", 128 * 176 * 2)  # 128-row chunks: 3 GEMMs
-    chunked = lin(xb)
+    chunked = lin._dequant_matmul(xb)
     assert torch.allclose(chunked.float(), want.float(), rtol=1e-2, atol=1e-3)
     assert torch.equal(_bits(chunked[:, 128:256]), _bits(torch.mm(q[128:256].bfloat16(), xb.t()).t() * s[128:256]))
     x = torch.randn(PACKED_MAX_ROWS + 5, 176)
