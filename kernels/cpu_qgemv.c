@@ -595,7 +595,14 @@ static inline void store_rows(uint16_t *o, const __m512 *r, int64_t rows) {
     }
 }
 
-static void int4_gemm_block(const uint32_t *xs, int64_t kp, int64_t m_count, const uint8_t *blk,
+/* Prefetch bytes [from, from + len) of the next block's weight (starting at `next`, stopping at `end`)
+   into L2 while this block computes: its rows are read a column chunk at a time, a strided pattern the
+   hardware prefetchers follow poorly from DRAM (int8 9728 x 896, M = 128: build 0.95 ms of 7.0). */
+static inline void prefetch_share(const char *next, const char *end, int64_t from, int64_t len) {
+    for (const char *p = next + from; p < next + from + len && p < end; p += 64) _mm_prefetch(p, _MM_HINT_T1);
+}
+
+static void int4_gemm_block(const uint32_t *xs, int64_t kp, int64_t m_count, const uint8_t *blk, const uint8_t *wend,
                             const int4_meta *md, int64_t n_groups, int64_t gs, int64_t row0, int64_t n_rows,
                             uint16_t *out, int64_t ldo, float *acc, __m512i *W) {
     const int64_t rows = n_rows - row0 < 64 ? n_rows - row0 : 64;
@@ -615,6 +622,7 @@ static void int4_gemm_block(const uint32_t *xs, int64_t kp, int64_t m_count, con
         to_slots(zi);
         to_slots(svi);
         const uint8_t *p = blk + g * gs * 32;
+        prefetch_share((const char *)blk + kp * 32, (const char *)wend, g * gs * 32, gs * 32);
         for (int64_t c = 0; c < gs; c += 2) int4_pair_words(p + c * 32, zi, tbl, W + 2 * c);
         gm_rows(xs + g * gs / 2, kp / 2, m_count, W, gs / 2, sv, acc);
     }
@@ -690,7 +698,9 @@ static void int8_gemm_block(const uint32_t *xs, int64_t np, int64_t m_count, con
     const int64_t rows = n_rows - row0 < 64 ? n_rows - row0 : 64;
     const __m512 one[4] = {_mm512_set1_ps(1.0f), _mm512_set1_ps(1.0f), _mm512_set1_ps(1.0f), _mm512_set1_ps(1.0f)};
     memset(acc, 0, sizeof(float) * (size_t)(m_count * 64));
+    const char *next = (const char *)(q + (row0 + 64) * k), *end = (const char *)(q + n_rows * k);
     for (int64_t k0 = 0; k0 < k; k0 += I8_CHUNK) {
+        prefetch_share(next, end, k0 * 64, I8_CHUNK * 64);
         int8_chunk_words(q, k, row0, rows, k0, W);
         const int64_t cp = np - k0 / 2 < I8_CHUNK / 2 ? np - k0 / 2 : I8_CHUNK / 2;
         gm_rows(xs + k0 / 2, np, m_count, W, cp, one, acc); /* acc + a * 1: exact */
@@ -738,7 +748,7 @@ int llmsys_qgemm_int4(const uint16_t *x, int64_t ldx, const uint8_t *packed, con
             const int64_t b = w / mblocks, m0 = (w % mblocks) * GM_MB;
             const int64_t mc = m_count - m0 < GM_MB ? m_count - m0 : GM_MB;
             if (acc && W)
-                int4_gemm_block(xw + m0 * (kp / 2), kp, mc, packed + b * kp * 32, &md, n_groups, gs, b * 64, n,
+                int4_gemm_block(xw + m0 * (kp / 2), kp, mc, packed + b * kp * 32, packed + blocks * kp * 32, &md, n_groups, gs, b * 64, n,
                                 out + m0 * ldo, ldo, acc, W);
         }
         free(acc);
