@@ -51,15 +51,8 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--formats", default=",".join(FORMATS))
-    ap.add_argument("--int4-packed-rows", type=int, default=None,
-                    help="run torch's packed int4 op up to this many rows (default: quant.int4.PACKED_MAX_ROWS; "
-                         "a huge value gives the old prefill path, for before/after comparisons)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    if a.int4_packed_rows is not None:
-        from llmsys.quant import int4
-
-        int4.PACKED_MAX_ROWS = a.int4_packed_rows
     from llmsys.engine.bench.synthetic import make_synthetic
 
     path = str(make_synthetic(a.shape))

@@ -1,4 +1,5 @@
-/* Quantized-weight GEMV for decode-sized batches on the CPU: int8 per row, int4 per group.
+/* Quantized-weight GEMV for decode-sized batches, and GEMM for prefill (at the end of this file),
+ * on the CPU: int8 per row, int4 per group.
  *
  * Built and loaded by kernels/cpu_qgemv.py (gcc -O3 -march=native -fopenmp
  * -ffp-contract=off -shared, cached under a hash of this file). Why: torch's

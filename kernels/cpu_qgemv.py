@@ -1,4 +1,4 @@
-"""CPU GEMV on int8 (per-row) and int4 (per-group) weights for decode-sized batches (``cpu_qgemv.c``).
+"""CPU GEMV (decode) and GEMM (prefill) on int8 (per-row) and int4 (per-group) weights (``cpu_qgemv.c``).
 
 Why: at M = 1 torch's ``_weight_int8pack_mm`` and
 ``_weight_int4pack_mm_for_cpu`` read their weights from DRAM at ~13 and
@@ -20,7 +20,17 @@ to the C kernels bit for bit, tests/test_cpu_qgemv.py):
   scale applied once per group.
 
 Each output depends only on its row of x and its weight row, so the kernels
-are batch-invariant (any M, N, thread count). Without the C kernel
+are batch-invariant (any M, N, thread count).
+
+Prefill: the GEMV decodes a weight block afresh for every few rows of x, which
+dominates at large M; the GEMMs (:func:`int4_gemm`, :func:`int8_gemm`) decode
+each 64-row block once into bf16 pairs and run all rows of x against it
+(~0.9x a prepacked bf16 GEMM at M = 128, where dequantize + GEMM gave
+0.65-0.82x). ``int4_gemm`` forms the GEMV's sums in the GEMV's order, so it
+has the same bits and the layers may switch between them by speed alone;
+``int8_gemm`` has its own definition, :func:`int8_gemm_def` (per 64-column
+chunk a sum in order of k, the chunk sums added in order, then the scale).
+They need AVX512-BF16 (:func:`gemm_native`). Without the C kernel
 (no compiler, ``LLMSYS_NO_CKERNELS=1``) :func:`available` is False and the
 quantized layers keep torch's packed ops.
 """
@@ -132,7 +142,7 @@ def _check_x(op: str, x: torch.Tensor, k: int) -> None:
 
 
 def int8_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *, check: bool = True,
-              lib=None, op: str = "gemv") -> torch.Tensor:
+              lib=None) -> torch.Tensor:
     """``x [M, K]`` bf16 times the int8 weight ``qweight [N, K] * scales [N, None]`` ``-> [M, N]`` bf16.
 
     The bits of :func:`int8_gemv_def`; qweight int8 and scales bf16, contiguous.
@@ -141,6 +151,17 @@ def int8_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *, c
     the checks for callers that validated their tensors once (a layer's own
     buffers: ~5 us a call on the decode path); ``lib``: another build, for tests.
     """
+    return _int8("gemv", x, qweight, scales, check, lib)
+
+
+def int8_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *, check: bool = True,
+              lib=None) -> torch.Tensor:
+    """:func:`int8_gemv`'s product (same arguments) for prefill-sized M, with the bits of
+    :func:`int8_gemm_def`. Needs :func:`gemm_native` (``RuntimeError`` otherwise)."""
+    return _int8("gemm", x, qweight, scales, check, lib)
+
+
+def _int8(op: str, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, check: bool, lib) -> torch.Tensor:
     n, k = qweight.shape
     if check:
         _check_x(f"int8_{op}", x, k)
@@ -175,7 +196,7 @@ def check_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zero
 
 
 def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-              group_size: int, *, check: bool = True, lib=None, op: str = "gemv") -> torch.Tensor:
+              group_size: int, *, check: bool = True, lib=None) -> torch.Tensor:
     """``x [M, K]`` bf16 times an int4 weight in torch's CPU tiling ``-> [M, N]`` bf16 (as :func:`int4_gemv_def`).
 
     ``scales [N, G]`` of any strides, any float dtype (bf16, fp16, fp32 read as
@@ -187,6 +208,19 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros
     :func:`check_int4` for callers that validated their tensors once; ``lib``:
     another build, for tests.
     """
+    return _int4("gemv", x, packed, scales, zeros, group_size, check, lib)
+
+
+def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+              group_size: int, *, check: bool = True, lib=None) -> torch.Tensor:
+    """:func:`int4_gemv`'s product and bits (same arguments) in the prefill loop order: each block of
+    the weight is decoded once for all rows of x, so it is fast for large M (needs :func:`gemm_native`
+    to be fast; without it the GEMV's loop runs)."""
+    return _int4("gemm", x, packed, scales, zeros, group_size, check, lib)
+
+
+def _int4(op: str, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+          group_size: int, check: bool, lib) -> torch.Tensor:
     if check:
         check_int4(x, packed, scales, zeros, group_size, op=f"int4_{op}")
     if scales.dtype not in _SCALE_KINDS:
@@ -203,17 +237,3 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros
         raise RuntimeError(f"int4_{op}: the C kernel failed (code {rc}) on M={m} N={n} K={k} group={group_size}")
     return out
 
-
-def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-              group_size: int, *, check: bool = True, lib=None) -> torch.Tensor:
-    """:func:`int4_gemv`'s product and bits (same arguments) in the prefill loop order: each block of
-    the weight is decoded once for all rows of x, so it is fast for large M (needs :func:`gemm_native`
-    to be fast; without it the GEMV's loop runs)."""
-    return int4_gemv(x, packed, scales, zeros, group_size, check=check, lib=lib, op="gemm")
-
-
-def int8_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *, check: bool = True,
-              lib=None) -> torch.Tensor:
-    """``x [M, K]`` bf16 times ``qweight [N, K] * scales [N, None]`` ``-> [M, N]`` bf16 for prefill-sized M,
-    the bits of :func:`int8_gemm_def`. Needs :func:`gemm_native` (``RuntimeError`` otherwise)."""
-    return int8_gemv(x, qweight, scales, check=check, lib=lib, op="gemm")

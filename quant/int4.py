@@ -17,13 +17,15 @@ bf16-only fast path) needs the weight repacked by
 op is available the layer keeps *only* the repacked buffer at run time (plus
 bf16 scales/zero_t and uint8 zeros) and converts back to the canonical layout
 in ``state_dict()`` — the repacked layout is a pure nibble permutation
-(:func:`unpack_cpu_int4`), so the round trip is exact. Decode-sized batches
-run the C GEMV ``kernels.cpu_qgemv.int4_gemv`` on that buffer (the canonical
-formula, ~2x the bandwidth of torch's op; the op itself runs when the kernel
-is not built). Batches of more than
-:data:`PACKED_MAX_ROWS` rows (prefill) instead dequantize the repacked buffer
-to bf16 (``llmsys.kernels.dequant_cpu_int4``, the canonical formula) and run a
-dense bf16 GEMM: the packed op costs about 2x a bf16 GEMM per row there.
+(:func:`unpack_cpu_int4`), so the round trip is exact. The C kernels of
+``kernels.cpu_qgemv`` multiply on that buffer with the canonical formula: the
+GEMV for decode-sized batches (~2x the bandwidth of torch's op) and, from
+:data:`GEMM_MIN_ROWS` rows, the GEMM, which decodes each weight block once
+for all rows and gives the GEMV's bits, so a prompt's rows, a decode step and
+any batch agree bit for bit. Where the GEMM is not native (no AVX512-BF16),
+batches of more than :data:`PACKED_MAX_ROWS` rows (prefill) dequantize the
+repacked buffer to bf16 (``llmsys.kernels.dequant_cpu_int4``) and run a dense
+bf16 GEMM; without the C kernels, torch's packed op runs up to that size.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ from llmsys.kernels.reference import pack_int4, unpack_int4  # the canonical lay
 from llmsys.quant.base import QuantLinear, check_weight, require
 
 GROUP_SIZES = (32, 64, 128)
-# Rows of x up to which the packed CPU op runs; more rows dequantize to bf16 + GEMM.
+# Without the native C GEMM: rows of x up to which the GEMV (or torch's packed op) runs; more
+# rows dequantize to bf16 + GEMM.
 # Measured (Zen 4 EPYC, 2 threads, bf16, g64; packed op vs dequantize + GEMM, ms):
 # 4864x896 M=24 1.39 vs 2.27, M=32 1.98 vs 1.76, M=64 3.31 vs 2.11;
 # 896x4864 M=24 1.24 vs 1.28, M=32 1.64 vs 1.23; 896x896 M=32 0.31 vs 0.23 (1 thread: the same order).
@@ -109,11 +112,12 @@ class Int4Linear(QuantLinear):
       bf16 [G, Np, 2]`` = (scale, (8 - zero) * scale), ``zeros_u8 [N, G]``
       and, with the C GEMV, its group-major copy ``zeros_gm [G, N]``.
       Matmul always runs in bf16 (the op is ~30x slower in fp32/fp16);
-      fp32 inputs are cast to bf16 and the output cast back. Up to
-      :data:`PACKED_MAX_ROWS` rows use the C GEMV ``cpu_qgemv.int4_gemv``
-      (or, without it, torch's packed op), more rows the bf16
-      weight from ``dequant_cpu_int4`` (exactly ``dequantize(torch.bfloat16)``)
-      and a dense bf16 GEMM.
+      fp32 inputs are cast to bf16 and the output cast back. The C GEMV
+      ``cpu_qgemv.int4_gemv`` and, from :data:`GEMM_MIN_ROWS` rows, the C GEMM
+      ``cpu_qgemv.int4_gemm`` (the same bits) run where built; without the
+      native GEMM, more than :data:`PACKED_MAX_ROWS` rows take the bf16 weight
+      from ``dequant_cpu_int4`` (exactly ``dequantize(torch.bfloat16)``) and a
+      dense bf16 GEMM, and without the C kernels torch's packed op runs below that.
     * ``canonical`` (GPU, or no op): holds ``qweight``/``scales``/``zeros`` and
       dequantizes + GEMMs in the input dtype.
 
