@@ -721,6 +721,60 @@ static void int8_gemm_block(const uint32_t *xs, int64_t np, int64_t m_count, con
 }
 #endif
 
+#ifdef QG_BF16
+/* One GEMM call: x as pairs, the weight (int4: packed + md; int8: q + scales), the output. */
+typedef struct {
+    const uint32_t *xs;
+    int64_t np, m_count, n, k;
+    uint16_t *out;
+    int64_t ldo;
+    const uint8_t *packed; /* int4 */
+    const int4_meta *md;
+    int64_t kp, gs;
+    const int8_t *q;       /* int8 */
+    const uint16_t *scales;
+    int64_t w_vectors;     /* size of a thread's word buffer */
+} gm_job;
+
+typedef void (*gm_block_fn)(const gm_job *j, int64_t b, int64_t m0, int64_t mc, float *acc, __m512i *W);
+
+static void int4_job_block(const gm_job *j, int64_t b, int64_t m0, int64_t mc, float *acc, __m512i *W) {
+    const int64_t bytes = j->kp * 32; /* one 64-row block */
+    int4_gemm_block(j->xs + m0 * j->np, j->kp, mc, j->packed + b * bytes, j->packed + (j->n + 63) / 64 * bytes,
+                    j->md, j->kp / j->gs, j->gs, b * 64, j->n, j->out + m0 * j->ldo, j->ldo, acc, W);
+}
+
+static void int8_job_block(const gm_job *j, int64_t b, int64_t m0, int64_t mc, float *acc, __m512i *W) {
+    int8_gemm_block(j->xs + m0 * j->np, j->np, mc, j->q, j->k, j->scales, b * 64, j->n, j->out + m0 * j->ldo, j->ldo,
+                    acc, W);
+}
+
+/* Work items (64-row block, up to GM_MB rows of x) over threads, each thread with its own accumulators
+   and word buffer. Frees j->xs. */
+static int gm_run(const gm_job *j, gm_block_fn block, int threads) {
+    const int64_t blocks = (j->n + 63) / 64, mblocks = (j->m_count + GM_MB - 1) / GM_MB;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1 && blocks * mblocks > 1)
+    {
+        float *acc = aligned_alloc(64, sizeof(float) * (size_t)((j->m_count < GM_MB ? j->m_count : GM_MB) * 64));
+        __m512i *W = aligned_alloc(64, sizeof(__m512i) * (size_t)j->w_vectors);
+        if (!acc || !W) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t w = 0; w < blocks * mblocks; w++) {
+            const int64_t b = w / mblocks, m0 = (w % mblocks) * GM_MB;
+            if (acc && W) block(j, b, m0, j->m_count - m0 < GM_MB ? j->m_count - m0 : GM_MB, acc, W);
+        }
+        free(acc);
+        free(W);
+    }
+    free((void *)j->xs);
+    return failed ? 2 : 0;
+}
+#endif
+
 /* The int4 product of llmsys_qgemv_int4 (same arguments, same bits), in the GEMM's loop order. */
 int llmsys_qgemm_int4(const uint16_t *x, int64_t ldx, const uint8_t *packed, const void *scales, int64_t s_n,
                       int64_t s_g, int scale_kind, const uint8_t *zeros, int64_t z_n, int64_t z_g, uint16_t *out,
@@ -732,31 +786,10 @@ int llmsys_qgemm_int4(const uint16_t *x, int64_t ldx, const uint8_t *packed, con
     if (m_count <= 0 || n <= 0 || gs % 32 || gs > 128 || kp % gs || k <= kp - gs || k > kp || ldx < k || ldo < n)
         return 1;
     const int4_meta md = {zeros, z_n, z_g, scales, s_n, s_g, scale_kind};
-    uint32_t *xw = pairs(x, ldx, m_count, k, kp / 2, threads);
-    if (!xw) return 2;
-    const int64_t blocks = (n + 63) / 64, n_groups = kp / gs, mblocks = (m_count + GM_MB - 1) / GM_MB;
-    int failed = 0;
-#pragma omp parallel num_threads(threads) if (threads > 1 && blocks * mblocks > 1)
-    {
-        float *acc = aligned_alloc(64, sizeof(float) * (size_t)((m_count < GM_MB ? m_count : GM_MB) * 64));
-        __m512i *W = aligned_alloc(64, sizeof(__m512i) * (size_t)(2 * gs)); /* gs / 2 pairs x 4 vectors */
-        if (!acc || !W) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(static)
-        for (int64_t w = 0; w < blocks * mblocks; w++) {
-            const int64_t b = w / mblocks, m0 = (w % mblocks) * GM_MB;
-            const int64_t mc = m_count - m0 < GM_MB ? m_count - m0 : GM_MB;
-            if (acc && W)
-                int4_gemm_block(xw + m0 * (kp / 2), kp, mc, packed + b * kp * 32, packed + blocks * kp * 32, &md, n_groups, gs, b * 64, n,
-                                out + m0 * ldo, ldo, acc, W);
-        }
-        free(acc);
-        free(W);
-    }
-    free(xw);
-    return failed ? 2 : 0;
+    const gm_job j = {.xs = pairs(x, ldx, m_count, k, kp / 2, threads), .np = kp / 2, .m_count = m_count, .n = n,
+                      .k = k, .out = out, .ldo = ldo, .packed = packed, .md = &md, .kp = kp, .gs = gs,
+                      .w_vectors = 2 * gs /* gs / 2 pairs x 4 vectors */};
+    return j.xs ? gm_run(&j, int4_job_block, threads) : 2;
 #endif
 }
 
@@ -769,28 +802,9 @@ int llmsys_qgemm_int8(const uint16_t *x, int64_t ldx, const int8_t *q, const uin
     return 3;
 #else
     if (m_count <= 0 || n <= 0 || k <= 0 || ldx < k || ldo < n) return 1;
-    const int64_t np = (k + 1) / 2, blocks = (n + 63) / 64, mblocks = (m_count + GM_MB - 1) / GM_MB;
-    uint32_t *xw = pairs(x, ldx, m_count, k, np, threads);
-    if (!xw) return 2;
-    int failed = 0;
-#pragma omp parallel num_threads(threads) if (threads > 1 && blocks * mblocks > 1)
-    {
-        float *acc = aligned_alloc(64, sizeof(float) * (size_t)((m_count < GM_MB ? m_count : GM_MB) * 64));
-        __m512i *W = aligned_alloc(64, sizeof(__m512i) * (size_t)(2 * I8_CHUNK));
-        if (!acc || !W) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(static)
-        for (int64_t w = 0; w < blocks * mblocks; w++) {
-            const int64_t b = w / mblocks, m0 = (w % mblocks) * GM_MB;
-            const int64_t mc = m_count - m0 < GM_MB ? m_count - m0 : GM_MB;
-            if (acc && W) int8_gemm_block(xw + m0 * np, np, mc, q, k, scales, b * 64, n, out + m0 * ldo, ldo, acc, W);
-        }
-        free(acc);
-        free(W);
-    }
-    free(xw);
-    return failed ? 2 : 0;
+    const int64_t np = (k + 1) / 2;
+    const gm_job j = {.xs = pairs(x, ldx, m_count, k, np, threads), .np = np, .m_count = m_count, .n = n, .k = k,
+                      .out = out, .ldo = ldo, .q = q, .scales = scales, .w_vectors = 2 * I8_CHUNK};
+    return j.xs ? gm_run(&j, int8_job_block, threads) : 2;
 #endif
 }

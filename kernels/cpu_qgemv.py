@@ -236,4 +236,3 @@ def _int4(op: str, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, 
     if rc:
         raise RuntimeError(f"int4_{op}: the C kernel failed (code {rc}) on M={m} N={n} K={k} group={group_size}")
     return out
-
