@@ -99,6 +99,7 @@ SCRIPTS: dict[str, list[str]] = {
     "gemv": ["benchmarks/bench_gemv.py", "--threads", "2"],
     "core-roofline": ["benchmarks/bench_roofline.py", "--threads", "2"],
     "quant": ["benchmarks/bench_quant.py", "--threads", "2"],
+    "qmatmul": ["benchmarks/bench_qmatmul.py", "--threads", "2"],
     "longctx": ["benchmarks/bench_longctx.py", "--chunk", "16"],
     "offload": ["benchmarks/bench_offload.py"],
     "kv-tier": ["benchmarks/bench_kv_tier.py", "--prompt", "3500", "--new", "32", "--rounds", "3"],
