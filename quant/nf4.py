@@ -6,7 +6,10 @@ falls back to a path no faster than ours; a plain-torch NF4 keeps the format
 usable on every device with no optional dependency. The layout and
 arithmetic follow bitsandbytes exactly, so ``tests/test_quant_nf4.py`` checks
 our codes and absmax against ``bitsandbytes.functional.quantize_4bit`` when it
-is installed.
+is installed. On CUDA, when bitsandbytes is installed, the layer hands its
+tensors to ``bitsandbytes.matmul_4bit`` as they are (its fused 4-bit GEMV at
+one token, its dequantization kernel otherwise); the tests check that call
+against the plain path on CPU.
 
 Layout for a weight ``[N, K]`` (row-major flattened, ``numel = N*K``), block 64:
 
@@ -186,4 +189,35 @@ class NF4Linear(QuantLinear):
         return (nf4_code().to(byte.device)[q.long()] * absmax[idx // NF4_BLOCK]).to(dtype)
 
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        if x2.device.type == "cuda" and _bitsandbytes() is not None:
+            return self.matmul_bitsandbytes(x2)
         return torch.nn.functional.linear(x2, self.dequantize(x2.dtype))
+
+    def matmul_bitsandbytes(self, x2: torch.Tensor) -> torch.Tensor:
+        """``x2 [M, K] -> [M, N]`` through ``bitsandbytes.matmul_4bit`` on this layer's own tensors
+        (the same layout, no copy): the CUDA path; callable on any device bitsandbytes supports."""
+        bnb = _bitsandbytes()
+        if bnb is None:
+            raise RuntimeError("NF4Linear.matmul_bitsandbytes: bitsandbytes is not installed (pip install bitsandbytes)")
+        from bitsandbytes.functional import QuantState
+
+        shape = torch.Size((self.out_features, self.in_features))
+        code = nf4_code().to(self.qweight.device)
+        if self.double_quant:
+            nested = QuantState(absmax=self.absmax2.float(), code=dynamic_map().to(self.qweight.device),
+                                blocksize=DQ_BLOCK, dtype=torch.float32)
+            state = QuantState(absmax=self.absmax_q, shape=shape, code=code, blocksize=NF4_BLOCK, quant_type="nf4",
+                               dtype=x2.dtype, offset=self.absmax_offset.float(), state2=nested)
+        else:
+            state = QuantState(absmax=self.absmax.float(), shape=shape, code=code, blocksize=NF4_BLOCK,
+                               quant_type="nf4", dtype=x2.dtype)
+        return bnb.matmul_4bit(x2, self.qweight.view(-1, 1).t(), quant_state=state)
+
+
+def _bitsandbytes():
+    """The bitsandbytes module, or None when it is not installed (or fails to import)."""
+    try:
+        import bitsandbytes
+    except Exception:  # noqa: BLE001 - a broken optional install must not break NF4 itself
+        return None
+    return bitsandbytes

@@ -56,3 +56,27 @@ def test_matches_bitsandbytes(dq):
     ref = bnbf.dequantize_4bit(qb, state).float()
     ours_deq = dequantize_nf4(ours, (128, 256))
     assert ((ours_deq - ref).norm() / ref.norm()) < 2e-3
+
+
+@pytest.mark.parametrize("dq", [False, True])
+def test_bitsandbytes_matmul_on_our_tensors(dq):
+    """The CUDA path hands the layer's tensors to bitsandbytes.matmul_4bit unchanged; on CPU the same
+    call must reproduce the plain dequantize + GEMM path (odd sizes: a partial last block)."""
+    pytest.importorskip("bitsandbytes", reason="bitsandbytes not installed")
+    gen = torch.Generator().manual_seed(3)
+    lin = NF4Linear.from_float(torch.randn(96, 200, generator=gen) * 0.05, spec=parse_quant("nf4:dq" if dq else "nf4"))
+    x = torch.randn(3, 200, generator=gen)
+    y = lin.matmul_bitsandbytes(x)
+    assert y.shape == (3, 96)
+    assert torch.allclose(y, lin(x), rtol=1e-5, atol=1e-6)
+
+
+def test_without_bitsandbytes_the_plain_path_runs(monkeypatch):
+    from llmsys.quant import nf4
+
+    monkeypatch.setattr(nf4, "_bitsandbytes", lambda: None)
+    lin = NF4Linear.from_float(torch.randn(64, 64) * 0.05)
+    x = torch.randn(2, 64)
+    assert torch.allclose(lin(x), x @ lin.dequantize().t(), rtol=1e-5, atol=1e-6)
+    with pytest.raises(RuntimeError, match="bitsandbytes is not installed"):
+        lin.matmul_bitsandbytes(x)
