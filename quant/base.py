@@ -19,6 +19,31 @@ from llmsys.engine.errors import CheckpointError
 # dequantize+GEMM. Measured on AVX-512 (Qwen2.5-0.5B MLP up-proj, 896x4864):
 # at M=16 int8-packed 2.4 ms vs dequant 3.8 ms, at M=128 15 ms vs 8 ms.
 PACKED_MAX_ROWS = 32
+# Float32 bytes of one row chunk while quantizing (quantize_rows): bounds the quantizers'
+# full-size temporaries, so the largest tensor no longer sets the load-time peak.
+QUANT_CHUNK_BYTES = 16 << 20
+
+
+def quantize_rows(weight: torch.Tensor, fn, chunk_bytes: int | None = None) -> tuple[torch.Tensor, ...]:
+    """``fn(rows) -> (tensors with rows first)`` applied to row chunks of ``weight [N, K]``, concatenated.
+
+    Why: the quantizers compute in float32 with several full-size temporaries; a
+    151936x896 bf16 embedding/LM head (259 MiB) peaked at +1.6 GB while quantized whole,
+    more than the whole bf16 model it was loaded from. Formats whose rows are quantized
+    independently (int8, int4, fp8) give the same tensors chunk by chunk (tested).
+    """
+    n, k = weight.shape
+    step = max(1, (chunk_bytes or QUANT_CHUNK_BYTES) // (4 * max(k, 1)))
+    if step >= n:
+        return fn(weight)
+    first = fn(weight[:step])
+    outs = tuple(torch.empty((n, *t.shape[1:]), dtype=t.dtype, device=t.device) for t in first)
+    for r in range(0, n, step):
+        part = first if r == 0 else fn(weight[r : r + step])
+        for out, t in zip(outs, part):
+            out[r : r + step] = t
+        del part
+    return outs
 
 
 class QuantLinear(nn.Module):

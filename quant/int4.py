@@ -37,7 +37,8 @@ from llmsys.engine.errors import CheckpointError
 from llmsys.kernels import CPU_INT4_BLOCK_N as CPU_BLOCK_N  # the CPU layout tiles rows in blocks of 64
 from llmsys.kernels import cpu_qgemv, dequant_cpu_int4, transpose_bf16, unpack_cpu_int4, w4a16_matmul
 from llmsys.kernels.reference import pack_int4, unpack_int4  # the canonical layout lives with its kernels
-from llmsys.quant.base import QuantLinear, check_weight, require
+from llmsys.quant import base
+from llmsys.quant.base import QuantLinear, check_weight, quantize_rows, require
 
 GROUP_SIZES = (32, 64, 128)
 # Without the native C GEMM: rows of x up to which the GEMV (or torch's packed op) runs; more
@@ -59,14 +60,22 @@ DEQUANT_CHUNK_BYTES = 16 << 20
 def quantize_int4(weight: torch.Tensor, group_size: int = 64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Round-to-nearest asymmetric int4: ``[N, K] -> (qweight, scales bf16 [N,G], zeros bf16 [N,G])``.
 
+    Rows are quantized independently, in chunks of bounded size (:func:`quantize_rows`).
+    """
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size}")
+    return quantize_rows(weight, lambda rows: _quantize_int4_rows(rows, group_size))
+
+
+def _quantize_int4_rows(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`quantize_int4` on one chunk of rows.
+
     Range per group is [min(w, 0), max(w, 0)] (as GPTQ does) so the integer
     zero point is always in 0..15; the scale is rounded to bf16 first and q is
     computed against the rounded scale, so the stored tensors reproduce the
     grid exactly; it is rounded *up* so the grid still spans the range.
     Worst-case error per element: scale/2 ~= (max - min)/30.
     """
-    if group_size not in GROUP_SIZES:
-        raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size}")
     n, k = weight.shape
     g = group_size
     n_groups = -(-k // g)
@@ -172,10 +181,7 @@ class Int4Linear(QuantLinear):
             return
         self._scale_dtype = scales.dtype
         np_ = -(-n // CPU_BLOCK_N) * CPU_BLOCK_N
-        q = unpack_int4(qweight).to(torch.int32)  # [N, Kp]
-        q = F.pad(q, (0, 0, 0, np_ - n), value=8)  # padded rows: (8-8)*0 = 0
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)  # uint8 [Np, Kp/2]
-        del q
+        packed = _pack_cpu_int4(qweight, np_)  # uint8 [Np, Kp/2]
         s = F.pad(scales.float(), (0, 0, 0, np_ - n))  # [Np, G]
         z = F.pad(zeros.float(), (0, 0, 0, np_ - n), value=8.0)
         sz = torch.stack([s.t(), ((8.0 - z) * s).t()], dim=-1).to(torch.bfloat16).contiguous()  # [G, Np, 2]
@@ -364,6 +370,25 @@ class Int4Linear(QuantLinear):
                 r1 = min(n, r0 + step)
                 torch.mm(weight(r0, r1), xt, out=yt[r0:r1])
         return transpose_bf16(yt)  # [M, N]
+
+
+def _pack_cpu_int4(qweight: torch.Tensor, np_: int) -> torch.Tensor:
+    """torch's CPU int4 tiling of the canonical codes ``qweight [N, Kp/2]``, rows padded to ``np_``
+    with code 8 (padded rows: (8 - 8) * 0 = 0) ``-> uint8 [Np, Kp/2]``.
+
+    Built in chunks of whole 64-row tiles (the tiling never crosses one), so the int32 copy
+    torch's op takes stays within ``QUANT_CHUNK_BYTES`` instead of 8 bytes per code pair of the
+    whole weight (545 MB for a 151936x896 head)."""
+    n, half = qweight.shape
+    step = max(CPU_BLOCK_N, base.QUANT_CHUNK_BYTES // (8 * half) // CPU_BLOCK_N * CPU_BLOCK_N)
+    packed = torch.empty(np_, half, dtype=torch.uint8)
+    for r0 in range(0, np_, step):
+        r1 = min(np_, r0 + step)
+        q = unpack_int4(qweight[r0 : min(r1, n)]).to(torch.int32)  # [rows, Kp]
+        q = F.pad(q, (0, 0, 0, r1 - r0 - q.shape[0]), value=8)
+        packed[r0:r1] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2).view(r1 - r0, half)
+        del q
+    return packed
 
 
 def _same_or_none(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:

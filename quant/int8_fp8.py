@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from llmsys.kernels import CPU_INT4_BLOCK_N as CPU_BLOCK_N
 from llmsys.kernels import cpu_qgemv, transpose_bf16, w8a16_matmul
-from llmsys.quant.base import PACKED_MAX_ROWS, QuantLinear, check_weight, require
+from llmsys.quant.base import PACKED_MAX_ROWS, QuantLinear, check_weight, quantize_rows, require
 from llmsys.quant.int4 import DEQUANT_CHUNK_BYTES, bf16_ceil
 
 INT8_MAX = 127
@@ -25,8 +25,13 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     The scale is rounded to bf16 *before* computing q, so the stored
     (bf16) scale is exactly the one q was computed against: the only error is
-    rounding to the int8 grid, |w - q*s| <= s/2 with s = amax/127.
+    rounding to the int8 grid, |w - q*s| <= s/2 with s = amax/127. Row chunks of
+    bounded size (:func:`quantize_rows`).
     """
+    return quantize_rows(weight, _quantize_int8_rows)
+
+
+def _quantize_int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     w = weight.float()
     amax = w.abs().amax(dim=1).clamp_min(1e-8)  # [N]
     scales = bf16_ceil(amax / INT8_MAX)  # [N], >= amax/127 so nothing clips
@@ -161,8 +166,12 @@ def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     The scale maps each row's absmax to 448 (e4m3's largest finite value);
     e4m3 has 3 mantissa bits, so the relative error per element is <= 2^-4
-    for normal values.
+    for normal values. Row chunks of bounded size (:func:`quantize_rows`).
     """
+    return quantize_rows(weight, _quantize_fp8_rows)
+
+
+def _quantize_fp8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     w = weight.float()
     amax = w.abs().amax(dim=1).clamp_min(1e-12)  # [N]
     scales = amax / FP8_MAX  # [N]

@@ -182,3 +182,24 @@ def test_swap_linears_in_place_and_skip():
         assert _rel(model.lm_head(deq), y) < 6e-3  # exactly the dequantized network (bf16 activations)
         assert _rel(y, ref) < 0.2  # two stacked int4 layers (~9% each)
     assert swap_linears(model, parse_quant("none")) == 0
+
+
+def test_quantizing_in_row_chunks_gives_the_same_tensors(monkeypatch):
+    """Big weights are quantized (and, for int4 on CPU, repacked) in row chunks so the float32
+    temporaries stay small; every per-row format must give the tensors of the one-piece run."""
+    from llmsys.quant import base
+    from llmsys.quant.int8_fp8 import quantize_fp8, quantize_int8
+
+    torch.manual_seed(0)
+    w = (torch.randn(1000, 200) * 0.02).bfloat16()  # not a multiple of any chunk below
+    whole = {"int8": quantize_int8(w), "int4": quantize_int4(w, 64), "fp8": quantize_fp8(w)}
+    lin = Int4Linear.from_float(w, group_size=64)
+    monkeypatch.setattr(base, "QUANT_CHUNK_BYTES", 3 * 64 * 200 * 4 + 12)  # 192 rows; int4 repack: 128 rows
+    chunked = {"int8": quantize_int8(w), "int4": quantize_int4(w, 64), "fp8": quantize_fp8(w)}
+    for name in whole:
+        for a, b in zip(whole[name], chunked[name]):
+            assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
+    if cpu_int4_available():  # the CPU repack, in 64-row tiles
+        small = Int4Linear.from_float(w, group_size=64)
+        for name in ("packed", "scales_zeros", "zeros_u8"):
+            assert torch.equal(getattr(small, name), getattr(lin, name)), name
