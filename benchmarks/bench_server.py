@@ -316,6 +316,7 @@ def main() -> int:
     ap.add_argument("--shape", default="smollm2-135m")
     ap.add_argument("--model", default=None, help="serve this model dir instead of the synthetic shape (smoke runs)")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--quant", default="none", help="weight format the server quantizes to (llmsys serve --quant)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--client", choices=["raw", "openai"], default="openai", help="load generator (see module doc)")
@@ -333,6 +334,8 @@ def main() -> int:
             model = make_synthetic(args.shape, seed=args.seed, root=Path(tmp))
             vocab = synthetic_config(args.shape)["vocab_size"]
             args.model_desc = f"random {args.shape}-shaped model, {args.dtype}, CPU"
+        if args.quant != "none":
+            args.model_desc += f", {args.quant} weights"
         port = _free_port()
         cmd = [sys.executable, "-m", "llmsys.engine.cli.main", "serve", str(model), "--port", str(port),
                "--dtype", args.dtype, "--device", "cpu", "--max-num-seqs", str(max(16, args.clients)),
@@ -341,6 +344,8 @@ def main() -> int:
             cmd += ["--threads", str(args.threads)]
         if not args.prefix_caching:
             cmd += ["--no-prefix-caching"]
+        if args.quant != "none":
+            cmd += ["--quant", args.quant]
         proc = subprocess.Popen(cmd)
         url = f"http://127.0.0.1:{port}"
         try:

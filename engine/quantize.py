@@ -3,8 +3,9 @@
 The loader (``engine/loader/common.materialize``) reads one checkpoint tensor
 at a time and hands every linear weight (and the token embedding) to this
 hook, which returns the quantized module; the float tensor is dropped right
-after, so peak memory is the quantized model plus one float tensor, never the
-full-precision model.
+after, so peak memory is the quantized model plus one float tensor (and the
+quantizers' float32 temporaries, bounded by quantizing in row chunks:
+``quant.base.quantize_rows``), never the full-precision model.
 
 What gets quantized (the ``--quant`` format applies to all of them):
 

@@ -81,8 +81,9 @@ class Int8Linear(_PerRowLinear):
     built). Both need bf16 activations, so float32 inputs are cast to bf16
     and the result cast back. Larger bf16 inputs (prefill) take the C GEMM
     ``cpu_qgemv.int8_gemm`` where it is built with AVX512-BF16 (each weight
-    block decoded once for all rows: 0.79-0.94x a prepacked bf16 GEMM at
-    M = 128 on Zen 4, vs 0.74-0.89x for the dense path), else convert q to the input
+    block decoded once for all rows: 0.81-0.90x a prepacked bf16 GEMM at
+    M = 128 on Zen 4, vs 0.74-0.87x for the dense path; benchmarks/bench_qmatmul.py),
+    else convert q to the input
     dtype and GEMM (bf16: the weight as oneDNN's first operand, see
     ``_dequant_matmul``). torch's packed op crashes
     (SIGSEGV, torch 2.13 CPU) on bf16 inputs when K % 16 != 0, so float32
