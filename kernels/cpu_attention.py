@@ -289,12 +289,37 @@ def paged_attention_gathered(
         return _decode_grouped(q, k, v, plan.attn_mask, scale)
     k = _gather(k_cache, k_scale, plan, q.dtype).transpose(1, 2)  # [B, Hk, Lmax, D]
     v = _gather(v_cache, v_scale, plan, q.dtype).transpose(1, 2)
+    qs = plan.query_start
+    if plan.lens is not None:
+        return _prefill_each(q, k, v, plan, scale)
     qpad = torch.cat([q, q.new_zeros(1, Hq, D)], dim=0)  # row T is the pad row
     qb = qpad[plan.query_pad_index].transpose(1, 2)  # [B, Hq, Qmax, D]
     out = F.scaled_dot_product_attention(qb, k, v, attn_mask=plan.attn_mask, scale=scale, enable_gqa=Hq != Hk)
     out = out.transpose(1, 2)  # [B, Qmax, Hq, D]
-    qs = plan.query_start
     return torch.cat([out[b, : qs[b + 1] - qs[b]] for b in range(B)], dim=0)
+
+
+def _prefill_each(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: GatherPlan,
+                  scale: float) -> torch.Tensor:  # q [T, Hq, D], k/v [B, Hk, Lmax, D] -> [T, Hq, D]
+    """Prompt attention one sequence at a time, unpadded: each sequence's SDPA call has the
+    shapes and mask it would have alone, so its bits do not depend on what else is in the step.
+
+    Why: one padded SDPA over the batch gave a sequence other bits when a longer sequence
+    widened the padding (SDPA's blocking follows the padded sizes). In bf16, or through
+    layers that round activations to bf16 (the int4/int8 matmuls), such last-bit
+    differences flipped greedy tokens: 130/180 (bf16) and 165/180 (int4) served outputs
+    equalled the sequential ones (benchmarks/bench_server.py)."""
+    Hq, Hk = q.shape[1], k.shape[1]
+    qs = plan.query_start
+    outs = []
+    for b in range(len(qs) - 1):
+        n, L = qs[b + 1] - qs[b], int(plan.lens[b])
+        qb = q[qs[b] : qs[b + 1]].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+        mask = plan.attn_mask[b : b + 1, :, :n, :L].contiguous()  # [1, 1, n, L]
+        kb, vb = k[b : b + 1, :, :L].contiguous(), v[b : b + 1, :, :L].contiguous()  # [1, Hk, L, D]
+        out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale, enable_gqa=Hq != Hk)
+        outs.append(out[0].transpose(0, 1))  # [n, Hq, D]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
 
 def paged_attention_gathered_scores(

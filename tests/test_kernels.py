@@ -413,3 +413,31 @@ def test_cpu_gathered_attention_mixed_step_equals_reference(dtype):
     want = K.paged_prefill_attention(q, kc, vc, tables, torch.tensor(lens, dtype=torch.int32),
                                      torch.tensor(starts), 0.3, ks, vs, impl="reference")
     _close(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_prompt_attention_does_not_depend_on_the_batch(dtype):
+    """A prompt chunk's attention in a step with other (longer, shorter) prompt chunks and decodes
+    gives the bits it gets alone: the serving engine's greedy answers must not depend on who else
+    is being served (one padded SDPA over the batch did not: 130/180 bf16 outputs equalled the
+    sequential ones in benchmarks/bench_server.py)."""
+    from llmsys.kernels.cpu_attention import make_gather_plan, paged_attention_gathered
+
+    lens, qlens, hq, hk, d, bs = [40, 9, 300, 17, 120], [40, 1, 37, 17, 5], 8, 2, 64, 16
+    prompt = [True, False, True, True, True]
+    kc, vc, _, _, tables, _, _ = _paged_setup(lens, hk, d, bs, dtype=dtype, seed=4)
+    starts = [0]
+    for q_ in qlens:
+        starts.append(starts[-1] + q_)
+    q = torch.randn(starts[-1], hq, d, generator=torch.Generator().manual_seed(5)).to(dtype)
+    block_lists = [row[: -(-n // bs)].tolist() for row, n in zip(tables, lens)]
+    cpu = torch.device("cpu")
+    together = paged_attention_gathered(q, kc, vc, make_gather_plan(qlens, lens, block_lists, bs, cpu, prompt=prompt), 0.125)
+    for b in range(len(lens)):
+        alone_plan = make_gather_plan([qlens[b]], [lens[b]], [block_lists[b]], bs, cpu, prompt=[prompt[b]])
+        alone = paged_attention_gathered(q[starts[b] : starts[b + 1]], kc, vc, alone_plan, 0.125)
+        assert torch.equal(together[starts[b] : starts[b + 1]], alone), b
+    want = K.paged_prefill_attention(q.float(), kc.float(), vc.float(), tables, torch.tensor(lens, dtype=torch.int32),
+                                     torch.tensor(starts), 0.125, impl="reference")
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    _close(together.float(), want, atol=tol, rtol=tol)
