@@ -265,6 +265,29 @@ static inline __m512i int8_lane_words(const int8_t *p, __mmask32 mk) {
     return _mm512_ternarylogic_epi32(_mm512_set1_epi32((int)0xffff0000u), a, _mm512_srli_epi32(c, 16), 0xCA);
 }
 
+/* out[i] = tree512(a[i]) for 16 vectors, the same additions in the same tree (lane j + lane j + 8,
+   then j + (j + 4), j + (j + 2), j + (j + 1)), with the lanes of up to 16 vectors in one register per
+   step: ~30 instructions instead of ~7 per vector. Afterwards lane 4k + t holds vector 4t + k. */
+static inline void reduce16(const __m512 *a, float *out) {
+    __m512 s1[8], s2[4], s3[2];
+    for (int j = 0; j < 8; j++) { /* i + (i + 8): [a0 lanes 0-7, a1 lanes 0-7] */
+        const __m512d x = _mm512_castps_pd(a[2 * j]), y = _mm512_castps_pd(a[2 * j + 1]);
+        s1[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_shuffle_f64x2(x, y, 0x44)),
+                              _mm512_castpd_ps(_mm512_shuffle_f64x2(x, y, 0xEE)));
+    }
+    for (int j = 0; j < 4; j++) /* i + (i + 4): 128-bit lane k holds vector 4j + k */
+        s2[j] = _mm512_add_ps(_mm512_shuffle_f32x4(s1[2 * j], s1[2 * j + 1], 0x88),
+                              _mm512_shuffle_f32x4(s1[2 * j], s1[2 * j + 1], 0xDD));
+    for (int j = 0; j < 2; j++) /* i + (i + 2): lane k: [v(8j+k) p0, p1, v(8j+4+k) p0, p1] */
+        s3[j] = _mm512_add_ps(_mm512_shuffle_ps(s2[2 * j], s2[2 * j + 1], 0x44),
+                              _mm512_shuffle_ps(s2[2 * j], s2[2 * j + 1], 0xEE));
+    const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(s3[0], s3[1], 0x88), _mm512_shuffle_ps(s3[0], s3[1], 0xDD));
+    float t[16];
+    _mm512_storeu_ps(t, r);
+    for (int k = 0; k < 4; k++)
+        for (int q = 0; q < 4; q++) out[4 * q + k] = t[4 * k + q];
+}
+
 /* I8B_R converted weight rows (wb[t * I8B_R + r]) against MT rows of x (lane pairs): res[m * I8B_R + r]. */
 static inline __attribute__((always_inline)) void int8_lane_tile(const uint32_t *xs, int64_t nb, const __m512i *wb,
                                                                  float *res, const int MT) {
@@ -285,10 +308,19 @@ static inline __attribute__((always_inline)) void int8_lane_tile(const uint32_t 
             acc[3][m] = _mm512_dpbf16_ps(acc[3][m], (__m512bh)w3, (__m512bh)xv);
         }
     }
-#pragma GCC unroll 4
-    for (int r = 0; r < I8B_R; r++)
+    /* res[m * I8B_R + r] = tree512(acc[r][m]), 16 at a time (reduce16) */
+    __m512 all[I8B_R * I8B_MT + 16];
+    int cnt = 0;
 #pragma GCC unroll 6
-        for (int m = 0; m < MT; m++) res[m * I8B_R + r] = tree512(acc[r][m]);
+    for (int m = 0; m < MT; m++)
+#pragma GCC unroll 4
+        for (int r = 0; r < I8B_R; r++) all[cnt++] = acc[r][m];
+    for (int i = cnt; i % 16; i++) all[i] = _mm512_setzero_ps();
+    for (int i = 0; i < cnt; i += 16) {
+        float r16[16];
+        reduce16(all + i, r16);
+        for (int j = 0; j < 16 && i + j < cnt; j++) res[i + j] = r16[j];
+    }
 }
 
 /* int8_rows for batches: rows n in [n0, n1), all rows of x; wb: nb * I8B_R vectors of scratch. */
@@ -632,21 +664,19 @@ int llmsys_qgemv_int4(const uint16_t *x, int64_t ldx, const uint8_t *packed, con
 
 /* ------------------------------------------------------------ prefill GEMM
  *
- * At prefill sizes the GEMV's loop order (each MTILE rows of x decode the block's codes afresh) spends
- * most of its time decoding. The GEMM decodes each (64-row block, column chunk) of the weight once into
- * words W (bf16 pairs in the GEMV's word order: int4 bf16(q - zero), int8 bf16(q)), small enough for
- * L1, and runs every row of x against them, GM_MT rows at a time (4 x GM_MT float accumulators).
- * int4 forms the GEMV's sums in the GEMV's order (a group's a_g from zero, then acc + a_g * scale), so
- * llmsys_qgemm_int4 equals llmsys_qgemv_int4 bit for bit: prefill and decode give the same bits, and
- * either may run for any M. int8 sums each 64-column chunk in order of k from zero, adds the chunk
- * sums in order and scales once: out[m, n] = bf16(acc * scale[n]) (cpu_qgemv.int8_gemm_def). Needs
- * AVX512-BF16 (llmsys_qgemm_native); other builds run the GEMV for int4 and refuse int8 (code 3).
+ * int4 at prefill sizes: the GEMV's loop order (each MTILE rows of x decode the block's codes afresh)
+ * spends most of its time decoding. The GEMM decodes each (64-row block, group) of the weight once into
+ * words W (the GEMV's bf16(q - zero) pairs), small enough for L1, and runs every row of x against them,
+ * GM_MT rows at a time (4 x GM_MT float accumulators). It forms the GEMV's sums in the GEMV's order (a
+ * group's a_g from zero, then acc + a_g * scale), so llmsys_qgemm_int4 equals llmsys_qgemv_int4 bit for
+ * bit: prefill and decode give the same bits, and either may run for any M. Needs AVX512-BF16
+ * (llmsys_qgemm_native); other builds run the GEMV's loop. (int8 needs no GEMM: its lane-pair GEMV,
+ * int8_rows_lanes, already converts each weight row once per call.)
  */
 #define GM_MT 6      /* rows of x per tile: 24 accumulators, 4 weight vectors, 1 broadcast */
 #ifndef GM_MB
 #define GM_MB 128
 #endif
-#define I8_CHUNK 64  /* int8 columns decoded at a time (32 pairs: 8 KiB of words per 64 rows) */
 
 int llmsys_qgemm_native(void) {
 #ifdef QG_BF16
@@ -723,8 +753,8 @@ static inline void store_rows(uint16_t *o, const __m512 *r, int64_t rows) {
 }
 
 /* Prefetch bytes [from, from + len) of the next block's weight (starting at `next`, stopping at `end`)
-   into L2 while this block computes: its rows are read a column chunk at a time, a strided pattern the
-   hardware prefetchers follow poorly from DRAM (int8 9728 x 896, M = 128: build 0.95 ms of 7.0). */
+   into L2 while this block computes (a 64-row block is read one group at a time; the prefetch
+   took an int8 GEMM of this shape, 9728 x 896 at M = 128, from 0.81x to 0.90x a bf16 GEMM). */
 static inline void prefetch_share(const char *next, const char *end, int64_t from, int64_t len) {
     for (const char *p = next + from; p < next + from + len && p < end; p += 64) _mm_prefetch(p, _MM_HINT_T1);
 }
@@ -761,147 +791,11 @@ static void int4_gemm_block(const uint32_t *xs, int64_t kp, int64_t m_count, con
     }
 }
 
-/* Transpose 16 x 16 dwords: r[i] lane j -> r[j] lane i. */
-static inline void transpose16(__m512i *r) {
-    __m512i t[16];
-#pragma GCC unroll 8
-    for (int i = 0; i < 16; i += 2) { /* t[i] lane L: r[i][4L], r[i+1][4L], r[i][4L+1], r[i+1][4L+1] (hi: +2) */
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-#pragma GCC unroll 4
-    for (int i = 0; i < 16; i += 4) { /* r[i + c] lane L: rows i..i+3 of column 4L + c */
-        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-    }
-#pragma GCC unroll 4
-    for (int c = 0; c < 4; c++) { /* the 4 x 4 matrix of 128-bit lanes r[4k + c] lane L -> column 4L + c */
-        const __m512i v0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44), v1 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xEE);
-        const __m512i v2 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44);
-        const __m512i v3 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xEE);
-        t[c] = _mm512_shuffle_i32x4(v0, v2, 0x88);
-        t[4 + c] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
-        t[8 + c] = _mm512_shuffle_i32x4(v1, v3, 0x88);
-        t[12 + c] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
-    }
-#pragma GCC unroll 16
-    for (int i = 0; i < 16; i++) r[i] = t[i];
-}
-
-/* W[4p + v] lane i = row row0 + 16v + i, pair p of the chunk at column k0: word 1 = bf16(q[k0 + 2p]),
-   word 0 = bf16(q[k0 + 2p + 1]) (exact; zero past K and for rows past `rows`). Each row's 32 codes
-   become 16 pair dwords (int8 -> float -> bf16, exact), and 16 rows' dwords are transposed. */
-static void int8_chunk_words(const int8_t *q, int64_t k, int64_t row0, int64_t rows, int64_t k0, __m512i *W) {
-    for (int v = 0; v < 4; v++)
-        for (int half = 0; half < 2; half++) {
-            const int64_t c0 = k0 + 32 * half, kn = k - c0 < 32 ? k - c0 : 32;
-            __m512i r[16];
-            if (16 * v >= rows || kn <= 0) {
-                for (int j = 0; j < 16; j++) W[4 * (16 * half + j) + v] = _mm512_setzero_si512();
-                continue;
-            }
-            const __mmask32 km = kn >= 32 ? ~(__mmask32)0 : (((__mmask32)1 << kn) - 1);
-#pragma GCC unroll 4
-            for (int i = 0; i < 16; i++) {
-                if (16 * v + i >= rows) {
-                    r[i] = _mm512_setzero_si512();
-                    continue;
-                }
-                const __m256i b = _mm256_maskz_loadu_epi8(km, q + (row0 + 16 * v + i) * k + c0);
-                const __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
-                const __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
-                r[i] = _mm512_rol_epi32((__m512i)_mm512_cvtne2ps_pbh(f1, f0), 16);
-            }
-            transpose16(r);
-            for (int j = 0; j < 16; j++) W[4 * (16 * half + j) + v] = r[j];
-        }
-}
-
-static void int8_gemm_block(const uint32_t *xs, int64_t np, int64_t m_count, const int8_t *q, int64_t k,
-                            const uint16_t *scales, int64_t row0, int64_t n_rows, uint16_t *out, int64_t ldo,
-                            float *acc, __m512i *W) {
-    const int64_t rows = n_rows - row0 < 64 ? n_rows - row0 : 64;
-    const __m512 one[4] = {_mm512_set1_ps(1.0f), _mm512_set1_ps(1.0f), _mm512_set1_ps(1.0f), _mm512_set1_ps(1.0f)};
-    memset(acc, 0, sizeof(float) * (size_t)(m_count * 64));
-    const char *next = (const char *)(q + (row0 + 64) * k), *end = (const char *)(q + n_rows * k);
-    for (int64_t k0 = 0; k0 < k; k0 += I8_CHUNK) {
-        prefetch_share(next, end, k0 * 64, I8_CHUNK * 64);
-        int8_chunk_words(q, k, row0, rows, k0, W);
-        const int64_t cp = np - k0 / 2 < I8_CHUNK / 2 ? np - k0 / 2 : I8_CHUNK / 2;
-        gm_rows(xs + k0 / 2, np, m_count, W, cp, one, acc); /* acc + a * 1: exact */
-    }
-    __m512 sc[4];
-    for (int v = 0; v < 4; v++) {
-        const int64_t left = rows - 16 * v;
-        const __mmask16 mk = left >= 16 ? 0xffff : left <= 0 ? 0 : (__mmask16)((1u << left) - 1u);
-        const __m256i h = _mm256_maskz_loadu_epi16(mk, scales + row0 + 16 * v);
-        sc[v] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    }
-    for (int64_t m = 0; m < m_count; m++) {
-        __m512 r[4];
-        for (int v = 0; v < 4; v++) r[v] = _mm512_mul_ps(_mm512_load_ps(acc + m * 64 + 16 * v), sc[v]);
-        store_rows(out + m * ldo + row0, r, rows);
-    }
-}
 #endif
 
-#ifdef QG_BF16
-/* One GEMM call: x as pairs, the weight (int4: packed + md; int8: q + scales), the output. */
-typedef struct {
-    const uint32_t *xs;
-    int64_t np, m_count, n, k;
-    uint16_t *out;
-    int64_t ldo;
-    const uint8_t *packed; /* int4 */
-    const int4_meta *md;
-    int64_t kp, gs;
-    const int8_t *q;       /* int8 */
-    const uint16_t *scales;
-    int64_t w_vectors;     /* size of a thread's word buffer */
-} gm_job;
-
-typedef void (*gm_block_fn)(const gm_job *j, int64_t b, int64_t m0, int64_t mc, float *acc, __m512i *W);
-
-static void int4_job_block(const gm_job *j, int64_t b, int64_t m0, int64_t mc, float *acc, __m512i *W) {
-    const int64_t bytes = j->kp * 32; /* one 64-row block */
-    int4_gemm_block(j->xs + m0 * j->np, j->kp, mc, j->packed + b * bytes, j->packed + (j->n + 63) / 64 * bytes,
-                    j->md, j->kp / j->gs, j->gs, b * 64, j->n, j->out + m0 * j->ldo, j->ldo, acc, W);
-}
-
-static void int8_job_block(const gm_job *j, int64_t b, int64_t m0, int64_t mc, float *acc, __m512i *W) {
-    int8_gemm_block(j->xs + m0 * j->np, j->np, mc, j->q, j->k, j->scales, b * 64, j->n, j->out + m0 * j->ldo, j->ldo,
-                    acc, W);
-}
-
-/* Work items (64-row block, up to GM_MB rows of x) over threads, each thread with its own accumulators
-   and word buffer. Frees j->xs. */
-static int gm_run(const gm_job *j, gm_block_fn block, int threads) {
-    const int64_t blocks = (j->n + 63) / 64, mblocks = (j->m_count + GM_MB - 1) / GM_MB;
-    int failed = 0;
-#pragma omp parallel num_threads(threads) if (threads > 1 && blocks * mblocks > 1)
-    {
-        float *acc = aligned_alloc(64, sizeof(float) * (size_t)((j->m_count < GM_MB ? j->m_count : GM_MB) * 64));
-        __m512i *W = aligned_alloc(64, sizeof(__m512i) * (size_t)j->w_vectors);
-        if (!acc || !W) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(static)
-        for (int64_t w = 0; w < blocks * mblocks; w++) {
-            const int64_t b = w / mblocks, m0 = (w % mblocks) * GM_MB;
-            if (acc && W) block(j, b, m0, j->m_count - m0 < GM_MB ? j->m_count - m0 : GM_MB, acc, W);
-        }
-        free(acc);
-        free(W);
-    }
-    free((void *)j->xs);
-    return failed ? 2 : 0;
-}
-#endif
-
-/* The int4 product of llmsys_qgemv_int4 (same arguments, same bits), in the GEMM's loop order. */
+/* The int4 product of llmsys_qgemv_int4 (same arguments, same bits), in the GEMM's loop order: work
+   items (64-row block, up to GM_MB rows of x) over threads, each thread with its own accumulators and
+   word buffer. */
 int llmsys_qgemm_int4(const uint16_t *x, int64_t ldx, const uint8_t *packed, const void *scales, int64_t s_n,
                       int64_t s_g, int scale_kind, const uint8_t *zeros, int64_t z_n, int64_t z_g, uint16_t *out,
                       int64_t ldo, int64_t m_count, int64_t n, int64_t kp, int64_t k, int64_t gs, int threads) {
@@ -912,25 +806,30 @@ int llmsys_qgemm_int4(const uint16_t *x, int64_t ldx, const uint8_t *packed, con
     if (m_count <= 0 || n <= 0 || gs % 32 || gs > 128 || kp % gs || k <= kp - gs || k > kp || ldx < k || ldo < n)
         return 1;
     const int4_meta md = {zeros, z_n, z_g, scales, s_n, s_g, scale_kind};
-    const gm_job j = {.xs = pairs(x, ldx, m_count, k, kp / 2, threads), .np = kp / 2, .m_count = m_count, .n = n,
-                      .k = k, .out = out, .ldo = ldo, .packed = packed, .md = &md, .kp = kp, .gs = gs,
-                      .w_vectors = 2 * gs /* gs / 2 pairs x 4 vectors */};
-    return j.xs ? gm_run(&j, int4_job_block, threads) : 2;
-#endif
-}
-
-/* x [M, K] bf16 (row stride ldx), q int8 [N, K], scales bf16 [N] -> out [M, N] bf16 (row stride ldo):
-   int8_gemm_def's bits. Code 3: not built with AVX512-BF16 (the caller runs its dense GEMM). */
-int llmsys_qgemm_int8(const uint16_t *x, int64_t ldx, const int8_t *q, const uint16_t *scales, uint16_t *out,
-                      int64_t ldo, int64_t m_count, int64_t n, int64_t k, int threads) {
-#ifndef QG_BF16
-    (void)x, (void)ldx, (void)q, (void)scales, (void)out, (void)ldo, (void)m_count, (void)n, (void)k, (void)threads;
-    return 3;
-#else
-    if (m_count <= 0 || n <= 0 || k <= 0 || ldx < k || ldo < n) return 1;
-    const int64_t np = (k + 1) / 2;
-    const gm_job j = {.xs = pairs(x, ldx, m_count, k, np, threads), .np = np, .m_count = m_count, .n = n, .k = k,
-                      .out = out, .ldo = ldo, .q = q, .scales = scales, .w_vectors = 2 * I8_CHUNK};
-    return j.xs ? gm_run(&j, int8_job_block, threads) : 2;
+    uint32_t *xw = pairs(x, ldx, m_count, k, kp / 2, threads);
+    if (!xw) return 2;
+    const int64_t blocks = (n + 63) / 64, mblocks = (m_count + GM_MB - 1) / GM_MB, bytes = kp * 32;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1 && blocks * mblocks > 1)
+    {
+        float *acc = aligned_alloc(64, sizeof(float) * (size_t)((m_count < GM_MB ? m_count : GM_MB) * 64));
+        __m512i *W = aligned_alloc(64, sizeof(__m512i) * (size_t)(2 * gs)); /* gs / 2 pairs x 4 vectors */
+        if (!acc || !W) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t w = 0; w < blocks * mblocks; w++) {
+            const int64_t b = w / mblocks, m0 = (w % mblocks) * GM_MB;
+            const int64_t mc = m_count - m0 < GM_MB ? m_count - m0 : GM_MB;
+            if (acc && W)
+                int4_gemm_block(xw + m0 * (kp / 2), kp, mc, packed + b * bytes, packed + blocks * bytes, &md, kp / gs,
+                                gs, b * 64, n, out + m0 * ldo, ldo, acc, W);
+        }
+        free(acc);
+        free(W);
+    }
+    free(xw);
+    return failed ? 2 : 0;
 #endif
 }

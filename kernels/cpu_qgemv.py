@@ -22,15 +22,15 @@ to the C kernels bit for bit, tests/test_cpu_qgemv.py):
 Each output depends only on its row of x and its weight row, so the kernels
 are batch-invariant (any M, N, thread count).
 
-Prefill: the GEMV decodes a weight block afresh for every few rows of x, which
-dominates at large M; the GEMMs (:func:`int4_gemm`, :func:`int8_gemm`) decode
-each 64-row block once into bf16 pairs and run all rows of x against it
-(~0.9x a prepacked bf16 GEMM at M = 128, where dequantize + GEMM gave
-0.65-0.82x). ``int4_gemm`` forms the GEMV's sums in the GEMV's order, so it
-has the same bits and the layers may switch between them by speed alone;
-``int8_gemm`` has its own definition, :func:`int8_gemm_def` (per 64-column
-chunk a sum in order of k, the chunk sums added in order, then the scale).
-They need AVX512-BF16 (:func:`gemm_native`). Without the C kernel
+Prefill: the int4 GEMV decodes a weight block afresh for every 4 rows of x,
+which dominates at large M; :func:`int4_gemm` decodes each 64-row block once
+into bf16 pairs and runs all rows of x against it (0.85-0.97x a prepacked bf16
+GEMM at M = 128, where dequantize + GEMM gave 0.65-0.82x), forming the GEMV's
+sums in the GEMV's order: the same bits, so the layers may switch between
+them by speed alone. The int8 GEMV itself, from 5 rows of x, converts each
+weight row once into bf16 "lane pairs" that vdpbf16ps adds in its FMA lanes'
+order (the same bits; 0.81-0.90x at M = 128). Both need AVX512-BF16
+(:func:`gemm_native`) to be fast at prefill sizes. Without the C kernel
 (no compiler, ``LLMSYS_NO_CKERNELS=1``) :func:`available` is False and the
 quantized layers keep torch's packed ops.
 """
@@ -51,7 +51,6 @@ _P, _I, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
     "llmsys_qgemv_int8": [_P, _I, _P, _P, _P, _I, _I, _I, _I, _C],
     "llmsys_qgemv_int4": [_P, _I, _P, _P, _I, _I, _C, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _C],
-    "llmsys_qgemm_int8": [_P, _I, _P, _P, _P, _I, _I, _I, _I, _C],
     "llmsys_qgemm_int4": [_P, _I, _P, _P, _I, _I, _C, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _C],
     "llmsys_qgemm_native": [],
 }
@@ -64,9 +63,10 @@ available = _KERNEL.available
 
 
 def gemm_native(lib=None) -> bool:
-    """Whether the prefill GEMMs (:func:`int8_gemm`, :func:`int4_gemm`) run natively: the C kernel is
-    built with AVX512-BF16. Elsewhere int4_gemm runs the GEMV's loop (same bits, slower) and int8_gemm
-    is unavailable, so the layers keep their dense bf16 GEMM for prefill."""
+    """Whether the kernel is built with AVX512-BF16, where :func:`int4_gemm` runs its own loop and
+    :func:`int8_gemv` converts each weight row once for batches of 5 or more rows: both fast at prefill
+    sizes. Elsewhere int4_gemm runs the GEMV's loop (same bits, slower) and the int8 GEMV re-converts
+    per 4 rows, so the layers keep their dense bf16 GEMM for prefill."""
     lib = lib or _KERNEL.lib()
     return lib is not None and bool(lib.llmsys_qgemm_native())
 
@@ -86,19 +86,6 @@ def load_kernel(path: Path) -> ctypes.CDLL:
 def int8_gemv_def(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``x [M, K]`` bf16, ``qweight int8 [N, K]``, ``scales [N]`` bf16 ``-> [M, N]`` bf16, the C kernel's bits."""
     acc = lane_sum(x.float()[:, None, :], qweight.float()[None, :, :])  # [M, N]
-    return (acc * scales.float()).to(torch.bfloat16)
-
-
-def int8_gemm_def(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, chunk: int = 64) -> torch.Tensor:
-    """The bits of :func:`int8_gemm`: per 64-column chunk a float32 sum in order of k from zero (the
-    products are exact), the chunk sums added in order, then ``bf16(acc * scale[n])``."""
-    xf, qf = x.float(), qweight.float()
-    acc = torch.zeros(x.shape[0], qweight.shape[0])
-    for k0 in range(0, x.shape[1], chunk):
-        a = torch.zeros_like(acc)
-        for c in range(k0, min(k0 + chunk, x.shape[1])):
-            a = a + xf[:, None, c] * qf[None, :, c]
-        acc = acc + a
     return (acc * scales.float()).to(torch.bfloat16)
 
 
@@ -151,33 +138,19 @@ def int8_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *, c
     the checks for callers that validated their tensors once (a layer's own
     buffers: ~5 us a call on the decode path); ``lib``: another build, for tests.
     """
-    return _int8("gemv", x, qweight, scales, check, lib)
-
-
-def int8_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *, check: bool = True,
-              lib=None) -> torch.Tensor:
-    """:func:`int8_gemv`'s product (same arguments) for prefill-sized M, with the bits of
-    :func:`int8_gemm_def`. Needs :func:`gemm_native` (``RuntimeError`` otherwise)."""
-    return _int8("gemm", x, qweight, scales, check, lib)
-
-
-def _int8(op: str, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, check: bool, lib) -> torch.Tensor:
     n, k = qweight.shape
     if check:
-        _check_x(f"int8_{op}", x, k)
+        _check_x("int8_gemv", x, k)
         if qweight.dtype != torch.int8 or not qweight.is_contiguous() or scales.dtype != torch.bfloat16 \
                 or tuple(scales.shape) != (n,) or not scales.is_contiguous():
-            raise ValueError(f"int8_{op}: qweight must be contiguous int8 [N, K] and scales contiguous bf16 [N], "
+            raise ValueError(f"int8_gemv: qweight must be contiguous int8 [N, K] and scales contiguous bf16 [N], "
                              f"got {qweight.dtype} {tuple(qweight.shape)}, {scales.dtype} {tuple(scales.shape)}")
     m = x.shape[0]
     out = torch.empty(m, n, dtype=torch.bfloat16)
-    rc = getattr(lib or _KERNEL.lib(), f"llmsys_q{op}_int8")(
-        x.data_ptr(), x.stride(0), qweight.data_ptr(), scales.data_ptr(), out.data_ptr(), n, m, n, k,
-        torch.get_num_threads())
-    if rc == 3:
-        raise RuntimeError("int8_gemm: this build of the C kernel has no AVX512-BF16 (check gemm_native())")
+    rc = (lib or _KERNEL.lib()).llmsys_qgemv_int8(x.data_ptr(), x.stride(0), qweight.data_ptr(), scales.data_ptr(),
+                                                  out.data_ptr(), n, m, n, k, torch.get_num_threads())
     if rc:
-        raise RuntimeError(f"int8_{op}: the C kernel failed (code {rc}) on M={m} N={n} K={k}")
+        raise RuntimeError(f"int8_gemv: the C kernel failed (code {rc}) on M={m} N={n} K={k}")
     return out
 
 

@@ -79,13 +79,13 @@ class Int8Linear(_PerRowLinear):
     ``bf16(dot * scale)``; ~2x the weight bandwidth of
     ``torch._weight_int8pack_mm``, which runs instead when the kernel is not
     built). Both need bf16 activations, so float32 inputs are cast to bf16
-    and the result cast back. Larger bf16 inputs (prefill) take the C GEMM
-    ``cpu_qgemv.int8_gemm`` where it is built with AVX512-BF16 (each weight
-    block decoded once for all rows: 0.81-0.90x a prepacked bf16 GEMM at
-    M = 128 on Zen 4, vs 0.74-0.87x for the dense path; benchmarks/bench_qmatmul.py),
-    else convert q to the input
-    dtype and GEMM (bf16: the weight as oneDNN's first operand, see
-    ``_dequant_matmul``). torch's packed op crashes
+    and the result cast back. Larger bf16 inputs (prefill) take the same C GEMV
+    where it is built with AVX512-BF16: from 5 rows it converts each weight row
+    once for all rows (0.81-0.90x a prepacked bf16 GEMM at M = 128 on Zen 4, vs
+    0.74-0.87x for the dense path; benchmarks/bench_qmatmul.py), with the bits of
+    the 1-row call, so a prompt, a decode step and any batch agree. Elsewhere they
+    convert q to the input dtype and GEMM (bf16: the weight as oneDNN's first
+    operand, see ``_dequant_matmul``). torch's packed op crashes
     (SIGSEGV, torch 2.13 CPU) on bf16 inputs when K % 16 != 0, so float32
     inputs of such layers (e.g. stories260k's FFN, K=172) keep the exact
     dequant path; bf16 inputs take the C kernel at any K.
@@ -116,9 +116,10 @@ class Int8Linear(_PerRowLinear):
         buf = self._buffers  # read directly: nn.Module.__getattr__ costs ~1 us a buffer on the decode path
         if x2.device.type == "cuda":
             return w8a16_matmul(x2.contiguous(), buf["qweight"], buf["scales"])  # Triton W8A16
+        lanes = x2.dtype == torch.bfloat16 and cpu_qgemv.available() and cpu_qgemv.gemm_native()
         if (
             x2.device.type == "cpu"
-            and x2.shape[0] <= PACKED_MAX_ROWS
+            and (x2.shape[0] <= PACKED_MAX_ROWS or lanes)
             and x2.dtype in (torch.bfloat16, torch.float32)
             and (self.in_features % 16 == 0 or (x2.dtype == torch.bfloat16 and cpu_qgemv.available()))
         ):
@@ -133,11 +134,6 @@ class Int8Linear(_PerRowLinear):
             y = torch._weight_int8pack_mm(xb.contiguous(), buf["qweight"], buf["scales"])  # K % 16 == 0 here
             return y.to(x2.dtype)
         if x2.device.type == "cpu" and x2.dtype == torch.bfloat16:
-            if cpu_qgemv.gemm_native():  # each weight block decoded once for all rows (int8_gemm_def's bits)
-                if x2.shape[1] != self.in_features:
-                    raise ValueError(f"Int8Linear: input has {x2.shape[1]} features, expected {self.in_features}")
-                xb = x2 if x2.stride(1) == 1 else x2.contiguous()
-                return cpu_qgemv.int8_gemm(xb, buf["qweight"], buf["scales"], check=False)  # [M, N]
             return self._dequant_matmul(x2)
         return F.linear(x2, self.qweight.to(x2.dtype)) * self.scales.to(x2.dtype)
 
