@@ -10,7 +10,7 @@ dense fallback (dequantize + bf16 GEMM, which runs where the C GEMM is not
 native) at the prefill M, and the int4 GEMV vs GEMM times at small M (the two
 give the same bits, so the layer switches at ``GEMM_MIN_ROWS`` by speed alone).
 
-    python benchmarks/bench_qmatmul.py [--threads 2] [--repeat 9]
+    python benchmarks/bench_qmatmul.py [--threads 2] [--repeat 25]
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def _median_ms(fn, repeat: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--repeat", type=int, default=9)
+    ap.add_argument("--repeat", type=int, default=25)
     ap.add_argument("--prefill", type=int, default=128, help="rows of the prefill-sized call")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
