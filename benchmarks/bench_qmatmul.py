@@ -16,22 +16,15 @@ give the same bits, so the layer switches at ``GEMM_MIN_ROWS`` by speed alone).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
+from bench_gemv import _median_s  # the same warm-up + median timing
 
 MATRICES = [("q\\|k\\|v", 1152, 896), ("o", 896, 896), ("gate\\|up", 9728, 896), ("down", 896, 4864)]  # \| in Markdown
 
 
 def _median_ms(fn, repeat: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
+    return _median_s(fn, repeat) * 1e3
 
 
 def main() -> None:
