@@ -1,5 +1,5 @@
-/* Quantized-weight GEMV for decode-sized batches, and GEMM for prefill (at the end of this file),
- * on the CPU: int8 per row, int4 per group.
+/* Quantized-weight GEMV on the CPU, int8 per row and int4 per group, for decode and (int8, from 5 rows
+ * of x) prefill, and the int4 GEMM for prefill (at the end of this file).
  *
  * Built and loaded by kernels/cpu_qgemv.py (gcc -O3 -march=native -fopenmp
  * -ffp-contract=off -shared, cached under a hash of this file). Why: torch's
@@ -233,8 +233,9 @@ static void int8_rows(const float *xf, int64_t kpad, int64_t m_count, const int8
    instruction (vdpbf16ps also flushes subnormal inputs and sums to zero, where the FMAs do not).
    Each weight row is converted once per call into a buffer that all rows of x then read, where
    int8_tile converts it again for every 4 rows of x; so batches of 8-32 rows are no longer bound by
-   the FMAs: Qwen2.5-0.5B matrices at M = 8-32 went from 0.46-0.68x to 0.62-0.80x a prepacked bf16
-   GEMM, 1.1-1.2x faster than int8_tile at M = 5 and 1.5-1.6x at M = 32 (benchmarks/bench_qmatmul.py). */
+   the FMAs: Qwen2.5-0.5B matrices at M = 8-32 went from 0.46-0.68x to 0.61-0.87x a prepacked bf16
+   GEMM (1.1-1.2x faster than int8_tile at M = 5, 1.5-1.6x at M = 32), and at M = 128 (prefill)
+   0.77-0.90x (benchmarks/bench_qmatmul.py). */
 #ifndef I8B_MIN_M
 #define I8B_MIN_M 5 /* rows of x from which the lane-pair path runs */
 #endif
@@ -790,7 +791,6 @@ static void int4_gemm_block(const uint32_t *xs, int64_t kp, int64_t m_count, con
         store_rows(out + m * ldo + row0, (const __m512 *)r, rows);
     }
 }
-
 #endif
 
 /* The int4 product of llmsys_qgemv_int4 (same arguments, same bits), in the GEMM's loop order: work
