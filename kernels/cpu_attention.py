@@ -1,11 +1,13 @@
-"""The CPU fast path of paged attention: one gather + one batched SDPA.
+"""The CPU fast path of paged attention: one gather plan per step, batched decode, per-sequence prompts.
 
 The reference (``reference.py``) loops over sequences for obviousness; on a
 CPU, where decode is bound by Python overhead as much as by bytes, that loop
 costs more than the math. Here a :class:`GatherPlan` is built once per engine
-step (it depends only on the batch layout, not the layer) and every layer
-does: gather each sequence's K/V by slot into ``[B, Lmax, Hk, D]``, run one
-``scaled_dot_product_attention`` with a causal/length mask, unpad.
+step (it depends only on the batch layout, not the layer). Decode rows run the
+C decode kernel reading the pool by slot (or one grouped matmul over the
+gathered rows); prompt chunks gather each sequence's K/V by slot into
+``[B, Lmax, Hk, D]`` and run ``scaled_dot_product_attention`` per sequence,
+unpadded, so a sequence's bits do not depend on the rest of the step.
 
 Cold blocks (a KV tier beyond the pool, ``llmsys.offload.kv_tier``): block ids
 ``>= ColdBlocks.first`` are not in the pool tensors. The plan gathers their
@@ -261,8 +263,6 @@ def paged_attention_gathered(
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
     T, Hq, D = q.shape
-    Hk = k_cache.shape[-2]
-    B = len(plan.query_start) - 1
     if plan.split is not None:  # decodes and prompt chunks as two batches (see GatherPlan.split)
         dplan, dtok, pplan, ptok = plan.split
         out = q.new_empty(T, Hq, D)
@@ -289,14 +289,7 @@ def paged_attention_gathered(
         return _decode_grouped(q, k, v, plan.attn_mask, scale)
     k = _gather(k_cache, k_scale, plan, q.dtype).transpose(1, 2)  # [B, Hk, Lmax, D]
     v = _gather(v_cache, v_scale, plan, q.dtype).transpose(1, 2)
-    qs = plan.query_start
-    if plan.lens is not None:
-        return _prefill_each(q, k, v, plan, scale)
-    qpad = torch.cat([q, q.new_zeros(1, Hq, D)], dim=0)  # row T is the pad row
-    qb = qpad[plan.query_pad_index].transpose(1, 2)  # [B, Hq, Qmax, D]
-    out = F.scaled_dot_product_attention(qb, k, v, attn_mask=plan.attn_mask, scale=scale, enable_gqa=Hq != Hk)
-    out = out.transpose(1, 2)  # [B, Qmax, Hq, D]
-    return torch.cat([out[b, : qs[b + 1] - qs[b]] for b in range(B)], dim=0)
+    return _prefill_each(q, k, v, plan, scale)
 
 
 def _prefill_each(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: GatherPlan,
@@ -305,10 +298,12 @@ def _prefill_each(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Gathe
     shapes and mask it would have alone, so its bits do not depend on what else is in the step.
 
     Why: one padded SDPA over the batch gave a sequence other bits when a longer sequence
-    widened the padding (SDPA's blocking follows the padded sizes). In bf16, or through
-    layers that round activations to bf16 (the int4/int8 matmuls), such last-bit
-    differences flipped greedy tokens: 130/180 (bf16) and 165/180 (int4) served outputs
-    equalled the sequential ones (benchmarks/bench_server.py)."""
+    widened the padding (SDPA's blocking follows the padded sizes). Through layers that
+    round activations to bf16 (the int4/int8 matmuls) such last-bit differences flipped
+    greedy tokens: served int4 outputs equalled the sequential ones 165/180 times, 180/180
+    with this (benchmarks/bench_server.py)."""
+    if plan.lens is None:
+        raise ValueError("paged_attention_gathered: a prompt plan needs its context lengths (make_gather_plan sets them)")
     Hq, Hk = q.shape[1], k.shape[1]
     qs = plan.query_start
     outs = []
