@@ -310,9 +310,10 @@ def _prefill_each(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Gathe
     for b in range(len(qs) - 1):
         n, L = qs[b + 1] - qs[b], int(plan.lens[b])
         qb = q[qs[b] : qs[b + 1]].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-        mask = plan.attn_mask[b : b + 1, :, :n, :L].contiguous()  # [1, 1, n, L]
-        kb, vb = k[b : b + 1, :, :L].contiguous(), v[b : b + 1, :, :L].contiguous()  # [1, Hk, L, D]
-        out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale, enable_gqa=Hq != Hk)
+        mask = plan.attn_mask[b : b + 1, :, :n, :L].contiguous()  # [1, 1, n, L]; its strides would follow Lmax
+        # k/v [1, Hk, L, D] views: their strides (Hk * D per position) do not depend on the padding
+        out = F.scaled_dot_product_attention(qb, k[b : b + 1, :, :L], v[b : b + 1, :, :L], attn_mask=mask,
+                                             scale=scale, enable_gqa=Hq != Hk)
         outs.append(out[0].transpose(0, 1))  # [n, Hq, D]
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 

@@ -160,16 +160,6 @@ def transpose_bf16(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def compile_kernel(cc: str, target: Path, extra_flags: tuple[str, ...] = ()) -> str | None:
-    """Compile ``cpu_int4.c`` to ``target``; returns an error line, or None (tests build other ISAs)."""
-    return _cbuild.compile_source(cc, _SOURCE, target, extra_flags)
-
-
-def load_kernel(path: Path) -> ctypes.CDLL:
-    """Load a compiled kernel and declare its signature."""
-    return _cbuild.load(path, _SIGNATURES)
-
-
 def run_kernel(lib: ctypes.CDLL, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                in_features: int, group_size: int, rows: tuple[int, int] | None = None,
                out: torch.Tensor | None = None) -> torch.Tensor:

@@ -71,15 +71,6 @@ def gemm_native(lib=None) -> bool:
     return lib is not None and bool(lib.llmsys_qgemm_native())
 
 
-def compile_kernel(cc: str, target: Path, extra_flags: tuple[str, ...] = ()) -> str | None:
-    """Compile ``cpu_qgemv.c`` to ``target``; returns an error line, or None (tests build other ISAs)."""
-    return _cbuild.compile_source(cc, _SOURCE, target, extra_flags)
-
-
-def load_kernel(path: Path) -> ctypes.CDLL:
-    return _cbuild.load(path, _SIGNATURES)
-
-
 # ------------------------------------------------------------------ definitions
 
 

@@ -116,10 +116,12 @@ class Int8Linear(_PerRowLinear):
         buf = self._buffers  # read directly: nn.Module.__getattr__ costs ~1 us a buffer on the decode path
         if x2.device.type == "cuda":
             return w8a16_matmul(x2.contiguous(), buf["qweight"], buf["scales"])  # Triton W8A16
-        lanes = x2.dtype == torch.bfloat16 and cpu_qgemv.available() and cpu_qgemv.gemm_native()
         if (
             x2.device.type == "cpu"
-            and (x2.shape[0] <= PACKED_MAX_ROWS or lanes)
+            # more rows (prefill): the GEMV too where its lane-pair path is native (checked only then:
+            # a ctypes call per layer is not free on the decode path)
+            and (x2.shape[0] <= PACKED_MAX_ROWS
+                 or (x2.dtype == torch.bfloat16 and cpu_qgemv.available() and cpu_qgemv.gemm_native()))
             and x2.dtype in (torch.bfloat16, torch.float32)
             and (self.in_features % 16 == 0 or (x2.dtype == torch.bfloat16 and cpu_qgemv.available()))
         ):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,18 @@ def need_shared(path: Path = SHARED) -> Path:
     if not path.exists():
         pytest.skip(f"{path} is absent: the stories260k model and corpora live in ../shared beside the checkout")
     return path
+
+
+def other_isa_build(source: Path, signatures: dict, flags: tuple[str, ...], tmp_path: Path):
+    """A C kernel built with extra ``flags`` (another ISA's code paths) and loaded; skips the calling
+    test when the compiler cannot build it."""
+    from llmsys.kernels import _cbuild
+
+    cc = os.environ.get("CC") or "gcc"
+    err = _cbuild.compile_source(cc, source, tmp_path / "k.so", flags)
+    if err:
+        pytest.skip(f"{cc} cannot build with {flags}: {err}")
+    return _cbuild.load(tmp_path / "k.so", signatures)
 
 
 @pytest.fixture

@@ -10,8 +10,9 @@ import textwrap
 import pytest
 import torch
 
+from conftest import other_isa_build
 from llmsys import kernels
-from llmsys.kernels import _cbuild, cpu_decode
+from llmsys.kernels import cpu_decode
 from llmsys.kernels.reference import rms_norm_ref, rope_ref
 
 KERNEL = cpu_decode.available()
@@ -120,11 +121,7 @@ def test_decode_attention_by_slot_equals_gathered_and_is_batch_invariant(dtype):
 @pytest.mark.parametrize("flags", [("-mno-avx512f",), ("-mno-avx2", "-mno-avx512f")])
 def test_other_isas_give_the_same_bits(flags, tmp_path):
     """No FMA contraction and a fixed reduction order: a build for another ISA computes the same bits."""
-    cc = os.environ.get("CC") or "gcc"
-    err = _cbuild.compile_source(cc, cpu_decode._SOURCE, tmp_path / "k.so", flags)
-    if err:
-        pytest.skip(f"{cc} cannot build with {flags}: {err}")
-    lib = _cbuild.load(tmp_path / "k.so", cpu_decode._SIGNATURES)
+    lib = other_isa_build(cpu_decode._SOURCE, cpu_decode._SIGNATURES, flags, tmp_path)
     x = (torch.randn(4, 300) * 2).to(BF)
     w = torch.randn(300).to(BF)
     out = torch.empty_like(x)

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import other_isa_build
 from llmsys.kernels import cpu_int4, cpu_qgemv
 from llmsys.kernels.cpu_int4 import dequant_cpu_int4
 from llmsys.quant import int4 as int4_mod
@@ -92,11 +93,7 @@ def test_kernel_row_ranges_and_odd_values():
 @pytest.mark.parametrize("flags", [("-mno-avx512bf16",), ("-mno-avx512f",), ("-mno-avx2", "-mno-avx512f")])
 def test_other_code_paths_bit_exact(flags, tmp_path):
     """The kernel's paths for CPUs without AVX512-BF16, AVX-512 or AVX2, built here with those ISAs off."""
-    cc = os.environ.get("CC") or "gcc"
-    err = cpu_int4.compile_kernel(cc, tmp_path / "k.so", flags)
-    if err:
-        pytest.skip(f"{cc} cannot build with {flags}: {err}")
-    lib = cpu_int4.load_kernel(tmp_path / "k.so")
+    lib = other_isa_build(cpu_int4._SOURCE, cpu_int4._SIGNATURES, flags, tmp_path)
     for n, k, g, seed in [(200, 172, 64, 0), (130, 1000, 32, 1), (96, 256, 128, 2)]:
         lin = _layer(n, k, g, seed=seed)
         args = _args(lin)

@@ -9,11 +9,10 @@ built without AVX-512. The quantized layers use them for decode-sized inputs.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
+from conftest import other_isa_build
 from llmsys.kernels import cpu_qgemv
 from llmsys.quant import int4 as int4_mod
 from llmsys.quant.base import PACKED_MAX_ROWS
@@ -145,11 +144,7 @@ def test_int4_other_scale_dtypes(scale_dtype):
 @pytest.mark.parametrize("flags", [("-mno-avx512bf16",), ("-mno-avx512f",), ("-mno-avx2", "-mno-avx512f")])
 def test_other_code_paths_bit_exact(flags, tmp_path):
     """The paths for CPUs without AVX512-BF16 or AVX-512, built here with those ISAs off: the same bits."""
-    cc = os.environ.get("CC") or "gcc"
-    err = cpu_qgemv.compile_kernel(cc, tmp_path / "k.so", flags)
-    if err:
-        pytest.skip(f"{cc} cannot build with {flags}: {err}")
-    lib = cpu_qgemv.load_kernel(tmp_path / "k.so")
+    lib = other_isa_build(cpu_qgemv._SOURCE, cpu_qgemv._SIGNATURES, flags, tmp_path)
     torch.manual_seed(4)
     x = torch.randn(5, 300).bfloat16()
     for n, k in [(130, 300), (9, 37)]:

@@ -441,3 +441,16 @@ def test_cpu_prompt_attention_does_not_depend_on_the_batch(dtype):
                                      torch.tensor(starts), 0.125, impl="reference")
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     _close(together.float(), want, atol=tol, rtol=tol)
+
+
+def test_cpu_prompt_attention_needs_context_lengths():
+    """A hand-built prompt plan without lengths fails with a message naming what is missing."""
+    import dataclasses
+
+    from llmsys.kernels.cpu_attention import make_gather_plan, paged_attention_gathered
+
+    kc, vc, _, _, tables, _, _ = _paged_setup([12], 2, 16, 8, seed=6)
+    plan = make_gather_plan([12], [12], [tables[0][:2].tolist()], 8, torch.device("cpu"), prompt=[True])
+    q = torch.randn(12, 4, 16)
+    with pytest.raises(ValueError, match="prompt plan needs its context lengths"):
+        paged_attention_gathered(q, kc, vc, dataclasses.replace(plan, lens=None), 0.25)
