@@ -8,7 +8,7 @@ op computes.
 
 from llmsys.kernels._backend import interpreter_enabled, triton_available
 from llmsys.kernels.cpu_int4 import CPU_BLOCK_N as CPU_INT4_BLOCK_N
-from llmsys.kernels.cpu_int4 import dequant_cpu_int4, transpose_bf16, unpack_cpu_int4
+from llmsys.kernels.cpu_int4 import dequant_cpu_int4, pack_cpu_int4, transpose_bf16, unpack_cpu_int4
 from llmsys.kernels.cpu_linear import linear, packable, prepack
 from llmsys.kernels.ops import (
     DEFAULT_PARTITION_SIZE,
@@ -37,6 +37,7 @@ __all__ = [
     "linear",
     "packable",
     "prepack",
+    "pack_cpu_int4",
     "pack_int4",
     "paged_decode_attention",
     "paged_prefill_attention",

@@ -1,19 +1,35 @@
-"""Compile a C kernel on first use, cache it on disk, load it with ctypes.
+"""C kernels built for named ISA levels, the level chosen by the running CPU, loaded with ctypes.
 
-Shared by the CPU kernels (``cpu_int4.c``, ``cpu_decode.c``): each is built
-with ``gcc -O3 -march=native -fopenmp -ffp-contract=off -shared`` into
-``$LLMSYS_HOME/kernels`` (default ``~/.cache/llmsys/kernels``), named by a
-hash of the source, flags, compiler and CPU, so a changed file or another CPU
-builds afresh and a second process reuses the build. ``-ffp-contract=off``: no
-fused multiply-adds, so every product and sum rounds once, as the torch
-definitions of the kernels compute them. Without a compiler, when the build
-fails, or with ``LLMSYS_NO_CKERNELS=1``, callers get ``None`` and a reason and
-run their torch path instead.
+Why levels and not ``-march=native``: a native build runs only on the CPU that
+built it, so a kernel cache, a container image or a wheel moved to another
+machine died with SIGILL. Each source is compiled for explicit levels
+(:data:`LEVELS`: baseline x86-64 / SSE2, x86-64-v3 / AVX2+FMA+F16C,
+x86-64-v4 / AVX-512, and AVX-512 with BF16; armv8-a / NEON and armv8.2-a with
+dot products and fp16), and the best level the CPU supports is loaded. What the
+CPU supports comes from ``cpu_features.c`` (cpuid / hwcaps), itself built at
+the baseline level, never from ``/proc/cpuinfo`` text.
+``LLMSYS_CPU_ISA=<level>`` forces a lower level; ``LLMSYS_NO_CKERNELS=1`` turns
+the C kernels off (the torch paths run).
+
+Where a build comes from, in order: the package's ``_built/`` folder (compiled
+at install time by ``kernels/_install.py``, so a wheel needs no compiler), the
+cache ``$LLMSYS_HOME/kernels`` (default ``~/.cache/llmsys/kernels``), else a
+compile into that cache, under a file lock so two processes do not both build.
+A file's name carries its level and a hash of the source, the headers and the
+flags, so a changed source or level never loads a stale build.
+
+Flags: ``-O3 -fopenmp -ffp-contract=off``: no fused multiply-adds unless a
+kernel writes them, so every product and sum rounds once as the kernels' torch
+definitions compute them, and the levels agree bit for bit.
+
+This module imports only the standard library: the install hook loads it by
+path, before llmsys is importable.
 """
 
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import functools
 import hashlib
 import os
@@ -21,91 +37,119 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared")
+HERE = Path(__file__).resolve().parent
+COMMON_FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared")
+SOURCES = ("cpu_features.c", "cpu_decode.c", "cpu_int4.c", "cpu_qgemv.c")  # what the install hook builds
+PREBUILT = HERE / "_built"
+
+
+@dataclass(frozen=True)
+class IsaLevel:
+    """One build target: its name, architecture, compiler flags and the CPU features it needs."""
+
+    name: str
+    arch: str  # "x86_64" | "aarch64"
+    flags: tuple[str, ...]
+    needs: frozenset[str]
+
+
+_V3 = frozenset({"avx2", "fma", "f16c", "bmi2"})
+_V4 = _V3 | {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd"}
+LEVELS: tuple[IsaLevel, ...] = (  # per architecture, lowest first
+    IsaLevel("x86-64", "x86_64", ("-march=x86-64", "-mtune=generic"), frozenset()),
+    IsaLevel("x86-64-v3", "x86_64", ("-march=x86-64-v3", "-mtune=generic"), _V3),
+    IsaLevel("x86-64-v4", "x86_64", ("-march=x86-64-v4", "-mtune=generic"), _V4),
+    IsaLevel("x86-64-v4-bf16", "x86_64", ("-march=x86-64-v4", "-mavx512bf16", "-mtune=generic"),
+             _V4 | {"avx512bf16"}),
+    IsaLevel("armv8-a", "aarch64", ("-march=armv8-a",), frozenset({"neon"})),
+    IsaLevel("armv8.2-a-dotprod", "aarch64", ("-march=armv8.2-a+dotprod+fp16",),
+             frozenset({"neon", "dotprod", "fp16"})),
+)
+# cpu_features.c's bits
+FEATURE_BITS = {
+    "avx2": 0, "fma": 1, "f16c": 2, "bmi2": 3, "avx512f": 4, "avx512bw": 5, "avx512dq": 6, "avx512vl": 7,
+    "avx512cd": 8, "avx512bf16": 9, "neon": 16, "dotprod": 17, "fp16": 18, "bf16": 19,
+}
+
+
+def machine_arch() -> str:
+    """``x86_64`` or ``aarch64`` (or whatever else ``platform.machine()`` says: no levels there)."""
+    m = platform.machine().lower()
+    return {"amd64": "x86_64", "x64": "x86_64", "arm64": "aarch64"}.get(m, m)
+
+
+def arch_levels(arch: str | None = None) -> tuple[IsaLevel, ...]:
+    """The levels of ``arch`` (default: this machine's), lowest first."""
+    arch = arch or machine_arch()
+    return tuple(lv for lv in LEVELS if lv.arch == arch)
+
+
+def level_named(name: str) -> IsaLevel:
+    for lv in LEVELS:
+        if lv.name == name:
+            return lv
+    raise ValueError(f"unknown ISA level {name!r}; levels: {', '.join(lv.name for lv in LEVELS)}")
 
 
 def cache_dir() -> Path:
-    """Where compiled kernels are kept: ``$LLMSYS_HOME/kernels`` (default ``~/.cache/llmsys``)."""
+    """Where kernels compiled at run time are kept: ``$LLMSYS_HOME/kernels`` (default ``~/.cache/llmsys``)."""
     return Path(os.environ.get("LLMSYS_HOME") or "~/.cache/llmsys").expanduser() / "kernels"
 
 
-def build(source: Path) -> tuple[Path | None, str]:
-    """Compile ``source`` (once per source/compiler/CPU): ``(path of the .so or None, status line)``."""
-    if os.environ.get("LLMSYS_NO_CKERNELS", "0") not in ("", "0"):
-        return None, "disabled by LLMSYS_NO_CKERNELS"
-    cc = os.environ.get("CC") or shutil.which("gcc")
-    if not cc:
-        return None, "no C compiler (gcc) on PATH"
-    try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-        headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]  # what the sources include
-        key = hashlib.sha256(b"\0".join([source.read_bytes(), *headers, " ".join(FLAGS).encode(), version.encode(),
-                                         cpu_signature().encode()])).hexdigest()[:16]
-        target = cache_dir() / f"{source.stem}-{key}.so"
-        if not target.exists():
-            error = compile_source(cc, source, target)
-            if error:
-                return None, error
-        return target, f"ok: {target}"
-    except (OSError, subprocess.SubprocessError) as exc:
-        return None, f"build or load failed: {exc}"
+def disabled() -> bool:
+    return os.environ.get("LLMSYS_NO_CKERNELS", "0") not in ("", "0")
 
 
-def compile_source(cc: str, source: Path, target: Path, extra_flags: tuple[str, ...] = ()) -> str | None:
-    """Compile ``source`` to ``target`` (atomically); returns an error line, or None.
+def artifact_name(source: Path, level: IsaLevel) -> str:
+    """``<stem>-<level>-<hash of source, headers, flags>.so``: the same name at install and at run time."""
+    headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]  # what the sources include
+    flags = " ".join(COMMON_FLAGS + level.flags).encode()
+    key = hashlib.sha256(b"\0".join([source.read_bytes(), *headers, flags])).hexdigest()[:16]
+    return f"{source.stem}-{level.name}-{key}.so"
 
-    ``extra_flags`` (e.g. ``-mno-avx512f``) build the other code paths for the tests.
-    """
+
+def compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+
+
+def compile_source(cc: str, source: Path, target: Path, level_flags: tuple[str, ...]) -> str | None:
+    """Compile ``source`` to ``target`` with ``level_flags`` (atomically); returns an error line, or None."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         tmp_so = Path(tmp) / target.name
-        res = subprocess.run([cc, *FLAGS, *extra_flags, "-o", str(tmp_so), str(source)],
+        res = subprocess.run([cc, *COMMON_FLAGS, *level_flags, "-o", str(tmp_so), str(source)],
                              capture_output=True, text=True, timeout=300)
         if res.returncode != 0:
             return f"{cc} failed: {(res.stderr or res.stdout).strip().splitlines()[-1:]}"
-        os.replace(tmp_so, target)  # atomic: concurrent builders each write their own temp file
+        os.replace(tmp_so, target)  # atomic: a reader sees no half-written file
     return None
 
 
-def build_and_load(source: Path, signatures: dict[str, list]) -> tuple[ctypes.CDLL | None, str]:
-    """:func:`build` then :func:`load`: ``(library or None, status line)``; callers memoize it per process."""
-    path, status = build(source)
-    if path is None:
-        return None, status
+def find_or_build(source: Path, level: IsaLevel) -> tuple[Path | None, str]:
+    """The build of ``source`` for ``level``: ``(path or None, how: "prebuilt" / "cached" / "built" / why not)``."""
+    name = artifact_name(source, level)
+    if (PREBUILT / name).exists():
+        return PREBUILT / name, "prebuilt"
+    target = cache_dir() / name
+    if target.exists():
+        return target, "cached"
+    cc = compiler()
+    if not cc:
+        return None, "no C compiler (gcc) on PATH and no prebuilt kernel (install from a wheel or `pip install .`)"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(target.parent, os.O_RDONLY)  # the cache folder is the lock: no lock files left behind
     try:
-        return load(path, signatures), status
-    except (OSError, AttributeError) as exc:
-        return None, f"build or load failed: {exc}"
-
-
-class Kernel:
-    """One C source, built and loaded on first use and then kept for the process.
-
-    The outcome (a library, or the reason there is none) is a fact about this
-    machine and source, like ``cpu_linear._ONEDNN``, so it is computed once.
-    A kernel module holds one and re-exports :meth:`available` and :meth:`status`.
-    """
-
-    def __init__(self, source: Path, signatures: dict[str, list]):
-        self.source = source
-        self.signatures = signatures
-
-    @functools.cached_property
-    def _loaded(self) -> tuple[ctypes.CDLL | None, str]:
-        return build_and_load(self.source, self.signatures)
-
-    def lib(self) -> ctypes.CDLL | None:
-        """The loaded library, or None (then the callers' torch path runs)."""
-        return self._loaded[0]
-
-    def status(self) -> str:
-        """``"ok: <path>"`` when the library is loaded, else why not."""
-        return self._loaded[1]
-
-    def available(self) -> bool:
-        return self._loaded[0] is not None
+        fcntl.flock(fd, fcntl.LOCK_EX)  # another process building into this cache: wait, then reuse its build
+        if target.exists():
+            return target, "cached"
+        error = compile_source(cc, source, target, level.flags)
+    finally:
+        os.close(fd)  # releases the lock
+    return (None, error) if error else (target, "built")
 
 
 def load(path: Path, signatures: dict[str, list]) -> ctypes.CDLL:
@@ -118,11 +162,86 @@ def load(path: Path, signatures: dict[str, list]) -> ctypes.CDLL:
     return lib
 
 
-def cpu_signature() -> str:
-    """-march=native code is only valid on the CPU it was built for: key the cache by it."""
+@functools.lru_cache(maxsize=1)  # a fact about this process's CPU
+def cpu_features() -> tuple[frozenset[str] | None, str]:
+    """The CPU's features from ``cpu_features.c`` built at the baseline level: ``(names or None, status)``."""
+    levels = arch_levels()
+    if not levels:
+        return None, f"no ISA levels for architecture {machine_arch()!r}"
+    if disabled():
+        return None, "disabled by LLMSYS_NO_CKERNELS"
     try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            lines = [ln for ln in f if ln.startswith(("model name", "flags"))]
-        return "".join(sorted(set(lines)))
-    except OSError:
-        return platform.processor() or platform.machine()
+        path, how = find_or_build(HERE / "cpu_features.c", levels[0])
+        if path is None:
+            return None, how
+        bits = load(path, {"llmsys_cpu_features": []}).llmsys_cpu_features()
+    except (OSError, AttributeError, subprocess.SubprocessError) as exc:
+        return None, f"build or load failed: {exc}"
+    return frozenset(n for n, b in FEATURE_BITS.items() if bits >> b & 1), "ok"
+
+
+@functools.lru_cache(maxsize=1)
+def selected_level() -> tuple[IsaLevel | None, str]:
+    """The level the kernels load: the best the CPU supports, or ``LLMSYS_CPU_ISA``'s: ``(level or None, why)``."""
+    features, status = cpu_features()
+    if features is None:
+        return None, status
+    supported = [lv for lv in arch_levels() if lv.needs <= features]
+    forced = os.environ.get("LLMSYS_CPU_ISA", "").strip()
+    if not forced:
+        return supported[-1], "best this CPU supports"
+    names = [lv.name for lv in arch_levels()]
+    if forced not in names:
+        msg = f"LLMSYS_CPU_ISA={forced} is not a level of {machine_arch()} ({', '.join(names)}); C kernels off"
+    elif forced not in [lv.name for lv in supported]:
+        msg = (f"LLMSYS_CPU_ISA={forced} needs features this CPU lacks "
+               f"(best: {supported[-1].name}); C kernels off")
+    else:
+        return level_named(forced), "forced by LLMSYS_CPU_ISA"
+    warnings.warn(msg, RuntimeWarning, stacklevel=2)
+    return None, msg
+
+
+def supports(level: IsaLevel) -> bool:
+    """Can this CPU run code built for ``level``?"""
+    features, _ = cpu_features()
+    return features is not None and level.arch == machine_arch() and level.needs <= features
+
+
+class Kernel:
+    """One C source, loaded on first use at :func:`selected_level` and then kept for the process.
+
+    The outcome (a library, or the reason there is none) is a fact about this
+    machine and source, so it is computed once. A kernel module holds one and
+    re-exports :meth:`available` and :meth:`status`.
+    """
+
+    def __init__(self, source: Path, signatures: dict[str, list]):
+        self.source = source
+        self.signatures = signatures
+
+    @functools.cached_property
+    def _loaded(self) -> tuple[ctypes.CDLL | None, str]:
+        if disabled():
+            return None, "disabled by LLMSYS_NO_CKERNELS"
+        level, why = selected_level()
+        if level is None:
+            return None, why
+        try:
+            path, how = find_or_build(self.source, level)
+            if path is None:
+                return None, how
+            return load(path, self.signatures), f"ok: {level.name} ({how}) {path}"
+        except (OSError, AttributeError, subprocess.SubprocessError) as exc:
+            return None, f"build or load failed: {exc}"
+
+    def lib(self) -> ctypes.CDLL | None:
+        """The loaded library, or None (then the callers' torch path runs)."""
+        return self._loaded[0]
+
+    def status(self) -> str:
+        """``"ok: <level> (<prebuilt|cached|built>) <path>"`` when the library is loaded, else why not."""
+        return self._loaded[1]
+
+    def available(self) -> bool:
+        return self._loaded[0] is not None

@@ -1,4 +1,4 @@
-"""CPU int4: dequantize torch's packed int4 weights to bfloat16 in one pass.
+"""CPU int4: dequantize int4 weights held in the CPU tiling to bfloat16 in one pass.
 
 Why: for prefill-sized batches torch's ``_weight_int4pack_mm_for_cpu`` costs
 about twice a bf16 GEMM per row (M >= 16), and dequantizing the packed
@@ -6,18 +6,17 @@ layout with torch ops takes 16-28 ms per 4864x896 matrix, so neither beat
 bf16. :func:`dequant_cpu_int4` writes the bf16 weight in ~1 ms (C kernel,
 ``cpu_int4.c``), after which the prefill GEMM runs at bf16 speed.
 
-The C kernel is compiled on first use with ``gcc -O3 -march=native -fopenmp
--shared`` into ``$LLMSYS_HOME/kernels`` (default ``~/.cache/llmsys/kernels``),
-named by a hash of the source, flags, compiler and CPU, and loaded with
-ctypes; it shares torch's OpenMP runtime and runs on
+The C kernel is built per ISA level and loaded for the running CPU
+(``_cbuild``); it shares torch's OpenMP runtime and runs on
 ``torch.get_num_threads()`` threads. Without a compiler, when the build
 fails, or with ``LLMSYS_NO_CKERNELS=1``, :func:`dequant_cpu_int4_ref` (plain
 torch, the definition) runs instead: the results are bit-identical
 (``tests/test_cpu_int4.py``), only slower.
 
-Layout (torch's ``_convert_weight_to_int4pack_for_cpu`` with N a multiple of
-64): bytes ``[Np/64, Kp, 32]``; byte ``(b, k, j)`` holds row ``64b+j`` in its
-low nibble and row ``64b+32+j`` in its high nibble, at column k.
+Layout (llmsys's CPU int4 tiling, :func:`pack_cpu_int4`, the same on every CPU;
+N padded to a multiple of 64): bytes ``[Np/64, Kp, 32]``; byte ``(b, k, j)``
+holds row ``64b+j`` in its low nibble and row ``64b+32+j`` in its high nibble,
+at column k.
 """
 
 from __future__ import annotations
@@ -44,13 +43,24 @@ _KERNEL = _cbuild.Kernel(_SOURCE, _SIGNATURES)  # built and loaded on first use,
 kernel_status = _KERNEL.status  # "ok: <path>" when the C kernel is loaded, else why the torch path runs
 
 
-def unpack_cpu_int4(packed: torch.Tensor, n: int, kp: int) -> torch.Tensor:
-    """Invert ``_convert_weight_to_int4pack_for_cpu`` for N a multiple of 64: ``-> q uint8 [N, Kp]``.
+def pack_cpu_int4(q: torch.Tensor) -> torch.Tensor:
+    """Codes ``q [N, Kp]`` (0..15, N a multiple of 64) in llmsys's CPU int4 tiling ``-> uint8 [N, Kp/2]``.
 
-    Measured layout: bytes form ``[N/64, Kp, 32]``; byte (b, k, j) holds row
-    64b+j in its low nibble and row 64b+32+j in its high nibble, at column k.
-    (For N not a multiple of 64 torch uses another tiling; callers pad N.)
+    Bytes form ``[N/64, Kp, 32]``; byte (b, k, j) holds row 64b+j in its low nibble and
+    row 64b+32+j in its high nibble, at column k: the 32 bytes of a column give 64 rows'
+    codes, which is what the C kernels read. Why our own and not torch's
+    ``_convert_weight_to_int4pack_for_cpu``: torch tiles by its own ISA dispatch (64-row
+    blocks on AVX-512, 32-row on AVX2, adjacent pairs elsewhere), so its bytes mean
+    different codes on different CPUs. This one is plain torch and the same everywhere.
     """
+    n, kp = q.shape
+    t = q.to(torch.uint8).view(n // CPU_BLOCK_N, CPU_BLOCK_N, kp).transpose(1, 2)  # [N/64, Kp, 64]
+    half = CPU_BLOCK_N // 2
+    return (t[..., :half] | (t[..., half:] << 4)).reshape(n, kp // 2)
+
+
+def unpack_cpu_int4(packed: torch.Tensor, n: int, kp: int) -> torch.Tensor:
+    """Invert :func:`pack_cpu_int4` (N a multiple of 64): ``-> q uint8 [N, Kp]``."""
     p = packed.reshape(n // CPU_BLOCK_N, kp, CPU_BLOCK_N // 2)
     q = torch.cat([p & 15, p >> 4], dim=2)  # [N/64, Kp, 64]
     return q.permute(0, 2, 1).reshape(n, kp)  # [N, Kp] uint8
@@ -71,7 +81,7 @@ def dequant_cpu_int4_ref(packed: torch.Tensor, scales: torch.Tensor, zeros: torc
 
 def check_int4_layout(op: str, packed: torch.Tensor, scales: torch.Tensor, n: int, n_groups: int, k: int,
                       group_size: int) -> None:
-    """``ValueError`` naming ``op`` unless ``packed`` is torch's CPU tiling of N rows (padded to 64)
+    """``ValueError`` naming ``op`` unless ``packed`` is the CPU int4 tiling of N rows (padded to 64)
     by ``Kp = n_groups * group_size`` columns, ``scales`` a float ``[N, G]``, and ``k`` (the input
     width) lies within the last group of Kp. Shared by the kernels that read this layout."""
     kp = n_groups * group_size
@@ -92,7 +102,7 @@ def dequant_cpu_int4(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
                      *, impl: str = "auto", out: torch.Tensor | None = None) -> torch.Tensor:
     """``w[n, k] = bf16((q[n, k] - zeros[n, g]) * scales[n, g])``, g = k // group_size: ``-> [N, K]`` bf16.
 
-    packed: uint8, torch's CPU int4 tiling of ``[Np, Kp]`` codes (Np = N rounded
+    packed: uint8, the CPU int4 tiling (:func:`pack_cpu_int4`) of ``[Np, Kp]`` codes (Np = N rounded
     up to 64, Kp = G * group_size); scales: ``[N, G]`` of any strides (e.g. a
     view into ``scales_zeros``), any float dtype; zeros: uint8 ``[N, G]``
     integer zero points. ``rows=(r0, r1)``: only rows r0..r1-1 (r0 a multiple

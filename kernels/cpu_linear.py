@@ -15,6 +15,15 @@ its blocked layout, after which a matmul streams it 1.2-1.9x faster than
 matrices, 2 threads; ``python benchmarks/bench_gemv.py``). The engine packs
 resident CPU weights once after loading; ``linear`` keeps a packed resident
 layer and the same layer streamed from disk (plain) bit-identical.
+
+bfloat16 without oneDNN's bf16 path (a CPU with neither AVX-512BW/VL/DQ nor
+AVX-NE-CONVERT: AVX2 laptops and desktops, Zen 2/3): oneDNN refuses to prepack
+bf16 weights there, and torch's own bf16 GEMM costs about 0.45 ms per row of x
+on a 4864x896 weight (55 ms at M = 128, 5.5x float32's MKL sgemm). The GEMV
+(M = 1) is fine (0.45 ms, float32: 0.86 ms), so batches of fewer than
+:data:`BF16_UPCAST_MIN_ROWS` rows keep it, and bigger ones upcast the weight
+to float32 a few hundred rows at a time (the chunk stays in L2) and run
+sgemm: 8.9 ms at M = 128 (Zen 3, 2 threads; 49152x576 head: 431 -> 110 ms).
 """
 
 from __future__ import annotations
@@ -31,7 +40,17 @@ _ONEDNN = _onednn_available()  # a fact about this torch build, never mutated
 _ONEDNN_MIN_WEIGHT = 1 << 16  # elements; below this oneDNN's per-call cost dominates
 
 
-_PACKABLE = (torch.float32, torch.bfloat16)
+def _onednn_bf16() -> bool:
+    return _ONEDNN and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+_ONEDNN_BF16 = _onednn_bf16()  # oneDNN runs (and prepacks) bf16 on this CPU; a fact, never mutated
+_PACKABLE = (torch.float32, torch.bfloat16) if _ONEDNN_BF16 else (torch.float32,)
+# Without oneDNN bf16: rows of x from which a bf16 matmul upcasts the weight in chunks (see the module doc;
+# Zen 3, 2 threads, native vs upcast ms: 4864x896 M=4 1.72 vs 1.76, M=8 3.87 vs 2.06; 49152x576 M=8
+# 23.7 vs 27.7, M=16 49 vs 31).
+BF16_UPCAST_MIN_ROWS = 8
+_UPCAST_CHUNK_BYTES = 4 << 20  # float32 bytes of weight upcast at a time
 # oneDNN's batch-size hint picks the blocking. 16 rather than 1 (1 blocks like the
 # plain oneDNN call): over the 210 SmolLM2-135M layer matrices in float32, M = 16
 # runs ~1.4x faster than plain oneDNN and M = 1 is no slower
@@ -56,6 +75,16 @@ def packable(weight: torch.Tensor, numel: int | None = None) -> bool:
         and weight.is_contiguous()
         and not weight.is_mkldnn
     )
+
+
+def fusable(weight: torch.Tensor) -> bool:
+    """Does ``linear`` take the same GEMM for ``weight`` [N, K] alone as for a row concatenation that
+    holds it (so a fused q|k|v or gate|up gives each part's bits)? Packable weights do; so does any
+    CPU bf16 weight where oneDNN has no bf16 (torch's bf16 GEMV or the upcast sgemm, by M alone)."""
+    if packable(weight):
+        return True
+    return (not _ONEDNN_BF16 and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+            and weight.dim() == 2 and weight.is_contiguous() and not weight.is_mkldnn)
 
 
 def prepack(weight: torch.Tensor) -> torch.Tensor | None:
@@ -87,7 +116,9 @@ def linear(
     packed on the fly, so it gives the same bits as the resident packed layer: the
     identical-answers-at-any-budget guarantee. The reorder costs a copy of the
     weight per call, noise next to the disk read it follows. bfloat16 needs none of
-    this (packed, plain and ``F.linear`` agree bitwise; tests/test_cpu_linear.py).
+    this (packed, plain and ``F.linear`` agree bitwise; tests/test_cpu_linear.py); without
+    oneDNN bf16 (AVX2) bf16 batches of :data:`BF16_UPCAST_MIN_ROWS` rows and more run as float32
+    sgemm on upcast weight chunks (module doc).
 
     ``rows_of``: ``weight`` is a row chunk of a matrix with this many rows (an LM
     head streamed in chunks); the GEMM choice follows the whole matrix, and
@@ -110,4 +141,28 @@ def linear(
         if packed_when_resident:
             weight = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_HINT)
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    if (
+        x.dtype == torch.bfloat16
+        and weight.dtype == torch.bfloat16
+        and not _ONEDNN_BF16
+        and x.device.type == "cpu"
+        and weight.dim() == 2
+        and x.numel() >= BF16_UPCAST_MIN_ROWS * x.shape[-1]
+        and not torch.is_grad_enabled()
+    ):
+        return _bf16_upcast(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def _bf16_upcast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x [..., K]`` bf16 times ``weight [N, K]`` bf16 by float32 sgemm on row chunks of the weight
+    ``-> [..., N]`` bf16 (each output rounded once from its float32 sum, as torch's bf16 GEMM does)."""
+    xf = x.reshape(-1, x.shape[-1]).float()
+    n, k = weight.shape
+    step = max(64, _UPCAST_CHUNK_BYTES // (4 * k))
+    parts = []
+    for r0 in range(0, n, step):
+        b = None if bias is None else bias[r0 : r0 + step].float()
+        parts.append(F.linear(xf, weight[r0 : r0 + step].float(), b))
+    out = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).to(torch.bfloat16)
+    return out.view(*x.shape[:-1], n)

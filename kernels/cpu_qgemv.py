@@ -82,7 +82,7 @@ def int8_gemv_def(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) 
 
 def int4_gemv_def(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                   group_size: int) -> torch.Tensor:
-    """``x [M, K]`` bf16 and an int4 weight in torch's CPU tiling ``-> [M, N]`` bf16, the C kernel's bits.
+    """``x [M, K]`` bf16 and an int4 weight in the CPU int4 tiling (``cpu_int4.pack_cpu_int4``) ``-> [M, N]`` bf16, the C kernel's bits.
 
     ``packed`` uint8 (``[Np/64, Kp, 32]`` bytes), ``scales [N, G]`` (any float
     dtype; or torch's ``scales_zeros [G, Np, 2]``, scale at ``[g, n, 0]``),

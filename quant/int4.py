@@ -10,22 +10,22 @@ converters), for a weight ``[N, K]`` and group size ``g`` in {32, 64, 128}:
   fp16 from AWQ/GPTQ checkpoints); zeros are integer-valued in practice;
 * dequantization: ``w[n, k] = (q[n, k] - zeros[n, k // g]) * scales[n, k // g]``.
 
-CPU runtime: torch's ``_weight_int4pack_mm_for_cpu`` (AVX-512/AVX2 kernel,
-bf16-only fast path) needs the weight repacked by
-``_convert_weight_to_int4pack_for_cpu`` and computes
-``w = (q - 8) * scale + zero_t``, so ``zero_t = (8 - zeros) * scales``. When that
-op is available the layer keeps *only* the repacked buffer at run time (plus
-bf16 scales/zero_t and uint8 zeros) and converts back to the canonical layout
-in ``state_dict()`` — the repacked layout is a pure nibble permutation
-(:func:`unpack_cpu_int4`), so the round trip is exact. The C kernels of
-``kernels.cpu_qgemv`` multiply on that buffer with the canonical formula: the
-GEMV for decode-sized batches (~2x the bandwidth of torch's op) and, from
-:data:`GEMM_MIN_ROWS` rows, the GEMM, which decodes each weight block once
-for all rows and gives the GEMV's bits, so a prompt's rows, a decode step and
-any batch agree bit for bit. Where the GEMM is not native (no AVX512-BF16),
-batches of more than :data:`PACKED_MAX_ROWS` rows (prefill) dequantize the
-repacked buffer to bf16 (``llmsys.kernels.dequant_cpu_int4``) and run a dense
-bf16 GEMM; without the C kernels, torch's packed op runs up to that size.
+CPU runtime: the layer holds the codes in llmsys's CPU int4 tiling
+(``kernels.cpu_int4.pack_cpu_int4``: 64-row tiles, the same bytes on every
+CPU; torch's ``_convert_weight_to_int4pack_for_cpu`` tiles by torch's own ISA
+dispatch, so its bytes meant other codes on AVX2 than on AVX-512) plus bf16
+scales and uint8 zeros, and converts back to the canonical layout in
+``state_dict()`` -- the tiling is a pure nibble permutation
+(:func:`unpack_cpu_int4`), so the round trip is exact and a checkpoint made on
+one CPU loads right on any other. The C kernels of ``kernels.cpu_qgemv``
+multiply on that buffer with the canonical formula: the GEMV for decode-sized
+batches and, from :data:`GEMM_MIN_ROWS` rows, the GEMM, which decodes each
+weight block once for all rows and gives the GEMV's bits, so a prompt's rows,
+a decode step and any batch agree bit for bit. Where the GEMM is not native
+(no AVX512-BF16), batches of more than :data:`PACKED_MAX_ROWS` rows (prefill)
+dequantize the tiled buffer to bf16 (``llmsys.kernels.dequant_cpu_int4``) and
+run a dense bf16 GEMM; without the C kernels every batch does that, with the
+dequantization in torch ops (correct, slower: ``fallback_notice`` says so).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from llmsys.engine.errors import CheckpointError
 from llmsys.kernels import CPU_INT4_BLOCK_N as CPU_BLOCK_N  # the CPU layout tiles rows in blocks of 64
-from llmsys.kernels import cpu_qgemv, dequant_cpu_int4, transpose_bf16, unpack_cpu_int4, w4a16_matmul
+from llmsys.kernels import cpu_qgemv, dequant_cpu_int4, pack_cpu_int4, transpose_bf16, unpack_cpu_int4, w4a16_matmul
 from llmsys.kernels.reference import pack_int4, unpack_int4  # the canonical layout lives with its kernels
 from llmsys.quant import base
 from llmsys.quant.base import QuantLinear, check_weight, quantize_rows, require
@@ -104,11 +104,9 @@ def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
     return w[:, : (in_features or w.shape[1])].to(dtype)
 
 
-def cpu_int4_available() -> bool:
-    """Whether this torch build has the CPU int4 pack/matmul ops."""
-    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and hasattr(
-        torch.ops.aten, "_convert_weight_to_int4pack_for_cpu"
-    )
+def cpu_int4_fast() -> bool:
+    """Whether the C int4 kernels are loaded; without them CPU int4 layers dequantize per call in torch."""
+    return cpu_qgemv.available()
 
 
 class Int4Linear(QuantLinear):
@@ -116,18 +114,17 @@ class Int4Linear(QuantLinear):
 
     Two run-time modes, chosen at construction from the tensors' device:
 
-    * ``packed_cpu`` (CPU with torch's int4 ops): holds ``packed uint8``
-      (torch's CPU tiling, rows padded to a multiple of 64), ``scales_zeros
-      bf16 [G, Np, 2]`` = (scale, (8 - zero) * scale), ``zeros_u8 [N, G]``
-      and, with the C GEMV, its group-major copy ``zeros_gm [G, N]``.
-      Matmul always runs in bf16 (the op is ~30x slower in fp32/fp16);
+    * ``packed_cpu`` (CPU): holds ``packed uint8`` (the CPU int4 tiling, rows
+      padded to a multiple of 64), ``scales_zeros bf16 [G, Np, 2]`` =
+      (scale, (8 - zero) * scale), ``zeros_u8 [N, G]`` and, with the C GEMV,
+      its group-major copy ``zeros_gm [G, N]``. Matmul always runs in bf16;
       fp32 inputs are cast to bf16 and the output cast back. The C GEMV
       ``cpu_qgemv.int4_gemv`` and, from :data:`GEMM_MIN_ROWS` rows, the C GEMM
       ``cpu_qgemv.int4_gemm`` (the same bits) run where built; without the
       native GEMM, more than :data:`PACKED_MAX_ROWS` rows take the bf16 weight
       from ``dequant_cpu_int4`` (exactly ``dequantize(torch.bfloat16)``) and a
-      dense bf16 GEMM, and without the C kernels torch's packed op runs below that.
-    * ``canonical`` (GPU, or no op): holds ``qweight``/``scales``/``zeros`` and
+      dense bf16 GEMM, and without the C kernels every batch does.
+    * ``canonical`` (GPU, or ``prefer_packed=False``): holds ``qweight``/``scales``/``zeros`` and
       dequantizes + GEMMs in the input dtype.
 
     ``state_dict()`` always yields the canonical tensors
@@ -171,7 +168,7 @@ class Int4Linear(QuantLinear):
         zeros_int = bool(torch.all((zeros == torch.round(zeros)) & (zeros >= 0) & (zeros <= 15)))
         self.mode = (
             "packed_cpu"
-            if prefer_packed and qweight.device.type == "cpu" and cpu_int4_available() and zeros_int
+            if prefer_packed and qweight.device.type == "cpu" and zeros_int
             else "canonical"
         )
         if self.mode == "canonical":
@@ -287,7 +284,7 @@ class Int4Linear(QuantLinear):
         g, kp = self.group_size, self.padded_in_features
         m = ids.numel()
         if self.mode == "packed_cpu":
-            # torch's CPU tiling: bytes [Np/64, Kp, 32]; row 64b+j sits at (b, :, j % 32),
+            # the CPU int4 tiling: bytes [Np/64, Kp, 32]; row 64b+j sits at (b, :, j % 32),
             # low nibble for j < 32, high nibble otherwise (see unpack_cpu_int4).
             p3 = self.packed.view(-1, kp, CPU_BLOCK_N // 2)
             j = ids % CPU_BLOCK_N
@@ -325,14 +322,7 @@ class Int4Linear(QuantLinear):
                 y = kernel(xb, buf["packed"], scales, buf["zeros_gm"].t(), self.group_size,
                            check=False)  # [M, N]; the buffers were checked at construction
                 return y if x2.dtype == torch.bfloat16 else y.to(x2.dtype)
-            if m > PACKED_MAX_ROWS:
-                return self._dequant_matmul(xb).to(x2.dtype)
-            if kp != k:
-                xb = F.pad(xb, (0, kp - k))  # zero activations: padded columns contribute 0
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                xb.contiguous(), self.packed, self.group_size, self.scales_zeros
-            )  # [M, Np]
-            return y[:, : self.out_features].to(x2.dtype)
+            return self._dequant_matmul(xb).to(x2.dtype)  # prefill without the native GEMM; no C kernels
         if x2.device.type == "cuda":  # Triton W4A16 (masks K < Kp itself, no padding copy)
             return w4a16_matmul(x2.contiguous(), self.qweight, self.scales, self.zeros, self.group_size)
         w = dequantize_int4(self.qweight, self.scales, self.zeros, k, x2.dtype)  # [N, K] stored order
@@ -373,20 +363,19 @@ class Int4Linear(QuantLinear):
 
 
 def _pack_cpu_int4(qweight: torch.Tensor, np_: int) -> torch.Tensor:
-    """torch's CPU int4 tiling of the canonical codes ``qweight [N, Kp/2]``, rows padded to ``np_``
+    """The CPU int4 tiling of the canonical codes ``qweight [N, Kp/2]``, rows padded to ``np_``
     with code 8 (padded rows: (8 - 8) * 0 = 0) ``-> uint8 [Np, Kp/2]``.
 
-    Built in chunks of whole 64-row tiles (the tiling never crosses one), so the int32 copy
-    torch's op takes stays within ``QUANT_CHUNK_BYTES`` instead of 8 bytes per code pair of the
-    whole weight (545 MB for a 151936x896 head)."""
+    Built in chunks of whole 64-row tiles (the tiling never crosses one), so the unpacked
+    copy stays within ``QUANT_CHUNK_BYTES`` instead of a byte per code of the whole weight."""
     n, half = qweight.shape
-    step = max(CPU_BLOCK_N, base.QUANT_CHUNK_BYTES // (8 * half) // CPU_BLOCK_N * CPU_BLOCK_N)
+    step = max(CPU_BLOCK_N, base.QUANT_CHUNK_BYTES // (2 * half) // CPU_BLOCK_N * CPU_BLOCK_N)
     packed = torch.empty(np_, half, dtype=torch.uint8)
     for r0 in range(0, np_, step):
         r1 = min(np_, r0 + step)
-        q = unpack_int4(qweight[r0 : min(r1, n)]).to(torch.int32)  # [rows, Kp]
+        q = unpack_int4(qweight[r0 : min(r1, n)])  # [rows, Kp] uint8
         q = F.pad(q, (0, 0, 0, r1 - r0 - q.shape[0]), value=8)
-        packed[r0:r1] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2).view(r1 - r0, half)
+        packed[r0:r1] = pack_cpu_int4(q)
         del q
     return packed
 

@@ -21,16 +21,28 @@ def need_shared(path: Path = SHARED) -> Path:
     return path
 
 
-def other_isa_build(source: Path, signatures: dict, flags: tuple[str, ...], tmp_path: Path):
-    """A C kernel built with extra ``flags`` (another ISA's code paths) and loaded; skips the calling
-    test when the compiler cannot build it."""
+def other_isa_build(source: Path, signatures: dict, level_name: str, tmp_path: Path):
+    """A C kernel built for another ISA level (``kernels._cbuild.LEVELS``) and loaded; skips the
+    calling test, naming the level, when this CPU cannot run that level's code or the compiler
+    cannot build it."""
     from llmsys.kernels import _cbuild
 
-    cc = os.environ.get("CC") or "gcc"
-    err = _cbuild.compile_source(cc, source, tmp_path / "k.so", flags)
+    level = _cbuild.level_named(level_name)
+    if not _cbuild.supports(level):
+        pytest.skip(f"ISA level {level_name} not run: this CPU ({_cbuild.machine_arch()}) lacks "
+                    f"{sorted(level.needs - (_cbuild.cpu_features()[0] or frozenset()))}")
+    cc = _cbuild.compiler() or "gcc"
+    err = _cbuild.compile_source(cc, source, tmp_path / "k.so", level.flags)
     if err:
-        pytest.skip(f"{cc} cannot build with {flags}: {err}")
+        pytest.skip(f"{cc} cannot build level {level_name}: {err}")
     return _cbuild.load(tmp_path / "k.so", signatures)
+
+
+def x86_levels() -> list[str]:
+    """Every x86-64 level's name, for tests that run each one the CPU supports."""
+    from llmsys.kernels import _cbuild
+
+    return [lv.name for lv in _cbuild.arch_levels("x86_64")]
 
 
 @pytest.fixture

@@ -17,13 +17,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import other_isa_build
+from conftest import other_isa_build, x86_levels
 from llmsys.kernels import cpu_int4, cpu_qgemv
 from llmsys.kernels.cpu_int4 import dequant_cpu_int4
 from llmsys.quant import int4 as int4_mod
-from llmsys.quant.int4 import Int4Linear, cpu_int4_available, dequantize_int4, quantize_int4
+from llmsys.quant.int4 import Int4Linear, dequantize_int4, quantize_int4
 
-pytestmark = pytest.mark.skipif(not cpu_int4_available(), reason="torch build lacks the CPU int4 ops")
 KERNEL = cpu_int4.kernel_status().startswith("ok")
 
 
@@ -90,15 +89,15 @@ def test_kernel_row_ranges_and_odd_values():
 
 
 @pytest.mark.skipif(not KERNEL, reason=f"C kernel not built: {cpu_int4.kernel_status()}")
-@pytest.mark.parametrize("flags", [("-mno-avx512bf16",), ("-mno-avx512f",), ("-mno-avx2", "-mno-avx512f")])
-def test_other_code_paths_bit_exact(flags, tmp_path):
-    """The kernel's paths for CPUs without AVX512-BF16, AVX-512 or AVX2, built here with those ISAs off."""
-    lib = other_isa_build(cpu_int4._SOURCE, cpu_int4._SIGNATURES, flags, tmp_path)
+@pytest.mark.parametrize("level", x86_levels())
+def test_other_code_paths_bit_exact(level, tmp_path):
+    """Every ISA level's build this CPU can run (AVX512-BF16, AVX-512, AVX2, SSE2 code paths): the same bits."""
+    lib = other_isa_build(cpu_int4._SOURCE, cpu_int4._SIGNATURES, level, tmp_path)
     for n, k, g, seed in [(200, 172, 64, 0), (130, 1000, 32, 1), (96, 256, 128, 2)]:
         lin = _layer(n, k, g, seed=seed)
         args = _args(lin)
         ref = dequant_cpu_int4(*args, impl="reference")
-        assert torch.equal(_bits(cpu_int4.run_kernel(lib, *args)), _bits(ref)), (flags, n, k, g)
+        assert torch.equal(_bits(cpu_int4.run_kernel(lib, *args)), _bits(ref)), (level, n, k, g)
         assert torch.equal(_bits(cpu_int4.run_kernel(lib, *args, rows=(64, n))), _bits(ref[64:]))
     packed, _, zeros, k, g = _args(lin)
     scales = (torch.rand(96, zeros.shape[1]) * torch.logspace(-42, 30, 96)[:, None]).float()  # subnormal too
@@ -164,7 +163,8 @@ def test_build_is_cached_by_source_hash(tmp_path):
 @pytest.mark.parametrize("n,k,g", [(4864, 896, 64), (200, 172, 32), (96, 256, 128)])
 def test_layer_prefill_path(n, k, g):
     """More than PACKED_MAX_ROWS rows: the C GEMM (the GEMV's bits) where it is native, else a dense
-    bf16 GEMM on exactly dequantize(bf16) (tested directly); fewer: the C GEMV or torch's op."""
+    bf16 GEMM on exactly dequantize(bf16) (tested directly); fewer: the C GEMV, or without the C
+    kernels the same dense path."""
     lin = _layer(n, k, g, seed=4)
     wq = lin.dequantize(torch.bfloat16)
     native = cpu_qgemv.available() and cpu_qgemv.gemm_native()
@@ -181,11 +181,10 @@ def test_layer_prefill_path(n, k, g):
             assert (out - ref).norm() / ref.norm() < 3e-3  # bf16 activations, as on the packed path
     x = torch.randn(int4_mod.PACKED_MAX_ROWS, k)
     if cpu_qgemv.available():  # the C GEMV (tests/test_cpu_qgemv.py)
-        packed = cpu_qgemv.int4_gemv_def(x.bfloat16(), *_args(lin)[:3], g)
+        small = cpu_qgemv.int4_gemv_def(x.bfloat16(), *_args(lin)[:3], g)
     else:
-        packed = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            F.pad(x.bfloat16(), (0, lin.padded_in_features - k)), lin.packed, g, lin.scales_zeros)[:, :n]
-    assert torch.equal(lin(x), packed.float())
+        small = lin._dequant_matmul(x.bfloat16())
+    assert torch.equal(lin(x), small.float())
 
 
 def test_layer_chunks_big_weights(monkeypatch):

@@ -5,6 +5,9 @@ import torch
 import torch.nn.functional as F
 
 from llmsys import kernels
+from llmsys.kernels import cpu_linear
+
+NO_BF16_PACK = "oneDNN has no bf16 path on this CPU (no AVX-512BW/VL/DQ, no AVX-NE-CONVERT): bf16 is never packed"
 
 
 @pytest.mark.parametrize("m", [1, 2, 8, 33])
@@ -32,6 +35,9 @@ def _weights(dtype, n=512, k=256, seed=0):
 def test_prepacked_weight_is_bit_identical_to_the_plain_one(m, dtype):
     """A resident layer (packed) and the same layer streamed from disk (plain) must agree exactly."""
     w, b = _weights(dtype)
+    if dtype == torch.bfloat16 and not cpu_linear._ONEDNN_BF16:
+        assert kernels.prepack(w) is None
+        pytest.skip(NO_BF16_PACK)
     packed = kernels.prepack(w)
     assert packed is not None and packed.is_mkldnn and packed.shape == w.shape
     x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)).to(dtype)
@@ -44,6 +50,24 @@ def test_prepacked_weight_is_bit_identical_to_the_plain_one(m, dtype):
     ref = F.linear(x.double(), w.double(), b.double())
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert (fast.double() - ref).abs().max().item() < tol * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("m", [1, 7, 8, 40])
+def test_bf16_batches_upcast_where_onednn_has_no_bf16(m):
+    """Without oneDNN bf16 (AVX2), bf16 batches of BF16_UPCAST_MIN_ROWS rows and more run as float32
+    sgemm on weight chunks: the float32 product rounded once; smaller ones are torch's bf16 linear."""
+    w, b = _weights(torch.bfloat16, n=1000, k=256)
+    x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)).bfloat16()
+    with torch.inference_mode():
+        up = cpu_linear._bf16_upcast(x.view(1, m, 256), w, b)  # every CPU: the path itself
+        got = kernels.linear(x, w, b)
+    assert up.dtype == torch.bfloat16 and up.shape == (1, m, 1000)
+    assert torch.equal(up[0], F.linear(x.float(), w.float(), b.float()).bfloat16())  # chunking changes no bits
+    if not cpu_linear._ONEDNN_BF16:
+        want = up[0] if m >= cpu_linear.BF16_UPCAST_MIN_ROWS else F.linear(x, w, b)
+        assert torch.equal(got, want)
+    ref = F.linear(x.double(), w.double(), b.double())
+    assert (got.double() - ref).abs().max().item() < 1e-2 * ref.abs().max().item()
 
 
 def test_prepack_skips_what_would_not_pay_or_cannot_pack():
@@ -68,11 +92,12 @@ def test_engine_prepacks_resident_linears_with_identical_tokens(tmp_path, dtype,
     model = packed.loaded.model
     mods = [m for m in model.modules() if hasattr(m, "weight") and type(m).__name__ == "Linear"]
     is_packed = {m: m.weight.is_mkldnn for m in mods}
-    assert is_packed[model.model.layers[0].mlp.down_proj]  # 256 x 512 = 128K elements: packed
-    assert is_packed[model.lm_head]  # tied too: its embedding rows are then read from the checkpoint
+    packs = dtype == "float32" or cpu_linear._ONEDNN_BF16  # AVX2: bf16 is never packed (NO_BF16_PACK)
+    assert is_packed[model.model.layers[0].mlp.down_proj] == packs  # 256 x 512 = 128K elements: packed
+    assert is_packed[model.lm_head] == packs  # tied too: its embedding rows are then read from the checkpoint
     assert not any(m.weight.is_mkldnn for m in plain.loaded.model.modules() if hasattr(m, "weight"))
     # Replaced, not copied; a tied embedding table now lives in the checkpoint file (page cache).
-    on_disk = {"disk": 512 * 256 * 4} if kind == "qwen2" else {}  # the float32 checkpoint's table
+    on_disk = {"disk": 512 * 256 * 4} if kind == "qwen2" and packs else {}  # the float32 checkpoint's table
     assert packed.memory_report().weights == {**plain.memory_report().weights, **on_disk}
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = [[5, 17, 99, 200, 31], [7, 7, 300]]

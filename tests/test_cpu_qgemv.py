@@ -12,16 +12,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import other_isa_build
+from conftest import other_isa_build, x86_levels
 from llmsys.kernels import cpu_qgemv
 from llmsys.quant import int4 as int4_mod
 from llmsys.quant.base import PACKED_MAX_ROWS
-from llmsys.quant.int4 import Int4Linear, cpu_int4_available
+from llmsys.quant.int4 import Int4Linear
 from llmsys.quant.int8_fp8 import Int8Linear, quantize_int8
 
 KERNEL = cpu_qgemv.kernel_status().startswith("ok")
 needs_kernel = pytest.mark.skipif(not KERNEL, reason=f"C kernel not built: {cpu_qgemv.kernel_status()}")
-needs_int4 = pytest.mark.skipif(not cpu_int4_available(), reason="torch build lacks the CPU int4 ops")
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -80,7 +79,6 @@ def test_int8_bit_exact(n, k, threads):
 
 
 @needs_kernel
-@needs_int4
 @pytest.mark.parametrize("n,k,g", [(200, 172, 64), (64, 64, 32), (130, 1000, 32), (96, 256, 128), (4864, 96, 64)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_int4_bit_exact(n, k, g, threads):
@@ -105,7 +103,6 @@ needs_gemm = pytest.mark.skipif(not (KERNEL and cpu_qgemv.gemm_native()),
 
 
 @needs_kernel
-@needs_int4
 @pytest.mark.parametrize("n,k,g", [(200, 172, 64), (130, 1000, 32), (96, 256, 128), (70, 64, 64)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_int4_gemm_is_the_gemv(n, k, g, threads):
@@ -125,7 +122,6 @@ def test_int4_gemm_is_the_gemv(n, k, g, threads):
 
 
 @needs_kernel
-@needs_int4
 @pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])
 def test_int4_other_scale_dtypes(scale_dtype):
     lin = _int4(192, 320, 64, seed=3, scale_dtype=scale_dtype)
@@ -141,26 +137,25 @@ def test_int4_other_scale_dtypes(scale_dtype):
 
 
 @needs_kernel
-@pytest.mark.parametrize("flags", [("-mno-avx512bf16",), ("-mno-avx512f",), ("-mno-avx2", "-mno-avx512f")])
-def test_other_code_paths_bit_exact(flags, tmp_path):
-    """The paths for CPUs without AVX512-BF16 or AVX-512, built here with those ISAs off: the same bits."""
-    lib = other_isa_build(cpu_qgemv._SOURCE, cpu_qgemv._SIGNATURES, flags, tmp_path)
+@pytest.mark.parametrize("level", x86_levels())
+def test_other_code_paths_bit_exact(level, tmp_path):
+    """Every ISA level's build this CPU can run gives the same bits as the definitions."""
+    lib = other_isa_build(cpu_qgemv._SOURCE, cpu_qgemv._SIGNATURES, level, tmp_path)
     torch.manual_seed(4)
     x = torch.randn(5, 300).bfloat16()
     for n, k in [(130, 300), (9, 37)]:
         q, s = _int8(n, k)
         for m in (1, 5):
             assert torch.equal(_bits(cpu_qgemv.int8_gemv(x[:m, :k], q, s, lib=lib)),
-                               _bits(cpu_qgemv.int8_gemv(x[:m, :k], q, s))), (flags, n, k, m)
-    if cpu_int4_available():
-        for n, k, g in [(130, 300, 32), (70, 250, 128)]:
-            args = _int4_args(_int4(n, k, g))
-            for m in (1, 5):
-                want = _bits(cpu_qgemv.int4_gemv_def(x[:m, :k], *args))
-                assert torch.equal(_bits(cpu_qgemv.int4_gemv(x[:m, :k], *args, lib=lib)), want), (flags, n, k, g, m)
-                assert torch.equal(_bits(cpu_qgemv.int4_gemm(x[:m, :k], *args, lib=lib)), want), (flags, n, k, g, m)
-    # Without AVX512-BF16 the layers see gemm_native() False and keep their dense GEMM for prefill.
-    assert not cpu_qgemv.gemm_native(lib)
+                               _bits(cpu_qgemv.int8_gemv(x[:m, :k], q, s))), (level, n, k, m)
+    for n, k, g in [(130, 300, 32), (70, 250, 128)]:
+        args = _int4_args(_int4(n, k, g))
+        for m in (1, 5):
+            want = _bits(cpu_qgemv.int4_gemv_def(x[:m, :k], *args))
+            assert torch.equal(_bits(cpu_qgemv.int4_gemv(x[:m, :k], *args, lib=lib)), want), (level, n, k, g, m)
+            assert torch.equal(_bits(cpu_qgemv.int4_gemm(x[:m, :k], *args, lib=lib)), want), (level, n, k, g, m)
+    # Only the AVX512-BF16 build has the native prefill GEMM; elsewhere the layers keep their dense GEMM.
+    assert cpu_qgemv.gemm_native(lib) == (level == "x86-64-v4-bf16")
 
 
 @needs_kernel
@@ -170,15 +165,14 @@ def test_argument_checks():
         cpu_qgemv.int8_gemv(torch.randn(1, 64), q, s)  # float32 x
     with pytest.raises(ValueError, match="scales"):
         cpu_qgemv.int8_gemv(torch.randn(1, 64).bfloat16(), q, s.float())
-    if cpu_int4_available():
-        packed, scales, zeros, g = _int4_args(_int4(64, 64, 32))
-        x = torch.randn(1, 64).bfloat16()
-        with pytest.raises(ValueError, match="packed"):
-            cpu_qgemv.int4_gemv(x, packed[:-1], scales, zeros, g)
-        with pytest.raises(ValueError, match="K=20"):
-            cpu_qgemv.int4_gemv(x[:, :20], packed, scales, zeros, g)
-        with pytest.raises(ValueError, match="int4_gemm: packed"):
-            cpu_qgemv.int4_gemm(x, packed[:-1], scales, zeros, g)
+    packed, scales, zeros, g = _int4_args(_int4(64, 64, 32))
+    x = torch.randn(1, 64).bfloat16()
+    with pytest.raises(ValueError, match="packed"):
+        cpu_qgemv.int4_gemv(x, packed[:-1], scales, zeros, g)
+    with pytest.raises(ValueError, match="K=20"):
+        cpu_qgemv.int4_gemv(x[:, :20], packed, scales, zeros, g)
+    with pytest.raises(ValueError, match="int4_gemm: packed"):
+        cpu_qgemv.int4_gemm(x, packed[:-1], scales, zeros, g)
 
 
 @needs_kernel
@@ -199,7 +193,6 @@ def test_int8_layer_uses_kernel():
 
 
 @needs_kernel
-@needs_int4
 def test_int4_layer_uses_kernel():
     lin = _int4(200, 172, 32, seed=5)
     x = torch.randn(int4_mod.PACKED_MAX_ROWS, 172)
@@ -209,7 +202,6 @@ def test_int4_layer_uses_kernel():
 
 
 @needs_gemm
-@needs_int4
 def test_int4_layer_prefill_equals_decode():
     """With the native GEMM a prefill-sized input gets the bits each row gets alone (the GEMV's)."""
     lin = _int4(200, 172, 32, seed=12)
@@ -221,7 +213,6 @@ def test_int4_layer_prefill_equals_decode():
 
 
 @needs_kernel
-@needs_int4
 def test_int4_scales_zeros_in_place():
     """torch's scales_zeros [G, Np, 2] as the scales: the same bits as its [N, G] view."""
     lin = _int4(100, 200, 32, seed=6)

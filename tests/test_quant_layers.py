@@ -11,7 +11,8 @@ from llmsys.engine.errors import CheckpointError, InvalidParameterError
 from llmsys.quant import (
     FP8Linear, Int4Linear, Int8Linear, NF4Linear, QuantSpec, parse_quant, quantize_linear, swap_linears,
 )
-from llmsys.quant.int4 import cpu_int4_available, dequantize_int4, quantize_int4, unpack_cpu_int4, unpack_int4
+from llmsys.kernels import pack_cpu_int4
+from llmsys.quant.int4 import dequantize_int4, quantize_int4, unpack_cpu_int4, unpack_int4
 
 torch.set_num_threads(1)
 
@@ -99,7 +100,6 @@ def test_nbytes_ratios():
     assert FP8Linear.from_float(w).nbytes() <= 0.51 * bf16
 
 
-@pytest.mark.skipif(not cpu_int4_available(), reason="torch build lacks the CPU int4 ops")
 @pytest.mark.parametrize("n,k,g", [(64, 64, 32), (128, 96, 32), (200, 172, 64), (96, 256, 128)])
 def test_int4_cpu_packed_matches_canonical(n, k, g):
     torch.manual_seed(2)
@@ -109,7 +109,7 @@ def test_int4_cpu_packed_matches_canonical(n, k, g):
     canon = Int4Linear(qweight, scales, zeros, in_features=k, prefer_packed=False)
     assert packed.mode == "packed_cpu" and canon.mode == "canonical"
     assert not hasattr(packed, "qweight")  # only the repacked buffer is held at run time
-    # Exact unpacking of torch's CPU tiling back to canonical.
+    # Exact unpacking of the CPU tiling back to canonical.
     sd = packed.state_dict()
     assert torch.equal(sd["qweight"], qweight) and torch.equal(sd["scales"], scales) and torch.equal(sd["zeros"], zeros)
     for m in (1, 5, 40):
@@ -120,13 +120,18 @@ def test_int4_cpu_packed_matches_canonical(n, k, g):
         assert _rel(packed(x.bfloat16()).float(), ref) < 1e-2
 
 
-@pytest.mark.skipif(not cpu_int4_available(), reason="torch build lacks the CPU int4 ops")
-def test_unpack_cpu_int4_inverts_torch_repack():
+def test_cpu_int4_tiling_is_fixed_and_inverted():
+    """The CPU tiling is llmsys's own, the same bytes on every CPU (torch's repack differs by ISA):
+    byte (b, k, j) holds row 64b+j low and row 64b+32+j high; unpack inverts it exactly."""
     torch.manual_seed(3)
     for n, kp in [(64, 64), (128, 96), (640, 128)]:
-        q = torch.randint(0, 16, (n, kp), dtype=torch.int32)
-        p = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
-        assert torch.equal(unpack_cpu_int4(p, n, kp), q.to(torch.uint8))
+        q = torch.randint(0, 16, (n, kp), dtype=torch.uint8)
+        p = pack_cpu_int4(q)
+        assert p.shape == (n, kp // 2) and p.dtype == torch.uint8
+        b3 = p.view(n // 64, kp, 32)
+        for b, k, j in [(0, 0, 0), (n // 64 - 1, kp - 1, 31), (n // 64 // 2, kp // 3, 17)]:
+            assert int(b3[b, k, j]) == int(q[64 * b + j, k]) | int(q[64 * b + 32 + j, k]) << 4
+        assert torch.equal(unpack_cpu_int4(p, n, kp), q)
 
 
 def test_int8_fast_path_matches_dequant():
@@ -199,7 +204,6 @@ def test_quantizing_in_row_chunks_gives_the_same_tensors(monkeypatch):
     for name in whole:
         for a, b in zip(whole[name], chunked[name]):
             assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
-    if cpu_int4_available():  # the CPU repack, in 64-row tiles
-        small = Int4Linear.from_float(w, group_size=64)
-        for name in ("packed", "scales_zeros", "zeros_u8"):
-            assert torch.equal(getattr(small, name), getattr(lin, name)), name
+    small = Int4Linear.from_float(w, group_size=64)  # the CPU tiling, in 64-row chunks
+    for name in ("packed", "scales_zeros", "zeros_u8"):
+        assert torch.equal(getattr(small, name), getattr(lin, name)), name

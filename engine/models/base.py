@@ -358,7 +358,7 @@ def _fused_linear(mods: list[nn.Module]) -> nn.Module | None:
 
     Quantized layers fuse through their format's ``cat_rows`` (llmsys.quant).
     They fuse when all are plain resident CPU ``Linear`` layers meant to be packed, each
-    packable (so each, streamed alone, takes the same GEMM library), with one dtype and
+    fusable (``cpu_linear.fusable``: each, streamed alone, takes the same GEMM), with one dtype and
     input size, all with or all without bias.
     """
     kind = type(mods[0])
@@ -373,7 +373,7 @@ def _fused_linear(mods: list[nn.Module]) -> nn.Module | None:
     biased = [m.bias is not None for m in mods]
     if any(b != biased[0] for b in biased):
         return None
-    if not all(kernels.packable(w) for w in ws):  # a small part alone would take another GEMM (other bits)
+    if not all(kernels.cpu_linear.fusable(w) for w in ws):  # a small part alone would take another GEMM
         return None
     weight = torch.cat([w.detach() for w in ws])  # [sum N, K]
     lin = Linear(weight.shape[1], weight.shape[0], bias=biased[0], device="meta")
