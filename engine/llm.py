@@ -101,6 +101,7 @@ class LLM:
             self.loaded.model.offload_runtime = self.offload
             weakref.finalize(self, self.offload.close)
         if self.loaded.device.type == "cpu":
+            _report_cpu_kernels()
             if (config.extra or {}).get("prepack", True):
                 # Resident CPU weights in oneDNN's blocked layout: faster GEMV, same bits as
                 # streamed layers (kernels.cpu_linear). Streamed layers hold no real weight
@@ -260,3 +261,21 @@ class LLM:
 
     def chat_prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
         return self.tokenizer.encode_chat(messages)
+
+
+def _report_cpu_kernels() -> None:
+    """Load the CPU C kernels now (an editable install compiles them here, not in the first
+    request); say once when some are missing (the torch paths run, slower), and with
+    ``LLMSYS_DEBUG=1`` print the ISA level and every kernel's status."""
+    import os
+    import sys
+    import warnings
+
+    from llmsys.kernels.cpu_report import cpu_kernels
+
+    report = cpu_kernels()
+    if os.environ.get("LLMSYS_DEBUG") == "1":
+        print(f"debug: {report.summary()}", file=sys.stderr)
+    elif not all(s.startswith("ok:") for s in report.kernels.values()):
+        warnings.warn(f"llmsys: {report.summary()}; the torch paths run instead (same answers, slower)",
+                      RuntimeWarning, stacklevel=3)

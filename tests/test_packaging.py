@@ -29,10 +29,49 @@ def test_public_api_and_no_top_level_engine_module():
 
 
 def test_c_kernel_sources_ship_with_the_package():
-    """The C kernels compile on first use from their sources: a wheel must carry every .c and .h."""
+    """A wheel carries every .c and .h: their hash names the builds, and an editable install compiles them."""
     import fnmatch
 
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
     patterns = data.get("llmsys.kernels", [])
     sources = [p.name for p in (ROOT / "kernels").iterdir() if p.suffix in (".c", ".h")]
     assert sources and all(any(fnmatch.fnmatch(n, pat) for pat in patterns) for n in sources)
+
+
+def test_wheel_carries_every_level_and_runs_without_a_compiler(tmp_path, stories_c):
+    """``pip wheel .`` compiles every kernel for every ISA level of this architecture; installed into a
+    fresh venv, ``llmsys run`` loads the prebuilt kernels with no compiler on PATH and an empty cache."""
+    import os
+    import subprocess
+    import sys
+    import zipfile
+
+    from llmsys.kernels import _cbuild
+
+    res = subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation",
+                          "-q", "-w", str(tmp_path / "dist")], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    (wheel,) = (tmp_path / "dist").glob("llmsys-*.whl")
+    assert "-py3-none-" in wheel.name and not wheel.name.endswith("-any.whl")  # tied to the platform
+    names = {Path(n).name for n in zipfile.ZipFile(wheel).namelist() if "/_built/" in n}
+    want = {_cbuild.artifact_name(ROOT / "kernels" / s, lv) for s in _cbuild.SOURCES[1:]
+            for lv in _cbuild.arch_levels()} | {_cbuild.artifact_name(ROOT / "kernels" / "cpu_features.c",
+                                                                      _cbuild.arch_levels()[0])}
+    assert names == want
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=120)
+    py = venv / "bin" / "python"
+    res = subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--ignore-installed", str(wheel)],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert not any((venv / "bin" / cc).exists() for cc in ("gcc", "cc"))
+    env = {**os.environ, "PATH": str(venv / "bin"), "LLMSYS_HOME": str(tmp_path / "home"), "LLMSYS_DEBUG": "1"}
+    env.pop("CC", None)  # no compiler anywhere on PATH
+    res = subprocess.run([str(venv / "bin" / "llmsys"), "run", str(stories_c), "Once upon a time",
+                          "--temperature", "0", "-n", "8", "--quant", "int4"],
+                         capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    debug = [ln for ln in res.stderr.splitlines() if ln.startswith("debug: ISA")]
+    # "prebuilt": found in the installed package's _built/ (only the wheel's copy has one)
+    assert debug and "C kernels 3/3 (prebuilt)" in debug[0], res.stderr
+    assert not list((tmp_path / "home").glob("kernels/*.so"))  # nothing compiled at run time

@@ -28,6 +28,8 @@ from typing import Any
 import psutil
 import torch
 
+from llmsys.kernels.cpu_report import cpu_kernels
+
 CACHE_NAME = "machine.json"
 _MEM_BYTES = 256 * 1024**2  # per buffer: well above any last-level cache
 _DISK_BYTES = 256 * 1024**2
@@ -76,6 +78,7 @@ class MachineInfo:
     python_version: str
     os: str
     bandwidths: Bandwidths
+    cpu_kernels: str = ""  # ISA level and C kernel status (kernels.cpu_report), e.g. "ISA x86-64-v3 (...)"
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -93,6 +96,7 @@ class MachineInfo:
             gpu,
             f"torch {self.torch_version}",
             f"triton {self.triton_version or '-'}",
+            *([self.cpu_kernels] if self.cpu_kernels else []),
             f"mem {bw.mem_gbps:.1f} GB/s",
         ]
         if bw.gpu_mem_gbps:
@@ -293,4 +297,5 @@ def machine_info(cache: bool = True, bandwidths: Bandwidths | None = None) -> Ma
         python_version=platform.python_version(),
         os=f"{platform.system()} {platform.release()}",
         bandwidths=bandwidths if bandwidths is not None else measure_bandwidths(cache=cache),
+        cpu_kernels=cpu_kernels().summary(),
     )

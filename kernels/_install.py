@@ -1,0 +1,87 @@
+"""Install-time build of the C kernels: setuptools hooks named in pyproject.toml.
+
+Why: a kernel compiled on first use needs a compiler on the user's machine
+and costs seconds inside the first command. ``pip install .`` and
+``pip wheel .`` run :class:`BuildPy`, which compiles every kernel for every
+ISA level of the build machine's architecture (``_cbuild.LEVELS``) into the
+package's ``kernels/_built/``, where ``_cbuild.find_or_build`` looks first:
+the installed package then runs on any CPU of that architecture with no
+compiler. An editable install (``pip install -e .``) builds nothing here; its
+kernels are compiled at run time into ``$LLMSYS_HOME/kernels`` (under a lock),
+once per level and source. A level the compiler cannot build is left to that
+run-time fallback, with a warning.
+
+setuptools loads this file by path before llmsys is importable, so it loads
+``_cbuild.py`` the same way.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from setuptools.command.build_py import build_py
+
+try:
+    from setuptools.command.bdist_wheel import bdist_wheel
+except ImportError:  # setuptools < 70.1
+    from wheel.bdist_wheel import bdist_wheel
+
+
+def _load_cbuild():
+    name = "_llmsys_install_cbuild"
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("_cbuild.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # dataclasses look their module up while the file runs
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def build_all(out_dir: Path) -> list[str]:
+    """Compile every kernel source for every level of this architecture into ``out_dir``; returns
+    one line per build that failed (the probe ``cpu_features.c`` is built at the baseline only)."""
+    cb = _load_cbuild()
+    levels = cb.arch_levels()
+    cc = cb.compiler()
+    if not levels or not cc:
+        return [f"no C compiler or no ISA levels for {cb.machine_arch()}: kernels are built at run time"]
+    jobs = []
+    for name in cb.SOURCES:
+        src = cb.HERE / name
+        for level in levels[:1] if name == "cpu_features.c" else levels:
+            jobs.append((src, level, out_dir / cb.artifact_name(src, level)))
+
+    def one(job) -> str | None:
+        src, level, target = job
+        err = cb.compile_source(cc, src, target, level.flags)
+        return None if err is None else f"{src.name} at {level.name}: {err}"
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        return [e for e in pool.map(one, jobs) if e]
+
+
+class BuildPy(build_py):
+    """build_py, then the kernels into ``<build_lib>/llmsys/kernels/_built`` (not for editable installs)."""
+
+    def run(self) -> None:
+        super().run()
+        if getattr(self, "editable_mode", False):
+            return
+        for err in build_all(Path(self.build_lib) / "llmsys" / "kernels" / "_built"):
+            warnings.warn(f"llmsys kernels: {err}", stacklevel=1)
+
+
+class BdistWheel(bdist_wheel):
+    """A wheel holding compiled kernels is tied to its platform (any Python 3, no ABI)."""
+
+    def finalize_options(self) -> None:
+        super().finalize_options()
+        self.root_is_pure = False
+
+    def get_tag(self) -> tuple[str, str, str]:
+        _, _, plat = super().get_tag()
+        return "py3", "none", plat
