@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from llmsys.kernels import CPU_INT4_BLOCK_N as CPU_BLOCK_N
 from llmsys.kernels import cpu_qgemv, transpose_bf16, w8a16_matmul
+from llmsys.kernels.cpu_linear import linear, mm_bf16
 from llmsys.quant.base import PACKED_MAX_ROWS, QuantLinear, check_weight, quantize_rows, require
 from llmsys.quant.int4 import DEQUANT_CHUNK_BYTES, bf16_ceil
 
@@ -145,18 +146,19 @@ class Int8Linear(_PerRowLinear):
         As ``Int4Linear._dequant_matmul``: the weight goes first, ``(q @ xb^T)^T``, because
         oneDNN reads its first operand in place and reorders the second on every call
         (``F.linear(xb, q)`` reordered the whole weight each time); weights above
-        ``DEQUANT_CHUNK_BYTES`` as bf16 are converted and multiplied in row chunks.
+        ``DEQUANT_CHUNK_BYTES`` as bf16 are converted and multiplied in row chunks
+        (``cpu_linear.mm_bf16``: float32 sgemm where oneDNN has no bf16).
         """
         q, scales = self._buffers["qweight"], self._buffers["scales"]
         n, k = q.shape
         step = max(CPU_BLOCK_N, DEQUANT_CHUNK_BYTES // (2 * k) // CPU_BLOCK_N * CPU_BLOCK_N)
         xt = xb.t()
         if step >= n:
-            yt = torch.mm(q.to(torch.bfloat16), xt)  # [N, M]
+            yt = mm_bf16(q.to(torch.bfloat16), xt)  # [N, M]
         else:
             yt = torch.empty(n, xb.shape[0], dtype=torch.bfloat16)
             for r0 in range(0, n, step):
-                torch.mm(q[r0 : r0 + step].to(torch.bfloat16), xt, out=yt[r0 : r0 + step])
+                mm_bf16(q[r0 : r0 + step].to(torch.bfloat16), xt, out=yt[r0 : r0 + step])
         return transpose_bf16(yt) * scales  # [M, N]
 
 
@@ -214,4 +216,4 @@ class FP8Linear(_PerRowLinear):
                 xq, self.qweight.t(), scale_a=sa, scale_b=self.scales[None, :], out_dtype=out_dtype
             )  # [M, N]; row-wise scaling needs scale_a [M,1], scale_b [1,N] fp32
             return y.to(x2.dtype)
-        return F.linear(x2, self.qweight.to(x2.dtype)) * self.scales.to(x2.dtype)
+        return linear(x2, self.qweight.to(x2.dtype), packed_when_resident=False) * self.scales.to(x2.dtype)

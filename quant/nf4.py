@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from llmsys.kernels.cpu_linear import linear
 from llmsys.quant.base import QuantLinear, check_weight, require
 
 NF4_BLOCK = 64
@@ -191,7 +192,7 @@ class NF4Linear(QuantLinear):
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
         if x2.device.type == "cuda" and _bitsandbytes() is not None:
             return self.matmul_bitsandbytes(x2)
-        return torch.nn.functional.linear(x2, self.dequantize(x2.dtype))
+        return linear(x2, self.dequantize(x2.dtype), packed_when_resident=False)  # CPU bf16: kernels.cpu_linear
 
     def matmul_bitsandbytes(self, x2: torch.Tensor) -> torch.Tensor:
         """``x2 [M, K] -> [M, N]`` through ``bitsandbytes.matmul_4bit`` on this layer's own tensors

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -12,6 +11,35 @@ SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 STORIES_HF = SHARED / "models" / "stories260k-hf"
 STORIES_C = SHARED / "models" / "stories260k"
 CORPUS = SHARED / "corpus"
+ISA_RUNS = pytest.StashKey[dict]()  # ISA level -> what ran it emulated (tests/test_isa_matrix.py)
+
+
+def pytest_configure(config):
+    config.stash[ISA_RUNS] = {}
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Which ISA levels ran natively, which emulated, which not at all (the issue's ISA matrix)."""
+    from llmsys.kernels import _cbuild
+
+    native, why = _cbuild.selected_level()
+    features = _cbuild.cpu_features()[0] or frozenset()
+    lines = []
+    for level in _cbuild.arch_levels():
+        emulated = config.stash[ISA_RUNS].get(level.name, [])
+        if level.needs <= features and native is not None:
+            where = "native" + (" (the kernels' level)" if level == native else " (kernel tests build it)")
+        elif emulated:
+            where = "emulated"
+        else:
+            where = f"not run (this CPU lacks {', '.join(sorted(level.needs - features))})"
+        lines.append(f"  {level.name}: {where}" + "".join(f"; {e}" for e in emulated))
+    for level in (lv for lv in _cbuild.LEVELS if lv.arch != _cbuild.machine_arch()):
+        done = config.stash[ISA_RUNS].get(level.name)
+        lines.append(f"  {level.name}: " + ("; ".join(done) if done else "not run (other architecture)"))
+    terminalreporter.write_sep("-", f"ISA levels (kernels at {native.name if native else 'none'}: {why})")
+    for ln in lines:
+        terminalreporter.write_line(ln)
 
 
 def need_shared(path: Path = SHARED) -> Path:

@@ -21,6 +21,7 @@ from conftest import other_isa_build, x86_levels
 from llmsys.kernels import cpu_int4, cpu_qgemv
 from llmsys.kernels.cpu_int4 import dequant_cpu_int4
 from llmsys.quant import int4 as int4_mod
+from llmsys.kernels.cpu_linear import mm_bf16
 from llmsys.quant.int4 import Int4Linear, dequantize_int4, quantize_int4
 
 KERNEL = cpu_int4.kernel_status().startswith("ok")
@@ -122,6 +123,7 @@ def _run_isolated(env_extra: dict, tmp_path) -> str:
     code = textwrap.dedent("""
         import torch
         from llmsys.kernels import cpu_int4
+        from llmsys.kernels.cpu_linear import mm_bf16
         from llmsys.quant.int4 import Int4Linear
         torch.manual_seed(0)
         lin = Int4Linear.from_float(torch.randn(200, 172) * 0.02, group_size=32)
@@ -131,7 +133,7 @@ def _run_isolated(env_extra: dict, tmp_path) -> str:
                            lin.dequantize(torch.bfloat16).view(torch.int16))
         x = torch.randn(40, 172)
         y = lin._dequant_matmul(x.bfloat16()).float()  # the dense prefill path: dequantize + GEMM
-        ref = torch.mm(lin.dequantize(torch.bfloat16), x.bfloat16().t()).t().float()
+        ref = mm_bf16(lin.dequantize(torch.bfloat16), x.bfloat16().t()).t().float()
         print(cpu_int4.kernel_status().split(":")[0], same, torch.equal(y, ref))
     """)
     env = {**os.environ, "LLMSYS_HOME": str(tmp_path), **env_extra}
@@ -173,7 +175,7 @@ def test_layer_prefill_path(n, k, g):
         y = lin(x)
         assert y.dtype == torch.float32
         dense = lin._dequant_matmul(x.bfloat16()).float()
-        assert torch.equal(dense, torch.mm(wq, x.bfloat16().t()).t().float())  # the weight as oneDNN's first operand
+        assert torch.equal(dense, mm_bf16(wq, x.bfloat16().t()).t().float())  # the weight as oneDNN's first operand
         assert torch.allclose(dense, F.linear(x.bfloat16(), wq).float(), rtol=1e-2, atol=1e-3)
         assert torch.equal(y, cpu_qgemv.int4_gemv_def(x.bfloat16(), *_args(lin)[:3], g).float() if native else dense)
         ref = x @ dequantize_int4(*[lin.canonical_tensors()[t] for t in ("qweight", "scales", "zeros")], k).t()
@@ -195,7 +197,7 @@ def test_layer_chunks_big_weights(monkeypatch):
     monkeypatch.setattr(int4_mod, "DEQUANT_CHUNK_BYTES", 300 * 256 * 2)  # 256-row chunks: 4 GEMMs
     chunked = lin._dequant_matmul(x)
     assert torch.allclose(chunked.float(), whole.float(), rtol=1e-2, atol=1e-3)
-    assert torch.equal(chunked[:, 256:512], torch.mm(lin.dequantize(torch.bfloat16)[256:512], x.t()).t())
+    assert torch.equal(chunked[:, 256:512], mm_bf16(lin.dequantize(torch.bfloat16)[256:512], x.t()).t())
 
 
 @pytest.mark.parametrize("shape", [(4864, 128), (896, 33), (100, 37), (17, 4864), (1, 5)])

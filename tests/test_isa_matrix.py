@@ -1,0 +1,128 @@
+"""The ISA test matrix: the kernel, quant and model-answer checks as other x86-64 CPUs, under qemu-user.
+
+Whatever CPU the suite lands on, every ISA level its CPU supports runs
+natively (the kernel tests build each level, ``conftest.other_isa_build``), and
+``qemu-x86_64 -cpu MODEL`` runs the lower ones as another CPU would:
+
+* ``Haswell`` (AVX2, FMA, F16C: level x86-64-v3), unless that is the native
+  level already (then it ran natively and is not emulated again);
+* ``Nehalem`` (SSE4.2, no AVX: level x86-64, torch's DEFAULT kernels).
+
+qemu 7.2 emulates no AVX-512, so x86-64-v4 and -v4-bf16 run only natively, on
+a CPU that has them. Each emulated CPU runs, with the kernel cache
+(``LLMSYS_HOME``) the native run filled first (a cache moved to an older CPU
+must not SIGILL):
+
+* :data:`SUBSET`, the kernel and quant tests, minus the ones that start fresh
+  interpreters of their own (the torch fallbacks; covered natively);
+* ``tests/isa_probe.py`` on stories260k and a 512-wide random Llama (every
+  fast path engages: bf16 C kernels, int8/int4 GEMV and GEMM, int8 KV): each
+  setting's greedy tokens and log-probabilities, compared with the native
+  run's. Bit-identity is reported, not required (torch's own float32/bf16 GEMMs
+  differ per ISA); closeness is required.
+
+The terminal summary prints which levels ran natively, emulated, or not at all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ISA_RUNS, STORIES_HF
+
+from llmsys.kernels import _cbuild
+
+ROOT = Path(__file__).resolve().parents[1]
+QEMU = shutil.which("qemu-x86_64")
+CPUS = {"Haswell": "x86-64-v3", "Nehalem": "x86-64"}  # qemu CPU model -> the level the kernels must pick
+SUBSET = ["tests/test_cpu_decode.py", "tests/test_cpu_int4.py", "tests/test_cpu_qgemv.py", "tests/test_quant_layers.py",
+          "tests/test_quant_nf4.py", "-k", "not fallback and not cached and not without_the_kernel"]
+# A setting's answers on an emulated CPU, against the same setting natively: float32 within float32
+# noise; the others within their own error against float32 (their reduced-precision roundings may
+# land differently when torch's bf16 ops differ per ISA), never more than 1.5x it.
+FLOAT32_TOL = 1e-3
+
+pytestmark = [
+    pytest.mark.skipif(_cbuild.machine_arch() != "x86_64", reason="the qemu matrix emulates x86-64 CPUs"),
+    pytest.mark.skipif(QEMU is None, reason="qemu-x86_64 not installed (apt-get install qemu-user): "
+                                            "no ISA level emulated"),
+]
+
+
+def _native_level() -> str | None:
+    level, _ = _cbuild.selected_level()
+    return level.name if level else None
+
+
+def _emulate(cpu: str, args: list[str], home: Path, timeout: int) -> subprocess.CompletedProcess:
+    env = {**os.environ, "LLMSYS_HOME": str(home)}
+    env.pop("LLMSYS_CPU_ISA", None)
+    return subprocess.run([QEMU, "-cpu", cpu, sys.executable, *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory):
+    """The shared kernel cache, the probe's models, and their answers natively (which fills the cache)."""
+    base = tmp_path_factory.mktemp("isa")
+    from tiny_models import make_hf_model
+
+    models = [str(make_hf_model("llama", base / "wide512", hidden_size=512, intermediate_size=1024,
+                                num_attention_heads=8, num_key_value_heads=4))]
+    if STORIES_HF.exists():
+        models.insert(0, str(STORIES_HF))
+    home = base / "home"
+    env = {**os.environ, "LLMSYS_HOME": str(home)}
+    res = subprocess.run([sys.executable, "tests/isa_probe.py", *models], capture_output=True, text=True,
+                         timeout=600, env=env, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    native = json.loads(res.stdout.strip().splitlines()[-1])
+    assert native["level"] == _native_level() and "C kernels 3/3" in native["summary"], native["summary"]
+    return home, models, native
+
+
+def _skip_native(cpu: str) -> None:
+    if CPUS[cpu] == _native_level():
+        pytest.skip(f"{CPUS[cpu]} is this CPU's own level: it ran natively, not emulated as {cpu}")
+
+
+@pytest.mark.parametrize("cpu", list(CPUS))
+def test_kernel_and_quant_tests_as(cpu, matrix, request):
+    _skip_native(cpu)
+    home, _, _ = matrix
+    res = _emulate(cpu, ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", *SUBSET], home, 900)
+    tail = res.stdout.strip().splitlines()[-1] if res.stdout.strip() else res.stderr[-2000:]
+    assert res.returncode == 0 and "Illegal instruction" not in res.stderr, res.stdout[-4000:] + res.stderr[-2000:]
+    request.config.stash[ISA_RUNS].setdefault(CPUS[cpu], []).append(f"qemu {cpu}: kernel+quant tests {tail}")
+
+
+@pytest.mark.parametrize("cpu", list(CPUS))
+def test_model_answers_as(cpu, matrix, request):
+    """The same checkpoints under every setting give the native run's answers within bounds."""
+    _skip_native(cpu)
+    home, models, native = matrix
+    res = _emulate(cpu, ["tests/isa_probe.py", *models], home, 900)
+    assert res.returncode == 0 and "Illegal instruction" not in res.stderr, res.stderr[-3000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got["level"] == CPUS[cpu], got["summary"]  # the level the emulated CPU supports, from the same cache
+    assert "C kernels 3/3" in got["summary"], got["summary"]
+    same, lines = 0, []
+    for model, settings in got["models"].items():
+        ref32 = native["models"][model]["float32/none/kv-auto"]["logprobs"]
+        for name, ans in settings.items():
+            nat = native["models"][model][name]
+            diff = max(abs(a - b) for a, b in zip(ans["logprobs"], nat["logprobs"]))
+            own_err = max(abs(a - b) for a, b in zip(nat["logprobs"], ref32))  # the format's own error, natively
+            bound = FLOAT32_TOL if name.startswith("float32/none/kv-auto") else max(1.5 * own_err, FLOAT32_TOL)
+            assert diff <= bound, f"{cpu} {Path(model).name} {name}: max |logprob diff| {diff:.3g} > {bound:.3g}"
+            same += ans["tokens"] == nat["tokens"]
+            lines.append(name)
+    request.config.stash[ISA_RUNS].setdefault(CPUS[cpu], []).append(
+        f"qemu {cpu}: model answers within bounds, greedy tokens equal to the native level's in {same}/{len(lines)}")
