@@ -1,7 +1,7 @@
 /* Decode-step kernels for the CPU: bfloat16 RMSNorm and RoPE, bfloat16 / float32 decode attention.
  *
- * Built and loaded by kernels/cpu_decode.py (gcc -O3 -march=native -fopenmp
- * -ffp-contract=off -shared, cached under a hash of this file). Why: a
+ * Built for each ISA level and loaded for the running CPU by kernels/_cbuild.py
+ * (gcc -O3 -march=<level> -fopenmp -ffp-contract=off -shared). Why: a
  * bfloat16 decode step of a small model spends as long in small torch ops
  * (upcasts, elementwise, softmax, their dispatch) as in its GEMVs; each kernel
  * here replaces 4-12 of them with one call. The engine uses these kernels for

@@ -36,7 +36,7 @@ _SIGNATURES = {
 }
 
 
-_KERNEL = _cbuild.Kernel(_SOURCE, _SIGNATURES)  # built and loaded on first use, once per process
+_KERNEL = _cbuild.Kernel(_SOURCE, _SIGNATURES)  # loaded (built if need be) at the CPU's ISA level, once per process
 kernel_status = _KERNEL.status  # "ok: <path>" when the C kernel is loaded, else why not
 available = _KERNEL.available
 

@@ -1,10 +1,11 @@
-/* Dequantize torch's CPU int4 tiling to a row-major bfloat16 weight.
+/* Dequantize the CPU int4 tiling to a row-major bfloat16 weight.
  *
- * Built and loaded by kernels/cpu_int4.py (gcc -O3 -march=native -fopenmp
- * -shared, cached under a hash of this file); the torch function there,
- * `dequant_cpu_int4_ref`, is the definition this matches bit for bit.
+ * Built for each ISA level and loaded for the running CPU by kernels/_cbuild.py
+ * (gcc -O3 -march=<level> -fopenmp -shared); the torch function in
+ * kernels/cpu_int4.py, `dequant_cpu_int4_ref`, is the definition this matches bit for bit.
  *
- * Input (layout of torch's _convert_weight_to_int4pack_for_cpu, N padded to 64):
+ * Input (llmsys's CPU int4 tiling, kernels/cpu_int4.py pack_cpu_int4, N padded to 64;
+ * the same on every CPU):
  *   packed  uint8 [Np/64, Kp, 32]: byte (b, k, j) holds row 64b+j in its low
  *           nibble and row 64b+32+j in its high nibble, column k; q in 0..15.
  *   scales  [N, G] read at scales[n * s_n + g * s_g]: bfloat16 bits

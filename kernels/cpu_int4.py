@@ -39,7 +39,7 @@ _SIGNATURES = {
     "llmsys_int4_cpu_dequant": _ARGTYPES,
     "llmsys_u16_transpose": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int],
 }
-_KERNEL = _cbuild.Kernel(_SOURCE, _SIGNATURES)  # built and loaded on first use, once per process
+_KERNEL = _cbuild.Kernel(_SOURCE, _SIGNATURES)  # loaded (built if need be) at the CPU's ISA level, once per process
 kernel_status = _KERNEL.status  # "ok: <path>" when the C kernel is loaded, else why the torch path runs
 
 

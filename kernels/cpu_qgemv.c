@@ -1,8 +1,8 @@
 /* Quantized-weight GEMV on the CPU, int8 per row and int4 per group, for decode and (int8, from 5 rows
  * of x) prefill, and the int4 GEMM for prefill (at the end of this file).
  *
- * Built and loaded by kernels/cpu_qgemv.py (gcc -O3 -march=native -fopenmp
- * -ffp-contract=off -shared, cached under a hash of this file). Why: torch's
+ * Built for each ISA level and loaded for the running CPU by kernels/_cbuild.py
+ * (gcc -O3 -march=<level> -fopenmp -ffp-contract=off -shared). Why: torch's
  * _weight_int8pack_mm and _weight_int4pack_mm_for_cpu read their weights at
  * ~13 and ~18 GB/s at M = 1 on Zen 4 (2 threads, from DRAM), below the bf16
  * prepacked GEMV's ~22 GB/s, so the quantized formats lost most of their byte
@@ -23,7 +23,7 @@
  *             ... in order), lanes reduced as a tree: i + (i+8), i + (i+4),
  *             i + (i+2), i + (i+1)   (cpu_decode.c's order)
  *       out[m, n] = bf16(acc * scale[n])
- * int4: x [M, K] bf16 (zero-padded to Kp), torch's CPU int4 tiling of q [Np, Kp]
+ * int4: x [M, K] bf16 (zero-padded to Kp), the CPU int4 tiling of q [Np, Kp] (cpu_int4.py)
  *       (bytes [Np/64, Kp, 32]: byte (b, k, j) holds row 64b+j in its low
  *       nibble, row 64b+32+j in its high nibble), zero [N, G] uint8,
  *       scale [N, G] (bf16, fp16 or f32 values, read as f32):
@@ -636,7 +636,7 @@ static void int4_block(const void *x, int64_t kp, int64_t m_count, const uint8_t
     }
 }
 
-/* x [M, K] bf16 (row stride ldx); packed: torch's CPU int4 tiling of [Np, Kp]; zeros uint8 read at
+/* x [M, K] bf16 (row stride ldx); packed: the CPU int4 tiling of [Np, Kp]; zeros uint8 read at
  * zeros[n * z_n + g * z_g]; scales at scales[n * s_n + g * s_g] (scale_kind 0 bf16, 1 f32, 2 f16)
  * -> out [M, N] bf16 (row stride ldo). */
 int llmsys_qgemv_int4(const uint16_t *x, int64_t ldx, const uint8_t *packed, const void *scales, int64_t s_n,

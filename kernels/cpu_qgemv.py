@@ -57,7 +57,7 @@ _SIGNATURES = {
 _SCALE_KINDS = {torch.bfloat16: 0, torch.float32: 1, torch.float16: 2}
 
 
-_KERNEL = _cbuild.Kernel(_SOURCE, _SIGNATURES)  # built and loaded on first use, once per process
+_KERNEL = _cbuild.Kernel(_SOURCE, _SIGNATURES)  # loaded (built if need be) at the CPU's ISA level, once per process
 kernel_status = _KERNEL.status  # "ok: <path>" when the C kernel is loaded, else why not
 available = _KERNEL.available
 
@@ -161,7 +161,7 @@ def check_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zero
 
 def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
               group_size: int, *, check: bool = True, lib=None) -> torch.Tensor:
-    """``x [M, K]`` bf16 times an int4 weight in torch's CPU tiling ``-> [M, N]`` bf16 (as :func:`int4_gemv_def`).
+    """``x [M, K]`` bf16 times an int4 weight in the CPU int4 tiling ``-> [M, N]`` bf16 (as :func:`int4_gemv_def`).
 
     ``scales [N, G]`` of any strides, any float dtype (bf16, fp16, fp32 read as
     they are), or torch's ``scales_zeros [G, Np, 2]`` itself (the scale at

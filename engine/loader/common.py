@@ -72,11 +72,8 @@ def resolve_device(device: str) -> torch.device:
 
 
 def _cpu_has_fast_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
+    """AVX512-BF16 or AMX, by cpuid (torch's cpuinfo; what an emulator or a moved container really has)."""
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
