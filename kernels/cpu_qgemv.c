@@ -54,7 +54,8 @@
  * float by the 2^23 trick ((2^23 + q) - (2^23 + zero), exact) and meets a
  * broadcast x[m, k] in an FMA. A group's 64 zero points and scales are vector
  * loads when they lie contiguously (Int4Linear's group-major zeros_gm, its
- * scales_zeros view), a scalar gather otherwise (~1.4x slower). OpenMP splits
+ * scales_zeros view), a scalar gather otherwise (~1.4x slower). AVX2 (x86-64-v3) builds run the
+ * same lanes in pairs of 8-float registers (int8_tile2, int4_group_avx2). OpenMP splits
  * rows (int8) or 64-row blocks (int4) over threads.
  */
 #include <stdint.h>
@@ -65,6 +66,9 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define QG_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define QG_AVX2 1
 #endif
 
 #define LANES 16
@@ -172,7 +176,58 @@ static inline __attribute__((always_inline)) void int8_tile(const float *xf, int
 }
 #endif
 
-#ifndef QG_AVX512
+#ifdef QG_AVX2
+/* The 16 lanes as two 8-float registers (lanes 0-7: columns i..i+7, lanes 8-15: i+8..i+15), reduced in
+   tree()'s order: the bits of the portable loop (an FMA of an exact product is the product, then the sum). */
+static inline float tree256(__m256 lo, __m256 hi) {
+    const __m256 a = _mm256_add_ps(lo, hi);                                      /* i + (i+8) */
+    const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1)); /* i + (i+4) */
+    const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));                         /* i + (i+2) */
+    return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));               /* 0 + 1 */
+}
+
+static inline __m256 int8_8(const int8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
+
+/* R weight rows against MT rows of xf (R * MT <= 4: 8 accumulators of the 16 ymm registers). */
+static inline __attribute__((always_inline)) void int8_tile2(const float *xf, int64_t kpad, const int8_t *q,
+                                                             int64_t ldq, int64_t k, float *res, const int R,
+                                                             const int MT) {
+    __m256 lo[4], hi[4];
+#pragma GCC unroll 4
+    for (int t = 0; t < R * MT; t++) lo[t] = hi[t] = _mm256_setzero_ps();
+    int8_t tail[4][LANES] __attribute__((aligned(16)));
+    int64_t i = 0;
+    for (; i < k; i += LANES) {
+        const int8_t *qr[4];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            qr[r] = q + r * ldq + i;
+            if (i + LANES > k) { /* zero codes against zero-padded x add +0 to every lane (acc is never -0) */
+                memset(tail[r], 0, LANES);
+                memcpy(tail[r], qr[r], (size_t)(k - i));
+                qr[r] = tail[r];
+            } else if ((i & 63) == 0) {
+                _mm_prefetch((const char *)(q + (r + I8_AHEAD) * ldq + i), _MM_HINT_T1);
+            }
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const __m256 w0 = int8_8(qr[r]), w1 = int8_8(qr[r] + 8);
+#pragma GCC unroll 4
+            for (int m = 0; m < MT; m++) {
+                lo[r * MT + m] = _mm256_fmadd_ps(_mm256_load_ps(xf + m * kpad + i), w0, lo[r * MT + m]);
+                hi[r * MT + m] = _mm256_fmadd_ps(_mm256_load_ps(xf + m * kpad + i + 8), w1, hi[r * MT + m]);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int m = 0; m < MT; m++) res[m * R + r] = tree256(lo[r * MT + m], hi[r * MT + m]);
+}
+#endif
+
+#if !defined(QG_AVX512) && !defined(QG_AVX2)
 /* Portable: the same lanes, products and sums in plain C. */
 static void int8_tile_c(const float *xf, int64_t kpad, int mt_count, const int8_t *q, int64_t ldq, int64_t k,
                         float *res, int r_count) {
@@ -212,6 +267,31 @@ static void int8_rows(const float *xf, int64_t kpad, int64_t m_count, const int8
             else if (mt == 2) int8_tile(xt, kpad, 2, qn, k, k, res, 1, 2);
             else if (mt == 3) int8_tile(xt, kpad, 3, qn, k, k, res, 1, 3);
             else int8_tile(xt, kpad, 4, qn, k, k, res, 1, 4);
+#elif defined(QG_AVX2)
+            if (r == 8) { /* M = 1: two tiles of 4 rows */
+                int8_tile2(xt, kpad, qn, k, k, res, 4, 1);
+                int8_tile2(xt, kpad, qn + 4 * k, k, k, res + 4, 4, 1);
+            } else if (r == 4 && mt == 4) {
+                for (int h = 0; h < 4; h += 2) { /* rows of x h, h+1 against the 4 weight rows, 2 at a time */
+                    float part[4];
+                    for (int rr = 0; rr < 4; rr += 2) {
+                        int8_tile2(xt + h * kpad, kpad, qn + rr * k, k, k, part, 2, 2);
+                        res[h * 4 + rr] = part[0], res[h * 4 + rr + 1] = part[1];
+                        res[(h + 1) * 4 + rr] = part[2], res[(h + 1) * 4 + rr + 1] = part[3];
+                    }
+                }
+            } else {
+                for (int m = 0; m < mt; m++) { /* one row of x against r weight rows, up to 4 at a time */
+                    float part[4];
+                    for (int rr = 0; rr < r; rr += 4) {
+                        const int c = r - rr < 4 ? r - rr : 4;
+                        if (c == 4) int8_tile2(xt + m * kpad, kpad, qn + rr * k, k, k, part, 4, 1);
+                        else if (c == 1) int8_tile2(xt + m * kpad, kpad, qn + rr * k, k, k, part, 1, 1);
+                        else for (int e = 0; e < c; e++) int8_tile2(xt + m * kpad, kpad, qn + (rr + e) * k, k, k, part + e, 1, 1);
+                        for (int e = 0; e < c; e++) res[m * r + rr + e] = part[e];
+                    }
+                }
+            }
 #else
             int8_tile_c(xt, kpad, mt, qn, k, k, res, r);
 #endif
@@ -534,6 +614,55 @@ static uint32_t *pairs(const uint16_t *x, int64_t ldx, int64_t m_count, int64_t 
 }
 #endif
 
+#ifdef QG_AVX2
+/* One group of one 64-row block against mt (<= MTILE) rows of x, AVX2: acc[m][j] += a_g[j] * scale[j] with
+   a_g[j] = sum over the group's columns c of x[m, c] * (q[j, c] - zero[j]), in order of c, exactly the
+   portable loop's arithmetic ((q - zero) is exact by the 2^23 trick, the product x * (q - zero) is exact,
+   so the FMA rounds only the sum). A half-block (32 rows: the low or the high nibbles) at a time, two
+   rows of x per pass: 8 accumulators and 4 decoded weight vectors stay in the 16 ymm registers. */
+static inline __attribute__((always_inline)) void int4_half_avx2(const float *x0, const float *x1, const uint8_t *p,
+                                                                  int64_t gs, int h, const __m256 *z, __m256 (*a)[4],
+                                                                  const int MT) {
+    const __m256i magic_i = _mm256_castps_si256(_mm256_set1_ps(8388608.0f)), low4 = _mm256_set1_epi8(15);
+    for (int64_t c = 0; c < gs; c++) {
+        __m256i b = _mm256_loadu_si256((const __m256i *)(p + c * 32));
+        b = _mm256_and_si256(h ? _mm256_srli_epi16(b, 4) : b, low4); /* rows 32h + 0..31 */
+        const __m128i lo = _mm256_castsi256_si128(b), hi = _mm256_extracti128_si256(b, 1);
+        const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+        const __m256 xv0 = _mm256_set1_ps(x0[c]), xv1 = _mm256_set1_ps(x1[c]);
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; v++) {
+            const __m256 w = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_or_si256(_mm256_cvtepu8_epi32(part[v]), magic_i)), z[v]);
+            a[0][v] = _mm256_fmadd_ps(xv0, w, a[0][v]);
+            if (MT == 2) a[1][v] = _mm256_fmadd_ps(xv1, w, a[1][v]);
+        }
+    }
+}
+
+static void int4_group_avx2(const float *xg, int64_t kp, int mt, const uint8_t *p, int64_t gs, const float *zf,
+                            const float *sf, float (*acc)[64]) {
+    const __m256 magic = _mm256_set1_ps(8388608.0f); /* 2^23: (2^23 + q) - (2^23 + zero) = q - zero */
+    for (int h = 0; h < 2; h++) {
+        __m256 z[4];
+        for (int v = 0; v < 4; v++) z[v] = _mm256_add_ps(magic, _mm256_load_ps(zf + 32 * h + 8 * v));
+        for (int m = 0; m < mt; m += 2) {
+            const int two = mt - m >= 2;
+            __m256 a[2][4];
+            for (int v = 0; v < 4; v++) a[0][v] = a[1][v] = _mm256_setzero_ps();
+            const float *x0 = xg + m * kp, *x1 = xg + (m + two) * kp;
+            if (two) int4_half_avx2(x0, x1, p, gs, h, z, a, 2);
+            else int4_half_avx2(x0, x1, p, gs, h, z, a, 1);
+            for (int r = 0; r <= two; r++)
+                for (int v = 0; v < 4; v++) { /* acc = acc + a_g * scale: product rounded, then added */
+                    float *dst = acc[m + r] + 32 * h + 8 * v;
+                    const __m256 prod = _mm256_mul_ps(a[r][v], _mm256_load_ps(sf + 32 * h + 8 * v));
+                    _mm256_store_ps(dst, _mm256_add_ps(_mm256_load_ps(dst), prod));
+                }
+        }
+    }
+}
+#endif
+
 /* One 64-row block (rows row0.., n < n_rows), all rows of x: writes out[m, row0 + j].
    x: float rows of width kp (xf), or with AVX512-BF16 pairs of bf16 (xs, kp / 2 per row). */
 static void int4_block(const void *x, int64_t kp, int64_t m_count, const uint8_t *blk, const int4_meta *md,
@@ -609,6 +738,11 @@ static void int4_block(const void *x, int64_t kp, int64_t m_count, const uint8_t
                     const __m512 prod = _mm512_mul_ps(a[m][v], sv[v]);
                     _mm512_store_ps(acc[m] + 16 * v, _mm512_add_ps(_mm512_load_ps(acc[m] + 16 * v), prod));
                 }
+#elif defined(QG_AVX2)
+            float zf[64] __attribute__((aligned(32))), sf[64] __attribute__((aligned(32)));
+            meta_scalar(md, row0, rows, g, zf, sf);
+            const float *xg = (const float *)x + m0 * kp + g * gs;
+            int4_group_avx2(xg, kp, mt, p, gs, zf, sf, acc);
 #else
             float zf[64], sf[64];
             meta_scalar(md, row0, rows, g, zf, sf);

@@ -24,6 +24,11 @@ SETTINGS = [("float32", "none", "auto"), ("bfloat16", "none", "auto"), ("bfloat1
 PROMPT = [1, 7, 42, 99, 5, 300, 17, 64, 250, 3, 77, 128]  # ids valid in a 512-token vocab
 
 
+def scored_sequence(vocab: int) -> list[int]:
+    """The sequence whose log-probabilities are compared (tests/test_isa_matrix.py scores it with transformers)."""
+    return torch.randint(3, vocab, (96,), generator=torch.Generator().manual_seed(1)).tolist()
+
+
 def probe(path: str) -> dict:
     from llmsys import LLM, SamplingParams
     from llmsys.engine.scoring import score_sequences
@@ -32,7 +37,7 @@ def probe(path: str) -> dict:
     for dtype, quant, kv in SETTINGS:
         llm = LLM(path, dtype=dtype, quant=quant, kv_dtype=kv, device="cpu", kv_cache_tokens=512, progress=False)
         vocab = llm.loaded.args.vocab_size
-        seq = torch.randint(3, vocab, (96,), generator=torch.Generator().manual_seed(1)).tolist()
+        seq = scored_sequence(vocab)
         sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
         tokens = llm.generate([[t % vocab for t in PROMPT]], sp)[0].token_ids
         (lp,) = score_sequences(llm.core, [seq])

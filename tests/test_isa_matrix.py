@@ -85,7 +85,38 @@ def matrix(tmp_path_factory):
     assert res.returncode == 0, res.stderr[-3000:]
     native = json.loads(res.stdout.strip().splitlines()[-1])
     assert native["level"] == _native_level() and "C kernels 3/3" in native["summary"], native["summary"]
-    return home, models, native
+    hf = _transformers_logprobs(models[-1])
+    _check_against_transformers(native, models[-1], hf, "native")
+    return home, models, native, hf
+
+
+def _transformers_logprobs(path: str) -> dict[str, list[float]]:
+    """transformers' float32 and bf16 log-probabilities of the probe's scored sequence (the oracle)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from isa_probe import scored_sequence
+
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+        seq = scored_sequence(model.config.vocab_size)
+        with torch.no_grad():
+            lp = torch.log_softmax(model(torch.tensor([seq])).logits[0, :-1].float(), dim=-1)
+        out[str(dtype).split(".")[1]] = lp.gather(1, torch.tensor(seq[1:])[:, None])[:, 0].tolist()
+    return out
+
+
+def _check_against_transformers(run: dict, model: str, hf: dict, where: str) -> None:
+    """On the 512-wide model (every fast path engaged): float32 equals transformers' float32 within 1e-3, and
+    bf16 errs from it no more than transformers' own bf16 does (x1.5 + 1e-3, tests/test_models.py's bound)."""
+    ours = run["models"][model]
+    ref = hf["float32"]
+    hf_err = max(abs(a - b) for a, b in zip(hf["bfloat16"], ref))
+    f32_err = max(abs(a - b) for a, b in zip(ours["float32/none/kv-auto"]["logprobs"], ref))
+    bf_err = max(abs(a - b) for a, b in zip(ours["bfloat16/none/kv-auto"]["logprobs"], ref))
+    assert f32_err <= FLOAT32_TOL, f"{where}: float32 vs transformers {f32_err:.3g}"
+    assert bf_err <= 1.5 * hf_err + 1e-3, f"{where}: bf16 vs transformers float32 {bf_err:.3g} (transformers bf16 {hf_err:.3g})"
 
 
 def _skip_native(cpu: str) -> None:
@@ -96,7 +127,7 @@ def _skip_native(cpu: str) -> None:
 @pytest.mark.parametrize("cpu", list(CPUS))
 def test_kernel_and_quant_tests_as(cpu, matrix, request):
     _skip_native(cpu)
-    home, _, _ = matrix
+    home, _, _, _ = matrix
     res = _emulate(cpu, ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", *SUBSET], home, 900)
     tail = res.stdout.strip().splitlines()[-1] if res.stdout.strip() else res.stderr[-2000:]
     assert res.returncode == 0 and "Illegal instruction" not in res.stderr, res.stdout[-4000:] + res.stderr[-2000:]
@@ -105,12 +136,14 @@ def test_kernel_and_quant_tests_as(cpu, matrix, request):
 
 @pytest.mark.parametrize("cpu", list(CPUS))
 def test_model_answers_as(cpu, matrix, request):
-    """The same checkpoints under every setting give the native run's answers within bounds."""
+    """The same checkpoints under every setting give the native run's answers within bounds, and the
+    512-wide model's float32 and bf16 answers are within the transformers bounds on this level too."""
     _skip_native(cpu)
-    home, models, native = matrix
+    home, models, native, hf = matrix
     res = _emulate(cpu, ["tests/isa_probe.py", *models], home, 900)
     assert res.returncode == 0 and "Illegal instruction" not in res.stderr, res.stderr[-3000:]
     got = json.loads(res.stdout.strip().splitlines()[-1])
+    _check_against_transformers(got, models[-1], hf, f"qemu {cpu}")
     assert got["level"] == CPUS[cpu], got["summary"]  # the level the emulated CPU supports, from the same cache
     assert "C kernels 3/3" in got["summary"], got["summary"]
     same, lines = 0, []
