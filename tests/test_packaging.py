@@ -48,7 +48,11 @@ def test_wheel_carries_every_level_and_runs_without_a_compiler(tmp_path, stories
 
     from llmsys.kernels import _cbuild
 
-    res = subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation",
+    import shutil
+
+    src = tmp_path / "src"  # a copy: setuptools writes build/ beside the sources, never into the checkout
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", "build", "*.egg-info", "__pycache__", "_built"))
+    res = subprocess.run([sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation",
                           "-q", "-w", str(tmp_path / "dist")], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     (wheel,) = (tmp_path / "dist").glob("llmsys-*.whl")
