@@ -104,6 +104,7 @@ SCRIPTS: dict[str, list[str]] = {
     "offload": ["benchmarks/bench_offload.py"],
     "kv-tier": ["benchmarks/bench_kv_tier.py", "--prompt", "3500", "--new", "32", "--rounds", "3"],
     "server": ["benchmarks/bench_server.py"],
+    "isa": ["benchmarks/isa_perplexity.py"],
 }
 
 

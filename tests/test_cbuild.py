@@ -1,0 +1,77 @@
+"""Choosing and finding the C kernels' ISA level: the probe, LLMSYS_CPU_ISA, the cache, the build lock."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from llmsys.kernels import _cbuild
+
+pytestmark = pytest.mark.skipif(_cbuild.cpu_features()[0] is None,
+                                reason=f"no C kernels here: {_cbuild.cpu_features()[1]}")
+
+REPORT = textwrap.dedent("""
+    import warnings
+    warnings.simplefilter("ignore")
+    from llmsys.kernels.cpu_report import cpu_kernels
+    r = cpu_kernels()
+    print(r.level, "|", r.kernels["cpu_qgemv"])
+""")
+
+
+def _report(tmp_path, **env) -> tuple[str, str]:
+    full = {**os.environ, "LLMSYS_HOME": str(tmp_path), **env}
+    res = subprocess.run([sys.executable, "-c", REPORT], capture_output=True, text=True, timeout=300, env=full)
+    assert res.returncode == 0, res.stderr[-2000:]
+    level, status = res.stdout.strip().splitlines()[-1].split(" | ")
+    return level, status
+
+
+def test_probe_agrees_with_torch_cpuinfo():
+    """The C probe (cpuid) and torch's own cpuinfo see the same CPU."""
+    import torch
+
+    features, _ = _cbuild.cpu_features()
+    if _cbuild.machine_arch() == "x86_64":
+        assert ("avx2" in features) == torch.cpu._is_avx2_supported()
+        assert ({"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= features) == torch.cpu._is_avx512_supported()
+        assert ("avx512bf16" in features) == torch.cpu._is_avx512_bf16_supported()
+    level, why = _cbuild.selected_level()
+    assert level == [lv for lv in _cbuild.arch_levels() if lv.needs <= features][-1] and why
+
+
+def test_forced_lower_level_builds_its_own_file_beside_the_native_one(tmp_path):
+    native, status = _report(tmp_path)
+    assert status.startswith(f"ok: {native} ")
+    low = _cbuild.arch_levels()[0].name
+    level, status = _report(tmp_path, LLMSYS_CPU_ISA=low)
+    assert level == low and status.startswith(f"ok: {low} (built)")
+    built = sorted(p.name.split("-", 1)[1].rsplit("-", 1)[0] for p in tmp_path.glob("kernels/cpu_qgemv-*.so"))
+    assert built == sorted({native, low})  # one file per level: a cache shared by two CPUs never mixes them
+    assert _report(tmp_path, LLMSYS_CPU_ISA=low)[1].startswith(f"ok: {low} (cached)")
+
+
+def test_bad_or_unsupported_level_runs_the_torch_paths_and_says_why(tmp_path):
+    level, status = _report(tmp_path, LLMSYS_CPU_ISA="avx9000")
+    assert level == "None" and "LLMSYS_CPU_ISA=avx9000 is not a level of" in status and "C kernels off" in status
+    above = [lv for lv in _cbuild.arch_levels() if not _cbuild.supports(lv)]
+    if above:
+        level, status = _report(tmp_path, LLMSYS_CPU_ISA=above[0].name)
+        assert level == "None" and "needs features this CPU lacks" in status
+
+
+def test_concurrent_builds_compile_once(tmp_path):
+    """Two processes start on an empty cache: the folder lock lets one compile, the other reuses it."""
+    code = "from llmsys.kernels import cpu_decode; print(cpu_decode.kernel_status())"
+    env = {**os.environ, "LLMSYS_HOME": str(tmp_path)}
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=300)[0].strip() for p in procs]
+    assert all(o.startswith("ok: ") for o in outs), outs
+    hows = sorted(o.split("(")[1].split(")")[0] for o in outs)
+    assert hows == ["built", "cached"], outs
+    assert len(list(tmp_path.glob("kernels/cpu_decode-*.so"))) == 1
