@@ -265,17 +265,17 @@ class LLM:
 
 def _report_cpu_kernels() -> None:
     """Load the CPU C kernels now (an editable install compiles them here, not in the first
-    request); say once when some are missing (the torch paths run, slower), and with
+    request); say so in one line when some are missing (the torch paths run, slower), and with
     ``LLMSYS_DEBUG=1`` print the ISA level and every kernel's status."""
     import os
     import sys
-    import warnings
 
     from llmsys.kernels.cpu_report import cpu_kernels
 
     report = cpu_kernels()
+    missing = [f"{name}: {status}" for name, status in report.kernels.items() if not status.startswith("ok:")]
     if os.environ.get("LLMSYS_DEBUG") == "1":
         print(f"debug: {report.summary()}", file=sys.stderr)
-    elif not all(s.startswith("ok:") for s in report.kernels.values()):
-        warnings.warn(f"llmsys: {report.summary()}; the torch paths run instead (same answers, slower)",
-                      RuntimeWarning, stacklevel=3)
+    elif missing:
+        print(f"notice: C kernels unavailable ({missing[0]}); the torch paths run instead (same answers, "
+              "slower; `pip install .` builds them, or install gcc)", file=sys.stderr)

@@ -75,3 +75,16 @@ def test_concurrent_builds_compile_once(tmp_path):
     hows = sorted(o.split("(")[1].split(")")[0] for o in outs)
     assert hows == ["built", "cached"], outs
     assert len(list(tmp_path.glob("kernels/cpu_decode-*.so"))) == 1
+
+
+def test_no_compiler_still_runs_and_says_so_once(tmp_path, stories_c):
+    """No compiler and no prebuilt kernel: `llmsys run` answers on the torch paths, with one line saying why."""
+    env = {**os.environ, "LLMSYS_HOME": str(tmp_path), "CC": str(tmp_path / "no-such-cc")}
+    res = subprocess.run([sys.executable, "-m", "llmsys.engine.cli.main", "run", str(stories_c), "Once upon a time",
+                          "--temperature", "0", "-n", "8", "--quant", "int4"],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip()  # it answered
+    said = [ln for ln in res.stderr.splitlines() if "the torch paths run instead" in ln]
+    assert len(said) == 1 and said[0].startswith("notice: C kernels unavailable (") and "no-such-cc" in said[0], \
+        res.stderr
