@@ -8,6 +8,8 @@ the core directly; this class is the simple, synchronous way in.
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -22,6 +24,7 @@ from llmsys.engine.loader import LoadedModel, load_model
 from llmsys.engine.outputs import RequestOutput, StreamChunk, Timings, Usage
 from llmsys.engine.sampling import SamplingParams
 from llmsys.engine.tokenizer import Tokenizer
+from llmsys.kernels.cpu_report import cpu_kernels
 
 Prompt = str | list[int]
 
@@ -267,11 +270,6 @@ def _report_cpu_kernels() -> None:
     """Load the CPU C kernels now (an editable install compiles them here, not in the first
     request); say so in one line when some are missing (the torch paths run, slower), and with
     ``LLMSYS_DEBUG=1`` print the ISA level and every kernel's status."""
-    import os
-    import sys
-
-    from llmsys.kernels.cpu_report import cpu_kernels
-
     report = cpu_kernels()
     missing = [f"{name}: {status}" for name, status in report.kernels.items() if not status.startswith("ok:")]
     if os.environ.get("LLMSYS_DEBUG") == "1":

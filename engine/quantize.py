@@ -29,10 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmsys.engine.errors import InvalidParameterError
-from llmsys.kernels import cpu_qgemv
 from llmsys.quant import QuantSpec, parse_quant, quantize_linear
 from llmsys.quant.embedding import QuantEmbedding
-from llmsys.quant.int4 import cpu_int4_fast
 from llmsys.quant.int8_fp8 import fp8_gemm_supported
 
 EMBED = "model.embed_tokens"
@@ -57,9 +55,6 @@ def fallback_notice(spec: QuantSpec, device: torch.device) -> str | None:
         where = "this GPU" if device.type == "cuda" else "the CPU"
         return (f"notice: fp8 matmul needs a GPU with FP8 tensor cores (sm >= 8.9); on {where} fp8 weights "
                 "are dequantized per layer and multiplied in the model dtype (same results, slower)")
-    if spec.method == "int4" and device.type == "cpu" and not cpu_int4_fast():
-        return (f"notice: the C int4 kernels are unavailable ({cpu_qgemv.kernel_status()}); int4 layers "
-                "dequantize per call in torch (same results, much slower)")
     if spec.method == "nf4" and device.type == "cpu":
         return None  # NF4 is documented as a storage format (dequant + GEMM) everywhere
     return None

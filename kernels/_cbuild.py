@@ -72,7 +72,7 @@ LEVELS: tuple[IsaLevel, ...] = (  # per architecture, lowest first
 # cpu_features.c's bits
 FEATURE_BITS = {
     "avx2": 0, "fma": 1, "f16c": 2, "bmi2": 3, "avx512f": 4, "avx512bw": 5, "avx512dq": 6, "avx512vl": 7,
-    "avx512cd": 8, "avx512bf16": 9, "neon": 16, "dotprod": 17, "fp16": 18, "bf16": 19,
+    "avx512cd": 8, "avx512bf16": 9, "neon": 16, "dotprod": 17, "fp16": 18,
 }
 
 
@@ -110,6 +110,13 @@ def artifact_name(source: Path, level: IsaLevel) -> str:
     flags = " ".join(COMMON_FLAGS + level.flags).encode()
     key = hashlib.sha256(b"\0".join([source.read_bytes(), *headers, flags])).hexdigest()[:16]
     return f"{source.stem}-{level.name}-{key}.so"
+
+
+def install_builds(arch: str | None = None) -> list[tuple[Path, IsaLevel]]:
+    """Every (source, level) an install compiles: each kernel at every level of ``arch``, the CPU probe
+    at the baseline only (it must run on any CPU of the architecture, and is only loaded there)."""
+    levels = arch_levels(arch)
+    return [(HERE / name, lv) for name in SOURCES for lv in (levels[:1] if name == "cpu_features.c" else levels)]
 
 
 def compiler() -> str | None:

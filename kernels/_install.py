@@ -43,17 +43,13 @@ def _load_cbuild():
 
 def build_all(out_dir: Path) -> list[str]:
     """Compile every kernel source for every level of this architecture into ``out_dir``; returns
-    one line per build that failed (the probe ``cpu_features.c`` is built at the baseline only)."""
+    one line per build that failed (``_cbuild.install_builds``)."""
     cb = _load_cbuild()
     levels = cb.arch_levels()
     cc = cb.compiler()
     if not levels or not cc:
         return [f"no C compiler or no ISA levels for {cb.machine_arch()}: kernels are built at run time"]
-    jobs = []
-    for name in cb.SOURCES:
-        src = cb.HERE / name
-        for level in levels[:1] if name == "cpu_features.c" else levels:
-            jobs.append((src, level, out_dir / cb.artifact_name(src, level)))
+    jobs = [(src, level, out_dir / cb.artifact_name(src, level)) for src, level in cb.install_builds()]
 
     def one(job) -> str | None:
         src, level, target = job

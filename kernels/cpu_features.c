@@ -17,9 +17,6 @@
 #ifndef HWCAP_ASIMDDP
 #define HWCAP_ASIMDDP (1UL << 20)
 #endif
-#ifndef HWCAP2_BF16
-#define HWCAP2_BF16 (1UL << 14)
-#endif
 #endif
 
 /* Bits (keep in step with _cbuild.FEATURE_BITS). */
@@ -27,7 +24,7 @@ enum {
     F_AVX2 = 1 << 0, F_FMA = 1 << 1, F_F16C = 1 << 2, F_BMI2 = 1 << 3,
     F_AVX512F = 1 << 4, F_AVX512BW = 1 << 5, F_AVX512DQ = 1 << 6, F_AVX512VL = 1 << 7,
     F_AVX512CD = 1 << 8, F_AVX512BF16 = 1 << 9,
-    F_NEON = 1 << 16, F_DOTPROD = 1 << 17, F_FP16 = 1 << 18, F_BF16 = 1 << 19,
+    F_NEON = 1 << 16, F_DOTPROD = 1 << 17, F_FP16 = 1 << 18,
 };
 
 int64_t llmsys_cpu_features(void) {
@@ -47,10 +44,9 @@ int64_t llmsys_cpu_features(void) {
 #elif defined(__aarch64__)
     f |= F_NEON; /* Advanced SIMD is part of every AArch64 Linux / macOS CPU */
 #if defined(__linux__)
-    unsigned long hw = getauxval(AT_HWCAP), hw2 = getauxval(AT_HWCAP2);
+    unsigned long hw = getauxval(AT_HWCAP);
     if (hw & HWCAP_ASIMDDP) f |= F_DOTPROD;
     if (hw & HWCAP_ASIMDHP) f |= F_FP16;
-    if (hw2 & HWCAP2_BF16) f |= F_BF16;
 #endif
 #endif
     return f;

@@ -25,7 +25,7 @@ a decode step and any batch agree bit for bit. Where the GEMM is not native
 (no AVX512-BF16), batches of more than :data:`PACKED_MAX_ROWS` rows (prefill)
 dequantize the tiled buffer to bf16 (``llmsys.kernels.dequant_cpu_int4``) and
 run a dense bf16 GEMM; without the C kernels every batch does that, with the
-dequantization in torch ops (correct, slower: ``fallback_notice`` says so).
+dequantization in torch ops (correct, slower: the engine's notice line says so).
 """
 
 from __future__ import annotations
@@ -103,11 +103,6 @@ def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
     w = (q - zeros.float()[..., None]) * scales.float()[..., None]
     w = w.reshape(n, -1)
     return w[:, : (in_features or w.shape[1])].to(dtype)
-
-
-def cpu_int4_fast() -> bool:
-    """Whether the C int4 kernels are loaded; without them CPU int4 layers dequantize per call in torch."""
-    return cpu_qgemv.available()
 
 
 class Int4Linear(QuantLinear):

@@ -88,3 +88,22 @@ def test_no_compiler_still_runs_and_says_so_once(tmp_path, stories_c):
     said = [ln for ln in res.stderr.splitlines() if "the torch paths run instead" in ln]
     assert len(said) == 1 and said[0].startswith("notice: C kernels unavailable (") and "no-such-cc" in said[0], \
         res.stderr
+
+
+def test_no_compiler_on_path_and_no_prebuilt_build_says_how_to_get_one(tmp_path):
+    """CC unset and no gcc/cc on PATH, an empty cache, a source with no prebuilt build: the status names the fix."""
+    code = ("from llmsys.kernels import _cbuild; import pathlib;"
+            "print(_cbuild.find_or_build(pathlib.Path(_cbuild.HERE / 'cpu_decode.c'), _cbuild.arch_levels()[0])[1])")
+    env = {k: v for k, v in os.environ.items() if k != "CC"}
+    env.update(PATH=str(tmp_path), LLMSYS_HOME=str(tmp_path / "home"))
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    line = res.stdout.strip().splitlines()[-1]
+    if line in ("prebuilt", "cached"):
+        pytest.skip(f"this install carries a {line} build: the no-compiler branch is not reached")
+    assert line == "no C compiler (gcc) on PATH and no prebuilt kernel (install from a wheel or `pip install .`)"
+
+
+def test_unknown_level_name_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"unknown ISA level 'avx9000'; levels: x86-64, x86-64-v3"):
+        _cbuild.level_named("avx9000")
