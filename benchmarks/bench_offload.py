@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from llmsys.kernels.common.paths import llmsys_home
+
 MiB = 1 << 20
 PROMPT = [1, 450, 4996, 17354, 1701, 432, 29885, 975, 278, 17366, 11203, 29889]
 
@@ -288,7 +290,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--work", type=Path, default=Path(os.environ.get("LLMSYS_HOME") or "~/.cache/llmsys").expanduser() / "bench")
+    ap.add_argument("--work", type=Path, default=llmsys_home() / "bench")
     ap.add_argument("--gpu", action="store_true")
     ap.add_argument("--child-llmsys")
     ap.add_argument("--child-accelerate")

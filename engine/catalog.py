@@ -36,8 +36,9 @@ try:  # Python >= 3.11
 except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-from llmsys.engine.config import format_bytes
-from llmsys.engine.errors import HubError, LLMSysError, ModelNotFoundError
+from llmsys.kernels.common.units import format_bytes
+from llmsys.kernels.common.errors import HubError, LLMSysError, ModelNotFoundError
+from llmsys.kernels.common.paths import llmsys_home
 
 CATALOG_FILENAME = "models.toml"
 DEFAULT_ENDPOINT = "https://huggingface.co"
@@ -182,11 +183,6 @@ def find_entry(name: str, catalog: dict[str, CatalogEntry] | None = None) -> Cat
 # --------------------------------------------------------------------------
 # Local storage
 # --------------------------------------------------------------------------
-
-
-def llmsys_home() -> Path:
-    """Root for downloaded models: ``$LLMSYS_HOME`` or ``~/.cache/llmsys``."""
-    return Path(os.environ.get("LLMSYS_HOME") or "~/.cache/llmsys").expanduser()
 
 
 def local_path(entry: CatalogEntry) -> Path:

@@ -26,7 +26,7 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from llmsys.engine.errors import TokenizerError
+from llmsys.kernels.common.errors import TokenizerError
 
 
 class _GenerationBlock(jinja2.ext.Extension):

@@ -19,7 +19,7 @@ import torch
 
 from llmsys.engine.config import EngineConfig
 from llmsys.engine.detokenizer import IncrementalDetokenizer, StopChecker
-from llmsys.engine.errors import ContextOverflowError, InvalidParameterError
+from llmsys.kernels.common.errors import ContextOverflowError, InvalidParameterError
 from llmsys.engine.kv_cache import BlockAllocator, KVCache, KVCacheSpec
 from llmsys.engine.loader.common import LoadedModel
 from llmsys.engine.outputs import StreamChunk, Timings, Usage

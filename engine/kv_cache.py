@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmsys.engine.errors import BudgetError
+from llmsys.kernels.common.errors import BudgetError
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import torch
 
 from llmsys.engine.config import EngineConfig
 from llmsys.engine.core import EngineCore, MemoryReport
-from llmsys.engine.errors import InvalidParameterError
+from llmsys.kernels.common.errors import InvalidParameterError
 from llmsys.engine.kv_cache import KVCacheSpec, blocks_needed
 from llmsys.engine.loader import LoadedModel, load_model
 from llmsys.engine.outputs import RequestOutput, StreamChunk, Timings, Usage

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmsys.engine.errors import InvalidParameterError
+from llmsys.kernels.common.errors import InvalidParameterError
 from llmsys.quant import QuantSpec, parse_quant, quantize_linear
 from llmsys.quant.embedding import QuantEmbedding
 from llmsys.quant.int8_fp8 import fp8_gemm_supported
@@ -509,7 +509,7 @@ def file_calibration(llm, path: str, n: int, length: int) -> list[list[int]]:
     """``n`` windows of ``length`` tokens from a text file (BOS first when the model has one)."""
     from pathlib import Path
 
-    from llmsys.engine.errors import ModelNotFoundError
+    from llmsys.kernels.common.errors import ModelNotFoundError
 
     p = Path(path)
     if not p.is_file():

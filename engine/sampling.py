@@ -42,7 +42,7 @@ from typing import Sequence
 
 import torch
 
-from llmsys.engine.errors import InvalidParameterError
+from llmsys.kernels.common.errors import InvalidParameterError
 from llmsys.offload.eviction.policy import KVPolicy, parse_kv_policy
 
 # Temperatures below this are treated as greedy: dividing by ~0 overflows and

@@ -179,7 +179,7 @@ def perplexity_stream(
     :class:`_StepLayout`, token ids and positions are slices of tensors made
     once, and a step's NLL is one row's log-softmax read as a Python float.
     """
-    from llmsys.engine.errors import InvalidParameterError
+    from llmsys.kernels.common.errors import InvalidParameterError
     from llmsys.offload.kv_policy import PolicyRuntime, ensure_rope_positions, parse_kv_policy
 
     pol = parse_kv_policy(policy).resolve(core.kv.spec.bytes_per_token)

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from llmsys.engine.chat_template import ChatTemplate
-from llmsys.engine.errors import TokenizerError
+from llmsys.kernels.common.errors import TokenizerError
 
 _BYTE_TOKEN_RE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 _LLAMA_CLASSES = ("LlamaTokenizer", "LlamaTokenizerFast")

@@ -97,7 +97,11 @@ def level_named(name: str) -> IsaLevel:
 
 def cache_dir() -> Path:
     """Where kernels compiled at run time are kept: ``$LLMSYS_HOME/kernels`` (default ``~/.cache/llmsys``)."""
-    return Path(os.environ.get("LLMSYS_HOME") or "~/.cache/llmsys").expanduser() / "kernels"
+    # Imported here, not at the top: the install hooks load this file by path before llmsys is
+    # importable, and they never reach this run-time cache.
+    from llmsys.kernels.common.paths import llmsys_home
+
+    return llmsys_home() / "kernels"
 
 
 def disabled() -> bool:

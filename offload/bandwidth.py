@@ -6,9 +6,10 @@ bandwidth beats PCIe; disk streaming is only worth planning around with the
 disk's real read speed). Each probe takes well under a second and runs once
 per machine: results are cached as JSON under ``$LLMSYS_HOME/machine/``.
 
-This is offload's own small probe (offload must not import the engine's
-bench package); the keys match ``engine.bench.machine.Bandwidths`` where
-they overlap (``mem_gbps``, ``disk_read_gbps``, ``h2d_gbps``).
+:class:`Bandwidths` is the one type for measured machine speeds: the
+planner's probe here fills the GEMM rates, ``llmsys bench``'s longer
+measurement (``engine.bench.machine``) fills the copy bandwidths and the
+page-cache flag; each leaves the other's fields at their defaults.
 """
 
 from __future__ import annotations
@@ -23,19 +24,41 @@ from pathlib import Path
 
 import torch
 
+from llmsys.kernels.common.paths import llmsys_home
+
 CACHE_VERSION = 2
 
 
 @dataclass(frozen=True)
 class Bandwidths:
-    """GB/s (1e9 bytes/s) and GFLOP/s of this machine."""
+    """Measured sequential bandwidths in GB/s (1e9 bytes per second) and GEMM GFLOP/s.
 
-    mem_gbps: float  # CPU RAM read bandwidth (what a memory-bound matvec gets)
-    disk_read_gbps: float  # sequential cold read of a file in the offload folder
-    h2d_gbps: float | None = None  # pinned host -> GPU copy; None without CUDA
-    gpu_mem_gbps: float | None = None  # GPU memory bandwidth; None without CUDA
-    cpu_gflops: dict[str, float] = field(default_factory=dict)  # dtype name -> GEMM GFLOP/s
+    ``mem_gbps``: host RAM read bandwidth (a large tensor reduction, all torch
+    threads) - the roof for CPU decode, which streams every weight once per
+    step. ``disk_read_gbps``: sequential cold read of a file where offloaded
+    weights live (``None``: not measured). ``h2d_gbps``: pinned host -> GPU copy;
+    ``gpu_mem_gbps``: on-GPU copy (read + write); both ``None`` without a GPU.
+    ``mem_copy_gbps``: a large host tensor copy counting read + write bytes
+    (STREAM "copy"; measured by ``llmsys bench`` only). ``disk_cached``: the page
+    cache could not be dropped, so the disk figure is an upper bound.
+    ``cpu_gflops`` / ``gpu_gflops``: dtype name -> GEMM GFLOP/s (measured by the
+    planner's probe only; empty means the cost model's defaults).
+    """
+
+    mem_gbps: float
+    disk_read_gbps: float | None
+    h2d_gbps: float | None = None
+    gpu_mem_gbps: float | None = None
+    mem_copy_gbps: float | None = None
+    disk_cached: bool = False
+    cpu_gflops: dict[str, float] = field(default_factory=dict)
     gpu_gflops: dict[str, float] = field(default_factory=dict)
+
+    def roof_gbps(self, device_type: str) -> float:
+        """Bandwidth that bounds decode on ``device_type`` ("cpu" or "cuda")."""
+        if device_type == "cuda" and self.gpu_mem_gbps:
+            return self.gpu_mem_gbps
+        return self.mem_gbps
 
     def cpu_flops(self, dtype: torch.dtype) -> float:
         name = str(dtype).removeprefix("torch.")
@@ -44,10 +67,6 @@ class Bandwidths:
     def gpu_flops(self, dtype: torch.dtype) -> float:
         name = str(dtype).removeprefix("torch.")
         return 1e9 * self.gpu_gflops.get(name, min(self.gpu_gflops.values(), default=50_000.0))
-
-
-def llmsys_home() -> Path:
-    return Path(os.environ.get("LLMSYS_HOME") or "~/.cache/llmsys").expanduser()
 
 
 def _cache_path() -> Path:
@@ -168,7 +187,8 @@ def measure_bandwidths(cache: bool = True, probe_dir: Path | None = None) -> Ban
     gpu_flops: dict[str, float] = {}
     if torch.cuda.is_available():  # pragma: no cover - untested here (no GPU)
         h2d, gpu_mem, gpu_flops = probe_cuda()
-    bw = Bandwidths(mem, disk, h2d, gpu_mem, flops, gpu_flops)
+    bw = Bandwidths(mem_gbps=mem, disk_read_gbps=disk, h2d_gbps=h2d, gpu_mem_gbps=gpu_mem,
+                    cpu_gflops=flops, gpu_gflops=gpu_flops)
     if cache:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)

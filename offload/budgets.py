@@ -10,13 +10,14 @@ not there.
 
 from __future__ import annotations
 
-import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 import torch
+
+from llmsys.kernels.common.paths import llmsys_home
 
 # Keep this much free: the OS, the page cache of the files we read and the
 # allocator's slack need room, and other processes share the machine.
@@ -62,17 +63,8 @@ def resolve_budgets(
                    cpu_explicit=cpu_mem is not None, gpu_explicit=gpu_mem is not None)
 
 
-def format_bytes(n: float) -> str:
-    """Binary units, like the budgets are written (offload does not import the engine's helper)."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
 def scratch_offload_dir() -> Path:
     """A private folder for offload files when --offload-dir was not given."""
-    base = Path(os.environ.get("LLMSYS_HOME") or "~/.cache/llmsys").expanduser() / "offload"
+    base = llmsys_home() / "offload"
     base.mkdir(parents=True, exist_ok=True)
     return Path(tempfile.mkdtemp(prefix="run-", dir=base))

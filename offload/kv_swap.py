@@ -26,12 +26,10 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:  # the engine imports offload, not the other way round
-    from llmsys.engine.kv_cache import KVCache
+from llmsys.kernels.common.protocols import PagedKVPool
 
 # Priors used until the first copy is timed (then the measured speed wins).
 _PRIOR_GBPS = {"cpu": 5.0, "disk": 0.5}
@@ -59,7 +57,7 @@ class KVSwapSpace:
     (quantized pools keep their scales in side objects; they recompute).
     """
 
-    def __init__(self, kv: KVCache, num_blocks: int, folder: str | Path | None = None, tier: str | None = None):
+    def __init__(self, kv: PagedKVPool, num_blocks: int, folder: str | Path | None = None, tier: str | None = None):
         if tier not in (None, "cpu", "disk"):
             raise ValueError(f"swap tier must be 'cpu' or 'disk', got {tier!r}")
         self.kv = kv
@@ -216,17 +214,17 @@ class KVSwapSpace:
         self._store = None
 
 
-def _block_shape(kv: KVCache) -> tuple[int, ...]:
+def _block_shape(kv: PagedKVPool) -> tuple[int, ...]:
     s = kv.spec
     return (s.num_layers, 2, s.block_size, s.num_kv_heads, s.head_dim)
 
 
-def _chunk_bytes(kv: KVCache) -> int:
+def _chunk_bytes(kv: PagedKVPool) -> int:
     """Bytes of one swap block: every layer's K and V of one pool block."""
     return int(torch.Size(_block_shape(kv)).numel()) * torch.tensor([], dtype=kv.spec.dtype).element_size()
 
 
-def make_swap_space(kv: KVCache, swap_bytes: int | None, offload_dir: str | None) -> KVSwapSpace | None:
+def make_swap_space(kv: PagedKVPool, swap_bytes: int | None, offload_dir: str | None) -> KVSwapSpace | None:
     """The engine's swap space, or None (swap disabled, or a pool that cannot swap).
 
     ``swap_bytes`` None means auto: room for as many blocks as the pool has,

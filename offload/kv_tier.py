@@ -46,16 +46,13 @@ import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
-from llmsys.engine.errors import InvalidParameterError
+from llmsys.kernels.common.errors import InvalidParameterError
+from llmsys.kernels.common.protocols import PagedKVPool
 from llmsys.kernels.cpu_attention import ColdBlocks
 from llmsys.offload.streamer import pread_full
-
-if TYPE_CHECKING:  # the engine imports offload, not the other way round
-    from llmsys.engine.kv_cache import KVCache
 
 # A layer's read smaller than this is done inline when attention asks for it: handing it to the
 # reader thread and back (two wake-ups, the GIL) costs more than copying it from the page cache.
@@ -91,7 +88,7 @@ def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
 class KVTier:
     """Cold KV blocks beyond the pool (see the module doc)."""
 
-    def __init__(self, kv: KVCache, num_cold: int, folder: str | Path | None = None, tier: str | None = None,
+    def __init__(self, kv: PagedKVPool, num_cold: int, folder: str | Path | None = None, tier: str | None = None,
                  drop_cache: bool = False):
         if kv.quantized:
             raise InvalidParameterError(
@@ -326,7 +323,7 @@ class KVTier:
         self._store = None
 
 
-def make_kv_tier(kv: KVCache, tokens: int, folder: str | None, tier: str | None = None,
+def make_kv_tier(kv: PagedKVPool, tokens: int, folder: str | None, tier: str | None = None,
                  drop_cache: bool = False) -> KVTier | None:
     """The engine's cold tier for ``tokens`` tokens of KV, or None (0: ``--kv-offload-tokens``' default)."""
     if tokens <= 0:

@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 import torch
 
 from llmsys.offload.bandwidth import Bandwidths
-from llmsys.offload.budgets import Budgets, format_bytes
+from llmsys.kernels.common.units import format_bytes
+from llmsys.offload.budgets import Budgets
 
 KINDS = ("gpu", "cpu", "cpu->gpu", "disk")
 RING_SLOTS = 2  # staging buffers per link: one being filled, one being computed
@@ -353,7 +354,7 @@ def plan_placement(shape: ModelShape, budgets: Budgets, bw: Bandwidths, workload
                         consider({"gpu": g, "cpu": c, "cpu->gpu": s, "disk": r - s}, ek, hk)
 
     if best is None:
-        from llmsys.engine.errors import BudgetError
+        from llmsys.kernels.common.errors import BudgetError
 
         what = "--cpu-mem" if not gpu else "--gpu-mem/--cpu-mem"
         raise BudgetError(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from llmsys.offload.budgets import format_bytes
+from llmsys.kernels.common.units import format_bytes
 
 if TYPE_CHECKING:
     from llmsys.offload.plan import ModelShape, Plan, Placement

@@ -1,7 +1,7 @@
 """Weight and KV-cache quantization formats (int8, int4, NF4, FP8, AWQ/GPTQ import).
 
-Sits below ``llmsys.engine``: only ``llmsys.engine.errors`` is imported from
-there. See ``quant/README.md`` for the stored layouts.
+Sits below ``llmsys.engine`` and never imports it (errors, units and paths come
+from ``llmsys.kernels.common``). See ``quant/README.md`` for the stored layouts.
 """
 
 from llmsys.quant.base import QuantLinear

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from llmsys.engine.errors import InvalidParameterError
+from llmsys.kernels.common.errors import InvalidParameterError
 from llmsys.quant.int4 import GROUP_SIZES, bf16_ceil, pack_int4
 
 ALPHA_GRID = 20  # alphas 0, 1/20, ..., 19/20 (AWQ's n_grid)

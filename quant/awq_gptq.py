@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from llmsys.engine.errors import CheckpointError
+from llmsys.kernels.common.errors import CheckpointError
 from llmsys.quant.int4 import pack_int4
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds column AWQ_ORDER[i]

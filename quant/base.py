@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from llmsys.engine.errors import CheckpointError
+from llmsys.kernels.common.errors import CheckpointError
 
 # Decode-sized batches (rows of x) for which the packed CPU kernels beat
 # dequantize+GEMM. Measured on AVX-512 (Qwen2.5-0.5B MLP up-proj, 896x4864):

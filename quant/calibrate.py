@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from llmsys.engine.errors import InvalidParameterError
+from llmsys.kernels.common.errors import InvalidParameterError
 from llmsys.quant.int4 import GROUP_SIZES, Int4Linear, bf16_ceil, pack_int4, unpack_int4
 
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from llmsys.engine.errors import CheckpointError
+from llmsys.kernels.common.errors import CheckpointError
 from llmsys.kernels import CPU_INT4_BLOCK_N as CPU_BLOCK_N  # the CPU layout tiles rows in blocks of 64
 from llmsys.kernels import cpu_qgemv, dequant_cpu_int4, pack_cpu_int4, transpose_bf16, unpack_cpu_int4, w4a16_matmul
 from llmsys.kernels.cpu_linear import mm_bf16

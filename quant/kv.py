@@ -31,7 +31,7 @@ from typing import Literal
 
 import torch
 
-from llmsys.engine.errors import InvalidParameterError
+from llmsys.kernels.common.errors import InvalidParameterError
 
 KVKind = Literal["key", "value"]
 

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from llmsys.engine.bench import report
-from llmsys.engine.bench.machine import Bandwidths, MachineInfo, machine_info, measure_bandwidths
+from llmsys.engine.bench.machine import MachineInfo, machine_info, measure_bandwidths
+from llmsys.offload.bandwidth import Bandwidths
 from llmsys.engine.bench.measure import StepDriver, TestSpec, measure_test
 from llmsys.engine.bench.suite import BenchSpec, LoadConfig, build_configs, build_tests, run_bench, split_policies
 from llmsys.engine.cli.main import main

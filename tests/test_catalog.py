@@ -28,7 +28,6 @@ from llmsys.engine.catalog import (
     PULL_MANIFEST,
     CatalogEntry,
     is_downloaded,
-    llmsys_home,
     load_catalog,
     local_path,
     pull,
@@ -36,7 +35,8 @@ from llmsys.engine.catalog import (
     synthetic_configs,
 )
 from llmsys.engine.cli.models_cmd import models_command, pull_command
-from llmsys.engine.errors import HubError, LLMSysError, ModelNotFoundError
+from llmsys.kernels.common.errors import HubError, LLMSysError, ModelNotFoundError
+from llmsys.kernels.common.paths import llmsys_home
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

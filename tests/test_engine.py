@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from llmsys import LLM, SamplingParams
-from llmsys.engine.errors import ContextOverflowError, InvalidParameterError
+from llmsys.kernels.common.errors import ContextOverflowError, InvalidParameterError
 
 STORY = ", there was a little girl named Lily. She loved to play outside in the park. One day, she saw a big, red ball."
 

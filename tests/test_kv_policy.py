@@ -13,7 +13,7 @@ from conftest import CORPUS, STORIES_HF, need_shared
 from kv_policy_ref import RefDecoder, keep_ref
 
 from llmsys import kernels
-from llmsys.engine.errors import ContextOverflowError, InvalidParameterError
+from llmsys.kernels.common.errors import ContextOverflowError, InvalidParameterError
 from llmsys.offload.kv_policy import (
     QuestAttention,
     compact_kv,

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from llmsys import LLM, SamplingParams
-from llmsys.engine.errors import InvalidParameterError
+from llmsys.kernels.common.errors import InvalidParameterError
 from llmsys.engine.kv_cache import BlockAllocator, KVCache, KVCacheSpec
 from llmsys.engine.scheduler import Scheduler, SchedulerOutput
 from llmsys.engine.sequence import Sequence, SeqStatus

@@ -12,7 +12,7 @@ import textwrap
 import pytest
 import torch
 
-from llmsys.engine.errors import CheckpointError, ModelNotFoundError, TokenizerError, UnsupportedModelError
+from llmsys.kernels.common.errors import CheckpointError, ModelNotFoundError, TokenizerError, UnsupportedModelError
 from llmsys.engine.loader import load_model
 from llmsys.engine.loader.safetensors_io import SafetensorsFile, save_file
 from tiny_models import make_hf_model

@@ -76,7 +76,7 @@ def test_greedy_tokens_match_transformers(arch, tmp_path):
 def test_unsupported_architecture_is_one_line(tmp_path):
     import json
 
-    from llmsys.engine.errors import UnsupportedModelError
+    from llmsys.kernels.common.errors import UnsupportedModelError
 
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
     with pytest.raises(UnsupportedModelError) as e:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmsys.engine.errors import BudgetError
+from llmsys.kernels.common.errors import BudgetError
 from llmsys.offload.bandwidth import Bandwidths
 from llmsys.offload.budgets import Budgets
 from llmsys.offload.plan import UnitShape, ModelShape, Workload, plan_placement, spread

@@ -136,7 +136,7 @@ def test_a_short_read_of_the_swap_file_names_the_block(tmp_path):
 
 def test_swap_space_flag_reads_sizes_and_rejects_garbage():
     from llmsys.engine.cli.options import build_engine_config
-    from llmsys.engine.errors import InvalidParameterError
+    from llmsys.kernels.common.errors import InvalidParameterError
 
     assert build_engine_config("m", {"swap_space": "2GiB"}).swap_space == 2 << 30
     assert build_engine_config("m", {"swap_space": "0"}).swap_space == 0

@@ -7,7 +7,7 @@ import pytest
 from conftest import STORIES_HF, need_shared
 
 from llmsys import LLM, SamplingParams
-from llmsys.engine.errors import BudgetError
+from llmsys.kernels.common.errors import BudgetError
 from llmsys.engine.kv_cache import BlockAllocator
 from llmsys.engine.prefix_cache import block_key, extend_keys
 

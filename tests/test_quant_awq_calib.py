@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from llmsys import LLM, SamplingParams
-from llmsys.engine.errors import InvalidParameterError
+from llmsys.kernels.common.errors import InvalidParameterError
 from llmsys.engine.scoring import score_sequences
 from llmsys.quant import awq, parse_quant
 from llmsys.quant.awq import fake_quant, output_error, quantize_int4_clipped, search_clip, search_scale

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmsys.engine.errors import CheckpointError
+from llmsys.kernels.common.errors import CheckpointError
 from llmsys.quant.awq_gptq import awq_to_canonical, gptq_to_canonical
 from llmsys.quant.int4 import Int4Linear
 

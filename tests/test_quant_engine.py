@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from llmsys import LLM, SamplingParams
-from llmsys.engine.errors import CheckpointError, InvalidParameterError
+from llmsys.kernels.common.errors import CheckpointError, InvalidParameterError
 from llmsys.engine.loader.safetensors_io import SafetensorsFile, save_file
 from llmsys.quant import parse_quant, quantize_linear
 from llmsys.quant.embedding import QuantEmbedding

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmsys.engine.errors import InvalidParameterError
+from llmsys.kernels.common.errors import InvalidParameterError
 from llmsys.quant.calibrate import gptq_linear, gptq_quantize, hessian_from_inputs
 from llmsys.quant.int4 import Int4Linear
 from llmsys.quant.kv import dequantize_kv_block, kv_bytes_per_token, quantize_kv_block

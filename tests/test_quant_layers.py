@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmsys.engine.errors import CheckpointError, InvalidParameterError
+from llmsys.kernels.common.errors import CheckpointError, InvalidParameterError
 from llmsys.quant import (
     FP8Linear, Int4Linear, Int8Linear, NF4Linear, QuantSpec, parse_quant, quantize_linear, swap_linears,
 )

@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 import torch
 
-from llmsys.engine.errors import InvalidParameterError
+from llmsys.kernels.common.errors import InvalidParameterError
 from llmsys.engine.sampling import (
     Sampler,
     SamplingBatch,

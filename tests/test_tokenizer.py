@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from llmsys.engine.detokenizer import IncrementalDetokenizer, StopChecker
-from llmsys.engine.errors import TokenizerError
+from llmsys.kernels.common.errors import TokenizerError
 from llmsys.engine.tokenizer import Tokenizer
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"

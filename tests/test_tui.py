@@ -17,8 +17,8 @@ import pytest
 import torch
 from conftest import STORIES_HF, need_shared
 
-from llmsys.engine.config import format_bytes
-from llmsys.engine.errors import InvalidParameterError
+from llmsys.kernels.common.units import format_bytes
+from llmsys.kernels.common.errors import InvalidParameterError
 from llmsys.engine.kv_cache import blocks_needed
 from llmsys.engine.sampling import SamplingParams
 from llmsys.tui.app import ChatApp

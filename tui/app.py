@@ -18,7 +18,7 @@ from textual.containers import Horizontal, Vertical
 from textual.css.query import NoMatches
 from textual.widgets import Markdown
 
-from llmsys.engine.errors import LLMSysError
+from llmsys.kernels.common.errors import LLMSysError
 from llmsys.engine.sampling import SamplingParams
 from llmsys.tui.chat_message import ChatMessage
 from llmsys.tui.commands import HELP, SlashCommand, parse_command

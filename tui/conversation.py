@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llmsys.engine.errors import InvalidParameterError, LLMSysError
+from llmsys.kernels.common.errors import InvalidParameterError, LLMSysError
 from llmsys.engine.sampling import SamplingParams
 
 FORMAT = "llmsys-conversation"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from typing import IO, Any
 
-from llmsys.engine.errors import LLMSysError
+from llmsys.kernels.common.errors import LLMSysError
 from llmsys.engine.sampling import SamplingParams
 from llmsys.tui.commands import HELP, parse_command
 from llmsys.tui.conversation import Conversation, apply_settings, sampling_from_dict

@@ -7,7 +7,7 @@ import time
 from rich.text import Text
 from textual.widget import Widget
 
-from llmsys.engine.config import format_bytes
+from llmsys.kernels.common.units import format_bytes
 from llmsys.tui.snapshot import TIER_LABELS, TierUsage
 
 

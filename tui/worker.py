@@ -17,7 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from llmsys.engine.errors import LLMSysError
+from llmsys.kernels.common.errors import LLMSysError
 from llmsys.engine.sampling import SamplingParams
 from llmsys.tui.messages import (
     EngineFailed,

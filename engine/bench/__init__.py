@@ -7,6 +7,6 @@
 (Markdown / JSON / JSONL / CSV / PNG).
 """
 
-from llmsys.engine.bench.machine import Bandwidths, MachineInfo, machine_info, measure_bandwidths
+from llmsys.engine.bench.machine import MachineInfo, machine_info, measure_bandwidths
 
-__all__ = ["Bandwidths", "MachineInfo", "machine_info", "measure_bandwidths"]
+__all__ = ["MachineInfo", "machine_info", "measure_bandwidths"]

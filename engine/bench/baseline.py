@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from llmsys.engine.bench.measure import RunTimes, TestResult, TestSpec, _random_ids, _sync, summarize
-from llmsys.engine.errors import UnsupportedModelError
+from llmsys.kernels.common.errors import UnsupportedModelError
 
 BASELINES = ("transformers", "accelerate")
 

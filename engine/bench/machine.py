@@ -28,39 +28,14 @@ from typing import Any
 import psutil
 import torch
 
+from llmsys.kernels.common.units import format_bytes
 from llmsys.kernels.cpu_report import cpu_kernels
+from llmsys.offload.bandwidth import Bandwidths, cold_read_gbps
 
 CACHE_NAME = "machine.json"
 _MEM_BYTES = 256 * 1024**2  # per buffer: well above any last-level cache
 _DISK_BYTES = 256 * 1024**2
 _H2D_BYTES = 256 * 1024**2
-
-
-@dataclass(frozen=True)
-class Bandwidths:
-    """Measured sequential bandwidths in GB/s (1e9 bytes per second).
-
-    ``mem_gbps``: host RAM read bandwidth (a large tensor reduction, all torch
-    threads) - the roof for CPU decode, which streams every weight once per
-    step. ``mem_copy_gbps``: a large tensor copy counting read + write bytes
-    (STREAM "copy"). ``disk_read_gbps``: sequential read of a file under
-    ``$LLMSYS_HOME`` with the page cache dropped (where offloaded weights
-    live). ``h2d_gbps``: pinned host -> GPU copy; ``gpu_mem_gbps``: on-GPU
-    copy (read + write); both ``None`` without a GPU.
-    """
-
-    mem_gbps: float
-    disk_read_gbps: float | None
-    h2d_gbps: float | None = None
-    mem_copy_gbps: float | None = None
-    gpu_mem_gbps: float | None = None
-    disk_cached: bool = False  # True when the page cache could not be dropped (figure is an upper bound)
-
-    def roof_gbps(self, device_type: str) -> float:
-        """Bandwidth that bounds decode on ``device_type`` ("cpu" or "cuda")."""
-        if device_type == "cuda" and self.gpu_mem_gbps:
-            return self.gpu_mem_gbps
-        return self.mem_gbps
 
 
 @dataclass(frozen=True)
@@ -86,8 +61,6 @@ class MachineInfo:
 
     def summary(self) -> str:
         """One line for a table header."""
-        from llmsys.engine.config import format_bytes
-
         gpu = f"{self.gpu_name} ({format_bytes(self.gpu_mem_bytes or 0)})" if self.gpu_name else "no GPU"
         bw = self.bandwidths
         parts = [
@@ -179,8 +152,6 @@ def measure_disk_read_gbps(directory: Path, nbytes: int = _DISK_BYTES) -> tuple[
     asked to drop the pages (no ``posix_fadvise``), so the figure may be the
     page cache's speed rather than the disk's.
     """
-    from llmsys.offload.bandwidth import cold_read_gbps
-
     directory.mkdir(parents=True, exist_ok=True)
     chunk = os.urandom(8 * 1024**2)  # incompressible, so no filesystem shortcut
     fd, name = tempfile.mkstemp(prefix=".bw-", dir=directory)
@@ -227,7 +198,7 @@ def measure_gpu_mem_gbps(nbytes: int = 1024**3, reps: int = 10) -> float | None:
 
 
 def _cache_path() -> Path:
-    from llmsys.engine.catalog import llmsys_home
+    from llmsys.kernels.common.paths import llmsys_home
 
     return llmsys_home() / CACHE_NAME
 
@@ -254,7 +225,7 @@ def measure_bandwidths(cache: bool = True) -> Bandwidths:
         hit = _read_cache()
         if hit is not None:
             return hit
-    from llmsys.engine.catalog import llmsys_home
+    from llmsys.kernels.common.paths import llmsys_home
 
     disk, disk_cached = measure_disk_read_gbps(llmsys_home())
     bw = Bandwidths(

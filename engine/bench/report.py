@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from llmsys.engine.bench.suite import DEFAULTS, BenchResult, BenchRow
-from llmsys.engine.config import format_bytes
+from llmsys.kernels.common.units import format_bytes
 
 FORMATS = ("md", "json", "jsonl", "csv")
 
@@ -151,7 +151,7 @@ def _x_axis(rows: list[BenchRow]) -> tuple[str, str]:
 def _xval(row: BenchRow, name: str) -> float:
     v = getattr(row, name)
     if name in ("gpu_mem", "cpu_mem"):
-        from llmsys.engine.config import parse_size
+        from llmsys.kernels.common.units import parse_size
 
         return (parse_size(v) or 0) / 1024**3
     return float(v)

@@ -21,7 +21,7 @@ import torch
 
 from llmsys.engine.bench.machine import MachineInfo
 from llmsys.engine.bench.measure import TestSpec, measure_e2e, measure_test
-from llmsys.engine.errors import InvalidParameterError, LLMSysError
+from llmsys.kernels.common.errors import InvalidParameterError, LLMSysError
 
 LOAD_AXES = ("dtype", "quant", "kv_dtype", "kv_policy", "gpu_mem", "cpu_mem")
 DEFAULTS = {"dtype": "auto", "quant": "none", "kv_dtype": "auto", "kv_policy": "full", "gpu_mem": None, "cpu_mem": None}
@@ -300,7 +300,8 @@ def _q(s: str) -> str:
 
 
 def _engine_config(spec: BenchSpec, cfg: LoadConfig):
-    from llmsys.engine.config import EngineConfig, parse_size
+    from llmsys.engine.config import EngineConfig
+    from llmsys.kernels.common.units import parse_size
 
     need = max(t.context for t in spec.tests)
     flags = {k: v for k, v in spec.engine_flags.items() if v is not None}
@@ -413,7 +414,7 @@ def _max_context_check(spec: BenchSpec, llm) -> str | None:
 def _load_baseline(spec: BenchSpec, cfg: LoadConfig, where, kind: str):
     """Load ``kind`` on what our engine used (``where`` = (path, dtype, device)) or would have."""
     from llmsys.engine.bench.baseline import HFBaseline
-    from llmsys.engine.config import parse_size
+    from llmsys.kernels.common.units import parse_size
 
     if where is not None:
         path, dtype, device = where

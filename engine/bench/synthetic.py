@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from llmsys.engine.errors import InvalidParameterError
+from llmsys.kernels.common.errors import InvalidParameterError
 
 SHARD_BYTES = 1 << 30  # 1 GiB per safetensors shard: bounds peak RAM while writing
 _DONE = ".llmsys-synthetic.json"
@@ -51,7 +51,7 @@ def synthetic_config(name: str) -> dict[str, Any]:
 
 
 def synthetic_dir(name: str, seed: int = 0, root: Path | None = None) -> Path:
-    from llmsys.engine.catalog import llmsys_home
+    from llmsys.kernels.common.paths import llmsys_home
 
     return (root or llmsys_home() / "synthetic") / f"{name}-seed{seed}"
 

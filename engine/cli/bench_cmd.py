@@ -15,7 +15,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from llmsys.engine.cli.options import ENGINE_PARAMS, _extend
-from llmsys.engine.errors import InvalidParameterError
+from llmsys.kernels.common.errors import InvalidParameterError
 
 # Engine flags that bench sweeps: it declares them itself as comma lists.
 SWEPT = ("dtype", "quant", "kv_dtype", "kv_policy", "gpu_mem", "cpu_mem", "threads")

@@ -12,7 +12,7 @@ import sys
 import click
 import typer
 
-from llmsys.engine.errors import LLMSysError
+from llmsys.kernels.common.errors import LLMSysError
 
 app = typer.Typer(
     name="llmsys",

@@ -15,13 +15,13 @@ from llmsys.engine.catalog import (
     CatalogEntry,
     find_entry,
     is_downloaded,
-    llmsys_home,
     load_catalog,
     local_path,
     pull,
 )
-from llmsys.engine.config import format_bytes
-from llmsys.engine.errors import ModelNotFoundError
+from llmsys.kernels.common.paths import llmsys_home
+from llmsys.kernels.common.units import format_bytes
+from llmsys.kernels.common.errors import ModelNotFoundError
 
 _COLUMNS = ("NAME", "PARAMS", "ARCHITECTURE", "SIZE", "LICENCE", "DOWNLOADED")
 

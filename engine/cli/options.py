@@ -16,7 +16,8 @@ from typing import Annotated, Any, Callable, Optional
 
 import typer
 
-from llmsys.engine.config import EngineConfig, parse_size
+from llmsys.engine.config import EngineConfig
+from llmsys.kernels.common.units import parse_size
 from llmsys.engine.sampling import SamplingParams
 
 P = inspect.Parameter

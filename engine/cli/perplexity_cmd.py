@@ -16,7 +16,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from llmsys.engine.cli.options import build_engine_config, engine_command
-from llmsys.engine.errors import InvalidParameterError, ModelNotFoundError
+from llmsys.kernels.common.errors import InvalidParameterError, ModelNotFoundError
 
 
 @engine_command

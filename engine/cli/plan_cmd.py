@@ -17,7 +17,7 @@ import torch
 import typer
 
 from llmsys.engine.cli.options import build_engine_config, engine_command
-from llmsys.engine.errors import CheckpointError
+from llmsys.kernels.common.errors import CheckpointError
 
 
 def _config_for(model: str) -> tuple[dict[str, Any], str]:

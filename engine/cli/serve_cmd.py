@@ -8,8 +8,8 @@ from typing import Annotated, Any, Optional
 import typer
 
 from llmsys.engine.cli.options import build_engine_config, engine_command
-from llmsys.engine.config import parse_size
-from llmsys.engine.errors import InvalidParameterError
+from llmsys.kernels.common.units import parse_size
+from llmsys.kernels.common.errors import InvalidParameterError
 
 
 @engine_command

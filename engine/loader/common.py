@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from llmsys.engine.errors import CheckpointError, ModelNotFoundError
+from llmsys.kernels.common.errors import CheckpointError, ModelNotFoundError
 from llmsys.engine.models import family_for
 from llmsys.engine.models.base import DecoderModel, TransformerArgs, rope_cache
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from llmsys.engine.errors import CheckpointError
+from llmsys.kernels.common.errors import CheckpointError
 from llmsys.engine.loader.safetensors_io import TensorInfo
 from llmsys.engine.models import llama
 

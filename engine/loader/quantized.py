@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmsys.engine.errors import CheckpointError, InvalidParameterError
+from llmsys.kernels.common.errors import CheckpointError, InvalidParameterError
 from llmsys.engine.loader.safetensors_io import CheckpointIndex, save_file
 from llmsys.quant import FP8Linear, Int4Linear, Int8Linear, NF4Linear, QuantLinear, parse_quant
 from llmsys.quant.awq_gptq import awq_to_canonical, gptq_to_canonical

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from llmsys.engine.errors import CheckpointError
+from llmsys.kernels.common.errors import CheckpointError
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,

@@ -6,7 +6,7 @@ import importlib
 from types import ModuleType
 from typing import Any
 
-from llmsys.engine.errors import UnsupportedModelError
+from llmsys.kernels.common.errors import UnsupportedModelError
 
 # model_type -> module name; architectures map onto the same modules.
 FAMILIES = {

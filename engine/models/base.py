@@ -19,7 +19,7 @@ from torch import nn
 
 from llmsys import kernels
 from llmsys.engine.attention import AttentionMetadata, paged_attention, store_kv
-from llmsys.engine.errors import UnsupportedModelError
+from llmsys.kernels.common.errors import UnsupportedModelError
 from llmsys.engine.kv_cache import KVCache
 
 

@@ -18,7 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from llmsys.engine.errors import ContextOverflowError, LLMSysError
+from llmsys.kernels.common.errors import ContextOverflowError, LLMSysError
 from llmsys.engine.sampling import SamplingParams
 from llmsys.offload.kv_policy import KVPolicy
 from llmsys.engine.server.completions import (

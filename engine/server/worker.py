@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmsys.engine.core import EngineCore
-from llmsys.engine.errors import LLMSysError
+from llmsys.kernels.common.errors import LLMSysError
 from llmsys.engine.outputs import StreamChunk
 from llmsys.engine.sampling import SamplingParams
 from llmsys.engine.server.metrics import Metrics

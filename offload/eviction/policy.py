@@ -32,12 +32,11 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from llmsys.engine.errors import InvalidParameterError
+from llmsys.kernels.common.errors import InvalidParameterError
+from llmsys.kernels.common.units import parse_size
 
 POLICIES = ("full", "window", "sink", "h2o", "snapkv", "quest", "recompute")
 _SYNTAX = "full, window:N, sink:S,window:N, h2o:H,recent:R, snapkv:N, quest:K, recompute:N"
-_UNITS = {"": 1, "B": 1, "KB": 1000, "KIB": 1024, "MB": 1000**2, "MIB": 1024**2, "GB": 1000**3, "GIB": 1024**3}
-_NUM = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([KMG]?I?B)?\s*$", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -56,19 +55,21 @@ class Amount:
 
 
 def _amount(key: str, text: str, policy: str) -> Amount:
-    m = _NUM.match(text)
-    if not m:
-        raise InvalidParameterError(f"kv_policy {policy!r}: {key} needs a number of tokens or a size like 64KiB, got {text!r}")
-    unit = (m.group(2) or "").upper()
-    if len(m.group(1)) > 15:  # beyond any pool (and int()/float() of a huge digit string fails oddly)
+    """A bare whole number is tokens; anything with a unit is bytes, read by the one size parser."""
+    number = re.match(r"\s*([0-9]*\.?[0-9]*)", text).group(1)
+    if len(number) > 15:  # beyond any pool (and int()/float() of a huge digit string fails oddly)
         raise InvalidParameterError(f"kv_policy {policy!r}: {key} {text!r} is too large")
-    if unit not in _UNITS:
-        raise InvalidParameterError(f"kv_policy {policy!r}: unknown size unit {m.group(2)!r}; use B, KiB, MiB or GiB")
-    if unit:
-        return Amount(float(m.group(1)) * _UNITS[unit], True)
-    if "." in m.group(1):
+    if re.fullmatch(r"\s*[0-9]+\s*", text):
+        return Amount(int(text), False)
+    if re.fullmatch(r"\s*[0-9]*\.[0-9]+\s*", text):
         raise InvalidParameterError(f"kv_policy {policy!r}: {key} must be a whole number of tokens, got {text!r}")
-    return Amount(int(m.group(1)), False)
+    try:
+        nbytes = parse_size(text)
+    except InvalidParameterError as exc:
+        raise InvalidParameterError(
+            f"kv_policy {policy!r}: {key} needs a number of tokens or a size like 64KiB, got {text!r} ({exc})"
+        ) from None
+    return Amount(float(nbytes), True)
 
 
 @dataclass(frozen=True)

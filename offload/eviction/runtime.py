@@ -33,7 +33,7 @@ from typing import Any, Iterable
 import torch
 
 from llmsys import kernels
-from llmsys.engine.errors import InvalidParameterError
+from llmsys.kernels.common.errors import InvalidParameterError
 from llmsys.kernels.cpu_attention import make_gather_plan, paged_attention_gathered, paged_attention_gathered_scores
 from llmsys.offload.eviction.compact import compact_kv, ensure_rope_positions
 from llmsys.offload.eviction.policy import KVPolicy, parse_kv_policy
