@@ -10,6 +10,7 @@ server, TUI, bench) are all built on these three calls.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from llmsys.engine.tokenizer import Tokenizer
 from llmsys.offload.kv_policy import make_policy_runtime
 from llmsys.offload.kv_swap import make_swap_space
 from llmsys.offload.kv_tier import make_kv_tier
+from llmsys.quant.base import kernel_counts
 
 
 @dataclass
@@ -63,6 +65,8 @@ class MemoryReport:
     kv_cold_blocks_total: int = 0
     kv_cold_blocks_used: int = 0
     kv_blocks_by_tier: dict[str, tuple[int, int]] | None = None  # tier -> (used, total) blocks, with a cold tier
+    # Quantized layers per matmul kernel, e.g. {"C int4 GEMV/GEMM x86-64-v3": 168} (llmsys.quant.base.MatmulKernel)
+    kernels: dict[str, int] = field(default_factory=dict)
 
 
 def _apply_constraints(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -254,6 +258,12 @@ class EngineCore:
         return StreamChunk(seq.request_id, delta, toks, lps or [], seq.finish_reason, usage, timings)
 
     # -- accounting ----------------------------------------------------------
+    @functools.cached_property
+    def quant_kernels(self) -> dict[str, int]:
+        """Quantized layers per matmul kernel: each layer chose its kernel when it was built, so this
+        is counted once, not per report (the server reports every step)."""
+        return kernel_counts(self.loaded.model)
+
     def memory_report(self) -> MemoryReport:
         tier = self.loaded.device.type
         tier = "gpu" if tier == "cuda" else "cpu"
@@ -290,4 +300,5 @@ class EngineCore:
             kv_cold_blocks_total=tr.num_cold if tr is not None else 0,
             kv_cold_blocks_used=self.allocator.num_cold_used if tr is not None else 0,
             kv_blocks_by_tier=by_tier,
+            kernels=dict(self.quant_kernels),
         )

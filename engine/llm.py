@@ -24,7 +24,7 @@ from llmsys.engine.loader import LoadedModel, load_model
 from llmsys.engine.outputs import RequestOutput, StreamChunk, Timings, Usage
 from llmsys.engine.sampling import SamplingParams
 from llmsys.engine.tokenizer import Tokenizer
-from llmsys.kernels.cpu_report import cpu_kernels
+from llmsys.kernels import cpu_kernels
 
 Prompt = str | list[int]
 

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmsys import kernels
 from llmsys.kernels.common.errors import InvalidParameterError
 from llmsys.quant import QuantSpec, parse_quant, quantize_linear
 from llmsys.quant.embedding import QuantEmbedding
@@ -369,8 +370,6 @@ def plain_logits(model: nn.Module, weights: dict[str, torch.Tensor], norms: dict
     tensors, ``norms`` the RMSNorm names to their weights; biases, q/k norms,
     RoPE table and attention scale come from ``model`` itself.
     """
-    from llmsys.kernels.reference import rope_ref
-
     a = model.args
     b, t = ids.shape
     hq, hk, d = a.num_attention_heads, a.num_key_value_heads, a.head_dim
@@ -390,7 +389,7 @@ def plain_logits(model: nn.Module, weights: dict[str, torch.Tensor], norms: dict
         v = lin("self_attn.v_proj", x).view(b, t, hk, d).transpose(1, 2)  # [B, Hk, T, D]
         if at.q_norm is not None:
             q, k = _rms(q, at.q_norm.weight.float(), at.q_norm.eps), _rms(k, at.k_norm.weight.float(), at.k_norm.eps)
-        q, k = rope_ref(q, k, pos, model.rope_cache.float())
+        q, k = kernels.rope(q, k, pos, model.rope_cache.float().contiguous(), impl="reference")
         q = q.view(b, t, hq, d).transpose(1, 2)  # [B, Hq, T, D]
         k = k.view(b, t, hk, d).transpose(1, 2).repeat_interleave(hq // hk, 1)
         o = F.scaled_dot_product_attention(q, k, v.repeat_interleave(hq // hk, 1), is_causal=True, scale=at.scale)

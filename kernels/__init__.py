@@ -1,7 +1,9 @@
 """Kernels for the decode path: Triton on CUDA, plain torch everywhere else.
 
-Import the public ops from here (``from llmsys.kernels import rms_norm``);
-nothing outside this package imports triton. See ``README.md`` for the layering
+Import the public ops from here (``from llmsys.kernels import rms_norm``), or
+the validating wrappers from ``llmsys.kernels.ops``; nothing outside this
+package imports a private module (``cpu_*``, ``_cbuild``, ``reference``,
+``triton_*``; ``tests/test_layering.py`` checks it) or triton. See ``README.md`` for the layering
 rules, the tensor layouts (paged KV cache, int8 KV, int4 weights) and what each
 op computes.
 """
@@ -9,7 +11,7 @@ op computes.
 from llmsys.kernels._backend import interpreter_enabled, triton_available
 from llmsys.kernels.cpu_int4 import CPU_BLOCK_N as CPU_INT4_BLOCK_N
 from llmsys.kernels.cpu_int4 import dequant_cpu_int4, pack_cpu_int4, transpose_bf16, unpack_cpu_int4
-from llmsys.kernels.cpu_linear import linear, packable, prepack
+from llmsys.kernels.cpu_linear import linear, mm_bf16, packable, prepack
 from llmsys.kernels.ops import (
     DEFAULT_PARTITION_SIZE,
     DecodeAttentionResult,
@@ -22,11 +24,21 @@ from llmsys.kernels.ops import (
     w4a16_matmul,
     w8a16_matmul,
 )
+from llmsys.kernels.cpu_qgemv import int4_gemm, int4_gemv, int8_gemv
+from llmsys.kernels.cpu_report import CpuKernels, QuantMatmulSupport, cpu_kernels, quant_matmul_support
 from llmsys.kernels.reference import dequant_int4, pack_int4, quantize_int8_ref, unpack_int4
 from llmsys.kernels.rope_cache import build_rope_cache, rope_inv_freq
 
 __all__ = [
     "CPU_INT4_BLOCK_N",
+    "CpuKernels",
+    "QuantMatmulSupport",
+    "cpu_kernels",
+    "int4_gemm",
+    "int4_gemv",
+    "int8_gemv",
+    "mm_bf16",
+    "quant_matmul_support",
     "DEFAULT_PARTITION_SIZE",
     "DecodeAttentionResult",
     "build_rope_cache",

@@ -45,3 +45,30 @@ def cpu_kernels() -> CpuKernels:
     statuses = {m.__name__.rsplit(".", 1)[1]: m.kernel_status() for m in (cpu_decode, cpu_int4, cpu_qgemv)}
     return CpuKernels(level.name if level else None, why, torch.backends.cpu.get_cpu_capability(),
                       cpu_linear._ONEDNN_BF16, statuses)
+
+
+@dataclass(frozen=True)
+class QuantMatmulSupport:
+    """What the quantized layers' CPU matmuls can run in this process (``cpu_qgemv.c``).
+
+    Read once per layer when it is built (``llmsys.quant``: each layer picks its kernel family
+    from this, its device and its format, and keeps it). ``level``: the ISA level the C kernel
+    is loaded at, None when it is not (no compiler, ``LLMSYS_NO_CKERNELS=1``, another CPU
+    architecture without a build). ``gemm_native``: built with AVX512-BF16, where the int4 GEMM
+    and the int8 GEMV's lane-pair path are fast at prefill sizes too.
+    """
+
+    level: str | None
+    gemm_native: bool
+
+    @property
+    def available(self) -> bool:
+        return self.level is not None
+
+
+def quant_matmul_support() -> QuantMatmulSupport:
+    """The C quantized-matmul kernel's level and build (loads it on first call; a fact of the process)."""
+    if not cpu_qgemv.available():
+        return QuantMatmulSupport(None, False)
+    level, _ = _cbuild.selected_level()
+    return QuantMatmulSupport(level.name if level else "unknown", cpu_qgemv.gemm_native())

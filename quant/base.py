@@ -10,6 +10,10 @@ lets ``swap_linears`` and the loader treat every format alike.
 
 from __future__ import annotations
 
+import enum
+from collections import Counter
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -46,18 +50,69 @@ def quantize_rows(weight: torch.Tensor, fn, chunk_bytes: int | None = None) -> t
     return outs
 
 
+class KernelFamily(enum.Enum):
+    """The matmul code a quantized layer runs; its value is the name reports print.
+
+    Where a family names two kernels, the layer picks between them per call by the number of
+    rows of x alone (decode-sized batches vs prefill) and, for int8 and int4 on the CPU, the
+    activation dtype; the bits of a row never depend on that choice unless the name says
+    "dequant + bf16 GEMM" (a dense bf16 GEMM over the dequantized weight for prefill).
+    """
+
+    C_INT4 = "C int4 GEMV/GEMM"  # the GEMV below GEMM_MIN_ROWS rows, the GEMM (the GEMV's bits) above
+    C_INT4_DENSE_PREFILL = "C int4 GEMV/GEMM, dequant + bf16 GEMM prefill"  # no native GEMM: dense above PACKED_MAX_ROWS
+    TORCH_INT4_DENSE = "torch int4 dequant + bf16 GEMM"  # CPU tiling, no C kernels: every batch
+    TRITON_W4A16 = "Triton w4a16"
+    C_INT8 = "C int8 GEMV"  # lane-pair path native: every bf16 batch
+    C_INT8_DENSE_PREFILL = "C int8 GEMV, dequant + bf16 GEMM prefill"
+    TORCH_INT8_PACKED = "torch int8pack_mm, dequant + bf16 GEMM prefill"  # no C kernels
+    TRITON_W8A16 = "Triton w8a16"
+    FP8_SCALED_MM = "torch _scaled_mm fp8 W8A8"
+    BITSANDBYTES_NF4 = "bitsandbytes nf4"
+    TORCH_DEQUANT = "torch dequant + F.linear"
+
+
+@dataclass(frozen=True)
+class MatmulKernel:
+    """A layer's kernel choice, made once when the layer is built and kept (``QuantLinear.kernel``).
+
+    ``level``: the ISA level the C kernels run at (C families only), e.g. "x86-64-v3".
+    """
+
+    family: KernelFamily
+    level: str | None = None
+
+    @property
+    def name(self) -> str:
+        """``"C int4 GEMV/GEMM x86-64-v3"``: what ``memory_report()`` and ``llmsys bench --verbose`` print."""
+        return self.family.value if self.level is None else f"{self.family.value} {self.level}"
+
+
+TORCH_DEQUANT = MatmulKernel(KernelFamily.TORCH_DEQUANT)
+
+
 class QuantLinear(nn.Module):
-    """Base class: ``forward(x [..., K]) -> [..., N]`` from a compact weight."""
+    """Base class: ``forward(x [..., K]) -> [..., N]`` from a compact weight.
+
+    ``kernel`` says which matmul code runs; each format chooses it in its constructor from the
+    device its tensors are on, its layout and the C kernels' availability, never per call.
+    """
 
     in_features: int
     out_features: int
 
-    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None,
+                 kernel: MatmulKernel = TORCH_DEQUANT) -> None:
         super().__init__()
         self.in_features = int(in_features)
         self.out_features = int(out_features)
+        self._kernel = kernel
         # Bias is tiny; keep it in the model's float dtype.
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
+
+    @property
+    def kernel(self) -> MatmulKernel:
+        return self._kernel
 
     # --- to be provided by subclasses ---------------------------------------
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -102,8 +157,13 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"bias={self.bias is not None}, nbytes={self.nbytes()}"
+            f"bias={self.bias is not None}, nbytes={self.nbytes()}, kernel={self.kernel.name!r}"
         )
+
+
+def kernel_counts(model: nn.Module) -> dict[str, int]:
+    """``{kernel name: number of quantized layers running it}`` over ``model`` (each module once)."""
+    return dict(Counter(m.kernel.name for m in model.modules() if isinstance(m, QuantLinear)))
 
 
 def require(tensors: dict[str, torch.Tensor], names: tuple[str, ...], fmt: str) -> list[torch.Tensor]:

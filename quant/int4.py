@@ -33,13 +33,31 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from llmsys.kernels.common.errors import CheckpointError
 from llmsys.kernels import CPU_INT4_BLOCK_N as CPU_BLOCK_N  # the CPU layout tiles rows in blocks of 64
-from llmsys.kernels import cpu_qgemv, dequant_cpu_int4, pack_cpu_int4, transpose_bf16, unpack_cpu_int4, w4a16_matmul
-from llmsys.kernels.cpu_linear import mm_bf16
-from llmsys.kernels.reference import pack_int4, unpack_int4  # the canonical layout lives with its kernels
+from llmsys.kernels import (
+    dequant_cpu_int4,
+    int4_gemm,
+    int4_gemv,
+    mm_bf16,
+    pack_cpu_int4,
+    pack_int4,  # the canonical layout lives with its kernels
+    quant_matmul_support,
+    transpose_bf16,
+    unpack_cpu_int4,
+    unpack_int4,
+    w4a16_matmul,
+)
+from llmsys.kernels.common.errors import CheckpointError
 from llmsys.quant import base
-from llmsys.quant.base import QuantLinear, check_weight, quantize_rows, require
+from llmsys.quant.base import (
+    TORCH_DEQUANT,
+    KernelFamily,
+    MatmulKernel,
+    QuantLinear,
+    check_weight,
+    quantize_rows,
+    require,
+)
 
 GROUP_SIZES = (32, 64, 128)
 # Without the native C GEMM: rows of x up to which the GEMV (or torch's packed op) runs; more
@@ -105,10 +123,26 @@ def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
     return w[:, : (in_features or w.shape[1])].to(dtype)
 
 
+def int4_kernel(packed_cpu: bool, device: torch.device) -> MatmulKernel:
+    """The kernel family of an int4 layer, from its layout, its device and the C kernels' build.
+
+    CPU tiling: the C GEMV/GEMM where the C kernel is loaded (with a dense bf16 GEMM above
+    :data:`PACKED_MAX_ROWS` rows where its GEMM is not native), else the torch dequantization +
+    bf16 GEMM. Canonical layout: Triton on CUDA, dequantize + ``F.linear`` elsewhere.
+    """
+    if packed_cpu:
+        c = quant_matmul_support()
+        if not c.available:
+            return MatmulKernel(KernelFamily.TORCH_INT4_DENSE)
+        return MatmulKernel(KernelFamily.C_INT4 if c.gemm_native else KernelFamily.C_INT4_DENSE_PREFILL, c.level)
+    return MatmulKernel(KernelFamily.TRITON_W4A16) if device.type == "cuda" else TORCH_DEQUANT
+
+
 class Int4Linear(QuantLinear):
     """W4A16 linear in the canonical int4 layout (see module docstring).
 
-    Two run-time modes, chosen at construction from the tensors' device:
+    Two run-time modes, chosen at construction from the tensors' device (and with them the
+    kernel family, :func:`int4_kernel`, kept in ``kernel``):
 
     * ``packed_cpu`` (CPU): holds ``packed uint8`` (the CPU int4 tiling, rows
       padded to a multiple of 64), ``scales_zeros bf16 [G, Np, 2]`` =
@@ -145,7 +179,10 @@ class Int4Linear(QuantLinear):
         k = kp if in_features is None else int(in_features)
         if not kp - group_size < k <= kp:
             raise CheckpointError(f"int4 in_features {k} does not fit padded width {kp} (group {group_size})")
-        super().__init__(k, n, bias)
+        zeros_int = bool(torch.all((zeros == torch.round(zeros)) & (zeros >= 0) & (zeros <= 15)))
+        packed_cpu = prefer_packed and qweight.device.type == "cpu" and zeros_int
+        super().__init__(k, n, bias, int4_kernel(packed_cpu, qweight.device))
+        self.mode = "packed_cpu" if packed_cpu else "canonical"
         # A dequantization buffer shared by the model's layers (kernels.cpu_int4.Scratch), set by
         # an inference engine (DecoderModel.share_scratch); None: a fresh tensor per prefill GEMM.
         self.scratch = None
@@ -161,12 +198,6 @@ class Int4Linear(QuantLinear):
         if input_scale is not None and tuple(input_scale.shape) != (k,):
             raise CheckpointError(f"int4 input_scale has shape {tuple(input_scale.shape)}, expected ({k},)")
         self.register_buffer("input_scale", None if input_scale is None else input_scale.float().contiguous())
-        zeros_int = bool(torch.all((zeros == torch.round(zeros)) & (zeros >= 0) & (zeros <= 15)))
-        self.mode = (
-            "packed_cpu"
-            if prefer_packed and qweight.device.type == "cpu" and zeros_int
-            else "canonical"
-        )
         if self.mode == "canonical":
             self.register_buffer("qweight", qweight.to(torch.uint8).contiguous())  # [N, Kp/2]
             self.register_buffer("scales", scales.contiguous())  # [N, G]
@@ -183,7 +214,8 @@ class Int4Linear(QuantLinear):
         self.register_buffer("zeros_u8", zeros.to(torch.uint8).contiguous())  # [N, G]
         # The decode GEMV reads one group's zeros for 64 rows at once: a group-major copy
         # (N * G bytes, ~3% of the codes at g=64) lets it load them as one vector (~1.4x faster).
-        self.register_buffer("zeros_gm", self.zeros_u8.t().contiguous() if cpu_qgemv.available() else None)  # [G, N]
+        c_kernels = self.kernel.family is not KernelFamily.TORCH_INT4_DENSE
+        self.register_buffer("zeros_gm", self.zeros_u8.t().contiguous() if c_kernels else None)  # [G, N]
         # The canonical scales' exact values: bf16 scales are recoverable from
         # scales_zeros; any other dtype needs its own copy for an exact state_dict.
         self.register_buffer(
@@ -301,10 +333,12 @@ class Int4Linear(QuantLinear):
             x2 = (x2.float() * buf["input_scale"]).to(x2.dtype)
         if buf["perm"] is not None:
             x2 = x2.index_select(1, buf["perm"])
+        family = self._kernel.family
         if self.mode == "packed_cpu":
             xb = x2 if x2.dtype == torch.bfloat16 else x2.to(torch.bfloat16)
             m = xb.shape[0]
-            if buf["zeros_gm"] is not None and (m <= PACKED_MAX_ROWS or cpu_qgemv.gemm_native()):
+            if family is KernelFamily.C_INT4 or (family is KernelFamily.C_INT4_DENSE_PREFILL
+                                                 and m <= PACKED_MAX_ROWS):
                 # The C kernels, canonical arithmetic: the GEMV (~2x torch's op at M = 1), and from
                 # GEMM_MIN_ROWS rows the GEMM, which gives the GEMV's bits, so any batch gets the same bits.
                 if xb.shape[1] != k:
@@ -314,12 +348,12 @@ class Int4Linear(QuantLinear):
                 scales = buf["scales_orig"]
                 if scales is None:
                     scales = buf["scales_zeros"]  # [G, Np, 2]: the kernel reads the bf16 scales in place
-                kernel = cpu_qgemv.int4_gemm if m >= GEMM_MIN_ROWS else cpu_qgemv.int4_gemv
+                kernel = int4_gemm if m >= GEMM_MIN_ROWS else int4_gemv
                 y = kernel(xb, buf["packed"], scales, buf["zeros_gm"].t(), self.group_size,
                            check=False)  # [M, N]; the buffers were checked at construction
                 return y if x2.dtype == torch.bfloat16 else y.to(x2.dtype)
             return self._dequant_matmul(xb).to(x2.dtype)  # prefill without the native GEMM; no C kernels
-        if x2.device.type == "cuda":  # Triton W4A16 (masks K < Kp itself, no padding copy)
+        if family is KernelFamily.TRITON_W4A16:  # masks K < Kp itself, no padding copy
             return w4a16_matmul(x2.contiguous(), self.qweight, self.scales, self.zeros, self.group_size)
         w = dequantize_int4(self.qweight, self.scales, self.zeros, k, x2.dtype)  # [N, K] stored order
         return F.linear(x2, w)

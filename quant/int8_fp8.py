@@ -12,9 +12,17 @@ import torch
 import torch.nn.functional as F
 
 from llmsys.kernels import CPU_INT4_BLOCK_N as CPU_BLOCK_N
-from llmsys.kernels import cpu_qgemv, transpose_bf16, w8a16_matmul
-from llmsys.kernels.cpu_linear import linear, mm_bf16
-from llmsys.quant.base import PACKED_MAX_ROWS, QuantLinear, check_weight, quantize_rows, require
+from llmsys.kernels import int8_gemv, linear, mm_bf16, quant_matmul_support, transpose_bf16, w8a16_matmul
+from llmsys.quant.base import (
+    PACKED_MAX_ROWS,
+    TORCH_DEQUANT,
+    KernelFamily,
+    MatmulKernel,
+    QuantLinear,
+    check_weight,
+    quantize_rows,
+    require,
+)
 from llmsys.quant.int4 import DEQUANT_CHUNK_BYTES, bf16_ceil
 
 INT8_MAX = 127
@@ -72,6 +80,21 @@ class _PerRowLinear(QuantLinear):
         return (self.qweight[ids].float() * self.scales[ids].float()[:, None]).to(dtype)  # [M, K]
 
 
+def int8_kernel(device: torch.device) -> MatmulKernel:
+    """The kernel family of an int8 layer on ``device``: Triton on CUDA; on the CPU the C GEMV where
+    it is loaded (for every bf16 batch where its lane-pair path is native, else up to
+    :data:`PACKED_MAX_ROWS` rows, a dense bf16 GEMM above), else torch's packed op up to
+    PACKED_MAX_ROWS rows; dequantize + ``F.linear`` anywhere else."""
+    if device.type == "cuda":
+        return MatmulKernel(KernelFamily.TRITON_W8A16)
+    if device.type != "cpu":
+        return TORCH_DEQUANT
+    c = quant_matmul_support()
+    if not c.available:
+        return MatmulKernel(KernelFamily.TORCH_INT8_PACKED)
+    return MatmulKernel(KernelFamily.C_INT8 if c.gemm_native else KernelFamily.C_INT8_DENSE_PREFILL, c.level)
+
+
 class Int8Linear(_PerRowLinear):
     """W8A16 linear: ``qweight int8 [N, K]``, ``scales bf16 [N]``; w = q * scale.
 
@@ -89,12 +112,13 @@ class Int8Linear(_PerRowLinear):
     operand, see ``_dequant_matmul``). torch's packed op crashes
     (SIGSEGV, torch 2.13 CPU) on bf16 inputs when K % 16 != 0, so float32
     inputs of such layers (e.g. stories260k's FFN, K=172) keep the exact
-    dequant path; bf16 inputs take the C kernel at any K.
+    dequant path; bf16 inputs take the C kernel at any K. The family is chosen once
+    (:func:`int8_kernel`, kept in ``kernel``); the rows and dtype of x pick within it.
     """
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
         n, k = qweight.shape
-        super().__init__(k, n, bias)
+        super().__init__(k, n, bias, int8_kernel(qweight.device))
         self.register_buffer("qweight", qweight.to(torch.int8).contiguous())  # [N, K]
         self.register_buffer("scales", scales.reshape(n).to(torch.bfloat16).contiguous())  # [N]
 
@@ -115,28 +139,30 @@ class Int8Linear(_PerRowLinear):
 
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
         buf = self._buffers  # read directly: nn.Module.__getattr__ costs ~1 us a buffer on the decode path
-        if x2.device.type == "cuda":
-            return w8a16_matmul(x2.contiguous(), buf["qweight"], buf["scales"])  # Triton W8A16
+        family = self._kernel.family
+        if family is KernelFamily.TRITON_W8A16:
+            return w8a16_matmul(x2.contiguous(), buf["qweight"], buf["scales"])
+        if family is KernelFamily.TORCH_DEQUANT:
+            return F.linear(x2, self.qweight.to(x2.dtype)) * self.scales.to(x2.dtype)
+        bf16 = x2.dtype == torch.bfloat16
+        c_kernel = family is not KernelFamily.TORCH_INT8_PACKED
         if (
-            x2.device.type == "cpu"
-            # more rows (prefill): the GEMV too where its lane-pair path is native (checked only then:
-            # a ctypes call per layer is not free on the decode path)
-            and (x2.shape[0] <= PACKED_MAX_ROWS
-                 or (x2.dtype == torch.bfloat16 and cpu_qgemv.available() and cpu_qgemv.gemm_native()))
-            and x2.dtype in (torch.bfloat16, torch.float32)
-            and (self.in_features % 16 == 0 or (x2.dtype == torch.bfloat16 and cpu_qgemv.available()))
+            # more rows (prefill): the GEMV too where its lane-pair path is native
+            (x2.shape[0] <= PACKED_MAX_ROWS or (bf16 and family is KernelFamily.C_INT8))
+            and (bf16 or x2.dtype == torch.float32)
+            and (self.in_features % 16 == 0 or (bf16 and c_kernel))
         ):
-            xb = x2 if x2.dtype == torch.bfloat16 else x2.to(torch.bfloat16)
+            xb = x2 if bf16 else x2.to(torch.bfloat16)
             if xb.stride(-1) != 1:
                 xb = xb.contiguous()
-            if cpu_qgemv.available():
+            if c_kernel:
                 if xb.shape[1] != self.in_features:
                     raise ValueError(f"Int8Linear: input has {xb.shape[1]} features, expected {self.in_features}")
-                y = cpu_qgemv.int8_gemv(xb, buf["qweight"], buf["scales"], check=False)  # [M, N]; checked in __init__
-                return y if x2.dtype == torch.bfloat16 else y.to(x2.dtype)
+                y = int8_gemv(xb, buf["qweight"], buf["scales"], check=False)  # [M, N]; checked in __init__
+                return y if bf16 else y.to(x2.dtype)
             y = torch._weight_int8pack_mm(xb.contiguous(), buf["qweight"], buf["scales"])  # K % 16 == 0 here
             return y.to(x2.dtype)
-        if x2.device.type == "cpu" and x2.dtype == torch.bfloat16:
+        if bf16:
             return self._dequant_matmul(x2)
         return F.linear(x2, self.qweight.to(x2.dtype)) * self.scales.to(x2.dtype)
 
@@ -193,12 +219,14 @@ class FP8Linear(_PerRowLinear):
     On FP8 GPUs (sm >= 8.9) the activations are quantized per token to e4m3
     as well and ``torch._scaled_mm`` runs the GEMM with row-wise scales (W8A8,
     the usual FP8 inference recipe). Elsewhere: dequantize + GEMM in the input
-    dtype, which keeps W8A16 numerics.
+    dtype, which keeps W8A16 numerics. The choice is made once, from the device and shape
+    (``kernel``).
     """
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
         n, k = qweight.shape
-        super().__init__(k, n, bias)
+        scaled_mm = fp8_gemm_supported(qweight.device) and k % 16 == 0 and n % 16 == 0
+        super().__init__(k, n, bias, MatmulKernel(KernelFamily.FP8_SCALED_MM) if scaled_mm else TORCH_DEQUANT)
         self.register_buffer("qweight", qweight.to(torch.float8_e4m3fn).contiguous())  # [N, K]
         self.register_buffer("scales", scales.reshape(n).float().contiguous())  # [N]
 
@@ -206,8 +234,7 @@ class FP8Linear(_PerRowLinear):
     quantize = staticmethod(quantize_fp8)
 
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
-        k, n = self.in_features, self.out_features
-        if fp8_gemm_supported(x2.device) and k % 16 == 0 and n % 16 == 0:
+        if self._kernel.family is KernelFamily.FP8_SCALED_MM:
             xf = x2.float()
             sa = (xf.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / FP8_MAX)  # [M, 1]
             xq = (xf / sa).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)  # [M, K]

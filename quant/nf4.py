@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import torch
 
-from llmsys.kernels.cpu_linear import linear
-from llmsys.quant.base import QuantLinear, check_weight, require
+from llmsys.kernels import linear
+from llmsys.quant.base import TORCH_DEQUANT, KernelFamily, MatmulKernel, QuantLinear, check_weight, require
 
 NF4_BLOCK = 64
 DQ_BLOCK = 256
@@ -138,11 +138,15 @@ def dequantize_nf4(tensors: dict[str, torch.Tensor], shape: tuple[int, int],
 
 
 class NF4Linear(QuantLinear):
-    """NF4 linear (block 64, optional double-quantized absmax); dequant + GEMM."""
+    """NF4 linear (block 64, optional double-quantized absmax): ``bitsandbytes.matmul_4bit`` on
+    CUDA where bitsandbytes is installed, else dequant + GEMM (chosen once, ``kernel``)."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], in_features: int, out_features: int,
                  bias: torch.Tensor | None = None) -> None:
-        super().__init__(in_features, out_features, bias)
+        on_cuda = tensors["qweight"].device.type == "cuda" if "qweight" in tensors else False
+        bnb = on_cuda and _bitsandbytes() is not None
+        super().__init__(in_features, out_features, bias,
+                         MatmulKernel(KernelFamily.BITSANDBYTES_NF4) if bnb else TORCH_DEQUANT)
         self.double_quant = "absmax_q" in tensors
         names = ("qweight", "absmax_q", "absmax2", "absmax_offset") if self.double_quant else ("qweight", "absmax")
         for name, t in zip(names, require(tensors, names, "nf4")):
@@ -190,7 +194,7 @@ class NF4Linear(QuantLinear):
         return (nf4_code().to(byte.device)[q.long()] * absmax[idx // NF4_BLOCK]).to(dtype)
 
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
-        if x2.device.type == "cuda" and _bitsandbytes() is not None:
+        if self._kernel.family is KernelFamily.BITSANDBYTES_NF4:
             return self.matmul_bitsandbytes(x2)
         return linear(x2, self.dequantize(x2.dtype), packed_when_resident=False)  # CPU bf16: kernels.cpu_linear
 

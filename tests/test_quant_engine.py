@@ -275,3 +275,37 @@ def test_fused_quantized_projections_give_the_separate_layers_bits(tmp_path, qua
         outs = llm.generate(prompts, sp)
         runs.append([(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in outs])
     assert runs[0] == runs[1]
+
+
+_KERNELS_CHILD = """
+import json, sys
+from llmsys import LLM
+llm = LLM(sys.argv[1], dtype="float32", quant="int4", kv_cache_tokens=256, progress=False)
+print(json.dumps(llm.memory_report().kernels))
+"""
+
+
+def test_int4_layers_report_their_kernel(tiny):
+    """Every layer picks its kernel once, at load; memory_report() counts them per kernel name,
+    and with the C kernels switched off (LLMSYS_NO_CKERNELS=1, a fresh process) the torch path."""
+    import os
+    import subprocess
+    import sys
+
+    from llmsys.kernels import quant_matmul_support
+
+    llm = _llm(tiny, quant="int4")
+    layers = [m for m in llm.loaded.model.modules() if isinstance(m, Int4Linear)]
+    c = quant_matmul_support()
+    if c.available:
+        family = "C int4 GEMV/GEMM" if c.gemm_native else "C int4 GEMV/GEMM, dequant + bf16 GEMM prefill"
+        want = f"{family} {c.level}"
+    else:
+        want = "torch int4 dequant + bf16 GEMM"
+    assert layers and llm.memory_report().kernels == {want: len(layers)}
+    assert all(m.kernel.name == want for m in layers)
+    env = {**os.environ, "LLMSYS_NO_CKERNELS": "1"}
+    res = subprocess.run([sys.executable, "-c", _KERNELS_CHILD, str(tiny)], env=env, capture_output=True,
+                         text=True, timeout=240)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout.strip().splitlines()[-1]) == {"torch int4 dequant + bf16 GEMM": len(layers)}

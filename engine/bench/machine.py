@@ -29,7 +29,7 @@ import psutil
 import torch
 
 from llmsys.kernels.common.units import format_bytes
-from llmsys.kernels.cpu_report import cpu_kernels
+from llmsys.kernels import cpu_kernels
 from llmsys.offload.bandwidth import Bandwidths, cold_read_gbps
 
 CACHE_NAME = "machine.json"

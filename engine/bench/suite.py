@@ -331,12 +331,20 @@ def _error_text(e: BaseException) -> str:
 Progress = Callable[[int, int, str], None]
 
 
-def run_bench(spec: BenchSpec, machine: MachineInfo, progress: Progress | None = None) -> BenchResult:
+def kernels_line(cfg: LoadConfig, kernels: dict[str, int]) -> str:
+    """``dtype auto, quant int4, kv auto: C int4 GEMV/GEMM x86-64-v3 x 168`` (``llmsys bench --verbose``)."""
+    used = ", ".join(f"{name} x {n}" for name, n in sorted(kernels.items())) or "no quantized layers"
+    return f"dtype {cfg.dtype}, quant {cfg.quant}, kv {cfg.kv_dtype}: {used}"
+
+
+def run_bench(spec: BenchSpec, machine: MachineInfo, progress: Progress | None = None,
+              log: Callable[[str], None] | None = None) -> BenchResult:
     """Run the whole matrix; one :class:`BenchRow` per (config, threads, batch, test).
 
     Per load configuration our engine runs all its rows first and is freed
     before any ``--vs`` baseline loads, so two models never share the memory
-    (and the peak RSS of each is its own, up to allocator leftovers).
+    (and the peak RSS of each is its own, up to allocator leftovers). ``log``
+    gets one line per loaded configuration naming the quantized layers' kernels.
     """
     from llmsys.engine.llm import LLM
 
@@ -357,6 +365,8 @@ def run_bench(spec: BenchSpec, machine: MachineInfo, progress: Progress | None =
         except Exception as e:  # noqa: BLE001 - shown in the row, the sweep goes on
             load_error = _error_text(e)
         where = (llm.loaded.path, llm.loaded.dtype, llm.loaded.device) if llm is not None else None
+        if log is not None and llm is not None:
+            log(kernels_line(cfg, llm.memory_report().kernels))
         cfg_rows: list[tuple[BenchRow, TestSpec, int | None]] = []
         for threads in spec.threads:
             torch.set_num_threads(threads or default_threads)

@@ -65,6 +65,7 @@ def bench_command(
     warmup: Annotated[bool, typer.Option("--warmup/--no-warmup", help="one untimed run before the timed ones")] = True,
     fresh_machine: Annotated[bool, typer.Option("--remeasure", help="re-measure memory/disk bandwidth (else cached)")] = False,
     progress: Annotated[Optional[bool], typer.Option("--progress/--no-progress", help="progress bar on stderr (default: on a TTY)")] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="print each configuration's matmul kernels (per quantized layer) on stderr")] = False,
     *,
     engine_flags: dict[str, Any],
 ) -> int:
@@ -121,7 +122,8 @@ def bench_command(
     machine = machine_info(cache=not fresh_machine)
     if baselines:
         _quiet_transformers()
-    result = run_bench(spec, machine, _progress_bar if show else None)
+    log = (lambda line: sys.stderr.write(f"kernels: {line}\n")) if verbose else None
+    result = run_bench(spec, machine, _progress_bar if show else None, log)
     sys.stdout.write(report.render(result, output))
     if output == "md":
         sys.stdout.write("\n")
