@@ -123,6 +123,21 @@ def test_failing_config_becomes_an_error_row(tiny, machine):
     assert bad.error and bad.tok_s is None and "bogus-format" in bad.error
 
 
+def test_cli_verbose_names_each_configs_kernels(tiny, capsys):
+    """--verbose: one stderr line per loaded configuration with its quantized layers' kernels."""
+    from llmsys.kernels import quant_matmul_support
+
+    rc = main(["bench", str(tiny), "-p", "0", "-n", "2", "-r", "1", "--quant", "none,int8", "--dtype", "float32",
+               "--no-e2e", "--no-warmup", "-o", "jsonl", "--verbose"])
+    assert rc == 0
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("kernels: ")]
+    c = quant_matmul_support()
+    int8 = (f"C int8 GEMV {c.level}" if c.gemm_native else f"C int8 GEMV, dequant + bf16 GEMM prefill {c.level}"
+            ) if c.available else "torch int8pack_mm, dequant + bf16 GEMM prefill"
+    assert lines[0] == "kernels: dtype float32, quant none, kv auto: no quantized layers", lines
+    assert lines[1].startswith(f"kernels: dtype float32, quant int8, kv auto: {int8} x "), lines
+
+
 def test_cli_sweep_2x2_gives_4_rows_and_plot(tiny, tmp_path, capsys):
     png = tmp_path / "tp.png"
     rc = main([
