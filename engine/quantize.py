@@ -28,7 +28,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmsys import kernels
 from llmsys.kernels.common.errors import InvalidParameterError
 from llmsys.quant import QuantSpec, parse_quant, quantize_linear
 from llmsys.quant.embedding import QuantEmbedding
@@ -145,29 +144,42 @@ def _calib_layout(lens: list[int], block_size: int) -> list[list[int]]:
     return tables
 
 
+def _scratch_pool(model: nn.Module, lens: list[int], dtype: torch.dtype, num_layers: int):
+    """A fresh engine KV pool (:class:`~llmsys.engine.kv_cache.KVCache`) and prefill metadata for
+    sequences of ``lens`` tokens packed into one step: ``(kv, meta, positions [T])``.
+
+    Fresh per call: the forward writes K/V into the pool in place, and autograd (the refinement)
+    needs the pool of one graph untouched until its backward has run.
+    """
+    from llmsys.engine.attention import build_metadata
+    from llmsys.engine.kv_cache import KVCache, KVCacheSpec
+
+    a = model.args
+    dev = model.rope_cache.device
+    bs = 16
+    tables = _calib_layout(lens, bs)
+    spec = KVCacheSpec(num_layers=num_layers, num_blocks=sum(len(t) for t in tables) + 1, block_size=bs,
+                       num_kv_heads=a.num_key_value_heads, head_dim=a.head_dim, dtype=dtype)
+    meta = build_metadata(lens, lens, tables, bs, dev)
+    pos = torch.cat([torch.arange(n) for n in lens]).to(dev)
+    return KVCache(spec, dev), meta, pos
+
+
 def _calib_batch(model: nn.Module, seqs: list[list[int]]):
     """All calibration sequences as one packed prefill: ``(h [T, hidden], run_layer)``.
 
-    ``run_layer(layer, h)`` runs one decoder layer on the whole batch (its own
-    paged KV scratch pool, causal per sequence) and returns the next hidden states.
+    ``run_layer(layer, h)`` runs one decoder layer of the model (its own forward, as
+    ``DecoderModel.forward`` calls it) on the whole batch and returns the next hidden states.
+    Layer by layer (GPTQ and AWQ calibrate layer i on what the quantized layers before it
+    produce), so one layer's pool serves every layer: each writes its K/V before it attends.
     """
-    from llmsys.engine.attention import build_metadata
-
-    a = model.args
-    dev = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
-    bs = 16
-    lens = [len(s) for s in seqs]
-    tables = _calib_layout(lens, bs)
-    nblocks = sum(len(t) for t in tables) + 1
-    kc = torch.zeros((nblocks, bs, a.num_key_value_heads, a.head_dim), dtype=dtype, device=dev)
-    vc = torch.zeros_like(kc)
-    meta = build_metadata(lens, lens, tables, bs, dev)
-    ids = torch.tensor([t for s in seqs for t in s], device=dev)
-    pos = torch.cat([torch.arange(n) for n in lens]).to(dev)
+    kv, meta, pos = _scratch_pool(model, [len(s) for s in seqs], dtype, num_layers=1)
+    k_cache, v_cache = kv.layer(0)
+    ids = torch.tensor([t for s in seqs for t in s], device=pos.device)
 
     def run_layer(layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
-        return layer(h, pos, model.rope_cache, kc, vc, meta)
+        return layer(h, pos, model.rope_cache, k_cache, v_cache, meta)
 
     return model.model.embed_tokens(ids), run_layer  # [T, hidden]
 
@@ -356,47 +368,79 @@ class TuneReport:
     steps: int
 
 
-def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+class _DenseLinear(nn.Module):
+    """A differentiable stand-in for a linear layer while refining: ``F.linear(x, weight(), bias)``.
 
-
-def plain_logits(model: nn.Module, weights: dict[str, torch.Tensor], norms: dict[str, torch.Tensor],
-                 ids: torch.Tensor) -> torch.Tensor:
-    """Differentiable plain-torch forward ``ids [B, T] -> logits [B, T, V]`` (fp32).
-
-    Why not the engine's forward: it writes K/V into a paged pool in place,
-    which autograd cannot see through. ``weights`` maps ``"embed"``,
-    ``"lm_head"`` and ``"model.layers.{i}.{_LINEARS}"`` to dense ``[N, K]``
-    tensors, ``norms`` the RMSNorm names to their weights; biases, q/k norms,
-    RoPE table and attention scale come from ``model`` itself.
+    ``weight`` is called on every forward (a :class:`~llmsys.quant.calibrate.TunableInt4`'s
+    ``weight``, so the graph reaches its parameters; or the teacher's fixed float weight).
     """
-    a = model.args
-    b, t = ids.shape
-    hq, hk, d = a.num_attention_heads, a.num_key_value_heads, a.head_dim
-    pos = torch.arange(t, device=ids.device).repeat(b)  # [B*T]
-    h = F.embedding(ids, weights["embed"])  # [B, T, hidden]
-    for i, layer in enumerate(model.model.layers):
-        p = f"model.layers.{i}."
-        at = layer.self_attn
 
-        def lin(name: str, x: torch.Tensor) -> torch.Tensor:
-            bias = layer.get_submodule(name).bias
-            return F.linear(x, weights[p + name], None if bias is None else bias.float())
+    def __init__(self, weight, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.weight_fn = weight
+        self.bias_f = None if bias is None else bias.float()
 
-        x = _rms(h, norms[p + "input_layernorm"], layer.input_layernorm.eps)
-        q = lin("self_attn.q_proj", x).view(b * t, hq, d)
-        k = lin("self_attn.k_proj", x).view(b * t, hk, d)
-        v = lin("self_attn.v_proj", x).view(b, t, hk, d).transpose(1, 2)  # [B, Hk, T, D]
-        if at.q_norm is not None:
-            q, k = _rms(q, at.q_norm.weight.float(), at.q_norm.eps), _rms(k, at.k_norm.weight.float(), at.k_norm.eps)
-        q, k = kernels.rope(q, k, pos, model.rope_cache.float().contiguous(), impl="reference")
-        q = q.view(b, t, hq, d).transpose(1, 2)  # [B, Hq, T, D]
-        k = k.view(b, t, hk, d).transpose(1, 2).repeat_interleave(hq // hk, 1)
-        o = F.scaled_dot_product_attention(q, k, v.repeat_interleave(hq // hk, 1), is_causal=True, scale=at.scale)
-        h = h + lin("self_attn.o_proj", o.transpose(1, 2).reshape(b, t, hq * d))
-        x = _rms(h, norms[p + "post_attention_layernorm"], layer.post_attention_layernorm.eps)
-        h = h + lin("mlp.down_proj", F.silu(lin("mlp.gate_proj", x)) * lin("mlp.up_proj", x))
-    return F.linear(_rms(h, norms["model.norm"], model.model.norm.eps), weights["lm_head"])
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N] float32
+        return F.linear(x.float(), self.weight_fn(), self.bias_f)
+
+
+class _DenseEmbedding(nn.Module):
+    """The token embedding as ``F.embedding(ids, weight())`` (the tied head's tunable weight, or a fixed one)."""
+
+    def __init__(self, weight) -> None:
+        super().__init__()
+        self.weight_fn = weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden] float32
+        return F.embedding(ids, self.weight_fn())
+
+
+class _Swap:
+    """Context manager: put ``modules`` (name -> module) and RMSNorm ``weights`` (module name ->
+    float32 Parameter) into ``model`` and put the originals back on exit, so the model's own
+    forward (``DecoderModel.forward``) runs the refinement's float32, differentiable weights."""
+
+    def __init__(self, model: nn.Module, modules: dict[str, nn.Module], weights: dict[str, nn.Parameter]) -> None:
+        self.model, self.modules, self.weights = model, modules, weights
+        self.saved_modules: dict[str, nn.Module] = {}
+        self.saved_weights: dict[str, nn.Parameter] = {}
+
+    def _owner(self, name: str) -> tuple[nn.Module, str]:
+        parent, _, child = name.rpartition(".")
+        return (self.model.get_submodule(parent) if parent else self.model), child
+
+    def __enter__(self) -> "_Swap":
+        for name, mod in self.modules.items():
+            owner, child = self._owner(name)
+            self.saved_modules[name] = getattr(owner, child)
+            setattr(owner, child, mod)
+        for name, w in self.weights.items():
+            norm = self.model.get_submodule(name)
+            self.saved_weights[name] = norm.weight
+            norm.weight = w
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, w in self.saved_weights.items():
+            self.model.get_submodule(name).weight = w
+        for name, mod in self.saved_modules.items():
+            owner, child = self._owner(name)
+            setattr(owner, child, mod)
+
+
+def model_logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The model's own forward on whole sequences: ``ids [B, L] -> logits [B, L, V]`` float32.
+
+    One packed prefill step over a fresh KV pool of float32 (:func:`_scratch_pool`). On the CPU
+    with float32 activations every op of the prefill is a torch op (RMSNorm and RoPE run their
+    torch references, only bf16 takes the C kernels; attention gathers the pool and runs SDPA per
+    sequence), so autograd sees through it, the in-place K/V writes included; the refinement
+    swaps the int4 layers for :class:`_DenseLinear` first (:class:`_Swap`).
+    """
+    b, length = ids.shape
+    kv, meta, pos = _scratch_pool(model, [length] * b, torch.float32, model.args.num_hidden_layers)
+    h = model(ids.reshape(-1), pos, kv, meta)  # [B*L, hidden]
+    return model.compute_logits(h).float().view(b, length, -1)
 
 
 def _kl(teacher_logp: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -435,39 +479,45 @@ def refine_quantized(model: nn.Module, float_weights: dict[str, torch.Tensor], s
     tun["lm_head"] = TunableInt4(model.lm_head)
     norm_names = ["model.norm"] + [f"model.layers.{i}.{n}" for i in range(n_layers)
                                    for n in ("input_layernorm", "post_attention_layernorm")]
-    norms = {n: model.get_submodule(n).weight.detach().float().clone().requires_grad_(True) for n in norm_names}
+    norms = {n: nn.Parameter(model.get_submodule(n).weight.detach().float().clone()) for n in norm_names}
+    # q/k norms (Qwen3) are not learned; float32 copies so the whole forward runs in float32.
+    qk_norms = {f"model.layers.{i}.self_attn.{n}": nn.Parameter(
+                    layer.self_attn.get_submodule(n).weight.detach().float().clone(), requires_grad=False)
+                for i, layer in enumerate(model.model.layers) if layer.self_attn.q_norm is not None
+                for n in ("q_norm", "k_norm")}
     teacher = {n: float_weights[n + ".weight"].float() for n in [*tun, *norm_names] if n != "lm_head"}
     teacher["lm_head"] = float_weights.get("lm_head.weight", float_weights["model.embed_tokens.weight"]).float()
-    teacher["embed"] = float_weights["model.embed_tokens.weight"].float()
-    t_norms = {n: teacher.pop(n) for n in norm_names}
+    t_embed = float_weights["model.embed_tokens.weight"].float()
+    t_norms = {n: nn.Parameter(teacher.pop(n), requires_grad=False) for n in norm_names}
     emb = model.model.embed_tokens
     fixed_embed = None if a.tie_word_embeddings else emb.table.dequantize().float() if hasattr(emb, "table") else emb.weight.float()
-
-    def student() -> dict[str, torch.Tensor]:
-        w = {n: tv.weight() for n, tv in tun.items()}
-        w["embed"] = w["lm_head"] if fixed_embed is None else fixed_embed
-        return w
+    # The model's own forward twice over: with the float teacher's weights, and with the student's
+    # (each int4 layer's differentiable weight; a tied embedding reads the tunable head).
+    teacher_swap = _Swap(model, {**{n: _DenseLinear(lambda w=teacher[n]: w, tun[n].lin.bias) for n in tun},
+                                 EMBED: _DenseEmbedding(lambda: t_embed)}, {**t_norms, **qk_norms})
+    student_swap = _Swap(model, {**{n: _DenseLinear(tv.weight, tv.lin.bias) for n, tv in tun.items()},
+                                 EMBED: _DenseEmbedding(tun["lm_head"].weight if fixed_embed is None
+                                                        else lambda: fixed_embed)}, {**norms, **qk_norms})
 
     length = min(len(s) for s in seqs)
-    data = torch.tensor([s[:length] for s in seqs], device=teacher["embed"].device)  # [S, L]
-    with torch.no_grad():
-        t_logp = torch.cat([torch.log_softmax(plain_logits(model, teacher, t_norms, data[j:j + batch]), -1)
+    data = torch.tensor([s[:length] for s in seqs], device=t_embed.device)  # [S, L]
+    with torch.no_grad(), teacher_swap:
+        t_logp = torch.cat([torch.log_softmax(model_logits(model, data[j:j + batch]), -1)
                             for j in range(0, len(data), batch)])  # [S, L, V]
 
     def full_kl() -> float:
-        with torch.no_grad():
-            w = student()
-            return sum(_kl(t_logp[j:j + batch], plain_logits(model, w, norms, data[j:j + batch])).item()
+        with torch.no_grad(), student_swap:
+            return sum(_kl(t_logp[j:j + batch], model_logits(model, data[j:j + batch])).item()
                        * len(data[j:j + batch]) for j in range(0, len(data), batch)) / len(data)
 
     before = full_kl()
     params = [tv.log_s for tv in tun.values()] + list(norms.values())
     opt = torch.optim.Adam(params, lr=lr)
     gen = torch.Generator().manual_seed(seed)
-    with torch.enable_grad():
+    with torch.enable_grad(), student_swap:
         for step in range(steps):
             idx = torch.randperm(len(data), generator=gen)[:batch].to(data.device)
-            loss = _kl(t_logp[idx], plain_logits(model, student(), norms, data[idx]))
+            loss = _kl(t_logp[idx], model_logits(model, data[idx]))
             opt.zero_grad()
             loss.backward()
             decay = 1.0 - step / steps  # linear decay: large moves early, settle at the end

@@ -204,26 +204,33 @@ def test_int4_side_window_and_block_quantization():
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 
 
-def _float_weights(model) -> tuple[dict, dict]:
-    sd = {k: v.detach().float() for k, v in model.state_dict().items()}
-    w = {k[: -len(".weight")]: v for k, v in sd.items() if k.endswith("proj.weight")}
-    w["embed"] = sd["model.embed_tokens.weight"]
-    w["lm_head"] = sd.get("lm_head.weight", w["embed"])
-    norms = {k[: -len(".weight")]: v for k, v in sd.items() if "norm.weight" in k and ".self_attn." not in k}
-    return w, norms
+def test_refinement_forward_is_the_engine_model(tiny):
+    """The refinement trains through the model's own forward with every linear, the embedding and the
+    norms swapped for float32 differentiable copies: with the float weights it scores like the engine,
+    gradients reach every swapped weight, and the swap leaves the model as it was."""
+    from torch import nn
 
-
-def test_plain_forward_matches_engine_logits(tiny):
-    """The differentiable forward the GPTQ refinement trains through must be the engine's model."""
-    from llmsys.engine.quantize import plain_logits
+    from llmsys.engine.quantize import EMBED, _DenseEmbedding, _DenseLinear, _Swap, model_logits
     from llmsys.engine.scoring import score_sequences
 
     llm = _llm(tiny)
     model = llm.loaded.model
     seqs = [list(range(3, 60)), list(range(100, 157))]
-    w, norms = _float_weights(model)
-    lp = torch.log_softmax(plain_logits(model, w, norms, torch.tensor(seqs)), -1)  # [2, 57, V]
-    for s, ref, row in zip(seqs, score_sequences(llm.core, seqs), lp):
+    sd = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    w = {n: sd[n + ".weight"].requires_grad_(True) for n in names}
+    norms = {k[: -len(".weight")]: nn.Parameter(v) for k, v in sd.items()
+             if "norm.weight" in k and ".self_attn." not in k}
+    embed = sd["model.embed_tokens.weight"].requires_grad_(True)
+    before = {n: type(m) for n, m in model.named_modules()}
+    swap = _Swap(model, {**{n: _DenseLinear(lambda t=w[n]: t, model.get_submodule(n).bias) for n in names},
+                         EMBED: _DenseEmbedding(lambda: embed)}, norms)
+    with torch.enable_grad(), swap:
+        lp = torch.log_softmax(model_logits(model, torch.tensor(seqs)), -1)  # [2, 57, V]
+        lp[:, :, 7].sum().backward()
+    assert {n: type(m) for n, m in model.named_modules()} == before
+    assert all(t.grad is not None and t.grad.abs().sum() > 0 for t in [*w.values(), embed, *norms.values()])
+    for s, ref, row in zip(seqs, score_sequences(llm.core, seqs), lp.detach()):
         got = row[:-1].gather(1, torch.tensor(s[1:])[:, None])[:, 0]
         torch.testing.assert_close(got, ref, atol=2e-4, rtol=0)
 
