@@ -120,8 +120,17 @@ class EngineCore:
 
     # -- requests ------------------------------------------------------------
     def add_request(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None, constraint: Any = None
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None, constraint: Any = None,
+        sample_index: int = 0,
     ) -> str:
+        """Queue one completion; ``sample_index`` (0..params.n-1) says which of the prompt's ``n``.
+
+        The front end adds all ``n`` (each gets its own id, KV and chunks); the
+        index only chooses the generator, derived from the seed by
+        :func:`make_generator`, the one place the derivation lives.
+        """
+        if not 0 <= sample_index < params.n:
+            raise InvalidParameterError(f"sample_index {sample_index} is outside 0..{params.n - 1} (n={params.n})")
         if not prompt_ids:
             raise InvalidParameterError("the prompt is empty; give at least one token")
         vocab = self.loaded.args.vocab_size
@@ -141,7 +150,7 @@ class EngineCore:
             limit = len(prompt_ids) + (params.max_tokens if params.max_tokens is not None else self.max_len)
         seq = Sequence(rid, list(prompt_ids), params, limit)
         seq.kv = self.kv_policy.new_state(policy)
-        seq.generator = make_generator(params.seed, self.loaded.device)
+        seq.generator = make_generator(params.seed, self.loaded.device, sample_index)
         seq.state = _TextState(
             IncrementalDetokenizer(self.tokenizer, seq.prompt_ids),
             StopChecker(params.stop) if params.stop else None,

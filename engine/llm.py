@@ -181,7 +181,11 @@ class LLM:
     def generate(
         self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None
     ) -> list[RequestOutput]:
-        """Run every prompt to completion, batched together; outputs in input order."""
+        """Run every prompt to completion, batched together; outputs in input order.
+
+        A prompt whose params ask for ``n`` completions gives ``n`` outputs in a
+        row (``RequestOutput.index`` 0..n-1), all batched with the rest.
+        """
         single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
         plist: list[Prompt] = [prompts] if single else list(prompts)  # type: ignore[list-item]
         if params is None or isinstance(params, SamplingParams):
@@ -191,10 +195,13 @@ class LLM:
             if len(params_list) != len(plist):
                 raise InvalidParameterError(f"{len(plist)} prompts but {len(params_list)} SamplingParams")
         encoded = [self.encode(p) for p in plist]
-        ids = []
+        ids: list[str] = []
+        jobs: list[tuple[str, Prompt, list[int], int]] = []  # (request id, prompt, its ids, completion index)
         try:
-            for toks, sp in zip(encoded, params_list):
-                ids.append(self.core.add_request(toks, sp))
+            for prompt, toks, sp in zip(plist, encoded, params_list):
+                for i in range(sp.n):
+                    ids.append(self.core.add_request(toks, sp, sample_index=i))
+                    jobs.append((ids[-1], prompt, toks, i))
         except BaseException:
             for rid in ids:
                 self.core.abort(rid)
@@ -218,7 +225,7 @@ class LLM:
             self.core.step()
             raise
         outs = []
-        for rid, prompt, toks in zip(ids, plist, encoded):
+        for rid, prompt, toks, index in jobs:
             r = results[rid]
             fin: StreamChunk = r["final"]
             outs.append(
@@ -232,6 +239,7 @@ class LLM:
                     usage=fin.usage or Usage(len(toks), len(r["tokens"])),
                     timings=fin.timings or Timings(),
                     logprobs=r["lps"],
+                    index=index,
                 )
             )
         return outs
@@ -240,9 +248,13 @@ class LLM:
         """Yield chunks for one prompt as they are produced.
 
         Closing the iterator early (``break``, Ctrl+C) aborts the request and
-        frees its KV blocks.
+        frees its KV blocks. One completion only: ``n`` > 1 is refused (use
+        :meth:`generate`, or the server, whose chunks carry a choice index).
         """
-        rid = self.core.add_request(self.encode(prompt), params or SamplingParams())
+        params = params or SamplingParams()
+        if params.n != 1:
+            raise InvalidParameterError(f"stream() yields one completion; n={params.n} needs generate()")
+        rid = self.core.add_request(self.encode(prompt), params)
         done = False
         try:
             while not done:
@@ -258,7 +270,9 @@ class LLM:
     def chat(
         self, messages: list[dict[str, Any]], params: SamplingParams | None = None
     ) -> RequestOutput:
-        """Apply the model's chat template and generate the assistant's reply."""
+        """Apply the model's chat template and generate the assistant's reply (one: ``n`` > 1 is refused)."""
+        if params is not None and params.n != 1:
+            raise InvalidParameterError(f"chat() returns one reply; n={params.n} needs generate() on chat_prompt_ids()")
         ids = self.tokenizer.encode_chat(messages)
         return self.generate([ids], params)[0]
 
