@@ -68,3 +68,12 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
+
+
+@dataclass(frozen=True)
+class SeqChunk:
+    """A live sequence and how many tokens a step fed it (from its ``num_computed``): what
+    the scheduler hands the KV policy's bookkeeping once the step ran."""
+
+    seq: Sequence
+    num_new_tokens: int
