@@ -89,9 +89,8 @@ class EngineCore:
         self.max_len = max_len  # prompt + output tokens per request, at most
         self.kv = KVCache(kv_spec, loaded.device)
         # Cold KV tier (None unless --kv-offload-tokens): block ids past the pool, demoted to disk / RAM.
-        extra = config.extra or {}
         self.tier = make_kv_tier(self.kv, config.offload_tokens(kv_spec.bytes_per_token), config.offload_dir,
-                                 extra.get("kv_offload_tier"), bool(extra.get("kv_offload_drop_cache", False)))
+                                 config.kv_offload_tier, config.kv_offload_drop_cache)
         self.allocator = BlockAllocator(kv_spec.num_blocks, self.tier.num_cold if self.tier is not None else 0)
         # KV eviction / page selection. config.kv_policy is the default; a request may choose its own
         # (SamplingParams.kv_policy). Sequences under `full` carry no policy state: no per-token work.

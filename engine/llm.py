@@ -16,7 +16,7 @@ from typing import Any, Iterator, Sequence
 import psutil
 import torch
 
-from llmsys.engine.config import EngineConfig
+from llmsys.engine.config import EngineConfig, check_kv_dtype
 from llmsys.engine.core import EngineCore, MemoryReport
 from llmsys.engine.errors import InvalidParameterError
 from llmsys.engine.kv_cache import KVCacheSpec, blocks_needed
@@ -52,9 +52,8 @@ def size_kv_pool(loaded: LoadedModel, config: EngineConfig) -> tuple[KVCacheSpec
     max_len = min(config.max_model_len or a.max_position_embeddings, getattr(a, "max_context", 1 << 30))
     if max_len < 2:
         raise InvalidParameterError(f"max_model_len must be >= 2, got {max_len}")
-    from llmsys.engine.quantize import parse_kv_dtype
-
-    kv_dtype = parse_kv_dtype(config.kv_dtype, a.head_dim)
+    kv_dtype = config.kv_dtype
+    check_kv_dtype(kv_dtype, a.head_dim)
     probe = KVCacheSpec(a.num_hidden_layers, 1, config.block_size, a.num_key_value_heads, a.head_dim, loaded.dtype,
                         kv_dtype)
     per_tok = probe.bytes_per_token
@@ -105,7 +104,7 @@ class LLM:
             weakref.finalize(self, self.offload.close)
         if self.loaded.device.type == "cpu":
             _report_cpu_kernels()
-            if (config.extra or {}).get("prepack", True):
+            if config.prepack:
                 # Resident CPU weights in oneDNN's blocked layout: faster GEMV, same bits as
                 # streamed layers (kernels.cpu_linear). Streamed layers hold no real weight
                 # here (the offload runtime binds one per step), so they are skipped.
@@ -148,17 +147,14 @@ class LLM:
         if tokens is None:
             free = budgets.gpu if budgets.gpu is not None else budgets.cpu
             tokens = max(min(max_len * c.max_num_seqs, free // 4 // per_tok), min(max_len, 1))
-        extra = c.extra or {}
-        work = Workload(batch=int(extra.get("plan_batch", 1)), kv_tokens=tokens + c.block_size,
+        work = Workload(batch=c.plan_batch, kv_tokens=tokens + c.block_size,
                         max_batched_tokens=c.max_num_batched_tokens, kv_cold_tokens=c.offload_tokens(per_tok))
-        self.plan, _ = plan_for(meta_model, dt, budgets, work, c.quant, max_seqs=c.max_num_seqs,
-                                force=extra.get("placement"))
+        self.plan, _ = plan_for(meta_model, dt, budgets, work, c.quant.method, max_seqs=c.max_num_seqs,
+                                force=c.placement)
         if not runtime_needed(self.plan, dev):
             return None
-        # extra["keep_page_cache"]: let streamed pages stay in the page cache (benchmarks that
-        # compare with Accelerate's memmaps, which keep them); the default drops them.
-        self.offload = make_runtime(meta_model, locate, dt, dev, self.plan, c.quant,
-                                    drop_cache=not extra.get("keep_page_cache", False))
+        self.offload = make_runtime(meta_model, locate, dt, dev, self.plan, c.quant.method,
+                                    drop_cache=not c.keep_page_cache)
         return self.offload
 
     # -- properties ----------------------------------------------------------
