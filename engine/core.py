@@ -31,6 +31,7 @@ from llmsys.engine.tokenizer import Tokenizer
 from llmsys.offload.kv_policy import make_policy_runtime
 from llmsys.offload.kv_swap import make_swap_space
 from llmsys.offload.kv_tier import make_kv_tier
+from llmsys.offload.runtime import OffloadRuntime
 
 
 @dataclass
@@ -82,8 +83,10 @@ def _apply_constraints(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tens
 
 
 class EngineCore:
-    def __init__(self, loaded: LoadedModel, tokenizer: Tokenizer, config: EngineConfig, kv_spec: KVCacheSpec, max_len: int):
+    def __init__(self, loaded: LoadedModel, tokenizer: Tokenizer, config: EngineConfig, kv_spec: KVCacheSpec, max_len: int,
+                 offload: OffloadRuntime | None = None):
         self.loaded = loaded
+        self.offload = offload  # llmsys.offload weight runtime (streamed / off-device layers), None: all resident
         self.tokenizer = tokenizer
         self.config = config
         self.max_len = max_len  # prompt + output tokens per request, at most
@@ -274,9 +277,9 @@ class EngineCore:
         spec = self.kv.spec
         per_block = spec.bytes_per_token * spec.block_size
         used = self.allocator.num_used
-        rt = getattr(self.loaded.model, "offload_runtime", None)  # llmsys.offload: weights per tier
+        rt = self.offload  # weights per tier
         weights = rt.weight_bytes(self.loaded.model) if rt is not None else {tier: self.loaded.weight_bytes}
-        on_file = getattr(self.loaded.model, "embed_file_bytes", 0)  # a tied embedding served from the checkpoint
+        on_file = self.loaded.model.embed_file_bytes  # a tied embedding served from the checkpoint
         if on_file:
             weights["disk"] = weights.get("disk", 0) + on_file
         sw = self.swap

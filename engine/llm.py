@@ -1,7 +1,8 @@
 """The public facade: ``LLM(model).generate / stream / chat``.
 
-It resolves the model (path or catalog name), loads weights and tokenizer,
-sizes the KV pool, and drives an :class:`EngineCore` on the calling thread.
+It builds the engine (``llmsys.engine.builder``: resolve the model, plan
+placement, load, prepare, size the KV pool) and drives an
+:class:`EngineCore` on the calling thread.
 Long-running front ends (server, TUI) own an engine thread instead and call
 the core directly; this class is the simple, synchronous way in.
 """
@@ -10,69 +11,25 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
+import weakref
 from typing import Any, Iterator, Sequence
 
-import psutil
 import torch
 
-from llmsys.engine.config import EngineConfig, check_kv_dtype
+from llmsys.engine.builder import Placement, place, prepare, resolve, size_kv_pool
+from llmsys.engine.config import EngineConfig
 from llmsys.engine.core import EngineCore, MemoryReport
 from llmsys.engine.errors import InvalidParameterError
-from llmsys.engine.kv_cache import KVCacheSpec, blocks_needed
-from llmsys.engine.loader import LoadedModel, load_model
+from llmsys.engine.loader.common import materialize_checkpoint, open_checkpoint
+from llmsys.engine.loader.llama2c import is_llama2c
+from llmsys.engine.loader.llama2c import load as llama2c_load
 from llmsys.engine.outputs import RequestOutput, StreamChunk, Timings, Usage
+from llmsys.engine.quantize import loader_quantizer
 from llmsys.engine.sampling import SamplingParams
 from llmsys.engine.tokenizer import Tokenizer
 from llmsys.kernels.cpu_report import cpu_kernels
 
 Prompt = str | list[int]
-
-
-def _resolve_path(model: str) -> Path:
-    p = Path(model).expanduser()
-    if p.exists():
-        return p
-    from llmsys.engine.catalog import resolve_model
-
-    return resolve_model(model)
-
-
-def size_kv_pool(loaded: LoadedModel, config: EngineConfig) -> tuple[KVCacheSpec, int]:
-    """Choose the KV pool size and the per-request context limit.
-
-    The context limit is the model's trained context (or ``max_model_len``).
-    The pool holds ``kv_cache_tokens`` tokens when given; otherwise enough for
-    ``max_num_seqs`` full contexts, capped at a quarter of the memory free now
-    (never less than one full context). A cold tier (``kv_offload_tokens``)
-    adds to what one request may hold: the context limit is then at most hot
-    plus cold tokens.
-    """
-    a = loaded.args
-    max_len = min(config.max_model_len or a.max_position_embeddings, getattr(a, "max_context", 1 << 30))
-    if max_len < 2:
-        raise InvalidParameterError(f"max_model_len must be >= 2, got {max_len}")
-    kv_dtype = config.kv_dtype
-    check_kv_dtype(kv_dtype, a.head_dim)
-    probe = KVCacheSpec(a.num_hidden_layers, 1, config.block_size, a.num_key_value_heads, a.head_dim, loaded.dtype,
-                        kv_dtype)
-    per_tok = probe.bytes_per_token
-    cold = config.offload_tokens(per_tok)
-    if config.kv_cache_tokens is not None:
-        tokens = config.kv_cache_tokens
-        max_len = min(max_len, tokens + cold)
-    else:
-        if loaded.device.type == "cuda":
-            free = torch.cuda.mem_get_info(loaded.device)[0]
-        else:
-            free = psutil.virtual_memory().available
-        cap = max(free // 4 // per_tok, 1)
-        tokens = max(min(max_len * config.max_num_seqs, cap), min(max_len, cap))
-        max_len = min(max_len, tokens + cold)
-    bs = config.block_size
-    num_blocks = blocks_needed(tokens, bs) + 1  # + the reserved scratch block
-    spec = KVCacheSpec(a.num_hidden_layers, num_blocks, bs, a.num_key_value_heads, a.head_dim, loaded.dtype, kv_dtype)
-    return spec, max_len
 
 
 class LLM:
@@ -82,80 +39,35 @@ class LLM:
         config = model if isinstance(model, EngineConfig) else EngineConfig(model=str(model), **kwargs)
         if isinstance(model, EngineConfig) and kwargs:
             config = config.with_(**kwargs)
-        self.config = config
         if config.threads:
             torch.set_num_threads(config.threads)
-        path = _resolve_path(config.model)
-        # Offloading (llmsys.offload): budgets -> plan -> place. The plan is made
-        # on the meta model before any weight is read; `self.plan` is data the
-        # TUI and bench show. `_plan_offload` may set a KV size that fits the budget.
-        self.plan = None
-        self.offload = None
-        self._kv_tokens = config.kv_cache_tokens
-        from llmsys.engine.quantize import loader_quantizer
-
-        self.loaded = load_model(path, dtype=config.dtype, device=config.device, progress=config.progress,
-                                 offload=self._plan_offload, make_linear=loader_quantizer(config))
+        # The steps of llmsys.engine.builder, in order (each a value the next one takes).
+        r = resolve(config)
+        make_linear = loader_quantizer(config)
+        if is_llama2c(r.path):
+            self.loaded = llama2c_load(r.path, r.dtype, r.device, make_linear, config.progress)
+            placement = Placement(None, None, None)
+        else:
+            ck = open_checkpoint(r.path, r.dtype, r.device)
+            # Offloading (llmsys.offload): budgets -> plan -> runtime, on the meta model before any
+            # weight is read. Stored-quantized checkpoints are always resident (no plan).
+            placement = Placement(None, None, None) if ck.prequantized else place(r, ck)
+            self.loaded = materialize_checkpoint(ck, make_linear, config.progress, placement.runtime)
+        self.plan = placement.plan  # data the TUI and bench show
+        self.offload = placement.runtime
         if self.offload is not None:
-            import weakref
-
-            self.offload.install(self.loaded.model)
-            self.loaded.model.offload_runtime = self.offload
             weakref.finalize(self, self.offload.close)
         if self.loaded.device.type == "cpu":
             _report_cpu_kernels()
-            if config.prepack:
-                # Resident CPU weights in oneDNN's blocked layout: faster GEMV, same bits as
-                # streamed layers (kernels.cpu_linear). Streamed layers hold no real weight
-                # here (the offload runtime binds one per step), so they are skipped.
-                self.loaded.model.prepack_linears()
-                if self.offload is None:
-                    # Decode steps in fewer torch ops, same bits (engine/models/fast_decode.py).
-                    from llmsys.engine.models.fast_decode import FastDecode
-
-                    self.loaded.model.fast_decode = FastDecode.build(self.loaded.model)
-            else:
-                # Tools that read or rewrite .weight (`llmsys quantize`): nothing is packed,
-                # and no layer packs on the fly either.
-                self.loaded.model.never_pack()
-        if self._kv_tokens != config.kv_cache_tokens:
-            config = self.config = config.with_(kv_cache_tokens=self._kv_tokens)
+        prepare(self.loaded, config, self.offload)
+        if placement.kv_cache_tokens is not None:  # the pool size the explicit budget allows
+            config = config.with_(kv_cache_tokens=placement.kv_cache_tokens)
+        self.config = config
         self.tokenizer = Tokenizer.load(self.loaded.tokenizer_path)
         spec, max_len = size_kv_pool(self.loaded, config)
-        self.core = EngineCore(self.loaded, self.tokenizer, config, spec, max_len)
+        self.core = EngineCore(self.loaded, self.tokenizer, config, spec, max_len, offload=self.offload)
         if self.offload is not None:
             self.offload.place_kv(self.core.kv)
-
-    def _plan_offload(self, meta_model: Any, locate: Any) -> Any:
-        """Plan placement for the meta model; return the runtime the loader needs (or None)."""
-        from llmsys.engine.loader.common import resolve_device, resolve_dtype
-        from llmsys.offload.budgets import resolve_budgets
-        from llmsys.offload.plan import Workload
-        from llmsys.offload.prepare import kv_bytes_per_token_layer, kv_tokens_within, make_runtime, plan_for, runtime_needed
-
-        c = self.config
-        a = meta_model.args
-        dev = resolve_device(c.device)
-        dt = resolve_dtype(c.dtype, dev)
-        budgets = resolve_budgets(c.gpu_mem, c.cpu_mem, c.offload_dir, dev)
-        per_tok = kv_bytes_per_token_layer(a, dt) * a.num_hidden_layers
-        max_len = min(c.max_model_len or a.max_position_embeddings, getattr(a, "max_context", 1 << 30))
-        tokens = c.kv_cache_tokens
-        if tokens is None and (budgets.cpu_explicit or budgets.gpu_explicit):
-            budget = budgets.gpu if budgets.gpu_explicit else budgets.cpu
-            tokens = self._kv_tokens = kv_tokens_within(budget, per_tok, max_len * c.max_num_seqs, min(max_len, 512))
-        if tokens is None:
-            free = budgets.gpu if budgets.gpu is not None else budgets.cpu
-            tokens = max(min(max_len * c.max_num_seqs, free // 4 // per_tok), min(max_len, 1))
-        work = Workload(batch=c.plan_batch, kv_tokens=tokens + c.block_size,
-                        max_batched_tokens=c.max_num_batched_tokens, kv_cold_tokens=c.offload_tokens(per_tok))
-        self.plan, _ = plan_for(meta_model, dt, budgets, work, c.quant.method, max_seqs=c.max_num_seqs,
-                                force=c.placement)
-        if not runtime_needed(self.plan, dev):
-            return None
-        self.offload = make_runtime(meta_model, locate, dt, dev, self.plan, c.quant.method,
-                                    drop_cache=not c.keep_page_cache)
-        return self.offload
 
     # -- properties ----------------------------------------------------------
     @property
