@@ -148,14 +148,13 @@ class EngineCore:
         limit = self.max_len
         if policy.evicts:
             limit = len(prompt_ids) + (params.max_tokens if params.max_tokens is not None else self.max_len)
-        seq = Sequence(rid, list(prompt_ids), params, limit)
-        seq.kv = self.kv_policy.new_state(policy)
-        seq.generator = make_generator(params.seed, self.loaded.device, sample_index)
-        seq.state = _TextState(
-            IncrementalDetokenizer(self.tokenizer, seq.prompt_ids),
-            StopChecker(params.stop) if params.stop else None,
+        ids = list(prompt_ids)
+        state = _TextState(
+            IncrementalDetokenizer(self.tokenizer, ids), StopChecker(params.stop) if params.stop else None,
             constraint=constraint,
         )
+        seq = Sequence(rid, ids, params, limit, generator=make_generator(params.seed, self.loaded.device, sample_index),
+                       state=state, kv=self.kv_policy.new_state(policy))
         self.requests[rid] = seq
         self.scheduler.add(seq)
         return rid

@@ -185,8 +185,6 @@ def perplexity_stream(
 
     step = core.config.max_num_batched_tokens
     first = min(step if pol.kind == "full" else pol.budget, len(ids) - 1)
-    seq = Sequence("stream", ids[:first], SamplingParams(max_tokens=None), 1 << 62)
-    seq.output_ids = ids[first:]
     rt = None
     if pol.kind == "full":
         need = blocks_needed(len(ids), bs)
@@ -198,7 +196,8 @@ def perplexity_stream(
         ensure_rope_positions(model, len(ids) + 1)
     else:
         rt = PolicyRuntime(pol, model, core.kv, core.allocator, bs, chunk=chunk or 1)
-        seq.kv = rt.new_state(pol)
+    seq = Sequence("stream", ids[:first], SamplingParams(max_tokens=None), 1 << 62, output_ids=ids[first:],
+                   kv=rt.new_state(pol) if rt is not None else None)
     ids_t = torch.tensor(ids, dtype=torch.int64)
     pos_t = torch.arange(len(ids) + 1, dtype=torch.int64)  # positions: stream indices (full) or cache indices
     dev = core.loaded.device

@@ -130,9 +130,7 @@ class StepDriver:
         seqs = []
         for _ in range(batch):
             self._n += 1
-            seq = Sequence(f"bench-{self._n}", [], self._params, max_len)
-            seq.kv = policy.new_state()
-            seqs.append(seq)
+            seqs.append(Sequence(f"bench-{self._n}", [], self._params, max_len, kv=policy.new_state()))
         times = RunTimes()
         try:
             if test.depth:  # untimed context; its last step samples the token tg continues from
