@@ -62,7 +62,7 @@ class Engine:
             kw.update(kv_cache_tokens=2 * (len(ids) + new + BS))
         else:
             kw.update(kv_cache_tokens=hot, kv_offload_tokens=2 * (len(ids) + new + BS), offload_dir=folder,
-                      extra={"kv_offload_drop_cache": drop})
+                      kv_offload_drop_cache=drop)
         self.name, self.ids = name, ids
         self.sp = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
         self.llm = LLM(str(path), **kw)

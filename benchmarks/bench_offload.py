@@ -187,7 +187,7 @@ def bench_cpu(work: Path, tokens: int, threads: int) -> str:
     kw = dict(base_kw, cpu_mem="256MiB")
     capped = run_child("llmsys", dict(model=str(model), kw=kw, tokens=tokens, batches=[1, 16]), cap=512 * MiB)
     free = run_child("llmsys", dict(model=str(model), kw=kw, tokens=tokens, batches=[1]))
-    cached = run_child("llmsys", dict(model=str(model), kw=dict(kw, extra={"keep_page_cache": True}), tokens=tokens,
+    cached = run_child("llmsys", dict(model=str(model), kw=dict(kw, keep_page_cache=True), tokens=tokens,
                                       batches=[1]))
     acc_kw = dict(model=str(model), max_memory={"cpu": "256MiB"}, tokens=min(tokens, 8), batches=[1], threads=threads,
                   device_map="auto")
@@ -262,7 +262,7 @@ def bench_gpu(work: Path, tokens: int) -> str:  # pragma: no cover - needs a GPU
     cfg["max_position_embeddings"] = 4096
     model = random_checkpoint(work, "llama-8b-pos4096", cfg)
     kw = dict(dtype="bfloat16", device="cuda", gpu_mem="4GiB", kv_cache_tokens=8192, max_num_seqs=32,
-              max_num_batched_tokens=512, extra={"plan_batch": 32})
+              max_num_batched_tokens=512, plan_batch=32)
     lines = [f"### Offloading on GPU: {torch.cuda.get_device_name()}, llama-8b-shaped bf16, `--gpu-mem 4GiB`", "",
              "| run | decode ms/step (b=1) | tok/s (b=32) |", "|---|---|---|"]
     chosen = run_child("llmsys", dict(model=str(model), kw=kw, tokens=tokens, batches=[1, 32]))
@@ -271,7 +271,7 @@ def bench_gpu(work: Path, tokens: int) -> str:  # pragma: no cover - needs a GPU
     n = cfg["num_hidden_layers"]
     for name, force in {"all cpu->gpu": {"cpu->gpu": n}, "all cpu compute": {"cpu": n},
                         "4 gpu + rest cpu->gpu": {"gpu": 4, "cpu->gpu": n - 4}}.items():
-        r = run_child("llmsys", dict(model=str(model), kw=dict(kw, extra={"placement": force}), tokens=tokens, batches=[1, 32]))
+        r = run_child("llmsys", dict(model=str(model), kw=dict(kw, placement=force), tokens=tokens, batches=[1, 32]))
         if "error" not in r:
             lines.append(f"| llmsys forced: {name} | {r['1']['decode_ms_per_step']:.0f} | {r['32']['agg_tok_s']:.1f} |")
         else:

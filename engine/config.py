@@ -11,16 +11,54 @@ from typing import Any
 
 from llmsys.kernels.common.errors import InvalidParameterError
 from llmsys.kernels.common.units import parse_size
+from llmsys.offload.eviction.policy import KVPolicy, parse_kv_policy
+from llmsys.quant.formats import QuantSpec, parse_quant
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+
+
+QUANT_NAMES = ("none", "int8", "int4", "int4:g32", "int4:g64", "int4:g128", "nf4", "nf4:dq", "fp8")
+KV_DTYPE_NAMES = ("auto", "int8", "int4")
+
+
+def parse_quant_flag(text: str | QuantSpec | None) -> QuantSpec:
+    """``--quant`` -> QuantSpec; unknown names list the valid ones."""
+    if isinstance(text, QuantSpec):
+        return text
+    try:
+        return parse_quant(text)
+    except InvalidParameterError:
+        raise InvalidParameterError(f"unknown --quant {text!r}; valid: {', '.join(QUANT_NAMES)}") from None
+
+
+def parse_kv_dtype(text: str | None) -> str:
+    """``--kv-dtype`` -> "auto" | "int8" | "int4"; unknown names list the valid ones."""
+    raw = "auto" if text is None else str(text).strip().lower()
+    if raw in ("", "none", "float", "model"):
+        raw = "auto"
+    if raw not in KV_DTYPE_NAMES:
+        raise InvalidParameterError(f"unknown --kv-dtype {text!r}; valid: {', '.join(KV_DTYPE_NAMES)}")
+    return raw
+
+
+def check_kv_dtype(kv_dtype: str, head_dim: int) -> None:
+    """Can a model with ``head_dim`` keep its KV as ``kv_dtype`` (int4 packs pairs of channels)?"""
+    if kv_dtype == "int4" and head_dim % 2:
+        raise InvalidParameterError(f"--kv-dtype int4 needs an even head_dim (this model has {head_dim}); use int8")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything that decides how a model is loaded and run.
 
-    Sizes are bytes (``None`` = choose from what the machine has free).
+    Every flag is parsed here, once, into its typed value: ``quant`` becomes a
+    :class:`QuantSpec`, ``kv_policy`` a :class:`KVPolicy` (its byte budgets
+    are resolved against the KV shape by the policy runtime), ``kv_dtype`` its
+    canonical name, sizes bytes (``None`` = choose from what the machine has
+    free), ``kv_offload_tokens`` a token count or, for a size, bytes in
+    ``kv_offload_bytes``. Strings are accepted for all of them (CLI,
+    ``LLM(**kwargs)``); nothing downstream parses them again.
     """
 
     model: str
@@ -32,26 +70,40 @@ class EngineConfig:
     max_num_seqs: int = 32  # sequences decoded together at most
     max_num_batched_tokens: int = 512  # tokens per step (chunked prefill budget)
     threads: int | None = None
-    quant: str = "none"
-    kv_dtype: str = "auto"
+    quant: QuantSpec = QuantSpec("none")  # --quant (a str is parsed)
+    # Module names --quant leaves in float (e.g. "lm_head", "model.embed_tokens").
+    quant_keep_float: tuple[str, ...] = ()
+    # CPU: resident linear weights in oneDNN's blocked layout (faster GEMV, same bits). False for
+    # tools that read or rewrite .weight (`llmsys quantize`): nothing is packed, not even on the fly.
+    prepack: bool = True
+    kv_dtype: str = "auto"  # "auto" (the model dtype) | "int8" | "int4"
     gpu_mem: int | None = None
     cpu_mem: int | None = None
     offload_dir: str | None = None
+    # Weight placement forced per tier instead of planned, e.g. {"cpu": 2, "disk": 4, "head": "disk"}.
+    placement: dict[str, Any] | None = field(default=None, hash=False)
+    plan_batch: int = 1  # the batch the offload plan is made for (its compute/transfer overlap)
+    # Let streamed weight pages stay in the page cache (benchmarks comparing with Accelerate's
+    # memmaps, which keep them); the default drops them.
+    keep_page_cache: bool = False
     # Swap space for preempted sequences' KV (llmsys.offload.kv_swap): bytes, 0 = off (recompute),
     # None = auto (as many blocks as the pool, at most 4 GiB; CPU RAM for a GPU pool, else disk).
     swap_space: int | None = None
     # Cold KV tier (llmsys.offload.kv_tier): room for this many tokens of KV beyond the pool
     # (--kv-cache-tokens is then the hot part), or a size such as "2GiB"; 0 = off. On disk
     # (the offload folder) for a CPU pool, in pinned CPU RAM for a GPU pool.
-    kv_offload_tokens: int | str = 0
-    kv_policy: str = "full"
+    kv_offload_tokens: int | str = 0  # a size (str) is kept as written; its bytes are kv_offload_bytes
+    kv_offload_tier: str | None = None  # the cold tier's medium ("disk" | "cpu"); None: by the pool's device
+    kv_offload_drop_cache: bool = False  # drop the cold tier's file pages after each read (benchmarks)
+    kv_policy: KVPolicy = KVPolicy()  # --kv-policy (a str is parsed)
     # Reuse the KV blocks of prompt prefixes seen before (llmsys.engine.prefix_cache). Benchmarks
     # of prefill speed turn it off: a repeated prompt would not be computed at all.
     prefix_caching: bool = True
     progress: bool = True  # loading progress bar (only drawn on a TTY)
-    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    kv_offload_bytes: int | None = field(default=None, init=False)  # --kv-offload-tokens given as a size
 
     def __post_init__(self) -> None:
+        set_ = object.__setattr__  # frozen: normalise through the back door once
         if self.dtype not in DTYPES:
             raise InvalidParameterError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
         if self.device not in DEVICES and not self.device.startswith("cuda:"):
@@ -64,22 +116,29 @@ class EngineConfig:
             raise InvalidParameterError("max_num_batched_tokens must be >= 1")
         if self.threads is not None and self.threads < 1:
             raise InvalidParameterError(f"threads must be >= 1, got {self.threads}")
+        if self.plan_batch < 1:
+            raise InvalidParameterError(f"plan_batch must be >= 1, got {self.plan_batch}")
         for name in ("gpu_mem", "cpu_mem", "swap_space"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, int):
-                object.__setattr__(self, name, parse_size(v))
+                set_(self, name, parse_size(v))
+        set_(self, "quant", parse_quant_flag(self.quant))
+        set_(self, "quant_keep_float", tuple(self.quant_keep_float))
+        set_(self, "kv_dtype", parse_kv_dtype(self.kv_dtype))
+        set_(self, "kv_policy", parse_kv_policy(self.kv_policy))
         off = self.kv_offload_tokens
         if off is None or (isinstance(off, str) and off.strip().isdigit()):
-            object.__setattr__(self, "kv_offload_tokens", int(off or 0))
+            set_(self, "kv_offload_tokens", int(off or 0))
         elif isinstance(off, str):
-            parse_size(off)  # a size: checked now, turned into tokens once the KV shape is known
+            set_(self, "kv_offload_bytes", parse_size(off))  # turned into tokens once the KV shape is known
         if isinstance(self.kv_offload_tokens, int) and self.kv_offload_tokens < 0:
             raise InvalidParameterError(f"kv_offload_tokens must be >= 0, got {self.kv_offload_tokens}")
 
     def offload_tokens(self, bytes_per_token: int) -> int:
-        """Tokens of KV the cold tier holds (``kv_offload_tokens`` as tokens, or its size over the KV per token)."""
-        off = self.kv_offload_tokens
-        return off if isinstance(off, int) else (parse_size(off) or 0) // bytes_per_token
+        """Tokens of KV the cold tier holds (``kv_offload_tokens``, or ``kv_offload_bytes`` over the KV per token)."""
+        if self.kv_offload_bytes is not None:
+            return self.kv_offload_bytes // bytes_per_token
+        return self.kv_offload_tokens
 
     def with_(self, **changes: Any) -> "EngineConfig":
         return replace(self, **changes)

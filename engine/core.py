@@ -26,12 +26,13 @@ from llmsys.engine.loader.common import LoadedModel
 from llmsys.engine.outputs import StreamChunk, Timings, Usage
 from llmsys.engine.runner import ModelRunner
 from llmsys.engine.sampling import Sampler, SamplingBatch, SamplingParams, make_generator
-from llmsys.engine.scheduler import Scheduler
+from llmsys.engine.scheduler import Scheduler, SchedulerOutput, StepResult
 from llmsys.engine.sequence import Sequence
 from llmsys.engine.tokenizer import Tokenizer
 from llmsys.offload.kv_policy import make_policy_runtime
 from llmsys.offload.kv_swap import make_swap_space
 from llmsys.offload.kv_tier import make_kv_tier
+from llmsys.offload.runtime import OffloadRuntime
 from llmsys.quant.base import kernel_counts
 
 
@@ -86,32 +87,31 @@ def _apply_constraints(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tens
 
 
 class EngineCore:
-    def __init__(self, loaded: LoadedModel, tokenizer: Tokenizer, config: EngineConfig, kv_spec: KVCacheSpec, max_len: int):
+    def __init__(self, loaded: LoadedModel, tokenizer: Tokenizer, config: EngineConfig, kv_spec: KVCacheSpec, max_len: int,
+                 offload: OffloadRuntime | None = None):
         self.loaded = loaded
+        self.offload = offload  # llmsys.offload weight runtime (streamed / off-device layers), None: all resident
         self.tokenizer = tokenizer
         self.config = config
         self.max_len = max_len  # prompt + output tokens per request, at most
         self.kv = KVCache(kv_spec, loaded.device)
         # Cold KV tier (None unless --kv-offload-tokens): block ids past the pool, demoted to disk / RAM.
-        extra = config.extra or {}
         self.tier = make_kv_tier(self.kv, config.offload_tokens(kv_spec.bytes_per_token), config.offload_dir,
-                                 extra.get("kv_offload_tier"), bool(extra.get("kv_offload_drop_cache", False)))
+                                 config.kv_offload_tier, config.kv_offload_drop_cache)
         self.allocator = BlockAllocator(kv_spec.num_blocks, self.tier.num_cold if self.tier is not None else 0)
-        self.scheduler = Scheduler(
-            self.allocator, kv_spec.block_size, config.max_num_seqs, config.max_num_batched_tokens,
-            prefix_caching=config.prefix_caching,
-        )
-        self.runner = ModelRunner(loaded.model, self.kv, loaded.device, kv_spec.block_size)
         # KV eviction / page selection. config.kv_policy is the default; a request may choose its own
         # (SamplingParams.kv_policy). Sequences under `full` carry no policy state: no per-token work.
         self.kv_policy = make_policy_runtime(config.kv_policy, loaded.model, self.kv, self.allocator, kv_spec.block_size, max_len)
-        self.scheduler.kv_policy = self.runner.kv_policy = self.kv_policy
-        # Swap space for preempted sequences (None: recompute only).
-        self.swap = make_swap_space(self.kv, config.swap_space, config.offload_dir)
-        self.scheduler.swap = self.runner.swap = self.swap
-        self.scheduler.tier = self.runner.tier = self.tier
         if self.tier is not None and self.kv_policy.quest is not None:
             self.kv_policy.quest.tier = self.tier  # Quest reads only the cold pages it selects
+        # Swap space for preempted sequences (None: recompute only).
+        self.swap = make_swap_space(self.kv, config.swap_space, config.offload_dir)
+        self.scheduler = Scheduler(
+            self.allocator, kv_spec.block_size, config.max_num_seqs, config.max_num_batched_tokens,
+            prefix_caching=config.prefix_caching, kv_policy=self.kv_policy, swap=self.swap, tier=self.tier,
+        )
+        self.runner = ModelRunner(loaded.model, self.kv, loaded.device, kv_spec.block_size,
+                                  kv_policy=self.kv_policy, swap=self.swap, tier=self.tier)
         self.sampler = Sampler()
         eos = set(loaded.args.eos_token_id) | set(tokenizer.eos_token_ids)
         gen_eos = loaded.generation_config.get("eos_token_id")
@@ -124,8 +124,17 @@ class EngineCore:
 
     # -- requests ------------------------------------------------------------
     def add_request(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None, constraint: Any = None
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None, constraint: Any = None,
+        sample_index: int = 0,
     ) -> str:
+        """Queue one completion; ``sample_index`` (0..params.n-1) says which of the prompt's ``n``.
+
+        The front end adds all ``n`` (each gets its own id, KV and chunks); the
+        index only chooses the generator, derived from the seed by
+        :func:`make_generator`, the one place the derivation lives.
+        """
+        if not 0 <= sample_index < params.n:
+            raise InvalidParameterError(f"sample_index {sample_index} is outside 0..{params.n - 1} (n={params.n})")
         if not prompt_ids:
             raise InvalidParameterError("the prompt is empty; give at least one token")
         vocab = self.loaded.args.vocab_size
@@ -143,14 +152,13 @@ class EngineCore:
         limit = self.max_len
         if policy.evicts:
             limit = len(prompt_ids) + (params.max_tokens if params.max_tokens is not None else self.max_len)
-        seq = Sequence(rid, list(prompt_ids), params, limit)
-        seq.kv = self.kv_policy.new_state(policy)
-        seq.generator = make_generator(params.seed, self.loaded.device)
-        seq.state = _TextState(
-            IncrementalDetokenizer(self.tokenizer, seq.prompt_ids),
-            StopChecker(params.stop) if params.stop else None,
+        ids = list(prompt_ids)
+        state = _TextState(
+            IncrementalDetokenizer(self.tokenizer, ids), StopChecker(params.stop) if params.stop else None,
             constraint=constraint,
         )
+        seq = Sequence(rid, ids, params, limit, generator=make_generator(params.seed, self.loaded.device, sample_index),
+                       state=state, kv=self.kv_policy.new_state(policy))
         self.requests[rid] = seq
         self.scheduler.add(seq)
         return rid
@@ -168,6 +176,14 @@ class EngineCore:
         return self.scheduler.has_work() or bool(self._pending)
 
     # -- one step ------------------------------------------------------------
+    def forward(self, sched: SchedulerOutput) -> StepResult:
+        """Run one scheduled step (KV copies, the model, logits of the sampling rows) and record
+        what it computed in the scheduler. The one way a step runs: :meth:`step` and the
+        benchmarks call it; sampling and text are the caller's."""
+        result = self.runner.execute(sched)
+        self.scheduler.update_from_output(sched, result)  # before sampling: a request that stops now frees its blocks
+        return result
+
     def step(self) -> list[StreamChunk]:
         chunks, self._pending = self._pending, []
         sched = self.scheduler.schedule()
@@ -175,16 +191,16 @@ class EngineCore:
             return chunks
         now = time.perf_counter()
         for s in sched.scheduled:
-            if s.seq.state.start_time is None:
-                s.seq.state.start_time = now
-        logits, rows = self.runner.execute(sched)
-        self.scheduler.after_forward(sched)  # before sampling: a request that stops now frees its blocks
+            st = self.requests[s.request_id].state
+            if st.start_time is None:
+                st.start_time = now
+        result = self.forward(sched)
         if self.swap is not None and sched.num_tokens > len(sched.scheduled):
             # A step with prefill chunks: what recomputing a token costs here (swap vs recompute).
             self.swap.observe_prefill(time.perf_counter() - now, sched.num_tokens)
-        if not rows:
+        if not result.sample_ids:
             return chunks
-        seqs = [sched.scheduled[r].seq for r in rows]
+        seqs = [self.requests[rid] for rid in result.sample_ids]
         batch = SamplingBatch(
             params=[s.params for s in seqs],
             prompt_ids=[s.prompt_ids for s in seqs],
@@ -192,7 +208,8 @@ class EngineCore:
             generators=[s.generator for s in seqs],
             eos_token_ids=self.eos_token_ids,
         )
-        sampled = self.sampler.sample(_apply_constraints(logits, seqs), batch)
+        sampled = self.sampler.sample(_apply_constraints(result.logits, seqs), batch)
+        self.scheduler.append_tokens(seqs, sampled.token_ids)
         now = time.perf_counter()
         for seq, tok, lp in zip(seqs, sampled.token_ids, sampled.logprobs):
             if seq.state.constraint is not None:
@@ -206,7 +223,6 @@ class EngineCore:
         st: _TextState = seq.state
         if seq.first_token_time is None:
             seq.first_token_time = now
-        seq.output_ids.append(tok)
         p = seq.params
         reason = None
         if tok in self.eos_token_ids and not p.ignore_eos:
@@ -270,9 +286,9 @@ class EngineCore:
         spec = self.kv.spec
         per_block = spec.bytes_per_token * spec.block_size
         used = self.allocator.num_used
-        rt = getattr(self.loaded.model, "offload_runtime", None)  # llmsys.offload: weights per tier
+        rt = self.offload  # weights per tier
         weights = rt.weight_bytes(self.loaded.model) if rt is not None else {tier: self.loaded.weight_bytes}
-        on_file = getattr(self.loaded.model, "embed_file_bytes", 0)  # a tied embedding served from the checkpoint
+        on_file = self.loaded.model.embed_file_bytes  # a tied embedding served from the checkpoint
         if on_file:
             weights["disk"] = weights.get("disk", 0) + on_file
         sw = self.swap

@@ -60,7 +60,11 @@ class StreamChunk:
 
 @dataclass
 class RequestOutput:
-    """A finished request."""
+    """A finished request: one completion of one prompt.
+
+    ``index`` is which of the prompt's ``SamplingParams.n`` completions this is
+    (``LLM.generate`` returns the ``n`` of each prompt next to each other).
+    """
 
     request_id: str
     prompt: str | None
@@ -71,3 +75,4 @@ class RequestOutput:
     usage: Usage
     timings: Timings
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    index: int = 0  # which of the prompt's n completions

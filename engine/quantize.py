@@ -29,25 +29,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmsys.kernels.common.errors import InvalidParameterError
-from llmsys.quant import QuantSpec, parse_quant, quantize_linear
+from llmsys.quant import QuantSpec, quantize_linear
 from llmsys.quant.embedding import QuantEmbedding
 from llmsys.quant.int8_fp8 import fp8_gemm_supported
 
 EMBED = "model.embed_tokens"
-
-# Formats accepted by --quant, for error messages.
-QUANT_NAMES = ("none", "int8", "int4", "int4:g32", "int4:g64", "int4:g128", "nf4", "nf4:dq", "fp8")
-
-
-def parse_quant_flag(text: str | None) -> QuantSpec:
-    """``--quant`` -> QuantSpec; unknown names list the valid ones."""
-    try:
-        return parse_quant(text)
-    except InvalidParameterError:
-        raise InvalidParameterError(
-            f"unknown --quant {text!r}; valid: {', '.join(QUANT_NAMES)}"
-        ) from None
-
 
 def fallback_notice(spec: QuantSpec, device: torch.device) -> str | None:
     """One line when ``spec`` cannot use its fast kernel on ``device`` (it still runs)."""
@@ -95,41 +81,14 @@ class WeightQuantizer:
         return q
 
 
-def make_weight_quantizer(quant: str | None, device: torch.device, dtype: torch.dtype,
-                          keep_float: tuple[str, ...] = ()) -> WeightQuantizer | None:
-    """The loader hook for ``--quant`` (None for float models)."""
-    spec = parse_quant_flag(quant)
-    if spec.method == "none":
-        return None
-    return WeightQuantizer(spec, device, dtype, keep_float)
-
-
-KV_DTYPE_NAMES = ("auto", "int8", "int4")
-
-
-def parse_kv_dtype(text: str | None, head_dim: int | None = None) -> str:
-    """``--kv-dtype`` -> "auto" | "int8" | "int4"; unknown names list the valid ones."""
-    raw = "auto" if text is None else str(text).strip().lower()
-    if raw in ("", "none", "float", "model"):
-        raw = "auto"
-    if raw not in KV_DTYPE_NAMES:
-        raise InvalidParameterError(f"unknown --kv-dtype {text!r}; valid: {', '.join(KV_DTYPE_NAMES)}")
-    if raw == "int4" and head_dim is not None and head_dim % 2:
-        raise InvalidParameterError(f"--kv-dtype int4 needs an even head_dim (this model has {head_dim}); use int8")
-    return raw
-
-
 def loader_quantizer(config) -> WeightQuantizer | None:
     """The ``make_linear`` hook for an :class:`~llmsys.engine.config.EngineConfig`."""
     from llmsys.engine.loader.common import resolve_device, resolve_dtype
 
-    spec = parse_quant_flag(config.quant)
-    if spec.method == "none":
+    if config.quant.method == "none":
         return None
     dev = resolve_device(config.device)
-    extra = getattr(config, "extra", None) or {}
-    keep = tuple(extra.get("quant_keep_float", ()))
-    return WeightQuantizer(spec, dev, resolve_dtype(config.dtype, dev), keep)
+    return WeightQuantizer(config.quant, dev, resolve_dtype(config.dtype, dev), config.quant_keep_float)
 
 
 # ------------------------------------------------------------------ calibration (GPTQ)

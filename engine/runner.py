@@ -1,22 +1,31 @@
-"""Turns a scheduler decision into tensors, runs the model, returns logits.
+"""Turns a scheduler decision (plain data) into tensors, runs the model, returns logits.
 
-The runner is the only place where scheduler state (Python lists) becomes
-tensors: packed input ids and positions, KV slots, attention metadata. It
-returns the logits of the sequences that sample this step; sampling itself is
-the engine core's job.
+The runner is the only place where a step's lists become tensors: packed
+input ids and positions, KV slots, attention metadata. It changes no
+sequence: :meth:`ModelRunner.execute` is a function of the
+:class:`SchedulerOutput` (plus the KV pool it writes), and the scheduler's
+``update_from_output`` records what the step computed. Sampling is the
+engine core's job. :meth:`ModelRunner.forward` is the one forward of a step;
+every loop that runs the model over the pool (the engine, bench, stream
+perplexity) goes through it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from llmsys.engine.attention import AttentionMetadata, build_metadata
 from llmsys.engine.kv_cache import KVCache
 from llmsys.engine.models.base import DecoderModel
-from llmsys.engine.scheduler import SchedulerOutput
+from llmsys.engine.scheduler import SchedulerOutput, StepResult
+
+if TYPE_CHECKING:
+    from llmsys.offload.kv_policy import PolicyRuntime
+    from llmsys.offload.kv_swap import KVSwapSpace
+    from llmsys.offload.kv_tier import KVTier
 
 
 @dataclass
@@ -26,43 +35,46 @@ class StepBatch:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
-    sample_index: torch.Tensor  # [S] packed index of the last token of each sampling seq
-    sample_rows: list[int]  # which scheduled entries sample (in order)
+    logits_index: torch.Tensor | None  # [S] packed rows whose logits are returned; None: every row
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderModel, kv: KVCache, device: torch.device, block_size: int):
+    """``kv_policy`` installs the attention that records scores or selects pages; ``swap`` and
+    ``tier`` copy the step's KV blocks (None: no swap space / no cold tier)."""
+
+    def __init__(
+        self, model: DecoderModel, kv: KVCache, device: torch.device, block_size: int,
+        kv_policy: PolicyRuntime | None = None, swap: KVSwapSpace | None = None, tier: KVTier | None = None,
+    ):
         self.model = model
         self.kv = kv
         self.device = device
         self.block_size = block_size
-        self.kv_policy: Any = None  # llmsys.offload.kv_policy.PolicyRuntime (the engine sets it)
-        self.swap: Any = None  # llmsys.offload.kv_swap.KVSwapSpace, or None (no swap space)
-        self.tier: Any = None  # llmsys.offload.kv_tier.KVTier, or None (every block in the pool)
+        self.kv_policy = kv_policy
+        self.swap = swap
+        self.tier = tier
 
-    def prepare(self, sched: SchedulerOutput) -> StepBatch:
+    def prepare(self, sched: SchedulerOutput) -> tuple[StepBatch, list[str]]:
+        """The step's tensors, and the request ids of the rows that sample (in order)."""
         ids: list[int] = []
         pos: list[int] = []
         qlens: list[int] = []
         clens: list[int] = []
         tables: list[list[int]] = []
         sample_index: list[int] = []
-        sample_rows: list[int] = []
+        sample_ids: list[str] = []
         prompt: list[bool] = []  # the step feeds sequence b prompt tokens
-        for row, s in enumerate(sched.scheduled):
-            seq, n = s.seq, s.num_new_tokens
-            start = seq.num_computed
-            base = seq.kv_len  # == start unless a policy evicted (positions = cache indices)
-            toks = seq.tokens
-            ids.extend(toks[start : start + n])
+        for s in sched.scheduled:
+            n, base = s.num_new_tokens, s.position  # positions = cache indices
+            ids.extend(s.token_ids)
             pos.extend(range(base, base + n))
             qlens.append(n)
             clens.append(base + n)
-            prompt.append(start < len(seq.prompt_ids))
-            tables.append(seq.block_table)
+            prompt.append(s.is_prompt)
+            tables.append(s.block_table)
             if s.samples:
                 sample_index.append(len(ids) - 1)
-                sample_rows.append(row)
+                sample_ids.append(s.request_id)
         cold = None
         if self.tier is not None:
             first = self.tier.first
@@ -74,38 +86,40 @@ class ModelRunner:
         if cold is not None:
             # Quest decode reads only the pages it selects (synchronously, per layer): no prefetch.
             self.tier.begin_step(prefetch=not (meta.is_decode and getattr(meta.policy_attn, "selects_pages", False)))
-        return StepBatch(
+        batch = StepBatch(
             input_ids=torch.as_tensor(ids, dtype=torch.int64, device=self.device),
             positions=torch.as_tensor(pos, dtype=torch.int64, device=self.device),
             meta=meta,
-            sample_index=torch.as_tensor(sample_index, dtype=torch.int64, device=self.device),
-            sample_rows=sample_rows,
+            logits_index=torch.as_tensor(sample_index, dtype=torch.int64, device=self.device),
         )
+        return batch, sample_ids
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
-        """Run one step; returns logits ``[S, V]`` (float32) and the sampling rows."""
-        # Outs first: a block freed by a swap-out or a demotion may be the target of a swap-in this step.
-        if sched.swap_out:
-            self.swap.copy_out(sched.swap_out)
-        if sched.demote:
-            self.tier.demote(sched.demote)
-            quest = getattr(self.kv_policy, "quest", None)
-            if quest is not None:
-                quest.move_pages(sched.demote)
-        if sched.swap_in:
-            self.swap.copy_in(sched.swap_in)
-        batch = self.prepare(sched)
+    def forward(self, batch: StepBatch) -> torch.Tensor:
+        """The model over the pool: logits ``[S, V]`` (float32) of ``batch.logits_index``'s rows."""
         try:
             hidden = self.model(batch.input_ids, batch.positions, self.kv, batch.meta)  # [T, hidden]
         finally:
             if batch.meta.cold is not None:
                 self.tier.end_step()
-        if self.kv_policy is not None:
-            self.kv_policy.after_forward(sched.scheduled, batch.meta)
-        for s in sched.scheduled:  # before any return: a step of mid-prefill chunks must advance too
-            s.seq.num_computed += s.num_new_tokens
-        if not batch.sample_rows:
-            return hidden.new_empty((0, self.model.args.vocab_size), dtype=torch.float32), []
-        logits = self.model.compute_logits(hidden.index_select(0, batch.sample_index)).float()
-        return logits, batch.sample_rows
+        if batch.logits_index is not None:
+            if not batch.logits_index.numel():
+                return hidden.new_empty((0, self.model.args.vocab_size), dtype=torch.float32)
+            hidden = hidden.index_select(0, batch.logits_index)  # [S, hidden]
+        return self.model.compute_logits(hidden).float()
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> StepResult:
+        """Copy the step's KV blocks, then run it; no sequence changes here."""
+        # Outs first: a block freed by a swap-out or a demotion may be the target of a swap-in this step.
+        if sched.swap_out:
+            self.swap.copy_out(sched.swap_out)
+        if sched.demote:
+            self.tier.demote(sched.demote)
+            quest = self.kv_policy.quest if self.kv_policy is not None else None
+            if quest is not None:
+                quest.move_pages(sched.demote)
+        if sched.swap_in:
+            self.swap.copy_in(sched.swap_in)
+        batch, sample_ids = self.prepare(sched)
+        return StepResult(self.forward(batch), sample_ids, batch.meta)

@@ -77,6 +77,12 @@ class SamplingParams:
     e.g. ``"sink:4,window:252"``, parsed here; ``None`` = the engine's). It is
     not a sampling knob but rides along because every front end builds one of
     these per request; the engine checks it fits (``PolicyRuntime.resolve``).
+
+    ``n``: completions per prompt. Each is its own engine request (its own KV
+    and generator); ``EngineCore.add_request(..., sample_index=i)`` adds
+    completion ``i``, whose generator is ``make_generator(seed, index=i)``, so
+    seeded completions differ from each other yet repeat run to run, and
+    completion 0 equals the ``n=1`` request.
     """
 
     max_tokens: int | None = 16

@@ -23,28 +23,53 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from llmsys.engine.kv_cache import BlockAllocator, blocks_needed
 from llmsys.engine.prefix_cache import forget_blocks, match_prefix, register_full_blocks
-from llmsys.engine.sequence import Sequence, SeqStatus
+from llmsys.engine.sequence import SeqChunk, Sequence, SeqStatus
+
+if TYPE_CHECKING:
+    import torch
+
+    from llmsys.engine.attention import AttentionMetadata
+    from llmsys.offload.eviction.policy import KVPolicy
+    from llmsys.offload.kv_policy import PolicyRuntime
+    from llmsys.offload.kv_swap import KVSwapSpace
+    from llmsys.offload.kv_tier import KVTier
 
 
-@dataclass
+@dataclass(frozen=True)
 class ScheduledSeq:
-    seq: Sequence
-    num_new_tokens: int  # tokens fed this step, starting at seq.num_computed
+    """One sequence's share of a step, as plain data (ids and counts, no live objects).
+
+    The step feeds ``token_ids`` (the sequence's tokens from stream index
+    ``start``) at cache positions ``position..``; ``block_table`` covers
+    ``position + len(token_ids)`` tokens. Nothing here changes when the step
+    runs: :meth:`Scheduler.update_from_output` applies its effects.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    start: int  # stream index of the first fed token (the sequence's num_computed)
+    position: int  # cache index of the first fed token (== start unless a policy evicted)
+    block_table: list[int]
+    is_prompt: bool  # the fed tokens start inside the prompt (the CPU plan gives them prefill attention)
+    samples: bool  # the step reaches the end of the known tokens: the runner returns logits for its last
+    kv_policy: KVPolicy | None = None  # the sequence's evicting policy (its attention may record scores)
 
     @property
-    def samples(self) -> bool:
-        """Does this step reach the end of the known tokens (so we sample)?"""
-        return self.seq.num_computed + self.num_new_tokens == self.seq.num_tokens
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
 
 
 @dataclass
 class SchedulerOutput:
+    """A step as data: what to run and which KV blocks to copy first (in this order: swap-outs,
+    demotions, swap-ins; a block freed by the first two may be a swap-in's target)."""
+
     scheduled: list[ScheduledSeq] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)  # request ids sent back to waiting this step
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (pool block, swap block), copied first
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (swap block, pool block)
     demote: list[tuple[int, int]] = field(default_factory=list)  # (pool block, cold block), copied in order
@@ -58,36 +83,68 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+@dataclass(frozen=True)
+class StepResult:
+    """What the runner computed for a :class:`SchedulerOutput`."""
+
+    logits: torch.Tensor  # [S, V] float32: the last fed token of each sampling sequence
+    sample_ids: list[str]  # request ids of those S rows, in order
+    meta: AttentionMetadata | None = None  # the step's attention metadata (a KV policy reads the scores its attention recorded)
+
+
+def _scheduled(seq: Sequence, n: int) -> ScheduledSeq:
+    start = seq.num_computed
+    return ScheduledSeq(
+        request_id=seq.request_id,
+        token_ids=seq.tokens[start : start + n],
+        start=start,
+        position=seq.kv_len,
+        block_table=list(seq.block_table),
+        is_prompt=start < len(seq.prompt_ids),
+        samples=start + n == seq.num_tokens,
+        kv_policy=seq.kv.policy if seq.kv is not None else None,
+    )
+
+
 class Scheduler:
+    """Owns every sequence's state: what runs each step (:meth:`schedule`, data out) and what a
+    step changed (:meth:`update_from_output`, :meth:`append_tokens`, :meth:`finish`).
+
+    ``kv_policy`` caps a policy sequence's (``seq.kv`` set) chunk and evicts
+    before its block table grows; ``swap`` holds preempted sequences' KV (None:
+    recompute only); ``tier`` is the cold KV tier whose blocks are the
+    allocator's cold ids (None: every block is in the pool).
+    """
+
     def __init__(
         self, allocator: BlockAllocator, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-        prefix_caching: bool = False,
+        prefix_caching: bool = False, kv_policy: PolicyRuntime | None = None, swap: KVSwapSpace | None = None,
+        tier: KVTier | None = None,
     ):
         self.allocator = allocator
         self.prefix_caching = prefix_caching  # reuse registered prompt-prefix blocks (llmsys.engine.prefix_cache)
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_tokens = max_num_batched_tokens
+        self.kv_policy = kv_policy
+        self.swap = swap
+        self.tier = tier
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        # KV policy runtime (llmsys.offload.kv_policy.PolicyRuntime): it caps a policy sequence's
-        # (seq.kv set) chunk and evicts before the block table grows.
-        self.kv_policy: Any = None
-        # Swap space for preempted sequences (llmsys.offload.kv_swap.KVSwapSpace) or None: recompute only.
-        self.swap: Any = None
-        # Cold KV tier (llmsys.offload.kv_tier.KVTier) or None: the allocator's cold ids are its blocks.
-        self.tier: Any = None
+        self.requests: dict[str, Sequence] = {}  # every unfinished sequence by request id
         self._swapped_in: set[int] = set()  # id() of sequences whose blocks are copied in this step
 
     # -- queue management -------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
         self.waiting.append(seq)
+        self.requests[seq.request_id] = seq
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Mark finished and return its blocks to the pool at once."""
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
+        self.requests.pop(seq.request_id, None)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -170,10 +227,12 @@ class Scheduler:
         seq.num_preemptions += 1
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
-        out.preempted.append(seq)
+        out.preempted.append(seq.request_id)
 
     def schedule(self) -> SchedulerOutput:
+        """Decide the next step; the sequences' block tables and queues change here, tokens do not."""
         out = SchedulerOutput()
+        chosen: list[tuple[Sequence, int]] = []  # turned into data at the end: a later demotion edits tables
         budget = self.max_tokens
         if self.swap is not None:
             self.swap.end_step()  # last step's swap-ins are copied: their swap blocks are free again
@@ -196,7 +255,7 @@ class Scheduler:
                     break
             if seq.status is not SeqStatus.RUNNING:
                 continue
-            out.scheduled.append(ScheduledSeq(seq, n))
+            chosen.append((seq, n))
             budget -= n
         # 2. Waiting sequences, in arrival order, while budget and blocks last.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -223,15 +282,29 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            out.scheduled.append(ScheduledSeq(seq, n))
+            chosen.append((seq, n))
             budget -= n
+        out.scheduled = [_scheduled(seq, n) for seq, n in chosen]
         return out
 
-    def after_forward(self, out: SchedulerOutput) -> None:
-        """The step's KV is written: make its newly full blocks findable by later prompts."""
+    def update_from_output(self, out: SchedulerOutput, result: StepResult) -> list[Sequence]:
+        """The step ran: its tokens are computed (policy bookkeeping, ``num_computed``), and its
+        newly full blocks are findable by later prompts. Returns the sequences that sample, in
+        ``result.sample_ids`` order (their tokens come back through :meth:`append_tokens`)."""
+        chunks = [SeqChunk(self.requests[s.request_id], s.num_new_tokens) for s in out.scheduled]
+        if self.kv_policy is not None:
+            self.kv_policy.after_forward(chunks, result.meta)  # reads num_computed before the advance
+        for c in chunks:  # every chunk advances, a mid-prefill one too
+            c.seq.num_computed += c.num_new_tokens
         if self.prefix_caching:
-            for s in out.scheduled:
-                register_full_blocks(s.seq, self.allocator, self.block_size)
+            for c in chunks:
+                register_full_blocks(c.seq, self.allocator, self.block_size)
+        return [self.requests[rid] for rid in result.sample_ids]
+
+    def append_tokens(self, seqs: list[Sequence], token_ids: list[int]) -> None:
+        """Sampled tokens join their sequences (the core decides afterwards whether each one finished)."""
+        for seq, tok in zip(seqs, token_ids):
+            seq.output_ids.append(tok)
 
     def num_blocks_used(self) -> int:
         return self.allocator.num_used

@@ -140,22 +140,6 @@ class _StepLayout:
         )
 
 
-def _forward_chunk(core: EngineCore, ids: torch.Tensor, pos: torch.Tensor, table: list[int], ctx: int, layout, policy, sched):
-    """One sequence, ``len(ids)`` new tokens whose context ends at ``ctx`` -> logits ``[n, V]``."""
-    dev = core.loaded.device
-    n = ids.numel()
-    if layout is not None:
-        meta = layout.meta(table, n, ctx)
-    else:
-        meta = build_metadata([n], [ctx], [table], core.kv.spec.block_size, dev)
-    if policy is not None:
-        policy.annotate(meta, sched)
-    hidden = core.loaded.model(ids.to(dev), pos.to(dev), core.kv, meta)
-    if policy is not None:
-        policy.after_forward(sched, meta)
-    return core.loaded.model.compute_logits(hidden).float()
-
-
 def _nll(logits: torch.Tensor, targets: list[int]) -> torch.Tensor:
     lp = torch.log_softmax(logits[: len(targets)], dim=-1)
     tgt = torch.tensor(targets, device=lp.device)
@@ -194,14 +178,13 @@ def perplexity_stream(
     bs = core.kv.spec.block_size
     per_block = core.kv.spec.bytes_per_token * bs
     model = core.loaded.model
+    from llmsys.engine.runner import StepBatch
     from llmsys.engine.sampling import SamplingParams
     from llmsys.engine.scheduler import ScheduledSeq
-    from llmsys.engine.sequence import Sequence
+    from llmsys.engine.sequence import SeqChunk, Sequence
 
     step = core.config.max_num_batched_tokens
     first = min(step if pol.kind == "full" else pol.budget, len(ids) - 1)
-    seq = Sequence("stream", ids[:first], SamplingParams(max_tokens=None), 1 << 62)
-    seq.output_ids = ids[first:]
     rt = None
     if pol.kind == "full":
         need = blocks_needed(len(ids), bs)
@@ -213,10 +196,12 @@ def perplexity_stream(
         ensure_rope_positions(model, len(ids) + 1)
     else:
         rt = PolicyRuntime(pol, model, core.kv, core.allocator, bs, chunk=chunk or 1)
-        seq.kv = rt.new_state(pol)
+    seq = Sequence("stream", ids[:first], SamplingParams(max_tokens=None), 1 << 62, output_ids=ids[first:],
+                   kv=rt.new_state(pol) if rt is not None else None)
     ids_t = torch.tensor(ids, dtype=torch.int64)
     pos_t = torch.arange(len(ids) + 1, dtype=torch.int64)  # positions: stream indices (full) or cache indices
-    layout = _StepLayout(bs, len(ids)) if core.loaded.device.type != "cuda" else None
+    dev = core.loaded.device
+    layout = _StepLayout(bs, len(ids)) if dev.type != "cuda" else None
     nll: list[torch.Tensor] = []
     kv_bytes: list[int] = []
     steady: list[float] = []
@@ -234,8 +219,15 @@ def perplexity_stream(
             if grow > 0:
                 seq.block_table.extend(core.allocator.allocate(grow))
             s = seq.num_computed
-            sched = [ScheduledSeq(seq, n)]
-            logits = _forward_chunk(core, ids_t[s : s + n], pos_t[base : base + n], seq.block_table, base + n, layout, rt, sched)
+            # One sequence's step through the engine's one forward: every fed token's logits.
+            meta = (layout.meta(seq.block_table, n, base + n) if layout is not None
+                    else build_metadata([n], [base + n], [seq.block_table], bs, dev))
+            if rt is not None:
+                rt.annotate(meta, [ScheduledSeq("stream", ids[s : s + n], s, base, list(seq.block_table),
+                                                s < first, False, pol)])
+            logits = core.runner.forward(StepBatch(ids_t[s : s + n].to(dev), pos_t[base : base + n].to(dev), meta, None))
+            if rt is not None:
+                rt.after_forward([SeqChunk(seq, n)], meta)
             seq.num_computed += n
             if n == 1:  # -log p(next): the same log-softmax row, one float
                 nll.append(-float(torch.log_softmax(logits[0], dim=-1)[ids[s + 1]]))

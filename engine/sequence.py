@@ -11,9 +11,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmsys.engine.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+    from llmsys.offload.kv_policy import SeqKVState
 
 
 class SeqStatus(enum.Enum):
@@ -38,9 +43,9 @@ class Sequence:
     finish_time: float | None = None
     finish_reason: str | None = None
     num_preemptions: int = 0
-    generator: Any = None  # torch.Generator | None, seeded once per request
-    state: Any = None  # front-end state (detokenizer, stop checker), owned by the engine core
-    kv: Any = None  # KV policy bookkeeping (llmsys.offload.kv_policy.SeqKVState); None under `full`
+    generator: torch.Generator | None = None  # seeded once per request; None: torch's default RNG
+    state: Any = None  # the engine core's text state (detokenizer, stop checker); the core's own type
+    kv: SeqKVState | None = None  # KV policy bookkeeping; None under `full`
     swapped_blocks: list[int] = field(default_factory=list)  # swap-space blocks holding its KV while preempted
     # Prefix caching (llmsys.engine.prefix_cache): keys of its full blocks, how many of its
     # blocks are registered under them, and prompt tokens served from the cache at admission.
@@ -68,3 +73,12 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
+
+
+@dataclass(frozen=True)
+class SeqChunk:
+    """A live sequence and how many tokens a step fed it (from its ``num_computed``): what
+    the scheduler hands the KV policy's bookkeeping once the step ran."""
+
+    seq: Sequence
+    num_new_tokens: int

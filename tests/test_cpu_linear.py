@@ -89,7 +89,7 @@ def test_engine_prepacks_resident_linears_with_identical_tokens(tmp_path, dtype,
                          num_key_value_heads=4)
     kw = dict(dtype=dtype, device="cpu", kv_cache_tokens=512, progress=False)
     packed = LLM(str(path), **kw)
-    plain = LLM(str(path), extra={"prepack": False}, **kw)
+    plain = LLM(str(path), prepack=False, **kw)
     model = packed.loaded.model
     mods = [m for m in model.modules() if hasattr(m, "weight") and type(m).__name__ == "Linear"]
     is_packed = {m: m.weight.is_mkldnn for m in mods}

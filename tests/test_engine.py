@@ -130,6 +130,27 @@ def test_seeded_sampling_is_reproducible(stories_llm):
     assert a == b and a != c
 
 
+def test_n_completions_per_prompt(stories_llm):
+    """SamplingParams(n=3): three completions per prompt, seeded ones distinct yet reproducible,
+    completion 0 equal to the n=1 request; unseeded prompts batch beside them."""
+    sp = SamplingParams(temperature=1.0, max_tokens=24, seed=7, n=3)
+    outs = stories_llm.generate(["Once upon a time", "The dog"], [sp, SamplingParams(temperature=0, max_tokens=8)])
+    assert len(outs) == 4 and [o.index for o in outs] == [0, 1, 2, 0]
+    assert [o.prompt for o in outs] == ["Once upon a time"] * 3 + ["The dog"]
+    three = [o.text for o in outs[:3]]
+    assert len(set(three)) > 1  # a generator per completion
+    again = [o.text for o in stories_llm.generate("Once upon a time", sp)]
+    assert again == three  # derived seeds: reproducible
+    one = stories_llm.generate("Once upon a time", SamplingParams(temperature=1.0, max_tokens=24, seed=7))[0].text
+    assert one == three[0]
+    assert all(o.usage.prompt_tokens == len(o.prompt_token_ids) for o in outs)
+    with pytest.raises(InvalidParameterError, match="n=2"):
+        next(stories_llm.stream("Once", SamplingParams(n=2)))
+    with pytest.raises(InvalidParameterError, match="sample_index"):
+        stories_llm.core.add_request([1, 2], SamplingParams(n=2), sample_index=2)
+    assert not stories_llm.core.has_unfinished()
+
+
 def test_stop_strings_and_stop_tokens(stories_llm):
     out = stories_llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=64, stop=["Lily"]))[0]
     assert out.finish_reason == "stop" and out.text == ", there was a little girl named "

@@ -125,9 +125,9 @@ def _logits_recorder(llm):
     run = llm.core.runner.execute
 
     def execute(sched):
-        logits, rows = run(sched)
-        rec.append(logits.clone())
-        return logits, rows
+        res = run(sched)
+        rec.append(res.logits.clone())
+        return res
 
     llm.core.runner.execute = execute
     return rec
@@ -309,8 +309,7 @@ def _running(sched, n_tokens, arrival, table):
 
 def test_scheduler_demotes_oldest_positions_first_never_open_or_shared_blocks():
     alloc = BlockAllocator(9, num_cold=16)  # 8 hot blocks
-    sched = Scheduler(alloc, 4, 8, 64)
-    sched.tier = object()  # any tier: the scheduler only lists the moves
+    sched = Scheduler(alloc, 4, 8, 64, tier=object())  # any tier: the scheduler only lists the moves
     a = _running(sched, 12, 1.0, alloc.allocate(4))  # 3 full blocks + the open one
     b = _running(sched, 11, 2.0, alloc.allocate(3))  # 2 full blocks + the open one
     c = _running(sched, 3, 3.0, alloc.allocate(1))
@@ -319,7 +318,7 @@ def test_scheduler_demotes_oldest_positions_first_never_open_or_shared_blocks():
     alloc.lookup([b"p"])  # a block shared with another sequence stays hot
     assert alloc.num_free == 0
     out = sched.schedule()  # every decode fits its open block
-    assert [s.seq for s in out.scheduled] == [a, b, c] and not out.demote
+    assert [s.request_id for s in out.scheduled] == [a.request_id, b.request_id, c.request_id] and not out.demote
     c.output_ids.append(0)
     c.num_computed = 4  # c's next token opens a block: one hot block must go cold first
     out = sched.schedule()

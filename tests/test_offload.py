@@ -196,7 +196,7 @@ def test_greedy_tokens_identical_per_placement(kind, tiny_untied, tiny_tied):
         if "embed" in force and path is tiny_tied:
             continue  # tied: the embedding is the head's tensor
         ref, ref_lps = _ref_full(path)
-        llm, got = _run(path, cpu_mem="64MiB", extra={"placement": force})
+        llm, got = _run(path, cpu_mem="64MiB", placement=force)
         assert got == ref, f"{kind} on {path.name}"
         # Stronger than equal tokens: bit-identical logprobs, i.e. the streamed and
         # resident layers (and a chunked head) compute the same float32 bits.
@@ -215,7 +215,7 @@ def test_dtype_conversion_streams_from_an_offload_file(tiny_untied, tmp_path):
     ref = _ref(tiny_untied, "bfloat16")
     off = tmp_path / "off"
     llm, got = _run(tiny_untied, dtype="bfloat16", cpu_mem="64MiB", offload_dir=str(off),
-                    extra={"placement": {"cpu": 2, "disk": 4, "head": "disk"}})
+                    placement={"cpu": 2, "disk": 4, "head": "disk"})
     assert got == ref
     files = list(off.iterdir())
     assert len(files) == 1 and files[0].stat().st_size >= llm.plan.disk_bytes_per_step
@@ -262,7 +262,7 @@ def test_fused_projections_match_streamed_layers(tmp_path, dtype):
     layer = ref_llm.loaded.model.model.layers[0]
     assert layer.self_attn.qkv_proj is not None and layer.self_attn.q_proj is None
     assert layer.mlp.gate_up_proj is not None and layer.mlp.gate_proj is None
-    llm, got = _run(path, dtype, cpu_mem="64MiB", extra={"placement": {"disk": 6}})
+    llm, got = _run(path, dtype, cpu_mem="64MiB", placement={"disk": 6})
     assert llm.plan.layer_kinds().count("disk") == 6
     assert got == ref and llm.last_logprobs == ref_llm.last_logprobs
 
@@ -275,8 +275,8 @@ def test_page_cache_kept_maps_streamed_layers_in_place(tmp_path, dtype):
 
     path = make_hf_model("qwen2", tmp_path / "m", **SMALL)
     ref_llm, ref = _run(path, dtype)
-    llm, got = _run(path, dtype, cpu_mem="64MiB", extra={"placement": {"cpu": 1, "disk": 5, "head": "disk"},
-                                                         "keep_page_cache": True})
+    llm, got = _run(path, dtype, cpu_mem="64MiB", placement={"cpu": 1, "disk": 5, "head": "disk"},
+                    keep_page_cache=True)
     assert isinstance(llm.offload.ring, MappedUnits) and llm.offload.staging_bytes() == {"cpu": 0}
     assert got == ref and llm.last_logprobs == ref_llm.last_logprobs
 

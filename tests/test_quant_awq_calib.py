@@ -103,7 +103,7 @@ def test_input_scale_is_part_of_the_layer():
 
 def _llm(path, **kw) -> LLM:
     kw.setdefault("dtype", "float32")
-    return LLM(str(path), kv_cache_tokens=2048, max_num_seqs=4, progress=False, extra={"prepack": False}, **kw)
+    return LLM(str(path), kv_cache_tokens=2048, max_num_seqs=4, progress=False, prepack=False, **kw)
 
 
 def _seqs() -> list[list[int]]:
@@ -167,7 +167,7 @@ def test_awq_quantize_then_run_matches_in_process(gqa_model, tmp_path):
                  "--threads", "2"]) == 0
     cfg = json.loads((out / "config.json").read_text())["quantization_config"]
     assert cfg["method"] == "awq" and cfg["format"] == "int4:g64" and cfg["calibration"] == "calib.txt"
-    llm = LLM(str(gqa_model), dtype="float32", kv_cache_tokens=8192, progress=False, extra={"prepack": False})
+    llm = LLM(str(gqa_model), dtype="float32", kv_cache_tokens=8192, progress=False, prepack=False)
     awq_calibrate(llm.loaded.model, file_calibration(llm, str(calib), 8, 64), parse_quant("int4"))
     a = _llm(out).generate("hello world", GREEDY)[0].token_ids
     b = llm.generate("hello world", GREEDY)[0].token_ids
@@ -208,7 +208,7 @@ def test_awq_beats_rtn_on_stories260k(stories_hf):
     text = need_shared(CORPUS / "tinystories-valid.txt").read_text(encoding="utf-8")[:20000]
     torch.set_num_threads(1)  # many small ops (conftest resets)
     llms = {q: LLM(str(stories_hf), dtype="float32", kv_cache_tokens=8192, progress=False, quant=q,
-                   extra={"prepack": False}) for q in ("int4", "none")}
+                   prepack=False) for q in ("int4", "none")}
     ids = llms["none"].tokenizer.encode(text, add_special_tokens=False)[:3000]
     bos = llms["none"].tokenizer.bos_token_id
     rtn, base = (perplexity_windows(llms[q].core, ids, 256, bos).perplexity for q in ("int4", "none"))

@@ -276,7 +276,7 @@ def test_fused_quantized_projections_give_the_separate_layers_bits(tmp_path, qua
     prompts = [list(range(5, 45)), [7, 8, 9]]
     runs = []
     for prepack in (True, False):
-        llm = LLM(str(path), dtype=dtype, quant=quant, progress=False, kv_cache_tokens=256, extra={"prepack": prepack})
+        llm = LLM(str(path), dtype=dtype, quant=quant, progress=False, kv_cache_tokens=256, prepack=prepack)
         layer = llm.loaded.model.model.layers[0]
         assert (layer.self_attn.qkv_proj is not None) == prepack and (layer.mlp.gate_up_proj is not None) == prepack
         outs = llm.generate(prompts, sp)

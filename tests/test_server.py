@@ -149,6 +149,29 @@ def test_chat_sync_stream_async_equal_generate(env):
     assert texts == [ref.text] * 6 and text == ref.text
 
 
+def test_chat_n_equals_generate_n(env):
+    """n on /v1/chat/completions: the choices are LLM.generate's n completions (same derived seeds), usage
+    counts the prompt once and sums the completions; streamed, each delta names its choice."""
+    from llmsys import SamplingParams
+
+    ref_llm = env["ref"]
+    msgs = [{"role": "user", "content": "A cat and a dog"}]
+    sp = SamplingParams(max_tokens=12, temperature=1.0, seed=11, n=3)
+    refs = ref_llm.generate([ref_llm.tokenizer.encode_chat(msgs)], sp)
+    c = _client(env["a"])
+    r = c.chat.completions.create(model="x", messages=msgs, max_tokens=12, temperature=1.0, seed=11, n=3)
+    assert [ch.index for ch in r.choices] == [0, 1, 2]
+    assert [ch.message.content for ch in r.choices] == [o.text for o in refs]
+    assert r.usage.prompt_tokens == len(refs[0].prompt_token_ids)
+    assert r.usage.completion_tokens == sum(len(o.token_ids) for o in refs)
+    texts = ["", "", ""]
+    for ch in c.chat.completions.create(model="x", messages=msgs, max_tokens=12, temperature=1.0, seed=11, n=3,
+                                        stream=True):
+        for choice in ch.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts == [o.text for o in refs]
+
+
 def test_concurrent_requests_are_batched(env):
     """Many clients at once: the engine runs them in the same steps."""
     from llmsys import SamplingParams
@@ -189,6 +212,17 @@ def test_n_seed_stop_penalties(env):
     assert two.usage.prompt_tokens == one.usage.prompt_tokens
     plain = c.completions.create(model="x", prompt=PROMPT, max_tokens=24, temperature=1.0, seed=7, n=3)
     assert plain.choices[0].text == one.choices[0].text  # sample 0 of n == the n=1 request
+    texts = ["", "", ""]  # streaming n=3: every chunk names its choice; the texts equal the non-streamed ones
+    for ch in c.completions.create(model="x", prompt=PROMPT, max_tokens=24, temperature=1.0, seed=7, n=3,
+                                   stream=True, stream_options={"include_usage": True}):
+        for choice in ch.choices:
+            texts[choice.index] += choice.text
+        if ch.usage is not None:
+            assert ch.usage.prompt_tokens == one.usage.prompt_tokens  # the prompt counted once
+            assert ch.usage.completion_tokens == plain.usage.completion_tokens  # summed over the choices
+    assert texts == [ch.text for ch in plain.choices]
+    fixed = c.completions.create(model="x", prompt=PROMPT, max_tokens=5, n=3, extra_body={"ignore_eos": True})
+    assert fixed.usage.completion_tokens == 15 and fixed.usage.prompt_tokens == one.usage.prompt_tokens
     greedy = c.completions.create(model="x", prompt=PROMPT, max_tokens=40, temperature=0).choices[0].text
     cut = c.completions.create(model="x", prompt=PROMPT, max_tokens=40, temperature=0, stop=["Lily", "zzz"])
     assert cut.choices[0].finish_reason == "stop"

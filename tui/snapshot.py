@@ -222,7 +222,7 @@ def snapshot_from_engine(llm: Any, budgets: dict[str, int | None], perf: PerfSta
         tokens_in_context=perf.tokens_in_context,
         context_budget=int(llm.max_model_len),
         evicted_tokens=evicted,
-        kv_policy=str(getattr(llm.config, "kv_policy", "full")),
+        kv_policy=llm.config.kv_policy.text,
         tok_s=perf.tok_s,
         tok_s_history=perf.tok_s_history,
         ttft_s=perf.ttft_s,

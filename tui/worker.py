@@ -81,7 +81,7 @@ def model_info(llm: Any) -> ModelInfo:
     return ModelInfo(
         name=name,
         dtype=str(loaded.dtype).replace("torch.", ""),
-        quant=str(getattr(llm.config, "quant", "none")),
+        quant=llm.config.quant.name,
         device=str(loaded.device),
         n_layers=int(loaded.args.num_hidden_layers),
         max_len=int(llm.max_model_len),

@@ -103,20 +103,13 @@ class StepDriver:
         out = sched.schedule()
         if out.empty:
             raise RuntimeError("bench: the scheduler had nothing to run (KV pool too small?)")
-        before = [(s.seq, s.seq.num_computed, s.num_new_tokens) for s in out.scheduled]
-        logits, rows = self.core.runner.execute(out)
+        res = self.core.forward(out)
         _sync(self.device)
         dt = time.perf_counter() - t0
-        # Older runners advance num_computed only on sampling steps; make sure
-        # non-sampling prefill chunks advance too.
-        for seq, start, n in before:
-            if seq.num_computed == start:
-                seq.num_computed = start + n
-        if rows:
-            toks = logits.argmax(dim=-1).tolist()  # untimed: sampling is not the model's cost
-            for r, t in zip(rows, toks):
-                out.scheduled[r].seq.output_ids.append(int(t))
-        return dt, len(rows)
+        if res.sample_ids:
+            toks = res.logits.argmax(dim=-1).tolist()  # untimed: sampling is not the model's cost
+            sched.append_tokens([sched.requests[rid] for rid in res.sample_ids], toks)
+        return dt, len(res.sample_ids)
 
     def _run_until_sampled(self, seqs: list[Sequence]) -> float:
         """Steps until every sequence has sampled once; returns the time."""
@@ -130,16 +123,14 @@ class StepDriver:
     def run(self, test: TestSpec, batch: int, gen: torch.Generator) -> RunTimes:
         """One repetition of ``test`` for ``batch`` sequences."""
         sched = self.core.scheduler
-        policy = getattr(self.core, "kv_policy", None)  # KV eviction runtime; None under `full`
+        policy = self.core.kv_policy  # KV eviction runtime (every core has one)
         # As EngineCore.add_request: evicting policies slide past the context limit.
-        evicts = policy is not None and policy.policy.evicts
+        evicts = policy.policy.evicts
         max_len = self.core.max_len + (test.context if evicts else 0)
         seqs = []
         for _ in range(batch):
             self._n += 1
-            seq = Sequence(f"bench-{self._n}", [], self._params, max_len)
-            seq.kv = policy.new_state() if policy is not None else None
-            seqs.append(seq)
+            seqs.append(Sequence(f"bench-{self._n}", [], self._params, max_len, kv=policy.new_state()))
         times = RunTimes()
         try:
             if test.depth:  # untimed context; its last step samples the token tg continues from

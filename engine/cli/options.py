@@ -17,7 +17,6 @@ from typing import Annotated, Any, Callable, Optional
 import typer
 
 from llmsys.engine.config import EngineConfig
-from llmsys.kernels.common.units import parse_size
 from llmsys.engine.sampling import SamplingParams
 
 P = inspect.Parameter
@@ -73,11 +72,8 @@ SAMPLING_PARAMS = [
 
 
 def build_engine_config(model: str, values: dict[str, Any]) -> EngineConfig:
-    kw = dict(values)
-    kw["gpu_mem"] = parse_size(kw.get("gpu_mem"))
-    kw["cpu_mem"] = parse_size(kw.get("cpu_mem"))
-    kw["swap_space"] = parse_size(kw.get("swap_space"))
-    return EngineConfig(model=model, **kw)
+    """The engine flags as one config (EngineConfig parses sizes, --quant, --kv-dtype and --kv-policy)."""
+    return EngineConfig(model=model, **values)
 
 
 def build_sampling(values: dict[str, Any]) -> SamplingParams:

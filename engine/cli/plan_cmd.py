@@ -83,7 +83,7 @@ def plan_command(
         tokens = kv_tokens_within(budget, per_tok, tokens, min(max_len, 512))
     work = Workload(batch=batch, prompt_len=prompt_len, output_len=output_len, kv_tokens=tokens,
                     max_batched_tokens=config.max_num_batched_tokens, kv_cold_tokens=config.offload_tokens(per_tok))
-    plan, _ = plan_for(meta, dt, budgets, work, config.quant, max_seqs=batch)
+    plan, _ = plan_for(meta, dt, budgets, work, config.quant.method, max_seqs=batch)
     if as_json:
         print(json.dumps(plan_to_dict(plan), indent=1))
         return 0

@@ -46,12 +46,10 @@ def quantize_command(
     engine_flags: dict[str, Any],
 ) -> int:
     from llmsys.engine.loader.quantized import save_quantized
-    from llmsys.engine.quantize import parse_quant_flag
-
     method = method.strip().lower()
     if method not in METHODS:
         raise InvalidParameterError(f"unknown --method {method!r}; valid: {', '.join(METHODS)}")
-    spec = parse_quant_flag(engine_flags.get("quant"))
+    spec = build_engine_config(model, engine_flags).quant  # the flags parsed (and checked) once
     if spec.method == "none":
         raise InvalidParameterError("llmsys quantize needs --quant (int8, int4, int4:g32, int4:g128, nf4, nf4:dq, fp8)")
     if calib_samples < 1 or calib_len < 8:
@@ -109,5 +107,5 @@ def _load(model: str, flags: dict[str, Any], quant: str):
         f["dtype"] = "float32"  # keep float tensors at checkpoint precision; quantizers read that anyway
     if f.get("kv_cache_tokens") is None:
         f["kv_cache_tokens"] = 8192
-    f["extra"] = {"prepack": False}  # calibration reads and rewrites Linear weights
+    f["prepack"] = False  # calibration reads and rewrites Linear weights
     return LLM(build_engine_config(model, f))

@@ -232,35 +232,65 @@ def embed_file(args: TransformerArgs, path: Path, info: Any) -> tuple[Any, torch
     return TensorSource(str(path), info.offset, info.nbytes), info.dtype
 
 
+@dataclass
+class Checkpoint:
+    """A Hugging Face checkpoint opened, nothing read yet: the model's skeleton on the meta
+    device and where each tensor lies. Placement is planned on this (``llmsys.offload``)
+    before :func:`materialize_checkpoint` reads a weight."""
+
+    path: Path
+    model: DecoderModel  # meta tensors
+    family: str
+    config: dict[str, Any]
+    index: Any  # llmsys.engine.loader.safetensors_io.CheckpointIndex
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def prequantized(self) -> bool:
+        """Stored quantized (llmsys / AWQ / GPTQ): rebuilt as stored, always resident."""
+        return self.config.get("quantization_config") is not None
+
+    def locate(self, name: str) -> tuple[Path, Any] | None:
+        """``name``'s file and TensorInfo, or None when the checkpoint lacks it."""
+        return (self.index.where[name].path, self.index.info(name)) if name in self.index else None
+
+
 def load_model(
     path: str | Path,
     dtype: str = "auto",
     device: str = "auto",
     make_linear: MakeLinear | None = None,
     progress: bool = True,
-    offload: Callable[[DecoderModel, Callable[[str], Any]], Any] | None = None,
 ) -> LoadedModel:
-    """Load a Hugging Face directory or a llama2.c ``.bin`` checkpoint.
+    """Load a Hugging Face directory or a llama2.c ``.bin`` checkpoint, every weight resident.
 
-    ``offload(meta_model, locate)`` is called before any weight is read
-    (``locate(name) -> (file path, TensorInfo) | None``) and returns the
-    runtime handed to :func:`materialize` (llama2c files are always resident).
+    The engine builder (``llmsys.engine.builder``) takes the two steps itself
+    (:func:`open_checkpoint`, then :func:`materialize_checkpoint` with an
+    offload runtime planned in between).
     """
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise ModelNotFoundError(f"no such file or directory: {p}")
+    p = _existing(path)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     from llmsys.engine.loader import llama2c
 
     if llama2c.is_llama2c(p):
         return llama2c.load(p, dt, dev, make_linear, progress)
-    return _load_hf(p, dt, dev, make_linear, progress, offload)
+    return materialize_checkpoint(open_checkpoint(p, dt, dev), make_linear, progress)
 
 
-def _load_hf(p: Path, dt, dev, make_linear, progress, offload=None) -> LoadedModel:
+def _existing(path: str | Path) -> Path:
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ModelNotFoundError(f"no such file or directory: {p}")
+    return p
+
+
+def open_checkpoint(path: str | Path, dt: torch.dtype, dev: torch.device) -> Checkpoint:
+    """Read a Hugging Face directory's config and tensor index; build the meta model."""
     from llmsys.engine.loader.safetensors_io import CheckpointIndex
 
+    p = _existing(path)
     if p.is_file():
         raise CheckpointError(f"{p}: expected a model directory (with config.json) or a llama2.c .bin checkpoint")
     cfg_path = p / "config.json"
@@ -270,22 +300,27 @@ def _load_hf(p: Path, dt, dev, make_linear, progress, offload=None) -> LoadedMod
     family = family_for(cfg, str(cfg_path))
     args = family.ModelArgs.from_hf_config(cfg)
     index = CheckpointIndex.open_dir(p)
+    emb = None
+    if cfg.get("quantization_config") is None and EMBED in index:
+        emb = embed_file(args, index.where[EMBED].path, index.info(EMBED))
     with torch.device("meta"), skip_init():
-        model = family.Model(args)
-    if cfg.get("quantization_config") is not None:  # llmsys / AWQ / GPTQ: rebuild quantized layers as stored
+        model = family.Model(args, embed_file=emb)
+    return Checkpoint(p, model, family.__name__.rsplit(".", 1)[1], cfg, index, dt, dev)
+
+
+def materialize_checkpoint(ck: Checkpoint, make_linear: MakeLinear | None = None, progress: bool = True,
+                           offload: Any = None) -> LoadedModel:
+    """Read the weights into ``ck.model``; ``offload`` (an OffloadRuntime planned on the meta
+    model) leaves streamed tensors on disk (see :func:`materialize`)."""
+    p, model, dt, dev = ck.path, ck.model, ck.dtype, ck.device
+    if ck.prequantized:  # llmsys / AWQ / GPTQ: rebuild quantized layers as stored
         from llmsys.engine.loader.quantized import load_quantized_into
 
-        load_quantized_into(model, cfg, index, dt, dev, p, make_linear)
-        model.rope_cache = rope_cache(args, dev)
+        load_quantized_into(model, ck.config, ck.index, dt, dev, p, make_linear)
+        model.rope_cache = rope_cache(model.args, dev)
         model.tie_weights()
-        model.eval()
-        gen = read_json(p / "generation_config.json") if (p / "generation_config.json").exists() else {}
-        return LoadedModel(model, args, family.__name__.rsplit(".", 1)[1], p, p, dt, dev, cfg, gen)
-    model.embed_file = embed_file(model.args, index.where[EMBED].path, index.info(EMBED)) if EMBED in index else None
-    runtime = None
-    if offload is not None:
-        runtime = offload(model, lambda n: (index.where[n].path, index.info(n)) if n in index else None)
-    materialize(model, index.read, index.__contains__, dt, dev, p, make_linear, progress, runtime)
+    else:
+        materialize(model, ck.index.read, ck.index.__contains__, dt, dev, p, make_linear, progress, offload)
     model.eval()
     gen = read_json(p / "generation_config.json") if (p / "generation_config.json").exists() else {}
-    return LoadedModel(model, args, family.__name__.rsplit(".", 1)[1], p, p, dt, dev, cfg, gen)
+    return LoadedModel(model, model.args, ck.family, p, p, dt, dev, ck.config, gen)

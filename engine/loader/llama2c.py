@@ -148,10 +148,10 @@ def load(p: Path, dtype: torch.dtype, device: torch.device, make_linear, progres
         "eos_token_id": 2,
     }
     args = llama.ModelArgs.from_hf_config(cfg)
-    with torch.device("meta"):
-        model = llama.Model(args)
     tok_off, tok_shape = offsets["tok"]
-    model.embed_file = embed_file(args, ckpt, TensorInfo("tok", torch.float32, tok_shape, tok_off, 4 * vocab * dim))
+    emb = embed_file(args, ckpt, TensorInfo("tok", torch.float32, tok_shape, tok_off, 4 * vocab * dim))
+    with torch.device("meta"):
+        model = llama.Model(args, embed_file=emb)
     try:
         materialize(model, read, lambda n: not (n == "lm_head.weight" and shared), dtype, device, ckpt, make_linear, progress)
     finally:

@@ -190,7 +190,7 @@ class DecoderModel(nn.Module):
     ...) so checkpoints load by name with no renaming table.
     """
 
-    def __init__(self, args: TransformerArgs):
+    def __init__(self, args: TransformerArgs, embed_file: tuple[Any, torch.dtype] | None = None):
         super().__init__()
         self.args = args
         self.model = nn.Module()
@@ -211,10 +211,10 @@ class DecoderModel(nn.Module):
         # Set by the engine (engine/models/fast_decode.py): the same decode step in fewer
         # torch ops, used for the steps it accepts (pure decode, CPU, float32 pool).
         self.fast_decode: Any = None
-        # Set by the loader for a tied model whose checkpoint stores the embedding table
+        # From the loader, for a tied model whose checkpoint stores the embedding table
         # plainly: (source with .path .offset .nbytes, stored dtype). prepack_linears then
         # serves embedding rows from the file so the tied head can be packed.
-        self.embed_file: tuple[Any, torch.dtype] | None = None
+        self.embed_file = embed_file
         self.embed_file_bytes = 0  # bytes of the embedding table served from the file (memory_report: "disk")
 
     def tie_weights(self) -> None:

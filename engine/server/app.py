@@ -228,6 +228,7 @@ def create_app(state: ServerState) -> FastAPI:
                 ignore_eos=req.ignore_eos,
                 logprobs=logprobs,
                 min_tokens=req.min_tokens,
+                n=req.n,
                 kv_policy=policy,
             )
         except LLMSysError as e:
@@ -241,7 +242,7 @@ def create_app(state: ServerState) -> FastAPI:
 
             await run_in_threadpool(state.json_vocab)  # first use builds the token trie
         resp_id = new_id("chatcmpl" if chat else "cmpl")
-        job = Job(state, resp_id, prompts, params, req.n, json_mode)
+        job = Job(state, resp_id, prompts, params, json_mode)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(

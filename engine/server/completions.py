@@ -1,8 +1,10 @@
 """From a validated request to OpenAI-shaped JSON or SSE.
 
-A :class:`Job` is one HTTP request: ``len(prompts) * n`` engine requests
-submitted together (so they batch), one asyncio queue their chunks arrive on,
-and ``abort_rest`` to cancel whatever has not finished (client gone, error).
+A :class:`Job` is one HTTP request: ``len(prompts) * params.n`` engine
+requests submitted together (so they batch), one asyncio queue their chunks
+arrive on, and ``abort_rest`` to cancel whatever has not finished (client
+gone, error). Choice ``k`` is prompt ``k // n``, completion ``k % n``; the
+engine derives completion ``i``'s generator from the seed (``sample_index``).
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import json
 import math
 import time
 import uuid
-from dataclasses import replace
 from typing import Any, AsyncIterator, Callable
 
 from llmsys.engine.outputs import StreamChunk, Timings
@@ -21,17 +22,9 @@ from llmsys.engine.server.protocol import APIError
 from llmsys.engine.server.state import ServerState
 from llmsys.engine.server.worker import QueueFullError, Submission
 
-_SEED_STRIDE = 0x9E3779B97F4A7C15  # the same stride make_generator uses for sample ``index``
-
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
-
-
-def seed_for_sample(seed: int, index: int) -> int:
-    """The seed whose generator equals ``make_generator(seed, index=index)``:
-    the ``n`` samples of one seeded request differ, and sample 0 equals n=1."""
-    return (seed + index * _SEED_STRIDE) % (1 << 64) if index else seed
 
 
 class Job:
@@ -41,14 +34,13 @@ class Job:
         resp_id: str,
         prompts: list[list[int]],
         params: SamplingParams,
-        n: int,
         json_mode: bool,
     ):
         from llmsys.engine.server.json_mode import JsonConstraint
 
         self.state = state
         self.prompts = prompts
-        self.n = n
+        self.n = n = params.n
         self.out: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         vocab = state.json_vocab() if json_mode else None
@@ -58,14 +50,14 @@ class Job:
         self.subs: list[Submission] = []
         for ids in prompts:
             for j in range(n):
-                sp = params if params.seed is None or j == 0 else replace(params, seed=seed_for_sample(params.seed, j))
-                constraint = None
+                constraint = None  # per completion: a constraint follows one token stream
                 if vocab is not None:
                     room = max_len if self.evicts else max_len - len(ids)
-                    budget = min(room, sp.max_tokens) if sp.max_tokens is not None else room
+                    budget = min(room, params.max_tokens) if params.max_tokens is not None else room
                     constraint = JsonConstraint(vocab, budget)
                 k = len(self.subs)
-                self.subs.append(Submission(f"{resp_id}-{k}", k, ids, sp, loop, self.out, constraint))
+                self.subs.append(Submission(f"{resp_id}-{k}", k, ids, params, loop, self.out, constraint,
+                                             sample_index=j))
         try:
             state.worker.submit(self.subs)
         except QueueFullError as e:

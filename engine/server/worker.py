@@ -53,6 +53,7 @@ class Submission:
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue
     constraint: Any = None
+    sample_index: int = 0  # which of the prompt's params.n completions (chooses the generator)
     arrival: float = field(default_factory=time.perf_counter)
     last_token: float | None = None
     finished: bool = False
@@ -155,7 +156,8 @@ class EngineWorker(threading.Thread):
         while self._waiting and len(self._active) < self.max_concurrency:
             sub = self._waiting.popleft()
             try:
-                self.core.add_request(sub.prompt_ids, sub.params, sub.request_id, constraint=sub.constraint)
+                self.core.add_request(sub.prompt_ids, sub.params, sub.request_id, constraint=sub.constraint,
+                                      sample_index=sub.sample_index)
             except Exception as e:  # LLMSysError (validated earlier, so rare) or a bug
                 self._finish(sub)
                 self._send(sub, e)

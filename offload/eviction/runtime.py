@@ -16,7 +16,7 @@ costs no per-token work:
 * ``annotate(meta, scheduled)`` from the runner: installs the attention
   override that records scores (H2O, SnapKV: only those sequences' rows; the
   others attend as they would alone) or selects pages (Quest);
-* ``after_forward(scheduled, meta)`` from the runner: appends the new tokens
+* ``after_forward(chunks, meta)`` from the scheduler once the step ran: appends the new tokens
   to each sequence's bookkeeping, folds in the scores, and compresses a
   SnapKV prompt at the end of its prefill.
 
@@ -258,7 +258,7 @@ class PolicyRuntime:
             return
         frm: list[int | None] = []
         for s in scheduled:
-            pol = s.seq.kv.policy if s.seq.kv is not None else None
+            pol = s.kv_policy  # the scheduled row's evicting policy, or None
             if pol is None or not pol.needs_scores:
                 frm.append(None)
             else:

@@ -1,0 +1,166 @@
+"""Building an engine from an :class:`EngineConfig`, in named steps.
+
+Each step takes what the previous ones produced and returns a value; none
+calls back into a caller or sets fields on objects built earlier:
+
+1. :func:`resolve`: the model path, device and dtype, each resolved once.
+2. ``open_checkpoint`` (loader): the model's skeleton on the meta device.
+3. :func:`place`: the offload plan for that skeleton and the runtime that
+   carries it out (``None`` when everything is resident), plus the KV pool
+   size an explicit memory budget allows.
+4. ``materialize_checkpoint`` (loader): the weights, placed as planned.
+5. :func:`prepare`: the model passes, in order: offload hooks, then on the
+   CPU prepacking linears (with the tied embedding served from the file) and
+   the fast decode step, or ``never_pack`` for tools that rewrite weights.
+6. :func:`size_kv_pool`: the KV pool spec and the per-request context limit.
+7. ``EngineCore``, given all of the above.
+
+llama2.c files skip steps 2-4 (they load in one go and are always resident).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import psutil
+import torch
+
+from llmsys.engine.config import EngineConfig, check_kv_dtype
+from llmsys.kernels.common.errors import InvalidParameterError
+from llmsys.engine.kv_cache import KVCacheSpec, blocks_needed
+from llmsys.engine.loader.common import Checkpoint, LoadedModel, resolve_device, resolve_dtype
+
+if TYPE_CHECKING:
+    from llmsys.offload.plan import Plan
+    from llmsys.offload.runtime import OffloadRuntime
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """The config with its ``auto`` choices made: the one device and dtype every later step uses."""
+
+    config: EngineConfig
+    path: Path
+    device: torch.device
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the weights go (``plan``, data the TUI and bench show) and who moves them."""
+
+    plan: Plan | None  # None: not planned (llama2.c, stored-quantized checkpoints)
+    runtime: OffloadRuntime | None  # None: every weight resident on the device
+    kv_cache_tokens: int | None  # the pool size an explicit budget allows (None: the config's / free memory)
+
+
+def resolve(config: EngineConfig) -> Resolved:
+    dev = resolve_device(config.device)
+    return Resolved(config, _resolve_path(config.model), dev, resolve_dtype(config.dtype, dev))
+
+
+def _resolve_path(model: str) -> Path:
+    p = Path(model).expanduser()
+    if p.exists():
+        return p
+    from llmsys.engine.catalog import resolve_model
+
+    return resolve_model(model)
+
+
+def context_limit(args: Any, config: EngineConfig) -> int:
+    """Prompt + output tokens per request: the trained context, or ``max_model_len``."""
+    return min(config.max_model_len or args.max_position_embeddings, getattr(args, "max_context", 1 << 30))
+
+
+def pool_tokens(max_len: int, max_num_seqs: int, bytes_per_token: int, free: int) -> int:
+    """KV pool tokens sized from memory: ``max_num_seqs`` full contexts, capped at a quarter of
+    ``free`` bytes, never under one token. The one formula the plan's estimate (before loading,
+    ``free`` = the budget) and the pool (after loading, ``free`` = what is free then) share."""
+    return min(max_len * max_num_seqs, max(free // 4 // bytes_per_token, 1))
+
+
+def place(r: Resolved, ck: Checkpoint) -> Placement:
+    """Plan placement on the meta model (budgets -> plan) before any weight is read."""
+    from llmsys.offload.budgets import resolve_budgets
+    from llmsys.offload.plan import Workload
+    from llmsys.offload.prepare import kv_bytes_per_token_layer, kv_tokens_within, make_runtime, plan_for, runtime_needed
+
+    c = r.config
+    a = ck.model.args
+    budgets = resolve_budgets(c.gpu_mem, c.cpu_mem, c.offload_dir, r.device)
+    per_tok = kv_bytes_per_token_layer(a, r.dtype) * a.num_hidden_layers
+    max_len = context_limit(a, c)
+    tokens, fitted = c.kv_cache_tokens, None
+    if tokens is None and (budgets.cpu_explicit or budgets.gpu_explicit):
+        budget = budgets.gpu if budgets.gpu_explicit else budgets.cpu
+        tokens = fitted = kv_tokens_within(budget, per_tok, max_len * c.max_num_seqs, min(max_len, 512))
+    if tokens is None:
+        tokens = pool_tokens(max_len, c.max_num_seqs, per_tok, budgets.gpu if budgets.gpu is not None else budgets.cpu)
+    work = Workload(batch=c.plan_batch, kv_tokens=tokens + c.block_size,
+                    max_batched_tokens=c.max_num_batched_tokens, kv_cold_tokens=c.offload_tokens(per_tok))
+    plan, _ = plan_for(ck.model, r.dtype, budgets, work, c.quant.method, max_seqs=c.max_num_seqs, force=c.placement)
+    runtime = None
+    if runtime_needed(plan, r.device):
+        runtime = make_runtime(ck.model, ck.locate, r.dtype, r.device, plan, c.quant.method,
+                               drop_cache=not c.keep_page_cache)
+    return Placement(plan, runtime, fitted)
+
+
+def prepare(loaded: LoadedModel, config: EngineConfig, runtime: OffloadRuntime | None) -> None:
+    """The model passes after loading (in place, in this order; each keeps the model's bits)."""
+    model = loaded.model
+    if runtime is not None:
+        runtime.install(model)  # streamed layers: weights bound per step
+    if loaded.device.type != "cpu":
+        return
+    if config.prepack:
+        # Resident CPU weights in oneDNN's blocked layout: faster GEMV, same bits as
+        # streamed layers (kernels.cpu_linear). Streamed layers hold no real weight
+        # here (the offload runtime binds one per step), so they are skipped.
+        model.prepack_linears()
+        if runtime is None:
+            # Decode steps in fewer torch ops, same bits (engine/models/fast_decode.py).
+            from llmsys.engine.models.fast_decode import FastDecode
+
+            model.fast_decode = FastDecode.build(model)
+    else:
+        # Tools that read or rewrite .weight (`llmsys quantize`): nothing is packed,
+        # and no layer packs on the fly either.
+        model.never_pack()
+
+
+def size_kv_pool(loaded: LoadedModel, config: EngineConfig) -> tuple[KVCacheSpec, int]:
+    """Choose the KV pool size and the per-request context limit.
+
+    The context limit is the model's trained context (or ``max_model_len``).
+    The pool holds ``kv_cache_tokens`` tokens when given; otherwise
+    :func:`pool_tokens` of the memory free now. A cold tier
+    (``kv_offload_tokens``) adds to what one request may hold: the context
+    limit is then at most hot plus cold tokens.
+    """
+    a = loaded.args
+    max_len = context_limit(a, config)
+    if max_len < 2:
+        raise InvalidParameterError(f"max_model_len must be >= 2, got {max_len}")
+    kv_dtype = config.kv_dtype
+    check_kv_dtype(kv_dtype, a.head_dim)
+    probe = KVCacheSpec(a.num_hidden_layers, 1, config.block_size, a.num_key_value_heads, a.head_dim, loaded.dtype,
+                        kv_dtype)
+    per_tok = probe.bytes_per_token
+    cold = config.offload_tokens(per_tok)
+    if config.kv_cache_tokens is not None:
+        tokens = config.kv_cache_tokens
+    else:
+        if loaded.device.type == "cuda":
+            free = torch.cuda.mem_get_info(loaded.device)[0]
+        else:
+            free = psutil.virtual_memory().available
+        tokens = pool_tokens(max_len, config.max_num_seqs, per_tok, free)
+    max_len = min(max_len, tokens + cold)
+    bs = config.block_size
+    num_blocks = blocks_needed(tokens, bs) + 1  # + the reserved scratch block
+    spec = KVCacheSpec(a.num_hidden_layers, num_blocks, bs, a.num_key_value_heads, a.head_dim, loaded.dtype, kv_dtype)
+    return spec, max_len
