@@ -111,10 +111,8 @@ class LLM:
                 # here (the offload runtime binds one per step), so they are skipped.
                 self.loaded.model.prepack_linears()
                 if self.offload is None:
-                    # Decode steps in fewer torch ops, same bits (engine/models/fast_decode.py).
-                    from llmsys.engine.models.fast_decode import FastDecode
-
-                    self.loaded.model.fast_decode = FastDecode.build(self.loaded.model)
+                    # Decode steps of small float32 layers in fewer ops, same bits (DecoderModel.fold_rope).
+                    self.loaded.model.fold_rope()
             else:
                 # Tools that read or rewrite .weight (`llmsys quantize`): nothing is packed,
                 # and no layer packs on the fly either.

@@ -148,9 +148,11 @@ def _calib_batch(model: nn.Module, seqs: list[list[int]]):
     """All calibration sequences as one packed prefill: ``(h [T, hidden], run_layer)``.
 
     ``run_layer(layer, h)`` runs one decoder layer on the whole batch (its own
-    paged KV scratch pool, causal per sequence) and returns the next hidden states.
+    paged KV scratch pool, one K/V pair shared by every layer, causal per
+    sequence) and returns the next hidden states.
     """
-    from llmsys.engine.attention import build_metadata
+    from llmsys.engine.attention import make_backend
+    from llmsys.engine.kv_cache import KVCacheSpec, PlainKVPool
 
     a = model.args
     dev = next(model.parameters()).device
@@ -159,14 +161,15 @@ def _calib_batch(model: nn.Module, seqs: list[list[int]]):
     lens = [len(s) for s in seqs]
     tables = _calib_layout(lens, bs)
     nblocks = sum(len(t) for t in tables) + 1
-    kc = torch.zeros((nblocks, bs, a.num_key_value_heads, a.head_dim), dtype=dtype, device=dev)
-    vc = torch.zeros_like(kc)
-    meta = build_metadata(lens, lens, tables, bs, dev)
+    spec = KVCacheSpec(a.num_hidden_layers, nblocks, bs, a.num_key_value_heads, a.head_dim, dtype)
+    attn = make_backend(PlainKVPool(spec, dev, one_scratch=True), dev, bs)
+    meta = attn.metadata(lens, lens, tables)
     ids = torch.tensor([t for s in seqs for t in s], device=dev)
     pos = torch.cat([torch.arange(n) for n in lens]).to(dev)
 
     def run_layer(layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
-        return layer(h, pos, model.rope_cache, kc, vc, meta)
+        y, res = layer(h, None, pos, model.rope_cache, attn, meta)
+        return res + y  # the layer's hidden state
 
     return model.model.embed_tokens(ids), run_layer  # [T, hidden]
 
