@@ -9,13 +9,18 @@ the engine core's job.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from llmsys.engine.attention import AttentionBackend, AttentionMetadata
 from llmsys.engine.models.base import DecoderModel
 from llmsys.engine.scheduler import SchedulerOutput
+
+if TYPE_CHECKING:
+    from llmsys.offload.kv_policy import PolicyRuntime
+    from llmsys.offload.kv_swap import KVSwapSpace
+    from llmsys.offload.kv_tier import KVTier
 
 
 @dataclass
@@ -31,7 +36,7 @@ class StepBatch:
 
 class ModelRunner:
     def __init__(self, model: DecoderModel, attn: AttentionBackend, device: torch.device, block_size: int,
-                 kv_policy: Any = None, swap: Any = None, tier: Any = None):
+                 kv_policy: PolicyRuntime | None = None, swap: KVSwapSpace | None = None, tier: KVTier | None = None):
         self.model = model
         self.attn = attn  # the engine's attention backend (make_backend), owner of the KV pool
         self.kv = attn.pool

@@ -137,6 +137,7 @@ class Attention(nn.Module):
         # [(2 (Hq + Hk) + Hk) D, hidden] rows q | k | q swapped | k swapped | v, set by DecoderModel.fold_rope
         # for plain float32 projections: decode steps get RoPE's rotate-half out of the GEMM.
         self.rope_qkv: torch.Tensor | None = None
+        self.o_decode: torch.Tensor | None = None  # o_proj's plain float32 weight for those steps (F.linear direct)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q ``[T, Hq, D]``, k and v ``[T, Hk, D]`` (views into one fused output when fused), q/k normed."""
@@ -177,8 +178,10 @@ class Attention(nn.Module):
         else:
             q, k, v = self.project(x)
             q = attn.rope_store(self.index, q, k, v, positions, rope_cache, meta)  # k, v into the pool
-        o = attn.attend(self.index, q, meta, self.scale)  # [T, Hq, D]
-        return self.o_proj(o.reshape(T, hq * d))
+        o = attn.attend(self.index, q, meta, self.scale).reshape(T, hq * d)  # [T, Hq * D]
+        if rows is not None and self.o_decode is not None:
+            return F.linear(o, self.o_decode)  # what kernels.linear runs for this weight, without its dispatch
+        return self.o_proj(o)
 
 
 class MLP(nn.Module):
@@ -192,6 +195,7 @@ class MLP(nn.Module):
         # [2 I, hidden] plain float32 gate|up weights for decode steps, set by DecoderModel.fold_rope where
         # fuse_projections leaves small weights apart (each output row equals the separate GEMMs' at decode).
         self.gate_up_decode: torch.Tensor | None = None
+        self.down_decode: torch.Tensor | None = None  # down_proj's plain float32 weight for decode steps
 
     def act(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, I]
         """``silu(gate(x)) * up(x)``, the input of ``down_proj``."""
@@ -204,12 +208,16 @@ class MLP(nn.Module):
         return F.silu(gu[..., :inter].contiguous()) * gu[..., inter:]
 
     def forward(self, x, decode: bool = False):
-        if decode and self.gate_up_decode is not None:
+        if not decode:
+            return self.down_proj(self.act(x))
+        if self.gate_up_decode is not None:
             gu = F.linear(x, self.gate_up_decode)  # [T, 2 I]
             inter = gu.shape[-1] // 2
             # contiguous: as in act, the gate must sit in memory as the unfused GEMM's output did.
-            return self.down_proj(F.silu(gu[:, :inter].contiguous()) * gu[:, inter:])
-        return self.down_proj(self.act(x))
+            y = F.silu(gu[:, :inter].contiguous()) * gu[:, inter:]
+        else:
+            y = self.act(x)
+        return F.linear(y, self.down_decode) if self.down_decode is not None else self.down_proj(y)
 
 
 class DecoderLayer(nn.Module):
@@ -327,14 +335,14 @@ class DecoderModel(nn.Module):
         return rows[:, :1], rows[:, 1:]
 
     def fold_rope(self) -> int:
-        """Fold RoPE's rotate-half into plain float32 q|k|v weights (and gate|up into one GEMM); returns layers folded.
+        """Fold RoPE's rotate-half into plain float32 q|k|v weights (and gate|up into one GEMM); returns folds made.
 
         Why: a float32 decode step of a small model (stories260k) costs as much in op
         dispatch as in arithmetic. With the q and k rows stored once more with the two
         halves of every head swapped, one GEMM yields q, k, their swapped halves and v,
         and RoPE is three elementwise ops (:meth:`Attention.forward`). Only decode
         steps use the folded weights (:meth:`decode_rope_rows`): each output row of a
-        GEMM over more rows equals the separate GEMMs' there (tests/test_fast_decode.py).
+        GEMM over more rows equals the separate GEMMs' there (tests/test_fused_decode.py).
         For resident plain CPU float32 projections without biases or per-head norms
         that ``kernels.linear`` sends to ``F.linear`` (too small to pack); an inference
         engine's pass (``llm.py``), after :meth:`prepack_linears`.
@@ -347,9 +355,12 @@ class DecoderModel(nn.Module):
                 at.rope_qkv = torch.cat([q, k, _swap_halves(q, at.n_heads, at.head_dim),
                                          _swap_halves(k, at.n_kv, at.head_dim), v])
                 n += 1
+            at.o_decode = _plain_gemm(at.o_proj)
             g, u = _plain_gemm(mlp.gate_proj), _plain_gemm(mlp.up_proj)
             if g is not None and u is not None:
                 mlp.gate_up_decode = torch.cat([g, u])
+            mlp.down_decode = _plain_gemm(mlp.down_proj)
+            n += at.o_decode is not None or mlp.down_decode is not None
         if n:
             self._rope2 = (torch.empty(0), torch.empty(0))  # built from rope_cache at the first decode step
         return n
@@ -397,7 +408,7 @@ class DecoderModel(nn.Module):
         fused, a bfloat16 SmolLM2-135M token takes ~1.6 ms less. Exact: each output
         of the fused GEMM equals the separate GEMM's bit for bit (oneDNN and MKL
         reduce every output over K the same way whatever N is;
-        tests/test_fast_decode.py), so resident fused layers and streamed unfused
+        tests/test_fused_decode.py), so resident fused layers and streamed unfused
         ones agree. The separate modules are dropped (set to None), so memory does
         not grow. Only for resident CPU ``Linear`` weights that would be prepacked
         (inference engines, see :meth:`prepack_linears`); the rest stay as they are.

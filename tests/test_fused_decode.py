@@ -72,7 +72,7 @@ def _step_both(llm, lens: list[int], seed: int = 0):
         ("qwen3", {}, "bfloat16", False),
     ],
 )
-def test_fast_decode_is_bit_identical(tmp_path, kind, overrides, dtype, fused):
+def test_fused_decode_is_bit_identical(tmp_path, kind, overrides, dtype, fused):
     from llmsys import LLM
 
     path = make_hf_model(kind, tmp_path / kind, **overrides)
@@ -84,7 +84,7 @@ def test_fast_decode_is_bit_identical(tmp_path, kind, overrides, dtype, fused):
         assert all(torch.equal(a, b) for a, b in zip(k0 + v0, k1 + v1))  # the same K/V written
 
 
-def test_fast_decode_only_where_it_applies(tmp_path):
+def test_fused_decode_only_where_it_applies(tmp_path):
     from llmsys import LLM
     from llmsys.engine.attention import CpuInt8Backend
 
@@ -114,16 +114,19 @@ def test_fast_decode_only_where_it_applies(tmp_path):
 @contextmanager
 def _unfolded(model):
     """The model without its decode folds (DecoderModel.fold_rope), restored after."""
-    saved = [(layer.self_attn.rope_qkv, layer.mlp.gate_up_decode) for layer in model.model.layers]
+    fields = (("self_attn", "rope_qkv"), ("self_attn", "o_decode"), ("mlp", "gate_up_decode"), ("mlp", "down_decode"))
+    saved = [[getattr(getattr(layer, m), f) for m, f in fields] for layer in model.model.layers]
     r2, model._rope2 = model._rope2, None
     for layer in model.model.layers:
-        layer.self_attn.rope_qkv = layer.mlp.gate_up_decode = None
+        for m, f in fields:
+            setattr(getattr(layer, m), f, None)
     try:
         yield
     finally:
         model._rope2 = r2
-        for layer, (qkv, gu) in zip(model.model.layers, saved):
-            layer.self_attn.rope_qkv, layer.mlp.gate_up_decode = qkv, gu
+        for layer, vals in zip(model.model.layers, saved):
+            for (m, f), val in zip(fields, vals):
+                setattr(getattr(layer, m), f, val)
 
 
 def test_stories260k_tokens_and_logprobs_unchanged():
