@@ -333,6 +333,8 @@ class CudaInt8Backend(CudaBackend):
 class BackendDecorator:
     """A backend wrapping another: everything it does not change is the inner backend's."""
 
+    selects_pages = False
+
     def __init__(self, inner: AttentionBackend):
         self.inner = inner
         self.pool = inner.pool
@@ -364,8 +366,6 @@ class ScoringBackend(BackendDecorator):
     attention unchanged; otherwise its metadata carries a :class:`StepScores` that
     :meth:`attend` fills and ``PolicyRuntime.after_forward`` reads.
     """
-
-    selects_pages = False
 
     def metadata(self, query_lens, context_lens, block_tables, cold=None, prompt=None, score_from=None):
         meta = self.inner.metadata(query_lens, context_lens, block_tables, cold, prompt, score_from)
