@@ -74,7 +74,7 @@ def rotation_costs(core, budget: int, chunk: int, reps: int = 200) -> dict[str, 
 def quest_vs_full(model_dir: Path, ids: list[int], prompt_len: int, decode: int, frac: float, threads: int):
     """KL(full || quest) of teacher-forced decode logits after a long prompt, and the KV fraction read."""
     from llmsys import LLM
-    from llmsys.engine.attention import build_metadata
+    from llmsys.engine.attention import QuestBackend
     from llmsys.engine.kv_cache import blocks_needed
     from llmsys.offload.kv_policy import QuestAttention
 
@@ -88,15 +88,15 @@ def quest_vs_full(model_dir: Path, ids: list[int], prompt_len: int, decode: int,
     runs = {}
     for name in ("full", "quest"):
         quest = QuestAttention(k_pages, bs) if name == "quest" else None
+        attn = QuestBackend(core.attn, quest) if quest is not None else core.attn
         table = core.allocator.allocate(blocks_needed(total, bs))
         logits = []
         pos = 0
         try:
             while pos < total - 1:
                 n = min(512, prompt_len - pos) if pos < prompt_len else 1
-                meta = build_metadata([n], [pos + n], [table], bs, core.loaded.device)
-                meta.policy_attn = quest
-                h = m(torch.tensor(ids[pos : pos + n]), torch.arange(pos, pos + n), core.kv, meta)
+                meta = attn.metadata([n], [pos + n], [table])
+                h = m(torch.tensor(ids[pos : pos + n]), torch.arange(pos, pos + n), attn, meta)
                 if pos + n > prompt_len:
                     logits.append(m.compute_logits(h[-1:]).float())
                 pos += n

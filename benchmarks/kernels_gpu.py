@@ -707,24 +707,24 @@ class DecodeHarness:
     """Prefill then greedy-decode one sequence the way the engine's runner does."""
 
     def __init__(self, model, device: torch.device, max_ctx: int, block: int = 16):
-        from llmsys.engine.kv_cache import KVCache, KVCacheSpec
+        from llmsys.engine.attention import make_backend
+        from llmsys.engine.kv_cache import KVCacheSpec, make_kv_pool
 
         a = model.args
         self.model, self.device, self.block = model, device, block
         nblk = -(-max_ctx // block)
         dtype = model.lm_head.weight.dtype
-        self.kv = KVCache(KVCacheSpec(a.num_hidden_layers, nblk + 1, block, a.num_key_value_heads,
-                                      a.head_dim, dtype), device)
+        self.kv = make_kv_pool(KVCacheSpec(a.num_hidden_layers, nblk + 1, block, a.num_key_value_heads,
+                                           a.head_dim, dtype), device)
+        self.attn = make_backend(self.kv, device, block)
         self.table = list(range(1, nblk + 1))
         self.len = 0
         self.logits: torch.Tensor | None = None
 
     def inputs(self, ids: list[int]):
         """(input ids, positions, metadata) for appending ``ids`` to the sequence."""
-        from llmsys.engine.attention import build_metadata
-
         n, total = len(ids), self.len + len(ids)
-        meta = build_metadata([n], [total], [self.table[: -(-total // self.block)]], self.block, self.device)
+        meta = self.attn.metadata([n], [total], [self.table[: -(-total // self.block)]])
         pos = torch.arange(self.len, total, device=self.device)
         return torch.tensor(ids, device=self.device), pos, meta
 
@@ -732,7 +732,7 @@ class DecodeHarness:
     def feed(self, ids: list[int]) -> int:
         """Run ``ids`` (a prompt, or one decoded token); return the greedy next token."""
         x, pos, meta = self.inputs(ids)
-        h = self.model(x, pos, self.kv, meta)
+        h = self.model(x, pos, self.attn, meta)
         self.logits = self.model.compute_logits(h[-1:]).float()  # [1, V]
         self.len += len(ids)
         return int(self.logits.argmax(-1)[0])

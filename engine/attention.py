@@ -1,23 +1,78 @@
-"""Attention metadata and dispatch over the paged KV cache.
+"""Attention over the paged KV pool: one backend per engine, chosen once.
 
 The model never sees a global context: every forward pass receives an
 :class:`AttentionMetadata` describing the packed batch (which tokens belong to
 which sequence, where their K/V go, which blocks hold each sequence's
 history). Tokens of all sequences are packed into one ``[T, ...]`` tensor so
 the linear layers run once for the whole batch; only attention needs to know
-the sequence boundaries. The math itself lives in ``llmsys.kernels``: Triton
-paged attention on CUDA, the gather + SDPA fast path on CPU.
+the sequence boundaries.
+
+An :class:`AttentionBackend` owns a step's attention end to end: the
+per-step metadata builder, RoPE + the K/V store into its pool, ``attend`` and
+``attend_with_scores``. :func:`make_backend` is the one place a backend is
+chosen, when the engine is built, from the device and the pool's kind
+(``engine/kv_cache.py`` ``KVPool``); no attention code asks at a call what kind
+of pool or device it runs on. The implementations:
+
+* :class:`CpuBackend` -- plain pool on the CPU: one gather plan per step
+  (``kernels.cpu_attention``), the C decode attention reading the pool by slot,
+  unpadded per-sequence prompt attention; bfloat16 RoPE writes K/V in the same
+  C call (``kernels.cpu_decode.rope_store``) when the C kernels are built.
+* :class:`CpuInt8Backend` -- int8 pool on the CPU: the same plan, dequantized in the gather.
+* :class:`Int4Backend` -- KIVI int4 pool (any device): the pool's dequantizing
+  gather, then the same per-sequence prompt attention as the others.
+* :class:`CudaBackend` / :class:`CudaInt8Backend` -- Triton paged kernels (the
+  gather plan only when a step reads cold blocks).
+
+Decorators, given the backend they wrap at construction: :class:`ScoringBackend`
+(attention rows for H2O / SnapKV, only for the sequences that need them) and
+:class:`QuestBackend` (per-query page selection, ``llmsys.offload.eviction.quest``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from llmsys import kernels
-from llmsys.kernels.cpu_attention import ColdBlocks, GatherPlan, make_gather_plan, paged_attention_gathered
+from llmsys.kernels import cpu_decode
+from llmsys.kernels.cpu_attention import (
+    ColdBlocks,
+    GatherPlan,
+    attend_gathered,
+    make_gather_plan,
+    paged_attention_gathered,
+    paged_attention_gathered_scores,
+)
+
+if TYPE_CHECKING:
+    from llmsys.engine.kv_cache import KVPool
+    from llmsys.offload.eviction.quest import QuestAttention
+
+
+@dataclass(frozen=True)
+class StepScores:
+    """What a :class:`ScoringBackend` step collects: attention rows of the sequences that score.
+
+    ``score_from[b]``: first new token of sequence ``b`` whose row is kept, or
+    None for a sequence that needs no scores (another policy, or ``full``):
+    those attend through the plain path, batched apart from the scoring ones,
+    exactly as they would without a scoring neighbour. ``rows[b]``:
+    ``[nq_b, context_len_b]`` mass summed over heads and layers (filled during the step).
+    """
+
+    score_from: list[int | None]
+    context_lens: list[int]
+    rows: list[torch.Tensor | None]
+    # Mixed steps: (scoring rows, their metadata, their tokens [Ts], the others' metadata, their tokens [To]).
+    split: tuple[list[int], "AttentionMetadata", torch.Tensor, "AttentionMetadata", torch.Tensor] | None = None
+
+    def add(self, seqs, rows: list[torch.Tensor]) -> None:
+        for b, r in zip(seqs, rows):
+            r = r[:, : self.context_lens[b]].float().cpu()
+            self.rows[b] = r if self.rows[b] is None else self.rows[b] + r
 
 
 @dataclass
@@ -27,6 +82,7 @@ class AttentionMetadata:
     Sequence ``b`` owns packed tokens ``query_start[b]:query_start[b+1]``;
     after this step its context (cached prefix + new tokens) holds
     ``context_lens[b]`` tokens, stored in the blocks ``block_tables[b]``.
+    Built by the engine's backend (:meth:`AttentionBackend.metadata`).
     """
 
     slot_mapping: torch.Tensor  # [T] int64: KV slot (block * block_size + offset) of each new token
@@ -36,13 +92,11 @@ class AttentionMetadata:
     context_lens_t: torch.Tensor  # [B] int32
     query_start_loc: torch.Tensor  # [B + 1] int32
     is_decode: bool  # every sequence has exactly one new token
-    plan: GatherPlan | None  # CPU fast path layout (None on CUDA)
-    # KV policy override (llmsys.offload.kv_policy): called as f(q, k_cache, v_cache, meta, scale)
-    # instead of the kernels when a policy needs scores (H2O/SnapKV) or page selection (Quest).
-    policy_attn: Any = None
+    plan: GatherPlan | None  # CPU gather layout (None on CUDA unless the step reads cold blocks)
     # The step's cold KV blocks (llmsys.offload.kv_tier): block-table ids >= cold.first live outside
     # the pool; the gather plan reads them from the tier's staging (None: every block is in the pool).
     cold: ColdBlocks | None = None
+    scores: StepScores | None = None  # set by ScoringBackend.metadata when some sequence scores
 
     @property
     def num_seqs(self) -> int:
@@ -57,17 +111,17 @@ def build_metadata(
     device: torch.device,
     cold: ColdBlocks | None = None,
     prompt: list[bool] | None = None,
+    plan: bool = True,
 ) -> AttentionMetadata:
-    """Tensors attention needs, from plain Python lists.
+    """Tensors attention needs, from plain Python lists (the backends' shared builder).
 
     Sequence ``b``'s new tokens are positions ``context_lens[b] -
     query_lens[b] .. context_lens[b] - 1`` of its context; ``block_tables[b]``
-    must cover ``context_lens[b]`` tokens. With ``cold``, table entries
-    ``>= cold.first`` are cold blocks: the step gets a gather plan on any
-    device (the plan reads them from the tier's staging), and new tokens must
-    land in pool blocks. ``prompt[b]``: sequence b's new tokens are prompt tokens
-    (the CPU plan gives them the prefill attention even one at a time, see
-    ``make_gather_plan``).
+    must cover ``context_lens[b]`` tokens. ``plan``: make the gather plan
+    (always with ``cold``: the plan reads cold blocks from the tier's staging;
+    new tokens must land in pool blocks). ``prompt[b]``: sequence b's new
+    tokens are prompt tokens (the plan gives them the prefill attention even
+    one at a time, see ``make_gather_plan``).
     """
     B = len(query_lens)
     nblk = max(len(t) for t in block_tables)
@@ -80,9 +134,9 @@ def build_metadata(
         pos = torch.arange(context_lens[b] - query_lens[b], context_lens[b])
         slots.append(tt[pos // block_size] * block_size + pos % block_size)
         starts.append(starts[-1] + query_lens[b])
-    plan = None
-    if device.type != "cuda" or cold is not None:
-        plan = make_gather_plan(query_lens, context_lens, block_tables, block_size, device, cold, prompt)
+    gp = None
+    if plan or cold is not None:
+        gp = make_gather_plan(query_lens, context_lens, block_tables, block_size, device, cold, prompt)
     return AttentionMetadata(
         slot_mapping=torch.cat(slots).to(device),
         query_start=starts,
@@ -91,61 +145,312 @@ def build_metadata(
         context_lens_t=torch.tensor(context_lens, dtype=torch.int32, device=device),
         query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
         is_decode=max(query_lens) == 1,
-        plan=plan,
+        plan=gp,
         cold=cold,
     )
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache, v_cache, slot_mapping: torch.Tensor) -> None:
-    """Write new K/V ``[T, Hk, D]`` into the pool; quantized pools quantize on write."""
-    if isinstance(k_cache, torch.Tensor):
-        kernels.kv_store(k, v, k_cache, v_cache, slot_mapping)
-    elif k_cache.bits == 8:  # kernels' int8 layout: codes + per (slot, head) scales
-        kernels.kv_store(k, v, k_cache.codes, v_cache.codes, slot_mapping, k_cache.scale, v_cache.scale)
-    else:  # int4 KIVI (torch)
-        k_cache.store(k, slot_mapping)
-        v_cache.store(v, slot_mapping)
+class AttentionBackend(Protocol):
+    """A step's attention over one KV pool (see the module doc); ``layer`` indexes the pool."""
+
+    pool: KVPool
+    block_size: int
+    selects_pages: bool  # decode reads only the pages it selects (Quest): the cold tier does not prefetch
+
+    def metadata(self, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
+                 cold: ColdBlocks | None = None, prompt: list[bool] | None = None,
+                 score_from: list[int | None] | None = None) -> AttentionMetadata:
+        """The step's metadata (``score_from``: per sequence, see :class:`StepScores`)."""
+        ...
+
+    def rope_store(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                   rope_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """RoPE q ``[T, Hq, D]`` and k ``[T, Hk, D]`` at ``positions``; k, v into the pool -> roped q."""
+        ...
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        """Write already-roped k and v ``[T, Hk, D]`` at the step's slots."""
+        ...
+
+    def attend(self, layer: int, q: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Each new token over its sequence's cached context: q ``[T, Hq, D]`` -> ``[T, Hq, D]``."""
+        ...
+
+    def attend_with_scores(self, layer: int, q: torch.Tensor, meta: AttentionMetadata, scale: float,
+                           score_from: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """:meth:`attend`, also returning per sequence the attention rows from ``score_from[b]`` on."""
+        ...
+
+    def on_demote(self, pairs: list[tuple[int, int]]) -> None:
+        """Pool blocks moved to cold ids (pool id, cold id) before the step (``llmsys.offload.kv_tier``)."""
+        ...
 
 
-def _quantized_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Quantized pools: int8 -> the kernels (dequantize inside); int4 -> gather, dequantize, SDPA."""
-    if k_cache.bits == 8:
-        kc, vc, ks, vs = k_cache.codes, v_cache.codes, k_cache.scale, v_cache.scale
-        if meta.plan is not None:
+class _PagedBackend:
+    """What every base backend shares: the builder, RoPE then store, no page bookkeeping."""
+
+    selects_pages = False
+    plans = True  # the metadata carries a gather plan
+
+    def __init__(self, pool: KVPool, block_size: int, device: torch.device):
+        self.pool = pool
+        self.block_size = block_size
+        self.device = device
+
+    def metadata(self, query_lens, context_lens, block_tables, cold=None, prompt=None, score_from=None):
+        return build_metadata(query_lens, context_lens, block_tables, self.block_size, self.device, cold, prompt,
+                              self.plans)
+
+    def rope_store(self, layer, q, k, v, positions, rope_cache, meta):
+        q, k = kernels.rope(q, k, positions, rope_cache)
+        self.pool.store(layer, k, v, meta.slot_mapping)
+        return q
+
+    def store(self, layer, k, v, meta):
+        self.pool.store(layer, k, v, meta.slot_mapping)
+
+    def on_demote(self, pairs):
+        pass
+
+
+class CpuBackend(_PagedBackend):
+    """Plain pool on the CPU (see the module doc)."""
+
+    def __init__(self, pool: KVPool, block_size: int, device: torch.device):
+        super().__init__(pool, block_size, device)
+        s = pool.spec
+        # bfloat16 with the C kernels: RoPE writes K/V into the pool in the same call (the bits of
+        # kernels.rope + kernels.kv_store, kernels/cpu_decode.py). The pool's flat [slots, Hk, D] views.
+        self._c_rope = s.dtype == torch.bfloat16 and cpu_decode.available()
+        self._flat = [(k.view(-1, s.num_kv_heads, s.head_dim), v.view(-1, s.num_kv_heads, s.head_dim))
+                      for k, v in zip(pool.k, pool.v)]
+
+    def rope_store(self, layer, q, k, v, positions, rope_cache, meta):
+        d = q.shape[-1]
+        if self._c_rope and q.stride(1) == d and k.stride(1) == d and v.stride(1) == d:
+            kf, vf = self._flat[layer]
+            return cpu_decode.rope_store(q, k, v, positions, rope_cache, kf, vf, meta.slot_mapping)
+        q, k = kernels.rope(q, k, positions, rope_cache)
+        self.store(layer, k, v, meta)
+        return q
+
+    def store(self, layer, k, v, meta):
+        # kernels.kv_store's CPU path (one index_copy_ per side into its flat slot view) without its
+        # checks: the engine's own shapes and dtypes, slots from build_metadata (never -1).
+        kf, vf = self._flat[layer]
+        kf.index_copy_(0, meta.slot_mapping, k)
+        vf.index_copy_(0, meta.slot_mapping, v)
+
+    def attend(self, layer, q, meta, scale):
+        return paged_attention_gathered(q, self.pool.k[layer], self.pool.v[layer], meta.plan, scale)
+
+    def attend_with_scores(self, layer, q, meta, scale, score_from):
+        return paged_attention_gathered_scores(q, self.pool.k[layer], self.pool.v[layer], meta.plan, scale,
+                                               score_from)
+
+
+class CpuInt8Backend(_PagedBackend):
+    """int8 pool on the CPU: the plain path with codes and per (slot, head) scales."""
+
+    def attend(self, layer, q, meta, scale):
+        k, v = self.pool.k[layer], self.pool.v[layer]
+        return paged_attention_gathered(q, k.codes, v.codes, meta.plan, scale, k.scale, v.scale)
+
+    def attend_with_scores(self, layer, q, meta, scale, score_from):
+        k, v = self.pool.k[layer], self.pool.v[layer]
+        return paged_attention_gathered_scores(q, k.codes, v.codes, meta.plan, scale, score_from, k.scale, v.scale)
+
+
+class Int4Backend(_PagedBackend):
+    """KIVI int4 pool (any device): dequantizing gather, then ``attend_gathered``.
+
+    Prompt chunks take the unpadded per-sequence attention of the other pools, so an
+    int4 prompt's bits do not depend on what else is in the step (batch-invariant);
+    decodes and prompt chunks of a mixed step run as two batches (``GatherPlan.split``).
+    """
+
+    def attend(self, layer, q, meta, scale):
+        return self._attend(layer, q, meta.plan, scale)
+
+    def _attend(self, layer: int, q: torch.Tensor, plan: GatherPlan, scale: float) -> torch.Tensor:
+        if plan.split is not None:
+            dplan, dtok, pplan, ptok = plan.split
+            out = q.new_empty(q.shape)
+            for sub, tok in ((dplan, dtok), (pplan, ptok)):
+                out.index_copy_(0, tok, self._attend(layer, q.index_select(0, tok), sub, scale))
+            return out
+        k, v = self.pool.gather(layer, plan.gather_slots, q.dtype)  # [B, Lmax, Hk, D]
+        return attend_gathered(q, k, v, plan, scale)
+
+    def attend_with_scores(self, layer, q, meta, scale, score_from):
+        raise ValueError("attention scores need a float KV pool (KV policies run on kv_dtype auto)")
+
+
+class CudaBackend(_PagedBackend):
+    """Plain pool on CUDA: the Triton paged kernels; a step with cold blocks takes the gather plan."""
+
+    plans = False
+
+    def _caches(self, layer: int):
+        return self.pool.k[layer], self.pool.v[layer], None, None
+
+    def attend(self, layer, q, meta, scale):
+        kc, vc, ks, vs = self._caches(layer)
+        if meta.plan is not None:  # the step reads cold blocks: staged rows over the gathered pool rows
             return paged_attention_gathered(q, kc, vc, meta.plan, scale, ks, vs)
         if meta.is_decode:
             return kernels.paged_decode_attention(q, kc, vc, meta.block_tables, meta.context_lens_t, scale, ks, vs)
         return kernels.paged_prefill_attention(
             q, kc, vc, meta.block_tables, meta.context_lens_t, meta.query_start_loc, scale, ks, vs
         )
-    from llmsys.quant.kv_paged import attention_gathered
 
-    plan = meta.plan
-    if plan is None:  # CUDA metadata has no gather plan; int4 KV runs the torch path there too
-        qlens = [meta.query_start[b + 1] - meta.query_start[b] for b in range(meta.num_seqs)]
-        tables = [row[: -(-n // k_cache.bs)] for row, n in zip(meta.block_tables.tolist(), meta.context_lens)]
-        plan = make_gather_plan(qlens, meta.context_lens, tables, k_cache.bs, q.device)
-    k = k_cache.gather(plan.gather_slots, q.dtype)  # [B, Lmax, Hk, D]
-    v = v_cache.gather(plan.gather_slots, q.dtype)
-    return attention_gathered(q, k, v, plan, scale)
+    def attend_with_scores(self, layer, q, meta, scale, score_from):
+        kc, vc, ks, vs = self._caches(layer)
+        if meta.is_decode and ks is None and meta.plan is None:
+            res = kernels.paged_decode_attention(q, kc, vc, meta.block_tables, meta.context_lens_t, scale,
+                                                 return_scores=True)
+            return res.out, [res.token_mass[b].sum(0, keepdim=True) for b in range(q.shape[0])]  # [1, cap]
+        plan = meta.plan
+        if plan is None:  # a scoring prefill: ScoringBackend asked for the plan in its metadata
+            raise ValueError("attend_with_scores: the step's metadata has no gather plan")
+        return paged_attention_gathered_scores(q, kc, vc, plan, scale, score_from, ks, vs)
+
+    def metadata(self, query_lens, context_lens, block_tables, cold=None, prompt=None, score_from=None):
+        # A scoring step's prompt rows need the gather layout (explicit softmax rows).
+        want = score_from is not None and any(f is not None for f in score_from) and max(query_lens) > 1
+        return build_metadata(query_lens, context_lens, block_tables, self.block_size, self.device, cold, prompt,
+                              want)
 
 
-def paged_attention(
-    q: torch.Tensor,  # [T, Hq, D]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, Hk, D] (or a quantized side, llmsys.quant.kv_paged)
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-) -> torch.Tensor:  # [T, Hq, D]
-    """Attend each new token over its sequence's cached context."""
-    if meta.policy_attn is not None:
-        return meta.policy_attn(q, k_cache, v_cache, meta, scale)
-    if not isinstance(k_cache, torch.Tensor):
-        return _quantized_attention(q, k_cache, v_cache, meta, scale)
-    if meta.plan is not None:
-        return paged_attention_gathered(q, k_cache, v_cache, meta.plan, scale)
-    if meta.is_decode:
-        return kernels.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens_t, scale)
-    return kernels.paged_prefill_attention(
-        q, k_cache, v_cache, meta.block_tables, meta.context_lens_t, meta.query_start_loc, scale
-    )
+class CudaInt8Backend(CudaBackend):
+    """int8 pool on CUDA: the Triton kernels dequantize inside."""
+
+    def _caches(self, layer: int):
+        k, v = self.pool.k[layer], self.pool.v[layer]
+        return k.codes, v.codes, k.scale, v.scale
+
+
+class BackendDecorator:
+    """A backend wrapping another: everything it does not change is the inner backend's."""
+
+    selects_pages = False
+
+    def __init__(self, inner: AttentionBackend):
+        self.inner = inner
+        self.pool = inner.pool
+        self.block_size = inner.block_size
+
+    def metadata(self, query_lens, context_lens, block_tables, cold=None, prompt=None, score_from=None):
+        return self.inner.metadata(query_lens, context_lens, block_tables, cold, prompt, score_from)
+
+    def rope_store(self, layer, q, k, v, positions, rope_cache, meta):
+        return self.inner.rope_store(layer, q, k, v, positions, rope_cache, meta)
+
+    def store(self, layer, k, v, meta):
+        self.inner.store(layer, k, v, meta)
+
+    def attend(self, layer, q, meta, scale):
+        return self.inner.attend(layer, q, meta, scale)
+
+    def attend_with_scores(self, layer, q, meta, scale, score_from):
+        return self.inner.attend_with_scores(layer, q, meta, scale, score_from)
+
+    def on_demote(self, pairs):
+        self.inner.on_demote(pairs)
+
+
+class ScoringBackend(BackendDecorator):
+    """Sums attention rows over layers for the sequences whose policy needs scores (H2O, SnapKV).
+
+    A step whose ``score_from`` names no sequence gets the inner backend's metadata and
+    attention unchanged; otherwise its metadata carries a :class:`StepScores` that
+    :meth:`attend` fills and ``PolicyRuntime.after_forward`` reads.
+    """
+
+    def metadata(self, query_lens, context_lens, block_tables, cold=None, prompt=None, score_from=None):
+        meta = self.inner.metadata(query_lens, context_lens, block_tables, cold, prompt, score_from)
+        if score_from is None or all(f is None for f in score_from):
+            return meta
+        split = None
+        if any(f is None for f in score_from):  # scoring rows and the others as two sub-batches
+            bs, qs, dev = self.block_size, meta.query_start, meta.slot_mapping.device
+            tables = [t[: -(-n // bs)] for t, n in zip(block_tables, context_lens)]
+            parts: list = []
+            for want in (True, False):
+                rows = [b for b, f in enumerate(score_from) if (f is not None) == want]
+                sub = self.inner.metadata([qs[b + 1] - qs[b] for b in rows], [context_lens[b] for b in rows],
+                                          [tables[b] for b in rows], cold,  # a full neighbour may be cold
+                                          score_from=[score_from[b] for b in rows])
+                tok = torch.tensor([t for b in rows for t in range(qs[b], qs[b + 1])], dtype=torch.int64, device=dev)
+                parts += [rows, sub, tok]
+            split = (parts[0], parts[1], parts[2], parts[4], parts[5])
+        return replace(meta, scores=StepScores(list(score_from), list(context_lens), [None] * len(score_from), split))
+
+    def attend(self, layer, q, meta, scale):
+        sc = meta.scores
+        if sc is None:
+            return self.inner.attend(layer, q, meta, scale)
+        if sc.split is None:
+            out, rows = self.inner.attend_with_scores(layer, q, meta, scale, sc.score_from)
+            sc.add(range(len(rows)), rows)
+            return out
+        srows, smeta, stok, ometa, otok = sc.split
+        out = q.new_empty(q.shape)
+        res, rows = self.inner.attend_with_scores(layer, q.index_select(0, stok), smeta, scale,
+                                                  [sc.score_from[b] for b in srows])
+        out.index_copy_(0, stok, res)
+        out.index_copy_(0, otok, self.inner.attend(layer, q.index_select(0, otok), ometa, scale))
+        sc.add(srows, rows)
+        return out
+
+
+class QuestBackend(BackendDecorator):
+    """Quest page selection (``llmsys.offload.eviction.quest``): decode attends over the top pages only.
+
+    Keys stored this step are folded into their pages' min/max summaries;
+    prompt chunks attend as the inner backend does.
+    """
+
+    selects_pages = True
+
+    def __init__(self, inner: AttentionBackend, quest: QuestAttention):
+        super().__init__(inner)
+        self.quest = quest
+
+    def rope_store(self, layer, q, k, v, positions, rope_cache, meta):
+        q = self.inner.rope_store(layer, q, k, v, positions, rope_cache, meta)
+        self.quest.update(self.pool.k[layer], meta.slot_mapping)
+        return q
+
+    def store(self, layer, k, v, meta):
+        self.inner.store(layer, k, v, meta)
+        self.quest.update(self.pool.k[layer], meta.slot_mapping)
+
+    def attend(self, layer, q, meta, scale):
+        if meta.is_decode:
+            return self.quest.decode(q, self.pool.k[layer], self.pool.v[layer], meta.block_tables,
+                                     meta.context_lens_t, scale)
+        return self.inner.attend(layer, q, meta, scale)
+
+    def on_demote(self, pairs):
+        self.quest.move_pages(pairs)  # the demoted pages' summaries follow them
+
+
+def make_backend(pool: KVPool, device: torch.device, block_size: int,
+                 quest: QuestAttention | None = None) -> AttentionBackend:
+    """The engine's attention backend, chosen once from the pool's kind and the device.
+
+    ``quest``: the engine runs Quest (engine-wide page selection); else a float pool
+    gets the scoring decorator, since any request may ask for H2O or SnapKV.
+    """
+    if pool.kind == "int4":
+        base: AttentionBackend = Int4Backend(pool, block_size, device)
+    elif device.type == "cuda":
+        base = (CudaInt8Backend if pool.kind == "int8" else CudaBackend)(pool, block_size, device)
+    else:
+        base = (CpuInt8Backend if pool.kind == "int8" else CpuBackend)(pool, block_size, device)
+    if quest is not None:
+        if pool.quantized:
+            raise ValueError("quest: quantized KV pools are not supported (use kv_dtype auto)")
+        return QuestBackend(base, quest)
+    return base if pool.quantized else ScoringBackend(base)

@@ -11,7 +11,7 @@ calls back into a caller or sets fields on objects built earlier:
 4. ``materialize_checkpoint`` (loader): the weights, placed as planned.
 5. :func:`prepare`: the model passes, in order: offload hooks, then on the
    CPU prepacking linears (with the tied embedding served from the file) and
-   the fast decode step, or ``never_pack`` for tools that rewrite weights.
+   folding RoPE's rotate-half into small float32 q/k weights (``fold_rope``), or ``never_pack`` for tools that rewrite weights.
 6. :func:`size_kv_pool`: the KV pool spec and the per-request context limit.
 7. ``EngineCore``, given all of the above.
 
@@ -122,10 +122,8 @@ def prepare(loaded: LoadedModel, config: EngineConfig, runtime: OffloadRuntime |
         # here (the offload runtime binds one per step), so they are skipped.
         model.prepack_linears()
         if runtime is None:
-            # Decode steps in fewer torch ops, same bits (engine/models/fast_decode.py).
-            from llmsys.engine.models.fast_decode import FastDecode
-
-            model.fast_decode = FastDecode.build(model)
+            # Decode steps of small float32 layers in fewer ops, same bits (DecoderModel.fold_rope).
+            model.fold_rope()
     else:
         # Tools that read or rewrite .weight (`llmsys quantize`): nothing is packed,
         # and no layer packs on the fly either.

@@ -21,7 +21,8 @@ import torch
 from llmsys.engine.config import EngineConfig
 from llmsys.engine.detokenizer import IncrementalDetokenizer, StopChecker
 from llmsys.kernels.common.errors import ContextOverflowError, InvalidParameterError
-from llmsys.engine.kv_cache import BlockAllocator, KVCache, KVCacheSpec
+from llmsys.engine.attention import make_backend
+from llmsys.engine.kv_cache import BlockAllocator, KVCacheSpec, make_kv_pool
 from llmsys.engine.loader.common import LoadedModel
 from llmsys.engine.outputs import StreamChunk, Timings, Usage
 from llmsys.engine.runner import ModelRunner
@@ -94,23 +95,25 @@ class EngineCore:
         self.tokenizer = tokenizer
         self.config = config
         self.max_len = max_len  # prompt + output tokens per request, at most
-        self.kv = KVCache(kv_spec, loaded.device)
+        self.kv = make_kv_pool(kv_spec, loaded.device)
         # Cold KV tier (None unless --kv-offload-tokens): block ids past the pool, demoted to disk / RAM.
         self.tier = make_kv_tier(self.kv, config.offload_tokens(kv_spec.bytes_per_token), config.offload_dir,
                                  config.kv_offload_tier, config.kv_offload_drop_cache)
         self.allocator = BlockAllocator(kv_spec.num_blocks, self.tier.num_cold if self.tier is not None else 0)
         # KV eviction / page selection. config.kv_policy is the default; a request may choose its own
         # (SamplingParams.kv_policy). Sequences under `full` carry no policy state: no per-token work.
-        self.kv_policy = make_policy_runtime(config.kv_policy, loaded.model, self.kv, self.allocator, kv_spec.block_size, max_len)
-        if self.tier is not None and self.kv_policy.quest is not None:
-            self.kv_policy.quest.tier = self.tier  # Quest reads only the cold pages it selects
+        # Quest's summaries know the cold tier: it reads only the cold pages it selects.
+        self.kv_policy = make_policy_runtime(config.kv_policy, loaded.model, self.kv, self.allocator,
+                                             kv_spec.block_size, max_len, tier=self.tier)
+        # The attention backend, chosen once for this device and pool (engine/attention.py).
+        self.attn = make_backend(self.kv, loaded.device, kv_spec.block_size, self.kv_policy.quest)
         # Swap space for preempted sequences (None: recompute only).
         self.swap = make_swap_space(self.kv, config.swap_space, config.offload_dir)
         self.scheduler = Scheduler(
             self.allocator, kv_spec.block_size, config.max_num_seqs, config.max_num_batched_tokens,
             prefix_caching=config.prefix_caching, kv_policy=self.kv_policy, swap=self.swap, tier=self.tier,
         )
-        self.runner = ModelRunner(loaded.model, self.kv, loaded.device, kv_spec.block_size,
+        self.runner = ModelRunner(loaded.model, self.attn, loaded.device, kv_spec.block_size,
                                   kv_policy=self.kv_policy, swap=self.swap, tier=self.tier)
         self.sampler = Sampler()
         eos = set(loaded.args.eos_token_id) | set(tokenizer.eos_token_ids)

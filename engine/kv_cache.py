@@ -1,8 +1,10 @@
 """The paged KV cache: a pool of fixed-size blocks plus a block allocator.
 
-The pool is one tensor per layer for keys and one for values, laid out as
+A plain pool is one tensor per layer for keys and one for values, laid out as
 ``[num_blocks, block_size, n_kv_heads, head_dim]`` (the layout the kernels
-take); a token's *slot* is ``block * block_size + offset``. Sequences own lists of
+take); quantized pools (int8, int4) follow the same slots with their own
+layouts (:class:`KVPool`, ``llmsys.quant.kv_paged``); a token's *slot* is
+``block * block_size + offset``. Sequences own lists of
 block ids (their block table); the allocator is plain Python and never touches
 tensors, so the scheduler can reason about memory without the model.
 """
@@ -14,7 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
+from llmsys import kernels
 from llmsys.kernels.common.errors import BudgetError
+from llmsys.kernels.common.protocols import KVPool
 
 
 @dataclass(frozen=True)
@@ -52,36 +56,44 @@ class KVCacheSpec:
         return self.bytes_per_token * self.num_slots
 
 
-class KVCache:
-    """Per-layer K/V tensors of the pool (the only tensors the cache owns)."""
+class PlainKVPool:
+    """Per-layer K/V tensors ``[num_blocks, block_size, Hk, D]`` in the model's dtype."""
 
-    def __init__(self, spec: KVCacheSpec, device: torch.device):
+    kind = "plain"
+    quantized = False
+
+    def __init__(self, spec: KVCacheSpec, device: torch.device, one_scratch: bool = False):
+        """``one_scratch``: every layer index shares one K/V pair (calibration runs the layers one at a
+        time over the same batch, so each layer may overwrite the previous one's K/V)."""
         self.spec = spec
         shape = (spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        if spec.kv_dtype in ("int8", "int4"):
-            # Quantized pools: per layer a K and a V "side" object (store/gather/nbytes),
-            # see llmsys.quant.kv_paged; engine.attention dispatches on them.
-            from llmsys.quant.kv_paged import kv_sides
+        n = 1 if one_scratch else spec.num_layers
+        self.k = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(n)] * (spec.num_layers // n)
+        self.v = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(n)] * (spec.num_layers // n)
 
-            sides = [kv_sides(spec.kv_dtype, *shape, device, spec.dtype) for _ in range(spec.num_layers)]
-            self.k = [kv for kv, _ in sides]
-            self.v = [vv for _, vv in sides]
-            return
-        self.k = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
-        self.v = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
-
-    @property
-    def quantized(self) -> bool:
-        return self.spec.kv_dtype in ("int8", "int4")
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        kernels.kv_store(k, v, self.k[layer], self.v[layer], slots)
 
     def nbytes(self) -> int:
-        """Bytes the pool holds now (int4 includes its full-precision open-block window)."""
-        if not self.quantized:
-            return sum(t.numel() * t.element_size() for t in self.k + self.v)
-        return sum(s.nbytes() for s in self.k + self.v)
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[i], self.v[i]
+    def block_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return self.k, self.v
+
+
+def make_kv_pool(spec: KVCacheSpec, device: torch.device) -> KVPool:
+    """The pool ``spec.kv_dtype`` asks for: plain tensors, or an int8 / int4 pool (``llmsys.quant.kv_paged``)."""
+    if spec.kv_dtype == "auto":
+        return PlainKVPool(spec, device)
+    from llmsys.quant.kv_paged import Int4KVPool, Int8KVPool
+
+    if spec.kv_dtype == "int8":
+        return Int8KVPool(spec.num_layers, spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim,
+                          device, spec)
+    if spec.kv_dtype == "int4":
+        return Int4KVPool(spec.num_layers, spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim,
+                          device, spec.dtype, spec)
+    raise ValueError(f"no KV pool for kv_dtype {spec.kv_dtype!r}")
 
 
 class BlockAllocator:

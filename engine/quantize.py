@@ -103,25 +103,26 @@ def _calib_layout(lens: list[int], block_size: int) -> list[list[int]]:
     return tables
 
 
-def _scratch_pool(model: nn.Module, lens: list[int], dtype: torch.dtype, num_layers: int):
-    """A fresh engine KV pool (:class:`~llmsys.engine.kv_cache.KVCache`) and prefill metadata for
-    sequences of ``lens`` tokens packed into one step: ``(kv, meta, positions [T])``.
+def _scratch_pool(model: nn.Module, lens: list[int], dtype: torch.dtype, one_scratch: bool):
+    """A fresh KV pool behind the engine's attention backend, and prefill metadata for sequences
+    of ``lens`` tokens packed into one step: ``(backend, meta, positions [T])``.
 
     Fresh per call: the forward writes K/V into the pool in place, and autograd (the refinement)
-    needs the pool of one graph untouched until its backward has run.
+    needs the pool of one graph untouched until its backward has run. ``one_scratch``: every
+    layer shares one K/V pair (the layer-by-layer calibration pass; memory of one layer).
     """
-    from llmsys.engine.attention import build_metadata
-    from llmsys.engine.kv_cache import KVCache, KVCacheSpec
+    from llmsys.engine.attention import make_backend
+    from llmsys.engine.kv_cache import KVCacheSpec, PlainKVPool
 
     a = model.args
     dev = model.rope_cache.device
     bs = 16
     tables = _calib_layout(lens, bs)
-    spec = KVCacheSpec(num_layers=num_layers, num_blocks=sum(len(t) for t in tables) + 1, block_size=bs,
+    spec = KVCacheSpec(num_layers=a.num_hidden_layers, num_blocks=sum(len(t) for t in tables) + 1, block_size=bs,
                        num_kv_heads=a.num_key_value_heads, head_dim=a.head_dim, dtype=dtype)
-    meta = build_metadata(lens, lens, tables, bs, dev)
+    attn = make_backend(PlainKVPool(spec, dev, one_scratch=one_scratch), dev, bs)
     pos = torch.cat([torch.arange(n) for n in lens]).to(dev)
-    return KVCache(spec, dev), meta, pos
+    return attn, attn.metadata(lens, lens, tables), pos
 
 
 def _calib_batch(model: nn.Module, seqs: list[list[int]]):
@@ -130,15 +131,15 @@ def _calib_batch(model: nn.Module, seqs: list[list[int]]):
     ``run_layer(layer, h)`` runs one decoder layer of the model (its own forward, as
     ``DecoderModel.forward`` calls it) on the whole batch and returns the next hidden states.
     Layer by layer (GPTQ and AWQ calibrate layer i on what the quantized layers before it
-    produce), so one layer's pool serves every layer: each writes its K/V before it attends.
+    produce), so one K/V pair serves every layer: each writes its K/V before it attends.
     """
     dtype = next(model.parameters()).dtype
-    kv, meta, pos = _scratch_pool(model, [len(s) for s in seqs], dtype, num_layers=1)
-    k_cache, v_cache = kv.layer(0)
+    attn, meta, pos = _scratch_pool(model, [len(s) for s in seqs], dtype, one_scratch=True)
     ids = torch.tensor([t for s in seqs for t in s], device=pos.device)
 
     def run_layer(layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
-        return layer(h, pos, model.rope_cache, k_cache, v_cache, meta)
+        y, res = layer(h, None, pos, model.rope_cache, attn, meta)
+        return res + y  # the layer's hidden state
 
     return model.model.embed_tokens(ids), run_layer  # [T, hidden]
 
@@ -397,8 +398,8 @@ def model_logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     swaps the int4 layers for :class:`_DenseLinear` first (:class:`_Swap`).
     """
     b, length = ids.shape
-    kv, meta, pos = _scratch_pool(model, [length] * b, torch.float32, model.args.num_hidden_layers)
-    h = model(ids.reshape(-1), pos, kv, meta)  # [B*L, hidden]
+    attn, meta, pos = _scratch_pool(model, [length] * b, torch.float32, one_scratch=False)
+    h = model(ids.reshape(-1), pos, attn, meta)  # [B*L, hidden]
     return model.compute_logits(h).float().view(b, length, -1)
 
 

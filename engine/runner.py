@@ -17,8 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from llmsys.engine.attention import AttentionMetadata, build_metadata
-from llmsys.engine.kv_cache import KVCache
+from llmsys.engine.attention import AttentionBackend, AttentionMetadata
 from llmsys.engine.models.base import DecoderModel
 from llmsys.engine.scheduler import SchedulerOutput, StepResult
 
@@ -42,17 +41,16 @@ class ModelRunner:
     """``kv_policy`` installs the attention that records scores or selects pages; ``swap`` and
     ``tier`` copy the step's KV blocks (None: no swap space / no cold tier)."""
 
-    def __init__(
-        self, model: DecoderModel, kv: KVCache, device: torch.device, block_size: int,
-        kv_policy: PolicyRuntime | None = None, swap: KVSwapSpace | None = None, tier: KVTier | None = None,
-    ):
+    def __init__(self, model: DecoderModel, attn: AttentionBackend, device: torch.device, block_size: int,
+                 kv_policy: PolicyRuntime | None = None, swap: KVSwapSpace | None = None, tier: KVTier | None = None):
         self.model = model
-        self.kv = kv
+        self.attn = attn  # the engine's attention backend (make_backend), owner of the KV pool
+        self.kv = attn.pool
         self.device = device
         self.block_size = block_size
-        self.kv_policy = kv_policy
-        self.swap = swap
-        self.tier = tier
+        self.kv_policy = kv_policy  # llmsys.offload.kv_policy.PolicyRuntime, or None
+        self.swap = swap  # llmsys.offload.kv_swap.KVSwapSpace, or None (no swap space)
+        self.tier = tier  # llmsys.offload.kv_tier.KVTier, or None (every block in the pool)
 
     def prepare(self, sched: SchedulerOutput) -> tuple[StepBatch, list[str]]:
         """The step's tensors, and the request ids of the rows that sample (in order)."""
@@ -80,12 +78,11 @@ class ModelRunner:
             first = self.tier.first
             cold_ids = sorted({b for t in tables for b in t if b >= first})
             cold = self.tier.cold_blocks(cold_ids) if cold_ids else None
-        meta = build_metadata(qlens, clens, tables, self.block_size, self.device, cold, prompt)
-        if self.kv_policy is not None:
-            self.kv_policy.annotate(meta, sched.scheduled)
+        score_from = self.kv_policy.score_from(sched.scheduled) if self.kv_policy is not None else None
+        meta = self.attn.metadata(qlens, clens, tables, cold, prompt, score_from)
         if cold is not None:
             # Quest decode reads only the pages it selects (synchronously, per layer): no prefetch.
-            self.tier.begin_step(prefetch=not (meta.is_decode and getattr(meta.policy_attn, "selects_pages", False)))
+            self.tier.begin_step(prefetch=not (meta.is_decode and self.attn.selects_pages))
         batch = StepBatch(
             input_ids=torch.as_tensor(ids, dtype=torch.int64, device=self.device),
             positions=torch.as_tensor(pos, dtype=torch.int64, device=self.device),
@@ -98,7 +95,7 @@ class ModelRunner:
     def forward(self, batch: StepBatch) -> torch.Tensor:
         """The model over the pool: logits ``[S, V]`` (float32) of ``batch.logits_index``'s rows."""
         try:
-            hidden = self.model(batch.input_ids, batch.positions, self.kv, batch.meta)  # [T, hidden]
+            hidden = self.model(batch.input_ids, batch.positions, self.attn, batch.meta)  # [T, hidden]
         finally:
             if batch.meta.cold is not None:
                 self.tier.end_step()
@@ -116,9 +113,7 @@ class ModelRunner:
             self.swap.copy_out(sched.swap_out)
         if sched.demote:
             self.tier.demote(sched.demote)
-            quest = self.kv_policy.quest if self.kv_policy is not None else None
-            if quest is not None:
-                quest.move_pages(sched.demote)
+            self.attn.on_demote(sched.demote)
         if sched.swap_in:
             self.swap.copy_in(sched.swap_in)
         batch, sample_ids = self.prepare(sched)

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from llmsys.engine.attention import AttentionMetadata, build_metadata
+from llmsys.engine.attention import AttentionBackend, AttentionMetadata, BackendDecorator, ScoringBackend, StepScores
 from llmsys.engine.core import EngineCore
 from llmsys.engine.kv_cache import blocks_needed
 from llmsys.kernels.cpu_attention import GatherPlan, make_gather_plan
@@ -38,10 +38,10 @@ def score_sequences(core: EngineCore, seqs: list[list[int]]) -> list[torch.Tenso
         for s in seqs:
             tables.append(core.allocator.allocate(blocks_needed(len(s), bs)))
         lens = [len(s) for s in seqs]
-        meta = build_metadata(lens, lens, tables, bs, core.loaded.device)
+        meta = core.attn.metadata(lens, lens, tables)
         ids = torch.tensor([t for s in seqs for t in s], device=core.loaded.device)
         pos = torch.cat([torch.arange(n) for n in lens]).to(core.loaded.device)
-        hidden = core.loaded.model(ids, pos, core.kv, meta)  # [T, hidden]
+        hidden = core.loaded.model(ids, pos, core.attn, meta)  # [T, hidden]
         out = []
         start = 0
         for s in seqs:
@@ -106,10 +106,11 @@ class StreamResult:
 class _StepLayout:
     """Attention metadata of one CPU sequence, built incrementally (the stream's hot loop).
 
-    ``build_metadata`` makes a few dozen small tensors per call; here the flat
-    slot of every cache index is computed once per block table (which changes
-    only when blocks are added or freed) and a step takes slices of it. The
-    result equals ``build_metadata([n], [ctx], [table], ...)``.
+    The backend's builder (``engine.attention.build_metadata``) makes a few dozen
+    small tensors per call; here the flat slot of every cache index is computed
+    once per block table (which changes only when blocks are added or freed) and a
+    step takes slices of it. The result equals the CPU backend's
+    ``metadata([n], [ctx], [table])``.
     """
 
     def __init__(self, block_size: int, max_ctx: int):
@@ -202,6 +203,9 @@ def perplexity_stream(
     pos_t = torch.arange(len(ids) + 1, dtype=torch.int64)  # positions: stream indices (full) or cache indices
     dev = core.loaded.device
     layout = _StepLayout(bs, len(ids)) if dev.type != "cuda" else None
+    if rt is not None and pol.needs_scores and not isinstance(core.attn, ScoringBackend):
+        raise InvalidParameterError(f"--kv-policy {pol.text!r} needs attention scores, which this engine's "
+                                    "attention (Quest page selection) does not record; drop --kv-policy quest")
     nll: list[torch.Tensor] = []
     kv_bytes: list[int] = []
     steady: list[float] = []
@@ -220,11 +224,16 @@ def perplexity_stream(
                 seq.block_table.extend(core.allocator.allocate(grow))
             s = seq.num_computed
             # One sequence's step through the engine's one forward: every fed token's logits.
-            meta = (layout.meta(seq.block_table, n, base + n) if layout is not None
-                    else build_metadata([n], [base + n], [seq.block_table], bs, dev))
+            score_from = None
             if rt is not None:
-                rt.annotate(meta, [ScheduledSeq("stream", ids[s : s + n], s, base, list(seq.block_table),
-                                                s < first, False, pol)])
+                score_from = rt.score_from([ScheduledSeq("stream", ids[s : s + n], s, base, list(seq.block_table),
+                                                         s < first, False, pol)])
+            if layout is not None:
+                meta = layout.meta(seq.block_table, n, base + n)
+                if score_from is not None:  # one sequence that scores (ScoringBackend.metadata's record)
+                    meta = replace(meta, scores=StepScores(score_from, [base + n], [None]))
+            else:
+                meta = core.attn.metadata([n], [base + n], [seq.block_table], score_from=score_from)
             logits = core.runner.forward(StepBatch(ids_t[s : s + n].to(dev), pos_t[base : base + n].to(dev), meta, None))
             if rt is not None:
                 rt.after_forward([SeqChunk(seq, n)], meta)
@@ -267,25 +276,28 @@ def _cat_nll(parts: list) -> torch.Tensor:
     return torch.cat(out)
 
 
-def _causal_windows(window: int):
-    """Attention override for B equal, fresh windows (the oracle): one causal SDPA.
+class _CausalWindows(BackendDecorator):
+    """The oracle's attention for B equal, fresh windows: one causal SDPA.
 
     Equivalent to the paged path (every window is a whole sequence starting at
     position 0) but uses SDPA's causal kernel instead of an explicit mask.
     """
 
-    def attend(q, k_cache, v_cache, meta, scale):  # q [B*window, Hq, D]
+    def __init__(self, inner: AttentionBackend, window: int):
+        super().__init__(inner)
+        self.window = window
+
+    def attend(self, layer, q, meta, scale):  # q [B*window, Hq, D]
         T, Hq, D = q.shape
+        k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
         Hk = k_cache.shape[-2]
-        B = T // window
-        slots = meta.slot_mapping.view(B, window)
+        B = T // self.window
+        slots = meta.slot_mapping.view(B, self.window)
         k = k_cache.view(-1, Hk, D)[slots].transpose(1, 2)  # [B, Hk, window, D]
         v = v_cache.view(-1, Hk, D)[slots].transpose(1, 2)
-        qb = q.view(B, window, Hq, D).transpose(1, 2)  # [B, Hq, window, D]
+        qb = q.view(B, self.window, Hq, D).transpose(1, 2)  # [B, Hq, window, D]
         o = torch.nn.functional.scaled_dot_product_attention(qb, k, v, is_causal=True, scale=scale, enable_gqa=Hq != Hk)
         return o.transpose(1, 2).reshape(T, Hq, D)
-
-    return attend
 
 
 @torch.inference_mode()
@@ -307,6 +319,8 @@ def perplexity_recompute(
     per_tok: list[float] = []
     nb = blocks_needed(window, bs)
     batch = max(1, min(batch, core.allocator.num_free // nb))
+    # batched oracle: same math, causal kernel (fast=False: the engine's own prefill path)
+    attn = _CausalWindows(core.attn, window) if fast else core.attn
     for i in range(0, len(ends), batch):
         grp = ends[i : i + batch]
         ts = time.perf_counter()
@@ -314,12 +328,10 @@ def perplexity_recompute(
         try:
             wins = [ids[j - window + 1 : j + 1] for j in grp]
             lens = [window] * len(grp)
-            meta = build_metadata(lens, lens, tables, bs, dev)
-            if fast:  # batched oracle: same math, causal kernel (fast=False: the engine's own prefill path)
-                meta.policy_attn = _causal_windows(window)
+            meta = attn.metadata(lens, lens, tables)
             x = torch.tensor([t for w in wins for t in w], device=dev)
             pos = torch.arange(window, device=dev).repeat(len(grp))
-            hidden = model(x, pos, core.kv, meta)  # [B*window, hidden]
+            hidden = model(x, pos, attn, meta)  # [B*window, hidden]
             last = hidden[window - 1 :: window]  # [B, hidden]
             logits = model.compute_logits(last).float()
             nll.append(_nll(logits, [ids[j + 1] for j in grp]))

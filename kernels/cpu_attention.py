@@ -292,6 +292,30 @@ def paged_attention_gathered(
     return _prefill_each(q, k, v, plan, scale)
 
 
+def attend_gathered(
+    q: torch.Tensor,  # [T, Hq, D] packed new tokens
+    k: torch.Tensor,  # [B, Lmax, Hk, D] gathered (dequantized) keys of the plan's rows
+    v: torch.Tensor,
+    plan: GatherPlan,  # not split (callers run a split plan's parts one by one)
+    scale: float,
+) -> torch.Tensor:  # [T, Hq, D]
+    """Attention over K/V a pool gathered itself (the int4 pool dequantizes in its gather).
+
+    Decode rows: one SDPA over the batch. Prompt chunks: :func:`_prefill_each`, one
+    unpadded SDPA per sequence, as the plain and int8 pools run them, so a prompt's
+    bits do not depend on the rest of the step.
+    """
+    if plan.split is not None:
+        raise ValueError("attend_gathered: run a split plan's parts one at a time")
+    if not plan.is_decode:
+        return _prefill_each(q, k.transpose(1, 2), v.transpose(1, 2), plan, scale)
+    T, Hq, D = q.shape
+    qb = q.view(T, 1, Hq, D).transpose(1, 2)  # [B, Hq, 1, D]
+    out = F.scaled_dot_product_attention(qb, k.transpose(1, 2), v.transpose(1, 2), attn_mask=plan.attn_mask,
+                                         scale=scale, enable_gqa=Hq != k.shape[2])
+    return out.transpose(1, 2).reshape(T, Hq, D)
+
+
 def _prefill_each(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: GatherPlan,
                   scale: float) -> torch.Tensor:  # q [T, Hq, D], k/v [B, Hk, Lmax, D] -> [T, Hq, D]
     """Prompt attention one sequence at a time, unpadded: each sequence's SDPA call has the

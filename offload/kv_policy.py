@@ -4,13 +4,14 @@
 :class:`PolicyRuntime` applies it inside the engine (see
 ``llmsys.offload.eviction``: ``policy`` decides which tokens stay,
 ``compact`` moves/re-rotates K/V, ``runtime`` hooks scheduler and runner,
-``quest`` selects pages per query).
+``quest`` selects pages per query; the attention side of a policy is the
+engine's attention backend, ``engine/attention.py``).
 """
 
 from llmsys.offload.eviction.compact import compact_kv, ensure_rope_positions, rotate_by
 from llmsys.offload.eviction.policy import POLICIES, KVPolicy, parse_kv_policy
 from llmsys.offload.eviction.quest import QuestAttention, QuestStats
-from llmsys.offload.eviction.runtime import PolicyRuntime, ScoreCollector, SeqKVState, make_policy_runtime
+from llmsys.offload.eviction.runtime import PolicyRuntime, SeqKVState, make_policy_runtime
 
 __all__ = [
     "POLICIES",
@@ -18,7 +19,6 @@ __all__ = [
     "PolicyRuntime",
     "QuestAttention",
     "QuestStats",
-    "ScoreCollector",
     "SeqKVState",
     "compact_kv",
     "ensure_rope_positions",

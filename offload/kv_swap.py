@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from llmsys.kernels.common.protocols import PagedKVPool
+from llmsys.kernels.common.protocols import KVPool
 
 # Priors used until the first copy is timed (then the measured speed wins).
 _PRIOR_GBPS = {"cpu": 5.0, "disk": 0.5}
@@ -57,7 +57,7 @@ class KVSwapSpace:
     (quantized pools keep their scales in side objects; they recompute).
     """
 
-    def __init__(self, kv: PagedKVPool, num_blocks: int, folder: str | Path | None = None, tier: str | None = None):
+    def __init__(self, kv: KVPool, num_blocks: int, folder: str | Path | None = None, tier: str | None = None):
         if tier not in (None, "cpu", "disk"):
             raise ValueError(f"swap tier must be 'cpu' or 'disk', got {tier!r}")
         self.kv = kv
@@ -84,7 +84,7 @@ class KVSwapSpace:
         """
         if self._tier is not None:
             return self._tier
-        return "cpu" if any(t.is_cuda for t in self.kv.k) else "disk"
+        return "cpu" if any(t.is_cuda for t in self.kv.block_tensors()[0]) else "disk"
 
     # -- bookkeeping (scheduler side, no tensors) --------------------------------
     @property
@@ -138,14 +138,14 @@ class KVSwapSpace:
     def _gather(self, blocks: list[int]) -> torch.Tensor:  # [n, L, 2, bs, Hk, D] in CPU RAM
         idx = torch.tensor(blocks, dtype=torch.long)
         per_layer = []  # L x [n, 2, bs, Hk, D]; layers may live on different devices
-        for k, v in zip(self.kv.k, self.kv.v):
+        for k, v in zip(*self.kv.block_tensors()):
             i = idx.to(k.device)
             per_layer.append(torch.stack([k.index_select(0, i), v.index_select(0, i)], dim=1).cpu())
         return torch.stack(per_layer, dim=1)
 
     def _scatter(self, blocks: list[int], data: torch.Tensor) -> None:  # data [n, L, 2, bs, Hk, D] in CPU RAM
         idx = torch.tensor(blocks, dtype=torch.long)
-        for layer, (k, v) in enumerate(zip(self.kv.k, self.kv.v)):
+        for layer, (k, v) in enumerate(zip(*self.kv.block_tensors())):
             i = idx.to(k.device)
             k.index_copy_(0, i, data[:, layer, 0].to(k.device, non_blocking=True))
             v.index_copy_(0, i, data[:, layer, 1].to(v.device, non_blocking=True))
@@ -214,17 +214,17 @@ class KVSwapSpace:
         self._store = None
 
 
-def _block_shape(kv: PagedKVPool) -> tuple[int, ...]:
+def _block_shape(kv: KVPool) -> tuple[int, ...]:
     s = kv.spec
     return (s.num_layers, 2, s.block_size, s.num_kv_heads, s.head_dim)
 
 
-def _chunk_bytes(kv: PagedKVPool) -> int:
+def _chunk_bytes(kv: KVPool) -> int:
     """Bytes of one swap block: every layer's K and V of one pool block."""
     return int(torch.Size(_block_shape(kv)).numel()) * torch.tensor([], dtype=kv.spec.dtype).element_size()
 
 
-def make_swap_space(kv: PagedKVPool, swap_bytes: int | None, offload_dir: str | None) -> KVSwapSpace | None:
+def make_swap_space(kv: KVPool, swap_bytes: int | None, offload_dir: str | None) -> KVSwapSpace | None:
     """The engine's swap space, or None (swap disabled, or a pool that cannot swap).
 
     ``swap_bytes`` None means auto: room for as many blocks as the pool has,

@@ -50,7 +50,7 @@ from pathlib import Path
 import torch
 
 from llmsys.kernels.common.errors import InvalidParameterError
-from llmsys.kernels.common.protocols import PagedKVPool
+from llmsys.kernels.common.protocols import KVPool
 from llmsys.kernels.cpu_attention import ColdBlocks
 from llmsys.offload.streamer import pread_full
 
@@ -88,7 +88,7 @@ def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
 class KVTier:
     """Cold KV blocks beyond the pool (see the module doc)."""
 
-    def __init__(self, kv: PagedKVPool, num_cold: int, folder: str | Path | None = None, tier: str | None = None,
+    def __init__(self, kv: KVPool, num_cold: int, folder: str | Path | None = None, tier: str | None = None,
                  drop_cache: bool = False):
         if kv.quantized:
             raise InvalidParameterError(
@@ -103,12 +103,12 @@ class KVTier:
         self.num_cold = num_cold
         self.num_layers = s.num_layers
         self.block_size = s.block_size
-        self.device = kv.k[0].device
+        self.device = kv.block_tensors()[0][0].device
         self.cuda = self.device.type == "cuda"
         self.tier = tier or ("cpu" if self.cuda else "disk")
         self.drop_cache = drop_cache
         shape = (2, num_cold, s.block_size, s.num_kv_heads, s.head_dim)  # K | V of every cold block, one layer
-        self.side_bytes = s.block_size * s.num_kv_heads * s.head_dim * kv.k[0].element_size()  # K (or V) of one block
+        self.side_bytes = s.block_size * s.num_kv_heads * s.head_dim * kv.block_tensors()[0][0].element_size()  # K (or V) of one block
         self.layer_block_bytes = 2 * self.side_bytes  # K + V of one block in one layer
         self.block_bytes = self.layer_block_bytes * s.num_layers  # one cold block, every layer
         self.stats = KVTierStats()
@@ -182,7 +182,7 @@ class KVTier:
         hot = torch.tensor([last[c] for c in cold], dtype=torch.long, device=self.device)
         runs = _runs(cold)
         idx = torch.tensor(cold, dtype=torch.long) - self.first
-        for layer, (k, v) in enumerate(zip(self.kv.k, self.kv.v)):
+        for layer, (k, v) in enumerate(zip(*self.kv.block_tensors())):
             for kind, side in enumerate((k, v)):
                 data = side.index_select(0, hot)  # [n, bs, Hk, D]
                 if self._store is not None:
@@ -205,8 +205,9 @@ class KVTier:
         self._ids = ids
         self._runs = _runs(ids)
         self._idx = torch.tensor(ids, dtype=torch.long) - self.first
-        self._layer_of = {t.data_ptr(): (i, 0) for i, t in enumerate(self.kv.k)}
-        self._layer_of.update({t.data_ptr(): (i, 1) for i, t in enumerate(self.kv.v)})
+        ks, vs = self.kv.block_tensors()
+        self._layer_of = {t.data_ptr(): (i, 0) for i, t in enumerate(ks)}
+        self._layer_of.update({t.data_ptr(): (i, 1) for i, t in enumerate(vs)})
         self._futs = {}
         self._cur = -1
         return ColdBlocks(self.first, torch.tensor(ids, dtype=torch.int64), self, self.block_size)
@@ -323,7 +324,7 @@ class KVTier:
         self._store = None
 
 
-def make_kv_tier(kv: PagedKVPool, tokens: int, folder: str | None, tier: str | None = None,
+def make_kv_tier(kv: KVPool, tokens: int, folder: str | None, tier: str | None = None,
                  drop_cache: bool = False) -> KVTier | None:
     """The engine's cold tier for ``tokens`` tokens of KV, or None (0: ``--kv-offload-tokens``' default)."""
     if tokens <= 0:

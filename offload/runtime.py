@@ -439,12 +439,12 @@ class OffloadRuntime:
             self.stager.wait_copied(k)
         self.ring.release(u)
 
-    def layer_hook(self, i: int, layer: nn.Module, h, positions, rope, k_cache, v_cache, meta):
+    def layer_hook(self, i: int, layer: nn.Module, h, residual, positions, rope, attn, meta):
         u = self._layer_unit.get(i)
         if u is not None:
             self.bring(u)
             try:
-                return layer(h, positions, rope, k_cache, v_cache, meta)
+                return layer(h, residual, positions, rope, attn, meta)
             finally:
                 self.drop(u)
         if i in self._resident_cpu:  # pragma: no cover - GPU only: pinned CPU weights copied to the GPU
@@ -458,15 +458,16 @@ class OffloadRuntime:
             for b, v in zip(binds, self.stager.views(k, items, offsets)):
                 (b.owner._parameters if b.is_param else b.owner._buffers)[b.leaf] = v
             try:
-                return layer(h, positions, rope, k_cache, v_cache, meta)
+                return layer(h, residual, positions, rope, attn, meta)
             finally:
                 self.stager.done(k)
         if self.cuda and self.kind.get(i) == "cpu":  # pragma: no cover - GPU only: computed on the CPU
             cpu = torch.device("cpu")
             m = _meta_to(meta, cpu)
-            out = layer(h.to(cpu), positions.to(cpu), rope.to(cpu), k_cache, v_cache, m)
-            return out.to(self.device, non_blocking=True)
-        return layer(h, positions, rope, k_cache, v_cache, meta)
+            res = residual.to(cpu) if residual is not None else None
+            out, res = layer(h.to(cpu), res, positions.to(cpu), rope.to(cpu), attn, m)
+            return out.to(self.device, non_blocking=True), res.to(self.device, non_blocking=True)
+        return layer(h, residual, positions, rope, attn, meta)
 
     def place_kv(self, kv: Any) -> None:  # pragma: no cover - GPU only
         """Move the KV tensors of CPU-computed layers to CPU RAM (kv has lists ``k`` and ``v``)."""

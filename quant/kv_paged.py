@@ -1,7 +1,9 @@
 """Quantized paged KV pools: the per-layer K and V "sides" the engine stores into.
 
-A float KV pool is a tensor ``[num_blocks, block_size, Hk, D]``; a quantized
-pool is one of these objects, one per layer and kind (K or V), each with
+A float KV pool is a tensor ``[num_blocks, block_size, Hk, D]`` per layer
+(``engine/kv_cache.py``); a quantized pool (:class:`Int8KVPool`,
+:class:`Int4KVPool`, the engine's ``KVPool`` protocol) holds per layer one of
+these side objects per kind (K or V), each with
 ``store(x [T, Hk, D], slot_mapping [T])``, ``gather(slots [B, L]) -> [B, L, Hk, D]``
 and ``nbytes()``. Token *slots* are the same as for the float pool
 (``block * block_size + offset``), so block tables, the allocator and the
@@ -20,8 +22,8 @@ scheduler do not change.
   is buffered in the model dtype while it fills (the full-precision window of
   recent tokens: at most ``block_size - 1`` per sequence) and quantized when
   its last slot is written. Values are quantized at once unless ``window`` is
-  set for them too. Dequantized in the attention gather
-  (:func:`attention_gathered`).
+  set for them too. Dequantized in the attention gather (the int4 attention
+  backend, ``engine/attention.py``).
 
 The open-block buffer is indexed by block id, so it needs no sequence
 bookkeeping: a write at offset 0 starts a new block (its owner just allocated
@@ -33,8 +35,8 @@ filled) keeps its buffer row until the block id is written again.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from llmsys import kernels
 from llmsys.quant.kv import QuantizedKVBlock, dequantize_kv_block, quantize_kv_block
 
 
@@ -220,46 +222,62 @@ class Int4Side:
         return self.buf.numel() * self.buf.element_size()
 
 
-def attention_gathered(
-    q: torch.Tensor,  # [T, Hq, D] packed new tokens
-    k: torch.Tensor,  # [B, Lmax, Hk, D] gathered (dequantized) keys
-    v: torch.Tensor,
-    plan,  # llmsys.kernels.cpu_attention.GatherPlan
-    scale: float,
-) -> torch.Tensor:  # [T, Hq, D]
-    """SDPA over already-gathered K/V; the same math as ``kernels.cpu_attention``."""
-    T, Hq, D = q.shape
-    Hk = k.shape[2]
-    B = len(plan.query_start) - 1
-    k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hk, Lmax, D]
-    if plan.is_decode:
-        qb = q.view(B, 1, Hq, D).transpose(1, 2)  # [B, Hq, 1, D]
-    else:
-        qpad = torch.cat([q, q.new_zeros(1, Hq, D)], dim=0)
-        qb = qpad[plan.query_pad_index].transpose(1, 2)  # [B, Hq, Qmax, D]
-    out = F.scaled_dot_product_attention(qb, k, v, attn_mask=plan.attn_mask, scale=scale, enable_gqa=Hq != Hk)
-    out = out.transpose(1, 2)  # [B, Qmax, Hq, D]
-    if plan.is_decode:
-        return out.reshape(T, Hq, D)
-    qs = plan.query_start
-    return torch.cat([out[b, : qs[b + 1] - qs[b]] for b in range(B)], dim=0)
-
-
 KV_DTYPES = ("auto", "int8", "int4")
 
 
-def kv_sides(kv_dtype: str, num_blocks: int, block_size: int, n_kv: int, head_dim: int,
-             device: torch.device, float_dtype: torch.dtype, value_group: int | None = None,
-             value_window: bool = False) -> tuple[object, object]:
-    """A (K, V) pair of quantized sides for one layer."""
-    if kv_dtype == "int8":
-        return (Int8Side(num_blocks, block_size, n_kv, head_dim, device),
-                Int8Side(num_blocks, block_size, n_kv, head_dim, device))
-    if kv_dtype == "int4":
-        return (Int4Side("key", num_blocks, block_size, n_kv, head_dim, device, float_dtype),
-                Int4Side("value", num_blocks, block_size, n_kv, head_dim, device, float_dtype,
-                         value_group, window=value_window))
-    raise ValueError(f"no quantized KV layout {kv_dtype!r}")
+class Int8KVPool:
+    """int8 KV pool (the kernels' layout): per layer an :class:`Int8Side` for K and one for V."""
+
+    kind = "int8"
+    quantized = True
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, n_kv: int, head_dim: int,
+                 device: torch.device, spec: object = None):
+        self.spec = spec  # the engine's KVCacheSpec (llmsys.engine.kv_cache), kept for its accounting
+        self.k = [Int8Side(num_blocks, block_size, n_kv, head_dim, device) for _ in range(num_layers)]
+        self.v = [Int8Side(num_blocks, block_size, n_kv, head_dim, device) for _ in range(num_layers)]
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """Quantize on write (``kernels.kv_store``'s int8 path: codes + per (slot, head) scales)."""
+        ks, vs = self.k[layer], self.v[layer]
+        kernels.kv_store(k, v, ks.codes, vs.codes, slots, ks.scale, vs.scale)
+
+    def nbytes(self) -> int:
+        return sum(s.nbytes() for s in self.k + self.v)
+
+    def block_tensors(self):
+        raise ValueError("an int8 KV pool has no plain block tensors (no swap space or cold tier)")
+
+
+class Int4KVPool:
+    """KIVI int4 KV pool: per layer an :class:`Int4Side` for K (per channel) and one for V (per token)."""
+
+    kind = "int4"
+    quantized = True
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, n_kv: int, head_dim: int,
+                 device: torch.device, float_dtype: torch.dtype, spec: object = None,
+                 value_group: int | None = None, value_window: bool = False):
+        self.spec = spec  # the engine's KVCacheSpec (llmsys.engine.kv_cache), kept for its accounting
+        self.k = [Int4Side("key", num_blocks, block_size, n_kv, head_dim, device, float_dtype)
+                  for _ in range(num_layers)]
+        self.v = [Int4Side("value", num_blocks, block_size, n_kv, head_dim, device, float_dtype, value_group,
+                           window=value_window) for _ in range(num_layers)]
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        self.k[layer].store(k, slots)
+        self.v[layer].store(v, slots)
+
+    def gather(self, layer: int, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized K and V ``[B, L, Hk, D]`` of ``layer`` at ``slots [B, L]``."""
+        return self.k[layer].gather(slots, dtype), self.v[layer].gather(slots, dtype)
+
+    def nbytes(self) -> int:
+        """Bytes held now, the full-precision open-block window included."""
+        return sum(s.nbytes() for s in self.k + self.v)
+
+    def block_tensors(self):
+        raise ValueError("an int4 KV pool has no plain block tensors (no swap space or cold tier)")
 
 
 def int4_bytes_per_token(n_kv: int, head_dim: int, block_size: int, value_group: int | None = None) -> float:

@@ -14,7 +14,7 @@ import torch
 
 from llmsys import LLM, SamplingParams
 from llmsys.kernels.common.errors import InvalidParameterError
-from llmsys.engine.kv_cache import BlockAllocator, KVCache, KVCacheSpec
+from llmsys.engine.kv_cache import BlockAllocator, KVCacheSpec, make_kv_pool
 from llmsys.engine.scheduler import Scheduler, SchedulerOutput
 from llmsys.engine.sequence import Sequence, SeqStatus
 from llmsys.offload.kv_tier import KVTier, make_kv_tier
@@ -232,7 +232,7 @@ def test_quantized_pool_refuses_a_cold_tier():
     spec = KVCacheSpec(num_layers=2, num_blocks=4, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32,
                        kv_dtype="int8")
     with pytest.raises(InvalidParameterError, match="needs a float KV pool"):
-        make_kv_tier(KVCache(spec, torch.device("cpu")), 64, None)
+        make_kv_tier(make_kv_pool(spec, torch.device("cpu")), 64, None)
 
 
 # -- units: the tier's copies, the allocator, the scheduler's choice -----------------------------

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmsys.engine.attention import build_metadata
-from llmsys.engine.kv_cache import KVCache, KVCacheSpec
+from llmsys.engine.attention import make_backend
+from llmsys.engine.kv_cache import KVCacheSpec, make_kv_pool
 from llmsys.engine.loader import load_model
 from tiny_models import ARCH_CONFIGS, make_hf_model
 
@@ -18,20 +18,20 @@ def llmsys_logits(loaded, prompt: list[int], cont: list[int]) -> list[torch.Tens
     a = loaded.args
     bs = 16
     spec = KVCacheSpec(a.num_hidden_layers, 16, bs, a.num_key_value_heads, a.head_dim, loaded.dtype)
-    kv = KVCache(spec, loaded.device)
+    attn = make_backend(make_kv_pool(spec, loaded.device), loaded.device, bs)
     table = list(range(1, 9))
     out = []
     tokens = list(prompt)
     with torch.inference_mode():
         n = len(prompt)
-        meta = build_metadata([n], [n], [table], bs, loaded.device)
-        h = loaded.model(torch.tensor(prompt), torch.arange(n), kv, meta)
+        meta = attn.metadata([n], [n], [table])
+        h = loaded.model(torch.tensor(prompt), torch.arange(n), attn, meta)
         out.append(loaded.model.compute_logits(h[-1:])[0])
         for t in cont:
             tokens.append(t)
             L = len(tokens)
-            meta = build_metadata([1], [L], [table], bs, loaded.device)
-            h = loaded.model(torch.tensor([t]), torch.tensor([L - 1]), kv, meta)
+            meta = attn.metadata([1], [L], [table])
+            h = loaded.model(torch.tensor([t]), torch.tensor([L - 1]), attn, meta)
             out.append(loaded.model.compute_logits(h)[0])
     return out
 
@@ -136,7 +136,10 @@ def test_bfloat16_engine_is_as_close_to_float32_as_transformers_bfloat16(arch, t
         hf_err = (hfb(torch.tensor([prompt + cont])).logits[0, rows].float() - ref).abs().max().item()
     llm = LLM(str(path), dtype="bfloat16", device="cpu", progress=False, kv_cache_tokens=256)
     model = llm.loaded.model
-    assert model.fast_decode is not None and model.model.layers[0].mlp.gate_up_proj is not None
+    from llmsys.engine.attention import CpuBackend
+
+    # The CPU backend (C RoPE+store and decode attention) and fused projections.
+    assert type(llm.core.attn.inner) is CpuBackend and model.model.layers[0].mlp.gate_up_proj is not None
     ours = torch.stack(llmsys_logits(llm.loaded, prompt, cont)).float()
     err = (ours - ref).abs().max().item()
     assert err <= 1.5 * hf_err + 1e-3, f"{arch}: bf16 max |logit err| {err:.3g} vs transformers bf16 {hf_err:.3g}"

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from llmsys import LLM, SamplingParams
-from llmsys.engine.kv_cache import KVCache, KVCacheSpec
+from llmsys.engine.kv_cache import KVCacheSpec, make_kv_pool
 from llmsys.offload.kv_swap import KVSwapSpace, make_swap_space
 from tiny_models import random_kv_pool
 
@@ -111,7 +111,7 @@ def test_prefer_swap_follows_the_measured_costs():
 def test_quantized_pools_and_zero_budget_have_no_swap_space():
     spec = KVCacheSpec(num_layers=2, num_blocks=4, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32,
                        kv_dtype="int8")
-    assert make_swap_space(KVCache(spec, torch.device("cpu")), None, None) is None
+    assert make_swap_space(make_kv_pool(spec, torch.device("cpu")), None, None) is None
     assert make_swap_space(random_kv_pool(), 0, None) is None
     auto = make_swap_space(random_kv_pool(num_blocks=6), None, None)
     assert auto.num_blocks == 6  # auto: as many blocks as the pool

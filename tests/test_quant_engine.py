@@ -181,6 +181,20 @@ def test_quantized_kv_pool_scores_like_float(tiny, kv, mean_err):
     assert llm.generate(["hello world", "a b c"], GREEDY)[1].token_ids  # decode path runs
 
 
+@pytest.mark.parametrize("kv", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_quantized_kv_prompt_is_batch_invariant(tiny, kv, dtype):
+    """A prompt's log-probabilities (its logits' log-softmax) with quantized KV are bit-identical whether it is
+    prefilled alone or in one step with a longer prompt: every pool runs prompt attention per sequence, unpadded."""
+    from llmsys.engine.scoring import score_sequences
+
+    llm = _llm(tiny, kv_dtype=kv, dtype=dtype)
+    short, long = list(range(3, 40)), list(range(100, 190))
+    alone = score_sequences(llm.core, [short])[0]
+    together = score_sequences(llm.core, [short, long])[0]
+    assert torch.equal(alone, together)
+
+
 def test_int4_side_window_and_block_quantization():
     torch.manual_seed(0)
     nb, bs, hk, d = 6, 16, 2, 8

@@ -93,11 +93,11 @@ def write_tiny_tokenizer(out: Path, vocab_size: int = 512, chat_template: str | 
 
 def random_kv_pool(num_blocks: int = 6, layers: int = 3):
     """A small float32 KV pool (block size 4, 2 KV heads of 8) filled with seeded random values."""
-    from llmsys.engine.kv_cache import KVCache, KVCacheSpec
+    from llmsys.engine.kv_cache import KVCacheSpec, PlainKVPool
 
     spec = KVCacheSpec(num_layers=layers, num_blocks=num_blocks, block_size=4, num_kv_heads=2, head_dim=8,
                        dtype=torch.float32)
-    kv = KVCache(spec, torch.device("cpu"))
+    kv = PlainKVPool(spec, torch.device("cpu"))
     g = torch.Generator().manual_seed(0)
     for t in kv.k + kv.v:
         t.copy_(torch.randn(t.shape, generator=g))

@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmsys import kernels
-from llmsys.engine.attention import AttentionMetadata, paged_attention, store_kv
+from llmsys.engine.attention import AttentionBackend, AttentionMetadata
 from llmsys.kernels.common.errors import UnsupportedModelError
-from llmsys.engine.kv_cache import KVCache
+from llmsys.kernels import cpu_decode
 
 
 @dataclass
@@ -101,14 +101,29 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        # HF LlamaRMSNorm numerics; with ``residual`` the add is fused and
-        # ``(normed, x + residual)`` is returned.
-        return kernels.rms_norm(x, self.weight, self.eps, residual)
+        """HF LlamaRMSNorm numerics; with ``residual`` the add is fused and ``(normed, x + residual)`` is returned.
+
+        On the CPU the two dtypes the engine decodes in go straight to what
+        ``kernels.rms_norm`` would pick for them (torch's fused ``F.rms_norm`` for
+        float32, the C kernel for bfloat16): the same bits without the wrapper's
+        checks, which cost as much as the op at decode (the inputs are the
+        decoder's own contiguous activations).
+        """
+        w = self.weight
+        if not x.is_cuda and x.dtype == w.dtype:
+            if x.dtype == torch.float32:
+                h = x if residual is None else x + residual
+                out = F.rms_norm(h, (h.shape[-1],), w, self.eps)
+                return out if residual is None else (out, h)
+            if x.dtype == torch.bfloat16 and cpu_decode.available():
+                return cpu_decode.rms_norm(x, w, self.eps, residual)
+        return kernels.rms_norm(x, w, self.eps, residual)
 
 
 class Attention(nn.Module):
-    def __init__(self, a: TransformerArgs):
+    def __init__(self, a: TransformerArgs, index: int):
         super().__init__()
+        self.index = index  # the layer's index in the KV pool
         self.n_heads, self.n_kv, self.head_dim = a.num_attention_heads, a.num_key_value_heads, a.head_dim
         self.q_proj = Linear(a.hidden_size, self.n_heads * self.head_dim, bias=a.attention_bias)
         self.k_proj = Linear(a.hidden_size, self.n_kv * self.head_dim, bias=a.attention_bias)
@@ -119,6 +134,10 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         # q|k|v rows in one GEMM, set by DecoderModel.fuse_projections (which drops q/k/v_proj).
         self.qkv_proj: nn.Module | None = None
+        # [(2 (Hq + Hk) + Hk) D, hidden] rows q | k | q swapped | k swapped | v, set by DecoderModel.fold_rope
+        # for plain float32 projections: decode steps get RoPE's rotate-half out of the GEMM.
+        self.rope_qkv: torch.Tensor | None = None
+        self.o_decode: torch.Tensor | None = None  # o_proj's plain float32 weight for those steps (F.linear direct)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q ``[T, Hq, D]``, k and v ``[T, Hk, D]`` (views into one fused output when fused), q/k normed."""
@@ -137,13 +156,32 @@ class Attention(nn.Module):
             q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
         return q, k, v
 
-    def forward(self, x, positions, rope_cache, k_cache, v_cache, meta: AttentionMetadata):
+    def forward(self, x, positions, rope_cache, attn: AttentionBackend, meta: AttentionMetadata,
+                rows: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """``x [T, hidden]`` -> ``[T, hidden]``; K/V of the new tokens go into ``attn``'s pool.
+
+        ``rows``: a decode step's ``[T, 1, D]`` RoPE rows ``[cos, cos]`` and ``[-sin, sin]``
+        (``DecoderModel.decode_rope_rows``). With folded weights (``rope_qkv``) the GEMM
+        yields ``[x1, x2]`` and ``[x2, x1]`` per head, so RoPE is ``x * cos2 + swapped * sin2``:
+        the products and sums of ``kernels.rope``'s reference, the same bits.
+        """
         T = x.shape[0]
-        q, k, v = self.project(x)
-        q, k = kernels.rope(q, k, positions, rope_cache)
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)  # quantizes on write for int8/int4 pools
-        o = paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
-        return self.o_proj(o.reshape(T, self.n_heads * self.head_dim))
+        hq, d = self.n_heads, self.head_dim
+        if rows is not None and self.rope_qkv is not None:
+            hk = self.n_kv
+            nqk = (hq + hk) * d
+            out = F.linear(x, self.rope_qkv)  # [T, (2 (Hq + Hk) + Hk) D]
+            qk, sw = out[:, :nqk].view(T, hq + hk, d), out[:, nqk : 2 * nqk].view(T, hq + hk, d)
+            r = qk * rows[0] + sw * rows[1]  # [T, Hq + Hk, D] roped q | k
+            attn.store(self.index, r[:, hq:], out[:, 2 * nqk :].view(T, hk, d), meta)
+            q = r[:, :hq]
+        else:
+            q, k, v = self.project(x)
+            q = attn.rope_store(self.index, q, k, v, positions, rope_cache, meta)  # k, v into the pool
+        o = attn.attend(self.index, q, meta, self.scale).reshape(T, hq * d)  # [T, Hq * D]
+        if rows is not None and self.o_decode is not None:
+            return F.linear(o, self.o_decode)  # what kernels.linear runs for this weight, without its dispatch
+        return self.o_proj(o)
 
 
 class MLP(nn.Module):
@@ -154,6 +192,10 @@ class MLP(nn.Module):
         self.down_proj = Linear(a.intermediate_size, a.hidden_size, bias=False)
         # gate|up rows in one GEMM, set by DecoderModel.fuse_projections (which drops gate/up_proj).
         self.gate_up_proj: nn.Module | None = None
+        # [2 I, hidden] plain float32 gate|up weights for decode steps, set by DecoderModel.fold_rope where
+        # fuse_projections leaves small weights apart (each output row equals the separate GEMMs' at decode).
+        self.gate_up_decode: torch.Tensor | None = None
+        self.down_decode: torch.Tensor | None = None  # down_proj's plain float32 weight for decode steps
 
     def act(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, I]
         """``silu(gate(x)) * up(x)``, the input of ``down_proj``."""
@@ -165,22 +207,45 @@ class MLP(nn.Module):
         # must sit in memory as the unfused GEMM's output does (the same bits either way).
         return F.silu(gu[..., :inter].contiguous()) * gu[..., inter:]
 
-    def forward(self, x):
-        return self.down_proj(self.act(x))
+    def forward(self, x, decode: bool = False):
+        if not decode:
+            return self.down_proj(self.act(x))
+        if self.gate_up_decode is not None:
+            gu = F.linear(x, self.gate_up_decode)  # [T, 2 I]
+            inter = gu.shape[-1] // 2
+            # contiguous: as in act, the gate must sit in memory as the unfused GEMM's output did.
+            y = F.silu(gu[:, :inter].contiguous()) * gu[:, inter:]
+        else:
+            y = self.act(x)
+        return F.linear(y, self.down_decode) if self.down_decode is not None else self.down_proj(y)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, a: TransformerArgs):
+    def __init__(self, a: TransformerArgs, index: int = 0):
         super().__init__()
-        self.self_attn = Attention(a)
+        self.self_attn = Attention(a, index)
         self.mlp = MLP(a)
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
-    def forward(self, h, positions, rope_cache, k_cache, v_cache, meta):
-        a = self.self_attn(self.input_layernorm(h), positions, rope_cache, k_cache, v_cache, meta)
-        x, h = self.post_attention_layernorm(a, residual=h)  # h <- h + a
-        return h + self.mlp(x)
+    def forward(self, h, residual, positions, rope_cache, attn: AttentionBackend, meta: AttentionMetadata,
+                rows: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """``(h, residual) -> (mlp output, residual)``; the layer's hidden state is ``residual + mlp output``.
+
+        ``h``: the previous layer's MLP output, added to ``residual`` inside this layer's
+        input RMSNorm (one fused op instead of an add and a norm: the same sum in the
+        model dtype, then the same norm); for layer 0, the embeddings with ``residual``
+        None. Norms and attention are called by ``forward``, not ``__call__`` (no
+        module dispatch per op at decode); linear layers keep ``__call__`` (calibration
+        hooks them).
+        """
+        if residual is None:
+            x, residual = self.input_layernorm.forward(h), h
+        else:
+            x, residual = self.input_layernorm.forward(h, residual)
+        a = self.self_attn.forward(x, positions, rope_cache, attn, meta, rows)
+        x, residual = self.post_attention_layernorm.forward(a, residual)  # residual <- residual + a
+        return self.mlp.forward(x, rows is not None), residual
 
 
 class DecoderModel(nn.Module):
@@ -195,7 +260,7 @@ class DecoderModel(nn.Module):
         self.args = args
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.model.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_hidden_layers))
+        self.model.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_hidden_layers))
         self.model.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         # On the meta device (the loader's skeleton) the table is a placeholder the
@@ -205,12 +270,11 @@ class DecoderModel(nn.Module):
         cache = torch.empty(args.max_position_embeddings, args.head_dim) if on_meta else rope_cache(args)
         self.register_buffer("rope_cache", cache, persistent=False)
         # Set by the offload runtime (llmsys.offload.runtime): called instead of
-        # layer(...) as hook(i, layer, h, positions, rope_cache, k_cache, v_cache, meta) so
+        # layer(...) as hook(i, layer, h, residual, positions, rope_cache, attn, meta) so
         # layer i's weights are made resident just before it runs and released after.
         self.layer_hook: Any = None
-        # Set by the engine (engine/models/fast_decode.py): the same decode step in fewer
-        # torch ops, used for the steps it accepts (pure decode, CPU, float32 pool).
-        self.fast_decode: Any = None
+        # Set by fold_rope: [max_pos, 2, D] rows [cos, cos] | [-sin, sin] of rope_cache (source, table).
+        self._rope2: tuple[torch.Tensor, torch.Tensor] | None = None
         # From the loader, for a tied model whose checkpoint stores the embedding table
         # plainly: (source with .path .offset .nbytes, stored dtype). prepack_linears then
         # serves embedding rows from the file so the tied head can be packed.
@@ -230,20 +294,76 @@ class DecoderModel(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv: KVCache,
-        meta: AttentionMetadata,
+        attn: AttentionBackend,  # the engine's attention backend (owns the KV pool)
+        meta: AttentionMetadata,  # built by attn.metadata for this step
     ) -> torch.Tensor:  # [T, hidden]
-        fast = self.fast_decode
-        if fast is not None and fast.accepts(kv, meta):
-            return fast(input_ids, positions, kv, meta)
-        h = self.model.embed_tokens(input_ids)
+        """The decoder's one forward: prefill, decode and mixed steps, resident or streamed layers.
+
+        Per step, not per layer: the decode RoPE rows (:meth:`decode_rope_rows`); the
+        slots and gather layout are in ``meta``. The residual add after each MLP is
+        fused into the next RMSNorm (:meth:`DecoderLayer.forward`).
+        """
+        rows = self.decode_rope_rows(positions, meta)
+        rope = self.rope_cache
+        h, res = self.model.embed_tokens(input_ids), None
+        hook = self.layer_hook
         for i, layer in enumerate(self.model.layers):
-            k_cache, v_cache = kv.layer(i)
-            if self.layer_hook is not None:
-                h = self.layer_hook(i, layer, h, positions, self.rope_cache, k_cache, v_cache, meta)
+            if hook is None:
+                h, res = layer.forward(h, res, positions, rope, attn, meta, rows)
             else:
-                h = layer(h, positions, self.rope_cache, k_cache, v_cache, meta)
-        return self.model.norm(h)
+                h, res = hook(i, layer, h, res, positions, rope, attn, meta)
+        norm = self.model.norm
+        return norm.forward(h) if res is None else norm.forward(h, res)[0]
+
+    def decode_rope_rows(self, positions: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``[T, 1, D]`` rows ``[cos, cos]`` and ``[-sin, sin]`` of a pure-decode CPU step, for folded layers.
+
+        None unless some layer folds RoPE (:meth:`fold_rope`) and every new token of the
+        step is a generated one (a gather plan with the decode layout). The table is
+        rebuilt when the RoPE table grew (``ensure_rope_positions``).
+        """
+        r2 = self._rope2
+        plan = meta.plan
+        if r2 is None or plan is None or not plan.is_decode or plan.lens is None:
+            return None
+        src = self.rope_cache
+        if r2[0] is not src:
+            half = src.shape[1] // 2
+            cos, sin = src[:, :half], src[:, half:]
+            r2 = self._rope2 = (src, torch.stack([torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)], dim=1))
+        rows = r2[1].index_select(0, positions)  # [T, 2, D]
+        return rows[:, :1], rows[:, 1:]
+
+    def fold_rope(self) -> int:
+        """Fold RoPE's rotate-half into plain float32 q|k|v weights (and gate|up into one GEMM); returns folds made.
+
+        Why: a float32 decode step of a small model (stories260k) costs as much in op
+        dispatch as in arithmetic. With the q and k rows stored once more with the two
+        halves of every head swapped, one GEMM yields q, k, their swapped halves and v,
+        and RoPE is three elementwise ops (:meth:`Attention.forward`). Only decode
+        steps use the folded weights (:meth:`decode_rope_rows`): each output row of a
+        GEMM over more rows equals the separate GEMMs' there (tests/test_fused_decode.py).
+        For resident plain CPU float32 projections without biases or per-head norms
+        that ``kernels.linear`` sends to ``F.linear`` (too small to pack); an inference
+        engine's pass (``llm.py``), after :meth:`prepack_linears`.
+        """
+        n = 0
+        for layer in self.model.layers:
+            at, mlp = layer.self_attn, layer.mlp
+            q, k, v = (_plain_gemm(m) for m in (at.q_proj, at.k_proj, at.v_proj))
+            if q is not None and k is not None and v is not None and at.q_norm is None:
+                at.rope_qkv = torch.cat([q, k, _swap_halves(q, at.n_heads, at.head_dim),
+                                         _swap_halves(k, at.n_kv, at.head_dim), v])
+                n += 1
+            at.o_decode = _plain_gemm(at.o_proj)
+            g, u = _plain_gemm(mlp.gate_proj), _plain_gemm(mlp.up_proj)
+            if g is not None and u is not None:
+                mlp.gate_up_decode = torch.cat([g, u])
+            mlp.down_decode = _plain_gemm(mlp.down_proj)
+            n += at.o_decode is not None or mlp.down_decode is not None
+        if n:
+            self._rope2 = (torch.empty(0), torch.empty(0))  # built from rope_cache at the first decode step
+        return n
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V]
         return self.lm_head(hidden)
@@ -288,7 +408,7 @@ class DecoderModel(nn.Module):
         fused, a bfloat16 SmolLM2-135M token takes ~1.6 ms less. Exact: each output
         of the fused GEMM equals the separate GEMM's bit for bit (oneDNN and MKL
         reduce every output over K the same way whatever N is;
-        tests/test_fast_decode.py), so resident fused layers and streamed unfused
+        tests/test_fused_decode.py), so resident fused layers and streamed unfused
         ones agree. The separate modules are dropped (set to None), so memory does
         not grow. Only for resident CPU ``Linear`` weights that would be prepacked
         (inference engines, see :meth:`prepack_linears`); the rest stay as they are.
@@ -351,6 +471,23 @@ class DecoderModel(nn.Module):
         src, stored = self.embed_file
         w = emb.weight
         return DiskEmbedding(src, w.shape[0], w.shape[1], w.dtype, w.device, stored=stored, drop_cache=False)
+
+
+def _plain_gemm(mod: nn.Module | None) -> torch.Tensor | None:
+    """The weight of a layer that ``kernels.linear`` sends to ``F.linear`` with no bias, else None."""
+    if type(mod) is not Linear or mod.bias is not None:
+        return None
+    w = mod.weight
+    if w.is_mkldnn or w.device.type != "cpu" or w.dtype != torch.float32 or kernels.packable(w):
+        return None
+    return w
+
+
+def _swap_halves(w: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+    """Rows of a [heads * D, K] projection reordered so each head's output reads ``[x2, x1]``."""
+    half = head_dim // 2
+    w = w.view(heads, head_dim, -1)
+    return torch.cat([w[:, half:], w[:, :half]], dim=1).reshape(heads * head_dim, -1)
 
 
 def _fused_linear(mods: list[nn.Module]) -> nn.Module | None:

@@ -7,7 +7,6 @@ They name here exactly what they read, and any pool with those attributes fits.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -32,19 +31,33 @@ class PagedKVShape(Protocol):
     def kv_dtype(self) -> str: ...  # "auto" (= dtype), "int8" or "int4"
 
 
-class PagedKVPool(Protocol):
-    """What offload reads of the paged KV pool (``engine.kv_cache.KVCache`` is one).
+class KVPool(Protocol):
+    """The KV pool of one engine: where each layer's K/V live and how they are written.
 
-    ``k[i]`` / ``v[i]``: layer ``i``'s keys / values, one float tensor
-    ``[num_blocks, block_size, num_kv_heads, head_dim]`` per layer when the pool
-    is not quantized (the only pools the swap space and the KV tier accept).
+    Chosen once, by ``engine.kv_cache.make_kv_pool`` from ``spec.kv_dtype``; the
+    attention backend built for it (``engine.attention.make_backend``) is the only
+    code that reads it during a step, and offload's swap space and KV tier copy its
+    blocks through :meth:`block_tensors`. Token *slots* are ``block * block_size +
+    offset`` for every kind, so block tables, the allocator and the scheduler do not
+    care which pool holds the tokens. ``k[i]`` / ``v[i]`` are layer ``i``'s sides:
+    ``[num_blocks, block_size, Hk, D]`` tensors for a plain pool, quantized side
+    objects (``llmsys.quant.kv_paged``) otherwise.
     """
 
-    @property
-    def spec(self) -> PagedKVShape: ...
-    @property
-    def k(self) -> Sequence[torch.Tensor]: ...
-    @property
-    def v(self) -> Sequence[torch.Tensor]: ...
+    spec: PagedKVShape
+    kind: str  # "plain" | "int8" | "int4"
+    k: list
+    v: list
+
     @property
     def quantized(self) -> bool: ...
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """Write new K/V ``[T, Hk, D]`` of ``layer`` at ``slots [T]`` (quantized pools quantize on write)."""
+        ...
+
+    def nbytes(self) -> int: ...
+
+    def block_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per-layer K and V tensors whose blocks the swap space and the cold tier copy (plain pools only)."""
+        ...

@@ -16,13 +16,13 @@ reads from the tier only the cold pages it selected, per layer
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from llmsys import kernels
-from llmsys.kernels.cpu_attention import paged_attention_gathered
+if TYPE_CHECKING:
+    from llmsys.offload.kv_tier import KVTier
 
 
 @dataclass
@@ -43,18 +43,19 @@ class QuestStats:
 
 @dataclass
 class QuestAttention:
-    """Attention override for ``AttentionMetadata.policy_attn`` (all layers share it).
+    """Quest's page summaries and decode (all layers share one).
 
-    Per-layer summaries are found by the identity of the layer's key cache
-    tensor, since attention is called with the cache, not a layer index.
+    The engine's attention backend wraps its base backend in
+    ``engine.attention.QuestBackend`` with this object: it calls :meth:`update`
+    after every K store and :meth:`decode` for decode steps. Per-layer summaries
+    are found by the identity of the layer's key cache tensor.
     """
 
     top_pages: int
     block_size: int
     stats: QuestStats = field(default_factory=QuestStats)
     _summ: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    tier: Any = None  # llmsys.offload.kv_tier.KVTier when pages may be cold (set by the engine)
-    selects_pages: ClassVar[bool] = True  # decode reads only selected pages: the runner does not prefetch
+    tier: KVTier | None = None  # the engine's cold tier when pages may be cold (given at construction)
 
     def summaries(self, k_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         key = k_cache.data_ptr()
@@ -86,18 +87,6 @@ class QuestAttention:
         idx = blocks[:, None].expand(-1, hk * d)
         kmin.view(kmin.shape[0], -1).scatter_reduce_(0, idx, knew, "amin")
         kmax.view(kmax.shape[0], -1).scatter_reduce_(0, idx, knew, "amax")
-
-    def __call__(self, q, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
-        if k_cache.dtype == torch.int8:
-            raise ValueError("quest: int8 KV caches are not supported (use kv_dtype auto)")
-        self.update(k_cache, meta.slot_mapping)
-        if meta.is_decode:
-            return self.decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens_t, scale)
-        if meta.plan is not None:
-            return paged_attention_gathered(q, k_cache, v_cache, meta.plan, scale)
-        return kernels.paged_prefill_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.context_lens_t, meta.query_start_loc, scale
-        )
 
     def decode(
         self,

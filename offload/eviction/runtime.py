@@ -13,9 +13,10 @@ costs no per-token work:
 * ``before_step(seq, n)`` from the scheduler, before it grows the block
   table: caps a prefill chunk and evicts so ``cache_len + n`` fits the budget
   (freed blocks go back to the allocator at once);
-* ``annotate(meta, scheduled)`` from the runner: installs the attention
-  override that records scores (H2O, SnapKV: only those sequences' rows; the
-  others attend as they would alone) or selects pages (Quest);
+* ``score_from(scheduled)`` from the runner: which sequences' attention rows
+  the step's metadata asks the engine's ``ScoringBackend`` for (H2O, SnapKV:
+  only those sequences' rows; the others attend as they would alone); Quest's
+  page selection is the engine's ``QuestBackend``, built with :attr:`quest`;
 * ``after_forward(chunks, meta)`` from the scheduler once the step ran: appends the new tokens
   to each sequence's bookkeeping, folds in the scores, and compresses a
   SnapKV prompt at the end of its prefill.
@@ -32,9 +33,7 @@ from typing import Any, Iterable
 
 import torch
 
-from llmsys import kernels
 from llmsys.kernels.common.errors import InvalidParameterError
-from llmsys.kernels.cpu_attention import make_gather_plan, paged_attention_gathered, paged_attention_gathered_scores
 from llmsys.offload.eviction.compact import compact_kv, ensure_rope_positions
 from llmsys.offload.eviction.policy import KVPolicy, parse_kv_policy
 from llmsys.offload.eviction.quest import QuestAttention
@@ -96,75 +95,6 @@ class SeqKVState:
             self.obs = self.obs[:, idx]
 
 
-class ScoreCollector:
-    """Attention override that also sums attention rows over layers.
-
-    ``score_from[b]``: first new token of sequence ``b`` whose row is kept,
-    or None for a sequence that needs no scores (another policy, or ``full``):
-    those attend through the plain path, batched apart from the scoring ones,
-    exactly as they would without a scoring neighbour.
-    ``rows[b]``: ``[nq_b, context_len_b]`` mass summed over heads and layers.
-    """
-
-    def __init__(self, score_from: list[int | None], context_lens: list[int]):
-        self.score_from = score_from
-        self.context_lens = context_lens
-        self.rows: list[torch.Tensor | None] = [None] * len(score_from)
-        self._plan = None
-        self._split = None  # (scoring rows, their plan, their tokens, other plan, other tokens)
-
-    def __call__(self, q, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
-        if any(f is None for f in self.score_from):
-            return self._mixed(q, k_cache, v_cache, meta, scale)
-        if q.is_cuda and meta.is_decode and k_cache.dtype != torch.int8:
-            res = kernels.paged_decode_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.context_lens_t, scale, return_scores=True
-            )
-            rows = [res.token_mass[b].sum(0, keepdim=True) for b in range(q.shape[0])]  # [1, cap]
-            out = res.out
-        else:
-            plan = meta.plan
-            if plan is None:  # CUDA prefill: build the gather layout once per step
-                if self._plan is None:
-                    qlens = [meta.query_start[i + 1] - meta.query_start[i] for i in range(meta.num_seqs)]
-                    tables = [row.tolist() for row in meta.block_tables.cpu()]
-                    self._plan = make_gather_plan(qlens, meta.context_lens, tables, k_cache.shape[1], q.device,
-                                                  meta.cold)
-                plan = self._plan
-            out, rows = paged_attention_gathered_scores(q, k_cache, v_cache, plan, scale, self.score_from)
-        self._add_rows(range(len(rows)), rows)
-        return out
-
-    def _add_rows(self, seqs: Iterable[int], rows: list[torch.Tensor]) -> None:
-        for b, r in zip(seqs, rows):
-            r = r[:, : self.context_lens[b]].float().cpu()
-            self.rows[b] = r if self.rows[b] is None else self.rows[b] + r
-
-    def _mixed(self, q, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
-        """Scoring sequences through the scores path, the others through the plain one (two sub-batches)."""
-        if self._split is None:  # layer-independent: once per step
-            bs = k_cache.shape[1]
-            qs = meta.query_start
-            tables = [row[: -(-n // bs)] for row, n in zip(meta.block_tables.cpu().tolist(), meta.context_lens)]
-            parts = []
-            for want in (True, False):
-                rows = [b for b, f in enumerate(self.score_from) if (f is not None) == want]
-                plan = make_gather_plan([qs[b + 1] - qs[b] for b in rows], [meta.context_lens[b] for b in rows],
-                                        [tables[b] for b in rows], bs, q.device, meta.cold)  # a full neighbour may be cold
-                tok = torch.tensor([t for b in rows for t in range(qs[b], qs[b + 1])], dtype=torch.int64, device=q.device)
-                parts += [rows, plan, tok]
-            self._split = parts
-        srows, splan, stok, _, oplan, otok = self._split
-        out = q.new_empty(q.shape)
-        res, rows = paged_attention_gathered_scores(
-            q.index_select(0, stok), k_cache, v_cache, splan, scale, [self.score_from[b] for b in srows]
-        )
-        out.index_copy_(0, stok, res)
-        out.index_copy_(0, otok, paged_attention_gathered(q.index_select(0, otok), k_cache, v_cache, oplan, scale))
-        self._add_rows(srows, rows)
-        return out
-
-
 class PolicyRuntime:
     """Engine-wide policy state: the default policy, the pool, the model's RoPE table.
 
@@ -174,14 +104,17 @@ class PolicyRuntime:
     scoring).
     """
 
-    def __init__(self, policy: KVPolicy, model: Any, kv: Any, allocator: Any, block_size: int, chunk: int | None = None):
+    def __init__(self, policy: KVPolicy, model: Any, kv: Any, allocator: Any, block_size: int, chunk: int | None = None,
+                 tier: Any = None):
         self.policy = policy
         self.model = model
         self.kv = kv
         self.allocator = allocator
         self.block_size = block_size
         self.chunk = max(1, chunk or block_size)
-        self.quest = QuestAttention(policy.top_pages, block_size) if policy.kind == "quest" else None
+        # Quest's summaries (the engine's attention backend wraps its base in QuestBackend with them);
+        # with a cold tier, decode reads only the cold pages it selects.
+        self.quest = QuestAttention(policy.top_pages, block_size, tier=tier) if policy.kind == "quest" else None
         self.evicted_total = 0
 
     def resolve(self, text: str | KVPolicy | None) -> KVPolicy:
@@ -252,10 +185,11 @@ class PolicyRuntime:
             del seq.block_table[need:]
 
     # -- runner hooks --------------------------------------------------------
-    def annotate(self, meta: Any, scheduled: Iterable[Any]) -> None:
-        if self.quest is not None:
-            meta.policy_attn = self.quest
-            return
+    def score_from(self, scheduled: Iterable[Any]) -> list[int | None] | None:
+        """Per scheduled sequence, the first new token whose attention row its policy needs (None: none).
+
+        None for the whole step when no sequence scores (the backend's metadata is then the plain one).
+        """
         frm: list[int | None] = []
         for s in scheduled:
             pol = s.kv_policy  # the scheduled row's evicting policy, or None
@@ -263,12 +197,10 @@ class PolicyRuntime:
                 frm.append(None)
             else:
                 frm.append(0 if pol.kind == "h2o" else max(0, s.num_new_tokens - pol.obs))
-        if any(f is not None for f in frm):
-            meta.policy_attn = ScoreCollector(frm, list(meta.context_lens))
+        return frm if any(f is not None for f in frm) else None
 
     def after_forward(self, scheduled: Iterable[Any], meta: Any) -> None:
-        coll = getattr(meta, "policy_attn", None)
-        rows = coll.rows if isinstance(coll, ScoreCollector) else None
+        rows = meta.scores.rows if meta.scores is not None else None
         for b, s in enumerate(scheduled):
             seq, n = s.seq, s.num_new_tokens
             st: SeqKVState | None = seq.kv
@@ -313,7 +245,8 @@ def check_policy(pol: KVPolicy, kv: Any, block_size: int) -> None:
         )
 
 
-def make_policy_runtime(text: Any, model: Any, kv: Any, allocator: Any, block_size: int, max_len: int) -> PolicyRuntime:
+def make_policy_runtime(text: Any, model: Any, kv: Any, allocator: Any, block_size: int, max_len: int,
+                        tier: Any = None) -> PolicyRuntime:
     """Parse + resolve + check the engine's default policy; the runtime every engine has.
 
     Also extends the model's RoPE table when the engine's context (or the
@@ -322,4 +255,4 @@ def make_policy_runtime(text: Any, model: Any, kv: Any, allocator: Any, block_si
     pol = parse_kv_policy(text).resolve(kv.spec.bytes_per_token)
     check_policy(pol, kv, block_size)
     ensure_rope_positions(model, max(max_len, pol.budget) + block_size)
-    return PolicyRuntime(pol, model, kv, allocator, block_size)
+    return PolicyRuntime(pol, model, kv, allocator, block_size, tier=tier)

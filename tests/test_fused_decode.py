@@ -1,0 +1,147 @@
+"""The decoder's one forward with its fused CPU decode ops equals the op-by-op decoder bit for bit.
+
+What the forward fuses (engine/models/base.py, engine/attention.py): RMSNorm with the residual add
+before it, RoPE + the K/V store in one C call (bfloat16), decode attention reading the pool by slot,
+RoPE's rotate-half folded into float32 q|k|v weights and gate|up in one GEMM (DecoderModel.fold_rope).
+The reference below is the decoder as separate ``kernels`` ops, the way the module path ran them.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from conftest import STORIES_HF, need_shared
+from tiny_models import make_hf_model
+
+
+def _reference(model, kv, meta, ids, pos) -> torch.Tensor:  # [T, hidden]
+    """One step as separate ops: norm, projections, RoPE, store, paged attention, o, norm + residual, MLP, add."""
+    from llmsys import kernels
+    from llmsys.kernels.cpu_attention import paged_attention_gathered
+
+    T = ids.shape[0]
+    h = model.model.embed_tokens(ids)
+    for i, layer in enumerate(model.model.layers):
+        at, n1, n2 = layer.self_attn, layer.input_layernorm, layer.post_attention_layernorm
+        x = kernels.rms_norm(h, n1.weight, n1.eps)
+        q, k, v = at.project(x)
+        q, k = kernels.rope(q, k, pos, model.rope_cache)
+        kernels.kv_store(k, v, kv.k[i], kv.v[i], meta.slot_mapping)
+        o = paged_attention_gathered(q, kv.k[i], kv.v[i], meta.plan, at.scale)
+        a = at.o_proj(o.reshape(T, at.n_heads * at.head_dim))
+        x, h = kernels.rms_norm(a, n2.weight, n2.eps, h)
+        h = h + layer.mlp.down_proj(layer.mlp.act(x))
+    return kernels.rms_norm(h, model.model.norm.weight, model.model.norm.eps)
+
+
+def _step_both(llm, lens: list[int], seed: int = 0):
+    """One decode step of ``len(lens)`` sequences, op by op and through the engine -> (hidden, K, V) pairs."""
+    core, model = llm.core, llm.loaded.model
+    bs = core.kv.spec.block_size
+    g = torch.Generator().manual_seed(seed)
+    tables = [core.allocator.allocate(-(-n // bs)) for n in lens]
+    try:
+        for t in core.kv.k + core.kv.v:
+            t.normal_(generator=g)
+        meta = core.attn.metadata([1] * len(lens), lens, tables)
+        ids = torch.randint(0, model.args.vocab_size, (len(lens),), generator=g)
+        pos = torch.tensor([n - 1 for n in lens])
+        out = []
+        with torch.inference_mode():
+            for run in (lambda: _reference(model, core.kv, meta, ids, pos), lambda: model(ids, pos, core.attn, meta)):
+                h = run()
+                out.append((h, [k.clone() for k in core.kv.k], [v.clone() for v in core.kv.v]))
+    finally:
+        for t in tables:
+            core.allocator.free(t)
+    return out
+
+
+@pytest.mark.parametrize(
+    "kind,overrides,dtype,fused",
+    [
+        ("llama", {}, "float32", True),  # small plain weights: folded q|k|v and gate|up GEMMs
+        ("qwen2", {}, "float32", False),  # q/k/v biases: the layers' own projections
+        ("qwen3", {}, "float32", False),  # per-head q/k norms
+        ("llama", {"hidden_size": 256, "intermediate_size": 512}, "float32", False),  # prepacked (oneDNN) weights
+        ("llama", {}, "bfloat16", False),  # bf16: the layers' projections, C RMSNorm, RoPE+store, attention
+        ("qwen2", {"hidden_size": 256, "intermediate_size": 512}, "bfloat16", False),  # prepacked bf16, biases
+        ("qwen3", {}, "bfloat16", False),
+    ],
+)
+def test_fused_decode_is_bit_identical(tmp_path, kind, overrides, dtype, fused):
+    from llmsys import LLM
+
+    path = make_hf_model(kind, tmp_path / kind, **overrides)
+    llm = LLM(str(path), dtype=dtype, progress=False, block_size=4, kv_cache_tokens=256)
+    assert all((layer.self_attn.rope_qkv is not None) == fused for layer in llm.loaded.model.model.layers)
+    for lens in ([9], [3, 17, 8], [12, 12]):  # one sequence; unequal lengths (masked); equal lengths
+        (h0, k0, v0), (h1, k1, v1) = _step_both(llm, lens)
+        assert torch.equal(h0, h1)
+        assert all(torch.equal(a, b) for a, b in zip(k0 + v0, k1 + v1))  # the same K/V written
+
+
+def test_fused_decode_only_where_it_applies(tmp_path):
+    from llmsys import LLM
+    from llmsys.engine.attention import CpuInt8Backend
+
+    path = make_hf_model("llama", tmp_path / "m")
+    fp16 = LLM(str(path), dtype="float16", progress=False, kv_cache_tokens=256)
+    meta = fp16.core.attn.metadata([1], [3], [[3]])
+    assert fp16.loaded.model.decode_rope_rows(torch.tensor([2]), meta) is None  # float32 decoders fold only
+    llm = LLM(str(path), dtype="float32", progress=False, block_size=4, kv_cache_tokens=256)
+    model, attn = llm.loaded.model, llm.core.attn
+    t = [[1, 2], [3]]
+    pos = torch.tensor([4, 2])
+    assert model.decode_rope_rows(pos, attn.metadata([1, 1], [5, 3], t)) is not None
+    assert model.decode_rope_rows(torch.tensor([3, 4, 2]), attn.metadata([2, 1], [5, 3], t)) is None  # a prompt chunk
+    # A KV policy's attention is not bypassed by the fused decode: a scoring step collects its rows.
+    blocks = llm.core.allocator.allocate(1)
+    try:
+        meta = attn.metadata([1], [3], [blocks], score_from=[0])
+        with torch.inference_mode():
+            model(torch.tensor([5]), torch.tensor([2]), attn, meta)
+        assert meta.scores.rows[0] is not None and meta.scores.rows[0].shape == (1, 3)
+    finally:
+        llm.core.allocator.free(blocks)
+    int8 = LLM(str(path), dtype="float32", progress=False, kv_cache_tokens=256, kv_dtype="int8")
+    assert type(int8.core.attn) is CpuInt8Backend  # the int8 pool's own attention, dequantizing in the gather
+
+
+@contextmanager
+def _unfolded(model):
+    """The model without its decode folds (DecoderModel.fold_rope), restored after."""
+    fields = (("self_attn", "rope_qkv"), ("self_attn", "o_decode"), ("mlp", "gate_up_decode"), ("mlp", "down_decode"))
+    saved = [[getattr(getattr(layer, m), f) for m, f in fields] for layer in model.model.layers]
+    r2, model._rope2 = model._rope2, None
+    for layer in model.model.layers:
+        for m, f in fields:
+            setattr(getattr(layer, m), f, None)
+    try:
+        yield
+    finally:
+        model._rope2 = r2
+        for layer, vals in zip(model.model.layers, saved):
+            for (m, f), val in zip(fields, vals):
+                setattr(getattr(layer, m), f, val)
+
+
+def test_stories260k_tokens_and_logprobs_unchanged():
+    """Generation with the folded decode gives the tokens and logprobs of the unfolded decoder exactly."""
+    from llmsys import LLM, SamplingParams
+
+    need_shared(STORIES_HF)
+    llm = LLM(str(STORIES_HF), dtype="float32", progress=False, kv_cache_tokens=1024)
+    sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=0)
+    prompts = ["Once upon a time", "The cat", "Lily and Tom went to the park"]
+    model = llm.loaded.model
+    assert all(layer.self_attn.rope_qkv is not None for layer in model.model.layers)  # folded by the engine
+    fast = llm.generate(prompts, sp)
+    with _unfolded(model):
+        plain = llm.generate(prompts, sp)
+    for a, b in zip(fast, plain):
+        assert a.token_ids == b.token_ids
+        assert [x.logprob for x in a.logprobs] == [x.logprob for x in b.logprobs]
