@@ -421,7 +421,7 @@ def refine_quantized(model: nn.Module, float_weights: dict[str, torch.Tensor], s
     stories260k (int4 g64, 512 x 256 self-generated tokens, 400 steps) it takes GPTQ
     from +8.8% to +3.5% perplexity (tinystories-valid, 30k tokens). ``lr`` 4e-3 was
     chosen on held-out text (tinystories-valid tokens 2048..12288, not the 2048 the
-    bound is checked on): +2.9% vs +3.7% at 2e-3 and +4.0% at 8e-3 (Zen 3, session 8).
+    bound is checked on; float32 activations): +2.9% vs +3.7% at 2e-3 and +4.0% at 8e-3 (Zen 3).
     ``float_weights``: the float state dict taken *before* quantizing (the teacher).
     """
     from llmsys.quant.calibrate import TunableInt4
