@@ -181,7 +181,8 @@ class Attention(nn.Module):
         o = attn.attend(self.index, q, meta, self.scale).reshape(T, hq * d)  # [T, Hq * D]
         if rows is not None and self.o_decode is not None:
             return F.linear(o, self.o_decode)  # what kernels.linear runs for this weight, without its dispatch
-        return self.o_proj(o)
+        # Decode: the module's forward without nn.Module dispatch (calibration hooks see prompts only).
+        return self.o_proj.forward(o) if meta.is_decode else self.o_proj(o)
 
 
 class MLP(nn.Module):
@@ -207,17 +208,22 @@ class MLP(nn.Module):
         # must sit in memory as the unfused GEMM's output does (the same bits either way).
         return F.silu(gu[..., :inter].contiguous()) * gu[..., inter:]
 
-    def forward(self, x, decode: bool = False):
+    def forward(self, x, decode: bool = False, folded: bool = False):
+        """``decode``: a pure-decode step (the projections' forward without ``nn.Module`` dispatch;
+        calibration hooks see prompt steps only); ``folded``: one whose RoPE rows the model made, so
+        :meth:`DecoderModel.fold_rope`'s plain float32 weights apply."""
         if not decode:
             return self.down_proj(self.act(x))
-        if self.gate_up_decode is not None:
+        if folded and self.gate_up_decode is not None:
             gu = F.linear(x, self.gate_up_decode)  # [T, 2 I]
             inter = gu.shape[-1] // 2
             # contiguous: as in act, the gate must sit in memory as the unfused GEMM's output did.
             y = F.silu(gu[:, :inter].contiguous()) * gu[:, inter:]
         else:
             y = self.act(x)
-        return F.linear(y, self.down_decode) if self.down_decode is not None else self.down_proj(y)
+        if folded and self.down_decode is not None:
+            return F.linear(y, self.down_decode)
+        return self.down_proj.forward(y)
 
 
 class DecoderLayer(nn.Module):
@@ -245,7 +251,7 @@ class DecoderLayer(nn.Module):
             x, residual = self.input_layernorm.forward(h, residual)
         a = self.self_attn.forward(x, positions, rope_cache, attn, meta, rows)
         x, residual = self.post_attention_layernorm.forward(a, residual)  # residual <- residual + a
-        return self.mlp.forward(x, rows is not None), residual
+        return self.mlp.forward(x, meta.is_decode, rows is not None), residual
 
 
 class DecoderModel(nn.Module):
