@@ -268,6 +268,19 @@ def test_quest_engine_exact_when_k_covers_all_pages(llm4):
     assert llm.core.kv_policy.quest.stats.fraction == 1.0
 
 
+def test_stream_scoring_needs_scores_a_quest_engine_does_not_record(stream_ids):
+    """A Quest engine's attention selects pages and records no scores: scoring a stream under
+    H2O on it is refused with a one-line error naming the fix, and no KV block is left in use."""
+    from llmsys import LLM
+    from llmsys.engine.scoring import perplexity_stream
+    from llmsys.kernels.common.errors import InvalidParameterError
+
+    llm = LLM(str(STORIES_HF), dtype="float32", progress=False, block_size=4, kv_cache_tokens=256, kv_policy="quest:64")
+    with pytest.raises(InvalidParameterError, match="needs attention scores.*drop --kv-policy quest"):
+        perplexity_stream(llm.core, stream_ids[:36], "h2o:8,recent:8")
+    assert llm.core.allocator.num_used == 0
+
+
 def test_context_overflow_is_explicit_and_policies_slide_past_it():
     from llmsys import LLM, SamplingParams
 
