@@ -17,7 +17,7 @@ of pool or device it runs on. The implementations:
 * :class:`CpuBackend` -- plain pool on the CPU: one gather plan per step
   (``kernels.cpu_attention``), the C decode attention reading the pool by slot,
   unpadded per-sequence prompt attention; bfloat16 RoPE writes K/V in the same
-  C call (``kernels.cpu_decode.rope_store``) when the C kernels are built.
+  C call (``kernels.cpu_fused_rope_store``) when the C kernels are built.
 * :class:`CpuInt8Backend` -- int8 pool on the CPU: the same plan, dequantized in the gather.
 * :class:`Int4Backend` -- KIVI int4 pool (any device): the pool's dequantizing
   gather, then the same per-sequence prompt attention as the others.
@@ -37,11 +37,12 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from llmsys import kernels
-from llmsys.kernels import cpu_decode
-from llmsys.kernels.cpu_attention import (
+from llmsys.kernels import (
     ColdBlocks,
     GatherPlan,
     attend_gathered,
+    cpu_fused_available,
+    cpu_fused_rope_store,
     make_gather_plan,
     paged_attention_gathered,
     paged_attention_gathered_scores,
@@ -221,7 +222,7 @@ class CpuBackend(_PagedBackend):
         s = pool.spec
         # bfloat16 with the C kernels: RoPE writes K/V into the pool in the same call (the bits of
         # kernels.rope + kernels.kv_store, kernels/cpu_decode.py). The pool's flat [slots, Hk, D] views.
-        self._c_rope = s.dtype == torch.bfloat16 and cpu_decode.available()
+        self._c_rope = s.dtype == torch.bfloat16 and cpu_fused_available()
         self._flat = [(k.view(-1, s.num_kv_heads, s.head_dim), v.view(-1, s.num_kv_heads, s.head_dim))
                       for k, v in zip(pool.k, pool.v)]
 
@@ -229,7 +230,7 @@ class CpuBackend(_PagedBackend):
         d = q.shape[-1]
         if self._c_rope and q.stride(1) == d and k.stride(1) == d and v.stride(1) == d:
             kf, vf = self._flat[layer]
-            return cpu_decode.rope_store(q, k, v, positions, rope_cache, kf, vf, meta.slot_mapping)
+            return cpu_fused_rope_store(q, k, v, positions, rope_cache, kf, vf, meta.slot_mapping)
         q, k = kernels.rope(q, k, positions, rope_cache)
         self.store(layer, k, v, meta)
         return q

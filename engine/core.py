@@ -14,7 +14,7 @@ import functools
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol
 
 import torch
 
@@ -37,17 +37,25 @@ from llmsys.offload.runtime import OffloadRuntime
 from llmsys.quant.base import kernel_counts
 
 
+class TokenConstraint(Protocol):
+    """A per-request token constraint (the server's JSON mode, ``engine.server.json_mode.JsonConstraint``)."""
+
+    def allowed(self, vocab: int) -> torch.Tensor:  # [vocab] bool: tokens that may come next
+        ...
+
+    def advance(self, token_id: int) -> None:  # the sampled token was appended
+        ...
+
+
 @dataclass
-class _TextState:
+class TextState:
     """Per-request text bookkeeping (detokenizer + stop-string matcher)."""
 
     detok: IncrementalDetokenizer
     stop: StopChecker | None
     start_time: float | None = None
     logprobs: list = field(default_factory=list)
-    # Optional per-request token constraint (the server's JSON mode): an object
-    # with ``allowed(vocab) -> bool tensor [vocab]`` and ``advance(token_id)``.
-    constraint: Any = None
+    constraint: TokenConstraint | None = None  # None: every token allowed
 
 
 @dataclass(frozen=True)
@@ -114,7 +122,8 @@ class EngineCore:
             prefix_caching=config.prefix_caching, kv_policy=self.kv_policy, swap=self.swap, tier=self.tier,
         )
         self.runner = ModelRunner(loaded.model, self.attn, loaded.device, kv_spec.block_size,
-                                  kv_policy=self.kv_policy, swap=self.swap, tier=self.tier)
+                                  kv_policy=self.kv_policy, swap=self.swap, tier=self.tier,
+                                  layers=offload if offload is not None and offload.runs_layers else None)
         self.sampler = Sampler()
         eos = set(loaded.args.eos_token_id) | set(tokenizer.eos_token_ids)
         gen_eos = loaded.generation_config.get("eos_token_id")
@@ -127,7 +136,7 @@ class EngineCore:
 
     # -- requests ------------------------------------------------------------
     def add_request(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None, constraint: Any = None,
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None, constraint: TokenConstraint | None = None,
         sample_index: int = 0,
     ) -> str:
         """Queue one completion; ``sample_index`` (0..params.n-1) says which of the prompt's ``n``.
@@ -156,7 +165,7 @@ class EngineCore:
         if policy.evicts:
             limit = len(prompt_ids) + (params.max_tokens if params.max_tokens is not None else self.max_len)
         ids = list(prompt_ids)
-        state = _TextState(
+        state = TextState(
             IncrementalDetokenizer(self.tokenizer, ids), StopChecker(params.stop) if params.stop else None,
             constraint=constraint,
         )
@@ -223,7 +232,7 @@ class EngineCore:
         return chunks
 
     def _append(self, seq: Sequence, tok: int, lp, now: float) -> StreamChunk | None:
-        st: _TextState = seq.state
+        st: TextState = seq.state
         if seq.first_token_time is None:
             seq.first_token_time = now
         p = seq.params
@@ -259,7 +268,7 @@ class EngineCore:
         return self._final_chunk(seq, delta, [tok], lps)
 
     def _final_chunk(self, seq: Sequence, delta: str, toks: list[int], lps=None) -> StreamChunk:
-        st: _TextState = seq.state
+        st: TextState = seq.state
         start = st.start_time or seq.arrival
         first = seq.first_token_time
         end = seq.finish_time or time.perf_counter()

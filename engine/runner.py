@@ -22,6 +22,7 @@ from llmsys.engine.models.base import DecoderModel
 from llmsys.engine.scheduler import SchedulerOutput, StepResult
 
 if TYPE_CHECKING:
+    from llmsys.kernels.common.protocols import LayerRunner
     from llmsys.offload.kv_policy import PolicyRuntime
     from llmsys.offload.kv_swap import KVSwapSpace
     from llmsys.offload.kv_tier import KVTier
@@ -39,11 +40,14 @@ class StepBatch:
 
 class ModelRunner:
     """``kv_policy`` installs the attention that records scores or selects pages; ``swap`` and
-    ``tier`` copy the step's KV blocks (None: no swap space / no cold tier)."""
+    ``tier`` copy the step's KV blocks (None: no swap space / no cold tier); ``layers`` runs
+    streamed layers (the offload runtime; None: every layer resident)."""
 
     def __init__(self, model: DecoderModel, attn: AttentionBackend, device: torch.device, block_size: int,
-                 kv_policy: PolicyRuntime | None = None, swap: KVSwapSpace | None = None, tier: KVTier | None = None):
+                 kv_policy: PolicyRuntime | None = None, swap: KVSwapSpace | None = None, tier: KVTier | None = None,
+                 layers: LayerRunner | None = None):
         self.model = model
+        self.layers = layers
         self.attn = attn  # the engine's attention backend (make_backend), owner of the KV pool
         self.kv = attn.pool
         self.device = device
@@ -95,7 +99,7 @@ class ModelRunner:
     def forward(self, batch: StepBatch) -> torch.Tensor:
         """The model over the pool: logits ``[S, V]`` (float32) of ``batch.logits_index``'s rows."""
         try:
-            hidden = self.model(batch.input_ids, batch.positions, self.attn, batch.meta)  # [T, hidden]
+            hidden = self.model(batch.input_ids, batch.positions, self.attn, batch.meta, self.layers)  # [T, hidden]
         finally:
             if batch.meta.cold is not None:
                 self.tier.end_step()

@@ -15,7 +15,7 @@ import torch
 from llmsys.engine.attention import AttentionBackend, AttentionMetadata, BackendDecorator, ScoringBackend, StepScores
 from llmsys.engine.core import EngineCore
 from llmsys.engine.kv_cache import blocks_needed
-from llmsys.kernels.cpu_attention import GatherPlan, make_gather_plan
+from llmsys.kernels import GatherPlan, make_gather_plan
 
 
 @dataclass

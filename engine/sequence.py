@@ -11,13 +11,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from llmsys.engine.sampling import SamplingParams
 
 if TYPE_CHECKING:
     import torch
 
+    from llmsys.engine.core import TextState
     from llmsys.offload.kv_policy import SeqKVState
 
 
@@ -44,7 +45,7 @@ class Sequence:
     finish_reason: str | None = None
     num_preemptions: int = 0
     generator: torch.Generator | None = None  # seeded once per request; None: torch's default RNG
-    state: Any = None  # the engine core's text state (detokenizer, stop checker); the core's own type
+    state: TextState | None = None  # the engine core's text state (detokenizer, stop checker, constraint)
     kv: SeqKVState | None = None  # KV policy bookkeeping; None under `full`
     swapped_blocks: list[int] = field(default_factory=list)  # swap-space blocks holding its KV while preempted
     # Prefix caching (llmsys.engine.prefix_cache): keys of its full blocks, how many of its

@@ -9,9 +9,23 @@ op computes.
 """
 
 from llmsys.kernels._backend import interpreter_enabled, triton_available
+from llmsys.kernels.cpu_attention import (
+    ColdBlocks,
+    GatherPlan,
+    attend_gathered,
+    make_gather_plan,
+    paged_attention_gathered,
+    paged_attention_gathered_scores,
+)
+# The CPU backend's fused bf16 decode ops, unvalidated (the backend checks once per engine
+# that shapes and dtypes fit; kernels.ops wraps the validated forms).
+from llmsys.kernels.cpu_decode import available as cpu_fused_available
+from llmsys.kernels.cpu_decode import rms_norm as cpu_fused_rms_norm
+from llmsys.kernels.cpu_decode import rope_store as cpu_fused_rope_store
+from llmsys.kernels.cpu_int4 import Scratch as Int4Scratch
 from llmsys.kernels.cpu_int4 import CPU_BLOCK_N as CPU_INT4_BLOCK_N
 from llmsys.kernels.cpu_int4 import dequant_cpu_int4, pack_cpu_int4, transpose_bf16, unpack_cpu_int4
-from llmsys.kernels.cpu_linear import linear, mm_bf16, packable, prepack
+from llmsys.kernels.cpu_linear import fusable, linear, mm_bf16, packable, prepack
 from llmsys.kernels.ops import (
     DEFAULT_PARTITION_SIZE,
     DecodeAttentionResult,
@@ -30,6 +44,17 @@ from llmsys.kernels.reference import dequant_int4, pack_int4, quantize_int8_ref,
 from llmsys.kernels.rope_cache import build_rope_cache, rope_inv_freq
 
 __all__ = [
+    "ColdBlocks",
+    "GatherPlan",
+    "Int4Scratch",
+    "attend_gathered",
+    "cpu_fused_available",
+    "cpu_fused_rms_norm",
+    "cpu_fused_rope_store",
+    "fusable",
+    "make_gather_plan",
+    "paged_attention_gathered",
+    "paged_attention_gathered_scores",
     "CPU_INT4_BLOCK_N",
     "CpuKernels",
     "QuantMatmulSupport",

@@ -51,7 +51,7 @@ import torch
 
 from llmsys.kernels.common.errors import InvalidParameterError
 from llmsys.kernels.common.protocols import KVPool
-from llmsys.kernels.cpu_attention import ColdBlocks
+from llmsys.kernels import ColdBlocks
 from llmsys.offload.streamer import pread_full
 
 # A layer's read smaller than this is done inline when attention asks for it: handing it to the

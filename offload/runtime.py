@@ -10,8 +10,9 @@ Life cycle (the engine drives it; offload never imports the engine):
    quantized in memory is written to the offload file as soon as its last
    tensor arrives, then dropped: peak memory is one layer, not the model).
 2. ``install(model)`` after loading: streamed layers get their tensors'
-   disk locations and a reader ring; the model's ``layer_hook`` is set so
-   layer i's tensors are bound to buffer views (no copy) just before it runs
+   disk locations and a reader ring; when :attr:`OffloadRuntime.runs_layers`,
+   the engine hands the runtime to the model's forward as its
+   ``LayerRunner`` (:meth:`OffloadRuntime.run_layer`): layer i's tensors are bound to buffer views (no copy) just before it runs
    and released after; an on-disk embedding / LM head is swapped for modules
    that read rows / stream chunks.
 3. ``close()`` stops the reader thread and removes scratch files.
@@ -226,6 +227,7 @@ class OffloadRuntime:
         self._tokens: dict[int, Any] = {}
         self._resident_cpu: dict[int, tuple[list[_Binding], list[torch.Tensor]]] = {}
         self.disk_bytes = 0
+        self.runs_layers = False  # set by install(): some layer streams or crosses devices (run_layer needed)
 
     # -- which unit a checkpoint tensor belongs to -------------------------
     def unit_of(self, name: str) -> str | None:
@@ -344,8 +346,7 @@ class OffloadRuntime:
                 self.ring = MappedUnits(self._units)
             if self.cuda:  # pragma: no cover - GPU only
                 self.stager = CudaStager(self.ring.slot_bytes, self.device)
-        if self._units or self._resident_cpu or any(k == "cpu" for k in self.kind.values()) and self.cuda:
-            model.layer_hook = self.layer_hook
+        self.runs_layers = bool(self._units or self._resident_cpu or any(k == "cpu" for k in self.kind.values()) and self.cuda)
 
     def _names_of(self, model: nn.Module, u: str) -> list[str]:
         if u.startswith("layers."):
@@ -439,7 +440,8 @@ class OffloadRuntime:
             self.stager.wait_copied(k)
         self.ring.release(u)
 
-    def layer_hook(self, i: int, layer: nn.Module, h, residual, positions, rope, attn, meta):
+    def run_layer(self, i: int, layer: nn.Module, h, residual, positions, rope, attn, meta):
+        """``LayerRunner``: layer ``i`` with its weights streamed in (or copied / computed across devices)."""
         u = self._layer_unit.get(i)
         if u is not None:
             self.bring(u)

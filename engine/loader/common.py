@@ -13,7 +13,7 @@ import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -21,6 +21,9 @@ from torch import nn
 from llmsys.kernels.common.errors import CheckpointError, ModelNotFoundError
 from llmsys.engine.models import family_for
 from llmsys.engine.models.base import DecoderModel, TransformerArgs, rope_cache
+
+if TYPE_CHECKING:
+    from llmsys.offload.runtime import OffloadRuntime
 
 # A hook that may replace an nn.Linear when its weight arrives, e.g. with a
 # quantized layer: (qualified name, weight [N, K], bias | None) -> module or None.
@@ -152,7 +155,7 @@ def materialize(
     source: Path,
     make_linear: MakeLinear | None = None,
     progress: bool = True,
-    offload: Any = None,
+    offload: OffloadRuntime | None = None,
 ) -> None:
     """Fill every meta tensor of ``model`` from ``read(name)``.
 
@@ -309,7 +312,7 @@ def open_checkpoint(path: str | Path, dt: torch.dtype, dev: torch.device) -> Che
 
 
 def materialize_checkpoint(ck: Checkpoint, make_linear: MakeLinear | None = None, progress: bool = True,
-                           offload: Any = None) -> LoadedModel:
+                           offload: OffloadRuntime | None = None) -> LoadedModel:
     """Read the weights into ``ck.model``; ``offload`` (an OffloadRuntime planned on the meta
     model) leaves streamed tensors on disk (see :func:`materialize`)."""
     p, model, dt, dev = ck.path, ck.model, ck.dtype, ck.device

@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -34,6 +34,9 @@ from torch import nn
 from llmsys.kernels.common.errors import CheckpointError, InvalidParameterError
 from llmsys.engine.loader.safetensors_io import CheckpointIndex, save_file
 from llmsys.quant import FP8Linear, Int4Linear, Int8Linear, NF4Linear, QuantLinear, parse_quant
+
+if TYPE_CHECKING:
+    from llmsys.engine.loader.common import MakeLinear
 from llmsys.quant.awq_gptq import awq_to_canonical, gptq_to_canonical
 from llmsys.quant.embedding import QuantEmbedding
 
@@ -51,7 +54,7 @@ def stored_format(cfg: dict[str, Any]) -> str:
     return f"int4:g{qc.get('group_size')}"
 
 
-def _check_request(cfg: dict[str, Any], make_linear: Any, path: Path) -> None:
+def _check_request(cfg: dict[str, Any], make_linear: MakeLinear | None, path: Path) -> None:
     """A --quant that differs from what the directory holds is an error, not a silent re-quantization."""
     spec = getattr(make_linear, "spec", None)
     if spec is None:
@@ -163,7 +166,7 @@ def validate_quant_config(cfg: dict[str, Any], path: Path) -> dict[str, Any]:
 
 
 def load_quantized_into(model: nn.Module, cfg: dict[str, Any], index: CheckpointIndex, dtype: torch.dtype,
-                        device: torch.device, path: Path, make_linear: Any = None) -> None:
+                        device: torch.device, path: Path, make_linear: MakeLinear | None = None) -> None:
     """Fill the meta ``model`` from a quantized checkpoint (see the module docstring)."""
     from llmsys.engine.loader.common import set_tensor
 

@@ -20,7 +20,7 @@ from torch import nn
 from llmsys import kernels
 from llmsys.engine.attention import AttentionBackend, AttentionMetadata
 from llmsys.kernels.common.errors import UnsupportedModelError
-from llmsys.kernels import cpu_decode
+from llmsys.kernels.common.protocols import LayerRunner
 
 
 @dataclass
@@ -115,8 +115,8 @@ class RMSNorm(nn.Module):
                 h = x if residual is None else x + residual
                 out = F.rms_norm(h, (h.shape[-1],), w, self.eps)
                 return out if residual is None else (out, h)
-            if x.dtype == torch.bfloat16 and cpu_decode.available():
-                return cpu_decode.rms_norm(x, w, self.eps, residual)
+            if x.dtype == torch.bfloat16 and kernels.cpu_fused_available():
+                return kernels.cpu_fused_rms_norm(x, w, self.eps, residual)
         return kernels.rms_norm(x, w, self.eps, residual)
 
 
@@ -275,10 +275,6 @@ class DecoderModel(nn.Module):
         on_meta = torch.empty(0).is_meta
         cache = torch.empty(args.max_position_embeddings, args.head_dim) if on_meta else rope_cache(args)
         self.register_buffer("rope_cache", cache, persistent=False)
-        # Set by the offload runtime (llmsys.offload.runtime): called instead of
-        # layer(...) as hook(i, layer, h, residual, positions, rope_cache, attn, meta) so
-        # layer i's weights are made resident just before it runs and released after.
-        self.layer_hook: Any = None
         # Set by fold_rope: [max_pos, 2, D] rows [cos, cos] | [-sin, sin] of rope_cache (source, table).
         self._rope2: tuple[torch.Tensor, torch.Tensor] | None = None
         # From the loader, for a tied model whose checkpoint stores the embedding table
@@ -302,6 +298,7 @@ class DecoderModel(nn.Module):
         positions: torch.Tensor,  # [T]
         attn: AttentionBackend,  # the engine's attention backend (owns the KV pool)
         meta: AttentionMetadata,  # built by attn.metadata for this step
+        layers: LayerRunner | None = None,  # the offload runtime when some layer streams; None: all resident
     ) -> torch.Tensor:  # [T, hidden]
         """The decoder's one forward: prefill, decode and mixed steps, resident or streamed layers.
 
@@ -312,12 +309,11 @@ class DecoderModel(nn.Module):
         rows = self.decode_rope_rows(positions, meta)
         rope = self.rope_cache
         h, res = self.model.embed_tokens(input_ids), None
-        hook = self.layer_hook
         for i, layer in enumerate(self.model.layers):
-            if hook is None:
+            if layers is None:
                 h, res = layer.forward(h, res, positions, rope, attn, meta, rows)
             else:
-                h, res = hook(i, layer, h, res, positions, rope, attn, meta)
+                h, res = layers.run_layer(i, layer, h, res, positions, rope, attn, meta)
         norm = self.model.norm
         return norm.forward(h) if res is None else norm.forward(h, res)[0]
 
@@ -437,7 +433,7 @@ class DecoderModel(nn.Module):
     def share_scratch(self) -> None:
         """One dequantization buffer for every layer that takes one (CPU int4 prefill, see
         ``kernels.cpu_int4.Scratch``): no page faults per GEMM, memory of one chunk (<= 16 MiB)."""
-        from llmsys.kernels.cpu_int4 import Scratch
+        from llmsys.kernels import Int4Scratch as Scratch
 
         shared = Scratch()
         for mod in self.modules():
@@ -516,7 +512,7 @@ def _fused_linear(mods: list[nn.Module]) -> nn.Module | None:
     biased = [m.bias is not None for m in mods]
     if any(b != biased[0] for b in biased):
         return None
-    if not all(kernels.cpu_linear.fusable(w) for w in ws):  # a small part alone would take another GEMM
+    if not all(kernels.fusable(w) for w in ws):  # a small part alone would take another GEMM
         return None
     weight = torch.cat([w.detach() for w in ws])  # [sum N, K]
     lin = Linear(weight.shape[1], weight.shape[0], bias=biased[0], device="meta")

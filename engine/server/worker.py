@@ -24,7 +24,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmsys.engine.core import EngineCore
+from llmsys.engine.core import EngineCore, TokenConstraint
 from llmsys.kernels.common.errors import LLMSysError
 from llmsys.engine.outputs import StreamChunk
 from llmsys.engine.sampling import SamplingParams
@@ -52,7 +52,7 @@ class Submission:
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue
-    constraint: Any = None
+    constraint: TokenConstraint | None = None
     sample_index: int = 0  # which of the prompt's params.n completions (chooses the generator)
     arrival: float = field(default_factory=time.perf_counter)
     last_token: float | None = None

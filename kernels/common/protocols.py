@@ -29,6 +29,8 @@ class PagedKVShape(Protocol):
     def dtype(self) -> torch.dtype: ...  # the float dtype of a non-quantized pool
     @property
     def kv_dtype(self) -> str: ...  # "auto" (= dtype), "int8" or "int4"
+    @property
+    def bytes_per_token(self) -> int: ...  # all layers, K and V (quantized pools: codes and scales)
 
 
 class KVPool(Protocol):
@@ -60,4 +62,20 @@ class KVPool(Protocol):
 
     def block_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Per-layer K and V tensors whose blocks the swap space and the cold tier copy (plain pools only)."""
+        ...
+
+
+class LayerRunner(Protocol):
+    """Runs decoder layers whose weights are not all resident (``llmsys.offload.runtime.OffloadRuntime``).
+
+    Why a Protocol handed to the forward, not a hook set on the model: the model
+    is built before the offload runtime knows which layers stream, and offload
+    must not import the engine. The engine's runner passes it to
+    ``DecoderModel.forward``; with None every layer runs as it is.
+    """
+
+    def run_layer(self, i: int, layer: torch.nn.Module, h: torch.Tensor, residual: torch.Tensor | None,
+                  positions: torch.Tensor, rope: torch.Tensor, attn: object, meta: object,
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``i``'s ``layer(h, residual, positions, rope, attn, meta)`` with its weights made resident."""
         ...

@@ -29,14 +29,68 @@ trained context.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Iterable, Protocol
 
 import torch
 
 from llmsys.kernels.common.errors import InvalidParameterError
+from llmsys.kernels.common.protocols import KVPool
 from llmsys.offload.eviction.compact import compact_kv, ensure_rope_positions
 from llmsys.offload.eviction.policy import KVPolicy, parse_kv_policy
 from llmsys.offload.eviction.quest import QuestAttention
+
+if TYPE_CHECKING:
+    from llmsys.offload.kv_tier import KVTier
+
+
+# What the runtime reads of the engine's objects (offload does not import the engine;
+# engine.sequence.Sequence, engine.scheduler.ScheduledSeq / SeqChunk, engine.block_allocator
+# and engine.attention.AttentionMetadata fit these).
+
+
+class PolicySeq(Protocol):
+    """A running sequence: the runtime evicts its tokens and trims its block table."""
+
+    kv: SeqKVState | None  # its policy's bookkeeping (None: ``full``)
+    num_computed: int  # stream tokens whose KV was computed
+    prompt_ids: list[int]
+    block_table: list[int]  # mutated by :meth:`PolicyRuntime.evict` (spare blocks freed)
+
+
+class PolicyChunk(Protocol):
+    """One sequence's part of a step that ran (``engine.sequence.SeqChunk``)."""
+
+    seq: PolicySeq
+    num_new_tokens: int
+
+
+class ScheduledRow(Protocol):
+    """One sequence's part of a step about to run (``engine.scheduler.ScheduledSeq``)."""
+
+    @property
+    def kv_policy(self) -> KVPolicy | None: ...
+    @property
+    def num_new_tokens(self) -> int: ...
+
+
+class BlockFreeList(Protocol):
+    def free(self, blocks: list[int]) -> None: ...
+
+
+class StepScoresLike(Protocol):
+    rows: list[torch.Tensor | None]  # per scheduled sequence: [nq_b, context_len_b] attention mass
+
+
+class ScoredMeta(Protocol):
+    @property
+    def scores(self) -> StepScoresLike | None: ...
+
+
+class RopeModel(Protocol):
+    """The decoder whose RoPE table the runtime grows and reads (``DecoderModel``)."""
+
+    rope_cache: torch.Tensor  # [positions, head_dim]
+    args: object  # .head_dim .rope_theta .rope_scaling
 
 
 class SeqKVState:
@@ -104,8 +158,8 @@ class PolicyRuntime:
     scoring).
     """
 
-    def __init__(self, policy: KVPolicy, model: Any, kv: Any, allocator: Any, block_size: int, chunk: int | None = None,
-                 tier: Any = None):
+    def __init__(self, policy: KVPolicy, model: RopeModel, kv: KVPool, allocator: BlockFreeList, block_size: int,
+                 chunk: int | None = None, tier: KVTier | None = None):
         self.policy = policy
         self.model = model
         self.kv = kv
@@ -153,7 +207,7 @@ class PolicyRuntime:
         return SeqKVState(pol, max(1, pol.chunk or self.chunk))
 
     # -- scheduler hook ------------------------------------------------------
-    def before_step(self, seq: Any, n: int) -> int:
+    def before_step(self, seq: PolicySeq, n: int) -> int:
         """Cap ``n`` and evict so the step fits the budget; returns the new ``n``."""
         st: SeqKVState = seq.kv
         pol = st.policy
@@ -169,7 +223,7 @@ class PolicyRuntime:
             self.evict(seq, min(target, budget - n))
         return n
 
-    def evict(self, seq: Any, target: int) -> None:
+    def evict(self, seq: PolicySeq, target: int) -> None:
         """Keep ``target`` tokens of ``seq`` (its policy picks which), free spare blocks."""
         st: SeqKVState = seq.kv
         if target >= st.cache_len:
@@ -185,7 +239,7 @@ class PolicyRuntime:
             del seq.block_table[need:]
 
     # -- runner hooks --------------------------------------------------------
-    def score_from(self, scheduled: Iterable[Any]) -> list[int | None] | None:
+    def score_from(self, scheduled: Iterable[ScheduledRow]) -> list[int | None] | None:
         """Per scheduled sequence, the first new token whose attention row its policy needs (None: none).
 
         None for the whole step when no sequence scores (the backend's metadata is then the plain one).
@@ -199,7 +253,7 @@ class PolicyRuntime:
                 frm.append(0 if pol.kind == "h2o" else max(0, s.num_new_tokens - pol.obs))
         return frm if any(f is not None for f in frm) else None
 
-    def after_forward(self, scheduled: Iterable[Any], meta: Any) -> None:
+    def after_forward(self, scheduled: Iterable[PolicyChunk], meta: ScoredMeta) -> None:
         rows = meta.scores.rows if meta.scores is not None else None
         for b, s in enumerate(scheduled):
             seq, n = s.seq, s.num_new_tokens
@@ -225,7 +279,7 @@ class PolicyRuntime:
                     self.evict(seq, max(pol.obs + 1, pol.budget - st.chunk))
 
 
-def check_policy(pol: KVPolicy, kv: Any, block_size: int) -> None:
+def check_policy(pol: KVPolicy, kv: KVPool, block_size: int) -> None:
     """Can this engine run ``pol`` for generation? Raises :class:`InvalidParameterError` naming why not."""
     spec = kv.spec
     if pol.kind == "recompute":
@@ -233,7 +287,7 @@ def check_policy(pol: KVPolicy, kv: Any, block_size: int) -> None:
             f"kv_policy {pol.text!r}: recompute:N is a scoring oracle; use it with `llmsys perplexity --stream`, "
             "not for generation"
         )
-    if pol.kind != "full" and getattr(kv, "quantized", False):
+    if pol.kind != "full" and kv.quantized:
         raise InvalidParameterError(
             f"kv_policy {pol.text!r} needs a float KV pool; drop --kv-dtype {spec.kv_dtype} or use full"
         )
@@ -245,8 +299,8 @@ def check_policy(pol: KVPolicy, kv: Any, block_size: int) -> None:
         )
 
 
-def make_policy_runtime(text: Any, model: Any, kv: Any, allocator: Any, block_size: int, max_len: int,
-                        tier: Any = None) -> PolicyRuntime:
+def make_policy_runtime(text: str | KVPolicy | None, model: RopeModel, kv: KVPool, allocator: BlockFreeList,
+                        block_size: int, max_len: int, tier: KVTier | None = None) -> PolicyRuntime:
     """Parse + resolve + check the engine's default policy; the runtime every engine has.
 
     Also extends the model's RoPE table when the engine's context (or the
