@@ -18,6 +18,7 @@ import torch
 
 from llmsys import kernels
 from llmsys.kernels.common.errors import BudgetError
+from llmsys.kernels.common.memory import zeros_on_demand
 from llmsys.kernels.common.protocols import KVPool
 
 
@@ -68,8 +69,9 @@ class PlainKVPool:
         self.spec = spec
         shape = (spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
         n = 1 if one_scratch else spec.num_layers
-        self.k = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(n)] * (spec.num_layers // n)
-        self.v = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(n)] * (spec.num_layers // n)
+        # Pages are backed as blocks are first written (kernels.common.memory): RSS follows use.
+        self.k = [zeros_on_demand(shape, spec.dtype, device) for _ in range(n)] * (spec.num_layers // n)
+        self.v = [zeros_on_demand(shape, spec.dtype, device) for _ in range(n)] * (spec.num_layers // n)
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         kernels.kv_store(k, v, self.k[layer], self.v[layer], slots)

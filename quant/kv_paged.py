@@ -37,6 +37,7 @@ from __future__ import annotations
 import torch
 
 from llmsys import kernels
+from llmsys.kernels.common.memory import zeros_on_demand
 from llmsys.quant.kv import QuantizedKVBlock, dequantize_kv_block, quantize_kv_block
 
 
@@ -55,8 +56,9 @@ class Int8Side:
     bits = 8
 
     def __init__(self, num_blocks: int, block_size: int, n_kv: int, head_dim: int, device: torch.device):
-        self.codes = torch.zeros((num_blocks, block_size, n_kv, head_dim), dtype=torch.int8, device=device)
-        self.scale = torch.zeros((num_blocks, block_size, n_kv), dtype=torch.float32, device=device)
+        # Pages backed as blocks are first written (kernels.common.memory): RSS follows use.
+        self.codes = zeros_on_demand((num_blocks, block_size, n_kv, head_dim), torch.int8, device)
+        self.scale = zeros_on_demand((num_blocks, block_size, n_kv), torch.float32, device)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -93,10 +95,10 @@ class Int4Side:
         # Keys must buffer their open block (per-channel stats); values may.
         self.window = True if kind == "key" else bool(window)
         self.float_dtype = float_dtype
-        self.data = torch.zeros((num_blocks, block_size, n_kv, head_dim // 2), dtype=torch.uint8, device=device)
+        self.data = zeros_on_demand((num_blocks, block_size, n_kv, head_dim // 2), torch.uint8, device)
         stat = (num_blocks, 1, n_kv, head_dim) if kind == "key" else (num_blocks, block_size, n_kv, head_dim // self.group)
-        self.qscale = torch.zeros(stat, dtype=torch.float16, device=device)
-        self.qmin = torch.zeros(stat, dtype=torch.float16, device=device)
+        self.qscale = zeros_on_demand(stat, torch.float16, device)
+        self.qmin = zeros_on_demand(stat, torch.float16, device)
         # Open (not yet quantized) blocks: buffer rows in the model dtype.
         self.row_of = torch.full((num_blocks,), -1, dtype=torch.int64, device=device)  # block -> buffer row
         self.buf = torch.zeros((0, block_size, n_kv, head_dim), dtype=float_dtype, device=device)

@@ -1,0 +1,31 @@
+"""Large zero-filled CPU buffers whose pages are paid for when first written.
+
+Why: the KV pool is sized for the longest contexts the engine may serve, but
+a one-shot run or a chat uses a small part of it. ``torch.zeros`` writes every
+page (a 6 GB pool cost 6 GB of RSS and seconds of startup before the first
+token); an anonymous ``mmap`` is zero-filled by the kernel and backed only
+where it is touched, so resident memory follows the blocks in use (the block
+allocator hands out low ids first and reuses freed ones first). The mapping
+lives as long as the tensor (``torch.frombuffer`` holds it).
+"""
+
+from __future__ import annotations
+
+import mmap
+import math
+
+import torch
+
+# Below this a buffer is allocated plainly: a mapping per small tensor is not worth it.
+ON_DEMAND_MIN_BYTES = 1 << 20
+
+
+def zeros_on_demand(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``torch.zeros(shape, dtype=dtype, device=device)``, with CPU pages backed on first write."""
+    device = torch.device(device)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * itemsize
+    if device.type != "cpu" or nbytes < ON_DEMAND_MIN_BYTES:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    buf = mmap.mmap(-1, nbytes)  # anonymous, private: zero pages until written
+    return torch.frombuffer(buf, dtype=dtype).view(shape)
