@@ -54,9 +54,9 @@ def gemv_read_gbps(dtype: torch.dtype, nbytes: int, reps: int) -> float:
 
 
 def probe(dtype: torch.dtype, nbytes: int, reps: int) -> dict[str, float]:
-    from llmsys.engine.bench.machine import measure_mem_read_gbps
+    from llmsys.offload.bandwidth import probe_mem_gbps
 
-    return {"sum": measure_mem_read_gbps(nbytes, reps), "gemv": gemv_read_gbps(dtype, nbytes, reps)}
+    return {"sum": probe_mem_gbps(nbytes, reps), "gemv": gemv_read_gbps(dtype, nbytes, reps)}
 
 
 def gemv_pass_s(model: torch.nn.Module, dtype: torch.dtype, reps: int) -> float:

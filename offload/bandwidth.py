@@ -4,12 +4,11 @@ Why measure: the best placement flips with the numbers (a layer in CPU RAM
 computed on the CPU beats streaming it to the GPU only while the CPU's memory
 bandwidth beats PCIe; disk streaming is only worth planning around with the
 disk's real read speed). Each probe takes well under a second and runs once
-per machine: results are cached as JSON under ``$LLMSYS_HOME/machine/``.
+per machine: results are cached as JSON in ``$LLMSYS_HOME/machine.json``.
 
-:class:`Bandwidths` is the one type for measured machine speeds: the
-planner's probe here fills the GEMM rates, ``llmsys bench``'s longer
-measurement (``engine.bench.machine``) fills the copy bandwidths and the
-page-cache flag; each leaves the other's fields at their defaults.
+:class:`Bandwidths` is the one type for measured machine speeds and
+:func:`measure_bandwidths` the one measurement: the planner's cost model and
+``llmsys bench``'s %roof column (``engine.bench.machine``) read the same record.
 """
 
 from __future__ import annotations
@@ -26,7 +25,9 @@ import torch
 
 from llmsys.kernels.common.paths import llmsys_home
 
-CACHE_VERSION = 2
+CACHE_VERSION = 3
+CACHE_NAME = "machine.json"  # under $LLMSYS_HOME: one record per machine (see machine_fingerprint)
+MEM_PROBE_BYTES = 256 << 20  # per buffer: well above any last-level cache
 
 
 @dataclass(frozen=True)
@@ -39,10 +40,9 @@ class Bandwidths:
     weights live (``None``: not measured). ``h2d_gbps``: pinned host -> GPU copy;
     ``gpu_mem_gbps``: on-GPU copy (read + write); both ``None`` without a GPU.
     ``mem_copy_gbps``: a large host tensor copy counting read + write bytes
-    (STREAM "copy"; measured by ``llmsys bench`` only). ``disk_cached``: the page
-    cache could not be dropped, so the disk figure is an upper bound.
-    ``cpu_gflops`` / ``gpu_gflops``: dtype name -> GEMM GFLOP/s (measured by the
-    planner's probe only; empty means the cost model's defaults).
+    (STREAM "copy"). ``disk_cached``: the page cache could not be dropped, so the
+    disk figure is an upper bound. ``cpu_gflops`` / ``gpu_gflops``: dtype name ->
+    GEMM GFLOP/s (empty means the cost model's defaults).
     """
 
     mem_gbps: float
@@ -69,11 +69,33 @@ class Bandwidths:
         return 1e9 * self.gpu_gflops.get(name, min(self.gpu_gflops.values(), default=50_000.0))
 
 
+def machine_fingerprint() -> dict:
+    """What must match for a cached measurement to be reused (the machine, not the run)."""
+    import psutil
+
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu_model": model,
+        "cpu_threads": psutil.cpu_count(logical=True) or 1,
+        "ram_bytes": psutil.virtual_memory().total,
+        "gpu_name": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "node": platform.node(),
+    }
+
+
 def _cache_path() -> Path:
-    return llmsys_home() / "machine" / f"offload_bandwidths_{platform.node() or 'host'}.json"
+    return llmsys_home() / CACHE_NAME
 
 
 def _best(fn, repeat: int = 3) -> float:
+    fn()  # warm-up: page faults, allocator
     best = float("inf")
     for _ in range(repeat):
         t = time.perf_counter()
@@ -82,17 +104,22 @@ def _best(fn, repeat: int = 3) -> float:
     return max(best, 1e-9)
 
 
-def probe_mem_gbps(nbytes: int = 64 << 20) -> float:
-    """Read bandwidth: a sum over a buffer far larger than the caches."""
+def probe_mem_gbps(nbytes: int = MEM_PROBE_BYTES, repeat: int = 5) -> float:
+    """Host RAM read bandwidth: a sum over a buffer far larger than the caches (all torch threads)."""
     x = torch.ones(nbytes // 4, dtype=torch.float32)
-    dt = _best(lambda: x.sum())
-    return nbytes / dt / 1e9
+    return nbytes / _best(lambda: x.sum(), repeat) / 1e9
+
+
+def probe_mem_copy_gbps(nbytes: int = MEM_PROBE_BYTES, repeat: int = 5) -> float:
+    """Host RAM copy bandwidth, read + write bytes counted (STREAM "copy")."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / _best(lambda: dst.copy_(src), repeat) / 1e9
 
 
 def probe_cpu_gflops(dtype: torch.dtype, m: int = 32, n: int = 2048, k: int = 2048) -> float:
     a = torch.randn(m, k).to(dtype)
     b = torch.randn(n, k).to(dtype)
-    torch.nn.functional.linear(a, b)
     dt = _best(lambda: torch.nn.functional.linear(a, b))
     return 2 * m * n * k / dt / 1e9
 
@@ -166,35 +193,41 @@ def probe_cuda() -> tuple[float, float, dict[str, float]]:  # pragma: no cover -
 
 
 def measure_bandwidths(cache: bool = True, probe_dir: Path | None = None) -> Bandwidths:
-    """Measure (or load the cached) speeds of this machine.
+    """Measure this machine's speeds once (about 2-5 s), or reuse the cached record.
 
+    The one measurement the planner's cost model and ``llmsys bench``'s %roof
+    both read. With ``cache`` a record in ``$LLMSYS_HOME/machine.json`` is
+    reused when it was measured on this machine (CPU, threads, RAM, GPU, host
+    name: :func:`machine_fingerprint`); a fresh measurement is written back there.
     ``probe_dir`` is where the disk probe writes its scratch file: the offload
     folder when there is one, since that is the disk that will be read.
     """
     path = _cache_path()
-    if cache and path.exists():
+    fp = machine_fingerprint()
+    if cache:
         try:
             raw = json.loads(path.read_text())
-            if raw.pop("version", None) == CACHE_VERSION and (raw.get("h2d_gbps") is None) != torch.cuda.is_available():
-                return Bandwidths(**raw)
-        except (OSError, ValueError, TypeError):
+            if raw.get("version") == CACHE_VERSION and raw.get("fingerprint") == fp:
+                return Bandwidths(**raw["bandwidths"])
+        except (OSError, ValueError, TypeError, KeyError):
             pass
-    threads = torch.get_num_threads()
     mem = probe_mem_gbps()
+    copy = probe_mem_copy_gbps()
     flops = {str(dt).removeprefix("torch."): probe_cpu_gflops(dt) for dt in (torch.float32, torch.bfloat16)}
     disk = probe_disk_read_gbps(probe_dir or llmsys_home() / "machine")
     h2d = gpu_mem = None
     gpu_flops: dict[str, float] = {}
     if torch.cuda.is_available():  # pragma: no cover - untested here (no GPU)
         h2d, gpu_mem, gpu_flops = probe_cuda()
-    bw = Bandwidths(mem_gbps=mem, disk_read_gbps=disk, h2d_gbps=h2d, gpu_mem_gbps=gpu_mem,
+    bw = Bandwidths(mem_gbps=round(mem, 2), disk_read_gbps=round(disk, 3), h2d_gbps=h2d, gpu_mem_gbps=gpu_mem,
+                    mem_copy_gbps=round(copy, 2), disk_cached=not hasattr(os, "posix_fadvise"),
                     cpu_gflops=flops, gpu_gflops=gpu_flops)
-    if cache:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            data = dict(asdict(bw), version=CACHE_VERSION, threads=threads)
-            data.pop("threads")
-            path.write_text(json.dumps(data, indent=1))
-        except OSError:
-            pass
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"version": CACHE_VERSION, "fingerprint": fp, "measured_at": time.time(),
+                                   "bandwidths": asdict(bw)}, indent=1))
+        tmp.replace(path)
+    except OSError:
+        pass  # a read-only home only costs a re-measurement next time
     return bw

@@ -204,4 +204,8 @@ def test_bandwidths_cached(tmp_path, monkeypatch):
     data = json.loads((tmp_path / "machine.json").read_text())
     assert data["bandwidths"]["mem_gbps"] == bw.mem_gbps
     assert measure_bandwidths(cache=True) == bw  # second call reads the cache
+    from llmsys.offload import bandwidth
+
+    assert bw.cpu_gflops["float32"] > 0  # the planner's GEMM rates come from the same measurement
+    assert bandwidth.measure_bandwidths(cache=True) == bw  # the planner reads bench's record: one cache
     assert machine_info(bandwidths=bw).bandwidths is bw
