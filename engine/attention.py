@@ -42,6 +42,7 @@ from llmsys.kernels import (
     GatherPlan,
     attend_gathered,
     cpu_fused_available,
+    cpu_fused_decode_attention,
     cpu_fused_rope_store,
     make_gather_plan,
     paged_attention_gathered,
@@ -164,6 +165,11 @@ class AttentionBackend(Protocol):
         """The step's metadata (``score_from``: per sequence, see :class:`StepScores`)."""
         ...
 
+    def for_step(self, meta: AttentionMetadata) -> AttentionBackend:
+        """The backend this step's layers call: a decorator with nothing to do this step hands back
+        its inner backend, so the per-layer calls skip it (asked once per step, not per layer)."""
+        ...
+
     def rope_store(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                    rope_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """RoPE q ``[T, Hq, D]`` and k ``[T, Hk, D]`` at ``positions``; k, v into the pool -> roped q."""
@@ -202,6 +208,9 @@ class _PagedBackend:
         return build_metadata(query_lens, context_lens, block_tables, self.block_size, self.device, cold, prompt,
                               self.plans)
 
+    def for_step(self, meta):
+        return self
+
     def rope_store(self, layer, q, k, v, positions, rope_cache, meta):
         q, k = kernels.rope(q, k, positions, rope_cache)
         self.pool.store(layer, k, v, meta.slot_mapping)
@@ -223,6 +232,7 @@ class CpuBackend(_PagedBackend):
         # bfloat16 with the C kernels: RoPE writes K/V into the pool in the same call (the bits of
         # kernels.rope + kernels.kv_store, kernels/cpu_decode.py). The pool's flat [slots, Hk, D] views.
         self._c_rope = s.dtype == torch.bfloat16 and cpu_fused_available()
+        self._c_decode = s.dtype in (torch.bfloat16, torch.float32) and cpu_fused_available()  # q has the pool's dtype
         self._flat = [(k.view(-1, s.num_kv_heads, s.head_dim), v.view(-1, s.num_kv_heads, s.head_dim))
                       for k, v in zip(pool.k, pool.v)]
 
@@ -243,7 +253,14 @@ class CpuBackend(_PagedBackend):
         vf.index_copy_(0, meta.slot_mapping, v)
 
     def attend(self, layer, q, meta, scale):
-        return paged_attention_gathered(q, self.pool.k[layer], self.pool.v[layer], meta.plan, scale)
+        plan = meta.plan
+        if (self._c_decode and plan.is_decode and plan.cold is None and plan.split is None and plan.lens is not None
+                and q.dtype == self.pool.spec.dtype):
+            # What paged_attention_gathered runs for this step (the C decode attention reading the
+            # pool by slot), without its dispatch: asked per layer, the same answer every layer.
+            kf, vf = self._flat[layer]
+            return cpu_fused_decode_attention(q.contiguous(), kf, vf, plan.lens, scale, plan.gather_slots)
+        return paged_attention_gathered(q, self.pool.k[layer], self.pool.v[layer], plan, scale)
 
     def attend_with_scores(self, layer, q, meta, scale, score_from):
         return paged_attention_gathered_scores(q, self.pool.k[layer], self.pool.v[layer], meta.plan, scale,
@@ -344,6 +361,9 @@ class BackendDecorator:
     def metadata(self, query_lens, context_lens, block_tables, cold=None, prompt=None, score_from=None):
         return self.inner.metadata(query_lens, context_lens, block_tables, cold, prompt, score_from)
 
+    def for_step(self, meta):
+        return self
+
     def rope_store(self, layer, q, k, v, positions, rope_cache, meta):
         return self.inner.rope_store(layer, q, k, v, positions, rope_cache, meta)
 
@@ -386,6 +406,9 @@ class ScoringBackend(BackendDecorator):
                 parts += [rows, sub, tok]
             split = (parts[0], parts[1], parts[2], parts[4], parts[5])
         return replace(meta, scores=StepScores(list(score_from), list(context_lens), [None] * len(score_from), split))
+
+    def for_step(self, meta):
+        return self.inner.for_step(meta) if meta.scores is None else self
 
     def attend(self, layer, q, meta, scale):
         sc = meta.scores

@@ -20,6 +20,7 @@ from llmsys.kernels.cpu_attention import (
 # The CPU backend's fused bf16 decode ops, unvalidated (the backend checks once per engine
 # that shapes and dtypes fit; kernels.ops wraps the validated forms).
 from llmsys.kernels.cpu_decode import available as cpu_fused_available
+from llmsys.kernels.cpu_decode import decode_attention as cpu_fused_decode_attention
 from llmsys.kernels.cpu_decode import rms_norm as cpu_fused_rms_norm
 from llmsys.kernels.cpu_decode import rope_store as cpu_fused_rope_store
 from llmsys.kernels.cpu_int4 import Scratch as Int4Scratch
@@ -49,6 +50,7 @@ __all__ = [
     "Int4Scratch",
     "attend_gathered",
     "cpu_fused_available",
+    "cpu_fused_decode_attention",
     "cpu_fused_rms_norm",
     "cpu_fused_rope_store",
     "fusable",

@@ -175,6 +175,13 @@ class Attention(nn.Module):
             r = qk * rows[0] + sw * rows[1]  # [T, Hq + Hk, D] roped q | k
             attn.store(self.index, r[:, hq:], out[:, 2 * nqk :].view(T, hk, d), meta)
             q = r[:, :hq]
+        elif rows is not None:  # float32 decode: RoPE over q|k at once with the step's rows, same bits
+            q, k, v = self.project(x)
+            qk = torch.cat([q, k], dim=1)  # [T, Hq + Hk, D]
+            half = d // 2
+            r = qk * rows[0] + torch.cat([qk[..., half:], qk[..., :half]], dim=-1) * rows[1]
+            attn.store(self.index, r[:, hq:], v, meta)
+            q = r[:, :hq]
         else:
             q, k, v = self.project(x)
             q = attn.rope_store(self.index, q, k, v, positions, rope_cache, meta)  # k, v into the pool
@@ -308,6 +315,7 @@ class DecoderModel(nn.Module):
         """
         rows = self.decode_rope_rows(positions, meta)
         rope = self.rope_cache
+        attn = attn.for_step(meta)  # e.g. the scoring decorator steps aside when no sequence scores
         h, res = self.model.embed_tokens(input_ids), None
         for i, layer in enumerate(self.model.layers):
             if layers is None:
@@ -318,10 +326,12 @@ class DecoderModel(nn.Module):
         return norm.forward(h) if res is None else norm.forward(h, res)[0]
 
     def decode_rope_rows(self, positions: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``[T, 1, D]`` rows ``[cos, cos]`` and ``[-sin, sin]`` of a pure-decode CPU step, for folded layers.
+        """``[T, 1, D]`` rows ``[cos, cos]`` and ``[-sin, sin]`` of a pure-decode CPU float32 step.
 
-        None unless some layer folds RoPE (:meth:`fold_rope`) and every new token of the
-        step is a generated one (a gather plan with the decode layout). The table is
+        None unless :meth:`fold_rope` ran (a float32 CPU inference engine, or some folded
+        layer) and every new token of the step is a generated one (a gather plan with the
+        decode layout): then every layer's RoPE reads these rows (:meth:`Attention.forward`)
+        instead of looking up cos/sin per layer. The table is
         rebuilt when the RoPE table grew (``ensure_rope_positions``).
         """
         r2 = self._rope2
@@ -347,7 +357,8 @@ class DecoderModel(nn.Module):
         GEMM over more rows equals the separate GEMMs' there (tests/test_fused_decode.py).
         For resident plain CPU float32 projections without biases or per-head norms
         that ``kernels.linear`` sends to ``F.linear`` (too small to pack); an inference
-        engine's pass (``llm.py``), after :meth:`prepack_linears`.
+        engine's pass (``engine/builder.py``), after :meth:`prepack_linears`. A float32 CPU
+        model gets the per-step RoPE rows (:meth:`decode_rope_rows`) even with no fold.
         """
         n = 0
         for layer in self.model.layers:
@@ -363,7 +374,9 @@ class DecoderModel(nn.Module):
                 mlp.gate_up_decode = torch.cat([g, u])
             mlp.down_decode = _plain_gemm(mlp.down_proj)
             n += at.o_decode is not None or mlp.down_decode is not None
-        if n:
+        norm = self.model.norm.weight
+        if n or (norm.dtype == torch.float32 and norm.device.type == "cpu"):
+            # Every float32 CPU decode step takes its RoPE rows from one table (Attention.forward).
             self._rope2 = (torch.empty(0), torch.empty(0))  # built from rope_cache at the first decode step
         return n
 
