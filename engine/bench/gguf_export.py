@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from llmsys.kernels.common.errors import CheckpointError, InvalidParameterError, UnsupportedModelError
+from llmsys.kernels.common.errors import CheckpointError, InvalidParameterError, LLMSysError, UnsupportedModelError
 
 FLOAT_FORMATS = ("f32", "f16")
 QUANT_FORMATS = ("q8_0", "q4_0", "q4_K_M")
@@ -408,7 +408,7 @@ def import_llama_cpp() -> Any:
     try:
         import llama_cpp
     except ImportError:
-        raise UnsupportedModelError(f"--vs llama.cpp needs llama-cpp-python: {_INSTALL}") from None
+        raise LLMSysError(f"llama-cpp-python is not installed: {_INSTALL}") from None
     return llama_cpp
 
 
