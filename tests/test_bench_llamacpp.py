@@ -328,6 +328,18 @@ def test_llama_cpp_quantizer_files_load_and_agree(stories):
 
 
 @needs_llama_cpp
+def test_a_failed_quantization_says_why(tmp_path, capfd):
+    from llmsys.kernels.common.errors import CheckpointError
+
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"GGUF" + b"\0" * 60)
+    with pytest.raises(CheckpointError, match="could not quantize it to q8_0 .*failed to load model"):
+        gguf_export.quantize(junk, tmp_path / "out.gguf", "q8_0")
+    assert not (tmp_path / "out.gguf").exists() and not list(tmp_path.glob("out.gguf.tmp*"))
+    assert "failed" not in capfd.readouterr().err  # llama.cpp's own lines were captured, not printed
+
+
+@needs_llama_cpp
 def test_baseline_batch_above_one_is_a_row_error(stories):
     from llmsys.engine.bench.llamacpp import LlamaCppBaseline
     from llmsys.engine.bench.measure import TestSpec

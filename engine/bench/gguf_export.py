@@ -35,13 +35,17 @@ new ones.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import json
+import logging
 import os
+import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -421,11 +425,44 @@ def quantize(src: Path, out: Path, fmt: str, threads: int | None = None) -> Path
     params.ftype = getattr(llama_cpp, _FTYPES[fmt])
     params.nthread = threads or torch.get_num_threads()
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    # llama.cpp logs a line per tensor and a warning per block-size fallback (through
+    # llama-cpp-python's log callback or straight from C) on stderr: captured, the last
+    # line goes into the error message if quantizing fails. The callback prints only what
+    # the "llama-cpp-python" logger's level lets through (a Llama(verbose=False) raises
+    # it past llama.cpp's errors): all of it, while captured.
+    log = logging.getLogger("llama-cpp-python")
+    level = log.level
     try:
-        rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
+        with _captured_stderr() as captured:
+            log.setLevel(logging.DEBUG)
+            try:
+                rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
+            finally:
+                log.setLevel(level)
         if rc != 0 or not tmp.exists():
-            raise CheckpointError(f"{src}: llama.cpp could not quantize it to {fmt} (llama_model_quantize returned {rc})")
+            said = next((ln.strip() for ln in reversed(captured) if ln.strip()), "")
+            raise CheckpointError(f"{src}: llama.cpp could not quantize it to {fmt} (returned {rc}) {said}".rstrip())
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
     return out
+
+
+@contextlib.contextmanager
+def _captured_stderr() -> Iterator[list[str]]:
+    """File descriptor 2 (where C code writes) and ``sys.stderr`` (where llama-cpp-python's
+    log callback prints) redirected to a temporary file; the yielded list gets the lines
+    written, on exit."""
+    sys.stderr.flush()
+    lines: list[str] = []
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+", errors="replace") as f:
+        os.dup2(f.fileno(), 2)
+        try:
+            with contextlib.redirect_stderr(f):
+                yield lines
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            f.seek(0)
+            lines.extend(f.read().splitlines())
