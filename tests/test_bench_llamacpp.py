@@ -191,6 +191,21 @@ def test_qwen2_keeps_rows_and_writes_biases(families):
     assert len(_field(r, "tokenizer.ggml.tokens")) == 512
 
 
+def test_llama3_rope_scaling_becomes_rope_freqs(families):
+    from llmsys.kernels import rope_inv_freq
+
+    src = families["llama3.2"]
+    a = gguf_export.open_source(src).args  # the config as llmsys reads it (rope_theta / rope_parameters)
+    assert a.rope_scaling["rope_type"] == "llama3" and a.rope_scaling["factor"] == 32.0
+    r = gguf.GGUFReader(str(gguf_file(src, "f32")))
+    (freqs,) = [torch.from_numpy(np.array(t.data)) for t in r.tensors if t.name == "rope_freqs.weight"]
+    base = rope_inv_freq(a.head_dim, a.rope_theta, None)
+    # llama.cpp divides each frequency by its factor: the quotient is HF's llama3-scaled frequency.
+    assert torch.allclose(base / freqs, rope_inv_freq(a.head_dim, a.rope_theta, a.rope_scaling), rtol=1e-6)
+    assert freqs.min() == 1.0 and freqs.max() == 32.0  # high frequencies kept, the lowest divided by the factor
+    assert "output.weight" not in {t.name for t in r.tensors}  # tied
+
+
 def test_unhandled_inputs_get_one_line_errors(families, tmp_path):
     with pytest.raises(UnsupportedModelError, match="handles model_type llama, mistral, qwen2, not 'qwen3'"):
         gguf_file(families["qwen3"], "f32")

@@ -28,8 +28,8 @@ embeddings are written once (llama.cpp reuses ``token_embd`` as the head when
   never text, so only the size and the special ids matter there.
 
 Files are cached under ``$LLMSYS_HOME/gguf/<folder>-<key>/<format>.gguf``, the
-key hashing the folder's path, config.json and each safetensors file's name,
-size and mtime, so repeated benches reuse them and a changed checkpoint gets
+key hashing the folder's path, config.json, tokenizer.json and each safetensors
+file's name, size and mtime, so repeated benches reuse them and a changed checkpoint gets
 new ones.
 """
 
@@ -147,7 +147,9 @@ def gguf_name(hf_name: str) -> str | None:
 
 def _source_key(src: GGUFSource) -> str:
     h = hashlib.sha256(f"v{_EXPORT_VERSION}|{src.folder.resolve()}|".encode())
-    h.update((src.folder / "config.json").read_bytes())
+    for meta in ("config.json", "tokenizer.json"):  # shapes, and the vocabulary written
+        if (src.folder / meta).exists():
+            h.update((src.folder / meta).read_bytes())
     for p in sorted(src.folder.glob("*.safetensors")):
         st = p.stat()
         h.update(f"|{p.name}:{st.st_size}:{st.st_mtime_ns}".encode())
@@ -225,15 +227,14 @@ def export_float(folder: str | Path, out: Path, fmt: str = "f32") -> Path:
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     w = gguf.GGUFWriter(str(tmp), src.arch)
     _write_metadata(w, src, fmt)
-    np_dtype = {"f32": np.float32, "f16": np.float16}[fmt]
-
-    def target(g: str, shape: tuple[int, ...]) -> Any:
-        return np_dtype if len(shape) == 2 else np.float32  # norms, biases: f32 (as llama.cpp wants them)
+    def target(shape: tuple[int, ...]) -> torch.dtype:
+        # Matrices in the file's format; norms and biases f32, as llama.cpp wants them.
+        return torch.float16 if fmt == "f16" and len(shape) == 2 else torch.float32
 
     for name, g in plan:
         info = index.info(name)
-        dt = np.dtype(target(g, info.shape))
-        w.add_tensor_info(g, info.shape, dt, int(np.prod(info.shape)) * dt.itemsize)
+        dt = np.float16 if target(info.shape) == torch.float16 else np.float32
+        w.add_tensor_info(g, info.shape, np.dtype(dt), int(np.prod(info.shape)) * np.dtype(dt).itemsize)
     if extra is not None:
         w.add_tensor_info("rope_freqs.weight", tuple(extra.shape), np.dtype(np.float32), extra.numel() * 4)
     try:
@@ -242,7 +243,7 @@ def export_float(folder: str | Path, out: Path, fmt: str = "f32") -> Path:
         w.write_ti_data_to_file()
         for name, g in plan:
             t = _layout(src, name, index.read(name))
-            w.write_tensor_data(t.to(torch.float32).numpy().astype(target(g, tuple(t.shape)), copy=False))
+            w.write_tensor_data(t.to(target(tuple(t.shape))).contiguous().numpy())  # bf16 -> f16 rounds once
         if extra is not None:
             w.write_tensor_data(extra.numpy())
         w.close()
