@@ -45,12 +45,17 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from types import ModuleType
+from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 import torch
 
+from llmsys.engine.models.base import TransformerArgs
 from llmsys.kernels.common.errors import CheckpointError, InvalidParameterError, LLMSysError, UnsupportedModelError
+
+if TYPE_CHECKING:  # imported where used: only the export needs it
+    import gguf
 
 FLOAT_FORMATS = ("f32", "f16")
 QUANT_FORMATS = ("q8_0", "q4_0", "q4_K_M")
@@ -83,11 +88,10 @@ _TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weig
 
 @dataclass(frozen=True)
 class GGUFSource:
-    """What the exporter reads from a folder: config, the llama.cpp architecture, the layout."""
+    """What the exporter reads from a folder: the config, the llama.cpp architecture, the layout."""
 
     folder: Path
-    config: dict[str, Any]
-    args: Any  # the family's TransformerArgs (head counts, rope, eps, tying)
+    args: TransformerArgs  # the family's reading of config.json (head counts, rope, eps, tying)
     arch: str  # "llama" or "qwen2"
     interleave_qk: bool  # reorder q/k rows for llama.cpp's interleaved RoPE
 
@@ -111,7 +115,7 @@ def open_source(folder: str | Path) -> GGUFSource:
     if rope_type not in ("default", "linear", "llama3") or (rope_type == "llama3" and mt == "qwen2"):
         raise UnsupportedModelError(f"{folder}: the GGUF export does not handle rope scaling {rope_type!r} for {mt}")
     arch, interleave = _ARCHS[mt]
-    return GGUFSource(folder, cfg, args, arch, interleave)
+    return GGUFSource(folder, args, arch, interleave)
 
 
 def hf_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -227,14 +231,15 @@ def export_float(folder: str | Path, out: Path, fmt: str = "f32") -> Path:
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     w = gguf.GGUFWriter(str(tmp), src.arch)
     _write_metadata(w, src, fmt)
+
     def target(shape: tuple[int, ...]) -> torch.dtype:
         # Matrices in the file's format; norms and biases f32, as llama.cpp wants them.
         return torch.float16 if fmt == "f16" and len(shape) == 2 else torch.float32
 
     for name, g in plan:
         info = index.info(name)
-        dt = np.float16 if target(info.shape) == torch.float16 else np.float32
-        w.add_tensor_info(g, info.shape, np.dtype(dt), int(np.prod(info.shape)) * np.dtype(dt).itemsize)
+        dt = np.dtype(np.float16 if target(info.shape) == torch.float16 else np.float32)
+        w.add_tensor_info(g, info.shape, dt, int(np.prod(info.shape)) * dt.itemsize)
     if extra is not None:
         w.add_tensor_info("rope_freqs.weight", tuple(extra.shape), np.dtype(np.float32), extra.numel() * 4)
     try:
@@ -249,6 +254,7 @@ def export_float(folder: str | Path, out: Path, fmt: str = "f32") -> Path:
         w.close()
         os.replace(tmp, out)
     finally:
+        w.close()  # idempotent; closes the file when a write failed
         tmp.unlink(missing_ok=True)
     return out
 
@@ -271,7 +277,7 @@ def _layout(src: GGUFSource, name: str, t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _rope_freqs(a: Any) -> torch.Tensor | None:
+def _rope_freqs(a: TransformerArgs) -> torch.Tensor | None:
     """Llama 3 rope scaling as llama.cpp's per-frequency divisors ``[head_dim/2]`` (None without it)."""
     from llmsys.kernels import rope_inv_freq
 
@@ -282,7 +288,7 @@ def _rope_freqs(a: Any) -> torch.Tensor | None:
     return (base / rope_inv_freq(a.head_dim, a.rope_theta, scaling)).float().contiguous()
 
 
-def _write_metadata(w: Any, src: GGUFSource, fmt: str) -> None:
+def _write_metadata(w: gguf.GGUFWriter, src: GGUFSource, fmt: str) -> None:
     import gguf
 
     a = src.args
@@ -379,7 +385,7 @@ def _spm_pieces(path: Path, n: int) -> tuple[list[str], list[float], set[int]] |
     return tokens, scores, control
 
 
-def _write_vocab(w: Any, src: GGUFSource) -> None:
+def _write_vocab(w: gguf.GGUFWriter, src: GGUFSource) -> None:
     v = vocab_for(src)
     a = src.args
     w.add_tokenizer_model("llama")
@@ -408,7 +414,7 @@ def _tokenizer_adds_bos(folder: Path) -> bool:
 # --------------------------------------------------------------------------
 
 
-def import_llama_cpp() -> Any:
+def import_llama_cpp() -> ModuleType:
     """``llama_cpp``, or the one-line error saying what to install."""
     try:
         import llama_cpp
