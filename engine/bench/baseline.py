@@ -1,5 +1,8 @@
 """The Hugging Face baselines (``--vs transformers`` / ``--vs accelerate``).
 
+(``--vs llama.cpp``, registered in ``BASELINES`` too, lives in
+:mod:`llmsys.engine.bench.llamacpp`.)
+
 The baseline loads the *same folder* (same weights, dtype and torch threads)
 with ``AutoModelForCausalLM`` and runs the same tests the same way: a
 ``[B, n_prompt]`` prompt forward, then ``n_gen`` one-token forwards with a
@@ -23,7 +26,7 @@ import torch
 from llmsys.engine.bench.measure import RunTimes, TestResult, TestSpec, _random_ids, _sync, summarize
 from llmsys.kernels.common.errors import UnsupportedModelError
 
-BASELINES = ("transformers", "accelerate")
+BASELINES = ("transformers", "accelerate", "llama.cpp")  # llama.cpp also as llama.cpp:FORMAT
 
 
 class HFBaseline:

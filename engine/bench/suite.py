@@ -69,6 +69,7 @@ class BaselineFigures:
     error: str | None = None
     peak_cpu_bytes: int | None = None  # the baseline's own peak RSS
     peak_gpu_bytes: int | None = None
+    weights: str | None = None  # the baseline's weight format where it differs by name (llama.cpp: "q8_0")
 
 
 @dataclass
@@ -421,9 +422,22 @@ def _max_context_check(spec: BenchSpec, llm) -> str | None:
     return None
 
 
+def check_baselines(kinds: list[str]) -> None:
+    """Refuse an unknown ``--vs`` name (or llama.cpp format) before anything loads."""
+    from llmsys.engine.bench.baseline import BASELINES
+    from llmsys.engine.bench.llamacpp import NAME, split_kind
+
+    for kind in kinds:
+        if kind.partition(":")[0] == NAME:
+            split_kind(kind)
+        elif kind not in BASELINES:
+            raise InvalidParameterError(f"--vs {kind!r}: choose from {', '.join(BASELINES)} (or llama.cpp:FORMAT)")
+
+
 def _load_baseline(spec: BenchSpec, cfg: LoadConfig, where, kind: str):
     """Load ``kind`` on what our engine used (``where`` = (path, dtype, device)) or would have."""
     from llmsys.engine.bench.baseline import HFBaseline
+    from llmsys.engine.bench import llamacpp
     from llmsys.kernels.common.units import parse_size
 
     if where is not None:
@@ -435,6 +449,11 @@ def _load_baseline(spec: BenchSpec, cfg: LoadConfig, where, kind: str):
         path = _resolve_path(spec.model)
         device = resolve_device(spec.engine_flags.get("device") or "auto")
         dtype = resolve_dtype(cfg.dtype, device)
+    if kind.partition(":")[0] == llamacpp.NAME:
+        gguf, fmt = llamacpp.prepare(path, dtype, cfg.quant, kind)  # cached export / quantization
+        reset_peak_memory()  # the baseline's peak is its load and runs, not a first-time export
+        longest = max(max(t.depth, t.n_prompt) for t in spec.tests)
+        return llamacpp.LlamaCppBaseline(gguf, fmt, n_ctx=max(t.context for t in spec.tests), n_batch=max(longest, 512))
     return HFBaseline(path, dtype, device, kind, parse_size(cfg.gpu_mem), parse_size(cfg.cpu_mem))
 
 
@@ -479,6 +498,9 @@ def _measure_baseline(base, err: str | None, row: BenchRow, spec: BenchSpec, tes
         res = base.measure(test, batch, spec.repetitions, seed=spec.seed, warmup=spec.warmup)
     except Exception as e:  # noqa: BLE001
         return BaselineFigures(error=_error_text(e))
+    from llmsys.engine.bench.llamacpp import LlamaCppBaseline
+
     ratio = row.tok_s / res.tok_s_mean if row.tok_s and res.tok_s_mean else None
     cpu, gpu = peak_memory()
-    return BaselineFigures(tok_s=res.tok_s_mean, tok_s_std=res.tok_s_std, ratio=ratio, peak_cpu_bytes=cpu, peak_gpu_bytes=gpu)
+    return BaselineFigures(tok_s=res.tok_s_mean, tok_s_std=res.tok_s_std, ratio=ratio, peak_cpu_bytes=cpu,
+                           peak_gpu_bytes=gpu, weights=base.format if isinstance(base, LlamaCppBaseline) else None)

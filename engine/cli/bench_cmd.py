@@ -57,7 +57,7 @@ def bench_command(
     kv_policy: Annotated[str, typer.Option("--kv-policy", help="KV policies; ';' separates them (or ',' when unambiguous)")] = "full",
     gpu_mem: Annotated[Optional[str], typer.Option("--gpu-mem", help="GPU budget(s), e.g. 2GiB,4GiB")] = None,
     cpu_mem: Annotated[Optional[str], typer.Option("--cpu-mem", help="CPU RAM budget(s), e.g. 512MiB,1GiB")] = None,
-    vs: Annotated[Optional[str], typer.Option("--vs", help="baselines in the same run: transformers, accelerate (comma list)")] = None,
+    vs: Annotated[Optional[str], typer.Option("--vs", help="baselines in the same run, comma list: transformers, accelerate, llama.cpp (GGUF paired by bits: float32 f32, bf16/fp16 f16, int8 q8_0, int4 q4_0; or llama.cpp:FORMAT with f32, f16, q8_0, q4_0, q4_K_M)")] = None,
     output: Annotated[str, typer.Option("--output", "-o", help="md, json, jsonl or csv (to stdout)")] = "md",
     plot: Annotated[Optional[Path], typer.Option("--plot", help="write a throughput plot (PNG) here")] = None,
     seed: Annotated[int, typer.Option("--seed", help="seed of the synthetic weights and the random prompts")] = 0,
@@ -70,9 +70,8 @@ def bench_command(
     engine_flags: dict[str, Any],
 ) -> int:
     from llmsys.engine.bench import report
-    from llmsys.engine.bench.baseline import BASELINES
     from llmsys.engine.bench.machine import machine_info
-    from llmsys.engine.bench.suite import BenchSpec, build_configs, build_tests, int_list, run_bench, split_list, split_policies
+    from llmsys.engine.bench.suite import BenchSpec, build_configs, check_baselines, build_tests, int_list, run_bench, split_list, split_policies
     from llmsys.engine.bench.synthetic import make_synthetic
 
     if output not in report.FORMATS:
@@ -88,9 +87,7 @@ def bench_command(
             sys.stderr.write(f"preparing synthetic {synthetic} (random weights, cached)...\n")
         model = str(make_synthetic(synthetic, seed=seed))
     baselines = split_list(vs)
-    bad = [b for b in baselines if b not in BASELINES]
-    if bad:
-        raise InvalidParameterError(f"--vs {bad[0]!r}: choose from {', '.join(BASELINES)}")
+    check_baselines(baselines)
     tests = build_tests(
         int_list(n_prompt if n_prompt is not None else ("0" if pg else defaults["n_prompt"]), "-p"),
         int_list(n_gen if n_gen is not None else ("0" if pg else defaults["n_gen"]), "-n"),

@@ -1,0 +1,190 @@
+"""llmsys vs llama.cpp on the CPU: same weights, same bits, same threads, fresh processes.
+
+For the SmolLM2-135M and Qwen2.5-0.5B shapes (random bf16 weights from
+``llmsys.engine.bench.synthetic``, models.toml [synthetic.*]; cached in
+$LLMSYS_HOME/synthetic) each llmsys weight format is paired with the llama.cpp
+GGUF of the same bit width - bf16 / f16, int8 / q8_0, int4 / q4_0 - and
+llama.cpp's q4_K_M is reported beside int4. The GGUFs are the ones
+``llmsys bench --vs llama.cpp`` uses (engine/bench/gguf_export.py: the gguf
+package for f16, llama.cpp's own quantizer for the rest), made before any
+timing. Each measurement is a fresh process (this script with ``--worker``)
+that loads one engine, runs one untimed warm-up and ``--reps`` timed
+repetitions of a 128-token prompt then 64 one-token decode steps (batch 1,
+greedy, argmax outside the timer: engine/bench/measure.py's StepDriver for
+llmsys, LlamaCppBaseline for llama.cpp), and reports prefill tok/s, decode
+tok/s and its peak RSS. Rounds interleave the engines (A B A B ...), and the
+table gives the median over rounds.
+
+    python benchmarks/bench_vs_llamacpp.py --threads 2 --rounds 3
+    python benchmarks/bench_vs_llamacpp.py --quick   # wiring check: smollm2-135m, 8+4 tokens, one round
+
+The tensor-type mix of each GGUF is printed under the table: llama.cpp falls
+back to other types for tensors whose rows do not divide its block size (256
+for the K-quants: 576 and 896 columns do not), so "q4_K_M" on these shapes is
+partly q5_0 / q8_0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+SHAPES = ("smollm2-135m", "qwen2.5-0.5b")
+# (llmsys --quant, llama.cpp format); None = not run on that side.
+PAIRS = (("none", "f16"), ("int8", "q8_0"), ("int4", "q4_0"), (None, "q4_K_M"))
+PAIRED_WITH = {"q4_K_M": "int4"}  # llama.cpp-only rows: the llmsys format their ratio uses
+
+
+@dataclass(frozen=True)
+class Job:
+    engine: str  # "llmsys" or "llama.cpp"
+    shape: str
+    model: str  # the synthetic folder
+    fmt: str  # llmsys --quant (none / int8 / int4) or a GGUF format
+    threads: int
+    n_prompt: int
+    n_gen: int
+    reps: int
+
+
+@dataclass(frozen=True)
+class Figures:
+    prefill_tok_s: float
+    decode_tok_s: float
+    peak_rss: int
+
+
+def worker(job: Job) -> Figures:
+    """One engine in this (fresh) process: warm-up + ``reps`` timed runs, medians of the runs."""
+    import torch
+
+    from llmsys.engine.bench.measure import TestSpec
+    from llmsys.engine.bench.suite import peak_memory
+
+    torch.set_num_threads(job.threads)
+    test = TestSpec(job.n_prompt, job.n_gen)
+    gen = torch.Generator().manual_seed(0)
+    if job.engine == "llmsys":
+        from llmsys import LLM
+        from llmsys.engine.bench.measure import StepDriver
+
+        llm = LLM(job.model, dtype="bfloat16", quant=job.fmt, device="cpu", threads=job.threads, progress=False,
+                  kv_cache_tokens=2 * (test.context + 16), prefix_caching=False,
+                  max_num_batched_tokens=max(512, job.n_prompt))
+        runner = StepDriver(llm.core)
+    else:
+        from llmsys.engine.bench.gguf_export import gguf_file
+        from llmsys.engine.bench.llamacpp import LlamaCppBaseline
+
+        runner = LlamaCppBaseline(gguf_file(job.model, job.fmt, job.threads), job.fmt, n_ctx=test.context + 16,
+                                  n_batch=max(512, job.n_prompt))
+    runner.run(test, 1, gen)  # warm-up
+    runs = [runner.run(test, 1, gen) for _ in range(job.reps)]
+    cpu, _ = peak_memory()
+    return Figures(
+        prefill_tok_s=statistics.median(job.n_prompt / r.prefill_s for r in runs),
+        decode_tok_s=statistics.median(job.n_gen / sum(r.decode_steps) for r in runs),
+        peak_rss=cpu or 0,
+    )
+
+
+def run_job(job: Job) -> Figures:
+    env = dict(os.environ, OMP_NUM_THREADS=str(job.threads))
+    res = subprocess.run([sys.executable, __file__, "--worker", json.dumps(asdict(job))], env=env,
+                         capture_output=True, text=True, timeout=1800)
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")]
+    if res.returncode != 0 or not lines:
+        raise SystemExit(f"worker {job.engine} {job.shape} {job.fmt} failed:\n{res.stderr[-3000:]}")
+    return Figures(**json.loads(lines[-1].removeprefix("RESULT ")))
+
+
+def type_mix(path: Path) -> str:
+    """``q4_0 88%, q8_0 10%, f32 2%`` by bytes of the GGUF's tensors."""
+    import gguf
+
+    by: dict[str, int] = {}
+    for t in gguf.GGUFReader(str(path)).tensors:
+        by[t.tensor_type.name.lower()] = by.get(t.tensor_type.name.lower(), 0) + int(t.n_bytes)
+    total = sum(by.values())
+    return ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in sorted(by.items(), key=lambda kv: -kv[1]))
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.0f} MiB"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="synthetic shapes, comma list")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3, help="fresh-process rounds per engine and format (median)")
+    ap.add_argument("--reps", type=int, default=1, help="timed repetitions inside each process")
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--quick", action="store_true", help="wiring check: smollm2-135m, 8 + 4 tokens, one round")
+    a = ap.parse_args()
+    if a.worker:
+        print("RESULT " + json.dumps(asdict(worker(Job(**json.loads(a.worker))))), flush=True)
+        return
+    if a.quick:
+        a.shapes, a.rounds, a.prompt, a.new = "smollm2-135m", 1, 8, 4
+    if a.rounds < 1:
+        raise SystemExit("--rounds must be >= 1")
+
+    from llmsys.engine.bench.gguf_export import gguf_file
+    from llmsys.engine.bench.synthetic import make_synthetic
+
+    jobs: list[tuple[Job, ...]] = []  # one tuple per (shape, pair): the engines run back to back
+    mixes: dict[tuple[str, str], str] = {}
+    for shape in a.shapes.split(","):
+        model = str(make_synthetic(shape, seed=0))
+        for quant, fmt in PAIRS:
+            mixes[(shape, fmt)] = type_mix(gguf_file(model, fmt, a.threads))  # exported / quantized before timing
+            pair = []
+            if quant is not None:
+                pair.append(Job("llmsys", shape, model, quant, a.threads, a.prompt, a.new, a.reps))
+            pair.append(Job("llama.cpp", shape, model, fmt, a.threads, a.prompt, a.new, a.reps))
+            jobs.append(tuple(pair))
+
+    results: dict[Job, list[Figures]] = {j: [] for pair in jobs for j in pair}
+    for rnd in range(a.rounds):
+        for pair in jobs:
+            for job in pair:  # A B, A B, ...
+                sys.stderr.write(f"round {rnd + 1}/{a.rounds}: {job.engine} {job.shape} {job.fmt}\n")
+                results[job].append(run_job(job))
+
+    def med(job: Job) -> Figures:
+        fs = results[job]
+        return Figures(statistics.median(f.prefill_tok_s for f in fs), statistics.median(f.decode_tok_s for f in fs),
+                       int(statistics.median(f.peak_rss for f in fs)))
+
+    ours = {(j.shape, j.fmt): med(j) for j in results if j.engine == "llmsys"}
+    print(f"\n{a.threads} threads, batch 1, {a.prompt}-token prompt, {a.new} generated tokens, "
+          f"median of {a.rounds} fresh-process rounds ({a.reps} timed rep(s) each, after a warm-up)\n")
+    print("| shape | engine | format | prefill tok/s | decode tok/s | peak RSS | llmsys/llama.cpp prefill | decode |")
+    print("|---|---|---|---|---|---|---|---|")
+    for pair in jobs:
+        for job in pair:
+            f = med(job)
+            ratio = ["-", "-"]
+            if job.engine == "llama.cpp":
+                mine = ours.get((job.shape, PAIRED_WITH.get(job.fmt) or next(q for q, g in PAIRS if g == job.fmt)))
+                if mine is not None:
+                    ratio = [f"{mine.prefill_tok_s / f.prefill_tok_s:.2f}x", f"{mine.decode_tok_s / f.decode_tok_s:.2f}x"]
+            label = {"none": "bf16"}.get(job.fmt, job.fmt)
+            print(f"| {job.shape} | {job.engine} | {label} | {f.prefill_tok_s:.1f} | {f.decode_tok_s:.1f} | "
+                  f"{_mib(f.peak_rss)} | {ratio[0]} | {ratio[1]} |")
+    print("\nGGUF tensor types (by bytes; llama.cpp's fallbacks where rows do not divide the block):")
+    for (shape, fmt), mix in mixes.items():
+        print(f"- {shape} {fmt}: {mix}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,475 @@
+"""GGUF files of a Hugging Face safetensors folder, for the ``--vs llama.cpp`` baseline.
+
+llama.cpp reads only GGUF, so the baseline needs the *same weights* llmsys
+loads, in llama.cpp's container and tensor names. The float formats (f32,
+f16) are written here with the ``gguf`` package; the quantized ones (q8_0,
+q4_0, q4_K_M) are made from the float file by llama.cpp's own quantizer
+(``llama_cpp.llama_model_quantize``), so the baseline runs llama.cpp's real
+formats, not an imitation of them.
+
+What is exported: the families sharing the Llama tensor layout - ``llama``
+(and SmolLM2, Llama 3.x with its rope scaling) and ``mistral`` as llama.cpp's
+``llama`` architecture, ``qwen2`` (q/k/v biases) as ``qwen2``. Tied
+embeddings are written once (llama.cpp reuses ``token_embd`` as the head when
+``output`` is absent). Two layout facts matter:
+
+* llama.cpp's ``llama`` architecture rotates *adjacent* pairs of each head
+  (interleaved RoPE), while HF Llama checkpoints are stored for the
+  rotate-half convention; so each head's q/k rows (and biases) are reordered
+  here from ``[x_0..x_{d/2-1}, y_0..y_{d/2-1}]`` to ``[x_0, y_0, x_1, y_1, ...]``
+  (:func:`hf_to_interleaved`). ``qwen2`` uses NEOX (rotate-half) RoPE in
+  llama.cpp, so its rows are written as they are.
+* A vocabulary must be present for llama.cpp to load a model. A
+  SentencePiece-style BPE ``tokenizer.json`` (byte fallback, ``▁`` prefix,
+  e.g. stories260k, Llama 2) is written as the real "llama" (SPM) vocabulary:
+  its pieces, scores from the merge ranks, byte / control types. Anything else
+  gets a "llama" vocabulary of placeholder pieces ``<tok_N>`` of the model's
+  size, with bos/eos/unk ids from config.json: benchmarks feed token ids,
+  never text, so only the size and the special ids matter there.
+
+Files are cached under ``$LLMSYS_HOME/gguf/<folder>-<key>/<format>.gguf``, the
+key hashing the folder's path, config.json, tokenizer.json and each safetensors
+file's name, size and mtime, so repeated benches reuse them and a changed checkpoint gets
+new ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import json
+import logging
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Iterator
+
+import numpy as np
+import torch
+
+from llmsys.engine.models.base import TransformerArgs
+from llmsys.kernels.common.errors import CheckpointError, InvalidParameterError, LLMSysError, UnsupportedModelError
+
+if TYPE_CHECKING:  # imported where used: only the export needs it
+    import gguf
+
+FLOAT_FORMATS = ("f32", "f16")
+QUANT_FORMATS = ("q8_0", "q4_0", "q4_K_M")
+GGUF_FORMATS = FLOAT_FORMATS + QUANT_FORMATS
+# llama.cpp's ftype constant per quantized format (names in llama_cpp).
+_FTYPES = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
+# HF model_type -> (llama.cpp architecture, q/k rows reordered for interleaved RoPE)
+_ARCHS = {"llama": ("llama", True), "mistral": ("llama", True), "qwen2": ("qwen2", False)}
+_EXPORT_VERSION = 1  # part of the cache key: bump when the written bytes change
+_INSTALL = 'pip install -e ".[llamacpp]" (builds llama.cpp, ~15 min)'
+
+# HF per-layer tensor suffix -> llama.cpp name suffix (after "blk.N.")
+_LAYER_NAMES = {
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+}
+_TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+              "lm_head.weight": "output.weight"}
+
+
+@dataclass(frozen=True)
+class GGUFSource:
+    """What the exporter reads from a folder: the config, the llama.cpp architecture, the layout."""
+
+    folder: Path
+    args: TransformerArgs  # the family's reading of config.json (head counts, rope, eps, tying)
+    arch: str  # "llama" or "qwen2"
+    interleave_qk: bool  # reorder q/k rows for llama.cpp's interleaved RoPE
+
+
+def open_source(folder: str | Path) -> GGUFSource:
+    """Read config.json and pick the llama.cpp architecture, or fail naming what is handled."""
+    from llmsys.engine.loader.common import read_json
+    from llmsys.engine.models import family_for
+
+    folder = Path(folder)
+    if not (folder / "config.json").exists() or not any(folder.glob("*.safetensors")):
+        raise UnsupportedModelError(f"{folder}: --vs llama.cpp needs a Hugging Face safetensors folder (config.json)")
+    cfg = read_json(folder / "config.json")
+    mt = cfg.get("model_type")
+    if mt not in _ARCHS:
+        raise UnsupportedModelError(
+            f"{folder}: the GGUF export for llama.cpp handles model_type {', '.join(_ARCHS)}, not {mt!r}"
+        )
+    args = family_for(cfg).ModelArgs.from_hf_config(cfg)
+    rope_type = (args.rope_scaling or {}).get("rope_type", (args.rope_scaling or {}).get("type", "default"))
+    if rope_type not in ("default", "linear", "llama3") or (rope_type == "llama3" and mt == "qwen2"):
+        raise UnsupportedModelError(f"{folder}: the GGUF export does not handle rope scaling {rope_type!r} for {mt}")
+    arch, interleave = _ARCHS[mt]
+    return GGUFSource(folder, args, arch, interleave)
+
+
+def hf_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Reorder q/k rows per head from rotate-half to adjacent-pair RoPE order.
+
+    ``w``: ``[n_heads * d, ...]`` (a weight ``[n_heads * d, in]`` or a bias
+    ``[n_heads * d]``). Row ``i`` of a head's first half and row ``i`` of its
+    second half (the pair HF rotates together) become rows ``2i`` and ``2i+1``.
+    """
+    d = w.shape[0] // n_heads
+    rest = w.shape[1:]
+    return w.reshape(n_heads, 2, d // 2, *rest).transpose(1, 2).reshape(w.shape)  # [H, 2, d/2, ...] -> [H, d/2, 2, ...]
+
+
+def interleaved_to_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Inverse of :func:`hf_to_interleaved` (for tests and readers of our files)."""
+    d = w.shape[0] // n_heads
+    rest = w.shape[1:]
+    return w.reshape(n_heads, d // 2, 2, *rest).transpose(1, 2).reshape(w.shape)  # [H, d/2, 2, ...] -> [H, 2, d/2, ...]
+
+
+def gguf_name(hf_name: str) -> str | None:
+    """llama.cpp's name for an HF tensor name; None for a tensor llama.cpp does not read (RoPE buffers)."""
+    if hf_name in _TOP_NAMES:
+        return _TOP_NAMES[hf_name]
+    if hf_name.endswith("rotary_emb.inv_freq"):
+        return None
+    parts = hf_name.split(".", 3)  # model.layers.N.<suffix>
+    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in _LAYER_NAMES:
+        return f"blk.{parts[2]}.{_LAYER_NAMES[parts[3]]}"
+    raise UnsupportedModelError(f"tensor {hf_name!r} has no llama.cpp counterpart in the GGUF export")
+
+
+def _source_key(src: GGUFSource) -> str:
+    h = hashlib.sha256(f"v{_EXPORT_VERSION}|{src.folder.resolve()}|".encode())
+    for meta in ("config.json", "tokenizer.json"):  # shapes, and the vocabulary written
+        if (src.folder / meta).exists():
+            h.update((src.folder / meta).read_bytes())
+    for p in sorted(src.folder.glob("*.safetensors")):
+        st = p.stat()
+        h.update(f"|{p.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return f"{src.folder.name}-{h.hexdigest()[:16]}"
+
+
+def cache_path(folder: str | Path, fmt: str) -> Path:
+    """Where the ``fmt`` GGUF of ``folder`` lives (written or not)."""
+    from llmsys.kernels.common.paths import llmsys_home
+
+    _check_format(fmt)
+    return llmsys_home() / "gguf" / _source_key(open_source(folder)) / f"{fmt}.gguf"
+
+
+def _check_format(fmt: str) -> None:
+    if fmt not in GGUF_FORMATS:
+        raise InvalidParameterError(f"GGUF format {fmt!r}: choose one of {', '.join(GGUF_FORMATS)}")
+
+
+def gguf_file(folder: str | Path, fmt: str, threads: int | None = None) -> Path:
+    """The cached ``fmt`` GGUF of ``folder``, written first if missing.
+
+    Quantized formats are made from the f16 file (f32 when the checkpoint is
+    float32), itself cached, by llama.cpp's quantizer on ``threads`` threads.
+    """
+    out = cache_path(folder, fmt)
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if fmt in FLOAT_FORMATS:
+        export_float(folder, out, fmt)
+    else:
+        base = "f32" if _stored_dtype(folder) == torch.float32 else "f16"
+        quantize(gguf_file(folder, base, threads), out, fmt, threads)
+    return out
+
+
+def _stored_dtype(folder: str | Path) -> torch.dtype:
+    """The dtype the checkpoint's embedding is stored in (what the quantizer's input keeps)."""
+    from llmsys.engine.loader.safetensors_io import CheckpointIndex
+
+    return CheckpointIndex.open_dir(Path(folder)).info("model.embed_tokens.weight").dtype
+
+
+# --------------------------------------------------------------------------
+# Writing the float file
+# --------------------------------------------------------------------------
+
+
+def export_float(folder: str | Path, out: Path, fmt: str = "f32") -> Path:
+    """Write ``folder`` as a GGUF of ``fmt`` (f32, or f16 with 1-D tensors kept f32) at ``out``.
+
+    Tensors are streamed one at a time (the header and tensor table first),
+    so peak memory is one tensor, not the model.
+    """
+    import gguf
+
+    from llmsys.engine.loader.safetensors_io import CheckpointIndex
+
+    if fmt not in FLOAT_FORMATS:
+        raise InvalidParameterError(f"export_float: {fmt!r} is not one of {', '.join(FLOAT_FORMATS)}")
+    src = open_source(folder)
+    a = src.args
+    index = CheckpointIndex.open_dir(src.folder)
+    plan: list[tuple[str, str]] = []  # (hf name, gguf name) in file order
+    for name in sorted(index.where, key=_order):
+        g = gguf_name(name)
+        if g is None or (g == "output.weight" and a.tie_word_embeddings):
+            continue
+        plan.append((name, g))
+    if "token_embd.weight" not in {g for _, g in plan}:
+        raise CheckpointError(f"{src.folder}: no model.embed_tokens.weight in the safetensors files")
+    extra = _rope_freqs(a) if src.arch == "llama" else None  # [head_dim/2] float32 or None
+
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    w = gguf.GGUFWriter(str(tmp), src.arch)
+    _write_metadata(w, src, fmt)
+
+    def target(shape: tuple[int, ...]) -> torch.dtype:
+        # Matrices in the file's format; norms and biases f32, as llama.cpp wants them.
+        return torch.float16 if fmt == "f16" and len(shape) == 2 else torch.float32
+
+    for name, g in plan:
+        info = index.info(name)
+        dt = np.dtype(np.float16 if target(info.shape) == torch.float16 else np.float32)
+        w.add_tensor_info(g, info.shape, dt, int(np.prod(info.shape)) * dt.itemsize)
+    if extra is not None:
+        w.add_tensor_info("rope_freqs.weight", tuple(extra.shape), np.dtype(np.float32), extra.numel() * 4)
+    try:
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        for name, g in plan:
+            t = _layout(src, name, index.read(name))
+            w.write_tensor_data(t.to(target(tuple(t.shape))).contiguous().numpy())  # bf16 -> f16 rounds once
+        if extra is not None:
+            w.write_tensor_data(extra.numpy())
+        w.close()
+        os.replace(tmp, out)
+    finally:
+        w.close()  # idempotent; closes the file when a write failed
+        tmp.unlink(missing_ok=True)
+    return out
+
+
+def _order(name: str) -> tuple[int, int, str]:
+    """Embedding first, then layers by number, then the final norm and head (llama.cpp's usual order)."""
+    parts = name.split(".")
+    if len(parts) > 2 and parts[1] == "layers" and parts[2].isdigit():
+        return (1, int(parts[2]), name)
+    return (0 if "embed_tokens" in name else 2, 0, name)
+
+
+def _layout(src: GGUFSource, name: str, t: torch.Tensor) -> torch.Tensor:
+    """The tensor as llama.cpp wants it: q/k rows interleaved for the llama architecture."""
+    if src.interleave_qk:
+        if ".self_attn.q_proj." in name:
+            return hf_to_interleaved(t, src.args.num_attention_heads)
+        if ".self_attn.k_proj." in name:
+            return hf_to_interleaved(t, src.args.num_key_value_heads)
+    return t
+
+
+def _rope_freqs(a: TransformerArgs) -> torch.Tensor | None:
+    """Llama 3 rope scaling as llama.cpp's per-frequency divisors ``[head_dim/2]`` (None without it)."""
+    from llmsys.kernels import rope_inv_freq
+
+    scaling = a.rope_scaling or {}
+    if scaling.get("rope_type", scaling.get("type")) != "llama3":
+        return None
+    base = rope_inv_freq(a.head_dim, a.rope_theta, None)
+    return (base / rope_inv_freq(a.head_dim, a.rope_theta, scaling)).float().contiguous()
+
+
+def _write_metadata(w: gguf.GGUFWriter, src: GGUFSource, fmt: str) -> None:
+    import gguf
+
+    a = src.args
+    w.add_name(src.folder.name)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32 if fmt == "f32" else gguf.LlamaFileType.MOSTLY_F16)
+    w.add_context_length(a.max_position_embeddings)
+    w.add_embedding_length(a.hidden_size)
+    w.add_block_count(a.num_hidden_layers)
+    w.add_feed_forward_length(a.intermediate_size)
+    w.add_head_count(a.num_attention_heads)
+    w.add_head_count_kv(a.num_key_value_heads)
+    w.add_key_length(a.head_dim)
+    w.add_value_length(a.head_dim)
+    w.add_rope_dimension_count(a.head_dim)
+    w.add_rope_freq_base(float(a.rope_theta))
+    w.add_layer_norm_rms_eps(float(a.rms_norm_eps))
+    w.add_vocab_size(a.vocab_size)
+    scaling = a.rope_scaling or {}
+    if scaling.get("rope_type", scaling.get("type")) == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(float(scaling["factor"]))
+    _write_vocab(w, src)
+
+
+# --------------------------------------------------------------------------
+# Vocabulary
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Vocab:
+    """A "llama" (SPM) vocabulary as llama.cpp reads it."""
+
+    tokens: list[str]
+    scores: list[float]
+    types: list[int]  # gguf.TokenType values
+    real: bool  # the model's own pieces (else placeholders)
+
+
+def vocab_for(src: GGUFSource) -> Vocab:
+    """The model's SentencePiece-style BPE vocabulary when it has one, else placeholders."""
+    import gguf
+
+    n = src.args.vocab_size
+    specials = {i for i in (src.args.bos_token_id, *src.args.eos_token_id) if i is not None and 0 <= i < n}
+    spm = _spm_pieces(src.folder / "tokenizer.json", n)
+    if spm is None:
+        types = [int(gguf.TokenType.CONTROL if i in specials else gguf.TokenType.NORMAL) for i in range(n)]
+        return Vocab([f"<tok_{i}>" for i in range(n)], [0.0] * n, types, real=False)
+    tokens, scores, control = spm
+    types = []
+    for i, t in enumerate(tokens):
+        if i in control or i in specials:
+            types.append(int(gguf.TokenType.UNKNOWN if t == "<unk>" else gguf.TokenType.CONTROL))
+        elif len(t) == 6 and t.startswith("<0x") and t.endswith(">"):
+            types.append(int(gguf.TokenType.BYTE))
+        elif t.startswith("<tok_"):
+            types.append(int(gguf.TokenType.UNUSED))  # padding past the tokenizer's pieces
+        else:
+            types.append(int(gguf.TokenType.NORMAL))
+    return Vocab(tokens, scores, types, real=True)
+
+
+def _spm_pieces(path: Path, n: int) -> tuple[list[str], list[float], set[int]] | None:
+    """(pieces, scores, special ids) of a SentencePiece-converted BPE tokenizer.json, or None.
+
+    llama.cpp's SPM tokenizer merges the adjacent pair whose joined piece
+    scores highest, so a piece's score is minus the rank of the merge that
+    makes it (earlier merges win, as in BPE); unmerged pieces score 0.
+    """
+    try:
+        tj = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    model = tj.get("model") or {}
+    norm = json.dumps(tj.get("normalizer"))
+    if model.get("type") != "BPE" or not model.get("byte_fallback") or '"Prepend"' not in norm:
+        return None
+    vocab: dict[str, int] = dict(model.get("vocab") or {})
+    for t in tj.get("added_tokens") or []:
+        vocab.setdefault(t["content"], t["id"])
+    if not vocab or max(vocab.values()) >= n or len(set(vocab.values())) != len(vocab):
+        return None
+    tokens = [f"<tok_{i}>" for i in range(n)]
+    for piece, i in vocab.items():
+        tokens[i] = piece
+    scores = [0.0] * n
+    for rank, m in enumerate(model.get("merges") or []):
+        a, b = m.split(" ", 1) if isinstance(m, str) else m
+        i = vocab.get(a + b)
+        if i is not None and scores[i] == 0.0:
+            scores[i] = -float(rank + 1)
+    control = {t["id"] for t in tj.get("added_tokens") or [] if t.get("special")}
+    return tokens, scores, control
+
+
+def _write_vocab(w: gguf.GGUFWriter, src: GGUFSource) -> None:
+    v = vocab_for(src)
+    a = src.args
+    w.add_tokenizer_model("llama")
+    w.add_token_list(v.tokens)
+    w.add_token_scores(v.scores)
+    w.add_token_types(v.types)
+    if a.bos_token_id is not None and 0 <= a.bos_token_id < a.vocab_size:
+        w.add_bos_token_id(a.bos_token_id)
+    if a.eos_token_id and 0 <= a.eos_token_id[0] < a.vocab_size:
+        w.add_eos_token_id(a.eos_token_id[0])
+    if v.real and "<unk>" in v.tokens:
+        w.add_unk_token_id(v.tokens.index("<unk>"))
+    w.add_add_bos_token(bool(v.real and _tokenizer_adds_bos(src.folder)))
+    w.add_add_eos_token(False)
+
+
+def _tokenizer_adds_bos(folder: Path) -> bool:
+    try:
+        return bool(json.loads((folder / "tokenizer_config.json").read_text()).get("add_bos_token", False))
+    except (OSError, ValueError):
+        return False
+
+
+# --------------------------------------------------------------------------
+# Quantized files: llama.cpp's quantizer
+# --------------------------------------------------------------------------
+
+
+def import_llama_cpp() -> ModuleType:
+    """``llama_cpp``, or the one-line error saying what to install."""
+    try:
+        import llama_cpp
+    except ImportError:
+        raise LLMSysError(f"llama-cpp-python is not installed: {_INSTALL}") from None
+    return llama_cpp
+
+
+def quantize(src: Path, out: Path, fmt: str, threads: int | None = None) -> Path:
+    """``out`` = llama.cpp's ``fmt`` quantization of the float GGUF ``src``."""
+    llama_cpp = import_llama_cpp()
+    if fmt not in QUANT_FORMATS:
+        raise InvalidParameterError(f"quantize: {fmt!r} is not one of {', '.join(QUANT_FORMATS)}")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, _FTYPES[fmt])
+    params.nthread = threads or torch.get_num_threads()
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    # llama.cpp logs a line per tensor and a warning per block-size fallback (through
+    # llama-cpp-python's log callback or straight from C) on stderr: captured, the last
+    # line goes into the error message if quantizing fails. The callback prints only what
+    # the "llama-cpp-python" logger's level lets through (a Llama(verbose=False) raises
+    # it past llama.cpp's errors): all of it, while captured.
+    log = logging.getLogger("llama-cpp-python")
+    level = log.level
+    try:
+        with _captured_stderr() as captured:
+            log.setLevel(logging.DEBUG)
+            try:
+                rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
+            finally:
+                log.setLevel(level)
+        if rc != 0 or not tmp.exists():
+            said = next((ln.strip() for ln in reversed(captured) if ln.strip()), "")
+            raise CheckpointError(f"{src}: llama.cpp could not quantize it to {fmt} (returned {rc}) {said}".rstrip())
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
+
+
+@contextlib.contextmanager
+def _captured_stderr() -> Iterator[list[str]]:
+    """File descriptor 2 (where C code writes) and ``sys.stderr`` (where llama-cpp-python's
+    log callback prints) redirected to a temporary file; the yielded list gets the lines
+    written, on exit."""
+    sys.stderr.flush()
+    lines: list[str] = []
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+", errors="replace") as f:
+        os.dup2(f.fileno(), 2)
+        try:
+            with contextlib.redirect_stderr(f):
+                yield lines
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            f.seek(0)
+            lines.extend(f.read().splitlines())

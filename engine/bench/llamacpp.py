@@ -1,0 +1,133 @@
+"""The llama.cpp baseline (``--vs llama.cpp``): llama.cpp's CPU eval of the same weights.
+
+The row's checkpoint is exported to GGUF (:mod:`llmsys.engine.bench.gguf_export`,
+cached) in the format of the same bit width as the row's weights - float32
+-> f32, bfloat16 / float16 -> f16, ``--quant int8`` -> q8_0, ``--quant int4``
+-> q4_0 - or the one named as ``--vs llama.cpp:FORMAT`` (f32, f16, q8_0,
+q4_0, q4_K_M). llama-cpp-python's ``Llama`` then runs the tests the way
+:class:`~llmsys.engine.bench.baseline.HFBaseline` does: the KV cleared, a
+timed prompt eval of random ids (same generator, same ``_random_ids``), then
+``n_gen`` timed one-token evals, the greedy argmax of the last logits taken
+outside the timer. The threads are the row's (``torch.get_num_threads()``,
+for prompt and decode alike); nothing is offloaded to a GPU (``n_gpu_layers=0``).
+The timed calls include llama-cpp-python's thin per-call Python layer (tens of
+microseconds), as ours include our scheduler step.
+
+One sequence only: llama.cpp's parallel sequences would need the low-level
+batch API, so a row with ``-b`` above 1 carries an error instead.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from llmsys.engine.bench.gguf_export import GGUF_FORMATS, gguf_file, import_llama_cpp
+from llmsys.engine.bench.measure import RunTimes, TestResult, TestSpec, _random_ids, summarize
+from llmsys.kernels.common.errors import InvalidParameterError
+
+NAME = "llama.cpp"
+_BY_QUANT = {"int8": "q8_0", "int4": "q4_0"}
+_BY_DTYPE = {torch.float32: "f32", torch.bfloat16: "f16", torch.float16: "f16"}
+
+
+def split_kind(kind: str) -> tuple[str, str | None]:
+    """``"llama.cpp:q4_K_M"`` -> ``("llama.cpp", "q4_K_M")``; ``"llama.cpp"`` -> ``("llama.cpp", None)``."""
+    name, _, fmt = kind.partition(":")
+    if name != NAME:
+        raise InvalidParameterError(f"--vs {kind!r} is not a llama.cpp baseline")
+    if fmt and fmt not in GGUF_FORMATS:
+        raise InvalidParameterError(f"--vs {kind!r}: the llama.cpp format is one of {', '.join(GGUF_FORMATS)}")
+    return name, fmt or None
+
+
+def paired_format(dtype: torch.dtype, quant: str, asked: str | None = None) -> str:
+    """The GGUF format of the same bit width as our row's weights (or the one asked for)."""
+    if asked:
+        return asked
+    if quant in ("none", "auto"):
+        if dtype not in _BY_DTYPE:
+            raise InvalidParameterError(f"--vs llama.cpp: no GGUF format pairs with dtype {dtype}")
+        return _BY_DTYPE[dtype]
+    if quant not in _BY_QUANT:
+        raise InvalidParameterError(
+            f"--vs llama.cpp: no GGUF format pairs with --quant {quant}; name one as --vs llama.cpp:q4_K_M "
+            f"(formats: {', '.join(GGUF_FORMATS)})"
+        )
+    return _BY_QUANT[quant]
+
+
+def prepare(folder: str | Path, dtype: torch.dtype, quant: str, kind: str = NAME) -> tuple[Path, str]:
+    """(the cached GGUF to run, its format) for a row of ``dtype`` / ``quant``; writes it if missing."""
+    import_llama_cpp()  # fail with the install hint before spending time on an export
+    fmt = paired_format(dtype, quant, split_kind(kind)[1])
+    return gguf_file(folder, fmt), fmt
+
+
+class LlamaCppBaseline:
+    """A llama.cpp context on one GGUF file plus the same timing loop as HFBaseline."""
+
+    def __init__(self, gguf_path: Path, fmt: str, n_ctx: int, n_batch: int):
+        llama_cpp = import_llama_cpp()
+        self.kind = NAME
+        self.format = fmt
+        self._lib = llama_cpp
+        threads = torch.get_num_threads()
+        self.model = llama_cpp.Llama(
+            model_path=str(gguf_path),
+            n_ctx=n_ctx,
+            n_batch=max(n_batch, 1),
+            n_threads=threads,
+            n_threads_batch=threads,
+            n_gpu_layers=0,
+            logits_all=False,
+            verbose=False,
+        )
+        self.vocab = self.model.n_vocab()
+
+    def close(self) -> None:
+        if self.model is not None:
+            self.model.close()
+        self.model = None
+
+    def _argmax(self) -> int:
+        """Greedy token from the last evaluated position's logits (untimed)."""
+        ptr = self._lib.llama_get_logits_ith(self.model.ctx, -1)
+        return int(np.ctypeslib.as_array(ptr, shape=(self.vocab,)).argmax())
+
+    def run(self, test: TestSpec, batch: int, gen: torch.Generator) -> RunTimes:
+        if batch != 1:
+            raise InvalidParameterError(f"--vs llama.cpp runs one sequence; this row has batch {batch}")
+        times = RunTimes()
+        self.model.reset()  # n_tokens = 0: the next eval drops every cached position first
+        nxt = None
+        if test.depth:
+            self.model.eval(_random_ids(test.depth, self.vocab, gen))
+            nxt = self._argmax()
+        if test.n_prompt:
+            x = _random_ids(test.n_prompt, self.vocab, gen)
+            t0 = time.perf_counter()
+            self.model.eval(x)
+            times.prefill_s = time.perf_counter() - t0
+            nxt = self._argmax()
+        elif nxt is None:
+            nxt = _random_ids(1, self.vocab, gen)[0]
+        for _ in range(test.n_gen):
+            t0 = time.perf_counter()
+            self.model.eval([nxt])
+            times.decode_steps.append(time.perf_counter() - t0)
+            nxt = self._argmax()
+        return times
+
+    def measure(self, test: TestSpec, batch: int, reps: int, seed: int = 0, warmup: bool = True) -> TestResult:
+        if batch != 1:
+            raise InvalidParameterError(f"--vs llama.cpp runs one sequence; this row has batch {batch}")
+        threads = torch.get_num_threads()  # the row's threads (the suite sets them per row)
+        self._lib.llama_set_n_threads(self.model.ctx, threads, threads)
+        gen = torch.Generator().manual_seed(seed)
+        if warmup:
+            self.run(test, batch, gen)
+        return summarize(test, batch, [self.run(test, batch, gen) for _ in range(reps)])
