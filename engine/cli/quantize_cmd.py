@@ -27,6 +27,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from llmsys.engine.cli.options import build_engine_config, engine_command
+from llmsys.engine.config import DEFAULT_TUNE_STEPS
 from llmsys.kernels.common.errors import InvalidParameterError
 
 METHODS = ("rtn", "gptq", "awq")
@@ -41,7 +42,7 @@ def quantize_command(
     calib_samples: Annotated[int, typer.Option("--calib-samples", help="calibration sequences")] = 512,
     calib_len: Annotated[int, typer.Option("--calib-len", help="tokens per calibration sequence")] = 256,
     seed: Annotated[int, typer.Option("--seed", help="seed for self-generated calibration text")] = 0,
-    tune_steps: Annotated[int, typer.Option("--tune-steps", help="gptq/awq: distillation steps after calibration (0: plain GPTQ/AWQ)")] = 400,
+    tune_steps: Annotated[int, typer.Option("--tune-steps", help="gptq/awq: distillation steps after calibration (0: plain GPTQ/AWQ)")] = DEFAULT_TUNE_STEPS,
     *,
     engine_flags: dict[str, Any],
 ) -> int:
