@@ -167,19 +167,18 @@ class Attention(nn.Module):
         """
         T = x.shape[0]
         hq, d = self.n_heads, self.head_dim
-        if rows is not None and self.rope_qkv is not None:
+        if rows is not None:  # a float32 CPU decode step: RoPE over q|k at once with the step's rows
             hk = self.n_kv
-            nqk = (hq + hk) * d
-            out = F.linear(x, self.rope_qkv)  # [T, (2 (Hq + Hk) + Hk) D]
-            qk, sw = out[:, :nqk].view(T, hq + hk, d), out[:, nqk : 2 * nqk].view(T, hq + hk, d)
+            if self.rope_qkv is not None:  # folded: the GEMM yields q|k and their swapped halves
+                nqk = (hq + hk) * d
+                out = F.linear(x, self.rope_qkv)  # [T, (2 (Hq + Hk) + Hk) D]
+                qk, sw = out[:, :nqk].view(T, hq + hk, d), out[:, nqk : 2 * nqk].view(T, hq + hk, d)
+                v = out[:, 2 * nqk :].view(T, hk, d)
+            else:
+                q, k, v = self.project(x)
+                qk = torch.cat([q, k], dim=1)  # [T, Hq + Hk, D]
+                sw = torch.cat([qk[..., d // 2 :], qk[..., : d // 2]], dim=-1)
             r = qk * rows[0] + sw * rows[1]  # [T, Hq + Hk, D] roped q | k
-            attn.store(self.index, r[:, hq:], out[:, 2 * nqk :].view(T, hk, d), meta)
-            q = r[:, :hq]
-        elif rows is not None:  # float32 decode: RoPE over q|k at once with the step's rows, same bits
-            q, k, v = self.project(x)
-            qk = torch.cat([q, k], dim=1)  # [T, Hq + Hk, D]
-            half = d // 2
-            r = qk * rows[0] + torch.cat([qk[..., half:], qk[..., :half]], dim=-1) * rows[1]
             attn.store(self.index, r[:, hq:], v, meta)
             q = r[:, :hq]
         else:
