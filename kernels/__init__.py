@@ -39,7 +39,7 @@ from llmsys.kernels.ops import (
     w4a16_matmul,
     w8a16_matmul,
 )
-from llmsys.kernels.cpu_qgemv import int4_gemm, int4_gemv, int8_gemv
+from llmsys.kernels.cpu_qgemv import int4_gemm, int4_gemv, int4_gemv_a8, int8_gemv, int8_gemv_a8
 from llmsys.kernels.cpu_report import CpuKernels, QuantMatmulSupport, cpu_kernels, quant_matmul_support
 from llmsys.kernels.reference import dequant_int4, pack_int4, quantize_int8_ref, unpack_int4
 from llmsys.kernels.rope_cache import build_rope_cache, rope_inv_freq
@@ -63,7 +63,9 @@ __all__ = [
     "cpu_kernels",
     "int4_gemm",
     "int4_gemv",
+    "int4_gemv_a8",
     "int8_gemv",
+    "int8_gemv_a8",
     "mm_bf16",
     "quant_matmul_support",
     "DEFAULT_PARTITION_SIZE",

@@ -58,6 +58,7 @@
  * same lanes in pairs of 8-float registers (int8_tile2, int4_group_avx2). OpenMP splits
  * rows (int8) or 64-row blocks (int4) over threads.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -966,4 +967,302 @@ int llmsys_qgemm_int4(const uint16_t *x, int64_t ldx, const uint8_t *packed, con
     free(xw);
     return failed ? 2 : 0;
 #endif
+}
+
+/* ------------------------------------------------------------ int8-activation GEMVs (a8)
+ *
+ * Decode on int8 and int4 weights with x quantized to int8 per 32-column block, as llama.cpp's CPU
+ * backend does (its q8_0 activations). Why: the float paths above spend 4-6 instructions per 8
+ * multiply-adds turning weight codes into floats (AVX2 int4: ~3 GB/s on Zen 3, far below the memory);
+ * with both operands integer, vpmaddubsw/vpmaddwd do 32 multiply-adds in 2-4 instructions and the
+ * weights stream at memory speed.
+ *
+ * Arithmetic (kernels/cpu_qgemv.py int8_a8_def / int4_a8_def, bit for bit; every sum of products
+ * below is an exact integer, so no lane order enters and every ISA build gives the same bits):
+ *   x block b of row m (columns 32b .. 32b+31, zero past K):
+ *       amax = max |x|, d = amax / 127 (float32), id = d != 0 ? 1 / d : 0,
+ *       qx = round-half-even(x * id) (|qx| <= 127), dx[b] = d, sx[b] = sum of qx
+ *   int8: S_b = sum over the block of qx * q[n]            (exact int32)
+ *         f = f + float(S_b) * dx[b], in order of b (product rounded, then added)
+ *         out[m, n] = bf16(f * scale[n])
+ *   int4: S_b = sum over the block of qx * q[n]; T_b = S_b - zero[n, g] * sx[b]   (exact, g = b's group)
+ *         f = f + float(T_b) * (scale[n, g] * dx[b]), in order of b
+ *         out[m, n] = bf16(f)
+ * float(T_b) is exact (|T_b| < 2^24). The error against the float GEMVs is that of x's int8 rounding,
+ * at most d / 2 per element (the perplexity figures in docs/benchmarks.md).
+ *
+ * How (AVX2, also in the AVX-512 builds): int8 takes 8 weight rows per block: |qx| times q with qx's
+ * signs (vpsignb) in vpmaddubsw, vpmaddwd with ones to int32, the 8 rows' sums reduced by vphaddd.
+ * int4 reads the CPU int4 tiling (32 bytes per column give 64 rows' codes) two columns at a time:
+ * the nibbles of both columns interleaved by vpunpck{l,h}bw are each row's (code k, code k+1) pair, and
+ * vpmaddubsw against the broadcast pair (qx_k, qx_k+1) gives every row's two products summed, added in
+ * int16 for 8 column pairs (at most 8 * 2 * 15 * 127 < 2^15) and then widened.
+ */
+
+#define A8 32 /* columns per activation block */
+#define A8_AHEAD 4096 /* int4: bytes of the tiling prefetched ahead (4 activation blocks) */
+
+#if defined(__AVX2__)
+#define QA8_AVX2 1
+#include <immintrin.h>
+#endif
+
+typedef struct {
+    int8_t *q;      /* [M, nb * 32] codes, zero past K (int16 pairs (code 2i, code 2i+1) for the int4 broadcasts) */
+    float *d;       /* [M, nb] block scales */
+    int32_t *s;     /* [M, nb] sums of a block's codes */
+    int64_t nb;
+} a8_x;
+
+static void a8_free(a8_x *a) { free(a->q); free(a->d); free(a->s); }
+
+/* x [M, K] bf16 (row stride ldx) -> int8 blocks (the arithmetic above). 0, or 2 when out of memory. */
+static int a8_quantize(const uint16_t *x, int64_t ldx, int64_t m_count, int64_t k, int64_t nb, a8_x *a) {
+    a->nb = nb;
+    a->q = aligned_alloc(64, (size_t)((m_count * nb * A8 + 63) / 64 * 64));
+    a->d = malloc(sizeof(float) * (size_t)(m_count * nb));
+    a->s = malloc(sizeof(int32_t) * (size_t)(m_count * nb));
+    if (!a->q || !a->d || !a->s) { a8_free(a); return 2; }
+    for (int64_t m = 0; m < m_count; m++)
+        for (int64_t b = 0; b < nb; b++) {
+            float v[A8], amax = 0.0f;
+            for (int i = 0; i < A8; i++) {
+                const int64_t c = b * A8 + i;
+                v[i] = c < k ? bf(x[m * ldx + c]) : 0.0f;
+                const float av = v[i] < 0.0f ? -v[i] : v[i];
+                amax = av > amax ? av : amax;
+            }
+            const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            int32_t sum = 0;
+            int8_t *qb = a->q + (m * nb + b) * A8;
+            for (int i = 0; i < A8; i++) {
+                float r = nearbyintf(v[i] * id);
+                r = r == r ? (r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r)) : 0.0f; /* NaN / inf x: bounded */
+                qb[i] = (int8_t)r;
+                sum += qb[i];
+            }
+            a->d[m * nb + b] = d;
+            a->s[m * nb + b] = sum;
+        }
+    return 0;
+}
+
+/* exact int32 dot of one full block of codes (scalar; tails and the portable build) */
+static inline int32_t dot_block_i8(const int8_t *qx, const int8_t *w, int64_t len) {
+    int32_t s = 0;
+    for (int64_t i = 0; i < len; i++) s += (int32_t)qx[i] * (int32_t)w[i];
+    return s;
+}
+
+#ifdef QA8_AVX2
+static inline __m256i dot32_i8(__m256i ax, __m256i sx, const int8_t *w) {
+    const __m256i wv = _mm256_loadu_si256((const __m256i *)w);
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(wv, sx)), _mm256_set1_epi16(1));
+}
+
+/* 8 int32 vectors -> their 8 horizontal sums in order (exact) */
+static inline __m256i hsum8_epi32(const __m256i *p) {
+    const __m256i h01 = _mm256_hadd_epi32(p[0], p[1]), h23 = _mm256_hadd_epi32(p[2], p[3]);
+    const __m256i h45 = _mm256_hadd_epi32(p[4], p[5]), h67 = _mm256_hadd_epi32(p[6], p[7]);
+    const __m256i a = _mm256_hadd_epi32(h01, h23), b = _mm256_hadd_epi32(h45, h67);
+    /* a: [r0 r1 r2 r3 | r0 r1 r2 r3] halves of the 128-bit lanes, b the same for r4..r7 */
+    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+#endif
+
+/* rows [n0, n1) of the int8 weight against x row m: out[m * ldo + n] */
+static void int8_a8_rows(const a8_x *a, int64_t m, const int8_t *q, int64_t k, const uint16_t *scales,
+                         uint16_t *out, int64_t ldo, int64_t n0, int64_t n1) {
+    const int64_t full = k / A8, nb = a->nb;
+    const int8_t *qx = a->q + m * nb * A8;
+    const float *dx = a->d + m * nb;
+    int64_t n = n0;
+#ifdef QA8_AVX2
+    for (; n + 8 <= n1; n += 8) {
+        __m256 f = _mm256_setzero_ps();
+        for (int64_t b = 0; b < full; b++) {
+            const __m256i xv = _mm256_load_si256((const __m256i *)(qx + b * A8));
+            const __m256i ax = _mm256_sign_epi8(xv, xv);
+            __m256i p[8];
+            if (!(b & 1)) /* rows ahead into L2, one 64-byte line each (a prefetch never faults) */
+                for (int r = 0; r < 8; r++) __builtin_prefetch(q + (n + I8_AHEAD + r) * k + b * A8, 0, 2);
+            for (int r = 0; r < 8; r++) p[r] = dot32_i8(ax, xv, q + (n + r) * k + b * A8);
+            const __m256 sb = _mm256_cvtepi32_ps(hsum8_epi32(p));
+            f = _mm256_add_ps(f, _mm256_mul_ps(sb, _mm256_set1_ps(dx[b])));
+        }
+        float fr[8];
+        _mm256_storeu_ps(fr, f);
+        for (int r = 0; r < 8; r++) {
+            float v = fr[r];
+            if (full < nb) v = v + (float)dot_block_i8(qx + full * A8, q + (n + r) * k + full * A8, k - full * A8) * dx[full];
+            out[m * ldo + n + r] = rne(v * bf(scales[n + r]));
+        }
+    }
+#endif
+    for (; n < n1; n++) {
+        float f = 0.0f;
+        for (int64_t b = 0; b < nb; b++) {
+            const int64_t len = b < full ? A8 : k - full * A8;
+            f = f + (float)dot_block_i8(qx + b * A8, q + n * k + b * A8, len) * dx[b];
+        }
+        out[m * ldo + n] = rne(f * bf(scales[n]));
+    }
+}
+
+/* x [M, K] bf16 (row stride ldx), q int8 [N, K] contiguous, scales bf16 [N] -> out [M, N] bf16 (row stride ldo). */
+int llmsys_qgemv_int8_a8(const uint16_t *x, int64_t ldx, const int8_t *q, const uint16_t *scales, uint16_t *out,
+                         int64_t ldo, int64_t m_count, int64_t n, int64_t k, int threads) {
+    if (m_count <= 0 || n <= 0 || k <= 0 || ldx < k || ldo < n) return 1;
+    a8_x a;
+    if (a8_quantize(x, ldx, m_count, k, (k + A8 - 1) / A8, &a)) return 2;
+    const int64_t step = 64, items = (n + step - 1) / step;
+    const int par = threads > 1 && m_count * n * k >= PAR_MIN && items > 1;
+#pragma omp parallel for num_threads(threads) schedule(static) if (par)
+    for (int64_t it = 0; it < items; it++) {
+        const int64_t n0 = it * step, n1 = n0 + step < n ? n0 + step : n;
+        for (int64_t m = 0; m < m_count; m++) int8_a8_rows(&a, m, q, k, scales, out, ldo, n0, n1);
+    }
+    a8_free(&a);
+    return 0;
+}
+
+/* Slot s of an int4 a8 block's accumulators holds row a8_row(s): the AVX2 unpacks interleave
+   8-row groups as 0, 16, 8, 24 (low nibbles), then the same + 32 (high nibbles). */
+static inline int a8_row(int s) {
+#ifdef QA8_AVX2
+    static const int base[8] = {0, 16, 8, 24, 32, 48, 40, 56};
+    return base[s / 8] + s % 8;
+#else
+    return s;
+#endif
+}
+
+/* A group's zero points and scales for the rows of a 64-row block, in a8_row's slot order. Vector
+   loads where the block is full and the rows lie contiguously (Int4Linear's group-major zeros, z_n = 1;
+   bf16 scales with s_n = 2, its scales_zeros [G, Np, 2], or s_n = 1), else meta_scalar's gather. */
+static void a8_meta(const int4_meta *md, int64_t row0, int64_t rows, int64_t g, int32_t *zs, float *ss) {
+#ifdef QA8_AVX2
+    if (rows == 64 && md->z_n == 1 && md->kind == 0 && (md->s_n == 2 || md->s_n == 1)) {
+        for (int v = 0; v < 8; v++) {
+            const int64_t r = row0 + a8_row(8 * v);
+            _mm256_store_si256((__m256i *)(zs + 8 * v),
+                               _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(md->zeros + r + g * md->z_g))));
+            const uint16_t *sp = (const uint16_t *)md->scales + r * md->s_n + g * md->s_g;
+            const __m256i w = md->s_n == 2 ? _mm256_loadu_si256((const __m256i *)sp)
+                                           : _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)sp));
+            _mm256_store_ps(ss + 8 * v, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+        }
+        return;
+    }
+#endif
+    float zr[64], sr[64];
+    meta_scalar(md, row0, rows, g, zr, sr);
+    for (int s = 0; s < 64; s++) { zs[s] = (int32_t)zr[a8_row(s)]; ss[s] = sr[a8_row(s)]; }
+}
+
+/* One 64-row block of the CPU int4 tiling against x rows [m0, m1): out[m, row0 + j]. */
+static void int4_a8_block(const a8_x *a, int64_t m0, int64_t m1, const uint8_t *blk, const int4_meta *md,
+                          int64_t n_groups, int64_t gs, int64_t row0, int64_t n_rows, uint16_t *out, int64_t ldo) {
+    const int64_t rows = n_rows - row0 < 64 ? n_rows - row0 : 64, per_g = gs / A8, nb = a->nb;
+    enum { MT8 = 8 };
+    float acc[MT8][64] __attribute__((aligned(32)));
+    for (int64_t mb = m0; mb < m1; mb += MT8) {
+        const int mt = m1 - mb < MT8 ? (int)(m1 - mb) : MT8;
+        for (int m = 0; m < mt; m++)
+            for (int s = 0; s < 64; s++) acc[m][s] = 0.0f;
+        for (int64_t g = 0; g < n_groups; g++) {
+            int32_t zs[64] __attribute__((aligned(32)));
+            float ss[64] __attribute__((aligned(32)));
+            a8_meta(md, row0, rows, g, zs, ss);
+            for (int64_t bi = 0; bi < per_g; bi++) {
+                const int64_t b = g * per_g + bi;
+                const uint8_t *p = blk + b * A8 * 32;
+                for (int l = 0; l < A8 * 32; l += 64) __builtin_prefetch(p + A8_AHEAD + l, 0, 2); /* L2; never faults */
+                for (int m = 0; m < mt; m++) {
+                    const int8_t *qx = a->q + ((mb + m) * nb + b) * A8;
+                    const float dxb = a->d[(mb + m) * nb + b];
+                    const int32_t sxb = a->s[(mb + m) * nb + b];
+                    int32_t S[64] __attribute__((aligned(32)));
+#ifdef QA8_AVX2
+                    const __m256i low4 = _mm256_set1_epi8(15);
+                    __m256i s32[8];
+                    for (int v = 0; v < 8; v++) s32[v] = _mm256_setzero_si256();
+                    for (int h16 = 0; h16 < 2; h16++) {
+                        __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+                        const uint8_t *pc = p + h16 * 16 * 32;
+                        const int8_t *xc = qx + h16 * 16;
+#pragma GCC unroll 2
+                        for (int pr = 0; pr < 8; pr++) {
+                            const __m256i v0 = _mm256_loadu_si256((const __m256i *)(pc + 64 * pr));
+                            const __m256i v1 = _mm256_loadu_si256((const __m256i *)(pc + 64 * pr + 32));
+                            const __m256i l0 = _mm256_and_si256(v0, low4), l1 = _mm256_and_si256(v1, low4);
+                            const __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4);
+                            const __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4);
+                            int16_t pw; /* the pair (qx[c], qx[c + 1]) as one little-endian word */
+                            memcpy(&pw, xc + 2 * pr, 2);
+                            const __m256i xp = _mm256_set1_epi16(pw);
+                            a0 = _mm256_add_epi16(a0, _mm256_maddubs_epi16(_mm256_unpacklo_epi8(l0, l1), xp));
+                            a1 = _mm256_add_epi16(a1, _mm256_maddubs_epi16(_mm256_unpackhi_epi8(l0, l1), xp));
+                            a2 = _mm256_add_epi16(a2, _mm256_maddubs_epi16(_mm256_unpacklo_epi8(h0, h1), xp));
+                            a3 = _mm256_add_epi16(a3, _mm256_maddubs_epi16(_mm256_unpackhi_epi8(h0, h1), xp));
+                        }
+                        /* a0: rows 0-7 | 16-23, a1: 8-15 | 24-31, a2, a3: the same + 32 */
+                        const __m256i a16[4] = {a0, a1, a2, a3};
+                        for (int v = 0; v < 4; v++) {
+                            s32[2 * v] = _mm256_add_epi32(s32[2 * v], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(a16[v])));
+                            s32[2 * v + 1] = _mm256_add_epi32(s32[2 * v + 1], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(a16[v], 1)));
+                        }
+                    }
+                    /* s32 order: 0-7, 16-23, 8-15, 24-31, 32-39, 48-55, 40-47, 56-63 = a8_row's slots */
+                    const __m256i sxv = _mm256_set1_epi32(sxb);
+                    const __m256 dv = _mm256_set1_ps(dxb);
+                    for (int v = 0; v < 8; v++) {
+                        const __m256i t = _mm256_sub_epi32(s32[v], _mm256_mullo_epi32(_mm256_load_si256((const __m256i *)(zs + 8 * v)), sxv));
+                        const __m256 sd = _mm256_mul_ps(_mm256_load_ps(ss + 8 * v), dv);
+                        const __m256 prod = _mm256_mul_ps(_mm256_cvtepi32_ps(t), sd);
+                        _mm256_store_ps(acc[m] + 8 * v, _mm256_add_ps(_mm256_load_ps(acc[m] + 8 * v), prod));
+                    }
+                    (void)S;
+#else
+                    for (int j = 0; j < 64; j++) S[j] = 0;
+                    for (int c = 0; c < A8; c++) {
+                        const int32_t xv = qx[c];
+                        const uint8_t *pc = p + c * 32;
+                        for (int j = 0; j < 32; j++) {
+                            S[j] += xv * (int32_t)(pc[j] & 15);
+                            S[j + 32] += xv * (int32_t)(pc[j] >> 4);
+                        }
+                    }
+                    for (int s = 0; s < 64; s++) {
+                        const int32_t t = S[s] - zs[s] * sxb;
+                        acc[m][s] = acc[m][s] + (float)t * (ss[s] * dxb);
+                    }
+#endif
+                }
+            }
+        }
+        for (int m = 0; m < mt; m++)
+            for (int s = 0; s < 64; s++) {
+                const int j = a8_row(s);
+                if (j < rows) out[(mb + m) * ldo + row0 + j] = rne(acc[m][s]);
+            }
+    }
+}
+
+/* llmsys_qgemv_int4's arguments and layout, x quantized per 32 columns (the a8 arithmetic above). */
+int llmsys_qgemv_int4_a8(const uint16_t *x, int64_t ldx, const uint8_t *packed, const void *scales, int64_t s_n,
+                         int64_t s_g, int scale_kind, const uint8_t *zeros, int64_t z_n, int64_t z_g, uint16_t *out,
+                         int64_t ldo, int64_t m_count, int64_t n, int64_t kp, int64_t k, int64_t gs, int threads) {
+    if (m_count <= 0 || n <= 0 || gs % A8 || gs > 256 || kp % gs || k <= kp - gs || k > kp || ldx < k || ldo < n)
+        return 1;
+    const int4_meta md = {zeros, z_n, z_g, scales, s_n, s_g, scale_kind};
+    a8_x a;
+    if (a8_quantize(x, ldx, m_count, k, kp / A8, &a)) return 2;
+    const int64_t blocks = (n + 63) / 64, n_groups = kp / gs;
+    const int par = threads > 1 && m_count * n * kp >= PAR_MIN && blocks > 1;
+#pragma omp parallel for num_threads(threads) schedule(static) if (par)
+    for (int64_t b = 0; b < blocks; b++)
+        int4_a8_block(&a, 0, m_count, packed + b * kp * 32, &md, n_groups, gs, b * 64, n, out, ldo);
+    a8_free(&a);
+    return 0;
 }

@@ -53,7 +53,10 @@ _SIGNATURES = {
     "llmsys_qgemv_int4": [_P, _I, _P, _P, _I, _I, _C, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _C],
     "llmsys_qgemm_int4": [_P, _I, _P, _P, _I, _I, _C, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _C],
     "llmsys_qgemm_native": [],
+    "llmsys_qgemv_int8_a8": [_P, _I, _P, _P, _P, _I, _I, _I, _I, _C],
+    "llmsys_qgemv_int4_a8": [_P, _I, _P, _P, _I, _I, _C, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _C],
 }
+A8_BLOCK = 32  # columns of x per int8 block in the a8 GEMVs
 _SCALE_KINDS = {torch.bfloat16: 0, torch.float32: 1, torch.float16: 2}
 
 
@@ -105,6 +108,68 @@ def int4_gemv_def(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, z
     return acc.to(torch.bfloat16)
 
 
+def quantize_a8(x: torch.Tensor, kp: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` -> the a8 GEMVs' int8 blocks: codes ``[M, nb, 32]`` int8, scales ``d [M, nb]`` float32 and
+    code sums ``[M, nb]`` int64, over ``kp`` columns (default K rounded up to 32; zero past K).
+
+    Per block: ``d = amax|x| / 127``, ``codes = round-half-even(x * (1 / d))`` (0 where d is 0; NaN x
+    count as 0 in amax and give code 0), as ``cpu_qgemv.c``'s ``a8_quantize``.
+    """
+    m, k = x.shape
+    kp = kp or -(-k // A8_BLOCK) * A8_BLOCK
+    xb = torch.nn.functional.pad(x.float(), (0, kp - k)).view(m, -1, A8_BLOCK)  # [M, nb, 32]
+    ax = xb.abs()
+    d = torch.where(ax.isnan(), 0.0, ax).amax(-1) / 127.0  # [M, nb]
+    inv = torch.where(d != 0, 1.0 / d, 0.0)
+    r = torch.round(xb * inv[..., None]).clamp(-127, 127)
+    q = torch.where(r.isnan(), 0.0, r).to(torch.int8)
+    return q, d, q.long().sum(-1)
+
+
+def _block_dots(qx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """codes ``[M, nb, 32]`` and integer weights ``[N, nb * 32]`` -> exact sums ``[M, N, nb]`` (int64)."""
+    wb = w.long().view(w.shape[0], -1, A8_BLOCK)  # [N, nb, 32]
+    return torch.einsum("mbc,nbc->mnb", qx.long(), wb)
+
+
+def int8_a8_def(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``x [M, K]`` bf16, ``qweight int8 [N, K]``, ``scales [N]`` bf16 ``-> [M, N]`` bf16, :func:`int8_gemv_a8`'s bits.
+
+    ``out = bf16(f * scale)``, ``f`` summing ``float(S_b) * d_b`` over x's 32-column blocks in order
+    (``S_b`` the block's exact integer dot product, products rounded, then added).
+    """
+    qx, d, _ = quantize_a8(x)
+    w = torch.nn.functional.pad(qweight, (0, qx.shape[1] * A8_BLOCK - qweight.shape[1]))
+    s = _block_dots(qx, w)  # [M, N, nb]
+    f = torch.zeros(s.shape[:2])
+    for b in range(s.shape[2]):
+        f = f + s[..., b].float() * d[:, None, b]
+    return (f * scales.float()).to(torch.bfloat16)
+
+
+def int4_a8_def(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                group_size: int) -> torch.Tensor:
+    """:func:`int4_gemv_def`'s arguments ``-> [M, N]`` bf16, :func:`int4_gemv_a8`'s bits.
+
+    ``out = bf16(f)``, ``f`` summing ``float(S_b - zero_g * sum(codes_b)) * (scale_g * d_b)`` over x's
+    32-column blocks in order (``S_b`` exact; ``g`` the block's group).
+    """
+    n, n_groups = zeros.shape
+    kp = n_groups * group_size
+    np_ = -(-n // CPU_BLOCK_N) * CPU_BLOCK_N
+    sc = _scales_2d(scales, n).float()
+    q = unpack_cpu_int4(packed, np_, kp)[:n]  # [N, Kp] codes
+    qx, d, sx = quantize_a8(x, kp)
+    s = _block_dots(qx, q)  # [M, N, nb]
+    per_g = group_size // A8_BLOCK
+    f = torch.zeros(s.shape[:2])
+    for b in range(s.shape[2]):
+        g = b // per_g
+        t = s[..., b] - zeros[:, g].long()[None, :] * sx[:, b, None]  # exact
+        f = f + t.float() * (sc[None, :, g] * d[:, b, None])
+    return f.to(torch.bfloat16)
+
+
 def _scales_2d(scales: torch.Tensor, n: int) -> torch.Tensor:
     """``scales [N, G]``, or the ``[N, G]`` view of torch's ``scales_zeros [G, Np, 2]``."""
     return scales[:, :n, 0].t() if scales.dim() == 3 else scales
@@ -145,6 +210,27 @@ def int8_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *, c
     return out
 
 
+def int8_gemv_a8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *, check: bool = True,
+                 lib=None) -> torch.Tensor:
+    """:func:`int8_gemv`'s product with x quantized to int8 per 32 columns (:func:`int8_a8_def`'s bits):
+    the decode GEMV of int8 layers. Same arguments and checks as :func:`int8_gemv`."""
+    n, k = qweight.shape
+    if check:
+        _check_x("int8_gemv_a8", x, k)
+        if qweight.dtype != torch.int8 or not qweight.is_contiguous() or scales.dtype != torch.bfloat16 \
+                or tuple(scales.shape) != (n,) or not scales.is_contiguous():
+            raise ValueError(f"int8_gemv_a8: qweight must be contiguous int8 [N, K] and scales contiguous bf16 [N], "
+                             f"got {qweight.dtype} {tuple(qweight.shape)}, {scales.dtype} {tuple(scales.shape)}")
+    m = x.shape[0]
+    out = torch.empty(m, n, dtype=torch.bfloat16)
+    rc = (lib or _KERNEL.lib()).llmsys_qgemv_int8_a8(x.data_ptr(), x.stride(0), qweight.data_ptr(),
+                                                     scales.data_ptr(), out.data_ptr(), n, m, n, k,
+                                                     torch.get_num_threads())
+    if rc:
+        raise RuntimeError(f"int8_gemv_a8: the C kernel failed (code {rc}) on M={m} N={n} K={k}")
+    return out
+
+
 def check_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                group_size: int, op: str = "int4_gemv") -> None:
     """Raise ``ValueError`` (naming ``op``) unless the arguments fit :func:`int4_gemv`."""
@@ -172,7 +258,14 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros
     :func:`check_int4` for callers that validated their tensors once; ``lib``:
     another build, for tests.
     """
-    return _int4("gemv", x, packed, scales, zeros, group_size, check, lib)
+    return _int4("llmsys_qgemv_int4", x, packed, scales, zeros, group_size, check, lib)
+
+
+def int4_gemv_a8(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 group_size: int, *, check: bool = True, lib=None) -> torch.Tensor:
+    """:func:`int4_gemv`'s product with x quantized to int8 per 32 columns (:func:`int4_a8_def`'s bits):
+    the decode GEMV of int4 layers. Same arguments as :func:`int4_gemv`; ``group_size`` a multiple of 32."""
+    return _int4("llmsys_qgemv_int4_a8", x, packed, scales, zeros, group_size, check, lib)
 
 
 def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -180,23 +273,29 @@ def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros
     """:func:`int4_gemv`'s product and bits (same arguments) in the prefill loop order: each block of
     the weight is decoded once for all rows of x, so it is fast for large M (needs :func:`gemm_native`
     to be fast; without it the GEMV's loop runs)."""
-    return _int4("gemm", x, packed, scales, zeros, group_size, check, lib)
+    return _int4("llmsys_qgemm_int4", x, packed, scales, zeros, group_size, check, lib)
 
 
-def _int4(op: str, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+_INT4_OPS = {"llmsys_qgemv_int4": "int4_gemv", "llmsys_qgemm_int4": "int4_gemm", "llmsys_qgemv_int4_a8": "int4_gemv_a8"}
+
+
+def _int4(symbol: str, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
           group_size: int, check: bool, lib) -> torch.Tensor:
+    op = _INT4_OPS[symbol]
     if check:
-        check_int4(x, packed, scales, zeros, group_size, op=f"int4_{op}")
+        check_int4(x, packed, scales, zeros, group_size, op=op)
+        if symbol.endswith("_a8") and group_size % A8_BLOCK:
+            raise ValueError(f"{op}: group_size must be a multiple of {A8_BLOCK}, got {group_size}")
     if scales.dtype not in _SCALE_KINDS:
         scales = _scales_2d(scales, zeros.shape[0]).float()  # as the definition reads them
     n, n_groups = zeros.shape
     m, k = x.shape
     s_n, s_g = (scales.stride(1), scales.stride(0)) if scales.dim() == 3 else scales.stride()
     out = torch.empty(m, n, dtype=torch.bfloat16)
-    rc = getattr(lib or _KERNEL.lib(), f"llmsys_q{op}_int4")(
+    rc = getattr(lib or _KERNEL.lib(), symbol)(
         x.data_ptr(), x.stride(0), packed.data_ptr(), scales.data_ptr(), s_n, s_g, _SCALE_KINDS[scales.dtype],
         zeros.data_ptr(), zeros.stride(0), zeros.stride(1), out.data_ptr(), n,
         m, n, n_groups * group_size, k, group_size, torch.get_num_threads())
     if rc:
-        raise RuntimeError(f"int4_{op}: the C kernel failed (code {rc}) on M={m} N={n} K={k} group={group_size}")
+        raise RuntimeError(f"{op}: the C kernel failed (code {rc}) on M={m} N={n} K={k} group={group_size}")
     return out

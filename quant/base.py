@@ -55,16 +55,18 @@ class KernelFamily(enum.Enum):
 
     Where a family names two kernels, the layer picks between them per call by the number of
     rows of x alone (decode-sized batches vs prefill) and, for int8 and int4 on the CPU, the
-    activation dtype; the bits of a row never depend on that choice unless the name says
-    "dequant + bf16 GEMM" (a dense bf16 GEMM over the dequantized weight for prefill).
+    activation dtype. The C families run decode-sized batches (up to the format's
+    ``PACKED_MAX_ROWS``) through the "a8" GEMVs (x quantized to int8 per 32 columns, integer
+    dot products: ``kernels.cpu_qgemv``), whose row bits never depend on the batch; prefill keeps
+    bf16 x, so a prompt row and a decode row of the same input differ by x's int8 rounding.
     """
 
-    C_INT4 = "C int4 GEMV/GEMM"  # the GEMV below GEMM_MIN_ROWS rows, the GEMM (the GEMV's bits) above
-    C_INT4_DENSE_PREFILL = "C int4 GEMV/GEMM, dequant + bf16 GEMM prefill"  # no native GEMM: dense above PACKED_MAX_ROWS
+    C_INT4 = "C int4 a8 GEMV, GEMM prefill"  # the a8 GEMV up to PACKED_MAX_ROWS rows, the exact GEMM above
+    C_INT4_DENSE_PREFILL = "C int4 a8 GEMV, dequant + bf16 GEMM prefill"  # no native GEMM: dense above PACKED_MAX_ROWS
     TORCH_INT4_DENSE = "torch int4 dequant + bf16 GEMM"  # CPU tiling, no C kernels: every batch
     TRITON_W4A16 = "Triton w4a16"
-    C_INT8 = "C int8 GEMV"  # lane-pair path native: every bf16 batch
-    C_INT8_DENSE_PREFILL = "C int8 GEMV, dequant + bf16 GEMM prefill"
+    C_INT8 = "C int8 a8 GEMV, GEMV prefill"  # a8 up to PACKED_MAX_ROWS rows; the lane-pair GEMV (native) above
+    C_INT8_DENSE_PREFILL = "C int8 a8 GEMV, dequant + bf16 GEMM prefill"
     TORCH_INT8_PACKED = "torch int8pack_mm, dequant + bf16 GEMM prefill"  # no C kernels
     TRITON_W8A16 = "Triton w8a16"
     FP8_SCALED_MM = "torch _scaled_mm fp8 W8A8"
@@ -84,7 +86,7 @@ class MatmulKernel:
 
     @property
     def name(self) -> str:
-        """``"C int4 GEMV/GEMM x86-64-v3"``: what ``memory_report()`` and ``llmsys bench --verbose`` print."""
+        """``"C int4 a8 GEMV, GEMM prefill x86-64-v3"``: what ``memory_report()`` and ``llmsys bench --verbose`` print."""
         return self.family.value if self.level is None else f"{self.family.value} {self.level}"
 
 

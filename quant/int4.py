@@ -18,14 +18,16 @@ scales and uint8 zeros, and converts back to the canonical layout in
 ``state_dict()`` -- the tiling is a pure nibble permutation
 (:func:`unpack_cpu_int4`), so the round trip is exact and a checkpoint made on
 one CPU loads right on any other. The C kernels of ``kernels.cpu_qgemv``
-multiply on that buffer with the canonical formula: the GEMV for decode-sized
-batches and, from :data:`GEMM_MIN_ROWS` rows, the GEMM, which decodes each
-weight block once for all rows and gives the GEMV's bits, so a prompt's rows,
-a decode step and any batch agree bit for bit. Where the GEMM is not native
-(no AVX512-BF16), batches of more than :data:`PACKED_MAX_ROWS` rows (prefill)
-dequantize the tiled buffer to bf16 (``llmsys.kernels.dequant_cpu_int4``) and
-run a dense bf16 GEMM; without the C kernels every batch does that, with the
-dequantization in torch ops (correct, slower: the engine's notice line says so).
+multiply on that buffer: batches of up to :data:`PACKED_MAX_ROWS` rows (decode,
+short prompt chunks) take the a8 GEMV (``int4_gemv_a8``: x quantized to int8 per
+32 columns, as llama.cpp's q8_0 activations, and integer dot products: ~3-4x
+the exact float GEMV's speed on AVX2, where that one was compute-bound at ~5 GB/s);
+every such row gets the same bits whatever the batch. Larger batches (prefill)
+keep bf16 x: the exact GEMM (``int4_gemm``, the canonical formula) where it is
+native (AVX512-BF16), else the tiled buffer dequantized to bf16
+(``llmsys.kernels.dequant_cpu_int4``) and a dense bf16 GEMM; without the C
+kernels every batch does that, with the dequantization in torch ops (correct,
+slower: the engine's notice line says so).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from llmsys.kernels import CPU_INT4_BLOCK_N as CPU_BLOCK_N  # the CPU layout til
 from llmsys.kernels import (
     dequant_cpu_int4,
     int4_gemm,
-    int4_gemv,
+    int4_gemv_a8,
     mm_bf16,
     pack_cpu_int4,
     pack_int4,  # the canonical layout lives with its kernels
@@ -66,11 +68,9 @@ GROUP_SIZES = (32, 64, 128)
 # 4864x896 M=24 1.39 vs 2.27, M=32 1.98 vs 1.76, M=64 3.31 vs 2.11;
 # 896x4864 M=24 1.24 vs 1.28, M=32 1.64 vs 1.23; 896x896 M=32 0.31 vs 0.23 (1 thread: the same order).
 PACKED_MAX_ROWS = 28
-# Rows of x from which the C GEMM (cpu_qgemv.int4_gemm: the GEMV's bits, each weight block decoded
-# once for all rows) beats the C GEMV (Zen 4, 2 threads, g64: GEMV/GEMM time at M = 4 0.88-1.10,
-# M = 6 1.09-1.22, M = 32 1.47-1.62). With the GEMM built natively (AVX512-BF16) it also replaces the
-# dequantize + bf16 GEMM above PACKED_MAX_ROWS (M = 128: 0.86-0.95x a prepacked bf16 GEMM, vs 0.65-0.82x).
-GEMM_MIN_ROWS = 6
+# Up to PACKED_MAX_ROWS rows the a8 GEMV runs (cpu_qgemv.int4_gemv_a8), on every CPU. Above, with
+# the GEMM built natively (AVX512-BF16), cpu_qgemv.int4_gemm replaces the dequantize + bf16 GEMM
+# (M = 128: 0.86-0.95x a prepacked bf16 GEMM, vs 0.65-0.82x).
 # Bigger weights (a 151936-row LM head when every position is scored) dequantize
 # in row chunks of at most this many bf16 bytes, so the transient copy stays small.
 DEQUANT_CHUNK_BYTES = 16 << 20
@@ -148,9 +148,9 @@ class Int4Linear(QuantLinear):
       padded to a multiple of 64), ``scales_zeros bf16 [G, Np, 2]`` =
       (scale, (8 - zero) * scale), ``zeros_u8 [N, G]`` and, with the C GEMV,
       its group-major copy ``zeros_gm [G, N]``. Matmul always runs in bf16;
-      fp32 inputs are cast to bf16 and the output cast back. The C GEMV
-      ``cpu_qgemv.int4_gemv`` and, from :data:`GEMM_MIN_ROWS` rows, the C GEMM
-      ``cpu_qgemv.int4_gemm`` (the same bits) run where built; without the
+      fp32 inputs are cast to bf16 and the output cast back. Up to
+      :data:`PACKED_MAX_ROWS` rows the C a8 GEMV ``cpu_qgemv.int4_gemv_a8`` runs
+      where built, above them the C GEMM ``cpu_qgemv.int4_gemm`` where native; without the
       native GEMM, more than :data:`PACKED_MAX_ROWS` rows take the bf16 weight
       from ``dequant_cpu_int4`` (exactly ``dequantize(torch.bfloat16)``) and a
       dense bf16 GEMM, and without the C kernels every batch does.
@@ -339,8 +339,8 @@ class Int4Linear(QuantLinear):
             m = xb.shape[0]
             if family is KernelFamily.C_INT4 or (family is KernelFamily.C_INT4_DENSE_PREFILL
                                                  and m <= PACKED_MAX_ROWS):
-                # The C kernels, canonical arithmetic: the GEMV (~2x torch's op at M = 1), and from
-                # GEMM_MIN_ROWS rows the GEMM, which gives the GEMV's bits, so any batch gets the same bits.
+                # The C kernels: the a8 GEMV for decode-sized batches (each row's bits independent of the
+                # batch), the exact GEMM (native here) for prefill.
                 if xb.shape[1] != k:
                     raise ValueError(f"Int4Linear: input has {xb.shape[1]} features, expected {k}")
                 if xb.stride(1) != 1:
@@ -348,7 +348,7 @@ class Int4Linear(QuantLinear):
                 scales = buf["scales_orig"]
                 if scales is None:
                     scales = buf["scales_zeros"]  # [G, Np, 2]: the kernel reads the bf16 scales in place
-                kernel = int4_gemm if m >= GEMM_MIN_ROWS else int4_gemv
+                kernel = int4_gemv_a8 if m <= PACKED_MAX_ROWS else int4_gemm
                 y = kernel(xb, buf["packed"], scales, buf["zeros_gm"].t(), self.group_size,
                            check=False)  # [M, N]; the buffers were checked at construction
                 return y if x2.dtype == torch.bfloat16 else y.to(x2.dtype)

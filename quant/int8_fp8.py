@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from llmsys.kernels import CPU_INT4_BLOCK_N as CPU_BLOCK_N
-from llmsys.kernels import int8_gemv, linear, mm_bf16, quant_matmul_support, transpose_bf16, w8a16_matmul
+from llmsys.kernels import int8_gemv, int8_gemv_a8, linear, mm_bf16, quant_matmul_support, transpose_bf16, w8a16_matmul
 from llmsys.quant.base import (
     PACKED_MAX_ROWS,
     TORCH_DEQUANT,
@@ -98,16 +98,16 @@ def int8_kernel(device: torch.device) -> MatmulKernel:
 class Int8Linear(_PerRowLinear):
     """W8A16 linear: ``qweight int8 [N, K]``, ``scales bf16 [N]``; w = q * scale.
 
-    CPU: decode-sized inputs (<= PACKED_MAX_ROWS rows) go through the C GEMV
-    ``kernels.cpu_qgemv.int8_gemv`` (bf16 activations, float32 accumulation,
-    ``bf16(dot * scale)``; ~2x the weight bandwidth of
+    CPU: decode-sized inputs (<= PACKED_MAX_ROWS rows) go through the C a8 GEMV
+    ``kernels.cpu_qgemv.int8_gemv_a8`` (x quantized to int8 per 32 columns, exact
+    integer dot products; ~2x the weight bandwidth of
     ``torch._weight_int8pack_mm``, which runs instead when the kernel is not
     built). Both need bf16 activations, so float32 inputs are cast to bf16
-    and the result cast back. Larger bf16 inputs (prefill) take the same C GEMV
+    and the result cast back. Larger bf16 inputs (prefill) take the exact C GEMV
+    ``int8_gemv`` (bf16 x, float32 accumulation, ``bf16(dot * scale)``)
     where it is built with AVX512-BF16: from 5 rows it converts each weight row
     once for all rows (0.81-0.90x a prepacked bf16 GEMM at M = 128 on Zen 4, vs
-    0.74-0.87x for the dense path; benchmarks/bench_qmatmul.py), with the bits of
-    the 1-row call, so a prompt, a decode step and any batch agree. Elsewhere they
+    0.74-0.87x for the dense path; benchmarks/bench_qmatmul.py). Elsewhere they
     convert q to the input dtype and GEMM (bf16: the weight as oneDNN's first
     operand, see ``_dequant_matmul``). torch's packed op crashes
     (SIGSEGV, torch 2.13 CPU) on bf16 inputs when K % 16 != 0, so float32
@@ -158,7 +158,8 @@ class Int8Linear(_PerRowLinear):
             if c_kernel:
                 if xb.shape[1] != self.in_features:
                     raise ValueError(f"Int8Linear: input has {xb.shape[1]} features, expected {self.in_features}")
-                y = int8_gemv(xb, buf["qweight"], buf["scales"], check=False)  # [M, N]; checked in __init__
+                gemv = int8_gemv_a8 if xb.shape[0] <= PACKED_MAX_ROWS else int8_gemv  # a8: decode-sized batches
+                y = gemv(xb, buf["qweight"], buf["scales"], check=False)  # [M, N]; checked in __init__
                 return y if bf16 else y.to(x2.dtype)
             y = torch._weight_int8pack_mm(xb.contiguous(), buf["qweight"], buf["scales"])  # K % 16 == 0 here
             return y.to(x2.dtype)

@@ -165,7 +165,7 @@ def test_build_is_cached_by_source_hash(tmp_path):
 @pytest.mark.parametrize("n,k,g", [(4864, 896, 64), (200, 172, 32), (96, 256, 128)])
 def test_layer_prefill_path(n, k, g):
     """More than PACKED_MAX_ROWS rows: the C GEMM (the GEMV's bits) where it is native, else a dense
-    bf16 GEMM on exactly dequantize(bf16) (tested directly); fewer: the C GEMV, or without the C
+    bf16 GEMM on exactly dequantize(bf16) (tested directly); fewer: the C a8 GEMV, or without the C
     kernels the same dense path."""
     lin = _layer(n, k, g, seed=4)
     wq = lin.dequantize(torch.bfloat16)
@@ -182,8 +182,8 @@ def test_layer_prefill_path(n, k, g):
         for out in (y, dense):
             assert (out - ref).norm() / ref.norm() < 3e-3  # bf16 activations, as on the packed path
     x = torch.randn(int4_mod.PACKED_MAX_ROWS, k)
-    if cpu_qgemv.available():  # the C GEMV (tests/test_cpu_qgemv.py)
-        small = cpu_qgemv.int4_gemv_def(x.bfloat16(), *_args(lin)[:3], g)
+    if cpu_qgemv.available():  # the C a8 GEMV (tests/test_cpu_qgemv.py)
+        small = cpu_qgemv.int4_a8_def(x.bfloat16(), *_args(lin)[:3], g)
     else:
         small = lin._dequant_matmul(x.bfloat16())
     assert torch.equal(lin(x), small.float())

@@ -1,7 +1,8 @@
 """The CPU int8/int4 GEMV kernels (kernels/cpu_qgemv.c) against their torch definitions.
 
 The kernels' arithmetic is fixed (kernels/cpu_qgemv.py), so they must match
-the definitions bit for bit at any M, N, K, group size and thread count,
+the definitions bit for bit at any M, N, K, group size and thread count (the
+exact GEMVs on bf16 x, and the a8 GEMVs on x quantized per 32 columns),
 give row m of an M-row call the bits of the 1-row call on that row, stay close
 to the float matmul on the dequantized weight, and give the same bits when
 built without AVX-512. The quantized layers use them for decode-sized inputs.
@@ -103,6 +104,72 @@ needs_gemm = pytest.mark.skipif(not (KERNEL and cpu_qgemv.gemm_native()),
 
 
 @needs_kernel
+@pytest.mark.parametrize("n,k", [(200, 172), (64, 32), (130, 1000), (7, 16), (896, 896), (9, 65)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_int8_a8_bit_exact(n, k, threads):
+    """The a8 GEMV: its definition's bits at any shape (K tails, row tails of the 8-row tiles), every
+    row of an M-row call the 1-row call's bits."""
+    q, s = _int8(n, k, seed=n + k)
+    torch.manual_seed(k)
+    x = torch.randn(PACKED_MAX_ROWS, k).bfloat16()
+    with _threads(threads):
+        for m in (1, 3, PACKED_MAX_ROWS):
+            assert torch.equal(_bits(cpu_qgemv.int8_gemv_a8(x[:m], q, s)), _bits(cpu_qgemv.int8_a8_def(x[:m], q, s)))
+        full = cpu_qgemv.int8_gemv_a8(x, q, s)
+        for m in (0, 5, PACKED_MAX_ROWS - 1):
+            assert torch.equal(_bits(full[m : m + 1]), _bits(cpu_qgemv.int8_gemv_a8(x[m : m + 1], q, s)))
+
+
+@needs_kernel
+@pytest.mark.parametrize("n,k,g", [(200, 172, 64), (64, 64, 32), (130, 1000, 32), (96, 256, 128), (4864, 96, 64),
+                                   (70, 896, 64)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_int4_a8_bit_exact(n, k, g, threads):
+    """The int4 a8 GEMV: its definition's bits (padded rows and columns, every group size, scales as
+    the layer holds them and as a plain [N, G] tensor), batch-invariant."""
+    lin = _int4(n, k, g, seed=n + g)
+    torch.manual_seed(n)
+    x = torch.randn(12, k).bfloat16()
+    with _threads(threads):
+        for args in (_int4_args(lin), (lin.packed, lin.scales_zeros, lin.zeros_gm.t(), g)):
+            for m in (1, 3, 12):
+                want = _bits(cpu_qgemv.int4_a8_def(x[:m], *args))
+                assert torch.equal(_bits(cpu_qgemv.int4_gemv_a8(x[:m], *args)), want), (m, args[1].shape)
+        args = _int4_args(lin)
+        full = cpu_qgemv.int4_gemv_a8(x, *args)
+        for m in (0, 11):
+            assert torch.equal(_bits(full[m : m + 1]), _bits(cpu_qgemv.int4_gemv_a8(x[m : m + 1], *args)))
+
+
+def test_a8_quantization():
+    """x's int8 blocks: codes within +-127 with one at +-127 per nonzero block, zero blocks give zero codes
+    and scale, code sums are the sums, and the dequantized x is within half a step of x."""
+    torch.manual_seed(3)
+    x = torch.randn(3, 100).bfloat16()
+    x[1, 32:64] = 0
+    q, d, sx = cpu_qgemv.quantize_a8(x)
+    assert q.shape == (3, 4, 32) and d.shape == (3, 4)
+    assert int(q.abs().max()) == 127 and torch.equal(q[1, 1], torch.zeros(32, dtype=torch.int8)) and d[1, 1] == 0
+    assert torch.equal(sx, q.long().sum(-1))
+    xr = (q.float() * d[..., None]).view(3, -1)[:, :100]
+    assert bool(((xr - x.float()).abs() <= d.repeat_interleave(32, 1)[:, :100] / 2 + 1e-7).all())
+
+
+@needs_kernel
+def test_a8_close_to_exact():
+    """The a8 GEMVs approximate the exact (bf16 x) ones: the error of x's int8 rounding, well under 1% of
+    the output's scale on Gaussian activations of a real hidden size."""
+    torch.manual_seed(8)
+    x = torch.randn(4, 896).bfloat16()
+    q, s = _int8(512, 896, seed=2)
+    exact, a8 = cpu_qgemv.int8_gemv_def(x, q, s).float(), cpu_qgemv.int8_gemv_a8(x, q, s).float()
+    assert (a8 - exact).abs().max() / exact.abs().max() < 0.01
+    args = _int4_args(_int4(512, 896, 64, seed=2))
+    exact, a8 = cpu_qgemv.int4_gemv_def(x, *args).float(), cpu_qgemv.int4_gemv_a8(x, *args).float()
+    assert (a8 - exact).abs().max() / exact.abs().max() < 0.01
+
+
+@needs_kernel
 @pytest.mark.parametrize("n,k,g", [(200, 172, 64), (130, 1000, 32), (96, 256, 128), (70, 64, 64)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_int4_gemm_is_the_gemv(n, k, g, threads):
@@ -154,6 +221,14 @@ def test_other_code_paths_bit_exact(level, tmp_path):
             want = _bits(cpu_qgemv.int4_gemv_def(x[:m, :k], *args))
             assert torch.equal(_bits(cpu_qgemv.int4_gemv(x[:m, :k], *args, lib=lib)), want), (level, n, k, g, m)
             assert torch.equal(_bits(cpu_qgemv.int4_gemm(x[:m, :k], *args, lib=lib)), want), (level, n, k, g, m)
+        for m in (1, 5):
+            assert torch.equal(_bits(cpu_qgemv.int4_gemv_a8(x[:m, :k], *args, lib=lib)),
+                               _bits(cpu_qgemv.int4_a8_def(x[:m, :k], *args))), (level, n, k, g, m)
+    for n, k in [(130, 300), (9, 37)]:
+        q, s = _int8(n, k)
+        for m in (1, 5):
+            assert torch.equal(_bits(cpu_qgemv.int8_gemv_a8(x[:m, :k], q, s, lib=lib)),
+                               _bits(cpu_qgemv.int8_a8_def(x[:m, :k], q, s))), (level, n, k, m)
     # Only the AVX512-BF16 build has the native prefill GEMM; elsewhere the layers keep their dense GEMM.
     assert cpu_qgemv.gemm_native(lib) == (level == "x86-64-v4-bf16")
 
@@ -183,11 +258,11 @@ def test_int8_layer_uses_kernel():
     x = torch.randn(PACKED_MAX_ROWS, 176)
     y = lin(x)
     assert y.dtype == torch.float32
-    assert torch.equal(y, cpu_qgemv.int8_gemv_def(x.bfloat16(), q, s).float())
+    assert torch.equal(y, cpu_qgemv.int8_a8_def(x.bfloat16(), q, s).float())
     q, s = _int8(300, 172)
     lin = Int8Linear(q, s, None)
     xb = torch.randn(3, 172).bfloat16()  # any K in bf16
-    assert torch.equal(_bits(lin(xb)), _bits(cpu_qgemv.int8_gemv_def(xb, q, s)))
+    assert torch.equal(_bits(lin(xb)), _bits(cpu_qgemv.int8_a8_def(xb, q, s)))
     x = torch.randn(3, 172)  # float32 at K % 16 != 0: the float32 dequant path, as before
     assert torch.equal(lin(x), torch.nn.functional.linear(x, q.float()) * s.float())
 
@@ -198,18 +273,19 @@ def test_int4_layer_uses_kernel():
     x = torch.randn(int4_mod.PACKED_MAX_ROWS, 172)
     y = lin(x)
     assert y.dtype == torch.float32
-    assert torch.equal(y, cpu_qgemv.int4_gemv_def(x.bfloat16(), *_int4_args(lin)).float())
+    assert torch.equal(y, cpu_qgemv.int4_a8_def(x.bfloat16(), *_int4_args(lin)).float())
 
 
 @needs_gemm
-def test_int4_layer_prefill_equals_decode():
-    """With the native GEMM a prefill-sized input gets the bits each row gets alone (the GEMV's)."""
+def test_int4_layer_prefill_is_exact():
+    """With the native GEMM a prefill-sized input gets the exact GEMV's bits (bf16 x); one row, a decode
+    step, gets the a8 GEMV's, which differ from them by x's int8 rounding only."""
     lin = _int4(200, 172, 32, seed=12)
     x = torch.randn(int4_mod.PACKED_MAX_ROWS + 20, 172).bfloat16()
     y = lin(x)
     assert torch.equal(_bits(y), _bits(cpu_qgemv.int4_gemv_def(x, *_int4_args(lin))))
     for m in (0, 47):
-        assert torch.equal(_bits(lin(x[m : m + 1])), _bits(y[m : m + 1]))
+        assert torch.equal(_bits(lin(x[m : m + 1])), _bits(cpu_qgemv.int4_a8_def(x[m : m + 1], *_int4_args(lin))))
 
 
 @needs_kernel

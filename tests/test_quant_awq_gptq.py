@@ -9,6 +9,12 @@ from llmsys.kernels.common.errors import CheckpointError
 from llmsys.quant.awq_gptq import awq_to_canonical, gptq_to_canonical
 from llmsys.quant.int4 import Int4Linear
 
+from conftest import A8_REL_ERR
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
 torch.set_num_threads(1)
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 
@@ -59,7 +65,7 @@ def test_awq_gemm_exact(g):
     ref = ((q.float() - z[gi].float()) * s[gi].float()).t()
     assert torch.equal(_canonical_dequant(t, k), ref)
     x = torch.randn(3, k)
-    assert torch.allclose(Int4Linear.from_quantized(t, in_features=k)(x), x @ ref.t(), rtol=1e-2, atol=1e-2)
+    assert _rel(Int4Linear.from_quantized(t, in_features=k)(x), x @ ref.t()) < A8_REL_ERR  # 3 rows: the a8 GEMV
 
 
 @pytest.mark.parametrize("zero_offset", [1, 0])
@@ -98,7 +104,7 @@ def test_gptq_act_order_permutation():
     m = Int4Linear.from_quantized(t, in_features=k)
     assert torch.equal(m.dequantize(), ref)
     x = torch.randn(2, k)
-    assert torch.allclose(m(x), x @ ref.t(), rtol=1e-2, atol=1e-2)
+    assert _rel(m(x), x @ ref.t()) < A8_REL_ERR
     m2 = Int4Linear.from_quantized(dict(m.state_dict()), in_features=k)
     assert torch.equal(m2(x), m(x))
 

@@ -319,7 +319,7 @@ def test_int4_layers_report_their_kernel(tiny):
     layers = [m for m in llm.loaded.model.modules() if isinstance(m, Int4Linear)]
     c = quant_matmul_support()
     if c.available:
-        family = "C int4 GEMV/GEMM" if c.gemm_native else "C int4 GEMV/GEMM, dequant + bf16 GEMM prefill"
+        family = "C int4 a8 GEMV, GEMM prefill" if c.gemm_native else "C int4 a8 GEMV, dequant + bf16 GEMM prefill"
         want = f"{family} {c.level}"
     else:
         want = "torch int4 dequant + bf16 GEMM"

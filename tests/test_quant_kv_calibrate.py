@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import A8_REL_ERR
 from llmsys.kernels.common.errors import InvalidParameterError
 from llmsys.quant.calibrate import gptq_linear, gptq_quantize, hessian_from_inputs
 from llmsys.quant.int4 import Int4Linear
@@ -73,8 +74,8 @@ def test_gptq_beats_rtn_on_correlated_inputs():
     e_gptq = ((x @ gptq.dequantize().t() - ref).norm() / ref.norm()).item()
     e_rtn = ((x @ rtn.dequantize().t() - ref).norm() / ref.norm()).item()
     assert e_gptq < 0.5 * e_rtn, (e_gptq, e_rtn)
-    # The layer really runs what it stores.
-    assert ((gptq(x[:8]) - x[:8] @ gptq.dequantize().t()).norm() / (x[:8] @ gptq.dequantize().t()).norm()) < 3e-3
+    # The layer really runs what it stores (8 rows: the a8 GEMV, x rounded to int8 per 32 columns).
+    assert ((gptq(x[:8]) - x[:8] @ gptq.dequantize().t()).norm() / (x[:8] @ gptq.dequantize().t()).norm()) < A8_REL_ERR
 
 
 def test_gptq_ragged_k_and_identity_hessian_matches_rtn():

@@ -11,6 +11,7 @@ from llmsys.kernels.common.errors import CheckpointError, InvalidParameterError
 from llmsys.quant import (
     FP8Linear, Int4Linear, Int8Linear, NF4Linear, QuantSpec, parse_quant, quantize_linear, swap_linears,
 )
+from conftest import A8_REL_ERR
 from llmsys.kernels import pack_cpu_int4
 from llmsys.quant.int4 import dequantize_int4, quantize_int4, unpack_cpu_int4, unpack_int4
 
@@ -65,8 +66,9 @@ def test_layer_error_roundtrip_and_state(name, shape):
     assert _rel(wq, w) < WEIGHT_REL_ERR[name]
     y = m(x)
     assert y.shape == (2, 3, n) and y.dtype == x.dtype
-    # The layer computes what its own dequantized weight says (bf16 activations on the CPU fast paths).
-    assert _rel(y, F.linear(x, wq, b)) < 3e-3
+    # The layer computes what its own dequantized weight says, up to its activation rounding (int8 per 32
+    # columns on the CPU's decode-sized paths, the six rows here).
+    assert _rel(y, F.linear(x, wq, b)) < A8_REL_ERR
     # And approximates the float layer within the weight error.
     assert _rel(y, F.linear(x, w, b)) < WEIGHT_REL_ERR[name]
     m2 = _rebuild(m)
@@ -116,7 +118,8 @@ def test_int4_cpu_packed_matches_canonical(n, k, g):
         x = torch.randn(m, k)
         ref = x @ dequantize_int4(qweight, scales, zeros, k).t()
         assert _rel(canon(x), ref) < 1e-5
-        assert _rel(packed(x), ref) < 3e-3  # packed kernel runs with bf16 activations
+        # the packed kernels run with x in int8 (a8, up to 28 rows) or in bf16 (prefill)
+        assert _rel(packed(x), ref) < (A8_REL_ERR if m <= 28 else 3e-3)
         assert _rel(packed(x.bfloat16()).float(), ref) < 1e-2
 
 
@@ -184,7 +187,7 @@ def test_swap_linears_in_place_and_skip():
     with torch.no_grad():
         y = model(x)
         deq = F.linear(F.gelu(model.proj.dequantize() @ x.t() + model.proj.bias[:, None]).t(), model.down.dequantize())
-        assert _rel(model.lm_head(deq), y) < 6e-3  # exactly the dequantized network (bf16 activations)
+        assert _rel(model.lm_head(deq), y) < 2 * A8_REL_ERR  # the dequantized network (two a8 layers)
         assert _rel(y, ref) < 0.2  # two stacked int4 layers (~9% each)
     assert swap_linears(model, parse_quant("none")) == 0
 
