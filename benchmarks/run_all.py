@@ -105,6 +105,7 @@ SCRIPTS: dict[str, list[str]] = {
     "kv-tier": ["benchmarks/bench_kv_tier.py", "--prompt", "3500", "--new", "32", "--rounds", "3"],
     "server": ["benchmarks/bench_server.py"],
     "isa": ["benchmarks/isa_perplexity.py"],
+    "a8-quality": ["benchmarks/bench_a8_quality.py"],
     "vs-llamacpp": ["benchmarks/bench_vs_llamacpp.py", "--threads", "2", "--rounds", "3", "--reps", "2"],
 }
 
