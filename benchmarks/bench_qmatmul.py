@@ -7,8 +7,9 @@ bf16 activations. For each M: the prepacked bf16 GEMM's time, and the time of
 the int8 and int4 layers (``Int8Linear`` / ``Int4Linear``, whatever path
 they pick at that M) as a ratio of it, median of ``--repeat`` calls; then the
 dense fallback (dequantize + bf16 GEMM, which runs where the C GEMM is not
-native) at the prefill M, and the int4 GEMV vs GEMM times at small M (the two
-give the same bits, so the layer switches at ``GEMM_MIN_ROWS`` by speed alone).
+native) at the prefill M, and at decode sizes the a8 GEMVs the layers run there
+(x in int8 per 32 columns, integer dot products) against the exact bf16-x GEMVs
+they replaced, on these matrices and on the 151936x896 LM head (weights from DRAM).
 
     python benchmarks/bench_qmatmul.py [--threads 2] [--repeat 25]
 """
@@ -36,18 +37,22 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     from llmsys.kernels import cpu_qgemv, prepack
     from llmsys.kernels.cpu_linear import linear
-    from llmsys.quant.int4 import GEMM_MIN_ROWS, Int4Linear
+    from llmsys.quant.int4 import Int4Linear
     from llmsys.quant.int8_fp8 import Int8Linear
 
     g = torch.Generator().manual_seed(0)
     layers = []
     for name, n, k in MATRICES:
         w = torch.randn(n, k, generator=g) * 0.02
-        layers.append((name, n, k, prepack(w.bfloat16()), Int8Linear.from_float(w), Int4Linear.from_float(w)))
+        wb = w.bfloat16()
+        packed = prepack(wb)  # None where oneDNN does not pack bf16 (AVX2): the plain weight, as the engine keeps it
+        layers.append((name, n, k, wb if packed is None else packed, Int8Linear.from_float(w), Int4Linear.from_float(w)))
     native = cpu_qgemv.available() and cpu_qgemv.gemm_native()
+    kernels_packed = all(lay[3].is_mkldnn for lay in layers)
     print(f"Qwen2.5-0.5B layer matrices, CPU, {a.threads} threads, bf16 activations, median of {a.repeat} calls; "
+          f"bf16 GEMM on the prepacked weight where oneDNN packs bf16: {'yes' if kernels_packed else 'no'}; "
           f"C GEMM native: {'yes' if native else 'no (' + cpu_qgemv.kernel_status() + ')'}\n")
-    print("| matrix | M | bf16 prepacked ms | int8 layer x bf16 | int4 layer x bf16 |")
+    print("| matrix | M | bf16 GEMM ms | int8 layer x bf16 | int4 layer x bf16 |")
     print("|---|---:|---:|---:|---:|")
     with torch.inference_mode():
         for name, n, k, wp, l8, l4 in layers:
@@ -57,8 +62,8 @@ def main() -> None:
                 t8 = _median_ms(lambda: l8(x), a.repeat)
                 t4 = _median_ms(lambda: l4(x), a.repeat)
                 print(f"| {name} {n}x{k} | {m} | {tb:.3f} | {tb / t8:.2f} | {tb / t4:.2f} |")
-        print(f"\nThe dense fallback at M = {a.prefill} (dequantize + bf16 GEMM, weight first), x bf16 prepacked:\n")
-        print("| matrix | bf16 prepacked ms | int8 dense x bf16 | int4 dense x bf16 |")
+        print(f"\nThe dense fallback at M = {a.prefill} (dequantize + bf16 GEMM, weight first), x the bf16 GEMM:\n")
+        print("| matrix | bf16 GEMM ms | int8 dense x bf16 | int4 dense x bf16 |")
         print("|---|---:|---:|---:|")
         for name, n, k, wp, l8, l4 in layers:
             x = torch.randn(a.prefill, k, generator=g).bfloat16()
@@ -68,21 +73,24 @@ def main() -> None:
             print(f"| {name} {n}x{k} | {tb:.3f} | {tb / t8:.2f} | {tb / t4:.2f} |")
         if not cpu_qgemv.available():
             return
-        print(f"\nint4 GEMV time / GEMM time (same bits; > 1: the GEMM is faster; the layer takes the GEMM "
-              f"from M = {GEMM_MIN_ROWS}):\n")
-        ms = (2, 4, 6, 8, 16, 32)
-        print("| matrix | " + " | ".join(f"M={m}" for m in ms) + " |")
-        print("|---|" + "---:|" * len(ms))
-        for name, n, k, wp, l8, l4 in layers:
-            args = (l4.packed, l4.scales_zeros, l4.zeros_gm.t(), l4.group_size)
-            row = []
-            for m in ms:
+        print("\nDecode sizes: the a8 GEMV (what the layers run up to 28 / 32 rows) vs the exact bf16-x GEMV, ms "
+              "(exact / a8 = speed-up):\n")
+        print("| matrix | M | int8 exact | int8 a8 | x | int4 exact | int4 a8 | x |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|")
+        head = torch.randn(151936, 896, generator=g) * 0.02
+        big = [("head", 151936, 896, None, Int8Linear.from_float(head), Int4Linear.from_float(head))]
+        del head
+        for name, n, k, _, l8, l4 in layers + big:
+            q8 = (l8.qweight, l8.scales)
+            q4 = (l4.packed, l4.scales_zeros, l4.zeros_gm.t(), l4.group_size)
+            for m in (1,) if name == "head" else (1, 4, 16, 28):
                 x = torch.randn(m, k, generator=g).bfloat16()
-                tv = _median_ms(lambda: cpu_qgemv.int4_gemv(x, *args, check=False), a.repeat)
-                tm = _median_ms(lambda: cpu_qgemv.int4_gemm(x, *args, check=False), a.repeat)
-                row.append(f"{tv / tm:.2f}")
-            print(f"| {name} {n}x{k} | " + " | ".join(row) + " |")
-
+                e8 = _median_ms(lambda: cpu_qgemv.int8_gemv(x, *q8, check=False), a.repeat)
+                a8 = _median_ms(lambda: cpu_qgemv.int8_gemv_a8(x, *q8, check=False), a.repeat)
+                e4 = _median_ms(lambda: cpu_qgemv.int4_gemv(x, *q4, check=False), a.repeat)
+                a4 = _median_ms(lambda: cpu_qgemv.int4_gemv_a8(x, *q4, check=False), a.repeat)
+                print(f"| {name} {n}x{k} | {m} | {e8:.3f} | {a8:.3f} | {e8 / a8:.2f} | {e4:.3f} | {a4:.3f} | "
+                      f"{e4 / a4:.2f} |")
 
 if __name__ == "__main__":
     main()

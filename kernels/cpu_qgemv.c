@@ -1182,7 +1182,6 @@ static void int4_a8_block(const a8_x *a, int64_t m0, int64_t m1, const uint8_t *
                     const int8_t *qx = a->q + ((mb + m) * nb + b) * A8;
                     const float dxb = a->d[(mb + m) * nb + b];
                     const int32_t sxb = a->s[(mb + m) * nb + b];
-                    int32_t S[64] __attribute__((aligned(32)));
 #ifdef QA8_AVX2
                     const __m256i low4 = _mm256_set1_epi8(15);
                     __m256i s32[8];
@@ -1222,8 +1221,8 @@ static void int4_a8_block(const a8_x *a, int64_t m0, int64_t m1, const uint8_t *
                         const __m256 prod = _mm256_mul_ps(_mm256_cvtepi32_ps(t), sd);
                         _mm256_store_ps(acc[m] + 8 * v, _mm256_add_ps(_mm256_load_ps(acc[m] + 8 * v), prod));
                     }
-                    (void)S;
 #else
+                    int32_t S[64];
                     for (int j = 0; j < 64; j++) S[j] = 0;
                     for (int c = 0; c < A8; c++) {
                         const int32_t xv = qx[c];

@@ -204,40 +204,35 @@ def int8_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *, c
     the checks for callers that validated their tensors once (a layer's own
     buffers: ~5 us a call on the decode path); ``lib``: another build, for tests.
     """
-    n, k = qweight.shape
-    if check:
-        _check_x("int8_gemv", x, k)
-        if qweight.dtype != torch.int8 or not qweight.is_contiguous() or scales.dtype != torch.bfloat16 \
-                or tuple(scales.shape) != (n,) or not scales.is_contiguous():
-            raise ValueError(f"int8_gemv: qweight must be contiguous int8 [N, K] and scales contiguous bf16 [N], "
-                             f"got {qweight.dtype} {tuple(qweight.shape)}, {scales.dtype} {tuple(scales.shape)}")
-    m = x.shape[0]
-    out = torch.empty(m, n, dtype=torch.bfloat16)
-    rc = (lib or _KERNEL.lib()).llmsys_qgemv_int8(x.data_ptr(), x.stride(0), qweight.data_ptr(), scales.data_ptr(),
-                                                  out.data_ptr(), n, m, n, k, torch.get_num_threads())
-    if rc:
-        raise RuntimeError(f"int8_gemv: the C kernel failed (code {rc}) on M={m} N={n} K={k}")
-    return out
+    return _int8("llmsys_qgemv_int8", x, qweight, scales, check, lib)
 
 
 def int8_gemv_a8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *, check: bool = True,
                  lib=None) -> torch.Tensor:
     """:func:`int8_gemv`'s product with x quantized to int8 per 32 columns (:func:`int8_a8_def`'s bits):
     the decode GEMV of int8 layers. Same arguments and checks as :func:`int8_gemv`."""
+    return _int8("llmsys_qgemv_int8_a8", x, qweight, scales, check, lib)
+
+
+_INT8_OPS = {"llmsys_qgemv_int8": "int8_gemv", "llmsys_qgemv_int8_a8": "int8_gemv_a8"}
+
+
+def _int8(symbol: str, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, check: bool,
+          lib) -> torch.Tensor:
+    op = _INT8_OPS[symbol]
     n, k = qweight.shape
     if check:
-        _check_x("int8_gemv_a8", x, k)
+        _check_x(op, x, k)
         if qweight.dtype != torch.int8 or not qweight.is_contiguous() or scales.dtype != torch.bfloat16 \
                 or tuple(scales.shape) != (n,) or not scales.is_contiguous():
-            raise ValueError(f"int8_gemv_a8: qweight must be contiguous int8 [N, K] and scales contiguous bf16 [N], "
+            raise ValueError(f"{op}: qweight must be contiguous int8 [N, K] and scales contiguous bf16 [N], "
                              f"got {qweight.dtype} {tuple(qweight.shape)}, {scales.dtype} {tuple(scales.shape)}")
     m = x.shape[0]
     out = torch.empty(m, n, dtype=torch.bfloat16)
-    rc = (lib or _KERNEL.lib()).llmsys_qgemv_int8_a8(x.data_ptr(), x.stride(0), qweight.data_ptr(),
-                                                     scales.data_ptr(), out.data_ptr(), n, m, n, k,
-                                                     torch.get_num_threads())
+    rc = getattr(lib or _KERNEL.lib(), symbol)(x.data_ptr(), x.stride(0), qweight.data_ptr(), scales.data_ptr(),
+                                               out.data_ptr(), n, m, n, k, torch.get_num_threads())
     if rc:
-        raise RuntimeError(f"int8_gemv_a8: the C kernel failed (code {rc}) on M={m} N={n} K={k}")
+        raise RuntimeError(f"{op}: the C kernel failed (code {rc}) on M={m} N={n} K={k}")
     return out
 
 
@@ -274,7 +269,7 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros
 def int4_gemv_a8(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                  group_size: int, *, check: bool = True, lib=None) -> torch.Tensor:
     """:func:`int4_gemv`'s product with x quantized to int8 per 32 columns (:func:`int4_a8_def`'s bits):
-    the decode GEMV of int4 layers. Same arguments as :func:`int4_gemv`; ``group_size`` a multiple of 32."""
+    the decode GEMV of int4 layers. Same arguments as :func:`int4_gemv`."""
     return _int4("llmsys_qgemv_int4_a8", x, packed, scales, zeros, group_size, check, lib)
 
 
@@ -293,9 +288,7 @@ def _int4(symbol: str, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
           group_size: int, check: bool, lib) -> torch.Tensor:
     op = _INT4_OPS[symbol]
     if check:
-        check_int4(x, packed, scales, zeros, group_size, op=op)
-        if symbol.endswith("_a8") and group_size % A8_BLOCK:
-            raise ValueError(f"{op}: group_size must be a multiple of {A8_BLOCK}, got {group_size}")
+        check_int4(x, packed, scales, zeros, group_size, op=op)  # group sizes 32/64/128: whole a8 blocks
     if scales.dtype not in _SCALE_KINDS:
         scales = _scales_2d(scales, zeros.shape[0]).float()  # as the definition reads them
     n, n_groups = zeros.shape

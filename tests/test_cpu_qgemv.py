@@ -251,6 +251,30 @@ def test_argument_checks():
 
 
 @needs_kernel
+def test_a8_argument_checks():
+    """The a8 GEMVs check as the exact ones do and name themselves; unchecked, what the kernel refuses
+    (a row stride below K, a group that is not whole activation blocks) is a RuntimeError naming it."""
+    q, s = _int8(64, 64)
+    with pytest.raises(ValueError, match="int8_gemv_a8: x must"):
+        cpu_qgemv.int8_gemv_a8(torch.randn(1, 64), q, s)
+    with pytest.raises(ValueError, match="int8_gemv_a8: qweight must .* got torch.int8 .* torch.float32"):
+        cpu_qgemv.int8_gemv_a8(torch.randn(1, 64).bfloat16(), q, s.float())
+    with pytest.raises(RuntimeError, match=r"int8_gemv_a8: the C kernel failed \(code 1\) on M=1 N=64 K=64"):
+        # a row stride below K (unchecked): the kernel refuses it
+        cpu_qgemv.int8_gemv_a8(torch.randn(64).bfloat16().as_strided((1, 64), (0, 1)), q, s, check=False)
+    packed, scales, zeros, g = _int4_args(_int4(64, 64, 32))
+    x = torch.randn(1, 64).bfloat16()
+    with pytest.raises(ValueError, match="int4_gemv_a8: packed"):
+        cpu_qgemv.int4_gemv_a8(x, packed[:-1], scales, zeros, g)
+    # the same bytes read as 4 groups of 16 columns: a valid int4 layout, but half an activation block per group
+    z16, s16 = zeros.repeat_interleave(2, 1), scales.repeat_interleave(2, 1)
+    with pytest.raises(ValueError, match=r"int4_gemv_a8: group_size 16 \(32, 64 or 128\)"):
+        cpu_qgemv.int4_gemv_a8(x, packed, s16, z16, 16)
+    with pytest.raises(RuntimeError, match="int4_gemv_a8: the C kernel failed \\(code 1\\) .* group=16"):
+        cpu_qgemv.int4_gemv_a8(x, packed, s16, z16, 16, check=False)
+
+
+@needs_kernel
 def test_int8_layer_uses_kernel():
     """Decode-sized inputs: the kernel's bits (float32 inputs through bf16 when K % 16 == 0, as torch's op)."""
     q, s = _int8(300, 176)
