@@ -26,7 +26,7 @@ to the C kernels bit for bit, tests/test_cpu_qgemv.py):
   (:func:`int8_a8_def`, :func:`int4_a8_def`). Why: on AVX2 the float paths spend
   most of their time turning codes into floats (int4 ~5 GB/s, compute-bound);
   with both operands integer, ``vpmaddubsw`` does 32 multiply-adds at once and
-  int4 decode runs 3-4.7x faster, as llama.cpp's q8_0 activations do. The cost is
+  int4 decode GEMVs run 1.9-3.6x faster (bench_qmatmul.py, Zen 3), as llama.cpp's q8_0 activations do. The cost is
   x's int8 rounding (+0.17% / -0.08% perplexity, benchmarks/bench_a8_quality.py).
 
 Each output depends only on its row of x and its weight row, so the kernels

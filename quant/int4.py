@@ -20,8 +20,8 @@ scales and uint8 zeros, and converts back to the canonical layout in
 one CPU loads right on any other. The C kernels of ``kernels.cpu_qgemv``
 multiply on that buffer: batches of up to :data:`PACKED_MAX_ROWS` rows (decode,
 short prompt chunks) take the a8 GEMV (``int4_gemv_a8``: x quantized to int8 per
-32 columns, as llama.cpp's q8_0 activations, and integer dot products: ~3-4x
-the exact float GEMV's speed on AVX2, where that one was compute-bound at ~5 GB/s);
+32 columns, as llama.cpp's q8_0 activations, and integer dot products: 1.9-3.6x
+the exact float GEMV's speed on AVX2 (benchmarks/bench_qmatmul.py), where that one was compute-bound at ~5 GB/s);
 every such row gets the same bits whatever the batch. Larger batches (prefill)
 keep bf16 x: the exact GEMM (``int4_gemm``, the canonical formula) where it is
 native (AVX512-BF16), else the tiled buffer dequantized to bf16
