@@ -106,6 +106,7 @@ SCRIPTS: dict[str, list[str]] = {
     "server": ["benchmarks/bench_server.py"],
     "isa": ["benchmarks/isa_perplexity.py"],
     "a8-quality": ["benchmarks/bench_a8_quality.py"],
+    "profile-decode": ["benchmarks/profile_decode.py", "--quant", "int4"],
     "vs-llamacpp": ["benchmarks/bench_vs_llamacpp.py", "--threads", "2", "--rounds", "3", "--reps", "2"],
 }
 
