@@ -23,6 +23,7 @@ from llmsys.kernels.cpu_decode import available as cpu_fused_available
 from llmsys.kernels.cpu_decode import decode_attention as cpu_fused_decode_attention
 from llmsys.kernels.cpu_decode import rms_norm as cpu_fused_rms_norm
 from llmsys.kernels.cpu_decode import rope_store as cpu_fused_rope_store
+from llmsys.kernels.cpu_decode import silu_mul as cpu_fused_silu_mul
 from llmsys.kernels.cpu_int4 import Scratch as Int4Scratch
 from llmsys.kernels.cpu_int4 import CPU_BLOCK_N as CPU_INT4_BLOCK_N
 from llmsys.kernels.cpu_int4 import dequant_cpu_int4, pack_cpu_int4, transpose_bf16, unpack_cpu_int4
@@ -39,12 +40,21 @@ from llmsys.kernels.ops import (
     w4a16_matmul,
     w8a16_matmul,
 )
-from llmsys.kernels.cpu_qgemv import int4_gemm, int4_gemv, int4_gemv_a8, int8_gemv, int8_gemv_a8
+from llmsys.kernels.cpu_qgemv import QW as A8Weight
+from llmsys.kernels.cpu_qgemv import attn_in_a8, int4_gemm, int4_gemv, int4_gemv_a8, int8_gemv, int8_gemv_a8, mlp_a8
+from llmsys.kernels.cpu_qgemv import int4_weight as a8_int4_weight
+from llmsys.kernels.cpu_qgemv import int8_weight as a8_int8_weight
 from llmsys.kernels.cpu_report import CpuKernels, QuantMatmulSupport, cpu_kernels, quant_matmul_support
 from llmsys.kernels.reference import dequant_int4, pack_int4, quantize_int8_ref, unpack_int4
 from llmsys.kernels.rope_cache import build_rope_cache, rope_inv_freq
 
 __all__ = [
+    "A8Weight",
+    "a8_int4_weight",
+    "a8_int8_weight",
+    "attn_in_a8",
+    "mlp_a8",
+    "cpu_fused_silu_mul",
     "ColdBlocks",
     "GatherPlan",
     "Int4Scratch",

@@ -1,4 +1,5 @@
-/* Decode-step kernels for the CPU: bfloat16 RMSNorm and RoPE, bfloat16 / float32 decode attention.
+/* Decode-step kernels for the CPU: bfloat16 RMSNorm, SwiGLU's silu * mul and RoPE, bfloat16 / float32
+ * decode attention.
  *
  * Built for each ISA level and loaded for the running CPU by kernels/_cbuild.py
  * (gcc -O3 -march=<level> -fopenmp -ffp-contract=off -shared). Why: a
@@ -20,6 +21,9 @@
  * rms_norm:  h = residual ? bf16(x + residual) : x
  *            ms = sumsq(h) / D;  r = 1 / sqrt(ms + eps)
  *            out = bf16(w * bf16(h * r))      (HF LlamaRMSNorm's roundings)
+ * silu_mul:  out = bf16(bf16(g / (1 + expf(-g))) * u)
+ *            (the RMSNorm and silu_mul rows live in cpu_ops.h: the fused a8 layers of cpu_qgemv.c
+ *            run the same code)
  * rope:      out = bf16(x * [cos, cos] + [x2, x1] * [-sin, sin])  (kernels.rope's reference, exactly)
  * attention: per sequence b, query head h (KV head h / G):
  *            s_l = dot(q, k_l) * scale for l < len_b;  m = max s
@@ -31,26 +35,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cpu_bf16.h"
-
-#define LANES 16
-
-
-static inline float tree(float *a) {
-    for (int w = LANES / 2; w >= 1; w /= 2)
-        for (int i = 0; i < w; i++) a[i] = a[i] + a[i + w];
-    return a[0];
-}
-
-/* sum of x[i] * y[i], i < n, in the lane order above (float32 inputs). */
-static inline float dot_f32(const float *x, const float *y, int64_t n) {
-    float acc[LANES] = {0};
-    int64_t i = 0;
-    for (; i + LANES <= n; i += LANES)
-        for (int j = 0; j < LANES; j++) acc[j] = acc[j] + x[i + j] * y[i + j];
-    for (int j = 0; i + j < n; j++) acc[j] = acc[j] + x[i + j] * y[i + j];
-    return tree(acc);
-}
+#include "cpu_ops.h"
 
 int llmsys_rms_norm_bf16(const uint16_t *x, const uint16_t *res, const uint16_t *w, uint16_t *out,
                          uint16_t *new_res, int64_t rows, int64_t d, float eps, int threads) {
@@ -58,21 +43,18 @@ int llmsys_rms_norm_bf16(const uint16_t *x, const uint16_t *res, const uint16_t 
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows * d >= (1 << 16))
     for (int64_t t = 0; t < rows; t++) {
         float *h = malloc(sizeof(float) * (size_t)d);
-        const uint16_t *xr = x + t * d;
-        for (int64_t i = 0; i < d; i++) {
-            if (res) {
-                uint16_t s = rne(bf(xr[i]) + bf(res[t * d + i]));
-                new_res[t * d + i] = s;
-                h[i] = bf(s);
-            } else {
-                h[i] = bf(xr[i]);
-            }
-        }
-        float ms = dot_f32(h, h, d) / (float)d;
-        float r = 1.0f / sqrtf(ms + eps);
-        for (int64_t i = 0; i < d; i++) out[t * d + i] = rne(bf(w[i]) * bf(rne(h[i] * r)));
+        ops_rms_norm_row(x + t * d, res ? res + t * d : NULL, w, out + t * d, res ? new_res + t * d : NULL, d, eps, h);
         free(h);
     }
+    return 0;
+}
+
+/* SwiGLU's product y [T, I] (contiguous) = silu(g) * u, g and u [T, I] rows of strides ldg, ldu (cpu_ops.h). */
+int llmsys_silu_mul_bf16(const uint16_t *g, int64_t ldg, const uint16_t *u, int64_t ldu, uint16_t *y, int64_t rows,
+                         int64_t inter, int threads) {
+    if (inter <= 0 || ldg < inter || ldu < inter) return 1;
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * inter >= (1 << 16))
+    for (int64_t t = 0; t < rows; t++) ops_silu_mul_row(g + t * ldg, u + t * ldu, y + t * inter, inter);
     return 0;
 }
 
@@ -155,7 +137,7 @@ int llmsys_decode_attention(const void *q, const void *k, const void *v, const i
         for (int64_t l = 0; l < len; l++) { /* scores: K row l against the g query heads of KV head j */
             int64_t r = slots ? slots[b * l_max + l] : b * l_max + l;
             load_row(k, (r * hk + j) * d, f32, row, d);
-            for (int64_t gi = 0; gi < g; gi++) s[gi * len + l] = dot_f32(qf + gi * d, row, d) * scale;
+            for (int64_t gi = 0; gi < g; gi++) s[gi * len + l] = ops_dot_f32(qf + gi * d, row, d) * scale;
         }
         for (int64_t gi = 0; gi < g; gi++) { /* softmax per query head */
             float *sr = s + gi * len, m = -INFINITY, z = 0.0f;

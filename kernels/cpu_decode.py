@@ -30,6 +30,7 @@ _SOURCE = Path(__file__).with_name("cpu_decode.c")
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "llmsys_rms_norm_bf16": [_P, _P, _P, _P, _P, _I, _I, _F, ctypes.c_int],
+    "llmsys_silu_mul_bf16": [_P, _I, _P, _I, _P, _I, _I, ctypes.c_int],
     "llmsys_rope_bf16": [_P, _I, _P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _I],
     "llmsys_rope_store_bf16": [_P, _I, _P, _I, _P, _I, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I],
     "llmsys_decode_attention": [_P, _P, _P, _P, _P, _F, _P, _I, _I, _I, _I, _I, ctypes.c_int, ctypes.c_int],
@@ -81,6 +82,13 @@ def rms_norm_def(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
     return out if residual is None else (out, h)
 
 
+def silu_mul_def(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The C silu * mul in torch ops (``torch.exp`` for ``expf``): ``bf16(bf16(g / (1 + exp(-g))) * u)``."""
+    g = gate.float()
+    s = (g / (1.0 + torch.exp(-g))).to(torch.bfloat16)
+    return (s.float() * up.float()).to(torch.bfloat16)
+
+
 def decode_attention_def(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor,
                          scale: float) -> torch.Tensor:
     """The C decode attention in torch ops (``torch.exp`` for ``expf``): ``q [B, Hq, D]``, ``k, v [B, L, Hk, D]``."""
@@ -124,6 +132,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if rc:
         raise RuntimeError(f"rms_norm: the C kernel rejected D={d}")
     return out if residual is None else (out, new_res)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's ``silu(gate) * up``: ``[T, I]`` bf16 each (rows may be strided, e.g. the halves of one
+    gate|up output) ``-> [T, I]`` contiguous, as :func:`silu_mul_def` (up to ``expf``). Why C: the fused
+    a8 decode layers (``cpu_qgemv.mlp_a8``) compute it with the same row code, so a layer run op by op
+    and fused agree bit for bit; torch's bf16 ``F.silu`` rounds its exp differently."""
+    lib = _KERNEL.lib()
+    if lib is None:
+        return silu_mul_def(gate, up)
+    t, inter = gate.shape
+    if up.shape != gate.shape or gate.stride(1) != 1 or up.stride(1) != 1 or gate.dtype != torch.bfloat16 \
+            or up.dtype != torch.bfloat16:
+        raise ValueError(f"silu_mul: gate and up must be bf16 [T, I] with unit column stride, got "
+                         f"{gate.dtype} {tuple(gate.shape)}, {up.dtype} {tuple(up.shape)}")
+    y = torch.empty(t, inter, dtype=torch.bfloat16)
+    lib.llmsys_silu_mul_bf16(gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), y.data_ptr(), t, inter,
+                             torch.get_num_threads())
+    return y
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor):

@@ -63,7 +63,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cpu_bf16.h"
+#include "cpu_ops.h"
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define QG_AVX512 1
@@ -1264,4 +1264,147 @@ int llmsys_qgemv_int4_a8(const uint16_t *x, int64_t ldx, const uint8_t *packed, 
         int4_a8_block(&a, 0, m_count, packed + b * kp * 32, &md, n_groups, gs, b * 64, n, out, ldo);
     a8_free(&a);
     return 0;
+}
+
+/* ------------------------------------------------------------ fused a8 decode layers
+ *
+ * A decode step's layer in two calls instead of ~10: llmsys_attn_in_a8 (input RMSNorm with its
+ * residual add, then the q|k|v projection) and llmsys_mlp_a8 (o_proj, the post-attention RMSNorm,
+ * gate|up, silu * mul, down). Why: with the a8 GEMVs a SmolLM2-135M int4 decode step spent more time in
+ * the Python and dispatch around the kernels (per linear call ~25-35 us of wrappers and module calls)
+ * than in the kernels (benchmarks/profile_decode.py). The arithmetic is that of the separate kernels: the
+ * RMSNorm and silu * mul rows of cpu_ops.h (what llmsys_rms_norm_bf16 and llmsys_silu_mul_bf16 run), the
+ * a8 GEMVs above, a bias added as bf16(y + b): a layer computed fused or op by op gives the same bits
+ * (tests/test_fused_layer.py), so which one runs never depends on the memory budget's answers.
+ *
+ * A projection is 1-4 weights (llmsys_qw) whose outputs lie side by side (q | k | v, gate | up: fused
+ * into one weight or not, the same bits: each output row depends on its own weight row only).
+ */
+
+typedef struct {
+    int64_t kind;          /* 0: int8 codes [N, K], bf16 scales [N]; 1: int4 in the CPU tiling */
+    int64_t n, k, kp, gs;  /* rows, columns; int4: padded columns Kp = G * gs and the group size */
+    const void *q;         /* the codes */
+    const void *scales;    /* int4: scales at [n * s_n + g * s_g] of scale_kind (0 bf16, 1 f32, 2 f16) */
+    int64_t s_n, s_g, scale_kind;
+    const uint8_t *zeros;  /* int4: zero points at [n * z_n + g * z_g] */
+    int64_t z_n, z_g;
+    const uint16_t *bias;  /* bf16 [N], or NULL */
+} llmsys_qw;
+
+#define QW_MAX 4 /* weights per projection */
+
+static int64_t qw_nb(const llmsys_qw *w) { return w->kind ? w->kp / A8 : (w->k + A8 - 1) / A8; }
+
+/* 0 when w is a weight of k columns the a8 GEMVs take (their own argument checks), else 1 */
+static int qw_check(const llmsys_qw *w, int64_t k) {
+    if (w->n <= 0 || w->k != k || !w->q || !w->scales) return 1;
+    if (w->kind == 0) return 0;
+    if (w->kind != 1 || w->gs <= 0 || w->gs % A8 || w->gs > 256 || w->kp % w->gs || k <= w->kp - w->gs || k > w->kp
+        || !w->zeros || w->scale_kind < 0 || w->scale_kind > 2)
+        return 1;
+    return 0;
+}
+
+/* Rows [64 it, 64 it + 64) of w against the m_count rows of a: out[m * ldo + n], bias added. */
+static void qw_item(const llmsys_qw *w, const a8_x *a, int64_t m_count, int64_t it, uint16_t *out, int64_t ldo) {
+    const int64_t n0 = it * 64, n1 = n0 + 64 < w->n ? n0 + 64 : w->n;
+    if (w->kind == 0) {
+        for (int64_t m = 0; m < m_count; m++)
+            int8_a8_rows(a, m, (const int8_t *)w->q, w->k, (const uint16_t *)w->scales, out, ldo, n0, n1);
+    } else {
+        const int4_meta md = {w->zeros, w->z_n, w->z_g, w->scales, w->s_n, w->s_g, (int)w->scale_kind};
+        int4_a8_block(a, 0, m_count, (const uint8_t *)w->q + it * w->kp * 32, &md, w->kp / w->gs, w->gs, n0, w->n,
+                      out, ldo);
+    }
+    if (w->bias)
+        for (int64_t m = 0; m < m_count; m++)
+            for (int64_t n = n0; n < n1; n++) out[m * ldo + n] = rne(bf(out[m * ldo + n]) + bf(w->bias[n]));
+}
+
+/* out [M, sum of n] = x [M, K] (contiguous) times each weight, side by side. 0, 1 bad weights, 2 no memory. */
+static int proj_a8(const llmsys_qw *ws, int64_t nw, const uint16_t *x, int64_t m_count, int64_t k, uint16_t *out,
+                   int threads) {
+    if (nw < 1 || nw > QW_MAX) return 1;
+    a8_x a[QW_MAX];
+    const a8_x *use[QW_MAX];
+    int64_t first[QW_MAX + 1], col[QW_MAX], ldo = 0, work = 0;
+    int made = 0, rc = 0;
+    first[0] = 0;
+    for (int64_t j = 0; j < nw; j++) {
+        if (qw_check(&ws[j], k)) { rc = 1; break; }
+        use[j] = NULL;
+        for (int64_t i = 0; i < j; i++) /* x's blocks are shared by weights with the same block count */
+            if (qw_nb(&ws[i]) == qw_nb(&ws[j])) { use[j] = use[i]; break; }
+        if (!use[j]) {
+            if (a8_quantize(x, k, m_count, k, qw_nb(&ws[j]), &a[made])) { rc = 2; break; }
+            use[j] = &a[made++];
+        }
+        col[j] = ldo;
+        ldo += ws[j].n;
+        first[j + 1] = first[j] + (ws[j].n + 63) / 64;
+        work += ws[j].n * (ws[j].kind ? ws[j].kp : ws[j].k);
+    }
+    if (!rc) {
+        const int64_t items = first[nw];
+        const int par = threads > 1 && items > 1 && m_count * work >= PAR_MIN;
+#pragma omp parallel for num_threads(threads) schedule(static) if (par)
+        for (int64_t it = 0; it < items; it++) {
+            int64_t j = 0;
+            while (it >= first[j + 1]) j++;
+            qw_item(&ws[j], use[j], m_count, it - first[j], out + col[j], ldo);
+        }
+    }
+    for (int i = 0; i < made; i++) a8_free(&a[i]);
+    return rc;
+}
+
+/* rows of x [M, D] (+ res) RMSNormed into xn; with res, new_res = bf16(x + res) */
+static int norm_rows(const uint16_t *x, const uint16_t *res, const uint16_t *w, float eps, uint16_t *xn,
+                     uint16_t *new_res, int64_t m_count, int64_t d) {
+    float *h = malloc(sizeof(float) * (size_t)d);
+    if (!h) return 2;
+    for (int64_t t = 0; t < m_count; t++)
+        ops_rms_norm_row(x + t * d, res ? res + t * d : NULL, w, xn + t * d, res ? new_res + t * d : NULL, d, eps, h);
+    free(h);
+    return 0;
+}
+
+/* A layer's attention input: x [M, D] (the previous layer's MLP output; the embeddings with res NULL),
+ * res [M, D] or NULL, norm_w [D] bf16 -> out [M, sum of n] = RMSNorm(x + res) times the q|k|v weights
+ * (+ bias), new_res [M, D] = bf16(x + res) (not written when res is NULL). 0, 1 bad arguments, 2 no memory. */
+int llmsys_attn_in_a8(const uint16_t *x, const uint16_t *res, const uint16_t *norm_w, float eps, uint16_t *new_res,
+                      const llmsys_qw *ws, int64_t nw, uint16_t *out, int64_t m_count, int64_t d, int threads) {
+    if (m_count <= 0 || d <= 0 || d > (1 << 20)) return 1;
+    uint16_t *xn = malloc(sizeof(uint16_t) * (size_t)(m_count * d));
+    int rc = xn ? norm_rows(x, res, norm_w, eps, xn, new_res, m_count, d) : 2;
+    if (!rc) rc = proj_a8(ws, nw, xn, m_count, d, out, threads);
+    free(xn);
+    return rc;
+}
+
+/* A layer's attention output to its MLP output: o [M, K_o] (attention, heads side by side), res [M, D]
+ * -> a = o times o_w; x = RMSNorm(a + res) with norm_w; new_res = bf16(a + res);
+ * out [M, D] = down(silu(gate(x)) * up(x)), gate | up the outputs of the gu weights side by side (2 I).
+ * 0, 1 bad arguments, 2 no memory. */
+int llmsys_mlp_a8(const uint16_t *o, int64_t k_o, const uint16_t *res, const llmsys_qw *o_w, const uint16_t *norm_w,
+                  float eps, const llmsys_qw *gu, int64_t n_gu, const llmsys_qw *down, uint16_t *out,
+                  uint16_t *new_res, int64_t m_count, int64_t d, int threads) {
+    if (m_count <= 0 || d <= 0 || d > (1 << 20) || o_w->n != d || down->n != d || n_gu < 1 || n_gu > QW_MAX) return 1;
+    int64_t two_i = 0;
+    for (int64_t j = 0; j < n_gu; j++) two_i += gu[j].n;
+    const int64_t inter = two_i / 2;
+    if (two_i % 2 || down->k != inter) return 1;
+    uint16_t *a = malloc(sizeof(uint16_t) * (size_t)(m_count * (2 * d + two_i + inter)));
+    if (!a) return 2;
+    uint16_t *xn = a + m_count * d, *g = xn + m_count * d, *y = g + m_count * two_i;
+    int rc = proj_a8(o_w, 1, o, m_count, k_o, a, threads);
+    if (!rc) rc = norm_rows(a, res, norm_w, eps, xn, new_res, m_count, d);
+    if (!rc) rc = proj_a8(gu, n_gu, xn, m_count, d, g, threads);
+    if (!rc) {
+        for (int64_t t = 0; t < m_count; t++) ops_silu_mul_row(g + t * two_i, g + t * two_i + inter, y + t * inter, inter);
+        rc = proj_a8(down, 1, y, m_count, inter, out, threads);
+    }
+    free(a);
+    return rc;
 }

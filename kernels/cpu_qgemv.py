@@ -65,6 +65,8 @@ _SIGNATURES = {
     "llmsys_qgemm_native": [],
     "llmsys_qgemv_int8_a8": [_P, _I, _P, _P, _P, _I, _I, _I, _I, _C],
     "llmsys_qgemv_int4_a8": [_P, _I, _P, _P, _I, _I, _C, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _C],
+    "llmsys_attn_in_a8": [_P, _P, _P, ctypes.c_float, _P, _P, _I, _P, _I, _I, _C],
+    "llmsys_mlp_a8": [_P, _I, _P, _P, _P, ctypes.c_float, _P, _I, _P, _P, _P, _I, _I, _C],
 }
 A8_BLOCK = 32  # columns of x per int8 block in the a8 GEMVs
 _SCALE_KINDS = {torch.bfloat16: 0, torch.float32: 1, torch.float16: 2}
@@ -302,3 +304,102 @@ def _int4(symbol: str, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
     if rc:
         raise RuntimeError(f"{op}: the C kernel failed (code {rc}) on M={m} N={n} K={k} group={group_size}")
     return out
+
+
+# ------------------------------------------------------------------ fused a8 decode layers
+
+
+class QW(ctypes.Structure):
+    """One a8 weight as the fused layer kernels read it (``llmsys_qw`` in cpu_qgemv.c): raw pointers
+    into the layer's buffers, which the caller keeps alive for the call. Built by the quantized
+    layers (``Int8Linear.a8_weight``, ``Int4Linear.a8_weight``) through :func:`int8_weight` /
+    :func:`int4_weight`."""
+
+    _fields_ = [("kind", _I), ("n", _I), ("k", _I), ("kp", _I), ("gs", _I), ("q", _P), ("scales", _P),
+                ("s_n", _I), ("s_g", _I), ("scale_kind", _I), ("zeros", _P), ("z_n", _I), ("z_g", _I),
+                ("bias", _P)]
+
+
+def int8_weight(qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> QW:
+    """:func:`int8_gemv_a8`'s weight (contiguous int8 ``[N, K]``, bf16 ``[N]``) plus a bf16 ``bias [N]`` or None."""
+    n, k = qweight.shape
+    return QW(0, n, k, k, 0, qweight.data_ptr(), scales.data_ptr(), 0, 0, 0, None, 0, 0,
+              None if bias is None else bias.data_ptr())
+
+
+def int4_weight(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int, k: int,
+                bias: torch.Tensor | None) -> QW | None:
+    """:func:`int4_gemv_a8`'s weight (its arguments, ``k`` the input features) plus a bf16 ``bias [N]``
+    or None; None when the scales are of a dtype the kernel does not read in place."""
+    if scales.dtype not in _SCALE_KINDS:
+        return None
+    n, n_groups = zeros.shape
+    s_n, s_g = (scales.stride(1), scales.stride(0)) if scales.dim() == 3 else scales.stride()
+    return QW(1, n, k, n_groups * group_size, group_size, packed.data_ptr(), scales.data_ptr(), s_n, s_g,
+              _SCALE_KINDS[scales.dtype], zeros.data_ptr(), zeros.stride(0), zeros.stride(1),
+              None if bias is None else bias.data_ptr())
+
+
+def _weights(ws: list[QW]):
+    return (QW * len(ws))(*ws), len(ws)
+
+
+def _check_rows(op: str, x: torch.Tensor, d: int | None = None) -> None:
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or not x.is_contiguous() or x.device.type != "cpu" \
+            or (d is not None and x.shape[1] != d):
+        raise ValueError(f"{op}: expected a contiguous CPU bf16 [M, {d or 'K'}] tensor, "
+                         f"got {x.dtype} {tuple(x.shape)} on {x.device}")
+
+
+def attn_in_a8(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+               qkv: list[QW]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode layer's input RMSNorm and q|k|v projection in one C call.
+
+    ``x [M, D]`` (the previous layer's MLP output, or the embeddings with ``residual`` None) and
+    ``residual [M, D]`` bf16, ``norm_weight [D]`` bf16, ``qkv``: the projection's 1-3 a8 weights
+    ``-> (out [M, sum N] = rms_norm(x + residual) times the weights side by side (+ bias),
+    x + residual)``: the bits of ``cpu_decode.rms_norm`` then each layer's :func:`int8_gemv_a8` /
+    :func:`int4_gemv_a8` plus ``bf16(y + bias)``.
+    """
+    m, d = x.shape
+    _check_rows("attn_in_a8", x)
+    if residual is not None:
+        _check_rows("attn_in_a8", residual, d)
+    _check_rows("attn_in_a8", norm_weight.view(1, -1), d)
+    arr, nw = _weights(qkv)
+    out = torch.empty(m, sum(w.n for w in qkv), dtype=torch.bfloat16)
+    new_res = x if residual is None else torch.empty_like(x)
+    rc = _KERNEL.lib().llmsys_attn_in_a8(x.data_ptr(), None if residual is None else residual.data_ptr(),
+                                         norm_weight.data_ptr(), eps, new_res.data_ptr(), arr, nw, out.data_ptr(),
+                                         m, d, torch.get_num_threads())
+    if rc:
+        raise ValueError(f"attn_in_a8: the C kernel rejected its weights (code {rc}): {nw} weight(s) of "
+                         f"{[w.n for w in qkv]} rows for D={d}")
+    return out, new_res
+
+
+def mlp_a8(o: torch.Tensor, residual: torch.Tensor, o_proj: QW, norm_weight: torch.Tensor, eps: float,
+           gate_up: list[QW], down: QW) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode layer from its attention output to its MLP output in one C call.
+
+    ``o [M, Hq D]`` (attention heads side by side), ``residual [M, D]``, ``norm_weight [D]``, all bf16;
+    ``gate_up``: 1-2 a8 weights whose outputs side by side are gate | up ``-> (down(silu(gate(x)) *
+    up(x)), a + residual)`` with ``a`` o_proj's output and ``x = rms_norm(a + residual)``: the bits of
+    the layers' a8 GEMVs, ``cpu_decode.rms_norm`` and ``cpu_decode.silu_mul``.
+    """
+    m, k_o = o.shape
+    d = residual.shape[1]
+    _check_rows("mlp_a8", o)
+    _check_rows("mlp_a8", residual)
+    _check_rows("mlp_a8", norm_weight.view(1, -1), d)
+    if residual.shape[0] != m:
+        raise ValueError(f"mlp_a8: o has {m} rows, residual {residual.shape[0]}")
+    arr, ngu = _weights(gate_up)
+    out, new_res = torch.empty(m, d, dtype=torch.bfloat16), torch.empty(m, d, dtype=torch.bfloat16)
+    rc = _KERNEL.lib().llmsys_mlp_a8(o.data_ptr(), k_o, residual.data_ptr(), ctypes.byref(o_proj),
+                                     norm_weight.data_ptr(), eps, arr, ngu, ctypes.byref(down), out.data_ptr(),
+                                     new_res.data_ptr(), m, d, torch.get_num_threads())
+    if rc:
+        raise ValueError(f"mlp_a8: the C kernel rejected its weights (code {rc}): o_proj {o_proj.n}x{o_proj.k}, "
+                         f"gate|up {[w.n for w in gate_up]} rows, down {down.n}x{down.k}, D={d}")
+    return out, new_res

@@ -113,6 +113,10 @@ def silu_mul(x: torch.Tensor, *, impl: Impl = "auto") -> torch.Tensor:
     check(op, "x", x, dtypes=FLOAT_DTYPES, contiguous=True)
     if x.dim() < 1 or x.shape[-1] % 2:
         fail(op, f"x last dim must be even (gate | up), got shape {tuple(x.shape)}")
+    if impl == "auto" and cpu_decode.applies(x) and cpu_decode.available():
+        x2 = x.reshape(-1, x.shape[-1])
+        inter = x.shape[-1] // 2
+        return cpu_decode.silu_mul(x2[:, :inter], x2[:, inter:]).view(*x.shape[:-1], inter)  # the C row code
     if not use_triton(impl, x.device, op):
         return ref.silu_mul_ref(x)
     out = triton_module("triton_elementwise").silu_mul(x.reshape(-1, x.shape[-1]))

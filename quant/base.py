@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from llmsys.kernels import A8Weight
 from llmsys.kernels.common.errors import CheckpointError
 
 # Decode-sized batches (rows of x) for which the packed CPU kernels beat
@@ -133,6 +134,12 @@ class QuantLinear(nn.Module):
         A format returns a layer only where each output equals the separate layer's bit
         for bit (its kernels compute every output row alone); the default cannot.
         """
+        return None
+
+    def a8_weight(self, rows: int) -> A8Weight | None:
+        """This layer's weight for the fused a8 decode layer kernels (``kernels.attn_in_a8``,
+        ``kernels.mlp_a8``) when its own forward on a bf16 ``[rows, K]`` input would run the a8 GEMV
+        (and add a bf16 bias), so the fused call gives its bits; None otherwise (the default)."""
         return None
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -37,6 +37,8 @@ import torch.nn.functional as F
 
 from llmsys.kernels import CPU_INT4_BLOCK_N as CPU_BLOCK_N  # the CPU layout tiles rows in blocks of 64
 from llmsys.kernels import (
+    A8Weight,
+    a8_int4_weight,
     dequant_cpu_int4,
     int4_gemm,
     int4_gemv_a8,
@@ -325,6 +327,19 @@ class Int4Linear(QuantLinear):
             q = unpack_int4(self.qweight[ids]).float().view(m, -1, g)  # [M, G, g]
             w = (q - self.zeros[ids].float()[..., None]) * self.scales[ids].float()[..., None]
         return w.reshape(m, kp)[:, : self.in_features].to(dtype)
+
+    def a8_weight(self, rows: int) -> A8Weight | None:
+        """The C a8 weight when :meth:`_matmul` on ``rows`` bf16 rows runs ``int4_gemv_a8``."""
+        buf = self._buffers
+        bias = buf["bias"]
+        if (self.mode != "packed_cpu" or rows > PACKED_MAX_ROWS or buf["input_scale"] is not None
+                or buf["perm"] is not None or (bias is not None and bias.dtype != torch.bfloat16)
+                or self._kernel.family not in (KernelFamily.C_INT4, KernelFamily.C_INT4_DENSE_PREFILL)):
+            return None
+        scales = buf["scales_orig"]
+        if scales is None:
+            scales = buf["scales_zeros"]
+        return a8_int4_weight(buf["packed"], scales, buf["zeros_gm"].t(), self.group_size, self.in_features, bias)
 
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
         k = self.in_features

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from llmsys.kernels import CPU_INT4_BLOCK_N as CPU_BLOCK_N
-from llmsys.kernels import int8_gemv, int8_gemv_a8, linear, mm_bf16, quant_matmul_support, transpose_bf16, w8a16_matmul
+from llmsys.kernels import A8Weight, a8_int8_weight, int8_gemv, int8_gemv_a8, linear, mm_bf16, quant_matmul_support, transpose_bf16, w8a16_matmul
 from llmsys.quant.base import (
     PACKED_MAX_ROWS,
     TORCH_DEQUANT,
@@ -95,6 +95,9 @@ def int8_kernel(device: torch.device) -> MatmulKernel:
     return MatmulKernel(KernelFamily.C_INT8 if c.gemm_native else KernelFamily.C_INT8_DENSE_PREFILL, c.level)
 
 
+_C_FAMILIES = (KernelFamily.C_INT8, KernelFamily.C_INT8_DENSE_PREFILL)
+
+
 class Int8Linear(_PerRowLinear):
     """W8A16 linear: ``qweight int8 [N, K]``, ``scales bf16 [N]``; w = q * scale.
 
@@ -136,6 +139,15 @@ class Int8Linear(_PerRowLinear):
             return None
         bias = torch.cat([m.bias for m in layers]) if biased[0] else None
         return cls(torch.cat([m.qweight for m in layers]), torch.cat([m.scales for m in layers]), bias)
+
+    def a8_weight(self, rows: int) -> A8Weight | None:
+        """The C a8 weight when :meth:`_matmul` on ``rows`` bf16 rows runs ``int8_gemv_a8``."""
+        buf = self._buffers
+        bias = buf["bias"]
+        if (self._kernel.family not in _C_FAMILIES or rows > PACKED_MAX_ROWS
+                or (bias is not None and bias.dtype != torch.bfloat16)):
+            return None
+        return a8_int8_weight(buf["qweight"], buf["scales"], bias)
 
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
         buf = self._buffers  # read directly: nn.Module.__getattr__ costs ~1 us a buffer on the decode path

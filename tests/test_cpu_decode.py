@@ -48,6 +48,31 @@ def test_rms_norm_is_its_definition_and_hf_within_one_ulp(d):
 
 
 @needs_kernel
+@pytest.mark.parametrize("scale", [1.0, 8.0, 60.0])
+def test_silu_mul_is_its_definition_and_torch(scale):
+    """The C silu * mul (its own exp, cpu_ops.h) against torch.exp in its definition and torch's bf16
+    ``F.silu(g) * u``: the same bits on this sweep (the exp's ~1 float ulp vanishes in bf16 rounding but
+    at rare ties, which a few differing elements in 10^5 would show)."""
+    g = torch.Generator().manual_seed(int(scale))
+    gate = (torch.randn(50, 2000, generator=g) * scale).to(BF)
+    up = torch.randn(50, 2000, generator=g).to(BF)
+    y = cpu_decode.silu_mul(gate, up)
+    torch_y = torch.nn.functional.silu(gate) * up
+    assert (y != torch_y).sum() <= 10 and (y != cpu_decode.silu_mul_def(gate, up)).sum() <= 10
+    exact = torch.nn.functional.silu(gate.double()) * up.double()  # two bf16 roundings from the exact value
+    assert ((y.double() - exact).abs() <= exact.abs() * 2**-7 + 1e-30).all()
+    gu = torch.cat([gate, up], dim=1)  # strided halves of one gate|up output, and kernels.silu_mul's routing
+    assert torch.equal(_bits(cpu_decode.silu_mul(gu[:, :2000], gu[:, 2000:])), _bits(y))
+    assert torch.equal(_bits(kernels.silu_mul(gu)), _bits(y))
+    edge = torch.tensor([[float("nan"), float("inf"), -float("inf"), -89.0, -88.5, 88.5, 0.0, -0.0, 1e-39, -100.0,
+                          3.0, -3.0, 20.0, -20.0, 0.5, -0.5]]).to(BF)
+    ones = torch.ones_like(edge)
+    assert torch.equal(cpu_decode.silu_mul(edge, ones).isnan(), (torch.nn.functional.silu(edge) * ones).isnan())
+    finite = ~edge.isnan()
+    assert torch.equal(_bits(cpu_decode.silu_mul(edge, ones)[finite]), _bits((torch.nn.functional.silu(edge) * ones)[finite]))
+
+
+@needs_kernel
 def test_rope_is_the_reference_bit_for_bit_and_stores_kv():
     g = torch.Generator().manual_seed(1)
     cache = kernels.build_rope_cache(64, 512, 10000.0, None, None)
@@ -127,6 +152,10 @@ def test_other_isas_give_the_same_bits(level, tmp_path):
     out = torch.empty_like(x)
     assert lib.llmsys_rms_norm_bf16(x.data_ptr(), None, w.data_ptr(), out.data_ptr(), None, 4, 300, 1e-6, 2) == 0
     assert torch.equal(_bits(out), _bits(cpu_decode.rms_norm(x, w, 1e-6)))
+    gate, up = (torch.randn(3, 203) * 6).to(BF), torch.randn(3, 203).to(BF)  # 203: vector and scalar parts
+    y = torch.empty_like(gate)
+    assert lib.llmsys_silu_mul_bf16(gate.data_ptr(), 203, up.data_ptr(), 203, y.data_ptr(), 3, 203, 2) == 0
+    assert torch.equal(_bits(y), _bits(cpu_decode.silu_mul(gate, up)))
     for dtype in (BF, torch.float32):
         q, k, v, lens = _attention_inputs(4, dtype=dtype)
         o = torch.empty_like(q)

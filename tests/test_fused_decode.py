@@ -2,7 +2,8 @@
 
 What the forward fuses (engine/models/base.py, engine/attention.py): RMSNorm with the residual add
 before it, RoPE + the K/V store in one C call (bfloat16), decode attention reading the pool by slot,
-RoPE's rotate-half folded into float32 q|k|v weights and gate|up in one GEMM (DecoderModel.fold_rope).
+RoPE's rotate-half folded into float32 q|k|v weights and gate|up in one GEMM (DecoderModel.fold_rope),
+and for int8 / int4 layers the whole layer around attention in two C calls (DecoderLayer._forward_a8).
 The reference below is the decoder as separate ``kernels`` ops, the way the module path ran them.
 """
 
@@ -61,23 +62,31 @@ def _step_both(llm, lens: list[int], seed: int = 0):
 
 
 @pytest.mark.parametrize(
-    "kind,overrides,dtype,fused",
+    "kind,overrides,dtype,fused,quant",
     [
-        ("llama", {}, "float32", True),  # small plain weights: folded q|k|v and gate|up GEMMs
-        ("qwen2", {}, "float32", False),  # q/k/v biases: the layers' own projections
-        ("qwen3", {}, "float32", False),  # per-head q/k norms
-        ("llama", {"hidden_size": 256, "intermediate_size": 512}, "float32", False),  # prepacked (oneDNN) weights
-        ("llama", {}, "bfloat16", False),  # bf16: the layers' projections, C RMSNorm, RoPE+store, attention
-        ("qwen2", {"hidden_size": 256, "intermediate_size": 512}, "bfloat16", False),  # prepacked bf16, biases
-        ("qwen3", {}, "bfloat16", False),
+        ("llama", {}, "float32", True, None),  # small plain weights: folded q|k|v and gate|up GEMMs
+        ("qwen2", {}, "float32", False, None),  # q/k/v biases: the layers' own projections
+        ("qwen3", {}, "float32", False, None),  # per-head q/k norms
+        ("llama", {"hidden_size": 256, "intermediate_size": 512}, "float32", False, None),  # prepacked (oneDNN)
+        ("llama", {}, "bfloat16", False, None),  # bf16: the layers' projections, C RMSNorm, RoPE+store, attention
+        ("qwen2", {"hidden_size": 256, "intermediate_size": 512}, "bfloat16", False, None),  # prepacked bf16, biases
+        ("qwen3", {}, "bfloat16", False, None),
+        # int8 / int4: the fused a8 layers (two C calls around attention), biases and q/k norms included
+        ("llama", {"hidden_size": 128, "intermediate_size": 320}, "bfloat16", False, "int4"),
+        ("qwen2", {"hidden_size": 128, "intermediate_size": 320}, "bfloat16", False, "int8"),
+        ("qwen3", {"hidden_size": 128, "intermediate_size": 320}, "bfloat16", False, "int4"),
     ],
 )
-def test_fused_decode_is_bit_identical(tmp_path, kind, overrides, dtype, fused):
-    from llmsys import LLM
+def test_fused_decode_is_bit_identical(tmp_path, kind, overrides, dtype, fused, quant):
+    from llmsys import LLM, kernels
 
     path = make_hf_model(kind, tmp_path / kind, **overrides)
-    llm = LLM(str(path), dtype=dtype, progress=False, block_size=4, kv_cache_tokens=256)
-    assert all((layer.self_attn.rope_qkv is not None) == fused for layer in llm.loaded.model.model.layers)
+    llm = LLM(str(path), dtype=dtype, progress=False, block_size=4, kv_cache_tokens=256, quant=quant)
+    layers = llm.loaded.model.model.layers
+    assert all((layer.self_attn.rope_qkv is not None) == fused for layer in layers)
+    if quant is not None and kernels.cpu_fused_available():  # the fused a8 layers apply to decode-sized steps
+        h = torch.zeros(3, overrides["hidden_size"], dtype=torch.bfloat16)
+        assert all(layer.a8_weights(h) is not None for layer in layers)
     for lens in ([9], [3, 17, 8], [12, 12]):  # one sequence; unequal lengths (masked); equal lengths
         (h0, k0, v0), (h1, k1, v1) = _step_both(llm, lens)
         assert torch.equal(h0, h1)

@@ -21,6 +21,7 @@ from llmsys import kernels
 from llmsys.engine.attention import AttentionBackend, AttentionMetadata
 from llmsys.kernels.common.errors import UnsupportedModelError
 from llmsys.kernels.common.protocols import LayerRunner
+from llmsys.quant.base import QuantLinear
 
 
 @dataclass
@@ -205,14 +206,22 @@ class MLP(nn.Module):
         self.down_decode: torch.Tensor | None = None  # down_proj's plain float32 weight for decode steps
 
     def act(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, I]
-        """``silu(gate(x)) * up(x)``, the input of ``down_proj``."""
+        """``silu(gate(x)) * up(x)``, the input of ``down_proj``.
+
+        CPU bfloat16: the C row code (``kernels.cpu_fused_silu_mul``) that the fused a8 decode
+        layers run too (:meth:`DecoderLayer.forward`), so both give the same bits.
+        """
         if self.gate_up_proj is None:
-            return F.silu(self.gate_proj(x)) * self.up_proj(x)
-        gu = self.gate_up_proj(x)  # [T, 2 I]
-        inter = gu.shape[-1] // 2
+            g, u = self.gate_proj(x), self.up_proj(x)
+        else:
+            gu = self.gate_up_proj(x)  # [T, 2 I]
+            inter = gu.shape[-1] // 2
+            g, u = gu[..., :inter], gu[..., inter:]
+        if g.dtype == torch.bfloat16 and g.dim() == 2 and not g.is_cuda and kernels.cpu_fused_available():
+            return kernels.cpu_fused_silu_mul(g, u)
         # contiguous: silu's vectorized and scalar loops round differently, so the gate
         # must sit in memory as the unfused GEMM's output does (the same bits either way).
-        return F.silu(gu[..., :inter].contiguous()) * gu[..., inter:]
+        return F.silu(g.contiguous()) * u
 
     def forward(self, x, decode: bool = False, folded: bool = False):
         """``decode``: a pure-decode step (the projections' forward without ``nn.Module`` dispatch;
@@ -251,6 +260,10 @@ class DecoderLayer(nn.Module):
         module dispatch per op at decode); linear layers keep ``__call__`` (calibration
         hooks them).
         """
+        if rows is None:
+            a8 = self.a8_weights(h)
+            if a8 is not None:
+                return self._forward_a8(a8, h, residual, positions, rope_cache, attn, meta)
         if residual is None:
             x, residual = self.input_layernorm.forward(h), h
         else:
@@ -258,6 +271,63 @@ class DecoderLayer(nn.Module):
         a = self.self_attn.forward(x, positions, rope_cache, attn, meta, rows)
         x, residual = self.post_attention_layernorm.forward(a, residual)  # residual <- residual + a
         return self.mlp.forward(x, meta.is_decode, rows is not None), residual
+
+
+    def a8_weights(self, h: torch.Tensor) -> A8Layer | None:
+        """The layer's weights for the fused a8 kernels when every projection of it would run the a8 GEMV
+        on ``h``'s rows (quantized int8 / int4 on the CPU, a decode-sized bf16 batch), else None."""
+        at, mlp = self.self_attn, self.mlp
+        w1, w2 = self.input_layernorm.weight, self.post_attention_layernorm.weight
+        if h.dtype != torch.bfloat16 or h.is_cuda or w1.dtype != torch.bfloat16 or w2.dtype != torch.bfloat16:
+            return None
+        qkv = [at.qkv_proj] if at.qkv_proj is not None else [at.q_proj, at.k_proj, at.v_proj]
+        gu = [mlp.gate_up_proj] if mlp.gate_up_proj is not None else [mlp.gate_proj, mlp.up_proj]
+        mods = [*qkv, at.o_proj, *gu, mlp.down_proj]
+        rows = h.shape[0]
+        ws = []
+        for mod in mods:
+            w = mod.a8_weight(rows) if isinstance(mod, QuantLinear) else None
+            if w is None:
+                return None
+            ws.append(w)
+        n = len(qkv)
+        return A8Layer(ws[:n], ws[n], ws[n + 1 : -1], ws[-1])
+
+    def _forward_a8(self, a8: A8Layer, h, residual, positions, rope_cache, attn: AttentionBackend,
+                    meta: AttentionMetadata):
+        """:meth:`forward` in two C calls around attention (``kernels.attn_in_a8``: input norm and q|k|v;
+        ``kernels.mlp_a8``: o_proj, post-attention norm, gate|up, silu * mul, down).
+
+        Why: at decode the quantized layers' GEMVs are ~60 us each and the Python and module
+        dispatch around each op cost about as much. The same bits as the op-by-op forward (the same
+        C row kernels and a8 GEMVs; tests/test_fused_layer.py), so streamed and resident layers,
+        and any batch size, agree.
+        """
+        at = self.self_attn
+        T, hq, hk, d = h.shape[0], at.n_heads, at.n_kv, at.head_dim
+        ln1 = self.input_layernorm
+        qkv, residual = kernels.attn_in_a8(h.contiguous(), residual, ln1.weight, ln1.eps, a8.qkv)  # [T, (Hq+2Hk) D]
+        nq, nk = hq * d, hk * d
+        q = qkv[:, :nq].view(T, hq, d)
+        k = qkv[:, nq : nq + nk].view(T, hk, d)
+        v = qkv[:, nq + nk :].view(T, hk, d)
+        if at.q_norm is not None:
+            q, k = at.q_norm(q.contiguous()), at.k_norm(k.contiguous())
+        q = attn.rope_store(at.index, q, k, v, positions, rope_cache, meta)
+        o = attn.attend(at.index, q, meta, at.scale).reshape(T, hq * d)  # [T, Hq * D]
+        ln2 = self.post_attention_layernorm
+        return kernels.mlp_a8(o.contiguous(), residual, a8.o, ln2.weight, ln2.eps, a8.gate_up, a8.down)
+
+
+@dataclass(frozen=True)
+class A8Layer:
+    """One decoder layer's weights as the fused a8 kernels read them (raw pointers into its buffers,
+    valid while they are bound: built per step, :meth:`DecoderLayer.a8_weights`)."""
+
+    qkv: list[kernels.A8Weight]  # q | k | v: one fused weight or three
+    o: kernels.A8Weight
+    gate_up: list[kernels.A8Weight]  # gate | up: one fused weight or two
+    down: kernels.A8Weight
 
 
 class DecoderModel(nn.Module):

@@ -1,0 +1,143 @@
+/* Row kernels shared by cpu_decode.c (the module path's RMSNorm and SwiGLU) and cpu_qgemv.c (the fused
+ * a8 decode layers), so a layer computed either way gives the same bits.
+ *
+ * Arithmetic (kernels/cpu_decode.py rms_norm_def / silu_mul_def):
+ *   - sums of products accumulate in 16 float32 lanes, lane j taking elements j, j+16, ... in order,
+ *     then the lanes reduce as a tree: i + (i+8), i + (i+4), i + (i+2), i + (i+1).
+ *   - rms_norm: h = residual ? bf16(x + residual) : x;  r = 1 / sqrt(sumsq(h) / D + eps);
+ *               out = bf16(w * bf16(h * r))   (HF LlamaRMSNorm's roundings)
+ *   - silu_mul: out = bf16(bf16(g / (1 + e)) * u), e = ops_exp(-g) (torch's bf16 F.silu(g) * u, up to exp)
+ *   - ops_exp(x): x = max(x, -87); n = round-half-even(x * log2 e); r = (x - n * C1) - n * C2;
+ *     p = Horner over the Cephes expf coefficients; y = ((p * (r * r)) + r) + 1; e = (y * 2^(n-1)) * 2,
+ *     +inf above 88.7228 (float's overflow, as torch.exp). ~1 float ulp; no bf16 difference against
+ *     torch.exp in tests/test_cpu_decode.py's sweep but rare ties.
+ *     Why not libm's expf: it does not vectorize here, and glibc picks an FMA variant per CPU; this one
+ *     is written once as plain float operations (no FMA: -ffp-contract=off) and once in AVX2 with the
+ *     same operations in the same order, so every ISA build gives the same bits.
+ */
+#ifndef LLMSYS_CPU_OPS_H
+#define LLMSYS_CPU_OPS_H
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "cpu_bf16.h"
+
+#define OPS_LANES 16
+
+static inline float ops_tree(float *a) {
+    for (int w = OPS_LANES / 2; w >= 1; w /= 2)
+        for (int i = 0; i < w; i++) a[i] = a[i] + a[i + w];
+    return a[0];
+}
+
+/* sum of x[i] * y[i], i < n, in the lane order above (float32 inputs). */
+static inline float ops_dot_f32(const float *x, const float *y, int64_t n) {
+    float acc[OPS_LANES] = {0};
+    int64_t i = 0;
+    for (; i + OPS_LANES <= n; i += OPS_LANES)
+        for (int j = 0; j < OPS_LANES; j++) acc[j] = acc[j] + x[i + j] * y[i + j];
+    for (int j = 0; i + j < n; j++) acc[j] = acc[j] + x[i + j] * y[i + j];
+    return ops_tree(acc);
+}
+
+/* One row of D: out = RMSNorm(x (+ res)) * w; with res, new_res = bf16(x + res). h: D floats of scratch. */
+static inline void ops_rms_norm_row(const uint16_t *x, const uint16_t *res, const uint16_t *w, uint16_t *out,
+                                    uint16_t *new_res, int64_t d, float eps, float *h) {
+    for (int64_t i = 0; i < d; i++) {
+        if (res) {
+            const uint16_t s = rne(bf(x[i]) + bf(res[i]));
+            new_res[i] = s;
+            h[i] = bf(s);
+        } else {
+            h[i] = bf(x[i]);
+        }
+    }
+    const float ms = ops_dot_f32(h, h, d) / (float)d;
+    const float r = 1.0f / sqrtf(ms + eps);
+    for (int64_t i = 0; i < d; i++) out[i] = rne(bf(w[i]) * bf(rne(h[i] * r)));
+}
+
+#define OPS_EXP_LO (-87.0f)
+#define OPS_EXP_HI 88.72283935546875f /* above: float overflow */
+#define OPS_LOG2E 1.44269504088896341f
+#define OPS_C1 0.693359375f
+#define OPS_C2 (-2.12194440e-4f)
+#define OPS_P0 1.9875691500e-4f
+#define OPS_P1 1.3981999507e-3f
+#define OPS_P2 8.3334519073e-3f
+#define OPS_P3 4.1665795894e-2f
+#define OPS_P4 1.6666665459e-1f
+#define OPS_P5 5.0000001201e-1f
+
+/* e^x (the arithmetic above), scalar */
+static inline float ops_exp(float x) {
+    const float big = x > OPS_EXP_HI;
+    x = x > OPS_EXP_LO ? x : OPS_EXP_LO; /* NaN x: any value (silu's g / (1 + e) stays NaN) */
+    const float n = nearbyintf(x * OPS_LOG2E);
+    const float r = (x - n * OPS_C1) - n * OPS_C2;
+    float p = OPS_P0;
+    p = p * r + OPS_P1;
+    p = p * r + OPS_P2;
+    p = p * r + OPS_P3;
+    p = p * r + OPS_P4;
+    p = p * r + OPS_P5;
+    const float y = ((p * (r * r)) + r) + 1.0f;
+    const uint32_t bits = (uint32_t)((int32_t)n - 1 + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return big ? INFINITY : (y * scale) * 2.0f;
+}
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+/* ops_exp on 8 floats, the same operations */
+static inline __m256 ops_exp8(__m256 x) {
+    const __m256 big = _mm256_cmp_ps(x, _mm256_set1_ps(OPS_EXP_HI), _CMP_GT_OQ);
+    x = _mm256_max_ps(x, _mm256_set1_ps(OPS_EXP_LO));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(OPS_LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 r = _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(OPS_C1))), _mm256_mul_ps(n, _mm256_set1_ps(OPS_C2)));
+    __m256 p = _mm256_set1_ps(OPS_P0);
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(OPS_P1));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(OPS_P2));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(OPS_P3));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(OPS_P4));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(OPS_P5));
+    const __m256 y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(126)), 23);
+    const __m256 v = _mm256_mul_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), _mm256_set1_ps(2.0f));
+    return _mm256_blendv_ps(v, _mm256_set1_ps(INFINITY), big);
+}
+
+/* 8 bf16 -> 8 floats (exact) and back (round to nearest even, NaN -> 0x7fc0: rne's bits) */
+static inline __m256 ops_bf8(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+static inline __m128i ops_rne8(__m256 f) {
+    const __m256i u = _mm256_castps_si256(f);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+#endif
+
+/* One row of SwiGLU's product: y[i] = silu(g[i]) * u[i], i < n (the arithmetic above). */
+static inline void ops_silu_mul_row(const uint16_t *g, const uint16_t *u, uint16_t *y, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX2__)
+    for (; i + 8 <= n; i += 8) {
+        const __m256 gv = ops_bf8(g + i);
+        const __m256 e = ops_exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+        const __m128i sb = ops_rne8(_mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e)));
+        const __m256 sf = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(sb), 16));
+        _mm_storeu_si128((__m128i *)(y + i), ops_rne8(_mm256_mul_ps(sf, ops_bf8(u + i))));
+    }
+#endif
+    for (; i < n; i++) {
+        const float gv = bf(g[i]);
+        y[i] = rne(bf(rne(gv / (1.0f + ops_exp(-gv)))) * bf(u[i]));
+    }
+}
+#endif
