@@ -48,6 +48,7 @@ quantized layers keep torch's packed ops.
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -340,8 +341,26 @@ def int4_weight(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
               None if bias is None else bias.data_ptr())
 
 
-def _weights(ws: list[QW]):
-    return (QW * len(ws))(*ws), len(ws)
+@dataclass(frozen=True)
+class A8Proj:
+    """A projection for the fused kernels: 1-4 a8 weights whose outputs lie side by side (q | k | v,
+    gate | up), as the one C array the kernels read. Built once per bound weights
+    (``DecoderLayer.a8_weights`` keeps it while the layer's buffers stay where they are)."""
+
+    weights: ctypes.Array
+    count: int
+    rows: tuple[int, ...]  # output rows of each weight
+
+    @property
+    def n(self) -> int:
+        return sum(self.rows)
+
+
+def a8_proj(ws: list[QW]) -> A8Proj:
+    """The :class:`A8Proj` of ``ws`` (1-4 weights of one input size)."""
+    if not 1 <= len(ws) <= 4:
+        raise ValueError(f"a8_proj: a projection has 1-4 weights, got {len(ws)}")
+    return A8Proj((QW * len(ws))(*ws), len(ws), tuple(w.n for w in ws))
 
 
 def _check_rows(op: str, x: torch.Tensor, d: int | None = None) -> None:
@@ -352,11 +371,11 @@ def _check_rows(op: str, x: torch.Tensor, d: int | None = None) -> None:
 
 
 def attn_in_a8(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-               qkv: list[QW]) -> tuple[torch.Tensor, torch.Tensor]:
+               qkv: A8Proj) -> tuple[torch.Tensor, torch.Tensor]:
     """A decode layer's input RMSNorm and q|k|v projection in one C call.
 
     ``x [M, D]`` (the previous layer's MLP output, or the embeddings with ``residual`` None) and
-    ``residual [M, D]`` bf16, ``norm_weight [D]`` bf16, ``qkv``: the projection's 1-3 a8 weights
+    ``residual [M, D]`` bf16, ``norm_weight [D]`` bf16, ``qkv``: the projection (1-3 a8 weights)
     ``-> (out [M, sum N] = rms_norm(x + residual) times the weights side by side (+ bias),
     x + residual)``: the bits of ``cpu_decode.rms_norm`` then each layer's :func:`int8_gemv_a8` /
     :func:`int4_gemv_a8` plus ``bf16(y + bias)``.
@@ -366,24 +385,25 @@ def attn_in_a8(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torc
     if residual is not None:
         _check_rows("attn_in_a8", residual, d)
     _check_rows("attn_in_a8", norm_weight.view(1, -1), d)
-    arr, nw = _weights(qkv)
-    out = torch.empty(m, sum(w.n for w in qkv), dtype=torch.bfloat16)
+    out = torch.empty(m, qkv.n, dtype=torch.bfloat16)
     new_res = x if residual is None else torch.empty_like(x)
     rc = _KERNEL.lib().llmsys_attn_in_a8(x.data_ptr(), None if residual is None else residual.data_ptr(),
-                                         norm_weight.data_ptr(), eps, new_res.data_ptr(), arr, nw, out.data_ptr(),
+                                         norm_weight.data_ptr(), eps, new_res.data_ptr(), qkv.weights, qkv.count,
+                                         out.data_ptr(),
                                          m, d, torch.get_num_threads())
     if rc:
-        raise ValueError(f"attn_in_a8: the C kernel rejected its weights (code {rc}): {nw} weight(s) of "
-                         f"{[w.n for w in qkv]} rows for D={d}")
+        raise ValueError(f"attn_in_a8: the C kernel rejected its weights (code {rc}; 2: out of memory): "
+                         f"{qkv.count} weight(s) of {list(qkv.rows)} rows for D={d}")
     return out, new_res
 
 
-def mlp_a8(o: torch.Tensor, residual: torch.Tensor, o_proj: QW, norm_weight: torch.Tensor, eps: float,
-           gate_up: list[QW], down: QW) -> tuple[torch.Tensor, torch.Tensor]:
+def mlp_a8(o: torch.Tensor, residual: torch.Tensor, o_proj: A8Proj, norm_weight: torch.Tensor, eps: float,
+           gate_up: A8Proj, down: A8Proj) -> tuple[torch.Tensor, torch.Tensor]:
     """A decode layer from its attention output to its MLP output in one C call.
 
     ``o [M, Hq D]`` (attention heads side by side), ``residual [M, D]``, ``norm_weight [D]``, all bf16;
-    ``gate_up``: 1-2 a8 weights whose outputs side by side are gate | up ``-> (down(silu(gate(x)) *
+    ``o_proj`` and ``down`` one a8 weight each, ``gate_up`` 1-2 whose outputs side by side are gate | up
+    ``-> (down(silu(gate(x)) *
     up(x)), a + residual)`` with ``a`` o_proj's output and ``x = rms_norm(a + residual)``: the bits of
     the layers' a8 GEMVs, ``cpu_decode.rms_norm`` and ``cpu_decode.silu_mul``.
     """
@@ -394,12 +414,14 @@ def mlp_a8(o: torch.Tensor, residual: torch.Tensor, o_proj: QW, norm_weight: tor
     _check_rows("mlp_a8", norm_weight.view(1, -1), d)
     if residual.shape[0] != m:
         raise ValueError(f"mlp_a8: o has {m} rows, residual {residual.shape[0]}")
-    arr, ngu = _weights(gate_up)
+    if o_proj.count != 1 or down.count != 1:
+        raise ValueError(f"mlp_a8: o_proj and down are one weight each, got {o_proj.count} and {down.count}")
     out, new_res = torch.empty(m, d, dtype=torch.bfloat16), torch.empty(m, d, dtype=torch.bfloat16)
-    rc = _KERNEL.lib().llmsys_mlp_a8(o.data_ptr(), k_o, residual.data_ptr(), ctypes.byref(o_proj),
-                                     norm_weight.data_ptr(), eps, arr, ngu, ctypes.byref(down), out.data_ptr(),
+    rc = _KERNEL.lib().llmsys_mlp_a8(o.data_ptr(), k_o, residual.data_ptr(), o_proj.weights, norm_weight.data_ptr(),
+                                     eps, gate_up.weights, gate_up.count, down.weights, out.data_ptr(),
                                      new_res.data_ptr(), m, d, torch.get_num_threads())
     if rc:
-        raise ValueError(f"mlp_a8: the C kernel rejected its weights (code {rc}): o_proj {o_proj.n}x{o_proj.k}, "
-                         f"gate|up {[w.n for w in gate_up]} rows, down {down.n}x{down.k}, D={d}")
+        ow, dw = o_proj.weights[0], down.weights[0]
+        raise ValueError(f"mlp_a8: the C kernel rejected its weights (code {rc}; 2: out of memory): o_proj "
+                         f"{ow.n}x{ow.k}, gate|up {list(gate_up.rows)} rows, down {dw.n}x{dw.k}, D={d}")
     return out, new_res

@@ -112,6 +112,10 @@ class QuantLinear(nn.Module):
         self._kernel = kernel
         # Bias is tiny; keep it in the model's float dtype.
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        # (buffer addresses, A8Weight): a8_weight's last answer, reused while the buffers stay where they
+        # are (resident layers: always). Addresses, not tensors: holding a streamed layer's views would
+        # keep their memory alive.
+        self._a8_cache: tuple[tuple[int, ...], A8Weight] | None = None
 
     @property
     def kernel(self) -> MatmulKernel:
@@ -141,6 +145,14 @@ class QuantLinear(nn.Module):
         ``kernels.mlp_a8``) when its own forward on a bf16 ``[rows, K]`` input would run the a8 GEMV
         (and add a bf16 bias), so the fused call gives its bits; None otherwise (the default)."""
         return None
+
+    def _a8_cached(self, tensors: tuple[torch.Tensor | None, ...], build) -> A8Weight:
+        """``build()``'s weight, rebuilt only when one of ``tensors`` (what it points into) moved."""
+        key = tuple(0 if t is None else t.data_ptr() for t in tensors)
+        c = self._a8_cache
+        if c is None or c[0] != key:
+            c = self._a8_cache = (key, build())
+        return c[1]
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Dequantized weight rows ``ids [M] -> [M, K]`` (an embedding lookup).

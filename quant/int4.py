@@ -339,7 +339,9 @@ class Int4Linear(QuantLinear):
         scales = buf["scales_orig"]
         if scales is None:
             scales = buf["scales_zeros"]
-        return a8_int4_weight(buf["packed"], scales, buf["zeros_gm"].t(), self.group_size, self.in_features, bias)
+        packed, zeros = buf["packed"], buf["zeros_gm"]
+        return self._a8_cached((packed, scales, zeros, bias), lambda: a8_int4_weight(
+            packed, scales, zeros.t(), self.group_size, self.in_features, bias))
 
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
         k = self.in_features

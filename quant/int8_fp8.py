@@ -147,7 +147,8 @@ class Int8Linear(_PerRowLinear):
         if (self._kernel.family not in _C_FAMILIES or rows > PACKED_MAX_ROWS
                 or (bias is not None and bias.dtype != torch.bfloat16)):
             return None
-        return a8_int8_weight(buf["qweight"], buf["scales"], bias)
+        q, scales = buf["qweight"], buf["scales"]
+        return self._a8_cached((q, scales, bias), lambda: a8_int8_weight(q, scales, bias))
 
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
         buf = self._buffers  # read directly: nn.Module.__getattr__ costs ~1 us a buffer on the decode path

@@ -37,7 +37,7 @@ def _layer(fmt: str, n: int, k: int, seed: int, bias: bool = False):
 def _weights(mods, rows):
     ws = [m.a8_weight(rows) for m in mods]
     assert all(w is not None for w in ws)
-    return ws
+    return kernels.a8_proj(ws)
 
 
 def _op_by_op(x, res, ln1, ln2, qkv, o_proj, gu, down, attn_out):
@@ -67,8 +67,8 @@ def test_fused_layer_equals_op_by_op(fmt, rows):
     for qkv, gu in (([q, k, v], [gate, up]), ([fused_qkv], [fused_gu])):  # apart, and fused into one weight
         out, new_res = kernels.attn_in_a8(x, res, ln1, 1e-5, _weights(qkv, rows))
         assert torch.equal(_bits(out), _bits(want[0])) and torch.equal(_bits(new_res), _bits(want[1]))
-        y, res2 = kernels.mlp_a8(attn_out, new_res, o_proj.a8_weight(rows), ln2, 1e-5, _weights(gu, rows),
-                                 down.a8_weight(rows))
+        y, res2 = kernels.mlp_a8(attn_out, new_res, _weights([o_proj], rows), ln2, 1e-5, _weights(gu, rows),
+                                 _weights([down], rows))
         assert torch.equal(_bits(y), _bits(want[2])) and torch.equal(_bits(res2), _bits(want[3]))
     # layer 0: no residual yet, the input itself is the residual
     out0, r0 = kernels.attn_in_a8(x, None, ln1, 1e-5, _weights([fused_qkv], rows))
@@ -81,6 +81,11 @@ def test_a8_weight_only_where_the_layer_runs_the_a8_gemv():
     lin4, lin8 = _layer("int4", 128, 192, 0), _layer("int8", 128, 192, 0)
     assert lin4.a8_weight(28) is not None and lin4.a8_weight(29) is None  # int4 PACKED_MAX_ROWS: 28
     assert lin8.a8_weight(32) is not None and lin8.a8_weight(33) is None  # int8: 32
+    w = lin4.a8_weight(1)
+    assert lin4.a8_weight(1) is w  # reused while the buffers stay in place
+    lin4._buffers["packed"] = lin4._buffers["packed"].clone()  # bound elsewhere, as offload binds streamed views
+    w2 = lin4.a8_weight(1)
+    assert w2 is not w and w2.q == lin4._buffers["packed"].data_ptr()
     w = torch.randn(64, 192) * 0.05
     f32_bias = Int8Linear.from_float(w, torch.randn(64))  # a float32 bias: the layer adds bf16(bias), not fused
     assert f32_bias.a8_weight(1) is None
@@ -98,15 +103,15 @@ def test_other_isas_give_the_same_bits(level, tmp_path):
     for fmt in ("int8", "int4"):
         qkv, o_proj = _layer(fmt, (HQ + 2 * HK) * HD, D, 1, bias=True), _layer(fmt, D, HQ * HD, 2)
         gu, down = _layer(fmt, 2 * INTER, D, 3), _layer(fmt, D, INTER, 4)
-        want, want_res = kernels.mlp_a8(attn_out, res, o_proj.a8_weight(rows), ln, 1e-5, [gu.a8_weight(rows)],
-                                        down.a8_weight(rows))
+        want, want_res = kernels.mlp_a8(attn_out, res, _weights([o_proj], rows), ln, 1e-5, _weights([gu], rows),
+                                        _weights([down], rows))
         got, got_res = torch.empty_like(want), torch.empty_like(want)
         assert lib.llmsys_mlp_a8(attn_out.data_ptr(), HQ * HD, res.data_ptr(), ctypes.byref(o_proj.a8_weight(rows)),
                                  ln.data_ptr(), 1e-5, (cpu_qgemv.QW * 1)(gu.a8_weight(rows)), 1,
                                  ctypes.byref(down.a8_weight(rows)), got.data_ptr(), got_res.data_ptr(), rows, D,
                                  2) == 0
         assert torch.equal(_bits(got), _bits(want)) and torch.equal(_bits(got_res), _bits(want_res))
-        want_qkv, _ = kernels.attn_in_a8(x, res, ln, 1e-5, [qkv.a8_weight(rows)])
+        want_qkv, _ = kernels.attn_in_a8(x, res, ln, 1e-5, _weights([qkv], rows))
         got_qkv, new_res = torch.empty_like(want_qkv), torch.empty_like(x)
         assert lib.llmsys_attn_in_a8(x.data_ptr(), res.data_ptr(), ln.data_ptr(), 1e-5, new_res.data_ptr(),
                                      (cpu_qgemv.QW * 1)(qkv.a8_weight(rows)), 1, got_qkv.data_ptr(), rows, D, 2) == 0
@@ -119,15 +124,17 @@ def test_bad_arguments_are_one_line_errors():
     ln = torch.ones(D, dtype=BF)
     qkv = _layer("int4", 128, D, 0)
     with pytest.raises(ValueError, match=r"attn_in_a8: expected a contiguous CPU bf16 \[M, K\] tensor, got torch.float32"):
-        kernels.attn_in_a8(x.float(), None, ln, 1e-5, [qkv.a8_weight(2)])
-    with pytest.raises(ValueError, match=r"attn_in_a8: the C kernel rejected its weights \(code 1\): 1 weight\(s\) "
-                                         r"of \[128\] rows for D=100"):
-        kernels.attn_in_a8(x[:, :100].contiguous(), None, ln[:100].contiguous(), 1e-5, [qkv.a8_weight(2)])
+        kernels.attn_in_a8(x.float(), None, ln, 1e-5, _weights([qkv], 2))
+    with pytest.raises(ValueError, match=r"attn_in_a8: the C kernel rejected its weights \(code 1; 2: out of memory\): "
+                                         r"1 weight\(s\) of \[128\] rows for D=100"):
+        kernels.attn_in_a8(x[:, :100].contiguous(), None, ln[:100].contiguous(), 1e-5, _weights([qkv], 2))
     o_proj, gu, down = _layer("int8", D, 128, 1), _layer("int8", 2 * INTER, D, 2), _layer("int8", D, INTER, 3)
     o = torch.randn(2, 128).to(BF)
     with pytest.raises(ValueError, match="mlp_a8: o has 2 rows, residual 3"):
-        kernels.mlp_a8(o, torch.randn(3, D).to(BF), o_proj.a8_weight(2), ln, 1e-5, [gu.a8_weight(2)],
-                       down.a8_weight(2))
+        kernels.mlp_a8(o, torch.randn(3, D).to(BF), _weights([o_proj], 2), ln, 1e-5, _weights([gu], 2),
+                       _weights([down], 2))
     wide = _layer("int8", D, 2 * INTER, 4)  # a down_proj reading 2 I columns where silu * mul gives I
     with pytest.raises(ValueError, match=r"mlp_a8: the C kernel rejected .* gate\|up \[640\] rows, down 192x640"):
-        kernels.mlp_a8(o, x, o_proj.a8_weight(2), ln, 1e-5, [gu.a8_weight(2)], wide.a8_weight(2))
+        kernels.mlp_a8(o, x, _weights([o_proj], 2), ln, 1e-5, _weights([gu], 2), _weights([wide], 2))
+    with pytest.raises(ValueError, match="mlp_a8: o_proj and down are one weight each, got 2 and 1"):
+        kernels.mlp_a8(o, x, _weights([o_proj, o_proj], 2), ln, 1e-5, _weights([gu], 2), _weights([down], 2))

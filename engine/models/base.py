@@ -248,6 +248,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(a)
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self._a8: A8Layer | None = None  # a8_weights' last answer
 
     def forward(self, h, residual, positions, rope_cache, attn: AttentionBackend, meta: AttentionMetadata,
                 rows: tuple[torch.Tensor, torch.Tensor] | None = None):
@@ -275,23 +276,30 @@ class DecoderLayer(nn.Module):
 
     def a8_weights(self, h: torch.Tensor) -> A8Layer | None:
         """The layer's weights for the fused a8 kernels when every projection of it would run the a8 GEMV
-        on ``h``'s rows (quantized int8 / int4 on the CPU, a decode-sized bf16 batch), else None."""
+        on ``h``'s rows (quantized int8 / int4 on the CPU, a decode-sized bf16 batch), else None.
+
+        Kept while every projection answers with the same weight (``QuantLinear.a8_weight`` reuses
+        its answer while its buffers stay in place), so a resident layer builds its C arrays once.
+        """
         at, mlp = self.self_attn, self.mlp
         w1, w2 = self.input_layernorm.weight, self.post_attention_layernorm.weight
         if h.dtype != torch.bfloat16 or h.is_cuda or w1.dtype != torch.bfloat16 or w2.dtype != torch.bfloat16:
             return None
         qkv = [at.qkv_proj] if at.qkv_proj is not None else [at.q_proj, at.k_proj, at.v_proj]
         gu = [mlp.gate_up_proj] if mlp.gate_up_proj is not None else [mlp.gate_proj, mlp.up_proj]
-        mods = [*qkv, at.o_proj, *gu, mlp.down_proj]
         rows = h.shape[0]
         ws = []
-        for mod in mods:
+        for mod in (*qkv, at.o_proj, *gu, mlp.down_proj):
             w = mod.a8_weight(rows) if isinstance(mod, QuantLinear) else None
             if w is None:
                 return None
             ws.append(w)
-        n = len(qkv)
-        return A8Layer(ws[:n], ws[n], ws[n + 1 : -1], ws[-1])
+        c = self._a8
+        if c is None or len(c.weights) != len(ws) or any(a is not b for a, b in zip(c.weights, ws)):
+            n = len(qkv)
+            c = self._a8 = A8Layer(tuple(ws), kernels.a8_proj(ws[:n]), kernels.a8_proj([ws[n]]),
+                                   kernels.a8_proj(ws[n + 1 : -1]), kernels.a8_proj([ws[-1]]))
+        return c
 
     def _forward_a8(self, a8: A8Layer, h, residual, positions, rope_cache, attn: AttentionBackend,
                     meta: AttentionMetadata):
@@ -321,13 +329,14 @@ class DecoderLayer(nn.Module):
 
 @dataclass(frozen=True)
 class A8Layer:
-    """One decoder layer's weights as the fused a8 kernels read them (raw pointers into its buffers,
-    valid while they are bound: built per step, :meth:`DecoderLayer.a8_weights`)."""
+    """One decoder layer's weights as the fused a8 kernels read them: raw pointers into its buffers,
+    valid while they stay bound where they are (:meth:`DecoderLayer.a8_weights` checks)."""
 
-    qkv: list[kernels.A8Weight]  # q | k | v: one fused weight or three
-    o: kernels.A8Weight
-    gate_up: list[kernels.A8Weight]  # gate | up: one fused weight or two
-    down: kernels.A8Weight
+    weights: tuple[kernels.A8Weight, ...]  # what the projections answered, in order (the check)
+    qkv: kernels.A8Proj  # q | k | v: one fused weight or three
+    o: kernels.A8Proj
+    gate_up: kernels.A8Proj  # gate | up: one fused weight or two
+    down: kernels.A8Proj
 
 
 class DecoderModel(nn.Module):
