@@ -27,7 +27,7 @@
  * rope:      out = bf16(x * [cos, cos] + [x2, x1] * [-sin, sin])  (kernels.rope's reference, exactly)
  * attention: per sequence b, query head h (KV head h / G):
  *            s_l = dot(q, k_l) * scale for l < len_b;  m = max s
- *            e_l = expf(s_l - m);  z = sum_l e_l (in order);  p_l = e_l / z
+ *            e_l = ops_exp(s_l - m) (cpu_ops.h);  z = sum_l e_l (in order);  p_l = e_l / z
  *            out = bf16(sum_l p_l * v_l)    (in order of l, per element)
  */
 #include <math.h>
@@ -119,52 +119,110 @@ static inline void load_row(const void *base, int64_t at, int f32, float *dst, i
     }
 }
 
+#if defined(__AVX2__)
+/* 8 elements of a bf16 (f32 = 0) or float32 row from element `at`, as float32 */
+static inline __m256 load8(const void *base, int64_t at, int f32) {
+    return f32 ? _mm256_loadu_ps((const float *)base + at) : ops_bf8((const uint16_t *)base + at);
+}
+
+/* ops_dot_f32(q, row) for a row of d % 16 == 0 elements read in place: lanes 0-7 and 8-15 in two
+   registers, then ops_tree's order (i + (i+8), i + (i+4), i + (i+2), i + (i+1)). */
+static inline float dot_row16(const float *q, const void *base, int64_t at, int f32, int64_t d) {
+    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+    for (int64_t i = 0; i < d; i += 16) {
+        lo = _mm256_add_ps(lo, _mm256_mul_ps(_mm256_loadu_ps(q + i), load8(base, at + i, f32)));
+        hi = _mm256_add_ps(hi, _mm256_mul_ps(_mm256_loadu_ps(q + i + 8), load8(base, at + i + 8, f32)));
+    }
+    const __m256 t8 = _mm256_add_ps(lo, hi);
+    const __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps(t8, 1));
+    const __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
+    return _mm_cvtss_f32(_mm_add_ss(t2, _mm_shuffle_ps(t2, t2, 1)));
+}
+#define ATT_VEC 1
+#endif
+
+/* One query head against its context: q_row (d floats), K/V rows by slot; s: len floats of scratch,
+   row / acc: d floats each. Writes acc (the head's output in float32). */
+static void attend_head(const float *qf, const void *k, const void *v, const int64_t *slots, int64_t b, int64_t l_max,
+                        int64_t len, int64_t hk, int64_t j, int64_t d, int f32, float scale, float *s, float *row,
+                        float *acc) {
+#ifdef ATT_VEC
+    const int vec = d % 16 == 0;
+#else
+    const int vec = 0;
+#endif
+    for (int64_t l = 0; l < len; l++) { /* scores */
+        const int64_t r = slots ? slots[b * l_max + l] : b * l_max + l;
+#ifdef ATT_VEC
+        if (vec) {
+            s[l] = dot_row16(qf, k, (r * hk + j) * d, f32, d) * scale;
+            continue;
+        }
+#endif
+        load_row(k, (r * hk + j) * d, f32, row, d);
+        s[l] = ops_dot_f32(qf, row, d) * scale;
+    }
+    float m = -INFINITY, z = 0.0f;
+    for (int64_t l = 0; l < len; l++) m = s[l] > m ? s[l] : m;
+    int64_t l = 0;
+#ifdef ATT_VEC
+    const __m256 mv = _mm256_set1_ps(m);
+    for (; l + 8 <= len; l += 8) _mm256_storeu_ps(s + l, ops_exp8(_mm256_sub_ps(_mm256_loadu_ps(s + l), mv)));
+#endif
+    for (; l < len; l++) s[l] = ops_exp(s[l] - m);
+    for (l = 0; l < len; l++) z = z + s[l]; /* in order */
+    for (l = 0; l < len; l++) s[l] = s[l] / z;
+    for (int64_t i = 0; i < d; i++) acc[i] = 0.0f;
+    for (l = 0; l < len; l++) { /* every output element sums over l in order */
+        const int64_t r = slots ? slots[b * l_max + l] : b * l_max + l;
+        const float p = s[l];
+        int64_t i = 0;
+#ifdef ATT_VEC
+        const __m256 pv = _mm256_set1_ps(p);
+        for (; i + 8 <= d; i += 8)
+            _mm256_storeu_ps(acc + i, _mm256_add_ps(_mm256_loadu_ps(acc + i),
+                                                    _mm256_mul_ps(pv, load8(v, (r * hk + j) * d + i, f32))));
+        if (i < d) load_row(v, (r * hk + j) * d, f32, row, d);
+#else
+        load_row(v, (r * hk + j) * d, f32, row, d);
+#endif
+        for (; i < d; i++) acc[i] = acc[i] + p * row[i];
+    }
+}
+
 /* q [B, Hq, D]; k, v: rows of [Hk, D]: with slots [B, L], row slots[b, l] of the pool, else row b * L + l
- * (gathered); lens [B]; out [B, Hq, D]. All bf16 (f32 = 0) or all float32 (f32 = 1). */
+ * (gathered); lens [B]; out [B, Hq, D]. All bf16 (f32 = 0) or all float32 (f32 = 1). One query head per
+ * work item (each head's arithmetic is its own, so the split never changes a bit). */
 int llmsys_decode_attention(const void *q, const void *k, const void *v, const int64_t *slots, const int64_t *lens,
                             float scale, void *out, int64_t b_count, int64_t l_max, int64_t hq, int64_t hk, int64_t d,
                             int f32, int threads) {
     if (hk <= 0 || hq % hk || d <= 0 || d > 1024) return 1;
-    for (int64_t b = 0; b < b_count; b++)
+    int64_t work = 0;
+    for (int64_t b = 0; b < b_count; b++) {
         if (lens[b] < 1 || lens[b] > l_max) return 2;
-    int64_t g = hq / hk;
-#pragma omp parallel for num_threads(threads) schedule(static) if (b_count * hk > 1)
-    for (int64_t item = 0; item < b_count * hk; item++) {
-        int64_t b = item / hk, j = item % hk, len = lens[b];
-        float *s = malloc(sizeof(float) * (size_t)(len * g + (2 * g + 1) * d));
-        float *qf = s + len * g, *row = qf + g * d, *acc = row + d;
-        load_row(q, (b * hq + j * g) * d, f32, qf, g * d);
-        for (int64_t l = 0; l < len; l++) { /* scores: K row l against the g query heads of KV head j */
-            int64_t r = slots ? slots[b * l_max + l] : b * l_max + l;
-            load_row(k, (r * hk + j) * d, f32, row, d);
-            for (int64_t gi = 0; gi < g; gi++) s[gi * len + l] = ops_dot_f32(qf + gi * d, row, d) * scale;
+        work += lens[b];
+    }
+    const int64_t g = hq / hk;
+    int failed = 0;
+#pragma omp parallel for num_threads(threads) schedule(static) if (b_count * hq > 1 && work * hq * d >= (1 << 14))
+    for (int64_t item = 0; item < b_count * hq; item++) {
+        const int64_t b = item / hq, h = item % hq, len = lens[b];
+        float *s = malloc(sizeof(float) * (size_t)(len + 3 * d));
+        if (!s) {
+#pragma omp atomic write
+            failed = 1;
+            continue;
         }
-        for (int64_t gi = 0; gi < g; gi++) { /* softmax per query head */
-            float *sr = s + gi * len, m = -INFINITY, z = 0.0f;
-            for (int64_t l = 0; l < len; l++) m = sr[l] > m ? sr[l] : m;
-            for (int64_t l = 0; l < len; l++) {
-                sr[l] = expf(sr[l] - m);
-                z = z + sr[l];
-            }
-            for (int64_t l = 0; l < len; l++) sr[l] = sr[l] / z;
-        }
-        for (int64_t i = 0; i < g * d; i++) acc[i] = 0.0f;
-        for (int64_t l = 0; l < len; l++) { /* each V row read once; every output sums over l in order */
-            int64_t r = slots ? slots[b * l_max + l] : b * l_max + l;
-            load_row(v, (r * hk + j) * d, f32, row, d);
-            for (int64_t gi = 0; gi < g; gi++) {
-                float p = s[gi * len + l];
-                float *a = acc + gi * d;
-                for (int64_t i = 0; i < d; i++) a[i] = a[i] + p * row[i];
-            }
-        }
-        int64_t o = (b * hq + j * g) * d;
+        float *qf = s + len, *row = qf + d, *acc = row + d;
+        load_row(q, (b * hq + h) * d, f32, qf, d);
+        attend_head(qf, k, v, slots, b, l_max, len, hk, h / g, d, f32, scale, s, row, acc);
+        const int64_t o = (b * hq + h) * d;
         if (f32) {
-            memcpy((float *)out + o, acc, sizeof(float) * (size_t)(g * d));
+            memcpy((float *)out + o, acc, sizeof(float) * (size_t)d);
         } else {
-            for (int64_t i = 0; i < g * d; i++) ((uint16_t *)out)[o + i] = rne(acc[i]);
+            for (int64_t i = 0; i < d; i++) ((uint16_t *)out)[o + i] = rne(acc[i]);
         }
         free(s);
     }
-    return 0;
+    return failed ? 3 : 0;
 }

@@ -7,10 +7,10 @@
  *   - rms_norm: h = residual ? bf16(x + residual) : x;  r = 1 / sqrt(sumsq(h) / D + eps);
  *               out = bf16(w * bf16(h * r))   (HF LlamaRMSNorm's roundings)
  *   - silu_mul: out = bf16(bf16(g / (1 + e)) * u), e = ops_exp(-g) (torch's bf16 F.silu(g) * u, up to exp)
- *   - ops_exp(x): x = max(x, -87); n = round-half-even(x * log2 e); r = (x - n * C1) - n * C2;
- *     p = Horner over the Cephes expf coefficients; y = ((p * (r * r)) + r) + 1; e = (y * 2^(n-1)) * 2,
- *     +inf above 88.7228 (float's overflow, as torch.exp). ~1 float ulp; no bf16 difference against
- *     torch.exp in tests/test_cpu_decode.py's sweep but rare ties.
+ *   - ops_exp(x): n = round-half-even(x * log2 e); r = (x - n * C1) - n * C2; p = Horner over the
+ *     Cephes expf coefficients; y = ((p * (r * r)) + r) + 1; e = (y * 2^(n-1)) * 2; +inf above 88.7228
+ *     (float's overflow, as torch.exp), 0 below -86, NaN for NaN. ~1 float ulp: against torch.exp no bf16
+ *     difference in tests/test_cpu_decode.py's sweep but at rare ties.
  *     Why not libm's expf: it does not vectorize here, and glibc picks an FMA variant per CPU; this one
  *     is written once as plain float operations (no FMA: -ffp-contract=off) and once in AVX2 with the
  *     same operations in the same order, so every ISA build gives the same bits.
@@ -58,7 +58,7 @@ static inline void ops_rms_norm_row(const uint16_t *x, const uint16_t *res, cons
     for (int64_t i = 0; i < d; i++) out[i] = rne(bf(w[i]) * bf(rne(h[i] * r)));
 }
 
-#define OPS_EXP_LO (-87.0f)
+#define OPS_EXP_LO (-86.0f) /* below: 0 (e^-86 ~ 4e-38; keeps 2^(n-1) a normal float) */
 #define OPS_EXP_HI 88.72283935546875f /* above: float overflow */
 #define OPS_LOG2E 1.44269504088896341f
 #define OPS_C1 0.693359375f
@@ -72,8 +72,9 @@ static inline void ops_rms_norm_row(const uint16_t *x, const uint16_t *res, cons
 
 /* e^x (the arithmetic above), scalar */
 static inline float ops_exp(float x) {
-    const float big = x > OPS_EXP_HI;
-    x = x > OPS_EXP_LO ? x : OPS_EXP_LO; /* NaN x: any value (silu's g / (1 + e) stays NaN) */
+    if (x != x) return x;
+    if (x > OPS_EXP_HI) return INFINITY;
+    if (x < OPS_EXP_LO) return 0.0f;
     const float n = nearbyintf(x * OPS_LOG2E);
     const float r = (x - n * OPS_C1) - n * OPS_C2;
     float p = OPS_P0;
@@ -83,20 +84,22 @@ static inline float ops_exp(float x) {
     p = p * r + OPS_P4;
     p = p * r + OPS_P5;
     const float y = ((p * (r * r)) + r) + 1.0f;
-    const uint32_t bits = (uint32_t)((int32_t)n - 1 + 127) << 23;
+    const uint32_t bits = (uint32_t)((int32_t)n - 1 + 127) << 23; /* 2^(n-1): n - 1 in -125 .. 127 */
     float scale;
     memcpy(&scale, &bits, 4);
-    return big ? INFINITY : (y * scale) * 2.0f;
+    return (y * scale) * 2.0f;
 }
 
 #if defined(__AVX2__)
 #include <immintrin.h>
-/* ops_exp on 8 floats, the same operations */
+/* ops_exp on 8 floats, the same operations (lanes out of range computed on a clamped value, then replaced) */
 static inline __m256 ops_exp8(__m256 x) {
+    const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
     const __m256 big = _mm256_cmp_ps(x, _mm256_set1_ps(OPS_EXP_HI), _CMP_GT_OQ);
-    x = _mm256_max_ps(x, _mm256_set1_ps(OPS_EXP_LO));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(OPS_LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m256 r = _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(OPS_C1))), _mm256_mul_ps(n, _mm256_set1_ps(OPS_C2)));
+    const __m256 small = _mm256_cmp_ps(x, _mm256_set1_ps(OPS_EXP_LO), _CMP_LT_OQ);
+    const __m256 xc = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(OPS_EXP_LO)), _mm256_set1_ps(OPS_EXP_HI));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(OPS_LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 r = _mm256_sub_ps(_mm256_sub_ps(xc, _mm256_mul_ps(n, _mm256_set1_ps(OPS_C1))), _mm256_mul_ps(n, _mm256_set1_ps(OPS_C2)));
     __m256 p = _mm256_set1_ps(OPS_P0);
     p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(OPS_P1));
     p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(OPS_P2));
@@ -105,8 +108,10 @@ static inline __m256 ops_exp8(__m256 x) {
     p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(OPS_P5));
     const __m256 y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.0f));
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(126)), 23);
-    const __m256 v = _mm256_mul_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), _mm256_set1_ps(2.0f));
-    return _mm256_blendv_ps(v, _mm256_set1_ps(INFINITY), big);
+    __m256 v = _mm256_mul_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), _mm256_set1_ps(2.0f));
+    v = _mm256_blendv_ps(v, _mm256_setzero_ps(), small);
+    v = _mm256_blendv_ps(v, _mm256_set1_ps(INFINITY), big);
+    return _mm256_blendv_ps(v, x, nan);
 }
 
 /* 8 bf16 -> 8 floats (exact) and back (round to nearest even, NaN -> 0x7fc0: rne's bits) */
