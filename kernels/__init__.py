@@ -41,8 +41,8 @@ from llmsys.kernels.ops import (
     w8a16_matmul,
 )
 from llmsys.kernels.cpu_qgemv import QW as A8Weight
-from llmsys.kernels.cpu_qgemv import A8Proj, a8_proj
-from llmsys.kernels.cpu_qgemv import attn_in_a8, int4_gemm, int4_gemv, int4_gemv_a8, int8_gemv, int8_gemv_a8, mlp_a8
+from llmsys.kernels.cpu_qgemv import A8Layer, a8_attn_in, a8_layer, a8_mlp
+from llmsys.kernels.cpu_qgemv import int4_gemm, int4_gemv, int4_gemv_a8, int8_gemv, int8_gemv_a8
 from llmsys.kernels.cpu_qgemv import int4_weight as a8_int4_weight
 from llmsys.kernels.cpu_qgemv import int8_weight as a8_int8_weight
 from llmsys.kernels.cpu_report import CpuKernels, QuantMatmulSupport, cpu_kernels, quant_matmul_support
@@ -50,13 +50,13 @@ from llmsys.kernels.reference import dequant_int4, pack_int4, quantize_int8_ref,
 from llmsys.kernels.rope_cache import build_rope_cache, rope_inv_freq
 
 __all__ = [
-    "A8Proj",
+    "A8Layer",
     "A8Weight",
-    "a8_proj",
+    "a8_attn_in",
+    "a8_layer",
+    "a8_mlp",
     "a8_int4_weight",
     "a8_int8_weight",
-    "attn_in_a8",
-    "mlp_a8",
     "cpu_fused_silu_mul",
     "ColdBlocks",
     "GatherPlan",

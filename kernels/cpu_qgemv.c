@@ -1268,8 +1268,8 @@ int llmsys_qgemv_int4_a8(const uint16_t *x, int64_t ldx, const uint8_t *packed, 
 
 /* ------------------------------------------------------------ fused a8 decode layers
  *
- * A decode step's layer in two calls instead of ~10: llmsys_attn_in_a8 (input RMSNorm with its
- * residual add, then the q|k|v projection) and llmsys_mlp_a8 (o_proj, the post-attention RMSNorm,
+ * A decode step's layer in two calls instead of ~10: llmsys_a8_attn_in (input RMSNorm with its
+ * residual add, then the q|k|v projection) and llmsys_a8_mlp (o_proj, the post-attention RMSNorm,
  * gate|up, silu * mul, down). Why: with the a8 GEMVs a SmolLM2-135M int4 decode step spent more time in
  * the Python and dispatch around the kernels (per linear call ~25-35 us of wrappers and module calls)
  * than in the kernels (benchmarks/profile_decode.py). The arithmetic is that of the separate kernels: the
@@ -1370,40 +1370,63 @@ static int norm_rows(const uint16_t *x, const uint16_t *res, const uint16_t *w, 
     return 0;
 }
 
-/* A layer's attention input: x [M, D] (the previous layer's MLP output; the embeddings with res NULL),
- * res [M, D] or NULL, norm_w [D] bf16 -> out [M, sum of n] = RMSNorm(x + res) times the q|k|v weights
- * (+ bias), new_res [M, D] = bf16(x + res) (not written when res is NULL). 0, 1 bad arguments, 2 no memory. */
-int llmsys_attn_in_a8(const uint16_t *x, const uint16_t *res, const uint16_t *norm_w, float eps, uint16_t *new_res,
-                      const llmsys_qw *ws, int64_t nw, uint16_t *out, int64_t m_count, int64_t d, int threads) {
-    if (m_count <= 0 || d <= 0 || d > (1 << 20)) return 1;
+/* One decoder layer's fixed arguments (built once per bound weights, kernels/cpu_qgemv.py A8Layer). */
+typedef struct {
+    const uint16_t *ln1, *ln2; /* input and post-attention RMSNorm weights, bf16 [D] */
+    float eps1, eps2;
+    int64_t d, k_o;            /* hidden size; o_proj's input size (Hq D) */
+    const llmsys_qw *qkv;      /* q | k | v: n_qkv weights side by side */
+    int64_t n_qkv;
+    const llmsys_qw *o;        /* one weight */
+    const llmsys_qw *gu;       /* gate | up: n_gu weights side by side */
+    int64_t n_gu;
+    const llmsys_qw *down;     /* one weight */
+} llmsys_a8_layer;
+
+/* 0 when the layer's shapes fit together (what proj_a8 does not check itself), else 1 */
+static int layer_check(const llmsys_a8_layer *L, int64_t m_count) {
+    if (m_count <= 0 || L->d <= 0 || L->d > (1 << 20) || L->o->n != L->d || L->down->n != L->d || L->n_gu < 1
+        || L->n_gu > QW_MAX)
+        return 1;
+    int64_t two_i = 0;
+    for (int64_t j = 0; j < L->n_gu; j++) two_i += L->gu[j].n;
+    return two_i % 2 || L->down->k != two_i / 2;
+}
+
+/* The attention input: x [M, D] (the previous layer's MLP output; the embeddings with res NULL), res [M, D]
+ * or NULL -> out [M, sum of q|k|v rows] = RMSNorm(x + res) times the q|k|v weights (+ bias), new_res [M, D]
+ * = bf16(x + res) (not written when res is NULL). 0, 1 bad arguments, 2 no memory. */
+int llmsys_a8_attn_in(const llmsys_a8_layer *L, const uint16_t *x, const uint16_t *res, uint16_t *out,
+                      uint16_t *new_res, int64_t m_count, int threads) {
+    if (layer_check(L, m_count)) return 1;
+    const int64_t d = L->d;
     uint16_t *xn = malloc(sizeof(uint16_t) * (size_t)(m_count * d));
-    int rc = xn ? norm_rows(x, res, norm_w, eps, xn, new_res, m_count, d) : 2;
-    if (!rc) rc = proj_a8(ws, nw, xn, m_count, d, out, threads);
+    int rc = xn ? norm_rows(x, res, L->ln1, L->eps1, xn, new_res, m_count, d) : 2;
+    if (!rc) rc = proj_a8(L->qkv, L->n_qkv, xn, m_count, d, out, threads);
     free(xn);
     return rc;
 }
 
-/* A layer's attention output to its MLP output: o [M, K_o] (attention, heads side by side), res [M, D]
- * -> a = o times o_w; x = RMSNorm(a + res) with norm_w; new_res = bf16(a + res);
- * out [M, D] = down(silu(gate(x)) * up(x)), gate | up the outputs of the gu weights side by side (2 I).
+/* The attention output to the MLP output: o [M, K_o] (attention heads side by side), res [M, D]
+ * -> a = o times o; x = RMSNorm(a + res) (ln2); new_res = bf16(a + res);
+ * out [M, D] = down(silu(gate(x)) * up(x)), gate | up the gu weights' outputs side by side (2 I).
  * 0, 1 bad arguments, 2 no memory. */
-int llmsys_mlp_a8(const uint16_t *o, int64_t k_o, const uint16_t *res, const llmsys_qw *o_w, const uint16_t *norm_w,
-                  float eps, const llmsys_qw *gu, int64_t n_gu, const llmsys_qw *down, uint16_t *out,
-                  uint16_t *new_res, int64_t m_count, int64_t d, int threads) {
-    if (m_count <= 0 || d <= 0 || d > (1 << 20) || o_w->n != d || down->n != d || n_gu < 1 || n_gu > QW_MAX) return 1;
+int llmsys_a8_mlp(const llmsys_a8_layer *L, const uint16_t *o, const uint16_t *res, uint16_t *out,
+                  uint16_t *new_res, int64_t m_count, int threads) {
+    if (layer_check(L, m_count)) return 1;
+    const int64_t d = L->d;
     int64_t two_i = 0;
-    for (int64_t j = 0; j < n_gu; j++) two_i += gu[j].n;
+    for (int64_t j = 0; j < L->n_gu; j++) two_i += L->gu[j].n;
     const int64_t inter = two_i / 2;
-    if (two_i % 2 || down->k != inter) return 1;
     uint16_t *a = malloc(sizeof(uint16_t) * (size_t)(m_count * (2 * d + two_i + inter)));
     if (!a) return 2;
     uint16_t *xn = a + m_count * d, *g = xn + m_count * d, *y = g + m_count * two_i;
-    int rc = proj_a8(o_w, 1, o, m_count, k_o, a, threads);
-    if (!rc) rc = norm_rows(a, res, norm_w, eps, xn, new_res, m_count, d);
-    if (!rc) rc = proj_a8(gu, n_gu, xn, m_count, d, g, threads);
+    int rc = proj_a8(L->o, 1, o, m_count, L->k_o, a, threads);
+    if (!rc) rc = norm_rows(a, res, L->ln2, L->eps2, xn, new_res, m_count, d);
+    if (!rc) rc = proj_a8(L->gu, L->n_gu, xn, m_count, d, g, threads);
     if (!rc) {
         for (int64_t t = 0; t < m_count; t++) ops_silu_mul_row(g + t * two_i, g + t * two_i + inter, y + t * inter, inter);
-        rc = proj_a8(down, 1, y, m_count, inter, out, threads);
+        rc = proj_a8(L->down, 1, y, m_count, inter, out, threads);
     }
     free(a);
     return rc;

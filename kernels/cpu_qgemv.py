@@ -66,8 +66,8 @@ _SIGNATURES = {
     "llmsys_qgemm_native": [],
     "llmsys_qgemv_int8_a8": [_P, _I, _P, _P, _P, _I, _I, _I, _I, _C],
     "llmsys_qgemv_int4_a8": [_P, _I, _P, _P, _I, _I, _C, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _C],
-    "llmsys_attn_in_a8": [_P, _P, _P, ctypes.c_float, _P, _P, _I, _P, _I, _I, _C],
-    "llmsys_mlp_a8": [_P, _I, _P, _P, _P, ctypes.c_float, _P, _I, _P, _P, _P, _I, _I, _C],
+    "llmsys_a8_attn_in": [_P, _P, _P, _P, _P, _I, _C],
+    "llmsys_a8_mlp": [_P, _P, _P, _P, _P, _I, _C],
 }
 A8_BLOCK = 32  # columns of x per int8 block in the a8 GEMVs
 _SCALE_KINDS = {torch.bfloat16: 0, torch.float32: 1, torch.float16: 2}
@@ -341,87 +341,101 @@ def int4_weight(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
               None if bias is None else bias.data_ptr())
 
 
+class _LayerArgs(ctypes.Structure):
+    """``llmsys_a8_layer`` in cpu_qgemv.c."""
+
+    _fields_ = [("ln1", _P), ("ln2", _P), ("eps1", ctypes.c_float), ("eps2", ctypes.c_float), ("d", _I),
+                ("k_o", _I), ("qkv", _P), ("n_qkv", _I), ("o", _P), ("gu", _P), ("n_gu", _I), ("down", _P)]
+
+
 @dataclass(frozen=True)
-class A8Proj:
-    """A projection for the fused kernels: 1-4 a8 weights whose outputs lie side by side (q | k | v,
-    gate | up), as the one C array the kernels read. Built once per bound weights
-    (``DecoderLayer.a8_weights`` keeps it while the layer's buffers stay where they are)."""
+class A8Layer:
+    """One decoder layer's fixed arguments for the fused a8 kernels (:func:`a8_layer`): raw pointers into
+    its weights and norm weights, valid while those stay where they are (the caller checks:
+    ``DecoderLayer.a8_weights``). Why one struct: the kernels then take 7 ctypes arguments a call,
+    not 14 plus per-call arrays (~10 us of a ~25 us decode layer's Python)."""
 
-    weights: ctypes.Array
-    count: int
-    rows: tuple[int, ...]  # output rows of each weight
+    args: _LayerArgs
+    arrays: tuple[ctypes.Array, ...]  # the llmsys_qw arrays args points into (kept alive here)
+    d: int  # hidden size
+    qkv_rows: int  # q | k | v output columns
+    k_o: int  # o_proj's input columns
 
-    @property
-    def n(self) -> int:
-        return sum(self.rows)
-
-
-def a8_proj(ws: list[QW]) -> A8Proj:
-    """The :class:`A8Proj` of ``ws`` (1-4 weights of one input size)."""
-    if not 1 <= len(ws) <= 4:
-        raise ValueError(f"a8_proj: a projection has 1-4 weights, got {len(ws)}")
-    return A8Proj((QW * len(ws))(*ws), len(ws), tuple(w.n for w in ws))
+    def describe(self) -> str:
+        a = self.args
+        return (f"D={self.d}, q|k|v {[w.n for w in self.arrays[0]]} rows, o_proj {self.arrays[1][0].n}x{self.k_o}, "
+                f"gate|up {[w.n for w in self.arrays[2]]} rows, down {self.arrays[3][0].n}x{self.arrays[3][0].k} "
+                f"({a.n_qkv} + 1 + {a.n_gu} + 1 weights)")
 
 
-def _check_rows(op: str, x: torch.Tensor, d: int | None = None) -> None:
+def a8_layer(qkv: list[QW], o_proj: QW, gate_up: list[QW], down: QW, ln1: torch.Tensor, eps1: float,
+             ln2: torch.Tensor, eps2: float) -> A8Layer:
+    """The :class:`A8Layer` of a layer's a8 weights (q|k|v and gate|up: 1-4 weights each whose outputs lie
+    side by side, one fused weight or several) and its two RMSNorm weights (bf16 ``[D]``, contiguous)."""
+    if not (1 <= len(qkv) <= 4 and 1 <= len(gate_up) <= 4):
+        raise ValueError(f"a8_layer: q|k|v and gate|up take 1-4 weights each, got {len(qkv)} and {len(gate_up)}")
+    d = qkv[0].k
+    for name, t in (("ln1", ln1), ("ln2", ln2)):
+        if t.dtype != torch.bfloat16 or tuple(t.shape) != (d,) or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"a8_layer: {name} must be a contiguous CPU bf16 [{d}] tensor, "
+                             f"got {t.dtype} {tuple(t.shape)} on {t.device}")
+    arrays = ((QW * len(qkv))(*qkv), (QW * 1)(o_proj), (QW * len(gate_up))(*gate_up), (QW * 1)(down))
+    args = _LayerArgs(ln1.data_ptr(), ln2.data_ptr(), eps1, eps2, d, o_proj.k, ctypes.addressof(arrays[0]),
+                      len(qkv), ctypes.addressof(arrays[1]), ctypes.addressof(arrays[2]), len(gate_up),
+                      ctypes.addressof(arrays[3]))
+    return A8Layer(args, arrays, d, sum(w.n for w in qkv), o_proj.k)
+
+
+def _check_rows(op: str, x: torch.Tensor, d: int, m: int | None = None) -> None:
     if x.dtype != torch.bfloat16 or x.dim() != 2 or not x.is_contiguous() or x.device.type != "cpu" \
-            or (d is not None and x.shape[1] != d):
-        raise ValueError(f"{op}: expected a contiguous CPU bf16 [M, {d or 'K'}] tensor, "
+            or x.shape[1] != d or (m is not None and x.shape[0] != m):
+        raise ValueError(f"{op}: expected a contiguous CPU bf16 [{m or 'M'}, {d}] tensor, "
                          f"got {x.dtype} {tuple(x.shape)} on {x.device}")
 
 
-def attn_in_a8(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-               qkv: A8Proj) -> tuple[torch.Tensor, torch.Tensor]:
+def a8_attn_in(layer: A8Layer, x: torch.Tensor, residual: torch.Tensor | None, *,
+               check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """A decode layer's input RMSNorm and q|k|v projection in one C call.
 
-    ``x [M, D]`` (the previous layer's MLP output, or the embeddings with ``residual`` None) and
-    ``residual [M, D]`` bf16, ``norm_weight [D]`` bf16, ``qkv``: the projection (1-3 a8 weights)
-    ``-> (out [M, sum N] = rms_norm(x + residual) times the weights side by side (+ bias),
-    x + residual)``: the bits of ``cpu_decode.rms_norm`` then each layer's :func:`int8_gemv_a8` /
-    :func:`int4_gemv_a8` plus ``bf16(y + bias)``.
+    ``x [M, D]`` bf16 (the previous layer's MLP output, or the embeddings with ``residual`` None),
+    ``residual [M, D]`` ``-> (out [M, q|k|v rows] = rms_norm(x + residual) times the q|k|v weights side
+    by side (+ bias), x + residual)``: the bits of ``cpu_decode.rms_norm`` then each layer's
+    :func:`int8_gemv_a8` / :func:`int4_gemv_a8` plus ``bf16(y + bias)``. ``check=False``: the caller
+    guarantees contiguous bf16 ``[M, D]`` inputs (the decoder's own activations).
     """
-    m, d = x.shape
-    _check_rows("attn_in_a8", x)
-    if residual is not None:
-        _check_rows("attn_in_a8", residual, d)
-    _check_rows("attn_in_a8", norm_weight.view(1, -1), d)
-    out = torch.empty(m, qkv.n, dtype=torch.bfloat16)
+    m = x.shape[0]
+    if check:
+        _check_rows("a8_attn_in", x, layer.d)
+        if residual is not None:
+            _check_rows("a8_attn_in", residual, layer.d, m)
+    out = torch.empty(m, layer.qkv_rows, dtype=torch.bfloat16)
     new_res = x if residual is None else torch.empty_like(x)
-    rc = _KERNEL.lib().llmsys_attn_in_a8(x.data_ptr(), None if residual is None else residual.data_ptr(),
-                                         norm_weight.data_ptr(), eps, new_res.data_ptr(), qkv.weights, qkv.count,
-                                         out.data_ptr(),
-                                         m, d, torch.get_num_threads())
+    rc = _KERNEL.lib().llmsys_a8_attn_in(ctypes.byref(layer.args), x.data_ptr(),
+                                         None if residual is None else residual.data_ptr(), out.data_ptr(),
+                                         new_res.data_ptr(), m, torch.get_num_threads())
     if rc:
-        raise ValueError(f"attn_in_a8: the C kernel rejected its weights (code {rc}; 2: out of memory): "
-                         f"{qkv.count} weight(s) of {list(qkv.rows)} rows for D={d}")
+        raise ValueError(f"a8_attn_in: the C kernel rejected the layer (code {rc}; 2: out of memory): "
+                         f"{layer.describe()}")
     return out, new_res
 
 
-def mlp_a8(o: torch.Tensor, residual: torch.Tensor, o_proj: A8Proj, norm_weight: torch.Tensor, eps: float,
-           gate_up: A8Proj, down: A8Proj) -> tuple[torch.Tensor, torch.Tensor]:
+def a8_mlp(layer: A8Layer, o: torch.Tensor, residual: torch.Tensor, *,
+           check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """A decode layer from its attention output to its MLP output in one C call.
 
-    ``o [M, Hq D]`` (attention heads side by side), ``residual [M, D]``, ``norm_weight [D]``, all bf16;
-    ``o_proj`` and ``down`` one a8 weight each, ``gate_up`` 1-2 whose outputs side by side are gate | up
-    ``-> (down(silu(gate(x)) *
+    ``o [M, Hq D]`` (attention heads side by side) and ``residual [M, D]`` bf16 ``-> (down(silu(gate(x)) *
     up(x)), a + residual)`` with ``a`` o_proj's output and ``x = rms_norm(a + residual)``: the bits of
-    the layers' a8 GEMVs, ``cpu_decode.rms_norm`` and ``cpu_decode.silu_mul``.
+    the layers' a8 GEMVs, ``cpu_decode.rms_norm`` and ``cpu_decode.silu_mul``. ``check`` as
+    :func:`a8_attn_in`.
     """
-    m, k_o = o.shape
-    d = residual.shape[1]
-    _check_rows("mlp_a8", o)
-    _check_rows("mlp_a8", residual)
-    _check_rows("mlp_a8", norm_weight.view(1, -1), d)
-    if residual.shape[0] != m:
-        raise ValueError(f"mlp_a8: o has {m} rows, residual {residual.shape[0]}")
-    if o_proj.count != 1 or down.count != 1:
-        raise ValueError(f"mlp_a8: o_proj and down are one weight each, got {o_proj.count} and {down.count}")
-    out, new_res = torch.empty(m, d, dtype=torch.bfloat16), torch.empty(m, d, dtype=torch.bfloat16)
-    rc = _KERNEL.lib().llmsys_mlp_a8(o.data_ptr(), k_o, residual.data_ptr(), o_proj.weights, norm_weight.data_ptr(),
-                                     eps, gate_up.weights, gate_up.count, down.weights, out.data_ptr(),
-                                     new_res.data_ptr(), m, d, torch.get_num_threads())
+    m = o.shape[0]
+    if check:
+        _check_rows("a8_mlp", o, layer.k_o)
+        _check_rows("a8_mlp", residual, layer.d, m)
+    out, new_res = torch.empty(m, layer.d, dtype=torch.bfloat16), torch.empty(m, layer.d, dtype=torch.bfloat16)
+    rc = _KERNEL.lib().llmsys_a8_mlp(ctypes.byref(layer.args), o.data_ptr(), residual.data_ptr(), out.data_ptr(),
+                                     new_res.data_ptr(), m, torch.get_num_threads())
     if rc:
-        ow, dw = o_proj.weights[0], down.weights[0]
-        raise ValueError(f"mlp_a8: the C kernel rejected its weights (code {rc}; 2: out of memory): o_proj "
-                         f"{ow.n}x{ow.k}, gate|up {list(gate_up.rows)} rows, down {dw.n}x{dw.k}, D={d}")
+        raise ValueError(f"a8_mlp: the C kernel rejected the layer (code {rc}; 2: out of memory): "
+                         f"{layer.describe()}")
     return out, new_res

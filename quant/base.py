@@ -140,10 +140,13 @@ class QuantLinear(nn.Module):
         """
         return None
 
-    def a8_weight(self, rows: int) -> A8Weight | None:
-        """This layer's weight for the fused a8 decode layer kernels (``kernels.attn_in_a8``,
-        ``kernels.mlp_a8``) when its own forward on a bf16 ``[rows, K]`` input would run the a8 GEMV
-        (and add a bf16 bias), so the fused call gives its bits; None otherwise (the default)."""
+    # The most rows of x this format's forward runs through the a8 GEMV (its PACKED_MAX_ROWS); 0: never.
+    A8_MAX_ROWS = 0
+
+    def a8_weight(self) -> A8Weight | None:
+        """This layer's weight for the fused a8 decode layer kernels (``kernels.a8_attn_in``,
+        ``kernels.a8_mlp``) when its own forward on a bf16 input of up to :attr:`A8_MAX_ROWS` rows runs
+        the a8 GEMV (and adds a bf16 bias), so the fused call gives its bits; None otherwise (the default)."""
         return None
 
     def _a8_cached(self, tensors: tuple[torch.Tensor | None, ...], build) -> A8Weight:

@@ -328,11 +328,13 @@ class Int4Linear(QuantLinear):
             w = (q - self.zeros[ids].float()[..., None]) * self.scales[ids].float()[..., None]
         return w.reshape(m, kp)[:, : self.in_features].to(dtype)
 
-    def a8_weight(self, rows: int) -> A8Weight | None:
-        """The C a8 weight when :meth:`_matmul` on ``rows`` bf16 rows runs ``int4_gemv_a8``."""
+    A8_MAX_ROWS = PACKED_MAX_ROWS
+
+    def a8_weight(self) -> A8Weight | None:
+        """The C a8 weight when :meth:`_matmul` on decode-sized bf16 inputs runs ``int4_gemv_a8``."""
         buf = self._buffers
         bias = buf["bias"]
-        if (self.mode != "packed_cpu" or rows > PACKED_MAX_ROWS or buf["input_scale"] is not None
+        if (self.mode != "packed_cpu" or buf["input_scale"] is not None
                 or buf["perm"] is not None or (bias is not None and bias.dtype != torch.bfloat16)
                 or self._kernel.family not in (KernelFamily.C_INT4, KernelFamily.C_INT4_DENSE_PREFILL)):
             return None

@@ -140,12 +140,13 @@ class Int8Linear(_PerRowLinear):
         bias = torch.cat([m.bias for m in layers]) if biased[0] else None
         return cls(torch.cat([m.qweight for m in layers]), torch.cat([m.scales for m in layers]), bias)
 
-    def a8_weight(self, rows: int) -> A8Weight | None:
-        """The C a8 weight when :meth:`_matmul` on ``rows`` bf16 rows runs ``int8_gemv_a8``."""
+    A8_MAX_ROWS = PACKED_MAX_ROWS
+
+    def a8_weight(self) -> A8Weight | None:
+        """The C a8 weight when :meth:`_matmul` on decode-sized bf16 inputs runs ``int8_gemv_a8``."""
         buf = self._buffers
         bias = buf["bias"]
-        if (self._kernel.family not in _C_FAMILIES or rows > PACKED_MAX_ROWS
-                or (bias is not None and bias.dtype != torch.bfloat16)):
+        if self._kernel.family not in _C_FAMILIES or (bias is not None and bias.dtype != torch.bfloat16):
             return None
         q, scales = buf["qweight"], buf["scales"]
         return self._a8_cached((q, scales, bias), lambda: a8_int8_weight(q, scales, bias))

@@ -85,7 +85,7 @@ def test_fused_decode_is_bit_identical(tmp_path, kind, overrides, dtype, fused, 
     layers = llm.loaded.model.model.layers
     assert all((layer.self_attn.rope_qkv is not None) == fused for layer in layers)
     if quant is not None and kernels.cpu_fused_available():  # the fused a8 layers apply to decode-sized steps
-        h = torch.zeros(3, overrides["hidden_size"], dtype=torch.bfloat16)
+        h = torch.zeros(3, overrides["hidden_size"], dtype=torch.bfloat16)  # a decode step of 3 sequences
         assert all(layer.a8_weights(h) is not None for layer in layers)
     for lens in ([9], [3, 17, 8], [12, 12]):  # one sequence; unequal lengths (masked); equal lengths
         (h0, k0, v0), (h1, k1, v1) = _step_both(llm, lens)

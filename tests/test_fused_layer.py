@@ -1,4 +1,4 @@
-"""The fused a8 decode layer kernels (``kernels.attn_in_a8``, ``kernels.mlp_a8``; cpu_qgemv.c) against
+"""The fused a8 decode layer kernels (``kernels.a8_attn_in``, ``kernels.a8_mlp``; cpu_qgemv.c) against
 the same layer run op by op: the C RMSNorm, each quantized layer's own a8 GEMV, its bias, the C
 silu * mul. Bit for bit, on every x86 ISA level this CPU runs; weights fused into one or apart."""
 
@@ -34,10 +34,14 @@ def _layer(fmt: str, n: int, k: int, seed: int, bias: bool = False):
     return Int4Linear.from_float(w, b, group_size=64 if fmt == "int4" else 32)
 
 
-def _weights(mods, rows):
-    ws = [m.a8_weight(rows) for m in mods]
+def _ws(mods):
+    ws = [m.a8_weight() for m in mods]
     assert all(w is not None for w in ws)
-    return kernels.a8_proj(ws)
+    return ws
+
+
+def _a8(qkv, o_proj, gu, down, ln1, ln2):
+    return kernels.a8_layer(_ws(qkv), _ws([o_proj])[0], _ws(gu), _ws([down])[0], ln1, 1e-5, ln2, 1e-5)
 
 
 def _op_by_op(x, res, ln1, ln2, qkv, o_proj, gu, down, attn_out):
@@ -65,13 +69,13 @@ def test_fused_layer_equals_op_by_op(fmt, rows):
     want = _op_by_op(x, res, ln1, ln2, [q, k, v], o_proj, [gate, up], down, attn_out)
     fused_qkv, fused_gu = type(q).cat_rows([q, k, v]), type(gate).cat_rows([gate, up])
     for qkv, gu in (([q, k, v], [gate, up]), ([fused_qkv], [fused_gu])):  # apart, and fused into one weight
-        out, new_res = kernels.attn_in_a8(x, res, ln1, 1e-5, _weights(qkv, rows))
+        layer = _a8(qkv, o_proj, gu, down, ln1, ln2)
+        out, new_res = kernels.a8_attn_in(layer, x, res)
         assert torch.equal(_bits(out), _bits(want[0])) and torch.equal(_bits(new_res), _bits(want[1]))
-        y, res2 = kernels.mlp_a8(attn_out, new_res, _weights([o_proj], rows), ln2, 1e-5, _weights(gu, rows),
-                                 _weights([down], rows))
+        y, res2 = kernels.a8_mlp(layer, attn_out, new_res)
         assert torch.equal(_bits(y), _bits(want[2])) and torch.equal(_bits(res2), _bits(want[3]))
     # layer 0: no residual yet, the input itself is the residual
-    out0, r0 = kernels.attn_in_a8(x, None, ln1, 1e-5, _weights([fused_qkv], rows))
+    out0, r0 = kernels.a8_attn_in(layer, x, None)
     assert r0 is x and torch.equal(_bits(out0), _bits(_op_by_op(x, None, ln1, ln2, [q, k, v], o_proj, [gate, up],
                                                                  down, attn_out)[0]))
 
@@ -79,16 +83,41 @@ def test_fused_layer_equals_op_by_op(fmt, rows):
 @needs_kernel
 def test_a8_weight_only_where_the_layer_runs_the_a8_gemv():
     lin4, lin8 = _layer("int4", 128, 192, 0), _layer("int8", 128, 192, 0)
-    assert lin4.a8_weight(28) is not None and lin4.a8_weight(29) is None  # int4 PACKED_MAX_ROWS: 28
-    assert lin8.a8_weight(32) is not None and lin8.a8_weight(33) is None  # int8: 32
-    w = lin4.a8_weight(1)
-    assert lin4.a8_weight(1) is w  # reused while the buffers stay in place
-    lin4._buffers["packed"] = lin4._buffers["packed"].clone()  # bound elsewhere, as offload binds streamed views
-    w2 = lin4.a8_weight(1)
-    assert w2 is not w and w2.q == lin4._buffers["packed"].data_ptr()
+    assert (lin4.A8_MAX_ROWS, lin8.A8_MAX_ROWS) == (28, 32)  # the formats' PACKED_MAX_ROWS
+    assert lin4.a8_weight() is not None and lin8.a8_weight() is not None
     w = torch.randn(64, 192) * 0.05
     f32_bias = Int8Linear.from_float(w, torch.randn(64))  # a float32 bias: the layer adds bf16(bias), not fused
-    assert f32_bias.a8_weight(1) is None
+    assert f32_bias.a8_weight() is None
+    w = lin4.a8_weight()
+    assert lin4.a8_weight() is w  # reused while the buffers stay in place
+    lin4._buffers["packed"] = lin4._buffers["packed"].clone()  # bound elsewhere, as offload binds streamed views
+    w2 = lin4.a8_weight()
+    assert w2 is not w and w2.q == lin4._buffers["packed"].data_ptr()
+
+
+@needs_kernel
+def test_decoder_layer_keeps_its_a8_layer_while_bound(tmp_path):
+    """DecoderLayer.a8_weights builds the C arguments once, rebuilds them when a weight is bound elsewhere
+    (a streamed layer) and never hands out pointers into a tensor that was dropped."""
+    from llmsys import LLM
+    from tiny_models import make_hf_model
+
+    path = make_hf_model("llama", tmp_path / "m", hidden_size=128, intermediate_size=320)
+    llm = LLM(str(path), dtype="bfloat16", progress=False, kv_cache_tokens=64, quant="int4")
+    layer = llm.loaded.model.model.layers[0]
+    h = torch.zeros(2, 128, dtype=BF)
+    a = layer.a8_weights(h)
+    assert a is not None and layer.a8_weights(h) is a
+    assert layer.a8_weights(torch.zeros(29, 128, dtype=BF)) is None  # past int4's 28 rows: the op-by-op path
+    assert layer.a8_weights(h.float()) is None
+    down = layer.mlp.down_proj
+    down._buffers["packed"] = down._buffers["packed"].clone()
+    b = layer.a8_weights(h)
+    assert b is not a and b.arrays[3][0].q == down._buffers["packed"].data_ptr()
+    ln = layer.input_layernorm
+    ln.weight = torch.nn.Parameter(ln.weight.detach().clone(), requires_grad=False)
+    c = layer.a8_weights(h)
+    assert c is not b and c.args.ln1 == ln.weight.data_ptr()
 
 
 @needs_kernel
@@ -103,18 +132,17 @@ def test_other_isas_give_the_same_bits(level, tmp_path):
     for fmt in ("int8", "int4"):
         qkv, o_proj = _layer(fmt, (HQ + 2 * HK) * HD, D, 1, bias=True), _layer(fmt, D, HQ * HD, 2)
         gu, down = _layer(fmt, 2 * INTER, D, 3), _layer(fmt, D, INTER, 4)
-        want, want_res = kernels.mlp_a8(attn_out, res, _weights([o_proj], rows), ln, 1e-5, _weights([gu], rows),
-                                        _weights([down], rows))
+        layer = _a8([qkv], o_proj, [gu], down, ln, ln)
+        args = ctypes.byref(layer.args)
+        want, want_res = kernels.a8_mlp(layer, attn_out, res)
         got, got_res = torch.empty_like(want), torch.empty_like(want)
-        assert lib.llmsys_mlp_a8(attn_out.data_ptr(), HQ * HD, res.data_ptr(), ctypes.byref(o_proj.a8_weight(rows)),
-                                 ln.data_ptr(), 1e-5, (cpu_qgemv.QW * 1)(gu.a8_weight(rows)), 1,
-                                 ctypes.byref(down.a8_weight(rows)), got.data_ptr(), got_res.data_ptr(), rows, D,
+        assert lib.llmsys_a8_mlp(args, attn_out.data_ptr(), res.data_ptr(), got.data_ptr(), got_res.data_ptr(), rows,
                                  2) == 0
         assert torch.equal(_bits(got), _bits(want)) and torch.equal(_bits(got_res), _bits(want_res))
-        want_qkv, _ = kernels.attn_in_a8(x, res, ln, 1e-5, _weights([qkv], rows))
+        want_qkv, _ = kernels.a8_attn_in(layer, x, res)
         got_qkv, new_res = torch.empty_like(want_qkv), torch.empty_like(x)
-        assert lib.llmsys_attn_in_a8(x.data_ptr(), res.data_ptr(), ln.data_ptr(), 1e-5, new_res.data_ptr(),
-                                     (cpu_qgemv.QW * 1)(qkv.a8_weight(rows)), 1, got_qkv.data_ptr(), rows, D, 2) == 0
+        assert lib.llmsys_a8_attn_in(args, x.data_ptr(), res.data_ptr(), got_qkv.data_ptr(), new_res.data_ptr(), rows,
+                                     2) == 0
         assert torch.equal(_bits(got_qkv), _bits(want_qkv))
 
 
@@ -122,19 +150,22 @@ def test_other_isas_give_the_same_bits(level, tmp_path):
 def test_bad_arguments_are_one_line_errors():
     x = torch.randn(2, D).to(BF)
     ln = torch.ones(D, dtype=BF)
-    qkv = _layer("int4", 128, D, 0)
-    with pytest.raises(ValueError, match=r"attn_in_a8: expected a contiguous CPU bf16 \[M, K\] tensor, got torch.float32"):
-        kernels.attn_in_a8(x.float(), None, ln, 1e-5, _weights([qkv], 2))
-    with pytest.raises(ValueError, match=r"attn_in_a8: the C kernel rejected its weights \(code 1; 2: out of memory\): "
-                                         r"1 weight\(s\) of \[128\] rows for D=100"):
-        kernels.attn_in_a8(x[:, :100].contiguous(), None, ln[:100].contiguous(), 1e-5, _weights([qkv], 2))
-    o_proj, gu, down = _layer("int8", D, 128, 1), _layer("int8", 2 * INTER, D, 2), _layer("int8", D, INTER, 3)
+    qkv, o_proj = _layer("int4", 128, D, 0), _layer("int8", D, 128, 1)
+    gu, down = _layer("int8", 2 * INTER, D, 2), _layer("int8", D, INTER, 3)
+    layer = _a8([qkv], o_proj, [gu], down, ln, ln)
+    with pytest.raises(ValueError, match=r"a8_attn_in: expected a contiguous CPU bf16 \[M, 192\] tensor, got torch.float32"):
+        kernels.a8_attn_in(layer, x.float(), None)
     o = torch.randn(2, 128).to(BF)
-    with pytest.raises(ValueError, match="mlp_a8: o has 2 rows, residual 3"):
-        kernels.mlp_a8(o, torch.randn(3, D).to(BF), _weights([o_proj], 2), ln, 1e-5, _weights([gu], 2),
-                       _weights([down], 2))
+    with pytest.raises(ValueError, match=r"a8_mlp: expected a contiguous CPU bf16 \[2, 192\] tensor, got .* \(3, 192\)"):
+        kernels.a8_mlp(layer, o, torch.randn(3, D).to(BF))
+    with pytest.raises(ValueError, match=r"a8_layer: ln2 must be a contiguous CPU bf16 \[192\] tensor, got torch.float32"):
+        kernels.a8_layer(_ws([qkv]), _ws([o_proj])[0], _ws([gu]), _ws([down])[0], ln, 1e-5, ln.float(), 1e-5)
+    with pytest.raises(ValueError, match=r"a8_layer: q\|k\|v and gate\|up take 1-4 weights each, got 5 and 1"):
+        kernels.a8_layer(_ws([qkv] * 5), _ws([o_proj])[0], _ws([gu]), _ws([down])[0], ln, 1e-5, ln, 1e-5)
     wide = _layer("int8", D, 2 * INTER, 4)  # a down_proj reading 2 I columns where silu * mul gives I
-    with pytest.raises(ValueError, match=r"mlp_a8: the C kernel rejected .* gate\|up \[640\] rows, down 192x640"):
-        kernels.mlp_a8(o, x, _weights([o_proj], 2), ln, 1e-5, _weights([gu], 2), _weights([wide], 2))
-    with pytest.raises(ValueError, match="mlp_a8: o_proj and down are one weight each, got 2 and 1"):
-        kernels.mlp_a8(o, x, _weights([o_proj, o_proj], 2), ln, 1e-5, _weights([gu], 2), _weights([down], 2))
+    bad = _a8([qkv], o_proj, [gu], wide, ln, ln)
+    with pytest.raises(ValueError, match=r"a8_mlp: the C kernel rejected the layer \(code 1; 2: out of memory\): "
+                                         r"D=192, q\|k\|v \[128\] rows, o_proj 192x128, gate\|up \[640\] rows, down 192x640"):
+        kernels.a8_mlp(bad, o, x)
+    with pytest.raises(ValueError, match="a8_attn_in: the C kernel rejected the layer"):
+        kernels.a8_attn_in(bad, x, None)

@@ -10,6 +10,7 @@ config onto :class:`TransformerArgs`. Tokens of a batch are packed into one
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -248,7 +249,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(a)
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self._a8: A8Layer | None = None  # a8_weights' last answer
+        self._a8: A8Binding | None = None  # a8_weights' last answer
 
     def forward(self, h, residual, positions, rope_cache, attn: AttentionBackend, meta: AttentionMetadata,
                 rows: tuple[torch.Tensor, torch.Tensor] | None = None):
@@ -274,37 +275,44 @@ class DecoderLayer(nn.Module):
         return self.mlp.forward(x, meta.is_decode, rows is not None), residual
 
 
-    def a8_weights(self, h: torch.Tensor) -> A8Layer | None:
-        """The layer's weights for the fused a8 kernels when every projection of it would run the a8 GEMV
-        on ``h``'s rows (quantized int8 / int4 on the CPU, a decode-sized bf16 batch), else None.
+    def a8_weights(self, h: torch.Tensor) -> kernels.A8Layer | None:
+        """The layer's arguments for the fused a8 kernels when every projection of it would run the a8
+        GEMV on ``h``'s rows (quantized int8 / int4 on the CPU, a decode-sized bf16 batch), else None.
 
-        Kept while every projection answers with the same weight (``QuantLinear.a8_weight`` reuses
-        its answer while its buffers stay in place), so a resident layer builds its C arrays once.
+        Built once and kept while every tensor it points into is still bound where it was (weak
+        references: a resident layer's never move; a streamed layer's are bound afresh per step, so it
+        is rebuilt then, without holding the old views alive).
         """
+        if h.dtype != torch.bfloat16 or h.is_cuda:
+            return None
+        c = self._a8
+        if c is not None and h.shape[0] <= c.max_rows and c.bound():
+            return c.layer
         at, mlp = self.self_attn, self.mlp
-        w1, w2 = self.input_layernorm.weight, self.post_attention_layernorm.weight
-        if h.dtype != torch.bfloat16 or h.is_cuda or w1.dtype != torch.bfloat16 or w2.dtype != torch.bfloat16:
+        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        if ln1.weight.dtype != torch.bfloat16 or ln2.weight.dtype != torch.bfloat16:
             return None
         qkv = [at.qkv_proj] if at.qkv_proj is not None else [at.q_proj, at.k_proj, at.v_proj]
         gu = [mlp.gate_up_proj] if mlp.gate_up_proj is not None else [mlp.gate_proj, mlp.up_proj]
-        rows = h.shape[0]
-        ws = []
-        for mod in (*qkv, at.o_proj, *gu, mlp.down_proj):
-            w = mod.a8_weight(rows) if isinstance(mod, QuantLinear) else None
-            if w is None:
-                return None
-            ws.append(w)
-        c = self._a8
-        if c is None or len(c.weights) != len(ws) or any(a is not b for a, b in zip(c.weights, ws)):
-            n = len(qkv)
-            c = self._a8 = A8Layer(tuple(ws), kernels.a8_proj(ws[:n]), kernels.a8_proj([ws[n]]),
-                                   kernels.a8_proj(ws[n + 1 : -1]), kernels.a8_proj([ws[-1]]))
-        return c
+        mods = [*qkv, at.o_proj, *gu, mlp.down_proj]
+        if not all(isinstance(m, QuantLinear) for m in mods):
+            return None
+        max_rows = min(m.A8_MAX_ROWS for m in mods)
+        ws = [m.a8_weight() for m in mods]
+        if h.shape[0] > max_rows or any(w is None for w in ws) or not ln1.weight.is_contiguous() \
+                or not ln2.weight.is_contiguous():
+            return None
+        n = len(qkv)
+        layer = kernels.a8_layer(ws[:n], ws[n], ws[n + 1 : -1], ws[-1], ln1.weight, ln1.eps, ln2.weight, ln2.eps)
+        watch = [(m._buffers, name) for m in mods for name in m._buffers] + [
+            (ln._parameters, "weight") for ln in (ln1, ln2)]
+        self._a8 = A8Binding(layer, max_rows, tuple((d, name, _ref(d[name])) for d, name in watch))
+        return layer
 
-    def _forward_a8(self, a8: A8Layer, h, residual, positions, rope_cache, attn: AttentionBackend,
+    def _forward_a8(self, a8: kernels.A8Layer, h, residual, positions, rope_cache, attn: AttentionBackend,
                     meta: AttentionMetadata):
-        """:meth:`forward` in two C calls around attention (``kernels.attn_in_a8``: input norm and q|k|v;
-        ``kernels.mlp_a8``: o_proj, post-attention norm, gate|up, silu * mul, down).
+        """:meth:`forward` in two C calls around attention (``kernels.a8_attn_in``: input norm and q|k|v;
+        ``kernels.a8_mlp``: o_proj, post-attention norm, gate|up, silu * mul, down).
 
         Why: at decode the quantized layers' GEMVs are ~60 us each and the Python and module
         dispatch around each op cost about as much. The same bits as the op-by-op forward (the same
@@ -313,8 +321,8 @@ class DecoderLayer(nn.Module):
         """
         at = self.self_attn
         T, hq, hk, d = h.shape[0], at.n_heads, at.n_kv, at.head_dim
-        ln1 = self.input_layernorm
-        qkv, residual = kernels.attn_in_a8(h.contiguous(), residual, ln1.weight, ln1.eps, a8.qkv)  # [T, (Hq+2Hk) D]
+        # check=False: the decoder's own contiguous bf16 [T, D] activations (a8_weights checked the dtype)
+        qkv, residual = kernels.a8_attn_in(a8, h.contiguous(), residual, check=False)  # [T, (Hq + 2 Hk) D]
         nq, nk = hq * d, hk * d
         q = qkv[:, :nq].view(T, hq, d)
         k = qkv[:, nq : nq + nk].view(T, hk, d)
@@ -323,20 +331,32 @@ class DecoderLayer(nn.Module):
             q, k = at.q_norm(q.contiguous()), at.k_norm(k.contiguous())
         q = attn.rope_store(at.index, q, k, v, positions, rope_cache, meta)
         o = attn.attend(at.index, q, meta, at.scale).reshape(T, hq * d)  # [T, Hq * D]
-        ln2 = self.post_attention_layernorm
-        return kernels.mlp_a8(o.contiguous(), residual, a8.o, ln2.weight, ln2.eps, a8.gate_up, a8.down)
+        return kernels.a8_mlp(a8, o.contiguous(), residual, check=False)
 
 
 @dataclass(frozen=True)
-class A8Layer:
-    """One decoder layer's weights as the fused a8 kernels read them: raw pointers into its buffers,
-    valid while they stay bound where they are (:meth:`DecoderLayer.a8_weights` checks)."""
+class A8Binding:
+    """A layer's :class:`kernels.A8Layer` with what it points into: each ``(dict, name, weak ref)`` of its
+    projections' buffers and its norm weights, and the most rows its formats run through the a8 GEMV."""
 
-    weights: tuple[kernels.A8Weight, ...]  # what the projections answered, in order (the check)
-    qkv: kernels.A8Proj  # q | k | v: one fused weight or three
-    o: kernels.A8Proj
-    gate_up: kernels.A8Proj  # gate | up: one fused weight or two
-    down: kernels.A8Proj
+    layer: kernels.A8Layer
+    max_rows: int
+    watch: tuple[tuple[dict, str, Any], ...]
+
+    def bound(self) -> bool:
+        """Is every tensor still the one the layer's pointers were taken from?"""
+        for d, name, ref in self.watch:
+            t = d[name]
+            if ref is None:
+                if t is not None:
+                    return False
+            elif t is None or t is not ref():  # rebound, or dropped (a dead reference answers None)
+                return False
+        return True
+
+
+def _ref(t: torch.Tensor | None):
+    return None if t is None else weakref.ref(t)
 
 
 class DecoderModel(nn.Module):
