@@ -994,7 +994,8 @@ int llmsys_qgemm_int4(const uint16_t *x, int64_t ldx, const uint8_t *packed, con
  * How (AVX2, also in the AVX-512 builds): int8 takes 8 weight rows per block: |qx| times q with qx's
  * signs (vpsignb) in vpmaddubsw, vpmaddwd with ones to int32, the 8 rows' sums reduced by vphaddd.
  * int4 reads the CPU int4 tiling (32 bytes per column give 64 rows' codes) two columns at a time:
- * the nibbles of both columns interleaved by vpunpck{l,h}bw are each row's (code k, code k+1) pair, and
+ * both columns' bytes interleaved by vpunpck{l,h}bw hold each row's (code k, code k+1) pair in their low
+ * nibbles (row + 32's in the high ones), and
  * vpmaddubsw against the broadcast pair (qx_k, qx_k+1) gives every row's two products summed, added in
  * int16 for 8 column pairs (at most 8 * 2 * 15 * 127 < 2^15) and then widened.
  */
@@ -1194,16 +1195,16 @@ static void int4_a8_block(const a8_x *a, int64_t m0, int64_t m1, const uint8_t *
                         for (int pr = 0; pr < 8; pr++) {
                             const __m256i v0 = _mm256_loadu_si256((const __m256i *)(pc + 64 * pr));
                             const __m256i v1 = _mm256_loadu_si256((const __m256i *)(pc + 64 * pr + 32));
-                            const __m256i l0 = _mm256_and_si256(v0, low4), l1 = _mm256_and_si256(v1, low4);
-                            const __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4);
-                            const __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4);
+                            /* the two columns' bytes interleaved first (2 shuffles, not 4): each word's low
+                               nibbles are one row's (code c, code c + 1), its high nibbles row + 32's */
+                            const __m256i ul = _mm256_unpacklo_epi8(v0, v1), uh = _mm256_unpackhi_epi8(v0, v1);
                             int16_t pw; /* the pair (qx[c], qx[c + 1]) as one little-endian word */
                             memcpy(&pw, xc + 2 * pr, 2);
                             const __m256i xp = _mm256_set1_epi16(pw);
-                            a0 = _mm256_add_epi16(a0, _mm256_maddubs_epi16(_mm256_unpacklo_epi8(l0, l1), xp));
-                            a1 = _mm256_add_epi16(a1, _mm256_maddubs_epi16(_mm256_unpackhi_epi8(l0, l1), xp));
-                            a2 = _mm256_add_epi16(a2, _mm256_maddubs_epi16(_mm256_unpacklo_epi8(h0, h1), xp));
-                            a3 = _mm256_add_epi16(a3, _mm256_maddubs_epi16(_mm256_unpackhi_epi8(h0, h1), xp));
+                            a0 = _mm256_add_epi16(a0, _mm256_maddubs_epi16(_mm256_and_si256(ul, low4), xp));
+                            a1 = _mm256_add_epi16(a1, _mm256_maddubs_epi16(_mm256_and_si256(uh, low4), xp));
+                            a2 = _mm256_add_epi16(a2, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(ul, 4), low4), xp));
+                            a3 = _mm256_add_epi16(a3, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(uh, 4), low4), xp));
                         }
                         /* a0: rows 0-7 | 16-23, a1: 8-15 | 24-31, a2, a3: the same + 32 */
                         const __m256i a16[4] = {a0, a1, a2, a3};
