@@ -27,7 +27,7 @@ from llmsys.kernels.cpu_decode import silu_mul as cpu_fused_silu_mul
 from llmsys.kernels.cpu_int4 import Scratch as Int4Scratch
 from llmsys.kernels.cpu_int4 import CPU_BLOCK_N as CPU_INT4_BLOCK_N
 from llmsys.kernels.cpu_int4 import dequant_cpu_int4, pack_cpu_int4, transpose_bf16, unpack_cpu_int4
-from llmsys.kernels.cpu_linear import fusable, linear, mm_bf16, packable, prepack
+from llmsys.kernels.cpu_linear import BF16_UPCAST_MIN_ROWS, bf16_decode_weight, fusable, linear, mm_bf16, packable, prepack
 from llmsys.kernels.ops import (
     DEFAULT_PARTITION_SIZE,
     DecodeAttentionResult,
@@ -40,23 +40,25 @@ from llmsys.kernels.ops import (
     w4a16_matmul,
     w8a16_matmul,
 )
-from llmsys.kernels.cpu_qgemv import QW as A8Weight
-from llmsys.kernels.cpu_qgemv import A8Layer, a8_attn_in, a8_layer, a8_mlp
+from llmsys.kernels.cpu_qgemv import QW as DecodeWeight
+from llmsys.kernels.cpu_qgemv import DecodeLayer, layer_attn_in, decode_layer_args, layer_mlp
 from llmsys.kernels.cpu_qgemv import int4_gemm, int4_gemv, int4_gemv_a8, int8_gemv, int8_gemv_a8
-from llmsys.kernels.cpu_qgemv import int4_weight as a8_int4_weight
-from llmsys.kernels.cpu_qgemv import int8_weight as a8_int8_weight
+from llmsys.kernels.cpu_qgemv import int4_weight as int4_decode_weight
+from llmsys.kernels.cpu_qgemv import int8_weight as int8_decode_weight
 from llmsys.kernels.cpu_report import CpuKernels, QuantMatmulSupport, cpu_kernels, quant_matmul_support
 from llmsys.kernels.reference import dequant_int4, pack_int4, quantize_int8_ref, unpack_int4
 from llmsys.kernels.rope_cache import build_rope_cache, rope_inv_freq
 
 __all__ = [
-    "A8Layer",
-    "A8Weight",
-    "a8_attn_in",
-    "a8_layer",
-    "a8_mlp",
-    "a8_int4_weight",
-    "a8_int8_weight",
+    "BF16_UPCAST_MIN_ROWS",
+    "DecodeLayer",
+    "bf16_decode_weight",
+    "DecodeWeight",
+    "layer_attn_in",
+    "decode_layer_args",
+    "layer_mlp",
+    "int4_decode_weight",
+    "int8_decode_weight",
     "cpu_fused_silu_mul",
     "ColdBlocks",
     "GatherPlan",

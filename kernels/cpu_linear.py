@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from llmsys.kernels import cpu_qgemv
 from llmsys.kernels.cpu_int4 import transpose_bf16
 
 
@@ -149,11 +150,32 @@ def linear(
         and not _ONEDNN_BF16
         and x.device.type == "cpu"
         and weight.dim() == 2
-        and x.numel() >= BF16_UPCAST_MIN_ROWS * x.shape[-1]
         and not torch.is_grad_enabled()
     ):
-        return _bf16_upcast(x, weight, bias)
+        if x.numel() >= BF16_UPCAST_MIN_ROWS * x.shape[-1]:
+            return _bf16_upcast(x, weight, bias)
+        if bf16_gemv_applies(weight, bias):  # decode-sized batches: the C GEMV (the fused layers' bits)
+            x2 = x.reshape(-1, x.shape[-1])
+            y = cpu_qgemv.bf16_gemv(x2 if x2.stride(-1) == 1 else x2.contiguous(), weight, check=False)
+            if bias is not None:
+                y = y + bias
+            return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
     return F.linear(x, weight, bias)
+
+
+def bf16_gemv_applies(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Does :func:`linear` run batches of fewer than :data:`BF16_UPCAST_MIN_ROWS` rows on ``weight`` through
+    the C bf16 GEMV (``cpu_qgemv.bf16_gemv``; then ``bf16(y + bias)``)? Where oneDNN has no bf16, for plain
+    CPU bf16 weights with unit column stride and a bf16 bias or none, when the C kernel is built."""
+    return (not _ONEDNN_BF16 and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+            and weight.dim() == 2 and weight.stride(1) == 1 and not weight.is_mkldnn
+            and (bias is None or bias.dtype == torch.bfloat16) and cpu_qgemv.available())
+
+
+def bf16_decode_weight(weight: torch.Tensor, bias: torch.Tensor | None) -> cpu_qgemv.QW | None:
+    """The fused decode layers' weight for a plain bf16 layer whose decode batches :func:`linear` runs
+    through the C GEMV (:func:`bf16_gemv_applies`), else None."""
+    return cpu_qgemv.bf16_weight(weight, bias) if bf16_gemv_applies(weight, bias) else None
 
 
 def mm_bf16(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -1267,10 +1267,84 @@ int llmsys_qgemv_int4_a8(const uint16_t *x, int64_t ldx, const uint8_t *packed, 
     return 0;
 }
 
+/* ------------------------------------------------------------ bf16 GEMV (decode)
+ *
+ * out[m, n] = bf16(dot(x[m], w[n])) for bf16 x and w, the dot in 16 float32 lanes (lane j takes k = j,
+ * j+16, ... in order) reduced as cpu_ops.h's tree (kernels/cpu_qgemv.py bf16_gemv_def). A product of two
+ * bf16 values is exact in float32, so the AVX2 FMAs give the bits of the portable product-then-sum.
+ * Why: where oneDNN has no bf16 (AVX2: Zen 2/3, most laptops) torch's bf16 GEMV read SmolLM2's weights
+ * at ~12-19 GB/s; this reads each weight row once, 4 rows at a time, with x widened once per call.
+ */
+
+#define BF_AHEAD 8 /* weight rows prefetched ahead (into L2) */
+
+static inline float bf16_row_tail(float *a, const uint16_t *x, const uint16_t *w, int64_t full, int64_t k) {
+    for (int64_t j = 0; full + j < k; j++) a[j] = a[j] + bf(x[full + j]) * bf(w[full + j]);
+    return ops_tree(a);
+}
+
+/* weight rows [n0, n1) (row stride ldw) against the bf16 rows x [M, K] (row stride ldx): out[m * ldo + n].
+   AVX2: 16 elements of a row in one load; shifting each 32-bit word left 16 gives the even elements as
+   floats, masking its high half the odd ones, so two registers hold the 16 lanes (even | odd) with no
+   conversion instruction but a shift and an and; the lanes are put back in order before the tree. */
+static void bf16_rows(const uint16_t *xb, int64_t ldx, int64_t m_count, int64_t k, const uint16_t *w, int64_t ldw,
+                      uint16_t *out, int64_t ldo, int64_t n0, int64_t n1) {
+    const int64_t full = k / 16 * 16;
+    for (int64_t m = 0; m < m_count; m++) {
+        const uint16_t *x = xb + m * ldx;
+        int64_t n = n0;
+#if defined(__AVX2__) && defined(__FMA__)
+        const __m256i hi16 = _mm256_set1_epi32((int)0xFFFF0000u);
+        for (; n + 4 <= n1; n += 4) {
+            __m256 ev[4], od[4];
+            for (int r = 0; r < 4; r++) ev[r] = od[r] = _mm256_setzero_ps();
+            for (int64_t i = 0; i < full; i += 16) {
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + i));
+                const __m256 xe = _mm256_castsi256_ps(_mm256_slli_epi32(xv, 16));
+                const __m256 xo = _mm256_castsi256_ps(_mm256_and_si256(xv, hi16));
+                if (!(i & 31))
+                    for (int r = 0; r < 4; r++) __builtin_prefetch(w + (n + r + BF_AHEAD) * ldw + i, 0, 2);
+                for (int r = 0; r < 4; r++) {
+                    const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + (n + r) * ldw + i));
+                    ev[r] = _mm256_fmadd_ps(xe, _mm256_castsi256_ps(_mm256_slli_epi32(wv, 16)), ev[r]);
+                    od[r] = _mm256_fmadd_ps(xo, _mm256_castsi256_ps(_mm256_and_si256(wv, hi16)), od[r]);
+                }
+            }
+            for (int r = 0; r < 4; r++) {
+                float e[8], o[8], a[16];
+                _mm256_storeu_ps(e, ev[r]);
+                _mm256_storeu_ps(o, od[r]);
+                for (int t = 0; t < 8; t++) { a[2 * t] = e[t]; a[2 * t + 1] = o[t]; }
+                out[m * ldo + n + r] = rne(bf16_row_tail(a, x, w + (n + r) * ldw, full, k));
+            }
+        }
+#endif
+        for (; n < n1; n++) {
+            const uint16_t *wr = w + n * ldw;
+            float a[16] = {0};
+            for (int64_t i = 0; i < full; i += 16)
+                for (int j = 0; j < 16; j++) a[j] = a[j] + bf(x[i + j]) * bf(wr[i + j]);
+            out[m * ldo + n] = rne(bf16_row_tail(a, x, wr, full, k));
+        }
+    }
+}
+
+/* x [M, K] bf16 (row stride ldx), w bf16 [N, K] (row stride ldw) -> out [M, N] bf16 (row stride ldo). */
+int llmsys_gemv_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw, uint16_t *out, int64_t ldo,
+                     int64_t m_count, int64_t n, int64_t k, int threads) {
+    if (m_count <= 0 || n <= 0 || k <= 0 || ldx < k || ldw < k || ldo < n) return 1;
+    const int64_t items = (n + 63) / 64;
+    const int par = threads > 1 && items > 1 && m_count * n * k >= PAR_MIN;
+#pragma omp parallel for num_threads(threads) schedule(static) if (par)
+    for (int64_t it = 0; it < items; it++)
+        bf16_rows(x, ldx, m_count, k, w, ldw, out, ldo, it * 64, it * 64 + 64 < n ? it * 64 + 64 : n);
+    return 0;
+}
+
 /* ------------------------------------------------------------ fused a8 decode layers
  *
- * A decode step's layer in two calls instead of ~10: llmsys_a8_attn_in (input RMSNorm with its
- * residual add, then the q|k|v projection) and llmsys_a8_mlp (o_proj, the post-attention RMSNorm,
+ * A decode step's layer in two calls instead of ~10: llmsys_layer_attn_in (input RMSNorm with its
+ * residual add, then the q|k|v projection) and llmsys_layer_mlp (o_proj, the post-attention RMSNorm,
  * gate|up, silu * mul, down). Why: with the a8 GEMVs a SmolLM2-135M int4 decode step spent more time in
  * the Python and dispatch around the kernels (per linear call ~25-35 us of wrappers and module calls)
  * than in the kernels (benchmarks/profile_decode.py). The arithmetic is that of the separate kernels: the
@@ -1283,9 +1357,9 @@ int llmsys_qgemv_int4_a8(const uint16_t *x, int64_t ldx, const uint8_t *packed, 
  */
 
 typedef struct {
-    int64_t kind;          /* 0: int8 codes [N, K], bf16 scales [N]; 1: int4 in the CPU tiling */
+    int64_t kind;          /* 0: int8 codes [N, K], bf16 scales [N]; 1: int4 in the CPU tiling; 2: bf16 [N, K] */
     int64_t n, k, kp, gs;  /* rows, columns; int4: padded columns Kp = G * gs and the group size */
-    const void *q;         /* the codes */
+    const void *q;         /* the codes (bf16: the weight, rows of kp elements apart) */
     const void *scales;    /* int4: scales at [n * s_n + g * s_g] of scale_kind (0 bf16, 1 f32, 2 f16) */
     int64_t s_n, s_g, scale_kind;
     const uint8_t *zeros;  /* int4: zero points at [n * z_n + g * z_g] */
@@ -1295,11 +1369,13 @@ typedef struct {
 
 #define QW_MAX 4 /* weights per projection */
 
-static int64_t qw_nb(const llmsys_qw *w) { return w->kind ? w->kp / A8 : (w->k + A8 - 1) / A8; }
+static int64_t qw_nb(const llmsys_qw *w) { return w->kind == 1 ? w->kp / A8 : (w->k + A8 - 1) / A8; }
 
 /* 0 when w is a weight of k columns the a8 GEMVs take (their own argument checks), else 1 */
 static int qw_check(const llmsys_qw *w, int64_t k) {
-    if (w->n <= 0 || w->k != k || !w->q || !w->scales) return 1;
+    if (w->n <= 0 || w->k != k || !w->q) return 1;
+    if (w->kind == 2) return w->kp < k;
+    if (!w->scales) return 1;
     if (w->kind == 0) return 0;
     if (w->kind != 1 || w->gs <= 0 || w->gs % A8 || w->gs > 256 || w->kp % w->gs || k <= w->kp - w->gs || k > w->kp
         || !w->zeros || w->scale_kind < 0 || w->scale_kind > 2)
@@ -1307,10 +1383,14 @@ static int qw_check(const llmsys_qw *w, int64_t k) {
     return 0;
 }
 
-/* Rows [64 it, 64 it + 64) of w against the m_count rows of a: out[m * ldo + n], bias added. */
-static void qw_item(const llmsys_qw *w, const a8_x *a, int64_t m_count, int64_t it, uint16_t *out, int64_t ldo) {
+/* Rows [64 it, 64 it + 64) of w against the m_count rows of x (contiguous bf16, read by bf16 weights; a: its
+   a8 blocks, read by int8 / int4 weights): out[m * ldo + n], bias added. */
+static void qw_item(const llmsys_qw *w, const a8_x *a, const uint16_t *x, int64_t m_count, int64_t it, uint16_t *out,
+                    int64_t ldo) {
     const int64_t n0 = it * 64, n1 = n0 + 64 < w->n ? n0 + 64 : w->n;
-    if (w->kind == 0) {
+    if (w->kind == 2) {
+        bf16_rows(x, w->k, m_count, w->k, (const uint16_t *)w->q, w->kp, out, ldo, n0, n1);
+    } else if (w->kind == 0) {
         for (int64_t m = 0; m < m_count; m++)
             int8_a8_rows(a, m, (const int8_t *)w->q, w->k, (const uint16_t *)w->scales, out, ldo, n0, n1);
     } else {
@@ -1324,7 +1404,7 @@ static void qw_item(const llmsys_qw *w, const a8_x *a, int64_t m_count, int64_t 
 }
 
 /* out [M, sum of n] = x [M, K] (contiguous) times each weight, side by side. 0, 1 bad weights, 2 no memory. */
-static int proj_a8(const llmsys_qw *ws, int64_t nw, const uint16_t *x, int64_t m_count, int64_t k, uint16_t *out,
+static int proj_run(const llmsys_qw *ws, int64_t nw, const uint16_t *x, int64_t m_count, int64_t k, uint16_t *out,
                    int threads) {
     if (nw < 1 || nw > QW_MAX) return 1;
     a8_x a[QW_MAX];
@@ -1335,16 +1415,18 @@ static int proj_a8(const llmsys_qw *ws, int64_t nw, const uint16_t *x, int64_t m
     for (int64_t j = 0; j < nw; j++) {
         if (qw_check(&ws[j], k)) { rc = 1; break; }
         use[j] = NULL;
-        for (int64_t i = 0; i < j; i++) /* x's blocks are shared by weights with the same block count */
-            if (qw_nb(&ws[i]) == qw_nb(&ws[j])) { use[j] = use[i]; break; }
-        if (!use[j]) {
-            if (a8_quantize(x, k, m_count, k, qw_nb(&ws[j]), &a[made])) { rc = 2; break; }
-            use[j] = &a[made++];
+        if (ws[j].kind != 2) {
+            for (int64_t i = 0; i < j; i++) /* x's blocks are shared by weights with the same block count */
+                if (ws[i].kind != 2 && qw_nb(&ws[i]) == qw_nb(&ws[j])) { use[j] = use[i]; break; }
+            if (!use[j]) {
+                if (a8_quantize(x, k, m_count, k, qw_nb(&ws[j]), &a[made])) { rc = 2; break; }
+                use[j] = &a[made++];
+            }
         }
         col[j] = ldo;
         ldo += ws[j].n;
         first[j + 1] = first[j] + (ws[j].n + 63) / 64;
-        work += ws[j].n * (ws[j].kind ? ws[j].kp : ws[j].k);
+        work += ws[j].n * (ws[j].kind == 1 ? ws[j].kp : ws[j].k);
     }
     if (!rc) {
         const int64_t items = first[nw];
@@ -1353,7 +1435,7 @@ static int proj_a8(const llmsys_qw *ws, int64_t nw, const uint16_t *x, int64_t m
         for (int64_t it = 0; it < items; it++) {
             int64_t j = 0;
             while (it >= first[j + 1]) j++;
-            qw_item(&ws[j], use[j], m_count, it - first[j], out + col[j], ldo);
+            qw_item(&ws[j], use[j], x, m_count, it - first[j], out + col[j], ldo);
         }
     }
     for (int i = 0; i < made; i++) a8_free(&a[i]);
@@ -1371,7 +1453,7 @@ static int norm_rows(const uint16_t *x, const uint16_t *res, const uint16_t *w, 
     return 0;
 }
 
-/* One decoder layer's fixed arguments (built once per bound weights, kernels/cpu_qgemv.py A8Layer). */
+/* One decoder layer's fixed arguments (built once per bound weights, kernels/cpu_qgemv.py DecodeLayer). */
 typedef struct {
     const uint16_t *ln1, *ln2; /* input and post-attention RMSNorm weights, bf16 [D] */
     float eps1, eps2;
@@ -1382,10 +1464,10 @@ typedef struct {
     const llmsys_qw *gu;       /* gate | up: n_gu weights side by side */
     int64_t n_gu;
     const llmsys_qw *down;     /* one weight */
-} llmsys_a8_layer;
+} llmsys_layer;
 
-/* 0 when the layer's shapes fit together (what proj_a8 does not check itself), else 1 */
-static int layer_check(const llmsys_a8_layer *L, int64_t m_count) {
+/* 0 when the layer's shapes fit together (what proj_run does not check itself), else 1 */
+static int layer_check(const llmsys_layer *L, int64_t m_count) {
     if (m_count <= 0 || L->d <= 0 || L->d > (1 << 20) || L->o->n != L->d || L->down->n != L->d || L->n_gu < 1
         || L->n_gu > QW_MAX)
         return 1;
@@ -1397,13 +1479,13 @@ static int layer_check(const llmsys_a8_layer *L, int64_t m_count) {
 /* The attention input: x [M, D] (the previous layer's MLP output; the embeddings with res NULL), res [M, D]
  * or NULL -> out [M, sum of q|k|v rows] = RMSNorm(x + res) times the q|k|v weights (+ bias), new_res [M, D]
  * = bf16(x + res) (not written when res is NULL). 0, 1 bad arguments, 2 no memory. */
-int llmsys_a8_attn_in(const llmsys_a8_layer *L, const uint16_t *x, const uint16_t *res, uint16_t *out,
+int llmsys_layer_attn_in(const llmsys_layer *L, const uint16_t *x, const uint16_t *res, uint16_t *out,
                       uint16_t *new_res, int64_t m_count, int threads) {
     if (layer_check(L, m_count)) return 1;
     const int64_t d = L->d;
     uint16_t *xn = malloc(sizeof(uint16_t) * (size_t)(m_count * d));
     int rc = xn ? norm_rows(x, res, L->ln1, L->eps1, xn, new_res, m_count, d) : 2;
-    if (!rc) rc = proj_a8(L->qkv, L->n_qkv, xn, m_count, d, out, threads);
+    if (!rc) rc = proj_run(L->qkv, L->n_qkv, xn, m_count, d, out, threads);
     free(xn);
     return rc;
 }
@@ -1412,7 +1494,7 @@ int llmsys_a8_attn_in(const llmsys_a8_layer *L, const uint16_t *x, const uint16_
  * -> a = o times o; x = RMSNorm(a + res) (ln2); new_res = bf16(a + res);
  * out [M, D] = down(silu(gate(x)) * up(x)), gate | up the gu weights' outputs side by side (2 I).
  * 0, 1 bad arguments, 2 no memory. */
-int llmsys_a8_mlp(const llmsys_a8_layer *L, const uint16_t *o, const uint16_t *res, uint16_t *out,
+int llmsys_layer_mlp(const llmsys_layer *L, const uint16_t *o, const uint16_t *res, uint16_t *out,
                   uint16_t *new_res, int64_t m_count, int threads) {
     if (layer_check(L, m_count)) return 1;
     const int64_t d = L->d;
@@ -1422,12 +1504,12 @@ int llmsys_a8_mlp(const llmsys_a8_layer *L, const uint16_t *o, const uint16_t *r
     uint16_t *a = malloc(sizeof(uint16_t) * (size_t)(m_count * (2 * d + two_i + inter)));
     if (!a) return 2;
     uint16_t *xn = a + m_count * d, *g = xn + m_count * d, *y = g + m_count * two_i;
-    int rc = proj_a8(L->o, 1, o, m_count, L->k_o, a, threads);
+    int rc = proj_run(L->o, 1, o, m_count, L->k_o, a, threads);
     if (!rc) rc = norm_rows(a, res, L->ln2, L->eps2, xn, new_res, m_count, d);
-    if (!rc) rc = proj_a8(L->gu, L->n_gu, xn, m_count, d, g, threads);
+    if (!rc) rc = proj_run(L->gu, L->n_gu, xn, m_count, d, g, threads);
     if (!rc) {
         for (int64_t t = 0; t < m_count; t++) ops_silu_mul_row(g + t * two_i, g + t * two_i + inter, y + t * inter, inter);
-        rc = proj_a8(L->down, 1, y, m_count, inter, out, threads);
+        rc = proj_run(L->down, 1, y, m_count, inter, out, threads);
     }
     free(a);
     return rc;

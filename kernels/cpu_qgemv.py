@@ -66,8 +66,9 @@ _SIGNATURES = {
     "llmsys_qgemm_native": [],
     "llmsys_qgemv_int8_a8": [_P, _I, _P, _P, _P, _I, _I, _I, _I, _C],
     "llmsys_qgemv_int4_a8": [_P, _I, _P, _P, _I, _I, _C, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _C],
-    "llmsys_a8_attn_in": [_P, _P, _P, _P, _P, _I, _C],
-    "llmsys_a8_mlp": [_P, _P, _P, _P, _P, _I, _C],
+    "llmsys_gemv_bf16": [_P, _I, _P, _I, _P, _I, _I, _I, _I, _C],
+    "llmsys_layer_attn_in": [_P, _P, _P, _P, _P, _I, _C],
+    "llmsys_layer_mlp": [_P, _P, _P, _P, _P, _I, _C],
 }
 A8_BLOCK = 32  # columns of x per int8 block in the a8 GEMVs
 _SCALE_KINDS = {torch.bfloat16: 0, torch.float32: 1, torch.float16: 2}
@@ -183,6 +184,12 @@ def int4_a8_def(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zer
     return f.to(torch.bfloat16)
 
 
+def bf16_gemv_def(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x [M, K]`` and ``weight [N, K]`` bf16 ``-> [M, N]`` bf16, :func:`bf16_gemv`'s bits: each dot in
+    16 float32 lanes in order, then the lanes' tree (``cpu_decode.lane_sum``), rounded once."""
+    return lane_sum(x.float()[:, None, :], weight.float()[None, :, :]).to(torch.bfloat16)
+
+
 def _scales_2d(scales: torch.Tensor, n: int) -> torch.Tensor:
     """``scales [N, G]``, or the ``[N, G]`` view of torch's ``scales_zeros [G, Np, 2]``."""
     return scales[:, :n, 0].t() if scales.dim() == 3 else scales
@@ -208,6 +215,25 @@ def int8_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *, c
     buffers: ~5 us a call on the decode path); ``lib``: another build, for tests.
     """
     return _int8("llmsys_qgemv_int8", x, qweight, scales, check, lib)
+
+
+def bf16_gemv(x: torch.Tensor, weight: torch.Tensor, *, check: bool = True, lib=None) -> torch.Tensor:
+    """``x [M, K]`` bf16 times a plain bf16 ``weight [N, K]`` (unit column stride) ``-> [M, N]`` bf16, as
+    :func:`bf16_gemv_def`: the decode GEMV of bf16 layers where oneDNN has no bf16 (``cpu_linear``).
+    ``check`` and ``lib`` as :func:`int8_gemv`."""
+    n, k = weight.shape
+    if check:
+        _check_x("bf16_gemv", x, k)
+        if weight.dtype != torch.bfloat16 or weight.stride(1) != 1 or weight.device.type != "cpu":
+            raise ValueError(f"bf16_gemv: weight must be a CPU bf16 [N, K] tensor with unit column stride, "
+                             f"got {weight.dtype} {tuple(weight.shape)} strides {weight.stride()}")
+    m = x.shape[0]
+    out = torch.empty(m, n, dtype=torch.bfloat16)
+    rc = (lib or _KERNEL.lib()).llmsys_gemv_bf16(x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0),
+                                                  out.data_ptr(), n, m, n, k, torch.get_num_threads())
+    if rc:
+        raise RuntimeError(f"bf16_gemv: the C kernel failed (code {rc}) on M={m} N={n} K={k}")
+    return out
 
 
 def int8_gemv_a8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *, check: bool = True,
@@ -313,7 +339,7 @@ def _int4(symbol: str, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
 class QW(ctypes.Structure):
     """One a8 weight as the fused layer kernels read it (``llmsys_qw`` in cpu_qgemv.c): raw pointers
     into the layer's buffers, which the caller keeps alive for the call. Built by the quantized
-    layers (``Int8Linear.a8_weight``, ``Int4Linear.a8_weight``) through :func:`int8_weight` /
+    layers (``Int8Linear.decode_weight``, ``Int4Linear.decode_weight``) through :func:`int8_weight` /
     :func:`int4_weight`."""
 
     _fields_ = [("kind", _I), ("n", _I), ("k", _I), ("kp", _I), ("gs", _I), ("q", _P), ("scales", _P),
@@ -325,6 +351,13 @@ def int8_weight(qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor 
     """:func:`int8_gemv_a8`'s weight (contiguous int8 ``[N, K]``, bf16 ``[N]``) plus a bf16 ``bias [N]`` or None."""
     n, k = qweight.shape
     return QW(0, n, k, k, 0, qweight.data_ptr(), scales.data_ptr(), 0, 0, 0, None, 0, 0,
+              None if bias is None else bias.data_ptr())
+
+
+def bf16_weight(weight: torch.Tensor, bias: torch.Tensor | None) -> QW:
+    """:func:`bf16_gemv`'s weight (bf16 ``[N, K]``, unit column stride) plus a bf16 ``bias [N]`` or None."""
+    n, k = weight.shape
+    return QW(2, n, k, weight.stride(0), 0, weight.data_ptr(), None, 0, 0, 0, None, 0, 0,
               None if bias is None else bias.data_ptr())
 
 
@@ -342,17 +375,17 @@ def int4_weight(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
 
 
 class _LayerArgs(ctypes.Structure):
-    """``llmsys_a8_layer`` in cpu_qgemv.c."""
+    """``llmsys_layer`` in cpu_qgemv.c."""
 
     _fields_ = [("ln1", _P), ("ln2", _P), ("eps1", ctypes.c_float), ("eps2", ctypes.c_float), ("d", _I),
                 ("k_o", _I), ("qkv", _P), ("n_qkv", _I), ("o", _P), ("gu", _P), ("n_gu", _I), ("down", _P)]
 
 
 @dataclass(frozen=True)
-class A8Layer:
-    """One decoder layer's fixed arguments for the fused a8 kernels (:func:`a8_layer`): raw pointers into
+class DecodeLayer:
+    """One decoder layer's fixed arguments for the fused a8 kernels (:func:`decode_layer_args`): raw pointers into
     its weights and norm weights, valid while those stay where they are (the caller checks:
-    ``DecoderLayer.a8_weights``). Why one struct: the kernels then take 7 ctypes arguments a call,
+    ``DecoderLayer.decode_layer``). Why one struct: the kernels then take 7 ctypes arguments a call,
     not 14 plus per-call arrays (~10 us of a ~25 us decode layer's Python)."""
 
     args: _LayerArgs
@@ -368,22 +401,22 @@ class A8Layer:
                 f"({a.n_qkv} + 1 + {a.n_gu} + 1 weights)")
 
 
-def a8_layer(qkv: list[QW], o_proj: QW, gate_up: list[QW], down: QW, ln1: torch.Tensor, eps1: float,
-             ln2: torch.Tensor, eps2: float) -> A8Layer:
-    """The :class:`A8Layer` of a layer's a8 weights (q|k|v and gate|up: 1-4 weights each whose outputs lie
+def decode_layer_args(qkv: list[QW], o_proj: QW, gate_up: list[QW], down: QW, ln1: torch.Tensor, eps1: float,
+             ln2: torch.Tensor, eps2: float) -> DecodeLayer:
+    """The :class:`DecodeLayer` of a layer's a8 weights (q|k|v and gate|up: 1-4 weights each whose outputs lie
     side by side, one fused weight or several) and its two RMSNorm weights (bf16 ``[D]``, contiguous)."""
     if not (1 <= len(qkv) <= 4 and 1 <= len(gate_up) <= 4):
-        raise ValueError(f"a8_layer: q|k|v and gate|up take 1-4 weights each, got {len(qkv)} and {len(gate_up)}")
+        raise ValueError(f"decode_layer_args: q|k|v and gate|up take 1-4 weights each, got {len(qkv)} and {len(gate_up)}")
     d = qkv[0].k
     for name, t in (("ln1", ln1), ("ln2", ln2)):
         if t.dtype != torch.bfloat16 or tuple(t.shape) != (d,) or not t.is_contiguous() or t.device.type != "cpu":
-            raise ValueError(f"a8_layer: {name} must be a contiguous CPU bf16 [{d}] tensor, "
+            raise ValueError(f"decode_layer_args: {name} must be a contiguous CPU bf16 [{d}] tensor, "
                              f"got {t.dtype} {tuple(t.shape)} on {t.device}")
     arrays = ((QW * len(qkv))(*qkv), (QW * 1)(o_proj), (QW * len(gate_up))(*gate_up), (QW * 1)(down))
     args = _LayerArgs(ln1.data_ptr(), ln2.data_ptr(), eps1, eps2, d, o_proj.k, ctypes.addressof(arrays[0]),
                       len(qkv), ctypes.addressof(arrays[1]), ctypes.addressof(arrays[2]), len(gate_up),
                       ctypes.addressof(arrays[3]))
-    return A8Layer(args, arrays, d, sum(w.n for w in qkv), o_proj.k)
+    return DecodeLayer(args, arrays, d, sum(w.n for w in qkv), o_proj.k)
 
 
 def _check_rows(op: str, x: torch.Tensor, d: int, m: int | None = None) -> None:
@@ -393,7 +426,7 @@ def _check_rows(op: str, x: torch.Tensor, d: int, m: int | None = None) -> None:
                          f"got {x.dtype} {tuple(x.shape)} on {x.device}")
 
 
-def a8_attn_in(layer: A8Layer, x: torch.Tensor, residual: torch.Tensor | None, *,
+def layer_attn_in(layer: DecodeLayer, x: torch.Tensor, residual: torch.Tensor | None, *,
                check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """A decode layer's input RMSNorm and q|k|v projection in one C call.
 
@@ -405,37 +438,37 @@ def a8_attn_in(layer: A8Layer, x: torch.Tensor, residual: torch.Tensor | None, *
     """
     m = x.shape[0]
     if check:
-        _check_rows("a8_attn_in", x, layer.d)
+        _check_rows("layer_attn_in", x, layer.d)
         if residual is not None:
-            _check_rows("a8_attn_in", residual, layer.d, m)
+            _check_rows("layer_attn_in", residual, layer.d, m)
     out = torch.empty(m, layer.qkv_rows, dtype=torch.bfloat16)
     new_res = x if residual is None else torch.empty_like(x)
-    rc = _KERNEL.lib().llmsys_a8_attn_in(ctypes.byref(layer.args), x.data_ptr(),
+    rc = _KERNEL.lib().llmsys_layer_attn_in(ctypes.byref(layer.args), x.data_ptr(),
                                          None if residual is None else residual.data_ptr(), out.data_ptr(),
                                          new_res.data_ptr(), m, torch.get_num_threads())
     if rc:
-        raise ValueError(f"a8_attn_in: the C kernel rejected the layer (code {rc}; 2: out of memory): "
+        raise ValueError(f"layer_attn_in: the C kernel rejected the layer (code {rc}; 2: out of memory): "
                          f"{layer.describe()}")
     return out, new_res
 
 
-def a8_mlp(layer: A8Layer, o: torch.Tensor, residual: torch.Tensor, *,
+def layer_mlp(layer: DecodeLayer, o: torch.Tensor, residual: torch.Tensor, *,
            check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """A decode layer from its attention output to its MLP output in one C call.
 
     ``o [M, Hq D]`` (attention heads side by side) and ``residual [M, D]`` bf16 ``-> (down(silu(gate(x)) *
     up(x)), a + residual)`` with ``a`` o_proj's output and ``x = rms_norm(a + residual)``: the bits of
     the layers' a8 GEMVs, ``cpu_decode.rms_norm`` and ``cpu_decode.silu_mul``. ``check`` as
-    :func:`a8_attn_in`.
+    :func:`layer_attn_in`.
     """
     m = o.shape[0]
     if check:
-        _check_rows("a8_mlp", o, layer.k_o)
-        _check_rows("a8_mlp", residual, layer.d, m)
+        _check_rows("layer_mlp", o, layer.k_o)
+        _check_rows("layer_mlp", residual, layer.d, m)
     out, new_res = torch.empty(m, layer.d, dtype=torch.bfloat16), torch.empty(m, layer.d, dtype=torch.bfloat16)
-    rc = _KERNEL.lib().llmsys_a8_mlp(ctypes.byref(layer.args), o.data_ptr(), residual.data_ptr(), out.data_ptr(),
+    rc = _KERNEL.lib().llmsys_layer_mlp(ctypes.byref(layer.args), o.data_ptr(), residual.data_ptr(), out.data_ptr(),
                                      new_res.data_ptr(), m, torch.get_num_threads())
     if rc:
-        raise ValueError(f"a8_mlp: the C kernel rejected the layer (code {rc}; 2: out of memory): "
+        raise ValueError(f"layer_mlp: the C kernel rejected the layer (code {rc}; 2: out of memory): "
                          f"{layer.describe()}")
     return out, new_res

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from llmsys.kernels import A8Weight
+from llmsys.kernels import DecodeWeight
 from llmsys.kernels.common.errors import CheckpointError
 
 # Decode-sized batches (rows of x) for which the packed CPU kernels beat
@@ -112,10 +112,10 @@ class QuantLinear(nn.Module):
         self._kernel = kernel
         # Bias is tiny; keep it in the model's float dtype.
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
-        # (buffer addresses, A8Weight): a8_weight's last answer, reused while the buffers stay where they
+        # (buffer addresses, DecodeWeight): decode_weight's last answer, reused while the buffers stay where they
         # are (resident layers: always). Addresses, not tensors: holding a streamed layer's views would
         # keep their memory alive.
-        self._a8_cache: tuple[tuple[int, ...], A8Weight] | None = None
+        self._a8_cache: tuple[tuple[int, ...], DecodeWeight] | None = None
 
     @property
     def kernel(self) -> MatmulKernel:
@@ -141,15 +141,15 @@ class QuantLinear(nn.Module):
         return None
 
     # The most rows of x this format's forward runs through the a8 GEMV (its PACKED_MAX_ROWS); 0: never.
-    A8_MAX_ROWS = 0
+    DECODE_MAX_ROWS = 0
 
-    def a8_weight(self) -> A8Weight | None:
-        """This layer's weight for the fused a8 decode layer kernels (``kernels.a8_attn_in``,
-        ``kernels.a8_mlp``) when its own forward on a bf16 input of up to :attr:`A8_MAX_ROWS` rows runs
+    def decode_weight(self) -> DecodeWeight | None:
+        """This layer's weight for the fused a8 decode layer kernels (``kernels.layer_attn_in``,
+        ``kernels.layer_mlp``) when its own forward on a bf16 input of up to :attr:`DECODE_MAX_ROWS` rows runs
         the a8 GEMV (and adds a bf16 bias), so the fused call gives its bits; None otherwise (the default)."""
         return None
 
-    def _a8_cached(self, tensors: tuple[torch.Tensor | None, ...], build) -> A8Weight:
+    def _a8_cached(self, tensors: tuple[torch.Tensor | None, ...], build) -> DecodeWeight:
         """``build()``'s weight, rebuilt only when one of ``tensors`` (what it points into) moved."""
         key = tuple(0 if t is None else t.data_ptr() for t in tensors)
         c = self._a8_cache

@@ -37,8 +37,8 @@ import torch.nn.functional as F
 
 from llmsys.kernels import CPU_INT4_BLOCK_N as CPU_BLOCK_N  # the CPU layout tiles rows in blocks of 64
 from llmsys.kernels import (
-    A8Weight,
-    a8_int4_weight,
+    DecodeWeight,
+    int4_decode_weight,
     dequant_cpu_int4,
     int4_gemm,
     int4_gemv_a8,
@@ -328,9 +328,9 @@ class Int4Linear(QuantLinear):
             w = (q - self.zeros[ids].float()[..., None]) * self.scales[ids].float()[..., None]
         return w.reshape(m, kp)[:, : self.in_features].to(dtype)
 
-    A8_MAX_ROWS = PACKED_MAX_ROWS
+    DECODE_MAX_ROWS = PACKED_MAX_ROWS
 
-    def a8_weight(self) -> A8Weight | None:
+    def decode_weight(self) -> DecodeWeight | None:
         """The C a8 weight when :meth:`_matmul` on decode-sized bf16 inputs runs ``int4_gemv_a8``."""
         buf = self._buffers
         bias = buf["bias"]
@@ -342,7 +342,7 @@ class Int4Linear(QuantLinear):
         if scales is None:
             scales = buf["scales_zeros"]
         packed, zeros = buf["packed"], buf["zeros_gm"]
-        return self._a8_cached((packed, scales, zeros, bias), lambda: a8_int4_weight(
+        return self._a8_cached((packed, scales, zeros, bias), lambda: int4_decode_weight(
             packed, scales, zeros.t(), self.group_size, self.in_features, bias))
 
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:

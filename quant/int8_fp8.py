@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from llmsys.kernels import CPU_INT4_BLOCK_N as CPU_BLOCK_N
-from llmsys.kernels import A8Weight, a8_int8_weight, int8_gemv, int8_gemv_a8, linear, mm_bf16, quant_matmul_support, transpose_bf16, w8a16_matmul
+from llmsys.kernels import DecodeWeight, int8_decode_weight, int8_gemv, int8_gemv_a8, linear, mm_bf16, quant_matmul_support, transpose_bf16, w8a16_matmul
 from llmsys.quant.base import (
     PACKED_MAX_ROWS,
     TORCH_DEQUANT,
@@ -140,16 +140,16 @@ class Int8Linear(_PerRowLinear):
         bias = torch.cat([m.bias for m in layers]) if biased[0] else None
         return cls(torch.cat([m.qweight for m in layers]), torch.cat([m.scales for m in layers]), bias)
 
-    A8_MAX_ROWS = PACKED_MAX_ROWS
+    DECODE_MAX_ROWS = PACKED_MAX_ROWS
 
-    def a8_weight(self) -> A8Weight | None:
+    def decode_weight(self) -> DecodeWeight | None:
         """The C a8 weight when :meth:`_matmul` on decode-sized bf16 inputs runs ``int8_gemv_a8``."""
         buf = self._buffers
         bias = buf["bias"]
         if self._kernel.family not in _C_FAMILIES or (bias is not None and bias.dtype != torch.bfloat16):
             return None
         q, scales = buf["qweight"], buf["scales"]
-        return self._a8_cached((q, scales, bias), lambda: a8_int8_weight(q, scales, bias))
+        return self._a8_cached((q, scales, bias), lambda: int8_decode_weight(q, scales, bias))
 
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
         buf = self._buffers  # read directly: nn.Module.__getattr__ costs ~1 us a buffer on the decode path

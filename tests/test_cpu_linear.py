@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from llmsys import kernels
-from llmsys.kernels import cpu_linear
+from llmsys.kernels import cpu_linear, cpu_qgemv
 
 NO_BF16_PACK = "oneDNN has no bf16 path on this CPU (no AVX-512BW/VL/DQ, no AVX-NE-CONVERT): bf16 is never packed"
 
@@ -55,7 +55,9 @@ def test_prepacked_weight_is_bit_identical_to_the_plain_one(m, dtype):
 @pytest.mark.parametrize("m", [1, 7, 8, 40])
 def test_bf16_batches_upcast_where_onednn_has_no_bf16(m):
     """Without oneDNN bf16 (AVX2), bf16 batches of BF16_UPCAST_MIN_ROWS rows and more run as float32
-    sgemm on weight chunks: the float32 product rounded once; smaller ones are torch's bf16 linear."""
+    sgemm on weight chunks: the float32 product rounded once; smaller ones the C bf16 GEMV (its
+    definition's bits, then bf16(y + bias): what the fused decode layers compute), or torch's bf16
+    linear without the C kernels."""
     w, b = _weights(torch.bfloat16, n=1000, k=256)
     x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)).bfloat16()
     with torch.inference_mode():
@@ -65,7 +67,12 @@ def test_bf16_batches_upcast_where_onednn_has_no_bf16(m):
     whole = (torch.mm(w.float(), x.float().t()).t() + b.float()).bfloat16()  # one sgemm, bias, one rounding
     assert torch.equal(up[0], whole)  # the weight's row chunks change no bits
     if not cpu_linear._ONEDNN_BF16:
-        want = up[0] if m >= cpu_linear.BF16_UPCAST_MIN_ROWS else F.linear(x, w, b)
+        if m >= cpu_linear.BF16_UPCAST_MIN_ROWS:
+            want = up[0]
+        elif cpu_linear.bf16_gemv_applies(w, b):
+            want = cpu_qgemv.bf16_gemv_def(x, w) + b
+        else:
+            want = F.linear(x, w, b)
         assert torch.equal(got, want)
     ref = F.linear(x.double(), w.double(), b.double())
     assert (got.double() - ref).abs().max().item() < 1e-2 * ref.abs().max().item()

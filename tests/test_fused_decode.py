@@ -3,7 +3,7 @@
 What the forward fuses (engine/models/base.py, engine/attention.py): RMSNorm with the residual add
 before it, RoPE + the K/V store in one C call (bfloat16), decode attention reading the pool by slot,
 RoPE's rotate-half folded into float32 q|k|v weights and gate|up in one GEMM (DecoderModel.fold_rope),
-and for int8 / int4 layers the whole layer around attention in two C calls (DecoderLayer._forward_a8).
+and for int8 / int4 layers the whole layer around attention in two C calls (DecoderLayer._forward_fused).
 The reference below is the decoder as separate ``kernels`` ops, the way the module path ran them.
 """
 
@@ -84,9 +84,15 @@ def test_fused_decode_is_bit_identical(tmp_path, kind, overrides, dtype, fused, 
     llm = LLM(str(path), dtype=dtype, progress=False, block_size=4, kv_cache_tokens=256, quant=quant)
     layers = llm.loaded.model.model.layers
     assert all((layer.self_attn.rope_qkv is not None) == fused for layer in layers)
-    if quant is not None and kernels.cpu_fused_available():  # the fused a8 layers apply to decode-sized steps
-        h = torch.zeros(3, overrides["hidden_size"], dtype=torch.bfloat16)  # a decode step of 3 sequences
-        assert all(layer.a8_weights(h) is not None for layer in layers)
+    from llmsys.kernels import cpu_linear
+
+    # The fused decode layers take decode-sized bf16 steps of int8 / int4 layers, and of bf16 ones where
+    # oneDNN has no bf16 (the C bf16 GEMV); the reference below runs the same layers op by op.
+    fuses = dtype == "bfloat16" and (quant is not None or not cpu_linear._ONEDNN_BF16)
+    if kernels.cpu_fused_available():
+        h = torch.zeros(3, overrides.get("hidden_size", 64), dtype=torch.bfloat16)  # a decode step of 3 sequences
+        with torch.inference_mode():
+            assert all((layer.decode_layer(h) is not None) == fuses for layer in layers)
     for lens in ([9], [3, 17, 8], [12, 12]):  # one sequence; unequal lengths (masked); equal lengths
         (h0, k0, v0), (h1, k1, v1) = _step_both(llm, lens)
         assert torch.equal(h0, h1)

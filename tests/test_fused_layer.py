@@ -1,4 +1,4 @@
-"""The fused a8 decode layer kernels (``kernels.a8_attn_in``, ``kernels.a8_mlp``; cpu_qgemv.c) against
+"""The fused a8 decode layer kernels (``kernels.layer_attn_in``, ``kernels.layer_mlp``; cpu_qgemv.c) against
 the same layer run op by op: the C RMSNorm, each quantized layer's own a8 GEMV, its bias, the C
 silu * mul. Bit for bit, on every x86 ISA level this CPU runs; weights fused into one or apart."""
 
@@ -11,7 +11,8 @@ import torch
 
 from conftest import other_isa_build, x86_levels
 from llmsys import kernels
-from llmsys.kernels import cpu_decode, cpu_qgemv
+from llmsys.engine.models.base import Linear
+from llmsys.kernels import cpu_decode, cpu_linear, cpu_qgemv
 from llmsys.quant.int4 import Int4Linear
 from llmsys.quant.int8_fp8 import Int8Linear
 
@@ -29,19 +30,40 @@ def _layer(fmt: str, n: int, k: int, seed: int, bias: bool = False):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * 0.05
     b = (torch.randn(n, generator=g) * 0.1).to(BF) if bias else None
+    if fmt == "bf16":  # the engine's Linear: the C bf16 GEMV where oneDNN has no bf16
+        if cpu_linear._ONEDNN_BF16:
+            pytest.skip("oneDNN runs bf16 on this CPU: bf16 layers keep its GEMM, not the fused decode layers")
+        lin = Linear(k, n, bias=bias, dtype=BF)
+        with torch.no_grad():
+            lin.weight.copy_(w)
+            if bias:
+                lin.bias.copy_(b)
+        return lin
     if fmt == "int8":
         return Int8Linear.from_float(w, b)
     return Int4Linear.from_float(w, b, group_size=64 if fmt == "int4" else 32)
 
 
+def _cat(*mods):
+    """The layers' rows in one layer (DecoderModel.fuse_projections' result for them)."""
+    if isinstance(mods[0], Linear):
+        lin = Linear(mods[0].in_features, sum(m.out_features for m in mods), bias=mods[0].bias is not None, dtype=BF)
+        with torch.no_grad():
+            lin.weight.copy_(torch.cat([m.weight for m in mods]))
+            if lin.bias is not None:
+                lin.bias.copy_(torch.cat([m.bias for m in mods]))
+        return lin
+    return type(mods[0]).cat_rows(list(mods))
+
+
 def _ws(mods):
-    ws = [m.a8_weight() for m in mods]
+    ws = [m.decode_weight() for m in mods]
     assert all(w is not None for w in ws)
     return ws
 
 
 def _a8(qkv, o_proj, gu, down, ln1, ln2):
-    return kernels.a8_layer(_ws(qkv), _ws([o_proj])[0], _ws(gu), _ws([down])[0], ln1, 1e-5, ln2, 1e-5)
+    return kernels.decode_layer_args(_ws(qkv), _ws([o_proj])[0], _ws(gu), _ws([down])[0], ln1, 1e-5, ln2, 1e-5)
 
 
 def _op_by_op(x, res, ln1, ln2, qkv, o_proj, gu, down, attn_out):
@@ -56,8 +78,9 @@ def _op_by_op(x, res, ln1, ln2, qkv, o_proj, gu, down, attn_out):
 
 
 @needs_kernel
-@pytest.mark.parametrize("fmt", ["int8", "int4", "int4-g32"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int4-g32", "bf16"])
 @pytest.mark.parametrize("rows", [1, 5])
+@torch.inference_mode()  # as the engine runs (kernels.linear keeps autograd's F.linear otherwise)
 def test_fused_layer_equals_op_by_op(fmt, rows):
     g = torch.Generator().manual_seed(rows)
     x, res = torch.randn(rows, D, generator=g).to(BF), torch.randn(rows, D, generator=g).to(BF)
@@ -67,15 +90,15 @@ def test_fused_layer_equals_op_by_op(fmt, rows):
     o_proj, gate, up = _layer(fmt, D, HQ * HD, 4), _layer(fmt, INTER, D, 5), _layer(fmt, INTER, D, 6)
     down = _layer(fmt, D, INTER, 7)
     want = _op_by_op(x, res, ln1, ln2, [q, k, v], o_proj, [gate, up], down, attn_out)
-    fused_qkv, fused_gu = type(q).cat_rows([q, k, v]), type(gate).cat_rows([gate, up])
+    fused_qkv, fused_gu = _cat(q, k, v), _cat(gate, up)
     for qkv, gu in (([q, k, v], [gate, up]), ([fused_qkv], [fused_gu])):  # apart, and fused into one weight
         layer = _a8(qkv, o_proj, gu, down, ln1, ln2)
-        out, new_res = kernels.a8_attn_in(layer, x, res)
+        out, new_res = kernels.layer_attn_in(layer, x, res)
         assert torch.equal(_bits(out), _bits(want[0])) and torch.equal(_bits(new_res), _bits(want[1]))
-        y, res2 = kernels.a8_mlp(layer, attn_out, new_res)
+        y, res2 = kernels.layer_mlp(layer, attn_out, new_res)
         assert torch.equal(_bits(y), _bits(want[2])) and torch.equal(_bits(res2), _bits(want[3]))
     # layer 0: no residual yet, the input itself is the residual
-    out0, r0 = kernels.a8_attn_in(layer, x, None)
+    out0, r0 = kernels.layer_attn_in(layer, x, None)
     assert r0 is x and torch.equal(_bits(out0), _bits(_op_by_op(x, None, ln1, ln2, [q, k, v], o_proj, [gate, up],
                                                                  down, attn_out)[0]))
 
@@ -83,21 +106,21 @@ def test_fused_layer_equals_op_by_op(fmt, rows):
 @needs_kernel
 def test_a8_weight_only_where_the_layer_runs_the_a8_gemv():
     lin4, lin8 = _layer("int4", 128, 192, 0), _layer("int8", 128, 192, 0)
-    assert (lin4.A8_MAX_ROWS, lin8.A8_MAX_ROWS) == (28, 32)  # the formats' PACKED_MAX_ROWS
-    assert lin4.a8_weight() is not None and lin8.a8_weight() is not None
+    assert (lin4.DECODE_MAX_ROWS, lin8.DECODE_MAX_ROWS) == (28, 32)  # the formats' PACKED_MAX_ROWS
+    assert lin4.decode_weight() is not None and lin8.decode_weight() is not None
     w = torch.randn(64, 192) * 0.05
     f32_bias = Int8Linear.from_float(w, torch.randn(64))  # a float32 bias: the layer adds bf16(bias), not fused
-    assert f32_bias.a8_weight() is None
-    w = lin4.a8_weight()
-    assert lin4.a8_weight() is w  # reused while the buffers stay in place
+    assert f32_bias.decode_weight() is None
+    w = lin4.decode_weight()
+    assert lin4.decode_weight() is w  # reused while the buffers stay in place
     lin4._buffers["packed"] = lin4._buffers["packed"].clone()  # bound elsewhere, as offload binds streamed views
-    w2 = lin4.a8_weight()
+    w2 = lin4.decode_weight()
     assert w2 is not w and w2.q == lin4._buffers["packed"].data_ptr()
 
 
 @needs_kernel
 def test_decoder_layer_keeps_its_a8_layer_while_bound(tmp_path):
-    """DecoderLayer.a8_weights builds the C arguments once, rebuilds them when a weight is bound elsewhere
+    """DecoderLayer.decode_layer builds the C arguments once, rebuilds them when a weight is bound elsewhere
     (a streamed layer) and never hands out pointers into a tensor that was dropped."""
     from llmsys import LLM
     from tiny_models import make_hf_model
@@ -106,17 +129,26 @@ def test_decoder_layer_keeps_its_a8_layer_while_bound(tmp_path):
     llm = LLM(str(path), dtype="bfloat16", progress=False, kv_cache_tokens=64, quant="int4")
     layer = llm.loaded.model.model.layers[0]
     h = torch.zeros(2, 128, dtype=BF)
-    a = layer.a8_weights(h)
-    assert a is not None and layer.a8_weights(h) is a
-    assert layer.a8_weights(torch.zeros(29, 128, dtype=BF)) is None  # past int4's 28 rows: the op-by-op path
-    assert layer.a8_weights(h.float()) is None
+    assert layer.decode_layer(h) is None  # autograd on: the op-by-op layer (the C kernels record no graph)
+    torch.set_grad_enabled(False)
+    try:
+        _keeps_its_layer(layer, h)
+    finally:
+        torch.set_grad_enabled(True)
+
+
+def _keeps_its_layer(layer, h):
+    a = layer.decode_layer(h)
+    assert a is not None and layer.decode_layer(h) is a
+    assert layer.decode_layer(torch.zeros(29, 128, dtype=BF)) is None  # past int4's 28 rows: the op-by-op path
+    assert layer.decode_layer(h.float()) is None
     down = layer.mlp.down_proj
     down._buffers["packed"] = down._buffers["packed"].clone()
-    b = layer.a8_weights(h)
+    b = layer.decode_layer(h)
     assert b is not a and b.arrays[3][0].q == down._buffers["packed"].data_ptr()
     ln = layer.input_layernorm
     ln.weight = torch.nn.Parameter(ln.weight.detach().clone(), requires_grad=False)
-    c = layer.a8_weights(h)
+    c = layer.decode_layer(h)
     assert c is not b and c.args.ln1 == ln.weight.data_ptr()
 
 
@@ -129,19 +161,19 @@ def test_other_isas_give_the_same_bits(level, tmp_path):
     x, res = torch.randn(rows, D, generator=g).to(BF), torch.randn(rows, D, generator=g).to(BF)
     attn_out = torch.randn(rows, HQ * HD, generator=g).to(BF)
     ln = (torch.rand(D, generator=g) + 0.5).to(BF)
-    for fmt in ("int8", "int4"):
+    for fmt in ("int8", "int4") + (() if cpu_linear._ONEDNN_BF16 else ("bf16",)):
         qkv, o_proj = _layer(fmt, (HQ + 2 * HK) * HD, D, 1, bias=True), _layer(fmt, D, HQ * HD, 2)
         gu, down = _layer(fmt, 2 * INTER, D, 3), _layer(fmt, D, INTER, 4)
         layer = _a8([qkv], o_proj, [gu], down, ln, ln)
         args = ctypes.byref(layer.args)
-        want, want_res = kernels.a8_mlp(layer, attn_out, res)
+        want, want_res = kernels.layer_mlp(layer, attn_out, res)
         got, got_res = torch.empty_like(want), torch.empty_like(want)
-        assert lib.llmsys_a8_mlp(args, attn_out.data_ptr(), res.data_ptr(), got.data_ptr(), got_res.data_ptr(), rows,
+        assert lib.llmsys_layer_mlp(args, attn_out.data_ptr(), res.data_ptr(), got.data_ptr(), got_res.data_ptr(), rows,
                                  2) == 0
         assert torch.equal(_bits(got), _bits(want)) and torch.equal(_bits(got_res), _bits(want_res))
-        want_qkv, _ = kernels.a8_attn_in(layer, x, res)
+        want_qkv, _ = kernels.layer_attn_in(layer, x, res)
         got_qkv, new_res = torch.empty_like(want_qkv), torch.empty_like(x)
-        assert lib.llmsys_a8_attn_in(args, x.data_ptr(), res.data_ptr(), got_qkv.data_ptr(), new_res.data_ptr(), rows,
+        assert lib.llmsys_layer_attn_in(args, x.data_ptr(), res.data_ptr(), got_qkv.data_ptr(), new_res.data_ptr(), rows,
                                      2) == 0
         assert torch.equal(_bits(got_qkv), _bits(want_qkv))
 
@@ -153,19 +185,19 @@ def test_bad_arguments_are_one_line_errors():
     qkv, o_proj = _layer("int4", 128, D, 0), _layer("int8", D, 128, 1)
     gu, down = _layer("int8", 2 * INTER, D, 2), _layer("int8", D, INTER, 3)
     layer = _a8([qkv], o_proj, [gu], down, ln, ln)
-    with pytest.raises(ValueError, match=r"a8_attn_in: expected a contiguous CPU bf16 \[M, 192\] tensor, got torch.float32"):
-        kernels.a8_attn_in(layer, x.float(), None)
+    with pytest.raises(ValueError, match=r"layer_attn_in: expected a contiguous CPU bf16 \[M, 192\] tensor, got torch.float32"):
+        kernels.layer_attn_in(layer, x.float(), None)
     o = torch.randn(2, 128).to(BF)
-    with pytest.raises(ValueError, match=r"a8_mlp: expected a contiguous CPU bf16 \[2, 192\] tensor, got .* \(3, 192\)"):
-        kernels.a8_mlp(layer, o, torch.randn(3, D).to(BF))
-    with pytest.raises(ValueError, match=r"a8_layer: ln2 must be a contiguous CPU bf16 \[192\] tensor, got torch.float32"):
-        kernels.a8_layer(_ws([qkv]), _ws([o_proj])[0], _ws([gu]), _ws([down])[0], ln, 1e-5, ln.float(), 1e-5)
-    with pytest.raises(ValueError, match=r"a8_layer: q\|k\|v and gate\|up take 1-4 weights each, got 5 and 1"):
-        kernels.a8_layer(_ws([qkv] * 5), _ws([o_proj])[0], _ws([gu]), _ws([down])[0], ln, 1e-5, ln, 1e-5)
+    with pytest.raises(ValueError, match=r"layer_mlp: expected a contiguous CPU bf16 \[2, 192\] tensor, got .* \(3, 192\)"):
+        kernels.layer_mlp(layer, o, torch.randn(3, D).to(BF))
+    with pytest.raises(ValueError, match=r"decode_layer_args: ln2 must be a contiguous CPU bf16 \[192\] tensor, got torch.float32"):
+        kernels.decode_layer_args(_ws([qkv]), _ws([o_proj])[0], _ws([gu]), _ws([down])[0], ln, 1e-5, ln.float(), 1e-5)
+    with pytest.raises(ValueError, match=r"decode_layer_args: q\|k\|v and gate\|up take 1-4 weights each, got 5 and 1"):
+        kernels.decode_layer_args(_ws([qkv] * 5), _ws([o_proj])[0], _ws([gu]), _ws([down])[0], ln, 1e-5, ln, 1e-5)
     wide = _layer("int8", D, 2 * INTER, 4)  # a down_proj reading 2 I columns where silu * mul gives I
     bad = _a8([qkv], o_proj, [gu], wide, ln, ln)
-    with pytest.raises(ValueError, match=r"a8_mlp: the C kernel rejected the layer \(code 1; 2: out of memory\): "
+    with pytest.raises(ValueError, match=r"layer_mlp: the C kernel rejected the layer \(code 1; 2: out of memory\): "
                                          r"D=192, q\|k\|v \[128\] rows, o_proj 192x128, gate\|up \[640\] rows, down 192x640"):
-        kernels.a8_mlp(bad, o, x)
-    with pytest.raises(ValueError, match="a8_attn_in: the C kernel rejected the layer"):
-        kernels.a8_attn_in(bad, x, None)
+        kernels.layer_mlp(bad, o, x)
+    with pytest.raises(ValueError, match="layer_attn_in: the C kernel rejected the layer"):
+        kernels.layer_attn_in(bad, x, None)

@@ -91,6 +91,14 @@ class Linear(nn.Linear):
     # False for a head tied to an embedding held in memory: never prepacked (see
     # prepack_linears), so its plain weight must not be packed on the fly either (kernels.linear).
     packed_when_resident = True
+    # Batches that kernels.linear runs through the C bf16 GEMV where oneDNN has no bf16 (below its upcast size).
+    DECODE_MAX_ROWS = kernels.BF16_UPCAST_MIN_ROWS - 1
+
+    def decode_weight(self) -> kernels.DecodeWeight | None:
+        """The fused decode layers' weight when ``kernels.linear`` runs this layer's decode-sized batches
+        through the C bf16 GEMV (a plain bf16 weight where oneDNN has no bf16), else None: the fused
+        layer then gives this layer's bits."""
+        return kernels.bf16_decode_weight(self.weight, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.linear(x, self.weight, self.bias, packed_when_resident=self.packed_when_resident)
@@ -249,7 +257,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(a)
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self._a8: A8Binding | None = None  # a8_weights' last answer
+        self._fused: FusedBinding | None = None  # decode_layer's last answer
 
     def forward(self, h, residual, positions, rope_cache, attn: AttentionBackend, meta: AttentionMetadata,
                 rows: tuple[torch.Tensor, torch.Tensor] | None = None):
@@ -263,9 +271,9 @@ class DecoderLayer(nn.Module):
         hooks them).
         """
         if rows is None:
-            a8 = self.a8_weights(h)
-            if a8 is not None:
-                return self._forward_a8(a8, h, residual, positions, rope_cache, attn, meta)
+            fused = self.decode_layer(h)
+            if fused is not None:
+                return self._forward_fused(fused, h, residual, positions, rope_cache, attn, meta)
         if residual is None:
             x, residual = self.input_layernorm.forward(h), h
         else:
@@ -275,17 +283,18 @@ class DecoderLayer(nn.Module):
         return self.mlp.forward(x, meta.is_decode, rows is not None), residual
 
 
-    def a8_weights(self, h: torch.Tensor) -> kernels.A8Layer | None:
-        """The layer's arguments for the fused a8 kernels when every projection of it would run the a8
-        GEMV on ``h``'s rows (quantized int8 / int4 on the CPU, a decode-sized bf16 batch), else None.
+    def decode_layer(self, h: torch.Tensor) -> kernels.DecodeLayer | None:
+        """The layer's arguments for the fused decode kernels when every projection of it would run its
+        decode GEMV on ``h``'s rows (int8 / int4 a8 GEMVs, the C bf16 GEMV: a decode-sized bf16 CPU
+        batch; each projection's ``decode_weight``), else None.
 
         Built once and kept while every tensor it points into is still bound where it was (weak
         references: a resident layer's never move; a streamed layer's are bound afresh per step, so it
         is rebuilt then, without holding the old views alive).
         """
-        if h.dtype != torch.bfloat16 or h.is_cuda:
+        if h.dtype != torch.bfloat16 or h.is_cuda or torch.is_grad_enabled():  # the C kernels record no autograd
             return None
-        c = self._a8
+        c = self._fused
         if c is not None and h.shape[0] <= c.max_rows and c.bound():
             return c.layer
         at, mlp = self.self_attn, self.mlp
@@ -295,34 +304,35 @@ class DecoderLayer(nn.Module):
         qkv = [at.qkv_proj] if at.qkv_proj is not None else [at.q_proj, at.k_proj, at.v_proj]
         gu = [mlp.gate_up_proj] if mlp.gate_up_proj is not None else [mlp.gate_proj, mlp.up_proj]
         mods = [*qkv, at.o_proj, *gu, mlp.down_proj]
-        if not all(isinstance(m, QuantLinear) for m in mods):
+        if not all(isinstance(m, (QuantLinear, Linear)) for m in mods):
             return None
-        max_rows = min(m.A8_MAX_ROWS for m in mods)
-        ws = [m.a8_weight() for m in mods]
-        if h.shape[0] > max_rows or any(w is None for w in ws) or not ln1.weight.is_contiguous() \
-                or not ln2.weight.is_contiguous():
+        max_rows = min(m.DECODE_MAX_ROWS for m in mods)
+        if h.shape[0] > max_rows or not ln1.weight.is_contiguous() or not ln2.weight.is_contiguous():
+            return None
+        ws = [m.decode_weight() for m in mods]
+        if any(w is None for w in ws):
             return None
         n = len(qkv)
-        layer = kernels.a8_layer(ws[:n], ws[n], ws[n + 1 : -1], ws[-1], ln1.weight, ln1.eps, ln2.weight, ln2.eps)
-        watch = [(m._buffers, name) for m in mods for name in m._buffers] + [
-            (ln._parameters, "weight") for ln in (ln1, ln2)]
-        self._a8 = A8Binding(layer, max_rows, tuple((d, name, _ref(d[name])) for d, name in watch))
+        layer = kernels.decode_layer_args(ws[:n], ws[n], ws[n + 1 : -1], ws[-1], ln1.weight, ln1.eps, ln2.weight,
+                                          ln2.eps)
+        watch = [(d, name) for m in (*mods, ln1, ln2) for d in (m._parameters, m._buffers) for name in d]
+        self._fused = FusedBinding(layer, max_rows, tuple((d, name, _ref(d[name])) for d, name in watch))
         return layer
 
-    def _forward_a8(self, a8: kernels.A8Layer, h, residual, positions, rope_cache, attn: AttentionBackend,
-                    meta: AttentionMetadata):
-        """:meth:`forward` in two C calls around attention (``kernels.a8_attn_in``: input norm and q|k|v;
-        ``kernels.a8_mlp``: o_proj, post-attention norm, gate|up, silu * mul, down).
+    def _forward_fused(self, fused: kernels.DecodeLayer, h, residual, positions, rope_cache,
+                       attn: AttentionBackend, meta: AttentionMetadata):
+        """:meth:`forward` in two C calls around attention (``kernels.layer_attn_in``: input norm and q|k|v;
+        ``kernels.layer_mlp``: o_proj, post-attention norm, gate|up, silu * mul, down).
 
-        Why: at decode the quantized layers' GEMVs are ~60 us each and the Python and module
-        dispatch around each op cost about as much. The same bits as the op-by-op forward (the same
-        C row kernels and a8 GEMVs; tests/test_fused_layer.py), so streamed and resident layers,
-        and any batch size, agree.
+        Why: at decode the GEMVs of a small model's layer are tens of microseconds each, and the
+        Python and module dispatch around each op cost about as much. The same bits as the op-by-op
+        forward (the same C row kernels and GEMVs; tests/test_fused_layer.py), so streamed and
+        resident layers, and any batch size, agree.
         """
         at = self.self_attn
         T, hq, hk, d = h.shape[0], at.n_heads, at.n_kv, at.head_dim
-        # check=False: the decoder's own contiguous bf16 [T, D] activations (a8_weights checked the dtype)
-        qkv, residual = kernels.a8_attn_in(a8, h.contiguous(), residual, check=False)  # [T, (Hq + 2 Hk) D]
+        # check=False: the decoder's own contiguous bf16 [T, D] activations (decode_layer checked the dtype)
+        qkv, residual = kernels.layer_attn_in(fused, h.contiguous(), residual, check=False)  # [T, (Hq + 2 Hk) D]
         nq, nk = hq * d, hk * d
         q = qkv[:, :nq].view(T, hq, d)
         k = qkv[:, nq : nq + nk].view(T, hk, d)
@@ -331,15 +341,16 @@ class DecoderLayer(nn.Module):
             q, k = at.q_norm(q.contiguous()), at.k_norm(k.contiguous())
         q = attn.rope_store(at.index, q, k, v, positions, rope_cache, meta)
         o = attn.attend(at.index, q, meta, at.scale).reshape(T, hq * d)  # [T, Hq * D]
-        return kernels.a8_mlp(a8, o.contiguous(), residual, check=False)
+        return kernels.layer_mlp(fused, o.contiguous(), residual, check=False)
 
 
 @dataclass(frozen=True)
-class A8Binding:
-    """A layer's :class:`kernels.A8Layer` with what it points into: each ``(dict, name, weak ref)`` of its
-    projections' buffers and its norm weights, and the most rows its formats run through the a8 GEMV."""
+class FusedBinding:
+    """A layer's :class:`kernels.DecodeLayer` with what it points into: each ``(dict, name, weak ref)`` of its
+    projections' and norms' parameters and buffers, and the most rows its projections run through their
+    decode GEMVs."""
 
-    layer: kernels.A8Layer
+    layer: kernels.DecodeLayer
     max_rows: int
     watch: tuple[tuple[dict, str, Any], ...]
 
