@@ -15,6 +15,17 @@ llmsys, LlamaCppBaseline for llama.cpp), and reports prefill tok/s, decode
 tok/s and its peak RSS. Rounds interleave the engines (A B A B ...), and the
 table gives the median over rounds.
 
+Decode %roof: the bytes a decode step reads (every weight the step multiplies:
+the layers and the LM head, not the embedding table's other rows; llmsys: the
+model's tensors, llama.cpp: the GGUF's tensors) times decode tok/s, over this
+machine's read bandwidth measured once before the rounds
+(``llmsys.offload.bandwidth.probe_mem_gbps``, a large tensor reduction on the
+same threads): 100% is the physical limit of a weight-streaming decode.
+``--batches 8,16``: llmsys's aggregate decode tok/s with that many sequences
+decoding together (one fresh process per shape, format and batch, after the
+rounds); llama-cpp-python's high-level API decodes one sequence at a time, so
+llama.cpp has no batched row.
+
     python benchmarks/bench_vs_llamacpp.py --threads 2 --rounds 3
     python benchmarks/bench_vs_llamacpp.py --quick   # wiring check: smollm2-135m, 8+4 tokens, one round
 
@@ -51,6 +62,7 @@ class Job:
     n_prompt: int
     n_gen: int
     reps: int
+    batch: int = 1  # > 1: only the aggregate decode of that many sequences (llmsys)
 
 
 @dataclass(frozen=True)
@@ -58,6 +70,37 @@ class Figures:
     prefill_tok_s: float
     decode_tok_s: float
     peak_rss: int
+    step_bytes: int  # bytes of weights a decode step reads
+
+
+def llmsys_step_bytes(model) -> int:
+    """Bytes of the tensors a decode step of ``model`` reads: every parameter and buffer once, except the
+    embedding table's when the LM head does not share it (a step looks up one row) and the RoPE table."""
+    emb, head = model.model.embed_tokens, model.lm_head
+
+    def ids(mod) -> set[int]:
+        return {id(t) for t in (*mod.parameters(), *mod.buffers())}
+
+    skip = ids(emb) - ids(head)
+    seen: set[int] = set()
+    total = 0
+    for name, t in (*model.named_parameters(), *model.named_buffers()):
+        if t is None or id(t) in skip or "rope" in name or t.is_meta:
+            continue
+        key = id(t) if t.is_mkldnn else t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()
+        if key in seen:
+            continue
+        seen.add(key)
+        total += t.numel() * t.element_size()
+    return total
+
+
+def gguf_step_bytes(path: Path) -> int:
+    """Bytes of a GGUF's tensors a decode step reads: all, less token_embd when an output.weight exists."""
+    import gguf
+
+    tensors = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors}
+    return sum(tensors.values()) - (tensors.get("token_embd.weight", 0) if "output.weight" in tensors else 0)
 
 
 def worker(job: Job) -> Figures:
@@ -75,22 +118,25 @@ def worker(job: Job) -> Figures:
         from llmsys.engine.bench.measure import StepDriver
 
         llm = LLM(job.model, dtype="bfloat16", quant=job.fmt, device="cpu", threads=job.threads, progress=False,
-                  kv_cache_tokens=2 * (test.context + 16), prefix_caching=False,
+                  kv_cache_tokens=(job.batch + 1) * (test.context + 16), prefix_caching=False,
                   max_num_batched_tokens=max(512, job.n_prompt))
         runner = StepDriver(llm.core)
+        step_bytes = llmsys_step_bytes(llm.loaded.model)
     else:
         from llmsys.engine.bench.gguf_export import gguf_file
         from llmsys.engine.bench.llamacpp import LlamaCppBaseline
 
-        runner = LlamaCppBaseline(gguf_file(job.model, job.fmt, job.threads), job.fmt, n_ctx=test.context + 16,
-                                  n_batch=max(512, job.n_prompt))
-    runner.run(test, 1, gen)  # warm-up
-    runs = [runner.run(test, 1, gen) for _ in range(job.reps)]
+        path = gguf_file(job.model, job.fmt, job.threads)
+        runner = LlamaCppBaseline(path, job.fmt, n_ctx=test.context + 16, n_batch=max(512, job.n_prompt))
+        step_bytes = gguf_step_bytes(path)
+    runner.run(test, job.batch, gen)  # warm-up
+    runs = [runner.run(test, job.batch, gen) for _ in range(job.reps)]
     cpu, _ = peak_memory()
     return Figures(
-        prefill_tok_s=statistics.median(job.n_prompt / r.prefill_s for r in runs),
-        decode_tok_s=statistics.median(job.n_gen / sum(r.decode_steps) for r in runs),
+        prefill_tok_s=statistics.median(job.batch * job.n_prompt / r.prefill_s for r in runs),
+        decode_tok_s=statistics.median(job.batch * job.n_gen / sum(r.decode_steps) for r in runs),
         peak_rss=cpu or 0,
+        step_bytes=step_bytes,
     )
 
 
@@ -128,18 +174,25 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=1, help="timed repetitions inside each process")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--batches", default="8,16", help="llmsys aggregate decode at these batch sizes ('' for none)")
     ap.add_argument("--quick", action="store_true", help="wiring check: smollm2-135m, 8 + 4 tokens, one round")
     a = ap.parse_args()
     if a.worker:
         print("RESULT " + json.dumps(asdict(worker(Job(**json.loads(a.worker))))), flush=True)
         return
     if a.quick:
-        a.shapes, a.rounds, a.prompt, a.new = "smollm2-135m", 1, 8, 4
+        a.shapes, a.rounds, a.prompt, a.new, a.batches = "smollm2-135m", 1, 8, 4, "2"
     if a.rounds < 1:
         raise SystemExit("--rounds must be >= 1")
 
     from llmsys.engine.bench.gguf_export import gguf_file
     from llmsys.engine.bench.synthetic import make_synthetic
+    from llmsys.offload.bandwidth import probe_mem_gbps
+
+    import torch
+
+    torch.set_num_threads(a.threads)
+    mem_gbps = probe_mem_gbps()  # before any engine runs: the roof of every decode row
 
     jobs: list[tuple[Job, ...]] = []  # one tuple per (shape, pair): the engines run back to back
     mixes: dict[tuple[str, str], str] = {}
@@ -160,16 +213,33 @@ def main() -> None:
                 sys.stderr.write(f"round {rnd + 1}/{a.rounds}: {job.engine} {job.shape} {job.fmt}\n")
                 results[job].append(run_job(job))
 
+    batches = [int(b) for b in a.batches.split(",") if b.strip()]
+    batched: dict[Job, Figures] = {}
+    for pair in jobs:
+        for job in pair:
+            if job.engine != "llmsys":
+                continue
+            for b in batches:
+                bj = Job(job.engine, job.shape, job.model, job.fmt, job.threads, job.n_prompt, job.n_gen, 1, b)
+                sys.stderr.write(f"batched: llmsys {job.shape} {job.fmt} x{b}\n")
+                batched[bj] = run_job(bj)
+
     def med(job: Job) -> Figures:
         fs = results[job]
         return Figures(statistics.median(f.prefill_tok_s for f in fs), statistics.median(f.decode_tok_s for f in fs),
-                       int(statistics.median(f.peak_rss for f in fs)))
+                       int(statistics.median(f.peak_rss for f in fs)), fs[0].step_bytes)
+
+    def roof(f: Figures) -> str:
+        return f"{100 * f.step_bytes * f.decode_tok_s / (mem_gbps * 1e9):.0f}%"
 
     ours = {(j.shape, j.fmt): med(j) for j in results if j.engine == "llmsys"}
     print(f"\n{a.threads} threads, batch 1, {a.prompt}-token prompt, {a.new} generated tokens, "
           f"median of {a.rounds} fresh-process rounds ({a.reps} timed rep(s) each, after a warm-up)\n")
-    print("| shape | engine | format | prefill tok/s | decode tok/s | peak RSS | llmsys/llama.cpp prefill | decode |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"Read bandwidth {mem_gbps:.1f} GB/s ({a.threads} threads, offload.bandwidth.probe_mem_gbps): a decode step "
+          "reading B bytes of weights is limited to that / B tokens per second (%roof = 100%).\n")
+    print("| shape | engine | format | prefill tok/s | decode tok/s | MB read / token | decode %roof | peak RSS "
+          "| llmsys/llama.cpp prefill | decode |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for pair in jobs:
         for job in pair:
             f = med(job)
@@ -180,7 +250,16 @@ def main() -> None:
                     ratio = [f"{mine.prefill_tok_s / f.prefill_tok_s:.2f}x", f"{mine.decode_tok_s / f.decode_tok_s:.2f}x"]
             label = {"none": "bf16"}.get(job.fmt, job.fmt)
             print(f"| {job.shape} | {job.engine} | {label} | {f.prefill_tok_s:.1f} | {f.decode_tok_s:.1f} | "
-                  f"{_mib(f.peak_rss)} | {ratio[0]} | {ratio[1]} |")
+                  f"{f.step_bytes / 1e6:.0f} | {roof(f)} | {_mib(f.peak_rss)} | {ratio[0]} | {ratio[1]} |")
+    if batched:
+        print(f"\nllmsys aggregate decode, {a.prompt}-token prompts, {a.new} tokens each, sequences decoding together "
+              "(one fresh process each):\n")
+        print("| shape | format | " + " | ".join(f"batch {b} tok/s" for b in batches) + " |")
+        print("|---|---|" + "---|" * len(batches))
+        for key in dict.fromkeys((j.shape, j.fmt) for j in batched):
+            cells = [f"{batched[j].decode_tok_s:.1f}" for b in batches for j in batched if (j.shape, j.fmt, j.batch) == (*key, b)]
+            label = {"none": "bf16"}.get(key[1], key[1])
+            print(f"| {key[0]} | {label} | " + " | ".join(cells) + " |")
     print("\nGGUF tensor types (by bytes; llama.cpp's fallbacks where rows do not divide the block):")
     for (shape, fmt), mix in mixes.items():
         print(f"- {shape} {fmt}: {mix}")
