@@ -40,11 +40,21 @@ from llmsys.kernels.ops import (
     w4a16_matmul,
     w8a16_matmul,
 )
-from llmsys.kernels.cpu_qgemv import QW as DecodeWeight
-from llmsys.kernels.cpu_qgemv import DecodeLayer, layer_attn_in, decode_layer_args, layer_mlp
-from llmsys.kernels.cpu_qgemv import int4_gemm, int4_gemv, int4_gemv_a8, int8_gemv, int8_gemv_a8
-from llmsys.kernels.cpu_qgemv import int4_weight as int4_decode_weight
-from llmsys.kernels.cpu_qgemv import int8_weight as int8_decode_weight
+# The CPU decode GEMVs and the fused decode layers (two C calls per decoder layer around attention).
+from llmsys.kernels.cpu_qgemv import (
+    DecodeLayer,
+    DecodeWeight,
+    decode_layer_args,
+    int4_decode_weight,
+    int4_gemm,
+    int4_gemv,
+    int4_gemv_a8,
+    int8_decode_weight,
+    int8_gemv,
+    int8_gemv_a8,
+    layer_attn_in,
+    layer_mlp,
+)
 from llmsys.kernels.cpu_report import CpuKernels, QuantMatmulSupport, cpu_kernels, quant_matmul_support
 from llmsys.kernels.reference import dequant_int4, pack_int4, quantize_int8_ref, unpack_int4
 from llmsys.kernels.rope_cache import build_rope_cache, rope_inv_freq

@@ -1,4 +1,4 @@
-"""CPU bfloat16 RMSNorm and RoPE, bfloat16 / float32 decode attention: one C call each (``cpu_decode.c``).
+"""CPU bfloat16 RMSNorm, silu * mul and RoPE, bfloat16 / float32 decode attention: one C call each (``cpu_decode.c``).
 
 Why: a bfloat16 decode step of SmolLM2-135M spent ~11 ms of its ~27 ms
 outside the GEMVs, in ~40 small torch ops per layer (upcasts, elementwise
@@ -10,8 +10,9 @@ Every CPU bfloat16 computation of these ops in the engine goes through here
 (``kernels.rms_norm``, ``kernels.rope``, the CPU attention fast path and the
 fast decode step), so resident, streamed and batched paths keep giving the
 same bits. The arithmetic is spelled out in ``cpu_decode.c``; the ``*_def``
-functions below are its torch definitions: RMSNorm and RoPE bit for bit, the
-attention up to ``expf`` against ``torch.exp`` (tests/test_cpu_decode.py).
+functions below are its torch definitions: RMSNorm and RoPE bit for bit, silu * mul
+and the attention up to the C exp (``cpu_ops.h``, the same bits on every ISA build)
+against ``torch.exp`` (tests/test_cpu_decode.py).
 Without the C kernel (no compiler, ``LLMSYS_NO_CKERNELS=1``) the definitions
 run instead.
 """
@@ -83,7 +84,7 @@ def rms_norm_def(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
 
 
 def silu_mul_def(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """The C silu * mul in torch ops (``torch.exp`` for ``expf``): ``bf16(bf16(g / (1 + exp(-g))) * u)``."""
+    """The C silu * mul in torch ops (``torch.exp`` for ``cpu_ops.h``'s exp): ``bf16(bf16(g / (1 + exp(-g))) * u)``."""
     g = gate.float()
     s = (g / (1.0 + torch.exp(-g))).to(torch.bfloat16)
     return (s.float() * up.float()).to(torch.bfloat16)
@@ -91,7 +92,7 @@ def silu_mul_def(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def decode_attention_def(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor,
                          scale: float) -> torch.Tensor:
-    """The C decode attention in torch ops (``torch.exp`` for ``expf``): ``q [B, Hq, D]``, ``k, v [B, L, Hk, D]``."""
+    """The C decode attention in torch ops (``torch.exp`` for ``cpu_ops.h``'s exp): ``q [B, Hq, D]``, ``k, v [B, L, Hk, D]``."""
     B, Hq, D = q.shape
     Hk = k.shape[2]
     out = torch.empty(B, Hq, D, dtype=q.dtype)
@@ -136,7 +137,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """SwiGLU's ``silu(gate) * up``: ``[T, I]`` bf16 each (rows may be strided, e.g. the halves of one
-    gate|up output) ``-> [T, I]`` contiguous, as :func:`silu_mul_def` (up to ``expf``). Why C: the fused
+    gate|up output) ``-> [T, I]`` contiguous, as :func:`silu_mul_def` (up to the exp). Why C: the fused
     a8 decode layers (``cpu_qgemv.mlp_a8``) compute it with the same row code, so a layer run op by op
     and fused agree bit for bit; torch's bf16 ``F.silu`` rounds its exp differently."""
     lib = _KERNEL.lib()

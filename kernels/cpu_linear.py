@@ -172,10 +172,10 @@ def bf16_gemv_applies(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
             and (bias is None or bias.dtype == torch.bfloat16) and cpu_qgemv.available())
 
 
-def bf16_decode_weight(weight: torch.Tensor, bias: torch.Tensor | None) -> cpu_qgemv.QW | None:
+def bf16_decode_weight(weight: torch.Tensor, bias: torch.Tensor | None) -> cpu_qgemv.DecodeWeight | None:
     """The fused decode layers' weight for a plain bf16 layer whose decode batches :func:`linear` runs
     through the C GEMV (:func:`bf16_gemv_applies`), else None."""
-    return cpu_qgemv.bf16_weight(weight, bias) if bf16_gemv_applies(weight, bias) else None
+    return cpu_qgemv.bf16_decode_weight(weight, bias) if bf16_gemv_applies(weight, bias) else None
 
 
 def mm_bf16(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

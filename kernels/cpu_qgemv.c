@@ -1,5 +1,6 @@
-/* Quantized-weight GEMV on the CPU, int8 per row and int4 per group, for decode and (int8, from 5 rows
- * of x) prefill, and the int4 GEMM for prefill (at the end of this file).
+/* Decode GEMVs on the CPU: quantized weights (int8 per row, int4 per group; exact for prefill, and the
+ * "a8" GEMVs with x quantized to int8 for decode), the int4 GEMM for prefill, the bf16 GEMV for decode
+ * where oneDNN has no bf16, and the fused decode layers over them (at the end of this file).
  *
  * Built for each ISA level and loaded for the running CPU by kernels/_cbuild.py
  * (gcc -O3 -march=<level> -fopenmp -ffp-contract=off -shared). Why: torch's
@@ -1341,7 +1342,7 @@ int llmsys_gemv_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t 
     return 0;
 }
 
-/* ------------------------------------------------------------ fused a8 decode layers
+/* ------------------------------------------------------------ fused decode layers
  *
  * A decode step's layer in two calls instead of ~10: llmsys_layer_attn_in (input RMSNorm with its
  * residual add, then the q|k|v projection) and llmsys_layer_mlp (o_proj, the post-attention RMSNorm,

@@ -1,4 +1,5 @@
-"""CPU GEMV (decode) and GEMM (prefill) on int8 (per-row) and int4 (per-group) weights (``cpu_qgemv.c``).
+"""CPU GEMV (decode) and GEMM (prefill) on int8 (per-row) and int4 (per-group) weights, the bf16 decode GEMV
+and the fused decode layers (``cpu_qgemv.c``).
 
 Why: at M = 1 torch's ``_weight_int8pack_mm`` and
 ``_weight_int4pack_mm_for_cpu`` read their weights from DRAM at ~13 and
@@ -336,40 +337,40 @@ def _int4(symbol: str, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
 # ------------------------------------------------------------------ fused a8 decode layers
 
 
-class QW(ctypes.Structure):
+class DecodeWeight(ctypes.Structure):
     """One a8 weight as the fused layer kernels read it (``llmsys_qw`` in cpu_qgemv.c): raw pointers
     into the layer's buffers, which the caller keeps alive for the call. Built by the quantized
-    layers (``Int8Linear.decode_weight``, ``Int4Linear.decode_weight``) through :func:`int8_weight` /
-    :func:`int4_weight`."""
+    layers (``Int8Linear.decode_weight``, ``Int4Linear.decode_weight``) through :func:`int8_decode_weight` /
+    :func:`int4_decode_weight`."""
 
     _fields_ = [("kind", _I), ("n", _I), ("k", _I), ("kp", _I), ("gs", _I), ("q", _P), ("scales", _P),
                 ("s_n", _I), ("s_g", _I), ("scale_kind", _I), ("zeros", _P), ("z_n", _I), ("z_g", _I),
                 ("bias", _P)]
 
 
-def int8_weight(qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> QW:
+def int8_decode_weight(qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> DecodeWeight:
     """:func:`int8_gemv_a8`'s weight (contiguous int8 ``[N, K]``, bf16 ``[N]``) plus a bf16 ``bias [N]`` or None."""
     n, k = qweight.shape
-    return QW(0, n, k, k, 0, qweight.data_ptr(), scales.data_ptr(), 0, 0, 0, None, 0, 0,
+    return DecodeWeight(0, n, k, k, 0, qweight.data_ptr(), scales.data_ptr(), 0, 0, 0, None, 0, 0,
               None if bias is None else bias.data_ptr())
 
 
-def bf16_weight(weight: torch.Tensor, bias: torch.Tensor | None) -> QW:
+def bf16_decode_weight(weight: torch.Tensor, bias: torch.Tensor | None) -> DecodeWeight:
     """:func:`bf16_gemv`'s weight (bf16 ``[N, K]``, unit column stride) plus a bf16 ``bias [N]`` or None."""
     n, k = weight.shape
-    return QW(2, n, k, weight.stride(0), 0, weight.data_ptr(), None, 0, 0, 0, None, 0, 0,
+    return DecodeWeight(2, n, k, weight.stride(0), 0, weight.data_ptr(), None, 0, 0, 0, None, 0, 0,
               None if bias is None else bias.data_ptr())
 
 
-def int4_weight(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int, k: int,
-                bias: torch.Tensor | None) -> QW | None:
+def int4_decode_weight(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int, k: int,
+                bias: torch.Tensor | None) -> DecodeWeight | None:
     """:func:`int4_gemv_a8`'s weight (its arguments, ``k`` the input features) plus a bf16 ``bias [N]``
     or None; None when the scales are of a dtype the kernel does not read in place."""
     if scales.dtype not in _SCALE_KINDS:
         return None
     n, n_groups = zeros.shape
     s_n, s_g = (scales.stride(1), scales.stride(0)) if scales.dim() == 3 else scales.stride()
-    return QW(1, n, k, n_groups * group_size, group_size, packed.data_ptr(), scales.data_ptr(), s_n, s_g,
+    return DecodeWeight(1, n, k, n_groups * group_size, group_size, packed.data_ptr(), scales.data_ptr(), s_n, s_g,
               _SCALE_KINDS[scales.dtype], zeros.data_ptr(), zeros.stride(0), zeros.stride(1),
               None if bias is None else bias.data_ptr())
 
@@ -401,7 +402,7 @@ class DecodeLayer:
                 f"({a.n_qkv} + 1 + {a.n_gu} + 1 weights)")
 
 
-def decode_layer_args(qkv: list[QW], o_proj: QW, gate_up: list[QW], down: QW, ln1: torch.Tensor, eps1: float,
+def decode_layer_args(qkv: list[DecodeWeight], o_proj: DecodeWeight, gate_up: list[DecodeWeight], down: DecodeWeight, ln1: torch.Tensor, eps1: float,
              ln2: torch.Tensor, eps2: float) -> DecodeLayer:
     """The :class:`DecodeLayer` of a layer's a8 weights (q|k|v and gate|up: 1-4 weights each whose outputs lie
     side by side, one fused weight or several) and its two RMSNorm weights (bf16 ``[D]``, contiguous)."""
@@ -412,7 +413,7 @@ def decode_layer_args(qkv: list[QW], o_proj: QW, gate_up: list[QW], down: QW, ln
         if t.dtype != torch.bfloat16 or tuple(t.shape) != (d,) or not t.is_contiguous() or t.device.type != "cpu":
             raise ValueError(f"decode_layer_args: {name} must be a contiguous CPU bf16 [{d}] tensor, "
                              f"got {t.dtype} {tuple(t.shape)} on {t.device}")
-    arrays = ((QW * len(qkv))(*qkv), (QW * 1)(o_proj), (QW * len(gate_up))(*gate_up), (QW * 1)(down))
+    arrays = ((DecodeWeight * len(qkv))(*qkv), (DecodeWeight * 1)(o_proj), (DecodeWeight * len(gate_up))(*gate_up), (DecodeWeight * 1)(down))
     args = _LayerArgs(ln1.data_ptr(), ln2.data_ptr(), eps1, eps2, d, o_proj.k, ctypes.addressof(arrays[0]),
                       len(qkv), ctypes.addressof(arrays[1]), ctypes.addressof(arrays[2]), len(gate_up),
                       ctypes.addressof(arrays[3]))

@@ -115,7 +115,7 @@ class QuantLinear(nn.Module):
         # (buffer addresses, DecodeWeight): decode_weight's last answer, reused while the buffers stay where they
         # are (resident layers: always). Addresses, not tensors: holding a streamed layer's views would
         # keep their memory alive.
-        self._a8_cache: tuple[tuple[int, ...], DecodeWeight] | None = None
+        self._decode_cache: tuple[tuple[int, ...], DecodeWeight] | None = None
 
     @property
     def kernel(self) -> MatmulKernel:
@@ -144,17 +144,17 @@ class QuantLinear(nn.Module):
     DECODE_MAX_ROWS = 0
 
     def decode_weight(self) -> DecodeWeight | None:
-        """This layer's weight for the fused a8 decode layer kernels (``kernels.layer_attn_in``,
+        """This layer's weight for the fused decode layer kernels (``kernels.layer_attn_in``,
         ``kernels.layer_mlp``) when its own forward on a bf16 input of up to :attr:`DECODE_MAX_ROWS` rows runs
         the a8 GEMV (and adds a bf16 bias), so the fused call gives its bits; None otherwise (the default)."""
         return None
 
-    def _a8_cached(self, tensors: tuple[torch.Tensor | None, ...], build) -> DecodeWeight:
+    def _decode_cached(self, tensors: tuple[torch.Tensor | None, ...], build) -> DecodeWeight:
         """``build()``'s weight, rebuilt only when one of ``tensors`` (what it points into) moved."""
         key = tuple(0 if t is None else t.data_ptr() for t in tensors)
-        c = self._a8_cache
+        c = self._decode_cache
         if c is None or c[0] != key:
-            c = self._a8_cache = (key, build())
+            c = self._decode_cache = (key, build())
         return c[1]
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -342,7 +342,7 @@ class Int4Linear(QuantLinear):
         if scales is None:
             scales = buf["scales_zeros"]
         packed, zeros = buf["packed"], buf["zeros_gm"]
-        return self._a8_cached((packed, scales, zeros, bias), lambda: int4_decode_weight(
+        return self._decode_cached((packed, scales, zeros, bias), lambda: int4_decode_weight(
             packed, scales, zeros.t(), self.group_size, self.in_features, bias))
 
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:

@@ -149,7 +149,7 @@ class Int8Linear(_PerRowLinear):
         if self._kernel.family not in _C_FAMILIES or (bias is not None and bias.dtype != torch.bfloat16):
             return None
         q, scales = buf["qweight"], buf["scales"]
-        return self._a8_cached((q, scales, bias), lambda: int8_decode_weight(q, scales, bias))
+        return self._decode_cached((q, scales, bias), lambda: int8_decode_weight(q, scales, bias))
 
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
         buf = self._buffers  # read directly: nn.Module.__getattr__ costs ~1 us a buffer on the decode path

@@ -217,8 +217,8 @@ class MLP(nn.Module):
     def act(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, I]
         """``silu(gate(x)) * up(x)``, the input of ``down_proj``.
 
-        CPU bfloat16: the C row code (``kernels.cpu_fused_silu_mul``) that the fused a8 decode
-        layers run too (:meth:`DecoderLayer.forward`), so both give the same bits.
+        CPU bfloat16: the C row code (``kernels.cpu_fused_silu_mul``) that the fused decode layers
+        run too (:meth:`DecoderLayer.decode_layer`), so both give the same bits.
         """
         if self.gate_up_proj is None:
             g, u = self.gate_proj(x), self.up_proj(x)
@@ -281,7 +281,6 @@ class DecoderLayer(nn.Module):
         a = self.self_attn.forward(x, positions, rope_cache, attn, meta, rows)
         x, residual = self.post_attention_layernorm.forward(a, residual)  # residual <- residual + a
         return self.mlp.forward(x, meta.is_decode, rows is not None), residual
-
 
     def decode_layer(self, h: torch.Tensor) -> kernels.DecodeLayer | None:
         """The layer's arguments for the fused decode kernels when every projection of it would run its
