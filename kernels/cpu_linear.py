@@ -19,11 +19,12 @@ layer and the same layer streamed from disk (plain) bit-identical.
 bfloat16 without oneDNN's bf16 path (a CPU with neither AVX-512BW/VL/DQ nor
 AVX-NE-CONVERT: AVX2 laptops and desktops, Zen 2/3): oneDNN refuses to prepack
 bf16 weights there, and torch's own bf16 GEMM costs about 0.45 ms per row of x
-on a 4864x896 weight (55 ms at M = 128, 5.5x float32's MKL sgemm). The GEMV
-(M = 1) is fine (0.45 ms, float32: 0.86 ms), so batches of fewer than
-:data:`BF16_UPCAST_MIN_ROWS` rows keep it, and bigger ones upcast the weight
-to float32 a few hundred rows at a time (the chunk stays in L2) and run
-sgemm: 8.9 ms at M = 128 (Zen 3, 2 threads; 49152x576 head: 431 -> 110 ms).
+on a 4864x896 weight (55 ms at M = 128, 5.5x float32's MKL sgemm). Batches of
+fewer than :data:`BF16_UPCAST_MIN_ROWS` rows run the C bf16 GEMV
+(``cpu_qgemv.bf16_gemv``: 17-20 GB/s from DRAM where torch's GEMV read ~10-11,
+and the fused decode layers' bits), bigger ones upcast the weight to float32 a
+few hundred rows at a time (the chunk stays in L2) and run sgemm: 8.9 ms at
+M = 128 (Zen 3, 2 threads; 49152x576 head: 431 -> 110 ms).
 """
 
 from __future__ import annotations
@@ -49,10 +50,10 @@ def _onednn_bf16() -> bool:
 
 _ONEDNN_BF16 = _onednn_bf16()  # oneDNN runs (and prepacks) bf16 on this CPU; a fact, never mutated
 _PACKABLE = (torch.float32, torch.bfloat16) if _ONEDNN_BF16 else (torch.float32,)
-# Without oneDNN bf16: rows of x from which a bf16 matmul upcasts the weight in chunks (see the module doc;
-# Zen 3, 2 threads, native vs upcast ms: 4864x896 M=4 1.72 vs 1.76, M=8 3.87 vs 2.06; 49152x576 M=8
-# 23.7 vs 27.7, M=16 49 vs 31).
-BF16_UPCAST_MIN_ROWS = 8
+# Without oneDNN bf16: rows of x from which a bf16 matmul upcasts the weight in chunks (see the module doc);
+# below, the C bf16 GEMV (Zen 3, 2 threads, C vs upcast ms: 3072x576 M=8 0.68 vs 1.63, M=16 1.34 vs 0.99;
+# 49152x576 M=8 11.0 vs 17.8, M=16 20.3 vs 13.5; torch's own bf16 GEMM was 23.7 ms at M=8 on the head).
+BF16_UPCAST_MIN_ROWS = 12
 _UPCAST_CHUNK_BYTES = 4 << 20  # float32 bytes of weight upcast at a time (1024-4096 rows: the same speed)
 # oneDNN's batch-size hint picks the blocking. 16 rather than 1 (1 blocks like the
 # plain oneDNN call): over the 210 SmolLM2-135M layer matrices in float32, M = 16
