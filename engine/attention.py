@@ -44,6 +44,7 @@ from llmsys.kernels import (
     cpu_fused_available,
     cpu_fused_decode_attention,
     cpu_fused_rope_store,
+    cpu_fused_rope_store_attend,
     make_gather_plan,
     paged_attention_gathered,
     paged_attention_gathered_scores,
@@ -179,6 +180,11 @@ class AttentionBackend(Protocol):
         """Write already-roped k and v ``[T, Hk, D]`` at the step's slots."""
         ...
 
+    def rope_attend(self, layer: int, qkv: torch.Tensor, hq: int, hk: int, positions: torch.Tensor,
+                    rope_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """:meth:`rope_store` then :meth:`attend` from a q|k|v projection ``[T, (Hq + 2 Hk) D]`` -> ``[T, Hq D]``."""
+        ...
+
     def attend(self, layer: int, q: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """Each new token over its sequence's cached context: q ``[T, Hq, D]`` -> ``[T, Hq, D]``."""
         ...
@@ -191,6 +197,19 @@ class AttentionBackend(Protocol):
     def on_demote(self, pairs: list[tuple[int, int]]) -> None:
         """Pool blocks moved to cold ids (pool id, cold id) before the step (``llmsys.offload.kv_tier``)."""
         ...
+
+
+def rope_attend_ops(backend: AttentionBackend, layer: int, qkv: torch.Tensor, hq: int, hk: int,
+                    positions: torch.Tensor, rope_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float) -> torch.Tensor:
+    """``rope_attend`` as ``backend``'s own ``rope_store`` then ``attend`` on views of ``qkv``."""
+    t = qkv.shape[0]
+    d = qkv.shape[1] // (hq + 2 * hk)
+    q = qkv[:, : hq * d].view(t, hq, d)
+    k = qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)
+    v = qkv[:, (hq + hk) * d :].view(t, hk, d)
+    q = backend.rope_store(layer, q, k, v, positions, rope_cache, meta)
+    return backend.attend(layer, q, meta, scale).reshape(t, hq * d)
 
 
 class _PagedBackend:
@@ -218,6 +237,9 @@ class _PagedBackend:
 
     def store(self, layer, k, v, meta):
         self.pool.store(layer, k, v, meta.slot_mapping)
+
+    def rope_attend(self, layer, qkv, hq, hk, positions, rope_cache, meta, scale):
+        return rope_attend_ops(self, layer, qkv, hq, hk, positions, rope_cache, meta, scale)
 
     def on_demote(self, pairs):
         pass
@@ -251,6 +273,16 @@ class CpuBackend(_PagedBackend):
         kf, vf = self._flat[layer]
         kf.index_copy_(0, meta.slot_mapping, k)
         vf.index_copy_(0, meta.slot_mapping, v)
+
+    def rope_attend(self, layer, qkv, hq, hk, positions, rope_cache, meta, scale):
+        plan = meta.plan
+        if (self._c_rope and plan.is_decode and plan.cold is None and plan.split is None and plan.lens is not None
+                and qkv.dtype == torch.bfloat16 and qkv.stride(1) == 1):
+            # rope_store's and attend's C calls below in one (the same bits)
+            kf, vf = self._flat[layer]
+            return cpu_fused_rope_store_attend(qkv, hq, hk, positions, rope_cache, kf, vf, meta.slot_mapping,
+                                               plan.lens, scale, plan.gather_slots)
+        return rope_attend_ops(self, layer, qkv, hq, hk, positions, rope_cache, meta, scale)
 
     def attend(self, layer, q, meta, scale):
         plan = meta.plan
@@ -369,6 +401,9 @@ class BackendDecorator:
 
     def store(self, layer, k, v, meta):
         self.inner.store(layer, k, v, meta)
+
+    def rope_attend(self, layer, qkv, hq, hk, positions, rope_cache, meta, scale):
+        return rope_attend_ops(self, layer, qkv, hq, hk, positions, rope_cache, meta, scale)  # this decorator's ops
 
     def attend(self, layer, q, meta, scale):
         return self.inner.attend(layer, q, meta, scale)

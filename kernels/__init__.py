@@ -23,6 +23,7 @@ from llmsys.kernels.cpu_decode import available as cpu_fused_available
 from llmsys.kernels.cpu_decode import decode_attention as cpu_fused_decode_attention
 from llmsys.kernels.cpu_decode import rms_norm as cpu_fused_rms_norm
 from llmsys.kernels.cpu_decode import rope_store as cpu_fused_rope_store
+from llmsys.kernels.cpu_decode import rope_store_attend as cpu_fused_rope_store_attend
 from llmsys.kernels.cpu_decode import silu_mul as cpu_fused_silu_mul
 from llmsys.kernels.cpu_int4 import Scratch as Int4Scratch
 from llmsys.kernels.cpu_int4 import CPU_BLOCK_N as CPU_INT4_BLOCK_N
@@ -70,6 +71,7 @@ __all__ = [
     "int4_decode_weight",
     "int8_decode_weight",
     "cpu_fused_silu_mul",
+    "cpu_fused_rope_store_attend",
     "ColdBlocks",
     "GatherPlan",
     "Int4Scratch",

@@ -35,6 +35,8 @@ _SIGNATURES = {
     "llmsys_rope_bf16": [_P, _I, _P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _I],
     "llmsys_rope_store_bf16": [_P, _I, _P, _I, _P, _I, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I],
     "llmsys_decode_attention": [_P, _P, _P, _P, _P, _F, _P, _I, _I, _I, _I, _I, ctypes.c_int, ctypes.c_int],
+    "llmsys_rope_store_attend_bf16": [_P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _P, _P, _I, _F, _P,
+                                      ctypes.c_int],
 }
 
 
@@ -226,4 +228,26 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: to
                                      torch.get_num_threads())
     if rc:
         raise ValueError(f"decode_attention: bad shapes (Hq={hq}, Hk={hk}, D={d}) or lengths outside 1..{L}")
+    return out
+
+
+def rope_store_attend(qkv: torch.Tensor, hq: int, hk: int, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                      k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor,
+                      scale: float, gather_slots: torch.Tensor) -> torch.Tensor:
+    """A decode step's attention from its q|k|v projection in one C call: ``qkv [T, (Hq + 2 Hk) D]`` bf16
+    (unit column stride) -> :func:`rope_store` (k, v into the pools ``[num_slots, Hk, D]`` at ``slots [T]``)
+    then :func:`decode_attention` (``gather_slots [T, L]``, ``lens [T]``) ``-> [T, Hq * D]``, their bits.
+    Needs the C kernel (callers check :func:`available`); the pools, slots and lengths are the caller's
+    own validated tensors (the CPU attention backend's)."""
+    t = qkv.shape[0]
+    d = qkv.shape[1] // (hq + 2 * hk)
+    out = torch.empty(t, hq * d, dtype=torch.bfloat16)
+    rc = _KERNEL.lib().llmsys_rope_store_attend_bf16(
+        qkv.data_ptr(), qkv.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), slots.data_ptr(), k_pool.shape[0],
+        positions.data_ptr(), cos_sin_cache.data_ptr(), cos_sin_cache.shape[0], t, hq, hk, d,
+        gather_slots.data_ptr(), lens.data_ptr(), gather_slots.shape[1], scale, out.data_ptr(),
+        torch.get_num_threads())
+    if rc:
+        raise ValueError(f"rope_store_attend: odd head_dim {d}, a position or slot outside its table, or lengths "
+                         f"outside 1..{gather_slots.shape[1]} (code {rc})")
     return out

@@ -143,6 +143,32 @@ def test_decode_attention_by_slot_equals_gathered_and_is_batch_invariant(dtype):
 
 
 @needs_kernel
+def test_rope_store_attend_is_rope_store_then_attention():
+    """The decode step's one attention call (kernels.cpu_fused_rope_store_attend) gives the bits of
+    rope_store then decode_attention by slot, and stores the same K/V."""
+    g = torch.Generator().manual_seed(3)
+    cache = kernels.build_rope_cache(64, 512, 10000.0, None, None)
+    hq, hk, d, t, l = 9, 3, 64, 3, 40
+    qkv = torch.randn(t, (hq + 2 * hk) * d, generator=g).to(BF)
+    pools = [torch.randn(256, hk, d, generator=g).to(BF) for _ in range(2)]
+    slots = torch.tensor([39, 100, 201])
+    gather = torch.stack([torch.arange(l), torch.arange(61, 61 + l), torch.arange(162, 162 + l)])
+    gather[:, -1] = slots
+    lens, pos = torch.tensor([l, l - 5, l]), torch.tensor([39, 34, 39])
+    gather[1, l - 6] = slots[1]
+    k2, v2 = pools[0].clone(), pools[1].clone()
+    out = cpu_decode.rope_store_attend(qkv, hq, hk, pos, cache, pools[0], pools[1], slots, lens, 0.125, gather)
+    q, k, v = (qkv[:, :hq * d].view(t, hq, d), qkv[:, hq * d:(hq + hk) * d].view(t, hk, d),
+               qkv[:, (hq + hk) * d:].view(t, hk, d))
+    qr = cpu_decode.rope_store(q, k, v, pos, cache, k2, v2, slots)
+    want = cpu_decode.decode_attention(qr, k2, v2, lens, 0.125, gather)
+    assert torch.equal(_bits(out), _bits(want.view(t, hq * d)))
+    assert torch.equal(_bits(pools[0]), _bits(k2)) and torch.equal(_bits(pools[1]), _bits(v2))
+    with pytest.raises(ValueError, match="rope_store_attend: .* lengths outside 1..40"):
+        cpu_decode.rope_store_attend(qkv, hq, hk, pos, cache, pools[0], pools[1], slots, lens + 1, 0.125, gather)
+
+
+@needs_kernel
 @pytest.mark.parametrize("level", x86_levels())
 def test_other_isas_give_the_same_bits(level, tmp_path):
     """No FMA contraction and a fixed reduction order: every ISA level's build this CPU can run gives the same bits."""

@@ -291,8 +291,8 @@ class DecoderLayer(nn.Module):
         references: a resident layer's never move; a streamed layer's are bound afresh per step, so it
         is rebuilt then, without holding the old views alive).
         """
-        if h.dtype != torch.bfloat16 or h.is_cuda or torch.is_grad_enabled():  # the C kernels record no autograd
-            return None
+        if h.dtype != torch.bfloat16 or h.is_cuda or torch.is_grad_enabled() or not h.is_contiguous():
+            return None  # (the C kernels record no autograd)
         c = self._fused
         if c is not None and h.shape[0] <= c.max_rows and c.bound():
             return c.layer
@@ -329,17 +329,18 @@ class DecoderLayer(nn.Module):
         resident layers, and any batch size, agree.
         """
         at = self.self_attn
-        T, hq, hk, d = h.shape[0], at.n_heads, at.n_kv, at.head_dim
-        # check=False: the decoder's own contiguous bf16 [T, D] activations (decode_layer checked the dtype)
-        qkv, residual = kernels.layer_attn_in(fused, h.contiguous(), residual, check=False)  # [T, (Hq + 2 Hk) D]
-        nq, nk = hq * d, hk * d
-        q = qkv[:, :nq].view(T, hq, d)
-        k = qkv[:, nq : nq + nk].view(T, hk, d)
-        v = qkv[:, nq + nk :].view(T, hk, d)
-        if at.q_norm is not None:
+        # check=False: the decoder's own contiguous bf16 [T, D] activations (decode_layer checked the dtype;
+        # the embeddings and the kernels' outputs are contiguous)
+        qkv, residual = kernels.layer_attn_in(fused, h, residual, check=False)  # [T, (Hq + 2 Hk) D]
+        if at.q_norm is None:  # RoPE, the K/V store and attention: one backend call (one C call on the CPU pool)
+            o = attn.rope_attend(at.index, qkv, at.n_heads, at.n_kv, positions, rope_cache, meta, at.scale)
+        else:  # per-head q/k norms between the projection and RoPE (Qwen3)
+            T, hq, hk, d = h.shape[0], at.n_heads, at.n_kv, at.head_dim
+            q, k = qkv[:, : hq * d].view(T, hq, d), qkv[:, hq * d : (hq + hk) * d].view(T, hk, d)
+            v = qkv[:, (hq + hk) * d :].view(T, hk, d)
             q, k = at.q_norm(q.contiguous()), at.k_norm(k.contiguous())
-        q = attn.rope_store(at.index, q, k, v, positions, rope_cache, meta)
-        o = attn.attend(at.index, q, meta, at.scale).reshape(T, hq * d)  # [T, Hq * D]
+            q = attn.rope_store(at.index, q, k, v, positions, rope_cache, meta)
+            o = attn.attend(at.index, q, meta, at.scale).reshape(T, hq * d)  # [T, Hq * D]
         return kernels.layer_mlp(fused, o.contiguous(), residual, check=False)
 
 
