@@ -108,6 +108,7 @@ SCRIPTS: dict[str, list[str]] = {
     "a8-quality": ["benchmarks/bench_a8_quality.py"],
     "profile-decode": ["benchmarks/profile_decode.py", "--quant", "int4"],
     "vs-llamacpp": ["benchmarks/bench_vs_llamacpp.py", "--threads", "2", "--rounds", "3", "--reps", "2"],
+    "run-startup": ["benchmarks/bench_run_startup.py", "--rounds", "3"],
 }
 
 
