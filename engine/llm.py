@@ -9,6 +9,7 @@ the core directly; this class is the simple, synchronous way in.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import weakref
@@ -60,6 +61,11 @@ class LLM:
         if self.loaded.device.type == "cpu":
             _report_cpu_kernels()
         prepare(self.loaded, config, self.offload)
+        # Loading (quantizing at load most of all: every float weight is replaced) leaves tensors the model no
+        # longer holds in reference cycles, alive until the cyclic collector next runs: a bf16 SmolLM2-135M
+        # quantized to int8 kept ~450 MiB of them (RSS 870 -> 418 MiB once collected). Collect once, before
+        # the KV pool is sized from what is free.
+        gc.collect()
         if placement.kv_cache_tokens is not None:  # the pool size the explicit budget allows
             config = config.with_(kv_cache_tokens=placement.kv_cache_tokens)
         self.config = config
