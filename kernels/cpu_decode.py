@@ -151,8 +151,9 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"silu_mul: gate and up must be bf16 [T, I] with unit column stride, got "
                          f"{gate.dtype} {tuple(gate.shape)}, {up.dtype} {tuple(up.shape)}")
     y = torch.empty(t, inter, dtype=torch.bfloat16)
-    lib.llmsys_silu_mul_bf16(gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), y.data_ptr(), t, inter,
-                             torch.get_num_threads())
+    if lib.llmsys_silu_mul_bf16(gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), y.data_ptr(), t, inter,
+                                torch.get_num_threads()):
+        raise ValueError(f"silu_mul: the C kernel rejected I={inter} with row strides {gate.stride(0)}, {up.stride(0)}")
     return y
 
 

@@ -68,6 +68,11 @@ def test_silu_mul_is_its_definition_and_torch(scale):
                           3.0, -3.0, 20.0, -20.0, 0.5, -0.5]]).to(BF)
     ones = torch.ones_like(edge)
     assert torch.equal(cpu_decode.silu_mul(edge, ones).isnan(), (torch.nn.functional.silu(edge) * ones).isnan())
+    with pytest.raises(ValueError, match=r"silu_mul: gate and up must be bf16 \[T, I\] with unit column stride, "
+                                         r"got torch.float32 \(50, 2000\)"):
+        cpu_decode.silu_mul(gate.float(), up)
+    with pytest.raises(ValueError, match=r"silu_mul: the C kernel rejected I=0"):
+        cpu_decode.silu_mul(gate[:, :0], up[:, :0])
     finite = ~edge.isnan()
     assert torch.equal(_bits(cpu_decode.silu_mul(edge, ones)[finite]), _bits((torch.nn.functional.silu(edge) * ones)[finite]))
 
