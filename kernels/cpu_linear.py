@@ -21,7 +21,7 @@ AVX-NE-CONVERT: AVX2 laptops and desktops, Zen 2/3): oneDNN refuses to prepack
 bf16 weights there, and torch's own bf16 GEMM costs about 0.45 ms per row of x
 on a 4864x896 weight (55 ms at M = 128, 5.5x float32's MKL sgemm). Batches of
 fewer than :data:`BF16_UPCAST_MIN_ROWS` rows run the C bf16 GEMV
-(``cpu_qgemv.bf16_gemv``: 17-20 GB/s from DRAM where torch's GEMV read ~10-11,
+(``cpu_qgemv.bf16_gemv``: 12.5-18.5 GB/s from DRAM where torch's GEMV read 10.8-15.1,
 and the fused decode layers' bits), bigger ones upcast the weight to float32 a
 few hundred rows at a time (the chunk stays in L2) and run sgemm: 8.9 ms at
 M = 128 (Zen 3, 2 threads; 49152x576 head: 431 -> 110 ms).
