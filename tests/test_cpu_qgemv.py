@@ -329,10 +329,10 @@ def test_int4_scales_zeros_in_place():
 
 
 def test_int8_layer_prefill_path(monkeypatch):
-    """More than PACKED_MAX_ROWS bf16 rows: the GEMV's bits where its lane-pair path is native (so
-    prefill, decode and any batch agree), else the dense path bf16(bf16(q @ x^T)^T * scales) with q
-    exact in bf16, in row chunks for big weights (tested here directly); float32 inputs keep the
-    float32 path."""
+    """More than PACKED_MAX_ROWS bf16 rows: the exact GEMV's bits where its lane-pair path is native,
+    else the dense path bf16(bf16(q @ x^T)^T * scales) with q exact in bf16, in row chunks for big
+    weights (tested here directly); one row, a decode step, gets the a8 GEMV's bits either way;
+    float32 inputs keep the float32 path."""
     from llmsys.quant import int8_fp8
 
     q, s = _int8(300, 176, seed=7)
@@ -341,8 +341,8 @@ def test_int8_layer_prefill_path(monkeypatch):
     want = torch.mm(q.bfloat16(), xb.t()).t() * s
     native = KERNEL and cpu_qgemv.gemm_native()
     assert torch.equal(_bits(lin(xb)), _bits(cpu_qgemv.int8_gemv_def(xb, q, s) if native else want))
-    if native:
-        assert torch.equal(_bits(lin(xb[3:4])), _bits(lin(xb)[3:4]))
+    for m in (0, 3):
+        assert torch.equal(_bits(lin(xb[m : m + 1])), _bits(cpu_qgemv.int8_a8_def(xb[m : m + 1], q, s)))
     assert torch.equal(_bits(lin._dequant_matmul(xb)), _bits(want))
     ref = xb.float() @ (q.float() * s.float()[:, None]).t()
     assert (lin(xb).float() - ref).norm() / ref.norm() < 5e-3
