@@ -63,8 +63,9 @@ LEVELS: tuple[IsaLevel, ...] = (  # per architecture, lowest first
     IsaLevel("x86-64", "x86_64", ("-march=x86-64", "-mtune=generic"), frozenset()),
     IsaLevel("x86-64-v3", "x86_64", ("-march=x86-64-v3", "-mtune=generic"), _V3),
     IsaLevel("x86-64-v4", "x86_64", ("-march=x86-64-v4", "-mtune=generic"), _V4),
-    IsaLevel("x86-64-v4-bf16", "x86_64", ("-march=x86-64-v4", "-mavx512bf16", "-mtune=generic"),
-             _V4 | {"avx512bf16"}),
+    # + BF16 and VNNI: every CPU with AVX512-BF16 has AVX512-VNNI too (Cooper Lake, Sapphire Rapids, Zen 4)
+    IsaLevel("x86-64-v4-bf16", "x86_64", ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mtune=generic"),
+             _V4 | {"avx512bf16", "avx512vnni"}),
     IsaLevel("armv8-a", "aarch64", ("-march=armv8-a",), frozenset({"neon"})),
     IsaLevel("armv8.2-a-dotprod", "aarch64", ("-march=armv8.2-a+dotprod+fp16",),
              frozenset({"neon", "dotprod", "fp16"})),
@@ -72,7 +73,7 @@ LEVELS: tuple[IsaLevel, ...] = (  # per architecture, lowest first
 # cpu_features.c's bits
 FEATURE_BITS = {
     "avx2": 0, "fma": 1, "f16c": 2, "bmi2": 3, "avx512f": 4, "avx512bw": 5, "avx512dq": 6, "avx512vl": 7,
-    "avx512cd": 8, "avx512bf16": 9, "neon": 16, "dotprod": 17, "fp16": 18,
+    "avx512cd": 8, "avx512bf16": 9, "avx512vnni": 10, "neon": 16, "dotprod": 17, "fp16": 18,
 }
 
 

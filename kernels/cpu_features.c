@@ -23,7 +23,7 @@
 enum {
     F_AVX2 = 1 << 0, F_FMA = 1 << 1, F_F16C = 1 << 2, F_BMI2 = 1 << 3,
     F_AVX512F = 1 << 4, F_AVX512BW = 1 << 5, F_AVX512DQ = 1 << 6, F_AVX512VL = 1 << 7,
-    F_AVX512CD = 1 << 8, F_AVX512BF16 = 1 << 9,
+    F_AVX512CD = 1 << 8, F_AVX512BF16 = 1 << 9, F_AVX512VNNI = 1 << 10,
     F_NEON = 1 << 16, F_DOTPROD = 1 << 17, F_FP16 = 1 << 18,
 };
 
@@ -41,6 +41,7 @@ int64_t llmsys_cpu_features(void) {
     if (__builtin_cpu_supports("avx512vl")) f |= F_AVX512VL;
     if (__builtin_cpu_supports("avx512cd")) f |= F_AVX512CD;
     if (__builtin_cpu_supports("avx512bf16")) f |= F_AVX512BF16;
+    if (__builtin_cpu_supports("avx512vnni")) f |= F_AVX512VNNI;
 #elif defined(__aarch64__)
     f |= F_NEON; /* Advanced SIMD is part of every AArch64 Linux / macOS CPU */
 #if defined(__linux__)
