@@ -75,7 +75,7 @@ class MemoryReport:
     kv_cold_blocks_total: int = 0
     kv_cold_blocks_used: int = 0
     kv_blocks_by_tier: dict[str, tuple[int, int]] | None = None  # tier -> (used, total) blocks, with a cold tier
-    # Quantized layers per matmul kernel, e.g. {"C int4 a8 GEMV, GEMM prefill x86-64-v3": 168} (llmsys.quant.base.MatmulKernel)
+    # Quantized layers per matmul kernel, e.g. {"C int4 a8 x86-64-v3": 168} (llmsys.quant.base.MatmulKernel)
     kernels: dict[str, int] = field(default_factory=dict)
 
 

@@ -1129,6 +1129,101 @@ static void int8_a8_rows(const a8_x *a, int64_t m, const int8_t *q, int64_t k, c
     }
 }
 
+#ifdef QA8_VNNI
+#define A8_MT 4 /* rows of x per pass over decoded weights (int4: a column quad's 4 vectors; int8: a 16-row tile) */
+
+/* x rows [mb, mb + mt) against weight rows [n, n + 16) (mt a constant where inlined): each full 32-column
+   block's 16 x 8 dwords are transposed once (vector t[j] = dword j of the 16 rows, rows in lane order) for
+   the mt rows of x, whose codes enter vpdpbusd as unsigned bytes qx + 128 (an xor): that sum is
+   S_b + 128 * (the block's weight sum), taken back exactly. Then the portable float steps in block order
+   (the K tail's block last, scalar), so the same bits. */
+static inline __attribute__((always_inline)) void int8_a8_vnni_tile(const a8_x *a, int64_t mb, const int mt,
+                                                                    const int8_t *q, int64_t k,
+                                                                    const uint16_t *scales, uint16_t *out,
+                                                                    int64_t ldo, int64_t n) {
+    const int64_t full = k / A8, nb = a->nb;
+    const __m512i ones = _mm512_set1_epi8(1);
+    const __m512i lo_idx = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
+    const __m512i hi_idx = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+    __m512 f[A8_MT];
+    for (int m = 0; m < mt; m++) f[m] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < full; b++) {
+        __m512i z[8];
+        if (!(b & 1)) /* rows ahead into L2, one 64-byte line each (a prefetch never faults) */
+            for (int r = 0; r < 16; r++) __builtin_prefetch(q + (n + I8_AHEAD + r) * k + b * A8, 0, 2);
+        for (int i = 0; i < 8; i++) /* z[i] = row i's 8 dwords | row i + 8's */
+            z[i] = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(q + (n + i) * k + b * A8))),
+                _mm256_loadu_si256((const __m256i *)(q + (n + 8 + i) * k + b * A8)), 1);
+        /* 8 x 8 dword transposes in each 256-bit half */
+        __m512i u[8], v[8], t[8];
+        for (int i = 0; i < 4; i++) {
+            u[2 * i] = _mm512_unpacklo_epi32(z[2 * i], z[2 * i + 1]);
+            u[2 * i + 1] = _mm512_unpackhi_epi32(z[2 * i], z[2 * i + 1]);
+        }
+        /* v[4h + j]: dwords j (lanes 0, 2) and j + 4 (lanes 1, 3) of rows 4h .. 4h + 3 (and + 8) */
+        for (int h = 0; h < 2; h++) {
+            v[4 * h + 0] = _mm512_unpacklo_epi64(u[4 * h], u[4 * h + 2]);
+            v[4 * h + 1] = _mm512_unpackhi_epi64(u[4 * h], u[4 * h + 2]);
+            v[4 * h + 2] = _mm512_unpacklo_epi64(u[4 * h + 1], u[4 * h + 3]);
+            v[4 * h + 3] = _mm512_unpackhi_epi64(u[4 * h + 1], u[4 * h + 3]);
+        }
+        for (int j = 0; j < 4; j++) {
+            t[j] = _mm512_permutex2var_epi64(v[j], lo_idx, v[4 + j]);
+            t[j + 4] = _mm512_permutex2var_epi64(v[j], hi_idx, v[4 + j]);
+        }
+        __m512i w = _mm512_setzero_si512(); /* the 16 rows' sums of the block's codes */
+        for (int j = 0; j < 8; j++) w = _mm512_dpbusd_epi32(w, ones, t[j]);
+        const __m512i w128 = _mm512_slli_epi32(w, 7);
+        for (int m = 0; m < mt; m++) {
+            const int8_t *qx = a->q + ((mb + m) * nb + b) * A8;
+            __m512i acc = _mm512_setzero_si512();
+            for (int j = 0; j < 8; j++) {
+                uint32_t xq;
+                memcpy(&xq, qx + 4 * j, 4);
+                acc = _mm512_dpbusd_epi32(acc, _mm512_set1_epi32((int)(xq ^ 0x80808080u)), t[j]);
+            }
+            const __m512 sb = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, w128));
+            f[m] = _mm512_add_ps(f[m], _mm512_mul_ps(sb, _mm512_set1_ps(a->d[(mb + m) * nb + b])));
+        }
+    }
+    for (int m = 0; m < mt; m++) {
+        float fr[16];
+        _mm512_storeu_ps(fr, f[m]);
+        const int8_t *qx = a->q + (mb + m) * nb * A8;
+        const float *dx = a->d + (mb + m) * nb;
+        for (int r = 0; r < 16; r++) {
+            float val = fr[r];
+            if (full < nb) val = val + (float)dot_block_i8(qx + full * A8, q + (n + r) * k + full * A8, k - full * A8) * dx[full];
+            out[(mb + m) * ldo + n + r] = rne(val * bf(scales[n + r]));
+        }
+    }
+}
+
+/* Weight rows [n0, n1) against x rows [0, m_count): 16-row tiles for 2+ rows of x (one row: the AVX2
+   code, whose 8-row blocks cost less than a transpose used once; Zen 4), the rows left one by one. */
+static void int8_a8_many(const a8_x *a, int64_t m_count, const int8_t *q, int64_t k, const uint16_t *scales,
+                         uint16_t *out, int64_t ldo, int64_t n0, int64_t n1) {
+    int64_t n = n0;
+    if (m_count >= 2)
+        for (; n + 16 <= n1; n += 16)
+            for (int64_t mb = 0; mb < m_count; mb += A8_MT) {
+                switch (m_count - mb < A8_MT ? (int)(m_count - mb) : A8_MT) {
+                case 1: int8_a8_vnni_tile(a, mb, 1, q, k, scales, out, ldo, n); break;
+                case 2: int8_a8_vnni_tile(a, mb, 2, q, k, scales, out, ldo, n); break;
+                case 3: int8_a8_vnni_tile(a, mb, 3, q, k, scales, out, ldo, n); break;
+                default: int8_a8_vnni_tile(a, mb, A8_MT, q, k, scales, out, ldo, n); break;
+                }
+            }
+    for (int64_t m = 0; m < m_count; m++) int8_a8_rows(a, m, q, k, scales, out, ldo, n, n1);
+}
+#else
+static void int8_a8_many(const a8_x *a, int64_t m_count, const int8_t *q, int64_t k, const uint16_t *scales,
+                         uint16_t *out, int64_t ldo, int64_t n0, int64_t n1) {
+    for (int64_t m = 0; m < m_count; m++) int8_a8_rows(a, m, q, k, scales, out, ldo, n0, n1);
+}
+#endif
+
 /* x [M, K] bf16 (row stride ldx), q int8 [N, K] contiguous, scales bf16 [N] -> out [M, N] bf16 (row stride ldo). */
 int llmsys_qgemv_int8_a8(const uint16_t *x, int64_t ldx, const int8_t *q, const uint16_t *scales, uint16_t *out,
                          int64_t ldo, int64_t m_count, int64_t n, int64_t k, int threads) {
@@ -1140,7 +1235,7 @@ int llmsys_qgemv_int8_a8(const uint16_t *x, int64_t ldx, const int8_t *q, const 
 #pragma omp parallel for num_threads(threads) schedule(static) if (par)
     for (int64_t it = 0; it < items; it++) {
         const int64_t n0 = it * step, n1 = n0 + step < n ? n0 + step : n;
-        for (int64_t m = 0; m < m_count; m++) int8_a8_rows(&a, m, q, k, scales, out, ldo, n0, n1);
+        int8_a8_many(&a, m_count, q, k, scales, out, ldo, n0, n1);
     }
     a8_free(&a);
     return 0;
@@ -1269,9 +1364,6 @@ static void int4_a8_block(const a8_x *a, int64_t m0, int64_t m1, const uint8_t *
 }
 
 #ifdef QA8_VNNI
-#ifndef A8_MT
-#define A8_MT 4 /* rows of x per pass over a decoded column quad (4 x 4 int32 accumulators + 4 codes in zmm) */
-#endif
 
 /* Slot s of int4_a8_block_vnni's accumulators holds row vnni_row(s): 4 vectors of 16 slots, rows
    (s / 16 >= 2 ? 32 : 0) + (s / 16 odd ? 4 : 0) + 0, 16, 8, 24 for each 4 lanes, + the lane within them. */
@@ -1527,8 +1619,7 @@ static void qw_item(const llmsys_qw *w, const a8_x *a, const uint16_t *x, int64_
     if (w->kind == 2) {
         bf16_rows(x, w->k, m_count, w->k, (const uint16_t *)w->q, w->kp, out, ldo, n0, n1);
     } else if (w->kind == 0) {
-        for (int64_t m = 0; m < m_count; m++)
-            int8_a8_rows(a, m, (const int8_t *)w->q, w->k, (const uint16_t *)w->scales, out, ldo, n0, n1);
+        int8_a8_many(a, m_count, (const int8_t *)w->q, w->k, (const uint16_t *)w->scales, out, ldo, n0, n1);
     } else {
         const int4_meta md = {w->zeros, w->z_n, w->z_g, w->scales, w->s_n, w->s_g, (int)w->scale_kind};
         int4_a8_rows(a, 0, m_count, (const uint8_t *)w->q + it * w->kp * 32, &md, w->kp / w->gs, w->gs, n0, w->n,

@@ -20,9 +20,9 @@ from torch import nn
 from llmsys.kernels import DecodeWeight
 from llmsys.kernels.common.errors import CheckpointError
 
-# Decode-sized batches (rows of x) for which the packed CPU kernels beat
-# dequantize+GEMM. Measured on AVX-512 (Qwen2.5-0.5B MLP up-proj, 896x4864):
-# at M=16 int8-packed 2.4 ms vs dequant 3.8 ms, at M=128 15 ms vs 8 ms.
+# Without the C kernels: the most rows torch's packed int8 op runs (more dequantize + GEMM).
+# Measured on AVX-512 (Qwen2.5-0.5B MLP up-proj, 896x4864): at M=16 int8-packed 2.4 ms vs
+# dequant 3.8 ms, at M=128 15 ms vs 8 ms. Also the most rows int8's fused decode layers take.
 PACKED_MAX_ROWS = 32
 # Float32 bytes of one row chunk while quantizing (quantize_rows): bounds the quantizers'
 # full-size temporaries, so the largest tensor no longer sets the load-time peak.
@@ -54,20 +54,21 @@ def quantize_rows(weight: torch.Tensor, fn, chunk_bytes: int | None = None) -> t
 class KernelFamily(enum.Enum):
     """The matmul code a quantized layer runs; its value is the name reports print.
 
-    Where a family names two kernels, the layer picks between them per call by the number of
-    rows of x alone (decode-sized batches vs prefill) and, for int8 and int4 on the CPU, the
-    activation dtype. The C families run decode-sized batches (up to the format's
-    ``PACKED_MAX_ROWS``) through the "a8" GEMVs (x quantized to int8 per 32 columns, integer
-    dot products: ``kernels.cpu_qgemv``), whose row bits never depend on the batch; prefill keeps
-    bf16 x, so a prompt row and a decode row of the same input differ by x's int8 rounding.
+    Where a family names two kernels (torch's packed int8 op), the layer picks between them per
+    call by the number of rows of x. The C families run **every** row of x, prompt and decode,
+    through the "a8" kernels (x quantized to int8 per 32 columns, exact integer dot products:
+    ``kernels.cpu_qgemv``), whose bits for a row depend on that row and the weight alone. Why one
+    arithmetic for all rows: a row's bits then never depend on what else is in its step (a short
+    prompt alone or beside a long one, a decode row beside a prompt chunk), how a prompt is chunked,
+    or whether a sequence was preempted and recomputed, so answers are the same at any batch and
+    memory budget. With an exact bf16-x path for prefill and a8 for decode-sized calls, a 17-token
+    prompt's log-probabilities moved by up to 0.19 when a 90-token prompt shared its step.
     """
 
-    C_INT4 = "C int4 a8 GEMV, GEMM prefill"  # the a8 GEMV up to PACKED_MAX_ROWS rows, the exact GEMM above
-    C_INT4_DENSE_PREFILL = "C int4 a8 GEMV, dequant + bf16 GEMM prefill"  # no native GEMM: dense above PACKED_MAX_ROWS
+    C_INT4 = "C int4 a8"  # every row: int4_gemv_a8
     TORCH_INT4_DENSE = "torch int4 dequant + bf16 GEMM"  # CPU tiling, no C kernels: every batch
     TRITON_W4A16 = "Triton w4a16"
-    C_INT8 = "C int8 a8 GEMV, GEMV prefill"  # a8 up to PACKED_MAX_ROWS rows; the lane-pair GEMV (native) above
-    C_INT8_DENSE_PREFILL = "C int8 a8 GEMV, dequant + bf16 GEMM prefill"
+    C_INT8 = "C int8 a8"  # every row: int8_gemv_a8
     TORCH_INT8_PACKED = "torch int8pack_mm, dequant + bf16 GEMM prefill"  # no C kernels
     TRITON_W8A16 = "Triton w8a16"
     FP8_SCALED_MM = "torch _scaled_mm fp8 W8A8"
@@ -87,7 +88,7 @@ class MatmulKernel:
 
     @property
     def name(self) -> str:
-        """``"C int4 a8 GEMV, GEMM prefill x86-64-v3"``: what ``memory_report()`` and ``llmsys bench --verbose`` print."""
+        """``"C int4 a8 x86-64-v3"``: what ``memory_report()`` and ``llmsys bench --verbose`` print."""
         return self.family.value if self.level is None else f"{self.family.value} {self.level}"
 
 
@@ -140,7 +141,7 @@ class QuantLinear(nn.Module):
         """
         return None
 
-    # The most rows of x this format's forward runs through the a8 GEMV (its PACKED_MAX_ROWS); 0: never.
+    # The most rows of x the fused decode layers take for this format (its PACKED_MAX_ROWS); 0: never.
     DECODE_MAX_ROWS = 0
 
     def decode_weight(self) -> DecodeWeight | None:

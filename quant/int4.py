@@ -18,15 +18,12 @@ scales and uint8 zeros, and converts back to the canonical layout in
 ``state_dict()`` -- the tiling is a pure nibble permutation
 (:func:`unpack_cpu_int4`), so the round trip is exact and a checkpoint made on
 one CPU loads right on any other. The C kernels of ``kernels.cpu_qgemv``
-multiply on that buffer: batches of up to :data:`PACKED_MAX_ROWS` rows (decode,
-short prompt chunks) take the a8 GEMV (``int4_gemv_a8``: x quantized to int8 per
-32 columns, as llama.cpp's q8_0 activations, and integer dot products: 1.9-3.6x
-the exact float GEMV's speed on AVX2 (benchmarks/bench_qmatmul.py), where that one was compute-bound at ~5 GB/s);
-every such row gets the same bits whatever the batch. Larger batches (prefill)
-keep bf16 x: the exact GEMM (``int4_gemm``, the canonical formula) where it is
-native (AVX512-BF16), else the tiled buffer dequantized to bf16
-(``llmsys.kernels.dequant_cpu_int4``) and a dense bf16 GEMM; without the C
-kernels every batch does that, with the dequantization in torch ops (correct,
+multiply on that buffer: every row of x, prompt and decode, takes the a8 GEMV
+(``int4_gemv_a8``: x quantized to int8 per 32 columns, as llama.cpp's q8_0
+activations, and integer dot products: 1.9-3.6x the exact float GEMV's speed on
+AVX2 (benchmarks/bench_qmatmul.py), where that one was compute-bound at ~5 GB/s),
+so every row gets the same bits whatever its batch, chunk or step (``KernelFamily``);
+without the C kernels every batch dequantizes to bf16 and GEMMs, in torch ops (correct,
 slower: the engine's notice line says so).
 """
 
@@ -40,7 +37,6 @@ from llmsys.kernels import (
     DecodeWeight,
     int4_decode_weight,
     dequant_cpu_int4,
-    int4_gemm,
     int4_gemv_a8,
     mm_bf16,
     pack_cpu_int4,
@@ -64,16 +60,10 @@ from llmsys.quant.base import (
 )
 
 GROUP_SIZES = (32, 64, 128)
-# Without the native C GEMM: rows of x up to which the GEMV (or torch's packed op) runs; more
-# rows dequantize to bf16 + GEMM.
-# Measured (Zen 4 EPYC, 2 threads, bf16, g64; packed op vs dequantize + GEMM, ms):
-# 4864x896 M=24 1.39 vs 2.27, M=32 1.98 vs 1.76, M=64 3.31 vs 2.11;
-# 896x4864 M=24 1.24 vs 1.28, M=32 1.64 vs 1.23; 896x896 M=32 0.31 vs 0.23 (1 thread: the same order).
+# The most rows of x the fused decode layers take for int4 weights (more run layer by layer, through
+# the same a8 GEMV: every row of a C-kernel int4 layer does, cpu_qgemv.int4_gemv_a8).
 PACKED_MAX_ROWS = 28
-# Up to PACKED_MAX_ROWS rows the a8 GEMV runs (cpu_qgemv.int4_gemv_a8), on every CPU. Above, with
-# the GEMM built natively (AVX512-BF16), cpu_qgemv.int4_gemm replaces the dequantize + bf16 GEMM
-# (M = 128: 0.86-0.95x a prepacked bf16 GEMM, vs 0.65-0.82x).
-# Bigger weights (a 151936-row LM head when every position is scored) dequantize
+# Without the C kernels every batch dequantizes and GEMMs. Bigger weights (a 151936-row LM head when every position is scored) dequantize
 # in row chunks of at most this many bf16 bytes, so the transient copy stays small.
 DEQUANT_CHUNK_BYTES = 16 << 20
 
@@ -128,15 +118,14 @@ def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
 def int4_kernel(packed_cpu: bool, device: torch.device) -> MatmulKernel:
     """The kernel family of an int4 layer, from its layout, its device and the C kernels' build.
 
-    CPU tiling: the C GEMV/GEMM where the C kernel is loaded (with a dense bf16 GEMM above
-    :data:`PACKED_MAX_ROWS` rows where its GEMM is not native), else the torch dequantization +
-    bf16 GEMM. Canonical layout: Triton on CUDA, dequantize + ``F.linear`` elsewhere.
+    CPU tiling: the C a8 GEMV for every row where the C kernel is loaded, else the torch
+    dequantization + bf16 GEMM. Canonical layout: Triton on CUDA, dequantize + ``F.linear`` elsewhere.
     """
     if packed_cpu:
         c = quant_matmul_support()
         if not c.available:
             return MatmulKernel(KernelFamily.TORCH_INT4_DENSE)
-        return MatmulKernel(KernelFamily.C_INT4 if c.gemm_native else KernelFamily.C_INT4_DENSE_PREFILL, c.level)
+        return MatmulKernel(KernelFamily.C_INT4, c.level)
     return MatmulKernel(KernelFamily.TRITON_W4A16) if device.type == "cuda" else TORCH_DEQUANT
 
 
@@ -150,12 +139,11 @@ class Int4Linear(QuantLinear):
       padded to a multiple of 64), ``scales_zeros bf16 [G, Np, 2]`` =
       (scale, (8 - zero) * scale), ``zeros_u8 [N, G]`` and, with the C GEMV,
       its group-major copy ``zeros_gm [G, N]``. Matmul always runs in bf16;
-      fp32 inputs are cast to bf16 and the output cast back. Up to
-      :data:`PACKED_MAX_ROWS` rows the C a8 GEMV ``cpu_qgemv.int4_gemv_a8`` runs
-      where built, above them the C GEMM ``cpu_qgemv.int4_gemm`` where native; without the
-      native GEMM, more than :data:`PACKED_MAX_ROWS` rows take the bf16 weight
-      from ``dequant_cpu_int4`` (exactly ``dequantize(torch.bfloat16)``) and a
-      dense bf16 GEMM, and without the C kernels every batch does.
+      fp32 inputs are cast to bf16 and the output cast back. Every row, prompt
+      or decode, runs the C a8 GEMV ``cpu_qgemv.int4_gemv_a8`` where built (a row's
+      bits never depend on its batch: ``KernelFamily``); without the C kernels every
+      batch takes the bf16 weight from ``dequant_cpu_int4`` (exactly
+      ``dequantize(torch.bfloat16)``) and a dense bf16 GEMM.
     * ``canonical`` (GPU, or ``prefer_packed=False``): holds ``qweight``/``scales``/``zeros`` and
       dequantizes + GEMMs in the input dtype.
 
@@ -336,7 +324,7 @@ class Int4Linear(QuantLinear):
         bias = buf["bias"]
         if (self.mode != "packed_cpu" or buf["input_scale"] is not None
                 or buf["perm"] is not None or (bias is not None and bias.dtype != torch.bfloat16)
-                or self._kernel.family not in (KernelFamily.C_INT4, KernelFamily.C_INT4_DENSE_PREFILL)):
+                or self._kernel.family is not KernelFamily.C_INT4):
             return None
         scales = buf["scales_orig"]
         if scales is None:
@@ -355,11 +343,7 @@ class Int4Linear(QuantLinear):
         family = self._kernel.family
         if self.mode == "packed_cpu":
             xb = x2 if x2.dtype == torch.bfloat16 else x2.to(torch.bfloat16)
-            m = xb.shape[0]
-            if family is KernelFamily.C_INT4 or (family is KernelFamily.C_INT4_DENSE_PREFILL
-                                                 and m <= PACKED_MAX_ROWS):
-                # The C kernels: the a8 GEMV for decode-sized batches (each row's bits independent of the
-                # batch), the exact GEMM (native here) for prefill.
+            if family is KernelFamily.C_INT4:  # every row: the a8 GEMV (each row's bits independent of the batch)
                 if xb.shape[1] != k:
                     raise ValueError(f"Int4Linear: input has {xb.shape[1]} features, expected {k}")
                 if xb.stride(1) != 1:
@@ -367,8 +351,7 @@ class Int4Linear(QuantLinear):
                 scales = buf["scales_orig"]
                 if scales is None:
                     scales = buf["scales_zeros"]  # [G, Np, 2]: the kernel reads the bf16 scales in place
-                kernel = int4_gemv_a8 if m <= PACKED_MAX_ROWS else int4_gemm
-                y = kernel(xb, buf["packed"], scales, buf["zeros_gm"].t(), self.group_size,
+                y = int4_gemv_a8(xb, buf["packed"], scales, buf["zeros_gm"].t(), self.group_size,
                            check=False)  # [M, N]; the buffers were checked at construction
                 return y if x2.dtype == torch.bfloat16 else y.to(x2.dtype)
             return self._dequant_matmul(xb).to(x2.dtype)  # prefill without the native GEMM; no C kernels

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from llmsys.kernels import CPU_INT4_BLOCK_N as CPU_BLOCK_N
-from llmsys.kernels import DecodeWeight, int8_decode_weight, int8_gemv, int8_gemv_a8, linear, mm_bf16, quant_matmul_support, transpose_bf16, w8a16_matmul
+from llmsys.kernels import DecodeWeight, int8_decode_weight, int8_gemv_a8, linear, mm_bf16, quant_matmul_support, transpose_bf16, w8a16_matmul
 from llmsys.quant.base import (
     PACKED_MAX_ROWS,
     TORCH_DEQUANT,
@@ -81,10 +81,9 @@ class _PerRowLinear(QuantLinear):
 
 
 def int8_kernel(device: torch.device) -> MatmulKernel:
-    """The kernel family of an int8 layer on ``device``: Triton on CUDA; on the CPU the C GEMV where
-    it is loaded (for every bf16 batch where its lane-pair path is native, else up to
-    :data:`PACKED_MAX_ROWS` rows, a dense bf16 GEMM above), else torch's packed op up to
-    PACKED_MAX_ROWS rows; dequantize + ``F.linear`` anywhere else."""
+    """The kernel family of an int8 layer on ``device``: Triton on CUDA; on the CPU the C a8 GEMV
+    where it is loaded (every row), else torch's packed op up to :data:`PACKED_MAX_ROWS` rows;
+    dequantize + ``F.linear`` anywhere else."""
     if device.type == "cuda":
         return MatmulKernel(KernelFamily.TRITON_W8A16)
     if device.type != "cpu":
@@ -92,26 +91,19 @@ def int8_kernel(device: torch.device) -> MatmulKernel:
     c = quant_matmul_support()
     if not c.available:
         return MatmulKernel(KernelFamily.TORCH_INT8_PACKED)
-    return MatmulKernel(KernelFamily.C_INT8 if c.gemm_native else KernelFamily.C_INT8_DENSE_PREFILL, c.level)
-
-
-_C_FAMILIES = (KernelFamily.C_INT8, KernelFamily.C_INT8_DENSE_PREFILL)
+    return MatmulKernel(KernelFamily.C_INT8, c.level)
 
 
 class Int8Linear(_PerRowLinear):
     """W8A16 linear: ``qweight int8 [N, K]``, ``scales bf16 [N]``; w = q * scale.
 
-    CPU: decode-sized inputs (<= PACKED_MAX_ROWS rows) go through the C a8 GEMV
+    CPU: every row of a bf16 or float32 input, prompt or decode, goes through the C a8 GEMV
     ``kernels.cpu_qgemv.int8_gemv_a8`` (x quantized to int8 per 32 columns, exact
-    integer dot products; ~2x the weight bandwidth of
-    ``torch._weight_int8pack_mm``, which runs instead when the kernel is not
-    built). Both need bf16 activations, so float32 inputs are cast to bf16
-    and the result cast back. Larger bf16 inputs (prefill) take the exact C GEMV
-    ``int8_gemv`` (bf16 x, float32 accumulation, ``bf16(dot * scale)``)
-    where it is built with AVX512-BF16: from 5 rows it converts each weight row
-    once for all rows (0.81-0.90x a prepacked bf16 GEMM at M = 128 on Zen 4, vs
-    0.74-0.87x for the dense path; benchmarks/bench_qmatmul.py). Elsewhere they
-    convert q to the input dtype and GEMM (bf16: the weight as oneDNN's first
+    integer dot products; ~2x the weight bandwidth of ``torch._weight_int8pack_mm``
+    at M = 1), so a row's bits never depend on its batch (``KernelFamily``). It needs
+    bf16 activations, so float32 inputs are cast to bf16 and the result cast back.
+    Without the C kernel, up to PACKED_MAX_ROWS rows run ``torch._weight_int8pack_mm``
+    and more convert q to the input dtype and GEMM (bf16: the weight as oneDNN's first
     operand, see ``_dequant_matmul``). torch's packed op crashes
     (SIGSEGV, torch 2.13 CPU) on bf16 inputs when K % 16 != 0, so float32
     inputs of such layers (e.g. stories260k's FFN, K=172) keep the exact
@@ -146,7 +138,7 @@ class Int8Linear(_PerRowLinear):
         """The C a8 weight when :meth:`_matmul` on decode-sized bf16 inputs runs ``int8_gemv_a8``."""
         buf = self._buffers
         bias = buf["bias"]
-        if self._kernel.family not in _C_FAMILIES or (bias is not None and bias.dtype != torch.bfloat16):
+        if self._kernel.family is not KernelFamily.C_INT8 or (bias is not None and bias.dtype != torch.bfloat16):
             return None
         q, scales = buf["qweight"], buf["scales"]
         return self._decode_cached((q, scales, bias), lambda: int8_decode_weight(q, scales, bias))
@@ -159,23 +151,18 @@ class Int8Linear(_PerRowLinear):
         if family is KernelFamily.TORCH_DEQUANT:
             return F.linear(x2, self.qweight.to(x2.dtype)) * self.scales.to(x2.dtype)
         bf16 = x2.dtype == torch.bfloat16
-        c_kernel = family is not KernelFamily.TORCH_INT8_PACKED
-        if (
-            # more rows (prefill): the GEMV too where its lane-pair path is native
-            (x2.shape[0] <= PACKED_MAX_ROWS or (bf16 and family is KernelFamily.C_INT8))
-            and (bf16 or x2.dtype == torch.float32)
-            and (self.in_features % 16 == 0 or (bf16 and c_kernel))
-        ):
+        if family is KernelFamily.C_INT8 and (bf16 or x2.dtype == torch.float32):  # every row: the a8 GEMV
             xb = x2 if bf16 else x2.to(torch.bfloat16)
             if xb.stride(-1) != 1:
                 xb = xb.contiguous()
-            if c_kernel:
-                if xb.shape[1] != self.in_features:
-                    raise ValueError(f"Int8Linear: input has {xb.shape[1]} features, expected {self.in_features}")
-                gemv = int8_gemv_a8 if xb.shape[0] <= PACKED_MAX_ROWS else int8_gemv  # a8: decode-sized batches
-                y = gemv(xb, buf["qweight"], buf["scales"], check=False)  # [M, N]; checked in __init__
-                return y if bf16 else y.to(x2.dtype)
-            y = torch._weight_int8pack_mm(xb.contiguous(), buf["qweight"], buf["scales"])  # K % 16 == 0 here
+            if xb.shape[1] != self.in_features:
+                raise ValueError(f"Int8Linear: input has {xb.shape[1]} features, expected {self.in_features}")
+            y = int8_gemv_a8(xb, buf["qweight"], buf["scales"], check=False)  # [M, N]; checked in __init__
+            return y if bf16 else y.to(x2.dtype)
+        if (family is KernelFamily.TORCH_INT8_PACKED and x2.shape[0] <= PACKED_MAX_ROWS
+                and (bf16 or x2.dtype == torch.float32) and self.in_features % 16 == 0):
+            xb = x2 if bf16 else x2.to(torch.bfloat16)
+            y = torch._weight_int8pack_mm(xb.contiguous(), buf["qweight"], buf["scales"])
             return y.to(x2.dtype)
         if bf16:
             return self._dequant_matmul(x2)

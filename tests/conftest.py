@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from llmsys.kernels import quant_matmul_support
+
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 STORIES_HF = SHARED / "models" / "stories260k-hf"
 STORIES_C = SHARED / "models" / "stories260k"
@@ -67,9 +69,11 @@ def other_isa_build(source: Path, signatures: dict, level_name: str, tmp_path: P
 
 
 # Relative error (norm of the difference over the norm) a quantized CPU layer's output may have against
-# the float matmul on its own dequantized weight for decode-sized inputs: the a8 GEMVs round x to int8
-# per 32 columns (~0.5% on Gaussian x; bf16 x alone was ~0.2%).
+# the float matmul on its own dequantized weight where the C kernel runs it (every row): the a8 GEMVs
+# round x to int8 per 32 columns (~0.5% on Gaussian x; bf16 x alone was ~0.2%).
 A8_REL_ERR = 1e-2
+# The quantized CPU layers run the C a8 kernels (else torch's dequantize + GEMM paths)
+C_KERNEL = quant_matmul_support().available
 
 
 def x86_levels() -> list[str]:

@@ -132,8 +132,7 @@ def test_cli_verbose_names_each_configs_kernels(tiny, capsys):
     assert rc == 0
     lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("kernels: ")]
     c = quant_matmul_support()
-    int8 = (f"C int8 a8 GEMV, GEMV prefill {c.level}" if c.gemm_native else f"C int8 a8 GEMV, dequant + bf16 GEMM prefill {c.level}"
-            ) if c.available else "torch int8pack_mm, dequant + bf16 GEMM prefill"
+    int8 = f"C int8 a8 {c.level}" if c.available else "torch int8pack_mm, dequant + bf16 GEMM prefill"
     assert lines[0] == "kernels: dtype float32, quant none, kv auto: no quantized layers", lines
     assert lines[1].startswith(f"kernels: dtype float32, quant int8, kv auto: {int8} x "), lines
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import other_isa_build, x86_levels
+from conftest import A8_REL_ERR, other_isa_build, x86_levels
 from llmsys.kernels import cpu_qgemv
 from llmsys.quant import int4 as int4_mod
 from llmsys.quant.base import PACKED_MAX_ROWS
@@ -97,10 +97,6 @@ def test_int4_bit_exact(n, k, g, threads):
         full = cpu_qgemv.int4_gemv(x, *args)
         for m in range(16):
             assert torch.equal(_bits(full[m : m + 1]), _bits(cpu_qgemv.int4_gemv(x[m : m + 1], *args)))
-
-
-needs_gemm = pytest.mark.skipif(not (KERNEL and cpu_qgemv.gemm_native()),
-                                reason="the prefill GEMM needs the C kernel built with AVX512-BF16")
 
 
 @needs_kernel
@@ -278,7 +274,7 @@ def test_a8_argument_checks():
 
 @needs_kernel
 def test_int8_layer_uses_kernel():
-    """Decode-sized inputs: the kernel's bits (float32 inputs through bf16 when K % 16 == 0, as torch's op)."""
+    """Any input: the a8 kernel's bits (float32 inputs through bf16), at any K."""
     q, s = _int8(300, 176)
     lin = Int8Linear(q, s, None)
     x = torch.randn(PACKED_MAX_ROWS, 176)
@@ -289,8 +285,8 @@ def test_int8_layer_uses_kernel():
     lin = Int8Linear(q, s, None)
     xb = torch.randn(3, 172).bfloat16()  # any K in bf16
     assert torch.equal(_bits(lin(xb)), _bits(cpu_qgemv.int8_a8_def(xb, q, s)))
-    x = torch.randn(3, 172)  # float32 at K % 16 != 0: the float32 dequant path, as before
-    assert torch.equal(lin(x), torch.nn.functional.linear(x, q.float()) * s.float())
+    x = torch.randn(3, 172)  # float32 at K % 16 != 0 too (torch's packed op, without the kernel, needs K % 16 == 0)
+    assert torch.equal(lin(x), cpu_qgemv.int8_a8_def(x.bfloat16(), q, s).float())
 
 
 @needs_kernel
@@ -302,16 +298,16 @@ def test_int4_layer_uses_kernel():
     assert torch.equal(y, cpu_qgemv.int4_a8_def(x.bfloat16(), *_int4_args(lin)).float())
 
 
-@needs_gemm
-def test_int4_layer_prefill_is_exact():
-    """With the native GEMM a prefill-sized input gets the exact GEMV's bits (bf16 x); one row, a decode
-    step, gets the a8 GEMV's, which differ from them by x's int8 rounding only."""
+@needs_kernel
+def test_int4_layer_every_row_is_a8():
+    """A prompt-sized input gets the a8 GEMV's bits, as one row (a decode step) does: a row's bits
+    never depend on its batch."""
     lin = _int4(200, 172, 32, seed=12)
     x = torch.randn(int4_mod.PACKED_MAX_ROWS + 20, 172).bfloat16()
     y = lin(x)
-    assert torch.equal(_bits(y), _bits(cpu_qgemv.int4_gemv_def(x, *_int4_args(lin))))
+    assert torch.equal(_bits(y), _bits(cpu_qgemv.int4_a8_def(x, *_int4_args(lin))))
     for m in (0, 47):
-        assert torch.equal(_bits(lin(x[m : m + 1])), _bits(cpu_qgemv.int4_a8_def(x[m : m + 1], *_int4_args(lin))))
+        assert torch.equal(_bits(lin(x[m : m + 1])), _bits(y[m : m + 1]))
 
 
 @needs_kernel
@@ -329,29 +325,32 @@ def test_int4_scales_zeros_in_place():
 
 
 def test_int8_layer_prefill_path(monkeypatch):
-    """More than PACKED_MAX_ROWS bf16 rows: the exact GEMV's bits where its lane-pair path is native,
-    else the dense path bf16(bf16(q @ x^T)^T * scales) with q exact in bf16, in row chunks for big
-    weights (tested here directly); one row, a decode step, gets the a8 GEMV's bits either way;
-    float32 inputs keep the float32 path."""
+    """More than PACKED_MAX_ROWS bf16 rows: the a8 GEMV's bits with the C kernel, as one row (a decode
+    step) gets (float32 inputs too, through bf16); without it the dense path bf16(bf16(q @ x^T)^T * scales)
+    with q exact in bf16, in row chunks for big weights (tested here directly), and float32 inputs
+    the float32 path."""
     from llmsys.quant import int8_fp8
 
     q, s = _int8(300, 176, seed=7)
     lin = Int8Linear(q, s, None)
     xb = torch.randn(PACKED_MAX_ROWS + 5, 176).bfloat16()
     want = torch.mm(q.bfloat16(), xb.t()).t() * s
-    native = KERNEL and cpu_qgemv.gemm_native()
-    assert torch.equal(_bits(lin(xb)), _bits(cpu_qgemv.int8_gemv_def(xb, q, s) if native else want))
+    y = lin(xb)
+    assert torch.equal(_bits(y), _bits(cpu_qgemv.int8_a8_def(xb, q, s) if KERNEL else want))
     for m in (0, 3):
-        assert torch.equal(_bits(lin(xb[m : m + 1])), _bits(cpu_qgemv.int8_a8_def(xb[m : m + 1], q, s)))
+        assert torch.equal(_bits(lin(xb[m : m + 1])), _bits(y[m : m + 1]))
     assert torch.equal(_bits(lin._dequant_matmul(xb)), _bits(want))
     ref = xb.float() @ (q.float() * s.float()[:, None]).t()
-    assert (lin(xb).float() - ref).norm() / ref.norm() < 5e-3
+    assert (want.float() - ref).norm() / ref.norm() < 5e-3
+    assert (y.float() - ref).norm() / ref.norm() < A8_REL_ERR
     monkeypatch.setattr(int8_fp8, "DEQUANT_CHUNK_BYTES", 128 * 176 * 2)  # 128-row chunks: 3 GEMMs
     chunked = lin._dequant_matmul(xb)
     assert torch.allclose(chunked.float(), want.float(), rtol=1e-2, atol=1e-3)
     assert torch.equal(_bits(chunked[:, 128:256]), _bits(torch.mm(q[128:256].bfloat16(), xb.t()).t() * s[128:256]))
     x = torch.randn(PACKED_MAX_ROWS + 5, 176)
-    assert torch.equal(lin(x), torch.nn.functional.linear(x, q.float()) * s.float())
+    want32 = cpu_qgemv.int8_a8_def(x.bfloat16(), q, s).float() if KERNEL else torch.nn.functional.linear(
+        x, q.float()) * s.float()
+    assert torch.equal(lin(x), want32)
 
 
 @needs_kernel

@@ -333,7 +333,7 @@ Progress = Callable[[int, int, str], None]
 
 
 def kernels_line(cfg: LoadConfig, kernels: dict[str, int]) -> str:
-    """``dtype auto, quant int4, kv auto: C int4 a8 GEMV, GEMM prefill x86-64-v3 x 168`` (``llmsys bench --verbose``)."""
+    """``dtype auto, quant int4, kv auto: C int4 a8 x86-64-v3 x 168`` (``llmsys bench --verbose``)."""
     used = ", ".join(f"{name} x {n}" for name, n in sorted(kernels.items())) or "no quantized layers"
     return f"dtype {cfg.dtype}, quant {cfg.quant}, kv {cfg.kv_dtype}: {used}"
 
