@@ -1015,12 +1015,13 @@ int llmsys_qgemm_int4(const uint16_t *x, int64_t ldx, const uint8_t *packed, con
 typedef struct {
     int8_t *q;      /* [M, nb * 32] codes, zero past K (int16 pairs (code 2i, code 2i+1) for the int4 broadcasts) */
     int8_t *q4;     /* VNNI builds: q with each 4 codes' middle two swapped (int4's column quads), else NULL */
+    uint8_t *qu;    /* VNNI builds: q + 128 as unsigned bytes (int8's vpdpbusd operand), else NULL */
     float *d;       /* [M, nb] block scales */
     int32_t *s;     /* [M, nb] sums of a block's codes */
     int64_t nb;
 } a8_x;
 
-static void a8_free(a8_x *a) { free(a->q); free(a->q4); free(a->d); free(a->s); }
+static void a8_free(a8_x *a) { free(a->q); free(a->q4); free(a->qu); free(a->d); free(a->s); }
 
 /* x [M, K] bf16 (row stride ldx) -> int8 blocks (the arithmetic above). 0, or 2 when out of memory. */
 static int a8_quantize(const uint16_t *x, int64_t ldx, int64_t m_count, int64_t k, int64_t nb, a8_x *a) {
@@ -1029,14 +1030,16 @@ static int a8_quantize(const uint16_t *x, int64_t ldx, int64_t m_count, int64_t 
     a->q = aligned_alloc(64, qbytes);
 #ifdef QA8_VNNI
     a->q4 = aligned_alloc(64, qbytes);
+    a->qu = aligned_alloc(64, qbytes);
 #else
     a->q4 = NULL;
+    a->qu = NULL;
 #endif
     a->d = malloc(sizeof(float) * (size_t)(m_count * nb));
     a->s = malloc(sizeof(int32_t) * (size_t)(m_count * nb));
     if (!a->q || !a->d || !a->s) { a8_free(a); return 2; }
 #ifdef QA8_VNNI
-    if (!a->q4) { a8_free(a); return 2; }
+    if (!a->q4 || !a->qu) { a8_free(a); return 2; }
 #endif
     for (int64_t m = 0; m < m_count; m++)
         for (int64_t b = 0; b < nb; b++) {
@@ -1063,6 +1066,8 @@ static int a8_quantize(const uint16_t *x, int64_t ldx, int64_t m_count, int64_t 
                     int8_t *o = a->q4 + (m * nb + b) * A8 + i;
                     o[0] = qb[i], o[1] = qb[i + 2], o[2] = qb[i + 1], o[3] = qb[i + 3];
                 }
+            if (a->qu)
+                for (int i = 0; i < A8; i++) a->qu[(m * nb + b) * A8 + i] = (uint8_t)(qb[i] + 128);
         }
     return 0;
 }
@@ -1130,7 +1135,14 @@ static void int8_a8_rows(const a8_x *a, int64_t m, const int8_t *q, int64_t k, c
 }
 
 #ifdef QA8_VNNI
-#define A8_MT 4 /* rows of x per pass over decoded weights (int4: a column quad's 4 vectors; int8: a 16-row tile) */
+/* Rows of x per pass over decoded weights (int8: a transposed 16-row tile; int4: a column quad's 4
+   vectors): the accumulators of that many rows stay in the 32 zmm registers (Zen 4, 2 threads). */
+#ifndef I8_MT
+#define I8_MT 8
+#endif
+#ifndef I4_MT
+#define I4_MT 4
+#endif
 
 /* x rows [mb, mb + mt) against weight rows [n, n + 16) (mt a constant where inlined): each full 32-column
    block's 16 x 8 dwords are transposed once (vector t[j] = dword j of the 16 rows, rows in lane order) for
@@ -1145,7 +1157,7 @@ static inline __attribute__((always_inline)) void int8_a8_vnni_tile(const a8_x *
     const __m512i ones = _mm512_set1_epi8(1);
     const __m512i lo_idx = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
     const __m512i hi_idx = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
-    __m512 f[A8_MT];
+    __m512 f[I8_MT];
     for (int m = 0; m < mt; m++) f[m] = _mm512_setzero_ps();
     for (int64_t b = 0; b < full; b++) {
         __m512i z[8];
@@ -1176,12 +1188,12 @@ static inline __attribute__((always_inline)) void int8_a8_vnni_tile(const a8_x *
         for (int j = 0; j < 8; j++) w = _mm512_dpbusd_epi32(w, ones, t[j]);
         const __m512i w128 = _mm512_slli_epi32(w, 7);
         for (int m = 0; m < mt; m++) {
-            const int8_t *qx = a->q + ((mb + m) * nb + b) * A8;
+            const uint8_t *xu = a->qu + ((mb + m) * nb + b) * A8;
             __m512i acc = _mm512_setzero_si512();
             for (int j = 0; j < 8; j++) {
-                uint32_t xq;
-                memcpy(&xq, qx + 4 * j, 4);
-                acc = _mm512_dpbusd_epi32(acc, _mm512_set1_epi32((int)(xq ^ 0x80808080u)), t[j]);
+                int32_t xq;
+                memcpy(&xq, xu + 4 * j, 4);
+                acc = _mm512_dpbusd_epi32(acc, _mm512_set1_epi32(xq), t[j]);
             }
             const __m512 sb = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, w128));
             f[m] = _mm512_add_ps(f[m], _mm512_mul_ps(sb, _mm512_set1_ps(a->d[(mb + m) * nb + b])));
@@ -1207,13 +1219,12 @@ static void int8_a8_many(const a8_x *a, int64_t m_count, const int8_t *q, int64_
     int64_t n = n0;
     if (m_count >= 2)
         for (; n + 16 <= n1; n += 16)
-            for (int64_t mb = 0; mb < m_count; mb += A8_MT) {
-                switch (m_count - mb < A8_MT ? (int)(m_count - mb) : A8_MT) {
-                case 1: int8_a8_vnni_tile(a, mb, 1, q, k, scales, out, ldo, n); break;
-                case 2: int8_a8_vnni_tile(a, mb, 2, q, k, scales, out, ldo, n); break;
-                case 3: int8_a8_vnni_tile(a, mb, 3, q, k, scales, out, ldo, n); break;
-                default: int8_a8_vnni_tile(a, mb, A8_MT, q, k, scales, out, ldo, n); break;
-                }
+            for (int64_t mb = 0; mb < m_count;) { /* I8_MT rows at a time, then 4, 2, 1 (constants: inlined) */
+                const int64_t left = m_count - mb;
+                if (left >= I8_MT) int8_a8_vnni_tile(a, mb, I8_MT, q, k, scales, out, ldo, n), mb += I8_MT;
+                else if (left >= 4) int8_a8_vnni_tile(a, mb, 4, q, k, scales, out, ldo, n), mb += 4;
+                else if (left >= 2) int8_a8_vnni_tile(a, mb, 2, q, k, scales, out, ldo, n), mb += 2;
+                else int8_a8_vnni_tile(a, mb, 1, q, k, scales, out, ldo, n), mb += 1;
             }
     for (int64_t m = 0; m < m_count; m++) int8_a8_rows(a, m, q, k, scales, out, ldo, n, n1);
 }
@@ -1375,7 +1386,7 @@ static inline int vnni_row(int s) {
 
 /* int4_a8_block with vpdpbusd: 4 columns at a time, each row's 4 codes brought into one dword by two
    rounds of unpacks (bytes of columns c, c+2, then words of the (c, c+2) and (c+1, c+3) pairs), decoded
-   once for up to A8_MT rows of x, whose codes (a->q4) lie in the same order. The integer sums are exact
+   once for up to I4_MT rows of x, whose codes (a->q4) lie in the same order. The integer sums are exact
    and the float steps per row those of the other builds, so the same bits. From 2 rows of x: for one
    the decode costs more than the AVX2 code's pairs (Zen 4: 0.8-0.9x), from 4 it is 1.35-1.7x. */
 /* x rows [mb, mb + mt) of int4_a8_block_vnni, mt a constant where inlined (the accumulators stay in registers) */
@@ -1387,7 +1398,7 @@ static inline __attribute__((always_inline)) void int4_a8_vnni_tile(
     /* slot vector v of a half (rows 0-31 or 32-63) from that half's two row-order vectors */
     const __m512i ie = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
     const __m512i io = _mm512_add_epi32(ie, _mm512_set1_epi32(4));
-    __m512 acc[A8_MT][4];
+    __m512 acc[I4_MT][4];
     for (int m = 0; m < mt; m++)
         for (int v = 0; v < 4; v++) acc[m][v] = _mm512_setzero_ps();
     for (int64_t g = 0; g < n_groups; g++) {
@@ -1404,7 +1415,7 @@ static inline __attribute__((always_inline)) void int4_a8_vnni_tile(
             const int64_t b = g * per_g + bi;
             const uint8_t *p = blk + b * A8 * 32;
             for (int l = 0; l < A8 * 32; l += 64) __builtin_prefetch(p + A8_AHEAD + l, 0, 2); /* L2; never faults */
-            __m512i S[A8_MT][4];
+            __m512i S[I4_MT][4];
             for (int m = 0; m < mt; m++)
                 for (int v = 0; v < 4; v++) S[m][v] = _mm512_setzero_si512();
             for (int qd = 0; qd < A8 / 4; qd++) {
@@ -1454,13 +1465,12 @@ static void int4_a8_block_vnni(const a8_x *a, int64_t m0, int64_t m1, const uint
                                int64_t n_groups, int64_t gs, int64_t row0, int64_t n_rows, uint16_t *out,
                                int64_t ldo) {
     const int64_t rows = n_rows - row0 < 64 ? n_rows - row0 : 64;
-    for (int64_t mb = m0; mb < m1; mb += A8_MT) {
-        switch (m1 - mb < A8_MT ? (int)(m1 - mb) : A8_MT) {
-        case 1: int4_a8_vnni_tile(a, mb, 1, blk, md, n_groups, gs, row0, rows, out, ldo); break;
-        case 2: int4_a8_vnni_tile(a, mb, 2, blk, md, n_groups, gs, row0, rows, out, ldo); break;
-        case 3: int4_a8_vnni_tile(a, mb, 3, blk, md, n_groups, gs, row0, rows, out, ldo); break;
-        default: int4_a8_vnni_tile(a, mb, A8_MT, blk, md, n_groups, gs, row0, rows, out, ldo); break;
-        }
+    for (int64_t mb = m0; mb < m1;) { /* I4_MT rows at a time, then 4, 2, 1 (constants: inlined) */
+        const int64_t left = m1 - mb;
+        if (left >= I4_MT) int4_a8_vnni_tile(a, mb, I4_MT, blk, md, n_groups, gs, row0, rows, out, ldo), mb += I4_MT;
+        else if (left >= 4) int4_a8_vnni_tile(a, mb, 4, blk, md, n_groups, gs, row0, rows, out, ldo), mb += 4;
+        else if (left >= 2) int4_a8_vnni_tile(a, mb, 2, blk, md, n_groups, gs, row0, rows, out, ldo), mb += 2;
+        else int4_a8_vnni_tile(a, mb, 1, blk, md, n_groups, gs, row0, rows, out, ldo), mb += 1;
     }
 }
 #endif

@@ -103,16 +103,16 @@ def test_int4_bit_exact(n, k, g, threads):
 @pytest.mark.parametrize("n,k", [(200, 172), (64, 32), (130, 1000), (7, 16), (896, 896), (9, 65)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_int8_a8_bit_exact(n, k, threads):
-    """The a8 GEMV: its definition's bits at any shape (K tails, row tails of the 8-row tiles), every
-    row of an M-row call the 1-row call's bits."""
+    """The a8 GEMV: its definition's bits at any shape (K tails, row tails of the 8- and 16-row tiles, x
+    rows in passes of 8, 4, 2 and 1 on AVX512-VNNI), every row of an M-row call the 1-row call's bits."""
     q, s = _int8(n, k, seed=n + k)
     torch.manual_seed(k)
-    x = torch.randn(PACKED_MAX_ROWS, k).bfloat16()
+    x = torch.randn(PACKED_MAX_ROWS + 13, k).bfloat16()
     with _threads(threads):
-        for m in (1, 3, PACKED_MAX_ROWS):
+        for m in (1, 3, 7, 13, PACKED_MAX_ROWS + 13):
             assert torch.equal(_bits(cpu_qgemv.int8_gemv_a8(x[:m], q, s)), _bits(cpu_qgemv.int8_a8_def(x[:m], q, s)))
         full = cpu_qgemv.int8_gemv_a8(x, q, s)
-        for m in (0, 5, PACKED_MAX_ROWS - 1):
+        for m in (0, 5, PACKED_MAX_ROWS + 12):
             assert torch.equal(_bits(full[m : m + 1]), _bits(cpu_qgemv.int8_gemv_a8(x[m : m + 1], q, s)))
 
 
@@ -128,7 +128,7 @@ def test_int4_a8_bit_exact(n, k, g, threads):
     x = torch.randn(12, k).bfloat16()
     with _threads(threads):
         for args in (_int4_args(lin), (lin.packed, lin.scales_zeros, lin.zeros_gm.t(), g)):
-            for m in (1, 3, 12):
+            for m in (1, 3, 7, 12):  # AVX512-VNNI: x rows in passes of 4, 2 and 1
                 want = _bits(cpu_qgemv.int4_a8_def(x[:m], *args))
                 assert torch.equal(_bits(cpu_qgemv.int4_gemv_a8(x[:m], *args)), want), (m, args[1].shape)
         args = _int4_args(lin)
