@@ -28,6 +28,11 @@ int llmsys_qgemv_int4(const uint16_t *x, int64_t ldx, const uint8_t *packed, con
 int llmsys_qgemm_int4(const uint16_t *x, int64_t ldx, const uint8_t *packed, const void *scales, int64_t s_n,
                       int64_t s_g, int scale_kind, const uint8_t *zeros, int64_t z_n, int64_t z_g, uint16_t *out,
                       int64_t ldo, int64_t m_count, int64_t n, int64_t kp, int64_t k, int64_t gs, int threads);
+int llmsys_qgemv_int8_a8(const uint16_t *x, int64_t ldx, const int8_t *q, const uint16_t *scales, uint16_t *out,
+                         int64_t ldo, int64_t m_count, int64_t n, int64_t k, int threads);
+int llmsys_qgemv_int4_a8(const uint16_t *x, int64_t ldx, const uint8_t *packed, const void *scales, int64_t s_n,
+                         int64_t s_g, int scale_kind, const uint8_t *zeros, int64_t z_n, int64_t z_g, uint16_t *out,
+                         int64_t ldo, int64_t m_count, int64_t n, int64_t kp, int64_t k, int64_t gs, int threads);
 int llmsys_int4_cpu_dequant(const uint8_t *packed, const void *scales, int64_t s_n, int64_t s_g, int scale_f32,
                             const uint8_t *zeros, uint16_t *out, int64_t ldo, int64_t n_rows, int64_t kp, int64_t k,
                             int64_t gs, int nthreads);
@@ -87,7 +92,7 @@ int main(void) {
     dump("attention_f32", llmsys_decode_attention(fq, fk, fv, NULL, lens, 0.125f, fo, B, L, HQ, HK, HD, 1, 2), fo,
          sizeof fo);
 
-    enum { M = 5, N8 = 130, K8 = 300 };
+    enum { M = 9, N8 = 130, K8 = 300 }; /* the a8 GEMVs at 1, 5 and 9 rows: every pass size of their loops */
     uint16_t *gx = bf16_array(M * K8, -2, 2), *s8 = bf16_array(N8, 0.001f, 0.02f), o8[M * N8];
     int8_t *q8 = malloc(N8 * K8);
     for (int i = 0; i < N8 * K8; i++) q8[i] = (int8_t)((int)(next() % 255) - 127);
@@ -95,6 +100,11 @@ int main(void) {
         char name[32];
         snprintf(name, sizeof name, "int8_gemv_m%d", m);
         dump(name, llmsys_qgemv_int8(gx, K8, q8, s8, o8, N8, m, N8, K8, 2), o8, 2 * m * N8);
+    }
+    for (int m = 1; m <= M; m += 4) {
+        char name[32];
+        snprintf(name, sizeof name, "int8_a8_m%d", m);
+        dump(name, llmsys_qgemv_int8_a8(gx, K8, q8, s8, o8, N8, m, N8, K8, 2), o8, 2 * m * N8);
     }
 
     enum { N4 = 128, K4 = 250, KP = 256, GS = 64, G = KP / GS };
@@ -109,6 +119,12 @@ int main(void) {
              2 * m * N4);
         snprintf(name, sizeof name, "int4_gemm_m%d", m);
         dump(name, llmsys_qgemm_int4(gx, K8, packed, s4, G, 1, 0, zeros, G, 1, o4, N4, m, N4, KP, K4, GS, 2), o4,
+             2 * m * N4);
+    }
+    for (int m = 1; m <= M; m += 4) {
+        char name[32];
+        snprintf(name, sizeof name, "int4_a8_m%d", m);
+        dump(name, llmsys_qgemv_int4_a8(gx, K8, packed, s4, G, 1, 0, zeros, G, 1, o4, N4, m, N4, KP, K4, GS, 2), o4,
              2 * m * N4);
     }
     dump("int4_dequant", llmsys_int4_cpu_dequant(packed, s4, G, 1, 0, zeros, dq, K4, N4, KP, K4, GS, 2), dq,

@@ -1,0 +1,106 @@
+#!/usr/bin/env python
+"""A/B two builds of ``kernels/cpu_qgemv.c``: a git revision's against the working tree's, side by side.
+
+Why: a kernel change must give the same bits and should be faster, and on these VMs two runs of one
+build differ by 10-30% from minute to minute. So both builds are compiled here for the same ISA level,
+loaded into one process, checked bit for bit against each other on every shape, and timed
+interleaved (A, B, A, B, ...; median of each): the ratio is what counts. The a8 GEMVs (what every row
+of a quantized CPU layer runs) on the Qwen2.5-0.5B gate|up (9728x896) and down (896x4864) matrices,
+SmolLM2-135M's gate|up (1728x576) and its 49152x576 head; int4 with group 64.
+
+    python benchmarks/ab_qgemv_builds.py HEAD~1                  # the best level this CPU runs
+    python benchmarks/ab_qgemv_builds.py HEAD~1 --level x86-64-v3 --rows 1,8,128
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPES = [(9728, 896), (896, 4864), (1728, 576), (49152, 576)]
+
+
+def _build(source_text: str, level, out: Path):
+    """Compile one version of cpu_qgemv.c (beside the working tree's headers) and load it."""
+    from llmsys.kernels import _cbuild, cpu_qgemv
+
+    src = out.with_suffix(".c")
+    src.write_text(source_text)
+    headers = Path(cpu_qgemv._SOURCE).parent
+    cmd = [_cbuild.compiler() or "gcc", *_cbuild.COMMON_FLAGS, *level.flags, "-I", str(headers), "-o", str(out),
+           str(src)]
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    return _cbuild.load(out, cpu_qgemv._SIGNATURES)
+
+
+def _median_ms(fn, reps: int) -> float:
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("rev", help="git revision of the A build (B is the working tree)")
+    ap.add_argument("--level", help="ISA level of both builds (default: the best this CPU runs)")
+    ap.add_argument("--rows", default="1,2,4,8,32,128", help="rows of x, comma list")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (each a median of --reps calls)")
+    ap.add_argument("--reps", type=int, default=9)
+    a = ap.parse_args()
+
+    import torch
+
+    from llmsys.kernels import _cbuild, cpu_qgemv
+    from llmsys.quant.int4 import Int4Linear
+    from llmsys.quant.int8_fp8 import Int8Linear
+
+    torch.set_num_threads(a.threads)
+    level = _cbuild.level_named(a.level) if a.level else _cbuild.selected_level()[0]
+    if level is None or not _cbuild.supports(level):
+        sys.exit(f"ISA level {a.level or 'of this CPU'} cannot run here")
+    rel = Path(cpu_qgemv._SOURCE).resolve().relative_to(ROOT)
+    old = subprocess.run(["git", "show", f"{a.rev}:{rel}"], cwd=ROOT, check=True, capture_output=True,
+                         text=True).stdout
+    with tempfile.TemporaryDirectory() as tmp:
+        libs = [_build(old, level, Path(tmp) / "a.so"), _build(Path(cpu_qgemv._SOURCE).read_text(), level,
+                                                             Path(tmp) / "b.so")]
+        print(f"A = {a.rev}, B = working tree; {level.name}, {a.threads} threads; ms per call, median of "
+              f"{a.rounds} interleaved rounds of {a.reps}; B's bits checked equal to A's\n")
+        print("| matrix | rows | int4 a8 A | int4 a8 B | B speed-up | int8 a8 A | int8 a8 B | B speed-up |")
+        print("|---|---|---|---|---|---|---|---|")
+        for n, k in SHAPES:
+            torch.manual_seed(n + k)
+            w = torch.randn(n, k) * 0.02
+            l4, l8 = Int4Linear.from_float(w, group_size=64), Int8Linear.from_float(w)
+            b4 = l4._buffers
+            sc = b4["scales_orig"] if b4["scales_orig"] is not None else b4["scales_zeros"]
+            for m in (int(r) for r in a.rows.split(",")):
+                x = torch.randn(m, k).bfloat16()
+                ops = [lambda lib: cpu_qgemv.int4_gemv_a8(x, b4["packed"], sc, b4["zeros_gm"].t(), 64,
+                                                          check=False, lib=lib),
+                       lambda lib: cpu_qgemv.int8_gemv_a8(x, l8.qweight, l8.scales, check=False, lib=lib)]
+                cells = []
+                for op in ops:
+                    if not torch.equal(op(libs[0]).view(torch.int16), op(libs[1]).view(torch.int16)):
+                        sys.exit(f"{n}x{k} M={m}: the builds give different bits")
+                    t = [[], []]
+                    for _ in range(a.rounds):
+                        for j in (0, 1):
+                            t[j].append(_median_ms(lambda: op(libs[j]), a.reps))
+                    ta, tb = statistics.median(t[0]), statistics.median(t[1])
+                    cells += [f"{ta:.3f}", f"{tb:.3f}", f"{ta / tb:.2f}x"]
+                print(f"| {n}x{k} | {m} | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
