@@ -20,7 +20,8 @@ to the C kernels bit for bit, tests/test_cpu_qgemv.py):
   columns in order, i.e. the canonical ``w = (q - zero) * scale`` with the
   scale applied once per group.
 
-* a8 (``int8_gemv_a8``, ``int4_gemv_a8``; the layers' decode GEMVs): x quantized
+* a8 (``int8_gemv_a8``, ``int4_gemv_a8``; what the quantized layers run for every row of x,
+  prompt and decode, so a row's bits never depend on its batch): x quantized
   to int8 per 32 columns (:func:`quantize_a8`), exact integer dot products per
   block, then ``f += float(S_b) * d_b`` (int8, ``bf16(f * scale)`` at the end) or
   ``f += float(S_b - zero * sum(codes_b)) * (scale * d_b)`` (int4) in block order
@@ -28,17 +29,19 @@ to the C kernels bit for bit, tests/test_cpu_qgemv.py):
   most of their time turning codes into floats (int4 ~5 GB/s, compute-bound);
   with both operands integer, ``vpmaddubsw`` does 32 multiply-adds at once and
   int4 decode GEMVs run 1.9-3.6x faster (bench_qmatmul.py, Zen 3), as llama.cpp's q8_0 activations do. The cost is
-  x's int8 rounding (+0.17% / -0.08% perplexity, benchmarks/bench_a8_quality.py).
+  x's int8 rounding (+0.17% / -0.08% perplexity, benchmarks/bench_a8_quality.py). On AVX512-VNNI
+  (the x86-64-v4-bf16 build) 2+ rows of x take ``vpdpbusd`` on weights decoded once for several rows
+  (the same bits; 1.2-2.7x the AVX2 code on Zen 4, benchmarks/ab_qgemv_builds.py).
 
 Each output depends only on its row of x and its weight row, so the kernels
 are batch-invariant (any M, N, thread count).
 
-Prefill: the int4 GEMV decodes a weight block afresh for every 4 rows of x,
+The exact (bf16 x) kernels below are no longer on the layers' path (kept as the measured
+alternative, benchmarks/bench_qmatmul.py): the int4 GEMV decodes a weight block afresh for every 4 rows of x,
 which dominates at large M; :func:`int4_gemm` decodes each 64-row block once
 into bf16 pairs and runs all rows of x against it (0.85-0.97x a prepacked bf16
 GEMM at M = 128, where dequantize + GEMM gave 0.65-0.82x), forming the GEMV's
-sums in the GEMV's order: the same bits, so the layers may switch between
-them by speed alone. The int8 GEMV itself, from 5 rows of x, converts each
+sums in the GEMV's order: the same bits. The int8 GEMV itself, from 5 rows of x, converts each
 weight row once into bf16 "lane pairs" that vdpbf16ps adds in its FMA lanes'
 order (the same bits; 0.81-0.90x at M = 128). Both need AVX512-BF16
 (:func:`gemm_native`) to be fast at prefill sizes. Without the C kernel
