@@ -19,7 +19,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,15 +38,6 @@ def _build(source_text: str, level, out: Path):
     return _cbuild.load(out, cpu_qgemv._SIGNATURES)
 
 
-def _median_ms(fn, reps: int) -> float:
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1e3
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("rev", help="git revision of the A build (B is the working tree)")
@@ -59,6 +49,7 @@ def main() -> None:
     a = ap.parse_args()
 
     import torch
+    from bench_gemv import _median_s  # the same warm-up + median timing
 
     from llmsys.kernels import _cbuild, cpu_qgemv
     from llmsys.quant.int4 import Int4Linear
@@ -96,7 +87,7 @@ def main() -> None:
                     t = [[], []]
                     for _ in range(a.rounds):
                         for j in (0, 1):
-                            t[j].append(_median_ms(lambda: op(libs[j]), a.reps))
+                            t[j].append(_median_s(lambda: op(libs[j]), a.reps) * 1e3)
                     ta, tb = statistics.median(t[0]), statistics.median(t[1])
                     cells += [f"{ta:.3f}", f"{tb:.3f}", f"{ta / tb:.2f}x"]
                 print(f"| {n}x{k} | {m} | " + " | ".join(cells) + " |", flush=True)

@@ -1010,12 +1010,13 @@ int llmsys_qgemm_int4(const uint16_t *x, int64_t ldx, const uint8_t *packed, con
 #endif
 #if defined(QG_AVX512) && defined(__AVX512VNNI__)
 #define QA8_VNNI 1 /* AVX512-VNNI (the x86-64-v4-bf16 build): vpdpbusd sums 4 byte products into an int32 lane */
+#define A8_VNNI_MIN_M 2 /* rows of x from which the VNNI paths run (one row: the AVX2 code, cheaper there) */
 #endif
 
 typedef struct {
     int8_t *q;      /* [M, nb * 32] codes, zero past K (int16 pairs (code 2i, code 2i+1) for the int4 broadcasts) */
-    int8_t *q4;     /* VNNI builds: q with each 4 codes' middle two swapped (int4's column quads), else NULL */
-    uint8_t *qu;    /* VNNI builds: q + 128 as unsigned bytes (int8's vpdpbusd operand), else NULL */
+    int8_t *q4;     /* VNNI builds, 2+ rows: q with each 4 codes' middle two swapped (int4's column quads), else NULL */
+    uint8_t *qu;    /* VNNI builds, 2+ rows: q + 128 as unsigned bytes (int8's vpdpbusd operand), else NULL */
     float *d;       /* [M, nb] block scales */
     int32_t *s;     /* [M, nb] sums of a block's codes */
     int64_t nb;
@@ -1028,19 +1029,16 @@ static int a8_quantize(const uint16_t *x, int64_t ldx, int64_t m_count, int64_t 
     const size_t qbytes = (size_t)((m_count * nb * A8 + 63) / 64 * 64);
     a->nb = nb;
     a->q = aligned_alloc(64, qbytes);
+    a->q4 = NULL, a->qu = NULL; /* only the VNNI paths read them: not made for a decode step's one row */
 #ifdef QA8_VNNI
-    a->q4 = aligned_alloc(64, qbytes);
-    a->qu = aligned_alloc(64, qbytes);
+    const int vnni = m_count >= A8_VNNI_MIN_M;
+    if (vnni) a->q4 = aligned_alloc(64, qbytes), a->qu = aligned_alloc(64, qbytes);
 #else
-    a->q4 = NULL;
-    a->qu = NULL;
+    const int vnni = 0;
 #endif
     a->d = malloc(sizeof(float) * (size_t)(m_count * nb));
     a->s = malloc(sizeof(int32_t) * (size_t)(m_count * nb));
-    if (!a->q || !a->d || !a->s) { a8_free(a); return 2; }
-#ifdef QA8_VNNI
-    if (!a->q4 || !a->qu) { a8_free(a); return 2; }
-#endif
+    if (!a->q || !a->d || !a->s || (vnni && (!a->q4 || !a->qu))) { a8_free(a); return 2; }
     for (int64_t m = 0; m < m_count; m++)
         for (int64_t b = 0; b < nb; b++) {
             float v[A8], amax = 0.0f;
@@ -1217,7 +1215,7 @@ static inline __attribute__((always_inline)) void int8_a8_vnni_tile(const a8_x *
 static void int8_a8_many(const a8_x *a, int64_t m_count, const int8_t *q, int64_t k, const uint16_t *scales,
                          uint16_t *out, int64_t ldo, int64_t n0, int64_t n1) {
     int64_t n = n0;
-    if (m_count >= 2)
+    if (m_count >= A8_VNNI_MIN_M)
         for (; n + 16 <= n1; n += 16)
             for (int64_t mb = 0; mb < m_count;) { /* I8_MT rows at a time, then 4, 2, 1 (constants: inlined) */
                 const int64_t left = m_count - mb;
@@ -1479,7 +1477,7 @@ static void int4_a8_block_vnni(const a8_x *a, int64_t m0, int64_t m1, const uint
 static void int4_a8_rows(const a8_x *a, int64_t m0, int64_t m1, const uint8_t *blk, const int4_meta *md,
                          int64_t n_groups, int64_t gs, int64_t row0, int64_t n_rows, uint16_t *out, int64_t ldo) {
 #ifdef QA8_VNNI
-    if (m1 - m0 >= 2) {
+    if (m1 - m0 >= A8_VNNI_MIN_M) {
         int4_a8_block_vnni(a, m0, m1, blk, md, n_groups, gs, row0, n_rows, out, ldo);
         return;
     }
