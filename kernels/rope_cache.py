@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-_SUPPORTED = ("default", "llama3", "linear")
+_SUPPORTED = ("default", "llama3", "linear", "freq_factors")
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None = None) -> torch.Tensor:
@@ -22,7 +22,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None = 
     ``scaling`` is the HF ``rope_scaling`` / ``rope_parameters`` dict (or None):
     ``rope_type`` (or legacy ``type``) ``default``, ``llama3`` (factor,
     low_freq_factor, high_freq_factor, original_max_position_embeddings) or
-    ``linear`` (factor). Other types raise ``ValueError``.
+    ``linear`` (factor), or ``freq_factors`` (``factors``: ``head_dim // 2`` divisors, what
+    llama.cpp stores as ``rope_freqs.weight`` in Llama 3 GGUF files instead of the llama3
+    parameters). Other types raise ``ValueError``.
     """
     if head_dim <= 0 or head_dim % 2:
         raise ValueError(f"build_rope_cache: head_dim must be a positive even number, got {head_dim}")
@@ -39,6 +41,12 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None = 
         return inv_freq / float(scaling["factor"])
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
+    if rope_type == "freq_factors":
+        factors = torch.tensor(scaling.get("factors") or [], dtype=torch.float32)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"build_rope_cache: {factors.numel()} rope frequency factors for head_dim {head_dim}, "
+                             f"expected {inv_freq.numel()}")
+        return inv_freq / factors
     return inv_freq
 
 

@@ -32,7 +32,8 @@ from tiny_models import make_hf_model
 gguf = pytest.importorskip("gguf", reason="the GGUF export needs the gguf package (pip install -e '.[test]')")
 
 from llmsys.engine.bench import gguf_export  # noqa: E402
-from llmsys.engine.bench.gguf_export import gguf_file, hf_to_interleaved, interleaved_to_hf  # noqa: E402
+from llmsys.engine.bench.gguf_export import gguf_file  # noqa: E402
+from llmsys.engine.loader.gguf_io import hf_to_interleaved, interleaved_to_hf  # noqa: E402
 from llmsys.kernels.common.errors import InvalidParameterError, UnsupportedModelError  # noqa: E402
 
 try:
@@ -207,8 +208,12 @@ def test_llama3_rope_scaling_becomes_rope_freqs(families):
 
 
 def test_unhandled_inputs_get_one_line_errors(families, tmp_path):
-    with pytest.raises(UnsupportedModelError, match="handles model_type llama, mistral, qwen2, not 'qwen3'"):
-        gguf_file(families["qwen3"], "f32")
+    phi = tmp_path / "phi3"
+    phi.mkdir()
+    (phi / "config.json").write_text('{"model_type": "phi3"}')
+    (phi / "model.safetensors").write_bytes(b"")
+    with pytest.raises(UnsupportedModelError, match="handles model_type llama, mistral, qwen2, qwen3, not 'phi3'"):
+        gguf_file(phi, "f32")
     with pytest.raises(UnsupportedModelError, match="needs a Hugging Face safetensors folder"):
         gguf_file(tmp_path, "f32")
     with pytest.raises(InvalidParameterError, match="choose one of f32, f16, q8_0, q4_0, q4_K_M"):

@@ -9,7 +9,7 @@ formats, not an imitation of them.
 
 What is exported: the families sharing the Llama tensor layout - ``llama``
 (and SmolLM2, Llama 3.x with its rope scaling) and ``mistral`` as llama.cpp's
-``llama`` architecture, ``qwen2`` (q/k/v biases) as ``qwen2``. Tied
+``llama`` architecture, ``qwen2`` (q/k/v biases) as ``qwen2``, ``qwen3`` (q/k norms) as ``qwen3``. Tied
 embeddings are written once (llama.cpp reuses ``token_embd`` as the head when
 ``output`` is absent). Two layout facts matter:
 
@@ -51,6 +51,8 @@ from typing import TYPE_CHECKING, Iterator
 import numpy as np
 import torch
 
+from llmsys.engine.loader import gguf_io
+from llmsys.engine.loader.gguf_io import hf_to_interleaved
 from llmsys.engine.models.base import TransformerArgs
 from llmsys.kernels.common.errors import CheckpointError, InvalidParameterError, LLMSysError, UnsupportedModelError
 
@@ -63,27 +65,13 @@ GGUF_FORMATS = FLOAT_FORMATS + QUANT_FORMATS
 # llama.cpp's ftype constant per quantized format (names in llama_cpp).
 _FTYPES = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
 # HF model_type -> (llama.cpp architecture, q/k rows reordered for interleaved RoPE)
-_ARCHS = {"llama": ("llama", True), "mistral": ("llama", True), "qwen2": ("qwen2", False)}
+_ARCHS = {"llama": ("llama", True), "mistral": ("llama", True), "qwen2": ("qwen2", False), "qwen3": ("qwen3", False)}
 _EXPORT_VERSION = 1  # part of the cache key: bump when the written bytes change
 _INSTALL = 'pip install -e ".[llamacpp]" (builds llama.cpp, ~15 min)'
 
-# HF per-layer tensor suffix -> llama.cpp name suffix (after "blk.N.")
-_LAYER_NAMES = {
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_proj.bias": "attn_q.bias",
-    "self_attn.k_proj.bias": "attn_k.bias",
-    "self_attn.v_proj.bias": "attn_v.bias",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-    "input_layernorm.weight": "attn_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-}
-_TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-              "lm_head.weight": "output.weight"}
+# HF tensor names -> llama.cpp's: the inverse of the GGUF reader's tables (one list of names).
+_LAYER_NAMES = {hf: g for g, hf in gguf_io.LAYER_NAMES.items()}
+_TOP_NAMES = {hf: g for g, hf in gguf_io.TOP_NAMES.items()}
 
 
 @dataclass(frozen=True)
@@ -112,29 +100,10 @@ def open_source(folder: str | Path) -> GGUFSource:
         )
     args = family_for(cfg).ModelArgs.from_hf_config(cfg)
     rope_type = (args.rope_scaling or {}).get("rope_type", (args.rope_scaling or {}).get("type", "default"))
-    if rope_type not in ("default", "linear", "llama3") or (rope_type == "llama3" and mt == "qwen2"):
+    if rope_type not in ("default", "linear", "llama3") or (rope_type == "llama3" and mt in ("qwen2", "qwen3")):
         raise UnsupportedModelError(f"{folder}: the GGUF export does not handle rope scaling {rope_type!r} for {mt}")
     arch, interleave = _ARCHS[mt]
     return GGUFSource(folder, args, arch, interleave)
-
-
-def hf_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Reorder q/k rows per head from rotate-half to adjacent-pair RoPE order.
-
-    ``w``: ``[n_heads * d, ...]`` (a weight ``[n_heads * d, in]`` or a bias
-    ``[n_heads * d]``). Row ``i`` of a head's first half and row ``i`` of its
-    second half (the pair HF rotates together) become rows ``2i`` and ``2i+1``.
-    """
-    d = w.shape[0] // n_heads
-    rest = w.shape[1:]
-    return w.reshape(n_heads, 2, d // 2, *rest).transpose(1, 2).reshape(w.shape)  # [H, 2, d/2, ...] -> [H, d/2, 2, ...]
-
-
-def interleaved_to_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Inverse of :func:`hf_to_interleaved` (for tests and readers of our files)."""
-    d = w.shape[0] // n_heads
-    rest = w.shape[1:]
-    return w.reshape(n_heads, d // 2, 2, *rest).transpose(1, 2).reshape(w.shape)  # [H, d/2, 2, ...] -> [H, 2, d/2, ...]
 
 
 def gguf_name(hf_name: str) -> str | None:

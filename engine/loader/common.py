@@ -191,10 +191,12 @@ def materialize(
 
 def _materialize_one(model, name, names, linears, done, read, dtype, device, make_linear) -> None:
     mod_name, _, leaf = name.rpartition(".")
+    t = None
     if make_linear is not None and name == "model.embed_tokens.weight":
         # The hook may quantize the embedding too (a module with forward(ids) and,
         # for tied models, as_linear() -> the LM head; see DecoderModel.tie_weights).
-        new = make_linear(mod_name, read(name), None)
+        t = read(name)
+        new = make_linear(mod_name, t, None)
         if new is not None:
             model.model.embed_tokens = new.to(device)
             done.add(name)
@@ -214,7 +216,7 @@ def _materialize_one(model, name, names, linears, done, read, dtype, device, mak
             set_tensor(model, bname, b.to(device))
             done.add(bname)
         return
-    t = read(name)
+    t = read(name) if t is None else t
     want = dtype if t.is_floating_point() else t.dtype
     set_tensor(model, name, t.to(device=device, dtype=want))
 
@@ -245,9 +247,14 @@ class Checkpoint:
     model: DecoderModel  # meta tensors
     family: str
     config: dict[str, Any]
-    index: Any  # llmsys.engine.loader.safetensors_io.CheckpointIndex
+    index: Any  # safetensors_io.CheckpointIndex, or gguf_io.GGUFIndex for a GGUF file
     dtype: torch.dtype
     device: torch.device
+    kind: str = "hf"  # "hf" (a directory of safetensors) or "gguf" (one GGUF file)
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.kind == "gguf"
 
     @property
     def prequantized(self) -> bool:
@@ -255,8 +262,8 @@ class Checkpoint:
         return self.config.get("quantization_config") is not None
 
     def locate(self, name: str) -> tuple[Path, Any] | None:
-        """``name``'s file and TensorInfo, or None when the checkpoint lacks it."""
-        return (self.index.where[name].path, self.index.info(name)) if name in self.index else None
+        """``name``'s file and TensorInfo, or None when it cannot be streamed from the file as stored."""
+        return self.index.locate(name)
 
 
 def load_model(
@@ -295,7 +302,13 @@ def open_checkpoint(path: str | Path, dt: torch.dtype, dev: torch.device) -> Che
 
     p = _existing(path)
     if p.is_file():
-        raise CheckpointError(f"{p}: expected a model directory (with config.json) or a llama2.c .bin checkpoint")
+        from llmsys.engine.loader import gguf_io
+
+        if gguf_io.is_gguf(p):
+            return _open_gguf(p, dt, dev)
+        raise CheckpointError(
+            f"{p}: expected a model directory (with config.json), a GGUF file or a llama2.c .bin checkpoint"
+        )
     cfg_path = p / "config.json"
     if not cfg_path.exists():
         raise CheckpointError(f"{p}: no config.json; point at a Hugging Face model directory")
@@ -311,12 +324,30 @@ def open_checkpoint(path: str | Path, dt: torch.dtype, dev: torch.device) -> Che
     return Checkpoint(p, model, family.__name__.rsplit(".", 1)[1], cfg, index, dt, dev)
 
 
+def _open_gguf(p: Path, dt: torch.dtype, dev: torch.device) -> Checkpoint:
+    """A GGUF file's meta model (its config from the GGUF metadata, ``gguf_io.hf_config``)."""
+    from llmsys.engine.loader import gguf_io
+
+    index = gguf_io.open_index(p)
+    family = family_for(index.config, str(p))
+    args = family.ModelArgs.from_hf_config(index.config)
+    with torch.device("meta"), skip_init():
+        model = family.Model(args)
+    return Checkpoint(p, model, family.__name__.rsplit(".", 1)[1], index.config, index, dt, dev, "gguf")
+
+
 def materialize_checkpoint(ck: Checkpoint, make_linear: MakeLinear | None = None, progress: bool = True,
                            offload: OffloadRuntime | None = None) -> LoadedModel:
     """Read the weights into ``ck.model``; ``offload`` (an OffloadRuntime planned on the meta
     model) leaves streamed tensors on disk (see :func:`materialize`)."""
     p, model, dt, dev = ck.path, ck.model, ck.dtype, ck.device
-    if ck.prequantized:  # llmsys / AWQ / GPTQ: rebuild quantized layers as stored
+    if ck.is_gguf:  # Q4_0 matrices as int4 codes, every other tensor dequantized (gguf_io)
+        from llmsys.engine.loader.gguf_io import materialize_gguf
+
+        materialize_gguf(model, ck.index, dt, dev, make_linear, progress, offload)
+        a = model.args
+        gen = {"bos_token_id": a.bos_token_id, "eos_token_id": list(a.eos_token_id)}
+    elif ck.prequantized:  # llmsys / AWQ / GPTQ: rebuild quantized layers as stored
         from llmsys.engine.loader.quantized import load_quantized_into
 
         load_quantized_into(model, ck.config, ck.index, dt, dev, p, make_linear)
@@ -325,5 +356,6 @@ def materialize_checkpoint(ck: Checkpoint, make_linear: MakeLinear | None = None
     else:
         materialize(model, ck.index.read, ck.index.__contains__, dt, dev, p, make_linear, progress, offload)
     model.eval()
-    gen = read_json(p / "generation_config.json") if (p / "generation_config.json").exists() else {}
+    if not ck.is_gguf:
+        gen = read_json(p / "generation_config.json") if (p / "generation_config.json").exists() else {}
     return LoadedModel(model, model.args, ck.family, p, p, dt, dev, ck.config, gen)

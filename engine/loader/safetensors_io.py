@@ -145,6 +145,10 @@ class CheckpointIndex:
     def info(self, name: str) -> TensorInfo:
         return self.where[name].tensors[name]
 
+    def locate(self, name: str) -> tuple[Path, TensorInfo] | None:
+        """``name``'s file and TensorInfo (an offloaded layer streams from there), None when absent."""
+        return (self.where[name].path, self.info(name)) if name in self.where else None
+
     def read(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
         return self.where[name].read(name, out)
 

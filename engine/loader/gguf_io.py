@@ -1,0 +1,400 @@
+"""GGUF files (llama.cpp, LM Studio, the Ollama store) opened as llmsys checkpoints.
+
+Why read GGUF at all: it is the format people already hold their models in;
+without it a new user downloads every model again before trying llmsys.
+
+What a GGUF becomes here (the file is read through the ``gguf`` package's
+memory-mapped reader, tensor by tensor, so peak memory is the model plus one
+tensor, as for safetensors):
+
+* **The config**: ``general.architecture`` and its ``<arch>.*`` keys are turned
+  into the Hugging Face ``config.json`` fields the model families read
+  (:func:`hf_config`), so the same family code builds the model. Handled:
+  ``llama`` (which is also how llama.cpp names Mistral and SmolLM), ``qwen2``,
+  ``qwen3``.
+* **Tensor names** ``blk.N.attn_q.weight`` ... map back to HF names
+  (``model.layers.N.self_attn.q_proj.weight`` ...). llama.cpp's ``llama``
+  architecture rotates adjacent pairs (interleaved RoPE), so its q/k rows were
+  reordered when the file was written; they are put back into the rotate-half
+  order here (``interleaved_to_hf``). ``qwen2``/``qwen3`` files use llama.cpp's
+  NEOX RoPE: rows as they are.
+* **Tensor types**: where a GGUF block format is exactly an llmsys layout the
+  codes are kept as they are: **Q4_0** (32 codes, ``w = (q - 8) * d``, d fp16)
+  *is* canonical int4 with group 32, zero 8 and fp16 scales, so such layers
+  become :class:`~llmsys.quant.Int4Linear` (the C a8 kernels read the fp16
+  scales in place) with the same weights bit for bit. Every other type
+  (F32/F16/BF16 and the other block formats gguf can decode: Q8_0, Q4_1,
+  Q5_0/Q5_1, Q2_K..Q6_K, ...) is dequantized at load to the engine dtype, or
+  re-quantized to the ``--quant`` format when one is given; :meth:`GGUFIndex.conversions`
+  says which happened to which tensors (``memory_report()``, ``llmsys plan``).
+  Q8_0 and the K-quants have no exact llmsys layout yet (per-32 int8 scales;
+  float minimums per 32 codes), hence the dequantization.
+
+Tensor data is copied out of the map (never aliased), so nothing keeps the
+file open after loading.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from llmsys.kernels.common.errors import CheckpointError, UnsupportedModelError
+
+if TYPE_CHECKING:
+    import gguf
+
+MAGIC = b"GGUF"
+# llama.cpp architecture -> (HF model_type, HF architectures entry, q/k rows interleaved in the file)
+ARCHS: dict[str, tuple[str, str, bool]] = {
+    "llama": ("llama", "LlamaForCausalLM", True),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM", False),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM", False),
+}
+# llama.cpp per-layer tensor suffix (after "blk.N.") -> HF suffix (after "model.layers.N.")
+LAYER_NAMES = {
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+             "output.weight": "lm_head.weight"}
+IGNORED = {"rope_freqs.weight"}  # read into the config (rope scaling), not a model tensor
+# Rows dequantized per piece: bounds the float32 transient of a big table (a 151936-row embedding).
+DEQUANT_ROWS = 8192
+EXACT_INT4 = "Q4_0"  # the one block format kept as codes (int4, group 32, zero 8, fp16 scales)
+
+
+def is_gguf(path: Path) -> bool:
+    """A file that starts with the GGUF magic (Ollama's blobs have no suffix)."""
+    try:
+        with open(path, "rb") as f:
+            return path.is_file() and f.read(4) == MAGIC
+    except OSError:
+        return False
+
+
+def hf_name(name: str) -> str | None:
+    """The HF name of a llama.cpp tensor name; None for one llmsys does not map."""
+    if name in TOP_NAMES:
+        return TOP_NAMES[name]
+    parts = name.split(".", 2)  # blk.N.<suffix>
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}"
+    return None
+
+
+def hf_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Reorder q/k rows per head from rotate-half to adjacent-pair RoPE order (llama.cpp's ``llama``).
+
+    ``w``: ``[n_heads * d, ...]`` (a weight ``[n_heads * d, in]``, a bias ``[n_heads * d]``, or
+    per-row int4 codes/scales). Row ``i`` of a head's first half and row ``i`` of its second half
+    (the pair HF rotates together) become rows ``2i`` and ``2i+1``.
+    """
+    d = w.shape[0] // n_heads
+    rest = w.shape[1:]
+    return w.reshape(n_heads, 2, d // 2, *rest).transpose(1, 2).reshape(w.shape)  # [H, 2, d/2, ...] -> [H, d/2, 2, ...]
+
+
+def interleaved_to_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Inverse of :func:`hf_to_interleaved`: a GGUF ``llama`` file's q/k rows in HF order."""
+    d = w.shape[0] // n_heads
+    rest = w.shape[1:]
+    return w.reshape(n_heads, d // 2, 2, *rest).transpose(1, 2).reshape(w.shape)  # [H, d/2, 2, ...] -> [H, 2, d/2, ...]
+
+
+def _open_reader(path: Path) -> gguf.GGUFReader:
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path), "r")
+    except (ValueError, OSError, IndexError, KeyError, struct.error) as e:
+        raise CheckpointError(f"{path}: not a readable GGUF file ({e}); the download may be truncated or corrupt") from None
+
+
+def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    v = f.contents()
+    return v
+
+
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    """One tensor of the file, in HF terms: ``shape`` is ``[out, in]`` (row-major, as torch holds it)."""
+
+    gguf_name: str
+    qtype: str  # gguf.GGMLQuantizationType name: F32, F16, Q4_0, Q6_K, ...
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+def hf_config(path: Path, reader: gguf.GGUFReader | None = None) -> dict[str, Any]:
+    """The HF ``config.json`` fields of a GGUF's metadata (what the model families read)."""
+    r = reader or _open_reader(path)
+    arch = _field(r, "general.architecture")
+    if arch not in ARCHS:
+        raise UnsupportedModelError(
+            f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(ARCHS)}"
+        )
+    model_type, hf_arch, _ = ARCHS[arch]
+
+    def need(key: str) -> Any:
+        v = _field(r, f"{arch}.{key}")
+        if v is None:
+            raise CheckpointError(f"{path}: GGUF metadata lacks {arch}.{key}; the file is incomplete")
+        return v
+
+    names = {t.name for t in r.tensors}
+    heads = int(need("attention.head_count"))
+    hidden = int(need("embedding_length"))
+    tokens = r.fields.get("tokenizer.ggml.tokens")
+    vocab = _field(r, f"{arch}.vocab_size")
+    if vocab is None:
+        emb = next((t for t in r.tensors if t.name == "token_embd.weight"), None)
+        vocab = int(emb.shape[1]) if emb is not None else (len(tokens.data) if tokens is not None else None)
+    if vocab is None:
+        raise CheckpointError(f"{path}: cannot tell the vocabulary size (no token_embd.weight, no tokens)")
+    cfg: dict[str, Any] = {
+        "architectures": [hf_arch],
+        "model_type": model_type,
+        "hidden_size": hidden,
+        "intermediate_size": int(need("feed_forward_length")),
+        "num_hidden_layers": int(need("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(_field(r, f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": int(_field(r, f"{arch}.attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(_field(r, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(_field(r, f"{arch}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(_field(r, f"{arch}.context_length", 2048)),
+        "vocab_size": int(vocab),
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": "blk.0.attn_q.bias" in names,
+    }
+    bos, eos = _field(r, "tokenizer.ggml.bos_token_id"), _field(r, "tokenizer.ggml.eos_token_id")
+    if bos is not None:
+        cfg["bos_token_id"] = int(bos)
+    eos_ids = [int(v) for v in (eos, _field(r, "tokenizer.ggml.eot_token_id")) if v is not None]
+    if eos_ids:
+        cfg["eos_token_id"] = sorted(set(eos_ids), key=eos_ids.index)
+    rope_dims = _field(r, f"{arch}.rope.dimension_count")
+    if rope_dims is not None and int(rope_dims) != cfg["head_dim"]:
+        raise UnsupportedModelError(f"{path}: partial RoPE ({rope_dims} of {cfg['head_dim']} dims) is not supported")
+    scaling = _field(r, f"{arch}.rope.scaling.type")
+    if scaling == "linear":
+        cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(need("rope.scaling.factor"))}
+    elif scaling not in (None, "none"):
+        raise UnsupportedModelError(f"{path}: GGUF rope scaling {scaling!r} is not supported (linear and llama3 are)")
+    if "rope_freqs.weight" in names:  # Llama 3.x: llama.cpp's per-frequency divisors
+        t = next(t for t in r.tensors if t.name == "rope_freqs.weight")
+        cfg["rope_scaling"] = {"rope_type": "freq_factors", "factors": [float(v) for v in np.asarray(t.data).ravel()]}
+    return cfg
+
+
+class GGUFIndex:
+    """The tensors of one GGUF file by HF name: read dequantized, or as int4 codes where exact.
+
+    The loader's ``read(name)``/``name in index`` pair (``materialize``), plus
+    :meth:`int4_tensors` for the layers :meth:`exact_int4` names. ``locate`` is
+    None for every tensor: no tensor can be streamed from the file as stored
+    (block formats, reordered q/k rows), so an offloaded layer is written to the
+    offload file once loaded (``OffloadRuntime``), as for converted checkpoints.
+    """
+
+    def __init__(self, path: Path, reader: gguf.GGUFReader, config: dict[str, Any]):
+        self.path = path
+        self.config = config
+        arch = ARCHS[_field(reader, "general.architecture")]
+        self._interleaved = arch[2]
+        self._heads = config["num_attention_heads"]
+        self._kv_heads = config["num_key_value_heads"]
+        self._tensors: dict[str, Any] = {}
+        unknown = []
+        for t in reader.tensors:
+            h = hf_name(t.name)
+            if h is None:
+                if t.name not in IGNORED:
+                    unknown.append(t.name)
+                continue
+            self._tensors[h] = t
+        if unknown:
+            more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
+            raise UnsupportedModelError(f"{path}: tensor {unknown[0]}{more} has no llmsys counterpart")
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._tensors
+
+    def info(self, name: str) -> GGUFTensorInfo:
+        t = self._tensors[name]
+        shape = tuple(int(s) for s in reversed(t.shape.tolist()))
+        return GGUFTensorInfo(t.name, t.tensor_type.name, shape, int(t.data_offset), int(t.n_bytes))
+
+    def locate(self, name: str) -> None:
+        return None
+
+    def qtypes(self) -> Counter[str]:
+        """How many tensors of each GGUF type the model reads."""
+        return Counter(t.tensor_type.name for t in self._tensors.values())
+
+    def exact_int4(self, name: str) -> bool:
+        """Is ``name`` (a matrix) stored as Q4_0, loaded as int4 codes without conversion?"""
+        t = self._tensors.get(name)
+        return t is not None and t.tensor_type.name == EXACT_INT4 and len(t.shape) == 2
+
+    # -- reading ------------------------------------------------------------------
+    def read(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``name`` as a float tensor of ``dtype`` in HF layout (q/k rows in rotate-half order)."""
+        t = self._tensors[name]
+        return self._rows_in_hf_order(name, self._dequantize(t, dtype))
+
+    def int4_tensors(self, name: str) -> dict[str, torch.Tensor]:
+        """A Q4_0 matrix as canonical int4 tensors (``quant/README.md``): codes as stored, group 32,
+        zeros 8, the blocks' fp16 scales; rows in HF order. ``qweight uint8 [N, K/2]``,
+        ``scales``/``zeros`` fp16 ``[N, K/32]``."""
+        from llmsys.kernels import pack_int4
+
+        t = self._tensors[name]
+        n, k = int(t.shape[1]), int(t.shape[0])
+        raw = torch.from_numpy(np.array(t.data, dtype=np.uint8)).view(n, k // 32, 18)  # [N, G, 18] blocks
+        scales = raw[..., :2].contiguous().view(torch.float16).view(n, k // 32)  # [N, G]
+        qs = raw[..., 2:]  # [N, G, 16]: byte i holds code i (low nibble) and code i + 16 (high)
+        codes = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(n, k)  # [N, K] in k order
+        out = {"qweight": pack_int4(codes), "scales": scales, "zeros": torch.full_like(scales, 8.0)}
+        return {key: self._rows_in_hf_order(name, v) for key, v in out.items()}
+
+    def _rows_in_hf_order(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        if not self._interleaved:
+            return t
+        if ".self_attn.q_proj." in name:
+            return interleaved_to_hf(t, self._heads).contiguous()
+        if ".self_attn.k_proj." in name:
+            return interleaved_to_hf(t, self._kv_heads).contiguous()
+        return t
+
+    def _dequantize(self, t: Any, dtype: torch.dtype) -> torch.Tensor:
+        import gguf
+
+        kind = t.tensor_type
+        shape = tuple(int(s) for s in reversed(t.shape.tolist()))  # [out, in]
+        data = t.data
+        if kind == gguf.GGMLQuantizationType.F32:
+            return torch.from_numpy(np.array(data, dtype=np.float32)).view(shape).to(dtype)
+        if kind == gguf.GGMLQuantizationType.F16:
+            return torch.from_numpy(np.array(data, dtype=np.float16)).view(shape).to(dtype)
+        if kind == gguf.GGMLQuantizationType.BF16:
+            return torch.from_numpy(np.array(data).view(np.uint16)).view(torch.bfloat16).view(shape).to(dtype)
+        rows = shape[0] if len(shape) == 2 else 1
+        out = torch.empty(shape, dtype=dtype)
+        flat = out.view(rows, -1)
+        blocks = np.asarray(data).reshape(rows, -1)
+        for r0 in range(0, rows, DEQUANT_ROWS):
+            r1 = min(rows, r0 + DEQUANT_ROWS)
+            flat[r0:r1] = _dequant_rows(blocks[r0:r1], kind, self.path, t.name)
+        return out
+
+
+def _dequant_rows(blocks: np.ndarray, kind: Any, path: Path, name: str) -> torch.Tensor:
+    """Rows of one block-quantized tensor ``uint8 [rows, row bytes] -> float32 [rows, in]``.
+
+    Q8_0 and Q4_0 are decoded in torch (the gguf package's numpy decoder took 5.6 s on a
+    151936-row Q8_0 embedding); the rest through ``gguf.quants.dequantize``."""
+    import gguf
+
+    rows = blocks.shape[0]
+    if kind in (gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0):
+        width = 34 if kind == gguf.GGMLQuantizationType.Q8_0 else 18
+        raw = torch.from_numpy(np.array(blocks, dtype=np.uint8)).view(rows, -1, width)  # [rows, G, block bytes]
+        d = raw[..., :2].contiguous().view(torch.float16).float()  # [rows, G, 1]
+        if width == 34:
+            q = raw[..., 2:].contiguous().view(torch.int8).float()  # [rows, G, 32]
+        else:
+            qs = raw[..., 2:]
+            q = torch.cat([qs & 15, qs >> 4], dim=-1).float() - 8.0  # [rows, G, 32]
+        return (q * d).reshape(rows, -1)
+    try:
+        return torch.from_numpy(gguf.quants.dequantize(np.array(blocks, dtype=np.uint8), kind))
+    except NotImplementedError:
+        raise UnsupportedModelError(
+            f"{path}: tensor {name} is stored as {kind.name}, which llmsys cannot decode; supported: "
+            f"F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and the others "
+            "the gguf package decodes"
+        ) from None
+
+
+def open_index(path: Path) -> GGUFIndex:
+    """The config and tensor index of a GGUF file (nothing dequantized yet)."""
+    r = _open_reader(path)
+    return GGUFIndex(path, r, hf_config(path, r))
+
+
+def materialize_gguf(model: Any, index: GGUFIndex, dtype: torch.dtype, device: torch.device,
+                     make_linear: Any = None, progress: bool = True, offload: Any = None) -> None:
+    """Fill ``model``'s meta tensors from the GGUF (``common.materialize`` with a GGUF hook).
+
+    Q4_0 matrices become :class:`Int4Linear` layers from their codes (never dequantized) unless
+    ``make_linear`` asks for another format than int4:g32; other tensors arrive dequantized to
+    ``dtype`` and go to ``make_linear`` (``--quant``) or stay float. The read of a Q4_0 matrix
+    hands the hook a meta tensor of its shape (no bytes decoded), since the hook rebuilds it
+    from the codes."""
+    from llmsys.engine.loader.common import materialize
+    from llmsys.quant import Int4Linear
+    from llmsys.quant.embedding import QuantEmbedding
+
+    spec = getattr(make_linear, "spec", None)
+    keep_codes = spec is None or spec.name in ("int4:g32",)  # the one --quant Q4_0 codes already are
+
+    def exact(name: str) -> bool:
+        return keep_codes and index.exact_int4(name)
+
+    def read(name: str) -> torch.Tensor:
+        if exact(name):
+            return torch.empty(index.info(name).shape, device="meta")
+        return index.read(name, dtype if dtype.is_floating_point else torch.float32)
+
+    def hook(mod_name: str, w: torch.Tensor, b: torch.Tensor | None) -> Any:
+        name = mod_name + ".weight"
+        if exact(name):
+            layer = Int4Linear.from_quantized({**index.int4_tensors(name), "bias": b}, in_features=w.shape[1])
+            return QuantEmbedding(layer, dtype) if mod_name == "model.embed_tokens" else layer
+        return make_linear(mod_name, w, b) if make_linear is not None else None
+
+    materialize(model, read, index.__contains__, dtype, device, index.path, hook, progress, offload)
+
+
+def conversions(index: GGUFIndex, dtype: torch.dtype, make_linear: Any = None) -> dict[str, str]:
+    """What each GGUF tensor type of the file became at load, for reports: e.g.
+    ``{"Q4_0 (168)": "int4:g32, codes as stored", "Q6_K (1)": "dequantized to bfloat16"}``."""
+    spec = getattr(make_linear, "spec", None)
+    keep_codes = spec is None or spec.name in ("int4:g32",)
+    dt = str(dtype).removeprefix("torch.")
+    out: dict[str, str] = {}
+    for qtype, n in sorted(index.qtypes().items()):
+        if qtype == EXACT_INT4 and keep_codes:
+            what = "int4:g32, codes as stored"
+        elif qtype in ("F32", "F16", "BF16"):
+            what = dt if spec is None else f"{dt}; matrices quantized to {spec.name} (--quant)"
+        elif spec is None:
+            what = f"dequantized to {dt}"
+        else:
+            what = f"dequantized, matrices re-quantized to {spec.name} (--quant)"
+        out[f"{qtype} ({n})"] = what
+    return out
