@@ -137,7 +137,7 @@ class Int4Linear(QuantLinear):
 
     * ``packed_cpu`` (CPU): holds ``packed uint8`` (the CPU int4 tiling, rows
       padded to a multiple of 64), ``scales_zeros bf16 [G, Np, 2]`` =
-      (scale, (8 - zero) * scale), ``zeros_u8 [N, G]`` and, with the C GEMV,
+      (scale, (8 - zero) * scale) for bf16 scales (other dtypes: ``scales_orig [N, G]`` only), ``zeros_u8 [N, G]`` and, with the C GEMV,
       its group-major copy ``zeros_gm [G, N]``. Matmul always runs in bf16;
       fp32 inputs are cast to bf16 and the output cast back. Every row, prompt
       or decode, runs the C a8 GEMV ``cpu_qgemv.int4_gemv_a8`` where built (a row's
@@ -196,10 +196,15 @@ class Int4Linear(QuantLinear):
         self._scale_dtype = scales.dtype
         np_ = -(-n // CPU_BLOCK_N) * CPU_BLOCK_N
         packed = _pack_cpu_int4(qweight, np_)  # uint8 [Np, Kp/2]
-        s = F.pad(scales.float(), (0, 0, 0, np_ - n))  # [Np, G]
-        z = F.pad(zeros.float(), (0, 0, 0, np_ - n), value=8.0)
-        sz = torch.stack([s.t(), ((8.0 - z) * s).t()], dim=-1).to(torch.bfloat16).contiguous()  # [G, Np, 2]
         self.register_buffer("packed", packed)
+        # bf16 scales live in scales_zeros (the kernels read them in place); scales of another dtype
+        # (fp16: AWQ, GPTQ, GGUF Q4_0) only in scales_orig, which the kernels read as they are --
+        # a bf16 copy beside them would cost 4 bytes per group (25% of the codes at g32) for nothing.
+        sz = None
+        if scales.dtype == torch.bfloat16:
+            s = F.pad(scales.float(), (0, 0, 0, np_ - n))  # [Np, G]
+            z = F.pad(zeros.float(), (0, 0, 0, np_ - n), value=8.0)
+            sz = torch.stack([s.t(), ((8.0 - z) * s).t()], dim=-1).to(torch.bfloat16).contiguous()  # [G, Np, 2]
         self.register_buffer("scales_zeros", sz)
         self.register_buffer("zeros_u8", zeros.to(torch.uint8).contiguous())  # [N, G]
         # The decode GEMV reads one group's zeros for 64 rows at once: a group-major copy
@@ -309,8 +314,12 @@ class Int4Linear(QuantLinear):
             byte = p3[ids // CPU_BLOCK_N, :, j % (CPU_BLOCK_N // 2)]  # [M, Kp]
             shift = torch.where(j < CPU_BLOCK_N // 2, 0, 4).to(torch.uint8)[:, None]
             q = ((byte >> shift) & 15).float().view(m, -1, g)  # [M, G, g]
-            sz = self.scales_zeros[:, ids].float()  # [G, M, 2]: w = (q - 8) * scale + zero_t
-            w = (q - 8.0) * sz[..., 0].t()[..., None] + sz[..., 1].t()[..., None]
+            if self.scales_zeros is None:  # scales_orig [N, G] (not bf16): the canonical formula
+                z = self.zeros_u8[ids].float()[..., None]  # [M, G, 1]
+                w = (q - z) * self.scales_orig[ids].float()[..., None]
+            else:
+                sz = self.scales_zeros[:, ids].float()  # [G, M, 2]: w = (q - 8) * scale + zero_t
+                w = (q - 8.0) * sz[..., 0].t()[..., None] + sz[..., 1].t()[..., None]
         else:
             q = unpack_int4(self.qweight[ids]).float().view(m, -1, g)  # [M, G, g]
             w = (q - self.zeros[ids].float()[..., None]) * self.scales[ids].float()[..., None]
