@@ -36,6 +36,7 @@ try:  # Python >= 3.11
 except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
+from llmsys.engine import ollama_store
 from llmsys.kernels.common.units import format_bytes
 from llmsys.kernels.common.errors import HubError, LLMSysError, ModelNotFoundError
 from llmsys.kernels.common.paths import llmsys_home
@@ -241,11 +242,15 @@ def resolve_model(spec: str) -> Path:
     """Turn what the user typed into a local path (file or directory).
 
     An existing path wins over a catalog name, so a local directory that
-    happens to share a model's name is still loadable.
+    happens to share a model's name is still loadable. ``ollama:NAME[:TAG]``
+    is a model Ollama has pulled: its GGUF weights blob in the Ollama store
+    (a file named by its digest, with no ``.gguf`` suffix).
     """
     path = Path(spec).expanduser()
     if path.exists():
         return path
+    if spec.startswith(ollama_store.PREFIX):
+        return ollama_store.resolve(spec).blob
     catalog = load_catalog()
     entry = find_entry(spec, catalog)
     if entry is not None:

@@ -77,6 +77,8 @@ class MemoryReport:
     kv_blocks_by_tier: dict[str, tuple[int, int]] | None = None  # tier -> (used, total) blocks, with a cold tier
     # Quantized layers per matmul kernel, e.g. {"C int4 a8 x86-64-v3": 168} (llmsys.quant.base.MatmulKernel)
     kernels: dict[str, int] = field(default_factory=dict)
+    # What each stored tensor type became at load (a GGUF), e.g. {"Q6_K (1)": "dequantized to bfloat16"}
+    stored_formats: dict[str, str] = field(default_factory=dict)
 
 
 def _apply_constraints(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -329,4 +331,5 @@ class EngineCore:
             kv_cold_blocks_used=self.allocator.num_cold_used if tr is not None else 0,
             kv_blocks_by_tier=by_tier,
             kernels=dict(self.quant_kernels),
+            stored_formats=dict(self.loaded.stored_formats),
         )

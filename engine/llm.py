@@ -60,6 +60,11 @@ class LLM:
             weakref.finalize(self, self.offload.close)
         if self.loaded.device.type == "cpu":
             _report_cpu_kernels()
+        formats = self.loaded.stored_formats
+        if config.progress and any("dequantized" in v for v in formats.values()):
+            # Block formats without an exact llmsys layout take more memory than on disk: say so once.
+            said = "; ".join(f"{k} -> {v}" for k, v in formats.items())
+            print(f"notice: {r.path.name}: {said}", file=sys.stderr)
         prepare(self.loaded, config, self.offload)
         # Loading (quantizing at load most of all: every float weight is replaced) leaves tensors the model no
         # longer holds in reference cycles, alive until the cyclic collector next runs: a bf16 SmolLM2-135M

@@ -399,6 +399,16 @@ def _with_reasons(plan: Plan, shape: ModelShape) -> Plan:
     return replace(plan, reasons=tuple(explain_lines(plan, shape)))
 
 
+@dataclass(frozen=True)
+class WeightBytes:
+    """Run-time bytes per weight of the matrices, per part of the model: a checkpoint whose parts are
+    stored in different formats (a GGUF: int4 codes kept in the layers, a Q8_0 embedding dequantized)."""
+
+    layers: float
+    embed: float
+    head: float
+
+
 def model_shape(
     layers: list[torch.nn.Module],
     embed: torch.nn.Module,
@@ -406,21 +416,24 @@ def model_shape(
     tied: bool,
     dtype: torch.dtype,
     kv_bytes_per_token_layer: int,
-    bytes_per_weight: float | None = None,
+    bytes_per_weight: float | WeightBytes | None = None,
 ) -> ModelShape:
     """Describe a (meta-device) model for the planner.
 
     ``bytes_per_weight`` overrides the element size of 2-D weights (a
-    quantized format: int4 with scales ~0.56); 1-D tensors keep ``dtype``.
+    quantized format: int4 with scales ~0.56; or per part, :class:`WeightBytes`);
+    1-D tensors keep ``dtype``.
     """
     elt = torch.tensor([], dtype=dtype).element_size()
+    per = bytes_per_weight if isinstance(bytes_per_weight, WeightBytes) else None
 
-    def size(mod: torch.nn.Module) -> tuple[int, int]:
+    def size(mod: torch.nn.Module, part: str = "layers") -> tuple[int, int]:
+        bpw = getattr(per, part) if per is not None else (bytes_per_weight or elt)
         nbytes = params = 0
         for t in list(mod.parameters()) + list(mod.buffers()):
             if t.dim() >= 2:
                 params += t.numel()
-                nbytes += int(t.numel() * (bytes_per_weight or elt))
+                nbytes += int(t.numel() * bpw)
             else:
                 nbytes += t.numel() * (elt if t.is_floating_point() else t.element_size())
         return nbytes, params
@@ -429,13 +442,13 @@ def model_shape(
     for i, layer in enumerate(layers):
         nb, p = size(layer)
         lus.append(UnitShape(f"layers.{i}", "layer", nb, p))
-    e_nb, _ = size(embed)
+    e_nb, _ = size(embed, "embed")
     vocab, hidden = embed.weight.shape
     if tied:
         head_u = UnitShape("embed+lm_head", "head", e_nb, vocab * hidden)
         embed_u = None
     else:
-        h_nb, h_p = size(head)
+        h_nb, h_p = size(head, "head")
         head_u = UnitShape("lm_head", "head", h_nb, h_p)
         embed_u = UnitShape("embed", "embed", e_nb, 0)
     inter = 0

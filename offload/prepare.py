@@ -15,7 +15,7 @@ from torch import nn
 
 from llmsys.offload.bandwidth import Bandwidths, measure_bandwidths
 from llmsys.offload.budgets import Budgets
-from llmsys.offload.plan import ModelShape, Plan, Workload, model_shape, plan_placement
+from llmsys.offload.plan import ModelShape, Plan, WeightBytes, Workload, model_shape, plan_placement
 from llmsys.offload.runtime import Locate, OffloadRuntime
 
 # Approximate stored bytes per weight of each quantized format (scales included),
@@ -28,11 +28,14 @@ def kv_bytes_per_token_layer(args: Any, dtype: torch.dtype) -> int:
     return 2 * args.num_key_value_heads * args.head_dim * elt
 
 
-def shape_of(model: nn.Module, dtype: torch.dtype, quant: str = "none") -> ModelShape:
+def shape_of(model: nn.Module, dtype: torch.dtype, quant: str = "none",
+             bytes_per_weight: WeightBytes | None = None) -> ModelShape:
+    """The planner's view of a meta model; ``bytes_per_weight`` (a matrix's run-time bytes per weight, e.g. a
+    GGUF's mix of kept and dequantized formats) overrides the ``quant`` method's typical figure."""
     a = model.args
     return model_shape(
         list(model.model.layers), model.model.embed_tokens, model.lm_head, bool(a.tie_word_embeddings), dtype,
-        kv_bytes_per_token_layer(a, dtype), QUANT_BYTES_PER_WEIGHT.get(quant),
+        kv_bytes_per_token_layer(a, dtype), bytes_per_weight or QUANT_BYTES_PER_WEIGHT.get(quant),
     )
 
 
@@ -43,8 +46,8 @@ def kv_tokens_within(budget: int, per_token: int, wanted: int, floor: int) -> in
 
 def plan_for(model: nn.Module, dtype: torch.dtype, budgets: Budgets, workload: Workload, quant: str = "none",
              bandwidths: Bandwidths | None = None, max_seqs: int | None = None,
-             force: dict[str, int] | None = None) -> tuple[Plan, ModelShape]:
-    shape = shape_of(model, dtype, quant)
+             force: dict[str, int] | None = None, bytes_per_weight: WeightBytes | None = None) -> tuple[Plan, ModelShape]:
+    shape = shape_of(model, dtype, quant, bytes_per_weight)
     bw = bandwidths or measure_bandwidths(probe_dir=budgets.offload_dir)
     return plan_placement(shape, budgets, bw, workload, max_seqs=max_seqs, force=force), shape
 

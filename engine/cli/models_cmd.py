@@ -1,5 +1,9 @@
 """`llmsys models` and `llmsys pull`: list the catalog, download a model.
 
+`llmsys models` lists the models Ollama has pulled too (when its store
+exists), as the ``ollama:NAME:TAG`` names `llmsys run` takes, so a user sees
+every runnable name in one table.
+
 Only the command functions live here; `llmsys.engine.cli.main` registers
 them on the Typer app and turns raised :class:`LLMSysError`s into
 ``error: <message>`` lines, so these functions never print errors or exit.
@@ -11,6 +15,7 @@ from typing import Optional
 
 import typer
 
+from llmsys.engine import ollama_store
 from llmsys.engine.catalog import (
     CatalogEntry,
     find_entry,
@@ -21,9 +26,10 @@ from llmsys.engine.catalog import (
 )
 from llmsys.kernels.common.paths import llmsys_home
 from llmsys.kernels.common.units import format_bytes
-from llmsys.kernels.common.errors import ModelNotFoundError
+from llmsys.kernels.common.errors import LLMSysError, ModelNotFoundError
 
 _COLUMNS = ("NAME", "PARAMS", "ARCHITECTURE", "SIZE", "LICENCE", "DOWNLOADED")
+IN_OLLAMA = "in the Ollama store"
 
 
 def _row(entry: CatalogEntry) -> tuple[str, ...]:
@@ -37,6 +43,11 @@ def _row(entry: CatalogEntry) -> tuple[str, ...]:
         licence,
         downloaded,
     )
+
+
+def _ollama_row(model: ollama_store.OllamaModel) -> tuple[str, ...]:
+    """A store model's row: what the manifest knows (name, size); the rest is in the GGUF."""
+    return (model.spec, "-", "-", format_bytes(model.size), "-", IN_OLLAMA)
 
 
 def format_table(rows: list[tuple[str, ...]]) -> str:
@@ -53,12 +64,21 @@ def format_table(rows: list[tuple[str, ...]]) -> str:
 def models_command() -> None:
     """List the models in the catalog and whether each is downloaded."""
     entries = list(load_catalog().values())
-    typer.echo(format_table([_row(entry) for entry in entries]))
+    broken: list[LLMSysError] = []
+    pulled = ollama_store.list_models(on_error=broken.append)  # [] without a store
+    typer.echo(format_table([_row(entry) for entry in entries] + [_ollama_row(m) for m in pulled]))
     typer.echo(
         f"\nModels are stored under {llmsys_home() / 'models'} (set LLMSYS_HOME to move them). "
         "Download one with `llmsys pull NAME`, or run any local directory with "
         "`llmsys run /path/to/model-dir`."
     )
+    if pulled or broken:
+        typer.echo(
+            f"Models {IN_OLLAMA} {ollama_store.store_dir()} (set OLLAMA_MODELS to use another) "
+            "run by the name listed: `llmsys run ollama:NAME:TAG`."
+        )
+    for exc in broken:  # one bad manifest must not hide the rest of the listing
+        typer.echo(f"warning: skipped: {exc}", err=True)
 
 
 def pull_command(

@@ -22,6 +22,13 @@ from llmsys.kernels.common.errors import CheckpointError
 
 def _config_for(model: str) -> tuple[dict[str, Any], str]:
     p = Path(model).expanduser()
+    if model.startswith("ollama:") or (p.is_file() and p.suffix != ".json"):
+        from llmsys.engine.catalog import resolve_model
+        from llmsys.engine.loader import gguf_io
+
+        g = resolve_model(model) if model.startswith("ollama:") else p
+        if gguf_io.is_gguf(g):
+            return gguf_io.hf_config(g), str(g)
     if p.is_dir() and (p / "config.json").exists():
         return json.loads((p / "config.json").read_text()), str(p)
     if p.is_file() and p.suffix == ".json":
@@ -33,7 +40,7 @@ def _config_for(model: str) -> tuple[dict[str, Any], str]:
         return dict(synth[model.lower()]), f"synthetic:{model}"
     path = resolve_model(model)
     if not (path / "config.json").exists():
-        raise CheckpointError(f"{path}: no config.json; `llmsys plan` needs a Hugging Face model directory")
+        raise CheckpointError(f"{path}: no config.json; `llmsys plan` needs a Hugging Face model directory or a GGUF file")
     return json.loads((path / "config.json").read_text()), str(path)
 
 
@@ -59,6 +66,7 @@ def plan_command(
     *,
     engine_flags: dict[str, Any],
 ) -> int:
+    from llmsys.engine.loader import gguf_io
     from llmsys.engine.loader.common import resolve_device, resolve_dtype
     from llmsys.offload.budgets import Budgets, resolve_budgets
     from llmsys.offload.plan import Workload
@@ -83,7 +91,10 @@ def plan_command(
         tokens = kv_tokens_within(budget, per_tok, tokens, min(max_len, 512))
     work = Workload(batch=batch, prompt_len=prompt_len, output_len=output_len, kv_tokens=tokens,
                     max_batched_tokens=config.max_num_batched_tokens, kv_cold_tokens=config.offload_tokens(per_tok))
-    plan, _ = plan_for(meta, dt, budgets, work, config.quant.method, max_seqs=batch)
+    bpw = None  # a GGUF as stored: its mix of kept int4 codes and dequantized matrices
+    if config.quant.method == "none" and Path(source).is_file() and gguf_io.is_gguf(Path(source)):
+        bpw = gguf_io.open_index(Path(source)).weight_bytes(dt)
+    plan, _ = plan_for(meta, dt, budgets, work, config.quant.method, max_seqs=batch, bytes_per_weight=bpw)
     if as_json:
         print(json.dumps(plan_to_dict(plan), indent=1))
         return 0

@@ -44,6 +44,9 @@ class LoadedModel:
     device: torch.device
     config: dict[str, Any] = field(default_factory=dict)
     generation_config: dict[str, Any] = field(default_factory=dict)
+    # What each stored tensor type became, where the checkpoint mixes them (a GGUF):
+    # {"Q4_0 (168)": "int4:g32, codes as stored", "Q8_0 (1)": "dequantized to bfloat16"}
+    stored_formats: dict[str, str] = field(default_factory=dict)
 
     @property
     def weight_bytes(self) -> int:
@@ -342,11 +345,12 @@ def materialize_checkpoint(ck: Checkpoint, make_linear: MakeLinear | None = None
     model) leaves streamed tensors on disk (see :func:`materialize`)."""
     p, model, dt, dev = ck.path, ck.model, ck.dtype, ck.device
     if ck.is_gguf:  # Q4_0 matrices as int4 codes, every other tensor dequantized (gguf_io)
-        from llmsys.engine.loader.gguf_io import materialize_gguf
+        from llmsys.engine.loader.gguf_io import conversions, materialize_gguf
 
         materialize_gguf(model, ck.index, dt, dev, make_linear, progress, offload)
         a = model.args
         gen = {"bos_token_id": a.bos_token_id, "eos_token_id": list(a.eos_token_id)}
+        formats = conversions(ck.index, dt, make_linear)
     elif ck.prequantized:  # llmsys / AWQ / GPTQ: rebuild quantized layers as stored
         from llmsys.engine.loader.quantized import load_quantized_into
 
@@ -358,4 +362,5 @@ def materialize_checkpoint(ck: Checkpoint, make_linear: MakeLinear | None = None
     model.eval()
     if not ck.is_gguf:
         gen = read_json(p / "generation_config.json") if (p / "generation_config.json").exists() else {}
-    return LoadedModel(model, model.args, ck.family, p, p, dt, dev, ck.config, gen)
+        formats = {}
+    return LoadedModel(model, model.args, ck.family, p, p, dt, dev, ck.config, gen, formats)

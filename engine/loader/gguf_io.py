@@ -50,6 +50,8 @@ from llmsys.kernels.common.errors import CheckpointError, UnsupportedModelError
 if TYPE_CHECKING:
     import gguf
 
+    from llmsys.offload.plan import WeightBytes
+
 MAGIC = b"GGUF"
 # llama.cpp architecture -> (HF model_type, HF architectures entry, q/k rows interleaved in the file)
 ARCHS: dict[str, tuple[str, str, bool]] = {
@@ -80,6 +82,9 @@ IGNORED = {"rope_freqs.weight"}  # read into the config (rope scaling), not a mo
 # Rows dequantized per piece: bounds the float32 transient of a big table (a 151936-row embedding).
 DEQUANT_ROWS = 8192
 EXACT_INT4 = "Q4_0"  # the one block format kept as codes (int4, group 32, zero 8, fp16 scales)
+# Int4Linear's bytes per weight at group 32 with fp16 scales: codes 1/2, scales 2/32, zeros as uint8
+# twice (row- and group-major) 2/32. llama.cpp's Q4_0 is 18/32.
+INT4_G32_BYTES = 0.5 + 2 / 32 + 2 / 32
 
 
 def is_gguf(path: Path) -> bool:
@@ -254,6 +259,23 @@ class GGUFIndex:
     def qtypes(self) -> Counter[str]:
         """How many tensors of each GGUF type the model reads."""
         return Counter(t.tensor_type.name for t in self._tensors.values())
+
+    def weight_bytes(self, dtype: torch.dtype) -> WeightBytes:
+        """Run-time bytes per weight of the matrices as loaded without ``--quant`` (Q4_0 kept as
+        int4:g32 codes, the rest dequantized to ``dtype``), per part of the model, for the planner."""
+        from llmsys.offload.plan import WeightBytes
+
+        elt = torch.tensor([], dtype=dtype).element_size()
+
+        def part(names: list[str]) -> float:
+            sized = [(float(self._tensors[n].n_elements), INT4_G32_BYTES if self.exact_int4(n) else elt)
+                     for n in names if len(self._tensors[n].shape) == 2]
+            total = sum(n for n, _ in sized)
+            return sum(n * b for n, b in sized) / total if total else float(elt)
+
+        layers = [n for n in self._tensors if n.startswith("model.layers.")]
+        embed = ["model.embed_tokens.weight"]
+        return WeightBytes(part(layers), part(embed), part(["lm_head.weight"] if "lm_head.weight" in self else embed))
 
     def exact_int4(self, name: str) -> bool:
         """Is ``name`` (a matrix) stored as Q4_0, loaded as int4 codes without conversion?"""
