@@ -6,9 +6,11 @@ kernels, dtypes and placement as generation) and returns them at once.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, replace
+from typing import Iterator
 
 import torch
 
@@ -29,9 +31,9 @@ class PerplexityResult:
         return math.exp(self.nll_sum / max(self.tokens_scored, 1))
 
 
-@torch.inference_mode()
-def score_sequences(core: EngineCore, seqs: list[list[int]]) -> list[torch.Tensor]:
-    """Per sequence, ``log p(tok[i] | tok[:i])`` for i >= 1: tensors ``[L-1]``."""
+@contextlib.contextmanager
+def _prefilled(core: EngineCore, seqs: list[list[int]]) -> Iterator[torch.Tensor]:
+    """The sequences prefilled together in fresh KV blocks (freed on exit): hidden states ``[T, hidden]``."""
     bs = core.kv.spec.block_size
     tables = []
     try:
@@ -41,7 +43,16 @@ def score_sequences(core: EngineCore, seqs: list[list[int]]) -> list[torch.Tenso
         meta = core.attn.metadata(lens, lens, tables)
         ids = torch.tensor([t for s in seqs for t in s], device=core.loaded.device)
         pos = torch.cat([torch.arange(n) for n in lens]).to(core.loaded.device)
-        hidden = core.loaded.model(ids, pos, core.attn, meta)  # [T, hidden]
+        yield core.loaded.model(ids, pos, core.attn, meta)  # [T, hidden]
+    finally:
+        for t in tables:
+            core.allocator.free(t)
+
+
+@torch.inference_mode()
+def score_sequences(core: EngineCore, seqs: list[list[int]]) -> list[torch.Tensor]:
+    """Per sequence, ``log p(tok[i] | tok[:i])`` for i >= 1: tensors ``[L-1]``."""
+    with _prefilled(core, seqs) as hidden:
         out = []
         start = 0
         for s in seqs:
@@ -52,9 +63,13 @@ def score_sequences(core: EngineCore, seqs: list[list[int]]) -> list[torch.Tenso
             out.append(lp.gather(1, tgt.unsqueeze(1)).squeeze(1).cpu())
             start += n
         return out
-    finally:
-        for t in tables:
-            core.allocator.free(t)
+
+
+@torch.inference_mode()
+def prompt_logits(core: EngineCore, ids: list[int]) -> torch.Tensor:
+    """The logits at every position of one prompt, ``[L, V]`` float32 (comparisons with other engines)."""
+    with _prefilled(core, [ids]) as hidden:
+        return core.loaded.model.compute_logits(hidden).float().cpu()
 
 
 def perplexity_windows(

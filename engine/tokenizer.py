@@ -9,6 +9,10 @@
   the one place transformers deliberately departs from ``tokenizer.json``.
 * llama2.c checkpoints: ``tok*.bin`` (scores + pieces), encoded with the exact
   greedy highest-score merge loop of llama2.c's ``run.c``.
+* GGUF files: the ``tokenizer.ggml.*`` metadata rebuilt into an in-memory
+  ``tokenizers.Tokenizer`` plus a ``tokenizer_config.json``-like mapping
+  (:mod:`llmsys.engine.gguf_tokenizer`), then run through the same HF backend,
+  so a ``.gguf`` encodes exactly like the directory it was converted from.
 
 Both are wrapped in one :class:`Tokenizer` so the engine never branches on the
 checkpoint format.
@@ -95,17 +99,33 @@ def _transformers_llama_pipeline(tok: Any, config: Mapping[str, Any]) -> None:
 class _HFBackend:
     """``tokenizers.Tokenizer`` plus the transformers-side metadata fix-ups."""
 
-    def __init__(self, directory: Path, config: Mapping[str, Any]):
-        from tokenizers import AddedToken
+    @classmethod
+    def from_directory(cls, directory: Path, config: Mapping[str, Any]) -> _HFBackend:
+        """``directory/tokenizer.json`` with ``config`` (its ``tokenizer_config.json``)."""
         from tokenizers import Tokenizer as RustTokenizer
-        from tokenizers import processors
 
         path = directory / "tokenizer.json"
         try:
             tok = RustTokenizer.from_file(str(path))
         except Exception as e:  # the Rust side raises plain Exception on bad JSON
             raise TokenizerError(f"cannot parse {path}: {e}; re-download the model") from e
-        raw = _read_json(path)
+        return cls(tok, _read_json(path), config, str(directory / "tokenizer_config.json"), "tokenizer.json")
+
+    @classmethod
+    def from_tokenizer(cls, tok: Any, config: Mapping[str, Any], source: str) -> _HFBackend:
+        """Wrap an in-memory ``tokenizers.Tokenizer`` (e.g. rebuilt from GGUF metadata).
+
+        ``config`` plays ``tokenizer_config.json``'s part, so the same fix-ups
+        apply as for a directory; ``source`` names the file in error messages.
+        ``tok`` is taken over (its pipeline may be replaced), not copied.
+        """
+        return cls(tok, json.loads(tok.to_str()), config, source, source)
+
+    def __init__(self, tok: Any, raw: Mapping[str, Any], config: Mapping[str, Any],
+                 config_name: str, vocab_name: str) -> None:
+        """``raw``: the tokenizer as ``tokenizer.json`` spells it; the names only word errors."""
+        from tokenizers import AddedToken, processors
+
         model = raw.get("model") or {}
 
         if config.get("tokenizer_class") in _LLAMA_CLASSES and model.get("type") == "BPE":
@@ -127,8 +147,8 @@ class _HFBackend:
                 got = tok.token_to_id(token.content)
                 if got != want:
                     raise TokenizerError(
-                        f"{directory / 'tokenizer_config.json'} declares {token.content!r} as id {want} but "
-                        f"tokenizer.json puts it at {got}; the tokenizer files disagree, re-download them"
+                        f"{config_name} declares {token.content!r} as id {want} but "
+                        f"{vocab_name} puts it at {got}; the tokenizer files disagree, re-download them"
                     )
 
         # transformers rebuilds the post-processor when add_bos/eos_token is explicit.
@@ -144,8 +164,8 @@ class _HFBackend:
                 if flag:
                     tid = tok.token_to_id(name)
                     if tid is None:
-                        raise TokenizerError(f"{directory / 'tokenizer_config.json'} names {name!r} "
-                                             "as a special token but tokenizer.json has no such token")
+                        raise TokenizerError(f"{config_name} names {name!r} "
+                                             f"as a special token but {vocab_name} has no such token")
                     specials.append((name, tid))
             tok.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
 
@@ -354,10 +374,14 @@ class Tokenizer:
     # ------------------------------------------------------------- loading
     @classmethod
     def load(cls, path: str | Path) -> Tokenizer:
-        """Load from an HF model directory, or a llama2.c checkpoint dir/``.bin``."""
+        """Load from an HF model directory, a llama2.c checkpoint dir/``.bin``, or a GGUF file."""
+        from llmsys.engine.loader.gguf_io import is_gguf
+
         path = Path(path).expanduser()
         if not path.exists():
             raise TokenizerError(f"tokenizer path {path} does not exist; pass a model directory")
+        if path.is_file() and (path.suffix.lower() == ".gguf" or is_gguf(path)):
+            return cls._load_gguf(path)
         directory = path if path.is_dir() else path.parent
         if (directory / "tokenizer.json").is_file():
             return cls._load_hf(directory)
@@ -378,10 +402,24 @@ class Tokenizer:
         )
 
     @classmethod
+    def _load_gguf(cls, path: Path) -> Tokenizer:
+        """A GGUF's own vocabulary, through the HF backend (the file plays both JSON files' part)."""
+        from llmsys.engine.gguf_tokenizer import read_gguf_tokenizer
+
+        g = read_gguf_tokenizer(path)
+        backend = _HFBackend.from_tokenizer(g.tokenizer, g.config, str(path))
+        special_tokens = {key: value for key in ("bos_token", "eos_token", "unk_token", "pad_token")
+                          if (value := _token_str(g.config.get(key))) is not None}
+        templates = {name: ChatTemplate(text, str(path)) for name, text in g.chat_templates.items()}
+        return cls(backend, bos_token_id=g.bos_token_id, eos_token_ids=g.eos_token_ids,
+                   pad_token_id=g.pad_token_id, special_tokens=special_tokens, chat_templates=templates,
+                   source=str(path))
+
+    @classmethod
     def _load_hf(cls, directory: Path) -> Tokenizer:
         config_path = directory / "tokenizer_config.json"
         config = _read_json(config_path) if config_path.is_file() else {}
-        backend = _HFBackend(directory, config)
+        backend = _HFBackend.from_directory(directory, config)
 
         special_tokens: dict[str, str] = {}
         for key in ("bos_token", "eos_token", "unk_token", "pad_token"):

@@ -172,9 +172,12 @@ def _stored_dtype(folder: str | Path) -> torch.dtype:
 # --------------------------------------------------------------------------
 
 
-def export_float(folder: str | Path, out: Path, fmt: str = "f32") -> Path:
+def export_float(folder: str | Path, out: Path, fmt: str = "f32", matrices: str | None = None) -> Path:
     """Write ``folder`` as a GGUF of ``fmt`` (f32, or f16 with 1-D tensors kept f32) at ``out``.
 
+    ``matrices`` (a gguf block type, e.g. ``"Q8_0"``, ``"Q4_0"``): every 2-D tensor whose rows
+    are whole blocks is quantized to it by the ``gguf`` package's own quantizer (no llama.cpp
+    needed; a file made of llama.cpp's formats for readers' tests), the others kept in ``fmt``.
     Tensors are streamed one at a time (the header and tensor table first),
     so peak memory is one tensor, not the model.
     """
@@ -184,6 +187,7 @@ def export_float(folder: str | Path, out: Path, fmt: str = "f32") -> Path:
 
     if fmt not in FLOAT_FORMATS:
         raise InvalidParameterError(f"export_float: {fmt!r} is not one of {', '.join(FLOAT_FORMATS)}")
+    qtype = None if matrices is None else gguf.GGMLQuantizationType[matrices]
     src = open_source(folder)
     a = src.args
     index = CheckpointIndex.open_dir(src.folder)
@@ -201,12 +205,20 @@ def export_float(folder: str | Path, out: Path, fmt: str = "f32") -> Path:
     w = gguf.GGUFWriter(str(tmp), src.arch)
     _write_metadata(w, src, fmt)
 
+    def quantized(shape: tuple[int, ...]) -> bool:
+        return qtype is not None and len(shape) == 2 and shape[1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0
+
     def target(shape: tuple[int, ...]) -> torch.dtype:
         # Matrices in the file's format; norms and biases f32, as llama.cpp wants them.
         return torch.float16 if fmt == "f16" and len(shape) == 2 else torch.float32
 
     for name, g in plan:
         info = index.info(name)
+        if quantized(info.shape):
+            block, size = gguf.GGML_QUANT_SIZES[qtype]
+            w.add_tensor_info(g, info.shape, np.dtype(np.float32), info.shape[0] * info.shape[1] // block * size,
+                              raw_dtype=qtype)
+            continue
         dt = np.dtype(np.float16 if target(info.shape) == torch.float16 else np.float32)
         w.add_tensor_info(g, info.shape, dt, int(np.prod(info.shape)) * dt.itemsize)
     if extra is not None:
@@ -217,7 +229,10 @@ def export_float(folder: str | Path, out: Path, fmt: str = "f32") -> Path:
         w.write_ti_data_to_file()
         for name, g in plan:
             t = _layout(src, name, index.read(name))
-            w.write_tensor_data(t.to(target(tuple(t.shape))).contiguous().numpy())  # bf16 -> f16 rounds once
+            if quantized(tuple(t.shape)):
+                w.write_tensor_data(gguf.quants.quantize(t.float().numpy(), qtype))
+            else:
+                w.write_tensor_data(t.to(target(tuple(t.shape))).contiguous().numpy())  # bf16 -> f16 rounds once
         if extra is not None:
             w.write_tensor_data(extra.numpy())
         w.close()

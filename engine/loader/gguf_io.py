@@ -142,6 +142,12 @@ def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
     return v
 
 
+def _f32(v: Any) -> float:
+    """A float32 metadata value as the shortest decimal that rounds to it (1e-05, not
+    9.999999747378752e-06): what the HF config held, where it was exported from one."""
+    return float(np.format_float_positional(np.float32(v), unique=True, trim="-"))
+
+
 @dataclass(frozen=True)
 class GGUFTensorInfo:
     """One tensor of the file, in HF terms: ``shape`` is ``[out, in]`` (row-major, as torch holds it)."""
@@ -188,8 +194,8 @@ def hf_config(path: Path, reader: gguf.GGUFReader | None = None) -> dict[str, An
         "num_attention_heads": heads,
         "num_key_value_heads": int(_field(r, f"{arch}.attention.head_count_kv", heads)),
         "head_dim": int(_field(r, f"{arch}.attention.key_length", hidden // heads)),
-        "rms_norm_eps": float(_field(r, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": float(_field(r, f"{arch}.rope.freq_base", 10000.0)),
+        "rms_norm_eps": _f32(_field(r, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": _f32(_field(r, f"{arch}.rope.freq_base", 10000.0)),
         "max_position_embeddings": int(_field(r, f"{arch}.context_length", 2048)),
         "vocab_size": int(vocab),
         "tie_word_embeddings": "output.weight" not in names,

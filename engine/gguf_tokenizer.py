@@ -1,0 +1,414 @@
+"""A ``tokenizers.Tokenizer`` rebuilt from a GGUF file's ``tokenizer.ggml.*`` metadata.
+
+A GGUF carries no ``tokenizer.json``: llama.cpp's converter flattens the
+vocabulary into arrays (pieces, scores, token types, merges) plus a few keys
+(special ids, ``add_bos_token``, the chat template, and ``tokenizer.ggml.pre``
+naming the split regex of a byte-level vocabulary). To run a ``.gguf`` with the
+same ids the model was evaluated with, this module turns those back into what a
+Hugging Face directory would have held:
+
+* a ``tokenizers.Tokenizer`` shaped like the model's original ``tokenizer.json``
+  (model, normalizer, pre-tokenizer, decoder, added tokens), and
+* the mapping ``tokenizer_config.json`` would have held (special token strings,
+  ``add_bos_token``/``add_eos_token``, ``tokenizer_class``, chat template),
+
+so :mod:`llmsys.engine.tokenizer` runs it through exactly the code it runs a
+directory through (including its transformers fix-ups). Two vocabulary kinds
+are read (``tokenizer.ggml.model``):
+
+``llama``
+    SentencePiece-style BPE with byte fallback (Llama 1/2, Mistral, TinyLlama,
+    stories260k). GGUF stores no merges for it, only a score per piece; the
+    merges are recovered the way the SentencePiece -> HF conversion makes them:
+    every split ``a + b`` of a piece into two pieces is a merge, ranked by the
+    piece's score (higher first). That reproduces the merge list of a
+    converted ``tokenizer.json`` exactly, both for llama.cpp files (scores are
+    SentencePiece's) and for :mod:`llmsys.engine.bench.gguf_export` files
+    (scores are minus the merge rank).
+``gpt2``
+    Byte-level BPE (GPT-2, Llama 3, Qwen2, SmolLM, StarCoder): pieces and merges
+    are stored as they are; what is lost is the pre-tokenizer, which
+    ``tokenizer.ggml.pre`` names. The split regexes below are those of the
+    original tokenizers (see :data:`_PRE_TOKENIZERS`).
+
+The file is opened with ``gguf.GGUFReader``, which memory-maps it and parses
+only the key/value header and tensor table; no tensor data is read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+from llmsys.kernels.common.errors import TokenizerError
+
+if TYPE_CHECKING:  # imported where used: loading a directory needs neither
+    import tokenizers
+
+# gguf.TokenType values, spelled out so this module imports without gguf.
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+# Types that never come out of a merge (nor go into one): matched whole before
+# BPE runs (control, unknown), reached only by byte fallback, or padding.
+_NOT_MERGED = frozenset({_UNKNOWN, _CONTROL, _UNUSED, _BYTE})
+_SPM_SPACE = "\u2581"  # "▁", SentencePiece's visible space
+
+# The split regexes of the original tokenizers (public facts of their tokenizer.json files).
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+@dataclass(frozen=True)
+class _PreTokenizer:
+    """How one ``tokenizer.ggml.pre`` family splits text before byte-level BPE."""
+
+    split: str  # the regex, applied with "isolated" behaviour
+    individual_digits: bool = False  # a Digits(individual) step first (SmolLM, StarCoder)
+    ignore_merges: bool = False  # a whole pre-token found in the vocabulary skips BPE (Llama 3)
+    nfc: bool = False  # NFC normalizer (Qwen2's tokenizer.json has one)
+    add_bos: bool = False  # llama.cpp's default when the file has no add_bos_token key
+
+
+_GPT2 = _PreTokenizer(_GPT2_SPLIT)
+_LLAMA3 = _PreTokenizer(_LLAMA3_SPLIT, ignore_merges=True, add_bos=True)
+_QWEN2 = _PreTokenizer(_QWEN2_SPLIT, nfc=True)
+_SMOLLM = _PreTokenizer(_GPT2_SPLIT, individual_digits=True)
+# tokenizer.ggml.pre -> its pre-tokenizer. "default" is what llama.cpp calls a file without the key.
+_PRE_TOKENIZERS: Mapping[str, _PreTokenizer] = MappingProxyType({
+    "default": _GPT2, "gpt2": _GPT2, "gpt-2": _GPT2,
+    "llama-bpe": _LLAMA3, "llama3": _LLAMA3, "llama-v3": _LLAMA3,
+    "qwen2": _QWEN2, "deepseek-r1-qwen": _QWEN2,
+    "smollm": _SMOLLM, "starcoder": _SMOLLM,
+})
+_VOCAB_KINDS = ("llama (SentencePiece BPE)", "gpt2 (byte-level BPE)")
+# SentencePiece files whose architecture needs a conversion this module does not do.
+_UNSUPPORTED_SPM_ARCHS = frozenset({"gemma", "gemma2", "gemma3", "gemma3n"})
+_FIX = "pass the model's Hugging Face directory (tokenizer.json) as the tokenizer instead"
+
+
+@dataclass(frozen=True)
+class GGUFTokenizer:
+    """What a GGUF says about its tokenizer, in Hugging Face terms.
+
+    ``tokenizer`` follows the file (for a ``llama`` vocabulary: the
+    ``Prepend("▁")`` normalizer a converted ``tokenizer.json`` has, which is
+    also what llama.cpp does); ``config`` is the ``tokenizer_config.json``
+    equivalent, whose ``tokenizer_class`` lets the loader apply transformers'
+    own Llama pipeline on top, exactly as for a directory.
+    """
+
+    path: Path
+    vocab_kind: str  # "llama" or "gpt2"
+    pre: str | None  # tokenizer.ggml.pre of a gpt2 vocabulary
+    tokenizer: tokenizers.Tokenizer
+    config: Mapping[str, Any]
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]  # eos, then eot / eom where the file has them
+    unk_token_id: int | None
+    pad_token_id: int | None
+    chat_templates: Mapping[str, str] = field(default_factory=dict)  # "default" and named ones
+
+
+def read_gguf_tokenizer(path: str | Path) -> GGUFTokenizer:
+    """Build the tokenizer a GGUF file describes, or raise one-line :class:`TokenizerError`."""
+    path = Path(path)
+    meta = _read_metadata(path)
+    kind = meta.get("tokenizer.ggml.model")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if kind is None or tokens is None:
+        raise TokenizerError(
+            f"{path} has no tokenizer metadata (tokenizer.ggml.model / tokenizer.ggml.tokens); "
+            f"re-convert it with llama.cpp's convert_hf_to_gguf.py, or {_FIX}"
+        )
+    tokens = _str_list(path, "tokenizer.ggml.tokens", tokens)
+    n = len(tokens)
+    types = meta.get("tokenizer.ggml.token_type")
+    types = [_NORMAL] * n if types is None else [int(t) for t in _array(path, "tokenizer.ggml.token_type", types)]
+    _check_len(path, "tokenizer.ggml.token_type", types, n)
+
+    ids = {key: _token_id(path, meta, key, n) for key in
+           ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id", "eot_token_id", "eom_token_id")}
+    arch = str(meta.get("general.architecture", ""))
+    pre_name: str | None = None
+    if kind == "llama":
+        if arch in _UNSUPPORTED_SPM_ARCHS:
+            raise TokenizerError(
+                f"{path}: the {arch} SentencePiece vocabulary needs a conversion llmsys does not do "
+                f"(its scores are not merge ranks); {_FIX}"
+            )
+        add_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+        tok = _build_spm(path, meta, tokens, types, ids["unknown_token_id"], add_prefix)
+        config: dict[str, Any] = {"add_prefix_space": add_prefix}
+        if arch != "phi3":
+            # transformers runs a Llama vocabulary through LlamaTokenizer's Metaspace
+            # pipeline (not the normalizer); Phi-3's tokenizer.json keeps its normalizer.
+            config["tokenizer_class"] = "LlamaTokenizerFast"
+        default_add_bos = True  # llama.cpp's (and transformers') default for a SentencePiece vocabulary
+    elif kind == "gpt2":
+        raw_pre = meta.get("tokenizer.ggml.pre")
+        pre_name = "default" if raw_pre is None else str(raw_pre)
+        spec = _PRE_TOKENIZERS.get(pre_name)
+        if spec is None:
+            raise TokenizerError(
+                f"{path}: tokenizer.ggml.pre {pre_name!r} is not a pre-tokenizer llmsys knows "
+                f"(supported: {', '.join(sorted(_PRE_TOKENIZERS))}); {_FIX}"
+            )
+        tok = _build_byte_level(path, meta, tokens, types, spec)
+        config = {}
+        default_add_bos = spec.add_bos
+    else:
+        raise TokenizerError(
+            f"{path}: tokenizer.ggml.model {kind!r} is not supported (llmsys reads "
+            f"{' and '.join(_VOCAB_KINDS)} vocabularies); {_FIX}"
+        )
+
+    _add_special_tokens(tok, tokens, types)
+    for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
+                      ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id")):
+        if ids[key] is not None:
+            config[name] = tokens[ids[key]]
+    config["add_bos_token"] = bool(meta.get("tokenizer.ggml.add_bos_token", default_add_bos))
+    config["add_eos_token"] = bool(meta.get("tokenizer.ggml.add_eos_token", False))
+    templates = _chat_templates(meta)
+    if "default" in templates:
+        config["chat_template"] = templates["default"]
+
+    eos_ids = tuple(dict.fromkeys(
+        i for i in (ids["eos_token_id"], ids["eot_token_id"], ids["eom_token_id"]) if i is not None
+    ))
+    return GGUFTokenizer(
+        path=path, vocab_kind=str(kind), pre=pre_name, tokenizer=tok, config=config,
+        bos_token_id=ids["bos_token_id"], eos_token_ids=eos_ids, unk_token_id=ids["unknown_token_id"],
+        pad_token_id=ids["padding_token_id"], chat_templates=templates,
+    )
+
+
+# ------------------------------------------------------------------ reading
+
+
+def _read_metadata(path: Path) -> dict[str, Any]:
+    """Every ``tokenizer.*`` key (and the architecture) as Python values.
+
+    Arrays stay as the reader's field objects until asked for, so a key this
+    module does not use costs nothing beyond the reader's own parse.
+    """
+    try:
+        import gguf
+    except ImportError:
+        raise TokenizerError(f"reading {path} needs the gguf package: pip install 'gguf>=0.19'") from None
+    try:
+        reader = gguf.GGUFReader(str(path), "r")
+    except (OSError, ValueError, IndexError, KeyError, TypeError) as e:
+        why = " ".join(str(e).split())  # one line, whatever the reader said
+        raise TokenizerError(f"cannot read {path} as GGUF ({why}); re-download or re-convert it") from e
+    out: dict[str, Any] = {}
+    for name, fld in reader.fields.items():
+        if not (name.startswith("tokenizer.") or name == "general.architecture"):
+            continue
+        if fld.types and fld.types[0] == gguf.GGUFValueType.ARRAY:
+            out[name] = fld  # decoded by _array / _str_list
+        else:
+            out[name] = _scalar(path, name, fld, gguf)
+    return out
+
+
+def _scalar(path: Path, name: str, fld: Any, gguf: Any) -> Any:
+    if not fld.types or not fld.data:
+        raise TokenizerError(f"{path}: metadata key {name} is empty; the file is damaged, re-download it")
+    part = fld.parts[fld.data[0]]
+    if fld.types[0] == gguf.GGUFValueType.STRING:
+        try:
+            return bytes(part).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise TokenizerError(f"{path}: metadata key {name} is not UTF-8 ({e}); re-convert the file") from e
+    value = part.tolist()[0]
+    return bool(value) if fld.types[0] == gguf.GGUFValueType.BOOL else value
+
+
+def _array(path: Path, name: str, fld: Any) -> list[Any]:
+    """A numeric array field as a list (one element per entry, as gguf stores them)."""
+    if len(fld.types) != 2:
+        raise TokenizerError(f"{path}: metadata key {name} is a nested array; re-convert the file")
+    return [fld.parts[i].tolist()[0] for i in fld.data]
+
+
+def _str_list(path: Path, name: str, fld: Any) -> list[str]:
+    import gguf
+
+    if len(fld.types) != 2 or fld.types[1] != gguf.GGUFValueType.STRING:
+        raise TokenizerError(f"{path}: metadata key {name} is not an array of strings; re-convert the file")
+    try:
+        return [bytes(fld.parts[i]).decode("utf-8") for i in fld.data]
+    except UnicodeDecodeError as e:
+        raise TokenizerError(f"{path}: an entry of {name} is not UTF-8 ({e}); re-convert the file") from e
+
+
+def _check_len(path: Path, name: str, values: Sequence[Any], n: int) -> None:
+    if len(values) != n:
+        raise TokenizerError(
+            f"{path}: {name} has {len(values)} entries but tokenizer.ggml.tokens has {n}; "
+            "the vocabulary arrays disagree, re-convert or re-download the file"
+        )
+
+
+def _token_id(path: Path, meta: Mapping[str, Any], key: str, n: int) -> int | None:
+    value = meta.get(f"tokenizer.ggml.{key}")
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < n:
+        raise TokenizerError(
+            f"{path}: tokenizer.ggml.{key} = {value!r} is not a token id (the vocabulary has {n} tokens); "
+            "the file is damaged, re-convert or re-download it"
+        )
+    return value
+
+
+def _chat_templates(meta: Mapping[str, Any]) -> dict[str, str]:
+    """``tokenizer.chat_template`` as "default", plus ``tokenizer.chat_template.<name>`` ones."""
+    templates: dict[str, str] = {}
+    if isinstance(meta.get("tokenizer.chat_template"), str):
+        templates["default"] = meta["tokenizer.chat_template"]
+    prefix = "tokenizer.chat_template."
+    for key, value in meta.items():
+        if key.startswith(prefix) and isinstance(value, str):
+            templates[key[len(prefix):]] = value
+    return templates
+
+
+# ----------------------------------------------------------------- building
+
+
+def _vocab(tokens: Sequence[str]) -> dict[str, int]:
+    """piece -> id; a piece listed twice keeps its first id (a BPE vocabulary is a map)."""
+    vocab: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        vocab.setdefault(t, i)
+    return vocab
+
+
+def _file_merges(path: Path, meta: Mapping[str, Any]) -> list[tuple[str, str]] | None:
+    fld = meta.get("tokenizer.ggml.merges")
+    if fld is None:
+        return None
+    merges = []
+    for m in _str_list(path, "tokenizer.ggml.merges", fld):
+        parts = m.split(" ")
+        if len(parts) != 2 or not all(parts):
+            raise TokenizerError(
+                f"{path}: tokenizer.ggml.merges entry {m!r} is not two pieces separated by a space; re-convert the file"
+            )
+        merges.append((parts[0], parts[1]))
+    return merges
+
+
+def spm_merges_from_scores(
+    tokens: Sequence[str], scores: Sequence[float], types: Sequence[int]
+) -> list[tuple[str, str]]:
+    """BPE merges implied by SentencePiece scores.
+
+    Why this order: SentencePiece's BPE merges the adjacent pair whose joined
+    piece scores highest, so each split ``(a, b)`` of a piece is a merge with
+    that piece's score; merges are sorted by score, highest first, ties kept in
+    piece-id order, and a piece's own splits ordered by the ids of ``a`` then
+    ``b``. This is the HF SentencePiece conversion's order, so a converted
+    ``tokenizer.json``'s merge list comes back exactly. Control, unknown, byte
+    and unused pieces are left out: they are matched whole or reached by byte
+    fallback, never merged.
+    """
+    vocab = {t: i for i, t in reversed(list(enumerate(tokens))) if types[i] not in _NOT_MERGED}
+    ranked: list[tuple[float, str, str]] = []
+    for i, piece in enumerate(tokens):
+        if types[i] in _NOT_MERGED or len(piece) < 2 or vocab.get(piece) != i:
+            continue
+        local = [(piece[:k], piece[k:]) for k in range(1, len(piece)) if piece[:k] in vocab and piece[k:] in vocab]
+        local.sort(key=lambda ab: (vocab[ab[0]], vocab[ab[1]]))
+        ranked.extend((float(scores[i]), a, b) for a, b in local)
+    ranked.sort(key=lambda m: m[0], reverse=True)  # stable: ties stay in piece order
+    return [(a, b) for _, a, b in ranked]
+
+
+def _bpe(path: Path, vocab: dict[str, int], merges: list[tuple[str, str]], **kwargs: Any) -> tokenizers.Tokenizer:
+    from tokenizers import Tokenizer
+    from tokenizers.models import BPE
+
+    try:
+        return Tokenizer(BPE(vocab=vocab, merges=merges, **kwargs))
+    except Exception as e:  # the Rust side raises plain Exception (e.g. a merge of unknown pieces)
+        raise TokenizerError(f"{path}: the vocabulary does not form a BPE model ({e}); re-convert the file") from e
+
+
+def _build_spm(path: Path, meta: Mapping[str, Any], tokens: list[str], types: list[int],
+               unk_id: int | None, add_prefix: bool) -> tokenizers.Tokenizer:
+    """SentencePiece-style BPE laid out as a converted Llama ``tokenizer.json``."""
+    from tokenizers import decoders, normalizers
+
+    merges = _file_merges(path, meta)
+    if merges is None:
+        fld = meta.get("tokenizer.ggml.scores")
+        if fld is None:
+            raise TokenizerError(
+                f"{path}: a llama (SentencePiece) vocabulary needs tokenizer.ggml.scores or "
+                f"tokenizer.ggml.merges and the file has neither; {_FIX}"
+            )
+        scores = [float(s) for s in _array(path, "tokenizer.ggml.scores", fld)]
+        _check_len(path, "tokenizer.ggml.scores", scores, len(tokens))
+        merges = spm_merges_from_scores(tokens, scores, types)
+    vocab = _vocab(tokens)
+    unk = tokens[unk_id] if unk_id is not None else ("<unk>" if "<unk>" in vocab else None)
+    tok = _bpe(path, vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True)
+    steps = [normalizers.Prepend(_SPM_SPACE)] if add_prefix else []
+    tok.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", _SPM_SPACE)])
+    dec = [decoders.Replace(_SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_prefix:
+        dec.append(decoders.Strip(content=" ", left=1, right=0))
+    tok.decoder = decoders.Sequence(dec)
+    return tok
+
+
+def _build_byte_level(path: Path, meta: Mapping[str, Any], tokens: list[str], types: list[int],
+                      spec: _PreTokenizer) -> tokenizers.Tokenizer:
+    """Byte-level BPE with the pre-tokenizer ``tokenizer.ggml.pre`` names."""
+    from tokenizers import Regex, decoders, normalizers, pre_tokenizers
+
+    merges = _file_merges(path, meta)
+    if merges is None:
+        raise TokenizerError(f"{path}: a gpt2 (byte-level BPE) vocabulary needs tokenizer.ggml.merges; {_FIX}")
+    tok = _bpe(path, _vocab(tokens), merges, ignore_merges=spec.ignore_merges)
+    if spec.nfc:
+        tok.normalizer = normalizers.NFC()
+    steps: list[Any] = [pre_tokenizers.Digits(individual_digits=True)] if spec.individual_digits else []
+    steps.append(pre_tokenizers.Split(Regex(spec.split), behavior="isolated", invert=False))
+    steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(steps)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _add_special_tokens(tok: tokenizers.Tokenizer, tokens: Sequence[str], types: Sequence[int]) -> None:
+    """Control/unknown pieces as special added tokens, user-defined ones as plain added tokens.
+
+    Why: both are matched whole in the raw text before the model runs (as
+    ``added_tokens`` in a ``tokenizer.json``, and as llama.cpp does); only the
+    special ones are dropped by ``decode(skip_special_tokens=True)``. Each is
+    already in the BPE vocabulary, so it keeps its file id.
+    """
+    from tokenizers import AddedToken
+
+    vocab = _vocab(tokens)
+    special = [AddedToken(t, special=True, normalized=False)
+               for i, t in enumerate(tokens) if types[i] in (_CONTROL, _UNKNOWN) and t and vocab[t] == i]
+    plain = [AddedToken(t, special=False, normalized=False)
+             for i, t in enumerate(tokens) if types[i] == _USER_DEFINED and t and vocab[t] == i]
+    if special:
+        tok.add_special_tokens(special)
+    if plain:
+        tok.add_tokens(plain)

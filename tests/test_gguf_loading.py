@@ -1,0 +1,299 @@
+"""GGUF files loaded by llmsys (issue #19): each against the safetensors model of the same
+weights, and where llama-cpp-python is installed, against llama.cpp on the same file.
+
+The files are written here from the tiny random models of the parity tests and from
+../shared's stories260k (``engine.bench.gguf_export``: F32/F16, and Q8_0/Q4_0 matrices by the
+``gguf`` package's own quantizer); llama.cpp's quantizer makes Q4_K_M where it is installed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import CORPUS, STORIES_HF, need_shared
+from tiny_models import make_hf_model
+
+gguf = pytest.importorskip("gguf", reason="reading GGUF needs the gguf package (a dependency of llmsys)")
+
+from llmsys.engine.attention import make_backend  # noqa: E402
+from llmsys.engine.bench.gguf_export import export_float  # noqa: E402
+from llmsys.engine.kv_cache import KVCacheSpec, make_kv_pool  # noqa: E402
+from llmsys.engine.loader import load_model  # noqa: E402
+from llmsys.engine.loader.gguf_io import hf_to_interleaved, is_gguf  # noqa: E402
+from llmsys.engine.models.base import TransformerArgs  # noqa: E402
+from llmsys.kernels.common.errors import CheckpointError, UnsupportedModelError  # noqa: E402
+from llmsys.quant import Int4Linear  # noqa: E402
+
+try:
+    import llama_cpp
+except ImportError:
+    llama_cpp = None
+
+FAMILIES = ("llama", "llama3.2", "mistral", "qwen2", "qwen3")
+# a8 (x rounded to int8 per 32 columns; without the C kernels bf16 x and weights) against float x on the
+# same int4 weights, relative to the position's largest |logit|: a wrong nibble or row order is O(1).
+A8_RTOL = 5e-2
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("gguf-load")
+    out = {}
+    for kind in FAMILIES:
+        (root / kind).mkdir()
+        out[kind] = make_hf_model(kind, root / kind, seed=2)
+    return out
+
+
+def _logits(loaded, ids: list[int]) -> torch.Tensor:
+    """Every position's logits of one prefill through the engine's forward, ``[T, V]`` float32."""
+    a = loaded.args
+    bs = 16
+    nb = -(-len(ids) // bs)
+    spec = KVCacheSpec(a.num_hidden_layers, nb + 1, bs, a.num_key_value_heads, a.head_dim, loaded.dtype)
+    attn = make_backend(make_kv_pool(spec, loaded.device), loaded.device, bs)
+    with torch.inference_mode():
+        meta = attn.metadata([len(ids)], [len(ids)], [list(range(1, nb + 1))])
+        h = loaded.model(torch.tensor(ids), torch.arange(len(ids)), attn, meta)
+        return loaded.model.compute_logits(h).float()
+
+
+def _ids(n: int = 40, seed: int = 0) -> list[int]:
+    return torch.randint(3, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _round_matrices(loaded, dtype: torch.dtype) -> None:
+    """Round every 2-D parameter to ``dtype`` and back, in place (what an F16 file holds)."""
+    with torch.no_grad():
+        for p in loaded.model.parameters():
+            if p.dim() == 2:
+                p.copy_(p.to(dtype).to(p.dtype))
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_f32_and_f16_files_give_the_safetensors_logits(families, kind, tmp_path):
+    """F32: bit-identical logits (names, q/k row order, rope scaling, tying read back right). F16: identical
+    to the safetensors model with its matrices rounded to f16 (1-D tensors stay F32 in the file)."""
+    folder = families[kind]
+    ids = _ids()
+    ref = load_model(folder, dtype="float32", device="cpu")
+    want = _logits(ref, ids)
+    f32 = export_float(folder, tmp_path / "f32.gguf", "f32")
+    got = load_model(f32, dtype="float32", device="cpu")
+    assert got.family == ("llama" if kind == "mistral" else ref.family)  # llama.cpp writes Mistral as "llama"
+    common = [f.name for f in fields(TransformerArgs) if f.name != "rope_scaling"]  # Mistral's sliding window: not in GGUF
+    assert [getattr(got.args, f) for f in common] == [getattr(ref.args, f) for f in common]
+    if kind == "llama3.2":  # llama.cpp stores Llama 3 rope scaling as per-frequency divisors (rope_freqs)
+        assert got.args.rope_scaling["rope_type"] == "freq_factors" and ref.args.rope_scaling["rope_type"] == "llama3"
+    else:
+        assert got.args.rope_scaling == ref.args.rope_scaling
+    assert torch.equal(_logits(got, ids), want)
+    f16 = export_float(folder, tmp_path / "f16.gguf", "f16")
+    _round_matrices(ref, torch.float16)
+    assert torch.equal(_logits(load_model(f16, dtype="float32", device="cpu"), ids), _logits(ref, ids))
+
+
+def test_q8_0_file_is_its_dequantized_weights(families, tmp_path):
+    """Q8_0 matrices are dequantized at load: the model equals the safetensors one holding gguf's own
+    dequantization of each matrix (q/k rows of the llama layout put back), bit for bit in float32."""
+    folder = families["llama"]
+    path = export_float(folder, tmp_path / "q8.gguf", "f32", "Q8_0")
+    got = load_model(path, dtype="float32", device="cpu")
+    ref = load_model(folder, dtype="float32", device="cpu")
+    reader = gguf.GGUFReader(str(path))
+    a = ref.args
+    kinds = set()
+    for t in reader.tensors:
+        if t.tensor_type.name != "Q8_0":
+            continue
+        kinds.add(t.name.split(".")[-2])
+        w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type))
+        hf = _hf_name(t.name)
+        if ".q_proj." in hf:
+            w = _from_interleaved(w, a.num_attention_heads)
+        elif ".k_proj." in hf:
+            w = _from_interleaved(w, a.num_key_value_heads)
+        ref.model.get_parameter(hf).data.copy_(w)
+    assert {"attn_q", "attn_k", "ffn_down", "token_embd"} <= kinds
+    ids = _ids()
+    assert torch.equal(_logits(got, ids), _logits(ref, ids))
+    assert {k.split(" ")[0]: v for k, v in got.stored_formats.items()} == {
+        "F32": "float32", "Q8_0": "dequantized to float32"}
+
+
+def _hf_name(name: str) -> str:
+    from llmsys.engine.loader.gguf_io import hf_name
+
+    out = hf_name(name)
+    assert out is not None
+    return out
+
+
+def _from_interleaved(w: torch.Tensor, heads: int) -> torch.Tensor:
+    from llmsys.engine.loader.gguf_io import interleaved_to_hf
+
+    return interleaved_to_hf(w, heads)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_q4_0_matrices_keep_their_codes_as_int4_g32(families, kind, tmp_path):
+    """Q4_0 is int4 with group 32, zero 8 and fp16 scales: the layers are Int4Linear whose weights are
+    gguf's dequantization of the file exactly, and the model's logits are those of the float model
+    holding those weights, within the a8 bound (the C kernels round x to int8 per 32 columns)."""
+    folder = families[kind]
+    path = export_float(folder, tmp_path / "q4.gguf", "f32", "Q4_0")
+    got = load_model(path, dtype="float32", device="cpu")
+    layer = got.model.model.layers[1]
+    a = got.args
+    reader = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    for gname, mod, heads in [("blk.1.attn_q.weight", layer.self_attn.q_proj, a.num_attention_heads),
+                              ("blk.1.attn_k.weight", layer.self_attn.k_proj, a.num_key_value_heads),
+                              ("blk.1.ffn_down.weight", layer.mlp.down_proj, None)]:
+        assert isinstance(mod, Int4Linear) and mod.group_size == 32 and mod.mode == "packed_cpu"
+        t = reader[gname]
+        want = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type))
+        w = mod.dequantize(torch.float32)
+        if heads is not None and kind == "llama":
+            w = hf_to_interleaved(w, heads)  # the file's row order
+        assert torch.equal(w, want), gname
+    # The float model of the same weights: every Int4Linear replaced by its dequantized matrix.
+    ref = load_model(folder, dtype="float32", device="cpu")
+    for name, mod in got.model.named_modules():
+        if isinstance(mod, Int4Linear):  # the embedding's table too (and the tied head with it)
+            target = "model.embed_tokens" if name == "model.embed_tokens.table" else name
+            ref.model.get_parameter(target + ".weight").data.copy_(mod.dequantize(torch.float32))
+    ids = _ids()
+    want, have = _logits(ref, ids), _logits(got, ids)
+    err = ((have - want).abs().max(-1).values / want.abs().max(-1).values).max().item()
+    assert err < A8_RTOL, err
+    assert (have.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+    # Lighter than the file's own dequantization: int4 codes + fp16 scales + zeros, no bf16 copy.
+    assert got.stored_formats[next(k for k in got.stored_formats if k.startswith("Q4_0"))] == "int4:g32, codes as stored"
+
+
+def test_stories_gguf_generates_the_safetensors_text(tmp_path):
+    """The real trained model: greedy text from its F32 GGUF (tokenizer rebuilt from the GGUF metadata)
+    is the HF directory's, word for word."""
+    from llmsys import LLM, SamplingParams
+
+    folder = need_shared(STORIES_HF)
+    path = export_float(folder, tmp_path / "stories.gguf", "f32")
+    sp = SamplingParams(temperature=0, max_tokens=40)
+    want = LLM(str(folder), dtype="float32", device="cpu", progress=False).generate("Once upon a time", sp)[0]
+    got = LLM(str(path), dtype="float32", device="cpu", progress=False).generate("Once upon a time", sp)[0]
+    assert got.text == want.text and got.token_ids == want.token_ids
+    assert want.text.startswith(", there was a little girl named Lily")
+
+
+def test_gguf_is_recognized_by_its_magic_not_its_name(families, tmp_path):
+    blob = tmp_path / "sha256-0123abcd"  # how the Ollama store names a model blob
+    export_float(families["qwen2"], blob, "f32")
+    assert is_gguf(blob) and not is_gguf(families["qwen2"] / "config.json")
+    assert load_model(blob, dtype="float32", device="cpu").family == "qwen2"
+
+
+def test_bad_files_get_one_line_errors(families, tmp_path):
+    good = export_float(families["llama"], tmp_path / "good.gguf", "f32")
+    data = good.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: len(data) // 2])  # an interrupted download
+    with pytest.raises(CheckpointError, match=r"cut\.gguf: .*truncated or corrupt"):
+        load_model(cut, dtype="float32", device="cpu")
+    header = tmp_path / "header.gguf"
+    header.write_bytes(data[:40])
+    with pytest.raises(CheckpointError, match=r"header\.gguf"):
+        load_model(header, dtype="float32", device="cpu")
+
+    def write(name: str, arch: str, tensor_dtype=np.float32) -> Path:
+        out = tmp_path / name
+        w = gguf.GGUFWriter(str(out), arch)
+        w.add_block_count(1)
+        w.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=tensor_dtype))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return out
+
+    with pytest.raises(UnsupportedModelError, match=r"gemma3\.gguf: GGUF architecture 'gemma3' is not supported; "
+                                                    r"supported: llama, qwen2, qwen3"):
+        load_model(write("gemma3.gguf", "gemma3"), dtype="float32", device="cpu")
+    with pytest.raises(CheckpointError, match=r"lacks llama\.attention\.head_count"):
+        load_model(write("partial.gguf", "llama"), dtype="float32", device="cpu")
+
+
+def test_an_unsupported_tensor_type_names_it(families, tmp_path):
+    """A matrix in a type llmsys cannot decode (here I8) fails at load naming the tensor and the type."""
+    src = export_float(families["llama"], tmp_path / "f32.gguf", "f32")
+    r = gguf.GGUFReader(str(src))
+    out = tmp_path / "i8.gguf"
+    w = gguf.GGUFWriter(str(out), "llama")
+    for key, f in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        _copy_field(w, key, f)
+    for t in r.tensors:
+        arr = np.array(t.data)
+        if t.name == "blk.0.ffn_up.weight":
+            arr = np.zeros(arr.shape, dtype=np.int8)
+        w.add_tensor(t.name, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(UnsupportedModelError, match=r"i8\.gguf: tensor blk\.0\.ffn_up\.weight is stored as I8, "
+                                                    r"which llmsys cannot decode; supported: F32, F16, BF16, Q8_0"):
+        load_model(out, dtype="float32", device="cpu")
+
+
+def _copy_field(w, key: str, f) -> None:
+    """One metadata field of a reader onto a writer (the types this exporter writes)."""
+    vt = f.types[0]
+    if vt == gguf.GGUFValueType.ARRAY:
+        w.add_array(key, f.contents())
+    elif vt == gguf.GGUFValueType.STRING:
+        w.add_string(key, f.contents())
+    else:
+        w.add_key_value(key, f.contents(), vt)
+
+
+# -- against llama.cpp on the same file ------------------------------------------------------
+
+needs_llama_cpp = pytest.mark.skipif(
+    llama_cpp is None, reason='llama-cpp-python is not installed (pip install -e ".[llamacpp]", ~15 min build)'
+)
+
+
+@needs_llama_cpp
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_K_M"])
+def test_llama_cpp_quantized_files_agree_with_llama_cpp(fmt, tmp_path_factory, monkeypatch):
+    """stories260k quantized by llama.cpp's own quantizer: llmsys's logits on that file against
+    llama.cpp's (``logits_all``) over a 256-token text, top-1 agreement, and perplexity within 0.5%."""
+    from llmsys import LLM
+    from llmsys.engine.bench.gguf_export import gguf_file
+    from llmsys.engine.scoring import prompt_logits
+
+    monkeypatch.setenv("LLMSYS_HOME", str(tmp_path_factory.getbasetemp() / "llmsys-home-gguf"))
+    folder = need_shared(STORIES_HF)
+    path = gguf_file(folder, fmt)
+    llm = LLM(str(path), device="cpu", progress=False, max_model_len=256)
+    text = need_shared(CORPUS / "tinystories-valid.txt").read_text(encoding="utf-8")[:4000]
+    ids = [llm.tokenizer.bos_token_id] + llm.tokenizer.encode(text, add_special_tokens=False)[:255]
+    mine = prompt_logits(llm.core, ids).numpy()
+    cpp = llama_cpp.Llama(str(path), n_ctx=256, n_batch=256, logits_all=True, verbose=False, n_threads=2)
+    cpp.eval(ids)
+    theirs = np.array(cpp.scores[: len(ids)], dtype=np.float32)
+    cpp.close()
+    assert (mine.argmax(-1) == theirs.argmax(-1)).mean() >= 0.95
+
+    def ppl(logits: np.ndarray) -> float:
+        x = logits[:-1].astype(np.float64)
+        lse = x.max(-1) + np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1))
+        return float(np.exp((lse - x[np.arange(len(ids) - 1), ids[1:]]).mean()))
+
+    assert abs(ppl(mine) / ppl(theirs) - 1) < 0.005, (ppl(mine), ppl(theirs))
