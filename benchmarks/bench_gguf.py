@@ -12,6 +12,11 @@ the same token windows:
 * **memory**: llmsys's weight bytes as loaded (``memory_report()``) and what each GGUF type became
   (``stored_formats``), beside the file size.
 
+stories260k is the real trained model (its dimensions, 64 and 172, are too small for the K-quants:
+llama.cpp falls back to Q5_0/Q8_0/F16 there). The synthetic SmolLM2-135M / Qwen2.5-0.5B shapes
+(random weights, ``engine.bench.synthetic``) carry Q4_K/Q6_K/Q5_0 in their q4_K_M files: for them
+the logits of one window of random ids are compared (a perplexity of random weights means nothing).
+
 Tokens come from llmsys's tokenizer rebuilt from the GGUF metadata; llama.cpp is handed the same
 ids (``Llama.eval``), so tokenization is not part of the comparison (tests/test_gguf_tokenizer.py
 checks it separately). Needs llama-cpp-python (``pip install -e ".[llamacpp]"``).
@@ -57,7 +62,7 @@ def _llmsys_logits(llm, window: list[int]) -> np.ndarray:
     return prompt_logits(llm.core, window).float().numpy()
 
 
-def run(fmt: str, path: Path, ids: list[int], threads: int) -> dict:
+def run(fmt: str, path: Path, ids: list[int], threads: int, text: bool) -> dict:
     import llama_cpp
     import torch
 
@@ -66,7 +71,7 @@ def run(fmt: str, path: Path, ids: list[int], threads: int) -> dict:
     torch.set_num_threads(threads)
     llm = LLM(str(path), device="cpu", progress=False, max_model_len=CTX)
     bos = llm.tokenizer.bos_token_id
-    windows = _windows(ids, bos)
+    windows = _windows(ids, bos) if text else [ids[:CTX]]
     cpp = llama_cpp.Llama(str(path), n_ctx=CTX, n_batch=CTX, logits_all=True, verbose=False, n_threads=threads)
     ours_nll = cpp_nll = 0.0
     count = 0
@@ -99,6 +104,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=4096, help="text tokens scored for perplexity")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--shapes", default="smollm2-135m,qwen2.5-0.5b",
+                    help="synthetic shapes compared on logits too (comma list; empty: stories260k only)")
     args = ap.parse_args()
     try:
         import llama_cpp  # noqa: F401
@@ -110,27 +117,38 @@ def main() -> int:
     from llmsys.engine.bench.gguf_export import gguf_file
     from llmsys.engine.tokenizer import Tokenizer
 
+    from llmsys.engine.bench.synthetic import make_synthetic
+
     text = TEXT.read_text(encoding="utf-8", errors="replace")
-    ids = Tokenizer.load(MODEL).encode(text, add_special_tokens=False)[: args.tokens]
-    rows = []
-    for fmt in args.formats.split(","):
-        t0 = time.perf_counter()
-        rows.append(run(fmt, gguf_file(MODEL, fmt, args.threads), ids, args.threads))
-        print(f"[{fmt}] {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    models = [("stories260k", MODEL, Tokenizer.load(MODEL).encode(text, add_special_tokens=False)[: args.tokens], True)]
+    for shape in filter(None, args.shapes.split(",")):
+        folder = make_synthetic(shape, seed=0)
+        vocab = Tokenizer.load(folder).vocab_size
+        ids = np.random.default_rng(0).integers(3, vocab, CTX).tolist()
+        models.append((f"{shape} (random weights)", folder, ids, False))
     cpu = platform.processor() or platform.machine()
-    print(f"Model: stories260k (`{MODEL.name}`), exported to GGUF by llmsys and quantized by llama.cpp "
-          f"{llama_cpp_version()}; torch {torch.__version__}, capability "
-          f"{torch.backends.cpu.get_cpu_capability()}, {args.threads} threads, {cpu}. "
-          f"Perplexity over {rows[0]['scored']} scored tokens (windows of {CTX}); logits over the first window "
-          f"({rows[0]['positions']} positions).\n")
-    print("| file | GGUF tensor types -> llmsys | llmsys weights / file | logits max abs (rel) | top-1 agree "
-          "| ppl llmsys | ppl llama.cpp | diff |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        kinds = "; ".join(f"{k} -> {v}" for k, v in r["formats"].items())
-        print(f"| {r['fmt']} ({r['dtype']}) | {kinds} | {r['weights'] / 2**20:.2f} / {r['file'] / 2**20:.2f} MiB "
-              f"| {r['maxabs']:.3f} ({r['rel']:.1e}) | {r['top1']:.3f} | {r['ppl']:.4f} | {r['ppl_cpp']:.4f} "
-              f"| {100 * (r['ppl'] / r['ppl_cpp'] - 1):+.2f}% |")
+    print(f"GGUF files exported by llmsys and quantized by llama.cpp {llama_cpp_version()}; torch {torch.__version__}, "
+          f"capability {torch.backends.cpu.get_cpu_capability()}, {args.threads} threads, {cpu}.\n")
+    for label, folder, ids, is_text in models:
+        rows = []
+        for fmt in args.formats.split(","):
+            t0 = time.perf_counter()
+            rows.append(run(fmt, gguf_file(folder, fmt, args.threads), ids, args.threads, is_text))
+            print(f"[{label} {fmt}] {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+        what = (f"perplexity over {rows[0]['scored']} scored tokens of TinyStories validation (windows of {CTX}), "
+                f"logits over the first window" if is_text else f"logits of {CTX} random ids")
+        print(f"**{label}**: {what} ({rows[0]['positions']} positions).\n")
+        head = "| file (llmsys dtype) | GGUF tensor types -> llmsys | llmsys weights / file | logits max abs (rel) | top-1 agree"
+        print(head + (" | ppl llmsys | ppl llama.cpp | diff |" if is_text else " |"))
+        print("|---" * (8 if is_text else 5) + "|")
+        for r in rows:
+            kinds = "; ".join(f"{k} -> {v}" for k, v in r["formats"].items())
+            line = (f"| {r['fmt']} ({r['dtype']}) | {kinds} | {r['weights'] / 2**20:.2f} / {r['file'] / 2**20:.2f} MiB "
+                    f"| {r['maxabs']:.3f} ({r['rel']:.1e}) | {r['top1']:.3f} |")
+            if is_text:
+                line += f" {r['ppl']:.4f} | {r['ppl_cpp']:.4f} | {100 * (r['ppl'] / r['ppl_cpp'] - 1):+.2f}% |"
+            print(line)
+        print()
     return 0
 
 

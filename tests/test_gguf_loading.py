@@ -297,3 +297,59 @@ def test_llama_cpp_quantized_files_agree_with_llama_cpp(fmt, tmp_path_factory, m
         return float(np.exp((lse - x[np.arange(len(ids) - 1), ids[1:]]).mean()))
 
     assert abs(ppl(mine) / ppl(theirs) - 1) < 0.005, (ppl(mine), ppl(theirs))
+
+
+def test_quant_flag_requantizes_or_keeps_the_codes(families, tmp_path):
+    """``--quant int4:g32`` is what Q4_0 already is (the codes kept, the same layers as no flag);
+    another format re-quantizes the dequantized matrices, and the reports say which."""
+    from llmsys import LLM, SamplingParams
+    from llmsys.quant import Int8Linear
+
+    path = export_float(families["qwen2"], tmp_path / "q4.gguf", "f32", "Q4_0")
+    plain = LLM(str(path), device="cpu", progress=False, kv_cache_tokens=64)
+    same = LLM(str(path), device="cpu", progress=False, kv_cache_tokens=64, quant="int4:g32")
+    other = LLM(str(path), device="cpu", progress=False, kv_cache_tokens=64, quant="int8")
+    ids = _ids(12)
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    assert plain.generate(ids, sp)[0].token_ids == same.generate(ids, sp)[0].token_ids
+    down = other.loaded.model.model.layers[0].mlp.down_proj
+    assert isinstance(down, Int8Linear)
+    q4 = next(k for k in other.memory_report().stored_formats if k.startswith("Q4_0"))
+    assert other.memory_report().stored_formats[q4] == "dequantized, matrices re-quantized to int8 (--quant)"
+    assert plain.memory_report().stored_formats[q4] == "int4:g32, codes as stored"
+
+
+def test_offloaded_gguf_layers_give_the_resident_answers(families, tmp_path):
+    """Layers forced to disk (written to the offload file once dequantized or kept as codes, then
+    streamed per step) change no token: the same greedy text as every layer resident."""
+    from llmsys import LLM, SamplingParams
+
+    path = export_float(families["llama"], tmp_path / "q4.gguf", "f16", "Q4_0")
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ids = _ids(10)
+    resident = LLM(str(path), device="cpu", progress=False, kv_cache_tokens=64).generate(ids, sp)[0].token_ids
+    llm = LLM(str(path), device="cpu", progress=False, kv_cache_tokens=64, cpu_mem="64MiB",
+              offload_dir=str(tmp_path / "off"), placement={"disk": 2})
+    assert llm.memory_report().weights.get("disk", 0) > 0
+    assert llm.generate(ids, sp)[0].token_ids == resident
+
+
+def test_plan_reads_a_gguf_and_sizes_its_int4_layers(families, tmp_path):
+    """``llmsys plan`` on GGUF files: the Q4_0 file's layers planned at int4 size, the F16 one's at bf16."""
+    import re
+    import subprocess
+    import sys
+
+    q4 = export_float(families["llama"], tmp_path / "q4.gguf", "f16", "Q4_0")
+    f16 = export_float(families["llama"], tmp_path / "f16.gguf", "f16")
+
+    def layer_kib(path: Path) -> float:
+        out = subprocess.run([sys.executable, "-m", "llmsys.engine.cli.main", "plan", str(path), "--dtype", "bfloat16"],
+                             capture_output=True, text=True, check=True).stdout
+        assert f"{path}:" in out
+        m = re.search(r"layers 0-1 .*?([\d.]+) KiB", out)
+        assert m, out
+        return float(m.group(1))
+
+    ratio = layer_kib(q4) / layer_kib(f16)
+    assert 0.25 < ratio < 0.40, ratio  # int4:g32 with fp16 scales: 0.625 of a byte per weight vs 2
