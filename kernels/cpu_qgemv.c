@@ -1091,11 +1091,24 @@ static inline __m256i hsum8_epi32(const __m256i *p) {
     /* a: [r0 r1 r2 r3 | r0 r1 r2 r3] halves of the 128-bit lanes, b the same for r4..r7 */
     return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
 }
+
+/* 8 fp16 block scales (bs[b * bs_ld + n .. n + 7]) as floats, exact */
+static inline __m256 bs8(const uint16_t *p) {
+#if defined(__F16C__)
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#else
+    float t[8];
+    for (int i = 0; i < 8; i++) t[i] = half_to_f32(p[i]);
+    return _mm256_loadu_ps(t);
+#endif
+}
 #endif
 
-/* rows [n0, n1) of the int8 weight against x row m: out[m * ldo + n] */
+/* rows [n0, n1) of the int8 weight against x row m: out[m * ldo + n]. Per-row scales (bs NULL):
+   f += float(S_b) * dx[b], out = bf16(f * scale[n]); block scales (bs: fp16 [nb, >= N] group-major,
+   row stride bs_ld, GGUF Q8_0's): f += float(S_b) * (bs[b, n] * dx[b]), out = bf16(f). */
 static void int8_a8_rows(const a8_x *a, int64_t m, const int8_t *q, int64_t k, const uint16_t *scales,
-                         uint16_t *out, int64_t ldo, int64_t n0, int64_t n1) {
+                         const uint16_t *bs, int64_t bs_ld, uint16_t *out, int64_t ldo, int64_t n0, int64_t n1) {
     const int64_t full = k / A8, nb = a->nb;
     const int8_t *qx = a->q + m * nb * A8;
     const float *dx = a->d + m * nb;
@@ -1111,14 +1124,16 @@ static void int8_a8_rows(const a8_x *a, int64_t m, const int8_t *q, int64_t k, c
                 for (int r = 0; r < 8; r++) __builtin_prefetch(q + (n + I8_AHEAD + r) * k + b * A8, 0, 2);
             for (int r = 0; r < 8; r++) p[r] = dot32_i8(ax, xv, q + (n + r) * k + b * A8);
             const __m256 sb = _mm256_cvtepi32_ps(hsum8_epi32(p));
-            f = _mm256_add_ps(f, _mm256_mul_ps(sb, _mm256_set1_ps(dx[b])));
+            const __m256 db = bs ? _mm256_mul_ps(bs8(bs + b * bs_ld + n), _mm256_set1_ps(dx[b])) : _mm256_set1_ps(dx[b]);
+            f = _mm256_add_ps(f, _mm256_mul_ps(sb, db));
         }
         float fr[8];
         _mm256_storeu_ps(fr, f);
         for (int r = 0; r < 8; r++) {
             float v = fr[r];
-            if (full < nb) v = v + (float)dot_block_i8(qx + full * A8, q + (n + r) * k + full * A8, k - full * A8) * dx[full];
-            out[m * ldo + n + r] = rne(v * bf(scales[n + r]));
+            if (full < nb) v = v + (float)dot_block_i8(qx + full * A8, q + (n + r) * k + full * A8, k - full * A8)
+                                       * (bs ? half_to_f32(bs[full * bs_ld + n + r]) * dx[full] : dx[full]);
+            out[m * ldo + n + r] = rne(bs ? v : v * bf(scales[n + r]));
         }
     }
 #endif
@@ -1126,9 +1141,9 @@ static void int8_a8_rows(const a8_x *a, int64_t m, const int8_t *q, int64_t k, c
         float f = 0.0f;
         for (int64_t b = 0; b < nb; b++) {
             const int64_t len = b < full ? A8 : k - full * A8;
-            f = f + (float)dot_block_i8(qx + b * A8, q + n * k + b * A8, len) * dx[b];
+            f = f + (float)dot_block_i8(qx + b * A8, q + n * k + b * A8, len) * (bs ? half_to_f32(bs[b * bs_ld + n]) * dx[b] : dx[b]);
         }
-        out[m * ldo + n] = rne(f * bf(scales[n]));
+        out[m * ldo + n] = rne(bs ? f : f * bf(scales[n]));
     }
 }
 
@@ -1149,7 +1164,8 @@ static void int8_a8_rows(const a8_x *a, int64_t m, const int8_t *q, int64_t k, c
    (the K tail's block last, scalar), so the same bits. */
 static inline __attribute__((always_inline)) void int8_a8_vnni_tile(const a8_x *a, int64_t mb, const int mt,
                                                                     const int8_t *q, int64_t k,
-                                                                    const uint16_t *scales, uint16_t *out,
+                                                                    const uint16_t *scales, const uint16_t *bs,
+                                                                    int64_t bs_ld, uint16_t *out,
                                                                     int64_t ldo, int64_t n) {
     const int64_t full = k / A8, nb = a->nb;
     const __m512i ones = _mm512_set1_epi8(1);
@@ -1185,6 +1201,7 @@ static inline __attribute__((always_inline)) void int8_a8_vnni_tile(const a8_x *
         __m512i w = _mm512_setzero_si512(); /* the 16 rows' sums of the block's codes */
         for (int j = 0; j < 8; j++) w = _mm512_dpbusd_epi32(w, ones, t[j]);
         const __m512i w128 = _mm512_slli_epi32(w, 7);
+        const __m512 bsv = bs ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(bs + b * bs_ld + n))) : _mm512_set1_ps(1.0f);
         for (int m = 0; m < mt; m++) {
             const uint8_t *xu = a->qu + ((mb + m) * nb + b) * A8;
             __m512i acc = _mm512_setzero_si512();
@@ -1194,7 +1211,8 @@ static inline __attribute__((always_inline)) void int8_a8_vnni_tile(const a8_x *
                 acc = _mm512_dpbusd_epi32(acc, _mm512_set1_epi32(xq), t[j]);
             }
             const __m512 sb = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, w128));
-            f[m] = _mm512_add_ps(f[m], _mm512_mul_ps(sb, _mm512_set1_ps(a->d[(mb + m) * nb + b])));
+            const __m512 dv = _mm512_set1_ps(a->d[(mb + m) * nb + b]);
+            f[m] = _mm512_add_ps(f[m], _mm512_mul_ps(sb, bs ? _mm512_mul_ps(bsv, dv) : dv));
         }
     }
     for (int m = 0; m < mt; m++) {
@@ -1204,8 +1222,9 @@ static inline __attribute__((always_inline)) void int8_a8_vnni_tile(const a8_x *
         const float *dx = a->d + (mb + m) * nb;
         for (int r = 0; r < 16; r++) {
             float val = fr[r];
-            if (full < nb) val = val + (float)dot_block_i8(qx + full * A8, q + (n + r) * k + full * A8, k - full * A8) * dx[full];
-            out[(mb + m) * ldo + n + r] = rne(val * bf(scales[n + r]));
+            if (full < nb) val = val + (float)dot_block_i8(qx + full * A8, q + (n + r) * k + full * A8, k - full * A8)
+                                           * (bs ? half_to_f32(bs[full * bs_ld + n + r]) * dx[full] : dx[full]);
+            out[(mb + m) * ldo + n + r] = rne(bs ? val : val * bf(scales[n + r]));
         }
     }
 }
@@ -1213,29 +1232,28 @@ static inline __attribute__((always_inline)) void int8_a8_vnni_tile(const a8_x *
 /* Weight rows [n0, n1) against x rows [0, m_count): 16-row tiles for 2+ rows of x (one row: the AVX2
    code, whose 8-row blocks cost less than a transpose used once; Zen 4), the rows left one by one. */
 static void int8_a8_many(const a8_x *a, int64_t m_count, const int8_t *q, int64_t k, const uint16_t *scales,
-                         uint16_t *out, int64_t ldo, int64_t n0, int64_t n1) {
+                         const uint16_t *bs, int64_t bs_ld, uint16_t *out, int64_t ldo, int64_t n0, int64_t n1) {
     int64_t n = n0;
     if (m_count >= A8_VNNI_MIN_M)
         for (; n + 16 <= n1; n += 16)
             for (int64_t mb = 0; mb < m_count;) { /* I8_MT rows at a time, then 4, 2, 1 (constants: inlined) */
                 const int64_t left = m_count - mb;
-                if (left >= I8_MT) int8_a8_vnni_tile(a, mb, I8_MT, q, k, scales, out, ldo, n), mb += I8_MT;
-                else if (left >= 4) int8_a8_vnni_tile(a, mb, 4, q, k, scales, out, ldo, n), mb += 4;
-                else if (left >= 2) int8_a8_vnni_tile(a, mb, 2, q, k, scales, out, ldo, n), mb += 2;
-                else int8_a8_vnni_tile(a, mb, 1, q, k, scales, out, ldo, n), mb += 1;
+                if (left >= I8_MT) int8_a8_vnni_tile(a, mb, I8_MT, q, k, scales, bs, bs_ld, out, ldo, n), mb += I8_MT;
+                else if (left >= 4) int8_a8_vnni_tile(a, mb, 4, q, k, scales, bs, bs_ld, out, ldo, n), mb += 4;
+                else if (left >= 2) int8_a8_vnni_tile(a, mb, 2, q, k, scales, bs, bs_ld, out, ldo, n), mb += 2;
+                else int8_a8_vnni_tile(a, mb, 1, q, k, scales, bs, bs_ld, out, ldo, n), mb += 1;
             }
-    for (int64_t m = 0; m < m_count; m++) int8_a8_rows(a, m, q, k, scales, out, ldo, n, n1);
+    for (int64_t m = 0; m < m_count; m++) int8_a8_rows(a, m, q, k, scales, bs, bs_ld, out, ldo, n, n1);
 }
 #else
 static void int8_a8_many(const a8_x *a, int64_t m_count, const int8_t *q, int64_t k, const uint16_t *scales,
-                         uint16_t *out, int64_t ldo, int64_t n0, int64_t n1) {
-    for (int64_t m = 0; m < m_count; m++) int8_a8_rows(a, m, q, k, scales, out, ldo, n0, n1);
+                         const uint16_t *bs, int64_t bs_ld, uint16_t *out, int64_t ldo, int64_t n0, int64_t n1) {
+    for (int64_t m = 0; m < m_count; m++) int8_a8_rows(a, m, q, k, scales, bs, bs_ld, out, ldo, n0, n1);
 }
 #endif
 
-/* x [M, K] bf16 (row stride ldx), q int8 [N, K] contiguous, scales bf16 [N] -> out [M, N] bf16 (row stride ldo). */
-int llmsys_qgemv_int8_a8(const uint16_t *x, int64_t ldx, const int8_t *q, const uint16_t *scales, uint16_t *out,
-                         int64_t ldo, int64_t m_count, int64_t n, int64_t k, int threads) {
+static int int8_a8_run(const uint16_t *x, int64_t ldx, const int8_t *q, const uint16_t *scales, const uint16_t *bs,
+                       uint16_t *out, int64_t ldo, int64_t m_count, int64_t n, int64_t k, int threads) {
     if (m_count <= 0 || n <= 0 || k <= 0 || ldx < k || ldo < n) return 1;
     a8_x a;
     if (a8_quantize(x, ldx, m_count, k, (k + A8 - 1) / A8, &a)) return 2;
@@ -1244,10 +1262,22 @@ int llmsys_qgemv_int8_a8(const uint16_t *x, int64_t ldx, const int8_t *q, const 
 #pragma omp parallel for num_threads(threads) schedule(static) if (par)
     for (int64_t it = 0; it < items; it++) {
         const int64_t n0 = it * step, n1 = n0 + step < n ? n0 + step : n;
-        int8_a8_many(&a, m_count, q, k, scales, out, ldo, n0, n1);
+        int8_a8_many(&a, m_count, q, k, scales, bs, n, out, ldo, n0, n1);
     }
     a8_free(&a);
     return 0;
+}
+
+/* x [M, K] bf16 (row stride ldx), q int8 [N, K] contiguous, scales bf16 [N] -> out [M, N] bf16 (row stride ldo). */
+int llmsys_qgemv_int8_a8(const uint16_t *x, int64_t ldx, const int8_t *q, const uint16_t *scales, uint16_t *out,
+                         int64_t ldo, int64_t m_count, int64_t n, int64_t k, int threads) {
+    return int8_a8_run(x, ldx, q, scales, NULL, out, ldo, m_count, n, k, threads);
+}
+
+/* The same with a scale per 32-column block (GGUF Q8_0): block_scales fp16 [ceil(K / 32), N] (group-major). */
+int llmsys_qgemv_int8g_a8(const uint16_t *x, int64_t ldx, const int8_t *q, const uint16_t *block_scales,
+                          uint16_t *out, int64_t ldo, int64_t m_count, int64_t n, int64_t k, int threads) {
+    return int8_a8_run(x, ldx, q, NULL, block_scales, out, ldo, m_count, n, k, threads);
 }
 
 /* Slot s of an int4 a8 block's accumulators holds row a8_row(s): the AVX2 unpacks interleave
@@ -1593,7 +1623,8 @@ int llmsys_gemv_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t 
  */
 
 typedef struct {
-    int64_t kind;          /* 0: int8 codes [N, K], bf16 scales [N]; 1: int4 in the CPU tiling; 2: bf16 [N, K] */
+    int64_t kind;          /* 0: int8 codes [N, K], bf16 scales [N]; 1: int4 in the CPU tiling; 2: bf16 [N, K];
+                              3: int8 codes [N, K], fp16 block scales [nb, s_g] (group-major, one per 32 columns) */
     int64_t n, k, kp, gs;  /* rows, columns; int4: padded columns Kp = G * gs and the group size */
     const void *q;         /* the codes (bf16: the weight, rows of kp elements apart) */
     const void *scales;    /* int4: scales at [n * s_n + g * s_g] of scale_kind (0 bf16, 1 f32, 2 f16) */
@@ -1613,6 +1644,7 @@ static int qw_check(const llmsys_qw *w, int64_t k) {
     if (w->kind == 2) return w->kp < k;
     if (!w->scales) return 1;
     if (w->kind == 0) return 0;
+    if (w->kind == 3) return w->s_g < w->n;
     if (w->kind != 1 || w->gs <= 0 || w->gs % A8 || w->gs > 256 || w->kp % w->gs || k <= w->kp - w->gs || k > w->kp
         || !w->zeros || w->scale_kind < 0 || w->scale_kind > 2)
         return 1;
@@ -1627,7 +1659,9 @@ static void qw_item(const llmsys_qw *w, const a8_x *a, const uint16_t *x, int64_
     if (w->kind == 2) {
         bf16_rows(x, w->k, m_count, w->k, (const uint16_t *)w->q, w->kp, out, ldo, n0, n1);
     } else if (w->kind == 0) {
-        int8_a8_many(a, m_count, (const int8_t *)w->q, w->k, (const uint16_t *)w->scales, out, ldo, n0, n1);
+        int8_a8_many(a, m_count, (const int8_t *)w->q, w->k, (const uint16_t *)w->scales, NULL, 0, out, ldo, n0, n1);
+    } else if (w->kind == 3) {
+        int8_a8_many(a, m_count, (const int8_t *)w->q, w->k, NULL, (const uint16_t *)w->scales, w->s_g, out, ldo, n0, n1);
     } else {
         const int4_meta md = {w->zeros, w->z_n, w->z_g, w->scales, w->s_n, w->s_g, (int)w->scale_kind};
         int4_a8_rows(a, 0, m_count, (const uint8_t *)w->q + it * w->kp * 32, &md, w->kp / w->gs, w->gs, n0, w->n,

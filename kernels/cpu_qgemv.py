@@ -69,6 +69,7 @@ _SIGNATURES = {
     "llmsys_qgemm_int4": [_P, _I, _P, _P, _I, _I, _C, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _C],
     "llmsys_qgemm_native": [],
     "llmsys_qgemv_int8_a8": [_P, _I, _P, _P, _P, _I, _I, _I, _I, _C],
+    "llmsys_qgemv_int8g_a8": [_P, _I, _P, _P, _P, _I, _I, _I, _I, _C],
     "llmsys_qgemv_int4_a8": [_P, _I, _P, _P, _I, _I, _C, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _C],
     "llmsys_gemv_bf16": [_P, _I, _P, _I, _P, _I, _I, _I, _I, _C],
     "llmsys_layer_attn_in": [_P, _P, _P, _P, _P, _I, _C],
@@ -165,6 +166,23 @@ def int8_a8_def(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) ->
     return (f * scales.float()).to(torch.bfloat16)
 
 
+def int8g_a8_def(x: torch.Tensor, qweight: torch.Tensor, block_scales: torch.Tensor) -> torch.Tensor:
+    """``x [M, K]`` bf16, ``qweight int8 [N, K]``, ``block_scales`` fp16 ``[nb, N]`` (a scale per 32 columns,
+    group-major: GGUF Q8_0's) ``-> [M, N]`` bf16, :func:`int8g_gemv_a8`'s bits.
+
+    ``out = bf16(f)``, ``f`` summing ``float(S_b) * (scale_b * d_b)`` over x's 32-column blocks in order,
+    as the int4 a8 GEMV does with its group scales.
+    """
+    qx, d, _ = quantize_a8(x)
+    w = torch.nn.functional.pad(qweight, (0, qx.shape[1] * A8_BLOCK - qweight.shape[1]))
+    s = _block_dots(qx, w)  # [M, N, nb]
+    bs = block_scales.float()  # [nb, N]
+    f = torch.zeros(s.shape[:2])
+    for b in range(s.shape[2]):
+        f = f + s[..., b].float() * (bs[None, b, :] * d[:, b, None])
+    return f.to(torch.bfloat16)
+
+
 def int4_a8_def(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                 group_size: int) -> torch.Tensor:
     """:func:`int4_gemv_def`'s arguments ``-> [M, N]`` bf16, :func:`int4_gemv_a8`'s bits.
@@ -245,6 +263,31 @@ def int8_gemv_a8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *
     """:func:`int8_gemv`'s product with x quantized to int8 per 32 columns (:func:`int8_a8_def`'s bits):
     the decode GEMV of int8 layers. Same arguments and checks as :func:`int8_gemv`."""
     return _int8("llmsys_qgemv_int8_a8", x, qweight, scales, check, lib)
+
+
+def int8g_gemv_a8(x: torch.Tensor, qweight: torch.Tensor, block_scales: torch.Tensor, *, check: bool = True,
+                  lib=None) -> torch.Tensor:
+    """``x [M, K]`` bf16 times the int8 weight ``qweight [N, K]`` with a scale per 32 columns, ``block_scales``
+    fp16 ``[ceil(K / 32), N]`` contiguous (group-major, so a block's scales for a run of rows are one vector
+    load), x quantized to int8 per 32 columns (:func:`int8g_a8_def`'s bits): GGUF Q8_0 layers' GEMV, the
+    arithmetic of llama.cpp's q8_0 x q8_0 dot. ``check`` and ``lib`` as :func:`int8_gemv`."""
+    n, k = qweight.shape
+    if check:
+        _check_x("int8g_gemv_a8", x, k)
+        nb = -(-k // A8_BLOCK)
+        if qweight.dtype != torch.int8 or not qweight.is_contiguous() or block_scales.dtype != torch.float16 \
+                or tuple(block_scales.shape) != (nb, n) or not block_scales.is_contiguous():
+            raise ValueError(f"int8g_gemv_a8: qweight must be contiguous int8 [N, K] and block_scales contiguous "
+                             f"fp16 [{nb}, {n}], got {qweight.dtype} {tuple(qweight.shape)}, {block_scales.dtype} "
+                             f"{tuple(block_scales.shape)}")
+    m = x.shape[0]
+    out = torch.empty(m, n, dtype=torch.bfloat16)
+    rc = (lib or _KERNEL.lib()).llmsys_qgemv_int8g_a8(x.data_ptr(), x.stride(0), qweight.data_ptr(),
+                                                       block_scales.data_ptr(), out.data_ptr(), n, m, n, k,
+                                                       torch.get_num_threads())
+    if rc:
+        raise RuntimeError(f"int8g_gemv_a8: the C kernel failed (code {rc}) on M={m} N={n} K={k}")
+    return out
 
 
 _INT8_OPS = {"llmsys_qgemv_int8": "int8_gemv", "llmsys_qgemv_int8_a8": "int8_gemv_a8"}
@@ -356,6 +399,13 @@ def int8_decode_weight(qweight: torch.Tensor, scales: torch.Tensor, bias: torch.
     n, k = qweight.shape
     return DecodeWeight(0, n, k, k, 0, qweight.data_ptr(), scales.data_ptr(), 0, 0, 0, None, 0, 0,
               None if bias is None else bias.data_ptr())
+
+
+def int8g_decode_weight(qweight: torch.Tensor, block_scales: torch.Tensor, bias: torch.Tensor | None) -> DecodeWeight:
+    """:func:`int8g_gemv_a8`'s weight (contiguous int8 ``[N, K]``, fp16 ``[nb, N]``) plus a bf16 ``bias [N]`` or None."""
+    n, k = qweight.shape
+    return DecodeWeight(3, n, k, k, 0, qweight.data_ptr(), block_scales.data_ptr(), 0, block_scales.stride(0), 2,
+                        None, 0, 0, None if bias is None else bias.data_ptr())
 
 
 def bf16_decode_weight(weight: torch.Tensor, bias: torch.Tensor | None) -> DecodeWeight:

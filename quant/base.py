@@ -69,6 +69,7 @@ class KernelFamily(enum.Enum):
     TORCH_INT4_DENSE = "torch int4 dequant + bf16 GEMM"  # CPU tiling, no C kernels: every batch
     TRITON_W4A16 = "Triton w4a16"
     C_INT8 = "C int8 a8"  # every row: int8_gemv_a8
+    C_INT8_BLOCK = "C int8 block32 a8"  # every row: int8g_gemv_a8 (GGUF Q8_0 kept as stored)
     TORCH_INT8_PACKED = "torch int8pack_mm, dequant + bf16 GEMM prefill"  # no C kernels
     TRITON_W8A16 = "Triton w8a16"
     FP8_SCALED_MM = "torch _scaled_mm fp8 W8A8"

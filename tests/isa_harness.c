@@ -30,6 +30,8 @@ int llmsys_qgemm_int4(const uint16_t *x, int64_t ldx, const uint8_t *packed, con
                       int64_t ldo, int64_t m_count, int64_t n, int64_t kp, int64_t k, int64_t gs, int threads);
 int llmsys_qgemv_int8_a8(const uint16_t *x, int64_t ldx, const int8_t *q, const uint16_t *scales, uint16_t *out,
                          int64_t ldo, int64_t m_count, int64_t n, int64_t k, int threads);
+int llmsys_qgemv_int8g_a8(const uint16_t *x, int64_t ldx, const int8_t *q, const uint16_t *block_scales,
+                          uint16_t *out, int64_t ldo, int64_t m_count, int64_t n, int64_t k, int threads);
 int llmsys_qgemv_int4_a8(const uint16_t *x, int64_t ldx, const uint8_t *packed, const void *scales, int64_t s_n,
                          int64_t s_g, int scale_kind, const uint8_t *zeros, int64_t z_n, int64_t z_g, uint16_t *out,
                          int64_t ldo, int64_t m_count, int64_t n, int64_t kp, int64_t k, int64_t gs, int threads);
@@ -105,6 +107,14 @@ int main(void) {
         char name[32];
         snprintf(name, sizeof name, "int8_a8_m%d", m);
         dump(name, llmsys_qgemv_int8_a8(gx, K8, q8, s8, o8, N8, m, N8, K8, 2), o8, 2 * m * N8);
+    }
+    enum { NB8 = (K8 + 31) / 32 };
+    uint16_t *bs8 = malloc(2 * NB8 * N8); /* fp16 block scales [NB8, N8] (GGUF Q8_0's): 2^-9 .. 2^-8 */
+    for (int i = 0; i < NB8 * N8; i++) bs8[i] = (uint16_t)(0x1800u + next() % 0x400u);
+    for (int m = 1; m <= M; m += 4) {
+        char name[32];
+        snprintf(name, sizeof name, "int8g_a8_m%d", m);
+        dump(name, llmsys_qgemv_int8g_a8(gx, K8, q8, bs8, o8, N8, m, N8, K8, 2), o8, 2 * m * N8);
     }
 
     enum { N4 = 128, K4 = 250, KP = 256, GS = 64, G = KP / GS };

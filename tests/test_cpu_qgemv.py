@@ -117,6 +117,31 @@ def test_int8_a8_bit_exact(n, k, threads):
 
 
 @needs_kernel
+@pytest.mark.parametrize("n,k", [(200, 172), (64, 64), (19, 96), (130, 1000), (4864, 96), (70, 896)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_int8_block_scaled_a8_bit_exact(n, k, threads):
+    """The int8 GEMV with a scale per 32 columns (GGUF Q8_0): its definition's bits (K tails, row tails of
+    the 8- and 16-row tiles, every pass size of x rows), batch-invariant, and within the a8 error of the
+    float product of its dequantized weight."""
+    torch.manual_seed(n + k)
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    bs = (torch.rand(-(-k // 32), n) * 0.01 + 1e-4).half()  # [nb, N]
+    x = torch.randn(PACKED_MAX_ROWS + 13, k).bfloat16()
+    with _threads(threads):
+        for m in (1, 2, 3, 7, 13, PACKED_MAX_ROWS + 13):
+            got = cpu_qgemv.int8g_gemv_a8(x[:m], q, bs)
+            assert torch.equal(_bits(got), _bits(cpu_qgemv.int8g_a8_def(x[:m], q, bs))), m
+        full = cpu_qgemv.int8g_gemv_a8(x, q, bs)
+        for m in (0, 5, PACKED_MAX_ROWS + 12):
+            assert torch.equal(_bits(full[m : m + 1]), _bits(cpu_qgemv.int8g_gemv_a8(x[m : m + 1], q, bs)))
+    w = q.float() * bs.float().repeat_interleave(32, 0)[:k].t()  # [N, K]
+    ref = x.float() @ w.t()
+    assert ((full.float() - ref).abs().max() / ref.abs().max()).item() < A8_REL_ERR
+    with pytest.raises(ValueError, match="block_scales contiguous fp16"):
+        cpu_qgemv.int8g_gemv_a8(x, q, bs.float())
+
+
+@needs_kernel
 @pytest.mark.parametrize("n,k,g", [(200, 172, 64), (64, 64, 32), (130, 1000, 32), (96, 256, 128), (4864, 96, 64),
                                    (70, 896, 64)])
 @pytest.mark.parametrize("threads", [1, 2])
@@ -227,6 +252,10 @@ def test_other_code_paths_bit_exact(level, tmp_path):
         for m in (1, 5):
             assert torch.equal(_bits(cpu_qgemv.int8_gemv_a8(x[:m, :k], q, s, lib=lib)),
                                _bits(cpu_qgemv.int8_a8_def(x[:m, :k], q, s))), (level, n, k, m)
+        bs = (torch.rand(-(-k // 32), n) * 0.01).half()  # block scales (GGUF Q8_0)
+        for m in (1, 5):
+            assert torch.equal(_bits(cpu_qgemv.int8g_gemv_a8(x[:m, :k], q, bs, lib=lib)),
+                               _bits(cpu_qgemv.int8g_a8_def(x[:m, :k], q, bs))), (level, n, k, m)
     # Only the AVX512-BF16 build has the native prefill GEMM; elsewhere the layers keep their dense GEMM.
     assert cpu_qgemv.gemm_native(lib) == (level == "x86-64-v4-bf16")
 

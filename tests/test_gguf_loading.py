@@ -98,9 +98,13 @@ def test_f32_and_f16_files_give_the_safetensors_logits(families, kind, tmp_path)
     assert torch.equal(_logits(load_model(f16, dtype="float32", device="cpu"), ids), _logits(ref, ids))
 
 
-def test_q8_0_file_is_its_dequantized_weights(families, tmp_path):
-    """Q8_0 matrices are dequantized at load: the model equals the safetensors one holding gguf's own
-    dequantization of each matrix (q/k rows of the llama layout put back), bit for bit in float32."""
+def test_q8_0_matrices_keep_their_codes_with_block_scales(families, tmp_path):
+    """Q8_0 is int8 with an fp16 scale per 32 columns: the layers (and the embedding, the tied head) are
+    Int8BlockLinear holding the file's bytes, whose weights are gguf's own dequantization of each matrix
+    (q/k rows of the llama layout put back), and whose logits are those of the float model of the same
+    weights within the a8 bound."""
+    from llmsys.quant import Int8BlockLinear
+
     folder = families["llama"]
     path = export_float(folder, tmp_path / "q8.gguf", "f32", "Q8_0")
     got = load_model(path, dtype="float32", device="cpu")
@@ -118,12 +122,18 @@ def test_q8_0_file_is_its_dequantized_weights(families, tmp_path):
             w = _from_interleaved(w, a.num_attention_heads)
         elif ".k_proj." in hf:
             w = _from_interleaved(w, a.num_key_value_heads)
+        mod = got.model.get_submodule(hf.removesuffix(".weight"))
+        mod = mod.table if hf == "model.embed_tokens.weight" else mod
+        assert isinstance(mod, Int8BlockLinear) and torch.equal(mod.dequantize(torch.float32), w), hf
+        assert mod.nbytes() == t.n_bytes  # the file's own bytes: 1 per weight + an fp16 per 32
         ref.model.get_parameter(hf).data.copy_(w)
     assert {"attn_q", "attn_k", "ffn_down", "token_embd"} <= kinds
     ids = _ids()
-    assert torch.equal(_logits(got, ids), _logits(ref, ids))
+    want, have = _logits(ref, ids), _logits(got, ids)
+    err = ((have - want).abs().max(-1).values / want.abs().max(-1).values).max().item()
+    assert err < A8_RTOL, err
     assert {k.split(" ")[0]: v for k, v in got.stored_formats.items()} == {
-        "F32": "float32", "Q8_0": "dequantized to float32"}
+        "F32": "float32", "Q8_0": "int8:block32, codes as stored"}
 
 
 def _hf_name(name: str) -> str:
@@ -353,3 +363,23 @@ def test_plan_reads_a_gguf_and_sizes_its_int4_layers(families, tmp_path):
 
     ratio = layer_kib(q4) / layer_kib(f16)
     assert 0.25 < ratio < 0.40, ratio  # int4:g32 with fp16 scales: 0.625 of a byte per weight vs 2
+
+
+@pytest.mark.parametrize("matrices", ["Q8_0", "Q4_0"])
+def test_fused_decode_layers_take_kept_gguf_layers_bit_for_bit(tmp_path, matrices):
+    """Q8_0 (block-scaled int8) and Q4_0 (int4) layers run the fused decode layers (two C calls around
+    attention) with the bits of the same layers op by op."""
+    from llmsys import LLM, kernels
+    from test_fused_decode import _step_both
+
+    folder = make_hf_model("qwen2", tmp_path / "m", hidden_size=128, intermediate_size=320)  # biases too
+    path = export_float(folder, tmp_path / "m.gguf", "f16", matrices)
+    llm = LLM(str(path), dtype="bfloat16", progress=False, block_size=4, kv_cache_tokens=256)
+    if kernels.cpu_fused_available():
+        h = torch.zeros(3, 128, dtype=torch.bfloat16)
+        with torch.inference_mode():
+            assert all(layer.decode_layer(h) is not None for layer in llm.loaded.model.model.layers)
+    for lens in ([9], [3, 17, 8]):
+        (h0, k0, v0), (h1, k1, v1) = _step_both(llm, lens)
+        assert torch.equal(h0, h1)
+        assert all(torch.equal(a, b) for a, b in zip(k0 + v0, k1 + v1))

@@ -210,3 +210,29 @@ def test_quantizing_in_row_chunks_gives_the_same_tensors(monkeypatch):
     small = Int4Linear.from_float(w, group_size=64)  # the CPU tiling, in 64-row chunks
     for name in ("packed", "scales_zeros", "zeros_u8"):
         assert torch.equal(getattr(small, name), getattr(lin, name)), name
+
+
+def test_int8_block_layer_rows_cat_and_both_kernels(monkeypatch):
+    """Int8BlockLinear (GGUF Q8_0 kept as stored): exact rows, fused rows side by side with the same bits,
+    the C a8 GEMV and the torch fallback both close to the float product of the dequantized weight."""
+    from llmsys.quant import Int8BlockLinear, int8_block
+    from llmsys.quant.base import KernelFamily
+
+    torch.manual_seed(0)
+    ws = [torch.randn(n, 200) * 0.05 for n in (64, 48, 16)]  # K = 200: a tail block of 8 columns
+    layers = [Int8BlockLinear.from_float(w) for w in ws]
+    one = layers[0]
+    d = one.block_scales.float().repeat_interleave(32, 0)[:200].t()  # [N, K]
+    assert ((one.dequantize() - ws[0]).abs() <= d / 2 + 1e-7).all()  # Q8_0's rounding: half a step
+    assert torch.equal(one.rows(torch.tensor([5, 0, 5])), one.dequantize()[[5, 0, 5]])
+    x = torch.randn(7, 200).bfloat16()
+    cat = Int8BlockLinear.cat_rows(layers)
+    assert torch.equal(cat(x), torch.cat([m(x) for m in layers], dim=1))
+    ref = x.float() @ one.dequantize().t()
+    err = ((one(x).float() - ref).abs().max() / ref.abs().max()).item()
+    assert err < (A8_REL_ERR if one.kernel.family is KernelFamily.C_INT8_BLOCK else 1e-2), err
+    monkeypatch.setattr(int8_block, "quant_matmul_support", lambda: type("S", (), {"available": False})())
+    plain = Int8BlockLinear(one.qweight, one.block_scales, None)
+    assert plain.kernel.family is KernelFamily.TORCH_DEQUANT
+    assert ((plain(x).float() - ref).abs().max() / ref.abs().max()).item() < 1e-2
+    assert torch.equal(plain(x.float()), x.float() @ one.dequantize().t())

@@ -22,13 +22,15 @@ tensor, as for safetensors):
   codes are kept as they are: **Q4_0** (32 codes, ``w = (q - 8) * d``, d fp16)
   *is* canonical int4 with group 32, zero 8 and fp16 scales, so such layers
   become :class:`~llmsys.quant.Int4Linear` (the C a8 kernels read the fp16
-  scales in place) with the same weights bit for bit. Every other type
-  (F32/F16/BF16 and the other block formats gguf can decode: Q8_0, Q4_1,
+  scales in place); **Q8_0** (``w = q * d`` per 32) becomes
+  :class:`~llmsys.quant.Int8BlockLinear`; both with the file's weights bit for
+  bit, and the embedding too (``QuantEmbedding``, also the tied head). Every
+  other type (F32/F16/BF16 and the other block formats gguf can decode: Q4_1,
   Q5_0/Q5_1, Q2_K..Q6_K, ...) is dequantized at load to the engine dtype, or
-  re-quantized to the ``--quant`` format when one is given; :meth:`GGUFIndex.conversions`
-  says which happened to which tensors (``memory_report()``, ``llmsys plan``).
-  Q8_0 and the K-quants have no exact llmsys layout yet (per-32 int8 scales;
-  float minimums per 32 codes), hence the dequantization.
+  re-quantized to the ``--quant`` format when one is given; :func:`conversions`
+  says which happened to which tensors (``memory_report()``, the load notice).
+  The K-quants have no exact llmsys layout yet (float minimums per 32 codes,
+  6-bit Q6_K), hence the dequantization.
 
 Tensor data is copied out of the map (never aliased), so nothing keeps the
 file open after loading.
@@ -81,10 +83,11 @@ TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weig
 IGNORED = {"rope_freqs.weight"}  # read into the config (rope scaling), not a model tensor
 # Rows dequantized per piece: bounds the float32 transient of a big table (a 151936-row embedding).
 DEQUANT_ROWS = 8192
-EXACT_INT4 = "Q4_0"  # the one block format kept as codes (int4, group 32, zero 8, fp16 scales)
-# Int4Linear's bytes per weight at group 32 with fp16 scales: codes 1/2, scales 2/32, zeros as uint8
-# twice (row- and group-major) 2/32. llama.cpp's Q4_0 is 18/32.
-INT4_G32_BYTES = 0.5 + 2 / 32 + 2 / 32
+# The block formats kept as codes, and what they become: Q4_0 is int4 with group 32, zero 8 and fp16 scales
+# (Int4Linear), Q8_0 int8 with an fp16 scale per 32 (Int8BlockLinear). Run-time bytes per weight: int4 codes 1/2,
+# scales 2/32, zeros as uint8 twice (row- and group-major) 2/32 (llama.cpp's Q4_0: 18/32); int8 1 + 2/32 (= Q8_0).
+KEPT = {"Q4_0": "int4:g32", "Q8_0": "int8:block32"}
+KEPT_BYTES = {"Q4_0": 0.5 + 2 / 32 + 2 / 32, "Q8_0": 1 + 2 / 32}
 
 
 def is_gguf(path: Path) -> bool:
@@ -225,7 +228,7 @@ class GGUFIndex:
     """The tensors of one GGUF file by HF name: read dequantized, or as int4 codes where exact.
 
     The loader's ``read(name)``/``name in index`` pair (``materialize``), plus
-    :meth:`int4_tensors` for the layers :meth:`exact_int4` names. ``locate`` is
+    :meth:`int4_tensors` / :meth:`int8_block_tensors` for the matrices :meth:`kept` names. ``locate`` is
     None for every tensor: no tensor can be streamed from the file as stored
     (block formats, reordered q/k rows), so an offloaded layer is written to the
     offload file once loaded (``OffloadRuntime``), as for converted checkpoints.
@@ -274,7 +277,7 @@ class GGUFIndex:
         elt = torch.tensor([], dtype=dtype).element_size()
 
         def part(names: list[str]) -> float:
-            sized = [(float(self._tensors[n].n_elements), INT4_G32_BYTES if self.exact_int4(n) else elt)
+            sized = [(float(self._tensors[n].n_elements), KEPT_BYTES[self.kept(n)] if self.kept(n) else elt)
                      for n in names if len(self._tensors[n].shape) == 2]
             total = sum(n for n, _ in sized)
             return sum(n * b for n, b in sized) / total if total else float(elt)
@@ -283,10 +286,11 @@ class GGUFIndex:
         embed = ["model.embed_tokens.weight"]
         return WeightBytes(part(layers), part(embed), part(["lm_head.weight"] if "lm_head.weight" in self else embed))
 
-    def exact_int4(self, name: str) -> bool:
-        """Is ``name`` (a matrix) stored as Q4_0, loaded as int4 codes without conversion?"""
+    def kept(self, name: str) -> str | None:
+        """The GGUF type of ``name`` (a matrix) when its codes are kept as they are (:data:`KEPT`), else None."""
         t = self._tensors.get(name)
-        return t is not None and t.tensor_type.name == EXACT_INT4 and len(t.shape) == 2
+        kind = None if t is None else t.tensor_type.name
+        return kind if kind in KEPT and len(t.shape) == 2 else None
 
     # -- reading ------------------------------------------------------------------
     def read(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -308,6 +312,17 @@ class GGUFIndex:
         codes = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(n, k)  # [N, K] in k order
         out = {"qweight": pack_int4(codes), "scales": scales, "zeros": torch.full_like(scales, 8.0)}
         return {key: self._rows_in_hf_order(name, v) for key, v in out.items()}
+
+    def int8_block_tensors(self, name: str) -> dict[str, torch.Tensor]:
+        """A Q8_0 matrix as :class:`Int8BlockLinear` tensors: ``qweight int8 [N, K]`` as stored and the
+        blocks' fp16 scales group-major ``block_scales [K/32, N]``; rows in HF order."""
+        t = self._tensors[name]
+        n, k = int(t.shape[1]), int(t.shape[0])
+        raw = torch.from_numpy(np.array(t.data, dtype=np.uint8)).view(n, k // 32, 34)  # [N, G, 34] blocks
+        d = raw[..., :2].contiguous().view(torch.float16).view(n, k // 32)  # [N, G]
+        q = raw[..., 2:].contiguous().view(torch.int8).reshape(n, k)  # [N, K]
+        q, d = self._rows_in_hf_order(name, q), self._rows_in_hf_order(name, d)
+        return {"qweight": q.contiguous(), "block_scales": d.t().contiguous()}
 
     def _rows_in_hf_order(self, name: str, t: torch.Tensor) -> torch.Tensor:
         if not self._interleaved:
@@ -384,14 +399,14 @@ def materialize_gguf(model: Any, index: GGUFIndex, dtype: torch.dtype, device: t
     hands the hook a meta tensor of its shape (no bytes decoded), since the hook rebuilds it
     from the codes."""
     from llmsys.engine.loader.common import materialize
-    from llmsys.quant import Int4Linear
+    from llmsys.quant import Int4Linear, Int8BlockLinear
     from llmsys.quant.embedding import QuantEmbedding
 
     spec = getattr(make_linear, "spec", None)
-    keep_codes = spec is None or spec.name in ("int4:g32",)  # the one --quant Q4_0 codes already are
 
-    def exact(name: str) -> bool:
-        return keep_codes and index.exact_int4(name)
+    def exact(name: str) -> str | None:
+        kind = index.kept(name)
+        return kind if kind is not None and (spec is None or spec.name == KEPT[kind]) else None
 
     def read(name: str) -> torch.Tensor:
         if exact(name):
@@ -400,24 +415,28 @@ def materialize_gguf(model: Any, index: GGUFIndex, dtype: torch.dtype, device: t
 
     def hook(mod_name: str, w: torch.Tensor, b: torch.Tensor | None) -> Any:
         name = mod_name + ".weight"
-        if exact(name):
+        kind = exact(name)
+        if kind == "Q4_0":
             layer = Int4Linear.from_quantized({**index.int4_tensors(name), "bias": b}, in_features=w.shape[1])
-            return QuantEmbedding(layer, dtype) if mod_name == "model.embed_tokens" else layer
-        return make_linear(mod_name, w, b) if make_linear is not None else None
+        elif kind == "Q8_0":
+            layer = Int8BlockLinear.from_quantized({**index.int8_block_tensors(name), "bias": b})
+        else:
+            return make_linear(mod_name, w, b) if make_linear is not None else None
+        return QuantEmbedding(layer, dtype) if mod_name == "model.embed_tokens" else layer
 
     materialize(model, read, index.__contains__, dtype, device, index.path, hook, progress, offload)
 
 
 def conversions(index: GGUFIndex, dtype: torch.dtype, make_linear: Any = None) -> dict[str, str]:
     """What each GGUF tensor type of the file became at load, for reports: e.g.
-    ``{"Q4_0 (168)": "int4:g32, codes as stored", "Q6_K (1)": "dequantized to bfloat16"}``."""
+    ``{"Q4_0 (168)": "int4:g32, codes as stored", "Q6_K (1)": "dequantized to bfloat16"}`` (1-D tensors
+    of a kept type, if any, are dequantized like the rest)."""
     spec = getattr(make_linear, "spec", None)
-    keep_codes = spec is None or spec.name in ("int4:g32",)
     dt = str(dtype).removeprefix("torch.")
     out: dict[str, str] = {}
     for qtype, n in sorted(index.qtypes().items()):
-        if qtype == EXACT_INT4 and keep_codes:
-            what = "int4:g32, codes as stored"
+        if qtype in KEPT and (spec is None or spec.name == KEPT[qtype]):
+            what = f"{KEPT[qtype]}, codes as stored"
         elif qtype in ("F32", "F16", "BF16"):
             what = dt if spec is None else f"{dt}; matrices quantized to {spec.name} (--quant)"
         elif spec is None:
