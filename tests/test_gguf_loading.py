@@ -98,22 +98,23 @@ def test_f32_and_f16_files_give_the_safetensors_logits(families, kind, tmp_path)
     assert torch.equal(_logits(load_model(f16, dtype="float32", device="cpu"), ids), _logits(ref, ids))
 
 
-def test_q8_0_matrices_keep_their_codes_with_block_scales(families, tmp_path):
-    """Q8_0 is int8 with an fp16 scale per 32 columns: the layers (and the embedding, the tied head) are
-    Int8BlockLinear holding the file's bytes, whose weights are gguf's own dequantization of each matrix
-    (q/k rows of the llama layout put back), and whose logits are those of the float model of the same
-    weights within the a8 bound."""
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q5_0"])
+def test_q8_0_and_q5_0_matrices_keep_their_codes_with_block_scales(families, tmp_path, qtype):
+    """Q8_0 is int8 with an fp16 scale per 32 columns, Q5_0 5-bit codes (minus 16) with one: the layers (and
+    the embedding, the tied head) are Int8BlockLinear (Q8_0: the file's own bytes), whose weights are gguf's
+    own dequantization of each matrix (q/k rows of the llama layout put back), and whose logits are those of
+    the float model of the same weights within the a8 bound."""
     from llmsys.quant import Int8BlockLinear
 
     folder = families["llama"]
-    path = export_float(folder, tmp_path / "q8.gguf", "f32", "Q8_0")
+    path = export_float(folder, tmp_path / "q.gguf", "f32", qtype)
     got = load_model(path, dtype="float32", device="cpu")
     ref = load_model(folder, dtype="float32", device="cpu")
     reader = gguf.GGUFReader(str(path))
     a = ref.args
     kinds = set()
     for t in reader.tensors:
-        if t.tensor_type.name != "Q8_0":
+        if t.tensor_type.name != qtype:
             continue
         kinds.add(t.name.split(".")[-2])
         w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type))
@@ -125,7 +126,8 @@ def test_q8_0_matrices_keep_their_codes_with_block_scales(families, tmp_path):
         mod = got.model.get_submodule(hf.removesuffix(".weight"))
         mod = mod.table if hf == "model.embed_tokens.weight" else mod
         assert isinstance(mod, Int8BlockLinear) and torch.equal(mod.dequantize(torch.float32), w), hf
-        assert mod.nbytes() == t.n_bytes  # the file's own bytes: 1 per weight + an fp16 per 32
+        if qtype == "Q8_0":
+            assert mod.nbytes() == t.n_bytes  # the file's own bytes: 1 per weight + an fp16 per 32
         ref.model.get_parameter(hf).data.copy_(w)
     assert {"attn_q", "attn_k", "ffn_down", "token_embd"} <= kinds
     ids = _ids()
@@ -133,7 +135,7 @@ def test_q8_0_matrices_keep_their_codes_with_block_scales(families, tmp_path):
     err = ((have - want).abs().max(-1).values / want.abs().max(-1).values).max().item()
     assert err < A8_RTOL, err
     assert {k.split(" ")[0]: v for k, v in got.stored_formats.items()} == {
-        "F32": "float32", "Q8_0": "int8:block32, codes as stored"}
+        "F32": "float32", qtype: "int8:block32, codes as stored"}
 
 
 def _hf_name(name: str) -> str:

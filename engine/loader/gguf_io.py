@@ -22,11 +22,11 @@ tensor, as for safetensors):
   codes are kept as they are: **Q4_0** (32 codes, ``w = (q - 8) * d``, d fp16)
   *is* canonical int4 with group 32, zero 8 and fp16 scales, so such layers
   become :class:`~llmsys.quant.Int4Linear` (the C a8 kernels read the fp16
-  scales in place); **Q8_0** (``w = q * d`` per 32) becomes
-  :class:`~llmsys.quant.Int8BlockLinear`; both with the file's weights bit for
+  scales in place); **Q8_0** (``w = q * d`` per 32) and **Q5_0** (``w = (q - 16) * d``, 5-bit q)
+  become :class:`~llmsys.quant.Int8BlockLinear`; all with the file's weights bit for
   bit, and the embedding too (``QuantEmbedding``, also the tied head). Every
   other type (F32/F16/BF16 and the other block formats gguf can decode: Q4_1,
-  Q5_0/Q5_1, Q2_K..Q6_K, ...) is dequantized at load to the engine dtype, or
+  Q5_1, Q2_K..Q6_K, ...) is dequantized at load to the engine dtype, or
   re-quantized to the ``--quant`` format when one is given; :func:`conversions`
   says which happened to which tensors (``memory_report()``, the load notice).
   The K-quants have no exact llmsys layout yet (float minimums per 32 codes,
@@ -86,8 +86,9 @@ DEQUANT_ROWS = 8192
 # The block formats kept as codes, and what they become: Q4_0 is int4 with group 32, zero 8 and fp16 scales
 # (Int4Linear), Q8_0 int8 with an fp16 scale per 32 (Int8BlockLinear). Run-time bytes per weight: int4 codes 1/2,
 # scales 2/32, zeros as uint8 twice (row- and group-major) 2/32 (llama.cpp's Q4_0: 18/32); int8 1 + 2/32 (= Q8_0).
-KEPT = {"Q4_0": "int4:g32", "Q8_0": "int8:block32"}
-KEPT_BYTES = {"Q4_0": 0.5 + 2 / 32 + 2 / 32, "Q8_0": 1 + 2 / 32}
+# Q5_0 (5-bit codes q, w = (q - 16) * d per 32) fits int8 exactly too: its codes minus 16 are the int8 codes.
+KEPT = {"Q4_0": "int4:g32", "Q8_0": "int8:block32", "Q5_0": "int8:block32"}
+KEPT_BYTES = {"Q4_0": 0.5 + 2 / 32 + 2 / 32, "Q8_0": 1 + 2 / 32, "Q5_0": 1 + 2 / 32}
 
 
 def is_gguf(path: Path) -> bool:
@@ -314,13 +315,22 @@ class GGUFIndex:
         return {key: self._rows_in_hf_order(name, v) for key, v in out.items()}
 
     def int8_block_tensors(self, name: str) -> dict[str, torch.Tensor]:
-        """A Q8_0 matrix as :class:`Int8BlockLinear` tensors: ``qweight int8 [N, K]`` as stored and the
-        blocks' fp16 scales group-major ``block_scales [K/32, N]``; rows in HF order."""
+        """A Q8_0 or Q5_0 matrix as :class:`Int8BlockLinear` tensors: ``qweight int8 [N, K]`` (Q8_0's codes as
+        stored, Q5_0's 5-bit codes minus 16) and the blocks' fp16 scales group-major ``block_scales [K/32, N]``;
+        rows in HF order."""
         t = self._tensors[name]
         n, k = int(t.shape[1]), int(t.shape[0])
-        raw = torch.from_numpy(np.array(t.data, dtype=np.uint8)).view(n, k // 32, 34)  # [N, G, 34] blocks
+        q5 = t.tensor_type.name == "Q5_0"
+        raw = torch.from_numpy(np.array(t.data, dtype=np.uint8)).view(n, k // 32, 22 if q5 else 34)  # [N, G, bytes]
         d = raw[..., :2].contiguous().view(torch.float16).view(n, k // 32)  # [N, G]
-        q = raw[..., 2:].contiguous().view(torch.int8).reshape(n, k)  # [N, K]
+        if q5:  # d, qh (bit j: code j's 5th bit), qs (code j's low 4 bits: byte j % 16, low nibble for j < 16)
+            qh = raw[..., 2:6].contiguous().view(torch.int32)  # [N, G, 1]
+            bits = (qh >> torch.arange(32, dtype=torch.int32)) & 1  # [N, G, 32]
+            qs = raw[..., 6:].to(torch.int32)
+            low = torch.cat([qs & 15, qs >> 4], dim=-1)  # [N, G, 32]
+            q = ((low | (bits << 4)) - 16).to(torch.int8).reshape(n, k)
+        else:
+            q = raw[..., 2:].contiguous().view(torch.int8).reshape(n, k)  # [N, K]
         q, d = self._rows_in_hf_order(name, q), self._rows_in_hf_order(name, d)
         return {"qweight": q.contiguous(), "block_scales": d.t().contiguous()}
 
@@ -418,7 +428,7 @@ def materialize_gguf(model: Any, index: GGUFIndex, dtype: torch.dtype, device: t
         kind = exact(name)
         if kind == "Q4_0":
             layer = Int4Linear.from_quantized({**index.int4_tensors(name), "bias": b}, in_features=w.shape[1])
-        elif kind == "Q8_0":
+        elif kind in ("Q8_0", "Q5_0"):
             layer = Int8BlockLinear.from_quantized({**index.int8_block_tensors(name), "bias": b})
         else:
             return make_linear(mod_name, w, b) if make_linear is not None else None
