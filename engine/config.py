@@ -18,7 +18,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 
 
-QUANT_NAMES = ("none", "int8", "int4", "int4:g32", "int4:g64", "int4:g128", "nf4", "nf4:dq", "fp8")
+QUANT_NAMES = ("none", "int8", "int8:g32", "int4", "int4:g32", "int4:g64", "int4:g128", "nf4", "nf4:dq", "fp8")
 KV_DTYPE_NAMES = ("auto", "int8", "int4")
 # Distillation steps after GPTQ / AWQ calibration (`llmsys quantize --tune-steps`; why 1200:
 # engine.quantize.refine_quantized).

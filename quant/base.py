@@ -69,7 +69,7 @@ class KernelFamily(enum.Enum):
     TORCH_INT4_DENSE = "torch int4 dequant + bf16 GEMM"  # CPU tiling, no C kernels: every batch
     TRITON_W4A16 = "Triton w4a16"
     C_INT8 = "C int8 a8"  # every row: int8_gemv_a8
-    C_INT8_BLOCK = "C int8 block32 a8"  # every row: int8g_gemv_a8 (GGUF Q8_0 kept as stored)
+    C_INT8_BLOCK = "C int8:g32 a8"  # every row: int8g_gemv_a8 (GGUF Q8_0 kept as stored)
     TORCH_INT8_PACKED = "torch int8pack_mm, dequant + bf16 GEMM prefill"  # no C kernels
     TRITON_W8A16 = "Triton w8a16"
     FP8_SCALED_MM = "torch _scaled_mm fp8 W8A8"
@@ -158,6 +158,15 @@ class QuantLinear(nn.Module):
         if c is None or c[0] != key:
             c = self._decode_cache = (key, build())
         return c[1]
+
+    def _a8_input(self, x2: torch.Tensor) -> torch.Tensor:
+        """``x2 [M, K]`` as the C a8 GEMVs take it: bf16 (float32 inputs cast), unit column stride, K checked."""
+        xb = x2 if x2.dtype == torch.bfloat16 else x2.to(torch.bfloat16)
+        if xb.stride(-1) != 1:
+            xb = xb.contiguous()
+        if xb.shape[1] != self.in_features:
+            raise ValueError(f"{type(self).__name__}: input has {xb.shape[1]} features, expected {self.in_features}")
+        return xb
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Dequantized weight rows ``ids [M] -> [M, K]`` (an embedding lookup).

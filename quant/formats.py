@@ -18,15 +18,17 @@ QuantMethod = Literal["none", "int8", "int4", "nf4", "fp8"]
 METHODS: tuple[str, ...] = ("none", "int8", "int4", "nf4", "fp8")
 INT4_GROUP_SIZES: tuple[int, ...] = (32, 64, 128)
 VALID_NAMES: tuple[str, ...] = (
-    "none", "int8", "int4", "int4:g32", "int4:g64", "int4:g128", "nf4", "nf4:dq", "fp8",
+    "none", "int8", "int8:g32", "int4", "int4:g32", "int4:g64", "int4:g128", "nf4", "nf4:dq", "fp8",
 )
+INT8_BLOCK = 32  # int8:g32: a scale per 32 input columns (GGUF Q8_0's layout); plain int8: one per row
 
 
 @dataclass(frozen=True)
 class QuantSpec:
     """How to store linear weights.
 
-    ``group_size`` is the int4 group along K (and the NF4 absmax block size);
+    ``group_size`` is the int4 group along K (and the NF4 absmax block size); for int8 only
+    32 means anything (``int8:g32``: a scale per 32 columns), any other value one scale per row;
     ``double_quant`` quantizes the NF4 absmax values to 8 bits (QLoRA's
     "double quantization"), saving ~0.37 bits/weight.
     """
@@ -49,8 +51,15 @@ class QuantSpec:
             raise InvalidParameterError("double quantization (':dq') only applies to nf4; use 'nf4:dq'")
 
     @property
+    def int8_blocks(self) -> bool:
+        """``int8:g32``: int8 with a scale per 32 columns (``quant.Int8BlockLinear``)."""
+        return self.method == "int8" and self.group_size == INT8_BLOCK
+
+    @property
     def name(self) -> str:
         """The canonical string form, accepted back by :func:`parse_quant`."""
+        if self.int8_blocks:
+            return "int8:g32"
         if self.method == "int4":
             return f"int4:g{self.group_size}"
         if self.method == "nf4" and self.double_quant:
@@ -77,6 +86,8 @@ def parse_quant(text: str | None) -> QuantSpec:
         if opt in ("", "dq"):
             return QuantSpec("nf4", group_size=64, double_quant=opt == "dq")
         raise bad
+    if head == "int8" and opt == f"g{INT8_BLOCK}":
+        return QuantSpec("int8", group_size=INT8_BLOCK)
     if head in ("int8", "fp8") and not opt:
         return QuantSpec(head)  # type: ignore[arg-type]
     raise bad

@@ -351,18 +351,15 @@ class Int4Linear(QuantLinear):
             x2 = x2.index_select(1, buf["perm"])
         family = self._kernel.family
         if self.mode == "packed_cpu":
-            xb = x2 if x2.dtype == torch.bfloat16 else x2.to(torch.bfloat16)
             if family is KernelFamily.C_INT4:  # every row: the a8 GEMV (each row's bits independent of the batch)
-                if xb.shape[1] != k:
-                    raise ValueError(f"Int4Linear: input has {xb.shape[1]} features, expected {k}")
-                if xb.stride(1) != 1:
-                    xb = xb.contiguous()
+                xb = self._a8_input(x2)
                 scales = buf["scales_orig"]
                 if scales is None:
                     scales = buf["scales_zeros"]  # [G, Np, 2]: the kernel reads the bf16 scales in place
                 y = int4_gemv_a8(xb, buf["packed"], scales, buf["zeros_gm"].t(), self.group_size,
                            check=False)  # [M, N]; the buffers were checked at construction
                 return y if x2.dtype == torch.bfloat16 else y.to(x2.dtype)
+            xb = x2 if x2.dtype == torch.bfloat16 else x2.to(torch.bfloat16)
             return self._dequant_matmul(xb).to(x2.dtype)  # prefill without the native GEMM; no C kernels
         if family is KernelFamily.TRITON_W4A16:  # masks K < Kp itself, no padding copy
             return w4a16_matmul(x2.contiguous(), self.qweight, self.scales, self.zeros, self.group_size)

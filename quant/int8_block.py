@@ -51,7 +51,7 @@ class Int8BlockLinear(QuantLinear):
     kernels every row of x runs ``int8g_gemv_a8`` (bf16 activations; float32 inputs are cast and cast
     back), so a row's bits never depend on its batch; elsewhere the weight is dequantized in row chunks."""
 
-    FORMAT = "int8:block32"
+    FORMAT = "int8:g32"
 
     def __init__(self, qweight: torch.Tensor, block_scales: torch.Tensor, bias: torch.Tensor | None) -> None:
         n, k = qweight.shape
@@ -107,12 +107,7 @@ class Int8BlockLinear(QuantLinear):
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
         buf = self._buffers
         if self._kernel.family is KernelFamily.C_INT8_BLOCK and x2.dtype in (torch.bfloat16, torch.float32):
-            xb = x2 if x2.dtype == torch.bfloat16 else x2.to(torch.bfloat16)
-            if xb.stride(-1) != 1:
-                xb = xb.contiguous()
-            if xb.shape[1] != self.in_features:
-                raise ValueError(f"Int8BlockLinear: input has {xb.shape[1]} features, expected {self.in_features}")
-            y = int8g_gemv_a8(xb, buf["qweight"], buf["block_scales"], check=False)  # [M, N]
+            y = int8g_gemv_a8(self._a8_input(x2), buf["qweight"], buf["block_scales"], check=False)  # [M, N]
             return y if x2.dtype == torch.bfloat16 else y.to(x2.dtype)
         # Without the C kernel: the dequantized weight in row chunks (a 151936-row LM head stays small).
         n, k = self.out_features, self.in_features

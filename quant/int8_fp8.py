@@ -152,12 +152,7 @@ class Int8Linear(_PerRowLinear):
             return F.linear(x2, self.qweight.to(x2.dtype)) * self.scales.to(x2.dtype)
         bf16 = x2.dtype == torch.bfloat16
         if family is KernelFamily.C_INT8 and (bf16 or x2.dtype == torch.float32):  # every row: the a8 GEMV
-            xb = x2 if bf16 else x2.to(torch.bfloat16)
-            if xb.stride(-1) != 1:
-                xb = xb.contiguous()
-            if xb.shape[1] != self.in_features:
-                raise ValueError(f"Int8Linear: input has {xb.shape[1]} features, expected {self.in_features}")
-            y = int8_gemv_a8(xb, buf["qweight"], buf["scales"], check=False)  # [M, N]; checked in __init__
+            y = int8_gemv_a8(self._a8_input(x2), buf["qweight"], buf["scales"], check=False)  # [M, N]; checked in __init__
             return y if bf16 else y.to(x2.dtype)
         if (family is KernelFamily.TORCH_INT8_PACKED and x2.shape[0] <= PACKED_MAX_ROWS
                 and (bf16 or x2.dtype == torch.float32) and self.in_features % 16 == 0):

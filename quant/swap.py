@@ -14,6 +14,7 @@ from torch import nn
 from llmsys.quant.base import QuantLinear
 from llmsys.quant.formats import QuantSpec
 from llmsys.quant.int4 import Int4Linear
+from llmsys.quant.int8_block import Int8BlockLinear
 from llmsys.quant.int8_fp8 import FP8Linear, Int8Linear
 from llmsys.quant.nf4 import NF4Linear
 
@@ -38,7 +39,8 @@ def quantize_linear(weight: torch.Tensor, bias: torch.Tensor | None, spec: Quant
             lin.bias = nn.Parameter(bias, requires_grad=False)
         return lin
     with torch.no_grad():
-        return LAYER_TYPES[spec.method].from_float(weight.detach(), None if bias is None else bias.detach(), spec)
+        cls = Int8BlockLinear if spec.int8_blocks else LAYER_TYPES[spec.method]
+        return cls.from_float(weight.detach(), None if bias is None else bias.detach(), spec)
 
 
 def _skipped(qualified_name: str, skip: tuple[str, ...]) -> bool:

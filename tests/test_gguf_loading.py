@@ -135,7 +135,7 @@ def test_q8_0_and_q5_0_matrices_keep_their_codes_with_block_scales(families, tmp
     err = ((have - want).abs().max(-1).values / want.abs().max(-1).values).max().item()
     assert err < A8_RTOL, err
     assert {k.split(" ")[0]: v for k, v in got.stored_formats.items()} == {
-        "F32": "float32", qtype: "int8:block32, codes as stored"}
+        "F32": "float32", qtype: "int8:g32, codes as stored"}
 
 
 def _hf_name(name: str) -> str:
@@ -385,3 +385,21 @@ def test_fused_decode_layers_take_kept_gguf_layers_bit_for_bit(tmp_path, matrice
         (h0, k0, v0), (h1, k1, v1) = _step_both(llm, lens)
         assert torch.equal(h0, h1)
         assert all(torch.equal(a, b) for a, b in zip(k0 + v0, k1 + v1))
+
+
+def test_quant_int8_g32_keeps_every_block_format_it_can(families, tmp_path):
+    """``--quant int8:g32`` on a GGUF: Q8_0 codes as stored, Q4_0's as int8 (``q - 8``, the same weights),
+    everything else re-quantized to it; the spec also quantizes a safetensors model (a real llmsys format)."""
+    from llmsys import LLM
+    from llmsys.quant import Int4Linear, Int8BlockLinear
+
+    path = export_float(families["llama"], tmp_path / "q4.gguf", "f32", "Q4_0")
+    as4 = load_model(path, dtype="float32", device="cpu")
+    llm = LLM(str(path), device="cpu", progress=False, kv_cache_tokens=64, quant="int8:g32", prepack=False)
+    a, b = as4.model.model.layers[0].mlp.up_proj, llm.loaded.model.model.layers[0].mlp.up_proj
+    assert isinstance(a, Int4Linear) and isinstance(b, Int8BlockLinear)
+    assert torch.equal(a.dequantize(), b.dequantize())
+    assert set(llm.memory_report().stored_formats.values()) == {"bfloat16; matrices quantized to int8:g32 (--quant)",
+                                                                "int8:g32, codes as stored"}
+    hf = LLM(str(families["llama"]), device="cpu", progress=False, kv_cache_tokens=64, quant="int8:g32")
+    assert any(isinstance(m, Int8BlockLinear) for m in hf.loaded.model.modules())

@@ -177,7 +177,7 @@ def test_awq_gptq_directory_loads_into_int4(tiny, tmp_path, fmt):
 
 
 def test_unknown_names_list_the_valid_ones(tiny):
-    with pytest.raises(InvalidParameterError, match="valid: none, int8, int4"):
+    with pytest.raises(InvalidParameterError, match="valid: none, int8, int8:g32, int4"):
         _llm(tiny, quant="int3")
     with pytest.raises(InvalidParameterError, match="valid: auto, int8, int4"):
         _llm(tiny, kv_dtype="fp4")

@@ -52,7 +52,7 @@ def bench_command(
     batch: Annotated[str, typer.Option("--batch", "-b", help="sequences run together, comma list")] = "1",
     threads: Annotated[Optional[str], typer.Option("--threads", "-t", help="CPU threads, comma list (default: torch's)")] = None,
     dtype: Annotated[str, typer.Option("--dtype", help="auto, float32, bfloat16, float16; comma list")] = "auto",
-    quant: Annotated[str, typer.Option("--quant", help="weight format(s): none, int8, int4, nf4, fp8; comma list")] = "none",
+    quant: Annotated[str, typer.Option("--quant", help="weight format(s): none, int8, int8:g32, int4, nf4, fp8; comma list")] = "none",
     kv_dtype: Annotated[str, typer.Option("--kv-dtype", help="KV cache format(s): auto, int8, int4; comma list")] = "auto",
     kv_policy: Annotated[str, typer.Option("--kv-policy", help="KV policies; ';' separates them (or ',' when unambiguous)")] = "full",
     gpu_mem: Annotated[Optional[str], typer.Option("--gpu-mem", help="GPU budget(s), e.g. 2GiB,4GiB")] = None,

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from llmsys.kernels import pack_int4, unpack_int4
 from llmsys.kernels.common.errors import CheckpointError, UnsupportedModelError
 
 if TYPE_CHECKING:
@@ -87,8 +88,18 @@ DEQUANT_ROWS = 8192
 # (Int4Linear), Q8_0 int8 with an fp16 scale per 32 (Int8BlockLinear). Run-time bytes per weight: int4 codes 1/2,
 # scales 2/32, zeros as uint8 twice (row- and group-major) 2/32 (llama.cpp's Q4_0: 18/32); int8 1 + 2/32 (= Q8_0).
 # Q5_0 (5-bit codes q, w = (q - 16) * d per 32) fits int8 exactly too: its codes minus 16 are the int8 codes.
-KEPT = {"Q4_0": "int4:g32", "Q8_0": "int8:block32", "Q5_0": "int8:block32"}
+KEPT = {"Q4_0": "int4:g32", "Q8_0": "int8:g32", "Q5_0": "int8:g32"}
 KEPT_BYTES = {"Q4_0": 0.5 + 2 / 32 + 2 / 32, "Q8_0": 1 + 2 / 32, "Q5_0": 1 + 2 / 32}
+
+
+def kept_as(kind: str | None, spec: Any) -> str | None:
+    """The llmsys format a matrix of GGUF type ``kind`` keeps its codes in under ``--quant spec`` (None: no
+    flag), or None when it is dequantized. ``int8:g32`` also takes Q4_0's codes (``q - 8``, exactly)."""
+    if kind not in KEPT:
+        return None
+    if spec is None or spec.name == KEPT[kind]:
+        return KEPT[kind]
+    return "int8:g32" if spec.name == "int8:g32" else None
 
 
 def is_gguf(path: Path) -> bool:
@@ -303,8 +314,6 @@ class GGUFIndex:
         """A Q4_0 matrix as canonical int4 tensors (``quant/README.md``): codes as stored, group 32,
         zeros 8, the blocks' fp16 scales; rows in HF order. ``qweight uint8 [N, K/2]``,
         ``scales``/``zeros`` fp16 ``[N, K/32]``."""
-        from llmsys.kernels import pack_int4
-
         t = self._tensors[name]
         n, k = int(t.shape[1]), int(t.shape[0])
         raw = torch.from_numpy(np.array(t.data, dtype=np.uint8)).view(n, k // 32, 18)  # [N, G, 18] blocks
@@ -315,12 +324,17 @@ class GGUFIndex:
         return {key: self._rows_in_hf_order(name, v) for key, v in out.items()}
 
     def int8_block_tensors(self, name: str) -> dict[str, torch.Tensor]:
-        """A Q8_0 or Q5_0 matrix as :class:`Int8BlockLinear` tensors: ``qweight int8 [N, K]`` (Q8_0's codes as
-        stored, Q5_0's 5-bit codes minus 16) and the blocks' fp16 scales group-major ``block_scales [K/32, N]``;
-        rows in HF order."""
+        """A Q8_0, Q5_0 or Q4_0 matrix as :class:`Int8BlockLinear` tensors: ``qweight int8 [N, K]`` (Q8_0's codes
+        as stored, Q5_0's 5-bit codes minus 16, Q4_0's minus 8) and the blocks' fp16 scales group-major
+        ``block_scales [K/32, N]``; rows in HF order."""
         t = self._tensors[name]
         n, k = int(t.shape[1]), int(t.shape[0])
-        q5 = t.tensor_type.name == "Q5_0"
+        kind = t.tensor_type.name
+        if kind == "Q4_0":
+            c = self.int4_tensors(name)
+            q = (unpack_int4(c["qweight"]).to(torch.int16) - 8).to(torch.int8)  # [N, K]
+            return {"qweight": q.contiguous(), "block_scales": c["scales"].t().contiguous()}
+        q5 = kind == "Q5_0"
         raw = torch.from_numpy(np.array(t.data, dtype=np.uint8)).view(n, k // 32, 22 if q5 else 34)  # [N, G, bytes]
         d = raw[..., :2].contiguous().view(torch.float16).view(n, k // 32)  # [N, G]
         if q5:  # d, qh (bit j: code j's 5th bit), qs (code j's low 4 bits: byte j % 16, low nibble for j < 16)
@@ -415,8 +429,7 @@ def materialize_gguf(model: Any, index: GGUFIndex, dtype: torch.dtype, device: t
     spec = getattr(make_linear, "spec", None)
 
     def exact(name: str) -> str | None:
-        kind = index.kept(name)
-        return kind if kind is not None and (spec is None or spec.name == KEPT[kind]) else None
+        return kept_as(index.kept(name), spec)
 
     def read(name: str) -> torch.Tensor:
         if exact(name):
@@ -425,10 +438,10 @@ def materialize_gguf(model: Any, index: GGUFIndex, dtype: torch.dtype, device: t
 
     def hook(mod_name: str, w: torch.Tensor, b: torch.Tensor | None) -> Any:
         name = mod_name + ".weight"
-        kind = exact(name)
-        if kind == "Q4_0":
+        target = exact(name)
+        if target == "int4:g32":
             layer = Int4Linear.from_quantized({**index.int4_tensors(name), "bias": b}, in_features=w.shape[1])
-        elif kind in ("Q8_0", "Q5_0"):
+        elif target == "int8:g32":
             layer = Int8BlockLinear.from_quantized({**index.int8_block_tensors(name), "bias": b})
         else:
             return make_linear(mod_name, w, b) if make_linear is not None else None
@@ -445,8 +458,9 @@ def conversions(index: GGUFIndex, dtype: torch.dtype, make_linear: Any = None) -
     dt = str(dtype).removeprefix("torch.")
     out: dict[str, str] = {}
     for qtype, n in sorted(index.qtypes().items()):
-        if qtype in KEPT and (spec is None or spec.name == KEPT[qtype]):
-            what = f"{KEPT[qtype]}, codes as stored"
+        target = kept_as(qtype, spec)
+        if target is not None:
+            what = f"{target}, codes as stored"
         elif qtype in ("F32", "F16", "BF16"):
             what = dt if spec is None else f"{dt}; matrices quantized to {spec.name} (--quant)"
         elif spec is None:

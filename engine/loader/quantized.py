@@ -33,7 +33,7 @@ from torch import nn
 
 from llmsys.kernels.common.errors import CheckpointError, InvalidParameterError
 from llmsys.engine.loader.safetensors_io import CheckpointIndex, save_file
-from llmsys.quant import FP8Linear, Int4Linear, Int8Linear, NF4Linear, QuantLinear, parse_quant
+from llmsys.quant import FP8Linear, Int4Linear, Int8BlockLinear, Int8Linear, NF4Linear, QuantLinear, parse_quant
 
 if TYPE_CHECKING:
     from llmsys.engine.loader.common import MakeLinear
@@ -89,6 +89,10 @@ def _llmsys_layer(fmt: str, prefix: str, index: CheckpointIndex, n: int, k: int,
         raise CheckpointError(f"{path}: missing tensor {prefix}.qweight")
     q = t["qweight"]
     try:
+        if spec.int8_blocks:
+            _expect(prefix + ".qweight", q, (n, k), path)
+            _expect(prefix + ".block_scales", t.get("block_scales", torch.empty(0)), (-(-k // 32), n), path)
+            return Int8BlockLinear.from_quantized(t)
         if spec.method in ("int8", "fp8"):
             _expect(prefix + ".qweight", q, (n, k), path)
             _expect(prefix + ".scales", t.get("scales", torch.empty(0)), (n,), path)
