@@ -31,8 +31,8 @@ are read (``tokenizer.ggml.model``):
     ``tokenizer.ggml.pre`` names. The split regexes below are those of the
     original tokenizers (see :data:`_PRE_TOKENIZERS`).
 
-The file is opened with ``gguf.GGUFReader``, which memory-maps it and parses
-only the key/value header and tensor table; no tensor data is read.
+The file's header is parsed by ``engine.loader.gguf_header`` (the key/value
+list and the tensor table; no tensor data is read).
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from llmsys.kernels.common.errors import TokenizerError
 
@@ -196,60 +198,30 @@ def read_gguf_tokenizer(path: str | Path) -> GGUFTokenizer:
 
 
 def _read_metadata(path: Path) -> dict[str, Any]:
-    """Every ``tokenizer.*`` key (and the architecture) as Python values.
+    """Every ``tokenizer.*`` key (and the architecture) as Python values (``engine.loader.gguf_header``:
+    strings as str, string arrays as lists, numeric arrays as numpy arrays)."""
+    from llmsys.engine.loader.gguf_header import read_header
+    from llmsys.kernels.common.errors import CheckpointError
 
-    Arrays stay as the reader's field objects until asked for, so a key this
-    module does not use costs nothing beyond the reader's own parse.
-    """
     try:
-        import gguf
-    except ImportError:
-        raise TokenizerError(f"reading {path} needs the gguf package: pip install 'gguf>=0.19'") from None
-    try:
-        reader = gguf.GGUFReader(str(path), "r")
-    except (OSError, ValueError, IndexError, KeyError, TypeError) as e:
-        why = " ".join(str(e).split())  # one line, whatever the reader said
-        raise TokenizerError(f"cannot read {path} as GGUF ({why}); re-download or re-convert it") from e
-    out: dict[str, Any] = {}
-    for name, fld in reader.fields.items():
-        if not (name.startswith("tokenizer.") or name == "general.architecture"):
-            continue
-        if fld.types and fld.types[0] == gguf.GGUFValueType.ARRAY:
-            out[name] = fld  # decoded by _array / _str_list
-        else:
-            out[name] = _scalar(path, name, fld, gguf)
-    return out
+        header = read_header(path)
+    except CheckpointError as e:
+        raise TokenizerError(f"cannot read the tokenizer: {e}") from None
+    return {name: v for name, v in header.fields.items()
+            if name.startswith("tokenizer.") or name == "general.architecture"}
 
 
-def _scalar(path: Path, name: str, fld: Any, gguf: Any) -> Any:
-    if not fld.types or not fld.data:
-        raise TokenizerError(f"{path}: metadata key {name} is empty; the file is damaged, re-download it")
-    part = fld.parts[fld.data[0]]
-    if fld.types[0] == gguf.GGUFValueType.STRING:
-        try:
-            return bytes(part).decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise TokenizerError(f"{path}: metadata key {name} is not UTF-8 ({e}); re-convert the file") from e
-    value = part.tolist()[0]
-    return bool(value) if fld.types[0] == gguf.GGUFValueType.BOOL else value
-
-
-def _array(path: Path, name: str, fld: Any) -> list[Any]:
+def _array(path: Path, name: str, value: Any) -> list[Any]:
     """A numeric array field as a list (one element per entry, as gguf stores them)."""
-    if len(fld.types) != 2:
-        raise TokenizerError(f"{path}: metadata key {name} is a nested array; re-convert the file")
-    return [fld.parts[i].tolist()[0] for i in fld.data]
+    if not isinstance(value, np.ndarray):
+        raise TokenizerError(f"{path}: metadata key {name} is not a numeric array; re-convert the file")
+    return value.tolist()
 
 
-def _str_list(path: Path, name: str, fld: Any) -> list[str]:
-    import gguf
-
-    if len(fld.types) != 2 or fld.types[1] != gguf.GGUFValueType.STRING:
+def _str_list(path: Path, name: str, value: Any) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise TokenizerError(f"{path}: metadata key {name} is not an array of strings; re-convert the file")
-    try:
-        return [bytes(fld.parts[i]).decode("utf-8") for i in fld.data]
-    except UnicodeDecodeError as e:
-        raise TokenizerError(f"{path}: an entry of {name} is not UTF-8 ({e}); re-convert the file") from e
+    return value
 
 
 def _check_len(path: Path, name: str, values: Sequence[Any], n: int) -> None:

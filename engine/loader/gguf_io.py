@@ -3,9 +3,9 @@
 Why read GGUF at all: it is the format people already hold their models in;
 without it a new user downloads every model again before trying llmsys.
 
-What a GGUF becomes here (the file is read through the ``gguf`` package's
-memory-mapped reader, tensor by tensor, so peak memory is the model plus one
-tensor, as for safetensors):
+What a GGUF becomes here (the header is parsed by :mod:`gguf_header`, and tensors are read
+with ``preadv`` piece by piece, so peak memory is the model plus one tensor, as for
+safetensors; the ``gguf`` package supplies the type tables and the K-quant decoders):
 
 * **The config**: ``general.architecture`` and its ``<arch>.*`` keys are turned
   into the Hugging Face ``config.json`` fields the model families read
@@ -32,13 +32,12 @@ tensor, as for safetensors):
   The K-quants have no exact llmsys layout yet (float minimums per 32 codes,
   6-bit Q6_K), hence the dequantization.
 
-Tensor data is copied out of the map (never aliased), so nothing keeps the
-file open after loading.
+Tensor bytes are read into fresh buffers (no mapping), so nothing keeps the
+file open or its pages in the process's RSS after loading.
 """
 
 from __future__ import annotations
 
-import struct
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,12 +46,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from llmsys.engine.loader.gguf_header import GGUFHeader, TensorEntry, read_bytes, read_header
 from llmsys.kernels import pack_int4, unpack_int4
 from llmsys.kernels.common.errors import CheckpointError, UnsupportedModelError
 
 if TYPE_CHECKING:
-    import gguf
-
     from llmsys.offload.plan import WeightBytes
 
 MAGIC = b"GGUF"
@@ -140,21 +138,11 @@ def interleaved_to_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, d // 2, 2, *rest).transpose(1, 2).reshape(w.shape)  # [H, d/2, 2, ...] -> [H, 2, d/2, ...]
 
 
-def _open_reader(path: Path) -> gguf.GGUFReader:
+def _qtype(t: TensorEntry) -> str:
+    """ggml's name of a tensor's type: F32, F16, Q4_0, Q6_K, ..."""
     import gguf
 
-    try:
-        return gguf.GGUFReader(str(path), "r")
-    except (ValueError, OSError, IndexError, KeyError, struct.error) as e:
-        raise CheckpointError(f"{path}: not a readable GGUF file ({e}); the download may be truncated or corrupt") from None
-
-
-def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    v = f.contents()
-    return v
+    return gguf.GGMLQuantizationType(t.qtype).name
 
 
 def _f32(v: Any) -> float:
@@ -174,10 +162,11 @@ class GGUFTensorInfo:
     nbytes: int
 
 
-def hf_config(path: Path, reader: gguf.GGUFReader | None = None) -> dict[str, Any]:
+def hf_config(path: Path, header: GGUFHeader | None = None) -> dict[str, Any]:
     """The HF ``config.json`` fields of a GGUF's metadata (what the model families read)."""
-    r = reader or _open_reader(path)
-    arch = _field(r, "general.architecture")
+    h = header or read_header(path)
+    meta = h.fields
+    arch = meta.get("general.architecture")
     if arch not in ARCHS:
         raise UnsupportedModelError(
             f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(ARCHS)}"
@@ -185,19 +174,19 @@ def hf_config(path: Path, reader: gguf.GGUFReader | None = None) -> dict[str, An
     model_type, hf_arch, _ = ARCHS[arch]
 
     def need(key: str) -> Any:
-        v = _field(r, f"{arch}.{key}")
+        v = meta.get(f"{arch}.{key}")
         if v is None:
             raise CheckpointError(f"{path}: GGUF metadata lacks {arch}.{key}; the file is incomplete")
         return v
 
-    names = {t.name for t in r.tensors}
+    names = {t.name for t in h.tensors}
     heads = int(need("attention.head_count"))
     hidden = int(need("embedding_length"))
-    tokens = r.fields.get("tokenizer.ggml.tokens")
-    vocab = _field(r, f"{arch}.vocab_size")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    vocab = meta.get(f"{arch}.vocab_size")
     if vocab is None:
-        emb = next((t for t in r.tensors if t.name == "token_embd.weight"), None)
-        vocab = int(emb.shape[1]) if emb is not None else (len(tokens.data) if tokens is not None else None)
+        emb = next((t for t in h.tensors if t.name == "token_embd.weight"), None)
+        vocab = int(emb.shape[1]) if emb is not None else (len(tokens) if tokens is not None else None)
     if vocab is None:
         raise CheckpointError(f"{path}: cannot tell the vocabulary size (no token_embd.weight, no tokens)")
     cfg: dict[str, Any] = {
@@ -207,32 +196,33 @@ def hf_config(path: Path, reader: gguf.GGUFReader | None = None) -> dict[str, An
         "intermediate_size": int(need("feed_forward_length")),
         "num_hidden_layers": int(need("block_count")),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(_field(r, f"{arch}.attention.head_count_kv", heads)),
-        "head_dim": int(_field(r, f"{arch}.attention.key_length", hidden // heads)),
-        "rms_norm_eps": _f32(_field(r, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": _f32(_field(r, f"{arch}.rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(_field(r, f"{arch}.context_length", 2048)),
+        "num_key_value_heads": int(meta.get(f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": int(meta.get(f"{arch}.attention.key_length", hidden // heads)),
+        "rms_norm_eps": _f32(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": _f32(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(meta.get(f"{arch}.context_length", 2048)),
         "vocab_size": int(vocab),
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": "blk.0.attn_q.bias" in names,
     }
-    bos, eos = _field(r, "tokenizer.ggml.bos_token_id"), _field(r, "tokenizer.ggml.eos_token_id")
+    bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
     if bos is not None:
         cfg["bos_token_id"] = int(bos)
-    eos_ids = [int(v) for v in (eos, _field(r, "tokenizer.ggml.eot_token_id")) if v is not None]
+    eos_ids = [int(v) for v in (eos, meta.get("tokenizer.ggml.eot_token_id")) if v is not None]
     if eos_ids:
         cfg["eos_token_id"] = sorted(set(eos_ids), key=eos_ids.index)
-    rope_dims = _field(r, f"{arch}.rope.dimension_count")
+    rope_dims = meta.get(f"{arch}.rope.dimension_count")
     if rope_dims is not None and int(rope_dims) != cfg["head_dim"]:
         raise UnsupportedModelError(f"{path}: partial RoPE ({rope_dims} of {cfg['head_dim']} dims) is not supported")
-    scaling = _field(r, f"{arch}.rope.scaling.type")
+    scaling = meta.get(f"{arch}.rope.scaling.type")
     if scaling == "linear":
         cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(need("rope.scaling.factor"))}
     elif scaling not in (None, "none"):
         raise UnsupportedModelError(f"{path}: GGUF rope scaling {scaling!r} is not supported (linear and llama3 are)")
     if "rope_freqs.weight" in names:  # Llama 3.x: llama.cpp's per-frequency divisors
-        t = next(t for t in r.tensors if t.name == "rope_freqs.weight")
-        cfg["rope_scaling"] = {"rope_type": "freq_factors", "factors": [float(v) for v in np.asarray(t.data).ravel()]}
+        t = next(t for t in h.tensors if t.name == "rope_freqs.weight")
+        cfg["rope_scaling"] = {"rope_type": "freq_factors",
+                               "factors": [float(v) for v in read_bytes(path, t).view(np.float32)]}
     return cfg
 
 
@@ -246,16 +236,16 @@ class GGUFIndex:
     offload file once loaded (``OffloadRuntime``), as for converted checkpoints.
     """
 
-    def __init__(self, path: Path, reader: gguf.GGUFReader, config: dict[str, Any]):
+    def __init__(self, path: Path, header: GGUFHeader, config: dict[str, Any]):
         self.path = path
         self.config = config
-        arch = ARCHS[_field(reader, "general.architecture")]
+        arch = ARCHS[header.fields["general.architecture"]]
         self._interleaved = arch[2]
         self._heads = config["num_attention_heads"]
         self._kv_heads = config["num_key_value_heads"]
-        self._tensors: dict[str, Any] = {}
+        self._tensors: dict[str, TensorEntry] = {}
         unknown = []
-        for t in reader.tensors:
+        for t in header.tensors:
             h = hf_name(t.name)
             if h is None:
                 if t.name not in IGNORED:
@@ -271,15 +261,14 @@ class GGUFIndex:
 
     def info(self, name: str) -> GGUFTensorInfo:
         t = self._tensors[name]
-        shape = tuple(int(s) for s in reversed(t.shape.tolist()))
-        return GGUFTensorInfo(t.name, t.tensor_type.name, shape, int(t.data_offset), int(t.n_bytes))
+        return GGUFTensorInfo(t.name, _qtype(t), tuple(reversed(t.shape)), t.offset, t.nbytes)
 
     def locate(self, name: str) -> None:
         return None
 
     def qtypes(self) -> Counter[str]:
         """How many tensors of each GGUF type the model reads."""
-        return Counter(t.tensor_type.name for t in self._tensors.values())
+        return Counter(_qtype(t) for t in self._tensors.values())
 
     def weight_bytes(self, dtype: torch.dtype) -> WeightBytes:
         """Run-time bytes per weight of the matrices as loaded without ``--quant`` (Q4_0 kept as
@@ -301,7 +290,7 @@ class GGUFIndex:
     def kept(self, name: str) -> str | None:
         """The GGUF type of ``name`` (a matrix) when its codes are kept as they are (:data:`KEPT`), else None."""
         t = self._tensors.get(name)
-        kind = None if t is None else t.tensor_type.name
+        kind = None if t is None else _qtype(t)
         return kind if kind in KEPT and len(t.shape) == 2 else None
 
     # -- reading ------------------------------------------------------------------
@@ -316,7 +305,7 @@ class GGUFIndex:
         ``scales``/``zeros`` fp16 ``[N, K/32]``."""
         t = self._tensors[name]
         n, k = int(t.shape[1]), int(t.shape[0])
-        raw = torch.from_numpy(np.array(t.data, dtype=np.uint8)).view(n, k // 32, 18)  # [N, G, 18] blocks
+        raw = torch.from_numpy(read_bytes(self.path, t)).view(n, k // 32, 18)  # [N, G, 18] blocks
         scales = raw[..., :2].contiguous().view(torch.float16).view(n, k // 32)  # [N, G]
         qs = raw[..., 2:]  # [N, G, 16]: byte i holds code i (low nibble) and code i + 16 (high)
         codes = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(n, k)  # [N, K] in k order
@@ -329,13 +318,13 @@ class GGUFIndex:
         ``block_scales [K/32, N]``; rows in HF order."""
         t = self._tensors[name]
         n, k = int(t.shape[1]), int(t.shape[0])
-        kind = t.tensor_type.name
+        kind = _qtype(t)
         if kind == "Q4_0":
             c = self.int4_tensors(name)
             q = (unpack_int4(c["qweight"]).to(torch.int16) - 8).to(torch.int8)  # [N, K]
             return {"qweight": q.contiguous(), "block_scales": c["scales"].t().contiguous()}
         q5 = kind == "Q5_0"
-        raw = torch.from_numpy(np.array(t.data, dtype=np.uint8)).view(n, k // 32, 22 if q5 else 34)  # [N, G, bytes]
+        raw = torch.from_numpy(read_bytes(self.path, t)).view(n, k // 32, 22 if q5 else 34)  # [N, G, bytes]
         d = raw[..., :2].contiguous().view(torch.float16).view(n, k // 32)  # [N, G]
         if q5:  # d, qh (bit j: code j's 5th bit), qs (code j's low 4 bits: byte j % 16, low nibble for j < 16)
             qh = raw[..., 2:6].contiguous().view(torch.int32)  # [N, G, 1]
@@ -357,25 +346,29 @@ class GGUFIndex:
             return interleaved_to_hf(t, self._kv_heads).contiguous()
         return t
 
-    def _dequantize(self, t: Any, dtype: torch.dtype) -> torch.Tensor:
+    def _dequantize(self, t: TensorEntry, dtype: torch.dtype) -> torch.Tensor:
+        """The tensor as ``dtype`` ``[out, in]``, read and decoded :data:`DEQUANT_ROWS` rows at a time (the
+        raw bytes of one piece, not of the whole tensor, beside the output)."""
         import gguf
 
-        kind = t.tensor_type
-        shape = tuple(int(s) for s in reversed(t.shape.tolist()))  # [out, in]
-        data = t.data
-        if kind == gguf.GGMLQuantizationType.F32:
-            return torch.from_numpy(np.array(data, dtype=np.float32)).view(shape).to(dtype)
-        if kind == gguf.GGMLQuantizationType.F16:
-            return torch.from_numpy(np.array(data, dtype=np.float16)).view(shape).to(dtype)
-        if kind == gguf.GGMLQuantizationType.BF16:
-            return torch.from_numpy(np.array(data).view(np.uint16)).view(torch.bfloat16).view(shape).to(dtype)
+        kind = gguf.GGMLQuantizationType(t.qtype)
+        shape = tuple(reversed(t.shape))  # [out, in]
         rows = shape[0] if len(shape) == 2 else 1
+        row_bytes = t.nbytes // rows
         out = torch.empty(shape, dtype=dtype)
         flat = out.view(rows, -1)
-        blocks = np.asarray(data).reshape(rows, -1)
         for r0 in range(0, rows, DEQUANT_ROWS):
             r1 = min(rows, r0 + DEQUANT_ROWS)
-            flat[r0:r1] = _dequant_rows(blocks[r0:r1], kind, self.path, t.name)
+            raw = read_bytes(self.path, t, r0 * row_bytes, (r1 - r0) * row_bytes).reshape(r1 - r0, row_bytes)
+            if kind == gguf.GGMLQuantizationType.F32:
+                piece = torch.from_numpy(raw.view(np.float32))
+            elif kind == gguf.GGMLQuantizationType.F16:
+                piece = torch.from_numpy(raw.view(np.float16))
+            elif kind == gguf.GGMLQuantizationType.BF16:
+                piece = torch.from_numpy(raw.view(np.uint16)).view(torch.bfloat16)
+            else:
+                piece = _dequant_rows(raw, kind, self.path, t.name)
+            flat[r0:r1] = piece
         return out
 
 
@@ -389,7 +382,7 @@ def _dequant_rows(blocks: np.ndarray, kind: Any, path: Path, name: str) -> torch
     rows = blocks.shape[0]
     if kind in (gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0):
         width = 34 if kind == gguf.GGMLQuantizationType.Q8_0 else 18
-        raw = torch.from_numpy(np.array(blocks, dtype=np.uint8)).view(rows, -1, width)  # [rows, G, block bytes]
+        raw = torch.from_numpy(blocks).view(rows, -1, width)  # [rows, G, block bytes]
         d = raw[..., :2].contiguous().view(torch.float16).float()  # [rows, G, 1]
         if width == 34:
             q = raw[..., 2:].contiguous().view(torch.int8).float()  # [rows, G, 32]
@@ -398,7 +391,7 @@ def _dequant_rows(blocks: np.ndarray, kind: Any, path: Path, name: str) -> torch
             q = torch.cat([qs & 15, qs >> 4], dim=-1).float() - 8.0  # [rows, G, 32]
         return (q * d).reshape(rows, -1)
     try:
-        return torch.from_numpy(gguf.quants.dequantize(np.array(blocks, dtype=np.uint8), kind))
+        return torch.from_numpy(gguf.quants.dequantize(blocks, kind))
     except NotImplementedError:
         raise UnsupportedModelError(
             f"{path}: tensor {name} is stored as {kind.name}, which llmsys cannot decode; supported: "
@@ -409,8 +402,8 @@ def _dequant_rows(blocks: np.ndarray, kind: Any, path: Path, name: str) -> torch
 
 def open_index(path: Path) -> GGUFIndex:
     """The config and tensor index of a GGUF file (nothing dequantized yet)."""
-    r = _open_reader(path)
-    return GGUFIndex(path, r, hf_config(path, r))
+    h = read_header(path)
+    return GGUFIndex(path, h, hf_config(path, h))
 
 
 def materialize_gguf(model: Any, index: GGUFIndex, dtype: torch.dtype, device: torch.device,
