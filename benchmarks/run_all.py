@@ -110,6 +110,7 @@ SCRIPTS: dict[str, list[str]] = {
     "vs-llamacpp": ["benchmarks/bench_vs_llamacpp.py", "--threads", "2", "--rounds", "3", "--reps", "2"],
     "run-startup": ["benchmarks/bench_run_startup.py", "--rounds", "3"],
     "decode-kernels": ["benchmarks/bench_decode_kernels.py", "--threads", "2"],
+    "gguf": ["benchmarks/bench_gguf.py", "--tokens", "8192", "--threads", "2"],
 }
 
 

@@ -511,7 +511,7 @@ static void meta_scalar(const int4_meta *md, int64_t row0, int64_t rows, int64_t
    of a group lie contiguously (zeros with z_n = 1, Int4Linear's group-major copy; bf16 scales with
    s_n = 2, a view into its scales_zeros [G, Np, 2]; or s_n = 1), else the scalar gather. */
 static inline void meta_vec(const int4_meta *md, int64_t row0, int64_t rows, int64_t g, __m512i *z, __m512 *s) {
-    const int vz = md->z_n == 1, vs = (md->kind == 0 && (md->s_n == 2 || md->s_n == 1)) || (md->kind == 1 && md->s_n == 1);
+    const int vz = md->z_n == 1, vs = (md->kind == 0 && (md->s_n == 2 || md->s_n == 1)) || (md->kind != 0 && md->s_n == 1);
     float zf[64], sf[64];
     if (!vz || !vs) meta_scalar(md, row0, rows, g, zf, sf);
     for (int v = 0; v < 4; v++) {
@@ -526,6 +526,8 @@ static inline void meta_vec(const int4_meta *md, int64_t row0, int64_t rows, int
             s[v] = _mm512_loadu_ps(sf + 16 * v);
         } else if (md->kind == 1) {
             s[v] = _mm512_maskz_loadu_ps(m, (const float *)md->scales + r + g * md->s_g);
+        } else if (md->kind == 2) { /* fp16, group-major (GGUF Q4_0's scales): exact conversion */
+            s[v] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, (const uint16_t *)md->scales + r + g * md->s_g));
         } else if (md->s_n == 2) { /* dwords (scale, other): the scale is the low half */
             const __m512i d = _mm512_maskz_loadu_epi32(m, (const uint16_t *)md->scales + 2 * r + g * md->s_g);
             s[v] = _mm512_castsi512_ps(_mm512_slli_epi32(d, 16));
@@ -1293,15 +1295,24 @@ static inline int a8_row(int s) {
 
 /* A group's zero points and scales for the rows of a 64-row block, in a8_row's slot order. Vector
    loads where the block is full and the rows lie contiguously (Int4Linear's group-major zeros, z_n = 1;
-   bf16 scales with s_n = 2, its scales_zeros [G, Np, 2], or s_n = 1), else meta_scalar's gather. */
+   bf16 scales with s_n = 2, its scales_zeros [G, Np, 2], or s_n = 1; float32 / fp16 scales with s_n = 1,
+   its group-major scales_orig), else meta_scalar's gather. */
 static void a8_meta(const int4_meta *md, int64_t row0, int64_t rows, int64_t g, int32_t *zs, float *ss) {
 #ifdef QA8_AVX2
-    if (rows == 64 && md->z_n == 1 && md->kind == 0 && (md->s_n == 2 || md->s_n == 1)) {
+    if (rows == 64 && md->z_n == 1 && ((md->kind == 0 && (md->s_n == 2 || md->s_n == 1)) || (md->kind != 0 && md->s_n == 1))) {
         for (int v = 0; v < 8; v++) {
             const int64_t r = row0 + a8_row(8 * v);
             _mm256_store_si256((__m256i *)(zs + 8 * v),
                                _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(md->zeros + r + g * md->z_g))));
+            if (md->kind == 1) { /* float32, group-major */
+                _mm256_store_ps(ss + 8 * v, _mm256_loadu_ps((const float *)md->scales + r + g * md->s_g));
+                continue;
+            }
             const uint16_t *sp = (const uint16_t *)md->scales + r * md->s_n + g * md->s_g;
+            if (md->kind == 2) { /* fp16, group-major (GGUF Q4_0's scales): exact conversion */
+                _mm256_store_ps(ss + 8 * v, bs8(sp));
+                continue;
+            }
             const __m256i w = md->s_n == 2 ? _mm256_loadu_si256((const __m256i *)sp)
                                            : _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)sp));
             _mm256_store_ps(ss + 8 * v, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));

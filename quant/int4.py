@@ -211,10 +211,12 @@ class Int4Linear(QuantLinear):
         # (N * G bytes, ~3% of the codes at g=64) lets it load them as one vector (~1.4x faster).
         c_kernels = self.kernel.family is not KernelFamily.TORCH_INT4_DENSE
         self.register_buffer("zeros_gm", self.zeros_u8.t().contiguous() if c_kernels else None)  # [G, N]
-        # The canonical scales' exact values: bf16 scales are recoverable from
-        # scales_zeros; any other dtype needs its own copy for an exact state_dict.
+        # The canonical scales' exact values: bf16 scales are recoverable from scales_zeros; any other
+        # dtype (fp16: AWQ, GPTQ, GGUF Q4_0) is kept as it is, group-major (an [N, G] view of a [G, N]
+        # tensor), so the C kernels load a group's scales for 16/64 rows as one vector: in the row-major
+        # layout they gathered and converted them one by one, 3x slower decode (Qwen2.5-0.5B shape, g32).
         self.register_buffer(
-            "scales_orig", None if scales.dtype == torch.bfloat16 else scales.contiguous()
+            "scales_orig", None if scales.dtype == torch.bfloat16 else scales.t().contiguous().t()
         )
 
     # --- constructors -------------------------------------------------------
@@ -267,7 +269,7 @@ class Int4Linear(QuantLinear):
         np_ = self.packed.shape[0]
         q = unpack_cpu_int4(self.packed, np_, kp)[:n]  # [N, Kp]
         if self.scales_orig is not None:
-            scales = self.scales_orig
+            scales = self.scales_orig.contiguous()
         else:
             scales = self.scales_zeros[:, :n, 0].t().contiguous()  # bf16, exact
         return {"qweight": pack_int4(q), "scales": scales, "zeros": self.zeros_u8.to(scales.dtype)}

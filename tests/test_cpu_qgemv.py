@@ -117,6 +117,26 @@ def test_int8_a8_bit_exact(n, k, threads):
 
 
 @needs_kernel
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_int4_a8_group_major_scales_bit_exact(scale_dtype, threads):
+    """fp16 / float32 scales laid out group-major (an [N, G] view of [G, N]: Int4Linear's scales_orig, GGUF
+    Q4_0's fp16) take the kernels' vector loads: the definition's bits, as the row-major layout gives."""
+    for n, k, g in [(192, 250, 32), (130, 300, 64), (64, 64, 32)]:
+        lin = _int4(n, k, g, seed=n)
+        packed, zeros = lin.packed, lin.zeros_gm.t()  # group-major zeros too: the vector path needs both
+        n_groups = zeros.shape[1]
+        scales = (torch.rand(n, n_groups) * torch.logspace(-4, 0, n)[:, None] + 1e-3).to(scale_dtype)
+        gm = scales.t().contiguous().t()  # [N, G], strides (1, N)
+        x = torch.randn(9, k).bfloat16()
+        with _threads(threads):
+            for m in (1, 2, 5, 9):
+                want = _bits(cpu_qgemv.int4_a8_def(x[:m], packed, scales, zeros, g))
+                assert torch.equal(_bits(cpu_qgemv.int4_gemv_a8(x[:m], packed, gm, zeros, g)), want), (n, k, g, m)
+                assert torch.equal(_bits(cpu_qgemv.int4_gemv_a8(x[:m], packed, scales, zeros, g)), want), (n, k, g, m)
+
+
+@needs_kernel
 @pytest.mark.parametrize("n,k", [(200, 172), (64, 64), (19, 96), (130, 1000), (4864, 96), (70, 896)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_int8_block_scaled_a8_bit_exact(n, k, threads):
@@ -247,6 +267,12 @@ def test_other_code_paths_bit_exact(level, tmp_path):
         for m in (1, 5):
             assert torch.equal(_bits(cpu_qgemv.int4_gemv_a8(x[:m, :k], *args, lib=lib)),
                                _bits(cpu_qgemv.int4_a8_def(x[:m, :k], *args))), (level, n, k, g, m)
+        lin = _int4(n, k, g)
+        for dt in (torch.float16, torch.float32):  # group-major scales and zeros: the vector loads
+            gm = (args[1].float() * 1.5).to(dt).t().contiguous().t()
+            for m in (1, 5):
+                assert torch.equal(_bits(cpu_qgemv.int4_gemv_a8(x[:m, :k], lin.packed, gm, lin.zeros_gm.t(), g, lib=lib)),
+                                   _bits(cpu_qgemv.int4_a8_def(x[:m, :k], lin.packed, gm, lin.zeros_u8, g))), (level, dt, m)
     for n, k in [(130, 300), (9, 37)]:
         q, s = _int8(n, k)
         for m in (1, 5):

@@ -61,8 +61,18 @@ def paired_format(dtype: torch.dtype, quant: str, asked: str | None = None) -> s
 
 
 def prepare(folder: str | Path, dtype: torch.dtype, quant: str, kind: str = NAME) -> tuple[Path, str]:
-    """(the cached GGUF to run, its format) for a row of ``dtype`` / ``quant``; writes it if missing."""
+    """(the cached GGUF to run, its format) for a row of ``dtype`` / ``quant``; writes it if missing.
+
+    A model that is itself a GGUF file (or an Ollama blob) is the baseline's file as it is: both engines
+    run the same bytes (``llama.cpp:FORMAT`` cannot ask for another format of it)."""
+    from llmsys.engine.loader.gguf_io import is_gguf
+
     import_llama_cpp()  # fail with the install hint before spending time on an export
+    if is_gguf(Path(folder)):
+        asked = split_kind(kind)[1]
+        if asked:
+            raise InvalidParameterError(f"--vs {kind}: {folder} is a GGUF file, run as it is; use --vs {NAME}")
+        return Path(folder), "gguf"
     fmt = paired_format(dtype, quant, split_kind(kind)[1])
     return gguf_file(folder, fmt), fmt
 

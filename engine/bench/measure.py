@@ -207,17 +207,20 @@ class E2EResult:
     ttft_ms: float
 
 
-def _text_of(tokenizer, ids: list[int], n: int) -> str:
+def _text_of(tokenizer, ids: list[int], n: int) -> str | list[int]:
     """Text that encodes to at most ``n`` tokens, from random ids: decoded ids re-encode to more
     tokens where pieces merge differently (stories260k's 512-piece vocabulary: 512 ids -> 881), which
-    would overflow the context a pp test was sized for."""
+    would overflow the context a pp test was sized for. The ids themselves where their text encodes to
+    nothing (a benchmark GGUF's placeholder pieces ``<tok_N>``)."""
     text = tokenizer.decode(ids)
     for _ in range(4):
         again = tokenizer.encode(text, add_special_tokens=False)
+        if not again:
+            return ids
         if len(again) <= n:
-            break
-        text = tokenizer.decode(again[: n - (len(again) - n)])
-    return text
+            return text
+        text = tokenizer.decode(again[: max(1, 2 * n - len(again))])
+    return text if len(tokenizer.encode(text, add_special_tokens=False)) <= n else ids
 
 
 def measure_e2e(llm, test: TestSpec, batch: int, seed: int = 0) -> E2EResult:
