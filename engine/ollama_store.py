@@ -43,7 +43,7 @@ DEFAULT_NAMESPACE = "library"
 DEFAULT_TAG = "latest"
 MEDIA_PREFIX = "application/vnd.ollama.image."
 MODEL_MEDIA = MEDIA_PREFIX + "model"
-GGUF_MAGIC = b"GGUF"
+GGUF_MAGIC = b"GGUF"  # as engine.loader.gguf_header.MAGIC; not imported: that package pulls in torch
 # Where Ollama's Linux service (installed by its script) keeps the store: named in the
 # "no store" error because it is the usual reason ~/.ollama/models is absent on Linux.
 SYSTEM_STORE = Path("/usr/share/ollama/.ollama/models")

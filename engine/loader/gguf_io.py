@@ -46,14 +46,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from llmsys.engine.loader.gguf_header import GGUFHeader, TensorEntry, read_bytes, read_header
+from llmsys.engine.loader.gguf_header import MAGIC, GGUFHeader, TensorEntry, read_bytes, read_header
 from llmsys.kernels import pack_int4, unpack_int4
 from llmsys.kernels.common.errors import CheckpointError, UnsupportedModelError
 
 if TYPE_CHECKING:
     from llmsys.offload.plan import WeightBytes
 
-MAGIC = b"GGUF"
 # llama.cpp architecture -> (HF model_type, HF architectures entry, q/k rows interleaved in the file)
 ARCHS: dict[str, tuple[str, str, bool]] = {
     "llama": ("llama", "LlamaForCausalLM", True),
@@ -227,7 +226,7 @@ def hf_config(path: Path, header: GGUFHeader | None = None) -> dict[str, Any]:
 
 
 class GGUFIndex:
-    """The tensors of one GGUF file by HF name: read dequantized, or as int4 codes where exact.
+    """The tensors of one GGUF file by HF name: read dequantized, or as codes where they are exact (:data:`KEPT`).
 
     The loader's ``read(name)``/``name in index`` pair (``materialize``), plus
     :meth:`int4_tensors` / :meth:`int8_block_tensors` for the matrices :meth:`kept` names. ``locate`` is
