@@ -61,10 +61,12 @@ class LLM:
         if self.loaded.device.type == "cpu":
             _report_cpu_kernels()
         formats = self.loaded.stored_formats
-        if config.progress and any("dequantized" in v for v in formats.values()):
-            # Block formats without an exact llmsys layout take more memory than on disk: say so once.
+        if config.progress and any(v.startswith("dequantized to") for v in formats.values()):
+            # Block formats without an exact llmsys layout take more memory than on disk: say so once, and how
+            # to halve it (int8:g32 re-quantizes only those matrices; the kept codes stay as they are).
             said = "; ".join(f"{k} -> {v}" for k, v in formats.items())
-            print(f"notice: {r.path.name}: {said}", file=sys.stderr)
+            print(f"notice: {r.path.name}: {said} (--quant int8:g32 stores the dequantized matrices in half "
+                  "the memory)", file=sys.stderr)
         prepare(self.loaded, config, self.offload)
         # Loading (quantizing at load most of all: every float weight is replaced) leaves tensors the model no
         # longer holds in reference cycles, alive until the cyclic collector next runs: a bf16 SmolLM2-135M

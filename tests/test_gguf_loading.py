@@ -399,7 +399,50 @@ def test_quant_int8_g32_keeps_every_block_format_it_can(families, tmp_path):
     a, b = as4.model.model.layers[0].mlp.up_proj, llm.loaded.model.model.layers[0].mlp.up_proj
     assert isinstance(a, Int4Linear) and isinstance(b, Int8BlockLinear)
     assert torch.equal(a.dequantize(), b.dequantize())
-    assert set(llm.memory_report().stored_formats.values()) == {"bfloat16; matrices quantized to int8:g32 (--quant)",
-                                                                "int8:g32, codes as stored"}
+    assert set(llm.memory_report().stored_formats.values()) == {"bfloat16", "int8:g32, codes as stored"}  # F32: norms
     hf = LLM(str(families["llama"]), device="cpu", progress=False, kv_cache_tokens=64, quant="int8:g32")
     assert any(isinstance(m, Int8BlockLinear) for m in hf.loaded.model.modules())
+
+
+def test_the_header_parser_reads_what_the_gguf_package_reads(tmp_path):
+    """engine.loader.gguf_header (struct over the header, no tensor map) against gguf.GGUFReader on a file
+    with every value type, string and numeric arrays, and tensors of several types: the same fields,
+    tensor table, offsets and bytes."""
+    from llmsys.engine.loader.gguf_header import read_bytes, read_header
+
+    out = tmp_path / "all.gguf"
+    w = gguf.GGUFWriter(str(out), "llama")
+    w.add_uint8("t.u8", 7)
+    w.add_int16("t.i16", -3)
+    w.add_uint32("t.u32", 1 << 31)
+    w.add_int64("t.i64", -(1 << 40))
+    w.add_float32("t.f32", 0.1)
+    w.add_float64("t.f64", 1e-300)
+    w.add_bool("t.bool", True)
+    w.add_string("t.str", "héllo ✓")
+    w.add_array("t.strs", ["a", "", "日本", "<0x0A>"])
+    w.add_array("t.ints", [1, -2, 3])
+    w.add_array("t.floats", [0.5, -1.25])
+    rng = np.random.default_rng(0)
+    w.add_tensor("a", rng.standard_normal((3, 64)).astype(np.float32))
+    w.add_tensor("b", rng.standard_normal((2, 32)).astype(np.float16))
+    q = gguf.quants.quantize(rng.standard_normal((4, 64)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor("c", q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ref = gguf.GGUFReader(str(out))
+    h = read_header(out)
+    for key, f in ref.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        want, got = f.contents(), h.fields[key]
+        if isinstance(got, np.ndarray):
+            got = got.tolist()
+        assert got == pytest.approx(want) if isinstance(want, float) else got == want, key
+    assert [t.name for t in h.tensors] == [t.name for t in ref.tensors]
+    for t, r in zip(h.tensors, ref.tensors):
+        assert (t.shape, t.qtype, t.offset, t.nbytes) == (tuple(int(s) for s in r.shape), int(r.tensor_type),
+                                                          int(r.data_offset), int(r.n_bytes))
+        assert read_bytes(out, t).tobytes() == np.asarray(r.data).tobytes()

@@ -265,9 +265,9 @@ class GGUFIndex:
     def locate(self, name: str) -> None:
         return None
 
-    def qtypes(self) -> Counter[str]:
-        """How many tensors of each GGUF type the model reads."""
-        return Counter(_qtype(t) for t in self._tensors.values())
+    def qtypes(self, matrices_only: bool = False) -> Counter[str]:
+        """How many tensors (or 2-D ones only) of each GGUF type the model reads."""
+        return Counter(_qtype(t) for t in self._tensors.values() if not matrices_only or len(t.shape) == 2)
 
     def weight_bytes(self, dtype: torch.dtype) -> WeightBytes:
         """Run-time bytes per weight of the matrices as loaded without ``--quant`` (Q4_0 kept as
@@ -449,12 +449,13 @@ def conversions(index: GGUFIndex, dtype: torch.dtype, make_linear: Any = None) -
     spec = getattr(make_linear, "spec", None)
     dt = str(dtype).removeprefix("torch.")
     out: dict[str, str] = {}
+    matrices = index.qtypes(matrices_only=True)
     for qtype, n in sorted(index.qtypes().items()):
         target = kept_as(qtype, spec)
         if target is not None:
             what = f"{target}, codes as stored"
         elif qtype in ("F32", "F16", "BF16"):
-            what = dt if spec is None else f"{dt}; matrices quantized to {spec.name} (--quant)"
+            what = dt if spec is None or not matrices[qtype] else f"{dt}; matrices quantized to {spec.name} (--quant)"
         elif spec is None:
             what = f"dequantized to {dt}"
         else:
