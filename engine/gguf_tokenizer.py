@@ -94,7 +94,7 @@ _PRE_TOKENIZERS: Mapping[str, _PreTokenizer] = MappingProxyType({
 _VOCAB_KINDS = ("llama (SentencePiece BPE)", "gpt2 (byte-level BPE)")
 # SentencePiece files whose architecture needs a conversion this module does not do.
 _UNSUPPORTED_SPM_ARCHS = frozenset({"gemma", "gemma2", "gemma3", "gemma3n"})
-_FIX = "pass the model's Hugging Face directory (tokenizer.json) as the tokenizer instead"
+_FIX = "run the model's Hugging Face directory (config.json + tokenizer.json) instead"
 
 
 @dataclass(frozen=True)
