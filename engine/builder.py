@@ -101,7 +101,7 @@ def place(r: Resolved, ck: Checkpoint) -> Placement:
         tokens = pool_tokens(max_len, c.max_num_seqs, per_tok, budgets.gpu if budgets.gpu is not None else budgets.cpu)
     work = Workload(batch=c.plan_batch, kv_tokens=tokens + c.block_size,
                     max_batched_tokens=c.max_num_batched_tokens, kv_cold_tokens=c.offload_tokens(per_tok))
-    # A GGUF loaded as stored mixes kept int4 codes and dequantized matrices: the planner gets their real mix.
+    # A GGUF loaded as stored mixes kept codes (int4, int8) and dequantized matrices: the planner gets their mix.
     bpw = ck.index.weight_bytes(r.dtype) if ck.is_gguf and c.quant.method == "none" else None
     plan, _ = plan_for(ck.model, r.dtype, budgets, work, c.quant.method, max_seqs=c.max_num_seqs, force=c.placement,
                        bytes_per_weight=bpw)

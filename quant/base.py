@@ -159,6 +159,14 @@ class QuantLinear(nn.Module):
             c = self._decode_cache = (key, build())
         return c[1]
 
+    def _int8_decode_weight(self, family: KernelFamily, tensors: tuple[torch.Tensor, ...], build) -> DecodeWeight | None:
+        """The int8 formats' ``decode_weight``: ``build(*tensors, bias)`` when this layer's kernel is ``family`` and
+        its bias (if any) is bf16 -- what the fused decode layers add -- else None; cached by address."""
+        bias = self._buffers["bias"]
+        if self._kernel.family is not family or (bias is not None and bias.dtype != torch.bfloat16):
+            return None
+        return self._decode_cached((*tensors, bias), lambda: build(*tensors, bias))
+
     def _a8_input(self, x2: torch.Tensor) -> torch.Tensor:
         """``x2 [M, K]`` as the C a8 GEMVs take it: bf16 (float32 inputs cast), unit column stride, K checked."""
         xb = x2 if x2.dtype == torch.bfloat16 else x2.to(torch.bfloat16)
@@ -194,6 +202,16 @@ class QuantLinear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, nbytes={self.nbytes()}, kernel={self.kernel.name!r}"
         )
+
+
+def rows_joinable(cls: type, layers: list[QuantLinear]) -> tuple[bool, torch.Tensor | None]:
+    """For ``cat_rows`` of per-row formats: (are ``layers`` all ``cls`` of one input width, all with a bias
+    or none?, their biases concatenated or None)."""
+    first = layers[0]
+    if any(type(m) is not cls or m.in_features != first.in_features or (m.bias is None) != (first.bias is None)
+           for m in layers):
+        return False, None
+    return True, torch.cat([m.bias for m in layers]) if first.bias is not None else None
 
 
 def kernel_counts(model: nn.Module) -> dict[str, int]:

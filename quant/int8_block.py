@@ -19,7 +19,15 @@ import torch.nn.functional as F
 
 from llmsys.kernels import DecodeWeight, int8g_decode_weight, int8g_gemv_a8, quant_matmul_support
 from llmsys.kernels.common.errors import CheckpointError
-from llmsys.quant.base import PACKED_MAX_ROWS, TORCH_DEQUANT, KernelFamily, MatmulKernel, QuantLinear, require
+from llmsys.quant.base import (
+    PACKED_MAX_ROWS,
+    TORCH_DEQUANT,
+    KernelFamily,
+    MatmulKernel,
+    QuantLinear,
+    require,
+    rows_joinable,
+)
 from llmsys.quant.int4 import DEQUANT_CHUNK_BYTES
 
 BLOCK = 32  # input columns per scale
@@ -76,12 +84,9 @@ class Int8BlockLinear(QuantLinear):
     @classmethod
     def cat_rows(cls, layers: list[QuantLinear]) -> "Int8BlockLinear | None":
         """Rows side by side (q|k|v, gate|up): each output row is computed from its own codes and scales."""
-        if any(type(m) is not cls or m.in_features != layers[0].in_features for m in layers):
+        ok, bias = rows_joinable(cls, layers)
+        if not ok:
             return None
-        biased = [m.bias is not None for m in layers]
-        if any(b != biased[0] for b in biased):
-            return None
-        bias = torch.cat([m.bias for m in layers]) if biased[0] else None
         return cls(torch.cat([m.qweight for m in layers]), torch.cat([m.block_scales for m in layers], dim=1), bias)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -98,11 +103,8 @@ class Int8BlockLinear(QuantLinear):
     def decode_weight(self) -> DecodeWeight | None:
         """The C a8 weight when :meth:`_matmul` on bf16 inputs runs ``int8g_gemv_a8``."""
         buf = self._buffers
-        bias = buf["bias"]
-        if self._kernel.family is not KernelFamily.C_INT8_BLOCK or (bias is not None and bias.dtype != torch.bfloat16):
-            return None
-        q, d = buf["qweight"], buf["block_scales"]
-        return self._decode_cached((q, d, bias), lambda: int8g_decode_weight(q, d, bias))
+        return self._int8_decode_weight(KernelFamily.C_INT8_BLOCK, (buf["qweight"], buf["block_scales"]),
+                                        int8g_decode_weight)
 
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
         buf = self._buffers

@@ -22,6 +22,7 @@ from llmsys.quant.base import (
     check_weight,
     quantize_rows,
     require,
+    rows_joinable,
 )
 from llmsys.quant.int4 import DEQUANT_CHUNK_BYTES, bf16_ceil
 
@@ -124,12 +125,9 @@ class Int8Linear(_PerRowLinear):
     def cat_rows(cls, layers: list[QuantLinear]) -> "Int8Linear | None":
         """Rows concatenated: every kernel here (the C GEMV, the weight-first GEMM, dequantize +
         GEMM) computes each output row from its own codes and scale alone."""
-        if any(type(m) is not cls or m.in_features != layers[0].in_features for m in layers):
+        ok, bias = rows_joinable(cls, layers)
+        if not ok:
             return None
-        biased = [m.bias is not None for m in layers]
-        if any(b != biased[0] for b in biased):
-            return None
-        bias = torch.cat([m.bias for m in layers]) if biased[0] else None
         return cls(torch.cat([m.qweight for m in layers]), torch.cat([m.scales for m in layers]), bias)
 
     DECODE_MAX_ROWS = PACKED_MAX_ROWS
@@ -137,11 +135,7 @@ class Int8Linear(_PerRowLinear):
     def decode_weight(self) -> DecodeWeight | None:
         """The C a8 weight when :meth:`_matmul` on decode-sized bf16 inputs runs ``int8_gemv_a8``."""
         buf = self._buffers
-        bias = buf["bias"]
-        if self._kernel.family is not KernelFamily.C_INT8 or (bias is not None and bias.dtype != torch.bfloat16):
-            return None
-        q, scales = buf["qweight"], buf["scales"]
-        return self._decode_cached((q, scales, bias), lambda: int8_decode_weight(q, scales, bias))
+        return self._int8_decode_weight(KernelFamily.C_INT8, (buf["qweight"], buf["scales"]), int8_decode_weight)
 
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
         buf = self._buffers  # read directly: nn.Module.__getattr__ costs ~1 us a buffer on the decode path

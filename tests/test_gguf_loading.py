@@ -446,3 +446,114 @@ def test_the_header_parser_reads_what_the_gguf_package_reads(tmp_path):
         assert (t.shape, t.qtype, t.offset, t.nbytes) == (tuple(int(s) for s in r.shape), int(r.tensor_type),
                                                           int(r.data_offset), int(r.n_bytes))
         assert read_bytes(out, t).tobytes() == np.asarray(r.data).tobytes()
+
+
+def _rewrite(src: Path, out: Path, fields: dict | None = None, drop: tuple[str, ...] = (),
+             rename: dict[str, str] | None = None, arch: str = "llama") -> Path:
+    """``src`` written again with metadata ``fields`` set (``(value, GGUFValueType)``), keys in ``drop`` left
+    out and tensors renamed per ``rename``: the bad files of the tests below, made from a good one."""
+    r = gguf.GGUFReader(str(src))
+    w = gguf.GGUFWriter(str(out), arch)
+    for key, f in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture" or key in drop or key in (fields or {}):
+            continue
+        _copy_field(w, key, f)
+    for key, (value, vt) in (fields or {}).items():
+        w.add_key_value(key, value, vt)
+    for t in r.tensors:
+        w.add_tensor((rename or {}).get(t.name, t.name), np.array(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def test_unsupported_gguf_contents_get_one_line_errors(families, tmp_path):
+    """Each way a GGUF can hold what llmsys does not run fails at load, naming the file and the reason."""
+    good = export_float(families["llama"], tmp_path / "good.gguf", "f32")
+    U32, STR = gguf.GGUFValueType.UINT32, gguf.GGUFValueType.STRING
+    cases = [
+        (dict(fields={"llama.rope.dimension_count": (8, U32)}), UnsupportedModelError, r"partial RoPE \(8 of 16 dims\)"),
+        (dict(fields={"llama.rope.scaling.type": ("yarn", STR)}), UnsupportedModelError, r"rope scaling 'yarn'"),
+        (dict(rename={"blk.0.ffn_up.weight": "blk.0.ffn_up_exps.weight"}), UnsupportedModelError,
+         r"tensor blk\.0\.ffn_up_exps\.weight has no llmsys counterpart"),
+        (dict(drop=("llama.vocab_size", "tokenizer.ggml.tokens"), rename={"token_embd.weight": "token_embd2.weight"}),
+         CheckpointError, r"cannot tell the vocabulary size"),
+    ]
+    for i, (how, exc, msg) in enumerate(cases):
+        bad = _rewrite(good, tmp_path / f"bad{i}.gguf", **how)
+        with pytest.raises(exc, match=rf"bad{i}\.gguf: .*{msg}"):
+            load_model(bad, dtype="float32", device="cpu")
+
+
+def test_bad_gguf_headers_get_one_line_errors(tmp_path):
+    """The header parser's own errors: a version it does not read, a tensor type it does not know."""
+    from llmsys.engine.loader.gguf_header import read_header
+
+    v1 = tmp_path / "v1.gguf"
+    v1.write_bytes(b"GGUF" + (1).to_bytes(4, "little") + bytes(16))
+    with pytest.raises(CheckpointError, match=r"v1\.gguf: GGUF version 1 is not supported"):
+        read_header(v1)
+    t = tmp_path / "type.gguf"  # one kv-less header with a tensor of type 250
+    name = b"x"
+    body = (b"GGUF" + (3).to_bytes(4, "little") + (1).to_bytes(8, "little") + (0).to_bytes(8, "little")
+            + len(name).to_bytes(8, "little") + name + (1).to_bytes(4, "little") + (32).to_bytes(8, "little")
+            + (250).to_bytes(4, "little") + (0).to_bytes(8, "little"))
+    t.write_bytes(body + bytes(64))
+    with pytest.raises(CheckpointError, match=r"type\.gguf: tensor x has unknown ggml type 250"):
+        read_header(t)
+    other = tmp_path / "model.txt"
+    other.write_bytes(b"not a model")
+    with pytest.raises(CheckpointError, match=r"model\.txt: expected a model directory \(with config.json\), a GGUF file"):
+        load_model(other, dtype="float32", device="cpu")
+
+
+def test_freq_factors_of_the_wrong_length_and_block_tensors_that_disagree():
+    from llmsys.kernels import rope_inv_freq
+    from llmsys.quant import Int8BlockLinear
+
+    with pytest.raises(ValueError, match="3 rope frequency factors for head_dim 16, expected 8"):
+        rope_inv_freq(16, 10000.0, {"rope_type": "freq_factors", "factors": [1.0, 2.0, 3.0]})
+    with pytest.raises(CheckpointError, match=r"int8 block tensors disagree: .*expected int8 \[N, K\] and \[2, 4\]"):
+        Int8BlockLinear(torch.zeros(4, 64, dtype=torch.int8), torch.zeros(4, 2, dtype=torch.float16), None)
+
+
+@needs_llama_cpp
+def test_bench_vs_llama_cpp_on_a_gguf_runs_that_file(families, tmp_path):
+    """``--vs llama.cpp`` on a GGUF model is that very file; asking for another format of it is an error."""
+    from llmsys.engine.bench import llamacpp
+    from llmsys.kernels.common.errors import InvalidParameterError
+
+    path = export_float(families["llama"], tmp_path / "m.gguf", "f16")
+    assert llamacpp.prepare(path, torch.bfloat16, "none") == (path, "gguf")
+    with pytest.raises(InvalidParameterError, match=r"m\.gguf is a GGUF file, run as it is; use --vs llama\.cpp"):
+        llamacpp.prepare(path, torch.bfloat16, "none", "llama.cpp:q4_0")
+
+
+def test_int8_g32_checkpoints_round_trip_and_a_wrong_shape_is_named(families, tmp_path):
+    """``llmsys quantize --quant int8:g32`` writes a directory that loads back as Int8BlockLinear with the
+    same tokens as quantizing at load; a block_scales tensor of the wrong shape fails naming it."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file, save_file
+
+    from llmsys import LLM, SamplingParams
+    from llmsys.quant import Int8BlockLinear
+
+    out = tmp_path / "q"
+    subprocess.run([sys.executable, "-m", "llmsys.engine.cli.main", "quantize", str(families["llama"]), "--quant",
+                    "int8:g32", "-o", str(out)], check=True, capture_output=True)
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    ids = _ids(10)
+    stored = LLM(str(out), device="cpu", progress=False, kv_cache_tokens=64)
+    at_load = LLM(str(families["llama"]), device="cpu", progress=False, kv_cache_tokens=64, quant="int8:g32")
+    assert any(isinstance(m, Int8BlockLinear) for m in stored.loaded.model.modules())
+    assert stored.generate(ids, sp)[0].token_ids == at_load.generate(ids, sp)[0].token_ids
+    t = load_file(str(out / "model.safetensors"))
+    key = "model.layers.0.mlp.down_proj.block_scales"
+    t[key] = t[key][:1].contiguous()
+    save_file(t, str(out / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=rf"tensor {key} has shape \(1, 64\), expected \(3, 64\)"):
+        LLM(str(out), device="cpu", progress=False, kv_cache_tokens=64)

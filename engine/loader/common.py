@@ -344,12 +344,11 @@ def materialize_checkpoint(ck: Checkpoint, make_linear: MakeLinear | None = None
     """Read the weights into ``ck.model``; ``offload`` (an OffloadRuntime planned on the meta
     model) leaves streamed tensors on disk (see :func:`materialize`)."""
     p, model, dt, dev = ck.path, ck.model, ck.dtype, ck.device
-    if ck.is_gguf:  # Q4_0 matrices as int4 codes, every other tensor dequantized (gguf_io)
+    formats: dict[str, str] = {}
+    if ck.is_gguf:  # Q4_0 / Q8_0 / Q5_0 matrices keep their codes, every other tensor dequantized (gguf_io)
         from llmsys.engine.loader.gguf_io import conversions, materialize_gguf
 
         materialize_gguf(model, ck.index, dt, dev, make_linear, progress, offload)
-        a = model.args
-        gen = {"bos_token_id": a.bos_token_id, "eos_token_id": list(a.eos_token_id)}
         formats = conversions(ck.index, dt, make_linear)
     elif ck.prequantized:  # llmsys / AWQ / GPTQ: rebuild quantized layers as stored
         from llmsys.engine.loader.quantized import load_quantized_into
@@ -360,7 +359,9 @@ def materialize_checkpoint(ck: Checkpoint, make_linear: MakeLinear | None = None
     else:
         materialize(model, ck.index.read, ck.index.__contains__, dt, dev, p, make_linear, progress, offload)
     model.eval()
-    if not ck.is_gguf:
+    a = model.args
+    if ck.is_gguf:  # the special ids come from the file's metadata (its config)
+        gen = {"bos_token_id": a.bos_token_id, "eos_token_id": list(a.eos_token_id)}
+    else:
         gen = read_json(p / "generation_config.json") if (p / "generation_config.json").exists() else {}
-        formats = {}
     return LoadedModel(model, model.args, ck.family, p, p, dt, dev, ck.config, gen, formats)
