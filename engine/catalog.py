@@ -7,26 +7,14 @@ needs (weights, config, tokenizer), so a pull never fetches duplicate
 ``.bin``/``original/`` weights, and ``llmsys models`` can show sizes and
 licences before anything is downloaded.
 
-Downloads are atomic: files land in a temporary directory next to the final
-one and are renamed into place only when every file is complete, so a failed
-or interrupted pull never leaves a half-populated model directory that a
-later ``llmsys run NAME`` would mistake for a usable checkpoint.
+The download itself (atomic, resumable, the same for a catalog name and an
+arbitrary ``org/repo``) lives in :mod:`llmsys.engine.hub`; this module says
+what a name means: which repo, which files, which local directory.
 """
 
 from __future__ import annotations
 
 import difflib
-import importlib
-import inspect
-import json
-import os
-import shutil
-import struct
-import sys
-import tempfile
-import urllib.error
-import urllib.request
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,16 +24,12 @@ try:  # Python >= 3.11
 except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-from llmsys.engine import ollama_store
+from llmsys.engine import hub, ollama_store
 from llmsys.kernels.common.units import format_bytes
-from llmsys.kernels.common.errors import HubError, LLMSysError, ModelNotFoundError
+from llmsys.kernels.common.errors import LLMSysError, ModelNotFoundError
 from llmsys.kernels.common.paths import llmsys_home
 
 CATALOG_FILENAME = "models.toml"
-DEFAULT_ENDPOINT = "https://huggingface.co"
-# Written into a model directory once every file has arrived; records the
-# sizes so that `is_downloaded` can spot a file truncated or replaced later.
-PULL_MANIFEST = ".llmsys-pull.json"
 _REQUIRED = {
     "repo": str,
     "files": list,
@@ -191,51 +175,9 @@ def local_path(entry: CatalogEntry) -> Path:
     return llmsys_home() / "models" / entry.name
 
 
-def _safetensors_complete(path: Path) -> bool:
-    """True when the file is as long as its own header says it should be.
-
-    A truncated download is the common corruption; checking the header's
-    largest data offset against the file size catches it without reading
-    the weights.
-    """
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            if n <= 0 or 8 + n > size:
-                return False
-            header = json.loads(fh.read(n))
-        ends = [
-            info["data_offsets"][1]
-            for key, info in header.items()
-            if key != "__metadata__"
-        ]
-        return size == 8 + n + max(ends, default=0)
-    except (OSError, ValueError, KeyError, TypeError, IndexError, struct.error):
-        return False
-
-
 def is_downloaded(entry: CatalogEntry) -> bool:
     """All of the entry's files are present and complete in :func:`local_path`."""
-    root = local_path(entry)
-    if not root.is_dir():
-        return False
-    try:
-        manifest = json.loads((root / PULL_MANIFEST).read_text()).get("files", {})
-    except (OSError, ValueError, AttributeError):
-        manifest = {}  # placed there by hand (e.g. `hf download --local-dir`)
-    for name in entry.files:
-        path = root / name
-        if not path.is_file():
-            return False
-        size = path.stat().st_size
-        if name in manifest and manifest[name] != size:
-            return False
-        if size == 0 and not name.endswith(".json"):
-            return False
-        if name.endswith(".safetensors") and not _safetensors_complete(path):
-            return False
-    return True
+    return hub.is_complete(local_path(entry), entry.files)
 
 
 def resolve_model(spec: str) -> Path:
@@ -260,6 +202,14 @@ def resolve_model(spec: str) -> Path:
             f"model {entry.name} is not downloaded yet; run `llmsys pull {entry.name}` "
             f"(~{format_bytes(entry.size_bytes)} from {entry.repo} into {local_path(entry)})"
         )
+    ref = hub.RepoRef.parse(spec)
+    if ref is not None:
+        if hub.is_complete(ref.local_path()):
+            return ref.local_path()
+        raise ModelNotFoundError(
+            f"{spec} is not downloaded yet; run `llmsys pull {ref.spec}` "
+            f"(from the Hugging Face Hub into {ref.local_path()})"
+        )
     folded = {key.lower(): key for key in catalog}
     close = difflib.get_close_matches(spec.lower(), list(folded), n=1, cutoff=0.6)
     hint = f"; did you mean {folded[close[0]]}?" if close else ""
@@ -274,152 +224,34 @@ def resolve_model(spec: str) -> Path:
 # --------------------------------------------------------------------------
 
 
-def _resolve_endpoint(endpoint: str | None) -> str:
-    """--endpoint, else $HF_ENDPOINT, else the public Hub (read at call time)."""
-    return (endpoint or os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
+def download_for(model: str | CatalogEntry) -> hub.Download:
+    """What pulling ``model`` fetches: a catalog entry's files, or an ``org/repo[@rev]``'s.
 
-
-def _unreachable(endpoint: str, reason: str) -> HubError:
-    return HubError(
-        f"cannot reach the hub at {endpoint} ({reason}); check the network or "
-        "--endpoint/HF_ENDPOINT, or load a local directory instead: "
-        "llmsys run /path/to/model-dir ..."
-    )
-
-
-def _offline_requested() -> bool:
-    flags = (os.environ.get("HF_HUB_OFFLINE"), os.environ.get("TRANSFORMERS_OFFLINE"))
-    return any((v or "").strip().upper() in ("1", "ON", "YES", "TRUE") for v in flags)
-
-
-def _check_reachable(endpoint: str, timeout: float = 10.0) -> None:
-    """Fail fast when the endpoint does not answer at all.
-
-    huggingface_hub retries connection errors with back-off for ~25 s per
-    file before giving up; one direct probe (honouring proxy variables) turns
-    "offline" into an immediate, clear error. Any HTTP answer counts as
-    reachable: the per-file requests report what is actually missing.
+    A catalog name wins over a repo id of the same shape (catalog names hold no
+    ``/``, so the two never collide in practice).
     """
-    request = urllib.request.Request(endpoint + "/", method="HEAD")
-    try:
-        with urllib.request.urlopen(request, timeout=timeout):
-            pass
-    except urllib.error.HTTPError:
-        return  # the server answered
-    except urllib.error.URLError as exc:
-        raise _unreachable(endpoint, str(getattr(exc, "reason", exc))) from None
-    except (OSError, ValueError) as exc:  # timeouts, resets, malformed URLs
-        raise _unreachable(endpoint, str(exc) or type(exc).__name__) from None
-
-
-def _network_errors() -> tuple[type[BaseException], ...]:
-    """Transport-level exception types of whichever HTTP client hf uses."""
-    found: list[type[BaseException]] = [ConnectionError, TimeoutError]
-    for module, names in (
-        ("httpx2", ("TransportError",)),
-        ("httpx", ("TransportError",)),
-        ("requests", ("ConnectionError", "Timeout")),
-    ):
-        mod = sys.modules.get(module)  # only clients already in use
-        for attr in names:
-            cls = getattr(mod, attr, None) if mod is not None else None
-            if isinstance(cls, type) and issubclass(cls, BaseException):
-                found.append(cls)
-    return tuple(found)
-
-
-def _hf_errors() -> Any:
-    try:
-        return importlib.import_module("huggingface_hub.errors")
-    except ModuleNotFoundError:  # huggingface_hub < 0.24
-        return importlib.import_module("huggingface_hub.utils")
-
-
-def _quiet_tqdm() -> type:
-    from tqdm.auto import tqdm
-
-    class QuietTqdm(tqdm):  # a non-HF tqdm class: hf passes no `disable`
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            kwargs["disable"] = True
-            super().__init__(*args, **kwargs)
-
-    return QuietTqdm
-
-
-def _download_one(
-    entry: CatalogEntry, remote: str, directory: Path, endpoint: str, show_progress: bool
-) -> Path:
-    """hf_hub_download one file, mapping hub failures onto one-line HubErrors."""
-    from huggingface_hub import hf_hub_download
-
-    errors = _hf_errors()
-    kwargs: dict[str, Any] = {}
-    if "tqdm_class" in inspect.signature(hf_hub_download).parameters and not show_progress:
-        kwargs["tqdm_class"] = _quiet_tqdm()
-    where = f"{entry.repo}/{remote}"
-    local_missing = getattr(errors, "LocalEntryNotFoundError")
-    remote_missing = getattr(errors, "RemoteEntryNotFoundError", None) or errors.EntryNotFoundError
-    offline = getattr(errors, "OfflineModeIsEnabled", ConnectionError)
-    try:
-        got = hf_hub_download(
-            repo_id=entry.repo,
-            filename=remote,
-            revision=entry.revision,
-            local_dir=directory,
-            endpoint=endpoint,
-            **kwargs,
+    if isinstance(model, CatalogEntry):
+        entry: CatalogEntry | None = model
+    else:
+        entry = find_entry(model)
+    if entry is not None:
+        return hub.Download(
+            name=entry.name, repo=entry.repo, revision=entry.revision, dest=local_path(entry),
+            files=entry.files, subfolder=entry.subfolder,
         )
-    except errors.GatedRepoError:
-        raise HubError(
-            f"{entry.repo} is gated: accept its licence at {endpoint}/{entry.repo}, log in with "
-            f"`hf auth login` (or set HF_TOKEN), then rerun `llmsys pull {entry.name}`"
-        ) from None
-    except errors.RepositoryNotFoundError:
-        raise HubError(
-            f"repository {entry.repo} not found at {endpoint} (or it is private and no token "
-            f"was given); check its repo id in models.toml or log in with `hf auth login`"
-        ) from None
-    except errors.RevisionNotFoundError:
-        raise HubError(
-            f"revision {entry.revision} of {entry.repo} not found at {endpoint}; "
-            "fix 'revision' in models.toml"
-        ) from None
-    except (local_missing, offline) as exc:
-        raise _unreachable(endpoint, f"while fetching {where}: {type(exc).__name__}") from None
-    except remote_missing:
-        raise HubError(
-            f"file {remote} not found in repo {entry.repo} at {endpoint}; the models.toml "
-            f"entry {entry.name} lists a file the repo does not have"
-        ) from None
-    except errors.HfHubHTTPError as exc:
-        status = getattr(getattr(exc, "response", None), "status_code", "?")
-        raise HubError(
-            f"the hub at {endpoint} answered HTTP {status} for {where}; retry later"
-        ) from None
-    except _network_errors() as exc:
-        raise _unreachable(endpoint, f"while fetching {where}: {type(exc).__name__}") from None
-    return Path(got)
+    ref = hub.RepoRef.parse(str(model))
+    if ref is None:
+        raise ModelNotFoundError(
+            f"{model} is neither a model name in models.toml (`llmsys models` lists them) "
+            "nor a Hugging Face repo id like org/name[@revision]"
+        )
+    return hub.Download(name=ref.spec, repo=ref.repo, revision=ref.revision, dest=ref.local_path())
 
 
-def _remove_empty_dirs(path: Path, stop: Path) -> None:
-    """rmdir `path` and its parents up to (not including) `stop` while empty."""
-    while path != stop and stop in path.parents:
-        try:
-            path.rmdir()
-        except OSError:
-            return
-        path = path.parent
-
-
-def _replace_dir(src: Path, dest: Path) -> None:
-    """Move the finished download into place, swapping out any stale copy."""
-    if not dest.exists():
-        src.rename(dest)
-        return
-    stale = dest.with_name(f".stale-{dest.name}-{uuid.uuid4().hex[:8]}")
-    dest.rename(stale)
-    src.rename(dest)
-    shutil.rmtree(stale, ignore_errors=True)
+def is_pulled(model: str) -> bool:
+    """``model`` (catalog name or repo id) is downloaded completely."""
+    d = download_for(model)
+    return hub.is_complete(d.dest, d.files)
 
 
 def pull(
@@ -428,68 +260,13 @@ def pull(
     endpoint: str | None = None,
     progress: bool = True,
 ) -> Path:
-    """Download a catalog model into :func:`local_path` and return that path.
+    """Download a catalog model or a Hugging Face repo; return its local directory.
 
-    ``model`` is a catalog name or an explicit :class:`CatalogEntry` (tests
-    and custom catalogs). A model already complete on disk is not fetched
-    again. Progress bars appear only when ``progress`` and stderr is a TTY.
+    ``model`` is a catalog name, an ``org/repo[@revision]`` of any repo with a
+    supported architecture, or an explicit :class:`CatalogEntry` (tests and
+    custom catalogs). A model already complete on disk is not fetched again.
     """
-    if isinstance(model, CatalogEntry):
-        entry = model
-    else:
-        catalog = load_catalog()
-        found = find_entry(model, catalog)
-        if found is None:
-            raise ModelNotFoundError(
-                f"{model} is not a model name in models.toml; `llmsys models` lists them"
-            )
-        entry = found
-    dest = local_path(entry)
-    if is_downloaded(entry):
-        return dest
-    url = _resolve_endpoint(endpoint)
-    if _offline_requested():
-        raise _unreachable(url, "HF_HUB_OFFLINE is set")
-    _check_reachable(url)
-
-    show = progress and sys.stderr.isatty()
-    try:
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        # Same directory as `dest` so the final rename is atomic (one filesystem).
-        tmp = Path(tempfile.mkdtemp(prefix=f".pull-{entry.name}-", dir=dest.parent))
-    except OSError as exc:
-        raise LLMSysError(
-            f"cannot create {dest.parent}: {exc.strerror or exc}; set LLMSYS_HOME to a writable directory"
-        ) from None
-    try:
-        sizes: dict[str, int] = {}
-        for i, name in enumerate(entry.files, 1):
-            remote = f"{entry.subfolder}/{name}" if entry.subfolder else name
-            if show:
-                print(f"[{i}/{len(entry.files)}] {entry.repo}/{remote}", file=sys.stderr)
-            got = _download_one(entry, remote, tmp, url, show)
-            target = tmp / name
-            if got.resolve() != target.resolve():
-                target.parent.mkdir(parents=True, exist_ok=True)
-                shutil.move(str(got), target)
-            sizes[name] = target.stat().st_size
-        # hf's local_dir bookkeeping (.cache/huggingface) and emptied subfolders.
-        shutil.rmtree(tmp / ".cache", ignore_errors=True)
-        if entry.subfolder:
-            _remove_empty_dirs(tmp / entry.subfolder, stop=tmp)
-        manifest = {"repo": entry.repo, "revision": entry.revision, "endpoint": url, "files": sizes}
-        (tmp / PULL_MANIFEST).write_text(json.dumps(manifest, indent=1))
-        if is_downloaded(entry):  # a concurrent pull finished first
-            shutil.rmtree(tmp, ignore_errors=True)
-            return dest
-        _replace_dir(tmp, dest)
-    except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise LLMSysError(
-            f"cannot write {entry.name} under {dest.parent}: {exc.strerror or exc}; "
-            "free disk space or set LLMSYS_HOME to another disk"
-        ) from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return dest
+    d = download_for(model)
+    if hub.is_complete(d.dest, d.files):
+        return d.dest
+    return hub.download(d, endpoint=endpoint, progress=progress)

@@ -3,8 +3,9 @@
 The fake hub is a real HTTP server on a loopback port that answers the
 Hub's file-resolve route (`/{repo_id}/resolve/{revision}/{filename}`) with the
 headers huggingface_hub's `hf_hub_download` reads (X-Repo-Commit, ETag,
-Content-Length; X-Error-Code on errors), so `pull` runs the genuine
-huggingface_hub download code end to end.
+Content-Length; X-Error-Code on errors), and the two API routes a pull lists
+the repo with (model info at a revision, the file tree), so `pull` runs the
+genuine huggingface_hub code (`snapshot_download`) end to end.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from safetensors.numpy import save as save_safetensors
 from typer.testing import CliRunner
 
 from llmsys.engine.catalog import (
-    PULL_MANIFEST,
     CatalogEntry,
     is_downloaded,
     load_catalog,
@@ -34,9 +34,11 @@ from llmsys.engine.catalog import (
     resolve_model,
     synthetic_configs,
 )
+from llmsys.engine.hub import PULL_MANIFEST
 from llmsys.engine.cli.models_cmd import models_command, pull_command
 from llmsys.kernels.common.errors import HubError, LLMSysError, ModelNotFoundError
 from llmsys.kernels.common.paths import llmsys_home
+from llmsys.kernels.common.units import format_bytes
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -54,6 +56,7 @@ class _Hub(ThreadingHTTPServer):
     def __init__(self, files: dict[tuple[str, str], bytes]):
         super().__init__(("127.0.0.1", 0), _HubHandler)
         self.files = files  # (repo_id, path in repo) -> content
+        self.revisions: tuple[str, ...] = ("v1.0",)  # branch/tag names besides main
         self.requests: list[str] = []
 
 
@@ -82,6 +85,9 @@ class _HubHandler(BaseHTTPRequestHandler):
         path = urllib.parse.unquote(urllib.parse.urlsplit(self.path).path)
         self.server.requests.append(f"{self.command} {path}")
         parts = path.strip("/").split("/")
+        if parts[:2] == ["api", "models"] and len(parts) >= 6:
+            self._api(parts[2:], send_body)
+            return
         if len(parts) < 5 or parts[2] != "resolve":
             self._reply(404, {}, b"not found", send_body)
             return
@@ -102,6 +108,28 @@ class _HubHandler(BaseHTTPRequestHandler):
             "Accept-Ranges": "bytes",
         }
         self._reply(200, headers, data, send_body)
+
+
+    def _api(self, parts: list[str], send_body: bool):
+        """The two Hub API calls a pull makes: the model's info at a revision
+        (``/api/models/ORG/NAME/revision/REV``) and its file tree
+        (``/api/models/ORG/NAME/tree/REV``), as the Hub shapes them."""
+        repo, kind, revision = "/".join(parts[:2]), parts[2], parts[3]
+        files = {name: data for (r, name), data in self.server.files.items() if r == repo}
+        if not files:
+            self._reply(401, {"X-Error-Code": "RepoNotFound"}, b"Repository not found", send_body)
+            return
+        if revision not in ("main", COMMIT, *self.server.revisions):
+            self._reply(404, {"X-Error-Code": "RevisionNotFound"}, b"Invalid rev id", send_body)
+            return
+        if kind == "revision":
+            body = {"id": repo, "sha": COMMIT, "siblings": [{"rfilename": n} for n in files]}
+        else:
+            body = [
+                {"type": "file", "path": n, "size": len(d), "oid": hashlib.sha1(d).hexdigest()}
+                for n, d in sorted(files.items())
+            ]
+        self._reply(200, {"Content-Type": "application/json"}, json.dumps(body).encode(), send_body)
 
 
 @pytest.fixture
@@ -321,7 +349,10 @@ def test_pull_downloads_byte_identical_files(home, hub, tiny_files):
     assert sorted(p.name for p in path.iterdir()) == sorted([*tiny_files, PULL_MANIFEST])
     assert _leftovers(home) == ["tiny-test"]
     assert is_downloaded(entry)
-    assert any(r.startswith("GET /llmsys-test/tiny-model/resolve/main/") for r in hub.requests)
+    # "main" is resolved once to a commit, and every file comes from that one commit.
+    assert "GET /api/models/llmsys-test/tiny-model/revision/main" in hub.requests
+    resolves = [r for r in hub.requests if "/resolve/" in r]
+    assert resolves and all(f"/resolve/{COMMIT}/" in r for r in resolves)
 
     # A second pull is a no-op: it succeeds even with the hub gone.
     hub.requests.clear()
@@ -451,3 +482,179 @@ def test_pull_command(home, hub, tiny_files):
     )
     assert isinstance(result.exception, HubError)
     assert "cannot reach the hub" in str(result.exception)
+
+
+# --------------------------------------------------------------------------
+# Any Hugging Face repo (org/name[@revision]) and pulling on run/serve/chat
+# --------------------------------------------------------------------------
+
+ANY_REPO = "some-org/stories-hf"
+
+
+def _serve_repo(repo: str, files: dict[str, bytes]):
+    server, thread = _start_hub({(repo, name): data for name, data in files.items()})
+    return server
+
+
+def _stories_repo_files() -> dict[str, bytes]:
+    src = SHARED / "models" / "stories260k-hf"
+    if not src.is_dir():
+        pytest.skip(f"shared test data not found at {src}")
+    files = {p.name: p.read_bytes() for p in src.iterdir()}
+    # What real repos also hold, which a pull must leave on the hub.
+    files["README.md"] = b"# a model card"
+    files["pytorch_model.bin"] = b"duplicate weights in another format"
+    files["original/consolidated.00.pth"] = b"more duplicates"
+    return files
+
+
+def test_pull_any_repo_picks_the_model_files(home):
+    files = _stories_repo_files()
+    server = _serve_repo(ANY_REPO, files)
+    try:
+        path = pull(ANY_REPO, endpoint=_endpoint(server), progress=False)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert path == home / "models" / "hub" / "some-org" / "stories-hf"
+    wanted = sorted(n for n in files if n.endswith((".json", ".safetensors")))
+    assert sorted(p.name for p in path.iterdir()) == sorted([*wanted, PULL_MANIFEST])
+    for name in wanted:
+        assert (path / name).read_bytes() == files[name]
+    assert not any("pytorch_model.bin" in r or "original/" in r or "README" in r for r in server.requests)
+    assert resolve_model(ANY_REPO) == path
+    # `llmsys models` lists it, with the architecture its config.json names.
+    result = CliRunner().invoke(_app(), ["models"])
+    row = next(line for line in result.output.splitlines() if line.startswith(ANY_REPO + " "))
+    assert "LlamaForCausalLM" in row and row.rstrip().endswith(f"yes  {path}")
+
+
+def test_pull_any_repo_at_a_revision(home, hub, tiny_files):
+    config = json.loads(tiny_files["config.json"]) | {"architectures": ["LlamaForCausalLM"]}
+    hub.files[(FAKE_REPO, "config.json")] = json.dumps(config).encode()
+    path = pull(f"{FAKE_REPO}@v1.0", endpoint=_endpoint(hub), progress=False)
+    assert path == home / "models" / "hub" / "llmsys-test" / "tiny-model@v1.0"
+    assert "GET /api/models/llmsys-test/tiny-model/revision/v1.0" in hub.requests
+    with pytest.raises(HubError, match=r"revision nope of llmsys-test/tiny-model not found.*@REVISION"):
+        pull(f"{FAKE_REPO}@nope", endpoint=_endpoint(hub), progress=False)
+
+
+def test_pull_any_repo_refuses_unsupported_architecture(home, hub, tiny_files):
+    config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}
+    hub.files[(FAKE_REPO, "config.json")] = json.dumps(config).encode()
+    with pytest.raises(LLMSysError, match=r"llmsys-test/tiny-model is a GPT2LMHeadModel model; llmsys runs .*LlamaForCausalLM") as info:
+        pull(FAKE_REPO, endpoint=_endpoint(hub), progress=False)
+    assert "\n" not in str(info.value)
+    # Only config.json was fetched: the weights never came, and no staging folder is left.
+    assert not any("model.safetensors" in r and r.startswith("GET") for r in hub.requests)
+    assert list((home / "models" / "hub" / "llmsys-test").iterdir()) == []
+
+
+def test_pull_any_repo_without_safetensors_names_the_gguf_way(home):
+    server = _serve_repo("some-org/model-GGUF", {"model-Q4_K_M.gguf": b"GGUF", "README.md": b"hi"})
+    try:
+        with pytest.raises(HubError, match=r"no config.json.*model-Q4_K_M.gguf.*llmsys run FILE.gguf"):
+            pull("some-org/model-GGUF", endpoint=_endpoint(server), progress=False)
+        with pytest.raises(HubError, match=r"repository some-org/nothing-here not found"):
+            pull("some-org/nothing-here", endpoint=_endpoint(server), progress=False)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_pull_any_repo_resumes_an_interrupted_pull(home, hub, tiny_files):
+    """A pull cut off mid-way keeps its staging folder; the rerun fetches only what is missing."""
+    config = json.loads(tiny_files["config.json"]) | {"architectures": ["LlamaForCausalLM"]}
+    hub.files[(FAKE_REPO, "config.json")] = json.dumps(config).encode()
+    weights = hub.files[(FAKE_REPO, "model.safetensors")]
+    real_get = _HubHandler.do_GET
+    calls = {"n": 0}
+
+    def failing_once(handler):  # the weights' first GET dies as a dropped connection would
+        if handler.path.endswith("/model.safetensors") and calls["n"] == 0:
+            calls["n"] += 1
+            handler.send_response(500)
+            handler.send_header("Content-Length", "0")
+            handler.end_headers()
+            return
+        real_get(handler)
+
+    _HubHandler.do_GET = failing_once
+    try:
+        with pytest.raises(HubError):
+            pull(FAKE_REPO, endpoint=_endpoint(hub), progress=False)
+    finally:
+        _HubHandler.do_GET = real_get
+    staged = home / "models" / "hub" / "llmsys-test" / ".pull-tiny-model"
+    assert (staged / "config.json").is_file() and not (home / "models" / "hub" / "llmsys-test" / "tiny-model").exists()
+    with pytest.raises(ModelNotFoundError, match="not downloaded yet"):
+        resolve_model(FAKE_REPO)  # a staged pull is never taken for a model
+    hub.requests.clear()
+    path = pull(FAKE_REPO, endpoint=_endpoint(hub), progress=False)
+    assert (path / "model.safetensors").read_bytes() == weights and not staged.exists()
+    got = [r for r in hub.requests if r.startswith("GET") and "/resolve/" in r]
+    assert not any(r.endswith("/config.json") for r in got), got  # already complete: not fetched again
+
+
+def _run_cli(argv, capsys):
+    from llmsys.engine.cli.main import main
+
+    rc = main(argv)
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_run_pulls_a_missing_repo_then_generates(home, capsys, monkeypatch):
+    server = _serve_repo(ANY_REPO, _stories_repo_files())
+    monkeypatch.setenv("HF_ENDPOINT", _endpoint(server))
+    try:
+        rc, out, err = _run_cli(["run", ANY_REPO, "--no-pull", "Once upon a time"], capsys)
+        assert rc == 2 and "--no-pull was given; run `llmsys pull some-org/stories-hf` first" in err
+        assert not (home / "models" / "hub" / "some-org").exists()
+        rc, out, err = _run_cli(["run", ANY_REPO, "Once upon a time", "-n", "8", "--temperature", "0"], capsys)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert rc == 0, err
+    assert "some-org/stories-hf is not downloaded: pulling it" in err
+    assert len(out.strip()) > 0 and "Traceback" not in err
+    # Offline now: the second run uses the pulled copy.
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{_free_port()}")
+    rc, out2, err = _run_cli(["run", ANY_REPO, "Once upon a time", "-n", "8", "--temperature", "0"], capsys)
+    assert rc == 0 and out2 == out and "pulling" not in err
+
+
+def test_run_pulls_a_missing_catalog_model(home, capsys, monkeypatch):
+    src = SHARED / "models" / "stories260k"
+    if not src.is_dir():
+        pytest.skip(f"shared test data not found at {src}")
+    entry = load_catalog()["stories260k"]
+    server, _ = _start_hub({
+        (entry.repo, f"{entry.subfolder}/{name}"): (src / name).read_bytes() for name in entry.files
+    })
+    monkeypatch.setenv("HF_ENDPOINT", _endpoint(server))
+    try:
+        rc, out, err = _run_cli(["run", "stories260k", "Once upon a time", "-n", "8", "--temperature", "0"], capsys)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert rc == 0, err
+    assert "stories260k is not downloaded: pulling it from karpathy/tinyllamas" in err
+    assert is_downloaded(entry) and out.strip()
+
+
+def test_pull_asks_first_on_a_terminal(home, hub, tiny_files, monkeypatch):
+    from llmsys.engine.cli import models_cmd
+
+    config = json.loads(tiny_files["config.json"]) | {"architectures": ["LlamaForCausalLM"]}
+    hub.files[(FAKE_REPO, "config.json")] = json.dumps(config).encode()
+    monkeypatch.setattr(models_cmd.sys.stdin, "isatty", lambda: True)
+    monkeypatch.setattr(models_cmd.sys.stderr, "isatty", lambda: True)
+    asked = []
+    monkeypatch.setattr(models_cmd.typer, "confirm", lambda text, **kw: asked.append(text) or False)
+    with pytest.raises(ModelNotFoundError, match=r"run `llmsys pull llmsys-test/tiny-model` when you want it"):
+        models_cmd.ensure_pulled(FAKE_REPO, True, endpoint=_endpoint(hub))
+    size = format_bytes(sum(len(d) for (r, _), d in hub.files.items() if r == FAKE_REPO))
+    assert asked == [f"{FAKE_REPO} is not downloaded: pull {size} from {FAKE_REPO} into "
+                     f"{home / 'models' / 'hub' / 'llmsys-test' / 'tiny-model'}?"]
+    assert not any(r.startswith("GET") and "/resolve/" in r for r in hub.requests)  # nothing fetched

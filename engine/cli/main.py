@@ -1,29 +1,102 @@
 """The ``llmsys`` console script: a thin Typer app, one module per command.
 
 Known failures (:class:`LLMSysError`) become ``error: <message>`` on stderr
-and exit code 2; a traceback is shown only with ``LLMSYS_DEBUG=1``.
+and exit code 2; so do usage errors (a typo'd flag, a bad value, a missing
+argument, an unknown command), followed by one ``Try 'llmsys CMD --help'``
+hint line. A traceback is shown only with ``LLMSYS_DEBUG=1``.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.metadata
 import os
 import sys
+from dataclasses import dataclass
+from typing import Annotated, Any, Optional
 
-import click
 import typer
 
 from llmsys.kernels.common.errors import LLMSysError
 
-app = typer.Typer(
-    name="llmsys",
-    help="Run, chat with, benchmark and serve LLMs on constrained hardware.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
+PROG = "llmsys"
+
+# typer >= 0.16 bundles its own copy of click as ``typer._click``; older
+# typer uses the standalone ``click`` package. Either (or both) may be
+# installed, so the exception classes are collected from each that imports.
+_CLICK_EXCEPTION_MODULES = ("typer._click.exceptions", "click.exceptions")
 
 
-def _register() -> None:
+@dataclass(frozen=True)
+class ClickErrors:
+    """The click exception classes to catch, from every click that is importable.
+
+    Why a tuple per kind: an ``except`` naming one click's class misses the
+    other's (``typer._click.exceptions.UsageError`` is not a subclass of
+    ``click.UsageError``), which is how a typo'd flag became a traceback.
+    """
+
+    no_args_help: tuple[type[BaseException], ...]
+    usage: tuple[type[BaseException], ...]
+    click: tuple[type[BaseException], ...]
+    exit: tuple[type[BaseException], ...]
+    abort: tuple[type[BaseException], ...]
+
+
+def _importable(names: tuple[str, ...]) -> list[Any]:
+    modules = []
+    for name in names:
+        try:
+            modules.append(importlib.import_module(name))
+        except ImportError:
+            continue
+    return modules
+
+
+def _classes(modules: list[Any], name: str, *extra: type[BaseException]) -> tuple[type[BaseException], ...]:
+    found = [getattr(m, name) for m in modules if isinstance(getattr(m, name, None), type)]
+    return tuple(dict.fromkeys([*found, *extra]))  # de-duplicated, order kept
+
+
+def click_errors() -> ClickErrors:
+    """The exception classes of the click(s) typer may raise from."""
+    modules = _importable(_CLICK_EXCEPTION_MODULES)
+    return ClickErrors(
+        no_args_help=_classes(modules, "NoArgsIsHelpError"),
+        usage=_classes(modules, "UsageError"),
+        click=_classes(modules, "ClickException"),
+        exit=_classes(modules, "Exit", typer.Exit),
+        abort=_classes(modules, "Abort", typer.Abort),
+    )
+
+
+def package_version() -> str:
+    """The installed distribution's version; the package's own when run from a bare checkout."""
+    try:
+        return importlib.metadata.version("llmsys")
+    except importlib.metadata.PackageNotFoundError:
+        import llmsys
+
+        return llmsys.__version__
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        print(f"{PROG} {package_version()}")
+        raise typer.Exit()
+
+
+def _root(
+    version: Annotated[
+        Optional[bool],
+        typer.Option("--version", "-V", is_eager=True, callback=_show_version,
+                     help="Print the llmsys version and exit."),
+    ] = None,
+) -> None:
+    """Run, chat with, benchmark and serve LLMs on constrained hardware."""
+
+
+def _register(app: typer.Typer) -> None:
     # Imported here, not at module level: each command module pulls in only
     # what it needs, and `llmsys --help` stays fast.
     from llmsys.engine.cli.bench_cmd import bench_command
@@ -48,11 +121,39 @@ def _register() -> None:
     app.command("monitor", help="Live memory/throughput panel of a running llmsys serve.")(monitor_command)
 
 
+def build_app() -> typer.Typer:
+    """A fresh app with every command registered (fresh per call, so repeated
+    ``main()`` calls in one process never register a command twice)."""
+    app = typer.Typer(
+        name=PROG,
+        help="Run, chat with, benchmark and serve LLMs on constrained hardware.",
+        no_args_is_help=True,
+        add_completion=False,
+        pretty_exceptions_enable=False,
+    )
+    app.callback()(_root)
+    _register(app)
+    return app
+
+
+def usage_error_lines(e: Any) -> tuple[str, str]:
+    """click's usage error as two lines: ``error: <message>`` and the --help hint.
+
+    click's own ``show()`` prints the whole usage block first; one line that
+    names the problem (with click's suggestion, if any) is easier to read.
+    """
+    message = " ".join(e.format_message().split())
+    ctx = getattr(e, "ctx", None)
+    command = ctx.command_path if ctx is not None else PROG
+    help_option = ctx.help_option_names[0] if ctx is not None and ctx.help_option_names else "--help"
+    return f"error: {message}", f"Try '{command} {help_option}' for help."
+
+
 def main(argv: list[str] | None = None) -> int:
-    _register()
     debug = os.environ.get("LLMSYS_DEBUG") == "1"
+    errors = click_errors()
     try:
-        rv = app(args=argv, standalone_mode=False)
+        rv = build_app()(args=argv, prog_name=PROG, standalone_mode=False)
         return int(rv or 0)
     except LLMSysError as e:
         if debug:
@@ -60,14 +161,24 @@ def main(argv: list[str] | None = None) -> int:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         print(f"error: {msg}", file=sys.stderr)
         return e.exit_code
-    except click.exceptions.Exit as e:
-        return e.exit_code
-    except click.exceptions.Abort:
-        print("aborted", file=sys.stderr)
-        return 130
-    except click.ClickException as e:
+    except errors.no_args_help as e:
+        # `llmsys` alone asks for the command list: help on stdout, success.
+        print(e.format_message().rstrip())
+        return 0
+    except errors.usage as e:
+        if debug:
+            raise
+        for line in usage_error_lines(e):
+            print(line, file=sys.stderr)
+        return 2
+    except errors.click as e:
         e.show()
         return e.exit_code
+    except errors.exit as e:
+        return e.exit_code
+    except errors.abort:
+        print("aborted", file=sys.stderr)
+        return 130
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130

@@ -11,6 +11,9 @@ them on the Typer app and turns raised :class:`LLMSysError`s into
 
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -18,12 +21,14 @@ import typer
 from llmsys.engine import ollama_store
 from llmsys.engine.catalog import (
     CatalogEntry,
+    download_for,
     find_entry,
     is_downloaded,
     load_catalog,
     local_path,
     pull,
 )
+from llmsys.engine.hub import RepoRef, is_complete, plan_download, pulled_repos
 from llmsys.kernels.common.paths import llmsys_home
 from llmsys.kernels.common.units import format_bytes
 from llmsys.kernels.common.errors import LLMSysError, ModelNotFoundError
@@ -50,6 +55,16 @@ def _ollama_row(model: ollama_store.OllamaModel) -> tuple[str, ...]:
     return (model.spec, "-", "-", format_bytes(model.size), "-", IN_OLLAMA)
 
 
+def _repo_row(spec: str, path: Path) -> tuple[str, ...]:
+    """A pulled Hub repo's row: its architecture from config.json, its size on disk."""
+    try:
+        archs = json.loads((path / "config.json").read_text()).get("architectures") or ["-"]
+    except (OSError, ValueError, AttributeError):
+        archs = ["-"]
+    size = sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+    return (spec, "-", str(archs[0]), format_bytes(size), "-", f"yes  {path}")
+
+
 def format_table(rows: list[tuple[str, ...]]) -> str:
     """Left-aligned plain-text columns (no colour: it is also piped to files)."""
     table = [_COLUMNS, *rows]
@@ -66,10 +81,12 @@ def models_command() -> None:
     entries = list(load_catalog().values())
     broken: list[LLMSysError] = []
     pulled = ollama_store.list_models(on_error=broken.append)  # [] without a store
-    typer.echo(format_table([_row(entry) for entry in entries] + [_ollama_row(m) for m in pulled]))
+    repos = [_repo_row(spec, path) for spec, path in pulled_repos()]
+    typer.echo(format_table([_row(entry) for entry in entries] + repos + [_ollama_row(m) for m in pulled]))
     typer.echo(
         f"\nModels are stored under {llmsys_home() / 'models'} (set LLMSYS_HOME to move them). "
-        "Download one with `llmsys pull NAME`, or run any local directory with "
+        "Download one with `llmsys pull NAME` (or any Hugging Face repo: `llmsys pull org/name`), "
+        "or run any local directory with "
         "`llmsys run /path/to/model-dir`."
     )
     if pulled or broken:
@@ -82,24 +99,51 @@ def models_command() -> None:
 
 
 def pull_command(
-    name: str,
+    name: str = typer.Argument(..., help="catalog name (llmsys models) or any Hugging Face repo: org/name[@revision]"),
     endpoint: Optional[str] = typer.Option(
         None, "--endpoint", help="Hub URL (default: $HF_ENDPOINT or https://huggingface.co)."
     ),
 ) -> None:
-    """Download a catalog model into $LLMSYS_HOME/models/NAME."""
-    entry = find_entry(name)
-    if entry is None:
-        raise ModelNotFoundError(
-            f"{name} is not a model name in models.toml; `llmsys models` lists them"
-        )
-    if is_downloaded(entry):
-        typer.echo(f"{entry.name} is already downloaded: {local_path(entry)}")
+    """Download a catalog model, or any Hugging Face repo llmsys can run, into $LLMSYS_HOME/models."""
+    d = download_for(name)
+    if is_complete(d.dest, d.files):
+        typer.echo(f"{d.name} is already downloaded: {d.dest}")
         return
-    typer.echo(
-        f"pulling {entry.name} ({entry.params} params, ~{format_bytes(entry.size_bytes)}, "
-        f"licence {entry.licence}) from {entry.repo}",
-        err=True,
-    )
-    path = pull(entry, endpoint=endpoint)
-    typer.echo(f"{entry.name} downloaded to {path}")
+    entry = find_entry(name)
+    if entry is not None:
+        typer.echo(
+            f"pulling {entry.name} ({entry.params} params, ~{format_bytes(entry.size_bytes)}, "
+            f"licence {entry.licence}) from {entry.repo}",
+            err=True,
+        )
+    path = pull(name, endpoint=endpoint)
+    typer.echo(f"{d.name} downloaded to {path}")
+
+
+def ensure_pulled(model: str, allowed: bool, endpoint: str | None = None) -> None:
+    """Pull ``model`` first when it names a catalog model or a Hub repo not yet downloaded.
+
+    Why here and not in the loader: asking before a multi-GB download is the
+    CLI's job (a confirmation on a TTY, none in a pipe, ``--no-pull`` to
+    refuse); ``LLM(...)`` itself never touches the network.
+    """
+    if Path(model).expanduser().exists() or model.startswith(ollama_store.PREFIX):
+        return
+    entry = find_entry(model)
+    if entry is None and RepoRef.parse(model) is None:
+        return  # not a downloadable name: resolve_model says what it is
+    d = download_for(model)
+    if is_complete(d.dest, d.files):
+        return
+    if not allowed:
+        raise ModelNotFoundError(
+            f"{d.name} is not downloaded and --no-pull was given; run `llmsys pull {d.name}` first"
+        )
+    if sys.stdin.isatty() and sys.stderr.isatty():
+        _, files = plan_download(d, endpoint)
+        size = format_bytes(sum(files.values()))
+        if not typer.confirm(f"{d.name} is not downloaded: pull {size} from {d.repo} into {d.dest}?", default=True, err=True):
+            raise ModelNotFoundError(f"{d.name} is not downloaded; run `llmsys pull {d.name}` when you want it")
+    else:
+        typer.echo(f"{d.name} is not downloaded: pulling it from {d.repo} (--no-pull refuses)", err=True)
+    pull(model, endpoint=endpoint)

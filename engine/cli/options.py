@@ -102,6 +102,20 @@ def _extend(fn: Callable, extra: list[inspect.Parameter], build: Callable[[dict[
     return wrapper
 
 
+PULL_PARAM = P(
+    "pull", P.KEYWORD_ONLY, default=True,
+    annotation=Annotated[bool, typer.Option(
+        "--pull/--no-pull",
+        help="download MODEL first when it is a catalog name or org/repo not yet here (asks on a terminal)",
+    )],
+)
+
+
+def pulling_command(fn: Callable) -> Callable:
+    """Give ``fn(model, ..., auto_pull: bool)`` the ``--pull/--no-pull`` flag."""
+    return _extend(fn, [PULL_PARAM], lambda v: v["pull"], "auto_pull")
+
+
 def engine_command(fn: Callable) -> Callable:
     """Give ``fn(model, ..., engine_flags: dict)`` every engine flag."""
     return _extend(fn, ENGINE_PARAMS, lambda v: v, "engine_flags")

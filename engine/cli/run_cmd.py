@@ -8,23 +8,27 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from llmsys.engine.cli.options import build_engine_config, engine_command, sampling_command
+from llmsys.engine.cli.options import build_engine_config, engine_command, pulling_command, sampling_command
 from llmsys.engine.sampling import SamplingParams
 
 
+@pulling_command
 @sampling_command
 @engine_command
 def run_command(
-    model: Annotated[str, typer.Argument(help="model directory, llama2.c .bin, or catalog name")],
+    model: Annotated[str, typer.Argument(help="model directory, .gguf or llama2.c file, catalog name, org/repo or ollama:NAME")],
     prompt: Annotated[str, typer.Argument(help="the prompt text ('-' reads stdin)")],
     chat: Annotated[bool, typer.Option("--chat", help="apply the model's chat template")] = False,
     system: Annotated[Optional[str], typer.Option("--system", help="system message (with --chat)")] = None,
     *,
     sampling: SamplingParams,
     engine_flags: dict[str, Any],
+    auto_pull: bool,
 ) -> int:
+    from llmsys.engine.cli.models_cmd import ensure_pulled
     from llmsys.engine.llm import LLM
 
+    ensure_pulled(model, auto_pull)
     if prompt == "-":
         prompt = sys.stdin.read()
     llm = LLM(build_engine_config(model, engine_flags))

@@ -7,14 +7,15 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from llmsys.engine.cli.options import build_engine_config, engine_command
+from llmsys.engine.cli.options import build_engine_config, engine_command, pulling_command
 from llmsys.kernels.common.units import parse_size
 from llmsys.kernels.common.errors import InvalidParameterError
 
 
+@pulling_command
 @engine_command
 def serve_command(
-    model: Annotated[str, typer.Argument(help="model directory, llama2.c .bin, or catalog name")],
+    model: Annotated[str, typer.Argument(help="model directory, .gguf or llama2.c file, catalog name, org/repo or ollama:NAME")],
     host: Annotated[str, typer.Option("--host", help="address to bind (loopback by default)")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="TCP port")] = 8000,
     api_key: Annotated[
@@ -34,7 +35,9 @@ def serve_command(
     log_level: Annotated[str, typer.Option("--log-level", help="uvicorn log level")] = "info",
     *,
     engine_flags: dict[str, Any],
+    auto_pull: bool,
 ) -> int:
+    from llmsys.engine.cli.models_cmd import ensure_pulled
     from llmsys.engine.server.serve import serve
     from llmsys.engine.server.state import ServerSettings
 
@@ -55,4 +58,5 @@ def serve_command(
         model_name=served_name,
         shutdown_timeout_s=shutdown_timeout,
     )
+    ensure_pulled(model, auto_pull)
     return serve(build_engine_config(model, engine_flags), settings, host=host, port=port, log_level=log_level)
