@@ -29,6 +29,7 @@ from llmsys.engine.quantize import loader_quantizer
 from llmsys.engine.sampling import SamplingParams
 from llmsys.engine.tokenizer import Tokenizer
 from llmsys.kernels import cpu_kernels
+from llmsys.kernels.common.cpus import choose_threads
 
 Prompt = str | list[int]
 
@@ -40,8 +41,12 @@ class LLM:
         config = model if isinstance(model, EngineConfig) else EngineConfig(model=str(model), **kwargs)
         if isinstance(model, EngineConfig) and kwargs:
             config = config.with_(**kwargs)
-        if config.threads:
-            torch.set_num_threads(config.threads)
+        # Before the load, so quantizing at load uses them too, and while this process is idle, so the
+        # busy-core sample sees only other programs (kernels.common.cpus says why not torch's default).
+        self.threads = choose_threads(config.threads)
+        torch.set_num_threads(self.threads.threads)
+        if os.environ.get("LLMSYS_DEBUG") == "1":
+            print(f"debug: threads {self.threads.threads} ({self.threads.reason})", file=sys.stderr)
         # The steps of llmsys.engine.builder, in order (each a value the next one takes).
         r = resolve(config)
         make_linear = loader_quantizer(config)

@@ -77,3 +77,31 @@ def test_wheel_carries_every_level_and_runs_without_a_compiler(tmp_path, stories
     # "prebuilt": found in the installed package's _built/ (only the wheel's copy has one)
     assert debug and "C kernels 3/3 (prebuilt)" in debug[0], res.stderr
     assert not list((tmp_path / "home").glob("kernels/*.so"))  # nothing compiled at run time
+
+
+def test_triton_is_an_extra_not_a_base_dependency():
+    """A CPU user's `pip install llmsys` does not pull Triton (999 MB); the test extra does."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert not any(dep.lower().startswith("triton") for dep in project["dependencies"])
+    extras = project["optional-dependencies"]
+    assert any(dep.startswith("triton") for dep in extras["triton"])
+    assert "llmsys[triton]" in extras["test"]
+
+
+def test_runs_without_triton(stories_c):
+    """With `import triton` failing, llmsys still loads and generates (the CPU path needs no Triton)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['triton'] = None\n"  # makes `import triton` raise ImportError
+        "from llmsys import LLM, EngineConfig, SamplingParams\n"
+        "from llmsys.kernels import triton_available\n"
+        "assert not triton_available()\n"
+        f"llm = LLM(EngineConfig(model={str(stories_c)!r}))\n"
+        "out = llm.generate(['Once upon a time'], SamplingParams(max_tokens=8, temperature=0))[0]\n"
+        "print(len(out.token_ids))\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip() == "8"
