@@ -1,14 +1,31 @@
-"""Measured machine speeds the placement cost model runs on.
+"""The one machine probe: RAM, disk, host-GPU speeds, measured once and cached in one place.
 
 Why measure: the best placement flips with the numbers (a layer in CPU RAM
 computed on the CPU beats streaming it to the GPU only while the CPU's memory
 bandwidth beats PCIe; disk streaming is only worth planning around with the
-disk's real read speed). Each probe takes well under a second and runs once
-per machine: results are cached as JSON in ``$LLMSYS_HOME/machine.json``.
+disk's real read speed), and a bench's tok/s means little without the roof
+next to it. Each probe takes well under a second and runs once per machine.
 
 :class:`Bandwidths` is the one type for measured machine speeds and
-:func:`measure_bandwidths` the one measurement: the planner's cost model and
-``llmsys bench``'s %roof column (``engine.bench.machine``) read the same record.
+:func:`measure_bandwidths` the one measurement: the planner's cost model,
+``llmsys plan`` and ``llmsys bench`` (``engine.bench.machine``) all read the
+same record in ``$LLMSYS_HOME/machine.json``, so one machine shows one set of
+figures everywhere; ``--remeasure`` (bench and plan) replaces it for all.
+
+Why two commands used to disagree, and what keeps them together now:
+
+- the RAM probe ran on however many torch threads the calling process had set
+  (``llmsys run -t 1`` plans, hence probes, after applying ``-t``), so the first
+  caller's thread count fixed the figure; it now always runs on
+  :meth:`ProbeSettings.thread_count` threads (default: one per physical core)
+  and the record says how many;
+- the disk figure was measured wherever the first caller pointed (an
+  ``--offload-dir`` or ``$LLMSYS_HOME``) and the record did not say where; the
+  record now keeps one disk figure per filesystem (mount point) with the folder
+  it was measured in, and a folder on another filesystem gets its own probe;
+- the scratch file was all ones, which a compressing filesystem stores (and
+  reads back) in a fraction of its size; it is random bytes now, and a
+  filesystem that lives in RAM (tmpfs) is flagged ``disk_cached``.
 """
 
 from __future__ import annotations
@@ -18,31 +35,71 @@ import os
 import platform
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any, Iterator
 
+import psutil
 import torch
 
+from llmsys.kernels.common.cpus import physical_cores, usable_cpus
 from llmsys.kernels.common.paths import llmsys_home
 
-CACHE_VERSION = 3
+CACHE_VERSION = 4
 CACHE_NAME = "machine.json"  # under $LLMSYS_HOME: one record per machine (see machine_fingerprint)
 MEM_PROBE_BYTES = 256 << 20  # per buffer: well above any last-level cache
+RAM_FILESYSTEMS = ("tmpfs", "ramfs")  # "disk" reads there come from RAM: the figure is no disk's
+
+
+@dataclass(frozen=True)
+class ProbeSettings:
+    """Sizes and thread count of the probes: fixed, so figures compare across runs and commands.
+
+    ``threads``: torch threads for the RAM and GEMM probes (``None``: one per
+    physical core this process may use), never the caller's ``-t``: the figure
+    is the machine's, not the run's. Tests pass small sizes to keep it cheap.
+    """
+
+    mem_bytes: int = MEM_PROBE_BYTES
+    disk_bytes: int = 64 << 20
+    gemm_mnk: tuple[int, int, int] = (32, 2048, 2048)
+    repeat: int = 5
+    threads: int | None = None
+
+    def thread_count(self) -> int:
+        """``threads``, else one per physical core, at most the CPUs this process may run on."""
+        return self.threads or physical_cores(usable_cpus())
+
+
+DEFAULT_PROBE = ProbeSettings()  # frozen: what every command measures with (tests swap in a smaller one)
+
+
+@dataclass(frozen=True)
+class DiskSpeed:
+    """One filesystem's measured sequential cold read, and where it was measured."""
+
+    gbps: float
+    folder: str  # where the scratch file was written
+    mount: str  # the filesystem's mount point: the key in the cache
+    fstype: str
+    cached: bool  # the page cache could not be bypassed (tmpfs, no posix_fadvise): an upper bound
 
 
 @dataclass(frozen=True)
 class Bandwidths:
     """Measured sequential bandwidths in GB/s (1e9 bytes per second) and GEMM GFLOP/s.
 
-    ``mem_gbps``: host RAM read bandwidth (a large tensor reduction, all torch
-    threads) - the roof for CPU decode, which streams every weight once per
-    step. ``disk_read_gbps``: sequential cold read of a file where offloaded
-    weights live (``None``: not measured). ``h2d_gbps``: pinned host -> GPU copy;
-    ``gpu_mem_gbps``: on-GPU copy (read + write); both ``None`` without a GPU.
-    ``mem_copy_gbps``: a large host tensor copy counting read + write bytes
-    (STREAM "copy"). ``disk_cached``: the page cache could not be dropped, so the
-    disk figure is an upper bound. ``cpu_gflops`` / ``gpu_gflops``: dtype name ->
-    GEMM GFLOP/s (empty means the cost model's defaults).
+    ``mem_gbps``: host RAM read bandwidth (a large tensor reduction on
+    ``mem_threads`` torch threads) - the roof for CPU decode, which streams
+    every weight once per step. ``disk_read_gbps``: sequential cold read of a
+    file in ``disk_probe_dir`` (``None``: not measured). ``h2d_gbps``: pinned
+    host -> GPU copy; ``gpu_mem_gbps``: on-GPU copy (read + write); both
+    ``None`` without a GPU. ``mem_copy_gbps``: a large host tensor copy
+    counting read + write bytes (STREAM "copy"). ``disk_cached``: the page cache
+    could not be bypassed, so the disk figure is an upper bound.
+    ``cpu_gflops`` / ``gpu_gflops``: dtype name -> GEMM GFLOP/s (empty means the
+    cost model's defaults).
     """
 
     mem_gbps: float
@@ -53,6 +110,8 @@ class Bandwidths:
     disk_cached: bool = False
     cpu_gflops: dict[str, float] = field(default_factory=dict)
     gpu_gflops: dict[str, float] = field(default_factory=dict)
+    disk_probe_dir: str | None = None  # the folder disk_read_gbps was measured in
+    mem_threads: int | None = None  # torch threads the RAM / GEMM probes ran on
 
     def roof_gbps(self, device_type: str) -> float:
         """Bandwidth that bounds decode on ``device_type`` ("cpu" or "cuda")."""
@@ -68,11 +127,12 @@ class Bandwidths:
         name = str(dtype).removeprefix("torch.")
         return 1e9 * self.gpu_gflops.get(name, min(self.gpu_gflops.values(), default=50_000.0))
 
+    def with_disk(self, disk: DiskSpeed) -> "Bandwidths":
+        return replace(self, disk_read_gbps=disk.gbps, disk_cached=disk.cached, disk_probe_dir=disk.folder)
+
 
 def machine_fingerprint() -> dict:
     """What must match for a cached measurement to be reused (the machine, not the run)."""
-    import psutil
-
     model = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -90,8 +150,37 @@ def machine_fingerprint() -> dict:
     }
 
 
-def _cache_path() -> Path:
+def cache_path() -> Path:
+    """The one record of this machine's speeds (``$LLMSYS_HOME/machine.json``)."""
     return llmsys_home() / CACHE_NAME
+
+
+def default_probe_dir() -> Path:
+    """Where the disk probe writes without an ``--offload-dir``: the folder scratch offload files go to."""
+    return llmsys_home() / "offload"
+
+
+@contextmanager
+def _torch_threads(n: int) -> Iterator[None]:
+    """Probe on ``n`` threads and give the caller its own count back."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def filesystem_of(folder: Path) -> tuple[str, str]:
+    """(mount point, filesystem type) holding ``folder`` (or its nearest existing parent)."""
+    p = folder.expanduser().resolve()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    while not os.path.ismount(p) and p != p.parent:
+        p = p.parent
+    fstype = next((d.fstype for d in psutil.disk_partitions(all=True) if Path(d.mountpoint) == p), "")
+    return str(p), fstype
+
 
 
 def _best(fn, repeat: int = 3) -> float:
@@ -105,7 +194,7 @@ def _best(fn, repeat: int = 3) -> float:
 
 
 def probe_mem_gbps(nbytes: int = MEM_PROBE_BYTES, repeat: int = 5) -> float:
-    """Host RAM read bandwidth: a sum over a buffer far larger than the caches (all torch threads)."""
+    """Host RAM read bandwidth: a sum over a buffer far larger than the caches (the current torch threads)."""
     x = torch.ones(nbytes // 4, dtype=torch.float32)
     return nbytes / _best(lambda: x.sum(), repeat) / 1e9
 
@@ -117,10 +206,10 @@ def probe_mem_copy_gbps(nbytes: int = MEM_PROBE_BYTES, repeat: int = 5) -> float
     return 2 * nbytes / _best(lambda: dst.copy_(src), repeat) / 1e9
 
 
-def probe_cpu_gflops(dtype: torch.dtype, m: int = 32, n: int = 2048, k: int = 2048) -> float:
+def probe_cpu_gflops(dtype: torch.dtype, m: int = 32, n: int = 2048, k: int = 2048, repeat: int = 3) -> float:
     a = torch.randn(m, k).to(dtype)
     b = torch.randn(n, k).to(dtype)
-    dt = _best(lambda: torch.nn.functional.linear(a, b))
+    dt = _best(lambda: torch.nn.functional.linear(a, b), repeat)
     return 2 * m * n * k / dt / 1e9
 
 
@@ -147,19 +236,45 @@ def cold_read_gbps(path: Path, chunk: int = 8 << 20) -> float:
     return total / max(dt, 1e-9) / 1e9
 
 
-def probe_disk_read_gbps(folder: Path, nbytes: int = 32 << 20) -> float:
-    """Write a file, then time a cold sequential read of it."""
+def probe_disk_read_gbps(folder: Path, nbytes: int = 64 << 20) -> float:
+    """Write a file of random bytes (nothing a compressing filesystem can shrink), then time a cold read."""
     folder.mkdir(parents=True, exist_ok=True)
-    buf = torch.ones(nbytes, dtype=torch.uint8)
     fd_, path = tempfile.mkstemp(prefix=".llmsys_bw_", dir=folder)
     try:
         with os.fdopen(fd_, "wb") as f:
-            f.write(memoryview(buf.numpy()))
+            chunk = 8 << 20
+            for off in range(0, nbytes, chunk):
+                f.write(os.urandom(min(chunk, nbytes - off)))
             f.flush()
             os.fsync(f.fileno())
         return cold_read_gbps(Path(path))
     finally:
         os.unlink(path)
+
+
+def probe_disk(folder: Path, nbytes: int) -> DiskSpeed:
+    """The disk figure for ``folder``'s filesystem, with where it was measured."""
+    mount, fstype = filesystem_of(folder)
+    gbps = probe_disk_read_gbps(folder, nbytes)
+    cached = fstype in RAM_FILESYSTEMS or not hasattr(os, "posix_fadvise")
+    return DiskSpeed(round(gbps, 3), str(folder.expanduser().resolve()), mount, fstype, cached)
+
+
+def probe_host(probe: ProbeSettings) -> Bandwidths:
+    """RAM, GEMM and (with a GPU) host-GPU speeds; no disk figure (that is per filesystem)."""
+    threads = probe.thread_count()
+    with _torch_threads(threads):
+        mem = probe_mem_gbps(probe.mem_bytes, probe.repeat)
+        copy = probe_mem_copy_gbps(probe.mem_bytes, probe.repeat)
+        m, n, k = probe.gemm_mnk
+        flops = {str(dt).removeprefix("torch."): round(probe_cpu_gflops(dt, m, n, k), 1)
+                 for dt in (torch.float32, torch.bfloat16)}
+    h2d = gpu_mem = None
+    gpu_flops: dict[str, float] = {}
+    if torch.cuda.is_available():  # pragma: no cover - untested here (no GPU)
+        h2d, gpu_mem, gpu_flops = probe_cuda()
+    return Bandwidths(mem_gbps=round(mem, 2), disk_read_gbps=None, h2d_gbps=h2d, gpu_mem_gbps=gpu_mem,
+                      mem_copy_gbps=round(copy, 2), cpu_gflops=flops, gpu_gflops=gpu_flops, mem_threads=threads)
 
 
 def probe_cuda() -> tuple[float, float, dict[str, float]]:  # pragma: no cover - needs a GPU
@@ -192,42 +307,69 @@ def probe_cuda() -> tuple[float, float, dict[str, float]]:  # pragma: no cover -
     return h2d_gbps, gpu_mem, flops
 
 
-def measure_bandwidths(cache: bool = True, probe_dir: Path | None = None) -> Bandwidths:
-    """Measure this machine's speeds once (about 2-5 s), or reuse the cached record.
+@dataclass(frozen=True)
+class MachineRecord:
+    """What ``machine.json`` holds: this machine's host speeds and one disk figure per filesystem."""
 
-    The one measurement the planner's cost model and ``llmsys bench``'s %roof
-    both read. With ``cache`` a record in ``$LLMSYS_HOME/machine.json`` is
-    reused when it was measured on this machine (CPU, threads, RAM, GPU, host
-    name: :func:`machine_fingerprint`); a fresh measurement is written back there.
-    ``probe_dir`` is where the disk probe writes its scratch file: the offload
-    folder when there is one, since that is the disk that will be read.
-    """
-    path = _cache_path()
-    fp = machine_fingerprint()
-    if cache:
-        try:
-            raw = json.loads(path.read_text())
-            if raw.get("version") == CACHE_VERSION and raw.get("fingerprint") == fp:
-                return Bandwidths(**raw["bandwidths"])
-        except (OSError, ValueError, TypeError, KeyError):
-            pass
-    mem = probe_mem_gbps()
-    copy = probe_mem_copy_gbps()
-    flops = {str(dt).removeprefix("torch."): probe_cpu_gflops(dt) for dt in (torch.float32, torch.bfloat16)}
-    disk = probe_disk_read_gbps(probe_dir or llmsys_home() / "machine")
-    h2d = gpu_mem = None
-    gpu_flops: dict[str, float] = {}
-    if torch.cuda.is_available():  # pragma: no cover - untested here (no GPU)
-        h2d, gpu_mem, gpu_flops = probe_cuda()
-    bw = Bandwidths(mem_gbps=round(mem, 2), disk_read_gbps=round(disk, 3), h2d_gbps=h2d, gpu_mem_gbps=gpu_mem,
-                    mem_copy_gbps=round(copy, 2), disk_cached=not hasattr(os, "posix_fadvise"),
-                    cpu_gflops=flops, gpu_gflops=gpu_flops)
+    fingerprint: dict[str, Any]
+    host: Bandwidths  # disk fields unset
+    disks: dict[str, DiskSpeed]  # mount point -> its measured read
+    measured_at: float
+
+    def to_json(self) -> str:
+        return json.dumps({"version": CACHE_VERSION, "fingerprint": self.fingerprint, "measured_at": self.measured_at,
+                           "host": asdict(self.host), "disks": {k: asdict(v) for k, v in self.disks.items()}}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "MachineRecord":
+        raw = json.loads(text)
+        if raw.get("version") != CACHE_VERSION:
+            raise ValueError(f"machine.json version {raw.get('version')}, expected {CACHE_VERSION}")
+        disks = {k: DiskSpeed(**v) for k, v in raw["disks"].items()}
+        return cls(raw["fingerprint"], Bandwidths(**raw["host"]), disks, raw["measured_at"])
+
+
+def read_record() -> MachineRecord | None:
+    """This machine's cached record, or ``None`` (missing, unreadable, older format, another machine's)."""
+    try:
+        rec = MachineRecord.from_json(cache_path().read_text())
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    return rec if rec.fingerprint == machine_fingerprint() else None
+
+
+def _write_record(rec: MachineRecord) -> None:
+    path = cache_path()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"version": CACHE_VERSION, "fingerprint": fp, "measured_at": time.time(),
-                                   "bandwidths": asdict(bw)}, indent=1))
-        tmp.replace(path)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(rec.to_json())
+        tmp.replace(path)  # atomic: a concurrent reader sees the old record or the new one
     except OSError:
         pass  # a read-only home only costs a re-measurement next time
-    return bw
+
+
+def measure_bandwidths(cache: bool = True, probe_dir: Path | None = None,
+                       probe: ProbeSettings | None = None) -> Bandwidths:
+    """This machine's speeds from the one record, measuring what it lacks (about 2-5 s the first time).
+
+    The measurement ``llmsys plan``, ``llmsys bench`` and the planner inside
+    ``LLM(...)`` all read. With ``cache`` the record in ``$LLMSYS_HOME/machine.json``
+    is reused when it was measured on this machine (:func:`machine_fingerprint`);
+    ``cache=False`` (``--remeasure``) measures again and replaces it for every
+    reader. ``probe_dir`` is the folder whose disk matters (the offload folder;
+    default :func:`default_probe_dir`): its filesystem's figure comes from the
+    record when there is one, else it is measured and added.
+    """
+    probe = probe or DEFAULT_PROBE
+    folder = Path(probe_dir) if probe_dir is not None else default_probe_dir()
+    rec = read_record() if cache else None
+    if rec is None:
+        rec = MachineRecord(machine_fingerprint(), probe_host(probe), {}, time.time())
+    mount, _ = filesystem_of(folder)
+    disk = rec.disks.get(mount)
+    if disk is None:
+        disk = probe_disk(folder, probe.disk_bytes)
+        rec = replace(rec, disks={**rec.disks, disk.mount: disk})
+        _write_record(rec)
+    return rec.host.with_disk(disk)

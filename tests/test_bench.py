@@ -17,7 +17,8 @@ import torch
 
 from llmsys.engine.bench import report
 from llmsys.engine.bench.machine import MachineInfo, machine_info, measure_bandwidths
-from llmsys.offload.bandwidth import Bandwidths
+from llmsys.offload import bandwidth
+from llmsys.offload.bandwidth import Bandwidths, ProbeSettings
 from llmsys.engine.bench.measure import StepDriver, TestSpec, measure_test
 from llmsys.engine.bench.suite import BenchSpec, LoadConfig, build_configs, build_tests, run_bench, split_policies
 from llmsys.engine.cli.main import main
@@ -26,10 +27,14 @@ from tiny_models import make_hf_model
 FAKE_BW = Bandwidths(mem_gbps=10.0, disk_read_gbps=1.0)
 
 
+TINY_PROBE = ProbeSettings(mem_bytes=2 << 20, disk_bytes=1 << 20, gemm_mnk=(4, 64, 64), repeat=1, threads=1)
+
+
 @pytest.fixture(autouse=True)
 def _home(tmp_path_factory, monkeypatch):
-    # Keep machine.json / synthetic folders out of the user's cache.
+    # Keep machine.json / synthetic folders out of the user's cache; a probe of milliseconds.
     monkeypatch.setenv("LLMSYS_HOME", str(tmp_path_factory.getbasetemp() / "llmsys-home"))
+    monkeypatch.setattr(bandwidth, "DEFAULT_PROBE", TINY_PROBE)
 
 
 @pytest.fixture(scope="module")
@@ -201,10 +206,12 @@ def test_bandwidths_cached(tmp_path, monkeypatch):
     assert bw.mem_gbps > 0.1 and bw.disk_read_gbps > 0.001 and bw.mem_copy_gbps > 0.1
     assert bw.h2d_gbps is None if not torch.cuda.is_available() else bw.h2d_gbps > 0
     data = json.loads((tmp_path / "machine.json").read_text())
-    assert data["bandwidths"]["mem_gbps"] == bw.mem_gbps
+    assert data["host"]["mem_gbps"] == bw.mem_gbps
+    (disk,) = data["disks"].values()  # the disk figure, with where it was measured
+    assert disk["gbps"] == bw.disk_read_gbps and disk["folder"] == bw.disk_probe_dir == str(tmp_path / "offload")
     assert measure_bandwidths(cache=True) == bw  # second call reads the cache
-    from llmsys.offload import bandwidth
 
     assert bw.cpu_gflops["float32"] > 0  # the planner's GEMM rates come from the same measurement
     assert bandwidth.measure_bandwidths(cache=True) == bw  # the planner reads bench's record: one cache
     assert machine_info(bandwidths=bw).bandwidths is bw
+    assert machine_info().bandwidths == bw

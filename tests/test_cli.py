@@ -38,7 +38,7 @@ def test_run_streams_story_and_prints_stats():
         (("run", "{stories}", "hi", "--top-p", "0"), "top_p"),
         (("run", "{stories}", "hi", "--dtype", "float8"), "dtype"),
         (("run", "{stories}", "Once " * 600, "--dtype", "float32"), "512"),
-        (("run", "llama-3.1-8b-instruct", "hi"), "llmsys pull"),
+        (("run", "llama-3.1-8b-instruct", "hi", "--no-pull"), "llmsys pull"),
         (("perplexity", "{stories}", "/no/such/file.txt"), "no such text file"),
     ],
 )

@@ -3,15 +3,15 @@
 A tok/s figure means little without the hardware next to it, and decode speed
 is bounded by how fast weights can be streamed: from RAM (or GPU memory), over
 PCIe (host -> device) or from disk when weights are offloaded. Those
-bandwidths are *measured* (once per machine, then cached in
-``$LLMSYS_HOME/machine.json`` by ``llmsys.offload.bandwidth``, the measurement
-the offload planner's cost model reads too) so every bench row can show a
-``%roof`` column.
+bandwidths are *measured* by the one machine probe, ``llmsys.offload.bandwidth``
+(once per machine, cached in ``$LLMSYS_HOME/machine.json``: the record
+``llmsys plan`` and the offload planner read too), so every bench row can show
+a ``%roof`` column and bench and plan show the same figures.
 
 Public API::
 
-    measure_bandwidths(cache=True) -> Bandwidths   (llmsys.offload.bandwidth's)
-    machine_info(cache=True) -> MachineInfo
+    measure_bandwidths(cache=True, probe_dir=None) -> Bandwidths   (llmsys.offload.bandwidth's)
+    machine_info(cache=True, probe_dir=None) -> MachineInfo
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 import platform
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -27,6 +28,7 @@ import torch
 from llmsys.kernels.common.units import format_bytes
 from llmsys.kernels import cpu_kernels
 from llmsys.offload.bandwidth import Bandwidths, machine_fingerprint, measure_bandwidths
+
 
 @dataclass(frozen=True)
 class MachineInfo:
@@ -60,15 +62,23 @@ class MachineInfo:
             f"torch {self.torch_version}",
             f"triton {self.triton_version or '-'}",
             *([self.cpu_kernels] if self.cpu_kernels else []),
-            f"mem {bw.mem_gbps:.1f} GB/s",
+            *bandwidth_parts(bw),
         ]
-        if bw.gpu_mem_gbps:
-            parts.append(f"GPU mem {bw.gpu_mem_gbps:.0f} GB/s")
-        if bw.h2d_gbps:
-            parts.append(f"H2D {bw.h2d_gbps:.1f} GB/s")
-        if bw.disk_read_gbps is not None:
-            parts.append(f"disk {bw.disk_read_gbps:.2f} GB/s" + (" (cached)" if bw.disk_cached else ""))
         return " | ".join(parts)
+
+
+def bandwidth_parts(bw: Bandwidths) -> list[str]:
+    """The measured speeds in the words ``llmsys plan --explain`` uses, so the two read alike."""
+    threads = f" ({bw.mem_threads} threads)" if bw.mem_threads else ""
+    parts = [f"RAM read {bw.mem_gbps:.1f} GB/s{threads}"]
+    if bw.gpu_mem_gbps:
+        parts.append(f"GPU mem {bw.gpu_mem_gbps:.0f} GB/s")
+    if bw.h2d_gbps:
+        parts.append(f"host-to-device {bw.h2d_gbps:.1f} GB/s")
+    if bw.disk_read_gbps is not None:
+        where = f" in {bw.disk_probe_dir}" if bw.disk_probe_dir else ""
+        parts.append(f"disk read {bw.disk_read_gbps:.2f} GB/s{where}" + (" (page cache: upper bound)" if bw.disk_cached else ""))
+    return parts
 
 
 # --------------------------------------------------------------------------
@@ -83,8 +93,9 @@ def _version(pkg: str) -> str | None:
         return None
 
 
-def machine_info(cache: bool = True, bandwidths: Bandwidths | None = None) -> MachineInfo:
-    """Describe this machine; bandwidths measured (or cached) unless given."""
+def machine_info(cache: bool = True, bandwidths: Bandwidths | None = None, probe_dir: Path | None = None) -> MachineInfo:
+    """Describe this machine; bandwidths from the one machine probe (cached; ``cache=False``
+    re-measures for every reader) unless given. ``probe_dir``: the folder whose disk counts."""
     fp = machine_fingerprint()
     gpu_mem = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
     return MachineInfo(
@@ -98,6 +109,6 @@ def machine_info(cache: bool = True, bandwidths: Bandwidths | None = None) -> Ma
         triton_version=_version("triton"),
         python_version=platform.python_version(),
         os=f"{platform.system()} {platform.release()}",
-        bandwidths=bandwidths if bandwidths is not None else measure_bandwidths(cache=cache),
+        bandwidths=bandwidths if bandwidths is not None else measure_bandwidths(cache=cache, probe_dir=probe_dir),
         cpu_kernels=cpu_kernels().summary(),
     )

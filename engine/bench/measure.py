@@ -50,6 +50,19 @@ class TestSpec:
         """Tokens a sequence holds at the end (KV and context limit)."""
         return self.depth + max(self.n_prompt, 1) + self.n_gen
 
+    @property
+    def tokens_needed(self) -> int:
+        """Context one run of this test fills, at most: the depth, the prompt (at least the one token
+        tg starts from), the generated tokens (at least the one sampled after a prompt) and the BOS
+        token the end-to-end text prompt gets. A context below this cannot run the test."""
+        return self.depth + max(self.n_prompt, 1) + max(self.n_gen, 1) + 1
+
+    @property
+    def sized_by(self) -> str:
+        """The flags that set this test's length (for a fix hint)."""
+        flags = {"pp": "-p", "tg": "-n", "pg": "--pg"}[self.kind]
+        return f"{flags}/-d" if self.depth else flags
+
 
 @dataclass
 class RunTimes:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -136,16 +137,30 @@ def render(result: BenchResult, fmt: str) -> str:
 # Plot
 # --------------------------------------------------------------------------
 
-_X_AXES = (("batch", "batch size"), ("gpu_mem", "GPU budget"), ("cpu_mem", "CPU budget"), ("depth", "context depth (tokens)"),
-           ("n_prompt", "prompt tokens"), ("threads", "threads"))
+_PANELS = {"pp": "pp: prompt processing", "tg": "tg: text generation", "pg": "pg: prompt + generation"}
+_X_AXES = (("batch", "batch size (sequences)"), ("gpu_mem", "GPU budget (GiB)"), ("cpu_mem", "CPU budget (GiB)"),
+           ("depth", "context depth (tokens)"), ("n_prompt", "prompt length (tokens)"), ("threads", "CPU threads"))
+_INTEGER_AXES = ("batch", "depth", "n_prompt", "threads")  # swept in whole numbers: no 1.5 ticks
 _LINE_AXES = ("dtype", "quant", "kv_dtype", "kv_policy", "gpu_mem", "cpu_mem", "threads", "batch")
+_MAX_FIXED_TICKS = 12  # up to this many swept values get a tick each; more get MaxNLocator's integers
+
+
+@dataclass
+class Series:
+    """One line of the plot: a configuration's (or a baseline's) tok/s over the swept axis."""
+
+    label: str  # legend text: test + the configuration's varying values (+ [baseline])
+    panel: str  # pp, tg or pg: tests with different scales never share an axis
+    config: str  # the varying values (+ baseline) alone: one colour per configuration across panels
+    baseline: bool
+    points: list[tuple[float, float, float]] = field(default_factory=list)  # (x, mean tok/s, stddev)
 
 
 def _x_axis(rows: list[BenchRow]) -> tuple[str, str]:
     for name, label in _X_AXES:
         if len({getattr(r, name) for r in rows}) > 1:
             return name, label
-    return "batch", "batch size"
+    return "batch", _X_AXES[0][1]
 
 
 def _xval(row: BenchRow, name: str) -> float:
@@ -157,50 +172,104 @@ def _xval(row: BenchRow, name: str) -> float:
     return float(v)
 
 
-def plot(result: BenchResult, path: str | Path) -> list[str]:
-    """Throughput vs the swept axis (batch, budget or context), one line per configuration.
+def _panel_of(row: BenchRow) -> str:
+    return "pg" if row.n_prompt and row.n_gen else ("pp" if row.n_prompt else "tg")
 
-    Returns the line labels, in drawing order. The x axis is the first of
-    batch / GPU budget / CPU budget / depth / prompt length / threads that
-    takes more than one value; every other varying axis splits lines, as does
-    the test (pp / tg / pg) and each ``--vs`` baseline (dashed).
+
+def plot_series(result: BenchResult) -> tuple[str, str, list[Series]]:
+    """(x field, x label, lines) of the plot: the data, apart from drawing it.
+
+    The x axis is the first of batch / GPU budget / CPU budget / depth /
+    prompt length / threads that takes more than one value; every other
+    varying axis splits lines, as does the test and each ``--vs`` baseline.
+    Rows with an error have no figure and draw nothing.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = [r for r in result.rows if r.tok_s]
     xname, xlabel = _x_axis(rows or result.rows)
     split = [a for a in _LINE_AXES if a != xname and len({getattr(r, a) for r in rows}) > 1]
+    series: dict[str, Series] = {}
 
-    def base_test(r: BenchRow) -> str:
-        t = r.test.split(" @ ")[0]
-        if xname == "n_prompt" and r.n_prompt:
-            return "pg" if r.n_gen else "pp"
-        return t
+    def add(label: str, panel: str, config: str, baseline: bool, point: tuple[float, float, float]) -> None:
+        series.setdefault(label, Series(label, panel, config, baseline)).points.append(point)
 
-    lines: dict[str, list[tuple[float, float]]] = {}
     for r in rows:
-        label = " ".join([base_test(r)] + [f"{a}={getattr(r, a)}" for a in split])
-        lines.setdefault(label, []).append((_xval(r, xname), r.tok_s))
+        test = r.test.split(" @ ")[0]
+        if xname == "n_prompt":
+            test = _panel_of(r)  # the prompt length is the x axis, not part of the name
+        config = " ".join(f"{a}={getattr(r, a)}" for a in split)
+        x = _xval(r, xname)
+        add(" ".join(filter(None, [test, config])), _panel_of(r), config, False, (x, r.tok_s, r.tok_s_std or 0.0))
         for b, f in r.baselines.items():
             if f.tok_s:
-                lines.setdefault(f"{label} [{b}]", []).append((_xval(r, xname), f.tok_s))
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for label, pts in lines.items():
-        pts.sort()
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "--" if label.endswith("]") else "-", marker="o", label=label)
-    if xname in ("batch",) and rows and max(r.batch for r in rows) >= 8:
+                add(" ".join(filter(None, [test, config, f"[{b}]"])), _panel_of(r), f"{config} [{b}]", True,
+                    (x, f.tok_s, f.tok_s_std or 0.0))
+    for s in series.values():
+        s.points.sort()
+    return xname, xlabel, list(series.values())
+
+
+def _set_x_ticks(ax, xname: str, xs: list[float]) -> None:
+    """Whole-number sweeps get whole-number ticks; a wide batch sweep a log2 axis with its values marked."""
+    from matplotlib.ticker import FixedLocator, MaxNLocator, NullLocator, ScalarFormatter
+
+    values = sorted(set(xs))
+    if xname == "batch" and values and max(values) >= 8:
         ax.set_xscale("log", base=2)
-    model = rows[0].model if rows else (result.rows[0].model if result.rows else "")
-    ax.set_xlabel(xlabel + (" (GiB)" if xname.endswith("_mem") else ""))
-    ax.set_ylabel("tokens / s")
-    ax.set_title(f"{model} - {result.machine.cpu_model}" + (f" / {result.machine.gpu_name}" if result.machine.gpu_name else ""))
-    ax.grid(True, alpha=0.3)
-    if lines:
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(str(path), dpi=100)
-    plt.close(fig)
-    return list(lines)
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+    if xname not in _INTEGER_AXES:
+        return
+    if len(values) <= _MAX_FIXED_TICKS:
+        ax.xaxis.set_major_locator(FixedLocator(values))
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def _title(result: BenchResult, rows: list[BenchRow]) -> str:
+    m = result.machine
+    model = rows[0].model if rows else "(no rows)"
+    hw = m.cpu_model + (f" + {m.gpu_name}" if m.gpu_name else "")
+    return f"{model} on {hw}: mean ± stddev of {result.spec.repetitions} repetitions"
+
+
+def draw(result: BenchResult):
+    """The plot as a :class:`matplotlib.figure.Figure`: one panel per test kind (pp / tg / pg),
+    one line per configuration, throughput over the swept axis.
+
+    Why panels: prefill runs at tens of times decode's rate, so on one shared
+    axis tg is flattened at zero. Error bars are the repetitions' stddev; the
+    legend sits outside the panels so it never hides data. A bare ``Figure``
+    (no pyplot): nothing is registered globally, nothing needs closing.
+    """
+    from matplotlib.figure import Figure
+
+    xname, xlabel, series = plot_series(result)
+    panels = [k for k in _PANELS if any(s.panel == k for s in series)] or ["tg"]
+    fig = Figure(figsize=(4.6 * len(panels) + 3.0, 4.6), layout="constrained")
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    colors = {c: f"C{i % 10}" for i, c in enumerate(dict.fromkeys(s.config for s in series))}
+    for ax, kind in zip(axes, panels):
+        mine = [s for s in series if s.panel == kind]
+        for s in mine:
+            xs, ys, es = zip(*s.points)
+            ax.errorbar(xs, ys, yerr=es, fmt="o--" if s.baseline else "o-", color=colors[s.config], capsize=3,
+                        markersize=4, label=s.label)
+        _set_x_ticks(ax, xname, [x for s in mine for x, _, _ in s.points])
+        ax.set_title(_PANELS[kind], fontsize=10)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("throughput (tokens/s)")
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+        if not mine:
+            ax.text(0.5, 0.5, "no successful rows", ha="center", va="center", transform=ax.transAxes)
+    fig.suptitle(_title(result, result.rows))
+    if series:
+        fig.legend(loc="outside right upper", fontsize=8)
+    return fig
+
+
+def plot(result: BenchResult, path: str | Path) -> list[str]:
+    """Write :func:`draw`'s figure as a PNG; returns the line labels in drawing order."""
+    fig = draw(result)
+    fig.savefig(str(path), dpi=110)
+    return [label for ax in fig.axes for label in ax.get_legend_handles_labels()[1]]

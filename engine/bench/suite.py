@@ -304,7 +304,7 @@ def _engine_config(spec: BenchSpec, cfg: LoadConfig):
     from llmsys.engine.config import EngineConfig
     from llmsys.kernels.common.units import parse_size
 
-    need = max(t.context for t in spec.tests)
+    need = max(t.tokens_needed for t in spec.tests)
     flags = {k: v for k, v in spec.engine_flags.items() if v is not None}
     bmax = max(spec.batches)
     block = flags.get("block_size", 16)
@@ -413,13 +413,109 @@ def run_bench(spec: BenchSpec, machine: MachineInfo, progress: Progress | None =
 
 
 def _max_context_check(spec: BenchSpec, llm) -> str | None:
-    need = max(t.context for t in spec.tests)
+    """After loading: the engine's own limit (a --kv-cache-tokens pool can be below the model's context)."""
     policy = getattr(llm.core, "kv_policy", None)
     if policy is not None and policy.policy.evicts:
         return None  # an evicting policy runs past the context limit by design
-    if need > llm.max_model_len:
-        return f"tests need {need} tokens of context but the engine allows {llm.max_model_len}; lower -p/-n/-d or raise --max-model-len"
+    for t in spec.tests:
+        if t.tokens_needed > llm.max_model_len:
+            return (f"{t.name} needs {t.tokens_needed} tokens of context but the engine allows {llm.max_model_len}; "
+                    f"use a smaller {t.sized_by}, or raise --max-model-len / --kv-cache-tokens")
     return None
+
+
+@dataclass(frozen=True)
+class ContextLimit:
+    """Tokens one request may hold under a configuration, and what sets the number (for the fix hint)."""
+
+    tokens: int
+    trained: int  # the model's trained context (max_position_embeddings, a llama2.c header's seq_len)
+    capped: bool  # an architecture limit (a sliding window) --max-model-len cannot raise
+    from_flag: bool  # --max-model-len chose it
+
+    def refusal(self, test: TestSpec) -> str:
+        """One line: the test, the tokens it needs, the context, the fix."""
+        need = test.tokens_needed
+        what = f"--max-model-len {self.tokens}" if self.from_flag else ("its sliding window" if self.capped else "its trained context")
+        fix = f"use a smaller {test.sized_by}"
+        if not self.capped:
+            past = f" (past the trained {self.trained} tokens, quality may drop)" if need > self.trained else ""
+            fix += f", or --max-model-len {need}{past}"
+        return f"{test.name} needs {need} tokens of context but the model's context is {self.tokens} ({what}); {fix}"
+
+
+def _trained_context(source: Path | dict[str, Any]) -> tuple[int, int | None] | None:
+    """(trained context, architecture cap) from the model's config, without reading a weight.
+
+    ``source`` is a model path or an HF config dict (a synthetic shape before its
+    weights exist). ``None`` when the config cannot be read: loading reports that.
+    """
+    from llmsys.engine.loader import gguf_io
+    from llmsys.engine.loader.common import read_json
+    from llmsys.engine.loader.llama2c import HEADER, find_checkpoint
+    from llmsys.engine.models import family_for
+
+    try:
+        if isinstance(source, dict):
+            cfg = source
+        elif (ckpt := find_checkpoint(source)) is not None:
+            with open(ckpt, "rb") as fh:
+                return HEADER.unpack(fh.read(HEADER.size))[6], None
+        elif source.is_file() and gguf_io.is_gguf(source):
+            cfg = gguf_io.hf_config(source)
+        else:
+            cfg = read_json(source / "config.json")
+        args = family_for(cfg, "config").ModelArgs.from_hf_config(cfg)
+    except Exception:  # noqa: BLE001 - an unreadable model becomes the load's error row
+        return None
+    return args.max_position_embeddings, getattr(args, "max_context", None)
+
+
+def context_limit(source: Path | dict[str, Any], max_model_len: int | None) -> ContextLimit | None:
+    """The per-request context the engine will allow (``engine.builder.context_limit``'s rule), before loading."""
+    known = _trained_context(source)
+    if known is None:
+        return None
+    trained, cap = known
+    tokens = max_model_len or trained
+    capped = cap is not None and cap < tokens
+    return ContextLimit(min(tokens, cap) if capped else tokens, trained, capped, bool(max_model_len) and not capped)
+
+
+def _evicts(cfg: LoadConfig) -> bool:
+    from llmsys.offload.eviction.policy import parse_kv_policy
+
+    try:
+        return parse_kv_policy(cfg.kv_policy).evicts
+    except Exception:  # noqa: BLE001 - a bad policy is its configuration's error row
+        return False
+
+
+def check_context(tests: list[TestSpec], configs: list[LoadConfig], max_model_len: int | None,
+                  source: str | Path | dict[str, Any]) -> None:
+    """Refuse, before anything loads or is timed, a test that cannot fit the model's context.
+
+    Without this the test ran (or half ran: a timed pp whose end-to-end text
+    prompt then overflowed) and came back as a row with a figure and an error.
+    Configurations with an evicting KV policy slide past the limit, so they
+    need no room. ``source``: the model (as given on the command line, or its
+    path) or its HF config when its folder does not exist yet (a synthetic shape).
+    """
+    if all(_evicts(c) for c in configs):
+        return
+    if isinstance(source, str):
+        from llmsys.engine.builder import _resolve_path
+
+        try:
+            source = _resolve_path(source)
+        except LLMSysError:
+            return  # not found: the load's error says so
+    limit = context_limit(source, max_model_len)
+    if limit is None:
+        return
+    for t in tests:
+        if t.tokens_needed > limit.tokens:
+            raise InvalidParameterError(limit.refusal(t))
 
 
 def check_baselines(kinds: list[str]) -> None:
@@ -443,7 +539,7 @@ def _load_baseline(spec: BenchSpec, cfg: LoadConfig, where, kind: str):
     if where is not None:
         path, dtype, device = where
     else:
-        from llmsys.engine.llm import _resolve_path
+        from llmsys.engine.builder import _resolve_path
         from llmsys.engine.loader import resolve_device, resolve_dtype
 
         path = _resolve_path(spec.model)
@@ -469,17 +565,18 @@ def _measure_row(row: BenchRow, llm, spec: BenchSpec, test: TestSpec, batch: int
     row.params = count_params(loaded)
     try:
         res = measure_test(llm.core, test, batch, spec.repetitions, seed=spec.seed, warmup=spec.warmup)
+        e2e = measure_e2e(llm, test, batch, seed=spec.seed) if spec.e2e else None
+    except Exception as e:  # noqa: BLE001
+        row.error = _error_text(e)  # and no figures: a row has a result or an error, never both
+        _drain(llm)
+    else:
         row.reps = res.reps
         row.tok_s, row.tok_s_std = res.tok_s_mean, res.tok_s_std
         row.ttft_ms, row.itl_p50_ms, row.itl_p99_ms = res.ttft_ms, res.itl_p50_ms, res.itl_p99_ms
-        if spec.e2e:
-            e2e = measure_e2e(llm, test, batch, seed=spec.seed)
+        if e2e is not None:
             row.e2e_tok_s, row.e2e_ttft_ms = e2e.tok_s, e2e.ttft_ms
         kv_tok = llm.core.kv.spec.bytes_per_token
         row.roof_pct = decode_roof_pct(row, kv_tok, machine.bandwidths.roof_gbps(row.device))
-    except Exception as e:  # noqa: BLE001
-        row.error = _error_text(e)
-        _drain(llm)
     row.peak_cpu_bytes, row.peak_gpu_bytes = peak_memory()
 
 

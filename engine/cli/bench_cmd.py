@@ -2,8 +2,14 @@
 
 Flags follow llama-bench (``-p 512 -n 128 --pg 512,128 -d 4096 -r 5 -b 1,8
 -t 1,2``); every swept flag takes a comma list and the matrix gives one row
-per combination. Without MODEL a small synthetic model is measured with quick
-settings, so a fresh machine gets a sensible table in well under 3 minutes.
+per combination. Without MODEL (and without --synthetic) a small synthetic
+model is measured with QUICK settings, so a fresh machine gets a sensible table
+in well under 3 minutes; with a MODEL or --synthetic NAME the FULL settings
+(llama-bench's) apply. The option help states both, from the same two dicts.
+
+Before anything loads, a test whose depth + prompt + generation does not fit
+the model's context is refused (``suite.check_context``), so a row is never
+half-run.
 """
 
 from __future__ import annotations
@@ -24,6 +30,11 @@ QUICK = {"n_prompt": "128", "n_gen": "32", "repetitions": 3}  # no MODEL: finish
 FULL = {"n_prompt": "512", "n_gen": "128", "repetitions": 5}  # llama-bench's defaults
 
 
+def _default(key: str) -> str:
+    """The help text's default, read from QUICK / FULL so help and behaviour cannot drift apart."""
+    return f"default {FULL[key]} with MODEL or --synthetic, {QUICK[key]} without either"
+
+
 def _bench_flags(fn):
     return _extend(fn, [p for p in ENGINE_PARAMS if p.name not in SWEPT], lambda v: v, "engine_flags")
 
@@ -42,13 +53,13 @@ def _pg(values: list[str] | None) -> list[tuple[int, int]]:
 
 @_bench_flags
 def bench_command(
-    model: Annotated[Optional[str], typer.Argument(help="model folder, llama2.c .bin or catalog name (default: a synthetic model)")] = None,
-    synthetic: Annotated[Optional[str], typer.Option("--synthetic", help="random-weight shape from models.toml: smollm2-135m, qwen2.5-0.5b, llama-1b, llama-8b")] = None,
-    n_prompt: Annotated[Optional[str], typer.Option("--n-prompt", "-p", help="prompt tokens for pp tests, comma list (default 512; 0 = none)")] = None,
-    n_gen: Annotated[Optional[str], typer.Option("--n-gen", "-n", help="generated tokens for tg tests, comma list (default 128; 0 = none)")] = None,
+    model: Annotated[Optional[str], typer.Argument(help=f"model folder, llama2.c .bin, GGUF or catalog name (default: synthetic {DEFAULT_SYNTHETIC} with -p {QUICK['n_prompt']} -n {QUICK['n_gen']} -r {QUICK['repetitions']})")] = None,
+    synthetic: Annotated[Optional[str], typer.Option("--synthetic", help=f"random-weight shape from models.toml: smollm2-135m, qwen2.5-0.5b, llama-1b, llama-8b (runs -p {FULL['n_prompt']} -n {FULL['n_gen']} -r {FULL['repetitions']} unless given)")] = None,
+    n_prompt: Annotated[Optional[str], typer.Option("--n-prompt", "-p", help=f"prompt tokens for pp tests, comma list ({_default('n_prompt')}; 0 with --pg; 0 = none)")] = None,
+    n_gen: Annotated[Optional[str], typer.Option("--n-gen", "-n", help=f"generated tokens for tg tests, comma list ({_default('n_gen')}; 0 with --pg; 0 = none)")] = None,
     pg: Annotated[Optional[list[str]], typer.Option("--pg", help="prompt+generation test PROMPT,GEN (repeatable)")] = None,
     depth: Annotated[str, typer.Option("--depth", "-d", help="context tokens already in the KV cache, comma list")] = "0",
-    repetitions: Annotated[Optional[int], typer.Option("--repetitions", "-r", help="timed repetitions per test (default 5)")] = None,
+    repetitions: Annotated[Optional[int], typer.Option("--repetitions", "-r", help=f"timed repetitions per test ({_default('repetitions')})")] = None,
     batch: Annotated[str, typer.Option("--batch", "-b", help="sequences run together, comma list")] = "1",
     threads: Annotated[Optional[str], typer.Option("--threads", "-t", help="CPU threads, comma list (default: torch's)")] = None,
     dtype: Annotated[str, typer.Option("--dtype", help="auto, float32, bfloat16, float16; comma list")] = "auto",
@@ -63,7 +74,7 @@ def bench_command(
     seed: Annotated[int, typer.Option("--seed", help="seed of the synthetic weights and the random prompts")] = 0,
     e2e: Annotated[bool, typer.Option("--e2e/--no-e2e", help="also time LLM.generate end to end")] = True,
     warmup: Annotated[bool, typer.Option("--warmup/--no-warmup", help="one untimed run before the timed ones")] = True,
-    fresh_machine: Annotated[bool, typer.Option("--remeasure", help="re-measure memory/disk bandwidth (else cached)")] = False,
+    fresh_machine: Annotated[bool, typer.Option("--remeasure", help="measure RAM / disk / host-GPU bandwidth again (else the cached record llmsys plan shares)")] = False,
     progress: Annotated[Optional[bool], typer.Option("--progress/--no-progress", help="progress bar on stderr (default: on a TTY)")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="print each configuration's matmul kernels (per quantized layer) on stderr")] = False,
     *,
@@ -71,8 +82,9 @@ def bench_command(
 ) -> int:
     from llmsys.engine.bench import report
     from llmsys.engine.bench.machine import machine_info
-    from llmsys.engine.bench.suite import BenchSpec, build_configs, check_baselines, build_tests, int_list, run_bench, split_list, split_policies
-    from llmsys.engine.bench.synthetic import make_synthetic
+    from llmsys.engine.bench.suite import (BenchSpec, build_configs, build_tests, check_baselines, check_context, int_list,
+                                           run_bench, split_list, split_policies)
+    from llmsys.engine.bench.synthetic import make_synthetic, synthetic_config
 
     if output not in report.FORMATS:
         raise InvalidParameterError(f"--output {output!r}: choose one of {', '.join(report.FORMATS)}")
@@ -81,11 +93,6 @@ def bench_command(
     if model is not None and synthetic is not None:
         raise InvalidParameterError("give either MODEL or --synthetic NAME, not both")
     show = sys.stderr.isatty() if progress is None else progress
-    if model is None:
-        synthetic = synthetic or DEFAULT_SYNTHETIC
-        if show:
-            sys.stderr.write(f"preparing synthetic {synthetic} (random weights, cached)...\n")
-        model = str(make_synthetic(synthetic, seed=seed))
     baselines = split_list(vs)
     check_baselines(baselines)
     tests = build_tests(
@@ -97,13 +104,22 @@ def bench_command(
     reps = repetitions if repetitions is not None else defaults["repetitions"]
     if reps < 1:
         raise InvalidParameterError(f"-r must be >= 1, got {reps}")
+    configs = build_configs(
+        dtype=split_list(dtype), quant=split_list(quant), kv_dtype=split_list(kv_dtype),
+        kv_policy=split_policies(kv_policy), gpu_mem=split_list(gpu_mem), cpu_mem=split_list(cpu_mem),
+    )
+    if model is None:
+        synthetic = synthetic or DEFAULT_SYNTHETIC
+    # Before any weight is written or read: every test must fit the context.
+    check_context(tests, configs, engine_flags.get("max_model_len"), synthetic_config(synthetic) if model is None else model)
+    if model is None:
+        if show:
+            sys.stderr.write(f"preparing synthetic {synthetic} (random weights, cached)...\n")
+        model = str(make_synthetic(synthetic, seed=seed))
     spec = BenchSpec(
         model=model,
         tests=tests,
-        configs=build_configs(
-            dtype=split_list(dtype), quant=split_list(quant), kv_dtype=split_list(kv_dtype),
-            kv_policy=split_policies(kv_policy), gpu_mem=split_list(gpu_mem), cpu_mem=split_list(cpu_mem),
-        ),
+        configs=configs,
         batches=int_list(batch, "-b", 1) or [1],
         threads=list(int_list(threads, "-t", 1)) or [None],
         repetitions=reps,
@@ -115,8 +131,9 @@ def bench_command(
         engine_flags={k: v for k, v in engine_flags.items() if v is not None and not _is_default(k, v)},
     )
     if show:
-        sys.stderr.write("measuring memory / disk bandwidth (cached in $LLMSYS_HOME/machine.json)...\n")
-    machine = machine_info(cache=not fresh_machine)
+        sys.stderr.write("machine probe: RAM / disk bandwidth (measured once, cached in $LLMSYS_HOME/machine.json)...\n")
+    offload_dir = engine_flags.get("offload_dir")
+    machine = machine_info(cache=not fresh_machine, probe_dir=Path(offload_dir).expanduser() if offload_dir else None)
     if baselines:
         _quiet_transformers()
     log = (lambda line: sys.stderr.write(f"kernels: {line}\n")) if verbose else None

@@ -5,6 +5,10 @@ the predicted time per token, without reading a single weight: the model is
 built on the meta device from its config. MODEL may be a model directory, a
 catalog name, or a synthetic benchmark shape (``llama-8b``), so a plan for a
 model you have not downloaded is one command away.
+
+The measured speeds the plan rests on come from the one machine probe
+(``llmsys.offload.bandwidth``, cached in ``$LLMSYS_HOME/machine.json``), the
+same record ``llmsys bench`` shows; ``--remeasure`` refreshes it for both.
 """
 
 from __future__ import annotations
@@ -63,11 +67,13 @@ def plan_command(
     output_len: Annotated[int, typer.Option("--output-len", help="generated tokens per sequence")] = 128,
     explain: Annotated[bool, typer.Option("--explain", help="say why this placement was chosen")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print the plan as JSON")] = False,
+    remeasure: Annotated[bool, typer.Option("--remeasure", help="measure RAM / disk / host-GPU bandwidth again (else the cached record llmsys bench shares)")] = False,
     *,
     engine_flags: dict[str, Any],
 ) -> int:
     from llmsys.engine.loader import gguf_io
     from llmsys.engine.loader.common import resolve_device, resolve_dtype
+    from llmsys.offload.bandwidth import measure_bandwidths
     from llmsys.offload.budgets import Budgets, resolve_budgets
     from llmsys.offload.plan import Workload
     from llmsys.offload.prepare import kv_bytes_per_token_layer, kv_tokens_within, plan_for
@@ -94,7 +100,8 @@ def plan_command(
     bpw = None  # a GGUF as stored: its mix of kept int4 codes and dequantized matrices
     if config.quant.method == "none" and Path(source).is_file() and gguf_io.is_gguf(Path(source)):
         bpw = gguf_io.open_index(Path(source)).weight_bytes(dt)
-    plan, _ = plan_for(meta, dt, budgets, work, config.quant.method, max_seqs=batch, bytes_per_weight=bpw)
+    bw = measure_bandwidths(cache=not remeasure, probe_dir=budgets.offload_dir)
+    plan, _ = plan_for(meta, dt, budgets, work, config.quant.method, bandwidths=bw, max_seqs=batch, bytes_per_weight=bpw)
     if as_json:
         print(json.dumps(plan_to_dict(plan), indent=1))
         return 0
@@ -105,7 +112,16 @@ def plan_command(
         print()
         for line in plan.reasons:
             print(f"- {line}")
+        print(f"- {probe_line(plan.bandwidths)}")
     return 0
+
+
+def probe_line(bw) -> str:
+    """Where the measured speeds came from, so a figure that differs elsewhere can be traced."""
+    from llmsys.engine.bench.machine import bandwidth_parts
+    from llmsys.offload.bandwidth import cache_path
+
+    return f"machine probe ({cache_path()}, shared with llmsys bench; --remeasure refreshes it): " + ", ".join(bandwidth_parts(bw))
 
 
 def plan_to_dict(plan) -> dict[str, Any]:
@@ -127,5 +143,6 @@ def plan_to_dict(plan) -> dict[str, Any]:
         "resources_ms": plan.resources_ms,
         "reasons": list(plan.reasons),
         "budgets": {"cpu": plan.budgets.cpu, "gpu": plan.budgets.gpu},
+        "bandwidths": asdict(plan.bandwidths),
     }
     return d
