@@ -7,11 +7,16 @@ every app's engine thread is stopped on exit, so the next test finds the core id
 from __future__ import annotations
 
 import asyncio
+import base64
 import io
 import json
+import re
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from rich.cells import cell_len
+from textual.geometry import Region
 
 import pytest
 import torch
@@ -24,8 +29,8 @@ from llmsys.engine.sampling import SamplingParams
 from llmsys.tui.app import ChatApp
 from llmsys.tui.commands import parse_command
 from llmsys.tui.conversation import Conversation, ConversationFileError, apply_settings
-from llmsys.tui.memory_panel import describe
-from llmsys.tui.messages import SnapshotUpdated
+from llmsys.tui.memory_panel import SpeedSparkline, describe
+from llmsys.tui.messages import GenerationDone, SnapshotUpdated
 from llmsys.tui.metrics import MetricsTracker, parse_prometheus
 from llmsys.tui.monitor_app import MonitorApp
 from llmsys.tui.prompt_input import PromptInput
@@ -429,3 +434,217 @@ def test_monitor_reads_server_metrics():
         asyncio.run(go())
     finally:
         srv.shutdown()
+
+
+# -- resize, speed, sparkline, /retry /copy /info, the panel toggle ------------------
+
+
+def rendered_text(widget) -> str:
+    """What the widget draws, as plain text (every cell of its region)."""
+    strips = widget.render_lines(Region(0, 0, widget.size.width, widget.size.height))
+    return "\n".join("".join(seg.text for seg in strip) for strip in strips)
+
+
+def at_end(transcript) -> bool:
+    return transcript.max_scroll_y > 0 and transcript.scroll_y == transcript.max_scroll_y
+
+
+def test_layout_reflows_on_resize_and_keeps_the_end_in_view(llm):
+    async def go():
+        app = ChatApp(lambda: llm, sampling=GREEDY)
+        async with app.run_test(size=(160, 48)) as pilot:
+            await ready(pilot)
+            for _ in range(3):
+                await send_and_wait_reply(pilot, "Once upon a time")
+            await type_and_send(pilot, "/help")
+            await pilot.pause(0.2)
+            tr = app.transcript
+            assert app.screen.has_class("-wide")
+            assert app.panel.display and app.panel.outer_size.width == 46
+            assert at_end(tr), (tr.scroll_y, tr.max_scroll_y)
+            before = tr.max_scroll_y
+
+            await pilot.resize_terminal(100, 30)
+            await pilot.pause(0.3)
+            assert app.screen.has_class("-medium")
+            assert app.panel.display and app.panel.outer_size.width == 34  # narrowed, not hidden
+            assert tr.max_scroll_y > before and at_end(tr), (tr.scroll_y, tr.max_scroll_y)  # still at the end after rewrapping
+            assert app.panel.region.right <= 100
+            status = app.status.text
+            assert status.endswith("/help · Ctrl+Q quit") and cell_len(status) <= app.status.content_size.width
+            help_msg = tr.messages()[-1]
+            assert "Ctrl+Q" in help_msg.raw and help_msg.region.right <= tr.region.right  # the help is inside the chat column
+            # every figure of the panel fits its width (wrapped at the separators, not cut)
+            figures = app.panel.query_one("#panel-figures")
+            assert max(cell_len(x) for x in rendered_text(figures).splitlines()) <= figures.size.width
+            assert "TTFT" in rendered_text(figures)
+
+            await pilot.resize_terminal(80, 30)
+            await pilot.pause(0.3)
+            assert app.screen.has_class("-narrow") and not app.panel.display  # hidden when too narrow
+            assert at_end(tr)
+
+            # a reader who scrolled up is not pulled back to the end by a resize
+            tr.scroll_home(animate=False)
+            await pilot.pause(0.1)
+            await pilot.resize_terminal(160, 48)
+            await pilot.pause(0.3)
+            assert tr.scroll_y == 0 and tr.max_scroll_y > 0
+            assert app.panel.display and app.panel.outer_size.width == 46
+
+    asyncio.run(go())
+
+
+def test_panel_toggle_key(llm):
+    async def go():
+        app = ChatApp(lambda: llm, sampling=GREEDY)
+        async with app.run_test(size=(160, 48)) as pilot:
+            await ready(pilot)
+            chat = app.query_one("#chat")
+            wide = chat.outer_size.width
+            await pilot.press("ctrl+b")
+            await pilot.pause(0.1)
+            assert not app.panel.display and chat.outer_size.width == 160
+            await pilot.resize_terminal(100, 30)  # the choice holds across a resize
+            await pilot.pause(0.2)
+            assert not app.panel.display
+            await pilot.resize_terminal(160, 48)
+            await pilot.pause(0.2)
+            await pilot.press("ctrl+b")
+            await pilot.pause(0.1)
+            assert app.panel.display and chat.outer_size.width == wide
+            await pilot.resize_terminal(80, 30)  # too narrow: hidden, but Ctrl+B shows it
+            await pilot.pause(0.2)
+            assert not app.panel.display
+            await pilot.press("ctrl+b")
+            await pilot.pause(0.1)
+            assert app.panel.display and app.panel.region.right <= 80
+            await type_and_send(pilot, "/help")
+            assert "Ctrl+B" in app.transcript.messages()[-1].raw
+
+    asyncio.run(go())
+
+
+def test_speed_after_a_reply_is_that_replys_speed(llm):
+    done = []
+
+    class Recording(ChatApp):
+        async def on_generation_done(self, msg: GenerationDone) -> None:
+            done.append(msg)
+            await super().on_generation_done(msg)
+
+    async def go():
+        # refresh every 10 s: the reply ends before any live speed window, which
+        # used to leave the panel at "n/a"
+        app = Recording(lambda: llm, sampling=SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True), refresh_hz=0.1)
+        async with app.run_test(size=SIZE) as pilot:
+            await ready(pilot)
+            assert "speed      n/a tok/s" in app.panel.figures_text  # nothing measured yet
+            await send_and_wait_reply(pilot, "Once upon a time")
+            await pilot.pause(0.1)
+            snap = app.panel.snapshot
+            assert not snap.generating and snap.tok_s is not None and snap.tok_s > 0
+            assert snap.tok_s == pytest.approx(done[-1].decode_tok_s)  # the engine's own decode timing
+            m = re.search(r"speed      ([0-9.]+) tok/s", app.panel.figures_text)
+            assert m and float(m.group(1)) == pytest.approx(snap.tok_s, abs=0.05)
+
+    asyncio.run(go())
+
+
+def test_sparkline_is_blank_without_data(llm):
+    async def go():
+        app = ChatApp(lambda: llm, sampling=SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True), refresh_hz=20)
+        async with app.run_test(size=SIZE) as pilot:
+            await ready(pilot)
+            spark = app.panel.query_one(SpeedSparkline)
+            assert spark.size.width > 10 and spark.size.height == 2
+            assert rendered_text(spark).strip() == ""  # no data: nothing drawn
+            spark.data = [42.0]
+            await pilot.pause(0.05)
+            one = rendered_text(spark)
+            assert "█" not in one and one.strip()  # one value: a flat line, not a solid block
+            await send_and_wait_reply(pilot, "Once upon a time")
+            await pilot.pause(0.1)
+            assert len(app.panel.snapshot.tok_s_history) >= 2
+            assert rendered_text(spark).strip()  # real data draws bars
+
+    asyncio.run(go())
+
+
+def test_retry_copy_and_info(llm):
+    prompt = "Once upon a time"
+    out = llm.generate(prompt, GREEDY)[0]
+    ref, n_context = out.text, len(out.prompt_token_ids) + len(out.token_ids)
+
+    async def go():
+        app = ChatApp(lambda: llm, sampling=GREEDY)
+        async with app.run_test(size=SIZE) as pilot:
+            await ready(pilot)
+            await type_and_send(pilot, "/retry")
+            assert "nothing to retry" in app.notices[-1][1]
+            await type_and_send(pilot, "/copy")
+            assert "nothing to copy" in app.notices[-1][1] and app.clipboard == ""
+            await send_and_wait_reply(pilot, prompt)
+            old = app.transcript.messages()[-1]
+            assert old.raw == ref
+            await type_and_send(pilot, "/retry")
+            await wait_for(pilot, lambda: app.generating is None, timeout=60, what="the new reply")
+            await pilot.pause(0.05)
+            shown = app.transcript.messages()
+            assert [m.role for m in shown] == ["user", "assistant"] and shown[1] is not old
+            assert app._gen_ids == 2  # a second generation ran
+            # generated from the same user turn alone: the greedy reply to the prompt, once
+            assert app.conversation.messages == [{"role": "user", "content": prompt}, {"role": "assistant", "content": ref}]
+            assert shown[1].raw == ref
+
+            await type_and_send(pilot, "/copy")
+            assert app.clipboard == ref and "copied" in app.notices[-1][1]
+
+            await type_and_send(pilot, "/info")
+            info = app.transcript.messages()[-1].raw
+            assert app.info.name in info and "stories260k-hf" in info
+            assert f"{n_context} / {llm.max_model_len} tokens used" in info  # prompt + reply tokens
+            assert "Hugging Face safetensors, float32" in info and "all 5 layers resident on CPU" in info
+
+            await type_and_send(pilot, "/reset")
+            await pilot.pause(0.2)
+            await type_and_send(pilot, "/info")
+            assert f"0 / {llm.max_model_len} tokens used" in app.transcript.messages()[-1].raw
+
+    asyncio.run(go())
+
+
+def test_plain_repl_help_retry_copy_info(llm, tmp_path):
+    out = io.StringIO()
+    path = tmp_path / "r.json"
+    params = SamplingParams(max_tokens=20, temperature=0.0)
+    gen = llm.generate("Once upon a time", params)[0]
+    ref = gen.text
+    script = f"/help\n/retry\nOnce upon a time\n/retry\n/copy\n/info\n/save {path}\n"
+    assert run_repl(llm, params, stdin=io.StringIO(script), stdout=out, model_name="stories260k-hf") == 0
+    text = out.getvalue()
+    help_part = text[: text.index("nothing to retry")]
+    assert "Ctrl+D" in help_part and "Ctrl+C" in help_part and "/retry" in help_part
+    for key in ("Ctrl+Q", "Esc", "Ctrl+J", "Ctrl+B"):
+        assert key not in help_part
+    assert text.count(ref) == 2  # the reply, then the retried one
+    assert json.loads(path.read_text())["messages"] == [{"role": "user", "content": "Once upon a time"}, {"role": "assistant", "content": ref}]
+    osc = "\x1b]52;c;" + base64.b64encode(ref.encode()).decode() + "\a"
+    assert osc in text
+    assert "model      stories260k-hf" in text
+    n_ctx = re.search(r"context    (\d+) / (\d+) tokens used", text)
+    assert n_ctx and int(n_ctx.group(2)) == llm.max_model_len
+    assert int(n_ctx.group(1)) == len(gen.prompt_token_ids) + len(gen.token_ids)  # prompt + reply tokens
+
+
+def test_tui_help_lists_the_apps_keys(llm):
+    async def go():
+        app = ChatApp(lambda: llm, sampling=GREEDY)
+        async with app.run_test(size=SIZE) as pilot:
+            await ready(pilot)
+            await type_and_send(pilot, "/help")
+            raw = app.transcript.messages()[-1].raw
+            assert all(k in raw for k in ("Ctrl+Q", "Esc", "Ctrl+J", "Ctrl+B", "/retry", "/copy", "/info"))
+            assert "Ctrl+D" not in raw
+
+    asyncio.run(go())

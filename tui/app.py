@@ -1,7 +1,10 @@
 """``llmsys chat``: the Textual app.
 
 Layout: transcript + input on the left, the memory panel on the right, a
-status line at the bottom. All engine work happens on :class:`EngineWorker`'s
+status line at the bottom. The layout follows the terminal's width through
+Textual's breakpoints (classes on the screen, rules in chat.tcss): the panel
+narrows below ``WIDE_AT`` columns and hides below ``NARROW_AT``; Ctrl+B hides
+or shows it at any width. All engine work happens on :class:`EngineWorker`'s
 thread; this module only reacts to its messages, so a slow step never freezes
 the screen and a failed load or a full context becomes a notice, not a crash.
 """
@@ -21,7 +24,8 @@ from textual.widgets import Markdown
 from llmsys.kernels.common.errors import LLMSysError
 from llmsys.engine.sampling import SamplingParams
 from llmsys.tui.chat_message import ChatMessage
-from llmsys.tui.commands import HELP, SlashCommand, parse_command
+from llmsys.tui.commands import TUI_KEYS, SlashCommand, help_markdown, parse_command
+from llmsys.tui.info import info_markdown, info_rows
 from llmsys.tui.conversation import Conversation, apply_settings, sampling_from_dict, sampling_to_dict
 from llmsys.tui.memory_panel import MemoryPanel
 from llmsys.tui.messages import (
@@ -39,13 +43,19 @@ from llmsys.tui.transcript import Transcript
 from llmsys.tui.worker import Abort, EngineWorker, Generate, Refresh, error_line
 
 
+NARROW_AT = 90  # below this many columns the memory panel hides (Ctrl+B shows it)
+WIDE_AT = 120  # from here on the panel has its full width
+
+
 class ChatApp(App):
     CSS_PATH = str(Path(__file__).with_name("chat.tcss"))  # absolute: subclasses live elsewhere
     TITLE = "llmsys chat"
     BINDINGS = [
         Binding("escape", "stop", "Stop", priority=True, show=False),
         Binding("ctrl+q", "quit", "Quit", priority=True, show=False),
+        Binding("ctrl+b", "toggle_panel", "Memory panel", priority=True, show=False),
     ]
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (NARROW_AT, "-medium"), (WIDE_AT, "-wide")]
 
     def __init__(
         self,
@@ -72,6 +82,7 @@ class ChatApp(App):
         self._gen_ids = 0
         self._reply: ChatMessage | None = None
         self._stream: Any = None
+        self._replaced: str | None = None  # the reply a /retry in flight replaces (restored if it fails)
         self.last_finish: str | None = None
         self.notices: list[tuple[str, str]] = []  # (severity, text) of every notice shown
         if theme:
@@ -156,6 +167,7 @@ class ChatApp(App):
         text = await self._end_reply()
         self.conversation.add("assistant", text)
         self._reply = None
+        self._replaced = None
         self.last_finish = msg.finish_reason
         if msg.finish_reason == "abort":
             self.notify(f"stopped after {msg.completion_tokens} tokens; the text so far is kept", timeout=4)
@@ -167,10 +179,14 @@ class ChatApp(App):
     async def on_generation_failed(self, msg: GenerationFailed) -> None:
         if msg.gen_id == self.generating:
             await self._end_reply()
-            if self._reply is not None and not self._reply.raw:
+            if self._reply is not None and (not self._reply.raw or self._replaced is not None):
                 await self._reply.remove()
             self._reply = None
-            if self.conversation.messages and self.conversation.messages[-1]["role"] == "user":
+            if self._replaced is not None:  # a failed /retry: the reply it was to replace stays
+                self.conversation.add("assistant", self._replaced)
+                await self.transcript.add_message("assistant", self._replaced)
+                self._replaced = None
+            elif self.conversation.messages and self.conversation.messages[-1]["role"] == "user":
                 self.conversation.messages.pop()  # the turn did not happen
         self.notify(msg.error, title="generation failed", severity="error", timeout=10)
         self._show_status("ready")
@@ -186,16 +202,42 @@ class ChatApp(App):
         except LLMSysError as e:
             self.notify(error_line(e), severity="error", timeout=8)
 
-    async def send(self, text: str) -> None:
+    def _can_generate(self) -> bool:
         if self.info is None:
             why = f"the model did not load: {self.load_error}" if self.load_error else "the model is still loading"
             self.notify(f"cannot generate: {why}", severity="warning")
-            return
+            return False
         if self.generating is not None:
             self.notify("a reply is still being generated; press Esc to stop it", severity="warning")
+            return False
+        return True
+
+    async def send(self, text: str) -> None:
+        if not self._can_generate():
             return
         self.conversation.add("user", text)
         await self.transcript.add_message("user", text)
+        await self._start_reply()
+
+    async def retry(self) -> None:
+        """Drop the last reply (turn and widget) and generate again from the same user turn."""
+        msgs = self.conversation.messages
+        if not msgs or msgs[-1]["role"] != "assistant":
+            self.notify("nothing to retry: there is no reply yet", severity="warning")
+            return
+        if not self._can_generate():
+            return
+        self._replaced = msgs.pop()["content"]
+        old = [m for m in self.transcript.messages() if m.role == "assistant"]
+        if old:
+            await old[-1].remove()
+        await self._start_reply()
+
+    def last_reply(self) -> str | None:
+        return next((m["content"] for m in reversed(self.conversation.messages) if m["role"] == "assistant"), None)
+
+    async def _start_reply(self) -> None:
+        """Mount an empty assistant message and ask the engine for the reply to the conversation."""
         self._reply = await self.transcript.add_message("assistant", "")
         self._stream = Markdown.get_stream(self._reply)
         self._gen_ids += 1
@@ -210,7 +252,11 @@ class ChatApp(App):
     async def run_command(self, cmd: SlashCommand) -> None:
         busy = self.generating is not None
         if cmd.name == "help":
-            await self.transcript.add_message("notice", f"```text\n{HELP}\n```")
+            await self.transcript.add_message("notice", help_markdown(TUI_KEYS))
+        elif cmd.name == "info":
+            await self.show_info()
+        elif cmd.name == "copy":
+            self.copy_reply()
         elif cmd.name == "system":
             self.conversation.system = cmd.arg or None
             self.notify("system prompt set" if cmd.arg else "system prompt removed")
@@ -220,11 +266,13 @@ class ChatApp(App):
             self.notify("sampling: " + " ".join(f"{k}={v}" for k, v in shown.items()))
         elif busy:
             self.notify(f"/{cmd.name} waits until the reply is done; press Esc to stop it", severity="warning")
+        elif cmd.name == "retry":
+            await self.retry()
         elif cmd.name == "reset":
             self.conversation.reset()
             await self.transcript.clear()
             if self.worker is not None and self.info is not None:
-                self.worker.submit(Refresh())
+                self.worker.submit(Refresh(forget_context=True))
             self.notify("conversation cleared")
         elif cmd.name == "save":
             p = self.conversation.save(cmd.args[0], self.sampling, self.model_name)
@@ -242,10 +290,44 @@ class ChatApp(App):
                 await self.transcript.add_message(m["role"], m["content"])
             self.notify(f"loaded {len(conv.messages)} messages from {cmd.args[0]}")
 
+    async def show_info(self) -> None:
+        if self.info is None:
+            why = self.load_error or "the model is still loading"
+            self.notify(f"no model information: {why}", severity="warning")
+            return
+        await self.transcript.add_message("notice", info_markdown(info_rows(self.info, self.panel.snapshot)))
+
+    def copy_reply(self) -> None:
+        """Put the last reply on the clipboard: Textual writes the OSC 52 escape."""
+        text = self.last_reply()
+        if not text:
+            self.notify("nothing to copy: there is no reply yet", severity="warning")
+            return
+        self.copy_to_clipboard(text)
+        self.notify(f"copied the last reply ({len(text)} characters) to the clipboard")
+
     # -- actions -------------------------------------------------------------
     def action_stop(self) -> None:
         if self.generating is not None and self.worker is not None:
             self.worker.submit(Abort(self.generating))
+
+    def action_toggle_panel(self) -> None:
+        """Hide or show the memory panel; the choice holds across resizes.
+
+        The width rules decide by default; the key sets ``-hidden`` (hide a panel
+        the width would show) or ``-shown`` (show one it would hide), and going
+        back to what the width gives clears both, so later resizes decide again.
+        """
+        panel = self.panel
+        show = not panel.display
+        by_width = not self.screen.has_class("-narrow")
+        panel.set_class(not show and by_width, "-hidden")
+        panel.set_class(show and not by_width, "-shown")
+        self.transcript.follow()
+
+    @property
+    def panel_visible(self) -> bool:
+        return bool(self.panel.display)
 
     def replace_sampling(self, **changes: Any) -> None:
         self.sampling = dataclasses.replace(self.sampling, **changes)

@@ -10,6 +10,7 @@ from textual.widget import Widget
 from llmsys.tui.snapshot import TIER_LABELS
 
 RESIDENT, STREAMED = "█", "▚"
+LEGEND_WIDTH = 32  # cells of the full legend; a narrower panel gets the short one
 
 
 class LayerMap(Widget):
@@ -48,9 +49,10 @@ class LayerMap(Widget):
             cls = f"layermap--{tier}" if tier in ("gpu", "cpu", "disk") else "layermap--legend"
             text.append(STREAMED if streamed else RESIDENT, style=self.get_component_rich_style(cls))
         text.append("\n")
+        wide = self.content_size.width >= LEGEND_WIDTH
         for tier in ("gpu", "cpu", "disk"):
             text.append(RESIDENT, style=self.get_component_rich_style(f"layermap--{tier}"))
-            text.append(f" {TIER_LABELS[tier]}  ", style=self.get_component_rich_style("layermap--legend"))
-        text.append(f"{STREAMED} streamed", style=self.get_component_rich_style("layermap--legend"))
+            text.append(f" {TIER_LABELS[tier]}" + ("  " if wide else " "), style=self.get_component_rich_style("layermap--legend"))
+        text.append(f"{STREAMED} {'streamed' if wide else 'stream'}", style=self.get_component_rich_style("layermap--legend"))
         self.render_s += time.perf_counter() - t0
         return text

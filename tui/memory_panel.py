@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import time
 
+from rich.console import RenderableType
+from rich.text import Text
 from textual.app import ComposeResult
+from textual.renderables.sparkline import Sparkline as SparklineRenderable
 from textual.containers import VerticalScroll
 from textual.widgets import Sparkline, Static
 
@@ -15,6 +18,26 @@ from llmsys.tui.tier_bar import TierBar
 
 def _n(v: object, fmt: str = "{}") -> str:
     return "n/a" if v is None else fmt.format(v)
+
+
+LABEL = 11  # the figures' label column ("KV blocks  ")
+
+
+def fit(lines: list[str], width: int) -> list[str]:
+    """Break lines longer than ``width`` at their " · " separators, the rest
+    under the label column, so a narrow panel keeps the columns readable."""
+    out: list[str] = []
+    for line in lines:
+        parts = line.split(" · ")
+        current = parts[0]
+        for part in parts[1:]:
+            if len(current) + 3 + len(part) <= width:
+                current += " · " + part
+            else:
+                out.append(current)
+                current = " " * LABEL + part
+        out.append(current)
+    return out
 
 
 def describe(s: TierSnapshot) -> list[str]:
@@ -31,6 +54,24 @@ def describe(s: TierSnapshot) -> list[str]:
     wait = "no weight streaming" if s.transfer_wait_share is None and not any(s.layer_streamed) else _n(None if s.transfer_wait_share is None else s.transfer_wait_share * 100, "{:.0f}%")
     lines.append(f"transfers  {wait}" + (" waiting" if s.transfer_wait_share is not None else ""))
     return lines
+
+
+class SpeedSparkline(Sparkline):
+    """Textual's Sparkline, except that no data draws nothing.
+
+    The stock widget draws a baseline for no data and a solid block for one
+    value (its maximum), which read as a measurement before any was made. One
+    value is drawn as a flat line.
+    """
+
+    def render(self) -> RenderableType:
+        data = list(self.data or [])
+        if not data:
+            return Text("")
+        drawn = super().render()
+        if len(data) == 1 and isinstance(drawn, SparklineRenderable):
+            drawn.data = data * 2  # two equal values: the flat line of a steady speed
+        return drawn
 
 
 class MemoryPanel(VerticalScroll):
@@ -52,7 +93,11 @@ class MemoryPanel(VerticalScroll):
         yield LayerMap(id="layer-map")
         yield Static("", id="panel-figures")
         yield Static("tokens/s", classes="panel-heading")
-        yield Sparkline([], id="tok-spark")
+        yield SpeedSparkline([], id="tok-spark")
+
+    def on_resize(self) -> None:
+        if self.snapshot is not None:  # re-fit the figures to the new width
+            self.update_snapshot(self.snapshot)
 
     def update_snapshot(self, s: TierSnapshot) -> None:
         t0 = time.perf_counter()
@@ -60,9 +105,10 @@ class MemoryPanel(VerticalScroll):
         for t in TIERS:
             self.query_one(f"#tier-{t}", TierBar).set_usage(s.tier(t))
         self.query_one(LayerMap).set_layers(s.layer_tiers, s.layer_streamed)
-        self.query_one("#panel-figures", Static).update("\n".join(describe(s)))
-        spark = self.query_one(Sparkline)
-        data = list(s.tok_s_history) or [0.0]
+        figures = self.query_one("#panel-figures", Static)
+        figures.update("\n".join(fit(describe(s), figures.content_size.width or 10**6)))
+        spark = self.query_one(SpeedSparkline)
+        data = list(s.tok_s_history)
         if list(spark.data or []) != data:
             spark.data = data
         self.update_s += time.perf_counter() - t0

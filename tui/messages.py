@@ -21,6 +21,7 @@ class ModelInfo:
     dtype: str
     quant: str
     device: str
+    weight_format: str  # what the weights were read from: "llama2.c", "Hugging Face safetensors", "GGUF", ...
     n_layers: int
     max_len: int
     is_chat: bool  # has a chat template -> chat mode; else plain completion

@@ -8,13 +8,38 @@ Ctrl+C stops a reply (keeping the text so far); Ctrl+D or EOF quits.
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from typing import IO, Any
 
 from llmsys.kernels.common.errors import LLMSysError
 from llmsys.engine.sampling import SamplingParams
-from llmsys.tui.commands import HELP, parse_command
+from llmsys.tui.commands import PLAIN_KEYS, SlashCommand, help_text, osc52, parse_command
 from llmsys.tui.conversation import Conversation, apply_settings, sampling_from_dict
-from llmsys.tui.worker import error_line
+from llmsys.tui.info import info_rows, info_text
+from llmsys.tui.snapshot import PerfStats, default_budgets, snapshot_from_engine
+from llmsys.tui.worker import error_line, model_info
+
+
+@dataclass
+class ReplSession:
+    """What one REPL run changes as it goes: the engine is fixed, the rest is not."""
+
+    llm: Any
+    conv: Conversation
+    sampling: SamplingParams
+    out: IO[str]
+    model_name: str
+    context_tokens: int = 0  # prompt + reply tokens of the last request
+
+    @property
+    def is_chat(self) -> bool:
+        return self.llm.tokenizer.chat_template is not None
+
+    def say(self, text: str) -> None:
+        self.out.write(text + "\n")
+
+    def last_reply(self) -> str | None:
+        return next((m["content"] for m in reversed(self.conv.messages) if m["role"] == "assistant"), None)
 
 
 def _read_entry(stdin: IO[str], out: IO[str], prompt: str) -> str | None:
@@ -34,60 +59,111 @@ def _read_entry(stdin: IO[str], out: IO[str], prompt: str) -> str | None:
         return "\n".join(lines)
 
 
+def _reply(s: ReplSession) -> None:
+    """Stream the reply to the conversation as it stands and add it as a turn."""
+    ids = s.llm.tokenizer.encode_chat(s.conv.chat_messages()) if s.is_chat else s.llm.encode(s.conv.completion_text())
+    reply: list[str] = []
+    n_out = 0
+    it = s.llm.stream(ids, s.sampling)
+    try:
+        for ch in it:
+            n_out += len(ch.token_ids)
+            if ch.text:
+                reply.append(ch.text)
+                s.out.write(ch.text)
+                s.out.flush()
+    except KeyboardInterrupt:
+        it.close()
+        s.out.write(" [stopped]")
+    s.out.write("\n")
+    s.conv.add("assistant", "".join(reply))
+    s.context_tokens = len(ids) + n_out
+
+
+def _retry(s: ReplSession) -> None:
+    msgs = s.conv.messages
+    if not msgs or msgs[-1]["role"] != "assistant":
+        s.say("[nothing to retry: there is no reply yet]")
+        return
+    old = msgs.pop()
+    try:
+        _reply(s)
+    except LLMSysError:
+        msgs.append(old)  # the retry did not happen: keep the reply it was to replace
+        raise
+
+
+def _copy(s: ReplSession) -> None:
+    """OSC 52 asks the terminal itself to set the clipboard (works over ssh too)."""
+    text = s.last_reply()
+    if not text:
+        s.say("[nothing to copy: there is no reply yet]")
+        return
+    s.out.write(osc52(text))
+    s.say(f"[copied the last reply ({len(text)} characters) to the clipboard]")
+
+
+def _info(s: ReplSession) -> None:
+    budgets = default_budgets(s.llm.config, s.llm.loaded.device)
+    snap = snapshot_from_engine(s.llm, budgets, PerfStats(tokens_in_context=s.context_tokens))
+    s.say(info_text(info_rows(model_info(s.llm), snap)))
+
+
+def _run_command(s: ReplSession, cmd: SlashCommand) -> None:
+    if cmd.name == "help":
+        s.say(help_text(PLAIN_KEYS))
+    elif cmd.name == "retry":
+        _retry(s)
+    elif cmd.name == "copy":
+        _copy(s)
+    elif cmd.name == "info":
+        _info(s)
+    elif cmd.name == "system":
+        s.conv.system = cmd.arg or None
+        s.say("[system prompt set]" if cmd.arg else "[system prompt removed]")
+    elif cmd.name == "reset":
+        s.conv.reset()
+        s.context_tokens = 0
+        s.say("[conversation cleared]")
+    elif cmd.name == "set":
+        p = s.sampling = apply_settings(s.sampling, list(cmd.args))
+        s.say(f"[temperature={p.temperature} top_p={p.top_p} max_tokens={p.max_tokens} seed={p.seed}]")
+    elif cmd.name == "save":
+        path = s.conv.save(cmd.args[0], s.sampling, s.model_name)
+        s.say(f"[saved {len(s.conv.messages)} messages to {path}]")
+    elif cmd.name == "load":
+        conv, saved = Conversation.load(cmd.args[0])
+        if saved:
+            s.sampling = sampling_from_dict(s.sampling, saved)
+        s.conv = conv
+        s.say(f"[loaded {len(conv.messages)} messages]")
+
+
+def _handle(s: ReplSession, text: str) -> None:
+    """One entry: a command, or a user turn and its reply. Errors become one line."""
+    added_user = False
+    try:
+        cmd = parse_command(text)
+        if cmd is not None:
+            _run_command(s, cmd)
+            return
+        s.conv.add("user", text)
+        added_user = True
+        _reply(s)
+    except LLMSysError as e:
+        if added_user and s.conv.messages and s.conv.messages[-1]["role"] == "user":
+            s.conv.messages.pop()  # the turn did not happen
+        s.say(f"error: {error_line(e)}")
+
+
 def run_repl(llm: Any, sampling: SamplingParams, system: str | None = None, stdin: IO[str] | None = None, stdout: IO[str] | None = None, model_name: str = "model") -> int:
     stdin = stdin or sys.stdin
-    out = stdout or sys.stdout
-    conv = Conversation(system=system)
-    is_chat = llm.tokenizer.chat_template is not None
-    out.write(f"llmsys chat ({'chat' if is_chat else 'completion'} mode, context {llm.max_model_len} tokens). /help for commands, Ctrl+D to quit.\n")
+    s = ReplSession(llm, Conversation(system=system), sampling, stdout or sys.stdout, model_name)
+    s.say(f"llmsys chat ({'chat' if s.is_chat else 'completion'} mode, context {llm.max_model_len} tokens). /help for commands, Ctrl+D to quit.")
     while True:
-        text = _read_entry(stdin, out, "> ")
+        text = _read_entry(stdin, s.out, "> ")
         if text is None:
-            out.write("\n")
+            s.out.write("\n")
             return 0
-        if not text.strip():
-            continue
-        added_user = False
-        try:
-            cmd = parse_command(text)
-            if cmd is not None:
-                if cmd.name == "help":
-                    out.write(HELP + "\n")
-                elif cmd.name == "system":
-                    conv.system = cmd.arg or None
-                    out.write("[system prompt set]\n" if cmd.arg else "[system prompt removed]\n")
-                elif cmd.name == "reset":
-                    conv.reset()
-                    out.write("[conversation cleared]\n")
-                elif cmd.name == "set":
-                    sampling = apply_settings(sampling, list(cmd.args))
-                    out.write(f"[temperature={sampling.temperature} top_p={sampling.top_p} max_tokens={sampling.max_tokens} seed={sampling.seed}]\n")
-                elif cmd.name == "save":
-                    p = conv.save(cmd.args[0], sampling, model_name)
-                    out.write(f"[saved {len(conv.messages)} messages to {p}]\n")
-                elif cmd.name == "load":
-                    conv, saved = Conversation.load(cmd.args[0])
-                    if saved:
-                        sampling = sampling_from_dict(sampling, saved)
-                    out.write(f"[loaded {len(conv.messages)} messages]\n")
-                continue
-            conv.add("user", text)
-            added_user = True
-            ids = llm.tokenizer.encode_chat(conv.chat_messages()) if is_chat else llm.encode(conv.completion_text())
-            reply: list[str] = []
-            it = llm.stream(ids, sampling)
-            try:
-                for ch in it:
-                    if ch.text:
-                        reply.append(ch.text)
-                        out.write(ch.text)
-                        out.flush()
-            except KeyboardInterrupt:
-                it.close()
-                out.write(" [stopped]")
-            out.write("\n")
-            conv.add("assistant", "".join(reply))
-        except LLMSysError as e:
-            if added_user and conv.messages and conv.messages[-1]["role"] == "user":
-                conv.messages.pop()  # the turn did not happen
-            out.write(f"error: {error_line(e)}\n")
+        if text.strip():
+            _handle(s, text)

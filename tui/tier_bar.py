@@ -19,6 +19,13 @@ def _cells(parts: list[int], budget: int, width: int) -> list[int]:
     return cells
 
 
+def _indent(lines: tuple[str, ...], label: int, width: int) -> int:
+    """Indent the detail lines under the bar, less when the panel is narrow, so
+    that they fit on their line (each line is one row: the widget is 3 high)."""
+    longest = max(len(x) for x in lines)
+    return max(0, min(label, width - longest))
+
+
 class TierBar(Widget):
     """Two lines: the bar with 'used / budget', then the split in words."""
 
@@ -55,8 +62,13 @@ class TierBar(Widget):
             text.append(ch * n, style=style(f"tierbar--{cls}"))
         text.append("░" * max(width - sum(cells), 0), style=style("tierbar--free"))
         budget_s = format_bytes(u.budget) if u.budget is not None else "n/a"
-        text.append(f"\n     {format_bytes(u.used)} / {budget_s} · WS {format_bytes(u.workspace)}")
-        text.append(f"\n     W {format_bytes(u.weights)} · KV {format_bytes(u.kv_used)}/{format_bytes(u.kv_reserved)}")
+        details = (
+            f"{format_bytes(u.used)} / {budget_s} · WS {format_bytes(u.workspace)}",
+            f"W {format_bytes(u.weights)} · KV {format_bytes(u.kv_used)}/{format_bytes(u.kv_reserved)}",
+        )
+        indent = " " * _indent(details, len(label), self.content_size.width)
+        for line in details:
+            text.append(f"\n{indent}{line}")
         text.no_wrap = True
         text.overflow = "ellipsis"
         self.render_s += time.perf_counter() - t0

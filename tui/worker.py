@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 from llmsys.kernels.common.errors import LLMSysError
 from llmsys.engine.sampling import SamplingParams
+from llmsys.tui.info import weight_format
 from llmsys.tui.messages import (
     EngineFailed,
     EngineReady,
@@ -48,7 +49,12 @@ class Abort:
 
 @dataclass(frozen=True)
 class Refresh:
-    """Post a fresh snapshot now (the app asks after /reset, on demand in tests)."""
+    """Post a fresh snapshot now (the app asks after /reset, on demand in tests).
+
+    ``forget_context``: the conversation was cleared, so no tokens are in context.
+    """
+
+    forget_context: bool = False
 
 
 @dataclass(frozen=True)
@@ -75,6 +81,14 @@ def error_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {msg}" if msg else type(e).__name__
 
 
+def reply_speed(timings: Any, n_out: int, elapsed_s: float) -> float | None:
+    """A finished reply's decode speed in tokens/s: the engine's own timing when
+    it has one (prefill excluded), else tokens over wall time; None for no tokens."""
+    if timings is not None and timings.generated_tokens > 1 and timings.decode_s > 0:
+        return float(timings.decode_tok_s)
+    return n_out / elapsed_s if n_out and elapsed_s > 0 else None
+
+
 def model_info(llm: Any) -> ModelInfo:
     loaded = llm.loaded
     name = str(getattr(loaded, "path", llm.config.model)).rstrip("/").split("/")[-1]
@@ -83,6 +97,7 @@ def model_info(llm: Any) -> ModelInfo:
         dtype=str(loaded.dtype).replace("torch.", ""),
         quant=llm.config.quant.name,
         device=str(loaded.device),
+        weight_format=weight_format(loaded.path, getattr(loaded, "stored_formats", None)),
         n_layers=int(loaded.args.num_hidden_layers),
         max_len=int(llm.max_model_len),
         is_chat=llm.tokenizer.chat_template is not None,
@@ -110,6 +125,9 @@ class EngineWorker:
         self._thread = threading.Thread(target=self._run, name="llmsys-engine", daemon=True)
         self._history: deque[float] = deque(maxlen=history)
         self._ttft: float | None = None
+        # The speed the panel shows: the live window while a reply streams, then
+        # that reply's decode speed, kept until the next reply starts.
+        self._tok_s: float | None = None
         self._context: int | None = None
         self._evicted = 0
         self.llm: Any = None
@@ -137,7 +155,7 @@ class EngineWorker:
     def _snapshot(self, generating: bool) -> TierSnapshot:
         t0 = time.perf_counter()
         perf = PerfStats(
-            tok_s=self._history[-1] if self._history else None,
+            tok_s=self._tok_s,
             tok_s_history=tuple(self._history),
             ttft_s=self._ttft,
             tokens_in_context=self._context,
@@ -164,6 +182,8 @@ class EngineWorker:
             if isinstance(job, _Stop):
                 return
             if isinstance(job, Refresh):
+                if job.forget_context:
+                    self._context = 0
                 self._post(SnapshotUpdated(self._snapshot(False)))
             elif isinstance(job, Generate):
                 if not self._generate(job):
@@ -191,6 +211,7 @@ class EngineWorker:
         n_prompt = len(ids)
         self._context = n_prompt
         self._ttft = None
+        self._tok_s = None
         t_submit = time.perf_counter()
         last_snap = t_submit
         last_text = 0.0
@@ -235,7 +256,8 @@ class EngineWorker:
                     self._post(TokensReceived(job.gen_id, "".join(pending_text), pending_n))
                     pending_text, pending_n, last_text = [], 0, t1
                 if final is None and t1 - last_snap >= self._interval:  # (a finished request's blocks are already freed)
-                    self._history.append(window_tokens / (t1 - last_snap))
+                    self._tok_s = window_tokens / (t1 - last_snap)
+                    self._history.append(self._tok_s)
                     window_tokens = 0
                     last_snap = t1
                     self._post(SnapshotUpdated(self._snapshot(True)))
@@ -249,6 +271,7 @@ class EngineWorker:
         usage, timings = final.usage, final.timings
         if usage is not None:
             self._evicted += usage.evicted_tokens
+        self._tok_s = reply_speed(timings, n_out, time.perf_counter() - t_submit)
         self._post(SnapshotUpdated(self._snapshot(False)))
         self._post(
             GenerationDone(
