@@ -610,6 +610,9 @@ def test_run_pulls_a_missing_repo_then_generates(home, capsys, monkeypatch):
     try:
         rc, out, err = _run_cli(["run", ANY_REPO, "--no-pull", "Once upon a time"], capsys)
         assert rc == 2 and "--no-pull was given; run `llmsys pull some-org/stories-hf` first" in err
+        for cmd in (["chat", ANY_REPO, "--plain"], ["serve", ANY_REPO]):  # the same flag on every loading command
+            rc, _, err = _run_cli([*cmd, "--no-pull"], capsys)
+            assert rc == 2 and "--no-pull was given" in err, (cmd, err)
         assert not (home / "models" / "hub" / "some-org").exists()
         rc, out, err = _run_cli(["run", ANY_REPO, "Once upon a time", "-n", "8", "--temperature", "0"], capsys)
     finally:

@@ -7,16 +7,17 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from llmsys.engine.cli.options import build_engine_config, engine_command, sampling_command
+from llmsys.engine.cli.options import build_engine_config, engine_command, pulling_command, sampling_command
 from llmsys.engine.sampling import SamplingParams
 
 DEFAULT_MODEL = "stories260k"
 
 
+@pulling_command
 @sampling_command
 @engine_command
 def chat_command(
-    model: Annotated[str, typer.Argument(help="model directory, llama2.c .bin, or catalog name")] = DEFAULT_MODEL,
+    model: Annotated[str, typer.Argument(help="model directory, .gguf or llama2.c file, catalog name, org/repo or ollama:NAME")] = DEFAULT_MODEL,
     plain: Annotated[bool, typer.Option("--plain", help="line-by-line REPL instead of the full-screen app")] = False,
     system: Annotated[Optional[str], typer.Option("--system", help="system prompt")] = None,
     theme: Annotated[str, typer.Option("--theme", help="Textual theme, e.g. textual-dark, textual-light")] = "textual-dark",
@@ -24,8 +25,12 @@ def chat_command(
     *,
     sampling: SamplingParams,
     engine_flags: dict[str, Any],
+    auto_pull: bool,
 ) -> int:
+    from llmsys.engine.cli.models_cmd import ensure_pulled
     from llmsys.engine.llm import LLM
+
+    ensure_pulled(model, auto_pull)  # before the full-screen app: the question and the bars need the terminal
 
     tty = sys.stdin.isatty() and sys.stdout.isatty()
     if plain or not tty:
