@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmsys.engine.config import DEFAULT_TUNE_STEPS
+from llmsys.engine.progress import bar, track
 from llmsys.kernels.common.errors import InvalidParameterError
 from llmsys.quant import QuantSpec, quantize_linear
 from llmsys.quant.embedding import QuantEmbedding
@@ -201,15 +202,13 @@ def gptq_calibrate(model: nn.Module, seqs: list[list[int]], spec: QuantSpec, dam
         setattr(parent, child, q)
         return q
 
-    for i, layer in enumerate(model.model.layers):
+    for layer in track(model.model.layers, "gptq", progress, unit="layer"):
         stats, _ = _input_stats(layer, h, run_layer)
         for name, (xtx, _, n) in stats.items():
             parent_name, _, child = name.rpartition(".")
             parent = layer.get_submodule(parent_name) if parent_name else layer
             quantize_module(parent, child, getattr(parent, child), 2.0 * xtx / n)
         h = run_layer(layer, h)
-        if progress:
-            print(f"gptq: layer {i + 1}/{len(model.model.layers)}", file=sys.stderr)
     x = model.model.norm(h).float()  # [T, hidden]
     H = 2.0 * (x.t() @ x) / x.shape[0]
     # A tied table also serves embedding lookups, which gather rows fast only without a permutation.
@@ -267,7 +266,7 @@ def awq_calibrate(model: nn.Module, seqs: list[list[int]], spec: QuantSpec, prog
         setattr(parent, child, q)
         return q
 
-    for i, layer in enumerate(model.model.layers):
+    for layer in track(model.model.layers, "awq", progress, unit="layer"):
         mha = layer.self_attn.n_heads == layer.self_attn.n_kv
         # (linears reading one input, where its 1/s goes: a norm, a linear's output rows, or None = input_scale)
         groups = [(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "input_layernorm"),
@@ -299,8 +298,6 @@ def awq_calibrate(model: nn.Module, seqs: list[list[int]], spec: QuantSpec, prog
             quantize(layer.get_submodule(parent_name), child, w[n], hs[n], b[n], input_scale.get(n),
                      clip and child not in ("q_proj", "k_proj"))
         h = h_next
-        if progress:
-            print(f"awq: layer {i + 1}/{len(model.model.layers)}", file=sys.stderr)
     x = model.model.norm(h).float()  # [T, hidden]
     H = x.t() @ x / x.shape[0]
     w_head = model.lm_head.weight.detach().float().clone()
@@ -411,7 +408,7 @@ def _kl(teacher_logp: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
 
 def refine_quantized(model: nn.Module, float_weights: dict[str, torch.Tensor], seqs: list[list[int]],
                      steps: int = DEFAULT_TUNE_STEPS, lr: float = 4e-3, round_lr: float = 0.01, batch: int = 8,
-                     seed: int = 0) -> TuneReport:
+                     seed: int = 0, progress: bool = False) -> TuneReport:
     """Refine a GPTQ-quantized ``model`` in place by distilling the float model on ``seqs``.
 
     GPTQ minimizes each layer's own output error; what matters is the model's
@@ -481,7 +478,7 @@ def refine_quantized(model: nn.Module, float_weights: dict[str, torch.Tensor], s
     params = [tv.log_s for tv in tun.values()] + list(norms.values())
     opt = torch.optim.Adam(params, lr=lr)
     gen = torch.Generator().manual_seed(seed)
-    with torch.enable_grad(), student_swap:
+    with torch.enable_grad(), student_swap, bar(steps, "refine", progress, unit="step") as b:
         for step in range(steps):
             idx = torch.randperm(len(data), generator=gen)[:batch].to(data.device)
             loss = _kl(t_logp[idx], model_logits(model, data[idx]))
@@ -493,6 +490,9 @@ def refine_quantized(model: nn.Module, float_weights: dict[str, torch.Tensor], s
             opt.step()
             for tv in tun.values():
                 tv.round_step(round_lr * decay)
+            b.update()
+            if step % 20 == 0:
+                b.set_postfix(kl=f"{loss.item():.4f}", refresh=False)
     after = full_kl()
     with torch.no_grad():
         for name, tv in tun.items():
@@ -505,7 +505,7 @@ def refine_quantized(model: nn.Module, float_weights: dict[str, torch.Tensor], s
     return TuneReport(before, after, steps)
 
 
-def self_generated_calibration(llm, n: int, length: int, seed: int = 0) -> list[list[int]]:
+def self_generated_calibration(llm, n: int, length: int, seed: int = 0, progress: bool = False) -> list[list[int]]:
     """Calibration sequences the float model writes itself (temperature 1 from BOS).
 
     Why: in-distribution for the model, and by construction disjoint from any
@@ -517,7 +517,14 @@ def self_generated_calibration(llm, n: int, length: int, seed: int = 0) -> list[
     start = [bos] if bos is not None else llm.encode(" ")
     params = [SamplingParams(max_tokens=length - len(start), temperature=1.0, seed=seed + i, ignore_eos=True)
               for i in range(n)]
-    outs = llm.generate([list(start) for _ in range(n)], params)
+    # In rounds of the engine's batch (what it decodes together anyway), so the bar moves; each sequence's
+    # seed fixes its text whatever the round.
+    chunk = llm.config.max_num_seqs
+    outs = []
+    with bar(n, "calibration text", progress, unit="seq") as b:
+        for j in range(0, n, chunk):
+            outs += llm.generate([list(start) for _ in params[j:j + chunk]], params[j:j + chunk])
+            b.update(len(params[j:j + chunk]))
     return [list(start) + o.token_ids for o in outs]
 
 

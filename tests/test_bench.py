@@ -68,6 +68,17 @@ def test_test_names_and_lists():
     }
 
 
+def test_thread_sweeps_take_auto():
+    """`-t 1,2,auto`: auto (and no -t at all) is the engine's own default thread count."""
+    from llmsys.engine.bench.suite import thread_list
+    from llmsys.kernels.common.errors import InvalidParameterError
+
+    assert thread_list("1,2,auto") == [1, 2, None]
+    assert thread_list(None) == [None]
+    with pytest.raises(InvalidParameterError, match="-t"):
+        thread_list("1,many")
+
+
 def test_driver_runs_real_engine_steps_and_frees_kv(tiny):
     from llmsys import LLM
 
@@ -108,8 +119,14 @@ def test_rows_and_all_formats(tiny, machine):
     # %roof: weights (+ KV) streamed per step at the measured rate, over 10 GB/s.
     assert tg.roof_pct == pytest.approx(100 * tg.tok_s * (tg.weight_bytes + 3.0 * 2 * 2 * 2 * 16 * 4) / 10e9, rel=1e-6)
 
+    # No -t: the engine's default, named as such, with the count it picked and why.
+    from llmsys.kernels.common.cpus import usable_cpus
+
+    assert all(r.threads_auto and 1 <= r.threads <= len(usable_cpus()) for r in result.rows)
+    assert all("-t auto" in r.command for r in result.rows)
     md = report.render(result, "md")
     assert "machine:" in md and "| pp8 |" in md and "| tg4 |" in md and "t/s" in md
+    assert f"| {pp.threads} (auto) |" in md
     data = json.loads(report.render(result, "json"))
     assert data["machine"]["bandwidths"]["mem_gbps"] == 10.0 and len(data["rows"]) == 2
     assert data["rows"][0]["test"] == "pp8" and data["rows"][0]["machine"]["cpu_threads"] >= 1

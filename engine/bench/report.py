@@ -62,7 +62,7 @@ def to_markdown(result: BenchResult) -> str:
             r.dtype,
         ]
         cells += [str(getattr(r, n) or "-") for n, v in varying.items() if v]
-        cells += [str(r.threads), str(r.batch), r.test]
+        cells += [f"{r.threads} (auto)" if r.threads_auto else str(r.threads), str(r.batch), r.test]
         if r.error:
             cells += [f"error: {r.error}", "", "", "", "", ""]
         else:

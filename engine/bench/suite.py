@@ -21,6 +21,7 @@ import torch
 
 from llmsys.engine.bench.machine import MachineInfo
 from llmsys.engine.bench.measure import TestSpec, measure_e2e, measure_test
+from llmsys.kernels.common.cpus import choose_threads
 from llmsys.kernels.common.errors import InvalidParameterError, LLMSysError
 
 LOAD_AXES = ("dtype", "quant", "kv_dtype", "kv_policy", "gpu_mem", "cpu_mem")
@@ -107,6 +108,7 @@ class BenchRow:
     error: str | None = None
     baselines: dict[str, BaselineFigures] = field(default_factory=dict)
     command: str = ""
+    threads_auto: str | None = None  # -t auto (no -t): why the engine's default picked ``threads``
 
     def to_dict(self, machine: MachineInfo | None = None) -> dict[str, Any]:
         d = asdict(self)
@@ -165,6 +167,14 @@ def int_list(text: str | None, flag: str, minimum: int = 0) -> list[int]:
             raise InvalidParameterError(f"{flag}: {v} is below {minimum}")
         out.append(v)
     return out
+
+
+def thread_list(text: str | None) -> list[int | None]:
+    """``-t 1,2,auto``: thread counts, None for ``auto`` (the engine's default); no -t is ``auto``."""
+    out: list[int | None] = []
+    for p in split_list(text):
+        out += [None] if p.lower() == "auto" else int_list(p, "-t", 1)
+    return out or [None]
 
 
 def build_tests(n_prompt: list[int], n_gen: list[int], pg: list[tuple[int, int]], depths: list[int]) -> list[TestSpec]:
@@ -275,8 +285,7 @@ def row_command(spec: BenchSpec, cfg: LoadConfig, test: TestSpec, batch: int, th
     parts.append(f"-r {spec.repetitions}")
     if batch != 1:
         parts.append(f"-b {batch}")
-    if threads:
-        parts.append(f"-t {threads}")
+    parts.append(f"-t {threads}" if threads else "-t auto")
     for name in LOAD_AXES:
         v = getattr(cfg, name)
         if v != DEFAULTS[name]:
@@ -354,7 +363,10 @@ def run_bench(spec: BenchSpec, machine: MachineInfo, progress: Progress | None =
     done = 0
     total = spec.num_rows * (1 + len(spec.vs))
     label = f"synthetic {spec.synthetic}" if spec.synthetic else Path(spec.model).name
-    default_threads = torch.get_num_threads()
+    # The engine's default (kernels.common.cpus), sampled once before anything loads: what `llmsys run`
+    # without -t would use on this machine now.
+    auto = choose_threads()
+    default_threads = auto.threads
     for cfg in spec.configs:
         llm = None
         load_error = None
@@ -379,6 +391,7 @@ def run_bench(spec: BenchSpec, machine: MachineInfo, progress: Progress | None =
                         threads=threads or default_threads, device="?", dtype=cfg.dtype, quant=cfg.quant,
                         kv_dtype=cfg.kv_dtype, kv_policy=cfg.kv_policy, gpu_mem=cfg.gpu_mem, cpu_mem=cfg.cpu_mem,
                         error=load_error, command=row_command(spec, cfg, test, batch, threads),
+                        threads_auto=None if threads else auto.reason,
                     )
                     if progress is not None:
                         progress(done, total, f"{test.name} b{batch} t{row.threads} {cfg.dtype} {cfg.quant}")

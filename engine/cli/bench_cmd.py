@@ -61,7 +61,7 @@ def bench_command(
     depth: Annotated[str, typer.Option("--depth", "-d", help="context tokens already in the KV cache, comma list")] = "0",
     repetitions: Annotated[Optional[int], typer.Option("--repetitions", "-r", help=f"timed repetitions per test ({_default('repetitions')})")] = None,
     batch: Annotated[str, typer.Option("--batch", "-b", help="sequences run together, comma list")] = "1",
-    threads: Annotated[Optional[str], typer.Option("--threads", "-t", help="CPU threads, comma list (default: torch's)")] = None,
+    threads: Annotated[Optional[str], typer.Option("--threads", "-t", help="CPU threads, comma list; auto = the engine's default, the idle physical cores (default: auto)")] = None,
     dtype: Annotated[str, typer.Option("--dtype", help="auto, float32, bfloat16, float16; comma list")] = "auto",
     quant: Annotated[str, typer.Option("--quant", help="weight format(s): none, int8, int8:g32, int4, nf4, fp8; comma list")] = "none",
     kv_dtype: Annotated[str, typer.Option("--kv-dtype", help="KV cache format(s): auto, int8, int4; comma list")] = "auto",
@@ -83,7 +83,7 @@ def bench_command(
     from llmsys.engine.bench import report
     from llmsys.engine.bench.machine import machine_info
     from llmsys.engine.bench.suite import (BenchSpec, build_configs, build_tests, check_baselines, check_context, int_list,
-                                           run_bench, split_list, split_policies)
+                                           run_bench, split_list, split_policies, thread_list)
     from llmsys.engine.bench.synthetic import make_synthetic, synthetic_config
 
     if output not in report.FORMATS:
@@ -121,7 +121,7 @@ def bench_command(
         tests=tests,
         configs=configs,
         batches=int_list(batch, "-b", 1) or [1],
-        threads=list(int_list(threads, "-t", 1)) or [None],
+        threads=thread_list(threads),
         repetitions=reps,
         warmup=warmup,
         e2e=e2e,

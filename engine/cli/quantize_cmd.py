@@ -70,13 +70,14 @@ def quantize_command(
             seqs = file_calibration(llm, str(calib), calib_samples, calib_len)
             source = calib.name
         else:
-            seqs = self_generated_calibration(llm, calib_samples, min(calib_len, llm.max_model_len - 1), seed)
+            seqs = self_generated_calibration(llm, calib_samples, min(calib_len, llm.max_model_len - 1), seed,
+                                              progress=True)
             source = f"self-generated (seed {seed})"
         sys.stderr.write(f"calibrating on {len(seqs)} x {len(seqs[0])} tokens ({source})\n")
         teacher = {k: v.detach().clone() for k, v in model_obj.state_dict().items()} if tune_steps else {}
         (gptq_calibrate if method == "gptq" else awq_calibrate)(model_obj, seqs, spec, progress=True)
         if tune_steps:
-            rep = refine_quantized(model_obj, teacher, seqs, steps=tune_steps)
+            rep = refine_quantized(model_obj, teacher, seqs, steps=tune_steps, progress=True)
             del teacher
             sys.stderr.write(f"refined: KL(float || int4) per token {rep.kl_before:.4f} -> {rep.kl_after:.4f} "
                              f"({rep.steps} steps)\n")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
@@ -107,17 +106,13 @@ def read_json(path: Path) -> dict[str, Any]:
 
 
 def _progress(items: list[str], enabled: bool, label: str) -> Iterator[str]:
-    """Yield items, drawing a progress bar on stderr only when it is a TTY."""
-    show = enabled and sys.stderr.isatty() and len(items) > 1
-    n = len(items)
-    for i, item in enumerate(items):
-        if show:
-            done = int(30 * (i + 1) / n)
-            sys.stderr.write(f"\r{label} [{'#' * done}{'.' * (30 - done)}] {i + 1}/{n}")
-            sys.stderr.flush()
-        yield item
-    if show:
-        sys.stderr.write("\n")
+    """Yield items, drawing a progress bar (with an ETA) on stderr only when it is a TTY."""
+    from llmsys.engine.progress import bar
+
+    with bar(len(items), label, enabled, unit="tensor") as b:
+        for item in items:
+            yield item
+            b.update()
 
 
 @contextlib.contextmanager
