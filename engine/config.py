@@ -20,9 +20,10 @@ DEVICES = ("auto", "cpu", "cuda")
 
 QUANT_NAMES = ("none", "int8", "int8:g32", "int4", "int4:g32", "int4:g64", "int4:g128", "nf4", "nf4:dq", "fp8")
 KV_DTYPE_NAMES = ("auto", "int8", "int4")
-# Distillation steps after GPTQ / AWQ calibration (`llmsys quantize --tune-steps`; why 1200:
-# engine.quantize.refine_quantized).
-DEFAULT_TUNE_STEPS = 1200
+# Distillation steps after GPTQ / AWQ calibration and the calibration sequences' length
+# (`llmsys quantize --tune-steps`, `--calib-len`; why these: engine.quantize.refine_quantized).
+DEFAULT_TUNE_STEPS = 1000
+DEFAULT_CALIB_LEN = 128
 
 
 def parse_quant_flag(text: str | QuantSpec | None) -> QuantSpec:

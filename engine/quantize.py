@@ -420,10 +420,12 @@ def refine_quantized(model: nn.Module, float_weights: dict[str, torch.Tensor], s
     from +8.8% to +3.5% perplexity (tinystories-valid, 30k tokens). ``lr`` 4e-3 was
     chosen on held-out text (tinystories-valid tokens 2048..12288, not the 2048 the
     bound is checked on; float32 activations): +2.9% vs +3.7% at 2e-3 and +4.0% at 8e-3 (Zen 3).
-    :data:`DEFAULT_TUNE_STEPS` 1200: on the bound's own 2048 tokens 400 / 800 / 1200 steps gave
-    +4.50% / +4.04% / +3.79% (KL per token 0.0307 / 0.0282 / 0.0281; Zen 3, session 9): the
-    perplexity falls with steps on self-generated calibration text, at three times the
-    refinement time of 400 (stories260k: ~8 min on 2 cores).
+    :data:`DEFAULT_TUNE_STEPS` 1000 on :data:`DEFAULT_CALIB_LEN` 128-token sequences: a step's cost
+    is mostly attention (quadratic in the length; stories260k's head_dim is 8), and half-length
+    sequences distil better per second. On the bound's own 2048 tokens (stories260k, 512 sequences,
+    Zen 5, 2026-12-02) 256-token sequences with 1200 steps gave +3.96% in 300 s; 128-token ones
+    with 600 / 800 / 1000 steps +4.48% / +3.86% / +3.32% in 79 / 105 / 125 s (earlier, Zen 3,
+    256 tokens: 400 / 800 / 1200 steps +4.50% / +4.04% / +3.79%).
     ``float_weights``: the float state dict taken *before* quantizing (the teacher).
     """
     from llmsys.quant.calibrate import TunableInt4

@@ -27,7 +27,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from llmsys.engine.cli.options import build_engine_config, engine_command
-from llmsys.engine.config import DEFAULT_TUNE_STEPS
+from llmsys.engine.config import DEFAULT_CALIB_LEN, DEFAULT_TUNE_STEPS
 from llmsys.kernels.common.errors import InvalidParameterError
 
 METHODS = ("rtn", "gptq", "awq")
@@ -40,7 +40,7 @@ def quantize_command(
     method: Annotated[str, typer.Option("--method", help="rtn (round to nearest), gptq or awq (calibrated, int4)")] = "rtn",
     calib: Annotated[Optional[Path], typer.Option("--calib", help="calibration text file (default: text the model generates itself)")] = None,
     calib_samples: Annotated[int, typer.Option("--calib-samples", help="calibration sequences")] = 512,
-    calib_len: Annotated[int, typer.Option("--calib-len", help="tokens per calibration sequence")] = 256,
+    calib_len: Annotated[int, typer.Option("--calib-len", help="tokens per calibration sequence")] = DEFAULT_CALIB_LEN,
     seed: Annotated[int, typer.Option("--seed", help="seed for self-generated calibration text")] = 0,
     tune_steps: Annotated[int, typer.Option("--tune-steps", help="gptq/awq: distillation steps after calibration (0: plain GPTQ/AWQ)")] = DEFAULT_TUNE_STEPS,
     *,
@@ -66,6 +66,7 @@ def quantize_command(
         from llmsys.engine.quantize import (awq_calibrate, file_calibration, gptq_calibrate, refine_quantized,
                                             self_generated_calibration)
 
+        t = time.perf_counter()
         if calib is not None:
             seqs = file_calibration(llm, str(calib), calib_samples, calib_len)
             source = calib.name
@@ -73,14 +74,17 @@ def quantize_command(
             seqs = self_generated_calibration(llm, calib_samples, min(calib_len, llm.max_model_len - 1), seed,
                                               progress=True)
             source = f"self-generated (seed {seed})"
-        sys.stderr.write(f"calibrating on {len(seqs)} x {len(seqs[0])} tokens ({source})\n")
+        sys.stderr.write(f"calibrating on {len(seqs)} x {len(seqs[0])} tokens ({source}, {time.perf_counter() - t:.1f} s)\n")
         teacher = {k: v.detach().clone() for k, v in model_obj.state_dict().items()} if tune_steps else {}
+        t = time.perf_counter()
         (gptq_calibrate if method == "gptq" else awq_calibrate)(model_obj, seqs, spec, progress=True)
+        sys.stderr.write(f"{method}: {len(model_obj.model.layers)} layers quantized ({time.perf_counter() - t:.1f} s)\n")
         if tune_steps:
+            t = time.perf_counter()
             rep = refine_quantized(model_obj, teacher, seqs, steps=tune_steps, progress=True)
             del teacher
             sys.stderr.write(f"refined: KL(float || int4) per token {rep.kl_before:.4f} -> {rep.kl_after:.4f} "
-                             f"({rep.steps} steps)\n")
+                             f"({rep.steps} steps, {time.perf_counter() - t:.1f} s)\n")
     loaded = llm.loaded
     if loaded.config.get("quantization_config") is not None:
         raise InvalidParameterError(f"{model} is already quantized; quantize its float checkpoint instead")
