@@ -54,7 +54,7 @@ def caption(model: str, tok_s: float | None, ttft_s: float | None, threads: int)
 
 
 async def capture(model: Path, prompt: str, size: tuple[int, int], max_tokens: int, threads: int, timeout_s: float = 120.0) -> Screenshot:
-    from llmsys import LLM
+    from llmsys.engine.llm import LLM
     from llmsys.tui.app import ChatApp
     from llmsys.tui.prompt_input import PromptInput
 

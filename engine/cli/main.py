@@ -13,6 +13,7 @@ import importlib.metadata
 import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
@@ -71,13 +72,18 @@ def click_errors() -> ClickErrors:
 
 
 def package_version() -> str:
-    """The installed distribution's version; the package's own when run from a bare checkout."""
+    """The installed distribution's version; the checkout's ``pyproject.toml`` when run uninstalled.
+
+    Not ``llmsys.__version__``: the root package is the public face above every layer and no
+    package imports it (tests/test_layering.py).
+    """
     try:
         return importlib.metadata.version("llmsys")
     except importlib.metadata.PackageNotFoundError:
-        import llmsys
+        import tomllib
 
-        return llmsys.__version__
+        pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+        return tomllib.loads(pyproject.read_text())["project"]["version"]
 
 
 def _show_version(value: bool) -> None:
