@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from llmsys.engine.config import DEFAULT_TUNE_STEPS
 from llmsys.engine.progress import bar, track
@@ -338,8 +340,18 @@ class _DenseLinear(nn.Module):
         self.weight_fn = weight
         self.bias_f = None if bias is None else bias.float()
 
+    def _linear(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight_fn(), self.bias_f)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N] float32
-        return F.linear(x.float(), self.weight_fn(), self.bias_f)
+        x = x.float()
+        if torch.is_grad_enabled():
+            # Recomputed in the backward pass: autograd keeps only x, not the dense [N, K] weight and
+            # the code/scale temporaries it was built from (on Qwen2.5-0.5B ~16 bytes per weight, 8 GB:
+            # the difference between refining in 24 GB of RAM and being killed). The extra cost is one
+            # elementwise pass per layer, ~1/T of its matmul.
+            return checkpoint(self._linear, x, use_reentrant=False)
+        return self._linear(x)
 
 
 class _DenseEmbedding(nn.Module):
@@ -386,8 +398,8 @@ class _Swap:
             setattr(owner, child, mod)
 
 
-def model_logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    """The model's own forward on whole sequences: ``ids [B, L] -> logits [B, L, V]`` float32.
+def model_hidden(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The model's own forward on whole sequences: ``ids [B, L] -> hidden [B*L, hidden]`` (before the head).
 
     One packed prefill step over a fresh KV pool of float32 (:func:`_scratch_pool`). On the CPU
     with float32 activations every op of the prefill is a torch op (RMSNorm and RoPE run their
@@ -397,18 +409,35 @@ def model_logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """
     b, length = ids.shape
     attn, meta, pos = _scratch_pool(model, [length] * b, torch.float32, one_scratch=False)
-    h = model(ids.reshape(-1), pos, attn, meta)  # [B*L, hidden]
-    return model.compute_logits(h).float().view(b, length, -1)
+    return model(ids.reshape(-1), pos, attn, meta)
 
 
-def _kl(teacher_logp: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+def model_logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """``ids [B, L] -> logits [B, L, V]`` float32: :func:`model_hidden` and the model's head."""
+    b, length = ids.shape
+    return model.compute_logits(model_hidden(model, ids)).float().view(b, length, -1)
+
+
+def _kl_sum(teacher_logp: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """Summed KL(teacher || student) over the rows: ``[T, V], [T, V] -> []``."""
     lp = torch.log_softmax(logits.float(), dim=-1)
-    return (teacher_logp.exp() * (teacher_logp - lp)).sum(-1).mean()
+    return (teacher_logp.exp() * (teacher_logp - lp)).sum()
+
+
+TEACHER_CACHE_BYTES = 2 << 30  # keep the teacher's log-probabilities in memory up to this size
+LOGIT_CHUNK_BYTES = 256 << 20  # float32 logits per chunk of the distillation loss
+
+
+def _token_chunks(tokens: int, vocab: int, chunk_bytes: int) -> list[slice]:
+    """Row ranges of ``tokens`` rows whose ``[rows, vocab]`` float32 logits fit ``chunk_bytes`` (>= 1 row)."""
+    rows = max(1, chunk_bytes // (vocab * 4))
+    return [slice(i, min(i + rows, tokens)) for i in range(0, tokens, rows)]
 
 
 def refine_quantized(model: nn.Module, float_weights: dict[str, torch.Tensor], seqs: list[list[int]],
                      steps: int = DEFAULT_TUNE_STEPS, lr: float = 4e-3, round_lr: float = 0.01, batch: int = 8,
-                     seed: int = 0, progress: bool = False) -> TuneReport:
+                     seed: int = 0, progress: bool = False, teacher_cache_bytes: int = TEACHER_CACHE_BYTES,
+                     logit_chunk_bytes: int = LOGIT_CHUNK_BYTES) -> TuneReport:
     """Refine a GPTQ-quantized ``model`` in place by distilling the float model on ``seqs``.
 
     GPTQ minimizes each layer's own output error; what matters is the model's
@@ -427,6 +456,9 @@ def refine_quantized(model: nn.Module, float_weights: dict[str, torch.Tensor], s
     with 600 / 800 / 1000 steps +4.48% / +3.86% / +3.32% in 79 / 105 / 125 s (earlier, Zen 3,
     256 tokens: 400 / 800 / 1200 steps +4.50% / +4.04% / +3.79%).
     ``float_weights``: the float state dict taken *before* quantizing (the teacher).
+    ``teacher_cache_bytes``: keep the teacher's log-probabilities of all of ``seqs`` up to this size,
+    else run the teacher per batch; ``logit_chunk_bytes``: the loss's logits per chunk (both change
+    memory and time, not the result beyond float summation order).
     """
     from llmsys.quant.calibrate import TunableInt4
     from llmsys.quant.int4 import Int4Linear
@@ -467,14 +499,63 @@ def refine_quantized(model: nn.Module, float_weights: dict[str, torch.Tensor], s
 
     length = min(len(s) for s in seqs)
     data = torch.tensor([s[:length] for s in seqs], device=t_embed.device)  # [S, L]
-    with torch.no_grad(), teacher_swap:
-        t_logp = torch.cat([torch.log_softmax(model_logits(model, data[j:j + batch]), -1)
-                            for j in range(0, len(data), batch)])  # [S, L, V]
+    chunks = _token_chunks(batch * length, a.vocab_size, logit_chunk_bytes)
+
+    def teacher_logp_run(rows: torch.Tensor) -> Callable[[slice], torch.Tensor]:
+        """The teacher's log-probabilities of ``data[rows]``, a chunk of tokens at a time: ``slice -> [t, V]``."""
+        with torch.no_grad(), teacher_swap:  # nests inside student_swap: its exit puts the student back
+            h_t = model_hidden(model, data[rows])  # [b*L, hidden]
+
+        def chunk(c: slice) -> torch.Tensor:
+            with torch.no_grad(), teacher_swap:
+                return torch.log_softmax(model.compute_logits(h_t[c]).float(), -1)
+
+        return chunk
+
+    # The teacher's log-probabilities of every calibration token, kept when they fit (stories260k: 512 x 128 x
+    # 512 floats, 128 MiB); a real vocabulary does not (Qwen2.5, 151,936 tokens: 40 GB), so there the teacher
+    # runs again for each batch: the same numbers, one more forward per step.
+    rows_all = torch.arange(len(data), device=data.device)
+    cached = None
+    if data.numel() * a.vocab_size * 4 <= teacher_cache_bytes:
+        cached = torch.empty(data.numel(), a.vocab_size)  # [S*L, V]
+        for j in range(0, len(data), batch):
+            run = teacher_logp_run(rows_all[j:j + batch])
+            for c in _token_chunks(len(rows_all[j:j + batch]) * length, a.vocab_size, logit_chunk_bytes):
+                cached[j * length + c.start: j * length + c.stop] = run(c)
+
+    def teacher_logp(rows: torch.Tensor) -> Callable[[slice], torch.Tensor]:
+        if cached is None:
+            return teacher_logp_run(rows)
+        flat = cached.view(len(data), length, -1)[rows].view(len(rows) * length, -1)  # [b*L, V]
+        return lambda c: flat[c]
+
+    def batch_kl(rows: torch.Tensor, train: bool) -> float:
+        """Mean KL per token over ``data[rows]``; with ``train``, its gradients accumulated too.
+
+        The loss goes a chunk of tokens at a time through the head (its [T, V] logits are the largest
+        tensors here: 8 x 128 x 151,936 floats, 622 MB, several times over in autograd): each chunk's
+        backward runs at once into the hidden states' gradient, and the decoder's backward runs once
+        at the end from it, so the peak holds one chunk's logits.
+        """
+        teacher = teacher_logp(rows)
+        h = model_hidden(model, data[rows])  # [b*L, hidden]
+        tokens = h.shape[0]
+        h_in = h.detach().requires_grad_(train)
+        total = 0.0
+        for c in _token_chunks(tokens, a.vocab_size, logit_chunk_bytes):
+            loss = _kl_sum(teacher(c), model.compute_logits(h_in[c])) / tokens
+            if train:
+                loss.backward()
+            total += loss.item()
+        if train:
+            h.backward(h_in.grad)
+        return total
 
     def full_kl() -> float:
         with torch.no_grad(), student_swap:
-            return sum(_kl(t_logp[j:j + batch], model_logits(model, data[j:j + batch])).item()
-                       * len(data[j:j + batch]) for j in range(0, len(data), batch)) / len(data)
+            return sum(batch_kl(rows_all[j:j + batch], train=False) * len(rows_all[j:j + batch])
+                       for j in range(0, len(data), batch)) / len(data)
 
     before = full_kl()
     params = [tv.log_s for tv in tun.values()] + list(norms.values())
@@ -483,9 +564,8 @@ def refine_quantized(model: nn.Module, float_weights: dict[str, torch.Tensor], s
     with torch.enable_grad(), student_swap, bar(steps, "refine", progress, unit="step") as b:
         for step in range(steps):
             idx = torch.randperm(len(data), generator=gen)[:batch].to(data.device)
-            loss = _kl(t_logp[idx], model_logits(model, data[idx]))
             opt.zero_grad()
-            loss.backward()
+            loss = batch_kl(idx, train=True)
             decay = 1.0 - step / steps  # linear decay: large moves early, settle at the end
             for g in opt.param_groups:
                 g["lr"] = lr * decay
@@ -494,7 +574,7 @@ def refine_quantized(model: nn.Module, float_weights: dict[str, torch.Tensor], s
                 tv.round_step(round_lr * decay)
             b.update()
             if step % 20 == 0:
-                b.set_postfix(kl=f"{loss.item():.4f}", refresh=False)
+                b.set_postfix(kl=f"{loss:.4f}", refresh=False)
     after = full_kl()
     with torch.no_grad():
         for name, tv in tun.items():

@@ -142,18 +142,19 @@ class TunableInt4:
         t = lin.canonical_tensors()
         self.lin = lin
         self.n, self.k, g = lin.out_features, lin.in_features, lin.group_size
-        self.q = unpack_int4(t["qweight"]).float().view(self.n, -1, g)  # [N, G, g] codes, stored order
+        # [N, G, g] codes, stored order; uint8, not float: refining Qwen2.5-0.5B holds 494M of them
+        self.q = unpack_int4(t["qweight"]).to(torch.uint8).view(self.n, -1, g)
         self.z = t["zeros"].float()[..., None]  # [N, G, 1]
         self.s0 = t["scales"].float()  # [N, G]
         self.log_s = torch.zeros_like(self.s0, requires_grad=True)
-        self.v = torch.zeros_like(self.q, requires_grad=True)
+        self.v = torch.zeros(self.q.shape, requires_grad=True)
         self.inv = None if lin.perm is None else lin.perm.long()
         # AWQ scale kept in the layer (None when folded away); a clone, as it may be an inference tensor
         self.input_scale = None if lin.input_scale is None else lin.input_scale.clone()
 
     def codes(self) -> torch.Tensor:
         """``[N, G, g]`` integer codes (as float) with the straight-through rounding."""
-        c = self.q + self.v
+        c = self.q.float() + self.v
         return (c + (torch.round(c) - c).detach()).clamp(0, 15)
 
     def weight(self) -> torch.Tensor:

@@ -217,3 +217,26 @@ def test_awq_beats_rtn_on_stories260k(stories_hf):
     got = perplexity_windows(llm.core, ids, 256, bos).perplexity
     assert base < got < rtn, (base, got, rtn)
     assert got - base < 0.85 * (rtn - base), (base, got, rtn)
+
+
+def test_refinement_without_the_teacher_cache_gives_the_same_model(gqa_model):
+    """A vocabulary too large to keep the teacher's log-probabilities runs the teacher per batch instead:
+    the same numbers, so the same refined weights and KL."""
+    from llmsys.engine.quantize import awq_calibrate, refine_quantized
+
+    def refined(cache_bytes: int, chunk_bytes: int):
+        model = _llm(gqa_model).loaded.model
+        teacher = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        awq_calibrate(model, _seqs(), parse_quant("int4"))
+        rep = refine_quantized(model, teacher, _seqs(), steps=6, batch=4, teacher_cache_bytes=cache_bytes,
+                               logit_chunk_bytes=chunk_bytes)
+        return rep, {k: v.clone() for k, v in model.state_dict().items()}
+
+    (rep_a, w_a), (rep_b, w_b) = refined(2 << 30, 256 << 20), refined(0, 256 << 20)
+    assert (rep_a.kl_before, rep_a.kl_after) == (rep_b.kl_before, rep_b.kl_after)
+    assert w_a.keys() == w_b.keys() and all(torch.equal(w_a[k], w_b[k]) for k in w_a)
+    # The loss a few tokens at a time through the head (as a large vocabulary goes): the same refinement
+    # within float summation order.
+    rep_c, _ = refined(0, 512 * 4 * 37)  # gqa_model's 512-token vocab: 37 rows per chunk
+    assert rep_c.kl_before == pytest.approx(rep_a.kl_before, rel=1e-5)
+    assert rep_c.kl_after == pytest.approx(rep_a.kl_after, rel=1e-3)
