@@ -62,7 +62,9 @@ def _native_level() -> str | None:
 
 
 def _emulate(cpu: str, args: list[str], home: Path, timeout: int) -> subprocess.CompletedProcess:
-    env = {**os.environ, "LLMSYS_HOME": str(home)}
+    """``python ARGS`` as ``cpu``. Unbuffered, with faulthandler: a SIGILL prints the Python stack that
+    reached the instruction (which module, which call), and the output up to it is not lost."""
+    env = {**os.environ, "LLMSYS_HOME": str(home), "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
     env.pop("LLMSYS_CPU_ISA", None)
     return subprocess.run([QEMU, "-cpu", cpu, sys.executable, *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=ROOT)
@@ -141,7 +143,7 @@ def test_model_answers_as(cpu, matrix, request):
     _skip_native(cpu)
     home, models, native, hf = matrix
     res = _emulate(cpu, ["tests/isa_probe.py", *models], home, 900)
-    assert res.returncode == 0 and "Illegal instruction" not in res.stderr, res.stderr[-3000:]
+    assert res.returncode == 0 and "Illegal instruction" not in res.stderr, res.stdout[-1000:] + res.stderr[-3000:]
     got = json.loads(res.stdout.strip().splitlines()[-1])
     _check_against_transformers(got, models[-1], hf, f"qemu {cpu}")
     assert got["level"] == CPUS[cpu], got["summary"]  # the level the emulated CPU supports, from the same cache
