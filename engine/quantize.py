@@ -340,29 +340,29 @@ class _DenseLinear(nn.Module):
         self.weight_fn = weight
         self.bias_f = None if bias is None else bias.float()
 
-    def _linear(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight_fn(), self.bias_f)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N] float32
-        x = x.float()
         if torch.is_grad_enabled():
-            # Recomputed in the backward pass: autograd keeps only x, not the dense [N, K] weight and
-            # the code/scale temporaries it was built from (on Qwen2.5-0.5B ~16 bytes per weight, 8 GB:
-            # the difference between refining in 24 GB of RAM and being killed). The extra cost is one
-            # elementwise pass per layer, ~1/T of its matmul.
-            return checkpoint(self._linear, x, use_reentrant=False)
-        return self._linear(x)
+            # The weight rebuilt in the backward pass: autograd keeps the dense [N, K] weight the matmul
+            # needs, not the code/scale temporaries it was built from (~16 bytes per weight: 8 GB on
+            # Qwen2.5-0.5B, the difference between refining in 24 GB of RAM and being killed). The cost
+            # is one elementwise pass per layer, not a second matmul.
+            w = checkpoint(self.weight_fn, use_reentrant=False)
+        else:
+            w = self.weight_fn()
+        return F.linear(x.float(), w, self.bias_f)
 
 
 class _DenseEmbedding(nn.Module):
-    """The token embedding as ``F.embedding(ids, weight())`` (the tied head's tunable weight, or a fixed one)."""
+    """The token embedding as ``rows(ids)``: the looked-up rows of the tied head's tunable weight (only
+    those: the whole [V, hidden] table and its temporaries are 3 GB on a 151,936-token vocabulary), or of a
+    fixed table."""
 
-    def __init__(self, weight) -> None:
+    def __init__(self, rows) -> None:
         super().__init__()
-        self.weight_fn = weight
+        self.rows_fn = rows
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden] float32
-        return F.embedding(ids, self.weight_fn())
+        return self.rows_fn(ids)
 
 
 class _Swap:
@@ -492,14 +492,13 @@ def refine_quantized(model: nn.Module, float_weights: dict[str, torch.Tensor], s
     # The model's own forward twice over: with the float teacher's weights, and with the student's
     # (each int4 layer's differentiable weight; a tied embedding reads the tunable head).
     teacher_swap = _Swap(model, {**{n: _DenseLinear(lambda w=teacher[n]: w, tun[n].lin.bias) for n in tun},
-                                 EMBED: _DenseEmbedding(lambda: t_embed)}, {**t_norms, **qk_norms})
+                                 EMBED: _DenseEmbedding(lambda ids: t_embed[ids])}, {**t_norms, **qk_norms})
     student_swap = _Swap(model, {**{n: _DenseLinear(tv.weight, tv.lin.bias) for n, tv in tun.items()},
-                                 EMBED: _DenseEmbedding(tun["lm_head"].weight if fixed_embed is None
-                                                        else lambda: fixed_embed)}, {**norms, **qk_norms})
+                                 EMBED: _DenseEmbedding(tun["lm_head"].weight_rows if fixed_embed is None
+                                                        else lambda ids: fixed_embed[ids])}, {**norms, **qk_norms})
 
     length = min(len(s) for s in seqs)
     data = torch.tensor([s[:length] for s in seqs], device=t_embed.device)  # [S, L]
-    chunks = _token_chunks(batch * length, a.vocab_size, logit_chunk_bytes)
 
     def teacher_logp_run(rows: torch.Tensor) -> Callable[[slice], torch.Tensor]:
         """The teacher's log-probabilities of ``data[rows]``, a chunk of tokens at a time: ``slice -> [t, V]``."""

@@ -154,17 +154,28 @@ class TunableInt4:
 
     def codes(self) -> torch.Tensor:
         """``[N, G, g]`` integer codes (as float) with the straight-through rounding."""
-        c = self.q.float() + self.v
+        return self._codes(self.q, self.v)
+
+    @staticmethod
+    def _codes(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        c = q.float() + v
         return (c + (torch.round(c) - c).detach()).clamp(0, 15)
 
-    def weight(self) -> torch.Tensor:
-        """Differentiable dense ``[N, K]`` weight in input-feature order."""
-        w = ((self.codes() - self.z) * (self.s0 * self.log_s.exp())[..., None]).reshape(self.n, -1)[:, : self.k]
+    def _dense(self, q, v, z, s0, log_s) -> torch.Tensor:  # the formula on [n, G, g] rows -> [n, K]
+        w = ((self._codes(q, v) - z) * (s0 * log_s.exp())[..., None]).reshape(q.shape[0], -1)[:, : self.k]
         if self.inv is not None:
             out = torch.empty_like(w)
             out[:, self.inv] = w  # stored column j is input perm[j]
             w = out
         return w if self.input_scale is None else w * self.input_scale
+
+    def weight(self) -> torch.Tensor:
+        """Differentiable dense ``[N, K]`` weight in input-feature order."""
+        return self._dense(self.q, self.v, self.z, self.s0, self.log_s)
+
+    def weight_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """``weight()[rows]`` built from those rows only: ``[T] -> [T, K]`` (a tied embedding's lookup)."""
+        return self._dense(self.q[rows], self.v[rows], self.z[rows], self.s0[rows], self.log_s[rows])
 
     @torch.no_grad()
     def round_step(self, lr: float) -> None:

@@ -50,6 +50,8 @@ SUBSET = ["tests/test_cpu_decode.py", "tests/test_cpu_int4.py", "tests/test_cpu_
 FLOAT32_TOL = 1e-3
 
 pytestmark = [
+    # the first test sets up every emulated run at once (the ``emulated`` fixture): minutes, not the default 300 s
+    pytest.mark.timeout(1200),
     pytest.mark.skipif(_cbuild.machine_arch() != "x86_64", reason="the qemu matrix emulates x86-64 CPUs"),
     pytest.mark.skipif(QEMU is None, reason="qemu-x86_64 not installed (apt-get install qemu-user): "
                                             "no ISA level emulated"),
@@ -126,23 +128,46 @@ def _skip_native(cpu: str) -> None:
         pytest.skip(f"{CPUS[cpu]} is this CPU's own level: it ran natively, not emulated as {cpu}")
 
 
+@pytest.fixture(scope="module")
+def emulated(matrix, tmp_path_factory) -> dict[tuple[str, str], subprocess.CompletedProcess]:
+    """Every emulated run, ``(cpu, "kernels" | "answers") -> result``, as many at once as there are CPUs.
+
+    Why at once: each qemu run is mostly one busy thread, and run one after another the four took ~4 of
+    the suite's ~15 minutes on 2 cores. They share the kernel cache, whose builds take a file lock
+    (``kernels/_cbuild.find_or_build``), so this also runs two processes filling one cache together.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    home, models, _, _ = matrix
+    cpus = [cpu for cpu in CPUS if CPUS[cpu] != _native_level()]
+    jobs = {}
+    for cpu in cpus:
+        basetemp = tmp_path_factory.mktemp(f"pytest-{cpu}")
+        jobs[(cpu, "kernels")] = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
+                                  f"--basetemp={basetemp}", *SUBSET]
+    for cpu in cpus:
+        jobs[(cpu, "answers")] = ["tests/isa_probe.py", *models]
+    with ThreadPoolExecutor(max_workers=max(1, min(len(os.sched_getaffinity(0)), len(jobs)))) as pool:
+        futures = {key: pool.submit(_emulate, key[0], args, home, 900) for key, args in jobs.items()}
+        return {key: f.result() for key, f in futures.items()}
+
+
 @pytest.mark.parametrize("cpu", list(CPUS))
-def test_kernel_and_quant_tests_as(cpu, matrix, request):
+def test_kernel_and_quant_tests_as(cpu, emulated, request):
     _skip_native(cpu)
-    home, _, _, _ = matrix
-    res = _emulate(cpu, ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", *SUBSET], home, 900)
+    res = emulated[(cpu, "kernels")]
     tail = res.stdout.strip().splitlines()[-1] if res.stdout.strip() else res.stderr[-2000:]
     assert res.returncode == 0 and "Illegal instruction" not in res.stderr, res.stdout[-4000:] + res.stderr[-2000:]
     request.config.stash[ISA_RUNS].setdefault(CPUS[cpu], []).append(f"qemu {cpu}: kernel+quant tests {tail}")
 
 
 @pytest.mark.parametrize("cpu", list(CPUS))
-def test_model_answers_as(cpu, matrix, request):
+def test_model_answers_as(cpu, matrix, emulated, request):
     """The same checkpoints under every setting give the native run's answers within bounds, and the
     512-wide model's float32 and bf16 answers are within the transformers bounds on this level too."""
     _skip_native(cpu)
-    home, models, native, hf = matrix
-    res = _emulate(cpu, ["tests/isa_probe.py", *models], home, 900)
+    _, models, native, hf = matrix
+    res = emulated[(cpu, "answers")]
     assert res.returncode == 0 and "Illegal instruction" not in res.stderr, res.stdout[-1000:] + res.stderr[-3000:]
     got = json.loads(res.stdout.strip().splitlines()[-1])
     _check_against_transformers(got, models[-1], hf, f"qemu {cpu}")

@@ -240,3 +240,33 @@ def test_refinement_without_the_teacher_cache_gives_the_same_model(gqa_model):
     rep_c, _ = refined(0, 512 * 4 * 37)  # gqa_model's 512-token vocab: 37 rows per chunk
     assert rep_c.kl_before == pytest.approx(rep_a.kl_before, rel=1e-5)
     assert rep_c.kl_after == pytest.approx(rep_a.kl_after, rel=1e-3)
+
+
+@pytest.mark.parametrize("permuted", [False, True])
+def test_tunable_rows_are_the_weights_rows(permuted):
+    """A tied embedding's lookup builds only its rows (``TunableInt4.weight_rows``): the same values and the
+    same gradients as indexing the whole differentiable weight, with GPTQ's column order too."""
+    from llmsys.quant import quantize_linear
+    from llmsys.quant.calibrate import TunableInt4
+
+    torch.manual_seed(0)
+    lin = quantize_linear(torch.randn(96, 128), None, parse_quant("int4"))
+    if permuted:
+        lin = Int4Linear.from_quantized({**lin.canonical_tensors(), "perm": torch.randperm(128).int()}, in_features=128)
+    rows = torch.tensor([5, 0, 95, 5, 17])
+    grads = []
+    for build in (lambda t: t.weight()[rows], lambda t: t.weight_rows(rows)):
+        t = TunableInt4(lin)
+        with torch.no_grad():
+            torch.manual_seed(1)  # the same offsets for both
+            t.v.uniform_(-0.6, 0.6)
+            t.log_s.uniform_(-0.1, 0.1)
+        w = build(t)
+        (w * torch.arange(w.numel()).view_as(w).sin()).sum().backward()
+        grads.append((w.detach(), t.v.grad.clone(), t.log_s.grad.clone()))
+    (w_a, gv_a, gs_a), (w_b, gv_b, gs_b) = grads
+    assert torch.equal(w_a, w_b)
+    # row 5 twice: its two gradients meet before the formula in one, after it in the other (rounding only)
+    torch.testing.assert_close(gv_a, gv_b, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(gs_a, gs_b, rtol=1e-6, atol=1e-6)
+    assert gv_b[5].abs().sum() > 0 and gv_b[1].abs().sum() == 0  # only the looked-up rows get gradients

@@ -276,7 +276,7 @@ def test_refinement_forward_is_the_engine_model(tiny):
     embed = sd["model.embed_tokens.weight"].requires_grad_(True)
     before = {n: type(m) for n, m in model.named_modules()}
     swap = _Swap(model, {**{n: _DenseLinear(lambda t=w[n]: t, model.get_submodule(n).bias) for n in names},
-                         EMBED: _DenseEmbedding(lambda: embed)}, norms)
+                         EMBED: _DenseEmbedding(lambda ids: embed[ids])}, norms)
     with torch.enable_grad(), swap:
         lp = torch.log_softmax(model_logits(model, torch.tensor(seqs)), -1)  # [2, 57, V]
         lp[:, :, 7].sum().backward()
