@@ -454,7 +454,9 @@ def refine_quantized(model: nn.Module, float_weights: dict[str, torch.Tensor], s
     sequences distil better per second. On the bound's own 2048 tokens (stories260k, 512 sequences,
     Zen 5, 2026-12-02) 256-token sequences with 1200 steps gave +3.96% in 300 s; 128-token ones
     with 600 / 800 / 1000 steps +4.48% / +3.86% / +3.32% in 79 / 105 / 125 s (earlier, Zen 3,
-    256 tokens: 400 / 800 / 1200 steps +4.50% / +4.04% / +3.79%).
+    256 tokens: 400 / 800 / 1200 steps +4.50% / +4.04% / +3.79%). On Zen 4 the defaults gave +4.77% / +4.21%
+    on those 2048 tokens for calibration seeds 0 / 1 and +3.57% / +3.83% on 30,000 (the self-generated text
+    differs per machine and seed; docs/benchmarks.md, "Script quantize-cost").
     ``float_weights``: the float state dict taken *before* quantizing (the teacher).
     ``teacher_cache_bytes``: keep the teacher's log-probabilities of all of ``seqs`` up to this size,
     else run the teacher per batch; ``logit_chunk_bytes``: the loss's logits per chunk (both change
