@@ -447,8 +447,8 @@ def refine_quantized(model: nn.Module, float_weights: dict[str, torch.Tensor], s
     (stored in float anyway). Formats and bytes are unchanged. On
     stories260k (int4 g64, 512 x 256 self-generated tokens, 400 steps) it takes GPTQ
     from +8.8% to +3.5% perplexity (tinystories-valid, 30k tokens). ``lr`` 4e-3 was
-    chosen on held-out text (tinystories-valid tokens 2048..12288, not the 2048 the
-    bound is checked on; float32 activations): +2.9% vs +3.7% at 2e-3 and +4.0% at 8e-3 (Zen 3).
+    chosen on held-out text (tinystories-valid tokens 2048..12288, not the first 2048
+    used as a quick check; float32 activations): +2.9% vs +3.7% at 2e-3 and +4.0% at 8e-3 (Zen 3).
     :data:`DEFAULT_TUNE_STEPS` 1000 on :data:`DEFAULT_CALIB_LEN` 128-token sequences: a step's cost
     is about a third attention (quadratic in the length; stories260k's head_dim is 8), and half-length
     sequences distil better per second. On tinystories-valid's first 2048 tokens (stories260k, 512 sequences,
