@@ -40,12 +40,12 @@ def quantize(model: str, out: Path, extra: list[str]) -> tuple[float, str, float
     with tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen([*CLI, "quantize", model, "--quant", "int4", "--method", "gptq", "-o", str(out),
                                  *extra], stdout=subprocess.DEVNULL, stderr=err)
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
+        _, status, usage = os.wait4(proc.pid, 0)  # reaped here, so Popen.wait is never called
+        rc = os.waitstatus_to_exitcode(status)
         err.seek(0)
         log = err.read()
-    if proc.returncode != 0:
-        raise SystemExit(f"quantize {model} {' '.join(extra)} failed (exit {proc.returncode}): {log[-800:]}")
+    if rc != 0:
+        raise SystemExit(f"quantize {model} {' '.join(extra)} failed (exit {rc}): {log[-800:]}")
     return time.perf_counter() - t0, log, usage.ru_maxrss / 2**20  # KiB on Linux
 
 

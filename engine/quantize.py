@@ -412,12 +412,6 @@ def model_hidden(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return model(ids.reshape(-1), pos, attn, meta)
 
 
-def model_logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    """``ids [B, L] -> logits [B, L, V]`` float32: :func:`model_hidden` and the model's head."""
-    b, length = ids.shape
-    return model.compute_logits(model_hidden(model, ids)).float().view(b, length, -1)
-
-
 def _kl_sum(teacher_logp: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     """Summed KL(teacher || student) over the rows: ``[T, V], [T, V] -> []``."""
     lp = torch.log_softmax(logits.float(), dim=-1)

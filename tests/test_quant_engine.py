@@ -262,7 +262,7 @@ def test_refinement_forward_is_the_engine_model(tiny):
     gradients reach every swapped weight, and the swap leaves the model as it was."""
     from torch import nn
 
-    from llmsys.engine.quantize import EMBED, _DenseEmbedding, _DenseLinear, _Swap, model_logits
+    from llmsys.engine.quantize import EMBED, _DenseEmbedding, _DenseLinear, _Swap, model_hidden
     from llmsys.engine.scoring import score_sequences
 
     llm = _llm(tiny)
@@ -278,7 +278,7 @@ def test_refinement_forward_is_the_engine_model(tiny):
     swap = _Swap(model, {**{n: _DenseLinear(lambda t=w[n]: t, model.get_submodule(n).bias) for n in names},
                          EMBED: _DenseEmbedding(lambda ids: embed[ids])}, norms)
     with torch.enable_grad(), swap:
-        lp = torch.log_softmax(model_logits(model, torch.tensor(seqs)), -1)  # [2, 57, V]
+        lp = torch.log_softmax(model.compute_logits(model_hidden(model, torch.tensor(seqs))).view(2, 57, -1), -1)  # [2, 57, V]
         lp[:, :, 7].sum().backward()
     assert {n: type(m) for n, m in model.named_modules()} == before
     assert all(t.grad is not None and t.grad.abs().sum() > 0 for t in [*w.values(), embed, *norms.values()])
