@@ -444,7 +444,7 @@ def refine_quantized(model: nn.Module, float_weights: dict[str, torch.Tensor], s
     chosen on held-out text (tinystories-valid tokens 2048..12288, not the first 2048
     used as a quick check; float32 activations): +2.9% vs +3.7% at 2e-3 and +4.0% at 8e-3 (Zen 3).
     :data:`DEFAULT_TUNE_STEPS` 1000 on :data:`DEFAULT_CALIB_LEN` 128-token sequences: a step's cost
-    is about a third attention (quadratic in the length; stories260k's head_dim is 8), and half-length
+    is about 40% attention (quadratic in the length; stories260k's head_dim is 8), and half-length
     sequences distil better per second. On tinystories-valid's first 2048 tokens (stories260k, 512 sequences,
     Zen 5, 2026-12-02) 256-token sequences with 1200 steps gave +3.96% in 300 s; 128-token ones
     with 600 / 800 / 1000 steps +4.48% / +3.86% / +3.32% in 79 / 105 / 125 s (earlier, Zen 3,
