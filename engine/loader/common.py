@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from llmsys.kernels.common.errors import CheckpointError, ModelNotFoundError
+from llmsys.engine.loader import validate
 from llmsys.engine.models import family_for
 from llmsys.engine.models.base import DecoderModel, TransformerArgs, rope_cache
 
@@ -154,12 +155,15 @@ def materialize(
     make_linear: MakeLinear | None = None,
     progress: bool = True,
     offload: OffloadRuntime | None = None,
+    check_finite: bool = True,
 ) -> None:
     """Fill every meta tensor of ``model`` from ``read(name)``.
 
     ``offload`` (an ``llmsys.offload.runtime.OffloadRuntime``) may leave a
     tensor on disk (``skip``), place it in CPU RAM (``device_for``) and is told
     when one is placed (``loaded``), so a streamed layer never becomes resident.
+    ``check_finite=False`` skips the NaN/inf check of each tensor read (one pass over it at memory speed:
+    +0.1-0.3 ms on stories260k's ~4 ms load, ~+10-15 ms per 135 MiB of float32 read from the page cache).
     """
     names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
     tied = model.args.tie_word_embeddings
@@ -171,6 +175,7 @@ def materialize(
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"{source}: missing tensor {missing[0]}{more}; the checkpoint does not match its config")
     linears = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    read = _checked_reader(model, read, source, check_finite)
     done: set[str] = set()
     for name in _progress(wanted, progress, "loading"):
         if name in done:
@@ -185,6 +190,26 @@ def materialize(
                 offload.loaded(n, model)
     model.rope_cache = rope_cache(model.args, device)
     model.tie_weights()
+
+
+def _checked_reader(model: nn.Module, read: Callable[[str], torch.Tensor], source: Path,
+                    finite: bool = True) -> Callable[[str], torch.Tensor]:
+    """``read`` with each tensor checked as it arrives: the skeleton's shape (the format-level checks,
+    ``validate.check_tensors``, ran on the stored shapes; this covers every reader, llama2.c's too) and no
+    NaN/inf (``validate.check_finite``), so a bad tensor is named at load, not met as garbage text later."""
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
+
+    def checked(name: str) -> torch.Tensor:
+        t = read(name)
+        want = shapes.get(name)
+        if want is not None and tuple(t.shape) != want:
+            raise CheckpointError(f"{source}: tensor {name} has shape {list(t.shape)}, expected {list(want)} from "
+                                  "the config; the checkpoint does not match its config (or is corrupt)")
+        if finite:
+            validate.check_finite(name, t, source)
+        return t
+
+    return checked
 
 
 def _materialize_one(model, name, names, linears, done, read, dtype, device, make_linear) -> None:
@@ -270,6 +295,7 @@ def load_model(
     device: str = "auto",
     make_linear: MakeLinear | None = None,
     progress: bool = True,
+    check_finite: bool = True,
 ) -> LoadedModel:
     """Load a Hugging Face directory or a llama2.c ``.bin`` checkpoint, every weight resident.
 
@@ -283,8 +309,8 @@ def load_model(
     from llmsys.engine.loader import llama2c
 
     if llama2c.is_llama2c(p):
-        return llama2c.load(p, dt, dev, make_linear, progress)
-    return materialize_checkpoint(open_checkpoint(p, dt, dev), make_linear, progress)
+        return llama2c.load(p, dt, dev, make_linear, progress, check_finite)
+    return materialize_checkpoint(open_checkpoint(p, dt, dev), make_linear, progress, check_finite=check_finite)
 
 
 def _existing(path: str | Path) -> Path:
@@ -310,15 +336,17 @@ def open_checkpoint(path: str | Path, dt: torch.dtype, dev: torch.device) -> Che
     cfg_path = p / "config.json"
     if not cfg_path.exists():
         raise CheckpointError(f"{p}: no config.json; point at a Hugging Face model directory")
-    cfg = read_json(cfg_path)
+    cfg = validate.config_object(read_json(cfg_path), cfg_path)
     family = family_for(cfg, str(cfg_path))
-    args = family.ModelArgs.from_hf_config(cfg)
     index = CheckpointIndex.open_dir(p)
+    # The config's values, and its layer count against the tensors held, before the skeleton is built.
+    args = validate.model_args(family, cfg, validate.Origin(cfg_path), validate.layer_indices(index.where))
     emb = None
     if cfg.get("quantization_config") is None and EMBED in index:
         emb = embed_file(args, index.where[EMBED].path, index.info(EMBED))
     with torch.device("meta"), skip_init():
         model = family.Model(args, embed_file=emb)
+    validate.check_tensors(model, lambda n: index.info(n) if n in index else None, p)
     return Checkpoint(p, model, family.__name__.rsplit(".", 1)[1], cfg, index, dt, dev)
 
 
@@ -328,31 +356,33 @@ def _open_gguf(p: Path, dt: torch.dtype, dev: torch.device) -> Checkpoint:
 
     index = gguf_io.open_index(p)
     family = family_for(index.config, str(p))
-    args = family.ModelArgs.from_hf_config(index.config)
+    args = validate.model_args(family, index.config, gguf_io.origin(p, index.arch), index.layers())
     with torch.device("meta"), skip_init():
         model = family.Model(args)
+    validate.check_tensors(model, lambda n: index.info(n) if n in index else None, p)
     return Checkpoint(p, model, family.__name__.rsplit(".", 1)[1], index.config, index, dt, dev, "gguf")
 
 
 def materialize_checkpoint(ck: Checkpoint, make_linear: MakeLinear | None = None, progress: bool = True,
-                           offload: OffloadRuntime | None = None) -> LoadedModel:
+                           offload: OffloadRuntime | None = None, check_finite: bool = True) -> LoadedModel:
     """Read the weights into ``ck.model``; ``offload`` (an OffloadRuntime planned on the meta
-    model) leaves streamed tensors on disk (see :func:`materialize`)."""
+    model) leaves streamed tensors on disk (see :func:`materialize`, also for ``check_finite``)."""
     p, model, dt, dev = ck.path, ck.model, ck.dtype, ck.device
     formats: dict[str, str] = {}
     if ck.is_gguf:  # Q4_0 / Q8_0 / Q5_0 matrices keep their codes, every other tensor dequantized (gguf_io)
         from llmsys.engine.loader.gguf_io import conversions, materialize_gguf
 
-        materialize_gguf(model, ck.index, dt, dev, make_linear, progress, offload)
+        materialize_gguf(model, ck.index, dt, dev, make_linear, progress, offload, check_finite)
         formats = conversions(ck.index, dt, make_linear)
     elif ck.prequantized:  # llmsys / AWQ / GPTQ: rebuild quantized layers as stored
         from llmsys.engine.loader.quantized import load_quantized_into
 
-        load_quantized_into(model, ck.config, ck.index, dt, dev, p, make_linear)
+        load_quantized_into(model, ck.config, ck.index, dt, dev, p, make_linear, check_finite)
         model.rope_cache = rope_cache(model.args, dev)
         model.tie_weights()
     else:
-        materialize(model, ck.index.read, ck.index.__contains__, dt, dev, p, make_linear, progress, offload)
+        materialize(model, ck.index.read, ck.index.__contains__, dt, dev, p, make_linear, progress, offload,
+                    check_finite)
     model.eval()
     a = model.args
     if ck.is_gguf:  # the special ids come from the file's metadata (its config)

@@ -14,6 +14,7 @@ safetensors reader does: no page of the file stays mapped.
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import os
 import struct
@@ -32,6 +33,11 @@ _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: 
 _NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32, 7: np.bool_,
           10: np.uint64, 11: np.int64, 12: np.float64}
 STRING, ARRAY = 8, 9
+MAX_DIMS = 4  # ggml's GGML_MAX_DIMS
+MAX_NESTING = 4  # arrays of arrays: none of llama.cpp's keys nests deeper than 2; a crafted file nests without end
+# The fewest bytes one key/value pair and one tensor-table entry take (empty name; a scalar of 1 byte; one dim):
+# a count that needs more bytes than the file holds is rejected before the loop that would read it.
+MIN_KV_BYTES, MIN_TENSOR_BYTES = 8 + 4 + 1, 8 + 4 + 8 + 4 + 8
 
 
 @dataclass(frozen=True)
@@ -89,7 +95,7 @@ class _Cursor:
         except UnicodeDecodeError as e:
             raise CheckpointError(f"{self.path}: a metadata string is not UTF-8 ({e}); the file is corrupt") from None
 
-    def value(self, vtype: int) -> Any:
+    def value(self, vtype: int, depth: int = 0) -> Any:
         if vtype in _SCALARS:
             return self.take(_SCALARS[vtype])
         if vtype == STRING:
@@ -103,9 +109,20 @@ class _Cursor:
                 arr = np.frombuffer(self.buf, dtype=_NUMPY[etype], count=count, offset=self.pos).copy()
                 self.pos += count * width
                 return arr
-            return [self.value(etype) for _ in range(count)]
+            if depth >= MAX_NESTING:
+                raise CheckpointError(f"{self.path}: metadata arrays nested deeper than {MAX_NESTING} levels; "
+                                      "the file is corrupt, download it again")
+            self.room(count, 8, "array elements")  # each string or array element takes 8 bytes or more
+            return [self.value(etype, depth + 1) for _ in range(count)]
         raise CheckpointError(f"{self.path}: unknown GGUF value type {vtype} in the metadata; the file is corrupt "
                               "or newer than this reader")
+
+    def room(self, count: int, each: int, what: str) -> None:
+        """``count`` items of at least ``each`` bytes must fit in what is left of the file (a corrupt count
+        would otherwise loop, or allocate, for as long as it says)."""
+        if count * each > self.size - self.pos:
+            raise CheckpointError(f"{self.path}: the header claims {count} {what}, more than its "
+                                  f"{self.size} bytes can hold; the file is corrupt, download it again")
 
     def truncated(self) -> CheckpointError:
         return CheckpointError(f"{self.path}: the GGUF header ends early (at byte {self.pos} of {self.size}); "
@@ -114,8 +131,6 @@ class _Cursor:
 
 def read_header(path: str | Path) -> GGUFHeader:
     """Parse ``path``'s header and tensor table (one-line :class:`CheckpointError` for a bad file)."""
-    import gguf  # only for the block sizes of the tensor types
-
     p = Path(path)
     try:
         with open(p, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
@@ -127,6 +142,8 @@ def read_header(path: str | Path) -> GGUFHeader:
             if version not in (2, 3):
                 raise CheckpointError(f"{p}: GGUF version {version} is not supported (2 and 3 are); re-convert the file")
             n_tensors, n_kv = c.take("Q"), c.take("Q")
+            c.room(n_kv, MIN_KV_BYTES, "metadata keys")
+            c.room(n_tensors, MIN_TENSOR_BYTES, "tensors")
             fields: dict[str, Any] = {}
             for _ in range(n_kv):
                 key = c.string()
@@ -134,28 +151,64 @@ def read_header(path: str | Path) -> GGUFHeader:
             infos = []
             for _ in range(n_tensors):
                 name = c.string()
-                dims = tuple(int(c.take("Q")) for _ in range(c.take("I")))
+                n_dims = c.take("I")
+                if not 1 <= n_dims <= MAX_DIMS:
+                    raise CheckpointError(f"{p}: tensor {name} has {n_dims} dimensions; GGUF tensors have 1 to "
+                                          f"{MAX_DIMS}; the file is corrupt, download it again")
+                dims = tuple(int(c.take("Q")) for _ in range(n_dims))
                 infos.append((name, dims, c.take("I"), c.take("Q")))
-            align = int(fields.get("general.alignment", DEFAULT_ALIGNMENT)) or DEFAULT_ALIGNMENT
+            align = _alignment(fields, p)
             start = -(-c.pos // align) * align
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{p}: cannot read it as GGUF ({e})") from None
-    tensors = []
-    for name, dims, qtype, rel in infos:
-        try:
-            block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)]
-        except (ValueError, KeyError):
-            raise CheckpointError(f"{p}: tensor {name} has unknown ggml type {qtype}; the file is newer than this "
-                                  "reader or corrupt") from None
-        n = 1
-        for d in dims:
-            n *= d
-        t = TensorEntry(name, dims, qtype, start + rel, n // block * type_size)
-        if t.offset + t.nbytes > size:
-            raise CheckpointError(f"{p}: tensor {name} ends at byte {t.offset + t.nbytes} but the file has {size}; "
-                                  "the file is truncated or corrupt, download it again")
-        tensors.append(t)
+    tensors = [_entry(p, name, dims, qtype, start + rel, size, align) for name, dims, qtype, rel in infos]
+    _check_overlaps(p, tensors)
     return GGUFHeader(p, version, fields, tuple(tensors))
+
+
+def _alignment(fields: dict[str, Any], p: Path) -> int:
+    """``general.alignment``: a power of two (the data area and every tensor start on a multiple of it)."""
+    align = fields.get("general.alignment", DEFAULT_ALIGNMENT)
+    if isinstance(align, bool) or not isinstance(align, int) or align <= 0 or align & (align - 1):
+        raise CheckpointError(f"{p}: general.alignment is {align!r}; it must be a power of two (default "
+                              f"{DEFAULT_ALIGNMENT}); the file is corrupt, convert or download it again")
+    return align
+
+
+def _entry(p: Path, name: str, dims: tuple[int, ...], qtype: int, offset: int, size: int, align: int) -> TensorEntry:
+    """One tensor-table entry checked: a known type, whole blocks along the first dimension, no zero or
+    absurd dimension, and its bytes at an aligned place inside the file."""
+    import gguf  # only for the block sizes of the tensor types
+
+    try:
+        block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)]
+    except (ValueError, KeyError):
+        raise CheckpointError(f"{p}: tensor {name} has unknown ggml type {qtype}; the file is newer than this "
+                              "reader or corrupt") from None
+    n = 1
+    for d in dims:
+        n *= d
+    if n == 0 or n >= 1 << 62 or dims[0] % block:
+        raise CheckpointError(f"{p}: tensor {name} has dimensions {list(dims)}; each must be at least 1, their product "
+                              f"below 2^62, and the first a multiple of the type's block of {block}; the file is "
+                              "corrupt, download it again")
+    t = TensorEntry(name, dims, qtype, offset, n // block * type_size)
+    if offset % align:
+        raise CheckpointError(f"{p}: tensor {name} starts at byte {offset}, not a multiple of the alignment {align}; "
+                              "the file is corrupt, download it again")
+    if t.offset + t.nbytes > size:
+        raise CheckpointError(f"{p}: tensor {name} ends at byte {t.offset + t.nbytes} but the file has {size}; "
+                              "the file is truncated or corrupt, download it again")
+    return t
+
+
+def _check_overlaps(p: Path, tensors: list[TensorEntry]) -> None:
+    """No two tensors share bytes (one tensor's data read as another's is a corrupt table)."""
+    spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in tensors)
+    for (_, end, a), (start, _, b) in itertools.pairwise(spans):
+        if start < end:
+            raise CheckpointError(f"{p}: tensors {a} and {b} overlap (bytes {start}-{end}); the file is corrupt, "
+                                  "download it again")
 
 
 def read_bytes(path: Path, t: TensorEntry, start: int = 0, length: int | None = None) -> np.ndarray:

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from llmsys.engine.loader import validate
 from llmsys.engine.loader.gguf_header import MAGIC, GGUFHeader, TensorEntry, read_bytes, read_header
 from llmsys.kernels import pack_int4, unpack_int4
 from llmsys.kernels.common.errors import CheckpointError, UnsupportedModelError
@@ -58,6 +59,14 @@ ARCHS: dict[str, tuple[str, str, bool]] = {
     "llama": ("llama", "LlamaForCausalLM", True),
     "qwen2": ("qwen2", "Qwen2ForCausalLM", False),
     "qwen3": ("qwen3", "Qwen3ForCausalLM", False),
+}
+# HF config field -> the GGUF metadata key (after "<arch>.") it is read from (hf_config), for messages.
+_GGUF_KEYS = {
+    "hidden_size": "embedding_length", "intermediate_size": "feed_forward_length", "num_hidden_layers": "block_count",
+    "num_attention_heads": "attention.head_count", "num_key_value_heads": "attention.head_count_kv",
+    "head_dim": "attention.key_length", "rms_norm_eps": "attention.layer_norm_rms_epsilon",
+    "rope_theta": "rope.freq_base", "max_position_embeddings": "context_length", "vocab_size": "vocab_size",
+    "rope_scaling": "rope.scaling.factor",
 }
 # llama.cpp per-layer tensor suffix (after "blk.N.") -> HF suffix (after "model.layers.N.")
 LAYER_NAMES = {
@@ -78,6 +87,7 @@ LAYER_NAMES = {
 }
 TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
              "output.weight": "lm_head.weight"}
+INTEGER_TYPES = ("I8", "I16", "I32", "I64")  # ggml's plain integer tensors: never a weight of these models
 IGNORED = {"rope_freqs.weight"}  # read into the config (rope scaling), not a model tensor
 # Rows dequantized per piece: bounds the float32 transient of a big table (a 151936-row embedding).
 DEQUANT_ROWS = 8192
@@ -144,10 +154,20 @@ def _qtype(t: TensorEntry) -> str:
     return gguf.GGMLQuantizationType(t.qtype).name
 
 
-def _f32(v: Any) -> float:
+def _f32(v: Any) -> Any:
     """A float32 metadata value as the shortest decimal that rounds to it (1e-05, not
-    9.999999747378752e-06): what the HF config held, where it was exported from one."""
+    9.999999747378752e-06): what the HF config held, where it was exported from one. Anything but a
+    number is returned as it is, for ``validate`` to name."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return v
     return float(np.format_float_positional(np.float32(v), unique=True, trim="-"))
+
+
+def origin(path: Path, arch: str) -> validate.Origin:
+    """Messages about a GGUF's config values name the metadata key each HF field came from."""
+    keys = {name: f"{arch}.{key}" for name, key in _GGUF_KEYS.items()}
+    keys.update(bos_token_id="tokenizer.ggml.bos_token_id", eos_token_id="tokenizer.ggml.eos_token_id")
+    return validate.Origin(path, "the file's metadata is wrong; convert or download the GGUF again", keys)
 
 
 @dataclass(frozen=True)
@@ -166,7 +186,7 @@ def hf_config(path: Path, header: GGUFHeader | None = None) -> dict[str, Any]:
     h = header or read_header(path)
     meta = h.fields
     arch = meta.get("general.architecture")
-    if arch not in ARCHS:
+    if not isinstance(arch, str) or arch not in ARCHS:
         raise UnsupportedModelError(
             f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(ARCHS)}"
         )
@@ -179,8 +199,7 @@ def hf_config(path: Path, header: GGUFHeader | None = None) -> dict[str, Any]:
         return v
 
     names = {t.name for t in h.tensors}
-    heads = int(need("attention.head_count"))
-    hidden = int(need("embedding_length"))
+    heads = need("attention.head_count")
     tokens = meta.get("tokenizer.ggml.tokens")
     vocab = meta.get(f"{arch}.vocab_size")
     if vocab is None:
@@ -188,34 +207,39 @@ def hf_config(path: Path, header: GGUFHeader | None = None) -> dict[str, Any]:
         vocab = int(emb.shape[1]) if emb is not None else (len(tokens) if tokens is not None else None)
     if vocab is None:
         raise CheckpointError(f"{path}: cannot tell the vocabulary size (no token_embd.weight, no tokens)")
+    # Values as stored (GGUF integers are Python ints already): a string or a float where a count belongs is
+    # validate.check_config's one-line error, not a ValueError here or a silent truncation by int().
     cfg: dict[str, Any] = {
         "architectures": [hf_arch],
         "model_type": model_type,
-        "hidden_size": hidden,
-        "intermediate_size": int(need("feed_forward_length")),
-        "num_hidden_layers": int(need("block_count")),
+        "hidden_size": need("embedding_length"),
+        "intermediate_size": need("feed_forward_length"),
+        "num_hidden_layers": need("block_count"),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(meta.get(f"{arch}.attention.head_count_kv", heads)),
-        "head_dim": int(meta.get(f"{arch}.attention.key_length", hidden // heads)),
+        "num_key_value_heads": meta.get(f"{arch}.attention.head_count_kv", heads),
+        "head_dim": meta.get(f"{arch}.attention.key_length"),
         "rms_norm_eps": _f32(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": _f32(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(meta.get(f"{arch}.context_length", 2048)),
-        "vocab_size": int(vocab),
+        "max_position_embeddings": meta.get(f"{arch}.context_length", 2048),
+        "vocab_size": vocab,
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": "blk.0.attn_q.bias" in names,
     }
     bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
     if bos is not None:
-        cfg["bos_token_id"] = int(bos)
-    eos_ids = [int(v) for v in (eos, meta.get("tokenizer.ggml.eot_token_id")) if v is not None]
+        cfg["bos_token_id"] = bos
+    eos_ids = [v for v in (eos, meta.get("tokenizer.ggml.eot_token_id")) if v is not None]
     if eos_ids:
-        cfg["eos_token_id"] = sorted(set(eos_ids), key=eos_ids.index)
+        ints = all(isinstance(v, int) for v in eos_ids)
+        cfg["eos_token_id"] = sorted(set(eos_ids), key=eos_ids.index) if ints else eos_ids
+    validate.check_config(cfg, origin(path, arch))
+    head_dim = cfg["head_dim"] or cfg["hidden_size"] // heads
     rope_dims = meta.get(f"{arch}.rope.dimension_count")
-    if rope_dims is not None and int(rope_dims) != cfg["head_dim"]:
-        raise UnsupportedModelError(f"{path}: partial RoPE ({rope_dims} of {cfg['head_dim']} dims) is not supported")
+    if rope_dims is not None and rope_dims != head_dim:
+        raise UnsupportedModelError(f"{path}: partial RoPE ({rope_dims} of {head_dim} dims) is not supported")
     scaling = meta.get(f"{arch}.rope.scaling.type")
     if scaling == "linear":
-        cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(need("rope.scaling.factor"))}
+        cfg["rope_scaling"] = {"rope_type": "linear", "factor": _f32(need("rope.scaling.factor"))}
     elif scaling not in (None, "none"):
         raise UnsupportedModelError(f"{path}: GGUF rope scaling {scaling!r} is not supported (linear and llama3 are)")
     if "rope_freqs.weight" in names:  # Llama 3.x: llama.cpp's per-frequency divisors
@@ -238,7 +262,8 @@ class GGUFIndex:
     def __init__(self, path: Path, header: GGUFHeader, config: dict[str, Any]):
         self.path = path
         self.config = config
-        arch = ARCHS[header.fields["general.architecture"]]
+        self.arch = header.fields["general.architecture"]  # llama.cpp's name: llama, qwen2, qwen3
+        arch = ARCHS[self.arch]
         self._interleaved = arch[2]
         self._heads = config["num_attention_heads"]
         self._kv_heads = config["num_key_value_heads"]
@@ -254,9 +279,16 @@ class GGUFIndex:
         if unknown:
             more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
             raise UnsupportedModelError(f"{path}: tensor {unknown[0]}{more} has no llmsys counterpart")
+        for t in self._tensors.values():  # integer tensors are not weights llmsys decodes: say so before reading
+            if _qtype(t) in INTEGER_TYPES:
+                raise _undecodable(path, t.name, _qtype(t))
 
     def __contains__(self, name: str) -> bool:
         return name in self._tensors
+
+    def layers(self) -> set[int]:
+        """The layer numbers the file's tensors hold (``blk.N.*``), for ``validate.check_layers``."""
+        return validate.layer_indices(self._tensors)
 
     def info(self, name: str) -> GGUFTensorInfo:
         t = self._tensors[name]
@@ -392,11 +424,15 @@ def _dequant_rows(blocks: np.ndarray, kind: Any, path: Path, name: str) -> torch
     try:
         return torch.from_numpy(gguf.quants.dequantize(blocks, kind))
     except NotImplementedError:
-        raise UnsupportedModelError(
-            f"{path}: tensor {name} is stored as {kind.name}, which llmsys cannot decode; supported: "
-            f"F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and the others "
-            "the gguf package decodes"
-        ) from None
+        raise _undecodable(path, name, kind.name) from None
+
+
+def _undecodable(path: Path, name: str, kind: str) -> UnsupportedModelError:
+    return UnsupportedModelError(
+        f"{path}: tensor {name} is stored as {kind}, which llmsys cannot decode; supported: "
+        f"F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and the others "
+        "the gguf package decodes"
+    )
 
 
 def open_index(path: Path) -> GGUFIndex:
@@ -406,7 +442,8 @@ def open_index(path: Path) -> GGUFIndex:
 
 
 def materialize_gguf(model: Any, index: GGUFIndex, dtype: torch.dtype, device: torch.device,
-                     make_linear: Any = None, progress: bool = True, offload: Any = None) -> None:
+                     make_linear: Any = None, progress: bool = True, offload: Any = None,
+                     check_finite: bool = True) -> None:
     """Fill ``model``'s meta tensors from the GGUF (``common.materialize`` with a GGUF hook).
 
     Q4_0 matrices become :class:`Int4Linear` layers from their codes (never dequantized) unless
@@ -432,14 +469,20 @@ def materialize_gguf(model: Any, index: GGUFIndex, dtype: torch.dtype, device: t
         name = mod_name + ".weight"
         target = exact(name)
         if target == "int4:g32":
-            layer = Int4Linear.from_quantized({**index.int4_tensors(name), "bias": b}, in_features=w.shape[1])
+            t = index.int4_tensors(name)
+            if check_finite:
+                validate.check_finite(f"{index.info(name).gguf_name} (block scales)", t["scales"], index.path)
+            layer = Int4Linear.from_quantized({**t, "bias": b}, in_features=w.shape[1])
         elif target == "int8:g32":
-            layer = Int8BlockLinear.from_quantized({**index.int8_block_tensors(name), "bias": b})
+            t = index.int8_block_tensors(name)
+            if check_finite:
+                validate.check_finite(f"{index.info(name).gguf_name} (block scales)", t["block_scales"], index.path)
+            layer = Int8BlockLinear.from_quantized({**t, "bias": b})
         else:
             return make_linear(mod_name, w, b) if make_linear is not None else None
         return QuantEmbedding(layer, dtype) if mod_name == "model.embed_tokens" else layer
 
-    materialize(model, read, index.__contains__, dtype, device, index.path, hook, progress, offload)
+    materialize(model, read, index.__contains__, dtype, device, index.path, hook, progress, offload, check_finite)
 
 
 def conversions(index: GGUFIndex, dtype: torch.dtype, make_linear: Any = None) -> dict[str, str]:

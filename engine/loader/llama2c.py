@@ -18,10 +18,15 @@ from pathlib import Path
 import torch
 
 from llmsys.kernels.common.errors import CheckpointError
+from llmsys.engine.loader import validate
 from llmsys.engine.loader.safetensors_io import TensorInfo
 from llmsys.engine.models import llama
 
 HEADER = struct.Struct("<7i")
+# HF config field -> the header field it is read from, for messages (validate.Origin).
+HEADER_FIELDS = {"hidden_size": "dim", "intermediate_size": "hidden_dim", "num_hidden_layers": "n_layers",
+                 "num_attention_heads": "n_heads", "num_key_value_heads": "n_kv_heads", "vocab_size": "vocab_size",
+                 "max_position_embeddings": "max_seq_len"}
 
 
 def find_checkpoint(p: Path) -> Path | None:
@@ -45,7 +50,7 @@ def _permute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.view(n_heads, hd // 2, 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
 
 
-def load(p: Path, dtype: torch.dtype, device: torch.device, make_linear, progress: bool):
+def load(p: Path, dtype: torch.dtype, device: torch.device, make_linear, progress: bool, check_finite: bool = True):
     from llmsys.engine.loader.common import LoadedModel, embed_file, materialize
 
     ckpt = find_checkpoint(p)
@@ -59,6 +64,24 @@ def load(p: Path, dtype: torch.dtype, device: torch.device, make_linear, progres
         raise CheckpointError(f"{ckpt}: header does not describe a llama2.c model (dim={dim}, heads={n_heads})")
     shared = vocab > 0
     vocab = abs(vocab)
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": dim,
+        "intermediate_size": hidden,
+        "num_hidden_layers": n_layers,
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": n_kv,
+        "vocab_size": vocab,
+        "max_position_embeddings": seq_len,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": shared,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    # Before the layout's sizes are computed from the header: the layer count is checked by the file's size below.
+    args = validate.model_args(llama, cfg, validate.Origin(ckpt, "re-export the llama2.c checkpoint", HEADER_FIELDS))
     hd = dim // n_heads
     kv_dim = n_kv * hd
     # (name, shape) in file order; RoPE tables are skipped by offset.
@@ -131,29 +154,13 @@ def load(p: Path, dtype: torch.dtype, device: torch.device, make_linear, progres
             t = _permute_rotary(t, n_kv)
         return t
 
-    cfg = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": dim,
-        "intermediate_size": hidden,
-        "num_hidden_layers": n_layers,
-        "num_attention_heads": n_heads,
-        "num_key_value_heads": n_kv,
-        "vocab_size": vocab,
-        "max_position_embeddings": seq_len,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": shared,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-    }
-    args = llama.ModelArgs.from_hf_config(cfg)
     tok_off, tok_shape = offsets["tok"]
     emb = embed_file(args, ckpt, TensorInfo("tok", torch.float32, tok_shape, tok_off, 4 * vocab * dim))
     with torch.device("meta"):
         model = llama.Model(args, embed_file=emb)
     try:
-        materialize(model, read, lambda n: not (n == "lm_head.weight" and shared), dtype, device, ckpt, make_linear, progress)
+        materialize(model, read, lambda n: not (n == "lm_head.weight" and shared), dtype, device, ckpt, make_linear,
+                    progress, check_finite=check_finite)
     finally:
         os.close(fd)
     model.eval()

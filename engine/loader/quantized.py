@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from llmsys.kernels.common.errors import CheckpointError, InvalidParameterError
+from llmsys.engine.loader import validate
 from llmsys.engine.loader.safetensors_io import CheckpointIndex, save_file
 from llmsys.quant import FP8Linear, Int4Linear, Int8BlockLinear, Int8Linear, NF4Linear, QuantLinear, parse_quant
 
@@ -80,6 +81,34 @@ def _expect(name: str, t: torch.Tensor, shape: tuple[int, ...], path: Path) -> N
         )
 
 
+# The integer type each llmsys format stores its codes in (quant/README.md); a float qweight is not codes.
+QWEIGHT_DTYPES = {"int4": torch.uint8, "nf4": torch.uint8, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
+# Float tensors beside the codes; "scales" of the per-row int8/fp8 formats are never 0 as llmsys writes them
+# (the row maximum is clamped first), while int4 groups and int8 blocks kept from a GGUF's codes may be.
+SCALE_NAMES = ("scales", "zeros", "block_scales", "absmax", "absmax2", "absmax_offset", "input_scale")
+
+
+def _check_codes(prefix: str, t: dict[str, torch.Tensor], want: torch.dtype, nonzero_scales: bool,
+                 path: Path) -> None:
+    """A quantized layer's tensors hold what the format says: codes of its integer type, finite scales
+    (non-zero where the quantizer never writes 0), so garbage fails at load naming the tensor."""
+    q = t["qweight"]
+    if q.dtype != want:
+        raise CheckpointError(f"{path}: tensor {prefix}.qweight is {q.dtype}, expected {want} codes for this "
+                              "quantization_config; the checkpoint is corrupt or its config describes another format")
+    for key in SCALE_NAMES:
+        x = t.get(key)
+        if x is None or (key == "absmax" and not x.is_floating_point()):
+            continue
+        if not x.is_floating_point():
+            raise CheckpointError(f"{path}: tensor {prefix}.{key} is {x.dtype}, expected a float type; "
+                                  "the checkpoint is corrupt")
+        validate.check_finite(f"{prefix}.{key}", x, path)
+        if nonzero_scales and key in ("scales", "absmax") and x.numel() and not bool((x != 0).all()):
+            raise CheckpointError(f"{path}: tensor {prefix}.{key} holds {int((x == 0).sum())} zero scales; "
+                                  "a quantizer never writes one, the checkpoint is corrupt: re-quantize it")
+
+
 def _llmsys_layer(fmt: str, prefix: str, index: CheckpointIndex, n: int, k: int, path: Path,
                   device: torch.device) -> QuantLinear:
     spec = parse_quant(fmt)
@@ -88,6 +117,8 @@ def _llmsys_layer(fmt: str, prefix: str, index: CheckpointIndex, n: int, k: int,
     if "qweight" not in t:
         raise CheckpointError(f"{path}: missing tensor {prefix}.qweight")
     q = t["qweight"]
+    _check_codes(prefix, t, QWEIGHT_DTYPES[spec.method], spec.method in ("int8", "fp8") and not spec.int8_blocks,
+                 path)
     try:
         if spec.int8_blocks:
             _expect(prefix + ".qweight", q, (n, k), path)
@@ -123,6 +154,11 @@ def _awq_gptq_layer(qc: dict[str, Any], prefix: str, index: CheckpointIndex, n: 
     qweight = _need(index, prefix + ".qweight", path)
     qzeros = _need(index, prefix + ".qzeros", path)
     scales = _need(index, prefix + ".scales", path)
+    for name, x in (("qweight", qweight), ("qzeros", qzeros)):
+        if x.dtype != torch.int32:
+            raise CheckpointError(f"{path}: tensor {prefix}.{name} is {x.dtype}, expected int32 (packed {method} "
+                                  "4-bit codes); the checkpoint is corrupt")
+    _check_codes(prefix, {"qweight": qweight, "scales": scales}, torch.int32, True, path)
     _expect(prefix + ".scales", scales, (k // g, n), path)
     _expect(prefix + ".qzeros", qzeros, (k // g, n // 8), path)
     if method == "awq":
@@ -133,6 +169,9 @@ def _awq_gptq_layer(qc: dict[str, Any], prefix: str, index: CheckpointIndex, n: 
         g_idx = index.read(prefix + ".g_idx") if prefix + ".g_idx" in index else None
         if g_idx is not None:
             _expect(prefix + ".g_idx", g_idx, (k,), path)
+            if g_idx.is_floating_point() or (k and not 0 <= int(g_idx.min()) <= int(g_idx.max()) < k // g):
+                raise CheckpointError(f"{path}: tensor {prefix}.g_idx must hold group numbers 0..{k // g - 1}; "
+                                      "the checkpoint is corrupt")
         v2 = str(qc.get("checkpoint_format", "gptq")).lower() == "gptq_v2"
         try:
             t = gptq_to_canonical(qweight, qzeros, scales, g_idx, zero_offset=0 if v2 else 1)
@@ -144,23 +183,52 @@ def _awq_gptq_layer(qc: dict[str, Any], prefix: str, index: CheckpointIndex, n: 
     return Int4Linear.from_quantized(t, in_features=k)
 
 
+def _qc_int(qc: dict[str, Any], key: str, default: int, path: Path) -> int:
+    """An integer field of quantization_config (a string or a float there is a broken config, not a value)."""
+    v = qc.get(key, default)
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise CheckpointError(f"{path}/config.json: quantization_config.{key} is {v!r}; it must be an integer; "
+                              "fix config.json or quantize the model again")
+    return v
+
+
+def _llmsys_format(qc: dict[str, Any], path: Path) -> None:
+    """``format`` names a stored llmsys layout, and ``bits``, where given, agrees with it."""
+    fmt = qc.get("format")
+    try:
+        spec = parse_quant(str(fmt)) if isinstance(fmt, str) else None
+    except InvalidParameterError as e:
+        raise CheckpointError(f"{path}/config.json: quantization_config.format {fmt!r} is not a llmsys format "
+                              f"({e}); fix config.json or quantize the model again") from None
+    if spec is None or spec.method == "none":
+        raise CheckpointError(f"{path}/config.json: quantization_config.format is {fmt!r}; expected a stored format "
+                              "such as int8, int8:g32, int4:g64, nf4 or fp8; fix config.json or quantize again")
+    if "bits" in qc:
+        bits = _qc_int(qc, "bits", 0, path)
+        want = 4 if spec.method in ("int4", "nf4") else 8
+        if bits != want:
+            raise CheckpointError(f"{path}/config.json: quantization_config.bits is {bits} but format {fmt!r} stores "
+                                  f"{want}-bit codes; fix config.json or quantize the model again")
+
+
 def validate_quant_config(cfg: dict[str, Any], path: Path) -> dict[str, Any]:
     qc = cfg.get("quantization_config")
     if not isinstance(qc, dict):
         raise CheckpointError(f"{path}/config.json: quantization_config must be an object")
     method = str(qc.get("quant_method", "")).lower()
     if method == "llmsys":
-        parse_quant(str(qc.get("format")))
+        _llmsys_format(qc, path)
         return qc
     if method not in ("awq", "gptq"):
         raise CheckpointError(
             f"{path}/config.json: quant_method {method!r} is not supported; llmsys loads llmsys, awq and gptq checkpoints"
         )
-    if int(qc.get("bits", qc.get("w_bit", 4))) != 4:
-        raise CheckpointError(f"{path}/config.json: {method} with bits={qc.get('bits')} is not supported (4 bits only)")
+    bits = _qc_int(qc, "bits", _qc_int(qc, "w_bit", 4, path), path)
+    if bits != 4:
+        raise CheckpointError(f"{path}/config.json: {method} with bits={bits} is not supported (4 bits only)")
     if "group_size" not in qc and "q_group_size" in qc:
         qc = dict(qc, group_size=qc["q_group_size"])
-    if int(qc.get("group_size", 128)) not in (32, 64, 128):
+    if _qc_int(qc, "group_size", 128, path) not in (32, 64, 128):
         raise CheckpointError(
             f"{path}/config.json: {method} group_size {qc.get('group_size')} unsupported (32, 64 or 128)"
         )
@@ -169,15 +237,29 @@ def validate_quant_config(cfg: dict[str, Any], path: Path) -> dict[str, Any]:
     return qc
 
 
+def _check_written_format(index: CheckpointIndex, fmt: str, path: Path) -> None:
+    """The format ``save_quantized`` wrote into each file's metadata must be the one config.json names: a
+    config edited (or copied from another directory) to say int4 over int8 codes would read them wrongly."""
+    for f in index.files:
+        written = f.metadata.get("llmsys_quant")
+        if written is not None and written != fmt:
+            raise CheckpointError(f"{f.path}: written as {written!r} but {path}/config.json says quantization_config "
+                                  f"format {fmt!r}; fix config.json (format {written!r}) or quantize again")
+
+
 def load_quantized_into(model: nn.Module, cfg: dict[str, Any], index: CheckpointIndex, dtype: torch.dtype,
-                        device: torch.device, path: Path, make_linear: MakeLinear | None = None) -> None:
-    """Fill the meta ``model`` from a quantized checkpoint (see the module docstring)."""
+                        device: torch.device, path: Path, make_linear: MakeLinear | None = None,
+                        check_finite: bool = True) -> None:
+    """Fill the meta ``model`` from a quantized checkpoint (see the module docstring); ``check_finite=False``
+    skips the NaN/inf check of the float tensors (``common.materialize``; scales are always checked)."""
     from llmsys.engine.loader.common import set_tensor
 
     qc = validate_quant_config(cfg, path)
     _check_request(cfg, make_linear, path)
     method = str(qc.get("quant_method")).lower()
     fmt = str(qc.get("format", ""))
+    if method == "llmsys":
+        _check_written_format(index, fmt, path)
     tied = bool(model.args.tie_word_embeddings)
     done: set[str] = set()
     targets = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
@@ -204,6 +286,8 @@ def load_quantized_into(model: nn.Module, cfg: dict[str, Any], index: Checkpoint
             continue
         t = _need(index, name, path)
         _expect(name, t, tuple(p.shape), path)
+        if check_finite:
+            validate.check_finite(name, t, path)
         set_tensor(model, name, t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype))
 
 

@@ -11,6 +11,7 @@ or corrupt file fails with its name, not deep inside a forward pass.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import struct
@@ -52,39 +53,56 @@ class SafetensorsFile:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        try:
-            size = self.path.stat().st_size
-            with open(self.path, "rb") as f:
-                raw = f.read(8)
-                if len(raw) < 8:
-                    raise ValueError("file shorter than its 8-byte header length")
-                (hlen,) = struct.unpack("<Q", raw)
-                if hlen > size - 8 or hlen > 100 * 1024 * 1024:
-                    raise ValueError(f"header length {hlen} exceeds the file size {size}")
-                header = json.loads(f.read(hlen))
-        except (OSError, ValueError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{self.path}: not a readable safetensors file ({e}); re-download it") from None
-        self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
-        base = 8 + hlen
+        header, base, size = _read_header(self.path)
+        meta = header.pop("__metadata__", None) or {}
+        if not isinstance(meta, dict):
+            raise self._corrupt(f"__metadata__ is a JSON {type(meta).__name__}, not an object")
+        self.metadata: dict[str, str] = meta
         self.tensors: dict[str, TensorInfo] = {}
         for name, h in header.items():
-            try:
-                dtype = DTYPES[h["dtype"]]
-                start, end = h["data_offsets"]
-                shape = tuple(int(s) for s in h["shape"])
-            except (KeyError, TypeError, ValueError):
-                raise CheckpointError(f"{self.path}: corrupt header entry for tensor {name!r}; re-download it") from None
-            if base + end > size:
-                raise CheckpointError(
-                    f"{self.path}: truncated: tensor {name!r} ends at byte {base + end} but the file has {size} bytes; "
-                    "re-download it"
-                )
-            numel = 1
-            for s in shape:
-                numel *= s
-            if numel * torch.tensor([], dtype=dtype).element_size() != end - start:
-                raise CheckpointError(f"{self.path}: tensor {name!r} size does not match its shape {shape}")
-            self.tensors[name] = TensorInfo(name, dtype, shape, base + start, end - start)
+            self.tensors[name] = self._entry(name, h, base, size)
+        self._check_overlaps()
+
+    def _corrupt(self, what: str) -> CheckpointError:
+        return CheckpointError(f"{self.path}: corrupt safetensors header: {what}; re-download it")
+
+    def _entry(self, name: str, h: object, base: int, size: int) -> TensorInfo:
+        """One header entry checked against the format and the file: a known dtype, a shape of whole
+        non-negative numbers, offsets inside the data area, and a span that the shape and dtype fill exactly."""
+        if not isinstance(h, dict) or not {"dtype", "shape", "data_offsets"} <= h.keys():
+            raise self._corrupt(f"tensor {name!r} is not an object with dtype, shape and data_offsets")
+        dtype = DTYPES.get(h["dtype"]) if isinstance(h["dtype"], str) else None
+        if dtype is None:
+            raise self._corrupt(f"tensor {name!r} has dtype {h['dtype']!r}; known: {', '.join(DTYPES)}")
+        shape, offsets = h["shape"], h["data_offsets"]
+        if not isinstance(shape, list) or not all(_whole(s) for s in shape):
+            raise self._corrupt(f"tensor {name!r} has shape {shape!r}; a shape is a list of whole numbers >= 0")
+        if not isinstance(offsets, list) or len(offsets) != 2 or not all(_whole(o) for o in offsets):
+            raise self._corrupt(f"tensor {name!r} has data_offsets {offsets!r}; expected [start, end], whole numbers")
+        start, end = offsets
+        if start > end:
+            raise self._corrupt(f"tensor {name!r} has data_offsets {offsets!r}; start is after end")
+        if base + end > size:
+            raise CheckpointError(
+                f"{self.path}: truncated: tensor {name!r} ends at byte {base + end} but the file has {size} bytes; "
+                "re-download it"
+            )
+        numel = 1
+        for s in shape:
+            numel *= s
+        elt = torch.tensor([], dtype=dtype).element_size()
+        if numel * elt != end - start:
+            raise CheckpointError(f"{self.path}: tensor {name!r} size does not match its shape {tuple(shape)}: "
+                                  f"{numel} x {elt} bytes of {h['dtype']} but data_offsets span {end - start}; "
+                                  "the file is corrupt, re-download it")
+        return TensorInfo(name, dtype, tuple(shape), base + start, end - start)
+
+    def _check_overlaps(self) -> None:
+        """Two tensors may not share bytes: a writer bug or a crafted file would load one tensor's data as two."""
+        spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in self.tensors.values() if t.nbytes)
+        for (_, end, a), (start, _, b) in itertools.pairwise(spans):
+            if start < end:
+                raise self._corrupt(f"tensors {a!r} and {b!r} overlap (bytes {start}-{end})")
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
@@ -111,6 +129,34 @@ class SafetensorsFile:
         return out
 
 
+def _whole(v: object) -> bool:
+    """A JSON integer >= 0 (not a bool, not 512.0: int() would silently accept a float shape)."""
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _read_header(path: Path) -> tuple[dict, int, int]:
+    """The header object, the data area's start and the file size (one-line errors for an unreadable one)."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise ValueError("file shorter than its 8-byte header length")
+            (hlen,) = struct.unpack("<Q", raw)
+            if hlen > size - 8 or hlen > 100 * 1024 * 1024:
+                raise ValueError(f"header length {hlen} exceeds the file size {size}")
+            header = json.loads(f.read(hlen))
+    except RecursionError:  # a header nested thousands deep: json's parser recurses per level
+        raise CheckpointError(f"{path}: not a readable safetensors file (its JSON header is nested too deep); "
+                              "re-download it") from None
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({e}); re-download it") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: not a readable safetensors file (its header is a JSON "
+                              f"{type(header).__name__}, not an object); re-download it")
+    return header, 8 + hlen, size
+
+
 class CheckpointIndex:
     """All tensors of a (possibly sharded) checkpoint, by name."""
 
@@ -127,9 +173,15 @@ class CheckpointIndex:
         if index.exists():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (ValueError, KeyError):
+            except (OSError, ValueError, KeyError, TypeError, RecursionError):
                 raise CheckpointError(f"{index}: corrupt shard index (no weight_map); re-download it") from None
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise CheckpointError(f"{index}: corrupt shard index (weight_map is not an object of file names); "
+                                      "re-download it")
             names = sorted(set(weight_map.values()))
+            outside = [n for n in names if Path(n).name != n or n in (".", "..")]
+            if outside:  # a shard is a file beside the index, never a path elsewhere
+                raise CheckpointError(f"{index}: shard {outside[0]!r} is not a file name in {directory}; re-download it")
             missing = [n for n in names if not (directory / n).exists()]
             if missing:
                 raise CheckpointError(f"{directory}: shard {missing[0]} listed in {index.name} is missing")
