@@ -3,16 +3,21 @@
 Each step takes what the previous ones produced and returns a value; none
 calls back into a caller or sets fields on objects built earlier:
 
-1. :func:`resolve`: the model path, device and dtype, each resolved once.
+1. :func:`resolve`: the model path, device and dtype, each resolved once; the
+   memory budgets checked against the machine (:func:`check_budgets`).
 2. ``open_checkpoint`` (loader): the model's skeleton on the meta device.
 3. :func:`place`: the offload plan for that skeleton and the runtime that
    carries it out (``None`` when everything is resident), plus the KV pool
-   size an explicit memory budget allows.
+   size an explicit memory budget allows. The model's limits are known from
+   here on: ``--max-model-len`` past the model's positions and KV sizes past
+   what their tier has free are refused (:func:`context_limit`,
+   :func:`check_kv_room`) before any weight is read.
 4. ``materialize_checkpoint`` (loader): the weights, placed as planned.
 5. :func:`prepare`: the model passes, in order: offload hooks, then on the
    CPU prepacking linears (with the tied embedding served from the file) and
    folding RoPE's rotate-half into small float32 q/k weights (``fold_rope``), or ``never_pack`` for tools that rewrite weights.
-6. :func:`size_kv_pool`: the KV pool spec and the per-request context limit.
+6. :func:`size_kv_pool`: the KV pool spec and the per-request context limit
+   (the same checks again: llama2.c files come here without step 3).
 7. ``EngineCore``, given all of the above.
 
 llama2.c files skip steps 2-4 (they load in one go and are always resident).
@@ -20,6 +25,7 @@ llama2.c files skip steps 2-4 (they load in one go and are always resident).
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,9 +34,11 @@ import psutil
 import torch
 
 from llmsys.engine.config import EngineConfig, check_kv_dtype
-from llmsys.kernels.common.errors import InvalidParameterError
+from llmsys.kernels.common.errors import BudgetError, InvalidParameterError
 from llmsys.engine.kv_cache import KVCacheSpec, blocks_needed
 from llmsys.engine.loader.common import Checkpoint, LoadedModel, resolve_device, resolve_dtype
+from llmsys.kernels.common.units import format_bytes
+from llmsys.offload.budgets import SpaceAsk, check_room, ram_available
 
 if TYPE_CHECKING:
     from llmsys.offload.plan import Plan
@@ -58,7 +66,29 @@ class Placement:
 
 def resolve(config: EngineConfig) -> Resolved:
     dev = resolve_device(config.device)
+    check_budgets(config, dev)
     return Resolved(config, _resolve_path(config.model), dev, resolve_dtype(config.dtype, dev))
+
+
+def check_budgets(config: EngineConfig, device: torch.device) -> None:
+    """Budgets the machine cannot honour, refused before anything loads: a GPU budget for an engine
+    on the CPU (there is no such tier to plan for), a RAM budget past the RAM available (the plan
+    would keep weights resident that do not fit). ``llmsys plan`` plans for what-if budgets and
+    does not come here."""
+    if config.gpu_mem is not None and device.type != "cuda":
+        why = "no CUDA device is available" if not torch.cuda.is_available() else f"--device {config.device}"
+        raise InvalidParameterError(
+            f"--gpu-mem {format_bytes(config.gpu_mem)}: this engine runs on the CPU ({why}), so there is no GPU "
+            "budget to set; drop --gpu-mem (--cpu-mem sets the RAM budget)")
+    if config.cpu_mem is not None and config.cpu_mem > (avail := ram_available()):
+        raise BudgetError(
+            f"--cpu-mem {format_bytes(config.cpu_mem)} is more than the {format_bytes(avail)} of RAM available; "
+            "lower --cpu-mem, or leave it unset (the default is what is free now)")
+    if config.gpu_mem is not None:  # pragma: no cover - no GPU here
+        total = torch.cuda.get_device_properties(device).total_memory
+        if config.gpu_mem > total:
+            raise BudgetError(f"--gpu-mem {format_bytes(config.gpu_mem)} is more than the GPU's "
+                              f"{format_bytes(total)}; lower --gpu-mem, or leave it unset")
 
 
 def _resolve_path(model: str) -> Path:
@@ -70,9 +100,84 @@ def _resolve_path(model: str) -> Path:
     return resolve_model(model)
 
 
+def model_context(args: Any) -> tuple[int, str]:
+    """The most positions the model is made for, and what says so (for the error).
+
+    ``max_position_embeddings``; a ``linear`` RoPE scaling that left it at the
+    original context (older HF configs, GGUF files) stretches it ``factor``
+    times (llama3 / freq_factors configs already state the stretched length);
+    a sliding window the engine does not slide (Mistral's ``max_context``)
+    caps it.
+    """
+    limit, what = args.max_position_embeddings, "max_position_embeddings"
+    scaling = args.rope_scaling or {}
+    if scaling.get("rope_type", scaling.get("type")) == "linear" and scaling.get("factor"):
+        base = scaling.get("original_max_position_embeddings", limit)
+        if int(base * float(scaling["factor"])) > limit:
+            limit, what = int(base * float(scaling["factor"])), f"{base} x its linear RoPE factor {scaling['factor']}"
+    cap = getattr(args, "max_context", None)
+    if cap is not None and cap < limit:
+        limit, what = cap, "its sliding window"
+    return limit, what
+
+
 def context_limit(args: Any, config: EngineConfig) -> int:
-    """Prompt + output tokens per request: the trained context, or ``max_model_len``."""
-    return min(config.max_model_len or args.max_position_embeddings, getattr(args, "max_context", 1 << 30))
+    """Prompt + output tokens per request: the model's context (:func:`model_context`), or
+    ``max_model_len``, which may not reach past it (the RoPE table, the KV pool sized for
+    ``max_num_seqs`` full contexts and the model's quality all stop there)."""
+    limit, what = model_context(args)
+    asked = config.max_model_len
+    if asked is not None and asked > limit:
+        raise InvalidParameterError(
+            f"--max-model-len {asked} is past this model's {limit} positions ({what}); "
+            f"use at most --max-model-len {limit}, or leave it unset")
+    return asked or limit
+
+
+def kv_probe(args: Any, config: EngineConfig, dtype: torch.dtype) -> KVCacheSpec:
+    """A one-block KV spec of the model's shape in the configured format: its bytes per token."""
+    check_kv_dtype(config.kv_dtype, args.head_dim)
+    return KVCacheSpec(args.num_hidden_layers, 1, config.block_size, args.num_key_value_heads, args.head_dim, dtype,
+                       config.kv_dtype)
+
+
+def kv_room_asks(args: Any, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> list[SpaceAsk]:
+    """What the stated KV sizes will fill, per tier: the pool (RAM, for a CPU pool), the cold tier
+    (disk in the offload folder for a CPU pool, plus its staging buffers in RAM; pinned RAM for a
+    GPU pool) and the swap space (disk for a CPU pool, RAM for a GPU pool). Sizes left to the
+    engine are not listed: it sizes those from what is free."""
+    probe = kv_probe(args, config, dtype)
+    per_tok, bs, gpu = probe.bytes_per_token, config.block_size, device.type == "cuda"
+    folder = Path(config.offload_dir).expanduser() if config.offload_dir else Path(tempfile.gettempdir())
+    asks = []
+    if config.kv_cache_tokens is not None and not gpu:
+        asks.append(SpaceAsk(f"--kv-cache-tokens {config.kv_cache_tokens}",
+                             (blocks_needed(config.kv_cache_tokens, bs) + 1) * bs * per_tok, "cpu",
+                             "lower --kv-cache-tokens (--kv-dtype int8 shrinks it), or leave it unset"))
+    cold = config.offload_tokens(per_tok)
+    if cold > 0:
+        flag = f"--kv-offload-tokens {config.kv_offload_tokens}"
+        cold_bytes = blocks_needed(cold, bs) * bs * per_tok
+        staging = 2 * cold_bytes // args.num_hidden_layers  # two layers' worth of every cold block (kv_tier)
+        fix = "lower --kv-offload-tokens"
+        if gpu:  # pragma: no cover - no GPU here
+            asks.append(SpaceAsk(flag, cold_bytes + staging, "cpu", fix))
+        else:
+            asks.append(SpaceAsk(flag, cold_bytes, "disk", f"{fix}, or pass --offload-dir on a disk with room", folder))
+            asks.append(SpaceAsk(f"{flag} (its staging buffers)", staging, "cpu", fix))
+    if config.swap_space and config.kv_dtype == "auto":  # quantized pools never swap (offload.kv_swap)
+        flag, fix = f"--swap-space {format_bytes(config.swap_space)}", "lower --swap-space (0 = recompute instead)"
+        if gpu:  # pragma: no cover - no GPU here
+            asks.append(SpaceAsk(flag, config.swap_space, "cpu", fix))
+        else:
+            asks.append(SpaceAsk(flag, config.swap_space, "disk", f"{fix}, or pass --offload-dir on a disk with room",
+                                 folder))
+    return asks
+
+
+def check_kv_room(args: Any, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> None:
+    """Refuse stated KV sizes their tiers cannot hold, before the pool, tier or swap space exists."""
+    check_room(kv_room_asks(args, config, device, dtype))
 
 
 def pool_tokens(max_len: int, max_num_seqs: int, bytes_per_token: int, free: int) -> int:
@@ -90,9 +195,10 @@ def place(r: Resolved, ck: Checkpoint) -> Placement:
 
     c = r.config
     a = ck.model.args
+    max_len = context_limit(a, c)
+    check_kv_room(a, c, r.device, r.dtype)
     budgets = resolve_budgets(c.gpu_mem, c.cpu_mem, c.offload_dir, r.device)
     per_tok = kv_bytes_per_token_layer(a, r.dtype) * a.num_hidden_layers
-    max_len = context_limit(a, c)
     tokens, fitted = c.kv_cache_tokens, None
     if tokens is None and (budgets.cpu_explicit or budgets.gpu_explicit):
         budget = budgets.gpu if budgets.gpu_explicit else budgets.cpu
@@ -146,11 +252,9 @@ def size_kv_pool(loaded: LoadedModel, config: EngineConfig) -> tuple[KVCacheSpec
     max_len = context_limit(a, config)
     if max_len < 2:
         raise InvalidParameterError(f"max_model_len must be >= 2, got {max_len}")
+    check_kv_room(a, config, loaded.device, loaded.dtype)
     kv_dtype = config.kv_dtype
-    check_kv_dtype(kv_dtype, a.head_dim)
-    probe = KVCacheSpec(a.num_hidden_layers, 1, config.block_size, a.num_key_value_heads, a.head_dim, loaded.dtype,
-                        kv_dtype)
-    per_tok = probe.bytes_per_token
+    per_tok = kv_probe(a, config, loaded.dtype).bytes_per_token
     cold = config.offload_tokens(per_tok)
     if config.kv_cache_tokens is not None:
         tokens = config.kv_cache_tokens

@@ -52,6 +52,22 @@ def check_kv_dtype(kv_dtype: str, head_dim: int) -> None:
         raise InvalidParameterError(f"--kv-dtype int4 needs an even head_dim (this model has {head_dim}); use int8")
 
 
+def flag_name(field_name: str) -> str:
+    """The CLI flag of an EngineConfig field (``swap_space`` -> ``--swap-space``), for error messages."""
+    return "--" + field_name.replace("_", "-")
+
+
+def _size_flag(name: str, value: int | str | None) -> int | None:
+    """A size field in bytes; a bad spelling or a negative count names its flag."""
+    try:
+        n = parse_size(value)
+    except InvalidParameterError as e:
+        raise InvalidParameterError(f"{flag_name(name)}: {e}") from None
+    if n is not None and n < 0:
+        raise InvalidParameterError(f"{flag_name(name)} must be >= 0 bytes, got {n}")
+    return n
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything that decides how a model is loaded and run.
@@ -113,19 +129,24 @@ class EngineConfig:
         if self.device not in DEVICES and not self.device.startswith("cuda:"):
             raise InvalidParameterError(f"unknown device {self.device!r}; choose one of {', '.join(DEVICES)}")
         if self.block_size < 1 or self.block_size > 1024:
-            raise InvalidParameterError(f"block_size must be in 1..1024, got {self.block_size}")
+            raise InvalidParameterError(f"--block-size must be in 1..1024, got {self.block_size}")
         if self.max_num_seqs < 1:
-            raise InvalidParameterError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+            raise InvalidParameterError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
-            raise InvalidParameterError("max_num_batched_tokens must be >= 1")
+            raise InvalidParameterError(f"--max-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.threads is not None and self.threads < 1:
-            raise InvalidParameterError(f"threads must be >= 1, got {self.threads}")
+            raise InvalidParameterError(f"--threads must be >= 1, got {self.threads} (unset: the idle physical cores)")
         if self.plan_batch < 1:
             raise InvalidParameterError(f"plan_batch must be >= 1, got {self.plan_batch}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            # 0 would read as "unset" downstream (the model's context): refuse it here instead.
+            raise InvalidParameterError(f"--max-model-len must be >= 2, got {self.max_model_len}; "
+                                        "leave it unset for the model's context")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:
+            raise InvalidParameterError(f"--kv-cache-tokens must be >= 1, got {self.kv_cache_tokens}; "
+                                        "leave it unset to size the pool from free memory")
         for name in ("gpu_mem", "cpu_mem", "swap_space"):
-            v = getattr(self, name)
-            if v is not None and not isinstance(v, int):
-                set_(self, name, parse_size(v))
+            set_(self, name, _size_flag(name, getattr(self, name)))
         set_(self, "quant", parse_quant_flag(self.quant))
         set_(self, "quant_keep_float", tuple(self.quant_keep_float))
         set_(self, "kv_dtype", parse_kv_dtype(self.kv_dtype))
@@ -134,7 +155,8 @@ class EngineConfig:
         if off is None or (isinstance(off, str) and off.strip().isdigit()):
             set_(self, "kv_offload_tokens", int(off or 0))
         elif isinstance(off, str):
-            set_(self, "kv_offload_bytes", parse_size(off))  # turned into tokens once the KV shape is known
+            # Turned into tokens once the KV shape is known.
+            set_(self, "kv_offload_bytes", _size_flag("kv_offload_tokens", off))
         if isinstance(self.kv_offload_tokens, int) and self.kv_offload_tokens < 0:
             raise InvalidParameterError(f"kv_offload_tokens must be >= 0, got {self.kv_offload_tokens}")
 

@@ -201,6 +201,7 @@ class EngineCore:
     def step(self) -> list[StreamChunk]:
         chunks, self._pending = self._pending, []
         sched = self.scheduler.schedule()
+        chunks.extend(self._failed(sched.failed))
         if sched.empty:
             return chunks
         now = time.perf_counter()
@@ -269,7 +270,18 @@ class EngineCore:
         self.requests.pop(seq.request_id, None)
         return self._final_chunk(seq, delta, [tok], lps)
 
-    def _final_chunk(self, seq: Sequence, delta: str, toks: list[int], lps=None) -> StreamChunk:
+    def _failed(self, failed: list[tuple[str, str]]) -> list[StreamChunk]:
+        """Final chunks (finish_reason "error", ``error`` = the scheduler's one line) of the requests
+        the scheduler could not go on with; every other request carries on."""
+        now = time.perf_counter()
+        out = []
+        for rid, why in failed:
+            seq = self.requests.pop(rid)
+            seq.finish_time = now
+            out.append(self._final_chunk(seq, "", [], error=why))
+        return out
+
+    def _final_chunk(self, seq: Sequence, delta: str, toks: list[int], lps=None, error: str | None = None) -> StreamChunk:
         st: TextState = seq.state
         start = st.start_time or seq.arrival
         first = seq.first_token_time
@@ -285,7 +297,7 @@ class EngineCore:
         usage = Usage(
             len(seq.prompt_ids), len(seq.output_ids), seq.kv.evicted if seq.kv is not None else 0, seq.num_cached_tokens
         )
-        return StreamChunk(seq.request_id, delta, toks, lps or [], seq.finish_reason, usage, timings)
+        return StreamChunk(seq.request_id, delta, toks, lps or [], seq.finish_reason, usage, timings, error)
 
     # -- accounting ----------------------------------------------------------
     @functools.cached_property

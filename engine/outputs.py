@@ -49,9 +49,12 @@ class StreamChunk:
     text: str  # new text since the last chunk (stop strings never included)
     token_ids: list[int]  # new tokens since the last chunk
     logprobs: list[TokenLogprobs] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" | "length" | "abort" when finished
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" when finished
     usage: Usage | None = None  # on the final chunk
     timings: Timings | None = None  # on the final chunk
+    # With finish_reason "error": one line saying why this request (and only it) could not go on,
+    # e.g. its KV no longer fits once the KV offload tier's disk filled up (engine.scheduler).
+    error: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -76,3 +79,4 @@ class RequestOutput:
     timings: Timings
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     index: int = 0  # which of the prompt's n completions
+    error: str | None = None  # finish_reason "error": the final chunk's one-line reason

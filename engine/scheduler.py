@@ -17,6 +17,14 @@ block new tokens go to, a shared block, or a block of a sequence under an
 evicting policy), listed in ``SchedulerOutput.demote``; only when the cold
 tier is full too is anything preempted. New tokens always land in hot
 blocks, so a prompt chunk is capped to what the hot pool can hold.
+
+Offload I/O failures cost speed, not requests (the module docs of
+``offload/kv_swap.py`` and ``offload/kv_tier.py``): a sequence whose swap-out
+could not be written is re-prefilled when readmitted, and once the cold tier
+stopped taking demotions the scheduler preempts instead. A request that can
+then never be admitted (nothing runs and its KV still does not fit the hot
+pool) is finished with reason ``"error"`` and listed in
+``SchedulerOutput.failed`` with a one-line message, instead of waiting forever.
 """
 
 from __future__ import annotations
@@ -73,6 +81,8 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (pool block, swap block), copied first
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (swap block, pool block)
     demote: list[tuple[int, int]] = field(default_factory=list)  # (pool block, cold block), copied in order
+    # (request id, one-line reason) of requests finished with finish_reason "error" this step
+    failed: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -80,6 +90,7 @@ class SchedulerOutput:
 
     @property
     def empty(self) -> bool:
+        """Nothing to run (requests failed this step still need their final chunks)."""
         return not self.scheduled
 
 
@@ -163,7 +174,7 @@ class Scheduler:
         need = blocks_needed(upto_tokens, self.block_size) - len(seq.block_table)
         if need <= 0:
             return True
-        if not self.allocator.can_allocate(need) and self.tier is not None:
+        if not self.allocator.can_allocate(need) and self._tier_takes_blocks():
             self._demote(need - self.allocator.num_free, seq, out)
         if not self.allocator.can_allocate(need):
             return False
@@ -229,6 +240,38 @@ class Scheduler:
         self.waiting.appendleft(seq)
         out.preempted.append(seq.request_id)
 
+    def _recompute_unswapped(self, seq: Sequence) -> None:
+        """Its swap-out could not be written (offload.kv_swap): re-prefill it instead of copying back."""
+        self.swap.release(seq.swapped_blocks)
+        seq.swapped_blocks = []
+        seq.num_computed = 0
+        self.swap.stats.lost_swap_outs += 1
+
+    def _tier_takes_blocks(self) -> bool:
+        """A cold tier that still takes demotions (``KVTier.accepts_demotions``: False once a write
+        failed). Read with a default: the scheduler's tests stand in any object for the tier."""
+        return self.tier is not None and getattr(self.tier, "accepts_demotions", True)
+
+    def _outgrew_hot_pool(self, seq: Sequence) -> bool:
+        """The cold tier stopped taking blocks (a write failed) and ``seq`` holds more tokens than the
+        hot pool: admitted, it would fill the pool, preempt itself and come back, forever."""
+        if self.tier is None or self._tier_takes_blocks():
+            return False
+        return blocks_needed(seq.num_tokens, self.block_size) > self.allocator.num_blocks - 1
+
+    def _fail_unfit(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """``seq`` cannot get its blocks, and never will (nothing runs that could free them, or see
+        :meth:`_outgrew_hot_pool`). Finish it with an error, its request alone, rather than leave
+        it and every request behind it waiting forever."""
+        hot = (self.allocator.num_blocks - 1) * self.block_size
+        why = f"its KV ({seq.num_tokens} tokens) does not fit the {hot}-token KV pool"
+        tier = self.tier
+        if tier is not None and not self._tier_takes_blocks():
+            why += (f": the KV offload tier stopped taking blocks after a write failed ({tier.write_error}); "
+                    "free space in the offload folder or raise --kv-cache-tokens")
+        self.finish(seq, "error")
+        out.failed.append((seq.request_id, why))
+
     def schedule(self) -> SchedulerOutput:
         """Decide the next step; the sequences' block tables and queues change here, tokens do not."""
         out = SchedulerOutput()
@@ -260,6 +303,15 @@ class Scheduler:
         # 2. Waiting sequences, in arrival order, while budget and blocks last.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.request_id in out.preempted:
+                # Preempted in this step: its swap-out is not copied yet, so it may not come back
+                # before the next step (where a failed copy-out is known, swap.lost).
+                break
+            if seq.swapped_blocks and self.swap.lost(seq.swapped_blocks):
+                self._recompute_unswapped(seq)
+            if self._outgrew_hot_pool(seq):
+                self._fail_unfit(seq, out)
+                continue
             reused = match_prefix(seq, self.allocator, self.block_size) if self.prefix_caching else 0
             n = min(seq.num_tokens - seq.num_computed, budget)
             if seq.kv is not None:
@@ -271,6 +323,9 @@ class Scheduler:
                     self.allocator.free(seq.block_table)
                     seq.block_table = []
                     seq.num_computed = seq.num_registered = 0
+                if not self.running and not chosen:
+                    self._fail_unfit(seq, out)
+                    continue
                 break
             if reused and not seq.num_preemptions:
                 seq.num_cached_tokens = reused

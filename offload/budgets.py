@@ -6,10 +6,18 @@ loads (python + torch: ~0.2 GiB of RSS) are the stated overhead on top and are
 not part of ``--cpu-mem``. Unset budgets default to what the machine has free
 now minus a safety margin, so the default plan never asks for memory that is
 not there.
+
+Sizes the user states (``--kv-cache-tokens``, ``--kv-offload-tokens``,
+``--swap-space``) are checked against what their tier has free at start-up,
+before anything is allocated (:func:`check_room`): a KV tier or swap file
+larger than its disk, or staging buffers larger than the RAM, would otherwise
+fail only mid-run (a write hitting a full disk) or as an allocator traceback.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +25,9 @@ from pathlib import Path
 import psutil
 import torch
 
+from llmsys.kernels.common.errors import BudgetError
 from llmsys.kernels.common.paths import llmsys_home
+from llmsys.kernels.common.units import format_bytes
 
 # Keep this much free: the OS, the page cache of the files we read and the
 # allocator's slack need room, and other processes share the machine.
@@ -68,3 +78,54 @@ def scratch_offload_dir() -> Path:
     base = llmsys_home() / "offload"
     base.mkdir(parents=True, exist_ok=True)
     return Path(tempfile.mkdtemp(prefix="run-", dir=base))
+
+
+@dataclass(frozen=True)
+class SpaceAsk:
+    """What one flag will fill on one tier, named as the user wrote it (the error quotes it)."""
+
+    flag: str  # e.g. "--swap-space 1.0 TiB"
+    nbytes: int
+    tier: str  # "cpu" (RAM) | "disk"
+    fix: str  # what to change, e.g. "lower --swap-space"
+    folder: Path | None = None  # the disk tier's folder
+
+
+def ram_available() -> int:
+    """Bytes of RAM the OS could hand out now (free + reclaimable page cache)."""
+    return psutil.virtual_memory().available
+
+
+def existing_parent(folder: Path) -> Path:
+    """``folder`` or its nearest existing parent (an offload folder is made on first use)."""
+    p = Path(folder).expanduser().absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def disk_free(folder: Path) -> int:
+    """Free bytes on the filesystem that will hold ``folder``."""
+    return shutil.disk_usage(existing_parent(folder)).free
+
+
+def check_room(asks: list[SpaceAsk]) -> None:
+    """Raise :class:`BudgetError` for the first ask its tier cannot hold, counting the asks before it
+    on the same RAM / filesystem (a swap file and a KV tier in one folder share its free space)."""
+    taken: dict[object, tuple[int, list[str]]] = {}
+    for ask in asks:
+        if ask.nbytes <= 0:
+            continue
+        if ask.tier == "disk":
+            folder = ask.folder or Path(tempfile.gettempdir())
+            where: object = os.stat(existing_parent(folder)).st_dev
+            free, what = disk_free(folder), f"of disk in {folder}"
+        else:
+            where, free, what = "ram", ram_available(), "of RAM"
+        before, flags = taken.get(where, (0, []))
+        if before + ask.nbytes > free:
+            left = max(free - before, 0)
+            also = f" once {', '.join(flags)} took {format_bytes(before)}" if flags else ""
+            raise BudgetError(f"{ask.flag} needs {format_bytes(ask.nbytes)} {what} but {format_bytes(left)} is "
+                              f"{'free there' if ask.tier == 'disk' else 'available'}{also}; {ask.fix}")
+        taken[where] = (before + ask.nbytes, [*flags, ask.flag.split(" ")[0]])

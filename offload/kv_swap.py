@@ -17,10 +17,18 @@ back by the core) and :meth:`KVSwapSpace.prefer_swap` compares them.
 The scheduler only decides (``SchedulerOutput.swap_out`` / ``swap_in`` block
 pairs); the runner moves the bytes before the step's forward pass, swap-outs
 first, so a block freed by a swap-out can be refilled in the same step.
+
+A swap-out whose write fails (the offload folder's disk filled up) loses
+nothing that cannot be rebuilt: the blocks it could not write are marked lost
+(:meth:`KVSwapSpace.lost`), the scheduler re-prefills their sequence instead
+of copying them back (recompute, the same tokens), and the swap space takes no
+more swap-outs (:attr:`KVSwapSpace.write_error`): every later preemption
+recomputes. One full disk costs speed, never a request.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 import time
@@ -30,6 +38,7 @@ from pathlib import Path
 import torch
 
 from llmsys.kernels.common.protocols import KVPool
+from llmsys.offload.budgets import disk_free
 
 # Priors used until the first copy is timed (then the measured speed wins).
 _PRIOR_GBPS = {"cpu": 5.0, "disk": 0.5}
@@ -42,8 +51,9 @@ class SwapStats:
 
     swapped_out_blocks: int = 0
     swapped_in_blocks: int = 0
-    swap_outs: int = 0  # preemptions that swapped
+    swap_outs: int = 0  # preemptions that swapped out (lost_swap_outs of them could not be written)
     recomputes: int = 0  # preemptions that dropped the KV (recompute later)
+    lost_swap_outs: int = 0  # swap-outs whose write failed: their sequences recomputed instead
     bytes_moved: int = 0
     seconds: float = 0.0
 
@@ -67,6 +77,8 @@ class KVSwapSpace:
         self.chunk_bytes = _chunk_bytes(kv)
         self._free = list(range(num_blocks - 1, -1, -1))
         self._pending_free: list[int] = []  # freed by a swap-in scheduled this step (copied in the runner)
+        self._lost: set[int] = set()  # allocated swap blocks whose copy-out failed (their data is not there)
+        self.write_error: str | None = None  # the first failed write; set: no more swap-outs
         self.stats = SwapStats()
         self.gbps: float | None = None  # measured copy speed (None: the tier's prior)
         self.recompute_s_per_token: float | None = None  # fed back by the engine core
@@ -111,8 +123,13 @@ class KVSwapSpace:
         self._pending_free.extend(ids)
 
     def end_step(self) -> None:
+        self._lost.difference_update(self._pending_free)
         self._free.extend(reversed(self._pending_free))
         self._pending_free = []
+
+    def lost(self, ids: list[int]) -> bool:
+        """Did the copy-out of any of these swap blocks fail (so the sequence must recompute)?"""
+        return bool(self._lost) and not self._lost.isdisjoint(ids)
 
     def swap_seconds(self, num_blocks: int) -> float:
         gbps = self.gbps if self.gbps is not None else _PRIOR_GBPS[self.tier]
@@ -120,7 +137,7 @@ class KVSwapSpace:
 
     def prefer_swap(self, num_blocks: int, num_tokens: int) -> bool:
         """Swap (True) or recompute (False) a sequence holding ``num_tokens`` in ``num_blocks``?"""
-        if num_blocks == 0 or num_blocks > len(self._free):
+        if num_blocks == 0 or num_blocks > len(self._free) or self.write_error is not None:
             return False
         if self.recompute_s_per_token is None:
             return True  # nothing measured yet: keeping computed work is the safe bet
@@ -163,19 +180,32 @@ class KVSwapSpace:
             os.unlink(name)  # the open fd keeps it; nothing is left behind if the process dies
 
     def copy_out(self, pairs: list[tuple[int, int]]) -> None:
-        """Pool block -> swap block, for every layer."""
+        """Pool block -> swap block, for every layer.
+
+        A failed write (disk full, I/O error) is not raised: the blocks not
+        written are marked lost (their sequences recompute, see the module
+        doc) and ``write_error`` says why.
+        """
         if not pairs:
             return
         t0 = time.perf_counter()
-        self._ensure_store()
-        data = self._gather([p for p, _ in pairs])  # [n, L, 2, bs, Hk, D]
-        if self.tier == "cpu":
-            self._store.index_copy_(0, torch.tensor([s for _, s in pairs]), data)
-        else:
-            raw = data.view(torch.uint8).numpy().reshape(len(pairs), self.chunk_bytes)
-            for i, (_, s) in enumerate(pairs):
-                os.pwrite(self._fd, raw[i], s * self.chunk_bytes)
-        self._account(len(pairs), time.perf_counter() - t0, out=True)
+        done = 0
+        try:
+            self._ensure_store()
+            data = self._gather([p for p, _ in pairs])  # [n, L, 2, bs, Hk, D]
+            if self.tier == "cpu":
+                self._store.index_copy_(0, torch.tensor([s for _, s in pairs]), data)
+                done = len(pairs)
+            else:
+                raw = data.view(torch.uint8).numpy().reshape(len(pairs), self.chunk_bytes)
+                for i, (_, s) in enumerate(pairs):
+                    write_block(self._fd, raw[i], s * self.chunk_bytes)
+                    done = i + 1
+        except OSError as e:
+            self._lost.update(s for _, s in pairs[done:])
+            self.write_error = f"{self._path or self._folder or 'swap space'}: {e.strerror or e}"
+        if done:
+            self._account(done, time.perf_counter() - t0, out=True)
 
     def copy_in(self, pairs: list[tuple[int, int]]) -> None:
         """Swap block -> pool block, for every layer."""
@@ -214,6 +244,13 @@ class KVSwapSpace:
         self._store = None
 
 
+def write_block(fd: int, data, offset: int) -> None:
+    """Write all of ``data`` at ``offset``; a short write (the disk filled up mid-block) is ENOSPC."""
+    n = os.pwrite(fd, data, offset)
+    if n < len(data):
+        raise OSError(errno.ENOSPC, f"short write ({n} of {len(data)} bytes)")
+
+
 def _block_shape(kv: KVPool) -> tuple[int, ...]:
     s = kv.spec
     return (s.num_layers, 2, s.block_size, s.num_kv_heads, s.head_dim)
@@ -228,14 +265,19 @@ def make_swap_space(kv: KVPool, swap_bytes: int | None, offload_dir: str | None)
     """The engine's swap space, or None (swap disabled, or a pool that cannot swap).
 
     ``swap_bytes`` None means auto: room for as many blocks as the pool has,
-    capped at 4 GiB. The tier follows the pool: a GPU pool swaps to CPU RAM,
-    a CPU pool to a (sparse, unlinked) file in ``offload_dir`` or the temp dir.
+    capped at 4 GiB and, for a file, at half the free space of its disk (an
+    explicit size was checked against that space at start-up,
+    ``engine.builder.check_kv_room``). The tier follows the pool: a GPU pool
+    swaps to CPU RAM, a CPU pool to a (sparse, unlinked) file in
+    ``offload_dir`` or the temp dir.
     """
     if swap_bytes == 0 or kv.quantized:
         return None
     chunk = _chunk_bytes(kv)
     if swap_bytes is None:
         swap_bytes = min(kv.spec.num_blocks * chunk, 4 << 30)
+        if not any(t.is_cuda for t in kv.block_tensors()[0]):
+            swap_bytes = min(swap_bytes, disk_free(Path(offload_dir or tempfile.gettempdir())) // 2)
     n = swap_bytes // chunk
     if n < 1:
         return None

@@ -35,10 +35,20 @@ synchronous, since the selection needs the layer's query).
 The staging buffers are sized for every cold block at once (a step may attend
 over all of them): ``2 / num_layers`` of the cold tier's bytes, allocated
 once (untouched pages cost nothing until a step reads that many blocks).
+
+A demotion whose write fails (the offload folder's disk filled up) must not
+cost the sequences their KV: the scheduler has already given their hot blocks
+to others, but the data is still in the pool when the runner copies, so the
+blocks of that demotion are kept in RAM instead (``_spill``, one step's
+demotions at most) and reads take them from there. The tier then takes no
+more demotions (:attr:`KVTier.accepts_demotions`): the scheduler preempts
+(recompute) instead, and fails with a clean error only a request whose KV no
+longer fits the hot pool alone.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 import time
@@ -64,6 +74,7 @@ class KVTierStats:
     """Counters the memory report, the benchmark and the tests read."""
 
     demoted_blocks: int = 0  # blocks moved hot -> cold (all layers each)
+    spilled_blocks: int = 0  # demoted blocks kept in RAM because their write failed
     bytes_written: int = 0
     write_s: float = 0.0
     blocks_read: int = 0  # (layer, block) pairs read back for attention
@@ -122,6 +133,9 @@ class KVTier:
         self._stream = None
         self._fd: int | None = None
         self._path: Path | None = None
+        # Cold blocks whose write failed: cold id -> [L, 2, bs, Hk, D] on the CPU (see the module doc).
+        self._spill: dict[int, torch.Tensor] = {}
+        self.write_error: str | None = None  # the first failed write; set: no more demotions
         if self.tier == "cpu":
             self._store = torch.empty((s.num_layers, *shape), dtype=s.dtype, pin_memory=pin)
             if self.cuda:  # written for GPU pools, untested here (no GPU): see offload/README.md
@@ -150,7 +164,14 @@ class KVTier:
         return self.num_cold * self.block_bytes
 
     def staging_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._stage + self._bounce)
+        """Staging buffers, plus blocks kept in RAM after a failed write."""
+        spill = sum(t.numel() * t.element_size() for t in self._spill.values())
+        return sum(b.numel() * b.element_size() for b in self._stage + self._bounce) + spill
+
+    @property
+    def accepts_demotions(self) -> bool:
+        """False once a write failed: the scheduler preempts instead of demoting (module doc)."""
+        return self.write_error is None
 
     # -- the file -----------------------------------------------------------------
     def _open(self, folder: Path) -> None:
@@ -173,15 +194,34 @@ class KVTier:
 
     # -- demotion (runner, before the forward pass) -----------------------------------
     def demote(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy pool blocks to cold blocks, every layer; a cold id listed twice keeps its last source."""
+        """Copy pool blocks to cold blocks, every layer; a cold id listed twice keeps its last source.
+
+        A failed file write is not raised: these blocks are kept in RAM instead
+        and the tier takes no more demotions (see the module doc).
+        """
         if not pairs:
             return
         t0 = time.perf_counter()
         last = {c: h for h, c in pairs}  # a cold block freed and reused within the step: the later write wins
         cold = sorted(last)
         hot = torch.tensor([last[c] for c in cold], dtype=torch.long, device=self.device)
-        runs = _runs(cold)
         idx = torch.tensor(cold, dtype=torch.long) - self.first
+        try:
+            self._write(hot, cold, idx)
+        except OSError as e:
+            self._keep_in_ram(hot, cold)
+            self.write_error = f"{self._path}: {e.strerror or e}"
+        else:
+            for c in cold if self._spill else ():
+                self._spill.pop(c, None)  # written now: the file has the newer data
+        st = self.stats
+        st.demoted_blocks += len(cold)
+        st.bytes_written += len(cold) * self.block_bytes
+        st.write_s += time.perf_counter() - t0
+
+    def _write(self, hot: torch.Tensor, cold: list[int], idx: torch.Tensor) -> None:
+        """Every layer's K and V of pool blocks ``hot`` into cold blocks ``cold`` (sorted; ``idx`` = cold - first)."""
+        runs = _runs(cold)
         for layer, (k, v) in enumerate(zip(*self.kv.block_tensors())):
             for kind, side in enumerate((k, v)):
                 data = side.index_select(0, hot)  # [n, bs, Hk, D]
@@ -190,14 +230,20 @@ class KVTier:
                     continue
                 raw, sb = memoryview(data.view(-1).view(torch.uint8).numpy()), self.side_bytes
                 for j0, c0, m in runs:
-                    os.pwritev(self._fd, [raw[j0 * sb : (j0 + m) * sb]], self._offset(layer, kind, c0))
+                    write_at(self._fd, raw[j0 * sb : (j0 + m) * sb], self._offset(layer, kind, c0))
         if self._fd is not None and self.drop_cache:  # benchmarks: later reads must come from the device
             os.fdatasync(self._fd)
             os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        st = self.stats
-        st.demoted_blocks += len(cold)
-        st.bytes_written += len(cold) * self.block_bytes
-        st.write_s += time.perf_counter() - t0
+
+    def _keep_in_ram(self, hot: torch.Tensor, cold: list[int]) -> None:
+        """A write failed: keep these blocks (still intact in the pool: nothing is computed before the
+        forward pass) in RAM, ``[L, 2, bs, Hk, D]`` per cold id, where :meth:`_read` finds them."""
+        ks, vs = self.kv.block_tensors()
+        data = torch.stack([torch.stack([k.index_select(0, hot), v.index_select(0, hot)], dim=1).cpu()
+                            for k, v in zip(ks, vs)], dim=1)  # [n, L, 2, bs, Hk, D]
+        for j, c in enumerate(cold):
+            self._spill[c] = data[j].clone()
+        self.stats.spilled_blocks += len(cold)
 
     # -- reads (runner / attention) ----------------------------------------------------
     def cold_blocks(self, ids: list[int]) -> ColdBlocks:
@@ -243,6 +289,10 @@ class KVTier:
                         raise OSError(f"KV offload file {self._path}: short read of layer {layer} block {c0}")
                     if self.drop_cache:
                         os.posix_fadvise(self._fd, off, m * sb, os.POSIX_FADV_DONTNEED)
+            if self._spill:  # blocks a failed write left in RAM: the file does not have them
+                for j, c in enumerate(ids):
+                    if c in self._spill:
+                        self._stage[buf][:, j].copy_(self._spill[c][layer])
         elif not self.cuda:
             for kind in (0, 1):
                 torch.index_select(self._store[layer, kind], 0, idx, out=self._stage[buf][kind, :n])
@@ -322,6 +372,13 @@ class KVTier:
             self._close_fd()
             self._fd = None
         self._store = None
+
+
+def write_at(fd: int, data: memoryview, offset: int) -> None:
+    """Write all of ``data`` at ``offset``; a short write (the disk filled up mid-run) is ENOSPC."""
+    n = os.pwritev(fd, [data], offset)
+    if n < len(data):
+        raise OSError(errno.ENOSPC, f"short write ({n} of {len(data)} bytes)")
 
 
 def make_kv_tier(kv: KVPool, tokens: int, folder: str | None, tier: str | None = None,
