@@ -10,6 +10,13 @@ mutate inputs or reach Python internals) with ``trim_blocks``/``lstrip_blocks``,
 the ``loopcontrols`` extension, a no-op ``{% generation %}`` block, and the same
 ``tojson`` / ``raise_exception`` / ``strftime_now`` helpers.
 
+Rendering is bounded (:class:`RenderBudget`): a template is code from a
+download, and ``{% for i in range(100000) %}{% for j in range(100000) %}`` or
+``{{ 'x' * 10**10 }}`` would otherwise hold a core for minutes or exhaust RAM.
+Every call, ``range`` item, ``*``/``**``/``+`` and output piece counts as a
+step; steps, wall time and output size each have a limit, and going past one is
+a one-line :class:`TokenizerError` naming the template and the limit.
+
 The compiled template lives on a :class:`ChatTemplate` instance (no module-level
 cache), which the tokenizer holds for its lifetime.
 """
@@ -17,16 +24,115 @@ cache), which the tokenizer holds for its lifetime.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 import jinja2
 import jinja2.ext
 import jinja2.nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
 
 from llmsys.kernels.common.errors import TokenizerError
+
+
+@dataclass(frozen=True)
+class RenderBudget:
+    """Limits of one render. A shipped template renders a long conversation in
+    well under 1% of each (about ten steps per message)."""
+
+    max_steps: int = 4_000_000
+    max_seconds: float = 5.0
+    max_output_chars: int = 64 * 2**20
+
+
+_BUDGET_VAR = "llmsys_render_budget"  # the per-render meter, a template variable (renders may run concurrently)
+
+
+class _Meter:
+    """Counts one render's steps against its :class:`RenderBudget`."""
+
+    def __init__(self, budget: RenderBudget, origin: str):
+        self.budget = budget
+        self.origin = origin
+        self.steps = 0
+        self.output = 0
+        self.deadline = time.monotonic() + budget.max_seconds
+
+    def _over(self, what: str) -> TokenizerError:
+        return TokenizerError(f"the chat template in {self.origin} {what}; it was stopped (a template "
+                              "should render in milliseconds: fix or replace it)")
+
+    def tick(self, n: int = 1) -> None:
+        self.steps += n
+        if self.steps > self.budget.max_steps:
+            raise self._over(f"took more than {self.budget.max_steps:,} steps")
+        if self.steps % 4096 < n and time.monotonic() > self.deadline:
+            raise self._over(f"ran longer than {self.budget.max_seconds:g} s")
+
+    def emit(self, piece: str) -> None:
+        self.output += len(piece)
+        if self.output > self.budget.max_output_chars:
+            raise self._over(f"rendered more than {self.budget.max_output_chars:,} characters")
+        self.tick()
+
+    def size(self, n: int) -> None:
+        """A value about to be built with ``n`` elements or characters."""
+        if n > self.budget.max_output_chars:
+            raise self._over(f"tried to build a value of {n:,} elements or characters")
+
+    def range(self, *args: int) -> _MeteredRange:
+        return _MeteredRange(safe_range(*args), self)  # safe_range refuses more than 100,000 items
+
+
+class _MeteredRange(Sequence):
+    """``range`` for templates: the same sequence (``|length``, indexing), each item iterated a step."""
+
+    def __init__(self, r: range, meter: _Meter):
+        self._r = r
+        self._meter = meter
+
+    def __len__(self) -> int:
+        return len(self._r)
+
+    def __getitem__(self, i: Any) -> Any:
+        return self._r[i]
+
+    def __iter__(self) -> Iterator[int]:
+        for i in self._r:
+            self._meter.tick()
+            yield i
+
+
+def _meter(context: Any) -> _Meter | None:
+    m = context.get(_BUDGET_VAR)
+    return m if isinstance(m, _Meter) else None
+
+
+class _MeteredEnvironment(ImmutableSandboxedEnvironment):
+    """The sandbox, with every call and the growing operators counted by the render's meter."""
+
+    intercepted_binops = frozenset({"*", "**", "+"})
+
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805 (jinja's signature)
+        m = _meter(__context)
+        if m is not None:
+            m.tick()
+        return super().call(__context, __obj, *args, **kwargs)
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        m = _meter(context)
+        if m is not None:
+            m.tick()
+            if operator == "**" and isinstance(left, int) and isinstance(right, int) and right > 0:
+                m.size(int(right * max(1, abs(left)).bit_length() / 3.3))  # the result's decimal digits
+            elif operator == "*":
+                for seq, k in ((left, right), (right, left)):
+                    if isinstance(seq, (str, list, tuple)) and isinstance(k, int):
+                        m.size(len(seq) * k)
+        return super().call_binop(context, operator, left, right)
 
 
 class _GenerationBlock(jinja2.ext.Extension):
@@ -120,10 +226,11 @@ class ChatTemplate:
     ``origin`` names the file it came from so render errors point the user at it.
     """
 
-    def __init__(self, source: str, origin: str = "chat template"):
+    def __init__(self, source: str, origin: str = "chat template", budget: RenderBudget = RenderBudget()):
         self.source = source
         self.origin = origin
-        env = ImmutableSandboxedEnvironment(
+        self.budget = budget
+        env = _MeteredEnvironment(
             trim_blocks=True,
             lstrip_blocks=True,
             extensions=[_GenerationBlock, jinja2.ext.loopcontrols],
@@ -162,10 +269,20 @@ class ChatTemplate:
         variables["tools"] = None if tools is None else _plain(list(tools))
         variables["documents"] = variables.get("documents")
         variables["add_generation_prompt"] = add_generation_prompt
+        meter = _Meter(self.budget, self.origin)
+        variables[_BUDGET_VAR] = meter
+        variables["range"] = meter.range
         try:
-            return self._template.render(**variables)
+            pieces = []
+            for piece in self._template.generate(**variables):
+                meter.emit(piece)
+                pieces.append(piece)
+            return "".join(pieces)
         except TokenizerError:
             raise
+        except (OverflowError, MemoryError, RecursionError) as e:
+            raise TokenizerError(f"the chat template in {self.origin} exhausted a limit "
+                                 f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no detail'})") from None
         except jinja2.TemplateError as e:
             raise TokenizerError(f"the chat template in {self.origin} failed to render: {e}") from e
         except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from llmsys.engine.chat_template import ChatTemplate
-from llmsys.kernels.common.errors import TokenizerError
+from llmsys.kernels.common.errors import InvalidParameterError, TokenizerError
 
 _BYTE_TOKEN_RE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 _LLAMA_CLASSES = ("LlamaTokenizer", "LlamaTokenizerFast")
@@ -190,6 +190,18 @@ class _HFBackend:
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
+
+
+def _check_unicode(text: str) -> None:
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidParameterError(
+            f"the text has a lone surrogate U+{ord(text[e.start]):04X} at character {e.start}, which is not "
+            "valid Unicode; send UTF-8 text (a \\uD800-\\uDFFF escape only as half of a valid pair)"
+        ) from None
 
 
 # --------------------------------------------------------------------- llama2.c
@@ -487,7 +499,12 @@ class Tokenizer:
     # ------------------------------------------------------- encode / decode
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids; BOS is added exactly when the model's tokenizer adds it,
-        and a BOS typed at the start of ``text`` is not doubled."""
+        and a BOS typed at the start of ``text`` is not doubled.
+
+        Raises :class:`InvalidParameterError` for text that is not valid Unicode
+        (a lone surrogate, which JSON's ``\\ud800`` can carry): the Rust tokenizer
+        would fail with a TypeError that names nothing."""
+        _check_unicode(text)
         ids = self._backend.encode(text, add_special_tokens)
         if add_special_tokens and self._adds_bos and len(ids) >= 2 and ids[1] == self.bos_token_id:
             ids = ids[1:]

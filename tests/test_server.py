@@ -250,7 +250,9 @@ def test_logprobs(env):
     streamed = [x.choices[0].logprobs for x in c.chat.completions.create(
         model="x", messages=msgs, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2, stream=True)
         if x.choices and x.choices[0].logprobs]
-    assert [e.logprob for s in streamed for e in s.content] == pytest.approx([e.logprob for e in content])
+    # The second request's prompt comes partly from the prefix cache, so its remaining rows run through
+    # a float32 GEMM of another shape, which may round differently (1.2e-7 on a Sapphire Rapids Xeon).
+    assert [e.logprob for s in streamed for e in s.content] == pytest.approx([e.logprob for e in content], abs=1e-5)
 
 
 @pytest.mark.parametrize("max_tokens,temperature", [(6, 0.0), (40, 0.0), (60, 1.0), (None, 0.7)])

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
@@ -19,7 +21,19 @@ def serve_command(
     host: Annotated[str, typer.Option("--host", help="address to bind (loopback by default)")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="TCP port")] = 8000,
     api_key: Annotated[
-        Optional[str], typer.Option("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (or $LLMSYS_API_KEY)")
+        Optional[str], typer.Option("--api-key", help="require 'Authorization: Bearer KEY' on /v1; other users can "
+                                    "read it in the process list, so prefer $LLMSYS_API_KEY or --api-key-file")
+    ] = None,
+    api_key_file: Annotated[
+        Optional[Path], typer.Option("--api-key-file", help="read the API key from this file (first line)")
+    ] = None,
+    allowed_hosts: Annotated[
+        Optional[str], typer.Option("--allowed-hosts", help="comma-separated Host names to answer besides loopback "
+                                    "names and IP addresses ('*': any); others get 403 (DNS rebinding)")
+    ] = None,
+    cors_origin: Annotated[
+        Optional[str], typer.Option("--cors-origin", help="comma-separated browser origins allowed to call the API "
+                                    "(e.g. http://localhost:3000, '*': any); none by default")
     ] = None,
     max_concurrency: Annotated[
         Optional[int], typer.Option("--max-concurrency", help="requests decoded at once (default: --max-num-seqs)")
@@ -50,8 +64,12 @@ def serve_command(
     body = parse_size(max_body)
     if not body or body < 1024:
         raise InvalidParameterError(f"--max-body must be at least 1KiB, got {max_body}")
+    if shutdown_timeout < 0:
+        raise InvalidParameterError(f"--shutdown-timeout must be >= 0 seconds, got {shutdown_timeout:g}")
     settings = ServerSettings(
-        api_key=api_key or os.environ.get("LLMSYS_API_KEY") or None,
+        api_key=_api_key(api_key, api_key_file),
+        allowed_hosts=_names(allowed_hosts),
+        cors_origins=_names(cors_origin),
         max_concurrency=max_concurrency,
         max_queue=max_queue,
         max_body_bytes=body,
@@ -60,3 +78,26 @@ def serve_command(
     )
     ensure_pulled(model, auto_pull)
     return serve(build_engine_config(model, engine_flags), settings, host=host, port=port, log_level=log_level)
+
+
+def _names(text: str | None) -> tuple[str, ...]:
+    return tuple(x.strip() for x in (text or "").split(",") if x.strip())
+
+
+def _api_key(flag: str | None, path: Path | None) -> str | None:
+    """The key from --api-key-file, --api-key or $LLMSYS_API_KEY (one of them)."""
+    if flag and path:
+        raise InvalidParameterError("give the key once: --api-key or --api-key-file, not both")
+    if path is not None:
+        try:
+            key = path.read_text(encoding="utf-8").strip().splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise InvalidParameterError(f"--api-key-file {path}: cannot read it ({e})") from None
+        if not key or not key[0].strip():
+            raise InvalidParameterError(f"--api-key-file {path} is empty; write the key on its first line")
+        return key[0].strip()
+    if flag:
+        print("warning: --api-key is visible to other users in the process list; "
+              "prefer LLMSYS_API_KEY or --api-key-file", file=sys.stderr)
+        return flag
+    return os.environ.get("LLMSYS_API_KEY") or None

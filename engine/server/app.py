@@ -1,24 +1,34 @@
 """The FastAPI app: OpenAI-compatible routes, auth, limits, metrics.
 
-Handlers only validate, tokenize, enqueue and relay: the model runs on the
-engine thread (:mod:`llmsys.engine.server.worker`). Every error leaves as an
-OpenAI-style ``{"error": {"message", "type", "param", "code"}}`` body.
+Handlers only validate, enqueue and relay: tokenizing and chat-template
+rendering run on the state's preparation thread, the model on the engine
+thread (:mod:`llmsys.engine.server.worker`), so the event loop stays free for
+every other stream and ``/health``. Every error leaves as an OpenAI-style
+``{"error": {"message", "type", "param", "code"}}`` body.
+
+It is safe on a desktop by default: only loopback names and IP literals are
+accepted as ``Host`` (a web page cannot reach it through DNS rebinding), a
+browser ``Origin`` other than the server's own is refused unless
+``--cors-origin`` lists it, and with an API key the docs and schema need it too.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import ipaddress
 import logging
 import time
-from contextlib import asynccontextmanager
-from typing import Any
+from contextlib import asynccontextmanager, contextmanager
+from typing import Any, Iterator
+from urllib.parse import urlsplit
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from llmsys.kernels.common.errors import ContextOverflowError, LLMSysError
+from llmsys.kernels.common.errors import ContextOverflowError, InvalidParameterError, LLMSysError, TokenizerError
 from llmsys.engine.sampling import SamplingParams
 from llmsys.offload.kv_policy import KVPolicy
 from llmsys.engine.server.completions import (
@@ -31,7 +41,9 @@ from llmsys.engine.server.completions import (
     stream_events,
     timings_dict,
 )
+from llmsys.engine.server.openapi import ServerAPI
 from llmsys.engine.server.protocol import (
+    MAX_PROMPTS,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -43,11 +55,44 @@ from llmsys.engine.server.state import ServerState
 log = logging.getLogger("llmsys.server")
 
 _ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"}
+_KEYED_DOCS = ("/docs", "/redoc", "/openapi.json")  # need the API key too when one is set
+
+
+def host_allowed(host: str | None, allowed: tuple[str, ...]) -> bool:
+    """Is ``host`` (a Host header, port included) a name this server answers to?
+
+    Loopback names and IP literals always are (an IP literal cannot be rebound to
+    another address); other names only when ``allowed`` lists them (``*``: any).
+    A request without Host (HTTP/1.0 tools) is not a browser's and passes.
+    """
+    if host is None or "*" in allowed:
+        return True
+    name = host.strip().lower()
+    if name.startswith("["):
+        name = name[1:name.find("]")] if "]" in name else name[1:]
+    elif name.count(":") == 1:
+        name = name.rsplit(":", 1)[0]
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        ipaddress.ip_address(name)
+        return True
+    except ValueError:
+        return name in {a.lower() for a in allowed}
+
+
+def origin_allowed(origin: str | None, host: str | None, cors: tuple[str, ...]) -> bool:
+    """A browser names the page that sends a request in ``Origin``; only the server's own
+    pages (``/docs``) and the ``--cors-origin`` list may drive it. Non-browser clients send none."""
+    if origin is None or "*" in cors or origin in cors:
+        return True
+    return host is not None and urlsplit(origin).netloc.lower() == host.strip().lower()
 
 
 class GuardMiddleware:
-    """Pure ASGI (so it sees the raw body stream): request-size limit (413),
-    API key on ``/v1`` (401), and the per-endpoint request counter."""
+    """Pure ASGI (so it sees the raw body stream): Host and Origin checks (403),
+    request-size limit (413), body deadline (408), API key on ``/v1`` and the
+    docs (401), and the per-endpoint request counter."""
 
     def __init__(self, app: Any, state: ServerState):
         self.app = app
@@ -75,8 +120,15 @@ class GuardMiddleware:
             limit = self.state.settings.max_body_bytes
             body, more = [], scope.get("method") in ("POST", "PUT", "PATCH")
             seen = 0
+            deadline = time.monotonic() + self.state.settings.body_timeout_s
             while more:
-                msg = await receive()
+                try:  # a client that announces more than it sends must not hold the connection forever
+                    msg = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+                except asyncio.TimeoutError:
+                    return await _send_error(send_counted, APIError(
+                        408, f"the request body did not arrive within {self.state.settings.body_timeout_s:g} s "
+                             "(is Content-Length larger than the body?)", code="request_timeout",
+                        headers={"Connection": "close"}))
                 if msg["type"] != "http.request":
                     return  # client went away while sending
                 body.append(msg.get("body", b""))
@@ -95,12 +147,26 @@ class GuardMiddleware:
 
     def _check(self, scope: dict) -> APIError | None:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        limit = self.state.settings.max_body_bytes
+        settings = self.state.settings
+        host = headers.get("host")
+        if not host_allowed(host, settings.allowed_hosts):
+            return APIError(403, f"Host {host!r} is not one this server answers to (a web page may be trying "
+                                 "to reach it through DNS rebinding); to serve that name, restart with "
+                                 f"--allowed-hosts {host.rsplit(':', 1)[0] if host else 'NAME'}",
+                            type="permission_error", code="host_not_allowed")
+        origin = headers.get("origin")
+        if not origin_allowed(origin, host, settings.cors_origins):
+            return APIError(403, f"requests from the web page at {origin!r} are refused; to let that page use "
+                                 f"the API, restart with --cors-origin {origin}",
+                            type="permission_error", code="origin_not_allowed")
+        limit = settings.max_body_bytes
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > limit:
             return _too_large(limit)
-        key = self.state.settings.api_key
-        if key and scope.get("path", "").startswith("/v1"):
+        key = settings.api_key
+        path = scope.get("path", "")
+        keyed = path.startswith("/v1") or path in _KEYED_DOCS
+        if key and keyed and scope.get("method") != "OPTIONS":  # CORS preflights carry no credentials
             auth = headers.get("authorization", "")
             given = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
             if not given or not hmac.compare_digest(given.encode(), key.encode()):
@@ -127,17 +193,24 @@ def _engine_error(e: LLMSysError) -> APIError:
     if isinstance(e, ContextOverflowError):
         return APIError(400, str(e), param="messages", code="context_length_exceeded",
                         n_prompt_tokens=e.n_prompt_tokens, n_ctx=e.n_ctx)
-    return APIError(400, str(e).splitlines()[0] if str(e) else type(e).__name__)
+    code = "chat_template_error" if isinstance(e, TokenizerError) else None
+    return APIError(400, str(e).splitlines()[0] if str(e) else type(e).__name__, code=code)
 
 
-def create_app(state: ServerState) -> FastAPI:
+def create_app(state: ServerState) -> ServerAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
         state.close()  # after uvicorn drained in-flight requests: abort the rest, stop the thread
 
-    app = FastAPI(title="llmsys", version="0.1", description="OpenAI-compatible local LLM server", lifespan=lifespan)
-    app.add_middleware(GuardMiddleware, state=state)
+    app = ServerAPI(state, title="llmsys", version="0.1", description="OpenAI-compatible local LLM server",
+                    lifespan=lifespan)
+    if state.settings.cors_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(state.settings.cors_origins),
+                           allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["*"])
+    app.add_middleware(GuardMiddleware, state=state)  # outermost: Host, Origin, size and key first
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
@@ -154,7 +227,9 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:
-        return _error_response(APIError(e.status_code, str(e.detail), type="invalid_request_error"))
+        # The framework's own 404/405 (a 405 keeps its Allow header)
+        return _error_response(APIError(e.status_code, str(e.detail), type="invalid_request_error",
+                                        headers=dict(e.headers or {})))
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception) -> JSONResponse:
@@ -170,9 +245,22 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        """200 only while the engine thread runs and its current step is younger than the stall limit."""
         if not state.ready:
-            return JSONResponse({"status": "error" if state.load_error else "loading"}, status_code=503)
-        return JSONResponse({"status": "ok"})
+            body = {"status": "error", "reason": state.load_error} if state.load_error else {"status": "loading"}
+            return JSONResponse(body, status_code=503)
+        h = state.worker.health()
+        step = None if h.step_s is None else round(h.step_s, 3)
+        body = {"status": "ok", "running": h.running, "queued": h.queued, "step_s": step,
+                "loop_age_s": round(h.loop_age_s, 3)}
+        stall = state.settings.stall_timeout_s
+        if not h.alive:
+            body.update(status="error", reason=f"the engine thread stopped ({h.fatal or 'exited'})")
+        elif max(h.step_s or 0.0, h.loop_age_s) > stall:
+            body.update(status="stuck", reason=f"one engine step has run for more than {stall:g} s")
+        elif h.stopping:
+            body.update(status="shutting_down")
+        return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> PlainTextResponse:
@@ -206,11 +294,20 @@ def create_app(state: ServerState) -> FastAPI:
                 param=field, code="context_length_exceeded", n_prompt_tokens=len(ids), n_ctx=max_len,
             )
         if not ids:
-            raise APIError(400, "the prompt is empty (it encodes to no tokens)", param=field)
+            raise APIError(400, "the prompt is empty (it encodes to no tokens)", param=field, code="invalid_prompt")
         vocab = state.llm.loaded.args.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise APIError(400, f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})", param=field)
+            raise APIError(400, f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})", param=field,
+                           code="invalid_prompt")
+
+    @contextmanager
+    def bad_text(field: str) -> Iterator[None]:
+        """Text the tokenizer refuses (not valid Unicode) is the client's error, naming the field."""
+        try:
+            yield
+        except InvalidParameterError as e:
+            raise APIError(400, str(e), param=field, code="invalid_prompt") from None
 
     def sampling(req: Any, max_tokens: int | None, logprobs: int | None, policy: KVPolicy | None) -> SamplingParams:
         try:
@@ -231,20 +328,20 @@ def create_app(state: ServerState) -> FastAPI:
                 n=req.n,
                 kv_policy=policy,
             )
-        except LLMSysError as e:
-            raise APIError(400, str(e)) from None
+        except LLMSysError as e:  # the schema checked each field; what is left is two fields together
+            raise APIError(400, str(e), code="conflicting_parameters") from None
 
     async def run(request: Request, req: Any, chat: bool, prompts: list[list[int]], params: SamplingParams,
                   logprobs: int | None):
         json_mode = req.response_format is not None and req.response_format.type == "json_object"
         if json_mode:
-            from starlette.concurrency import run_in_threadpool
-
-            await run_in_threadpool(state.json_vocab)  # first use builds the token trie
+            await state.off_loop(state.json_vocab)  # first use builds the token trie
         resp_id = new_id("chatcmpl" if chat else "cmpl")
         job = Job(state, resp_id, prompts, params, json_mode)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            if not await job.start(request.is_disconnected):  # headers wait for the first news
+                return JSONResponse({}, status_code=499)  # the client left; nobody reads this
             return StreamingResponse(
                 stream_events(job, state, resp_id, chat, include_usage, logprobs),
                 media_type="text/event-stream",
@@ -286,9 +383,15 @@ def create_app(state: ServerState) -> FastAPI:
             raise APIError(400, f"model '{state.model_name}' has no chat template (it is a base model); "
                                 "use /v1/completions with a plain prompt", param="messages", code="no_chat_template")
         messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()} for m in req.messages]
-        ids = tok.encode_chat(messages)
         policy = kv_policy(req)
-        check_prompt(ids, "messages", policy)
+
+        def prepare() -> list[int]:
+            with bad_text("messages"):
+                ids = tok.encode_chat(messages)
+            check_prompt(ids, "messages", policy)
+            return ids
+
+        ids = await state.off_loop(prepare)
         top = None
         if req.logprobs:
             top = req.top_logprobs or 0
@@ -305,14 +408,19 @@ def create_app(state: ServerState) -> FastAPI:
             raw = [p]
         else:
             raw = list(p)
-        if not raw:
-            raise APIError(400, "'prompt' is an empty list", param="prompt")
-        if len(raw) * req.n > 64:
-            raise APIError(400, f"{len(raw)} prompts x n={req.n} is more than 64 completions per request", param="n")
-        prompts = [state.llm.tokenizer.encode(x) if isinstance(x, str) else list(x) for x in raw]
+        if len(raw) * req.n > MAX_PROMPTS:
+            raise APIError(400, f"{len(raw)} prompts x n={req.n} is more than {MAX_PROMPTS} completions per request",
+                           param="n", code="too_many_choices")
         policy = kv_policy(req)
-        for ids in prompts:
-            check_prompt(ids, "prompt", policy)
+
+        def prepare() -> list[list[int]]:
+            with bad_text("prompt"):
+                prompts = [state.llm.tokenizer.encode(x) if isinstance(x, str) else list(x) for x in raw]
+            for ids in prompts:
+                check_prompt(ids, "prompt", policy)
+            return prompts
+
+        prompts = await state.off_loop(prepare)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
         return await run(request, req, False, prompts, sampling(req, max_tokens, req.logprobs, policy), req.logprobs)
 

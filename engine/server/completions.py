@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import time
 import uuid
@@ -20,7 +21,10 @@ from llmsys.engine.outputs import StreamChunk, Timings
 from llmsys.engine.sampling import SamplingParams
 from llmsys.engine.server.protocol import APIError
 from llmsys.engine.server.state import ServerState
-from llmsys.engine.server.worker import QueueFullError, Submission
+from llmsys.engine.server.worker import Interrupted, QueueFullError, ServiceUnavailableError, Submission
+
+log = logging.getLogger("llmsys.server")
+LIVENESS_POLL_S = 0.5  # how often a waiting handler checks that its client and the engine thread are there
 
 
 def new_id(prefix: str) -> str:
@@ -63,27 +67,62 @@ class Job:
         except QueueFullError as e:
             raise APIError(429, f"server busy: {e}; retry later", type="rate_limit_error",
                            code="queue_full", headers={"Retry-After": "1"}) from None
+        except ServiceUnavailableError as e:
+            raise _unavailable(e) from None
         self.done: set[int] = set()
+        self.interrupted: dict[int, Interrupted] = {}  # choices the server ended itself, and why
+        self._pending: list[tuple[int, Any]] = []  # an item taken by start(), handed out first
         self.cached_tokens = 0  # prompt tokens served from the prefix cache, over every choice
         self.evicted_tokens = 0  # KV tokens the eviction policy dropped, over every choice
+
+    async def _next(self, is_disconnected: Callable[[], Any] | None) -> tuple[int, Any] | None:
+        """The next item, or None when the client left. Polls so that a dead engine
+        thread becomes a 503 instead of a handler waiting forever."""
+        if self._pending:
+            return self._pending.pop()
+        while True:
+            try:
+                return await asyncio.wait_for(self.out.get(), timeout=LIVENESS_POLL_S)
+            except asyncio.TimeoutError:
+                if is_disconnected is not None and await is_disconnected():
+                    self.abort_rest()
+                    return None
+                failure = self.state.worker.failure
+                if failure is not None:
+                    self.abort_rest()
+                    raise APIError(503, f"the engine thread stopped ({failure}); restart the server",
+                                   type="server_error", code="engine_stopped") from None
+
+    async def start(self, is_disconnected: Callable[[], Any]) -> bool:
+        """Wait for the first news before a streaming response sends its headers, so a
+        request that never starts (queued at shutdown, refused by the engine) gets a real
+        HTTP status. False when the client left first."""
+        item = await self._next(is_disconnected)
+        if item is None:
+            return False
+        idx, what = item
+        if isinstance(what, Exception) or (isinstance(what, Interrupted) and not what.chunk.token_ids
+                                           and len(self.subs) == 1):
+            self.done.add(idx)
+            self.abort_rest()
+            raise _as_api_error(what)
+        self._pending.append(item)
+        return True
 
     async def items(self, is_disconnected: Callable[[], Any] | None = None) -> AsyncIterator[tuple[int, StreamChunk]]:
         """Chunks as they come, until every engine request finished."""
         while len(self.done) < len(self.subs):
-            if is_disconnected is None:
-                idx, item = await self.out.get()
-            else:
-                try:
-                    idx, item = await asyncio.wait_for(self.out.get(), timeout=0.5)
-                except asyncio.TimeoutError:
-                    if await is_disconnected():
-                        self.abort_rest()
-                        return
-                    continue
+            got = await self._next(is_disconnected)
+            if got is None:
+                return
+            idx, item = got
             if isinstance(item, Exception):
                 self.done.add(idx)
                 self.abort_rest()
-                raise item
+                raise _as_api_error(item)
+            if isinstance(item, Interrupted):
+                self.interrupted[idx] = item
+                item = item.chunk
             if item.finished:
                 self.done.add(idx)
                 if item.usage is not None and idx % self.n == 0:  # one prompt's n samples share it
@@ -103,6 +142,27 @@ class Job:
         return {"prompt_tokens": p, "completion_tokens": completion_tokens, "total_tokens": p + completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
                 "evicted_tokens": self.evicted_tokens}  # llmsys extension: the KV policy's evictions
+
+
+def _unavailable(e: ServiceUnavailableError) -> APIError:
+    return APIError(503, str(e), type="server_error", code=e.code, headers={"Retry-After": "1"})
+
+
+def _as_api_error(item: Exception | Interrupted) -> Exception:
+    """What a handler raises for an item that ends its request before any output."""
+    if isinstance(item, Interrupted):
+        return APIError(503, item.message, type="server_error", code=item.code)
+    if isinstance(item, ServiceUnavailableError):
+        return _unavailable(item)
+    return item  # APIError / LLMSysError: the app's handlers answer them
+
+
+def interruption(job: "Job", idx: int) -> dict[str, Any] | None:
+    """The error object of a choice the server ended itself (None otherwise)."""
+    it = job.interrupted.get(idx)
+    if it is None:
+        return None
+    return APIError(503, it.message, type="server_error", code=it.code).body()["error"]
 
 
 def timings_dict(ts: list[Timings]) -> dict[str, float]:
@@ -190,6 +250,9 @@ async def collect(job: Job, is_disconnected: Callable[[], Any]) -> list[dict[str
         if ch.finished:
             r["finish"] = ch.finish_reason
             r["timings"] = ch.timings
+    if job.interrupted:  # the server cut the request (shutdown, engine failure): no partial 200
+        first = next(iter(job.interrupted.values()))
+        raise APIError(503, first.message, type="server_error", code=first.code)
     for r in res:
         r["text"] = "".join(r["text"])
     return res
@@ -242,11 +305,15 @@ async def stream_events(
                 else:
                     choice["text"] = ch.text
                 frame = {**base, "choices": [choice]}
+                if ch.finished and (err := interruption(job, idx)) is not None:
+                    frame["error"] = err  # the final chunk says why the server ended it
                 if ch.finished and len(job.done) == len(job.subs):
                     frame["timings"] = timings_dict(timings)
                 yield sse(frame)
         except Exception as e:  # mid-stream: headers are sent, so report in-band
             err = e if isinstance(e, APIError) else APIError(500, str(e), type="server_error")
+            if not isinstance(e, APIError):
+                log.exception("a stream failed")
             yield sse(err.body())
         if include_usage:
             yield sse({**base, "choices": [], "usage": job.usage(n_out), "timings": timings_dict(timings)})

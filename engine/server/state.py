@@ -6,11 +6,14 @@ The model loads after the HTTP socket is up (``/health`` answers 503 until
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from llmsys.engine.config import EngineConfig
 from llmsys.engine.server.metrics import Metrics
@@ -21,6 +24,7 @@ if TYPE_CHECKING:
     from llmsys.engine.server.worker import EngineWorker
 
 DEFAULT_MAX_BODY = 4 * 1024 * 1024
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -31,6 +35,14 @@ class ServerSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY
     model_name: str | None = None  # the id /v1/models shows; default: the model argument
     shutdown_timeout_s: float = 10.0  # in-flight requests get this long to finish on SIGTERM
+    # Host header names accepted besides loopback names and IP literals ("*": any). A browser
+    # page can reach a loopback server through a DNS name it rebinds to 127.0.0.1; refusing
+    # unknown names closes that door (an IP literal cannot be rebound).
+    allowed_hosts: tuple[str, ...] = ()
+    cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API ("*": any); none by default
+    body_timeout_s: float = 30.0  # a request body must arrive within this (else 408)
+    head_timeout_s: float = 10.0  # a request head must arrive within this after connecting (else closed)
+    stall_timeout_s: float = 120.0  # /health answers 503 when one engine step has run longer
 
 
 class ServerState:
@@ -45,6 +57,10 @@ class ServerState:
         self._vocab_lock = threading.Lock()
         self._token_strings: list[str | None] | None = None
         self._json_vocab: JsonVocab | None = None
+        # Tokenizing and rendering chat templates is CPU work: it runs here, never on the event
+        # loop (a 4 MB prompt would freeze every stream for a second). One thread, so preparing
+        # requests takes at most one core from the engine thread.
+        self._prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmsys-prep")
 
     @property
     def ready(self) -> bool:
@@ -68,9 +84,19 @@ class ServerState:
         worker.start()
         self.worker = worker
 
+    async def off_loop(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run ``fn`` on the request-preparation thread and await its result (exceptions included)."""
+        return await asyncio.get_running_loop().run_in_executor(self._prep, functools.partial(fn, *args, **kwargs))
+
+    def begin_shutdown(self) -> None:
+        """SIGTERM: refuse new requests, 503 the queued ones, give running ones the grace period."""
+        if self.worker is not None:
+            self.worker.begin_shutdown(self.settings.shutdown_timeout_s)
+
     def close(self) -> None:
         if self.worker is not None:
             self.worker.stop()
+        self._prep.shutdown(wait=False, cancel_futures=True)
 
     # -- vocabulary views (computed once, on first use) -----------------------
     def token_strings(self) -> list[str | None]:

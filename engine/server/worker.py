@@ -11,6 +11,13 @@ asyncio queue with ``loop.call_soon_threadsafe``.
 Admission control is here too, so it is atomic with the engine's view: a
 submission is refused (:class:`QueueFullError`, HTTP 429) when running +
 queued would exceed ``max_concurrency + max_queue``.
+
+Every path of the thread is guarded: an exception in one step fails the
+running requests (each gets a final chunk saying why) and the thread goes on;
+an exception anywhere else is logged and, if it escapes the loop, every
+request still waiting is told before the thread ends, so no handler waits on
+a queue nobody fills. :meth:`EngineWorker.health` is what ``/health`` reports:
+whether the thread runs, and how long the current step has taken.
 """
 
 from __future__ import annotations
@@ -37,13 +44,41 @@ class QueueFullError(Exception):
     """Every slot and queue place is taken; the client should retry later."""
 
 
+class ServiceUnavailableError(Exception):
+    """The server cannot take or finish the request: shutting down, or the engine thread stopped (HTTP 503)."""
+
+    def __init__(self, message: str, code: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class Interrupted:
+    """The server ended a request itself (shutdown, an engine failure): its final chunk, and why."""
+
+    chunk: StreamChunk
+    code: str  # "server_shutdown" | "engine_error"
+    message: str
+
+
+@dataclass(frozen=True)
+class EngineHealth:
+    alive: bool  # the engine thread runs
+    fatal: str | None  # why it stopped, when it stopped on an error
+    stopping: bool  # SIGTERM received
+    step_s: float | None  # how long the step now running has taken (None between steps)
+    loop_age_s: float  # since the loop last went round (it wakes at least every 0.5 s when idle)
+    running: int
+    queued: int
+
+
 @dataclass
 class Submission:
     """One engine request and where its chunks go.
 
     ``index`` is the choice index within the HTTP request (``n`` > 1, or a
-    batch of prompts); items put on ``out`` are ``(index, StreamChunk)`` or
-    ``(index, Exception)``.
+    batch of prompts); items put on ``out`` are ``(index, StreamChunk)``,
+    ``(index, Interrupted)`` or ``(index, Exception)``.
     """
 
     request_id: str
@@ -57,6 +92,10 @@ class Submission:
     arrival: float = field(default_factory=time.perf_counter)
     last_token: float | None = None
     finished: bool = False
+    interrupt: tuple[str, str] | None = None  # (code, message) once the server decided to end it
+
+
+_SHUTDOWN = "the server is shutting down"
 
 
 class EngineWorker(threading.Thread):
@@ -72,13 +111,22 @@ class EngineWorker(threading.Thread):
         self._waiting: deque[Submission] = deque()  # accepted, not yet in the core
         self._active: dict[str, Submission] = {}  # in the core
         self._stopping = threading.Event()
+        self._deadline: float | None = None  # shutdown: running requests end at this monotonic time
+        self._beat = time.monotonic()
+        self._step_start: float | None = None
+        self._fatal: str | None = None
 
     # -- called from HTTP handlers (any thread) -------------------------------
     def submit(self, subs: list[Submission]) -> None:
-        """Queue all of ``subs`` or none (raises :class:`QueueFullError`)."""
+        """Queue all of ``subs`` or none (raises :class:`QueueFullError` or
+        :class:`ServiceUnavailableError`)."""
         with self._lock:
+            if self._fatal is not None or not self.is_alive():
+                raise ServiceUnavailableError(f"the engine thread stopped ({self._fatal or 'exited'}); "
+                                              "restart the server", "engine_stopped")
             if self._stopping.is_set():
-                raise QueueFullError("the server is shutting down")
+                raise ServiceUnavailableError(f"{_SHUTDOWN}; retry against another instance or later",
+                                              "server_shutdown")
             if self._in_system + len(subs) > self.max_concurrency + self.max_queue:
                 raise QueueFullError(
                     f"{self._in_system} requests are running or queued (limit "
@@ -91,6 +139,11 @@ class EngineWorker(threading.Thread):
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
 
+    def begin_shutdown(self, grace_s: float) -> None:
+        """Refuse new requests now, end the queued ones (503), let running ones finish for ``grace_s``."""
+        self._stopping.set()
+        self._inbox.put(("shutdown", time.monotonic() + max(0.0, grace_s)))
+
     def stop(self, timeout: float = 10.0) -> None:
         """Abort whatever is left and end the thread."""
         self._stopping.set()
@@ -98,29 +151,73 @@ class EngineWorker(threading.Thread):
         if self.is_alive():
             self.join(timeout)
 
+    def health(self) -> EngineHealth:
+        now = time.monotonic()
+        start = self._step_start
+        return EngineHealth(alive=self.is_alive(), fatal=self._fatal, stopping=self._stopping.is_set(),
+                            step_s=None if start is None else now - start, loop_age_s=now - self._beat,
+                            running=len(self._active), queued=len(self._waiting))
+
+    @property
+    def failure(self) -> str | None:
+        """Why the thread is gone (None while it runs)."""
+        if self.is_alive():
+            return None
+        return self._fatal or "exited"
+
     @property
     def queued(self) -> int:
         return len(self._waiting)
 
     # -- the engine thread ----------------------------------------------------
     def run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # a bug outside the guarded step: tell every request, then end
+            log.exception("the engine thread failed")
+            self._fatal = f"{type(e).__name__}: {e}".splitlines()[0]
+            self._fail_everyone(self._fatal)
+
+    def _loop(self) -> None:
         while True:
+            self._beat = time.monotonic()
             idle = not self._waiting and not self.core.has_unfinished()
             if not self._drain(block=idle):
                 break
+            self._end_overdue()
             self._admit()
             if self.core.has_unfinished():
-                try:
-                    chunks = self.core.step()
-                except Exception as e:  # an engine bug: fail the running requests, keep serving
-                    log.exception("engine step failed")
-                    self._fail_all(e)
-                    chunks = []
-                now = time.perf_counter()
-                for ch in chunks:
-                    self._relay(ch, now)
-            self._update_gauges()
+                self._step()
+            self._guarded("updating the gauges", self._update_gauges)
         self._shutdown()
+
+    def _step(self) -> None:
+        self._step_start = time.monotonic()
+        try:
+            chunks = self.core.step()
+        except Exception as e:  # an engine bug: fail the running requests, keep serving
+            log.exception("engine step failed")
+            self._fail_all(e)
+            chunks = []
+        finally:
+            self._step_start = None
+        now = time.perf_counter()
+        for ch in chunks:
+            try:
+                self._relay(ch, now)
+            except Exception as e:
+                log.exception("relaying a chunk failed")
+                sub = self._active.pop(ch.request_id, None)
+                if sub is not None:
+                    self._finish(sub)
+                    self._send(sub, Interrupted(_abort_chunk(sub), "engine_error", f"engine error: {e}"))
+
+    @staticmethod
+    def _guarded(what: str, fn: Any) -> None:
+        try:
+            fn()
+        except Exception:
+            log.exception("%s failed", what)
 
     def _drain(self, block: bool) -> bool:
         """Apply inbox commands; False when told to stop."""
@@ -135,7 +232,9 @@ class EngineWorker(threading.Thread):
             if kind == "add":
                 self._waiting.append(arg)
             elif kind == "abort":
-                self._abort(arg)
+                self._guarded("aborting a request", lambda rid=arg: self._abort(rid))
+            elif kind == "shutdown":
+                self._begin_shutdown(arg)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
@@ -151,6 +250,23 @@ class EngineWorker(threading.Thread):
                 self._waiting.remove(s)
                 self._finish(s)
                 break
+
+    def _begin_shutdown(self, deadline: float) -> None:
+        self._deadline = deadline
+        while self._waiting:
+            sub = self._waiting.popleft()
+            self._finish(sub)
+            self._send(sub, ServiceUnavailableError(f"{_SHUTDOWN}; the request was queued and did not start",
+                                                    "server_shutdown"))
+
+    def _end_overdue(self) -> None:
+        """After the shutdown grace period, end every running request (its final chunk says why)."""
+        if self._deadline is None or time.monotonic() < self._deadline:
+            return
+        for rid, sub in list(self._active.items()):
+            if sub.interrupt is None:
+                sub.interrupt = ("server_shutdown", f"{_SHUTDOWN}; the request was cut at the grace period")
+                self._guarded("aborting a request", lambda rid=rid: self.core.abort(rid))
 
     def _admit(self) -> None:
         while self._waiting and len(self._active) < self.max_concurrency:
@@ -185,6 +301,9 @@ class EngineWorker(threading.Thread):
                 u.cached_tokens if u else 0,
             )
             self._finish(sub)
+            if sub.interrupt is not None:
+                self._send(sub, Interrupted(ch, *sub.interrupt))
+                return
         self._send(sub, ch)
 
     def _finish(self, sub: Submission) -> None:
@@ -201,15 +320,33 @@ class EngineWorker(threading.Thread):
             pass
 
     def _fail_all(self, e: Exception) -> None:
+        """A step raised: end every running request with a final chunk naming the error."""
+        message = str(e).splitlines()[0] if isinstance(e, LLMSysError) and str(e) else f"engine error: {e}"
         for rid, sub in list(self._active.items()):
-            self.core.abort(rid)
+            self._guarded("aborting a request", lambda rid=rid: self.core.abort(rid))
             self._finish(sub)
-            self._send(sub, e if isinstance(e, LLMSysError) else RuntimeError(f"engine error: {e}"))
+            self._send(sub, Interrupted(_abort_chunk(sub), "engine_error", message))
         self._active.clear()
         try:
             self.core.step()  # flush the abort chunks
         except Exception:
             log.exception("engine step failed while aborting")
+
+    def _fail_everyone(self, why: str) -> None:
+        """The thread is ending on an error: nobody may wait for it (inbox, queue, running)."""
+        while True:
+            try:
+                kind, arg = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add":
+                self._waiting.append(arg)
+        err = ServiceUnavailableError(f"the engine thread stopped ({why}); restart the server", "engine_stopped")
+        for sub in list(self._waiting) + list(self._active.values()):
+            self._finish(sub)
+            self._send(sub, Interrupted(_abort_chunk(sub), "engine_error", str(err)) if sub.last_token else err)
+        self._waiting.clear()
+        self._active.clear()
 
     def _update_gauges(self) -> None:
         rep = self.core.memory_report()
@@ -226,16 +363,18 @@ class EngineWorker(threading.Thread):
                                 rep.kv_blocks_total, swap, self.core.allocator.num_cached, rep.kv_cold_blocks_total)
 
     def _shutdown(self) -> None:
-        while self._waiting:
-            sub = self._waiting.popleft()
-            self._finish(sub)
-            self._send(sub, StreamChunk(sub.request_id, "", [], finish_reason="abort"))
-        for rid in list(self._active):
-            self.core.abort(rid)
+        self._begin_shutdown(time.monotonic())
+        self._deadline = time.monotonic()
+        self._end_overdue()
         now = time.perf_counter()
         try:
             for ch in self.core.step():
                 self._relay(ch, now)
         except Exception:
             log.exception("engine step failed during shutdown")
-        self._update_gauges()
+            self._fail_everyone("it failed while shutting down")
+        self._guarded("updating the gauges", self._update_gauges)
+
+
+def _abort_chunk(sub: Submission) -> StreamChunk:
+    return StreamChunk(sub.request_id, "", [], finish_reason="abort")
