@@ -14,7 +14,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from llmsys.engine.builder import model_context
 from llmsys.engine.cli.main import main
 from llmsys.kernels.common.cpus import usable_cpus
@@ -37,8 +36,8 @@ def _one_error_line(rc: int, out: str, err: str, needle: str) -> str:
 
 CASES = [
     (["--max-model-len", "100000"],
-     "--max-model-len 100000 is past this model's 512 positions (max_position_embeddings); "
-     "use at most --max-model-len 512"),
+     ("--max-model-len 100000 is past this model's 512 positions (max_position_embeddings); "
+      "use at most --max-model-len 512")),
     (["--kv-offload-tokens", "500TiB"], "--kv-offload-tokens 500TiB needs 500.0 TiB of disk in "),
     (["--swap-space", "500TiB"], "--swap-space 500.0 TiB needs 500.0 TiB of disk in "),
     (["--cpu-mem", "500TiB"], "--cpu-mem 500.0 TiB is more than the "),

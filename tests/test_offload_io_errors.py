@@ -17,7 +17,6 @@ import errno
 
 import pytest
 import torch
-
 from llmsys import LLM, SamplingParams
 from llmsys.offload import kv_swap, kv_tier
 from llmsys.offload.kv_swap import KVSwapSpace
