@@ -164,6 +164,7 @@ class LLM:
                     finish_reason=fin.finish_reason or "stop",
                     usage=fin.usage or Usage(len(toks), len(r["tokens"])),
                     timings=fin.timings or Timings(),
+                    error=fin.error,
                     logprobs=r["lps"],
                     index=index,
                 )

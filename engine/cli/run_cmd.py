@@ -69,6 +69,9 @@ def run_command(
                 f"context full: {t.prompt_tokens + t.generated_tokens} of {llm.max_model_len} tokens; "
                 "raise --max-model-len (up to the model's limit) or use --kv-policy sink:4,window:N to continue past it\n"
             )
+        if final.finish_reason == "error":  # the engine could not go on with this request: say why, fail
+            sys.stderr.write(f"error: {final.error or 'the engine could not continue this request'}\n")
+            return 1
         return 0
     sys.stderr.write(f"interrupted after {n_out} generated tokens ({wall:.1f} s)\n")
     return 130 if interrupted else 0

@@ -157,12 +157,17 @@ def _as_api_error(item: Exception | Interrupted) -> Exception:
     return item  # APIError / LLMSysError: the app's handlers answer them
 
 
-def interruption(job: "Job", idx: int) -> dict[str, Any] | None:
-    """The error object of a choice the server ended itself (None otherwise)."""
+def ending_error(job: Job, idx: int, ch: StreamChunk) -> APIError | None:
+    """Why a finished choice did not end normally: the server ended it (shutdown, an
+    engine failure), or the engine could not go on with it alone (finish_reason
+    "error", e.g. its KV fits neither the pool nor a failing offload tier). None otherwise."""
     it = job.interrupted.get(idx)
-    if it is None:
-        return None
-    return APIError(503, it.message, type="server_error", code=it.code).body()["error"]
+    if it is not None:
+        return APIError(503, it.message, type="server_error", code=it.code)
+    if ch.finish_reason == "error":
+        return APIError(503, ch.error or "the engine could not continue this request", type="server_error",
+                        code="request_failed")
+    return None
 
 
 def timings_dict(ts: list[Timings]) -> dict[str, float]:
@@ -243,6 +248,9 @@ async def collect(job: Job, is_disconnected: Callable[[], Any]) -> list[dict[str
     """Run a non-streaming job; per choice: text, tokens, logprobs, finish, timings."""
     res = [{"text": [], "n": 0, "lps": [], "finish": None, "timings": None} for _ in job.subs]
     async for idx, ch in job.items(is_disconnected):
+        if ch.finished and (err := ending_error(job, idx, ch)) is not None:
+            job.abort_rest()  # no partial 200: the client is told why
+            raise err
         r = res[idx]
         r["text"].append(ch.text)
         r["n"] += len(ch.token_ids)
@@ -250,9 +258,6 @@ async def collect(job: Job, is_disconnected: Callable[[], Any]) -> list[dict[str
         if ch.finished:
             r["finish"] = ch.finish_reason
             r["timings"] = ch.timings
-    if job.interrupted:  # the server cut the request (shutdown, engine failure): no partial 200
-        first = next(iter(job.interrupted.values()))
-        raise APIError(503, first.message, type="server_error", code=first.code)
     for r in res:
         r["text"] = "".join(r["text"])
     return res
@@ -305,8 +310,8 @@ async def stream_events(
                 else:
                     choice["text"] = ch.text
                 frame = {**base, "choices": [choice]}
-                if ch.finished and (err := interruption(job, idx)) is not None:
-                    frame["error"] = err  # the final chunk says why the server ended it
+                if ch.finished and (err := ending_error(job, idx, ch)) is not None:
+                    frame["error"] = err.body()["error"]  # the final chunk says why it ended early
                 if ch.finished and len(job.done) == len(job.subs):
                     frame["timings"] = timings_dict(timings)
                 yield sse(frame)
