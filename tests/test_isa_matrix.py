@@ -43,7 +43,10 @@ ROOT = Path(__file__).resolve().parents[1]
 QEMU = shutil.which("qemu-x86_64")
 CPUS = {"Haswell": "x86-64-v3", "Nehalem": "x86-64"}  # qemu CPU model -> the level the kernels must pick
 SUBSET = ["tests/test_cpu_decode.py", "tests/test_cpu_int4.py", "tests/test_cpu_qgemv.py", "tests/test_quant_layers.py",
-          "tests/test_quant_nf4.py", "-k", "not fallback and not cached and not without_the_kernel"]
+          "tests/test_quant_nf4.py", "-k", "not fallback and not cached and not without_the_kernel and not 4864"]
+# Why "not 4864": the Qwen2.5-0.5B MLP shape (4864 x 896) ran past pytest's 300 s under qemu Haswell on a
+# Sapphire Rapids host (the whole emulated run took 809 s; 168 s without it). Its bits are checked natively
+# on every level the host has; emulated, the smaller shapes reach the same code paths and tails.
 # A setting's answers on an emulated CPU, against the same setting natively: float32 within float32
 # noise; the others within their own error against float32 (their reduced-precision roundings may
 # land differently when torch's bf16 ops differ per ISA), never more than 1.5x it.

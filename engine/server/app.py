@@ -120,13 +120,13 @@ class GuardMiddleware:
             limit = self.state.settings.max_body_bytes
             body, more = [], scope.get("method") in ("POST", "PUT", "PATCH")
             seen = 0
-            deadline = time.monotonic() + self.state.settings.body_timeout_s
+            stall = self.state.settings.body_timeout_s
             while more:
                 try:  # a client that announces more than it sends must not hold the connection forever
-                    msg = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+                    msg = await asyncio.wait_for(receive(), stall)
                 except asyncio.TimeoutError:
                     return await _send_error(send_counted, APIError(
-                        408, f"the request body did not arrive within {self.state.settings.body_timeout_s:g} s "
+                        408, f"the request body stalled: nothing arrived for {stall:g} s "
                              "(is Content-Length larger than the body?)", code="request_timeout",
                         headers={"Connection": "close"}))
                 if msg["type"] != "http.request":
@@ -283,16 +283,30 @@ def create_app(state: ServerState) -> ServerAPI:
         except LLMSysError as e:
             raise APIError(400, str(e), param="kv_policy", code="invalid_kv_policy") from None
 
-    def check_prompt(ids: list[int], field: str, policy: KVPolicy | None) -> None:
+    def too_long(n: int, field: str, at_least: bool = False) -> APIError:
         max_len = state.llm.max_model_len
-        slides = (policy or state.llm.core.kv_policy.policy).allows_long_prompts  # the window slides in prefill
-        if len(ids) >= max_len and not slides:
-            raise APIError(
-                400,
-                f"this model's context holds {max_len} tokens but the prompt has {len(ids)}; "
-                "shorten the prompt (or restart the server with a larger --max-model-len)",
-                param=field, code="context_length_exceeded", n_prompt_tokens=len(ids), n_ctx=max_len,
-            )
+        return APIError(
+            400,
+            f"this model's context holds {max_len} tokens but the prompt has {'at least ' if at_least else ''}{n}; "
+            "shorten the prompt (or restart the server with a larger --max-model-len)",
+            param=field, code="context_length_exceeded", n_prompt_tokens=n, n_ctx=max_len,
+        )
+
+    def slides(policy: KVPolicy | None) -> bool:
+        return (policy or state.llm.core.kv_policy.policy).allows_long_prompts  # the window slides in prefill
+
+    def check_length(text: str, field: str, policy: KVPolicy | None) -> None:
+        """Refuse, without tokenizing it, a text too long to fit whatever its tokens (seconds of CPU
+        for megabytes of text, to learn what its length already says)."""
+        if slides(policy) or len(text) < state.llm.max_model_len:
+            return
+        fewest = len(text) // state.max_token_chars()
+        if fewest >= state.llm.max_model_len:
+            raise too_long(fewest, field, at_least=True)
+
+    def check_prompt(ids: list[int], field: str, policy: KVPolicy | None) -> None:
+        if len(ids) >= state.llm.max_model_len and not slides(policy):
+            raise too_long(len(ids), field)
         if not ids:
             raise APIError(400, "the prompt is empty (it encodes to no tokens)", param=field, code="invalid_prompt")
         vocab = state.llm.loaded.args.vocab_size
@@ -386,8 +400,10 @@ def create_app(state: ServerState) -> ServerAPI:
         policy = kv_policy(req)
 
         def prepare() -> list[int]:
+            text = tok.apply_chat_template(messages)
+            check_length(text, "messages", policy)
             with bad_text("messages"):
-                ids = tok.encode_chat(messages)
+                ids = tok.encode(text, add_special_tokens=False)  # the template writes BOS itself
             check_prompt(ids, "messages", policy)
             return ids
 
@@ -414,6 +430,9 @@ def create_app(state: ServerState) -> ServerAPI:
         policy = kv_policy(req)
 
         def prepare() -> list[list[int]]:
+            for x in raw:
+                if isinstance(x, str):
+                    check_length(x, "prompt", policy)
             with bad_text("prompt"):
                 prompts = [state.llm.tokenizer.encode(x) if isinstance(x, str) else list(x) for x in raw]
             for ids in prompts:

@@ -72,18 +72,21 @@ class Job:
         self.done: set[int] = set()
         self.interrupted: dict[int, Interrupted] = {}  # choices the server ended itself, and why
         self._pending: list[tuple[int, Any]] = []  # an item taken by start(), handed out first
+        self._checked = time.monotonic()  # when the client and the engine thread were last checked
         self.cached_tokens = 0  # prompt tokens served from the prefix cache, over every choice
         self.evicted_tokens = 0  # KV tokens the eviction policy dropped, over every choice
 
     async def _next(self, is_disconnected: Callable[[], Any] | None) -> tuple[int, Any] | None:
-        """The next item, or None when the client left. Polls so that a dead engine
-        thread becomes a 503 instead of a handler waiting forever."""
+        """The next item, or None when the client left. Every LIVENESS_POLL_S it also asks
+        whether the client is still there (chunks keep coming while it generates, so a check
+        only on a quiet queue would never run) and whether the engine thread is, so that a
+        dead thread becomes a 503 instead of a handler waiting forever."""
         if self._pending:
             return self._pending.pop()
         while True:
-            try:
-                return await asyncio.wait_for(self.out.get(), timeout=LIVENESS_POLL_S)
-            except asyncio.TimeoutError:
+            now = time.monotonic()
+            if now - self._checked >= LIVENESS_POLL_S:
+                self._checked = now
                 if is_disconnected is not None and await is_disconnected():
                     self.abort_rest()
                     return None
@@ -92,6 +95,10 @@ class Job:
                     self.abort_rest()
                     raise APIError(503, f"the engine thread stopped ({failure}); restart the server",
                                    type="server_error", code="engine_stopped") from None
+            try:
+                return await asyncio.wait_for(self.out.get(), timeout=LIVENESS_POLL_S)
+            except asyncio.TimeoutError:
+                continue
 
     async def start(self, is_disconnected: Callable[[], Any]) -> bool:
         """Wait for the first news before a streaming response sends its headers, so a

@@ -40,7 +40,7 @@ class ServerSettings:
     # unknown names closes that door (an IP literal cannot be rebound).
     allowed_hosts: tuple[str, ...] = ()
     cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API ("*": any); none by default
-    body_timeout_s: float = 30.0  # a request body must arrive within this (else 408)
+    body_timeout_s: float = 30.0  # a request body that sends nothing for this long gets 408
     head_timeout_s: float = 10.0  # a request head must arrive within this after connecting (else closed)
     stall_timeout_s: float = 120.0  # /health answers 503 when one engine step has run longer
 
@@ -57,6 +57,7 @@ class ServerState:
         self._vocab_lock = threading.Lock()
         self._token_strings: list[str | None] | None = None
         self._json_vocab: JsonVocab | None = None
+        self._max_token_chars: int | None = None
         # Tokenizing and rendering chat templates is CPU work: it runs here, never on the event
         # loop (a 4 MB prompt would freeze every stream for a second). One thread, so preparing
         # requests takes at most one core from the engine thread.
@@ -113,6 +114,18 @@ class ServerState:
         if s is not None:
             return s
         return self.llm.tokenizer.convert_ids_to_tokens(token_id) or ""
+
+    def max_token_chars(self) -> int:
+        """The most characters one token can stand for (its decoded text or its raw name, which is
+        how a special token is typed), plus one: a text of ``c`` characters has at least
+        ``c // max_token_chars()`` tokens, so a prompt that cannot fit is refused before tokenizing."""
+        strings = self.token_strings()
+        with self._vocab_lock:
+            if self._max_token_chars is None:
+                tok = self.llm.tokenizer
+                raw = tok.convert_ids_to_tokens(list(range(tok.vocab_size)))
+                self._max_token_chars = 1 + max([len(x) for x in strings if x] + [len(x) for x in raw if x] + [1])
+            return self._max_token_chars
 
     def json_vocab(self) -> JsonVocab:
         from llmsys.engine.server.json_mode import JsonVocab
