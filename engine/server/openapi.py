@@ -82,7 +82,7 @@ def build_schema(app: FastAPI, state: ServerState) -> dict[str, Any]:
                 statuses.append("429")
                 ok = responses.setdefault("200", {"description": "Successful Response"})
                 ok["content"] = {"application/json": {"schema": {}},
-                                 "text/event-stream": {"schema": {"type": "string"}}}
+                                 "text/event-stream": {"schema": {}}}
             for st in statuses:
                 responses.setdefault(st, _error(st))
     if state.ready:

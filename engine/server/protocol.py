@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from llmsys.engine.sampling import MAX_LOGPROBS
 
@@ -40,7 +40,9 @@ SEMANTIC_CODES = (
 # The characters of --kv-policy syntax; which words and numbers make a policy is the
 # parser's (its 400s name the problem, code invalid_kv_policy).
 KV_POLICY_PATTERN = r"^[A-Za-z0-9:.,; ]*$"
-SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
+# torch.Generator takes -2**63..2**64-1, but a JSON number past 2**53 may arrive as a float that
+# rounds across the bound (1.8446744073709552e19 is 2**64), so the published range is the exact one.
+SEED_MIN, SEED_MAX = -(2**53 - 1), 2**53 - 1
 
 
 class APIError(Exception):
@@ -76,6 +78,20 @@ class APIError(Exception):
 
 
 _STRICT = ConfigDict(extra="ignore", strict=True)
+
+
+def _integral(v: Any) -> Any:
+    """JSON Schema's ``integer`` includes ``1.0``; strict pydantic would refuse it, so an integral
+    float becomes its int, also inside lists (``"10"`` and ``true`` stay refused)."""
+    if type(v) is float and v.is_integer():
+        return int(v)
+    if type(v) is list:
+        return [_integral(x) for x in v]
+    return v
+
+
+_INT_FIELDS = ("max_tokens", "n", "seed", "top_k", "min_tokens", "max_completion_tokens", "top_logprobs",
+               "logprobs", "prompt")
 
 
 class StreamOptions(BaseModel):
@@ -114,6 +130,13 @@ class _Common(BaseModel):
     and llmsys's kv_policy)."""
 
     model_config = _STRICT
+
+    @model_validator(mode="before")
+    @classmethod
+    def _integral_ints(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: _integral(v) if k in _INT_FIELDS else v for k, v in data.items()}
+        return data
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1, description="tokens to generate at most")
