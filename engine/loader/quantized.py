@@ -276,6 +276,9 @@ def load_quantized_into(model: nn.Module, cfg: dict[str, Any], index: Checkpoint
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, q)
         done.update(x for x in index.where if x.startswith(name + "."))
+    if not done and EMBED + ".qweight" not in index:
+        raise CheckpointError(f"{path}/config.json: quantization_config says {method} but the checkpoint holds no "
+                              "quantized tensors (*.qweight); remove quantization_config or use the quantized files")
     if method == "llmsys" and EMBED + ".qweight" in index:
         emb = model.model.embed_tokens
         table = _llmsys_layer(fmt, EMBED, index, emb.num_embeddings, emb.embedding_dim, path, device)

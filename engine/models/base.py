@@ -51,7 +51,8 @@ class TransformerArgs:
         # transformers >= 5 writes `rope_parameters` (theta inside); older
         # configs write `rope_theta` + `rope_scaling`. Accept both.
         rope = dict(cfg.get("rope_parameters") or {})
-        theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
+        theta = rope.pop("rope_theta", None)  # a 0 here is a value to reject (loader.validate), not "absent"
+        theta = cfg.get("rope_theta", 10000.0) if theta is None else theta
         scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         kw = dict(
             vocab_size=cfg["vocab_size"],
