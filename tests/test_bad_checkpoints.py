@@ -9,10 +9,12 @@ found dying with a traceback, allocating without bound, or running silently wron
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import struct
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -38,7 +40,7 @@ def bases(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("bad-ckpt")
     hf = make_hf_model("llama", root / "hf")
     f = SafetensorsFile(hf / ST)
-    state = {n: f.read(n) for n in f.keys()}
+    state = {n: f.read(n) for n in f.tensors}
     out = {"hf": hf, "gguf": export_float(hf, root / "m.gguf", "f32"), "c": _llama2c(root / "c" / "model.bin")}
     for fmt, make in (("int4:g64", lambda w: Int4Linear.from_float(w, group_size=64)), ("int8", Int8Linear.from_float)):
         q = root / fmt.replace(":", "_")
@@ -51,7 +53,7 @@ def bases(tmp_path_factory) -> dict[str, Path]:
             else:
                 qstate[name] = t
         save_file(qstate, q / ST, metadata={"format": "pt", "llmsys_quant": fmt})
-        _edit_config(q, lambda c: c.update(quantization_config={"quant_method": "llmsys", "format": fmt}))
+        _edit_config(q, lambda c, fmt=fmt: c.update(quantization_config={"quant_method": "llmsys", "format": fmt}))
         out[fmt] = q
     return out
 
@@ -127,7 +129,7 @@ def _tensors(fn: Callable[[dict], None]) -> Callable[[Path], Path]:
     """Every tensor read, ``fn`` applied to the dict, the file written again (consistent header)."""
     def patch(d: Path) -> Path:
         f = SafetensorsFile(d / ST)
-        state = {n: f.read(n) for n in f.keys()}
+        state = {n: f.read(n) for n in f.tensors}
         fn(state)
         save_file(state, d / ST, metadata=f.metadata or None)
         return d
@@ -255,10 +257,10 @@ CASES: list[tuple[str, str, Callable[[Path], Path], type, str]] = [
     ("hidden-str", "hf", _cfg(hidden_size="64"), CE, r"hidden_size is '64'; it must be a whole number"),
     ("hidden-float", "hf", _cfg(hidden_size=64.5), CE, r"hidden_size is 64\.5; it must be a whole number"),
     ("hidden-float-int", "hf", _cfg(hidden_size=64.0), CE, r"hidden_size is 64\.0; it must be a whole number"),
-    ("hidden-not-heads-multiple", "hf", _cfg(hidden_size=66, head_dim=None), CE, r"hidden_size is 66; without head_dim it must be "
-     r"a multiple of num_attention_heads \(4\)"),
-    ("hidden-vs-tensors", "hf", _cfg(hidden_size=32), CE, r"tensor model\.embed_tokens\.weight has shape \[512, 64\], "
-     r"expected \[512, 32\]"),
+    ("hidden-not-heads-multiple", "hf", _cfg(hidden_size=66, head_dim=None), CE,
+     r"hidden_size is 66; without head_dim it must be a multiple of num_attention_heads \(4\)"),
+    ("hidden-vs-tensors", "hf", _cfg(hidden_size=32), CE, (r"tensor model\.embed_tokens\.weight has shape \[512, 64\], "
+     r"expected \[512, 32\]")),
     ("kv-heads-0", "hf", _cfg(num_key_value_heads=0), CE, r"num_key_value_heads is 0; it must be between 1"),
     ("kv-heads-not-dividing", "hf", _cfg(num_key_value_heads=3), CE,
      r"num_key_value_heads is 3; it must divide num_attention_heads \(4\)"),
@@ -281,22 +283,22 @@ CASES: list[tuple[str, str, Callable[[Path], Path], type, str]] = [
     ("theta-0-legacy", "hf", _cfg(rope_parameters=None, rope_theta=0), CE, r"rope_theta is 0"),
     ("theta-neg", "hf", _cfg(rope_parameters=None, rope_theta=-10000.0), CE, r"rope_theta is -10000\.0"),
     ("theta-str", "hf", _cfg(rope_parameters=None, rope_theta="1e4"), CE, r"rope_theta is '1e4'; it must be a number"),
-    ("act-bogus", "hf", _cfg(hidden_act="bogus"), UE, r"hidden_act is 'bogus'; llmsys implements the SwiGLU MLP "
-     r"with silu only"),
+    ("act-bogus", "hf", _cfg(hidden_act="bogus"), UE, (r"hidden_act is 'bogus'; llmsys implements the SwiGLU MLP "
+     r"with silu only")),
     ("act-gelu", "hf", _cfg(hidden_act="gelu"), UE, r"hidden_act is 'gelu'"),
     ("vocab-0", "hf", _cfg(vocab_size=0), CE, r"vocab_size is 0; it must be between 1"),
     ("vocab-neg", "hf", _cfg(vocab_size=-512), CE, r"vocab_size is -512"),
     ("head-dim-odd", "hf", _cfg(head_dim=15), CE, r"head_dim is 15; RoPE rotates pairs of dimensions"),
     ("head-dim-0", "hf", _cfg(head_dim=0), CE, r"head_dim is 0; it must be between 1"),
     ("intermediate-0", "hf", _cfg(intermediate_size=0), CE, r"intermediate_size is 0"),
-    ("tie-str", "hf", _cfg(tie_word_embeddings="false"), CE, r"tie_word_embeddings is 'false'; it must be true or "
-     r"false"),
+    ("tie-str", "hf", _cfg(tie_word_embeddings="false"), CE, (r"tie_word_embeddings is 'false'; it must be true or "
+     r"false")),
     ("rope-scaling-factor-0", "hf", _cfg(rope_scaling={"rope_type": "linear", "factor": 0}), CE,
      r"rope_scaling\.factor is 0; it must be a finite number above 0"),
     ("rope-scaling-list", "hf", _cfg(rope_scaling=[1]), CE, r"rope_scaling is \[1\]; it must be an object"),
     ("rope-scaling-yarn", "hf", _cfg(rope_scaling={"rope_type": "yarn", "factor": 4.0}), UE, r"yarn"),
-    ("bos-outside-vocab", "hf", _cfg(bos_token_id=9999), CE, r"bos_token_id is 9999; it must be an id below "
-     r"vocab_size \(512\)"),
+    ("bos-outside-vocab", "hf", _cfg(bos_token_id=9999), CE, (r"bos_token_id is 9999; it must be an id below "
+     r"vocab_size \(512\)")),
     ("eos-str", "hf", _cfg(eos_token_id="</s>"), CE, r"eos_token_id is '</s>'; it must be a token id"),
     # safetensors headers
     ("st-header-list", "hf", _raw_header(lambda h: [1, 2]), CE, r"its header is a JSON list, not an object"),
@@ -329,32 +331,32 @@ CASES: list[tuple[str, str, Callable[[Path], Path], type, str]] = [
      rf"tensor {E}\.weight has shape \[96, 32\], expected \[96, 64\] from the config"),
     ("tensor-u8", "hf", _set("model.norm.weight", lambda t: t.to(torch.uint8)), CE,
      r"tensor model\.norm\.weight is stored as U8, expected a float type"),
-    ("tensor-i32", "hf", _set(UP + ".weight", lambda t: t.to(torch.int32)), CE, rf"tensor {E}\.weight is stored as "
-     r"I32"),
+    ("tensor-i32", "hf", _set(UP + ".weight", lambda t: t.to(torch.int32)), CE, (rf"tensor {E}\.weight is stored as "
+     r"I32")),
     ("tensor-nan", "hf", _set("model.layers.1.self_attn.o_proj.weight", _poke(7, float("nan"))), CE,
      r"tensor model\.layers\.1\.self_attn\.o_proj\.weight holds 1 NaN or infinite values \(of 4096\)"),
     ("tensor-inf", "hf", _set("model.embed_tokens.weight", _poke(0, float("inf"))), CE,
      r"tensor model\.embed_tokens\.weight holds 1 NaN or infinite"),
     ("shard-index-list", "hf", _shard_index([ST]), CE, r"corrupt shard index \(weight_map is not an object"),
-    ("shard-index-outside", "hf", _shard_index({"x": "../" + ST}), CE, r"shard '\.\./model\.safetensors' is not a "
-     r"file name"),
+    ("shard-index-outside", "hf", _shard_index({"x": "../" + ST}), CE, (r"shard '\.\./model\.safetensors' is not a "
+     r"file name")),
     # pre-quantized (llmsys int4 / int8)
     ("q-float-qweight", "int4:g64", _set(UP + ".qweight", lambda t: t.float()), CE,
      rf"tensor {E}\.qweight is torch\.float32, expected torch\.uint8 codes"),
     ("q-bits-8", "int4:g64", _qcfg(bits=8), CE, r"quantization_config\.bits is 8 but format 'int4:g64' stores 4-bit"),
     ("q-bits-str", "int4:g64", _qcfg(bits="four"), CE, r"quantization_config\.bits is 'four'; it must be an integer"),
-    ("q-group-0", "int4:g64", _qcfg(format="int4:g0"), CE, r"quantization_config\.format 'int4:g0' is not a llmsys "
-     r"format"),
-    ("q-group-other", "int4:g64", _qcfg(format="int4:g128"), CE, r"written as 'int4:g64' but .*config\.json says "
-     r"quantization_config format 'int4:g128'"),
+    ("q-group-0", "int4:g64", _qcfg(format="int4:g0"), CE, (r"quantization_config\.format 'int4:g0' is not a llmsys "
+     r"format")),
+    ("q-group-other", "int4:g64", _qcfg(format="int4:g128"), CE, (r"written as 'int4:g64' but .*config\.json says "
+     r"quantization_config format 'int4:g128'")),
     ("q-format-garbage", "int4:g64", _qcfg(format=42), CE, r"quantization_config\.format is 42"),
     ("q-format-none", "int4:g64", _qcfg(format="none"), CE, r"quantization_config\.format is 'none'"),
     ("q-format-contradicts-file", "int8", _qcfg(format="int4:g64"), CE, r"written as 'int8' but"),
     ("q-nan-scales", "int4:g64", _set(UP + ".scales", _poke(3, float("nan"))), CE,
      rf"tensor {E}\.scales holds 1 NaN or infinite"),
     ("q-zero-scales", "int8", _set(UP + ".scales", _poke(0, 0.0)), CE, rf"tensor {E}\.scales holds 1 zero scales"),
-    ("q-nan-norm", "int8", _set("model.norm.weight", _poke(0, float("nan"))), CE, r"tensor model\.norm\.weight holds 1 "
-     r"NaN"),
+    ("q-nan-norm", "int8", _set("model.norm.weight", _poke(0, float("nan"))), CE,
+     r"tensor model\.norm\.weight holds 1 NaN"),
     ("awq-group-str", "hf", _cfg(quantization_config={"quant_method": "awq", "bits": 4, "group_size": "128"}), CE,
      r"quantization_config\.group_size is '128'; it must be an integer"),
     ("awq-over-float-tensors", "hf", _cfg(quantization_config={"quant_method": "awq", "bits": 4, "group_size": 128}),
@@ -385,19 +387,19 @@ CASES: list[tuple[str, str, Callable[[Path], Path], type, str]] = [
      CE, rf"tensor {E}\.weight holds 1 NaN"),
     ("gguf-count-kv", "gguf", _gguf_raw(n_kv=2**60), CE, r"the header claims 1152921504606846976 metadata keys"),
     ("gguf-count-tensors", "gguf", _gguf_raw(n_tensors=2**40), CE, r"the header claims 1099511627776 tensors"),
-    ("gguf-array-count", "gguf", _gguf_raw(1, _kv("a", 9, struct.pack("<IQ", 8, 2**50))), CE, r"the header claims "
-     r"1125899906842624 array elements"),
+    ("gguf-array-count", "gguf", _gguf_raw(1, _kv("a", 9, struct.pack("<IQ", 8, 2**50))), CE, (r"the header claims "
+     r"1125899906842624 array elements")),
     ("gguf-nested", "gguf", _gguf_raw(1, _kv("a", 9, _nested_arrays(100_000))), CE,
      r"metadata arrays nested deeper than 4 levels"),
-    ("gguf-dims", "gguf", _gguf_raw(tensors=[("x", [1] * 9, 0, 0)]), CE, r"tensor x has 9 dimensions; GGUF tensors "
-     r"have 1 to 4"),
+    ("gguf-dims", "gguf", _gguf_raw(tensors=[("x", [1] * 9, 0, 0)]), CE, (r"tensor x has 9 dimensions; GGUF tensors "
+     r"have 1 to 4")),
     ("gguf-dim-0", "gguf", _gguf_raw(tensors=[("x", [0, 4], 0, 0)]), CE, r"tensor x has dimensions \[0, 4\]"),
-    ("gguf-blocks", "gguf", _gguf_raw(tensors=[("x", [16], 8, 0)]), CE, r"the first a multiple of the type's block "
-     r"of 32"),
-    ("gguf-misaligned", "gguf", _gguf_raw(tensors=[("x", [4], 0, 4)]), CE, r"tensor x starts at byte \d+, not a "
-     r"multiple of the alignment 32"),
-    ("gguf-outside", "gguf", _gguf_raw(tensors=[("x", [4096], 0, 0)]), CE, r"tensor x ends at byte \d+ but the "
-     r"file has"),
+    ("gguf-blocks", "gguf", _gguf_raw(tensors=[("x", [16], 8, 0)]), CE, (r"the first a multiple of the type's block "
+     r"of 32")),
+    ("gguf-misaligned", "gguf", _gguf_raw(tensors=[("x", [4], 0, 4)]), CE, (r"tensor x starts at byte \d+, not a "
+     r"multiple of the alignment 32")),
+    ("gguf-outside", "gguf", _gguf_raw(tensors=[("x", [4096], 0, 0)]), CE, (r"tensor x ends at byte \d+ but the "
+     r"file has")),
     ("gguf-overlap", "gguf", _gguf_raw(tensors=[("x", [16], 0, 0), ("y", [16], 0, 32)]), CE,
      r"tensors x and y overlap"),
     # llama2.c
@@ -428,14 +430,12 @@ def test_bad_checkpoint_is_one_line_naming_the_file(bases, tmp_path, case):
     assert type(e.value) is exc, msg
     assert "\n" not in msg, msg
     assert msg.startswith(str(path)), msg  # names the file (or the folder's file: .../config.json, .../model...)
-    import re
-
     assert re.search(needle, msg), msg
 
 
 def test_the_good_bases_load(bases):
     """Each base loads as it is: every failure above is the patch's."""
-    for kind, path in bases.items():
+    for path in bases.values():
         load_model(path, dtype="float32", device="cpu", progress=False)
 
 
@@ -468,6 +468,4 @@ def test_cli_run_prints_one_error_line_and_exits_2(bases, tmp_path, capsys, name
     assert "Traceback" not in out + err
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith(f"error: {path}"), err
-    import re
-
     assert re.search(needle, lines[0]), err

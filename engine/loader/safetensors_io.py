@@ -181,7 +181,8 @@ class CheckpointIndex:
             names = sorted(set(weight_map.values()))
             outside = [n for n in names if Path(n).name != n or n in (".", "..")]
             if outside:  # a shard is a file beside the index, never a path elsewhere
-                raise CheckpointError(f"{index}: shard {outside[0]!r} is not a file name in {directory}; re-download it")
+                raise CheckpointError(f"{index}: shard {outside[0]!r} is not a file name in {directory}; "
+                                      "re-download it")
             missing = [n for n in names if not (directory / n).exists()]
             if missing:
                 raise CheckpointError(f"{directory}: shard {missing[0]} listed in {index.name} is missing")
