@@ -520,3 +520,96 @@ def test_the_api_key_can_come_from_a_file_not_the_command_line(tmp_path):
         _api_key(None, f)
     with pytest.raises(InvalidParameterError, match="not both"):
         _api_key("x", f)
+
+
+# -- the remaining error paths, each triggered -----------------------------------------------------
+
+
+def test_health_says_stuck_then_shutting_down_and_new_requests_get_503(chat_dir, monkeypatch):
+    s = _server(chat_dir, stall_timeout_s=0.3)
+    core = s.state.worker.core
+    real, slow = core.step, [True]
+
+    def step():
+        if slow[0]:
+            slow[0] = False
+            time.sleep(1.5)  # one step that runs past the stall limit
+        return real()
+
+    monkeypatch.setattr(core, "step", step)
+    try:
+        t = threading.Thread(target=lambda: httpx.post(s.url + COMP, json={"prompt": "Once", "max_tokens": 3},
+                                                       timeout=30))
+        t.start()
+        deadline, seen = time.monotonic() + 5, None
+        while time.monotonic() < deadline:
+            h = httpx.get(s.url + "/health")
+            if h.status_code == 503:
+                seen = h.json()
+                break
+            time.sleep(0.05)
+        t.join(30)
+        assert seen is not None and seen["status"] == "stuck" and "0.3 s" in seen["reason"], seen
+        assert httpx.get(s.url + "/health").json()["status"] == "ok"  # the step ended: healthy again
+        s.state.begin_shutdown()
+        h = httpx.get(s.url + "/health")
+        assert h.status_code == 503 and h.json()["status"] == "shutting_down"
+        r = httpx.post(s.url + COMP, json={"prompt": "Once", "max_tokens": 3}, timeout=30)
+        _assert_openai_error(r, 503, "shutting down", "server_shutdown")
+    finally:
+        s.stop()
+
+
+def test_a_request_the_engine_ends_with_an_error_says_so(chat_dir, monkeypatch):
+    """finish_reason "error" (the engine could not go on with that request alone): the stream's last
+    chunk carries the message, a non-streaming request is a 503 naming it."""
+    import dataclasses
+
+    s = _server(chat_dir)
+    core = s.state.worker.core
+    real = core.step
+
+    def step():
+        return [dataclasses.replace(ch, finish_reason="error", error="simulated: its KV does not fit")
+                if ch.finished else ch for ch in real()]
+
+    monkeypatch.setattr(core, "step", step)
+    try:
+        body = {"prompt": "Once", "max_tokens": 4, "ignore_eos": True}
+        with httpx.stream("POST", s.url + COMP, json={**body, "stream": True}, timeout=30) as r:
+            frames = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+        last = frames[-1]
+        assert last["choices"][0]["finish_reason"] == "error"
+        assert last["error"]["code"] == "request_failed" and "its KV does not fit" in last["error"]["message"]
+        _assert_openai_error(httpx.post(s.url + COMP, json=body, timeout=30), 503, "its KV does not fit",
+                             "request_failed")
+    finally:
+        s.stop()
+
+
+def test_llmsys_run_says_why_the_engine_ended_a_request(monkeypatch, capsys):
+    import dataclasses
+
+    from llmsys.engine.cli.main import main
+    from llmsys.engine.llm import LLM
+
+    real = LLM.stream
+
+    def stream(self, prompt, params=None):
+        for ch in real(self, prompt, params):
+            yield dataclasses.replace(ch, finish_reason="error", error="simulated: no room") if ch.finished else ch
+
+    monkeypatch.setattr(LLM, "stream", stream)
+    rc = main(["run", str(need_shared(STORIES_HF)), "Once", "-n", "3", "--no-pull"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "error: simulated: no room" in err and "Traceback" not in err, err
+
+
+def test_a_key_on_the_command_line_warns_and_binding_beyond_loopback_is_known(capsys):
+    from llmsys.engine.cli.serve_cmd import _api_key
+    from llmsys.engine.server.serve import _is_loopback
+
+    assert _api_key("k", None) == "k"
+    assert "visible to other users" in capsys.readouterr().err
+    assert [_is_loopback(h) for h in ("127.0.0.1", "localhost", "::1", "0.0.0.0", "192.168.1.2", "")] == \
+        [True, True, True, False, False, False]

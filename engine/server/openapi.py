@@ -76,7 +76,7 @@ def build_schema(app: FastAPI, state: ServerState) -> dict[str, Any]:
             statuses = ["403", "503"]
             if method == "post":
                 statuses += ["400", "408", "413"]
-            if path.startswith("/v1") or path in ("/docs", "/openapi.json"):
+            if path.startswith("/v1"):
                 statuses.append("401")
             if path in _GENERATING:
                 statuses.append("429")

@@ -33,6 +33,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from llmsys.engine.config import EngineConfig
 from llmsys.engine.server.app import create_app
+from llmsys.engine.server.protocol import APIError
 from llmsys.engine.server.state import ServerSettings, ServerState
 
 log = logging.getLogger("llmsys.server")
@@ -75,8 +76,7 @@ def _protocol(head_timeout_s: float) -> type[H11Protocol]:
             super().connection_lost(exc)
 
         def send_400_response(self, msg: str) -> None:
-            body = json.dumps({"error": {"message": f"malformed HTTP request: {msg}", "type": "invalid_request_error",
-                                         "param": None, "code": "bad_http"}}).encode()
+            body = json.dumps(APIError(400, f"malformed HTTP request: {msg}", code="bad_http").body()).encode()
             headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
                        (b"content-length", str(len(body)).encode())]
             try:

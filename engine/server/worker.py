@@ -165,10 +165,6 @@ class EngineWorker(threading.Thread):
             return None
         return self._fatal or "exited"
 
-    @property
-    def queued(self) -> int:
-        return len(self._waiting)
-
     # -- the engine thread ----------------------------------------------------
     def run(self) -> None:
         try:
@@ -363,8 +359,7 @@ class EngineWorker(threading.Thread):
                                 rep.kv_blocks_total, swap, self.core.allocator.num_cached, rep.kv_cold_blocks_total)
 
     def _shutdown(self) -> None:
-        self._begin_shutdown(time.monotonic())
-        self._deadline = time.monotonic()
+        self._begin_shutdown(time.monotonic())  # the grace period is over: end everything now
         self._end_overdue()
         now = time.perf_counter()
         try:
