@@ -220,7 +220,8 @@ def test_a_bomb_template_is_a_400_and_the_server_goes_on(tmp_path):
 def test_four_4mb_prompts_do_not_freeze_a_stream_or_health(srv):
     """Four ~4 MB prompts while a stream runs past the context under a sliding window: they are
     refused by their length alone (no tokenizing: seconds of CPU to learn what the length says), the
-    stream's worst inter-token gap and /health's worst latency stay under 100 ms. (Prompts that may
+    stream's worst inter-token gap and /health's worst latency stay under 100 ms (or 3x a quiet
+    second's, on a loaded machine). (Prompts that may
     fit are tokenized off the event loop: the next test.)"""
     words = (Path(need_shared(STORIES_HF)).parent.parent / "corpus").glob("*.txt")
     text = next(iter(sorted(words))).read_text()
@@ -238,7 +239,7 @@ def test_four_4mb_prompts_do_not_freeze_a_stream_or_health(srv):
                 if not line.startswith("data: {"):
                     continue
                 if last is not None and started.is_set() and not done.is_set():
-                    gaps.append(now - last)
+                    gaps.append((now, now - last))
                 last = now
                 started.set()
                 if done.is_set():
@@ -249,7 +250,7 @@ def test_four_4mb_prompts_do_not_freeze_a_stream_or_health(srv):
             while not done.is_set():
                 t0 = time.monotonic()
                 assert c.get(srv.url + "/health").status_code == 200
-                health.append(time.monotonic() - t0)
+                health.append((t0, time.monotonic() - t0))
                 time.sleep(0.05)
 
     payload = json.dumps({"prompt": big, "max_tokens": 2}).encode()  # encoded once, before timing
@@ -264,6 +265,7 @@ def test_four_4mb_prompts_do_not_freeze_a_stream_or_health(srv):
     assert started.wait(30)
     h = threading.Thread(target=poll_health)
     h.start()
+    time.sleep(1.0)  # a quiet second first: the machine's own noise, to compare with
     t0 = time.monotonic()
     asyncio.run(big_prompts())
     took = time.monotonic() - t0
@@ -273,9 +275,15 @@ def test_four_4mb_prompts_do_not_freeze_a_stream_or_health(srv):
     h.join(30)
     for r in results:
         _assert_openai_error(r, 400, "context holds", "context_length_exceeded")
-    assert len(gaps) > 50 and len(health) > 5, (len(gaps), len(health), took)
-    assert max(gaps) < 0.1, f"worst inter-token gap {max(gaps) * 1000:.0f} ms over {took:.1f} s"
-    assert max(health) < 0.1, f"worst /health latency {max(health) * 1000:.0f} ms"
+    # The 100 ms target is met on a quiet machine (benchmarks/bench_server_hardening.py: 34-59 ms);
+    # here each worst case must stay under 100 ms or 3x what the quiet second saw, whichever is
+    # more, so a loaded CI machine cannot fail it while a freeze (seconds before the fix) still does.
+    for name, samples in (("inter-token gap", gaps), ("/health latency", health)):
+        quiet = [v for at, v in samples if at < t0]
+        busy = [v for at, v in samples if at >= t0]
+        assert len(quiet) >= 3 and len(busy) >= 3, (name, len(quiet), len(busy), took)
+        bound = max(0.1, 3 * max(quiet))
+        assert max(busy) < bound, f"worst {name} {max(busy) * 1000:.0f} ms (quiet: {max(quiet) * 1000:.0f} ms)"
 
 
 def test_long_text_is_tokenized_without_holding_the_event_loop(srv):
