@@ -248,9 +248,8 @@ class Scheduler:
         self.swap.stats.lost_swap_outs += 1
 
     def _tier_takes_blocks(self) -> bool:
-        """A cold tier that still takes demotions (``KVTier.accepts_demotions``: False once a write
-        failed). Read with a default: the scheduler's tests stand in any object for the tier."""
-        return self.tier is not None and getattr(self.tier, "accepts_demotions", True)
+        """A cold tier that still takes demotions (``KVTier.accepts_demotions``: False once a write failed)."""
+        return self.tier is not None and self.tier.accepts_demotions
 
     def _outgrew_hot_pool(self, seq: Sequence) -> bool:
         """The cold tier stopped taking blocks (a write failed) and ``seq`` holds more tokens than the

@@ -9,6 +9,8 @@ and with prefix caching; Quest reads only the cold pages it selects.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -309,7 +311,8 @@ def _running(sched, n_tokens, arrival, table):
 
 def test_scheduler_demotes_oldest_positions_first_never_open_or_shared_blocks():
     alloc = BlockAllocator(9, num_cold=16)  # 8 hot blocks
-    sched = Scheduler(alloc, 4, 8, 64, tier=object())  # any tier: the scheduler only lists the moves
+    # a stand-in tier: the scheduler only lists the moves, and asks whether the tier still takes blocks
+    sched = Scheduler(alloc, 4, 8, 64, tier=SimpleNamespace(accepts_demotions=True))
     a = _running(sched, 12, 1.0, alloc.allocate(4))  # 3 full blocks + the open one
     b = _running(sched, 11, 2.0, alloc.allocate(3))  # 2 full blocks + the open one
     c = _running(sched, 3, 3.0, alloc.allocate(1))
