@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -20,7 +21,7 @@ import torch
 
 from llmsys.engine.config import EngineConfig
 from llmsys.engine.detokenizer import IncrementalDetokenizer, StopChecker
-from llmsys.kernels.common.errors import ContextOverflowError, InvalidParameterError
+from llmsys.kernels.common.errors import ContextOverflowError, InvalidParameterError, KVReadError
 from llmsys.engine.attention import make_backend
 from llmsys.engine.kv_cache import BlockAllocator, KVCacheSpec, make_kv_pool
 from llmsys.engine.loader.common import LoadedModel
@@ -35,6 +36,8 @@ from llmsys.offload.kv_swap import make_swap_space
 from llmsys.offload.kv_tier import make_kv_tier
 from llmsys.offload.runtime import OffloadRuntime
 from llmsys.quant.base import kernel_counts
+
+log = logging.getLogger(__name__)
 
 
 class TokenConstraint(Protocol):
@@ -81,20 +84,31 @@ class MemoryReport:
     stored_formats: dict[str, str] = field(default_factory=dict)
 
 
-def _apply_constraints(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+def _apply_constraints(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, dict[str, str]]:
     """Mask tokens a request's constraint forbids (logits [B, V] -> -inf).
 
     Per request, not per batch: a constrained row must not change what an
-    unconstrained neighbour samples, so only its own row is touched.
+    unconstrained neighbour samples, so only its own row is touched. A
+    constraint that raises fails its own request only: returns those request
+    ids with a one-line reason (their rows are sampled and dropped).
     """
     rows = [i for i, s in enumerate(seqs) if s.state.constraint is not None]
     if not rows:
-        return logits
-    logits = logits.clone()
+        return logits, {}
+    logits, broken = logits.clone(), {}
     for i in rows:
-        allowed = seqs[i].state.constraint.allowed(logits.shape[-1]).to(logits.device)  # [V] bool
+        try:
+            allowed = seqs[i].state.constraint.allowed(logits.shape[-1]).to(logits.device)  # [V] bool
+        except Exception as e:
+            broken[seqs[i].request_id] = _constraint_failure(e)
+            continue
         logits[i].masked_fill_(~allowed, float("-inf"))
-    return logits
+    return logits, broken
+
+
+def _constraint_failure(e: Exception) -> str:
+    log.exception("a request's token constraint failed")
+    return f"the request's output constraint failed: {type(e).__name__}: {e}".splitlines()[0]
 
 
 class EngineCore:
@@ -209,7 +223,17 @@ class EngineCore:
             st = self.requests[s.request_id].state
             if st.start_time is None:
                 st.start_time = now
-        result = self.forward(sched)
+        try:
+            result = self.forward(sched)
+        except KVReadError as e:
+            # Offload blocks that could not be read back: their sequences re-prefill, every other
+            # sequence runs this step again next time (it changed nothing they hold: module doc of
+            # offload/kv_tier.py). A loss nobody holds would fail again each step: raise it.
+            if not self.scheduler.drop_unreadable(e.blocks):
+                raise
+            return chunks
+        except Exception as e:
+            return chunks + self._isolate(sched, e)
         if self.swap is not None and sched.num_tokens > len(sched.scheduled):
             # A step with prefill chunks: what recomputing a token costs here (swap vs recompute).
             self.swap.observe_prefill(time.perf_counter() - now, sched.num_tokens)
@@ -223,12 +247,20 @@ class EngineCore:
             generators=[s.generator for s in seqs],
             eos_token_ids=self.eos_token_ids,
         )
-        sampled = self.sampler.sample(_apply_constraints(result.logits, seqs), batch)
-        self.scheduler.append_tokens(seqs, sampled.token_ids)
+        logits, broken = _apply_constraints(result.logits, seqs)
+        sampled = self.sampler.sample(logits, batch)
         now = time.perf_counter()
         for seq, tok, lp in zip(seqs, sampled.token_ids, sampled.logprobs):
-            if seq.state.constraint is not None:
-                seq.state.constraint.advance(tok)
+            if seq.state.constraint is not None and seq.request_id not in broken:
+                try:
+                    seq.state.constraint.advance(tok)
+                except Exception as e:
+                    broken[seq.request_id] = _constraint_failure(e)
+            if seq.request_id in broken:
+                self.scheduler.finish(seq, "error")
+                chunks.extend(self._failed([(seq.request_id, broken[seq.request_id])]))
+                continue
+            self.scheduler.append_tokens([seq], [tok])
             chunk = self._append(seq, tok, lp, now)
             if chunk is not None:
                 chunks.append(chunk)
@@ -269,6 +301,22 @@ class EngineCore:
         seq.finish_time = now
         self.requests.pop(seq.request_id, None)
         return self._final_chunk(seq, delta, [tok], lps)
+
+    def _isolate(self, sched: SchedulerOutput, e: Exception) -> list[StreamChunk]:
+        """The step raised (a kernel fault, a bug). One sequence's fault must not fail its neighbours:
+        a batch's sequences are run one per step from now on (``Scheduler.isolate``), and only a
+        sequence whose step fails alone ends, with finish_reason "error" and the exception's line.
+        Nothing the failed step computed was recorded, so each runs that step again."""
+        ids = [s.request_id for s in sched.scheduled]
+        if len(ids) > 1:
+            log.warning("an engine step of %d requests failed (%s: %s); running them one at a time",
+                        len(ids), type(e).__name__, e)
+            self.scheduler.isolate(ids)
+            return []
+        log.exception("an engine step failed for request %s alone; ending it", ids[0])
+        seq = self.requests[ids[0]]
+        self.scheduler.finish(seq, "error")
+        return self._failed([(ids[0], f"the engine failed on this request: {type(e).__name__}: {e}".splitlines()[0])])
 
     def _failed(self, failed: list[tuple[str, str]]) -> list[StreamChunk]:
         """Final chunks (finish_reason "error", ``error`` = the scheduler's one line) of the requests

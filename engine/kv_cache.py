@@ -233,6 +233,19 @@ class BlockAllocator:
             self._block_of[key] = block
             self._hash_of[block] = key
 
+    def unregister(self, blocks: set[int]) -> None:
+        """These blocks' contents are lost (an offload read failed): no later prompt may find them.
+        One already free and waiting in a cached list becomes a plain free block."""
+        for b in blocks:
+            key = self._hash_of.pop(b, None)
+            if key is None:
+                continue
+            del self._block_of[key]
+            cached = self._cold_cached if b >= self.num_blocks else self._cached
+            if b in cached:
+                del cached[b]
+                (self._cold_free if b >= self.num_blocks else self._free).append(b)
+
     def lookup(self, keys: list[bytes]) -> list[int]:
         """Blocks for the longest registered prefix of ``keys``, each with one more reference."""
         out = []

@@ -144,6 +144,9 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.requests: dict[str, Sequence] = {}  # every unfinished sequence by request id
         self._swapped_in: set[int] = set()  # id() of sequences whose blocks are copied in this step
+        # Request ids of a batched step that raised (:meth:`isolate`): they run one per step, nothing
+        # else beside them, until each has run a step alone, so a fault fails only its own request.
+        self._suspects: set[str] = set()
 
     # -- queue management -------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -227,18 +230,41 @@ class Scheduler:
             seq.swapped_blocks = ids
             swap.stats.swap_outs += 1
         else:
-            seq.num_computed = 0
-            if seq.kv is not None:
-                seq.kv.reset()
+            self._forget_computed(seq)
             if swap is not None:
                 swap.stats.recomputes += 1
+        self._requeue(seq)
+        out.preempted.append(seq.request_id)
+
+    @staticmethod
+    def _forget_computed(seq: Sequence) -> None:
+        """Its KV is dropped: every token is computed again when it runs (recompute)."""
+        seq.num_computed = 0
+        if seq.kv is not None:
+            seq.kv.reset()
+
+    def _requeue(self, seq: Sequence) -> None:
+        """Back to the head of the queue without its blocks (taken off ``running`` by the caller)."""
         self.allocator.free(seq.block_table)
         seq.block_table = []
         forget_blocks(seq)
         seq.num_preemptions += 1
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
-        out.preempted.append(seq.request_id)
+
+    def drop_unreadable(self, blocks: tuple[int, ...]) -> list[str]:
+        """KV blocks could not be read back (``KVReadError`` from a swap-in or the cold tier) and the
+        step that needed them did not run. Every running sequence holding one drops its KV and is
+        re-prefilled (the same tokens, as after a recompute preemption); the blocks leave the prefix
+        cache. Returns those sequences' request ids; the others simply run the step again."""
+        lost = set(blocks)
+        self.allocator.unregister(lost)
+        hit = [s for s in self.running if not lost.isdisjoint(s.block_table)]
+        for seq in sorted(hit, key=lambda s: s.arrival, reverse=True):  # the oldest ends up first in line
+            self.running.remove(seq)
+            self._forget_computed(seq)
+            self._requeue(seq)
+        return [s.request_id for s in hit]
 
     def _recompute_unswapped(self, seq: Sequence) -> None:
         """Its swap-out could not be written (offload.kv_swap): re-prefill it instead of copying back."""
@@ -266,14 +292,27 @@ class Scheduler:
         why = f"its KV ({seq.num_tokens} tokens) does not fit the {hot}-token KV pool"
         tier = self.tier
         if tier is not None and not self._tier_takes_blocks():
-            why += (f": the KV offload tier stopped taking blocks after a write failed ({tier.write_error}); "
-                    "free space in the offload folder or raise --kv-cache-tokens")
+            why += (f": the KV offload tier stopped taking blocks after {tier.failure}; "
+                    "free space in (or fix) the offload folder's disk, or raise --kv-cache-tokens")
         self.finish(seq, "error")
         out.failed.append((seq.request_id, why))
+
+    def isolate(self, request_ids: list[str]) -> None:
+        """A step of these sequences raised: from now on each runs alone (see ``_suspects``)."""
+        self._suspects.update(request_ids)
+
+    def _next_suspect(self) -> Sequence | None:
+        """The oldest running sequence still to run a step alone (None: no step is being isolated)."""
+        if not self._suspects:
+            return None
+        running = [s for s in self.running if s.request_id in self._suspects]
+        self._suspects = {s.request_id for s in running}  # a finished or preempted one is no longer watched
+        return min(running, key=lambda s: s.arrival) if running else None
 
     def schedule(self) -> SchedulerOutput:
         """Decide the next step; the sequences' block tables and queues change here, tokens do not."""
         out = SchedulerOutput()
+        alone = self._next_suspect()
         chosen: list[tuple[Sequence, int]] = []  # turned into data at the end: a later demotion edits tables
         budget = self.max_tokens
         if self.swap is not None:
@@ -281,8 +320,8 @@ class Scheduler:
         self._swapped_in.clear()
         # 1. Running sequences (decodes, or prefills continuing in chunks), oldest first.
         for seq in sorted(self.running, key=lambda s: s.arrival):
-            if seq not in self.running:
-                continue  # preempted below to make room for an older one
+            if seq not in self.running or (alone is not None and seq is not alone):
+                continue  # preempted below to make room for an older one, or not the one run alone
             if budget <= 0:
                 break
             n = min(seq.num_tokens - seq.num_computed, budget)
@@ -300,7 +339,7 @@ class Scheduler:
             chosen.append((seq, n))
             budget -= n
         # 2. Waiting sequences, in arrival order, while budget and blocks last.
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while alone is None and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.request_id in out.preempted:
                 # Preempted in this step: its swap-out is not copied yet, so it may not come back
@@ -346,6 +385,8 @@ class Scheduler:
         newly full blocks are findable by later prompts. Returns the sequences that sample, in
         ``result.sample_ids`` order (their tokens come back through :meth:`append_tokens`)."""
         chunks = [SeqChunk(self.requests[s.request_id], s.num_new_tokens) for s in out.scheduled]
+        if self._suspects:
+            self._suspects.difference_update(s.request_id for s in out.scheduled)  # ran without a fault
         if self.kv_policy is not None:
             self.kv_policy.after_forward(chunks, result.meta)  # reads num_computed before the advance
         for c in chunks:  # every chunk advances, a mid-prefill one too

@@ -24,6 +24,13 @@ nothing that cannot be rebuilt: the blocks it could not write are marked lost
 of copying them back (recompute, the same tokens), and the swap space takes no
 more swap-outs (:attr:`KVSwapSpace.write_error`): every later preemption
 recomputes. One full disk costs speed, never a request.
+
+A swap-in whose read fails (an I/O error, a short read) is the same loss found
+later: the blocks that were read are copied in, then :meth:`KVSwapSpace.copy_in`
+raises :class:`~llmsys.kernels.common.errors.KVReadError` naming the pool
+blocks left without their data; the engine re-prefills the sequences holding
+them (``Scheduler.drop_unreadable``) and the swap space takes no more
+swap-outs (:attr:`KVSwapSpace.read_error`).
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from pathlib import Path
 
 import torch
 
+from llmsys.kernels.common.errors import KVReadError
 from llmsys.kernels.common.protocols import KVPool
 from llmsys.offload.budgets import disk_free
 
@@ -54,6 +62,7 @@ class SwapStats:
     swap_outs: int = 0  # preemptions that swapped out (lost_swap_outs of them could not be written)
     recomputes: int = 0  # preemptions that dropped the KV (recompute later)
     lost_swap_outs: int = 0  # swap-outs whose write failed: their sequences recomputed instead
+    lost_swap_in_blocks: int = 0  # blocks whose read failed: their sequences recomputed instead
     bytes_moved: int = 0
     seconds: float = 0.0
 
@@ -79,6 +88,7 @@ class KVSwapSpace:
         self._pending_free: list[int] = []  # freed by a swap-in scheduled this step (copied in the runner)
         self._lost: set[int] = set()  # allocated swap blocks whose copy-out failed (their data is not there)
         self.write_error: str | None = None  # the first failed write; set: no more swap-outs
+        self.read_error: str | None = None  # the last failed read; set: no more swap-outs
         self.stats = SwapStats()
         self.gbps: float | None = None  # measured copy speed (None: the tier's prior)
         self.recompute_s_per_token: float | None = None  # fed back by the engine core
@@ -137,7 +147,7 @@ class KVSwapSpace:
 
     def prefer_swap(self, num_blocks: int, num_tokens: int) -> bool:
         """Swap (True) or recompute (False) a sequence holding ``num_tokens`` in ``num_blocks``?"""
-        if num_blocks == 0 or num_blocks > len(self._free) or self.write_error is not None:
+        if num_blocks == 0 or num_blocks > len(self._free) or self.write_error or self.read_error:
             return False
         if self.recompute_s_per_token is None:
             return True  # nothing measured yet: keeping computed work is the safe bet
@@ -208,21 +218,36 @@ class KVSwapSpace:
             self._account(done, time.perf_counter() - t0, out=True)
 
     def copy_in(self, pairs: list[tuple[int, int]]) -> None:
-        """Swap block -> pool block, for every layer."""
+        """Swap block -> pool block, for every layer.
+
+        A block that cannot be read is skipped (the others are copied in), then
+        :class:`KVReadError` names the pool blocks left without their data.
+        """
         if not pairs:
             return
         t0 = time.perf_counter()
+        failed: list[int] = []  # pool blocks
         if self.tier == "cpu":
             data = self._store.index_select(0, torch.tensor([s for s, _ in pairs]))
         else:
             data = torch.empty((len(pairs), *self._block_shape), dtype=self.kv.spec.dtype)
             raw = data.view(torch.uint8).numpy().reshape(len(pairs), self.chunk_bytes)
-            for i, (s, _) in enumerate(pairs):
-                got = os.preadv(self._fd, [raw[i]], s * self.chunk_bytes)
-                if got != self.chunk_bytes:
-                    raise OSError(f"KV swap file {self._path}: short read of block {s} ({got} of {self.chunk_bytes} bytes)")
-        self._scatter([p for _, p in pairs], data)
-        self._account(len(pairs), time.perf_counter() - t0, out=False)
+            for i, (s, p) in enumerate(pairs):
+                try:
+                    read_block(self._fd, raw[i], s * self.chunk_bytes)
+                except OSError as e:
+                    failed.append(p)
+                    self.read_error = f"{self._path}: {e.strerror or e}"
+        if failed:
+            bad = set(failed)
+            keep = [i for i, (_, p) in enumerate(pairs) if p not in bad]
+            pairs, data = [pairs[i] for i in keep], data[keep]
+            self.stats.lost_swap_in_blocks += len(failed)
+        if pairs:
+            self._scatter([p for _, p in pairs], data)
+            self._account(len(pairs), time.perf_counter() - t0, out=False)
+        if failed:
+            raise KVReadError(f"KV swap file {self.read_error}", failed)
 
     def _account(self, n: int, seconds: float, out: bool) -> None:
         nbytes = n * self.chunk_bytes
@@ -249,6 +274,13 @@ def write_block(fd: int, data, offset: int) -> None:
     n = os.pwrite(fd, data, offset)
     if n < len(data):
         raise OSError(errno.ENOSPC, f"short write ({n} of {len(data)} bytes)")
+
+
+def read_block(fd: int, buf, offset: int) -> None:
+    """Fill ``buf`` from ``offset``; a short read (the file ends early, a failing disk) is EIO."""
+    n = os.preadv(fd, [buf], offset)
+    if n < len(buf):
+        raise OSError(errno.EIO, f"short read ({n} of {len(buf)} bytes)")
 
 
 def _block_shape(kv: KVPool) -> tuple[int, ...]:

@@ -44,6 +44,13 @@ demotions at most) and reads take them from there. The tier then takes no
 more demotions (:attr:`KVTier.accepts_demotions`): the scheduler preempts
 (recompute) instead, and fails with a clean error only a request whose KV no
 longer fits the hot pool alone.
+
+A read that fails (an I/O error, a short read) loses the blocks of that run:
+the read raises :class:`~llmsys.kernels.common.errors.KVReadError` with their
+cold ids, the step is dropped, the engine re-prefills only the sequences
+holding them (``Scheduler.drop_unreadable``), and the tier takes no more
+demotions, as after a failed write: a disk that fails reads would otherwise
+make the same sequence demote, fail and recompute forever.
 """
 
 from __future__ import annotations
@@ -59,7 +66,7 @@ from pathlib import Path
 
 import torch
 
-from llmsys.kernels.common.errors import InvalidParameterError
+from llmsys.kernels.common.errors import InvalidParameterError, KVReadError
 from llmsys.kernels.common.protocols import KVPool
 from llmsys.kernels import ColdBlocks
 from llmsys.offload.streamer import pread_full
@@ -75,6 +82,7 @@ class KVTierStats:
 
     demoted_blocks: int = 0  # blocks moved hot -> cold (all layers each)
     spilled_blocks: int = 0  # demoted blocks kept in RAM because their write failed
+    lost_blocks: int = 0  # cold blocks whose read failed: their sequences recomputed
     bytes_written: int = 0
     write_s: float = 0.0
     blocks_read: int = 0  # (layer, block) pairs read back for attention
@@ -136,6 +144,7 @@ class KVTier:
         # Cold blocks whose write failed: cold id -> [L, 2, bs, Hk, D] on the CPU (see the module doc).
         self._spill: dict[int, torch.Tensor] = {}
         self.write_error: str | None = None  # the first failed write; set: no more demotions
+        self.read_error: str | None = None  # the last failed read; set: no more demotions
         if self.tier == "cpu":
             self._store = torch.empty((s.num_layers, *shape), dtype=s.dtype, pin_memory=pin)
             if self.cuda:  # written for GPU pools, untested here (no GPU): see offload/README.md
@@ -170,8 +179,17 @@ class KVTier:
 
     @property
     def accepts_demotions(self) -> bool:
-        """False once a write failed: the scheduler preempts instead of demoting (module doc)."""
-        return self.write_error is None
+        """False once a write or a read failed: the scheduler preempts instead of demoting (module doc)."""
+        return self.write_error is None and self.read_error is None
+
+    @property
+    def failure(self) -> str | None:
+        """Why the tier stopped taking demotions, for a user-facing message (None: it still takes them)."""
+        if self.write_error is not None:
+            return f"a write failed ({self.write_error})"
+        if self.read_error is not None:
+            return f"a read failed ({self.read_error})"
+        return None
 
     # -- the file -----------------------------------------------------------------
     def _open(self, folder: Path) -> None:
@@ -285,8 +303,12 @@ class KVTier:
                 view = self._views[buf][kind]
                 for j0, c0, m in runs:
                     off, dst = self._offset(layer, kind, c0), view[j0 * sb : (j0 + m) * sb]
-                    if pread_full(self._fd, [dst], off) < len(dst):
-                        raise OSError(f"KV offload file {self._path}: short read of layer {layer} block {c0}")
+                    try:
+                        got = pread_full(self._fd, [dst], off)
+                        if got < len(dst):
+                            raise OSError(errno.EIO, f"short read ({got} of {len(dst)} bytes)")
+                    except OSError as e:
+                        self._lost(layer, list(range(c0, c0 + m)), e)
                     if self.drop_cache:
                         os.posix_fadvise(self._fd, off, m * sb, os.POSIX_FADV_DONTNEED)
             if self._spill:  # blocks a failed write left in RAM: the file does not have them
@@ -311,6 +333,13 @@ class KVTier:
         st.read_s += time.perf_counter() - t0
         st.blocks_read += n
         st.bytes_read += n * self.layer_block_bytes
+
+    def _lost(self, layer: int, cold: list[int], e: OSError) -> None:
+        """A read of ``cold`` failed: no more demotions, and the step learns which blocks are gone."""
+        why = f"{self._path}: {e.strerror or e} reading layer {layer} blocks {cold[0]}..{cold[-1]}"
+        self.read_error = why
+        self.stats.lost_blocks += len(cold)
+        raise KVReadError(f"KV offload file {why}", cold) from None
 
     def _wait(self, layer: int) -> None:
         self._submit(layer)

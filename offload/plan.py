@@ -356,12 +356,19 @@ def plan_placement(shape: ModelShape, budgets: Budgets, bw: Bandwidths, workload
     if best is None:
         from llmsys.kernels.common.errors import BudgetError
 
-        what = "--cpu-mem" if not gpu else "--gpu-mem/--cpu-mem"
+        if budgets.cpu_explicit or budgets.gpu_explicit:
+            what = "--cpu-mem" if not gpu else "--gpu-mem/--cpu-mem"
+            what, fix = f"{what} {format_bytes(budgets.cpu)}", "raise the budget or shrink "
+        else:  # no flag set the budget: it is the RAM free now, and the flags that sized the need are the fix
+            what, fix = f"the free CPU RAM ({format_bytes(budgets.cpu)})", "free memory or shrink "
+        if act > kv_bytes:
+            fix += "the step's activations (--max-num-seqs, --max-num-batched-tokens)"
+        else:
+            fix += "the KV pool (--kv-cache-tokens, --max-model-len)"
         raise BudgetError(
-            f"{what} {format_bytes(budgets.cpu)} is too small to run even one layer at a time: this model needs at least "
+            f"{what} is too small to run even one layer at a time: this model needs at least "
             f"{format_bytes(min_cpu or 0)} of CPU RAM (2 staging buffers of {format_bytes(max(layer_bytes, chunk_bytes))}, "
-            f"KV pool {format_bytes(kv_bytes)}, activations {format_bytes(act)}); raise the budget or shrink the KV pool "
-            "(--kv-cache-tokens)"
+            f"KV pool {format_bytes(kv_bytes)}, activations {format_bytes(act)}); {fix}"
         )
     _, b = best
     b["kinds"] = spread(b["counts"])

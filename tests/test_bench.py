@@ -232,3 +232,13 @@ def test_bandwidths_cached(tmp_path, monkeypatch):
     assert bandwidth.measure_bandwidths(cache=True) == bw  # the planner reads bench's record: one cache
     assert machine_info(bandwidths=bw).bandwidths is bw
     assert machine_info().bandwidths == bw
+
+
+def test_a_thread_count_past_the_cpus_is_clamped_as_run_clamps_it(tiny, machine):
+    """-t 100000 ran torch with 100000 threads; the row now says what ran: the CPUs present."""
+    from llmsys.kernels.common.cpus import usable_cpus
+
+    result = run_bench(_spec(tiny, tests=[TestSpec(0, 2)], repetitions=1, threads=[100000]), machine)
+    (row,) = result.rows
+    assert row.error is None and row.threads == len(usable_cpus()) and row.threads_auto is None
+    assert "-t 100000" in row.command

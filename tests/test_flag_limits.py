@@ -134,3 +134,12 @@ def test_auto_swap_space_fits_half_the_free_disk(monkeypatch, tmp_path):
     assert kv_swap.make_swap_space(kv, None, str(tmp_path)).num_blocks == 2  # not the pool's 6
     monkeypatch.setattr(kv_swap, "disk_free", lambda folder: chunk)
     assert kv_swap.make_swap_space(kv, None, str(tmp_path)) is None  # no room for one block: recompute
+
+
+def test_a_batch_too_large_for_the_ram_names_the_batch_flags_not_cpu_mem(stories_hf, capsys):
+    """No --cpu-mem: the budget is the RAM free now, and the flags that made the need are the fix."""
+    rc = main(_run(stories_hf, "--max-num-seqs", "10000000"))
+    out, err = capsys.readouterr()
+    line = _one_error_line(rc, out, err, "is too small to run even one layer at a time")
+    assert "--cpu-mem" not in line and line.endswith(
+        "free memory or shrink the step's activations (--max-num-seqs, --max-num-batched-tokens)"), line

@@ -9,11 +9,19 @@ tokens); blocks whose demotion failed are kept in RAM (the same tokens), the
 tier takes no more demotions, and only a request that no longer fits the hot
 pool ends with ``finish_reason == "error"`` and a one-line ``error``; the
 engine then serves a new request as before.
+
+A failing read (``offload.kv_swap.read_block``, ``offload.kv_tier.pread_full``
+raising EIO) loses only the blocks it could not read: the sequences holding
+them are re-prefilled (the same greedy tokens), the others run on. A step
+that raises for another reason (a kernel fault) is retried one sequence at a
+time, so only the request whose step fails alone ends with an error; so does
+a request whose output constraint raises.
 """
 
 from __future__ import annotations
 
 import errno
+import os
 
 import pytest
 import torch
@@ -29,14 +37,15 @@ LONG = "Once upon a time there was a little girl named Lily. She loved to play o
 SP = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
 
 
-def _disk_full_after(monkeypatch, module, name: str, writes: int) -> list[int]:
-    """Let ``writes`` calls of ``module.name`` through, then raise ENOSPC; returns [calls so far]."""
+def _disk_full_after(monkeypatch, module, name: str, writes: int, err: int = errno.ENOSPC) -> list[int]:
+    """Let ``writes`` calls of ``module.name`` through, then raise ``err`` (ENOSPC: a full disk; EIO:
+    a failing one); returns [calls so far]."""
     real, calls = getattr(module, name), [0]
 
     def write(*args):
         calls[0] += 1
         if calls[0] > writes:
-            raise OSError(errno.ENOSPC, "No space left on device")
+            raise OSError(err, os.strerror(err))
         return real(*args)
 
     monkeypatch.setattr(module, name, write)
@@ -162,3 +171,153 @@ def test_a_failed_demotion_fails_only_the_request_that_outgrew_the_hot_pool(stor
     assert toks == plain["long"][: len(toks)]  # what it streamed before was right
     assert llm.core.allocator.num_used == 0
     assert _drive(llm, [LATER], [SP]) == [(plain["later"], "length", None)]  # and the engine serves on
+
+
+# -- failed reads: the swap space and the cold tier ------------------------------------------------
+
+
+def test_a_failed_swap_in_recomputes_with_the_same_tokens(stories_hf, tmp_path, monkeypatch, plain):
+    llm = LLM(str(stories_hf), dtype="float32", progress=False, kv_cache_tokens=160, block_size=8,
+              offload_dir=str(tmp_path))
+    sw = llm.core.swap
+    calls = _disk_full_after(monkeypatch, kv_swap, "read_block", 2, errno.EIO)
+    out = llm.generate(PROMPTS, SP)
+    assert calls[0] > 2  # a read did fail
+    assert [o.token_ids for o in out] == plain["prompts"]
+    assert {o.finish_reason for o in out} == {"length"}
+    assert sw.read_error is not None and "Input/output error" in sw.read_error
+    assert sw.stats.lost_swap_in_blocks >= 1 and sw.stats.swapped_in_blocks == 2
+    assert not sw.prefer_swap(1, 1000)  # no more swap-outs after a failed read
+    assert llm.core.allocator.num_used == 0 and sw.num_used == 0
+    assert llm.generate(LATER, SP)[0].token_ids == plain["later"]
+
+
+def test_a_failed_swap_read_names_the_pool_blocks_and_copies_the_rest():
+    from llmsys.kernels.common.errors import KVReadError
+
+    kv = random_kv_pool()
+    sw = KVSwapSpace(kv, 4, tier="disk")
+    ids = sw.allocate(2)
+    sw.copy_out([(1, ids[0]), (2, ids[1])])
+    want = kv.k[0][2].clone()
+    for t in kv.k + kv.v:
+        t[4:6].zero_()
+    real, n = kv_swap.read_block, [0]
+
+    def first_fails(*a):
+        n[0] += 1
+        if n[0] == 1:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(*a)
+
+    kv_swap.read_block = first_fails
+    try:
+        with pytest.raises(KVReadError) as e:
+            sw.copy_in([(ids[0], 4), (ids[1], 5)])
+    finally:
+        kv_swap.read_block = real
+    assert e.value.blocks == (4,) and "Input/output error" in str(e.value)
+    assert torch.equal(kv.k[0][5], want)  # the block that could be read is in place
+    assert sw.stats.swapped_in_blocks == 1 and sw.stats.lost_swap_in_blocks == 1
+    sw.close()
+
+
+def test_a_failed_cold_read_recomputes_only_its_holders(stories_hf, tmp_path, monkeypatch, plain):
+    llm = LLM(str(stories_hf), dtype="float32", progress=False, kv_cache_tokens=128, kv_offload_tokens=2048,
+              offload_dir=str(tmp_path), max_num_batched_tokens=32)
+    tier = llm.core.tier
+    calls = _disk_full_after(monkeypatch, kv_tier, "pread_full", 40, errno.EIO)
+    sps = [SP] * len(PROMPTS) + [SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)]
+    got = _drive(llm, [*PROMPTS, LONG], sps)
+    assert calls[0] > 40
+    assert tier.read_error is not None and "Input/output error" in tier.read_error
+    assert tier.stats.lost_blocks > 0 and not tier.accepts_demotions
+    assert [g[0] for g in got[:4]] == plain["prompts"] and {g[1:] for g in got[:4]} == {("length", None)}
+    # The long one needed the tier, which no longer takes blocks: a clean error of its own, naming the read.
+    toks, reason, error = got[4]
+    assert reason == "error" and "\n" not in error and "a read failed" in error and "Input/output error" in error
+    assert toks == plain["long"][: len(toks)]
+    assert llm.core.allocator.num_used == 0 and llm.core.allocator.num_cold_used == 0
+    assert _drive(llm, [LATER], [SP]) == [(plain["later"], "length", None)]
+
+
+def test_unreadable_blocks_leave_the_prefix_cache():
+    from llmsys.engine.kv_cache import BlockAllocator
+
+    a = BlockAllocator(6, num_cold=3)
+    b = a.allocate(2)
+    a.register(b[0], b"k0")
+    a.register(b[1], b"k1")
+    c = a.demote(b[1])
+    a.free([b[0], c])  # both wait, registered, in their cached lists
+    assert a.num_cached == 1 and a.num_cold_cached == 1
+    a.unregister({b[0], c})
+    assert a.lookup([b"k0"]) == [] and a.lookup([b"k1"]) == []
+    assert a.num_cached == 0 and a.num_cold_cached == 0 and a.num_free == 5 and a.num_cold_free == 3
+
+
+# -- a fault in one request's work fails that request only ------------------------------------------
+
+
+def test_a_step_fault_fails_only_the_request_that_faults_alone(stories_hf, monkeypatch, plain):
+    llm = LLM(str(stories_hf), dtype="float32", progress=False, kv_cache_tokens=2048, swap_space=0,
+              max_num_batched_tokens=32)
+    poison = "The dragon roared"
+    bad = llm.encode(poison)  # the fault fires on a step that feeds this prompt
+    runner, real, calls = llm.core.runner, llm.core.runner.forward, []
+
+    def faulty(batch):
+        ids = batch.input_ids.tolist()
+        hit = any(ids[i : i + len(bad)] == bad for i in range(len(ids)))
+        calls.append((len(ids), hit))
+        if hit:
+            raise RuntimeError("kernel fault on a poisoned row")
+        return real(batch)
+
+    monkeypatch.setattr(runner, "forward", faulty)
+    got = _drive(llm, [PROMPTS[0], poison, *PROMPTS[1:]], [SP] * 5)
+    toks, reason, error = got[1]
+    assert reason == "error" and toks == []
+    assert error == "the engine failed on this request: RuntimeError: kernel fault on a poisoned row"
+    assert [g[0] for g in got[:1] + got[2:]] == plain["prompts"]
+    assert {g[1:] for g in got[:1] + got[2:]} == {("length", None)}
+    faults = [n for n, hit in calls if hit]
+    assert len(faults) == 2 and faults[0] > faults[1] == len(bad)  # in the batch, then alone
+    assert not llm.core.scheduler._suspects and llm.core.allocator.num_used == 0
+    assert _drive(llm, [LATER], [SP]) == [(plain["later"], "length", None)]
+
+
+def test_a_failing_constraint_fails_only_its_request(stories_hf, plain):
+    llm = LLM(str(stories_hf), dtype="float32", progress=False, kv_cache_tokens=2048, swap_space=0,
+              max_num_batched_tokens=32)
+
+    class Broken:
+        def __init__(self, fail_in: str):
+            self.fail_in, self.n = fail_in, 0
+
+        def allowed(self, vocab):
+            if self.fail_in == "allowed" and self.n == 3:
+                raise ValueError("grammar state lost")
+            return torch.ones(vocab, dtype=torch.bool)
+
+        def advance(self, token_id):
+            self.n += 1
+            if self.fail_in == "advance" and self.n == 5:
+                raise ValueError("grammar rejected the token")
+
+    core = llm.core
+    rids = [core.add_request(llm.encode(p), SP) for p in PROMPTS[:2]]
+    rids += [core.add_request(llm.encode(PROMPTS[2]), SP, constraint=Broken("allowed")),
+             core.add_request(llm.encode(PROMPTS[3]), SP, constraint=Broken("advance"))]
+    toks, final = {r: [] for r in rids}, {}
+    while len(final) < len(rids):
+        for ch in core.step():
+            toks[ch.request_id].extend(ch.token_ids)
+            if ch.finished:
+                final[ch.request_id] = (ch.finish_reason, ch.error)
+    assert [toks[r] for r in rids[:2]] == plain["prompts"][:2]
+    assert final[rids[2]] == ("error", "the request's output constraint failed: ValueError: grammar state lost")
+    assert toks[rids[2]] == plain["prompts"][2][:3]
+    assert final[rids[3]] == ("error", "the request's output constraint failed: ValueError: grammar rejected the token")
+    assert toks[rids[3]] == plain["prompts"][3][:4]
+    assert core.allocator.num_used == 0

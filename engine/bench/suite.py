@@ -382,13 +382,15 @@ def run_bench(spec: BenchSpec, machine: MachineInfo, progress: Progress | None =
             log(kernels_line(cfg, llm.memory_report().kernels))
         cfg_rows: list[tuple[BenchRow, TestSpec, int | None]] = []
         for threads in spec.threads:
-            torch.set_num_threads(threads or default_threads)
+            # An explicit -t past the CPUs present is clamped as `llmsys run` clamps it; the row says what ran.
+            n_threads = choose_threads(threads).threads if threads else default_threads
+            torch.set_num_threads(n_threads)
             for batch in spec.batches:
                 for test in spec.tests:
                     row = BenchRow(
                         model=label, synthetic=bool(spec.synthetic), params=None, test=test.name,
                         n_prompt=test.n_prompt, n_gen=test.n_gen, depth=test.depth, batch=batch,
-                        threads=threads or default_threads, device="?", dtype=cfg.dtype, quant=cfg.quant,
+                        threads=n_threads, device="?", dtype=cfg.dtype, quant=cfg.quant,
                         kv_dtype=cfg.kv_dtype, kv_policy=cfg.kv_policy, gpu_mem=cfg.gpu_mem, cpu_mem=cfg.cpu_mem,
                         error=load_error, command=row_command(spec, cfg, test, batch, threads),
                         threads_auto=None if threads else auto.reason,
@@ -410,7 +412,7 @@ def run_bench(spec: BenchSpec, machine: MachineInfo, progress: Progress | None =
             except Exception as e:  # noqa: BLE001
                 err = _error_text(e)
             for row, test, threads in cfg_rows:
-                torch.set_num_threads(threads or default_threads)
+                torch.set_num_threads(row.threads)
                 if progress is not None:
                     progress(done, total, f"{kind} {test.name} b{row.batch} t{row.threads}")
                 row.baselines[kind] = _measure_baseline(base, err, row, spec, test, row.batch)
@@ -451,9 +453,8 @@ class ContextLimit:
         need = test.tokens_needed
         what = f"--max-model-len {self.tokens}" if self.from_flag else ("its sliding window" if self.capped else "its trained context")
         fix = f"use a smaller {test.sized_by}"
-        if not self.capped:
-            past = f" (past the trained {self.trained} tokens, quality may drop)" if need > self.trained else ""
-            fix += f", or --max-model-len {need}{past}"
+        if not self.capped and need <= self.trained:  # the engine refuses a --max-model-len past the model's
+            fix += f", or --max-model-len {need}"
         return f"{test.name} needs {need} tokens of context but the model's context is {self.tokens} ({what}); {fix}"
 
 

@@ -57,3 +57,17 @@ class BudgetError(LLMSysError):
 
 class HubError(LLMSysError):
     """Download failures (offline, repo missing)."""
+
+
+class KVReadError(OSError):
+    """KV blocks could not be read back from an offload tier (the swap file, the cold KV tier).
+
+    Not a user error: the engine catches it around a step. ``blocks`` are the
+    block ids as block tables hold them (pool ids for a swap-in, cold ids for
+    the tier), so the engine re-prefills only the sequences holding them and
+    every other request carries on.
+    """
+
+    def __init__(self, message: str, blocks: list[int]):
+        super().__init__(message)
+        self.blocks = tuple(blocks)
