@@ -496,6 +496,10 @@ typedef struct {
     const void *scales;
     int64_t s_n, s_g;
     int kind;  /* scales: 0 bf16, 1 float32, 2 float16 */
+    /* float32 offsets at [n * o_n + g * o_g], w = scale * q + offset (GGUF Q4_K / Q4_1: a float minimum per
+       group), or NULL: integer zero points, w = scale * (q - zero). Only the a8 GEMV reads them. */
+    const float *offs;
+    int64_t o_n, o_g;
 } int4_meta;
 
 static void meta_scalar(const int4_meta *md, int64_t row0, int64_t rows, int64_t g, float *zf, float *sf) {
@@ -782,7 +786,7 @@ int llmsys_qgemv_int4(const uint16_t *x, int64_t ldx, const uint8_t *packed, con
                       int64_t ldo, int64_t m_count, int64_t n, int64_t kp, int64_t k, int64_t gs, int threads) {
     if (m_count <= 0 || n <= 0 || gs % 32 || gs > 128 || kp % gs || k <= kp - gs || k > kp || ldx < k || ldo < n)
         return 1;
-    const int4_meta md = {zeros, z_n, z_g, scales, s_n, s_g, scale_kind};
+    const int4_meta md = {zeros, z_n, z_g, scales, s_n, s_g, scale_kind, NULL, 0, 0};
 #ifdef QG_BF16
     uint32_t *xw = pairs(x, ldx, m_count, k, kp / 2, threads);
     if (!xw) return 2;
@@ -943,7 +947,7 @@ int llmsys_qgemm_int4(const uint16_t *x, int64_t ldx, const uint8_t *packed, con
 #else
     if (m_count <= 0 || n <= 0 || gs % 32 || gs > 128 || kp % gs || k <= kp - gs || k > kp || ldx < k || ldo < n)
         return 1;
-    const int4_meta md = {zeros, z_n, z_g, scales, s_n, s_g, scale_kind};
+    const int4_meta md = {zeros, z_n, z_g, scales, s_n, s_g, scale_kind, NULL, 0, 0};
     uint32_t *xw = pairs(x, ldx, m_count, k, kp / 2, threads);
     if (!xw) return 2;
     const int64_t blocks = (n + 63) / 64, mblocks = (m_count + GM_MB - 1) / GM_MB, bytes = kp * 32;
@@ -991,6 +995,8 @@ int llmsys_qgemm_int4(const uint16_t *x, int64_t ldx, const uint8_t *packed, con
  *   int4: S_b = sum over the block of qx * q[n]; T_b = S_b - zero[n, g] * sx[b]   (exact, g = b's group)
  *         f = f + float(T_b) * (scale[n, g] * dx[b]), in order of b
  *         out[m, n] = bf16(f)
+ *   int4 with float32 offsets (w = scale * q + offset: GGUF Q4_K / Q4_1, whose minimum per group is a float,
+ *         not a multiple of the scale): f = f + (float(S_b) * (scale[n, g] * dx[b]) + float(sx[b]) * (offset[n, g] * dx[b]))
  * float(T_b) is exact (|T_b| < 2^24). The error against the float GEMVs is that of x's int8 rounding,
  * at most d / 2 per element (the perplexity figures in docs/benchmarks.md).
  *
@@ -1293,16 +1299,31 @@ static inline int a8_row(int s) {
 #endif
 }
 
+/* A group's offsets (md->offs set) for the rows of a 64-row block in a8_row's slot order, 0 past `rows`. */
+static void a8_offsets(const int4_meta *md, int64_t row0, int64_t rows, int64_t g, float *os) {
+#ifdef QA8_AVX2
+    if (rows == 64 && md->o_n == 1) {
+        for (int v = 0; v < 8; v++)
+            _mm256_store_ps(os + 8 * v, _mm256_loadu_ps(md->offs + row0 + a8_row(8 * v) + g * md->o_g));
+        return;
+    }
+#endif
+    for (int s = 0; s < 64; s++) {
+        const int j = a8_row(s);
+        os[s] = j < rows ? md->offs[(row0 + j) * md->o_n + g * md->o_g] : 0.0f;
+    }
+}
+
 /* A group's zero points and scales for the rows of a 64-row block, in a8_row's slot order. Vector
    loads where the block is full and the rows lie contiguously (Int4Linear's group-major zeros, z_n = 1;
    bf16 scales with s_n = 2, its scales_zeros [G, Np, 2], or s_n = 1; float32 / fp16 scales with s_n = 1,
-   its group-major scales_orig), else meta_scalar's gather. */
+   its group-major scales_orig), else meta_scalar's gather. With offsets the zeros are not read (0). */
 static void a8_meta(const int4_meta *md, int64_t row0, int64_t rows, int64_t g, int32_t *zs, float *ss) {
 #ifdef QA8_AVX2
-    if (rows == 64 && md->z_n == 1 && ((md->kind == 0 && (md->s_n == 2 || md->s_n == 1)) || (md->kind != 0 && md->s_n == 1))) {
+    if (rows == 64 && (md->z_n == 1 || md->offs) && ((md->kind == 0 && (md->s_n == 2 || md->s_n == 1)) || (md->kind != 0 && md->s_n == 1))) {
         for (int v = 0; v < 8; v++) {
             const int64_t r = row0 + a8_row(8 * v);
-            _mm256_store_si256((__m256i *)(zs + 8 * v),
+            _mm256_store_si256((__m256i *)(zs + 8 * v), md->offs ? _mm256_setzero_si256() :
                                _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(md->zeros + r + g * md->z_g))));
             if (md->kind == 1) { /* float32, group-major */
                 _mm256_store_ps(ss + 8 * v, _mm256_loadu_ps((const float *)md->scales + r + g * md->s_g));
@@ -1322,7 +1343,7 @@ static void a8_meta(const int4_meta *md, int64_t row0, int64_t rows, int64_t g, 
 #endif
     float zr[64], sr[64];
     meta_scalar(md, row0, rows, g, zr, sr);
-    for (int s = 0; s < 64; s++) { zs[s] = (int32_t)zr[a8_row(s)]; ss[s] = sr[a8_row(s)]; }
+    for (int s = 0; s < 64; s++) { zs[s] = md->offs ? 0 : (int32_t)zr[a8_row(s)]; ss[s] = sr[a8_row(s)]; }
 }
 
 /* One 64-row block of the CPU int4 tiling against x rows [m0, m1): out[m, row0 + j]. */
@@ -1337,8 +1358,9 @@ static void int4_a8_block(const a8_x *a, int64_t m0, int64_t m1, const uint8_t *
             for (int s = 0; s < 64; s++) acc[m][s] = 0.0f;
         for (int64_t g = 0; g < n_groups; g++) {
             int32_t zs[64] __attribute__((aligned(32)));
-            float ss[64] __attribute__((aligned(32)));
+            float ss[64] __attribute__((aligned(32))), os[64] __attribute__((aligned(32)));
             a8_meta(md, row0, rows, g, zs, ss);
+            if (md->offs) a8_offsets(md, row0, rows, g, os);
             for (int64_t bi = 0; bi < per_g; bi++) {
                 const int64_t b = g * per_g + bi;
                 const uint8_t *p = blk + b * A8 * 32;
@@ -1380,6 +1402,17 @@ static void int4_a8_block(const a8_x *a, int64_t m0, int64_t m1, const uint8_t *
                     /* s32 order: 0-7, 16-23, 8-15, 24-31, 32-39, 48-55, 40-47, 56-63 = a8_row's slots */
                     const __m256i sxv = _mm256_set1_epi32(sxb);
                     const __m256 dv = _mm256_set1_ps(dxb);
+                    if (md->offs) { /* f + (float(S_b) * (scale * d_b) + float(sum qx_b) * (offset * d_b)) */
+                        const __m256 sxf = _mm256_set1_ps((float)sxb);
+                        for (int v = 0; v < 8; v++) {
+                            const __m256 sd = _mm256_mul_ps(_mm256_load_ps(ss + 8 * v), dv);
+                            const __m256 od = _mm256_mul_ps(_mm256_load_ps(os + 8 * v), dv);
+                            const __m256 prod = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s32[v]), sd),
+                                                              _mm256_mul_ps(sxf, od));
+                            _mm256_store_ps(acc[m] + 8 * v, _mm256_add_ps(_mm256_load_ps(acc[m] + 8 * v), prod));
+                        }
+                        continue;
+                    }
                     for (int v = 0; v < 8; v++) {
                         const __m256i t = _mm256_sub_epi32(s32[v], _mm256_mullo_epi32(_mm256_load_si256((const __m256i *)(zs + 8 * v)), sxv));
                         const __m256 sd = _mm256_mul_ps(_mm256_load_ps(ss + 8 * v), dv);
@@ -1398,6 +1431,10 @@ static void int4_a8_block(const a8_x *a, int64_t m0, int64_t m1, const uint8_t *
                         }
                     }
                     for (int s = 0; s < 64; s++) {
+                        if (md->offs) {
+                            acc[m][s] = acc[m][s] + ((float)S[s] * (ss[s] * dxb) + (float)sxb * (os[s] * dxb));
+                            continue;
+                        }
                         const int32_t t = S[s] - zs[s] * sxb;
                         acc[m][s] = acc[m][s] + (float)t * (ss[s] * dxb);
                     }
@@ -1518,7 +1555,7 @@ static void int4_a8_block_vnni(const a8_x *a, int64_t m0, int64_t m1, const uint
 static void int4_a8_rows(const a8_x *a, int64_t m0, int64_t m1, const uint8_t *blk, const int4_meta *md,
                          int64_t n_groups, int64_t gs, int64_t row0, int64_t n_rows, uint16_t *out, int64_t ldo) {
 #ifdef QA8_VNNI
-    if (m1 - m0 >= A8_VNNI_MIN_M) {
+    if (m1 - m0 >= A8_VNNI_MIN_M && !md->offs) { /* offsets: the AVX2 code (also in this build) */
         int4_a8_block_vnni(a, m0, m1, blk, md, n_groups, gs, row0, n_rows, out, ldo);
         return;
     }
@@ -1526,13 +1563,15 @@ static void int4_a8_rows(const a8_x *a, int64_t m0, int64_t m1, const uint8_t *b
     int4_a8_block(a, m0, m1, blk, md, n_groups, gs, row0, n_rows, out, ldo);
 }
 
-/* llmsys_qgemv_int4's arguments and layout, x quantized per 32 columns (the a8 arithmetic above). */
-int llmsys_qgemv_int4_a8(const uint16_t *x, int64_t ldx, const uint8_t *packed, const void *scales, int64_t s_n,
-                         int64_t s_g, int scale_kind, const uint8_t *zeros, int64_t z_n, int64_t z_g, uint16_t *out,
-                         int64_t ldo, int64_t m_count, int64_t n, int64_t kp, int64_t k, int64_t gs, int threads) {
+/* llmsys_qgemv_int4's arguments and layout, x quantized per 32 columns (the a8 arithmetic above); offs:
+   float32 offsets [n * o_n + g * o_g] (w = scale * q + offset, zeros not read), or NULL. */
+int llmsys_qgemv_int4o_a8(const uint16_t *x, int64_t ldx, const uint8_t *packed, const void *scales, int64_t s_n,
+                          int64_t s_g, int scale_kind, const uint8_t *zeros, int64_t z_n, int64_t z_g, const float *offs,
+                          int64_t o_n, int64_t o_g, uint16_t *out, int64_t ldo, int64_t m_count, int64_t n, int64_t kp,
+                          int64_t k, int64_t gs, int threads) {
     if (m_count <= 0 || n <= 0 || gs % A8 || gs > 256 || kp % gs || k <= kp - gs || k > kp || ldx < k || ldo < n)
         return 1;
-    const int4_meta md = {zeros, z_n, z_g, scales, s_n, s_g, scale_kind};
+    const int4_meta md = {zeros, z_n, z_g, scales, s_n, s_g, scale_kind, offs, o_n, o_g};
     a8_x a;
     if (a8_quantize(x, ldx, m_count, k, kp / A8, &a)) return 2;
     const int64_t blocks = (n + 63) / 64, n_groups = kp / gs;
@@ -1542,6 +1581,14 @@ int llmsys_qgemv_int4_a8(const uint16_t *x, int64_t ldx, const uint8_t *packed, 
         int4_a8_rows(&a, 0, m_count, packed + b * kp * 32, &md, n_groups, gs, b * 64, n, out, ldo);
     a8_free(&a);
     return 0;
+}
+
+/* llmsys_qgemv_int4o_a8 with integer zero points (no offsets). */
+int llmsys_qgemv_int4_a8(const uint16_t *x, int64_t ldx, const uint8_t *packed, const void *scales, int64_t s_n,
+                         int64_t s_g, int scale_kind, const uint8_t *zeros, int64_t z_n, int64_t z_g, uint16_t *out,
+                         int64_t ldo, int64_t m_count, int64_t n, int64_t kp, int64_t k, int64_t gs, int threads) {
+    return llmsys_qgemv_int4o_a8(x, ldx, packed, scales, s_n, s_g, scale_kind, zeros, z_n, z_g, NULL, 0, 0, out, ldo,
+                                 m_count, n, kp, k, gs, threads);
 }
 
 /* ------------------------------------------------------------ bf16 GEMV (decode)
@@ -1643,6 +1690,8 @@ typedef struct {
     const uint8_t *zeros;  /* int4: zero points at [n * z_n + g * z_g] */
     int64_t z_n, z_g;
     const uint16_t *bias;  /* bf16 [N], or NULL */
+    const float *offs;     /* int4: float32 offsets at [n * o_n + g * o_g] (int4_meta.offs), or NULL */
+    int64_t o_n, o_g;
 } llmsys_qw;
 
 #define QW_MAX 4 /* weights per projection */
@@ -1674,7 +1723,8 @@ static void qw_item(const llmsys_qw *w, const a8_x *a, const uint16_t *x, int64_
     } else if (w->kind == 3) {
         int8_a8_many(a, m_count, (const int8_t *)w->q, w->k, NULL, (const uint16_t *)w->scales, w->s_g, out, ldo, n0, n1);
     } else {
-        const int4_meta md = {w->zeros, w->z_n, w->z_g, w->scales, w->s_n, w->s_g, (int)w->scale_kind};
+        const int4_meta md = {w->zeros, w->z_n, w->z_g, w->scales, w->s_n, w->s_g, (int)w->scale_kind, w->offs,
+                              w->o_n, w->o_g};
         int4_a8_rows(a, 0, m_count, (const uint8_t *)w->q + it * w->kp * 32, &md, w->kp / w->gs, w->gs, n0, w->n,
                       out, ldo);
     }

@@ -71,6 +71,7 @@ _SIGNATURES = {
     "llmsys_qgemv_int8_a8": [_P, _I, _P, _P, _P, _I, _I, _I, _I, _C],
     "llmsys_qgemv_int8g_a8": [_P, _I, _P, _P, _P, _I, _I, _I, _I, _C],
     "llmsys_qgemv_int4_a8": [_P, _I, _P, _P, _I, _I, _C, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _C],
+    "llmsys_qgemv_int4o_a8": [_P, _I, _P, _P, _I, _I, _C, _P, _I, _I, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _C],
     "llmsys_gemv_bf16": [_P, _I, _P, _I, _P, _I, _I, _I, _I, _C],
     "llmsys_layer_attn_in": [_P, _P, _P, _P, _P, _I, _C],
     "llmsys_layer_mlp": [_P, _P, _P, _P, _P, _I, _C],
@@ -184,11 +185,13 @@ def int8g_a8_def(x: torch.Tensor, qweight: torch.Tensor, block_scales: torch.Ten
 
 
 def int4_a8_def(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                group_size: int) -> torch.Tensor:
+                group_size: int, offsets: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`int4_gemv_def`'s arguments ``-> [M, N]`` bf16, :func:`int4_gemv_a8`'s bits.
 
     ``out = bf16(f)``, ``f`` summing ``float(S_b - zero_g * sum(codes_b)) * (scale_g * d_b)`` over x's
-    32-column blocks in order (``S_b`` exact; ``g`` the block's group).
+    32-column blocks in order (``S_b`` exact; ``g`` the block's group). With ``offsets`` (float32
+    ``[N, G]``, ``w = scale * q + offset``: GGUF Q4_K / Q4_1) the zeros are not read and each block adds
+    ``float(S_b) * (scale_g * d_b) + float(sum(codes_b)) * (offset_g * d_b)``.
     """
     n, n_groups = zeros.shape
     kp = n_groups * group_size
@@ -201,6 +204,10 @@ def int4_a8_def(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zer
     f = torch.zeros(s.shape[:2])
     for b in range(s.shape[2]):
         g = b // per_g
+        if offsets is not None:
+            f = f + (s[..., b].float() * (sc[None, :, g] * d[:, b, None])
+                     + sx[:, b, None].float() * (offsets[None, :, g].float() * d[:, b, None]))
+            continue
         t = s[..., b] - zeros[:, g].long()[None, :] * sx[:, b, None]  # exact
         f = f + t.float() * (sc[None, :, g] * d[:, b, None])
     return f.to(torch.bfloat16)
@@ -343,10 +350,17 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros
 
 
 def int4_gemv_a8(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                 group_size: int, *, check: bool = True, lib=None) -> torch.Tensor:
+                 group_size: int, *, offsets: torch.Tensor | None = None, check: bool = True,
+                 lib=None) -> torch.Tensor:
     """:func:`int4_gemv`'s product with x quantized to int8 per 32 columns (:func:`int4_a8_def`'s bits):
-    the decode GEMV of int4 layers. Same arguments as :func:`int4_gemv`."""
-    return _int4("llmsys_qgemv_int4_a8", x, packed, scales, zeros, group_size, check, lib)
+    the GEMV of int4 layers. Same arguments as :func:`int4_gemv`, plus ``offsets``: float32 ``[N, G]``
+    of any strides (group-major is the fast one), ``w = scale * q + offset`` with the zeros not read."""
+    if offsets is None:
+        return _int4("llmsys_qgemv_int4_a8", x, packed, scales, zeros, group_size, check, lib)
+    if check and (offsets.dtype != torch.float32 or tuple(offsets.shape) != tuple(zeros.shape)):
+        raise ValueError(f"int4_gemv_a8: offsets must be float32 {tuple(zeros.shape)}, "
+                         f"got {offsets.dtype} {tuple(offsets.shape)}")
+    return _int4("llmsys_qgemv_int4o_a8", x, packed, scales, zeros, group_size, check, lib, offsets)
 
 
 def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -357,11 +371,12 @@ def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros
     return _int4("llmsys_qgemm_int4", x, packed, scales, zeros, group_size, check, lib)
 
 
-_INT4_OPS = {"llmsys_qgemv_int4": "int4_gemv", "llmsys_qgemm_int4": "int4_gemm", "llmsys_qgemv_int4_a8": "int4_gemv_a8"}
+_INT4_OPS = {"llmsys_qgemv_int4": "int4_gemv", "llmsys_qgemm_int4": "int4_gemm", "llmsys_qgemv_int4_a8": "int4_gemv_a8",
+             "llmsys_qgemv_int4o_a8": "int4_gemv_a8"}
 
 
 def _int4(symbol: str, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-          group_size: int, check: bool, lib) -> torch.Tensor:
+          group_size: int, check: bool, lib, offsets: torch.Tensor | None = None) -> torch.Tensor:
     op = _INT4_OPS[symbol]
     if check:
         check_int4(x, packed, scales, zeros, group_size, op=op)  # group sizes 32/64/128: whole a8 blocks
@@ -371,9 +386,10 @@ def _int4(symbol: str, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
     m, k = x.shape
     s_n, s_g = (scales.stride(1), scales.stride(0)) if scales.dim() == 3 else scales.stride()
     out = torch.empty(m, n, dtype=torch.bfloat16)
+    offs = () if offsets is None else (offsets.data_ptr(), offsets.stride(0), offsets.stride(1))
     rc = getattr(lib or _KERNEL.lib(), symbol)(
         x.data_ptr(), x.stride(0), packed.data_ptr(), scales.data_ptr(), s_n, s_g, _SCALE_KINDS[scales.dtype],
-        zeros.data_ptr(), zeros.stride(0), zeros.stride(1), out.data_ptr(), n,
+        zeros.data_ptr(), zeros.stride(0), zeros.stride(1), *offs, out.data_ptr(), n,
         m, n, n_groups * group_size, k, group_size, torch.get_num_threads())
     if rc:
         raise RuntimeError(f"{op}: the C kernel failed (code {rc}) on M={m} N={n} K={k} group={group_size}")
@@ -391,7 +407,7 @@ class DecodeWeight(ctypes.Structure):
 
     _fields_ = [("kind", _I), ("n", _I), ("k", _I), ("kp", _I), ("gs", _I), ("q", _P), ("scales", _P),
                 ("s_n", _I), ("s_g", _I), ("scale_kind", _I), ("zeros", _P), ("z_n", _I), ("z_g", _I),
-                ("bias", _P)]
+                ("bias", _P), ("offs", _P), ("o_n", _I), ("o_g", _I)]
 
 
 def int8_decode_weight(qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> DecodeWeight:
@@ -416,16 +432,17 @@ def bf16_decode_weight(weight: torch.Tensor, bias: torch.Tensor | None) -> Decod
 
 
 def int4_decode_weight(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int, k: int,
-                bias: torch.Tensor | None) -> DecodeWeight | None:
-    """:func:`int4_gemv_a8`'s weight (its arguments, ``k`` the input features) plus a bf16 ``bias [N]``
-    or None; None when the scales are of a dtype the kernel does not read in place."""
+                bias: torch.Tensor | None, offsets: torch.Tensor | None = None) -> DecodeWeight | None:
+    """:func:`int4_gemv_a8`'s weight (its arguments, ``k`` the input features, ``offsets`` or None) plus a
+    bf16 ``bias [N]`` or None; None when the scales are of a dtype the kernel does not read in place."""
     if scales.dtype not in _SCALE_KINDS:
         return None
     n, n_groups = zeros.shape
     s_n, s_g = (scales.stride(1), scales.stride(0)) if scales.dim() == 3 else scales.stride()
+    o = (None, 0, 0) if offsets is None else (offsets.data_ptr(), offsets.stride(0), offsets.stride(1))
     return DecodeWeight(1, n, k, n_groups * group_size, group_size, packed.data_ptr(), scales.data_ptr(), s_n, s_g,
               _SCALE_KINDS[scales.dtype], zeros.data_ptr(), zeros.stride(0), zeros.stride(1),
-              None if bias is None else bias.data_ptr())
+              None if bias is None else bias.data_ptr(), *o)
 
 
 class _LayerArgs(ctypes.Structure):

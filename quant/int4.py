@@ -8,7 +8,12 @@ converters), for a weight ``[N, K]`` and group size ``g`` in {32, 64, 128}:
   and k = 2j+1 in the high nibble, q in 0..15;
 * ``scales [N, G]`` and ``zeros [N, G]`` float (bf16 from our quantizers,
   fp16 from AWQ/GPTQ checkpoints); zeros are integer-valued in practice;
-* dequantization: ``w[n, k] = (q[n, k] - zeros[n, k // g]) * scales[n, k // g]``.
+* dequantization: ``w[n, k] = (q[n, k] - zeros[n, k // g]) * scales[n, k // g]``;
+* optionally ``offsets float32 [N, G]`` with float32 scales and zeros 0:
+  ``w[n, k] = q[n, k] * scales[n, k // g] + offsets[n, k // g]``. GGUF's Q4_K and
+  Q4_1 blocks hold a float minimum per 32 columns that is no multiple of the
+  scale, so no integer zero point states them; with offsets their codes, scales
+  and minimums are kept exactly (``engine/loader/gguf_io.py``).
 
 CPU runtime: the layer holds the codes in llmsys's CPU int4 tiling
 (``kernels.cpu_int4.pack_cpu_int4``: 64-row tiles, the same bytes on every
@@ -106,27 +111,32 @@ def bf16_ceil(x: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                    in_features: int | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                    in_features: int | None = None, dtype: torch.dtype = torch.float32,
+                    offsets: torch.Tensor | None = None) -> torch.Tensor:
     """Canonical reference dequantization: ``-> [N, in_features]`` (defaults to Kp)."""
     n, n_groups = scales.shape
     q = unpack_int4(qweight).float().view(n, n_groups, -1)  # [N, G, g]
-    w = (q - zeros.float()[..., None]) * scales.float()[..., None]
+    if offsets is not None:  # w = q * scale + offset (float32, GGUF's order: the product rounded, then added)
+        w = q * scales.float()[..., None] + offsets.float()[..., None]
+    else:
+        w = (q - zeros.float()[..., None]) * scales.float()[..., None]
     w = w.reshape(n, -1)
     return w[:, : (in_features or w.shape[1])].to(dtype)
 
 
-def int4_kernel(packed_cpu: bool, device: torch.device) -> MatmulKernel:
+def int4_kernel(packed_cpu: bool, device: torch.device, offsets: bool = False) -> MatmulKernel:
     """The kernel family of an int4 layer, from its layout, its device and the C kernels' build.
 
     CPU tiling: the C a8 GEMV for every row where the C kernel is loaded, else the torch
-    dequantization + bf16 GEMM. Canonical layout: Triton on CUDA, dequantize + ``F.linear`` elsewhere.
+    dequantization + bf16 GEMM. Canonical layout: Triton on CUDA (not for float offsets, which its
+    kernel does not read), dequantize + ``F.linear`` elsewhere.
     """
     if packed_cpu:
         c = quant_matmul_support()
         if not c.available:
             return MatmulKernel(KernelFamily.TORCH_INT4_DENSE)
         return MatmulKernel(KernelFamily.C_INT4, c.level)
-    return MatmulKernel(KernelFamily.TRITON_W4A16) if device.type == "cuda" else TORCH_DEQUANT
+    return MatmulKernel(KernelFamily.TRITON_W4A16) if device.type == "cuda" and not offsets else TORCH_DEQUANT
 
 
 class Int4Linear(QuantLinear):
@@ -147,14 +157,18 @@ class Int4Linear(QuantLinear):
     * ``canonical`` (GPU, or ``prefer_packed=False``): holds ``qweight``/``scales``/``zeros`` and
       dequantizes + GEMMs in the input dtype.
 
+    With ``offsets`` (float32 ``[N, G]``, float32 scales, zeros 0: ``w = q * scale + offset``, GGUF Q4_K /
+    Q4_1) the packed mode keeps them group-major (``offsets_gm [G, N]``) beside ``scales_orig``, its zero
+    points are a stride-0 view of one 0 (no bytes), and the a8 GEMV reads the offsets instead.
+
     ``state_dict()`` always yields the canonical tensors
-    (``qweight``, ``scales``, ``zeros``, ``bias``).
+    (``qweight``, ``scales``, ``zeros``, ``offsets`` when present, ``bias``).
     """
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                  bias: torch.Tensor | None = None, in_features: int | None = None,
                  prefer_packed: bool = True, perm: torch.Tensor | None = None,
-                 input_scale: torch.Tensor | None = None) -> None:
+                 input_scale: torch.Tensor | None = None, offsets: torch.Tensor | None = None) -> None:
         n, half_kp = qweight.shape
         kp = 2 * half_kp
         n_groups = scales.shape[1]
@@ -163,6 +177,11 @@ class Int4Linear(QuantLinear):
                 f"int4 tensors disagree: qweight {tuple(qweight.shape)}, scales {tuple(scales.shape)}, "
                 f"zeros {tuple(zeros.shape)}; expected qweight [N, Kp/2], scales/zeros [N, Kp/group]"
             )
+        if offsets is not None and (tuple(offsets.shape) != (n, n_groups) or offsets.dtype != torch.float32
+                                    or scales.dtype != torch.float32 or bool(torch.any(zeros != 0))):
+            raise CheckpointError(
+                f"int4 offsets {offsets.dtype} {tuple(offsets.shape)} need float32 [N, G] = [{n}, {n_groups}] "
+                f"beside float32 scales (got {scales.dtype}) and zeros 0")
         group_size = kp // n_groups
         if group_size not in GROUP_SIZES:
             raise CheckpointError(f"int4 group size {group_size} unsupported; expected one of {GROUP_SIZES}")
@@ -171,7 +190,7 @@ class Int4Linear(QuantLinear):
             raise CheckpointError(f"int4 in_features {k} does not fit padded width {kp} (group {group_size})")
         zeros_int = bool(torch.all((zeros == torch.round(zeros)) & (zeros >= 0) & (zeros <= 15)))
         packed_cpu = prefer_packed and qweight.device.type == "cpu" and zeros_int
-        super().__init__(k, n, bias, int4_kernel(packed_cpu, qweight.device))
+        super().__init__(k, n, bias, int4_kernel(packed_cpu, qweight.device, offsets is not None))
         self.mode = "packed_cpu" if packed_cpu else "canonical"
         # A dequantization buffer shared by the model's layers (kernels.cpu_int4.Scratch), set by
         # an inference engine (DecoderModel.share_scratch); None: a fresh tensor per prefill GEMM.
@@ -192,6 +211,7 @@ class Int4Linear(QuantLinear):
             self.register_buffer("qweight", qweight.to(torch.uint8).contiguous())  # [N, Kp/2]
             self.register_buffer("scales", scales.contiguous())  # [N, G]
             self.register_buffer("zeros", zeros.contiguous())  # [N, G]
+            self.register_buffer("offsets", None if offsets is None else offsets.contiguous())  # [N, G]
             return
         self._scale_dtype = scales.dtype
         np_ = -(-n // CPU_BLOCK_N) * CPU_BLOCK_N
@@ -206,11 +226,17 @@ class Int4Linear(QuantLinear):
             z = F.pad(zeros.float(), (0, 0, 0, np_ - n), value=8.0)
             sz = torch.stack([s.t(), ((8.0 - z) * s).t()], dim=-1).to(torch.bfloat16).contiguous()  # [G, Np, 2]
         self.register_buffer("scales_zeros", sz)
-        self.register_buffer("zeros_u8", zeros.to(torch.uint8).contiguous())  # [N, G]
-        # The decode GEMV reads one group's zeros for 64 rows at once: a group-major copy
-        # (N * G bytes, ~3% of the codes at g=64) lets it load them as one vector (~1.4x faster).
         c_kernels = self.kernel.family is not KernelFamily.TORCH_INT4_DENSE
-        self.register_buffer("zeros_gm", self.zeros_u8.t().contiguous() if c_kernels else None)  # [G, N]
+        if offsets is not None:  # zeros all 0 and never read: one byte, viewed at every [n, g]
+            nothing = torch.zeros(1, dtype=torch.uint8)
+            self.register_buffer("zeros_u8", nothing.expand(n, n_groups), persistent=False)  # no weight bytes
+            self.register_buffer("zeros_gm", nothing.expand(n_groups, n), persistent=False)
+        else:
+            self.register_buffer("zeros_u8", zeros.to(torch.uint8).contiguous())  # [N, G]
+            # The decode GEMV reads one group's zeros for 64 rows at once: a group-major copy
+            # (N * G bytes, ~3% of the codes at g=64) lets it load them as one vector (~1.4x faster).
+            self.register_buffer("zeros_gm", self.zeros_u8.t().contiguous() if c_kernels else None)  # [G, N]
+        self.register_buffer("offsets_gm", None if offsets is None else offsets.t().contiguous())  # [G, N]
         # The canonical scales' exact values: bf16 scales are recoverable from scales_zeros; any other
         # dtype (fp16: AWQ, GPTQ, GGUF Q4_0) is kept as it is, group-major (an [N, G] view of a [G, N]
         # tensor), so the C kernels load a group's scales for 16/64 rows as one vector: in the row-major
@@ -234,7 +260,7 @@ class Int4Linear(QuantLinear):
         """Rebuild from canonical tensors; ``in_features`` defaults to the padded width."""
         qweight, scales, zeros = require(tensors, ("qweight", "scales", "zeros"), "int4")
         return cls(qweight, scales, zeros, tensors.get("bias"), in_features, prefer_packed, tensors.get("perm"),
-                   tensors.get("input_scale"))
+                   tensors.get("input_scale"), tensors.get("offsets"))
 
     @classmethod
     def cat_rows(cls, layers: list[QuantLinear]) -> "Int4Linear | None":
@@ -247,7 +273,7 @@ class Int4Linear(QuantLinear):
             and (m.group_size, m.in_features, m.padded_in_features) == (first.group_size, first.in_features,
                                                                           first.padded_in_features)
             and _same_or_none(m.perm, first.perm) and _same_or_none(m.input_scale, first.input_scale)
-            and (m.bias is None) == (first.bias is None)
+            and (m.bias is None) == (first.bias is None) and (m.offsets_gm is None) == (first.offsets_gm is None)
             for m in layers
         )
         if not same:
@@ -255,16 +281,18 @@ class Int4Linear(QuantLinear):
         parts = [m.canonical_tensors() for m in layers]
         if any(p["scales"].dtype != parts[0]["scales"].dtype for p in parts):
             return None
-        cat = {k: torch.cat([p[k] for p in parts]) for k in ("qweight", "scales", "zeros")}
+        cat = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}  # qweight, scales, zeros (, offsets)
         bias = torch.cat([m.bias for m in layers]) if first.bias is not None else None
         return cls(cat["qweight"], cat["scales"], cat["zeros"], bias, first.in_features, True, first.perm,
-                   first.input_scale)
+                   first.input_scale, cat.get("offsets"))
 
     # --- canonical view -----------------------------------------------------
     def canonical_tensors(self) -> dict[str, torch.Tensor]:
-        """``{"qweight", "scales", "zeros"}`` in the canonical layout (exact)."""
+        """``{"qweight", "scales", "zeros"}`` (and ``"offsets"`` when the layer has them) in the canonical
+        layout (exact)."""
         if self.mode == "canonical":
-            return {"qweight": self.qweight, "scales": self.scales, "zeros": self.zeros}
+            out = {"qweight": self.qweight, "scales": self.scales, "zeros": self.zeros}
+            return out if self.offsets is None else {**out, "offsets": self.offsets}
         n, kp = self.out_features, self.padded_in_features
         np_ = self.packed.shape[0]
         q = unpack_cpu_int4(self.packed, np_, kp)[:n]  # [N, Kp]
@@ -272,7 +300,8 @@ class Int4Linear(QuantLinear):
             scales = self.scales_orig.contiguous()
         else:
             scales = self.scales_zeros[:, :n, 0].t().contiguous()  # bf16, exact
-        return {"qweight": pack_int4(q), "scales": scales, "zeros": self.zeros_u8.to(scales.dtype)}
+        out = {"qweight": pack_int4(q), "scales": scales, "zeros": self.zeros_u8.to(scales.dtype)}
+        return out if self.offsets_gm is None else {**out, "offsets": self.offsets_gm.t().contiguous()}
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):  # noqa: D401 - torch hook
         """Write the canonical tensors, whatever the run-time layout is."""
@@ -292,7 +321,8 @@ class Int4Linear(QuantLinear):
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         t = self.canonical_tensors()
-        w = dequantize_int4(t["qweight"], t["scales"], t["zeros"], self.in_features, dtype)  # [N, K] stored order
+        w = dequantize_int4(t["qweight"], t["scales"], t["zeros"], self.in_features, dtype,
+                            t.get("offsets"))  # [N, K] stored order
         if self.perm is not None:
             out = torch.empty_like(w)
             out[:, self.perm.long()] = w  # back to the original input-feature order
@@ -316,7 +346,9 @@ class Int4Linear(QuantLinear):
             byte = p3[ids // CPU_BLOCK_N, :, j % (CPU_BLOCK_N // 2)]  # [M, Kp]
             shift = torch.where(j < CPU_BLOCK_N // 2, 0, 4).to(torch.uint8)[:, None]
             q = ((byte >> shift) & 15).float().view(m, -1, g)  # [M, G, g]
-            if self.scales_zeros is None:  # scales_orig [N, G] (not bf16): the canonical formula
+            if self.offsets_gm is not None:  # w = q * scale + offset
+                w = q * self.scales_orig[ids].float()[..., None] + self.offsets_gm[:, ids].t()[..., None]
+            elif self.scales_zeros is None:  # scales_orig [N, G] (not bf16): the canonical formula
                 z = self.zeros_u8[ids].float()[..., None]  # [M, G, 1]
                 w = (q - z) * self.scales_orig[ids].float()[..., None]
             else:
@@ -324,7 +356,10 @@ class Int4Linear(QuantLinear):
                 w = (q - 8.0) * sz[..., 0].t()[..., None] + sz[..., 1].t()[..., None]
         else:
             q = unpack_int4(self.qweight[ids]).float().view(m, -1, g)  # [M, G, g]
-            w = (q - self.zeros[ids].float()[..., None]) * self.scales[ids].float()[..., None]
+            if self.offsets is not None:
+                w = q * self.scales[ids].float()[..., None] + self.offsets[ids][..., None]
+            else:
+                w = (q - self.zeros[ids].float()[..., None]) * self.scales[ids].float()[..., None]
         return w.reshape(m, kp)[:, : self.in_features].to(dtype)
 
     DECODE_MAX_ROWS = PACKED_MAX_ROWS
@@ -340,9 +375,10 @@ class Int4Linear(QuantLinear):
         scales = buf["scales_orig"]
         if scales is None:
             scales = buf["scales_zeros"]
-        packed, zeros = buf["packed"], buf["zeros_gm"]
-        return self._decode_cached((packed, scales, zeros, bias), lambda: int4_decode_weight(
-            packed, scales, zeros.t(), self.group_size, self.in_features, bias))
+        packed, zeros, offs = buf["packed"], buf["zeros_gm"], buf["offsets_gm"]
+        offsets = None if offs is None else offs.t()
+        return self._decode_cached((packed, scales, zeros, bias, offs), lambda: int4_decode_weight(
+            packed, scales, zeros.t(), self.group_size, self.in_features, bias, offsets))
 
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
         k = self.in_features
@@ -358,14 +394,16 @@ class Int4Linear(QuantLinear):
                 scales = buf["scales_orig"]
                 if scales is None:
                     scales = buf["scales_zeros"]  # [G, Np, 2]: the kernel reads the bf16 scales in place
+                offs = buf["offsets_gm"]
                 y = int4_gemv_a8(xb, buf["packed"], scales, buf["zeros_gm"].t(), self.group_size,
-                           check=False)  # [M, N]; the buffers were checked at construction
+                                 offsets=None if offs is None else offs.t(),
+                                 check=False)  # [M, N]; the buffers were checked at construction
                 return y if x2.dtype == torch.bfloat16 else y.to(x2.dtype)
             xb = x2 if x2.dtype == torch.bfloat16 else x2.to(torch.bfloat16)
             return self._dequant_matmul(xb).to(x2.dtype)  # prefill without the native GEMM; no C kernels
         if family is KernelFamily.TRITON_W4A16:  # masks K < Kp itself, no padding copy
             return w4a16_matmul(x2.contiguous(), self.qweight, self.scales, self.zeros, self.group_size)
-        w = dequantize_int4(self.qweight, self.scales, self.zeros, k, x2.dtype)  # [N, K] stored order
+        w = dequantize_int4(self.qweight, self.scales, self.zeros, k, x2.dtype, self.offsets)  # [N, K] stored order
         return F.linear(x2, w)
 
     def _canonical_scales(self) -> torch.Tensor:
@@ -390,6 +428,8 @@ class Int4Linear(QuantLinear):
         ws = self.scratch
 
         def weight(r0: int, r1: int) -> torch.Tensor:  # rows r0..r1-1 dequantized, [r1 - r0, K] bf16
+            if self.offsets_gm is not None:  # the C dequantization reads integer zeros only
+                return self.rows(torch.arange(r0, r1), torch.bfloat16)
             out = None if ws is None else ws.take(r1 - r0, k)
             return dequant_cpu_int4(self.packed, scales, self.zeros_u8, k, self.group_size, (r0, r1), out=out)
 

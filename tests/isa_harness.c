@@ -35,6 +35,10 @@ int llmsys_qgemv_int8g_a8(const uint16_t *x, int64_t ldx, const int8_t *q, const
 int llmsys_qgemv_int4_a8(const uint16_t *x, int64_t ldx, const uint8_t *packed, const void *scales, int64_t s_n,
                          int64_t s_g, int scale_kind, const uint8_t *zeros, int64_t z_n, int64_t z_g, uint16_t *out,
                          int64_t ldo, int64_t m_count, int64_t n, int64_t kp, int64_t k, int64_t gs, int threads);
+int llmsys_qgemv_int4o_a8(const uint16_t *x, int64_t ldx, const uint8_t *packed, const void *scales, int64_t s_n,
+                          int64_t s_g, int scale_kind, const uint8_t *zeros, int64_t z_n, int64_t z_g, const float *offs,
+                          int64_t o_n, int64_t o_g, uint16_t *out, int64_t ldo, int64_t m_count, int64_t n, int64_t kp,
+                          int64_t k, int64_t gs, int threads);
 int llmsys_int4_cpu_dequant(const uint8_t *packed, const void *scales, int64_t s_n, int64_t s_g, int scale_f32,
                             const uint8_t *zeros, uint16_t *out, int64_t ldo, int64_t n_rows, int64_t kp, int64_t k,
                             int64_t gs, int nthreads);
@@ -136,6 +140,14 @@ int main(void) {
         snprintf(name, sizeof name, "int4_a8_m%d", m);
         dump(name, llmsys_qgemv_int4_a8(gx, K8, packed, s4, G, 1, 0, zeros, G, 1, o4, N4, m, N4, KP, K4, GS, 2), o4,
              2 * m * N4);
+    }
+    float f4[N4 * G], o4f[N4 * G]; /* float32 scales and offsets, group-major [G, N4] (GGUF Q4_K's as loaded) */
+    for (int i = 0; i < N4 * G; i++) f4[i] = uniform(0.001f, 0.05f), o4f[i] = uniform(-0.2f, 0.0f);
+    for (int m = 1; m <= M; m += 4) {
+        char name[32];
+        snprintf(name, sizeof name, "int4o_a8_m%d", m);
+        dump(name, llmsys_qgemv_int4o_a8(gx, K8, packed, f4, 1, N4, 1, zeros, 0, 0, o4f, 1, N4, o4, N4, m, N4, KP, K4,
+                                         GS, 2), o4, 2 * m * N4);
     }
     dump("int4_dequant", llmsys_int4_cpu_dequant(packed, s4, G, 1, 0, zeros, dq, K4, N4, KP, K4, GS, 2), dq,
          sizeof dq);

@@ -182,6 +182,44 @@ def test_int4_a8_bit_exact(n, k, g, threads):
             assert torch.equal(_bits(full[m : m + 1]), _bits(cpu_qgemv.int4_gemv_a8(x[m : m + 1], *args)))
 
 
+def _offsets(n: int, k: int, g: int, seed: int = 0):
+    """GGUF Q4_K-like float32 scales and offsets (w = scale * q + offset), group-major as the layer holds them."""
+    gen = torch.Generator().manual_seed(seed)
+    groups = -(-k // g)
+    scales = (torch.rand(groups, n, generator=gen) * 0.01).t()  # [N, G] view of a [G, N] tensor
+    offsets = (-torch.rand(groups, n, generator=gen) * 0.05).t()
+    return scales, offsets
+
+
+@needs_kernel
+@pytest.mark.parametrize("n,k,g", [(200, 172, 32), (64, 64, 32), (130, 1000, 32), (70, 896, 64)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_int4_a8_offsets_bit_exact(n, k, g, threads):
+    """Float offsets instead of integer zeros (GGUF Q4_K / Q4_1): the definition's bits for group-major and
+    row-major offsets, zeros never read (given as a stride-0 tensor), batch-invariant."""
+    lin = _int4(n, k, g, seed=n + g)
+    scales, offsets = _offsets(n, k, g, seed=n)
+    zeros = torch.zeros(1, dtype=torch.uint8).expand(n, -(-k // g))
+    torch.manual_seed(n)
+    x = torch.randn(12, k).bfloat16()
+    with _threads(threads):
+        for offs in (offsets, offsets.contiguous()):
+            for m in (1, 3, 12):
+                want = _bits(cpu_qgemv.int4_a8_def(x[:m], lin.packed, scales, zeros, g, offsets=offs))
+                got = cpu_qgemv.int4_gemv_a8(x[:m], lin.packed, scales, zeros, g, offsets=offs)
+                assert torch.equal(_bits(got), want), (m, offs.stride())
+        full = cpu_qgemv.int4_gemv_a8(x, lin.packed, scales, zeros, g, offsets=offsets)
+        for m in (0, 11):
+            one = cpu_qgemv.int4_gemv_a8(x[m : m + 1], lin.packed, scales, zeros, g, offsets=offsets)
+            assert torch.equal(_bits(full[m : m + 1]), _bits(one))
+    # Close to the float matmul on the weight w = scale * q + offset (the a8 rounding of x only).
+    q = cpu_qgemv.unpack_cpu_int4(lin.packed, lin.packed.shape[0], lin.padded_in_features)[:n].float()
+    w = (q.view(n, -1, g) * scales[..., None] + offsets[..., None]).view(n, -1)[:, :k]
+    ref = x.float() @ w.t()
+    err = (full.float() - ref).abs().max() / ref.abs().max()
+    assert err < A8_REL_ERR, err
+
+
 def test_a8_quantization():
     """x's int8 blocks: codes within +-127 with one at +-127 per nonzero block, zero blocks give zero codes
     and scale, code sums are the sums, and the dequantized x is within half a step of x."""
@@ -273,6 +311,12 @@ def test_other_code_paths_bit_exact(level, tmp_path):
             for m in (1, 5):
                 assert torch.equal(_bits(cpu_qgemv.int4_gemv_a8(x[:m, :k], lin.packed, gm, lin.zeros_gm.t(), g, lib=lib)),
                                    _bits(cpu_qgemv.int4_a8_def(x[:m, :k], lin.packed, gm, lin.zeros_u8, g))), (level, dt, m)
+        scales, offsets = _offsets(n, k, g)  # float offsets (GGUF Q4_K / Q4_1)
+        zeros = torch.zeros(1, dtype=torch.uint8).expand(n, -(-k // g))
+        for m in (1, 5):
+            assert torch.equal(
+                _bits(cpu_qgemv.int4_gemv_a8(x[:m, :k], lin.packed, scales, zeros, g, offsets=offsets, lib=lib)),
+                _bits(cpu_qgemv.int4_a8_def(x[:m, :k], lin.packed, scales, zeros, g, offsets=offsets))), (level, m)
     for n, k in [(130, 300), (9, 37)]:
         q, s = _int8(n, k)
         for m in (1, 5):

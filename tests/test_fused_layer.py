@@ -41,7 +41,13 @@ def _layer(fmt: str, n: int, k: int, seed: int, bias: bool = False):
         return lin
     if fmt == "int8":
         return Int8Linear.from_float(w, b)
-    return Int4Linear.from_float(w, b, group_size=64 if fmt == "int4" else 32)
+    lin = Int4Linear.from_float(w, b, group_size=64 if fmt == "int4" else 32)
+    if fmt == "int4-offsets":  # GGUF Q4_K / Q4_1 as kept: float32 scales and offsets, w = q * scale + offset
+        t = lin.canonical_tensors()
+        scales = t["scales"].float()
+        offsets = -t["zeros"].float() * scales + torch.rand(scales.shape, generator=g) * 1e-3
+        return Int4Linear(t["qweight"], scales, torch.zeros_like(scales), b, k, offsets=offsets)
+    return lin
 
 
 def _cat(*mods):
@@ -78,7 +84,7 @@ def _op_by_op(x, res, ln1, ln2, qkv, o_proj, gu, down, attn_out):
 
 
 @needs_kernel
-@pytest.mark.parametrize("fmt", ["int8", "int4", "int4-g32", "bf16"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int4-g32", "int4-offsets", "bf16"])
 @pytest.mark.parametrize("rows", [1, 5])
 @torch.inference_mode()  # as the engine runs (kernels.linear keeps autograd's F.linear otherwise)
 def test_fused_layer_equals_op_by_op(fmt, rows):
@@ -161,7 +167,7 @@ def test_other_isas_give_the_same_bits(level, tmp_path):
     x, res = torch.randn(rows, D, generator=g).to(BF), torch.randn(rows, D, generator=g).to(BF)
     attn_out = torch.randn(rows, HQ * HD, generator=g).to(BF)
     ln = (torch.rand(D, generator=g) + 0.5).to(BF)
-    for fmt in ("int8", "int4") + (() if cpu_linear._ONEDNN_BF16 else ("bf16",)):
+    for fmt in ("int8", "int4", "int4-offsets") + (() if cpu_linear._ONEDNN_BF16 else ("bf16",)):
         qkv, o_proj = _layer(fmt, (HQ + 2 * HK) * HD, D, 1, bias=True), _layer(fmt, D, HQ * HD, 2)
         gu, down = _layer(fmt, 2 * INTER, D, 3), _layer(fmt, D, INTER, 4)
         layer = _a8([qkv], o_proj, [gu], down, ln, ln)

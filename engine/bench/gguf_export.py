@@ -230,7 +230,9 @@ def export_float(folder: str | Path, out: Path, fmt: str = "f32", matrices: str 
         for name, g in plan:
             t = _layout(src, name, index.read(name))
             if quantized(tuple(t.shape)):
-                w.write_tensor_data(gguf.quants.quantize(t.float().numpy(), qtype))
+                x = t.float().numpy()
+                w.write_tensor_data(quantize_q4_k(x) if qtype == gguf.GGMLQuantizationType.Q4_K
+                                    else gguf.quants.quantize(x, qtype))
             else:
                 w.write_tensor_data(t.to(target(tuple(t.shape))).contiguous().numpy())  # bf16 -> f16 rounds once
         if extra is not None:
@@ -241,6 +243,36 @@ def export_float(folder: str | Path, out: Path, fmt: str = "f32", matrices: str 
         w.close()  # idempotent; closes the file when a write failed
         tmp.unlink(missing_ok=True)
     return out
+
+
+def quantize_q4_k(x: np.ndarray) -> np.ndarray:
+    """``float32 [rows, K]`` (K a multiple of 256) -> Q4_K blocks ``uint8 [rows, K / 256 * 144]``.
+
+    The ``gguf`` package decodes Q4_K but cannot write it, and the readers' tests need Q4_K files
+    without llama.cpp: a plain round-to-nearest quantizer (llama.cpp's searches each sub-block's
+    scale and minimum; this takes min/max), writing the real format -- per 256 weights ``d``,
+    ``dmin`` (fp16), eight 6-bit scales and minimums packed as ``get_scale_min_k4`` reads them,
+    128 bytes of codes (32 per 64 columns: low nibbles the first 32, high nibbles the next 32).
+    """
+    rows, k = x.shape
+    xs = x.reshape(rows, k // 256, 8, 32).astype(np.float32)
+    lo = np.minimum(xs.min(-1), 0.0)  # [R, S, 8]: the minimum subtracted is >= 0
+    scale = (xs.max(-1) - lo) / 15.0
+    d = (scale.max(-1, keepdims=True) / 63.0).astype(np.float16)  # [R, S, 1]
+    dmin = ((-lo).max(-1, keepdims=True) / 63.0).astype(np.float16)
+    df, dminf = d.astype(np.float32), dmin.astype(np.float32)
+    sc = np.clip(np.rint(np.divide(scale, df, out=np.zeros_like(scale), where=df > 0)), 0, 63).astype(np.uint8)
+    m = np.clip(np.rint(np.divide(-lo, dminf, out=np.zeros_like(lo), where=dminf > 0)), 0, 63).astype(np.uint8)
+    s_eff, m_eff = (df * sc)[..., None], (dminf * m)[..., None]  # the decoder's float32 products
+    q = np.clip(np.rint(np.divide(xs + m_eff, s_eff, out=np.zeros_like(xs), where=s_eff > 0)), 0, 15).astype(np.uint8)
+    packed = np.empty((rows, k // 256, 12), dtype=np.uint8)
+    packed[..., 0:4] = sc[..., :4] | ((sc[..., 4:] >> 4) << 6)
+    packed[..., 4:8] = m[..., :4] | ((m[..., 4:] >> 4) << 6)
+    packed[..., 8:12] = (sc[..., 4:] & 15) | ((m[..., 4:] & 15) << 4)
+    q = q.reshape(rows, k // 256, 4, 2, 32)  # 4 pairs of sub-blocks: low nibble, high nibble
+    qs = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).reshape(rows, k // 256, 128)
+    out = np.concatenate([d.view(np.uint8), dmin.view(np.uint8), packed, qs], axis=-1)  # [R, S, 144]
+    return out.reshape(rows, -1)
 
 
 def _order(name: str) -> tuple[int, int, str]:

@@ -24,13 +24,18 @@ safetensors; the ``gguf`` package supplies the type tables and the K-quant decod
   become :class:`~llmsys.quant.Int4Linear` (the C a8 kernels read the fp16
   scales in place); **Q8_0** (``w = q * d`` per 32) and **Q5_0** (``w = (q - 16) * d``, 5-bit q)
   become :class:`~llmsys.quant.Int8BlockLinear`; all with the file's weights bit for
-  bit, and the embedding too (``QuantEmbedding``, also the tied head). Every
-  other type (F32/F16/BF16 and the other block formats gguf can decode: Q4_1,
-  Q5_1, Q2_K..Q6_K, ...) is dequantized at load to the engine dtype, or
+  bit, and the embedding too (``QuantEmbedding``, also the tied head). **Q4_1**
+  (``w = d * q + m`` per 32) and **Q4_K** (super-blocks of 256: sub-block j of 32
+  has ``w = (d * sc_j) * q - dmin * m_j`` with 6-bit sc_j, m_j) are int4 with
+  group 32 whose minimum is a float, not a multiple of the scale: they become
+  ``Int4Linear`` with float32 scales and offsets (``w = q * scale + offset``, the
+  products llama.cpp's own dequantization computes). Every
+  other type (F32/F16/BF16 and the other block formats gguf can decode:
+  Q5_1, Q2_K, Q3_K, Q5_K, Q6_K, ...) is dequantized at load to the engine dtype, or
   re-quantized to the ``--quant`` format when one is given; :func:`conversions`
   says which happened to which tensors (``memory_report()``, the load notice).
-  The K-quants have no exact llmsys layout yet (float minimums per 32 codes,
-  6-bit Q6_K), hence the dequantization.
+  Q5_K and Q6_K have no exact llmsys layout yet (5- and 6-bit codes, Q6_K's
+  scale per 16), hence their dequantization.
 
 Tensor bytes are read into fresh buffers (no mapping), so nothing keeps the
 file open or its pages in the process's RSS after loading.
@@ -95,8 +100,13 @@ DEQUANT_ROWS = 8192
 # (Int4Linear), Q8_0 int8 with an fp16 scale per 32 (Int8BlockLinear). Run-time bytes per weight: int4 codes 1/2,
 # scales 2/32, zeros as uint8 twice (row- and group-major) 2/32 (llama.cpp's Q4_0: 18/32); int8 1 + 2/32 (= Q8_0).
 # Q5_0 (5-bit codes q, w = (q - 16) * d per 32) fits int8 exactly too: its codes minus 16 are the int8 codes.
-KEPT = {"Q4_0": "int4:g32", "Q8_0": "int8:g32", "Q5_0": "int8:g32"}
-KEPT_BYTES = {"Q4_0": 0.5 + 2 / 32 + 2 / 32, "Q8_0": 1 + 2 / 32, "Q5_0": 1 + 2 / 32}
+# Q4_1 and Q4_K are int4 with group 32, float32 scales and float32 offsets (w = q * scale + offset): 1/2 + 4/32
+# + 4/32 bytes per weight (llama.cpp's Q4_K: 144/256, Q4_1: 20/32); their codes are no int8 codes of a scale.
+KEPT = {"Q4_0": "int4:g32", "Q8_0": "int8:g32", "Q5_0": "int8:g32", "Q4_1": "int4:g32", "Q4_K": "int4:g32"}
+KEPT_BYTES = {"Q4_0": 0.5 + 2 / 32 + 2 / 32, "Q8_0": 1 + 2 / 32, "Q5_0": 1 + 2 / 32,
+              "Q4_1": 0.5 + 8 / 32, "Q4_K": 0.5 + 8 / 32}
+OFFSET_KINDS = ("Q4_1", "Q4_K")  # kept as int4 with float offsets
+Q4K_BLOCK = 144  # bytes of one Q4_K super-block of 256 weights: d, dmin (fp16), 12 bytes of 6-bit sc/m, 128 of codes
 
 
 def kept_as(kind: str | None, spec: Any) -> str | None:
@@ -106,7 +116,7 @@ def kept_as(kind: str | None, spec: Any) -> str | None:
         return None
     if spec is None or spec.name == KEPT[kind]:
         return KEPT[kind]
-    return "int8:g32" if spec.name == "int8:g32" else None
+    return "int8:g32" if spec.name == "int8:g32" and kind not in OFFSET_KINDS else None
 
 
 def is_gguf(path: Path) -> bool:
@@ -331,16 +341,30 @@ class GGUFIndex:
         return self._rows_in_hf_order(name, self._dequantize(t, dtype))
 
     def int4_tensors(self, name: str) -> dict[str, torch.Tensor]:
-        """A Q4_0 matrix as canonical int4 tensors (``quant/README.md``): codes as stored, group 32,
-        zeros 8, the blocks' fp16 scales; rows in HF order. ``qweight uint8 [N, K/2]``,
-        ``scales``/``zeros`` fp16 ``[N, K/32]``."""
+        """A Q4_0, Q4_1 or Q4_K matrix as canonical int4 tensors (``quant/README.md``), codes as stored,
+        group 32, rows in HF order: ``qweight uint8 [N, K/2]`` and ``[N, K/32]`` scales and zeros --
+        Q4_0: the blocks' fp16 scales, zeros 8; Q4_1 / Q4_K: float32 scales, zeros 0 and float32
+        ``offsets`` (``w = q * scale + offset``: Q4_1's ``d`` and ``m``; Q4_K's ``d * sc`` and
+        ``-(dmin * m)``, the products llama.cpp's dequantization rounds to float32)."""
         t = self._tensors[name]
         n, k = int(t.shape[1]), int(t.shape[0])
-        raw = torch.from_numpy(read_bytes(self.path, t)).view(n, k // 32, 18)  # [N, G, 18] blocks
-        scales = raw[..., :2].contiguous().view(torch.float16).view(n, k // 32)  # [N, G]
-        qs = raw[..., 2:]  # [N, G, 16]: byte i holds code i (low nibble) and code i + 16 (high)
-        codes = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(n, k)  # [N, K] in k order
-        out = {"qweight": pack_int4(codes), "scales": scales, "zeros": torch.full_like(scales, 8.0)}
+        kind = _qtype(t)
+        raw = torch.from_numpy(read_bytes(self.path, t))
+        if kind == "Q4_K":
+            codes, scales, offsets = _q4k_parts(raw.view(n, k // 256, Q4K_BLOCK))
+        else:
+            width = 20 if kind == "Q4_1" else 18
+            blocks = raw.view(n, k // 32, width)  # [N, G, bytes]: d (fp16)[, m (fp16)], 16 bytes of codes
+            scales = blocks[..., :2].contiguous().view(torch.float16).view(n, k // 32)  # [N, G]
+            qs = blocks[..., width - 16 :]  # [N, G, 16]: byte i holds code i (low nibble) and code i + 16 (high)
+            codes = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(n, k)  # [N, K] in k order
+            offsets = blocks[..., 2:4].contiguous().view(torch.float16).view(n, k // 32).float() if width == 20 else None
+        if offsets is None:
+            out = {"qweight": pack_int4(codes), "scales": scales, "zeros": torch.full_like(scales, 8.0)}
+        else:
+            scales = scales.float()
+            out = {"qweight": pack_int4(codes), "scales": scales, "zeros": torch.zeros_like(scales),
+                   "offsets": offsets}
         return {key: self._rows_in_hf_order(name, v) for key, v in out.items()}
 
     def int8_block_tensors(self, name: str) -> dict[str, torch.Tensor]:
@@ -403,6 +427,28 @@ class GGUFIndex:
         return out
 
 
+def _q4k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K super-blocks ``uint8 [N, S, 144]`` -> codes ``uint8 [N, S * 256]`` in k order, and per 32 columns
+    float32 scales ``d * sc`` and offsets ``-(dmin * m)``, ``[N, S * 8]``.
+
+    A super-block: ``d``, ``dmin`` (fp16), 12 bytes holding eight 6-bit ``sc`` and eight 6-bit ``m``
+    (sub-blocks 0-3 in the low 6 bits of bytes 0-3 / 4-7; 4-7 in the nibbles of bytes 8-11 with their top
+    2 bits in the high bits of bytes 0-3 / 4-7: llama.cpp's ``get_scale_min_k4``), then 128 bytes of
+    codes: 32 bytes per 64 columns, low nibbles the first 32 columns, high nibbles the next 32."""
+    n, sb, _ = blocks.shape
+    d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # [N, S, 1]
+    dmin = blocks[..., 2:4].contiguous().view(torch.float16).float()
+    sm = blocks[..., 4:16].to(torch.int32)  # [N, S, 12]
+    lo_sc, lo_m = sm[..., 0:4] & 63, sm[..., 4:8] & 63  # sub-blocks 0-3
+    hi_sc = (sm[..., 8:12] & 15) | ((sm[..., 0:4] >> 6) << 4)  # sub-blocks 4-7
+    hi_m = (sm[..., 8:12] >> 4) | ((sm[..., 4:8] >> 6) << 4)
+    sc = torch.cat([lo_sc, hi_sc], dim=-1).float()  # [N, S, 8]
+    m = torch.cat([lo_m, hi_m], dim=-1).float()
+    qs = blocks[..., 16:].reshape(n, sb, 4, 32)  # [N, S, 4 pairs of sub-blocks, 32]
+    codes = torch.stack([qs & 15, qs >> 4], dim=3).reshape(n, sb * 256)  # [N, S, 4, 2, 32] -> k order
+    return codes, (d * sc).reshape(n, sb * 8), (-(dmin * m)).reshape(n, sb * 8)
+
+
 def _dequant_rows(blocks: np.ndarray, kind: Any, path: Path, name: str) -> torch.Tensor:
     """Rows of one block-quantized tensor ``uint8 [rows, row bytes] -> float32 [rows, in]``.
 
@@ -446,7 +492,7 @@ def materialize_gguf(model: Any, index: GGUFIndex, dtype: torch.dtype, device: t
                      check_finite: bool = True) -> None:
     """Fill ``model``'s meta tensors from the GGUF (``common.materialize`` with a GGUF hook).
 
-    Q4_0 matrices become :class:`Int4Linear` layers from their codes (never dequantized) unless
+    Q4_0, Q4_1 and Q4_K matrices become :class:`Int4Linear` layers from their codes (never dequantized) unless
     ``make_linear`` asks for another format than int4:g32; other tensors arrive dequantized to
     ``dtype`` and go to ``make_linear`` (``--quant``) or stay float. The read of a Q4_0 matrix
     hands the hook a meta tensor of its shape (no bytes decoded), since the hook rebuilds it
@@ -472,6 +518,8 @@ def materialize_gguf(model: Any, index: GGUFIndex, dtype: torch.dtype, device: t
             t = index.int4_tensors(name)
             if check_finite:
                 validate.check_finite(f"{index.info(name).gguf_name} (block scales)", t["scales"], index.path)
+                if "offsets" in t:
+                    validate.check_finite(f"{index.info(name).gguf_name} (block minimums)", t["offsets"], index.path)
             layer = Int4Linear.from_quantized({**t, "bias": b}, in_features=w.shape[1])
         elif target == "int8:g32":
             t = index.int8_block_tensors(name)
