@@ -1288,6 +1288,73 @@ int llmsys_qgemv_int8g_a8(const uint16_t *x, int64_t ldx, const int8_t *q, const
     return int8_a8_run(x, ldx, q, NULL, block_scales, out, ldo, m_count, n, k, threads);
 }
 
+/* int8 codes with a float32 scale per 16 columns (GGUF Q6_K kept as stored: codes q - 32, scales d * sc):
+   hs float32 [K / 16, >= N] group-major (row stride hs_ld), K a multiple of 32. Per 32-column block b of x:
+   S_lo, S_hi = the exact integer dots of its columns 0-15 and 16-31,
+   f = f + (float(S_lo) * (hs[2b, n] * dx[b]) + float(S_hi) * (hs[2b + 1, n] * dx[b])), out = bf16(f).
+   AVX2: the 8 int32 lanes vpmaddwd leaves per row hold 4 columns each, lanes 0-3 the block's first 16
+   columns (the low 128 bits), 4-7 the next 16: two rounds of vphaddd keep the halves apart. */
+static void int8h_a8_rows(const a8_x *a, int64_t m, const int8_t *q, int64_t k, const float *hs, int64_t hs_ld,
+                          uint16_t *out, int64_t ldo, int64_t n0, int64_t n1) {
+    const int64_t nb = k / A8;
+    const int8_t *qx = a->q + m * a->nb * A8;
+    const float *dx = a->d + m * a->nb;
+    int64_t n = n0;
+#ifdef QA8_AVX2
+    for (; n + 8 <= n1; n += 8) {
+        __m256 f = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            const __m256i xv = _mm256_load_si256((const __m256i *)(qx + b * A8));
+            const __m256i ax = _mm256_sign_epi8(xv, xv);
+            __m256i p[8];
+            if (!(b & 1))
+                for (int r = 0; r < 8; r++) __builtin_prefetch(q + (n + I8_AHEAD + r) * k + b * A8, 0, 2);
+            for (int r = 0; r < 8; r++) p[r] = dot32_i8(ax, xv, q + (n + r) * k + b * A8);
+            const __m256i h01 = _mm256_hadd_epi32(p[0], p[1]), h23 = _mm256_hadd_epi32(p[2], p[3]);
+            const __m256i h45 = _mm256_hadd_epi32(p[4], p[5]), h67 = _mm256_hadd_epi32(p[6], p[7]);
+            const __m256i u = _mm256_hadd_epi32(h01, h23), v = _mm256_hadd_epi32(h45, h67);
+            /* u: rows 0-3's first halves | their second halves; v: the same for rows 4-7 */
+            const __m256 lo = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(u, v, 0x20));
+            const __m256 hi = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(u, v, 0x31));
+            const __m256 dv = _mm256_set1_ps(dx[b]);
+            const __m256 slo = _mm256_mul_ps(_mm256_loadu_ps(hs + 2 * b * hs_ld + n), dv);
+            const __m256 shi = _mm256_mul_ps(_mm256_loadu_ps(hs + (2 * b + 1) * hs_ld + n), dv);
+            f = _mm256_add_ps(f, _mm256_add_ps(_mm256_mul_ps(lo, slo), _mm256_mul_ps(hi, shi)));
+        }
+        float fr[8];
+        _mm256_storeu_ps(fr, f);
+        for (int r = 0; r < 8; r++) out[m * ldo + n + r] = rne(fr[r]);
+    }
+#endif
+    for (; n < n1; n++) {
+        float f = 0.0f;
+        for (int64_t b = 0; b < nb; b++) {
+            const int32_t slo = dot_block_i8(qx + b * A8, q + n * k + b * A8, 16);
+            const int32_t shi = dot_block_i8(qx + b * A8 + 16, q + n * k + b * A8 + 16, 16);
+            f = f + ((float)slo * (hs[2 * b * hs_ld + n] * dx[b]) + (float)shi * (hs[(2 * b + 1) * hs_ld + n] * dx[b]));
+        }
+        out[m * ldo + n] = rne(f);
+    }
+}
+
+/* x [M, K] bf16 (row stride ldx), q int8 [N, K] contiguous, half_scales float32 [K / 16, N] -> out [M, N]
+   bf16 (row stride ldo); K a multiple of 32 (else 1). */
+int llmsys_qgemv_int8h_a8(const uint16_t *x, int64_t ldx, const int8_t *q, const float *half_scales,
+                          uint16_t *out, int64_t ldo, int64_t m_count, int64_t n, int64_t k, int threads) {
+    if (m_count <= 0 || n <= 0 || k <= 0 || k % A8 || ldx < k || ldo < n) return 1;
+    a8_x a;
+    if (a8_quantize(x, ldx, m_count, k, k / A8, &a)) return 2;
+    const int64_t step = 64, items = (n + step - 1) / step;
+    const int par = threads > 1 && m_count * n * k >= PAR_MIN && items > 1;
+#pragma omp parallel for num_threads(threads) schedule(static) if (par)
+    for (int64_t it = 0; it < items; it++) {
+        const int64_t n0 = it * step, n1 = n0 + step < n ? n0 + step : n;
+        for (int64_t m = 0; m < m_count; m++) int8h_a8_rows(&a, m, q, k, half_scales, n, out, ldo, n0, n1);
+    }
+    a8_free(&a);
+    return 0;
+}
+
 /* Slot s of an int4 a8 block's accumulators holds row a8_row(s): the AVX2 unpacks interleave
    8-row groups as 0, 16, 8, 24 (low nibbles), then the same + 32 (high nibbles). */
 static inline int a8_row(int s) {
@@ -1682,7 +1749,8 @@ int llmsys_gemv_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t 
 
 typedef struct {
     int64_t kind;          /* 0: int8 codes [N, K], bf16 scales [N]; 1: int4 in the CPU tiling; 2: bf16 [N, K];
-                              3: int8 codes [N, K], fp16 block scales [nb, s_g] (group-major, one per 32 columns) */
+                              3: int8 codes [N, K], fp16 block scales [nb, s_g] (group-major, one per 32 columns);
+                              4: int8 codes [N, K], float32 scales [K / 16, s_g] (one per 16 columns, GGUF Q6_K) */
     int64_t n, k, kp, gs;  /* rows, columns; int4: padded columns Kp = G * gs and the group size */
     const void *q;         /* the codes (bf16: the weight, rows of kp elements apart) */
     const void *scales;    /* int4: scales at [n * s_n + g * s_g] of scale_kind (0 bf16, 1 f32, 2 f16) */
@@ -1705,6 +1773,7 @@ static int qw_check(const llmsys_qw *w, int64_t k) {
     if (!w->scales) return 1;
     if (w->kind == 0) return 0;
     if (w->kind == 3) return w->s_g < w->n;
+    if (w->kind == 4) return w->s_g < w->n || k % A8;
     if (w->kind != 1 || w->gs <= 0 || w->gs % A8 || w->gs > 256 || w->kp % w->gs || k <= w->kp - w->gs || k > w->kp
         || !w->zeros || w->scale_kind < 0 || w->scale_kind > 2)
         return 1;
@@ -1722,6 +1791,9 @@ static void qw_item(const llmsys_qw *w, const a8_x *a, const uint16_t *x, int64_
         int8_a8_many(a, m_count, (const int8_t *)w->q, w->k, (const uint16_t *)w->scales, NULL, 0, out, ldo, n0, n1);
     } else if (w->kind == 3) {
         int8_a8_many(a, m_count, (const int8_t *)w->q, w->k, NULL, (const uint16_t *)w->scales, w->s_g, out, ldo, n0, n1);
+    } else if (w->kind == 4) {
+        for (int64_t m = 0; m < m_count; m++)
+            int8h_a8_rows(a, m, (const int8_t *)w->q, w->k, (const float *)w->scales, w->s_g, out, ldo, n0, n1);
     } else {
         const int4_meta md = {w->zeros, w->z_n, w->z_g, w->scales, w->s_n, w->s_g, (int)w->scale_kind, w->offs,
                               w->o_n, w->o_g};

@@ -70,6 +70,7 @@ _SIGNATURES = {
     "llmsys_qgemm_native": [],
     "llmsys_qgemv_int8_a8": [_P, _I, _P, _P, _P, _I, _I, _I, _I, _C],
     "llmsys_qgemv_int8g_a8": [_P, _I, _P, _P, _P, _I, _I, _I, _I, _C],
+    "llmsys_qgemv_int8h_a8": [_P, _I, _P, _P, _P, _I, _I, _I, _I, _C],
     "llmsys_qgemv_int4_a8": [_P, _I, _P, _P, _I, _I, _C, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _C],
     "llmsys_qgemv_int4o_a8": [_P, _I, _P, _P, _I, _I, _C, _P, _I, _I, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _C],
     "llmsys_gemv_bf16": [_P, _I, _P, _I, _P, _I, _I, _I, _I, _C],
@@ -169,15 +170,25 @@ def int8_a8_def(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) ->
 
 def int8g_a8_def(x: torch.Tensor, qweight: torch.Tensor, block_scales: torch.Tensor) -> torch.Tensor:
     """``x [M, K]`` bf16, ``qweight int8 [N, K]``, ``block_scales`` fp16 ``[nb, N]`` (a scale per 32 columns,
-    group-major: GGUF Q8_0's) ``-> [M, N]`` bf16, :func:`int8g_gemv_a8`'s bits.
+    group-major: GGUF Q8_0's) or float32 ``[K / 16, N]`` (a scale per 16 columns: GGUF Q6_K's, K a
+    multiple of 32) ``-> [M, N]`` bf16, :func:`int8g_gemv_a8`'s bits.
 
     ``out = bf16(f)``, ``f`` summing ``float(S_b) * (scale_b * d_b)`` over x's 32-column blocks in order,
-    as the int4 a8 GEMV does with its group scales.
+    as the int4 a8 GEMV does with its group scales; with a scale per 16 columns each block adds
+    ``float(S_lo) * (scale_2b * d_b) + float(S_hi) * (scale_2b+1 * d_b)`` (its two halves' exact dots).
     """
     qx, d, _ = quantize_a8(x)
     w = torch.nn.functional.pad(qweight, (0, qx.shape[1] * A8_BLOCK - qweight.shape[1]))
+    bs = block_scales.float()  # [nb, N] or [2 nb, N]
+    if block_scales.dtype == torch.float32:  # halves: 16-column blocks of codes against each half of x's block
+        wh = w.long().view(w.shape[0], -1, 2, A8_BLOCK // 2)  # [N, nb, 2, 16]
+        sh = torch.einsum("mbhc,nbhc->mnbh", qx.long().view(qx.shape[0], -1, 2, A8_BLOCK // 2), wh)
+        f = torch.zeros(sh.shape[:2])
+        for b in range(sh.shape[2]):
+            f = f + (sh[..., b, 0].float() * (bs[None, 2 * b, :] * d[:, b, None])
+                     + sh[..., b, 1].float() * (bs[None, 2 * b + 1, :] * d[:, b, None]))
+        return f.to(torch.bfloat16)
     s = _block_dots(qx, w)  # [M, N, nb]
-    bs = block_scales.float()  # [nb, N]
     f = torch.zeros(s.shape[:2])
     for b in range(s.shape[2]):
         f = f + s[..., b].float() * (bs[None, b, :] * d[:, b, None])
@@ -277,21 +288,26 @@ def int8g_gemv_a8(x: torch.Tensor, qweight: torch.Tensor, block_scales: torch.Te
     """``x [M, K]`` bf16 times the int8 weight ``qweight [N, K]`` with a scale per 32 columns, ``block_scales``
     fp16 ``[ceil(K / 32), N]`` contiguous (group-major, so a block's scales for a run of rows are one vector
     load), x quantized to int8 per 32 columns (:func:`int8g_a8_def`'s bits): GGUF Q8_0 layers' GEMV, the
-    arithmetic of llama.cpp's q8_0 x q8_0 dot. ``check`` and ``lib`` as :func:`int8_gemv`."""
+    arithmetic of llama.cpp's q8_0 x q8_0 dot. Or a scale per 16 columns, float32 ``[K / 16, N]``
+    contiguous, K a multiple of 32 (GGUF Q6_K's codes minus 32 and ``d * sc``). ``check`` and ``lib`` as
+    :func:`int8_gemv`."""
     n, k = qweight.shape
+    halves = block_scales.dtype == torch.float32
     if check:
         _check_x("int8g_gemv_a8", x, k)
-        nb = -(-k // A8_BLOCK)
-        if qweight.dtype != torch.int8 or not qweight.is_contiguous() or block_scales.dtype != torch.float16 \
-                or tuple(block_scales.shape) != (nb, n) or not block_scales.is_contiguous():
+        nb = k // 16 if halves else -(-k // A8_BLOCK)
+        if qweight.dtype != torch.int8 or not qweight.is_contiguous() or block_scales.dtype not in (
+                torch.float16, torch.float32) or tuple(block_scales.shape) != (nb, n) \
+                or not block_scales.is_contiguous() or (halves and k % A8_BLOCK):
             raise ValueError(f"int8g_gemv_a8: qweight must be contiguous int8 [N, K] and block_scales contiguous "
-                             f"fp16 [{nb}, {n}], got {qweight.dtype} {tuple(qweight.shape)}, {block_scales.dtype} "
-                             f"{tuple(block_scales.shape)}")
+                             f"fp16 [ceil(K/32), N] or float32 [K/16, N] (K a multiple of 32), got {qweight.dtype} "
+                             f"{tuple(qweight.shape)}, {block_scales.dtype} {tuple(block_scales.shape)}")
     m = x.shape[0]
     out = torch.empty(m, n, dtype=torch.bfloat16)
-    rc = (lib or _KERNEL.lib()).llmsys_qgemv_int8g_a8(x.data_ptr(), x.stride(0), qweight.data_ptr(),
-                                                       block_scales.data_ptr(), out.data_ptr(), n, m, n, k,
-                                                       torch.get_num_threads())
+    lib = lib or _KERNEL.lib()
+    rc = (lib.llmsys_qgemv_int8h_a8 if halves else lib.llmsys_qgemv_int8g_a8)(
+        x.data_ptr(), x.stride(0), qweight.data_ptr(), block_scales.data_ptr(), out.data_ptr(), n, m, n, k,
+        torch.get_num_threads())
     if rc:
         raise RuntimeError(f"int8g_gemv_a8: the C kernel failed (code {rc}) on M={m} N={n} K={k}")
     return out
@@ -418,10 +434,13 @@ def int8_decode_weight(qweight: torch.Tensor, scales: torch.Tensor, bias: torch.
 
 
 def int8g_decode_weight(qweight: torch.Tensor, block_scales: torch.Tensor, bias: torch.Tensor | None) -> DecodeWeight:
-    """:func:`int8g_gemv_a8`'s weight (contiguous int8 ``[N, K]``, fp16 ``[nb, N]``) plus a bf16 ``bias [N]`` or None."""
+    """:func:`int8g_gemv_a8`'s weight (contiguous int8 ``[N, K]``, fp16 ``[nb, N]`` or float32 ``[K / 16, N]``)
+    plus a bf16 ``bias [N]`` or None."""
     n, k = qweight.shape
-    return DecodeWeight(3, n, k, k, 0, qweight.data_ptr(), block_scales.data_ptr(), 0, block_scales.stride(0), 2,
-                        None, 0, 0, None if bias is None else bias.data_ptr())
+    halves = block_scales.dtype == torch.float32
+    return DecodeWeight(4 if halves else 3, n, k, k, 0, qweight.data_ptr(), block_scales.data_ptr(), 0,
+                        block_scales.stride(0), 1 if halves else 2, None, 0, 0,
+                        None if bias is None else bias.data_ptr())
 
 
 def bf16_decode_weight(weight: torch.Tensor, bias: torch.Tensor | None) -> DecodeWeight:

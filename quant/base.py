@@ -194,8 +194,10 @@ class QuantLinear(nn.Module):
         return y.reshape(*lead, self.out_features)
 
     def nbytes(self) -> int:
-        """Bytes held by this layer: every buffer, incl. scales/zeros/bias."""
-        return sum(b.numel() * b.element_size() for b in self.buffers())
+        """Bytes held by this layer: every persistent buffer, incl. scales/zeros/bias (a non-persistent one is
+        a view that holds nothing of its own, e.g. ``Int4Linear``'s stride-0 zeros beside float offsets)."""
+        skip = self._non_persistent_buffers_set
+        return sum(b.numel() * b.element_size() for name, b in self.named_buffers(recurse=False) if name not in skip)
 
     def extra_repr(self) -> str:
         return (

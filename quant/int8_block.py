@@ -10,6 +10,13 @@ block, ``f += S_b * (d_w * d_x)``) runs the arithmetic of llama.cpp's own q8_0 x
 Layout (what ``state_dict()`` holds; ``W`` is ``[N, K]``): ``qweight int8 [N, K]``,
 ``block_scales fp16 [ceil(K / 32), N]``, group-major (a block's scales for a run of rows are one
 vector load in the kernel), ``w[n, k] = qweight[n, k] * block_scales[k // 32, n]``.
+
+GGUF Q6_K (6-bit codes with an int8 scale per 16 weights times an fp16 ``d`` per 256: the type
+llama.cpp's Q4_K_M files hold their output head, often the embedding, and half the ``attn_v`` /
+``ffn_down`` matrices in) is the same layout with a scale per 16 columns: codes ``q - 32`` and
+``block_scales float32 [K / 16, N]`` holding ``d * sc`` (the product llama.cpp's dequantization
+rounds to float32), ``w[n, k] = qweight[n, k] * block_scales[k // 16, n]``: 1.25 bytes a weight
+(the file's 0.82, bf16's 2), the a8 GEMV taking each block of x's two halves' dots apart.
 """
 
 from __future__ import annotations
@@ -30,7 +37,8 @@ from llmsys.quant.base import (
 )
 from llmsys.quant.int4 import DEQUANT_CHUNK_BYTES
 
-BLOCK = 32  # input columns per scale
+BLOCK = 32  # input columns per scale (fp16 scales: GGUF Q8_0, Q5_0, --quant int8:g32)
+HALF_BLOCK = 16  # input columns per scale with float32 scales (GGUF Q6_K)
 
 
 def int8_block_kernel(device: torch.device) -> MatmulKernel:
@@ -63,13 +71,20 @@ class Int8BlockLinear(QuantLinear):
 
     def __init__(self, qweight: torch.Tensor, block_scales: torch.Tensor, bias: torch.Tensor | None) -> None:
         n, k = qweight.shape
-        nb = -(-k // BLOCK)
-        if qweight.dtype != torch.int8 or tuple(block_scales.shape) != (nb, n):
+        # float32 scales: one per 16 columns (Q6_K), K a multiple of 32; else fp16 ones per 32 (Q8_0)
+        block = HALF_BLOCK if block_scales.dtype == torch.float32 else BLOCK
+        nb = -(-k // block)
+        if qweight.dtype != torch.int8 or tuple(block_scales.shape) != (nb, n) or (block == HALF_BLOCK and k % BLOCK):
+            what = "float32 scales, one per 16 columns, K a multiple of 32" if block == HALF_BLOCK else \
+                "fp16 scales, one per 32 columns"
             raise CheckpointError(f"int8 block tensors disagree: qweight {qweight.dtype} {tuple(qweight.shape)}, "
-                                  f"block_scales {tuple(block_scales.shape)}; expected int8 [N, K] and [{nb}, {n}]")
+                                  f"block_scales {tuple(block_scales.shape)}; expected int8 [N, K] and [{nb}, {n}] "
+                                  f"({what})")
         super().__init__(k, n, bias, int8_block_kernel(qweight.device))
+        self.block = block  # input columns per scale
         self.register_buffer("qweight", qweight.contiguous())  # [N, K]
-        self.register_buffer("block_scales", block_scales.to(torch.float16).contiguous())  # [nb, N]
+        scale_dtype = torch.float32 if block == HALF_BLOCK else torch.float16
+        self.register_buffer("block_scales", block_scales.to(scale_dtype).contiguous())  # [nb, N]
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, spec=None) -> "Int8BlockLinear":
@@ -85,7 +100,7 @@ class Int8BlockLinear(QuantLinear):
     def cat_rows(cls, layers: list[QuantLinear]) -> "Int8BlockLinear | None":
         """Rows side by side (q|k|v, gate|up): each output row is computed from its own codes and scales."""
         ok, bias = rows_joinable(cls, layers)
-        if not ok:
+        if not ok or len({m.block for m in layers}) > 1:
             return None
         return cls(torch.cat([m.qweight for m in layers]), torch.cat([m.block_scales for m in layers], dim=1), bias)
 
@@ -95,7 +110,7 @@ class Int8BlockLinear(QuantLinear):
     def rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Rows ``ids [M] -> [M, K]``: ``q * d`` exactly in float32, then ``dtype``."""
         ids = ids.long()
-        s = self.block_scales[:, ids].t().float().repeat_interleave(BLOCK, dim=1)[:, : self.in_features]  # [M, K]
+        s = self.block_scales[:, ids].t().float().repeat_interleave(self.block, dim=1)[:, : self.in_features]  # [M, K]
         return (self.qweight[ids].float() * s).to(dtype)
 
     DECODE_MAX_ROWS = PACKED_MAX_ROWS

@@ -24,7 +24,7 @@ from llmsys.engine.attention import make_backend  # noqa: E402
 from llmsys.engine.bench.gguf_export import export_float  # noqa: E402
 from llmsys.engine.kv_cache import KVCacheSpec, make_kv_pool  # noqa: E402
 from llmsys.engine.loader import load_model  # noqa: E402
-from llmsys.engine.loader.gguf_io import hf_to_interleaved, is_gguf  # noqa: E402
+from llmsys.engine.loader.gguf_io import hf_to_interleaved, is_gguf, open_index  # noqa: E402
 from llmsys.engine.models.base import TransformerArgs  # noqa: E402
 from llmsys.kernels.common.errors import CheckpointError, UnsupportedModelError  # noqa: E402
 from llmsys.quant import Int4Linear  # noqa: E402
@@ -98,15 +98,19 @@ def test_f32_and_f16_files_give_the_safetensors_logits(families, kind, tmp_path)
     assert torch.equal(_logits(load_model(f16, dtype="float32", device="cpu"), ids), _logits(ref, ids))
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q5_0"])
-def test_q8_0_and_q5_0_matrices_keep_their_codes_with_block_scales(families, tmp_path, qtype):
-    """Q8_0 is int8 with an fp16 scale per 32 columns, Q5_0 5-bit codes (minus 16) with one: the layers (and
-    the embedding, the tied head) are Int8BlockLinear (Q8_0: the file's own bytes), whose weights are gguf's
-    own dequantization of each matrix (q/k rows of the llama layout put back), and whose logits are those of
-    the float model of the same weights within the a8 bound."""
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q5_0", "Q6_K"])
+def test_q8_0_q5_0_and_q6_k_matrices_keep_their_codes_with_block_scales(families, tmp_path, qtype):
+    """Q8_0 is int8 with an fp16 scale per 32 columns, Q5_0 5-bit codes (minus 16) with one, Q6_K 6-bit codes
+    (minus 32) with a float32 d * sc per 16: the layers (and the embedding, the tied head) are Int8BlockLinear
+    (Q8_0: the file's own bytes; Q6_K: 1.25 a weight), whose weights are gguf's own dequantization of each
+    matrix (q/k rows of the llama layout put back), and whose logits are those of the float model of the
+    same weights within the a8 bound."""
     from llmsys.quant import Int8BlockLinear
 
     folder = families["llama"]
+    if qtype == "Q6_K":  # rows of whole 256-column super-blocks
+        folder = make_hf_model("llama", tmp_path / "wide", seed=3, hidden_size=256, intermediate_size=512,
+                               num_attention_heads=4, num_key_value_heads=2)
     path = export_float(folder, tmp_path / "q.gguf", "f32", qtype)
     got = load_model(path, dtype="float32", device="cpu")
     ref = load_model(folder, dtype="float32", device="cpu")
@@ -128,14 +132,16 @@ def test_q8_0_and_q5_0_matrices_keep_their_codes_with_block_scales(families, tmp
         assert isinstance(mod, Int8BlockLinear) and torch.equal(mod.dequantize(torch.float32), w), hf
         if qtype == "Q8_0":
             assert mod.nbytes() == t.n_bytes  # the file's own bytes: 1 per weight + an fp16 per 32
+        if qtype == "Q6_K":
+            assert mod.nbytes() == w.numel() * 5 // 4  # 1 per weight + a float32 per 16 (bf16: 2 per weight)
         ref.model.get_parameter(hf).data.copy_(w)
     assert {"attn_q", "attn_k", "ffn_down", "token_embd"} <= kinds
     ids = _ids()
     want, have = _logits(ref, ids), _logits(got, ids)
     err = ((have - want).abs().max(-1).values / want.abs().max(-1).values).max().item()
-    assert err < A8_RTOL, err
+    assert err < (1.6 if qtype == "Q6_K" else 1) * A8_RTOL, err  # the wider model: see the Q4_K test
     assert {k.split(" ")[0]: v for k, v in got.stored_formats.items()} == {
-        "F32": "float32", qtype: "int8:g32, codes as stored"}
+        "F32": "float32", qtype: f"int8:g{16 if qtype == 'Q6_K' else 32}, codes as stored"}
 
 
 def _hf_name(name: str) -> str:
@@ -215,10 +221,9 @@ def test_q4_k_and_q4_1_matrices_keep_codes_scales_and_minimums(kind, qtype, tmp_
         if heads is not None and kind == "llama":
             w = hf_to_interleaved(w, heads)  # the file's row order
         assert torch.equal(w, want), gname
-        # codes 1/2, scales and offsets 4/32 each: 0.75 bytes a weight (bf16: 2)
-        held = sum(b.numel() * b.element_size() for n, b in mod.named_buffers()
-                   if n not in mod._non_persistent_buffers_set)
-        assert held <= 0.76 * w.numel() + mod.out_features * 64, (gname, held / w.numel())
+        # codes 1/2, scales and offsets 4/32 each: 0.75 bytes a weight (bf16: 2), rows padded to 64
+        bias = 0 if mod.bias is None else mod.bias.numel() * mod.bias.element_size()
+        assert mod.nbytes() == -(-mod.out_features // 64) * 64 * w.shape[1] // 2 + w.numel() // 4 + bias, gname
     ref = load_model(folder, dtype="float32", device="cpu")
     for name, mod in got.model.named_modules():
         if isinstance(mod, Int4Linear):
@@ -332,7 +337,9 @@ needs_llama_cpp = pytest.mark.skipif(
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_K_M"])
 def test_llama_cpp_quantized_files_agree_with_llama_cpp(fmt, tmp_path_factory, monkeypatch):
     """stories260k quantized by llama.cpp's own quantizer: llmsys's logits on that file against
-    llama.cpp's (``logits_all``) over a 256-token text, top-1 agreement, and perplexity within 0.5%."""
+    llama.cpp's (``logits_all``) over a 256-token text, top-1 agreement, and perplexity within 0.5%.
+    float32 activations, as llama.cpp's: with bf16 ones (the default where the CPU lacks AVX-512 BF16,
+    e.g. Zen 3) q8_0 measured +0.53% over these 256 tokens against +0.04% in float32."""
     from llmsys import LLM
     from llmsys.engine.bench.gguf_export import gguf_file
     from llmsys.engine.scoring import prompt_logits
@@ -340,7 +347,7 @@ def test_llama_cpp_quantized_files_agree_with_llama_cpp(fmt, tmp_path_factory, m
     monkeypatch.setenv("LLMSYS_HOME", str(tmp_path_factory.getbasetemp() / "llmsys-home-gguf"))
     folder = need_shared(STORIES_HF)
     path = gguf_file(folder, fmt)
-    llm = LLM(str(path), device="cpu", progress=False, max_model_len=256)
+    llm = LLM(str(path), device="cpu", dtype="float32", progress=False, max_model_len=256)
     text = need_shared(CORPUS / "tinystories-valid.txt").read_text(encoding="utf-8")[:4000]
     ids = [llm.tokenizer.bos_token_id] + llm.tokenizer.encode(text, add_special_tokens=False)[:255]
     mine = prompt_logits(llm.core, ids).numpy()
@@ -356,6 +363,46 @@ def test_llama_cpp_quantized_files_agree_with_llama_cpp(fmt, tmp_path_factory, m
         return float(np.exp((lse - x[np.arange(len(ids) - 1), ids[1:]]).mean()))
 
     assert abs(ppl(mine) / ppl(theirs) - 1) < 0.005, (ppl(mine), ppl(theirs))
+
+
+@needs_llama_cpp
+def test_a_llama_cpp_q4_k_m_file_keeps_its_k_quants_and_agrees_with_llama_cpp(tmp_path, monkeypatch):
+    """llama.cpp's own Q4_K_M of a model whose rows are whole super-blocks (its Q4_K and Q6_K matrices:
+    the common case, unlike stories260k's 64 columns): llmsys keeps both as stored, and runs the file at
+    least as close to the float model of its weights as llama.cpp does (both engines round activations to
+    8 bits: llmsys per 32 columns, llama.cpp's K-quant dots per 256), with the same top-1 tokens."""
+    from llmsys import LLM
+    from llmsys.engine.bench.gguf_export import gguf_file
+    from llmsys.engine.scoring import prompt_logits
+
+    monkeypatch.setenv("LLMSYS_HOME", str(tmp_path / "home"))
+    folder = make_hf_model("llama", tmp_path / "m", seed=5, hidden_size=256, intermediate_size=768,
+                           num_attention_heads=4, num_key_value_heads=2)
+    path = gguf_file(folder, "q4_K_M")
+    kinds = {t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
+    assert {"Q4_K", "Q6_K"} <= kinds, kinds
+    llm = LLM(str(path), device="cpu", dtype="float32", progress=False, max_model_len=128)
+    formats = {k.split(" ")[0]: v for k, v in llm.loaded.stored_formats.items()}
+    assert formats["Q4_K"] == "int4:g32, codes as stored" and formats["Q6_K"] == "int8:g16, codes as stored"
+    ids = _ids(96, seed=1)
+    mine = prompt_logits(llm.core, ids).numpy()
+    cpp = llama_cpp.Llama(str(path), n_ctx=128, n_batch=128, logits_all=True, verbose=False, n_threads=2)
+    cpp.eval(ids)
+    theirs = np.array(cpp.scores[: len(ids)], dtype=np.float32)
+    cpp.close()
+    exact = load_model(folder, dtype="float32", device="cpu")  # the file's weights, dequantized, in float32
+    index = open_index(path)
+    with torch.no_grad():
+        for name, p in exact.model.named_parameters():
+            p.copy_(index.read(name, torch.float32))
+    ref = _logits(exact, ids).numpy()
+
+    def rel(a: np.ndarray) -> np.ndarray:  # per position, relative to its largest |logit|
+        return np.abs(a - ref).max(-1) / np.abs(ref).max(-1)
+
+    # measured here: llmsys 0.047 worst / 0.030 mean, llama.cpp 0.063 / 0.041
+    assert rel(mine).max() <= rel(theirs).max() and rel(mine).mean() <= rel(theirs).mean()
+    assert (mine.argmax(-1) == theirs.argmax(-1)).mean() >= 0.9
 
 
 def test_quant_flag_requantizes_or_keeps_the_codes(families, tmp_path):
@@ -414,14 +461,14 @@ def test_plan_reads_a_gguf_and_sizes_its_int4_layers(families, tmp_path):
     assert 0.25 < ratio < 0.40, ratio  # int4:g32 with fp16 scales: 0.625 of a byte per weight vs 2
 
 
-@pytest.mark.parametrize("matrices", ["Q8_0", "Q4_0", "Q4_K"])
+@pytest.mark.parametrize("matrices", ["Q8_0", "Q4_0", "Q4_K", "Q6_K"])
 def test_fused_decode_layers_take_kept_gguf_layers_bit_for_bit(tmp_path, matrices):
     """Q8_0 (block-scaled int8), Q4_0 (int4) and Q4_K (int4 with float offsets) layers run the fused decode
     layers (two C calls around attention) with the bits of the same layers op by op."""
     from llmsys import LLM, kernels
     from test_fused_decode import _step_both
 
-    d, inter = (256, 512) if matrices == "Q4_K" else (128, 320)  # Q4_K: rows of whole 256-column super-blocks
+    d, inter = (256, 512) if matrices in ("Q4_K", "Q6_K") else (128, 320)  # K-quants: whole 256-column super-blocks
     folder = make_hf_model("qwen2", tmp_path / "m", hidden_size=d, intermediate_size=inter)  # biases too
     path = export_float(folder, tmp_path / "m.gguf", "f16", matrices)
     llm = LLM(str(path), dtype="bfloat16", progress=False, block_size=4, kv_cache_tokens=256)

@@ -231,8 +231,8 @@ def export_float(folder: str | Path, out: Path, fmt: str = "f32", matrices: str 
             t = _layout(src, name, index.read(name))
             if quantized(tuple(t.shape)):
                 x = t.float().numpy()
-                w.write_tensor_data(quantize_q4_k(x) if qtype == gguf.GGMLQuantizationType.Q4_K
-                                    else gguf.quants.quantize(x, qtype))
+                own = {gguf.GGMLQuantizationType.Q4_K: quantize_q4_k, gguf.GGMLQuantizationType.Q6_K: quantize_q6_k}
+                w.write_tensor_data(own[qtype](x) if qtype in own else gguf.quants.quantize(x, qtype))
             else:
                 w.write_tensor_data(t.to(target(tuple(t.shape))).contiguous().numpy())  # bf16 -> f16 rounds once
         if extra is not None:
@@ -272,6 +272,29 @@ def quantize_q4_k(x: np.ndarray) -> np.ndarray:
     q = q.reshape(rows, k // 256, 4, 2, 32)  # 4 pairs of sub-blocks: low nibble, high nibble
     qs = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).reshape(rows, k // 256, 128)
     out = np.concatenate([d.view(np.uint8), dmin.view(np.uint8), packed, qs], axis=-1)  # [R, S, 144]
+    return out.reshape(rows, -1)
+
+
+def quantize_q6_k(x: np.ndarray) -> np.ndarray:
+    """``float32 [rows, K]`` (K a multiple of 256) -> Q6_K blocks ``uint8 [rows, K / 256 * 210]``, round to
+    nearest (as :func:`quantize_q4_k`, for files the ``gguf`` package cannot write): per 16 weights an int8
+    scale ``sc`` of one fp16 ``d`` per 256, codes ``q = round(x / (d * sc)) + 32`` in 0..63, packed as
+    ``dequantize_row_q6_K`` reads them (128 bytes of low nibbles, 64 of high bit pairs, the scales, d)."""
+    rows, k = x.shape
+    xs = x.reshape(rows, k // 256, 16, 16).astype(np.float32)
+    amax = np.abs(xs).max(-1)  # [R, S, 16]
+    sub = amax / 31.0
+    d = (sub.max(-1, keepdims=True) / 127.0).astype(np.float16)  # [R, S, 1]
+    df = d.astype(np.float32)
+    sc = np.clip(np.rint(np.divide(sub, df, out=np.zeros_like(sub), where=df > 0)), -128, 127).astype(np.int8)
+    eff = (df * sc.astype(np.float32))[..., None]
+    v = (np.clip(np.rint(np.divide(xs, eff, out=np.zeros_like(xs), where=eff != 0)), -32, 31) + 32).astype(np.uint8)
+    v = v.reshape(rows, k // 256, 2, 128)  # two halves of 128 columns
+    c = [v[..., 0:32], v[..., 32:64], v[..., 64:96], v[..., 96:128]]
+    ql = np.concatenate([(c[0] & 15) | ((c[2] & 15) << 4), (c[1] & 15) | ((c[3] & 15) << 4)], axis=-1)  # [R, S, 2, 64]
+    qh = (c[0] >> 4) | ((c[1] >> 4) << 2) | ((c[2] >> 4) << 4) | ((c[3] >> 4) << 6)  # [R, S, 2, 32]
+    out = np.concatenate([ql.reshape(rows, k // 256, 128), qh.reshape(rows, k // 256, 64), sc.view(np.uint8),
+                          d.view(np.uint8)], axis=-1)  # [R, S, 210]
     return out.reshape(rows, -1)
 
 

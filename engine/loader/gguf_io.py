@@ -31,11 +31,13 @@ safetensors; the ``gguf`` package supplies the type tables and the K-quant decod
   ``Int4Linear`` with float32 scales and offsets (``w = q * scale + offset``, the
   products llama.cpp's own dequantization computes). Every
   other type (F32/F16/BF16 and the other block formats gguf can decode:
-  Q5_1, Q2_K, Q3_K, Q5_K, Q6_K, ...) is dequantized at load to the engine dtype, or
+  Q5_1, Q2_K, Q3_K, Q5_K, ...) is dequantized at load to the engine dtype, or
   re-quantized to the ``--quant`` format when one is given; :func:`conversions`
   says which happened to which tensors (``memory_report()``, the load notice).
-  Q5_K and Q6_K have no exact llmsys layout yet (5- and 6-bit codes, Q6_K's
-  scale per 16), hence their dequantization.
+  **Q6_K** (6-bit codes, ``w = d * sc * (q - 32)`` with an int8 ``sc`` per 16)
+  becomes ``Int8BlockLinear`` with its codes minus 32 and float32 ``d * sc`` per
+  16 columns. Q5_K has no exact llmsys layout yet (5-bit codes with a float
+  minimum), hence its dequantization.
 
 Tensor bytes are read into fresh buffers (no mapping), so nothing keeps the
 file open or its pages in the process's RSS after loading.
@@ -102,21 +104,28 @@ DEQUANT_ROWS = 8192
 # Q5_0 (5-bit codes q, w = (q - 16) * d per 32) fits int8 exactly too: its codes minus 16 are the int8 codes.
 # Q4_1 and Q4_K are int4 with group 32, float32 scales and float32 offsets (w = q * scale + offset): 1/2 + 4/32
 # + 4/32 bytes per weight (llama.cpp's Q4_K: 144/256, Q4_1: 20/32); their codes are no int8 codes of a scale.
-KEPT = {"Q4_0": "int4:g32", "Q8_0": "int8:g32", "Q5_0": "int8:g32", "Q4_1": "int4:g32", "Q4_K": "int4:g32"}
+# Q6_K (6-bit codes, an int8 scale per 16 times an fp16 d per 256) is int8 with a float32 scale per 16 columns
+# ("int8:g16", Int8BlockLinear): 1 + 4/16 bytes per weight (the file's 210/256).
+KEPT = {"Q4_0": "int4:g32", "Q8_0": "int8:g32", "Q5_0": "int8:g32", "Q4_1": "int4:g32", "Q4_K": "int4:g32",
+        "Q6_K": "int8:g16"}
 KEPT_BYTES = {"Q4_0": 0.5 + 2 / 32 + 2 / 32, "Q8_0": 1 + 2 / 32, "Q5_0": 1 + 2 / 32,
-              "Q4_1": 0.5 + 8 / 32, "Q4_K": 0.5 + 8 / 32}
+              "Q4_1": 0.5 + 8 / 32, "Q4_K": 0.5 + 8 / 32, "Q6_K": 1 + 4 / 16}
 OFFSET_KINDS = ("Q4_1", "Q4_K")  # kept as int4 with float offsets
 Q4K_BLOCK = 144  # bytes of one Q4_K super-block of 256 weights: d, dmin (fp16), 12 bytes of 6-bit sc/m, 128 of codes
+Q6K_BLOCK = 210  # Q6_K: 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 scales, d (fp16)
 
 
 def kept_as(kind: str | None, spec: Any) -> str | None:
     """The llmsys format a matrix of GGUF type ``kind`` keeps its codes in under ``--quant spec`` (None: no
-    flag), or None when it is dequantized. ``int8:g32`` also takes Q4_0's codes (``q - 8``, exactly)."""
+    flag), or None when it is dequantized. ``int8:g32`` also takes Q4_0's codes (``q - 8``, exactly) and
+    keeps Q6_K's (exact with their scales per 16)."""
     if kind not in KEPT:
         return None
     if spec is None or spec.name == KEPT[kind]:
         return KEPT[kind]
-    return "int8:g32" if spec.name == "int8:g32" and kind not in OFFSET_KINDS else None
+    if spec.name == "int8:g32" and kind not in OFFSET_KINDS:
+        return KEPT[kind] if KEPT[kind].startswith("int8") else "int8:g32"
+    return None
 
 
 def is_gguf(path: Path) -> bool:
@@ -368,12 +377,18 @@ class GGUFIndex:
         return {key: self._rows_in_hf_order(name, v) for key, v in out.items()}
 
     def int8_block_tensors(self, name: str) -> dict[str, torch.Tensor]:
-        """A Q8_0, Q5_0 or Q4_0 matrix as :class:`Int8BlockLinear` tensors: ``qweight int8 [N, K]`` (Q8_0's codes
-        as stored, Q5_0's 5-bit codes minus 16, Q4_0's minus 8) and the blocks' fp16 scales group-major
-        ``block_scales [K/32, N]``; rows in HF order."""
+        """A Q8_0, Q5_0, Q4_0 or Q6_K matrix as :class:`Int8BlockLinear` tensors: ``qweight int8 [N, K]`` (Q8_0's
+        codes as stored, Q5_0's 5-bit codes minus 16, Q4_0's minus 8, Q6_K's 6-bit codes minus 32) and the
+        blocks' scales group-major: fp16 ``block_scales [K/32, N]``, Q6_K's float32 ``d * sc`` per 16 columns
+        ``[K/16, N]``; rows in HF order."""
         t = self._tensors[name]
         n, k = int(t.shape[1]), int(t.shape[0])
         kind = _qtype(t)
+        if kind == "Q6_K":
+            raw = torch.from_numpy(read_bytes(self.path, t)).view(n, k // 256, Q6K_BLOCK)
+            q, hs = _q6k_parts(raw)
+            q, hs = self._rows_in_hf_order(name, q), self._rows_in_hf_order(name, hs)
+            return {"qweight": q.contiguous(), "block_scales": hs.t().contiguous()}
         if kind == "Q4_0":
             c = self.int4_tensors(name)
             q = (unpack_int4(c["qweight"]).to(torch.int16) - 8).to(torch.int8)  # [N, K]
@@ -449,6 +464,24 @@ def _q4k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     return codes, (d * sc).reshape(n, sb * 8), (-(dmin * m)).reshape(n, sb * 8)
 
 
+def _q6k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q6_K super-blocks ``uint8 [N, S, 210]`` -> codes minus 32 ``int8 [N, S * 256]`` in k order and float32
+    scales ``d * sc`` per 16 columns ``[N, S * 16]`` (llama.cpp's ``dequantize_row_q6_K``: per 128 columns,
+    64 bytes of low nibbles -- columns l and 64 + l in byte l, 32 + l and 96 + l in byte 32 + l -- and 32
+    bytes whose bit pairs 0-1, 2-3, 4-5, 6-7 are the high bits of columns l, 32 + l, 64 + l, 96 + l; the
+    16 int8 scales go to the 16 runs of 16 columns in order)."""
+    n, sb, _ = blocks.shape
+    ql = blocks[..., 0:128].reshape(n, sb, 2, 64).to(torch.int16)  # [N, S, half, 64]
+    qh = blocks[..., 128:192].reshape(n, sb, 2, 32).to(torch.int16)
+    lo, hi = ql[..., :32], ql[..., 32:]
+    cols = [(lo & 15) | ((qh & 3) << 4), (hi & 15) | (((qh >> 2) & 3) << 4),
+            (lo >> 4) | (((qh >> 4) & 3) << 4), (hi >> 4) | (((qh >> 6) & 3) << 4)]
+    q = (torch.stack(cols, dim=3) - 32).to(torch.int8).reshape(n, sb * 256)  # [N, S, 2, 4, 32] in k order
+    sc = blocks[..., 192:208].contiguous().view(torch.int8).float()  # [N, S, 16]
+    d = blocks[..., 208:210].contiguous().view(torch.float16).float()  # [N, S, 1]
+    return q, (d * sc).reshape(n, sb * 16)
+
+
 def _dequant_rows(blocks: np.ndarray, kind: Any, path: Path, name: str) -> torch.Tensor:
     """Rows of one block-quantized tensor ``uint8 [rows, row bytes] -> float32 [rows, in]``.
 
@@ -521,7 +554,7 @@ def materialize_gguf(model: Any, index: GGUFIndex, dtype: torch.dtype, device: t
                 if "offsets" in t:
                     validate.check_finite(f"{index.info(name).gguf_name} (block minimums)", t["offsets"], index.path)
             layer = Int4Linear.from_quantized({**t, "bias": b}, in_features=w.shape[1])
-        elif target == "int8:g32":
+        elif target in ("int8:g32", "int8:g16"):
             t = index.int8_block_tensors(name)
             if check_finite:
                 validate.check_finite(f"{index.info(name).gguf_name} (block scales)", t["block_scales"], index.path)
