@@ -1337,6 +1337,65 @@ static void int8h_a8_rows(const a8_x *a, int64_t m, const int8_t *q, int64_t k, 
     }
 }
 
+/* int8 codes with a float32 scale and offset per 32 columns (GGUF Q5_K kept as stored: 5-bit codes,
+   scales d * sc, offsets -(dmin * m); w = q * scale + offset): fs, fo float32 [K / 32, >= N] group-major
+   (row stride f_ld), K a multiple of 32. f = f + (float(S_b) * (fs[b, n] * dx[b]) + float(sx[b]) * (fo[b, n] * dx[b])). */
+static void int8o_a8_rows(const a8_x *a, int64_t m, const int8_t *q, int64_t k, const float *fs, const float *fo,
+                          int64_t f_ld, uint16_t *out, int64_t ldo, int64_t n0, int64_t n1) {
+    const int64_t nb = k / A8;
+    const int8_t *qx = a->q + m * a->nb * A8;
+    const float *dx = a->d + m * a->nb;
+    const int32_t *sx = a->s + m * a->nb;
+    int64_t n = n0;
+#ifdef QA8_AVX2
+    for (; n + 8 <= n1; n += 8) {
+        __m256 f = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            const __m256i xv = _mm256_load_si256((const __m256i *)(qx + b * A8));
+            const __m256i ax = _mm256_sign_epi8(xv, xv);
+            __m256i p[8];
+            if (!(b & 1))
+                for (int r = 0; r < 8; r++) __builtin_prefetch(q + (n + I8_AHEAD + r) * k + b * A8, 0, 2);
+            for (int r = 0; r < 8; r++) p[r] = dot32_i8(ax, xv, q + (n + r) * k + b * A8);
+            const __m256 sb = _mm256_cvtepi32_ps(hsum8_epi32(p));
+            const __m256 dv = _mm256_set1_ps(dx[b]);
+            const __m256 sd = _mm256_mul_ps(_mm256_loadu_ps(fs + b * f_ld + n), dv);
+            const __m256 od = _mm256_mul_ps(_mm256_loadu_ps(fo + b * f_ld + n), dv);
+            f = _mm256_add_ps(f, _mm256_add_ps(_mm256_mul_ps(sb, sd), _mm256_mul_ps(_mm256_set1_ps((float)sx[b]), od)));
+        }
+        float fr[8];
+        _mm256_storeu_ps(fr, f);
+        for (int r = 0; r < 8; r++) out[m * ldo + n + r] = rne(fr[r]);
+    }
+#endif
+    for (; n < n1; n++) {
+        float f = 0.0f;
+        for (int64_t b = 0; b < nb; b++) {
+            const int32_t sb = dot_block_i8(qx + b * A8, q + n * k + b * A8, A8);
+            f = f + ((float)sb * (fs[b * f_ld + n] * dx[b]) + (float)sx[b] * (fo[b * f_ld + n] * dx[b]));
+        }
+        out[m * ldo + n] = rne(f);
+    }
+}
+
+/* x [M, K] bf16 (row stride ldx), q int8 [N, K] contiguous, float32 scales and offsets [K / 32, N] -> out [M, N]
+   bf16 (row stride ldo); K a multiple of 32 (else 1). */
+int llmsys_qgemv_int8o_a8(const uint16_t *x, int64_t ldx, const int8_t *q, const float *scales, const float *offsets,
+                          uint16_t *out, int64_t ldo, int64_t m_count, int64_t n, int64_t k, int threads) {
+    if (m_count <= 0 || n <= 0 || k <= 0 || k % A8 || ldx < k || ldo < n) return 1;
+    a8_x a;
+    if (a8_quantize(x, ldx, m_count, k, k / A8, &a)) return 2;
+    const int64_t step = 64, items = (n + step - 1) / step;
+    const int par = threads > 1 && m_count * n * k >= PAR_MIN && items > 1;
+#pragma omp parallel for num_threads(threads) schedule(static) if (par)
+    for (int64_t it = 0; it < items; it++) {
+        const int64_t n0 = it * step, n1 = n0 + step < n ? n0 + step : n;
+        for (int64_t m = 0; m < m_count; m++) int8o_a8_rows(&a, m, q, k, scales, offsets, n, out, ldo, n0, n1);
+    }
+    a8_free(&a);
+    return 0;
+}
+
 /* x [M, K] bf16 (row stride ldx), q int8 [N, K] contiguous, half_scales float32 [K / 16, N] -> out [M, N]
    bf16 (row stride ldo); K a multiple of 32 (else 1). */
 int llmsys_qgemv_int8h_a8(const uint16_t *x, int64_t ldx, const int8_t *q, const float *half_scales,
@@ -1750,7 +1809,8 @@ int llmsys_gemv_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t 
 typedef struct {
     int64_t kind;          /* 0: int8 codes [N, K], bf16 scales [N]; 1: int4 in the CPU tiling; 2: bf16 [N, K];
                               3: int8 codes [N, K], fp16 block scales [nb, s_g] (group-major, one per 32 columns);
-                              4: int8 codes [N, K], float32 scales [K / 16, s_g] (one per 16 columns, GGUF Q6_K) */
+                              4: int8 codes [N, K], float32 scales [K / 16, s_g] (one per 16 columns, GGUF Q6_K);
+                              5: int8 codes [N, K], float32 scales and offsets (offs) [K / 32, s_g] (GGUF Q5_K) */
     int64_t n, k, kp, gs;  /* rows, columns; int4: padded columns Kp = G * gs and the group size */
     const void *q;         /* the codes (bf16: the weight, rows of kp elements apart) */
     const void *scales;    /* int4: scales at [n * s_n + g * s_g] of scale_kind (0 bf16, 1 f32, 2 f16) */
@@ -1774,6 +1834,7 @@ static int qw_check(const llmsys_qw *w, int64_t k) {
     if (w->kind == 0) return 0;
     if (w->kind == 3) return w->s_g < w->n;
     if (w->kind == 4) return w->s_g < w->n || k % A8;
+    if (w->kind == 5) return w->s_g < w->n || k % A8 || !w->offs;
     if (w->kind != 1 || w->gs <= 0 || w->gs % A8 || w->gs > 256 || w->kp % w->gs || k <= w->kp - w->gs || k > w->kp
         || !w->zeros || w->scale_kind < 0 || w->scale_kind > 2)
         return 1;
@@ -1794,6 +1855,9 @@ static void qw_item(const llmsys_qw *w, const a8_x *a, const uint16_t *x, int64_
     } else if (w->kind == 4) {
         for (int64_t m = 0; m < m_count; m++)
             int8h_a8_rows(a, m, (const int8_t *)w->q, w->k, (const float *)w->scales, w->s_g, out, ldo, n0, n1);
+    } else if (w->kind == 5) {
+        for (int64_t m = 0; m < m_count; m++)
+            int8o_a8_rows(a, m, (const int8_t *)w->q, w->k, (const float *)w->scales, w->offs, w->s_g, out, ldo, n0, n1);
     } else {
         const int4_meta md = {w->zeros, w->z_n, w->z_g, w->scales, w->s_n, w->s_g, (int)w->scale_kind, w->offs,
                               w->o_n, w->o_g};

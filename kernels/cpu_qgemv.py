@@ -71,6 +71,7 @@ _SIGNATURES = {
     "llmsys_qgemv_int8_a8": [_P, _I, _P, _P, _P, _I, _I, _I, _I, _C],
     "llmsys_qgemv_int8g_a8": [_P, _I, _P, _P, _P, _I, _I, _I, _I, _C],
     "llmsys_qgemv_int8h_a8": [_P, _I, _P, _P, _P, _I, _I, _I, _I, _C],
+    "llmsys_qgemv_int8o_a8": [_P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _C],
     "llmsys_qgemv_int4_a8": [_P, _I, _P, _P, _I, _I, _C, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _C],
     "llmsys_qgemv_int4o_a8": [_P, _I, _P, _P, _I, _I, _C, _P, _I, _I, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _C],
     "llmsys_gemv_bf16": [_P, _I, _P, _I, _P, _I, _I, _I, _I, _C],
@@ -168,7 +169,8 @@ def int8_a8_def(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) ->
     return (f * scales.float()).to(torch.bfloat16)
 
 
-def int8g_a8_def(x: torch.Tensor, qweight: torch.Tensor, block_scales: torch.Tensor) -> torch.Tensor:
+def int8g_a8_def(x: torch.Tensor, qweight: torch.Tensor, block_scales: torch.Tensor,
+                 offsets: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K]`` bf16, ``qweight int8 [N, K]``, ``block_scales`` fp16 ``[nb, N]`` (a scale per 32 columns,
     group-major: GGUF Q8_0's) or float32 ``[K / 16, N]`` (a scale per 16 columns: GGUF Q6_K's, K a
     multiple of 32) ``-> [M, N]`` bf16, :func:`int8g_gemv_a8`'s bits.
@@ -176,10 +178,19 @@ def int8g_a8_def(x: torch.Tensor, qweight: torch.Tensor, block_scales: torch.Ten
     ``out = bf16(f)``, ``f`` summing ``float(S_b) * (scale_b * d_b)`` over x's 32-column blocks in order,
     as the int4 a8 GEMV does with its group scales; with a scale per 16 columns each block adds
     ``float(S_lo) * (scale_2b * d_b) + float(S_hi) * (scale_2b+1 * d_b)`` (its two halves' exact dots).
+    With ``offsets`` (float32 ``[K / 32, N]`` beside float32 scales of that shape, ``w = q * scale + offset``:
+    GGUF Q5_K) each block adds ``float(S_b) * (scale_b * d_b) + float(sum(codes_b)) * (offset_b * d_b)``.
     """
-    qx, d, _ = quantize_a8(x)
+    qx, d, sx = quantize_a8(x)
     w = torch.nn.functional.pad(qweight, (0, qx.shape[1] * A8_BLOCK - qweight.shape[1]))
     bs = block_scales.float()  # [nb, N] or [2 nb, N]
+    if offsets is not None:
+        s = _block_dots(qx, w)  # [M, N, nb]
+        f = torch.zeros(s.shape[:2])
+        for b in range(s.shape[2]):
+            f = f + (s[..., b].float() * (bs[None, b, :] * d[:, b, None])
+                     + sx[:, b, None].float() * (offsets[None, b, :].float() * d[:, b, None]))
+        return f.to(torch.bfloat16)
     if block_scales.dtype == torch.float32:  # halves: 16-column blocks of codes against each half of x's block
         wh = w.long().view(w.shape[0], -1, 2, A8_BLOCK // 2)  # [N, nb, 2, 16]
         sh = torch.einsum("mbhc,nbhc->mnbh", qx.long().view(qx.shape[0], -1, 2, A8_BLOCK // 2), wh)
@@ -283,15 +294,33 @@ def int8_gemv_a8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *
     return _int8("llmsys_qgemv_int8_a8", x, qweight, scales, check, lib)
 
 
-def int8g_gemv_a8(x: torch.Tensor, qweight: torch.Tensor, block_scales: torch.Tensor, *, check: bool = True,
-                  lib=None) -> torch.Tensor:
+def int8g_gemv_a8(x: torch.Tensor, qweight: torch.Tensor, block_scales: torch.Tensor, *,
+                  offsets: torch.Tensor | None = None, check: bool = True, lib=None) -> torch.Tensor:
     """``x [M, K]`` bf16 times the int8 weight ``qweight [N, K]`` with a scale per 32 columns, ``block_scales``
     fp16 ``[ceil(K / 32), N]`` contiguous (group-major, so a block's scales for a run of rows are one vector
     load), x quantized to int8 per 32 columns (:func:`int8g_a8_def`'s bits): GGUF Q8_0 layers' GEMV, the
     arithmetic of llama.cpp's q8_0 x q8_0 dot. Or a scale per 16 columns, float32 ``[K / 16, N]``
-    contiguous, K a multiple of 32 (GGUF Q6_K's codes minus 32 and ``d * sc``). ``check`` and ``lib`` as
-    :func:`int8_gemv`."""
+    contiguous, K a multiple of 32 (GGUF Q6_K's codes minus 32 and ``d * sc``). Or float32 scales and
+    ``offsets`` per 32 columns, ``[K / 32, N]`` contiguous, K a multiple of 32 (GGUF Q5_K's 5-bit codes, ``d * sc``
+    and ``-(dmin * m)``). ``check`` and ``lib`` as :func:`int8_gemv`."""
     n, k = qweight.shape
+    if offsets is not None:
+        if check:
+            _check_x("int8g_gemv_a8", x, k)
+            want = (k // A8_BLOCK, n)
+            if qweight.dtype != torch.int8 or not qweight.is_contiguous() or k % A8_BLOCK or any(
+                    t.dtype != torch.float32 or tuple(t.shape) != want or not t.is_contiguous()
+                    for t in (block_scales, offsets)):
+                raise ValueError(f"int8g_gemv_a8: with offsets, qweight must be contiguous int8 [N, K] (K a multiple "
+                                 f"of 32) and block_scales, offsets contiguous float32 {list(want)}")
+        m = x.shape[0]
+        out = torch.empty(m, n, dtype=torch.bfloat16)
+        rc = (lib or _KERNEL.lib()).llmsys_qgemv_int8o_a8(
+            x.data_ptr(), x.stride(0), qweight.data_ptr(), block_scales.data_ptr(), offsets.data_ptr(),
+            out.data_ptr(), n, m, n, k, torch.get_num_threads())
+        if rc:
+            raise RuntimeError(f"int8g_gemv_a8: the C kernel failed (code {rc}) on M={m} N={n} K={k}")
+        return out
     halves = block_scales.dtype == torch.float32
     if check:
         _check_x("int8g_gemv_a8", x, k)
@@ -433,14 +462,17 @@ def int8_decode_weight(qweight: torch.Tensor, scales: torch.Tensor, bias: torch.
               None if bias is None else bias.data_ptr())
 
 
-def int8g_decode_weight(qweight: torch.Tensor, block_scales: torch.Tensor, bias: torch.Tensor | None) -> DecodeWeight:
-    """:func:`int8g_gemv_a8`'s weight (contiguous int8 ``[N, K]``, fp16 ``[nb, N]`` or float32 ``[K / 16, N]``)
-    plus a bf16 ``bias [N]`` or None."""
+def int8g_decode_weight(qweight: torch.Tensor, block_scales: torch.Tensor, bias: torch.Tensor | None,
+                        offsets: torch.Tensor | None = None) -> DecodeWeight:
+    """:func:`int8g_gemv_a8`'s weight (contiguous int8 ``[N, K]``, fp16 ``[nb, N]``, float32 ``[K / 16, N]``, or
+    float32 scales and ``offsets`` ``[K / 32, N]``) plus a bf16 ``bias [N]`` or None."""
     n, k = qweight.shape
-    halves = block_scales.dtype == torch.float32
-    return DecodeWeight(4 if halves else 3, n, k, k, 0, qweight.data_ptr(), block_scales.data_ptr(), 0,
-                        block_scales.stride(0), 1 if halves else 2, None, 0, 0,
-                        None if bias is None else bias.data_ptr())
+    halves = block_scales.dtype == torch.float32 and offsets is None
+    kind = 5 if offsets is not None else 4 if halves else 3
+    return DecodeWeight(kind, n, k, k, 0, qweight.data_ptr(), block_scales.data_ptr(), 0,
+                        block_scales.stride(0), 1 if kind != 3 else 2, None, 0, 0,
+                        None if bias is None else bias.data_ptr(),
+                        None if offsets is None else offsets.data_ptr(), 0, 0 if offsets is None else offsets.stride(0))
 
 
 def bf16_decode_weight(weight: torch.Tensor, bias: torch.Tensor | None) -> DecodeWeight:

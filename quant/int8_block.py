@@ -17,6 +17,10 @@ llama.cpp's Q4_K_M files hold their output head, often the embedding, and half t
 ``block_scales float32 [K / 16, N]`` holding ``d * sc`` (the product llama.cpp's dequantization
 rounds to float32), ``w[n, k] = qweight[n, k] * block_scales[k // 16, n]``: 1.25 bytes a weight
 (the file's 0.82, bf16's 2), the a8 GEMV taking each block of x's two halves' dots apart.
+
+GGUF Q5_K (5-bit codes, per 32 weights a scale ``d * sc`` and a minimum ``dmin * m``, like Q4_K) is the
+layout with float32 ``block_scales`` and ``offsets [K / 32, N]``: ``w = qweight * scale + offset``
+(1.25 bytes a weight; the file's 0.69).
 """
 
 from __future__ import annotations
@@ -69,22 +73,28 @@ class Int8BlockLinear(QuantLinear):
 
     FORMAT = "int8:g32"
 
-    def __init__(self, qweight: torch.Tensor, block_scales: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, qweight: torch.Tensor, block_scales: torch.Tensor, bias: torch.Tensor | None,
+                 offsets: torch.Tensor | None = None) -> None:
         n, k = qweight.shape
-        # float32 scales: one per 16 columns (Q6_K), K a multiple of 32; else fp16 ones per 32 (Q8_0)
-        block = HALF_BLOCK if block_scales.dtype == torch.float32 else BLOCK
+        # float32 scales: one per 16 columns (Q6_K), or with offsets one per 32 (Q5_K), K a multiple of 32;
+        # else fp16 ones per 32 (Q8_0)
+        floats = block_scales.dtype == torch.float32
+        block = HALF_BLOCK if floats and offsets is None else BLOCK
         nb = -(-k // block)
-        if qweight.dtype != torch.int8 or tuple(block_scales.shape) != (nb, n) or (block == HALF_BLOCK and k % BLOCK):
-            what = "float32 scales, one per 16 columns, K a multiple of 32" if block == HALF_BLOCK else \
-                "fp16 scales, one per 32 columns"
+        if qweight.dtype != torch.int8 or tuple(block_scales.shape) != (nb, n) or (floats and k % BLOCK) or (
+                offsets is not None and (not floats or offsets.dtype != torch.float32
+                                         or tuple(offsets.shape) != (nb, n))):
+            what = ("float32 scales and offsets, one per 32 columns" if offsets is not None else
+                    "float32 scales, one per 16 columns" if floats else "fp16 scales, one per 32 columns")
+            what += ", K a multiple of 32" if floats else ""
             raise CheckpointError(f"int8 block tensors disagree: qweight {qweight.dtype} {tuple(qweight.shape)}, "
                                   f"block_scales {tuple(block_scales.shape)}; expected int8 [N, K] and [{nb}, {n}] "
                                   f"({what})")
         super().__init__(k, n, bias, int8_block_kernel(qweight.device))
         self.block = block  # input columns per scale
         self.register_buffer("qweight", qweight.contiguous())  # [N, K]
-        scale_dtype = torch.float32 if block == HALF_BLOCK else torch.float16
-        self.register_buffer("block_scales", block_scales.to(scale_dtype).contiguous())  # [nb, N]
+        self.register_buffer("block_scales", (block_scales if floats else block_scales.to(torch.float16)).contiguous())
+        self.register_buffer("offsets", None if offsets is None else offsets.contiguous())  # [nb, N]
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, spec=None) -> "Int8BlockLinear":
@@ -94,15 +104,17 @@ class Int8BlockLinear(QuantLinear):
     @classmethod
     def from_quantized(cls, tensors: dict[str, torch.Tensor]) -> "Int8BlockLinear":
         qweight, block_scales = require(tensors, ("qweight", "block_scales"), cls.FORMAT)
-        return cls(qweight, block_scales, tensors.get("bias"))
+        return cls(qweight, block_scales, tensors.get("bias"), tensors.get("offsets"))
 
     @classmethod
     def cat_rows(cls, layers: list[QuantLinear]) -> "Int8BlockLinear | None":
         """Rows side by side (q|k|v, gate|up): each output row is computed from its own codes and scales."""
         ok, bias = rows_joinable(cls, layers)
-        if not ok or len({m.block for m in layers}) > 1:
+        if not ok or len({(m.block, m.block_scales.dtype, m.offsets is None) for m in layers}) > 1:
             return None
-        return cls(torch.cat([m.qweight for m in layers]), torch.cat([m.block_scales for m in layers], dim=1), bias)
+        offsets = None if layers[0].offsets is None else torch.cat([m.offsets for m in layers], dim=1)
+        return cls(torch.cat([m.qweight for m in layers]), torch.cat([m.block_scales for m in layers], dim=1), bias,
+                   offsets)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.rows(torch.arange(self.out_features), dtype)
@@ -111,6 +123,9 @@ class Int8BlockLinear(QuantLinear):
         """Rows ``ids [M] -> [M, K]``: ``q * d`` exactly in float32, then ``dtype``."""
         ids = ids.long()
         s = self.block_scales[:, ids].t().float().repeat_interleave(self.block, dim=1)[:, : self.in_features]  # [M, K]
+        if self.offsets is not None:  # q * scale + offset, GGUF's float32 order
+            o = self.offsets[:, ids].t().repeat_interleave(self.block, dim=1)[:, : self.in_features]
+            return (self.qweight[ids].float() * s + o).to(dtype)
         return (self.qweight[ids].float() * s).to(dtype)
 
     DECODE_MAX_ROWS = PACKED_MAX_ROWS
@@ -118,13 +133,17 @@ class Int8BlockLinear(QuantLinear):
     def decode_weight(self) -> DecodeWeight | None:
         """The C a8 weight when :meth:`_matmul` on bf16 inputs runs ``int8g_gemv_a8``."""
         buf = self._buffers
-        return self._int8_decode_weight(KernelFamily.C_INT8_BLOCK, (buf["qweight"], buf["block_scales"]),
-                                        int8g_decode_weight)
+        if buf["offsets"] is None:
+            return self._int8_decode_weight(KernelFamily.C_INT8_BLOCK, (buf["qweight"], buf["block_scales"]),
+                                            int8g_decode_weight)
+        return self._int8_decode_weight(KernelFamily.C_INT8_BLOCK, (buf["qweight"], buf["block_scales"], buf["offsets"]),
+                                        lambda q, bs, o, bias: int8g_decode_weight(q, bs, bias, o))
 
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
         buf = self._buffers
         if self._kernel.family is KernelFamily.C_INT8_BLOCK and x2.dtype in (torch.bfloat16, torch.float32):
-            y = int8g_gemv_a8(self._a8_input(x2), buf["qweight"], buf["block_scales"], check=False)  # [M, N]
+            y = int8g_gemv_a8(self._a8_input(x2), buf["qweight"], buf["block_scales"], offsets=buf["offsets"],
+                              check=False)  # [M, N]
             return y if x2.dtype == torch.bfloat16 else y.to(x2.dtype)
         # Without the C kernel: the dequantized weight in row chunks (a 151936-row LM head stays small).
         n, k = self.out_features, self.in_features

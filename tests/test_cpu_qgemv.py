@@ -220,6 +220,34 @@ def test_int4_a8_offsets_bit_exact(n, k, g, threads):
     assert err < A8_REL_ERR, err
 
 
+@needs_kernel
+@pytest.mark.parametrize("n,k", [(200, 256), (64, 512), (7, 96), (130, 1024)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_int8_k_quant_layouts_bit_exact(n, k, threads):
+    """int8 codes with a float32 scale per 16 columns (GGUF Q6_K) and with a float32 scale and offset per
+    32 (Q5_K): the definitions' bits at any row count, batch-invariant; a K that is no multiple of 32 is
+    refused."""
+    gen = torch.Generator().manual_seed(n + k)
+    q6 = torch.randint(-32, 32, (n, k), generator=gen, dtype=torch.int8)
+    q5 = torch.randint(0, 32, (n, k), generator=gen, dtype=torch.int8)
+    halves = torch.rand(k // 16, n, generator=gen) * 0.01
+    fs, fo = torch.rand(k // 32, n, generator=gen) * 0.01, -torch.rand(k // 32, n, generator=gen) * 0.05
+    x = torch.randn(9, k, generator=gen).bfloat16()
+    with _threads(threads):
+        for m in (1, 4, 9):
+            assert torch.equal(_bits(cpu_qgemv.int8g_gemv_a8(x[:m], q6, halves)),
+                               _bits(cpu_qgemv.int8g_a8_def(x[:m], q6, halves))), m
+            assert torch.equal(_bits(cpu_qgemv.int8g_gemv_a8(x[:m], q5, fs, offsets=fo)),
+                               _bits(cpu_qgemv.int8g_a8_def(x[:m], q5, fs, offsets=fo))), m
+        full = cpu_qgemv.int8g_gemv_a8(x, q5, fs, offsets=fo)
+        assert torch.equal(_bits(full[3:4]), _bits(cpu_qgemv.int8g_gemv_a8(x[3:4], q5, fs, offsets=fo)))
+    w = q5.float() * fs.t().repeat_interleave(32, 1) + fo.t().repeat_interleave(32, 1)
+    ref = x.float() @ w.t()
+    assert ((full.float() - ref).abs().max() / ref.abs().max()) < A8_REL_ERR
+    with pytest.raises(ValueError, match="multiple of 32"):
+        cpu_qgemv.int8g_gemv_a8(torch.randn(1, 48).bfloat16(), q5[:, :48].contiguous(), fs[:1], offsets=fo[:1])
+
+
 def test_a8_quantization():
     """x's int8 blocks: codes within +-127 with one at +-127 per nonzero block, zero blocks give zero codes
     and scale, code sums are the sums, and the dequantized x is within half a step of x."""
@@ -326,6 +354,14 @@ def test_other_code_paths_bit_exact(level, tmp_path):
         for m in (1, 5):
             assert torch.equal(_bits(cpu_qgemv.int8g_gemv_a8(x[:m, :k], q, bs, lib=lib)),
                                _bits(cpu_qgemv.int8g_a8_def(x[:m, :k], q, bs))), (level, n, k, m)
+    for n in (130, 9):  # scales per 16 (GGUF Q6_K), scales and offsets per 32 (Q5_K): K a multiple of 32
+        q, k = _int8(n, 288)[0], 288
+        halves, fs, fo = torch.rand(k // 16, n) * 0.01, torch.rand(k // 32, n) * 0.01, -torch.rand(k // 32, n) * 0.05
+        for m in (1, 5):
+            assert torch.equal(_bits(cpu_qgemv.int8g_gemv_a8(x[:m, :k], q, halves, lib=lib)),
+                               _bits(cpu_qgemv.int8g_a8_def(x[:m, :k], q, halves))), (level, n, m)
+            assert torch.equal(_bits(cpu_qgemv.int8g_gemv_a8(x[:m, :k], q, fs, offsets=fo, lib=lib)),
+                               _bits(cpu_qgemv.int8g_a8_def(x[:m, :k], q, fs, offsets=fo))), (level, n, m)
     # Only the AVX512-BF16 build has the native prefill GEMM; elsewhere the layers keep their dense GEMM.
     assert cpu_qgemv.gemm_native(lib) == (level == "x86-64-v4-bf16")
 

@@ -98,17 +98,18 @@ def test_f32_and_f16_files_give_the_safetensors_logits(families, kind, tmp_path)
     assert torch.equal(_logits(load_model(f16, dtype="float32", device="cpu"), ids), _logits(ref, ids))
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q5_0", "Q6_K"])
-def test_q8_0_q5_0_and_q6_k_matrices_keep_their_codes_with_block_scales(families, tmp_path, qtype):
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q5_0", "Q6_K", "Q5_K"])
+def test_int8_block_formats_keep_their_codes_with_block_scales(families, tmp_path, qtype):
     """Q8_0 is int8 with an fp16 scale per 32 columns, Q5_0 5-bit codes (minus 16) with one, Q6_K 6-bit codes
     (minus 32) with a float32 d * sc per 16: the layers (and the embedding, the tied head) are Int8BlockLinear
-    (Q8_0: the file's own bytes; Q6_K: 1.25 a weight), whose weights are gguf's own dequantization of each
+    (Q8_0: the file's own bytes; Q6_K: 1.25 a weight; Q5_K, 5-bit codes with a float32 scale and minimum per
+    32: 1.25 a weight), whose weights are gguf's own dequantization of each
     matrix (q/k rows of the llama layout put back), and whose logits are those of the float model of the
     same weights within the a8 bound."""
     from llmsys.quant import Int8BlockLinear
 
     folder = families["llama"]
-    if qtype == "Q6_K":  # rows of whole 256-column super-blocks
+    if qtype in ("Q6_K", "Q5_K"):  # rows of whole 256-column super-blocks
         folder = make_hf_model("llama", tmp_path / "wide", seed=3, hidden_size=256, intermediate_size=512,
                                num_attention_heads=4, num_key_value_heads=2)
     path = export_float(folder, tmp_path / "q.gguf", "f32", qtype)
@@ -132,14 +133,14 @@ def test_q8_0_q5_0_and_q6_k_matrices_keep_their_codes_with_block_scales(families
         assert isinstance(mod, Int8BlockLinear) and torch.equal(mod.dequantize(torch.float32), w), hf
         if qtype == "Q8_0":
             assert mod.nbytes() == t.n_bytes  # the file's own bytes: 1 per weight + an fp16 per 32
-        if qtype == "Q6_K":
-            assert mod.nbytes() == w.numel() * 5 // 4  # 1 per weight + a float32 per 16 (bf16: 2 per weight)
+        if qtype in ("Q6_K", "Q5_K"):  # 1 per weight + a float32 per 16 (Q5_K: a scale and an offset per 32)
+            assert mod.nbytes() == w.numel() * 5 // 4  # (bf16: 2 per weight)
         ref.model.get_parameter(hf).data.copy_(w)
     assert {"attn_q", "attn_k", "ffn_down", "token_embd"} <= kinds
     ids = _ids()
     want, have = _logits(ref, ids), _logits(got, ids)
     err = ((have - want).abs().max(-1).values / want.abs().max(-1).values).max().item()
-    assert err < (1.6 if qtype == "Q6_K" else 1) * A8_RTOL, err  # the wider model: see the Q4_K test
+    assert err < (1.6 if qtype in ("Q6_K", "Q5_K") else 1) * A8_RTOL, err  # the wider model: see the Q4_K test
     assert {k.split(" ")[0]: v for k, v in got.stored_formats.items()} == {
         "F32": "float32", qtype: f"int8:g{16 if qtype == 'Q6_K' else 32}, codes as stored"}
 
@@ -461,14 +462,14 @@ def test_plan_reads_a_gguf_and_sizes_its_int4_layers(families, tmp_path):
     assert 0.25 < ratio < 0.40, ratio  # int4:g32 with fp16 scales: 0.625 of a byte per weight vs 2
 
 
-@pytest.mark.parametrize("matrices", ["Q8_0", "Q4_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("matrices", ["Q8_0", "Q4_0", "Q4_K", "Q6_K", "Q5_K"])
 def test_fused_decode_layers_take_kept_gguf_layers_bit_for_bit(tmp_path, matrices):
     """Q8_0 (block-scaled int8), Q4_0 (int4) and Q4_K (int4 with float offsets) layers run the fused decode
     layers (two C calls around attention) with the bits of the same layers op by op."""
     from llmsys import LLM, kernels
     from test_fused_decode import _step_both
 
-    d, inter = (256, 512) if matrices in ("Q4_K", "Q6_K") else (128, 320)  # K-quants: whole 256-column super-blocks
+    d, inter = (256, 512) if matrices.endswith("_K") else (128, 320)  # K-quants: whole 256-column super-blocks
     folder = make_hf_model("qwen2", tmp_path / "m", hidden_size=d, intermediate_size=inter)  # biases too
     path = export_float(folder, tmp_path / "m.gguf", "f16", matrices)
     llm = LLM(str(path), dtype="bfloat16", progress=False, block_size=4, kv_cache_tokens=256)

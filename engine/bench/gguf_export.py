@@ -231,7 +231,8 @@ def export_float(folder: str | Path, out: Path, fmt: str = "f32", matrices: str 
             t = _layout(src, name, index.read(name))
             if quantized(tuple(t.shape)):
                 x = t.float().numpy()
-                own = {gguf.GGMLQuantizationType.Q4_K: quantize_q4_k, gguf.GGMLQuantizationType.Q6_K: quantize_q6_k}
+                own = {gguf.GGMLQuantizationType.Q4_K: quantize_q4_k, gguf.GGMLQuantizationType.Q5_K: quantize_q5_k,
+                       gguf.GGMLQuantizationType.Q6_K: quantize_q6_k}
                 w.write_tensor_data(own[qtype](x) if qtype in own else gguf.quants.quantize(x, qtype))
             else:
                 w.write_tensor_data(t.to(target(tuple(t.shape))).contiguous().numpy())  # bf16 -> f16 rounds once
@@ -245,6 +246,41 @@ def export_float(folder: str | Path, out: Path, fmt: str = "f32", matrices: str 
     return out
 
 
+def _k_quant(x: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K's scale part: ``x [rows, K]`` -> (codes ``uint8 [R, S, 8, 32]`` in 0..levels, the 16 bytes of
+    ``d``, ``dmin`` and the packed 6-bit scales and minimums ``[R, S, 16]``), round to nearest."""
+    rows, k = x.shape
+    xs = x.reshape(rows, k // 256, 8, 32).astype(np.float32)
+    lo = np.minimum(xs.min(-1), 0.0)  # [R, S, 8]: the minimum subtracted is >= 0
+    scale = (xs.max(-1) - lo) / levels
+    d = (scale.max(-1, keepdims=True) / 63.0).astype(np.float16)  # [R, S, 1]
+    dmin = ((-lo).max(-1, keepdims=True) / 63.0).astype(np.float16)
+    df, dminf = d.astype(np.float32), dmin.astype(np.float32)
+    sc = np.clip(np.rint(np.divide(scale, df, out=np.zeros_like(scale), where=df > 0)), 0, 63).astype(np.uint8)
+    m = np.clip(np.rint(np.divide(-lo, dminf, out=np.zeros_like(lo), where=dminf > 0)), 0, 63).astype(np.uint8)
+    s_eff, m_eff = (df * sc)[..., None], (dminf * m)[..., None]  # the decoder's float32 products
+    q = np.clip(np.rint(np.divide(xs + m_eff, s_eff, out=np.zeros_like(xs), where=s_eff > 0)), 0, levels)
+    packed = np.empty((rows, k // 256, 12), dtype=np.uint8)
+    packed[..., 0:4] = sc[..., :4] | ((sc[..., 4:] >> 4) << 6)
+    packed[..., 4:8] = m[..., :4] | ((m[..., 4:] >> 4) << 6)
+    packed[..., 8:12] = (sc[..., 4:] & 15) | ((m[..., 4:] & 15) << 4)
+    head = np.concatenate([d.view(np.uint8), dmin.view(np.uint8), packed], axis=-1)  # [R, S, 16]
+    return q.astype(np.uint8), head
+
+
+def quantize_q5_k(x: np.ndarray) -> np.ndarray:
+    """``float32 [rows, K]`` (K a multiple of 256) -> Q5_K blocks ``uint8 [rows, K / 256 * 176]``, round to
+    nearest (as :func:`quantize_q4_k`): 5-bit codes, their low nibbles as Q4_K's and their 5th bits in 32
+    bytes (column 64j + l: bit 2j of byte l; column 64j + 32 + l: bit 2j + 1)."""
+    rows, k = x.shape
+    q, head = _k_quant(x, 31)
+    q = q.reshape(rows, k // 256, 4, 2, 32)  # 4 pairs of sub-blocks: low nibble, high nibble
+    qs = ((q[:, :, :, 0] & 15) | ((q[:, :, :, 1] & 15) << 4)).reshape(rows, k // 256, 128)
+    shifts = (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]  # [1, 1, 4, 1]
+    qh = (((q[:, :, :, 0] >> 4) << shifts) | ((q[:, :, :, 1] >> 4) << (shifts + 1))).sum(axis=2, dtype=np.uint8)
+    return np.concatenate([head, qh, qs], axis=-1).reshape(rows, -1)
+
+
 def quantize_q4_k(x: np.ndarray) -> np.ndarray:
     """``float32 [rows, K]`` (K a multiple of 256) -> Q4_K blocks ``uint8 [rows, K / 256 * 144]``.
 
@@ -255,24 +291,10 @@ def quantize_q4_k(x: np.ndarray) -> np.ndarray:
     128 bytes of codes (32 per 64 columns: low nibbles the first 32, high nibbles the next 32).
     """
     rows, k = x.shape
-    xs = x.reshape(rows, k // 256, 8, 32).astype(np.float32)
-    lo = np.minimum(xs.min(-1), 0.0)  # [R, S, 8]: the minimum subtracted is >= 0
-    scale = (xs.max(-1) - lo) / 15.0
-    d = (scale.max(-1, keepdims=True) / 63.0).astype(np.float16)  # [R, S, 1]
-    dmin = ((-lo).max(-1, keepdims=True) / 63.0).astype(np.float16)
-    df, dminf = d.astype(np.float32), dmin.astype(np.float32)
-    sc = np.clip(np.rint(np.divide(scale, df, out=np.zeros_like(scale), where=df > 0)), 0, 63).astype(np.uint8)
-    m = np.clip(np.rint(np.divide(-lo, dminf, out=np.zeros_like(lo), where=dminf > 0)), 0, 63).astype(np.uint8)
-    s_eff, m_eff = (df * sc)[..., None], (dminf * m)[..., None]  # the decoder's float32 products
-    q = np.clip(np.rint(np.divide(xs + m_eff, s_eff, out=np.zeros_like(xs), where=s_eff > 0)), 0, 15).astype(np.uint8)
-    packed = np.empty((rows, k // 256, 12), dtype=np.uint8)
-    packed[..., 0:4] = sc[..., :4] | ((sc[..., 4:] >> 4) << 6)
-    packed[..., 4:8] = m[..., :4] | ((m[..., 4:] >> 4) << 6)
-    packed[..., 8:12] = (sc[..., 4:] & 15) | ((m[..., 4:] & 15) << 4)
+    q, head = _k_quant(x, 15)
     q = q.reshape(rows, k // 256, 4, 2, 32)  # 4 pairs of sub-blocks: low nibble, high nibble
     qs = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).reshape(rows, k // 256, 128)
-    out = np.concatenate([d.view(np.uint8), dmin.view(np.uint8), packed, qs], axis=-1)  # [R, S, 144]
-    return out.reshape(rows, -1)
+    return np.concatenate([head, qs], axis=-1).reshape(rows, -1)  # [R, S, 144] per row
 
 
 def quantize_q6_k(x: np.ndarray) -> np.ndarray:

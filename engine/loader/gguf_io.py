@@ -31,13 +31,13 @@ safetensors; the ``gguf`` package supplies the type tables and the K-quant decod
   ``Int4Linear`` with float32 scales and offsets (``w = q * scale + offset``, the
   products llama.cpp's own dequantization computes). Every
   other type (F32/F16/BF16 and the other block formats gguf can decode:
-  Q5_1, Q2_K, Q3_K, Q5_K, ...) is dequantized at load to the engine dtype, or
+  Q5_1, Q2_K, Q3_K, the IQ types, ...) is dequantized at load to the engine dtype, or
   re-quantized to the ``--quant`` format when one is given; :func:`conversions`
   says which happened to which tensors (``memory_report()``, the load notice).
   **Q6_K** (6-bit codes, ``w = d * sc * (q - 32)`` with an int8 ``sc`` per 16)
   becomes ``Int8BlockLinear`` with its codes minus 32 and float32 ``d * sc`` per
-  16 columns. Q5_K has no exact llmsys layout yet (5-bit codes with a float
-  minimum), hence its dequantization.
+  16 columns; **Q5_K** (5-bit codes with Q4_K's scales and minimums) becomes
+  ``Int8BlockLinear`` with float32 scales and offsets per 32 columns.
 
 Tensor bytes are read into fresh buffers (no mapping), so nothing keeps the
 file open or its pages in the process's RSS after loading.
@@ -106,13 +106,16 @@ DEQUANT_ROWS = 8192
 # + 4/32 bytes per weight (llama.cpp's Q4_K: 144/256, Q4_1: 20/32); their codes are no int8 codes of a scale.
 # Q6_K (6-bit codes, an int8 scale per 16 times an fp16 d per 256) is int8 with a float32 scale per 16 columns
 # ("int8:g16", Int8BlockLinear): 1 + 4/16 bytes per weight (the file's 210/256).
+# Q5_K (5-bit codes with a scale and a float minimum per 32, like Q4_K) is int8 with float32 scales and offsets
+# per 32 columns (Int8BlockLinear with offsets): 1 + 8/32 bytes per weight (the file's 176/256).
 KEPT = {"Q4_0": "int4:g32", "Q8_0": "int8:g32", "Q5_0": "int8:g32", "Q4_1": "int4:g32", "Q4_K": "int4:g32",
-        "Q6_K": "int8:g16"}
+        "Q6_K": "int8:g16", "Q5_K": "int8:g32"}
 KEPT_BYTES = {"Q4_0": 0.5 + 2 / 32 + 2 / 32, "Q8_0": 1 + 2 / 32, "Q5_0": 1 + 2 / 32,
-              "Q4_1": 0.5 + 8 / 32, "Q4_K": 0.5 + 8 / 32, "Q6_K": 1 + 4 / 16}
+              "Q4_1": 0.5 + 8 / 32, "Q4_K": 0.5 + 8 / 32, "Q6_K": 1 + 4 / 16, "Q5_K": 1 + 8 / 32}
 OFFSET_KINDS = ("Q4_1", "Q4_K")  # kept as int4 with float offsets
 Q4K_BLOCK = 144  # bytes of one Q4_K super-block of 256 weights: d, dmin (fp16), 12 bytes of 6-bit sc/m, 128 of codes
 Q6K_BLOCK = 210  # Q6_K: 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 scales, d (fp16)
+Q5K_BLOCK = 176  # Q5_K: d, dmin (fp16), 12 bytes of 6-bit sc/m (as Q4_K), 32 bytes of 5th bits, 128 of low nibbles
 
 
 def kept_as(kind: str | None, spec: Any) -> str | None:
@@ -358,35 +361,57 @@ class GGUFIndex:
         t = self._tensors[name]
         n, k = int(t.shape[1]), int(t.shape[0])
         kind = _qtype(t)
-        raw = torch.from_numpy(read_bytes(self.path, t))
-        if kind == "Q4_K":
-            codes, scales, offsets = _q4k_parts(raw.view(n, k // 256, Q4K_BLOCK))
-        else:
-            width = 20 if kind == "Q4_1" else 18
-            blocks = raw.view(n, k // 32, width)  # [N, G, bytes]: d (fp16)[, m (fp16)], 16 bytes of codes
-            scales = blocks[..., :2].contiguous().view(torch.float16).view(n, k // 32)  # [N, G]
-            qs = blocks[..., width - 16 :]  # [N, G, 16]: byte i holds code i (low nibble) and code i + 16 (high)
-            codes = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(n, k)  # [N, K] in k order
-            offsets = blocks[..., 2:4].contiguous().view(torch.float16).view(n, k // 32).float() if width == 20 else None
+        floats = kind in OFFSET_KINDS  # float32 scales and offsets; Q4_0: fp16 scales, zero 8
+        qweight = torch.empty(n, k // 2, dtype=torch.uint8)
+        scales = torch.empty(n, k // 32, dtype=torch.float32 if floats else torch.float16)
+        offsets = torch.empty(n, k // 32) if floats else None
+        for r0, r1, raw in self._row_pieces(t, n):  # a piece at a time: a whole embedding's temporaries are GBs
+            rows = r1 - r0
+            if kind == "Q4_K":
+                codes, scales[r0:r1], offsets[r0:r1] = _q4k_parts(raw.view(rows, k // 256, Q4K_BLOCK))
+            else:
+                width = 20 if kind == "Q4_1" else 18
+                blocks = raw.view(rows, k // 32, width)  # [rows, G, bytes]: d (fp16)[, m (fp16)], 16 bytes of codes
+                scales[r0:r1] = blocks[..., :2].contiguous().view(torch.float16).view(rows, k // 32)
+                if offsets is not None:
+                    offsets[r0:r1] = blocks[..., 2:4].contiguous().view(torch.float16).view(rows, k // 32)
+                qs = blocks[..., width - 16 :]  # [rows, G, 16]: byte i holds code i (low nibble), i + 16 (high)
+                codes = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(rows, k)  # [rows, K] in k order
+            qweight[r0:r1] = pack_int4(codes)
+        out = {"qweight": qweight, "scales": scales}
         if offsets is None:
-            out = {"qweight": pack_int4(codes), "scales": scales, "zeros": torch.full_like(scales, 8.0)}
+            out["zeros"] = torch.full_like(scales, 8.0)
         else:
-            scales = scales.float()
-            out = {"qweight": pack_int4(codes), "scales": scales, "zeros": torch.zeros_like(scales),
-                   "offsets": offsets}
+            out.update(zeros=torch.zeros_like(scales), offsets=offsets)
         return {key: self._rows_in_hf_order(name, v) for key, v in out.items()}
 
+    def _row_pieces(self, t: TensorEntry, n: int):
+        """``(r0, r1, uint8 [r1 - r0, row bytes])`` over the rows of a block-quantized matrix, read
+        :data:`DEQUANT_ROWS` rows at a time."""
+        row_bytes = t.nbytes // n
+        for r0 in range(0, n, DEQUANT_ROWS):
+            r1 = min(n, r0 + DEQUANT_ROWS)
+            yield r0, r1, torch.from_numpy(read_bytes(self.path, t, r0 * row_bytes, (r1 - r0) * row_bytes))
+
     def int8_block_tensors(self, name: str) -> dict[str, torch.Tensor]:
-        """A Q8_0, Q5_0, Q4_0 or Q6_K matrix as :class:`Int8BlockLinear` tensors: ``qweight int8 [N, K]`` (Q8_0's
+        """A Q8_0, Q5_0, Q4_0, Q6_K or Q5_K matrix as :class:`Int8BlockLinear` tensors (Q5_K: codes 0..31, float32
+        ``block_scales`` and ``offsets`` ``[K/32, N]``, see :func:`_q5k_parts`): ``qweight int8 [N, K]`` (Q8_0's
         codes as stored, Q5_0's 5-bit codes minus 16, Q4_0's minus 8, Q6_K's 6-bit codes minus 32) and the
         blocks' scales group-major: fp16 ``block_scales [K/32, N]``, Q6_K's float32 ``d * sc`` per 16 columns
         ``[K/16, N]``; rows in HF order."""
         t = self._tensors[name]
         n, k = int(t.shape[1]), int(t.shape[0])
         kind = _qtype(t)
-        if kind == "Q6_K":
-            raw = torch.from_numpy(read_bytes(self.path, t)).view(n, k // 256, Q6K_BLOCK)
-            q, hs = _q6k_parts(raw)
+        if kind == "Q5_K":  # a piece of rows at a time, as Q4_K in int4_tensors
+            q, fs, fo = torch.empty(n, k, dtype=torch.int8), torch.empty(n, k // 32), torch.empty(n, k // 32)
+            for r0, r1, raw in self._row_pieces(t, n):
+                q[r0:r1], fs[r0:r1], fo[r0:r1] = _q5k_parts(raw.view(r1 - r0, k // 256, Q5K_BLOCK))
+            q, fs, fo = (self._rows_in_hf_order(name, v) for v in (q, fs, fo))
+            return {"qweight": q.contiguous(), "block_scales": fs.t().contiguous(), "offsets": fo.t().contiguous()}
+        if kind == "Q6_K":  # a piece of rows at a time, as Q4_K in int4_tensors
+            q, hs = torch.empty(n, k, dtype=torch.int8), torch.empty(n, k // 16)
+            for r0, r1, raw in self._row_pieces(t, n):
+                q[r0:r1], hs[r0:r1] = _q6k_parts(raw.view(r1 - r0, k // 256, Q6K_BLOCK))
             q, hs = self._rows_in_hf_order(name, q), self._rows_in_hf_order(name, hs)
             return {"qweight": q.contiguous(), "block_scales": hs.t().contiguous()}
         if kind == "Q4_0":
@@ -451,6 +476,16 @@ def _q4k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     2 bits in the high bits of bytes 0-3 / 4-7: llama.cpp's ``get_scale_min_k4``), then 128 bytes of
     codes: 32 bytes per 64 columns, low nibbles the first 32 columns, high nibbles the next 32."""
     n, sb, _ = blocks.shape
+    scales, offsets = _k_scales(blocks)
+    qs = blocks[..., 16:].reshape(n, sb, 4, 32)  # [N, S, 4 pairs of sub-blocks, 32]
+    codes = torch.stack([qs & 15, qs >> 4], dim=3).reshape(n, sb * 256)  # [N, S, 4, 2, 32] -> k order
+    return codes, scales, offsets
+
+
+def _k_scales(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K super-blocks ``uint8 [N, S, bytes]`` (``d``, ``dmin``, 12 bytes of 6-bit ``sc`` / ``m`` first)
+    -> float32 ``d * sc`` and ``-(dmin * m)`` per 32 columns, ``[N, S * 8]`` (``get_scale_min_k4``)."""
+    n, sb, _ = blocks.shape
     d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # [N, S, 1]
     dmin = blocks[..., 2:4].contiguous().view(torch.float16).float()
     sm = blocks[..., 4:16].to(torch.int32)  # [N, S, 12]
@@ -459,9 +494,22 @@ def _q4k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     hi_m = (sm[..., 8:12] >> 4) | ((sm[..., 4:8] >> 6) << 4)
     sc = torch.cat([lo_sc, hi_sc], dim=-1).float()  # [N, S, 8]
     m = torch.cat([lo_m, hi_m], dim=-1).float()
-    qs = blocks[..., 16:].reshape(n, sb, 4, 32)  # [N, S, 4 pairs of sub-blocks, 32]
-    codes = torch.stack([qs & 15, qs >> 4], dim=3).reshape(n, sb * 256)  # [N, S, 4, 2, 32] -> k order
-    return codes, (d * sc).reshape(n, sb * 8), (-(dmin * m)).reshape(n, sb * 8)
+    return (d * sc).reshape(n, sb * 8), (-(dmin * m)).reshape(n, sb * 8)
+
+
+def _q5k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q5_K super-blocks ``uint8 [N, S, 176]`` -> codes ``int8 [N, S * 256]`` (0..31) in k order and per 32
+    columns float32 scales and offsets ``[N, S * 8]`` (``dequantize_row_q5_K``: per 64 columns 32 bytes of
+    codes, low nibbles the first 32 columns, high nibbles the next 32; the 5th bit of column 64j + l is bit 2j
+    of byte l of the 32 high-bit bytes, of column 64j + 32 + l bit 2j + 1)."""
+    n, sb, _ = blocks.shape
+    scales, offsets = _k_scales(blocks)
+    qh = blocks[..., 16:48].to(torch.int16)  # [N, S, 32]
+    qs = blocks[..., 48:].reshape(n, sb, 4, 32).to(torch.int16)  # [N, S, 4, 32]
+    bits = torch.arange(8, dtype=torch.int16).view(4, 2, 1)  # [pair j, half h, 1]: bit 2j + h
+    high = ((qh[:, :, None, None, :] >> bits) & 1) << 4  # [N, S, 4, 2, 32]
+    codes = torch.stack([qs & 15, qs >> 4], dim=3) | high  # [N, S, 4, 2, 32]
+    return codes.to(torch.int8).reshape(n, sb * 256), scales, offsets
 
 
 def _q6k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -558,6 +606,8 @@ def materialize_gguf(model: Any, index: GGUFIndex, dtype: torch.dtype, device: t
             t = index.int8_block_tensors(name)
             if check_finite:
                 validate.check_finite(f"{index.info(name).gguf_name} (block scales)", t["block_scales"], index.path)
+                if "offsets" in t:
+                    validate.check_finite(f"{index.info(name).gguf_name} (block minimums)", t["offsets"], index.path)
             layer = Int8BlockLinear.from_quantized({**t, "bias": b})
         else:
             return make_linear(mod_name, w, b) if make_linear is not None else None
