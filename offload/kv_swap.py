@@ -234,7 +234,7 @@ class KVSwapSpace:
             raw = data.view(torch.uint8).numpy().reshape(len(pairs), self.chunk_bytes)
             for i, (s, p) in enumerate(pairs):
                 try:
-                    read_block(self._fd, raw[i], s * self.chunk_bytes)
+                    read_block(self._fd, raw[i], s * self.chunk_bytes, s)
                 except OSError as e:
                     failed.append(p)
                     self.read_error = f"{self._path}: {e.strerror or e}"
@@ -276,11 +276,12 @@ def write_block(fd: int, data, offset: int) -> None:
         raise OSError(errno.ENOSPC, f"short write ({n} of {len(data)} bytes)")
 
 
-def read_block(fd: int, buf, offset: int) -> None:
-    """Fill ``buf`` from ``offset``; a short read (the file ends early, a failing disk) is EIO."""
+def read_block(fd: int, buf, offset: int, block: int) -> None:
+    """Fill ``buf`` with swap block ``block`` (at ``offset``); a short read (the file ends early, a failing
+    disk) is EIO naming the block."""
     n = os.preadv(fd, [buf], offset)
     if n < len(buf):
-        raise OSError(errno.EIO, f"short read ({n} of {len(buf)} bytes)")
+        raise OSError(errno.EIO, f"short read of block {block} ({n} of {len(buf)} bytes)")
 
 
 def _block_shape(kv: KVPool) -> tuple[int, ...]:

@@ -305,10 +305,12 @@ class KVTier:
                     off, dst = self._offset(layer, kind, c0), view[j0 * sb : (j0 + m) * sb]
                     try:
                         got = pread_full(self._fd, [dst], off)
-                        if got < len(dst):
-                            raise OSError(errno.EIO, f"short read ({got} of {len(dst)} bytes)")
                     except OSError as e:
-                        self._lost(layer, list(range(c0, c0 + m)), e)
+                        self._lost(list(range(c0, c0 + m)), f"{e.strerror or e} reading layer {layer} blocks "
+                                                            f"{c0}..{c0 + m - 1}")
+                    if got < len(dst):
+                        self._lost(list(range(c0, c0 + m)), f"short read of layer {layer} block {c0} "
+                                                            f"({got} of {len(dst)} bytes)")
                     if self.drop_cache:
                         os.posix_fadvise(self._fd, off, m * sb, os.POSIX_FADV_DONTNEED)
             if self._spill:  # blocks a failed write left in RAM: the file does not have them
@@ -334,12 +336,11 @@ class KVTier:
         st.blocks_read += n
         st.bytes_read += n * self.layer_block_bytes
 
-    def _lost(self, layer: int, cold: list[int], e: OSError) -> None:
+    def _lost(self, cold: list[int], why: str) -> None:
         """A read of ``cold`` failed: no more demotions, and the step learns which blocks are gone."""
-        why = f"{self._path}: {e.strerror or e} reading layer {layer} blocks {cold[0]}..{cold[-1]}"
-        self.read_error = why
+        self.read_error = f"{self._path}: {why}"
         self.stats.lost_blocks += len(cold)
-        raise KVReadError(f"KV offload file {why}", cold) from None
+        raise KVReadError(f"KV offload file {self.read_error}", cold) from None
 
     def _wait(self, layer: int) -> None:
         self._submit(layer)
