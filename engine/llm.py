@@ -21,6 +21,7 @@ from llmsys.engine.builder import Placement, place, prepare, resolve, size_kv_po
 from llmsys.engine.config import EngineConfig
 from llmsys.engine.core import EngineCore, MemoryReport
 from llmsys.kernels.common.errors import InvalidParameterError
+from llmsys.kernels.common.memory import release_free_heap
 from llmsys.engine.loader.common import materialize_checkpoint, open_checkpoint
 from llmsys.engine.loader.llama2c import is_llama2c
 from llmsys.engine.loader.llama2c import load as llama2c_load
@@ -72,12 +73,14 @@ class LLM:
             said = "; ".join(f"{k} -> {v}" for k, v in formats.items())
             print(f"notice: {r.path.name}: {said} (--quant int8:g32 stores the dequantized matrices in half "
                   "the memory)", file=sys.stderr)
+        release_free_heap()  # the load's temporaries, before prepare's fused copies add to the peak
         prepare(self.loaded, config, self.offload)
         # Loading (quantizing at load most of all: every float weight is replaced) leaves tensors the model no
         # longer holds in reference cycles, alive until the cyclic collector next runs: a bf16 SmolLM2-135M
         # quantized to int8 kept ~450 MiB of them (RSS 870 -> 418 MiB once collected). Collect once, before
         # the KV pool is sized from what is free.
         gc.collect()
+        release_free_heap()  # and what the load freed goes back to the system, not kept by the C heap
         if placement.kv_cache_tokens is not None:  # the pool size the explicit budget allows
             config = config.with_(kv_cache_tokens=placement.kv_cache_tokens)
         self.config = config
