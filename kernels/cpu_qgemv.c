@@ -500,7 +500,15 @@ typedef struct {
        group), or NULL: integer zero points, w = scale * (q - zero). Only the a8 GEMV reads them. */
     const float *offs;
     int64_t o_n, o_g;
+    /* GGUF Q4_K's scales as stored (instead of scales and offs): per 32 columns 6-bit sc and m (uint8
+       [G, k_n] group-major), per 256 the fp16 d and dmin ([G / 8, k_n]); scale = d * sc, offset = -(dmin * m),
+       the float32 products llama.cpp's dequantization computes. NULL: scales / offs as above. */
+    const uint8_t *ksc, *km;
+    const uint16_t *kd, *kdm;
+    int64_t k_n;
 } int4_meta;
+
+static inline int has_offsets(const int4_meta *md) { return md->offs != NULL || md->ksc != NULL; }
 
 static void meta_scalar(const int4_meta *md, int64_t row0, int64_t rows, int64_t g, float *zf, float *sf) {
     for (int64_t j = 0; j < 64; j++) {
@@ -786,7 +794,7 @@ int llmsys_qgemv_int4(const uint16_t *x, int64_t ldx, const uint8_t *packed, con
                       int64_t ldo, int64_t m_count, int64_t n, int64_t kp, int64_t k, int64_t gs, int threads) {
     if (m_count <= 0 || n <= 0 || gs % 32 || gs > 128 || kp % gs || k <= kp - gs || k > kp || ldx < k || ldo < n)
         return 1;
-    const int4_meta md = {zeros, z_n, z_g, scales, s_n, s_g, scale_kind, NULL, 0, 0};
+    const int4_meta md = {zeros, z_n, z_g, scales, s_n, s_g, scale_kind, NULL, 0, 0, NULL, NULL, NULL, NULL, 0};
 #ifdef QG_BF16
     uint32_t *xw = pairs(x, ldx, m_count, k, kp / 2, threads);
     if (!xw) return 2;
@@ -947,7 +955,7 @@ int llmsys_qgemm_int4(const uint16_t *x, int64_t ldx, const uint8_t *packed, con
 #else
     if (m_count <= 0 || n <= 0 || gs % 32 || gs > 128 || kp % gs || k <= kp - gs || k > kp || ldx < k || ldo < n)
         return 1;
-    const int4_meta md = {zeros, z_n, z_g, scales, s_n, s_g, scale_kind, NULL, 0, 0};
+    const int4_meta md = {zeros, z_n, z_g, scales, s_n, s_g, scale_kind, NULL, 0, 0, NULL, NULL, NULL, NULL, 0};
     uint32_t *xw = pairs(x, ldx, m_count, k, kp / 2, threads);
     if (!xw) return 2;
     const int64_t blocks = (n + 63) / 64, mblocks = (m_count + GM_MB - 1) / GM_MB, bytes = kp * 32;
@@ -1425,8 +1433,35 @@ static inline int a8_row(int s) {
 #endif
 }
 
+/* A group's Q4_K scales (neg 0) or offsets (neg 1) from md->ksc / km, kd / kdm, rows of a 64-row block in
+   a8_row's slot order, 0 past `rows`: d * sc, -(dmin * m) (float32, as llama.cpp's dequantization). */
+static void k_meta(const int4_meta *md, int64_t row0, int64_t rows, int64_t g, int neg, float *out) {
+    const uint8_t *c = (neg ? md->km : md->ksc) + g * md->k_n;
+    const uint16_t *d = (neg ? md->kdm : md->kd) + (g / 8) * md->k_n;
+#ifdef QA8_AVX2
+    if (rows == 64) {
+        const __m256 sign = _mm256_set1_ps(neg ? -0.0f : 0.0f);
+        for (int v = 0; v < 8; v++) {
+            const int64_t r = row0 + a8_row(8 * v);
+            const __m256 cf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(c + r))));
+            _mm256_store_ps(out + 8 * v, _mm256_xor_ps(_mm256_mul_ps(bs8(d + r), cf), sign));
+        }
+        return;
+    }
+#endif
+    for (int s = 0; s < 64; s++) {
+        const int64_t j = a8_row(s);
+        const float p = j < rows ? half_to_f32(d[row0 + j]) * (float)c[row0 + j] : 0.0f;
+        out[s] = neg ? -p : p;
+    }
+}
+
 /* A group's offsets (md->offs set) for the rows of a 64-row block in a8_row's slot order, 0 past `rows`. */
 static void a8_offsets(const int4_meta *md, int64_t row0, int64_t rows, int64_t g, float *os) {
+    if (md->ksc) {
+        k_meta(md, row0, rows, g, 1, os);
+        return;
+    }
 #ifdef QA8_AVX2
     if (rows == 64 && md->o_n == 1) {
         for (int v = 0; v < 8; v++)
@@ -1445,6 +1480,11 @@ static void a8_offsets(const int4_meta *md, int64_t row0, int64_t rows, int64_t 
    bf16 scales with s_n = 2, its scales_zeros [G, Np, 2], or s_n = 1; float32 / fp16 scales with s_n = 1,
    its group-major scales_orig), else meta_scalar's gather. With offsets the zeros are not read (0). */
 static void a8_meta(const int4_meta *md, int64_t row0, int64_t rows, int64_t g, int32_t *zs, float *ss) {
+    if (md->ksc) {
+        for (int s = 0; s < 64; s++) zs[s] = 0;
+        k_meta(md, row0, rows, g, 0, ss);
+        return;
+    }
 #ifdef QA8_AVX2
     if (rows == 64 && (md->z_n == 1 || md->offs) && ((md->kind == 0 && (md->s_n == 2 || md->s_n == 1)) || (md->kind != 0 && md->s_n == 1))) {
         for (int v = 0; v < 8; v++) {
@@ -1486,7 +1526,7 @@ static void int4_a8_block(const a8_x *a, int64_t m0, int64_t m1, const uint8_t *
             int32_t zs[64] __attribute__((aligned(32)));
             float ss[64] __attribute__((aligned(32))), os[64] __attribute__((aligned(32)));
             a8_meta(md, row0, rows, g, zs, ss);
-            if (md->offs) a8_offsets(md, row0, rows, g, os);
+            if (has_offsets(md)) a8_offsets(md, row0, rows, g, os);
             for (int64_t bi = 0; bi < per_g; bi++) {
                 const int64_t b = g * per_g + bi;
                 const uint8_t *p = blk + b * A8 * 32;
@@ -1528,7 +1568,7 @@ static void int4_a8_block(const a8_x *a, int64_t m0, int64_t m1, const uint8_t *
                     /* s32 order: 0-7, 16-23, 8-15, 24-31, 32-39, 48-55, 40-47, 56-63 = a8_row's slots */
                     const __m256i sxv = _mm256_set1_epi32(sxb);
                     const __m256 dv = _mm256_set1_ps(dxb);
-                    if (md->offs) { /* f + (float(S_b) * (scale * d_b) + float(sum qx_b) * (offset * d_b)) */
+                    if (has_offsets(md)) { /* f + (float(S_b) * (scale * d_b) + float(sum qx_b) * (offset * d_b)) */
                         const __m256 sxf = _mm256_set1_ps((float)sxb);
                         for (int v = 0; v < 8; v++) {
                             const __m256 sd = _mm256_mul_ps(_mm256_load_ps(ss + 8 * v), dv);
@@ -1557,7 +1597,7 @@ static void int4_a8_block(const a8_x *a, int64_t m0, int64_t m1, const uint8_t *
                         }
                     }
                     for (int s = 0; s < 64; s++) {
-                        if (md->offs) {
+                        if (has_offsets(md)) {
                             acc[m][s] = acc[m][s] + ((float)S[s] * (ss[s] * dxb) + (float)sxb * (os[s] * dxb));
                             continue;
                         }
@@ -1681,7 +1721,7 @@ static void int4_a8_block_vnni(const a8_x *a, int64_t m0, int64_t m1, const uint
 static void int4_a8_rows(const a8_x *a, int64_t m0, int64_t m1, const uint8_t *blk, const int4_meta *md,
                          int64_t n_groups, int64_t gs, int64_t row0, int64_t n_rows, uint16_t *out, int64_t ldo) {
 #ifdef QA8_VNNI
-    if (m1 - m0 >= A8_VNNI_MIN_M && !md->offs) { /* offsets: the AVX2 code (also in this build) */
+    if (m1 - m0 >= A8_VNNI_MIN_M && !has_offsets(md)) { /* offsets: the AVX2 code (also in this build) */
         int4_a8_block_vnni(a, m0, m1, blk, md, n_groups, gs, row0, n_rows, out, ldo);
         return;
     }
@@ -1697,7 +1737,26 @@ int llmsys_qgemv_int4o_a8(const uint16_t *x, int64_t ldx, const uint8_t *packed,
                           int64_t k, int64_t gs, int threads) {
     if (m_count <= 0 || n <= 0 || gs % A8 || gs > 256 || kp % gs || k <= kp - gs || k > kp || ldx < k || ldo < n)
         return 1;
-    const int4_meta md = {zeros, z_n, z_g, scales, s_n, s_g, scale_kind, offs, o_n, o_g};
+    const int4_meta md = {zeros, z_n, z_g, scales, s_n, s_g, scale_kind, offs, o_n, o_g, NULL, NULL, NULL, NULL, 0};
+    a8_x a;
+    if (a8_quantize(x, ldx, m_count, k, kp / A8, &a)) return 2;
+    const int64_t blocks = (n + 63) / 64, n_groups = kp / gs;
+    const int par = threads > 1 && m_count * n * kp >= PAR_MIN && blocks > 1;
+#pragma omp parallel for num_threads(threads) schedule(static) if (par)
+    for (int64_t b = 0; b < blocks; b++)
+        int4_a8_rows(&a, 0, m_count, packed + b * kp * 32, &md, n_groups, gs, b * 64, n, out, ldo);
+    a8_free(&a);
+    return 0;
+}
+
+/* llmsys_qgemv_int4o_a8 with GGUF Q4_K's scales as stored (int4_meta.ksc ..; group size 32): sc, m uint8
+   [G, k_n], d, dmin fp16 [G / 8, k_n], group-major. */
+int llmsys_qgemv_int4k_a8(const uint16_t *x, int64_t ldx, const uint8_t *packed, const uint8_t *ksc, const uint8_t *km,
+                          const uint16_t *kd, const uint16_t *kdm, int64_t k_n, uint16_t *out, int64_t ldo,
+                          int64_t m_count, int64_t n, int64_t kp, int64_t k, int threads) {
+    const int64_t gs = A8;
+    if (m_count <= 0 || n <= 0 || kp % 256 || k <= kp - gs || k > kp || ldx < k || ldo < n || k_n < n) return 1;
+    const int4_meta md = {NULL, 0, 0, NULL, 0, 0, 1, NULL, 0, 0, ksc, km, kd, kdm, k_n};
     a8_x a;
     if (a8_quantize(x, ldx, m_count, k, kp / A8, &a)) return 2;
     const int64_t blocks = (n + 63) / 64, n_groups = kp / gs;
@@ -1820,6 +1879,9 @@ typedef struct {
     const uint16_t *bias;  /* bf16 [N], or NULL */
     const float *offs;     /* int4: float32 offsets at [n * o_n + g * o_g] (int4_meta.offs), or NULL */
     int64_t o_n, o_g;
+    const uint8_t *ksc, *km; /* int4: GGUF Q4_K's scales as stored (int4_meta.ksc ..; scales, zeros unused), or NULL */
+    const uint16_t *kd, *kdm;
+    int64_t k_n;
 } llmsys_qw;
 
 #define QW_MAX 4 /* weights per projection */
@@ -1830,6 +1892,9 @@ static int64_t qw_nb(const llmsys_qw *w) { return w->kind == 1 ? w->kp / A8 : (w
 static int qw_check(const llmsys_qw *w, int64_t k) {
     if (w->n <= 0 || w->k != k || !w->q) return 1;
     if (w->kind == 2) return w->kp < k;
+    if (w->kind == 1 && w->ksc) /* Q4_K's scales as stored: group 32, whole super-blocks */
+        return !w->km || !w->kd || !w->kdm || w->gs != A8 || w->kp % 256 || k <= w->kp - w->gs || k > w->kp
+               || w->k_n < w->n;
     if (!w->scales) return 1;
     if (w->kind == 0) return 0;
     if (w->kind == 3) return w->s_g < w->n;
@@ -1860,7 +1925,7 @@ static void qw_item(const llmsys_qw *w, const a8_x *a, const uint16_t *x, int64_
             int8o_a8_rows(a, m, (const int8_t *)w->q, w->k, (const float *)w->scales, w->offs, w->s_g, out, ldo, n0, n1);
     } else {
         const int4_meta md = {w->zeros, w->z_n, w->z_g, w->scales, w->s_n, w->s_g, (int)w->scale_kind, w->offs,
-                              w->o_n, w->o_g};
+                              w->o_n, w->o_g, w->ksc, w->km, w->kd, w->kdm, w->k_n};
         int4_a8_rows(a, 0, m_count, (const uint8_t *)w->q + it * w->kp * 32, &md, w->kp / w->gs, w->gs, n0, w->n,
                       out, ldo);
     }

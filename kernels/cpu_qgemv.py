@@ -74,6 +74,7 @@ _SIGNATURES = {
     "llmsys_qgemv_int8o_a8": [_P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _C],
     "llmsys_qgemv_int4_a8": [_P, _I, _P, _P, _I, _I, _C, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _C],
     "llmsys_qgemv_int4o_a8": [_P, _I, _P, _P, _I, _I, _C, _P, _I, _I, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _C],
+    "llmsys_qgemv_int4k_a8": [_P, _I, _P, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _C],
     "llmsys_gemv_bf16": [_P, _I, _P, _I, _P, _I, _I, _I, _I, _C],
     "llmsys_layer_attn_in": [_P, _P, _P, _P, _P, _I, _C],
     "llmsys_layer_mlp": [_P, _P, _P, _P, _P, _I, _C],
@@ -452,7 +453,8 @@ class DecodeWeight(ctypes.Structure):
 
     _fields_ = [("kind", _I), ("n", _I), ("k", _I), ("kp", _I), ("gs", _I), ("q", _P), ("scales", _P),
                 ("s_n", _I), ("s_g", _I), ("scale_kind", _I), ("zeros", _P), ("z_n", _I), ("z_g", _I),
-                ("bias", _P), ("offs", _P), ("o_n", _I), ("o_g", _I)]
+                ("bias", _P), ("offs", _P), ("o_n", _I), ("o_g", _I),
+                ("ksc", _P), ("km", _P), ("kd", _P), ("kdm", _P), ("k_n", _I)]
 
 
 def int8_decode_weight(qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> DecodeWeight:
@@ -482,6 +484,47 @@ def bf16_decode_weight(weight: torch.Tensor, bias: torch.Tensor | None) -> Decod
               None if bias is None else bias.data_ptr())
 
 
+@dataclass(frozen=True)
+class KScales:
+    """GGUF Q4_K's scales as the file stores them, group-major (``[groups, N]`` rows contiguous over N):
+    6-bit ``sc`` and ``m`` per 32 columns (uint8 ``[G, N]``) and fp16 ``d``, ``dmin`` per 256 (``[G / 8, N]``);
+    ``scale = d * sc``, ``offset = -(dmin * m)`` in float32 (0.58 bytes a weight with the codes, where float32
+    scales and offsets take 0.75)."""
+
+    sc: torch.Tensor  # uint8 [G, N]
+    m: torch.Tensor  # uint8 [G, N]
+    d: torch.Tensor  # float16 [G / 8, N]
+    dmin: torch.Tensor  # float16 [G / 8, N]
+
+    def scales(self) -> torch.Tensor:
+        """float32 ``[N, G]``: ``d * sc`` (the product llama.cpp's dequantization rounds)."""
+        return (self.d.float().repeat_interleave(8, 0) * self.sc.float()).t()
+
+    def offsets(self) -> torch.Tensor:
+        """float32 ``[N, G]``: ``-(dmin * m)``."""
+        return (-(self.dmin.float().repeat_interleave(8, 0) * self.m.float())).t()
+
+    def rows(self, ids: torch.Tensor) -> "KScales":
+        return KScales(self.sc[:, ids], self.m[:, ids], self.d[:, ids], self.dmin[:, ids])
+
+    def pointers(self) -> tuple[int, int, int, int, int]:
+        return (self.sc.data_ptr(), self.m.data_ptr(), self.d.data_ptr(), self.dmin.data_ptr(), self.sc.stride(0))
+
+
+def int4k_gemv_a8(x: torch.Tensor, packed: torch.Tensor, ks: KScales, k: int, *, lib=None) -> torch.Tensor:
+    """:func:`int4_gemv_a8` with Q4_K's scales as stored (``ks``; group 32, ``k`` input features, whole
+    256-column super-blocks): the bits of :func:`int4_a8_def` given ``ks.scales()`` and ``offsets=ks.offsets()``."""
+    n, kp = ks.sc.shape[1], ks.sc.shape[0] * 32
+    _check_x("int4_gemv_a8", x, k)
+    m = x.shape[0]
+    out = torch.empty(m, n, dtype=torch.bfloat16)
+    rc = (lib or _KERNEL.lib()).llmsys_qgemv_int4k_a8(x.data_ptr(), x.stride(0), packed.data_ptr(), *ks.pointers(),
+                                                       out.data_ptr(), n, m, n, kp, k, torch.get_num_threads())
+    if rc:
+        raise RuntimeError(f"int4_gemv_a8: the C kernel failed (code {rc}) on M={m} N={n} K={k} (Q4_K scales)")
+    return out
+
+
 def int4_decode_weight(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int, k: int,
                 bias: torch.Tensor | None, offsets: torch.Tensor | None = None) -> DecodeWeight | None:
     """:func:`int4_gemv_a8`'s weight (its arguments, ``k`` the input features, ``offsets`` or None) plus a
@@ -494,6 +537,13 @@ def int4_decode_weight(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.
     return DecodeWeight(1, n, k, n_groups * group_size, group_size, packed.data_ptr(), scales.data_ptr(), s_n, s_g,
               _SCALE_KINDS[scales.dtype], zeros.data_ptr(), zeros.stride(0), zeros.stride(1),
               None if bias is None else bias.data_ptr(), *o)
+
+
+def int4k_decode_weight(packed: torch.Tensor, ks: KScales, k: int, bias: torch.Tensor | None) -> DecodeWeight:
+    """:func:`int4k_gemv_a8`'s weight plus a bf16 ``bias [N]`` or None."""
+    n, kp = ks.sc.shape[1], ks.sc.shape[0] * 32
+    return DecodeWeight(1, n, k, kp, 32, packed.data_ptr(), None, 0, 0, 0, None, 0, 0,
+                        None if bias is None else bias.data_ptr(), None, 0, 0, *ks.pointers())
 
 
 class _LayerArgs(ctypes.Structure):

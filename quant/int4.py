@@ -40,7 +40,10 @@ import torch.nn.functional as F
 from llmsys.kernels import CPU_INT4_BLOCK_N as CPU_BLOCK_N  # the CPU layout tiles rows in blocks of 64
 from llmsys.kernels import (
     DecodeWeight,
+    KScales,
     int4_decode_weight,
+    int4k_decode_weight,
+    int4k_gemv_a8,
     dequant_cpu_int4,
     int4_gemv_a8,
     mm_bf16,
@@ -168,7 +171,8 @@ class Int4Linear(QuantLinear):
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                  bias: torch.Tensor | None = None, in_features: int | None = None,
                  prefer_packed: bool = True, perm: torch.Tensor | None = None,
-                 input_scale: torch.Tensor | None = None, offsets: torch.Tensor | None = None) -> None:
+                 input_scale: torch.Tensor | None = None, offsets: torch.Tensor | None = None,
+                 kscales: KScales | None = None) -> None:
         n, half_kp = qweight.shape
         kp = 2 * half_kp
         n_groups = scales.shape[1]
@@ -236,13 +240,21 @@ class Int4Linear(QuantLinear):
             # The decode GEMV reads one group's zeros for 64 rows at once: a group-major copy
             # (N * G bytes, ~3% of the codes at g=64) lets it load them as one vector (~1.4x faster).
             self.register_buffer("zeros_gm", self.zeros_u8.t().contiguous() if c_kernels else None)  # [G, N]
-        self.register_buffer("offsets_gm", None if offsets is None else offsets.t().contiguous())  # [G, N]
+        # GGUF Q4_K's scales as stored (kernels.KScales: 6-bit sc / m per group, fp16 d / dmin per 8 groups):
+        # held instead of the float32 scales and offsets they multiply out to (0.58 bytes a weight, not 0.75).
+        compact = kscales is not None and offsets is not None and group_size == 32 and kp % 256 == 0 and c_kernels
+        if compact and not (torch.equal(kscales.scales(), scales) and torch.equal(kscales.offsets(), offsets)):
+            raise CheckpointError("int4 Q4_K scales disagree with the scales and offsets they should multiply out to")
+        for name, t in zip(("k_sc", "k_m", "k_d", "k_dmin"), (kscales.sc, kscales.m, kscales.d, kscales.dmin)
+                           if compact else (None,) * 4):
+            self.register_buffer(name, None if t is None else t.contiguous())  # [G, N] / [G / 8, N]
+        self.register_buffer("offsets_gm", None if offsets is None or compact else offsets.t().contiguous())  # [G, N]
         # The canonical scales' exact values: bf16 scales are recoverable from scales_zeros; any other
         # dtype (fp16: AWQ, GPTQ, GGUF Q4_0) is kept as it is, group-major (an [N, G] view of a [G, N]
         # tensor), so the C kernels load a group's scales for 16/64 rows as one vector: in the row-major
         # layout they gathered and converted them one by one, 3x slower decode (Qwen2.5-0.5B shape, g32).
         self.register_buffer(
-            "scales_orig", None if scales.dtype == torch.bfloat16 else scales.t().contiguous().t()
+            "scales_orig", None if scales.dtype == torch.bfloat16 or compact else scales.t().contiguous().t()
         )
 
     # --- constructors -------------------------------------------------------
@@ -259,8 +271,11 @@ class Int4Linear(QuantLinear):
                        prefer_packed: bool = True) -> "Int4Linear":
         """Rebuild from canonical tensors; ``in_features`` defaults to the padded width."""
         qweight, scales, zeros = require(tensors, ("qweight", "scales", "zeros"), "int4")
+        ks = None  # GGUF Q4_K's stored scales, group-major (beside the scales and offsets they make)
+        if "k_sc" in tensors:
+            ks = KScales(*require(tensors, ("k_sc", "k_m", "k_d", "k_dmin"), "int4"))
         return cls(qweight, scales, zeros, tensors.get("bias"), in_features, prefer_packed, tensors.get("perm"),
-                   tensors.get("input_scale"), tensors.get("offsets"))
+                   tensors.get("input_scale"), tensors.get("offsets"), ks)
 
     @classmethod
     def cat_rows(cls, layers: list[QuantLinear]) -> "Int4Linear | None":
@@ -283,8 +298,12 @@ class Int4Linear(QuantLinear):
             return None
         cat = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}  # qweight, scales, zeros (, offsets)
         bias = torch.cat([m.bias for m in layers]) if first.bias is not None else None
+        ks = [m.kscales() for m in layers]
+        kscales = None
+        if all(k is not None for k in ks):  # Q4_K's stored scales side by side (group-major: along dim 1)
+            kscales = KScales(*(torch.cat([getattr(k, f) for k in ks], dim=1) for f in ("sc", "m", "d", "dmin")))
         return cls(cat["qweight"], cat["scales"], cat["zeros"], bias, first.in_features, True, first.perm,
-                   first.input_scale, cat.get("offsets"))
+                   first.input_scale, cat.get("offsets"), kscales)
 
     # --- canonical view -----------------------------------------------------
     def canonical_tensors(self) -> dict[str, torch.Tensor]:
@@ -296,12 +315,23 @@ class Int4Linear(QuantLinear):
         n, kp = self.out_features, self.padded_in_features
         np_ = self.packed.shape[0]
         q = unpack_cpu_int4(self.packed, np_, kp)[:n]  # [N, Kp]
+        ks = self.kscales()
+        if ks is not None:
+            return {"qweight": pack_int4(q), "scales": ks.scales().contiguous(), "zeros": self.zeros_u8.float(),
+                    "offsets": ks.offsets().contiguous()}
         if self.scales_orig is not None:
             scales = self.scales_orig.contiguous()
         else:
             scales = self.scales_zeros[:, :n, 0].t().contiguous()  # bf16, exact
         out = {"qweight": pack_int4(q), "scales": scales, "zeros": self.zeros_u8.to(scales.dtype)}
         return out if self.offsets_gm is None else {**out, "offsets": self.offsets_gm.t().contiguous()}
+
+    def kscales(self) -> KScales | None:
+        """GGUF Q4_K's scales as this layer holds them (packed mode), or None."""
+        b = self._buffers
+        if b.get("k_sc") is None:
+            return None
+        return KScales(b["k_sc"], b["k_m"], b["k_d"], b["k_dmin"])
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):  # noqa: D401 - torch hook
         """Write the canonical tensors, whatever the run-time layout is."""
@@ -346,7 +376,11 @@ class Int4Linear(QuantLinear):
             byte = p3[ids // CPU_BLOCK_N, :, j % (CPU_BLOCK_N // 2)]  # [M, Kp]
             shift = torch.where(j < CPU_BLOCK_N // 2, 0, 4).to(torch.uint8)[:, None]
             q = ((byte >> shift) & 15).float().view(m, -1, g)  # [M, G, g]
-            if self.offsets_gm is not None:  # w = q * scale + offset
+            ks = self.kscales()
+            if ks is not None:  # w = q * scale + offset, from Q4_K's stored scales
+                k_rows = ks.rows(ids)
+                w = q * k_rows.scales()[..., None] + k_rows.offsets()[..., None]
+            elif self.offsets_gm is not None:  # w = q * scale + offset
                 w = q * self.scales_orig[ids].float()[..., None] + self.offsets_gm[:, ids].t()[..., None]
             elif self.scales_zeros is None:  # scales_orig [N, G] (not bf16): the canonical formula
                 z = self.zeros_u8[ids].float()[..., None]  # [M, G, 1]
@@ -372,6 +406,10 @@ class Int4Linear(QuantLinear):
                 or buf["perm"] is not None or (bias is not None and bias.dtype != torch.bfloat16)
                 or self._kernel.family is not KernelFamily.C_INT4):
             return None
+        ks = self.kscales()
+        if ks is not None:
+            return self._decode_cached((buf["packed"], ks.sc, bias), lambda: int4k_decode_weight(
+                buf["packed"], ks, self.in_features, bias))
         scales = buf["scales_orig"]
         if scales is None:
             scales = buf["scales_zeros"]
@@ -391,6 +429,9 @@ class Int4Linear(QuantLinear):
         if self.mode == "packed_cpu":
             if family is KernelFamily.C_INT4:  # every row: the a8 GEMV (each row's bits independent of the batch)
                 xb = self._a8_input(x2)
+                if buf["k_sc"] is not None:  # Q4_K's stored scales
+                    y = int4k_gemv_a8(xb, buf["packed"], self.kscales(), self.in_features)
+                    return y if x2.dtype == torch.bfloat16 else y.to(x2.dtype)
                 scales = buf["scales_orig"]
                 if scales is None:
                     scales = buf["scales_zeros"]  # [G, Np, 2]: the kernel reads the bf16 scales in place
@@ -422,13 +463,14 @@ class Int4Linear(QuantLinear):
         Where oneDNN has no bf16 (AVX2), ``cpu_linear.mm_bf16`` runs it as float32 sgemm.
         """
         n, k = self.out_features, self.in_features
-        scales = self._canonical_scales()
+        offsets = self.offsets_gm is not None or self._buffers.get("k_sc") is not None
+        scales = None if offsets else self._canonical_scales()
         step = max(CPU_BLOCK_N, DEQUANT_CHUNK_BYTES // (2 * k) // CPU_BLOCK_N * CPU_BLOCK_N)
         xt = xb.t()
         ws = self.scratch
 
         def weight(r0: int, r1: int) -> torch.Tensor:  # rows r0..r1-1 dequantized, [r1 - r0, K] bf16
-            if self.offsets_gm is not None:  # the C dequantization reads integer zeros only
+            if offsets:  # the C dequantization reads integer zeros only
                 return self.rows(torch.arange(r0, r1), torch.bfloat16)
             out = None if ws is None else ws.take(r1 - r0, k)
             return dequant_cpu_int4(self.packed, scales, self.zeros_u8, k, self.group_size, (r0, r1), out=out)

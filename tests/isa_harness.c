@@ -43,6 +43,9 @@ int llmsys_qgemv_int8h_a8(const uint16_t *x, int64_t ldx, const int8_t *q, const
                           uint16_t *out, int64_t ldo, int64_t m_count, int64_t n, int64_t k, int threads);
 int llmsys_qgemv_int8o_a8(const uint16_t *x, int64_t ldx, const int8_t *q, const float *scales, const float *offsets,
                           uint16_t *out, int64_t ldo, int64_t m_count, int64_t n, int64_t k, int threads);
+int llmsys_qgemv_int4k_a8(const uint16_t *x, int64_t ldx, const uint8_t *packed, const uint8_t *ksc, const uint8_t *km,
+                          const uint16_t *kd, const uint16_t *kdm, int64_t k_n, uint16_t *out, int64_t ldo,
+                          int64_t m_count, int64_t n, int64_t kp, int64_t k, int threads);
 int llmsys_int4_cpu_dequant(const uint8_t *packed, const void *scales, int64_t s_n, int64_t s_g, int scale_f32,
                             const uint8_t *zeros, uint16_t *out, int64_t ldo, int64_t n_rows, int64_t kp, int64_t k,
                             int64_t gs, int nthreads);
@@ -164,6 +167,16 @@ int main(void) {
         snprintf(name, sizeof name, "int4o_a8_m%d", m);
         dump(name, llmsys_qgemv_int4o_a8(gx, K8, packed, f4, 1, N4, 1, zeros, 0, 0, o4f, 1, N4, o4, N4, m, N4, KP, K4,
                                          GS, 2), o4, 2 * m * N4);
+    }
+    uint8_t ksc[N4 * (KP / 32)], km[N4 * (KP / 32)]; /* Q4_K's stored scales: 6-bit, group-major */
+    uint16_t kd[N4 * (KP / 256)], kdm[N4 * (KP / 256)];
+    for (int i = 0; i < N4 * (KP / 32); i++) ksc[i] = (uint8_t)(next() % 64), km[i] = (uint8_t)(next() % 64);
+    for (int i = 0; i < N4 * (KP / 256); i++) kd[i] = (uint16_t)(0x1000u + next() % 0x400u), kdm[i] = (uint16_t)(0x1000u + next() % 0x400u);
+    for (int m = 1; m <= M; m += 4) {
+        char name[32];
+        snprintf(name, sizeof name, "int4k_a8_m%d", m);
+        dump(name, llmsys_qgemv_int4k_a8(gx, K8, packed, ksc, km, kd, kdm, N4, o4, N4, m, N4, KP, K4, 2), o4,
+             2 * m * N4);
     }
     dump("int4_dequant", llmsys_int4_cpu_dequant(packed, s4, G, 1, 0, zeros, dq, K4, N4, KP, K4, GS, 2), dq,
          sizeof dq);

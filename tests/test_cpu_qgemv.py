@@ -248,6 +248,34 @@ def test_int8_k_quant_layouts_bit_exact(n, k, threads):
         cpu_qgemv.int8g_gemv_a8(torch.randn(1, 48).bfloat16(), q5[:, :48].contiguous(), fs[:1], offsets=fo[:1])
 
 
+def _kscales(n: int, k: int, seed: int = 0):
+    """GGUF Q4_K's scales as stored: 6-bit sc, m per 32 columns, fp16 d, dmin per 256 (group-major)."""
+    from llmsys.kernels import KScales
+
+    gen = torch.Generator().manual_seed(seed)
+    g = k // 32
+    return KScales(torch.randint(0, 64, (g, n), generator=gen, dtype=torch.uint8),
+                   torch.randint(0, 64, (g, n), generator=gen, dtype=torch.uint8),
+                   (torch.rand(g // 8, n, generator=gen) * 1e-3).half(), (torch.rand(g // 8, n, generator=gen) * 1e-3).half())
+
+
+@needs_kernel
+@pytest.mark.parametrize("n,k", [(200, 512), (64, 256), (130, 1024), (70, 250)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_int4_q4k_stored_scales_bit_exact(n, k, threads):
+    """Q4_K's scales read as stored (d * sc, -(dmin * m) formed in the kernel) give the bits of the float
+    scales and offsets they multiply out to, batch-invariant; K within the last super-block (250 of 256)."""
+    kp = -(-k // 256) * 256
+    lin = _int4(n, kp, 32, seed=n)
+    ks = _kscales(n, kp, seed=k)
+    zeros = torch.zeros(1, dtype=torch.uint8).expand(n, kp // 32)
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(1)).bfloat16()
+    with _threads(threads):
+        for m in (1, 4, 9):
+            want = cpu_qgemv.int4_a8_def(x[:m], lin.packed, ks.scales(), zeros, 32, offsets=ks.offsets())
+            assert torch.equal(_bits(cpu_qgemv.int4k_gemv_a8(x[:m], lin.packed, ks, k)), _bits(want)), m
+
+
 def test_a8_quantization():
     """x's int8 blocks: codes within +-127 with one at +-127 per nonzero block, zero blocks give zero codes
     and scale, code sums are the sums, and the dequantized x is within half a step of x."""
@@ -345,6 +373,13 @@ def test_other_code_paths_bit_exact(level, tmp_path):
             assert torch.equal(
                 _bits(cpu_qgemv.int4_gemv_a8(x[:m, :k], lin.packed, scales, zeros, g, offsets=offsets, lib=lib)),
                 _bits(cpu_qgemv.int4_a8_def(x[:m, :k], lin.packed, scales, zeros, g, offsets=offsets))), (level, m)
+    for n in (130, 9):  # GGUF Q4_K's stored scales
+        lin, ks = _int4(n, 256, 32), _kscales(n, 256)
+        zeros = torch.zeros(1, dtype=torch.uint8).expand(n, 8)
+        for m in (1, 5):
+            assert torch.equal(_bits(cpu_qgemv.int4k_gemv_a8(x[:m, :250], lin.packed, ks, 250, lib=lib)),
+                               _bits(cpu_qgemv.int4_a8_def(x[:m, :250], lin.packed, ks.scales(), zeros, 32,
+                                                           offsets=ks.offsets()))), (level, n, m)
     for n, k in [(130, 300), (9, 37)]:
         q, s = _int8(n, k)
         for m in (1, 5):

@@ -215,16 +215,19 @@ def test_q4_k_and_q4_1_matrices_keep_codes_scales_and_minimums(kind, qtype, tmp_
                               ("blk.1.ffn_down.weight", layer.mlp.down_proj, None),
                               ("blk.1.ffn_up.weight", layer.mlp.up_proj, None)]:
         assert isinstance(mod, Int4Linear) and mod.group_size == 32 and mod.mode == "packed_cpu", gname
-        assert mod.offsets_gm is not None and mod.scales_orig.dtype == torch.float32
+        assert mod.kscales() is not None or (mod.offsets_gm is not None and mod.scales_orig.dtype == torch.float32)
         t = reader[gname]
         want = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type))
         w = mod.dequantize(torch.float32)
         if heads is not None and kind == "llama":
             w = hf_to_interleaved(w, heads)  # the file's row order
         assert torch.equal(w, want), gname
-        # codes 1/2, scales and offsets 4/32 each: 0.75 bytes a weight (bf16: 2), rows padded to 64
+        # codes 1/2 a weight, rows padded to 64; Q4_1: float32 scales and offsets per 32 (0.75 a weight in all,
+        # bf16: 2); Q4_K: its 6-bit scales and minimums per 32 and fp16 d, dmin per 256, as stored (0.58)
         bias = 0 if mod.bias is None else mod.bias.numel() * mod.bias.element_size()
-        assert mod.nbytes() == -(-mod.out_features // 64) * 64 * w.shape[1] // 2 + w.numel() // 4 + bias, gname
+        meta = w.numel() // 4 if qtype == "Q4_1" else w.numel() * 2 // 32 + w.numel() * 4 // 256
+        assert mod.nbytes() == -(-mod.out_features // 64) * 64 * w.shape[1] // 2 + meta + bias, gname
+        assert (mod.kscales() is not None) == (qtype == "Q4_K")
     ref = load_model(folder, dtype="float32", device="cpu")
     for name, mod in got.model.named_modules():
         if isinstance(mod, Int4Linear):
@@ -473,8 +476,9 @@ def test_fused_decode_layers_take_kept_gguf_layers_bit_for_bit(tmp_path, matrice
     folder = make_hf_model("qwen2", tmp_path / "m", hidden_size=d, intermediate_size=inter)  # biases too
     path = export_float(folder, tmp_path / "m.gguf", "f16", matrices)
     llm = LLM(str(path), dtype="bfloat16", progress=False, block_size=4, kv_cache_tokens=256)
-    if matrices == "Q4_K":
-        assert llm.loaded.model.model.layers[0].mlp.down_proj.offsets_gm is not None
+    if matrices == "Q4_K":  # its 6-bit scales and minimums kept as stored, also through the fused q|k|v
+        layer = llm.loaded.model.model.layers[0]
+        assert layer.mlp.down_proj.kscales() is not None and layer.self_attn.qkv_proj.kscales() is not None
     if kernels.cpu_fused_available():
         h = torch.zeros(3, d, dtype=torch.bfloat16)
         with torch.inference_mode():

@@ -28,8 +28,9 @@ safetensors; the ``gguf`` package supplies the type tables and the K-quant decod
   (``w = d * q + m`` per 32) and **Q4_K** (super-blocks of 256: sub-block j of 32
   has ``w = (d * sc_j) * q - dmin * m_j`` with 6-bit sc_j, m_j) are int4 with
   group 32 whose minimum is a float, not a multiple of the scale: they become
-  ``Int4Linear`` with float32 scales and offsets (``w = q * scale + offset``, the
-  products llama.cpp's own dequantization computes). Every
+  ``Int4Linear`` with ``w = q * scale + offset`` (the float32 products llama.cpp's own
+  dequantization computes; Q4_K's 6-bit scales and minimums and fp16 ``d``, ``dmin``
+  kept as stored and multiplied in the kernel, Q4_1's as float32). Every
   other type (F32/F16/BF16 and the other block formats gguf can decode:
   Q5_1, Q2_K, Q3_K, the IQ types, ...) is dequantized at load to the engine dtype, or
   re-quantized to the ``--quant`` format when one is given; :func:`conversions`
@@ -102,8 +103,9 @@ DEQUANT_ROWS = 8192
 # (Int4Linear), Q8_0 int8 with an fp16 scale per 32 (Int8BlockLinear). Run-time bytes per weight: int4 codes 1/2,
 # scales 2/32, zeros as uint8 twice (row- and group-major) 2/32 (llama.cpp's Q4_0: 18/32); int8 1 + 2/32 (= Q8_0).
 # Q5_0 (5-bit codes q, w = (q - 16) * d per 32) fits int8 exactly too: its codes minus 16 are the int8 codes.
-# Q4_1 and Q4_K are int4 with group 32, float32 scales and float32 offsets (w = q * scale + offset): 1/2 + 4/32
-# + 4/32 bytes per weight (llama.cpp's Q4_K: 144/256, Q4_1: 20/32); their codes are no int8 codes of a scale.
+# Q4_1 and Q4_K are int4 with group 32 and a float minimum (w = q * scale + offset): Q4_1 with float32 scales and
+# offsets (1/2 + 8/32 bytes per weight; the file's 20/32), Q4_K with its 6-bit scales and minimums and fp16 d, dmin
+# per 256 as stored (kernels.KScales: 1/2 + 2/32 + 4/256; the file's 144/256). Neither is an int8 code of a scale.
 # Q6_K (6-bit codes, an int8 scale per 16 times an fp16 d per 256) is int8 with a float32 scale per 16 columns
 # ("int8:g16", Int8BlockLinear): 1 + 4/16 bytes per weight (the file's 210/256).
 # Q5_K (5-bit codes with a scale and a float minimum per 32, like Q4_K) is int8 with float32 scales and offsets
@@ -111,8 +113,9 @@ DEQUANT_ROWS = 8192
 KEPT = {"Q4_0": "int4:g32", "Q8_0": "int8:g32", "Q5_0": "int8:g32", "Q4_1": "int4:g32", "Q4_K": "int4:g32",
         "Q6_K": "int8:g16", "Q5_K": "int8:g32"}
 KEPT_BYTES = {"Q4_0": 0.5 + 2 / 32 + 2 / 32, "Q8_0": 1 + 2 / 32, "Q5_0": 1 + 2 / 32,
-              "Q4_1": 0.5 + 8 / 32, "Q4_K": 0.5 + 8 / 32, "Q6_K": 1 + 4 / 16, "Q5_K": 1 + 8 / 32}
+              "Q4_1": 0.5 + 8 / 32, "Q4_K": 0.5 + 2 / 32 + 4 / 256, "Q6_K": 1 + 4 / 16, "Q5_K": 1 + 8 / 32}
 OFFSET_KINDS = ("Q4_1", "Q4_K")  # kept as int4 with float offsets
+KSCALE_KEYS = ("k_sc", "k_m", "k_d", "k_dmin")  # Q4_K's stored scales, as Int4Linear.from_quantized takes them
 Q4K_BLOCK = 144  # bytes of one Q4_K super-block of 256 weights: d, dmin (fp16), 12 bytes of 6-bit sc/m, 128 of codes
 Q6K_BLOCK = 210  # Q6_K: 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 scales, d (fp16)
 Q5K_BLOCK = 176  # Q5_K: d, dmin (fp16), 12 bytes of 6-bit sc/m (as Q4_K), 32 bytes of 5th bits, 128 of low nibbles
@@ -365,10 +368,17 @@ class GGUFIndex:
         qweight = torch.empty(n, k // 2, dtype=torch.uint8)
         scales = torch.empty(n, k // 32, dtype=torch.float32 if floats else torch.float16)
         offsets = torch.empty(n, k // 32) if floats else None
+        stored = None  # Q4_K: sc, m [N, G] uint8 and d, dmin [N, G / 8] fp16, as the file holds them
+        if kind == "Q4_K":
+            stored = [torch.empty(n, k // 32, dtype=torch.uint8) for _ in range(2)]
+            stored += [torch.empty(n, k // 256, dtype=torch.float16) for _ in range(2)]
         for r0, r1, raw in self._row_pieces(t, n):  # a piece at a time: a whole embedding's temporaries are GBs
             rows = r1 - r0
             if kind == "Q4_K":
-                codes, scales[r0:r1], offsets[r0:r1] = _q4k_parts(raw.view(rows, k // 256, Q4K_BLOCK))
+                codes, *parts = _q4k_parts(raw.view(rows, k // 256, Q4K_BLOCK))
+                for dst, src in zip(stored, parts):
+                    dst[r0:r1] = src
+                scales[r0:r1], offsets[r0:r1] = _k_floats(*parts)
             else:
                 width = 20 if kind == "Q4_1" else 18
                 blocks = raw.view(rows, k // 32, width)  # [rows, G, bytes]: d (fp16)[, m (fp16)], 16 bytes of codes
@@ -383,7 +393,12 @@ class GGUFIndex:
             out["zeros"] = torch.full_like(scales, 8.0)
         else:
             out.update(zeros=torch.zeros_like(scales), offsets=offsets)
-        return {key: self._rows_in_hf_order(name, v) for key, v in out.items()}
+        if stored is not None:  # Int4Linear keeps these instead of the floats (kernels.KScales)
+            out.update(zip(KSCALE_KEYS, stored))
+        out = {key: self._rows_in_hf_order(name, v) for key, v in out.items()}
+        for key in KSCALE_KEYS if stored is not None else ():
+            out[key] = out[key].t().contiguous()  # group-major, as the kernels read them
+        return out
 
     def _row_pieces(self, t: TensorEntry, n: int):
         """``(r0, r1, uint8 [r1 - r0, row bytes])`` over the rows of a block-quantized matrix, read
@@ -467,34 +482,40 @@ class GGUFIndex:
         return out
 
 
-def _q4k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q4_K super-blocks ``uint8 [N, S, 144]`` -> codes ``uint8 [N, S * 256]`` in k order, and per 32 columns
-    float32 scales ``d * sc`` and offsets ``-(dmin * m)``, ``[N, S * 8]``.
+def _q4k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Q4_K super-blocks ``uint8 [N, S, 144]`` -> codes ``uint8 [N, S * 256]`` in k order, and the scales as
+    stored (:func:`_k_scales`): ``sc``, ``m`` per 32 columns, ``d``, ``dmin`` per 256.
 
     A super-block: ``d``, ``dmin`` (fp16), 12 bytes holding eight 6-bit ``sc`` and eight 6-bit ``m``
     (sub-blocks 0-3 in the low 6 bits of bytes 0-3 / 4-7; 4-7 in the nibbles of bytes 8-11 with their top
     2 bits in the high bits of bytes 0-3 / 4-7: llama.cpp's ``get_scale_min_k4``), then 128 bytes of
     codes: 32 bytes per 64 columns, low nibbles the first 32 columns, high nibbles the next 32."""
     n, sb, _ = blocks.shape
-    scales, offsets = _k_scales(blocks)
     qs = blocks[..., 16:].reshape(n, sb, 4, 32)  # [N, S, 4 pairs of sub-blocks, 32]
     codes = torch.stack([qs & 15, qs >> 4], dim=3).reshape(n, sb * 256)  # [N, S, 4, 2, 32] -> k order
-    return codes, scales, offsets
+    return codes, *_k_scales(blocks)
 
 
-def _k_scales(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _k_scales(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Q4_K / Q5_K super-blocks ``uint8 [N, S, bytes]`` (``d``, ``dmin``, 12 bytes of 6-bit ``sc`` / ``m`` first)
-    -> float32 ``d * sc`` and ``-(dmin * m)`` per 32 columns, ``[N, S * 8]`` (``get_scale_min_k4``)."""
+    -> ``sc``, ``m`` uint8 ``[N, S * 8]`` (one per 32 columns, ``get_scale_min_k4``) and ``d``, ``dmin`` fp16
+    ``[N, S]``."""
     n, sb, _ = blocks.shape
-    d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # [N, S, 1]
-    dmin = blocks[..., 2:4].contiguous().view(torch.float16).float()
-    sm = blocks[..., 4:16].to(torch.int32)  # [N, S, 12]
+    d = blocks[..., 0:2].contiguous().view(torch.float16).view(n, sb)
+    dmin = blocks[..., 2:4].contiguous().view(torch.float16).view(n, sb)
+    sm = blocks[..., 4:16]  # [N, S, 12]
     lo_sc, lo_m = sm[..., 0:4] & 63, sm[..., 4:8] & 63  # sub-blocks 0-3
     hi_sc = (sm[..., 8:12] & 15) | ((sm[..., 0:4] >> 6) << 4)  # sub-blocks 4-7
     hi_m = (sm[..., 8:12] >> 4) | ((sm[..., 4:8] >> 6) << 4)
-    sc = torch.cat([lo_sc, hi_sc], dim=-1).float()  # [N, S, 8]
-    m = torch.cat([lo_m, hi_m], dim=-1).float()
-    return (d * sc).reshape(n, sb * 8), (-(dmin * m)).reshape(n, sb * 8)
+    sc = torch.cat([lo_sc, hi_sc], dim=-1).reshape(n, sb * 8)
+    m = torch.cat([lo_m, hi_m], dim=-1).reshape(n, sb * 8)
+    return sc, m, d, dmin
+
+
+def _k_floats(sc: torch.Tensor, m: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 ``d * sc`` and ``-(dmin * m)`` per 32 columns ``[N, G]`` (the products llama.cpp's dequantization
+    rounds; the same as ``kernels.KScales``)."""
+    return d.float().repeat_interleave(8, 1) * sc.float(), -(dmin.float().repeat_interleave(8, 1) * m.float())
 
 
 def _q5k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -503,7 +524,7 @@ def _q5k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     codes, low nibbles the first 32 columns, high nibbles the next 32; the 5th bit of column 64j + l is bit 2j
     of byte l of the 32 high-bit bytes, of column 64j + 32 + l bit 2j + 1)."""
     n, sb, _ = blocks.shape
-    scales, offsets = _k_scales(blocks)
+    scales, offsets = _k_floats(*_k_scales(blocks))
     qh = blocks[..., 16:48].to(torch.int16)  # [N, S, 32]
     qs = blocks[..., 48:].reshape(n, sb, 4, 32).to(torch.int16)  # [N, S, 4, 32]
     bits = torch.arange(8, dtype=torch.int16).view(4, 2, 1)  # [pair j, half h, 1]: bit 2j + h
