@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import mmap
 import math
 
@@ -42,12 +43,20 @@ def release_free_heap() -> bool:
     come from the heap and stay resident after ``free``: a Llama-3.2-1B-shaped Q4_K_M GGUF left 2.1 GiB
     of RSS for 1.05 GiB of weights until trimmed (1.4 GiB after; Zen 3). Called once a model is built.
     """
+    trim = _malloc_trim()
+    return trim is not None and bool(trim(0))
+
+
+@functools.cache
+def _malloc_trim():
+    """libc's ``malloc_trim``, looked up once per process (each ``ctypes.CDLL`` makes a class of its own: a
+    handle dropped per call would leave reference cycles for the collector), or None (not glibc)."""
     name = ctypes.util.find_library("c")
     if name is None:
-        return False
+        return None
     try:
         trim = ctypes.CDLL(name).malloc_trim
-    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to call
-        return False
+    except (OSError, AttributeError):  # musl, macOS: nothing to call
+        return None
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return bool(trim(0))
+    return trim
