@@ -1296,59 +1296,16 @@ int llmsys_qgemv_int8g_a8(const uint16_t *x, int64_t ldx, const int8_t *q, const
     return int8_a8_run(x, ldx, q, NULL, block_scales, out, ldo, m_count, n, k, threads);
 }
 
-/* int8 codes with a float32 scale per 16 columns (GGUF Q6_K kept as stored: codes q - 32, scales d * sc):
-   hs float32 [K / 16, >= N] group-major (row stride hs_ld), K a multiple of 32. Per 32-column block b of x:
-   S_lo, S_hi = the exact integer dots of its columns 0-15 and 16-31,
-   f = f + (float(S_lo) * (hs[2b, n] * dx[b]) + float(S_hi) * (hs[2b + 1, n] * dx[b])), out = bf16(f).
-   AVX2: the 8 int32 lanes vpmaddwd leaves per row hold 4 columns each, lanes 0-3 the block's first 16
-   columns (the low 128 bits), 4-7 the next 16: two rounds of vphaddd keep the halves apart. */
-static void int8h_a8_rows(const a8_x *a, int64_t m, const int8_t *q, int64_t k, const float *hs, int64_t hs_ld,
-                          uint16_t *out, int64_t ldo, int64_t n0, int64_t n1) {
-    const int64_t nb = k / A8;
-    const int8_t *qx = a->q + m * a->nb * A8;
-    const float *dx = a->d + m * a->nb;
-    int64_t n = n0;
-#ifdef QA8_AVX2
-    for (; n + 8 <= n1; n += 8) {
-        __m256 f = _mm256_setzero_ps();
-        for (int64_t b = 0; b < nb; b++) {
-            const __m256i xv = _mm256_load_si256((const __m256i *)(qx + b * A8));
-            const __m256i ax = _mm256_sign_epi8(xv, xv);
-            __m256i p[8];
-            if (!(b & 1))
-                for (int r = 0; r < 8; r++) __builtin_prefetch(q + (n + I8_AHEAD + r) * k + b * A8, 0, 2);
-            for (int r = 0; r < 8; r++) p[r] = dot32_i8(ax, xv, q + (n + r) * k + b * A8);
-            const __m256i h01 = _mm256_hadd_epi32(p[0], p[1]), h23 = _mm256_hadd_epi32(p[2], p[3]);
-            const __m256i h45 = _mm256_hadd_epi32(p[4], p[5]), h67 = _mm256_hadd_epi32(p[6], p[7]);
-            const __m256i u = _mm256_hadd_epi32(h01, h23), v = _mm256_hadd_epi32(h45, h67);
-            /* u: rows 0-3's first halves | their second halves; v: the same for rows 4-7 */
-            const __m256 lo = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(u, v, 0x20));
-            const __m256 hi = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(u, v, 0x31));
-            const __m256 dv = _mm256_set1_ps(dx[b]);
-            const __m256 slo = _mm256_mul_ps(_mm256_loadu_ps(hs + 2 * b * hs_ld + n), dv);
-            const __m256 shi = _mm256_mul_ps(_mm256_loadu_ps(hs + (2 * b + 1) * hs_ld + n), dv);
-            f = _mm256_add_ps(f, _mm256_add_ps(_mm256_mul_ps(lo, slo), _mm256_mul_ps(hi, shi)));
-        }
-        float fr[8];
-        _mm256_storeu_ps(fr, f);
-        for (int r = 0; r < 8; r++) out[m * ldo + n + r] = rne(fr[r]);
-    }
-#endif
-    for (; n < n1; n++) {
-        float f = 0.0f;
-        for (int64_t b = 0; b < nb; b++) {
-            const int32_t slo = dot_block_i8(qx + b * A8, q + n * k + b * A8, 16);
-            const int32_t shi = dot_block_i8(qx + b * A8 + 16, q + n * k + b * A8 + 16, 16);
-            f = f + ((float)slo * (hs[2 * b * hs_ld + n] * dx[b]) + (float)shi * (hs[(2 * b + 1) * hs_ld + n] * dx[b]));
-        }
-        out[m * ldo + n] = rne(f);
-    }
-}
-
-/* int8 codes with a float32 scale and offset per 32 columns (GGUF Q5_K kept as stored: 5-bit codes,
-   scales d * sc, offsets -(dmin * m); w = q * scale + offset): fs, fo float32 [K / 32, >= N] group-major
-   (row stride f_ld), K a multiple of 32. f = f + (float(S_b) * (fs[b, n] * dx[b]) + float(sx[b]) * (fo[b, n] * dx[b])). */
-static void int8o_a8_rows(const a8_x *a, int64_t m, const int8_t *q, int64_t k, const float *fs, const float *fo,
+/* int8 codes with float32 scales from GGUF K-quants kept as stored, fs / fo [.., >= N] group-major (row stride
+   f_ld), K a multiple of 32, per 32-column block b of x:
+   - fo NULL (Q6_K: codes q - 32, scales d * sc per 16 columns, fs [K / 16, N]): S_lo, S_hi = the exact integer
+     dots of the block's columns 0-15 and 16-31, f = f + (float(S_lo) * (fs[2b, n] * dx[b]) + float(S_hi) *
+     (fs[2b + 1, n] * dx[b]));
+   - fo set (Q5_K: 5-bit codes, scales d * sc and offsets -(dmin * m) per 32 columns, fs / fo [K / 32, N]):
+     f = f + (float(S_b) * (fs[b, n] * dx[b]) + float(sx[b]) * (fo[b, n] * dx[b]));
+   out = bf16(f). AVX2: the 8 int32 lanes vpmaddwd leaves per row hold 4 columns each, lanes 0-3 the block's
+   first 16 columns (the low 128 bits), 4-7 the next 16: two rounds of vphaddd keep the halves apart. */
+static void int8k_a8_rows(const a8_x *a, int64_t m, const int8_t *q, int64_t k, const float *fs, const float *fo,
                           int64_t f_ld, uint16_t *out, int64_t ldo, int64_t n0, int64_t n1) {
     const int64_t nb = k / A8;
     const int8_t *qx = a->q + m * a->nb * A8;
@@ -1365,11 +1322,23 @@ static void int8o_a8_rows(const a8_x *a, int64_t m, const int8_t *q, int64_t k, 
             if (!(b & 1))
                 for (int r = 0; r < 8; r++) __builtin_prefetch(q + (n + I8_AHEAD + r) * k + b * A8, 0, 2);
             for (int r = 0; r < 8; r++) p[r] = dot32_i8(ax, xv, q + (n + r) * k + b * A8);
-            const __m256 sb = _mm256_cvtepi32_ps(hsum8_epi32(p));
             const __m256 dv = _mm256_set1_ps(dx[b]);
-            const __m256 sd = _mm256_mul_ps(_mm256_loadu_ps(fs + b * f_ld + n), dv);
-            const __m256 od = _mm256_mul_ps(_mm256_loadu_ps(fo + b * f_ld + n), dv);
-            f = _mm256_add_ps(f, _mm256_add_ps(_mm256_mul_ps(sb, sd), _mm256_mul_ps(_mm256_set1_ps((float)sx[b]), od)));
+            if (fo) {
+                const __m256 sb = _mm256_cvtepi32_ps(hsum8_epi32(p));
+                const __m256 sd = _mm256_mul_ps(_mm256_loadu_ps(fs + b * f_ld + n), dv);
+                const __m256 od = _mm256_mul_ps(_mm256_loadu_ps(fo + b * f_ld + n), dv);
+                f = _mm256_add_ps(f, _mm256_add_ps(_mm256_mul_ps(sb, sd), _mm256_mul_ps(_mm256_set1_ps((float)sx[b]), od)));
+                continue;
+            }
+            const __m256i h01 = _mm256_hadd_epi32(p[0], p[1]), h23 = _mm256_hadd_epi32(p[2], p[3]);
+            const __m256i h45 = _mm256_hadd_epi32(p[4], p[5]), h67 = _mm256_hadd_epi32(p[6], p[7]);
+            const __m256i u = _mm256_hadd_epi32(h01, h23), v = _mm256_hadd_epi32(h45, h67);
+            /* u: rows 0-3's first halves | their second halves; v: the same for rows 4-7 */
+            const __m256 lo = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(u, v, 0x20));
+            const __m256 hi = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(u, v, 0x31));
+            const __m256 slo = _mm256_mul_ps(_mm256_loadu_ps(fs + 2 * b * f_ld + n), dv);
+            const __m256 shi = _mm256_mul_ps(_mm256_loadu_ps(fs + (2 * b + 1) * f_ld + n), dv);
+            f = _mm256_add_ps(f, _mm256_add_ps(_mm256_mul_ps(lo, slo), _mm256_mul_ps(hi, shi)));
         }
         float fr[8];
         _mm256_storeu_ps(fr, f);
@@ -1379,17 +1348,21 @@ static void int8o_a8_rows(const a8_x *a, int64_t m, const int8_t *q, int64_t k, 
     for (; n < n1; n++) {
         float f = 0.0f;
         for (int64_t b = 0; b < nb; b++) {
-            const int32_t sb = dot_block_i8(qx + b * A8, q + n * k + b * A8, A8);
-            f = f + ((float)sb * (fs[b * f_ld + n] * dx[b]) + (float)sx[b] * (fo[b * f_ld + n] * dx[b]));
+            const int8_t *w = q + n * k + b * A8, *xb = qx + b * A8;
+            if (fo) {
+                f = f + ((float)dot_block_i8(xb, w, A8) * (fs[b * f_ld + n] * dx[b])
+                         + (float)sx[b] * (fo[b * f_ld + n] * dx[b]));
+                continue;
+            }
+            f = f + ((float)dot_block_i8(xb, w, 16) * (fs[2 * b * f_ld + n] * dx[b])
+                     + (float)dot_block_i8(xb + 16, w + 16, 16) * (fs[(2 * b + 1) * f_ld + n] * dx[b]));
         }
         out[m * ldo + n] = rne(f);
     }
 }
 
-/* x [M, K] bf16 (row stride ldx), q int8 [N, K] contiguous, float32 scales and offsets [K / 32, N] -> out [M, N]
-   bf16 (row stride ldo); K a multiple of 32 (else 1). */
-int llmsys_qgemv_int8o_a8(const uint16_t *x, int64_t ldx, const int8_t *q, const float *scales, const float *offsets,
-                          uint16_t *out, int64_t ldo, int64_t m_count, int64_t n, int64_t k, int threads) {
+static int int8k_a8_run(const uint16_t *x, int64_t ldx, const int8_t *q, const float *fs, const float *fo,
+                        uint16_t *out, int64_t ldo, int64_t m_count, int64_t n, int64_t k, int threads) {
     if (m_count <= 0 || n <= 0 || k <= 0 || k % A8 || ldx < k || ldo < n) return 1;
     a8_x a;
     if (a8_quantize(x, ldx, m_count, k, k / A8, &a)) return 2;
@@ -1398,28 +1371,24 @@ int llmsys_qgemv_int8o_a8(const uint16_t *x, int64_t ldx, const int8_t *q, const
 #pragma omp parallel for num_threads(threads) schedule(static) if (par)
     for (int64_t it = 0; it < items; it++) {
         const int64_t n0 = it * step, n1 = n0 + step < n ? n0 + step : n;
-        for (int64_t m = 0; m < m_count; m++) int8o_a8_rows(&a, m, q, k, scales, offsets, n, out, ldo, n0, n1);
+        for (int64_t m = 0; m < m_count; m++) int8k_a8_rows(&a, m, q, k, fs, fo, n, out, ldo, n0, n1);
     }
     a8_free(&a);
     return 0;
 }
 
-/* x [M, K] bf16 (row stride ldx), q int8 [N, K] contiguous, half_scales float32 [K / 16, N] -> out [M, N]
+/* x [M, K] bf16 (row stride ldx), q int8 [N, K] contiguous, float32 scales and offsets [K / 32, N] (Q5_K) -> out
+   [M, N] bf16 (row stride ldo); K a multiple of 32 (else 1). */
+int llmsys_qgemv_int8o_a8(const uint16_t *x, int64_t ldx, const int8_t *q, const float *scales, const float *offsets,
+                          uint16_t *out, int64_t ldo, int64_t m_count, int64_t n, int64_t k, int threads) {
+    return offsets ? int8k_a8_run(x, ldx, q, scales, offsets, out, ldo, m_count, n, k, threads) : 1;
+}
+
+/* x [M, K] bf16 (row stride ldx), q int8 [N, K] contiguous, half_scales float32 [K / 16, N] (Q6_K) -> out [M, N]
    bf16 (row stride ldo); K a multiple of 32 (else 1). */
 int llmsys_qgemv_int8h_a8(const uint16_t *x, int64_t ldx, const int8_t *q, const float *half_scales,
                           uint16_t *out, int64_t ldo, int64_t m_count, int64_t n, int64_t k, int threads) {
-    if (m_count <= 0 || n <= 0 || k <= 0 || k % A8 || ldx < k || ldo < n) return 1;
-    a8_x a;
-    if (a8_quantize(x, ldx, m_count, k, k / A8, &a)) return 2;
-    const int64_t step = 64, items = (n + step - 1) / step;
-    const int par = threads > 1 && m_count * n * k >= PAR_MIN && items > 1;
-#pragma omp parallel for num_threads(threads) schedule(static) if (par)
-    for (int64_t it = 0; it < items; it++) {
-        const int64_t n0 = it * step, n1 = n0 + step < n ? n0 + step : n;
-        for (int64_t m = 0; m < m_count; m++) int8h_a8_rows(&a, m, q, k, half_scales, n, out, ldo, n0, n1);
-    }
-    a8_free(&a);
-    return 0;
+    return int8k_a8_run(x, ldx, q, half_scales, NULL, out, ldo, m_count, n, k, threads);
 }
 
 /* Slot s of an int4 a8 block's accumulators holds row a8_row(s): the AVX2 unpacks interleave
@@ -1729,6 +1698,20 @@ static void int4_a8_rows(const a8_x *a, int64_t m0, int64_t m1, const uint8_t *b
     int4_a8_block(a, m0, m1, blk, md, n_groups, gs, row0, n_rows, out, ldo);
 }
 
+/* The int4 a8 GEMV over every 64-row block (threads split the blocks), arguments checked by the caller. */
+static int int4_a8_run(const uint16_t *x, int64_t ldx, const uint8_t *packed, const int4_meta *md, uint16_t *out,
+                       int64_t ldo, int64_t m_count, int64_t n, int64_t kp, int64_t k, int64_t gs, int threads) {
+    a8_x a;
+    if (a8_quantize(x, ldx, m_count, k, kp / A8, &a)) return 2;
+    const int64_t blocks = (n + 63) / 64, n_groups = kp / gs;
+    const int par = threads > 1 && m_count * n * kp >= PAR_MIN && blocks > 1;
+#pragma omp parallel for num_threads(threads) schedule(static) if (par)
+    for (int64_t b = 0; b < blocks; b++)
+        int4_a8_rows(&a, 0, m_count, packed + b * kp * 32, md, n_groups, gs, b * 64, n, out, ldo);
+    a8_free(&a);
+    return 0;
+}
+
 /* llmsys_qgemv_int4's arguments and layout, x quantized per 32 columns (the a8 arithmetic above); offs:
    float32 offsets [n * o_n + g * o_g] (w = scale * q + offset, zeros not read), or NULL. */
 int llmsys_qgemv_int4o_a8(const uint16_t *x, int64_t ldx, const uint8_t *packed, const void *scales, int64_t s_n,
@@ -1738,15 +1721,7 @@ int llmsys_qgemv_int4o_a8(const uint16_t *x, int64_t ldx, const uint8_t *packed,
     if (m_count <= 0 || n <= 0 || gs % A8 || gs > 256 || kp % gs || k <= kp - gs || k > kp || ldx < k || ldo < n)
         return 1;
     const int4_meta md = {zeros, z_n, z_g, scales, s_n, s_g, scale_kind, offs, o_n, o_g, NULL, NULL, NULL, NULL, 0};
-    a8_x a;
-    if (a8_quantize(x, ldx, m_count, k, kp / A8, &a)) return 2;
-    const int64_t blocks = (n + 63) / 64, n_groups = kp / gs;
-    const int par = threads > 1 && m_count * n * kp >= PAR_MIN && blocks > 1;
-#pragma omp parallel for num_threads(threads) schedule(static) if (par)
-    for (int64_t b = 0; b < blocks; b++)
-        int4_a8_rows(&a, 0, m_count, packed + b * kp * 32, &md, n_groups, gs, b * 64, n, out, ldo);
-    a8_free(&a);
-    return 0;
+    return int4_a8_run(x, ldx, packed, &md, out, ldo, m_count, n, kp, k, gs, threads);
 }
 
 /* llmsys_qgemv_int4o_a8 with GGUF Q4_K's scales as stored (int4_meta.ksc ..; group size 32): sc, m uint8
@@ -1757,15 +1732,7 @@ int llmsys_qgemv_int4k_a8(const uint16_t *x, int64_t ldx, const uint8_t *packed,
     const int64_t gs = A8;
     if (m_count <= 0 || n <= 0 || kp % 256 || k <= kp - gs || k > kp || ldx < k || ldo < n || k_n < n) return 1;
     const int4_meta md = {NULL, 0, 0, NULL, 0, 0, 1, NULL, 0, 0, ksc, km, kd, kdm, k_n};
-    a8_x a;
-    if (a8_quantize(x, ldx, m_count, k, kp / A8, &a)) return 2;
-    const int64_t blocks = (n + 63) / 64, n_groups = kp / gs;
-    const int par = threads > 1 && m_count * n * kp >= PAR_MIN && blocks > 1;
-#pragma omp parallel for num_threads(threads) schedule(static) if (par)
-    for (int64_t b = 0; b < blocks; b++)
-        int4_a8_rows(&a, 0, m_count, packed + b * kp * 32, &md, n_groups, gs, b * 64, n, out, ldo);
-    a8_free(&a);
-    return 0;
+    return int4_a8_run(x, ldx, packed, &md, out, ldo, m_count, n, kp, k, gs, threads);
 }
 
 /* llmsys_qgemv_int4o_a8 with integer zero points (no offsets). */
@@ -1917,12 +1884,10 @@ static void qw_item(const llmsys_qw *w, const a8_x *a, const uint16_t *x, int64_
         int8_a8_many(a, m_count, (const int8_t *)w->q, w->k, (const uint16_t *)w->scales, NULL, 0, out, ldo, n0, n1);
     } else if (w->kind == 3) {
         int8_a8_many(a, m_count, (const int8_t *)w->q, w->k, NULL, (const uint16_t *)w->scales, w->s_g, out, ldo, n0, n1);
-    } else if (w->kind == 4) {
+    } else if (w->kind == 4 || w->kind == 5) { /* Q6_K: no offsets; Q5_K: offsets */
         for (int64_t m = 0; m < m_count; m++)
-            int8h_a8_rows(a, m, (const int8_t *)w->q, w->k, (const float *)w->scales, w->s_g, out, ldo, n0, n1);
-    } else if (w->kind == 5) {
-        for (int64_t m = 0; m < m_count; m++)
-            int8o_a8_rows(a, m, (const int8_t *)w->q, w->k, (const float *)w->scales, w->offs, w->s_g, out, ldo, n0, n1);
+            int8k_a8_rows(a, m, (const int8_t *)w->q, w->k, (const float *)w->scales, w->kind == 5 ? w->offs : NULL,
+                          w->s_g, out, ldo, n0, n1);
     } else {
         const int4_meta md = {w->zeros, w->z_n, w->z_g, w->scales, w->s_n, w->s_g, (int)w->scale_kind, w->offs,
                               w->o_n, w->o_g, w->ksc, w->km, w->kd, w->kdm, w->k_n};

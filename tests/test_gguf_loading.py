@@ -159,6 +159,15 @@ def _from_interleaved(w: torch.Tensor, heads: int) -> torch.Tensor:
     return interleaved_to_hf(w, heads)
 
 
+def _holds_the_files_weights(mod, t, heads: int | None) -> torch.Tensor:
+    """``mod``'s weight ``[N, K]`` float32 equals gguf's own dequantization of the file's tensor ``t`` bit for bit
+    (``heads``: q/k rows of the llama layout, compared in the file's interleaved order); returns it."""
+    want = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type))
+    w = mod.dequantize(torch.float32)
+    assert torch.equal(w if heads is None else hf_to_interleaved(w, heads), want), t.name
+    return w
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_q4_0_matrices_keep_their_codes_as_int4_g32(families, kind, tmp_path):
     """Q4_0 is int4 with group 32, zero 8 and fp16 scales: the layers are Int4Linear whose weights are
@@ -174,12 +183,7 @@ def test_q4_0_matrices_keep_their_codes_as_int4_g32(families, kind, tmp_path):
                               ("blk.1.attn_k.weight", layer.self_attn.k_proj, a.num_key_value_heads),
                               ("blk.1.ffn_down.weight", layer.mlp.down_proj, None)]:
         assert isinstance(mod, Int4Linear) and mod.group_size == 32 and mod.mode == "packed_cpu"
-        t = reader[gname]
-        want = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type))
-        w = mod.dequantize(torch.float32)
-        if heads is not None and kind == "llama":
-            w = hf_to_interleaved(w, heads)  # the file's row order
-        assert torch.equal(w, want), gname
+        _holds_the_files_weights(mod, reader[gname], heads if kind == "llama" else None)
     # The float model of the same weights: every Int4Linear replaced by its dequantized matrix.
     ref = load_model(folder, dtype="float32", device="cpu")
     for name, mod in got.model.named_modules():
@@ -216,12 +220,7 @@ def test_q4_k_and_q4_1_matrices_keep_codes_scales_and_minimums(kind, qtype, tmp_
                               ("blk.1.ffn_up.weight", layer.mlp.up_proj, None)]:
         assert isinstance(mod, Int4Linear) and mod.group_size == 32 and mod.mode == "packed_cpu", gname
         assert mod.kscales() is not None or (mod.offsets_gm is not None and mod.scales_orig.dtype == torch.float32)
-        t = reader[gname]
-        want = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type))
-        w = mod.dequantize(torch.float32)
-        if heads is not None and kind == "llama":
-            w = hf_to_interleaved(w, heads)  # the file's row order
-        assert torch.equal(w, want), gname
+        w = _holds_the_files_weights(mod, reader[gname], heads if kind == "llama" else None)
         # codes 1/2 a weight, rows padded to 64; Q4_1: float32 scales and offsets per 32 (0.75 a weight in all,
         # bf16: 2); Q4_K: its 6-bit scales and minimums per 32 and fp16 d, dmin per 256, as stored (0.58)
         bias = 0 if mod.bias is None else mod.bias.numel() * mod.bias.element_size()
