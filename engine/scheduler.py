@@ -25,6 +25,11 @@ stopped taking demotions the scheduler preempts instead. A request that can
 then never be admitted (nothing runs and its KV still does not fit the hot
 pool) is finished with reason ``"error"`` and listed in
 ``SchedulerOutput.failed`` with a one-line message, instead of waiting forever.
+Blocks that cannot be read back (``KVReadError``, raised from the step) cost
+only their holders: :meth:`Scheduler.drop_unreadable` re-queues them for
+re-prefill. A step that raises for another reason puts its sequences in
+isolation (:meth:`Scheduler.isolate`: one per step until each ran alone), so
+the engine core can end only the request whose step fails alone.
 """
 
 from __future__ import annotations
