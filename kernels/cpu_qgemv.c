@@ -1296,17 +1296,18 @@ int llmsys_qgemv_int8g_a8(const uint16_t *x, int64_t ldx, const int8_t *q, const
     return int8_a8_run(x, ldx, q, NULL, block_scales, out, ldo, m_count, n, k, threads);
 }
 
-/* int8 codes with float32 scales from GGUF K-quants kept as stored, fs / fo [.., >= N] group-major (row stride
-   f_ld), K a multiple of 32, per 32-column block b of x:
-   - fo NULL (Q6_K: codes q - 32, scales d * sc per 16 columns, fs [K / 16, N]): S_lo, S_hi = the exact integer
-     dots of the block's columns 0-15 and 16-31, f = f + (float(S_lo) * (fs[2b, n] * dx[b]) + float(S_hi) *
-     (fs[2b + 1, n] * dx[b]));
-   - fo set (Q5_K: 5-bit codes, scales d * sc and offsets -(dmin * m) per 32 columns, fs / fo [K / 32, N]):
+/* int8 codes with the scales of GGUF K-quants kept as stored, group-major arrays [.., >= N] (row stride f_ld),
+   K a multiple of 32, per 32-column block b of x:
+   - ksc set (Q6_K: codes q - 32, int8 scales sc per 16 columns ksc [K / 16, N], fp16 d per 256 kd [K / 256, N];
+     h(j) = d * sc(j), the float32 product llama.cpp's dequantization rounds): S_lo, S_hi = the exact integer dots
+     of the block's columns 0-15 and 16-31, f = f + (float(S_lo) * (h(2b) * dx[b]) + float(S_hi) * (h(2b + 1) * dx[b]));
+   - else (Q5_K: 5-bit codes, float32 scales d * sc and offsets -(dmin * m) per 32 columns, fs / fo [K / 32, N]):
      f = f + (float(S_b) * (fs[b, n] * dx[b]) + float(sx[b]) * (fo[b, n] * dx[b]));
    out = bf16(f). AVX2: the 8 int32 lanes vpmaddwd leaves per row hold 4 columns each, lanes 0-3 the block's
    first 16 columns (the low 128 bits), 4-7 the next 16: two rounds of vphaddd keep the halves apart. */
 static void int8k_a8_rows(const a8_x *a, int64_t m, const int8_t *q, int64_t k, const float *fs, const float *fo,
-                          int64_t f_ld, uint16_t *out, int64_t ldo, int64_t n0, int64_t n1) {
+                          const int8_t *ksc, const uint16_t *kd, int64_t f_ld, uint16_t *out, int64_t ldo,
+                          int64_t n0, int64_t n1) {
     const int64_t nb = k / A8;
     const int8_t *qx = a->q + m * a->nb * A8;
     const float *dx = a->d + m * a->nb;
@@ -1323,7 +1324,7 @@ static void int8k_a8_rows(const a8_x *a, int64_t m, const int8_t *q, int64_t k, 
                 for (int r = 0; r < 8; r++) __builtin_prefetch(q + (n + I8_AHEAD + r) * k + b * A8, 0, 2);
             for (int r = 0; r < 8; r++) p[r] = dot32_i8(ax, xv, q + (n + r) * k + b * A8);
             const __m256 dv = _mm256_set1_ps(dx[b]);
-            if (fo) {
+            if (!ksc) {
                 const __m256 sb = _mm256_cvtepi32_ps(hsum8_epi32(p));
                 const __m256 sd = _mm256_mul_ps(_mm256_loadu_ps(fs + b * f_ld + n), dv);
                 const __m256 od = _mm256_mul_ps(_mm256_loadu_ps(fo + b * f_ld + n), dv);
@@ -1336,9 +1337,13 @@ static void int8k_a8_rows(const a8_x *a, int64_t m, const int8_t *q, int64_t k, 
             /* u: rows 0-3's first halves | their second halves; v: the same for rows 4-7 */
             const __m256 lo = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(u, v, 0x20));
             const __m256 hi = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(u, v, 0x31));
-            const __m256 slo = _mm256_mul_ps(_mm256_loadu_ps(fs + 2 * b * f_ld + n), dv);
-            const __m256 shi = _mm256_mul_ps(_mm256_loadu_ps(fs + (2 * b + 1) * f_ld + n), dv);
-            f = _mm256_add_ps(f, _mm256_add_ps(_mm256_mul_ps(lo, slo), _mm256_mul_ps(hi, shi)));
+            const __m256 d8 = bs8(kd + (b / 8) * f_ld + n);
+            const __m256 hlo = _mm256_mul_ps(d8, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                _mm_loadl_epi64((const __m128i *)(ksc + 2 * b * f_ld + n)))));
+            const __m256 hhi = _mm256_mul_ps(d8, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                _mm_loadl_epi64((const __m128i *)(ksc + (2 * b + 1) * f_ld + n)))));
+            f = _mm256_add_ps(f, _mm256_add_ps(_mm256_mul_ps(lo, _mm256_mul_ps(hlo, dv)),
+                                               _mm256_mul_ps(hi, _mm256_mul_ps(hhi, dv))));
         }
         float fr[8];
         _mm256_storeu_ps(fr, f);
@@ -1349,21 +1354,23 @@ static void int8k_a8_rows(const a8_x *a, int64_t m, const int8_t *q, int64_t k, 
         float f = 0.0f;
         for (int64_t b = 0; b < nb; b++) {
             const int8_t *w = q + n * k + b * A8, *xb = qx + b * A8;
-            if (fo) {
+            if (!ksc) {
                 f = f + ((float)dot_block_i8(xb, w, A8) * (fs[b * f_ld + n] * dx[b])
                          + (float)sx[b] * (fo[b * f_ld + n] * dx[b]));
                 continue;
             }
-            f = f + ((float)dot_block_i8(xb, w, 16) * (fs[2 * b * f_ld + n] * dx[b])
-                     + (float)dot_block_i8(xb + 16, w + 16, 16) * (fs[(2 * b + 1) * f_ld + n] * dx[b]));
+            const float d = half_to_f32(kd[(b / 8) * f_ld + n]);
+            const float hlo = d * (float)ksc[2 * b * f_ld + n], hhi = d * (float)ksc[(2 * b + 1) * f_ld + n];
+            f = f + ((float)dot_block_i8(xb, w, 16) * (hlo * dx[b]) + (float)dot_block_i8(xb + 16, w + 16, 16) * (hhi * dx[b]));
         }
         out[m * ldo + n] = rne(f);
     }
 }
 
 static int int8k_a8_run(const uint16_t *x, int64_t ldx, const int8_t *q, const float *fs, const float *fo,
-                        uint16_t *out, int64_t ldo, int64_t m_count, int64_t n, int64_t k, int threads) {
-    if (m_count <= 0 || n <= 0 || k <= 0 || k % A8 || ldx < k || ldo < n) return 1;
+                        const int8_t *ksc, const uint16_t *kd, uint16_t *out, int64_t ldo, int64_t m_count,
+                        int64_t n, int64_t k, int threads) {
+    if (m_count <= 0 || n <= 0 || k <= 0 || k % A8 || ldx < k || ldo < n || (ksc && k % 256)) return 1;
     a8_x a;
     if (a8_quantize(x, ldx, m_count, k, k / A8, &a)) return 2;
     const int64_t step = 64, items = (n + step - 1) / step;
@@ -1371,7 +1378,7 @@ static int int8k_a8_run(const uint16_t *x, int64_t ldx, const int8_t *q, const f
 #pragma omp parallel for num_threads(threads) schedule(static) if (par)
     for (int64_t it = 0; it < items; it++) {
         const int64_t n0 = it * step, n1 = n0 + step < n ? n0 + step : n;
-        for (int64_t m = 0; m < m_count; m++) int8k_a8_rows(&a, m, q, k, fs, fo, n, out, ldo, n0, n1);
+        for (int64_t m = 0; m < m_count; m++) int8k_a8_rows(&a, m, q, k, fs, fo, ksc, kd, n, out, ldo, n0, n1);
     }
     a8_free(&a);
     return 0;
@@ -1381,14 +1388,14 @@ static int int8k_a8_run(const uint16_t *x, int64_t ldx, const int8_t *q, const f
    [M, N] bf16 (row stride ldo); K a multiple of 32 (else 1). */
 int llmsys_qgemv_int8o_a8(const uint16_t *x, int64_t ldx, const int8_t *q, const float *scales, const float *offsets,
                           uint16_t *out, int64_t ldo, int64_t m_count, int64_t n, int64_t k, int threads) {
-    return offsets ? int8k_a8_run(x, ldx, q, scales, offsets, out, ldo, m_count, n, k, threads) : 1;
+    return scales && offsets ? int8k_a8_run(x, ldx, q, scales, offsets, NULL, NULL, out, ldo, m_count, n, k, threads) : 1;
 }
 
-/* x [M, K] bf16 (row stride ldx), q int8 [N, K] contiguous, half_scales float32 [K / 16, N] (Q6_K) -> out [M, N]
-   bf16 (row stride ldo); K a multiple of 32 (else 1). */
-int llmsys_qgemv_int8h_a8(const uint16_t *x, int64_t ldx, const int8_t *q, const float *half_scales,
+/* x [M, K] bf16 (row stride ldx), q int8 [N, K] contiguous, Q6_K's scales as stored: int8 sc [K / 16, N] and fp16
+   d [K / 256, N] -> out [M, N] bf16 (row stride ldo); K a multiple of 256 (else 1). */
+int llmsys_qgemv_int8h_a8(const uint16_t *x, int64_t ldx, const int8_t *q, const int8_t *sc, const uint16_t *d,
                           uint16_t *out, int64_t ldo, int64_t m_count, int64_t n, int64_t k, int threads) {
-    return int8k_a8_run(x, ldx, q, half_scales, NULL, out, ldo, m_count, n, k, threads);
+    return sc && d ? int8k_a8_run(x, ldx, q, NULL, NULL, sc, d, out, ldo, m_count, n, k, threads) : 1;
 }
 
 /* Slot s of an int4 a8 block's accumulators holds row a8_row(s): the AVX2 unpacks interleave
@@ -1835,7 +1842,8 @@ int llmsys_gemv_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t 
 typedef struct {
     int64_t kind;          /* 0: int8 codes [N, K], bf16 scales [N]; 1: int4 in the CPU tiling; 2: bf16 [N, K];
                               3: int8 codes [N, K], fp16 block scales [nb, s_g] (group-major, one per 32 columns);
-                              4: int8 codes [N, K], float32 scales [K / 16, s_g] (one per 16 columns, GGUF Q6_K);
+                              4: int8 codes [N, K], GGUF Q6_K's scales as stored: int8 sc per 16 columns (ksc
+                                 [K / 16, s_g]) times fp16 d per 256 (kd [K / 256, s_g]);
                               5: int8 codes [N, K], float32 scales and offsets (offs) [K / 32, s_g] (GGUF Q5_K) */
     int64_t n, k, kp, gs;  /* rows, columns; int4: padded columns Kp = G * gs and the group size */
     const void *q;         /* the codes (bf16: the weight, rows of kp elements apart) */
@@ -1862,11 +1870,11 @@ static int qw_check(const llmsys_qw *w, int64_t k) {
     if (w->kind == 1 && w->ksc) /* Q4_K's scales as stored: group 32, whole super-blocks */
         return !w->km || !w->kd || !w->kdm || w->gs != A8 || w->kp % 256 || k <= w->kp - w->gs || k > w->kp
                || w->k_n < w->n;
+    if (w->kind == 4) return w->s_g < w->n || k % 256 || !w->ksc || !w->kd; /* Q6_K's stored scales */
     if (!w->scales) return 1;
     if (w->kind == 0) return 0;
     if (w->kind == 3) return w->s_g < w->n;
-    if (w->kind == 4) return w->s_g < w->n || k % A8;
-    if (w->kind == 5) return w->s_g < w->n || k % A8 || !w->offs;
+    if (w->kind == 5) return w->s_g < w->n || k % A8 || !w->offs || !w->scales;
     if (w->kind != 1 || w->gs <= 0 || w->gs % A8 || w->gs > 256 || w->kp % w->gs || k <= w->kp - w->gs || k > w->kp
         || !w->zeros || w->scale_kind < 0 || w->scale_kind > 2)
         return 1;
@@ -1884,10 +1892,11 @@ static void qw_item(const llmsys_qw *w, const a8_x *a, const uint16_t *x, int64_
         int8_a8_many(a, m_count, (const int8_t *)w->q, w->k, (const uint16_t *)w->scales, NULL, 0, out, ldo, n0, n1);
     } else if (w->kind == 3) {
         int8_a8_many(a, m_count, (const int8_t *)w->q, w->k, NULL, (const uint16_t *)w->scales, w->s_g, out, ldo, n0, n1);
-    } else if (w->kind == 4 || w->kind == 5) { /* Q6_K: no offsets; Q5_K: offsets */
+    } else if (w->kind == 4 || w->kind == 5) { /* Q6_K: its stored scales (ksc, kd); Q5_K: scales and offsets */
+        const int q6 = w->kind == 4;
         for (int64_t m = 0; m < m_count; m++)
-            int8k_a8_rows(a, m, (const int8_t *)w->q, w->k, (const float *)w->scales, w->kind == 5 ? w->offs : NULL,
-                          w->s_g, out, ldo, n0, n1);
+            int8k_a8_rows(a, m, (const int8_t *)w->q, w->k, (const float *)w->scales, w->offs,
+                          q6 ? (const int8_t *)w->ksc : NULL, q6 ? w->kd : NULL, w->s_g, out, ldo, n0, n1);
     } else {
         const int4_meta md = {w->zeros, w->z_n, w->z_g, w->scales, w->s_n, w->s_g, (int)w->scale_kind, w->offs,
                               w->o_n, w->o_g, w->ksc, w->km, w->kd, w->kdm, w->k_n};

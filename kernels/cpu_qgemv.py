@@ -70,7 +70,7 @@ _SIGNATURES = {
     "llmsys_qgemm_native": [],
     "llmsys_qgemv_int8_a8": [_P, _I, _P, _P, _P, _I, _I, _I, _I, _C],
     "llmsys_qgemv_int8g_a8": [_P, _I, _P, _P, _P, _I, _I, _I, _I, _C],
-    "llmsys_qgemv_int8h_a8": [_P, _I, _P, _P, _P, _I, _I, _I, _I, _C],
+    "llmsys_qgemv_int8h_a8": [_P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _C],
     "llmsys_qgemv_int8o_a8": [_P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _C],
     "llmsys_qgemv_int4_a8": [_P, _I, _P, _P, _I, _I, _C, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _C],
     "llmsys_qgemv_int4o_a8": [_P, _I, _P, _P, _I, _I, _C, _P, _I, _I, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _C],
@@ -171,14 +171,15 @@ def int8_a8_def(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) ->
 
 
 def int8g_a8_def(x: torch.Tensor, qweight: torch.Tensor, block_scales: torch.Tensor,
-                 offsets: torch.Tensor | None = None) -> torch.Tensor:
+                 offsets: torch.Tensor | None = None, super_scales: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K]`` bf16, ``qweight int8 [N, K]``, ``block_scales`` fp16 ``[nb, N]`` (a scale per 32 columns,
-    group-major: GGUF Q8_0's) or float32 ``[K / 16, N]`` (a scale per 16 columns: GGUF Q6_K's, K a
-    multiple of 32) ``-> [M, N]`` bf16, :func:`int8g_gemv_a8`'s bits.
+    group-major: GGUF Q8_0's) ``-> [M, N]`` bf16, :func:`int8g_gemv_a8`'s bits. Or GGUF Q6_K's scales as stored:
+    ``block_scales`` int8 ``[K / 16, N]`` and ``super_scales`` fp16 ``[K / 256, N]``, a scale per 16 columns
+    ``h = d * sc`` (float32, K a multiple of 256).
 
     ``out = bf16(f)``, ``f`` summing ``float(S_b) * (scale_b * d_b)`` over x's 32-column blocks in order,
     as the int4 a8 GEMV does with its group scales; with a scale per 16 columns each block adds
-    ``float(S_lo) * (scale_2b * d_b) + float(S_hi) * (scale_2b+1 * d_b)`` (its two halves' exact dots).
+    ``float(S_lo) * (h_2b * d_b) + float(S_hi) * (h_2b+1 * d_b)`` (its two halves' exact dots).
     With ``offsets`` (float32 ``[K / 32, N]`` beside float32 scales of that shape, ``w = q * scale + offset``:
     GGUF Q5_K) each block adds ``float(S_b) * (scale_b * d_b) + float(sum(codes_b)) * (offset_b * d_b)``.
     """
@@ -192,7 +193,8 @@ def int8g_a8_def(x: torch.Tensor, qweight: torch.Tensor, block_scales: torch.Ten
             f = f + (s[..., b].float() * (bs[None, b, :] * d[:, b, None])
                      + sx[:, b, None].float() * (offsets[None, b, :].float() * d[:, b, None]))
         return f.to(torch.bfloat16)
-    if block_scales.dtype == torch.float32:  # halves: 16-column blocks of codes against each half of x's block
+    if super_scales is not None:  # halves: 16-column blocks of codes against each half of x's block
+        bs = super_scales.float().repeat_interleave(16, 0) * bs  # [K / 16, N] float32: d * sc
         wh = w.long().view(w.shape[0], -1, 2, A8_BLOCK // 2)  # [N, nb, 2, 16]
         sh = torch.einsum("mbhc,nbhc->mnbh", qx.long().view(qx.shape[0], -1, 2, A8_BLOCK // 2), wh)
         f = torch.zeros(sh.shape[:2])
@@ -296,12 +298,13 @@ def int8_gemv_a8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *
 
 
 def int8g_gemv_a8(x: torch.Tensor, qweight: torch.Tensor, block_scales: torch.Tensor, *,
-                  offsets: torch.Tensor | None = None, check: bool = True, lib=None) -> torch.Tensor:
+                  offsets: torch.Tensor | None = None, super_scales: torch.Tensor | None = None, check: bool = True,
+                  lib=None) -> torch.Tensor:
     """``x [M, K]`` bf16 times the int8 weight ``qweight [N, K]`` with a scale per 32 columns, ``block_scales``
     fp16 ``[ceil(K / 32), N]`` contiguous (group-major, so a block's scales for a run of rows are one vector
     load), x quantized to int8 per 32 columns (:func:`int8g_a8_def`'s bits): GGUF Q8_0 layers' GEMV, the
-    arithmetic of llama.cpp's q8_0 x q8_0 dot. Or a scale per 16 columns, float32 ``[K / 16, N]``
-    contiguous, K a multiple of 32 (GGUF Q6_K's codes minus 32 and ``d * sc``). Or float32 scales and
+    arithmetic of llama.cpp's q8_0 x q8_0 dot. Or GGUF Q6_K's codes minus 32 with its scales as stored: int8
+    ``block_scales [K / 16, N]`` and fp16 ``super_scales [K / 256, N]`` contiguous, K a multiple of 256. Or float32 scales and
     ``offsets`` per 32 columns, ``[K / 32, N]`` contiguous, K a multiple of 32 (GGUF Q5_K's 5-bit codes, ``d * sc``
     and ``-(dmin * m)``). ``check`` and ``lib`` as :func:`int8_gemv`."""
     n, k = qweight.shape
@@ -322,22 +325,30 @@ def int8g_gemv_a8(x: torch.Tensor, qweight: torch.Tensor, block_scales: torch.Te
         if rc:
             raise RuntimeError(f"int8g_gemv_a8: the C kernel failed (code {rc}) on M={m} N={n} K={k}")
         return out
-    halves = block_scales.dtype == torch.float32
+    halves = super_scales is not None
     if check:
         _check_x("int8g_gemv_a8", x, k)
-        nb = k // 16 if halves else -(-k // A8_BLOCK)
-        if qweight.dtype != torch.int8 or not qweight.is_contiguous() or block_scales.dtype not in (
-                torch.float16, torch.float32) or tuple(block_scales.shape) != (nb, n) \
-                or not block_scales.is_contiguous() or (halves and k % A8_BLOCK):
+        ok = qweight.dtype == torch.int8 and qweight.is_contiguous() and block_scales.is_contiguous()
+        if halves:
+            ok = ok and k % 256 == 0 and block_scales.dtype == torch.int8 and tuple(block_scales.shape) == (
+                k // 16, n) and super_scales.dtype == torch.float16 and super_scales.is_contiguous() and tuple(
+                super_scales.shape) == (k // 256, n)
+        else:
+            ok = ok and block_scales.dtype == torch.float16 and tuple(block_scales.shape) == (-(-k // A8_BLOCK), n)
+        if not ok:
             raise ValueError(f"int8g_gemv_a8: qweight must be contiguous int8 [N, K] and block_scales contiguous "
-                             f"fp16 [ceil(K/32), N] or float32 [K/16, N] (K a multiple of 32), got {qweight.dtype} "
-                             f"{tuple(qweight.shape)}, {block_scales.dtype} {tuple(block_scales.shape)}")
+                             f"fp16 [ceil(K/32), N], or int8 [K/16, N] with fp16 super_scales [K/256, N] (K a "
+                             f"multiple of 256), got {qweight.dtype} {tuple(qweight.shape)}, {block_scales.dtype} "
+                             f"{tuple(block_scales.shape)}")
     m = x.shape[0]
     out = torch.empty(m, n, dtype=torch.bfloat16)
     lib = lib or _KERNEL.lib()
-    rc = (lib.llmsys_qgemv_int8h_a8 if halves else lib.llmsys_qgemv_int8g_a8)(
-        x.data_ptr(), x.stride(0), qweight.data_ptr(), block_scales.data_ptr(), out.data_ptr(), n, m, n, k,
-        torch.get_num_threads())
+    if halves:
+        rc = lib.llmsys_qgemv_int8h_a8(x.data_ptr(), x.stride(0), qweight.data_ptr(), block_scales.data_ptr(),
+                                       super_scales.data_ptr(), out.data_ptr(), n, m, n, k, torch.get_num_threads())
+    else:
+        rc = lib.llmsys_qgemv_int8g_a8(x.data_ptr(), x.stride(0), qweight.data_ptr(), block_scales.data_ptr(),
+                                       out.data_ptr(), n, m, n, k, torch.get_num_threads())
     if rc:
         raise RuntimeError(f"int8g_gemv_a8: the C kernel failed (code {rc}) on M={m} N={n} K={k}")
     return out
@@ -465,16 +476,20 @@ def int8_decode_weight(qweight: torch.Tensor, scales: torch.Tensor, bias: torch.
 
 
 def int8g_decode_weight(qweight: torch.Tensor, block_scales: torch.Tensor, bias: torch.Tensor | None,
-                        offsets: torch.Tensor | None = None) -> DecodeWeight:
-    """:func:`int8g_gemv_a8`'s weight (contiguous int8 ``[N, K]``, fp16 ``[nb, N]``, float32 ``[K / 16, N]``, or
-    float32 scales and ``offsets`` ``[K / 32, N]``) plus a bf16 ``bias [N]`` or None."""
+                        offsets: torch.Tensor | None = None, super_scales: torch.Tensor | None = None) -> DecodeWeight:
+    """:func:`int8g_gemv_a8`'s weight (contiguous int8 ``[N, K]`` with fp16 ``[nb, N]`` scales, Q6_K's int8
+    ``[K / 16, N]`` and ``super_scales``, or float32 scales and ``offsets`` ``[K / 32, N]``) plus a bf16
+    ``bias [N]`` or None."""
     n, k = qweight.shape
-    halves = block_scales.dtype == torch.float32 and offsets is None
-    kind = 5 if offsets is not None else 4 if halves else 3
-    return DecodeWeight(kind, n, k, k, 0, qweight.data_ptr(), block_scales.data_ptr(), 0,
-                        block_scales.stride(0), 1 if kind != 3 else 2, None, 0, 0,
-                        None if bias is None else bias.data_ptr(),
-                        None if offsets is None else offsets.data_ptr(), 0, 0 if offsets is None else offsets.stride(0))
+    b = None if bias is None else bias.data_ptr()
+    if super_scales is not None:  # kind 4: Q6_K's stored scales in the ksc / kd fields
+        return DecodeWeight(4, n, k, k, 0, qweight.data_ptr(), None, 0, block_scales.stride(0), 0, None, 0, 0, b,
+                            None, 0, 0, block_scales.data_ptr(), None, super_scales.data_ptr(), None, 0)
+    if offsets is not None:  # kind 5
+        return DecodeWeight(5, n, k, k, 0, qweight.data_ptr(), block_scales.data_ptr(), 0, block_scales.stride(0), 1,
+                            None, 0, 0, b, offsets.data_ptr(), 0, offsets.stride(0))
+    return DecodeWeight(3, n, k, k, 0, qweight.data_ptr(), block_scales.data_ptr(), 0, block_scales.stride(0), 2,
+                        None, 0, 0, b)
 
 
 def bf16_decode_weight(weight: torch.Tensor, bias: torch.Tensor | None) -> DecodeWeight:

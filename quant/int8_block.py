@@ -13,10 +13,11 @@ vector load in the kernel), ``w[n, k] = qweight[n, k] * block_scales[k // 32, n]
 
 GGUF Q6_K (6-bit codes with an int8 scale per 16 weights times an fp16 ``d`` per 256: the type
 llama.cpp's Q4_K_M files hold their output head, often the embedding, and half the ``attn_v`` /
-``ffn_down`` matrices in) is the same layout with a scale per 16 columns: codes ``q - 32`` and
-``block_scales float32 [K / 16, N]`` holding ``d * sc`` (the product llama.cpp's dequantization
-rounds to float32), ``w[n, k] = qweight[n, k] * block_scales[k // 16, n]``: 1.25 bytes a weight
-(the file's 0.82, bf16's 2), the a8 GEMV taking each block of x's two halves' dots apart.
+``ffn_down`` matrices in) is the same layout with a scale per 16 columns, kept as the file stores it:
+codes ``q - 32``, ``block_scales int8 [K / 16, N]`` (the ``sc``) and ``super_scales fp16 [K / 256, N]``
+(the ``d``), ``w[n, k] = qweight[n, k] * (d * sc)`` with ``d * sc`` the float32 product llama.cpp's
+dequantization rounds: 1.07 bytes a weight (the file's 0.82, bf16's 2), the a8 GEMV forming ``d * sc``
+and taking each block of x's two halves' dots apart.
 
 GGUF Q5_K (5-bit codes, per 32 weights a scale ``d * sc`` and a minimum ``dmin * m``, like Q4_K) is the
 layout with float32 ``block_scales`` and ``offsets [K / 32, N]``: ``w = qweight * scale + offset``
@@ -42,7 +43,7 @@ from llmsys.quant.base import (
 from llmsys.quant.int4 import DEQUANT_CHUNK_BYTES
 
 BLOCK = 32  # input columns per scale (fp16 scales: GGUF Q8_0, Q5_0, --quant int8:g32)
-HALF_BLOCK = 16  # input columns per scale with float32 scales (GGUF Q6_K)
+HALF_BLOCK = 16  # input columns per scale of GGUF Q6_K
 
 
 def int8_block_kernel(device: torch.device) -> MatmulKernel:
@@ -74,27 +75,34 @@ class Int8BlockLinear(QuantLinear):
     FORMAT = "int8:g32"
 
     def __init__(self, qweight: torch.Tensor, block_scales: torch.Tensor, bias: torch.Tensor | None,
-                 offsets: torch.Tensor | None = None) -> None:
+                 offsets: torch.Tensor | None = None, super_scales: torch.Tensor | None = None) -> None:
         n, k = qweight.shape
-        # float32 scales: one per 16 columns (Q6_K), or with offsets one per 32 (Q5_K), K a multiple of 32;
-        # else fp16 ones per 32 (Q8_0)
-        floats = block_scales.dtype == torch.float32
-        block = HALF_BLOCK if floats and offsets is None else BLOCK
+        # Q6_K: int8 sc per 16 columns with fp16 d per 256 (super_scales), K a multiple of 256; Q5_K: float32
+        # scales and offsets per 32, K a multiple of 32; else fp16 scales per 32 (Q8_0, Q5_0, int8:g32)
+        block = HALF_BLOCK if super_scales is not None else BLOCK
         nb = -(-k // block)
-        if qweight.dtype != torch.int8 or tuple(block_scales.shape) != (nb, n) or (floats and k % BLOCK) or (
-                offsets is not None and (not floats or offsets.dtype != torch.float32
-                                         or tuple(offsets.shape) != (nb, n))):
-            what = ("float32 scales and offsets, one per 32 columns" if offsets is not None else
-                    "float32 scales, one per 16 columns" if floats else "fp16 scales, one per 32 columns")
-            what += ", K a multiple of 32" if floats else ""
+        if super_scales is not None:
+            ok = block_scales.dtype == torch.int8 and super_scales.dtype == torch.float16 and k % 256 == 0 \
+                and tuple(super_scales.shape) == (k // 256, n) and offsets is None
+            what = "int8 scales per 16 columns and fp16 super_scales per 256, K a multiple of 256"
+        elif offsets is not None:
+            ok = block_scales.dtype == offsets.dtype == torch.float32 and tuple(offsets.shape) == (nb, n) \
+                and k % BLOCK == 0
+            what = "float32 scales and offsets, one per 32 columns, K a multiple of 32"
+        else:
+            ok = block_scales.dtype.is_floating_point
+            what = "fp16 scales, one per 32 columns"
+        if qweight.dtype != torch.int8 or tuple(block_scales.shape) != (nb, n) or not ok:
             raise CheckpointError(f"int8 block tensors disagree: qweight {qweight.dtype} {tuple(qweight.shape)}, "
                                   f"block_scales {tuple(block_scales.shape)}; expected int8 [N, K] and [{nb}, {n}] "
                                   f"({what})")
         super().__init__(k, n, bias, int8_block_kernel(qweight.device))
         self.block = block  # input columns per scale
         self.register_buffer("qweight", qweight.contiguous())  # [N, K]
-        self.register_buffer("block_scales", (block_scales if floats else block_scales.to(torch.float16)).contiguous())
+        keep = super_scales is not None or offsets is not None  # else fp16, as the kernel reads them
+        self.register_buffer("block_scales", (block_scales if keep else block_scales.to(torch.float16)).contiguous())
         self.register_buffer("offsets", None if offsets is None else offsets.contiguous())  # [nb, N]
+        self.register_buffer("super_scales", None if super_scales is None else super_scales.contiguous())
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, spec=None) -> "Int8BlockLinear":
@@ -104,17 +112,20 @@ class Int8BlockLinear(QuantLinear):
     @classmethod
     def from_quantized(cls, tensors: dict[str, torch.Tensor]) -> "Int8BlockLinear":
         qweight, block_scales = require(tensors, ("qweight", "block_scales"), cls.FORMAT)
-        return cls(qweight, block_scales, tensors.get("bias"), tensors.get("offsets"))
+        return cls(qweight, block_scales, tensors.get("bias"), tensors.get("offsets"), tensors.get("super_scales"))
 
     @classmethod
     def cat_rows(cls, layers: list[QuantLinear]) -> "Int8BlockLinear | None":
         """Rows side by side (q|k|v, gate|up): each output row is computed from its own codes and scales."""
         ok, bias = rows_joinable(cls, layers)
-        if not ok or len({(m.block, m.block_scales.dtype, m.offsets is None) for m in layers}) > 1:
+        if not ok or len({(m.block_scales.dtype, m.offsets is None, m.super_scales is None) for m in layers}) > 1:
             return None
-        offsets = None if layers[0].offsets is None else torch.cat([m.offsets for m in layers], dim=1)
-        return cls(torch.cat([m.qweight for m in layers]), torch.cat([m.block_scales for m in layers], dim=1), bias,
-                   offsets)
+
+        def side_by_side(name: str) -> torch.Tensor | None:  # group-major [.., N] tensors: along dim 1
+            return None if getattr(layers[0], name) is None else torch.cat([getattr(m, name) for m in layers], dim=1)
+
+        return cls(torch.cat([m.qweight for m in layers]), side_by_side("block_scales"), bias, side_by_side("offsets"),
+                   side_by_side("super_scales"))
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.rows(torch.arange(self.out_features), dtype)
@@ -122,7 +133,10 @@ class Int8BlockLinear(QuantLinear):
     def rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Rows ``ids [M] -> [M, K]``: ``q * d`` exactly in float32, then ``dtype``."""
         ids = ids.long()
-        s = self.block_scales[:, ids].t().float().repeat_interleave(self.block, dim=1)[:, : self.in_features]  # [M, K]
+        s = self.block_scales[:, ids].t().float()  # [M, nb]
+        if self.super_scales is not None:  # Q6_K: d * sc, d per 256 columns = per 16 of its scales
+            s = self.super_scales[:, ids].t().float().repeat_interleave(16, dim=1) * s
+        s = s.repeat_interleave(self.block, dim=1)[:, : self.in_features]  # [M, K]
         if self.offsets is not None:  # q * scale + offset, GGUF's float32 order
             o = self.offsets[:, ids].t().repeat_interleave(self.block, dim=1)[:, : self.in_features]
             return (self.qweight[ids].float() * s + o).to(dtype)
@@ -133,17 +147,15 @@ class Int8BlockLinear(QuantLinear):
     def decode_weight(self) -> DecodeWeight | None:
         """The C a8 weight when :meth:`_matmul` on bf16 inputs runs ``int8g_gemv_a8``."""
         buf = self._buffers
-        if buf["offsets"] is None:
-            return self._int8_decode_weight(KernelFamily.C_INT8_BLOCK, (buf["qweight"], buf["block_scales"]),
-                                            int8g_decode_weight)
-        return self._int8_decode_weight(KernelFamily.C_INT8_BLOCK, (buf["qweight"], buf["block_scales"], buf["offsets"]),
-                                        lambda q, bs, o, bias: int8g_decode_weight(q, bs, bias, o))
+        tensors = (buf["qweight"], buf["block_scales"], buf["offsets"], buf["super_scales"])
+        return self._int8_decode_weight(KernelFamily.C_INT8_BLOCK, tensors,
+                                        lambda q, bs, o, ss, bias: int8g_decode_weight(q, bs, bias, o, ss))
 
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
         buf = self._buffers
         if self._kernel.family is KernelFamily.C_INT8_BLOCK and x2.dtype in (torch.bfloat16, torch.float32):
             y = int8g_gemv_a8(self._a8_input(x2), buf["qweight"], buf["block_scales"], offsets=buf["offsets"],
-                              check=False)  # [M, N]
+                              super_scales=buf["super_scales"], check=False)  # [M, N]
             return y if x2.dtype == torch.bfloat16 else y.to(x2.dtype)
         # Without the C kernel: the dequantized weight in row chunks (a 151936-row LM head stays small).
         n, k = self.out_features, self.in_features

@@ -39,7 +39,7 @@ int llmsys_qgemv_int4o_a8(const uint16_t *x, int64_t ldx, const uint8_t *packed,
                           int64_t s_g, int scale_kind, const uint8_t *zeros, int64_t z_n, int64_t z_g, const float *offs,
                           int64_t o_n, int64_t o_g, uint16_t *out, int64_t ldo, int64_t m_count, int64_t n, int64_t kp,
                           int64_t k, int64_t gs, int threads);
-int llmsys_qgemv_int8h_a8(const uint16_t *x, int64_t ldx, const int8_t *q, const float *half_scales,
+int llmsys_qgemv_int8h_a8(const uint16_t *x, int64_t ldx, const int8_t *q, const int8_t *sc, const uint16_t *d,
                           uint16_t *out, int64_t ldo, int64_t m_count, int64_t n, int64_t k, int threads);
 int llmsys_qgemv_int8o_a8(const uint16_t *x, int64_t ldx, const int8_t *q, const float *scales, const float *offsets,
                           uint16_t *out, int64_t ldo, int64_t m_count, int64_t n, int64_t k, int threads);
@@ -129,13 +129,17 @@ int main(void) {
     }
 
     enum { KH = 256 }; /* GGUF Q6_K / Q5_K layouts: K a multiple of 32 */
-    float *hs = malloc(sizeof(float) * (KH / 16) * N8), *fo8 = malloc(sizeof(float) * (KH / 32) * N8);
-    for (int i = 0; i < (KH / 16) * N8; i++) hs[i] = uniform(0.001f, 0.02f);
+    float *hs = malloc(sizeof(float) * (KH / 32) * N8), *fo8 = malloc(sizeof(float) * (KH / 32) * N8);
+    int8_t *sc6 = malloc((KH / 16) * N8); /* Q6_K's stored scales: int8 per 16 columns, fp16 d per 256 */
+    uint16_t *d6 = malloc(2 * (KH / 256) * N8);
+    for (int i = 0; i < (KH / 16) * N8; i++) sc6[i] = (int8_t)((int)(next() % 256) - 128);
+    for (int i = 0; i < (KH / 256) * N8; i++) d6[i] = (uint16_t)(0x1000u + next() % 0x400u);
+    for (int i = 0; i < (KH / 32) * N8; i++) hs[i] = uniform(0.001f, 0.02f);
     for (int i = 0; i < (KH / 32) * N8; i++) fo8[i] = uniform(-0.2f, 0.0f);
     for (int m = 1; m <= M; m += 4) {
         char name[32];
         snprintf(name, sizeof name, "int8h_a8_m%d", m);
-        dump(name, llmsys_qgemv_int8h_a8(gx, K8, q8, hs, o8, N8, m, N8, KH, 2), o8, 2 * m * N8);
+        dump(name, llmsys_qgemv_int8h_a8(gx, K8, q8, sc6, d6, o8, N8, m, N8, KH, 2), o8, 2 * m * N8);
         snprintf(name, sizeof name, "int8o_a8_m%d", m);
         dump(name, llmsys_qgemv_int8o_a8(gx, K8, q8, hs, fo8, o8, N8, m, N8, KH, 2), o8, 2 * m * N8);
     }

@@ -220,23 +220,29 @@ def test_int4_a8_offsets_bit_exact(n, k, g, threads):
     assert err < A8_REL_ERR, err
 
 
+def _q6k_scales(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF Q6_K's scales as stored: int8 sc per 16 columns [K/16, N], fp16 d per 256 [K/256, N]."""
+    return (torch.randint(-128, 128, (k // 16, n), generator=gen, dtype=torch.int8),
+            (torch.rand(k // 256, n, generator=gen) * 1e-3).half())
+
+
 @needs_kernel
-@pytest.mark.parametrize("n,k", [(200, 256), (64, 512), (7, 96), (130, 1024)])
+@pytest.mark.parametrize("n,k", [(200, 256), (64, 512), (7, 768), (130, 1024)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_int8_k_quant_layouts_bit_exact(n, k, threads):
-    """int8 codes with a float32 scale per 16 columns (GGUF Q6_K) and with a float32 scale and offset per
-    32 (Q5_K): the definitions' bits at any row count, batch-invariant; a K that is no multiple of 32 is
-    refused."""
+    """int8 codes with Q6_K's scales as stored (int8 sc per 16 columns times fp16 d per 256) and with float32
+    scales and offsets per 32 (Q5_K): the definitions' bits at any row count, batch-invariant; a K that is no
+    multiple of 32 is refused."""
     gen = torch.Generator().manual_seed(n + k)
     q6 = torch.randint(-32, 32, (n, k), generator=gen, dtype=torch.int8)
     q5 = torch.randint(0, 32, (n, k), generator=gen, dtype=torch.int8)
-    halves = torch.rand(k // 16, n, generator=gen) * 0.01
+    sc, d = _q6k_scales(n, k, gen)
     fs, fo = torch.rand(k // 32, n, generator=gen) * 0.01, -torch.rand(k // 32, n, generator=gen) * 0.05
     x = torch.randn(9, k, generator=gen).bfloat16()
     with _threads(threads):
         for m in (1, 4, 9):
-            assert torch.equal(_bits(cpu_qgemv.int8g_gemv_a8(x[:m], q6, halves)),
-                               _bits(cpu_qgemv.int8g_a8_def(x[:m], q6, halves))), m
+            assert torch.equal(_bits(cpu_qgemv.int8g_gemv_a8(x[:m], q6, sc, super_scales=d)),
+                               _bits(cpu_qgemv.int8g_a8_def(x[:m], q6, sc, super_scales=d))), m
             assert torch.equal(_bits(cpu_qgemv.int8g_gemv_a8(x[:m], q5, fs, offsets=fo)),
                                _bits(cpu_qgemv.int8g_a8_def(x[:m], q5, fs, offsets=fo))), m
         full = cpu_qgemv.int8g_gemv_a8(x, q5, fs, offsets=fo)
@@ -389,12 +395,13 @@ def test_other_code_paths_bit_exact(level, tmp_path):
         for m in (1, 5):
             assert torch.equal(_bits(cpu_qgemv.int8g_gemv_a8(x[:m, :k], q, bs, lib=lib)),
                                _bits(cpu_qgemv.int8g_a8_def(x[:m, :k], q, bs))), (level, n, k, m)
-    for n in (130, 9):  # scales per 16 (GGUF Q6_K), scales and offsets per 32 (Q5_K): K a multiple of 32
-        q, k = _int8(n, 288)[0], 288
-        halves, fs, fo = torch.rand(k // 16, n) * 0.01, torch.rand(k // 32, n) * 0.01, -torch.rand(k // 32, n) * 0.05
+    for n in (130, 9):  # GGUF Q6_K's stored scales (K a multiple of 256), Q5_K's scales and offsets per 32
+        q, k = _int8(n, 256)[0], 256
+        sc, d = _q6k_scales(n, k, torch.Generator().manual_seed(n))
+        fs, fo = torch.rand(k // 32, n) * 0.01, -torch.rand(k // 32, n) * 0.05
         for m in (1, 5):
-            assert torch.equal(_bits(cpu_qgemv.int8g_gemv_a8(x[:m, :k], q, halves, lib=lib)),
-                               _bits(cpu_qgemv.int8g_a8_def(x[:m, :k], q, halves))), (level, n, m)
+            assert torch.equal(_bits(cpu_qgemv.int8g_gemv_a8(x[:m, :k], q, sc, super_scales=d, lib=lib)),
+                               _bits(cpu_qgemv.int8g_a8_def(x[:m, :k], q, sc, super_scales=d))), (level, n, m)
             assert torch.equal(_bits(cpu_qgemv.int8g_gemv_a8(x[:m, :k], q, fs, offsets=fo, lib=lib)),
                                _bits(cpu_qgemv.int8g_a8_def(x[:m, :k], q, fs, offsets=fo))), (level, n, m)
     # Only the AVX512-BF16 build has the native prefill GEMM; elsewhere the layers keep their dense GEMM.

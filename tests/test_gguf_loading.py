@@ -102,8 +102,8 @@ def test_f32_and_f16_files_give_the_safetensors_logits(families, kind, tmp_path)
 def test_int8_block_formats_keep_their_codes_with_block_scales(families, tmp_path, qtype):
     """Q8_0 is int8 with an fp16 scale per 32 columns, Q5_0 5-bit codes (minus 16) with one, Q6_K 6-bit codes
     (minus 32) with a float32 d * sc per 16: the layers (and the embedding, the tied head) are Int8BlockLinear
-    (Q8_0: the file's own bytes; Q6_K: 1.25 a weight; Q5_K, 5-bit codes with a float32 scale and minimum per
-    32: 1.25 a weight), whose weights are gguf's own dequantization of each
+    (Q8_0: the file's own bytes; Q6_K, its scales as stored: 1.07 a weight; Q5_K, 5-bit codes with a float32
+    scale and minimum per 32: 1.25 a weight), whose weights are gguf's own dequantization of each
     matrix (q/k rows of the llama layout put back), and whose logits are those of the float model of the
     same weights within the a8 bound."""
     from llmsys.quant import Int8BlockLinear
@@ -133,8 +133,10 @@ def test_int8_block_formats_keep_their_codes_with_block_scales(families, tmp_pat
         assert isinstance(mod, Int8BlockLinear) and torch.equal(mod.dequantize(torch.float32), w), hf
         if qtype == "Q8_0":
             assert mod.nbytes() == t.n_bytes  # the file's own bytes: 1 per weight + an fp16 per 32
-        if qtype in ("Q6_K", "Q5_K"):  # 1 per weight + a float32 per 16 (Q5_K: a scale and an offset per 32)
-            assert mod.nbytes() == w.numel() * 5 // 4  # (bf16: 2 per weight)
+        if qtype == "Q6_K":  # 1 per weight + its int8 scale per 16 and fp16 d per 256, as stored (bf16: 2)
+            assert mod.nbytes() == w.numel() + w.numel() // 16 + w.numel() * 2 // 256
+        if qtype == "Q5_K":  # 1 per weight + a float32 scale and offset per 32
+            assert mod.nbytes() == w.numel() * 5 // 4
         ref.model.get_parameter(hf).data.copy_(w)
     assert {"attn_q", "attn_k", "ffn_down", "token_embd"} <= kinds
     ids = _ids()

@@ -36,8 +36,8 @@ safetensors; the ``gguf`` package supplies the type tables and the K-quant decod
   re-quantized to the ``--quant`` format when one is given; :func:`conversions`
   says which happened to which tensors (``memory_report()``, the load notice).
   **Q6_K** (6-bit codes, ``w = d * sc * (q - 32)`` with an int8 ``sc`` per 16)
-  becomes ``Int8BlockLinear`` with its codes minus 32 and float32 ``d * sc`` per
-  16 columns; **Q5_K** (5-bit codes with Q4_K's scales and minimums) becomes
+  becomes ``Int8BlockLinear`` with its codes minus 32 and its ``sc`` and ``d`` as
+  stored; **Q5_K** (5-bit codes with Q4_K's scales and minimums) becomes
   ``Int8BlockLinear`` with float32 scales and offsets per 32 columns.
 
 Tensor bytes are read into fresh buffers (no mapping), so nothing keeps the
@@ -106,14 +106,14 @@ DEQUANT_ROWS = 8192
 # Q4_1 and Q4_K are int4 with group 32 and a float minimum (w = q * scale + offset): Q4_1 with float32 scales and
 # offsets (1/2 + 8/32 bytes per weight; the file's 20/32), Q4_K with its 6-bit scales and minimums and fp16 d, dmin
 # per 256 as stored (kernels.KScales: 1/2 + 2/32 + 4/256; the file's 144/256). Neither is an int8 code of a scale.
-# Q6_K (6-bit codes, an int8 scale per 16 times an fp16 d per 256) is int8 with a float32 scale per 16 columns
-# ("int8:g16", Int8BlockLinear): 1 + 4/16 bytes per weight (the file's 210/256).
+# Q6_K (6-bit codes, an int8 scale per 16 times an fp16 d per 256) is int8 with those scales as stored
+# ("int8:g16", Int8BlockLinear): 1 + 1/16 + 2/256 bytes per weight (the file's 210/256).
 # Q5_K (5-bit codes with a scale and a float minimum per 32, like Q4_K) is int8 with float32 scales and offsets
 # per 32 columns (Int8BlockLinear with offsets): 1 + 8/32 bytes per weight (the file's 176/256).
 KEPT = {"Q4_0": "int4:g32", "Q8_0": "int8:g32", "Q5_0": "int8:g32", "Q4_1": "int4:g32", "Q4_K": "int4:g32",
         "Q6_K": "int8:g16", "Q5_K": "int8:g32"}
 KEPT_BYTES = {"Q4_0": 0.5 + 2 / 32 + 2 / 32, "Q8_0": 1 + 2 / 32, "Q5_0": 1 + 2 / 32,
-              "Q4_1": 0.5 + 8 / 32, "Q4_K": 0.5 + 2 / 32 + 4 / 256, "Q6_K": 1 + 4 / 16, "Q5_K": 1 + 8 / 32}
+              "Q4_1": 0.5 + 8 / 32, "Q4_K": 0.5 + 2 / 32 + 4 / 256, "Q6_K": 1 + 1 / 16 + 2 / 256, "Q5_K": 1 + 8 / 32}
 OFFSET_KINDS = ("Q4_1", "Q4_K")  # kept as int4 with float offsets
 KSCALE_KEYS = ("k_sc", "k_m", "k_d", "k_dmin")  # Q4_K's stored scales, as Int4Linear.from_quantized takes them
 Q4K_BLOCK = 144  # bytes of one Q4_K super-block of 256 weights: d, dmin (fp16), 12 bytes of 6-bit sc/m, 128 of codes
@@ -412,8 +412,8 @@ class GGUFIndex:
         """A Q8_0, Q5_0, Q4_0, Q6_K or Q5_K matrix as :class:`Int8BlockLinear` tensors (Q5_K: codes 0..31, float32
         ``block_scales`` and ``offsets`` ``[K/32, N]``, see :func:`_q5k_parts`): ``qweight int8 [N, K]`` (Q8_0's
         codes as stored, Q5_0's 5-bit codes minus 16, Q4_0's minus 8, Q6_K's 6-bit codes minus 32) and the
-        blocks' scales group-major: fp16 ``block_scales [K/32, N]``, Q6_K's float32 ``d * sc`` per 16 columns
-        ``[K/16, N]``; rows in HF order."""
+        blocks' scales group-major: fp16 ``block_scales [K/32, N]``; Q6_K's int8 ``sc`` per 16 columns
+        ``block_scales [K/16, N]`` and fp16 ``d`` per 256 ``super_scales [K/256, N]``; rows in HF order."""
         t = self._tensors[name]
         n, k = int(t.shape[1]), int(t.shape[0])
         kind = _qtype(t)
@@ -424,11 +424,12 @@ class GGUFIndex:
             q, fs, fo = (self._rows_in_hf_order(name, v) for v in (q, fs, fo))
             return {"qweight": q.contiguous(), "block_scales": fs.t().contiguous(), "offsets": fo.t().contiguous()}
         if kind == "Q6_K":  # a piece of rows at a time, as Q4_K in int4_tensors
-            q, hs = torch.empty(n, k, dtype=torch.int8), torch.empty(n, k // 16)
+            q, sc = torch.empty(n, k, dtype=torch.int8), torch.empty(n, k // 16, dtype=torch.int8)
+            d = torch.empty(n, k // 256, dtype=torch.float16)
             for r0, r1, raw in self._row_pieces(t, n):
-                q[r0:r1], hs[r0:r1] = _q6k_parts(raw.view(r1 - r0, k // 256, Q6K_BLOCK))
-            q, hs = self._rows_in_hf_order(name, q), self._rows_in_hf_order(name, hs)
-            return {"qweight": q.contiguous(), "block_scales": hs.t().contiguous()}
+                q[r0:r1], sc[r0:r1], d[r0:r1] = _q6k_parts(raw.view(r1 - r0, k // 256, Q6K_BLOCK))
+            q, sc, d = (self._rows_in_hf_order(name, v) for v in (q, sc, d))
+            return {"qweight": q.contiguous(), "block_scales": sc.t().contiguous(), "super_scales": d.t().contiguous()}
         if kind == "Q4_0":
             c = self.int4_tensors(name)
             q = (unpack_int4(c["qweight"]).to(torch.int16) - 8).to(torch.int8)  # [N, K]
@@ -533,9 +534,10 @@ def _q5k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     return codes.to(torch.int8).reshape(n, sb * 256), scales, offsets
 
 
-def _q6k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q6_K super-blocks ``uint8 [N, S, 210]`` -> codes minus 32 ``int8 [N, S * 256]`` in k order and float32
-    scales ``d * sc`` per 16 columns ``[N, S * 16]`` (llama.cpp's ``dequantize_row_q6_K``: per 128 columns,
+def _q6k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q6_K super-blocks ``uint8 [N, S, 210]`` -> codes minus 32 ``int8 [N, S * 256]`` in k order, the int8
+    scales ``sc`` per 16 columns ``[N, S * 16]`` and fp16 ``d`` per 256 ``[N, S]`` as stored (the weight is
+    ``(d * sc) * (q - 32)``; llama.cpp's ``dequantize_row_q6_K``: per 128 columns,
     64 bytes of low nibbles -- columns l and 64 + l in byte l, 32 + l and 96 + l in byte 32 + l -- and 32
     bytes whose bit pairs 0-1, 2-3, 4-5, 6-7 are the high bits of columns l, 32 + l, 64 + l, 96 + l; the
     16 int8 scales go to the 16 runs of 16 columns in order)."""
@@ -546,9 +548,9 @@ def _q6k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     cols = [(lo & 15) | ((qh & 3) << 4), (hi & 15) | (((qh >> 2) & 3) << 4),
             (lo >> 4) | (((qh >> 4) & 3) << 4), (hi >> 4) | (((qh >> 6) & 3) << 4)]
     q = (torch.stack(cols, dim=3) - 32).to(torch.int8).reshape(n, sb * 256)  # [N, S, 2, 4, 32] in k order
-    sc = blocks[..., 192:208].contiguous().view(torch.int8).float()  # [N, S, 16]
-    d = blocks[..., 208:210].contiguous().view(torch.float16).float()  # [N, S, 1]
-    return q, (d * sc).reshape(n, sb * 16)
+    sc = blocks[..., 192:208].contiguous().view(torch.int8).reshape(n, sb * 16)
+    d = blocks[..., 208:210].contiguous().view(torch.float16).reshape(n, sb)
+    return q, sc, d
 
 
 def _dequant_rows(blocks: np.ndarray, kind: Any, path: Path, name: str) -> torch.Tensor:
