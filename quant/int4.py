@@ -160,6 +160,8 @@ class Int4Linear(QuantLinear):
     * ``canonical`` (GPU, or ``prefer_packed=False``): holds ``qweight``/``scales``/``zeros`` and
       dequantizes + GEMMs in the input dtype.
 
+    With ``kscales`` (GGUF Q4_K's stored scales, :class:`~llmsys.kernels.KScales`) the scales and offsets
+    are made from them (``scales`` may be None) and the packed mode holds only those (``k_sc`` .. buffers).
     With ``offsets`` (float32 ``[N, G]``, float32 scales, zeros 0: ``w = q * scale + offset``, GGUF Q4_K /
     Q4_1) the packed mode keeps them group-major (``offsets_gm [G, N]``) beside ``scales_orig``, its zero
     points are a stride-0 view of one 0 (no bytes), and the a8 GEMV reads the offsets instead.
@@ -168,11 +170,13 @@ class Int4Linear(QuantLinear):
     (``qweight``, ``scales``, ``zeros``, ``offsets`` when present, ``bias``).
     """
 
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor | None, zeros: torch.Tensor,
                  bias: torch.Tensor | None = None, in_features: int | None = None,
                  prefer_packed: bool = True, perm: torch.Tensor | None = None,
                  input_scale: torch.Tensor | None = None, offsets: torch.Tensor | None = None,
                  kscales: KScales | None = None) -> None:
+        if kscales is not None:  # the float scales and offsets are Q4_K's stored ones multiplied out
+            scales, offsets = kscales.scales(), kscales.offsets()
         n, half_kp = qweight.shape
         kp = 2 * half_kp
         n_groups = scales.shape[1]
@@ -242,9 +246,7 @@ class Int4Linear(QuantLinear):
             self.register_buffer("zeros_gm", self.zeros_u8.t().contiguous() if c_kernels else None)  # [G, N]
         # GGUF Q4_K's scales as stored (kernels.KScales: 6-bit sc / m per group, fp16 d / dmin per 8 groups):
         # held instead of the float32 scales and offsets they multiply out to (0.58 bytes a weight, not 0.75).
-        compact = kscales is not None and offsets is not None and group_size == 32 and kp % 256 == 0 and c_kernels
-        if compact and not (torch.equal(kscales.scales(), scales) and torch.equal(kscales.offsets(), offsets)):
-            raise CheckpointError("int4 Q4_K scales disagree with the scales and offsets they should multiply out to")
+        compact = kscales is not None and group_size == 32 and kp % 256 == 0 and c_kernels
         for name, t in zip(("k_sc", "k_m", "k_d", "k_dmin"), (kscales.sc, kscales.m, kscales.d, kscales.dmin)
                            if compact else (None,) * 4):
             self.register_buffer(name, None if t is None else t.contiguous())  # [G, N] / [G / 8, N]
@@ -270,10 +272,12 @@ class Int4Linear(QuantLinear):
     def from_quantized(cls, tensors: dict[str, torch.Tensor], in_features: int | None = None,
                        prefer_packed: bool = True) -> "Int4Linear":
         """Rebuild from canonical tensors; ``in_features`` defaults to the padded width."""
-        qweight, scales, zeros = require(tensors, ("qweight", "scales", "zeros"), "int4")
-        ks = None  # GGUF Q4_K's stored scales, group-major (beside the scales and offsets they make)
-        if "k_sc" in tensors:
-            ks = KScales(*require(tensors, ("k_sc", "k_m", "k_d", "k_dmin"), "int4"))
+        if "k_sc" in tensors:  # GGUF Q4_K's stored scales, group-major: the float scales are made from them
+            (qweight, zeros), ks = require(tensors, ("qweight", "zeros"), "int4"), KScales(
+                *require(tensors, ("k_sc", "k_m", "k_d", "k_dmin"), "int4"))
+            scales = None
+        else:
+            (qweight, scales, zeros), ks = require(tensors, ("qweight", "scales", "zeros"), "int4"), None
         return cls(qweight, scales, zeros, tensors.get("bias"), in_features, prefer_packed, tensors.get("perm"),
                    tensors.get("input_scale"), tensors.get("offsets"), ks)
 
@@ -302,8 +306,8 @@ class Int4Linear(QuantLinear):
         kscales = None
         if all(k is not None for k in ks):  # Q4_K's stored scales side by side (group-major: along dim 1)
             kscales = KScales(*(torch.cat([getattr(k, f) for k in ks], dim=1) for f in ("sc", "m", "d", "dmin")))
-        return cls(cat["qweight"], cat["scales"], cat["zeros"], bias, first.in_features, True, first.perm,
-                   first.input_scale, cat.get("offsets"), kscales)
+        return cls(cat["qweight"], None if kscales else cat["scales"], cat["zeros"], bias, first.in_features, True,
+                   first.perm, first.input_scale, None if kscales else cat.get("offsets"), kscales)
 
     # --- canonical view -----------------------------------------------------
     def canonical_tensors(self) -> dict[str, torch.Tensor]:

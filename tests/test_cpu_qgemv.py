@@ -545,3 +545,35 @@ def test_bf16_gemv_is_its_definition(m, n, k):
         cpu_qgemv.bf16_gemv(x, w.float())
     with pytest.raises(ValueError, match=r"bf16_gemv: x must be a CPU bf16 \[M, \d+\] tensor"):
         cpu_qgemv.bf16_gemv(x.float(), w)
+
+
+@needs_kernel
+def test_k_quant_layout_argument_errors_name_what_is_wrong():
+    """Offsets, Q4_K's and Q6_K's stored scales given in the wrong shape or dtype: a ValueError (kernels) or a
+    one-line CheckpointError (layers) naming it, before any C kernel reads memory it should not."""
+    from llmsys.kernels import pack_int4
+    from llmsys.kernels.common.errors import CheckpointError
+    from llmsys.quant.int8_block import Int8BlockLinear
+
+    lin = _int4(64, 256, 32)
+    x = torch.randn(1, 256).bfloat16()
+    zeros = torch.zeros(1, dtype=torch.uint8).expand(64, 8)
+    with pytest.raises(ValueError, match=r"int4_gemv_a8: offsets must be float32 \(64, 8\)"):
+        cpu_qgemv.int4_gemv_a8(x, lin.packed, torch.rand(64, 8), zeros, 32, offsets=torch.rand(64, 8).half())
+    ks = _kscales(64, 256)
+    bad = type(ks)(ks.sc[:4], ks.m[:4], ks.d, ks.dmin)  # 4 groups: not whole 256-column super-blocks
+    with pytest.raises(RuntimeError, match=r"int4_gemv_a8: the C kernel failed \(code 1\) .*Q4_K scales"):
+        cpu_qgemv.int4k_gemv_a8(torch.randn(1, 128).bfloat16(), lin.packed, bad, 128)
+    q = torch.zeros(64, 256, dtype=torch.int8)
+    sc, d = _q6k_scales(64, 256, torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=r"int8 \[K/16, N\] with fp16 super_scales \[K/256, N\]"):
+        cpu_qgemv.int8g_gemv_a8(x, q, sc, super_scales=d.float())
+    codes = pack_int4(torch.zeros(64, 256, dtype=torch.uint8))
+    with pytest.raises(CheckpointError, match=r"int4 offsets torch.float16 \(64, 8\) need float32"):
+        Int4Linear(codes, torch.rand(64, 8), torch.zeros(64, 8), offsets=torch.rand(64, 8).half())
+    with pytest.raises(CheckpointError, match=r"int4 tensors disagree"):  # Q4_K scales of another row count
+        Int4Linear(codes, None, torch.zeros(64, 8), kscales=_kscales(32, 256))
+    with pytest.raises(CheckpointError, match=r"expected int8 \[N, K\] and \[16, 64\] \(int8 scales per 16 columns"):
+        Int8BlockLinear(q, sc, None, super_scales=d[:, :32])
+    with pytest.raises(CheckpointError, match=r"\(float32 scales and offsets, one per 32 columns"):
+        Int8BlockLinear(q, torch.rand(8, 64), None, offsets=torch.rand(8, 32))

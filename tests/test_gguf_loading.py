@@ -660,3 +660,20 @@ def test_int8_g32_checkpoints_round_trip_and_a_wrong_shape_is_named(families, tm
     save_file(t, str(out / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=rf"tensor {key} has shape \(1, 64\), expected \(3, 64\)"):
         LLM(str(out), device="cpu", progress=False, kv_cache_tokens=64)
+
+
+@pytest.mark.parametrize("qtype, at", [("Q4_K", 0), ("Q6_K", 208)])  # the byte offset of d in the first block
+def test_a_nan_super_block_scale_is_named_at_load(tmp_path, qtype, at):
+    """A K-quant's fp16 d kept as stored is checked like every other factor: a NaN one is a one-line error
+    naming the tensor and the file, not garbage text later."""
+    folder = make_hf_model("llama", tmp_path / "m", seed=3, hidden_size=256, intermediate_size=512,
+                           num_attention_heads=4, num_key_value_heads=2)
+    path = export_float(folder, tmp_path / "q.gguf", "f32", qtype)
+    t = next(t for t in gguf.GGUFReader(str(path)).tensors if t.name == "blk.0.ffn_down.weight")
+    data = bytearray(path.read_bytes())
+    data[int(t.data_offset) + at : int(t.data_offset) + at + 2] = np.array([np.nan], np.float16).tobytes()
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError) as e:
+        load_model(path, dtype="float32", device="cpu")
+    msg = str(e.value)
+    assert "\n" not in msg and "q.gguf" in msg and "blk.0.ffn_down.weight (super-block scales)" in msg, msg

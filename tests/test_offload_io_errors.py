@@ -321,3 +321,20 @@ def test_a_failing_constraint_fails_only_its_request(stories_hf, plain):
     assert final[rids[3]] == ("error", "the request's output constraint failed: ValueError: grammar rejected the token")
     assert toks[rids[3]] == plain["prompts"][3][:4]
     assert core.allocator.num_used == 0
+
+
+def test_a_lost_block_nobody_holds_is_raised_not_retried_forever(stories_hf, monkeypatch):
+    """KVReadError names blocks no running sequence holds (a bug, not a disk): re-running the step would fail
+    the same way every time, so the step raises it (the server's guard then fails the step's requests)."""
+    from llmsys.kernels.common.errors import KVReadError
+
+    llm = LLM(str(stories_hf), dtype="float32", progress=False, kv_cache_tokens=256, swap_space=0)
+    core = llm.core
+
+    def lost(sched):
+        raise KVReadError("KV offload file x: short read of layer 0 block 99999", [99999])
+
+    monkeypatch.setattr(core.runner, "execute", lost)
+    core.add_request(llm.encode(PROMPTS[0]), SP)
+    with pytest.raises(KVReadError, match="short read of layer 0 block 99999"):
+        core.step()

@@ -56,7 +56,7 @@ import torch
 
 from llmsys.engine.loader import validate
 from llmsys.engine.loader.gguf_header import MAGIC, GGUFHeader, TensorEntry, read_bytes, read_header
-from llmsys.kernels import pack_int4, unpack_int4
+from llmsys.kernels import KScales, pack_int4, unpack_int4
 from llmsys.kernels.common.errors import CheckpointError, UnsupportedModelError
 
 if TYPE_CHECKING:
@@ -116,6 +116,9 @@ KEPT_BYTES = {"Q4_0": 0.5 + 2 / 32 + 2 / 32, "Q8_0": 1 + 2 / 32, "Q5_0": 1 + 2 /
               "Q4_1": 0.5 + 8 / 32, "Q4_K": 0.5 + 2 / 32 + 4 / 256, "Q6_K": 1 + 1 / 16 + 2 / 256, "Q5_K": 1 + 8 / 32}
 OFFSET_KINDS = ("Q4_1", "Q4_K")  # kept as int4 with float offsets
 KSCALE_KEYS = ("k_sc", "k_m", "k_d", "k_dmin")  # Q4_K's stored scales, as Int4Linear.from_quantized takes them
+# The float factors of kept block formats, checked finite at load (int8 / uint8 ones cannot be otherwise).
+BLOCK_FACTORS = {"scales": "block scales", "block_scales": "block scales", "offsets": "block minimums",
+                 "k_d": "super-block scales", "k_dmin": "super-block minimums", "super_scales": "super-block scales"}
 Q4K_BLOCK = 144  # bytes of one Q4_K super-block of 256 weights: d, dmin (fp16), 12 bytes of 6-bit sc/m, 128 of codes
 Q6K_BLOCK = 210  # Q6_K: 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 scales, d (fp16)
 Q5K_BLOCK = 176  # Q5_K: d, dmin (fp16), 12 bytes of 6-bit sc/m (as Q4_K), 32 bytes of 5th bits, 128 of low nibbles
@@ -364,21 +367,20 @@ class GGUFIndex:
         t = self._tensors[name]
         n, k = int(t.shape[1]), int(t.shape[0])
         kind = _qtype(t)
-        floats = kind in OFFSET_KINDS  # float32 scales and offsets; Q4_0: fp16 scales, zero 8
         qweight = torch.empty(n, k // 2, dtype=torch.uint8)
-        scales = torch.empty(n, k // 32, dtype=torch.float32 if floats else torch.float16)
-        offsets = torch.empty(n, k // 32) if floats else None
-        stored = None  # Q4_K: sc, m [N, G] uint8 and d, dmin [N, G / 8] fp16, as the file holds them
-        if kind == "Q4_K":
+        stored = scales = offsets = None
+        if kind == "Q4_K":  # sc, m [N, G] uint8 and d, dmin [N, G / 8] fp16, as the file holds them
             stored = [torch.empty(n, k // 32, dtype=torch.uint8) for _ in range(2)]
             stored += [torch.empty(n, k // 256, dtype=torch.float16) for _ in range(2)]
+        else:  # Q4_1: float32 scales and offsets; Q4_0: fp16 scales, zero 8
+            scales = torch.empty(n, k // 32, dtype=torch.float32 if kind == "Q4_1" else torch.float16)
+            offsets = torch.empty(n, k // 32) if kind == "Q4_1" else None
         for r0, r1, raw in self._row_pieces(t, n):  # a piece at a time: a whole embedding's temporaries are GBs
             rows = r1 - r0
             if kind == "Q4_K":
                 codes, *parts = _q4k_parts(raw.view(rows, k // 256, Q4K_BLOCK))
                 for dst, src in zip(stored, parts):
                     dst[r0:r1] = src
-                scales[r0:r1], offsets[r0:r1] = _k_floats(*parts)
             else:
                 width = 20 if kind == "Q4_1" else 18
                 blocks = raw.view(rows, k // 32, width)  # [rows, G, bytes]: d (fp16)[, m (fp16)], 16 bytes of codes
@@ -388,13 +390,12 @@ class GGUFIndex:
                 qs = blocks[..., width - 16 :]  # [rows, G, 16]: byte i holds code i (low nibble), i + 16 (high)
                 codes = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(rows, k)  # [rows, K] in k order
             qweight[r0:r1] = pack_int4(codes)
-        out = {"qweight": qweight, "scales": scales}
-        if offsets is None:
-            out["zeros"] = torch.full_like(scales, 8.0)
+        if stored is not None:  # Int4Linear keeps these (kernels.KScales) and derives the float scales from them
+            out = {"qweight": qweight, "zeros": torch.zeros(n, k // 32), **dict(zip(KSCALE_KEYS, stored))}
+        elif offsets is None:
+            out = {"qweight": qweight, "scales": scales, "zeros": torch.full_like(scales, 8.0)}
         else:
-            out.update(zeros=torch.zeros_like(scales), offsets=offsets)
-        if stored is not None:  # Int4Linear keeps these instead of the floats (kernels.KScales)
-            out.update(zip(KSCALE_KEYS, stored))
+            out = {"qweight": qweight, "scales": scales, "zeros": torch.zeros_like(scales), "offsets": offsets}
         out = {key: self._rows_in_hf_order(name, v) for key, v in out.items()}
         for key in KSCALE_KEYS if stored is not None else ():
             out[key] = out[key].t().contiguous()  # group-major, as the kernels read them
@@ -514,9 +515,10 @@ def _k_scales(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
 
 
 def _k_floats(sc: torch.Tensor, m: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 ``d * sc`` and ``-(dmin * m)`` per 32 columns ``[N, G]`` (the products llama.cpp's dequantization
-    rounds; the same as ``kernels.KScales``)."""
-    return d.float().repeat_interleave(8, 1) * sc.float(), -(dmin.float().repeat_interleave(8, 1) * m.float())
+    """float32 ``d * sc`` and ``-(dmin * m)`` per 32 columns ``[N, G]`` from :func:`_k_scales`' row-major parts
+    (``kernels.KScales``' products; Q5_K keeps these floats)."""
+    ks = KScales(sc.t(), m.t(), d.t(), dmin.t())
+    return ks.scales(), ks.offsets()
 
 
 def _q5k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -615,22 +617,24 @@ def materialize_gguf(model: Any, index: GGUFIndex, dtype: torch.dtype, device: t
             return torch.empty(index.info(name).shape, device="meta")
         return index.read(name, dtype if dtype.is_floating_point else torch.float32)
 
+    def finite_factors(name: str, t: dict[str, torch.Tensor]) -> None:
+        """A kept matrix's float factors (scales, minimums, K-quants' d and dmin) are finite, or a one-line error."""
+        for key, what in BLOCK_FACTORS.items():
+            if key in t and t[key].is_floating_point():
+                validate.check_finite(f"{index.info(name).gguf_name} ({what})", t[key], index.path)
+
     def hook(mod_name: str, w: torch.Tensor, b: torch.Tensor | None) -> Any:
         name = mod_name + ".weight"
         target = exact(name)
         if target == "int4:g32":
             t = index.int4_tensors(name)
             if check_finite:
-                validate.check_finite(f"{index.info(name).gguf_name} (block scales)", t["scales"], index.path)
-                if "offsets" in t:
-                    validate.check_finite(f"{index.info(name).gguf_name} (block minimums)", t["offsets"], index.path)
+                finite_factors(name, t)
             layer = Int4Linear.from_quantized({**t, "bias": b}, in_features=w.shape[1])
         elif target in ("int8:g32", "int8:g16"):
             t = index.int8_block_tensors(name)
             if check_finite:
-                validate.check_finite(f"{index.info(name).gguf_name} (block scales)", t["block_scales"], index.path)
-                if "offsets" in t:
-                    validate.check_finite(f"{index.info(name).gguf_name} (block minimums)", t["offsets"], index.path)
+                finite_factors(name, t)
             layer = Int8BlockLinear.from_quantized({**t, "bias": b})
         else:
             return make_linear(mod_name, w, b) if make_linear is not None else None
