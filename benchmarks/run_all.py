@@ -111,6 +111,7 @@ SCRIPTS: dict[str, list[str]] = {
     "run-startup": ["benchmarks/bench_run_startup.py", "--rounds", "3"],
     "decode-kernels": ["benchmarks/bench_decode_kernels.py", "--threads", "2"],
     "gguf": ["benchmarks/bench_gguf.py", "--tokens", "8192", "--threads", "2"],
+    "kquant-kernels": ["benchmarks/bench_kquant_kernels.py", "--threads", "2"],
     "threads": ["benchmarks/bench_threads.py", "--shape", "smollm2-135m"],
     "quantize-cost": ["benchmarks/bench_quantize_cost.py", "--shapes", "qwen2.5-0.5b"],
     "refine-attention": ["benchmarks/bench_refine_attention.py"],
