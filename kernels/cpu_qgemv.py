@@ -526,11 +526,14 @@ class KScales:
         return (self.sc.data_ptr(), self.m.data_ptr(), self.d.data_ptr(), self.dmin.data_ptr(), self.sc.stride(0))
 
 
-def int4k_gemv_a8(x: torch.Tensor, packed: torch.Tensor, ks: KScales, k: int, *, lib=None) -> torch.Tensor:
+def int4k_gemv_a8(x: torch.Tensor, packed: torch.Tensor, ks: KScales, k: int, *, check: bool = True,
+                  lib=None) -> torch.Tensor:
     """:func:`int4_gemv_a8` with Q4_K's scales as stored (``ks``; group 32, ``k`` input features, whole
-    256-column super-blocks): the bits of :func:`int4_a8_def` given ``ks.scales()`` and ``offsets=ks.offsets()``."""
+    256-column super-blocks): the bits of :func:`int4_a8_def` given ``ks.scales()`` and ``offsets=ks.offsets()``.
+    ``check=False`` skips the check of ``x`` for callers that made it (the C kernel still checks the shapes)."""
     n, kp = ks.sc.shape[1], ks.sc.shape[0] * 32
-    _check_x("int4_gemv_a8", x, k)
+    if check:
+        _check_x("int4_gemv_a8", x, k)
     m = x.shape[0]
     out = torch.empty(m, n, dtype=torch.bfloat16)
     rc = (lib or _KERNEL.lib()).llmsys_qgemv_int4k_a8(x.data_ptr(), x.stride(0), packed.data_ptr(), *ks.pointers(),

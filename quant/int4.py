@@ -292,7 +292,8 @@ class Int4Linear(QuantLinear):
             and (m.group_size, m.in_features, m.padded_in_features) == (first.group_size, first.in_features,
                                                                           first.padded_in_features)
             and _same_or_none(m.perm, first.perm) and _same_or_none(m.input_scale, first.input_scale)
-            and (m.bias is None) == (first.bias is None) and (m.offsets_gm is None) == (first.offsets_gm is None)
+            and (m.bias is None) == (first.bias is None) and m.has_offsets() == first.has_offsets()
+            and (m.kscales() is None) == (first.kscales() is None)
             for m in layers
         )
         if not same:
@@ -329,6 +330,11 @@ class Int4Linear(QuantLinear):
             scales = self.scales_zeros[:, :n, 0].t().contiguous()  # bf16, exact
         out = {"qweight": pack_int4(q), "scales": scales, "zeros": self.zeros_u8.to(scales.dtype)}
         return out if self.offsets_gm is None else {**out, "offsets": self.offsets_gm.t().contiguous()}
+
+    def has_offsets(self) -> bool:
+        """Packed mode with a float minimum per group (``w = q * scale + offset``: Q4_1's floats or Q4_K's
+        stored scales) instead of integer zero points."""
+        return self._buffers.get("offsets_gm") is not None or self._buffers.get("k_sc") is not None
 
     def kscales(self) -> KScales | None:
         """GGUF Q4_K's scales as this layer holds them (packed mode), or None."""
@@ -434,7 +440,7 @@ class Int4Linear(QuantLinear):
             if family is KernelFamily.C_INT4:  # every row: the a8 GEMV (each row's bits independent of the batch)
                 xb = self._a8_input(x2)
                 if buf["k_sc"] is not None:  # Q4_K's stored scales
-                    y = int4k_gemv_a8(xb, buf["packed"], self.kscales(), self.in_features)
+                    y = int4k_gemv_a8(xb, buf["packed"], self.kscales(), self.in_features, check=False)
                     return y if x2.dtype == torch.bfloat16 else y.to(x2.dtype)
                 scales = buf["scales_orig"]
                 if scales is None:
@@ -467,7 +473,7 @@ class Int4Linear(QuantLinear):
         Where oneDNN has no bf16 (AVX2), ``cpu_linear.mm_bf16`` runs it as float32 sgemm.
         """
         n, k = self.out_features, self.in_features
-        offsets = self.offsets_gm is not None or self._buffers.get("k_sc") is not None
+        offsets = self.has_offsets()
         scales = None if offsets else self._canonical_scales()
         step = max(CPU_BLOCK_N, DEQUANT_CHUNK_BYTES // (2 * k) // CPU_BLOCK_N * CPU_BLOCK_N)
         xt = xb.t()
