@@ -257,8 +257,7 @@ class EngineCore:
                 except Exception as e:
                     broken[seq.request_id] = _constraint_failure(e)
             if seq.request_id in broken:
-                self.scheduler.finish(seq, "error")
-                chunks.extend(self._failed([(seq.request_id, broken[seq.request_id])]))
+                chunks.append(self._end_with_error(seq, broken[seq.request_id]))
                 continue
             self.scheduler.append_tokens([seq], [tok])
             chunk = self._append(seq, tok, lp, now)
@@ -314,9 +313,13 @@ class EngineCore:
             self.scheduler.isolate(ids)
             return []
         log.exception("an engine step failed for request %s alone; ending it", ids[0])
-        seq = self.requests[ids[0]]
+        why = f"the engine failed on this request: {type(e).__name__}: {e}".splitlines()[0]
+        return [self._end_with_error(self.requests[ids[0]], why)]
+
+    def _end_with_error(self, seq: Sequence, why: str) -> StreamChunk:
+        """Finish ``seq`` alone with finish_reason "error" and the one-line ``why``: its final chunk."""
         self.scheduler.finish(seq, "error")
-        return self._failed([(ids[0], f"the engine failed on this request: {type(e).__name__}: {e}".splitlines()[0])])
+        return self._failed([(seq.request_id, why)])[0]
 
     def _failed(self, failed: list[tuple[str, str]]) -> list[StreamChunk]:
         """Final chunks (finish_reason "error", ``error`` = the scheduler's one line) of the requests
