@@ -19,8 +19,8 @@ import hmac
 import ipaddress
 import logging
 import time
-from contextlib import asynccontextmanager, contextmanager
-from typing import Any, Iterator
+from contextlib import asynccontextmanager
+from typing import Any
 from urllib.parse import urlsplit
 
 from fastapi import FastAPI, Request
@@ -28,7 +28,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from llmsys.kernels.common.errors import ContextOverflowError, InvalidParameterError, LLMSysError, TokenizerError
+from llmsys.kernels.common.errors import ContextOverflowError, LLMSysError, TokenizerError
 from llmsys.engine.sampling import SamplingParams
 from llmsys.offload.kv_policy import KVPolicy
 from llmsys.engine.server.completions import (
@@ -42,6 +42,7 @@ from llmsys.engine.server.completions import (
     timings_dict,
 )
 from llmsys.engine.server.openapi import ServerAPI
+from llmsys.engine.server.prepare import Preparer
 from llmsys.engine.server.protocol import (
     MAX_PROMPTS,
     APIError,
@@ -236,12 +237,8 @@ def create_app(state: ServerState) -> ServerAPI:
         log.exception("unhandled error")
         return _error_response(APIError(500, f"internal error: {e}", type="server_error"))
 
-    def need_ready() -> None:
-        if state.load_error:
-            raise APIError(503, f"model failed to load: {state.load_error}", type="server_error")
-        if not state.ready:
-            raise APIError(503, "the model is still loading; retry shortly", type="server_error",
-                           code="model_loading", headers={"Retry-After": "1"})
+    prep = Preparer(state)
+    need_ready = prep.need_ready
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -274,76 +271,24 @@ def create_app(state: ServerState) -> ServerAPI:
             "max_model_len": state.llm.max_model_len,
         }]}
 
-    def kv_policy(req: Any) -> KVPolicy | None:
-        """The request's ``kv_policy`` checked against this engine (400 naming the problem), or None."""
-        if req.kv_policy is None:
-            return None
-        try:
-            return state.llm.core.kv_policy.resolve(req.kv_policy)
-        except LLMSysError as e:
-            raise APIError(400, str(e), param="kv_policy", code="invalid_kv_policy") from None
-
-    def too_long(n: int, field: str, at_least: bool = False) -> APIError:
-        max_len = state.llm.max_model_len
-        return APIError(
-            400,
-            f"this model's context holds {max_len} tokens but the prompt has {'at least ' if at_least else ''}{n}; "
-            "shorten the prompt (or restart the server with a larger --max-model-len)",
-            param=field, code="context_length_exceeded", n_prompt_tokens=n, n_ctx=max_len,
-        )
-
-    def slides(policy: KVPolicy | None) -> bool:
-        return (policy or state.llm.core.kv_policy.policy).allows_long_prompts  # the window slides in prefill
-
-    def check_length(text: str, field: str, policy: KVPolicy | None) -> None:
-        """Refuse, without tokenizing it, a text too long to fit whatever its tokens (seconds of CPU
-        for megabytes of text, to learn what its length already says)."""
-        if slides(policy) or len(text) < state.llm.max_model_len:
-            return
-        fewest = len(text) // state.max_token_chars()
-        if fewest >= state.llm.max_model_len:
-            raise too_long(fewest, field, at_least=True)
-
-    def check_prompt(ids: list[int], field: str, policy: KVPolicy | None) -> None:
-        if len(ids) >= state.llm.max_model_len and not slides(policy):
-            raise too_long(len(ids), field)
-        if not ids:
-            raise APIError(400, "the prompt is empty (it encodes to no tokens)", param=field, code="invalid_prompt")
-        vocab = state.llm.loaded.args.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise APIError(400, f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})", param=field,
-                           code="invalid_prompt")
-
-    @contextmanager
-    def bad_text(field: str) -> Iterator[None]:
-        """Text the tokenizer refuses (not valid Unicode) is the client's error, naming the field."""
-        try:
-            yield
-        except InvalidParameterError as e:
-            raise APIError(400, str(e), param=field, code="invalid_prompt") from None
-
     def sampling(req: Any, max_tokens: int | None, logprobs: int | None, policy: KVPolicy | None) -> SamplingParams:
-        try:
-            return SamplingParams(
-                max_tokens=max_tokens,
-                temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p,
-                top_k=req.top_k or 0,
-                min_p=req.min_p or 0.0,
-                repetition_penalty=req.repetition_penalty or 1.0,
-                presence_penalty=req.presence_penalty,
-                frequency_penalty=req.frequency_penalty,
-                seed=req.seed,
-                stop=stop_list(req.stop),
-                ignore_eos=req.ignore_eos,
-                logprobs=logprobs,
-                min_tokens=req.min_tokens,
-                n=req.n,
-                kv_policy=policy,
-            )
-        except LLMSysError as e:  # the schema checked each field; what is left is two fields together
-            raise APIError(400, str(e), code="conflicting_parameters") from None
+        return prep.sampling(
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=req.top_k or 0,
+            min_p=req.min_p or 0.0,
+            repetition_penalty=req.repetition_penalty or 1.0,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            seed=req.seed,
+            stop=stop_list(req.stop),
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+            min_tokens=req.min_tokens,
+            n=req.n,
+            kv_policy=policy,
+        )
 
     async def run(request: Request, req: Any, chat: bool, prompts: list[list[int]], params: SamplingParams,
                   logprobs: int | None):
@@ -392,22 +337,9 @@ def create_app(state: ServerState) -> ServerAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         need_ready()
-        tok = state.llm.tokenizer
-        if tok.chat_template is None:
-            raise APIError(400, f"model '{state.model_name}' has no chat template (it is a base model); "
-                                "use /v1/completions with a plain prompt", param="messages", code="no_chat_template")
         messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()} for m in req.messages]
-        policy = kv_policy(req)
-
-        def prepare() -> list[int]:
-            text = tok.apply_chat_template(messages)
-            check_length(text, "messages", policy)
-            with bad_text("messages"):
-                ids = tok.encode(text, add_special_tokens=False)  # the template writes BOS itself
-            check_prompt(ids, "messages", policy)
-            return ids
-
-        ids = await state.off_loop(prepare)
+        policy = prep.kv_policy(req.kv_policy)
+        ids = await state.off_loop(prep.chat_ids, messages, "messages", policy)
         top = None
         if req.logprobs:
             top = req.top_logprobs or 0
@@ -427,16 +359,16 @@ def create_app(state: ServerState) -> ServerAPI:
         if len(raw) * req.n > MAX_PROMPTS:
             raise APIError(400, f"{len(raw)} prompts x n={req.n} is more than {MAX_PROMPTS} completions per request",
                            param="n", code="too_many_choices")
-        policy = kv_policy(req)
+        policy = prep.kv_policy(req.kv_policy)
 
         def prepare() -> list[list[int]]:
+            prompts = []
             for x in raw:
                 if isinstance(x, str):
-                    check_length(x, "prompt", policy)
-            with bad_text("prompt"):
-                prompts = [state.llm.tokenizer.encode(x) if isinstance(x, str) else list(x) for x in raw]
-            for ids in prompts:
-                check_prompt(ids, "prompt", policy)
+                    prompts.append(prep.encode(x, "prompt", policy))
+                else:
+                    prep.check_prompt(list(x), "prompt", policy)
+                    prompts.append(list(x))
             return prompts
 
         prompts = await state.off_loop(prepare)
