@@ -1,21 +1,20 @@
 """Read a running ``llmsys serve`` through its Prometheus ``/metrics`` text.
 
-The monitor deliberately does not import the server package: it parses the
-text format generically, so a metric the server does not (yet) export simply
-shows as n/a instead of breaking the panel.
+The monitor deliberately does not import the server package: it reads the text
+with ``prometheus_client``'s parser and looks metrics up by name, so a metric
+the server does not (yet) export simply shows as n/a instead of breaking the
+panel.
 """
 
 from __future__ import annotations
 
-import re
 import urllib.request
 from collections import deque
 from dataclasses import dataclass
 
-from llmsys.tui.snapshot import TIERS, TierSnapshot, TierUsage
+from prometheus_client.parser import text_string_to_metric_families
 
-_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"')
+from llmsys.tui.snapshot import TIERS, TierSnapshot, TierUsage, plan_phrase
 
 Labels = tuple[tuple[str, str], ...]
 
@@ -46,22 +45,23 @@ class Samples:
 
 
 def parse_prometheus(text: str) -> Samples:
-    """Parse Prometheus text exposition (comments, labels, NaN/Inf, timestamps)."""
+    """Parse Prometheus text exposition with the library's parser. A line it refuses ends its
+    parse, so then the lines are read one at a time and the ones it refuses are skipped."""
     values: dict[str, dict[Labels, float]] = {}
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        m = _LINE.match(line)
-        if not m:
-            continue
-        name, raw_labels, raw_value = m.groups()
-        try:
-            value = float(raw_value)
-        except ValueError:
-            continue
-        labels: Labels = tuple(sorted((k, v.replace('\\"', '"').replace("\\\\", "\\")) for k, v in _LABEL.findall(raw_labels or "")))
-        values.setdefault(name, {})[labels] = value
+
+    def add(chunk: str) -> None:
+        for fam in text_string_to_metric_families(chunk):
+            for s in fam.samples:
+                values.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = float(s.value)
+
+    try:
+        add(text)
+    except ValueError:
+        for line in text.splitlines():
+            try:
+                add(line + "\n")
+            except ValueError:
+                continue
     return Samples(values)
 
 
@@ -76,6 +76,19 @@ def fetch_metrics(url: str, timeout: float = 2.0) -> Samples:
 
 def weights_on_gpu(s: Samples) -> bool:
     return bool(s.by_label("llmsys_weight_bytes", "tier").get("gpu"))
+
+
+def layer_placement(s: Samples) -> tuple[tuple[str, ...], tuple[bool, ...]]:
+    """Each layer's tier and streamed flag from ``llmsys_layer_info{layer,tier,streamed}`` (none: ``((), ())``)."""
+    layers: dict[int, tuple[str, bool]] = {}
+    for labels in s.values.get("llmsys_layer_info", {}):
+        d = dict(labels)
+        try:
+            layers[int(d["layer"])] = (d.get("tier", "?"), d.get("streamed") == "true")
+        except (KeyError, ValueError):
+            continue
+    ordered = [layers[i] for i in sorted(layers)]
+    return tuple(t for t, _ in ordered), tuple(st for _, st in ordered)
 
 
 class MetricsTracker:
@@ -102,6 +115,7 @@ class MetricsTracker:
         kv_bytes = s.by_label("llmsys_kv_bytes_total", "tier")
         kv_used_bytes = s.by_label("llmsys_kv_bytes_used", "tier")
         budgets = s.by_label("llmsys_memory_budget_bytes", "tier")
+        staging = s.by_label("llmsys_staging_bytes", "tier")
         tiers = tuple(
             TierUsage(
                 tier=t,
@@ -109,6 +123,7 @@ class MetricsTracker:
                 weights=int(weights.get(t, 0)),
                 kv_reserved=int(kv_bytes.get(t, 0)),
                 kv_used=int(kv_used_bytes.get(t, 0)),
+                workspace=int(staging.get(t, 0)),
                 kv_blocks_used=int(used.get(t, 0)),
                 kv_blocks_total=int(total.get(t, 0)),
             )
@@ -123,9 +138,13 @@ class MetricsTracker:
         ttft = ttft_sum / ttft_n if ttft_sum is not None and ttft_n else None
         evicted = s.get("llmsys_kv_evicted_tokens_total")
         per_req = tok_s / running if tok_s is not None and running else None
+        layer_tiers, streamed = layer_placement(s)
+        home = "gpu" if weights_on_gpu(s) else "cpu"
         return TierSnapshot(
             tiers=tiers,
-            plan_phrase="placement not exported by the server",
+            layer_tiers=layer_tiers,
+            layer_streamed=streamed,
+            plan_phrase=plan_phrase(layer_tiers, streamed, home) if layer_tiers else "placement not exported by the server",
             evicted_tokens=int(evicted) if evicted is not None else None,
             tok_s=tok_s,
             tok_s_history=tuple(self._history),

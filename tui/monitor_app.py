@@ -91,8 +91,9 @@ class MonitorApp(App):
         self.last_error = None
         self.panel.update_snapshot(msg.snapshot)
         s = msg.snapshot
+        plan = f" | {s.plan_phrase}" if s.layer_tiers else ""  # the server exports each layer's tier
         self.query_one(StatusLine).show_text(
-            f"{self.url} | {s.requests_running if s.requests_running is not None else 'n/a'} running"
+            f"{self.url}{plan} | {s.requests_running if s.requests_running is not None else 'n/a'} running"
             f" · {s.requests_waiting if s.requests_waiting is not None else 'n/a'} queued  ·  Ctrl+Q quit"
         )
 

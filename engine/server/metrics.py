@@ -1,160 +1,254 @@
-"""Prometheus text exposition, written by hand (no client library needed).
+"""The server's Prometheus metrics, through ``prometheus_client``.
 
-The engine thread and the HTTP handlers both update these, so every update
-and the rendering take one lock; updates are a few additions each.
+Each :class:`Metrics` owns its :class:`CollectorRegistry` (never the library's
+global one), so two servers in one process (the tests run several) never share
+a count. On it:
+
+- the library's counters and histograms, updated by the HTTP handlers and the
+  engine thread (they take their own locks); their ``_created`` samples are
+  left out, so the exposition keeps the names it always had;
+- a collector of the engine's state (queue, KV blocks, swap, bytes per memory
+  tier, budgets, layer placement): the engine thread replaces an immutable
+  snapshot after each step (:meth:`Metrics.set_gauges`, :meth:`Metrics.set_memory`)
+  and a scrape reads the latest one; the engine core itself is never touched
+  from an HTTP thread;
+- the library's process and platform collectors (``process_*``, ``python_info``).
+
+:func:`parse_metrics` reads the text back with the library's parser.
 """
 
 from __future__ import annotations
 
-import bisect
-import threading
+import dataclasses
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import (
+    CONTENT_TYPE_PLAIN_0_0_4,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from llmsys.engine.core import EngineCore, MemoryReport
 
 # Latency buckets in seconds: sub-millisecond decode steps up to slow prefills.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
+# What ``render()`` writes: the library's text format 0.0.4 (what its own HTTP handlers pair it with).
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 
-@dataclass
-class Histogram:
-    buckets: tuple[float, ...] = LATENCY_BUCKETS
-    counts: list[int] = field(default_factory=list)  # per bucket (not cumulative), + the +Inf one
-    total: float = 0.0
-    n: int = 0
 
-    def __post_init__(self) -> None:
-        self.counts = [0] * (len(self.buckets) + 1)
+@dataclass(frozen=True)
+class EngineGauges:
+    """The engine's state at its last step (replaced whole, never changed in place)."""
 
-    def observe(self, v: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, v)] += 1
-        self.total += v
-        self.n += 1
+    queue_depth: int = 0
+    running: int = 0
+    kv_blocks_used: dict[str, int] = field(default_factory=dict)  # tier -> blocks (pool and cold tier)
+    kv_blocks_total: int = 0
+    kv_blocks_cached: int = 0
+    kv_cold_blocks_total: int = 0  # cold KV tier (llmsys.offload.kv_tier); 0 = none
+    swap: dict[str, Any] = field(default_factory=dict)  # tier, used, swap_outs, recomputes; {} = swap off
+    # Bytes per tier (EngineCore.memory_report()); empty until the first report.
+    weights: dict[str, int] = field(default_factory=dict)
+    kv_total: dict[str, int] = field(default_factory=dict)
+    kv_used: dict[str, int] = field(default_factory=dict)
+    staging: dict[str, int] = field(default_factory=dict)
+    swap_total: dict[str, int] = field(default_factory=dict)
+    swap_used: dict[str, int] = field(default_factory=dict)
+    # Fixed once the model is loaded (set_placement).
+    budgets: dict[str, int] = field(default_factory=dict)  # tier -> bytes llmsys may use there
+    layers: tuple[tuple[str, bool], ...] = ()  # per layer: (tier holding its weights, streamed per step)
 
-    def render(self, name: str) -> list[str]:
-        out, acc = [], 0
-        for le, c in zip(self.buckets, self.counts):
-            acc += c
-            out.append(f'{name}_bucket{{le="{le}"}} {acc}')
-        out.append(f'{name}_bucket{{le="+Inf"}} {self.n}')
-        out.append(f"{name}_sum {self.total}")
-        out.append(f"{name}_count {self.n}")
-        return out
+
+def memory_budgets(core: EngineCore) -> dict[str, int]:
+    """Bytes llmsys may use per tier, for the tiers that have a budget: the offload plan's budgets
+    (``--gpu-mem`` / ``--cpu-mem``, or what was free at load minus a margin) when the engine runs
+    one, else the flags alone (an engine loaded without a plan has no other budget)."""
+    plan = getattr(core.offload, "plan", None)
+    b = getattr(plan, "budgets", None)
+    gpu, cpu = (b.gpu, b.cpu) if b is not None else (core.config.gpu_mem, core.config.cpu_mem)
+    return {t: int(v) for t, v in (("gpu", gpu), ("cpu", cpu)) if v is not None}
+
+
+def layer_placement(core: EngineCore) -> tuple[tuple[str, bool], ...]:
+    """Per layer: the tier holding its weights and whether it is streamed each step (the offload
+    plan's layers; a layer it does not list, or every layer without a runtime, is resident where
+    the model runs)."""
+    home = "gpu" if core.loaded.device.type == "cuda" else "cpu"
+    plan = getattr(core.offload, "plan", None)
+    planned = tuple((p.tier, p.kind in ("cpu->gpu", "disk")) for p in plan.layers) if plan is not None else ()
+    return planned + ((home, False),) * max(int(core.loaded.args.num_hidden_layers) - len(planned), 0)
+
+
+class _Instruments(Collector):
+    """The library's counters and histograms, less their ``_created`` samples."""
+
+    def __init__(self, instruments: Sequence[Any]):
+        self._instruments = tuple(instruments)
+
+    def describe(self) -> Iterable[Metric]:
+        return [fam for m in self._instruments for fam in m.describe()]
+
+    def collect(self) -> Iterable[Metric]:
+        for m in self._instruments:
+            for fam in m.collect():  # fresh objects each scrape: trimming them changes nothing else
+                fam.samples = [s for s in fam.samples if not s.name.endswith("_created")]
+                yield fam
+
+
+def _per_tier(name: str, help_: str, values: dict[str, int], kind: type = GaugeMetricFamily) -> Metric:
+    fam = kind(name, help_, labels=["tier"])
+    for tier, v in sorted(values.items()):
+        fam.add_metric([tier], v)
+    return fam
+
+
+class _EngineCollector(Collector):
+    """Gauges (and the swap counters) from the engine thread's latest :class:`EngineGauges`."""
+
+    def __init__(self, metrics: Metrics):
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        g = self._metrics.engine  # one read: a consistent snapshot
+        yield GaugeMetricFamily("llmsys_kv_blocks_cached", "Free KV blocks still holding a reusable prompt prefix.",
+                                value=g.kv_blocks_cached)
+        yield GaugeMetricFamily("llmsys_queue_depth", "Requests waiting (server queue + engine waiting).",
+                                value=g.queue_depth)
+        yield GaugeMetricFamily("llmsys_requests_running", "Requests being decoded.", value=g.running)
+        yield GaugeMetricFamily("llmsys_kv_blocks_total", "KV blocks in the pool.", value=g.kv_blocks_total)
+        if g.kv_cold_blocks_total:
+            yield GaugeMetricFamily("llmsys_kv_cold_blocks_total",
+                                    "KV blocks of the cold tier (offloaded beyond the pool).", value=g.kv_cold_blocks_total)
+        yield _per_tier("llmsys_kv_blocks_used", "KV blocks in use, per memory tier (pool and cold tier).",
+                        g.kv_blocks_used)
+        sw = g.swap
+        if sw:
+            yield _per_tier("llmsys_kv_swap_blocks_used", "Swap-space blocks holding preempted requests' KV.",
+                            {sw["tier"]: sw["used"]})
+            pre = CounterMetricFamily("llmsys_kv_preemptions", "Preempted requests, by what happened to their KV.",
+                                      labels=["kind"])
+            pre.add_metric(["swap"], sw["swap_outs"])
+            pre.add_metric(["recompute"], sw["recomputes"])
+            yield pre
+        for name, help_, values in (
+            ("llmsys_weight_bytes", "Model weight bytes per memory tier (disk: streamed from the offload folder).",
+             g.weights),
+            ("llmsys_kv_bytes_total", "Bytes reserved for KV per memory tier (pool and cold tier).", g.kv_total),
+            ("llmsys_kv_bytes_used", "Bytes of KV blocks in use per memory tier.", g.kv_used),
+            ("llmsys_staging_bytes", "Offload ring / staging buffer bytes per memory tier.", g.staging),
+            ("llmsys_kv_swap_bytes_total", "Swap space for preempted requests' KV, per memory tier.", g.swap_total),
+            ("llmsys_kv_swap_bytes_used", "Bytes of swapped-out KV blocks per memory tier.", g.swap_used),
+            ("llmsys_memory_budget_bytes", "Bytes llmsys may use per memory tier (--gpu-mem / --cpu-mem or the "
+             "offload plan's); tiers without a budget are absent.", g.budgets),
+        ):
+            if values:
+                yield _per_tier(name, help_, values)
+        if g.layers:
+            info = InfoMetricFamily("llmsys_layer", "Where each decoder layer's weights live (streamed: copied to "
+                                    "the compute tier each step).", labels=["layer"])
+            for i, (tier, streamed) in enumerate(g.layers):
+                info.add_metric([str(i)], {"tier": tier, "streamed": "true" if streamed else "false"})
+            yield info
 
 
 class Metrics:
-    """Counters, gauges and histograms of one server process."""
+    """Counters, gauges and histograms of one server process, on a registry of its own."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.requests: dict[tuple[str, int], int] = {}  # (endpoint, status) -> count
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        self.finished: dict[str, int] = {}  # finish reason -> count
-        self.evicted_tokens = 0
-        self.cached_tokens = 0
-        self.kv_blocks_cached = 0
-        self.ttft = Histogram()
-        self.itl = Histogram()
-        self.e2e = Histogram()
-        self.queue_depth = 0
-        self.running = 0
-        self.kv_blocks_used: dict[str, int] = {}
-        self.kv_blocks_total = 0
-        self.kv_cold_blocks_total = 0  # cold KV tier (llmsys.offload.kv_tier); 0 = none
-        self.swap: dict[str, int] = {}  # swap space: tier, used blocks, swap_outs, recomputes
+        self.registry = CollectorRegistry()
+        self.engine = EngineGauges()
+        self.requests = Counter("llmsys_requests", "HTTP requests by endpoint and status code.",
+                                ["endpoint", "status"], registry=None)
+        self.finished = Counter("llmsys_request_finished", "Engine requests finished, by reason.", ["reason"],
+                                registry=None)
+        self.prompt_tokens = Counter("llmsys_prompt_tokens", "Prompt tokens of finished requests.", registry=None)
+        self.generation_tokens = Counter("llmsys_generation_tokens", "Tokens generated.", registry=None)
+        self.evicted_tokens = Counter("llmsys_kv_evicted_tokens", "KV tokens evicted by the KV policy.", registry=None)
+        self.cached_tokens = Counter("llmsys_prefix_cache_hit_tokens",
+                                     "Prompt tokens whose KV came from the prefix cache.", registry=None)
+        self.ttft = Histogram("llmsys_time_to_first_token_seconds", "Request arrival to first generated token.",
+                              buckets=LATENCY_BUCKETS, registry=None)
+        self.itl = Histogram("llmsys_inter_token_latency_seconds", "Time between consecutive tokens of a request.",
+                             buckets=LATENCY_BUCKETS, registry=None)
+        self.e2e = Histogram("llmsys_e2e_request_latency_seconds", "Request arrival to finish.",
+                             buckets=LATENCY_BUCKETS, registry=None)
+        self.registry.register(_Instruments([self.requests, self.finished, self.prompt_tokens, self.generation_tokens,
+                                             self.evicted_tokens, self.cached_tokens]))
+        self.registry.register(_EngineCollector(self))
+        self.registry.register(_Instruments([self.ttft, self.itl, self.e2e]))
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
 
+    # -- HTTP handlers (any thread) ------------------------------------------
     def count_request(self, endpoint: str, status: int) -> None:
-        with self._lock:
-            key = (endpoint, status)
-            self.requests[key] = self.requests.get(key, 0) + 1
+        self.requests.labels(endpoint, str(status)).inc()
 
+    # -- the engine thread ---------------------------------------------------
     def on_tokens(self, n: int, ttft: float | None, itl: float | None) -> None:
-        with self._lock:
-            self.generation_tokens += n
-            if ttft is not None:
-                self.ttft.observe(ttft)
-            if itl is not None:
-                self.itl.observe(itl)
+        self.generation_tokens.inc(n)
+        if ttft is not None:
+            self.ttft.observe(ttft)
+        if itl is not None:
+            self.itl.observe(itl)
 
     def on_finish(self, reason: str, prompt_tokens: int, evicted: int, e2e: float, cached: int = 0) -> None:
-        with self._lock:
-            self.finished[reason] = self.finished.get(reason, 0) + 1
-            self.prompt_tokens += prompt_tokens
-            self.evicted_tokens += evicted
-            self.cached_tokens += cached
-            self.e2e.observe(e2e)
+        self.finished.labels(reason).inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.evicted_tokens.inc(evicted)
+        self.cached_tokens.inc(cached)
+        self.e2e.observe(e2e)
 
     def set_gauges(self, queue_depth: int, running: int, kv_used: dict[str, int], kv_total: int,
                    swap: dict[str, int] | None = None, kv_cached: int = 0, kv_cold_total: int = 0) -> None:
         """``swap``: swap space counters (``llmsys.offload.kv_swap``), None when swap is off;
         ``kv_cached``: free blocks still holding a reusable prompt prefix; ``kv_used`` counts hot
         blocks under the pool's tier and cold ones (``kv_cold_total`` of them) under theirs."""
-        with self._lock:
-            self.kv_blocks_cached = kv_cached
-            self.queue_depth = queue_depth
-            self.running = running
-            self.kv_blocks_used = dict(kv_used)
-            self.kv_blocks_total = kv_total
-            self.kv_cold_blocks_total = kv_cold_total
-            self.swap = dict(swap) if swap else {}
+        self.engine = dataclasses.replace(
+            self.engine, queue_depth=queue_depth, running=running, kv_blocks_used=dict(kv_used),
+            kv_blocks_total=kv_total, kv_blocks_cached=kv_cached, kv_cold_blocks_total=kv_cold_total,
+            swap=dict(swap) if swap else {})
 
+    def set_memory(self, rep: MemoryReport) -> None:
+        """Bytes per tier from the engine's own accounting (``EngineCore.memory_report()``)."""
+        self.engine = dataclasses.replace(
+            self.engine, weights=dict(rep.weights), kv_total=dict(rep.kv_total), kv_used=dict(rep.kv_used),
+            staging=dict(rep.staging), swap_total=dict(rep.kv_swap_total), swap_used=dict(rep.kv_swap_used))
+
+    @property
+    def has_placement(self) -> bool:
+        return bool(self.engine.layers)
+
+    def set_placement(self, budgets: dict[str, int], layers: Sequence[tuple[str, bool]]) -> None:
+        """What does not change once the model is loaded: budgets per tier, each layer's tier."""
+        self.engine = dataclasses.replace(self.engine, budgets=dict(budgets), layers=tuple(layers))
+
+    # -- /metrics --------------------------------------------------------------
     def render(self) -> str:
-        with self._lock:
-            lines = [
-                "# HELP llmsys_requests_total HTTP requests by endpoint and status code.",
-                "# TYPE llmsys_requests_total counter",
-            ]
-            for (ep, st), c in sorted(self.requests.items()):
-                lines.append(f'llmsys_requests_total{{endpoint="{ep}",status="{st}"}} {c}')
-            lines += [
-                "# HELP llmsys_request_finished_total Engine requests finished, by reason.",
-                "# TYPE llmsys_request_finished_total counter",
-            ]
-            for r, c in sorted(self.finished.items()):
-                lines.append(f'llmsys_request_finished_total{{reason="{r}"}} {c}')
-            for name, kind, help_, val in (
-                ("llmsys_prompt_tokens_total", "counter", "Prompt tokens of finished requests.", self.prompt_tokens),
-                ("llmsys_generation_tokens_total", "counter", "Tokens generated.", self.generation_tokens),
-                ("llmsys_kv_evicted_tokens_total", "counter", "KV tokens evicted by the KV policy.", self.evicted_tokens),
-                ("llmsys_prefix_cache_hit_tokens_total", "counter", "Prompt tokens whose KV came from the prefix cache.",
-                 self.cached_tokens),
-                ("llmsys_kv_blocks_cached", "gauge", "Free KV blocks still holding a reusable prompt prefix.",
-                 self.kv_blocks_cached),
-                ("llmsys_queue_depth", "gauge", "Requests waiting (server queue + engine waiting).", self.queue_depth),
-                ("llmsys_requests_running", "gauge", "Requests being decoded.", self.running),
-                ("llmsys_kv_blocks_total", "gauge", "KV blocks in the pool.", self.kv_blocks_total),
-            ):
-                lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {val}"]
-            if self.kv_cold_blocks_total:
-                lines += ["# HELP llmsys_kv_cold_blocks_total KV blocks of the cold tier (offloaded beyond the pool).",
-                          "# TYPE llmsys_kv_cold_blocks_total gauge", f"llmsys_kv_cold_blocks_total {self.kv_cold_blocks_total}"]
-            lines += ["# HELP llmsys_kv_blocks_used KV blocks in use, per memory tier (pool and cold tier).",
-                      "# TYPE llmsys_kv_blocks_used gauge"]
-            for tier, v in sorted(self.kv_blocks_used.items()):
-                lines.append(f'llmsys_kv_blocks_used{{tier="{tier}"}} {v}')
-            sw = self.swap
-            if sw:
-                lines += ["# HELP llmsys_kv_swap_blocks_used Swap-space blocks holding preempted requests' KV.",
-                          "# TYPE llmsys_kv_swap_blocks_used gauge",
-                          f'llmsys_kv_swap_blocks_used{{tier="{sw["tier"]}"}} {sw["used"]}',
-                          "# HELP llmsys_kv_preemptions_total Preempted requests, by what happened to their KV.",
-                          "# TYPE llmsys_kv_preemptions_total counter",
-                          f'llmsys_kv_preemptions_total{{kind="swap"}} {sw["swap_outs"]}',
-                          f'llmsys_kv_preemptions_total{{kind="recompute"}} {sw["recomputes"]}']
-            for name, help_, h in (
-                ("llmsys_time_to_first_token_seconds", "Request arrival to first generated token.", self.ttft),
-                ("llmsys_inter_token_latency_seconds", "Time between consecutive tokens of a request.", self.itl),
-                ("llmsys_e2e_request_latency_seconds", "Request arrival to finish.", self.e2e),
-            ):
-                lines += [f"# HELP {name} {help_}", f"# TYPE {name} histogram"] + h.render(name)
-        return "\n".join(lines) + "\n"
+        """The text exposition (format 0.0.4, :data:`CONTENT_TYPE`)."""
+        return generate_latest(self.registry).decode("utf-8")
+
+
+def _label_value(v: str) -> str:
+    return v.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """``{"name{labels}": value}`` from exposition text (tests, the benchmark)."""
+    """``{'name{k="v",...}': value}`` from exposition text (tests, the benchmark): labels in the
+    order the text gives them, every sample (``_bucket``, ``_sum``, ``_count`` of a histogram)."""
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        key, _, val = line.rpartition(" ")
-        out[key] = float(val)
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            labels = ",".join(f'{k}="{_label_value(v)}"' for k, v in s.labels.items())
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = float(s.value)
     return out

@@ -35,7 +35,7 @@ from llmsys.engine.core import EngineCore, TokenConstraint
 from llmsys.kernels.common.errors import LLMSysError
 from llmsys.engine.outputs import StreamChunk
 from llmsys.engine.sampling import SamplingParams
-from llmsys.engine.server.metrics import Metrics
+from llmsys.engine.server.metrics import Metrics, layer_placement, memory_budgets
 
 log = logging.getLogger("llmsys.server")
 
@@ -357,6 +357,9 @@ class EngineWorker(threading.Thread):
                                         "recomputes": sw.stats.recomputes}
         self.metrics.set_gauges(len(self._waiting) + len(sched.waiting), len(sched.running), tiers,
                                 rep.kv_blocks_total, swap, self.core.allocator.num_cached, rep.kv_cold_blocks_total)
+        self.metrics.set_memory(rep)
+        if not self.metrics.has_placement:  # fixed once loaded: read the plan and flags once
+            self.metrics.set_placement(memory_budgets(self.core), layer_placement(self.core))
 
     def _shutdown(self) -> None:
         self._begin_shutdown(time.monotonic())  # the grace period is over: end everything now
