@@ -1,0 +1,280 @@
+"""Tool calling: how each chat-template family writes a tool call, as a grammar and a parser.
+
+A model is tuned to call tools in its family's own text format; the chat
+template shows which (the markers it renders for earlier calls), so the
+format is detected from the template source, not from the model's name:
+
+* ``hermes`` (Qwen2.5, Qwen3, Hermes, and most templates with ``<tool_call>``):
+  ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, one block per call;
+* ``llama3`` (Llama 3.1 / 3.2 / 3.3 JSON tool calling): ``{"name": ..., "parameters": {...}}``,
+  after ``<|python_tag|>`` when the template uses it, several separated by ``;``;
+* ``mistral``: ``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]``.
+
+``tool_choice: auto`` lets the model write what it likes and parses calls out
+of the text; ``required`` and a named function compile the family's format,
+with each tool's parameter schema, into an llguidance Lark grammar
+(``%json`` embeds a schema), so the output always parses into valid calls.
+Streaming holds text back from the first character a call could start with,
+and emits each call as one ``delta.tool_calls`` entry (id, name, arguments)
+once its text is complete.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal, Sequence
+
+from llmsys.engine.grammar import GrammarSpec
+
+FormatName = Literal["hermes", "llama3", "mistral"]
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text of the arguments object
+
+    def openai(self, index: int | None = None) -> dict[str, Any]:
+        d: dict[str, Any] = {"id": self.id, "type": "function",
+                             "function": {"name": self.name, "arguments": self.arguments}}
+        if index is not None:
+            d["index"] = index
+        return d
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def detect_format(template: str | None) -> FormatName | None:
+    """Which family's tool-call format a chat template speaks, or None (no tool support)."""
+    if not template:
+        return None
+    if "<tool_call>" in template:
+        return "hermes"
+    if "[TOOL_CALLS]" in template:
+        return "mistral"
+    if "<|python_tag|>" in template or ("<|start_header_id|>" in template and "parameters" in template):
+        return "llama3"
+    return None
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """One family's tool-call text (see the module docstring)."""
+
+    name: FormatName
+    # Special-token ids of the markers when the vocabulary has them as single special tokens
+    # (a grammar names those ``<[id]>``; as text they would be spelled out character by character).
+    marker_ids: dict[str, int]
+
+    @property
+    def opener(self) -> str:
+        """Where a call's text begins (streaming holds text back from here)."""
+        return {"hermes": "<tool_call>", "llama3": "{", "mistral": "[TOOL_CALLS]"}[self.name]
+
+    def _lit(self, text: str) -> str:
+        tid = self.marker_ids.get(text)
+        return f"<[{tid}]>" if tid is not None else json.dumps(text)
+
+    def grammar(self, tools: Sequence[dict[str, Any]], forced: str | None, parallel: bool) -> GrammarSpec:
+        """A Lark grammar whose sentences are calls of ``tools`` (only ``forced`` when given),
+        one call, or one or more when ``parallel``."""
+        chosen = [t for t in tools if forced is None or t["name"] == forced]
+        args_key = "parameters" if self.name == "llama3" else "arguments"
+        rules = []
+        for i, t in enumerate(chosen):
+            schema = {
+                "type": "object",
+                "properties": {"name": {"const": t["name"]}, args_key: t.get("parameters") or {"type": "object"}},
+                "required": ["name", args_key],
+                "additionalProperties": False,
+            }
+            rules.append(f"call{i}: %json {json.dumps(schema)}")
+        call = "call: " + " | ".join(f"call{i}" for i in range(len(chosen)))
+        many = "call (" + {"hermes": '"\\n"', "llama3": '"; "', "mistral": '", "'}[self.name] + " call)*"
+        body = many if parallel else "call"
+        if self.name == "hermes":
+            start = f'start: block{"+" if parallel else ""}\nblock: {self._lit("<tool_call>")} "\\n" call "\\n" {self._lit("</tool_call>")} "\\n"?'
+        elif self.name == "llama3":
+            start = f"start: {body}"
+        else:
+            start = f'start: {self._lit("[TOOL_CALLS]")} " "? "[" {body} "]"'
+        return GrammarSpec("lark", "\n".join([start, call, *rules]))
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        """(content outside the calls, calls) of a finished output; text that does not parse as
+        calls stays content."""
+        if self.name == "hermes":
+            calls, content, pos = [], [], 0
+            for m in re.finditer(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", text, re.S):
+                call = _call(m.group(1), "arguments")
+                if call is None:
+                    continue
+                content.append(text[pos:m.start()])
+                pos = m.end()
+                calls.append(call)
+            content.append(text[pos:])
+            return "".join(content).strip() if calls else text, calls
+        if self.name == "mistral":
+            body = text.split("[TOOL_CALLS]", 1)[1] if "[TOOL_CALLS]" in text else text
+            try:
+                items = json.loads(body.strip())
+            except ValueError:
+                return text, []
+            items = items if isinstance(items, list) else [items]
+            calls = [c for c in (_call(json.dumps(x), "arguments") for x in items) if c is not None]
+            return ("" if calls and len(calls) == len(items) else text), calls if len(calls) == len(items) else []
+        body = text.split("<|python_tag|>", 1)[1] if "<|python_tag|>" in text else text
+        parts = [p for p in _split_json_objects(body.strip()) if p]
+        calls = [c for c in (_call(p, "parameters") for p in parts) if c is not None]
+        if parts and len(calls) == len(parts):
+            return "", calls
+        return text, []
+
+
+def _call(text: str, args_key: str) -> ToolCall | None:
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get(args_key, obj.get("arguments", obj.get("parameters", {})))
+    if isinstance(args, str):  # some models write the arguments as a JSON string
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(new_call_id(), obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def _split_json_objects(text: str) -> list[str]:
+    """``{...}; {...}`` (Llama 3's parallel calls) into the objects' texts; [] when it is not that."""
+    out, depth, start, in_str, esc = [], 0, None, False, False
+    for i, ch in enumerate(text):
+        if in_str:
+            esc = not esc and ch == "\\"
+            if ch == '"' and not esc:
+                in_str = False
+            continue
+        if ch == '"':
+            in_str, esc = True, False
+        elif ch == "{":
+            if depth == 0:
+                start = i
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+            if depth < 0:
+                return []
+            if depth == 0 and start is not None:
+                out.append(text[start:i + 1])
+                start = None
+        elif depth == 0 and ch not in " \n\t;":
+            return []
+    return out if depth == 0 else []
+
+
+def template_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
+    """OpenAI messages as chat templates expect them (transformers' convention): an assistant
+    turn's ``tool_calls`` with ``function.arguments`` as an object (templates ``tojson`` it), a
+    tool result with its ``tool_call_id``; ``developer`` is ``system``."""
+    out = []
+    for m in messages:
+        d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        if m.name is not None:
+            d["name"] = m.name
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            calls = []
+            for c in m.tool_calls:
+                try:
+                    args: Any = json.loads(c.function.arguments)
+                except ValueError:
+                    args = c.function.arguments
+                calls.append({"id": c.id, "type": "function",
+                              "function": {"name": c.function.name, "arguments": args}})
+            d["tool_calls"] = calls
+        out.append(d)
+    return out
+
+
+class ToolStream:
+    """Splits a streamed output into content deltas and completed tool calls.
+
+    Text is passed through until the output could be starting a call (the
+    format's opener, or a prefix of it at the end of what came so far); from
+    there it is held, and :meth:`finish` parses it. For ``hermes`` each
+    ``</tool_call>`` completes a call as soon as it arrives. A Llama 3 call is
+    the whole output, so the first non-blank character decides.
+    """
+
+    _TAG = "<|python_tag|>"
+
+    def __init__(self, fmt: ToolFormat):
+        self.fmt = fmt
+        self.held = ""
+        self.mode: Literal["scan", "call", "text"] = "scan"
+
+    def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
+        """(content to send now, calls completed by this delta)."""
+        self.held += delta
+        if self.mode == "text":
+            out, self.held = self.held, ""
+            return out, []
+        if self.fmt.name == "llama3":
+            if self.mode == "scan":
+                s = self.held.lstrip()
+                if s.startswith("{") or s.startswith(self._TAG):
+                    self.mode = "call"
+                elif s and not self._TAG.startswith(s):
+                    self.mode = "text"
+                    out, self.held = self.held, ""
+                    return out, []
+            return "", []
+        out, calls = "", []
+        opener = self.fmt.opener
+        while True:
+            if self.mode == "scan":
+                at = self.held.find(opener)
+                if at < 0:
+                    cut = len(self.held) - _partial_suffix(self.held, opener)
+                    out, self.held = out + self.held[:cut], self.held[cut:]
+                    return out, calls
+                out, self.held, self.mode = out + self.held[:at], self.held[at:], "call"
+            if self.fmt.name != "hermes" or "</tool_call>" not in self.held:
+                return out, calls
+            block, self.held = self.held.split("</tool_call>", 1)
+            block += "</tool_call>"
+            found = self.fmt.parse(block)[1]
+            if found:
+                calls += found
+                self.held = self.held[1:] if self.held.startswith("\n") else self.held
+            else:
+                out += block  # not a call after all: it is content
+            self.mode = "scan"
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """At the end of the output: (held text that is content after all, calls it holds)."""
+        held, self.held = self.held, ""
+        if not held:
+            return "", []
+        if self.mode != "call":
+            return held, []
+        return self.fmt.parse(held)
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
