@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 
 class TokenConstraint(Protocol):
-    """A per-request token constraint (the server's JSON mode, ``engine.server.json_mode.JsonConstraint``)."""
+    """A per-request token constraint (a grammar: ``llmsys.engine.grammar.GrammarConstraint``)."""
 
     def allowed(self, vocab: int) -> torch.Tensor:  # [vocab] bool: tokens that may come next
         ...

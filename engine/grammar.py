@@ -38,9 +38,9 @@ import torch
 from llmsys.engine.tokenizer import Tokenizer
 from llmsys.kernels.common.errors import InvalidParameterError
 
-# JSON as compact as a model usually writes it, with short whitespace runs allowed (a tiny model
-# left free to write whitespace can fill its whole budget with newlines).
-JSON_OPTIONS: dict[str, Any] = {"whitespace_pattern": r"[ \n]{0,2}"}
+# JSON on one line with the separators Python's json.dumps writes (and most models were tuned on):
+# a model left free to write whitespace can fill its whole budget with newlines.
+JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 # The closers tried, in order, when the constraint must finish the document within the budget.
 _CLOSERS = b'"}]01tfn,:a[{'
 _CLOSE_MARGIN = 4  # tokens: one sampled token can lengthen the way out by a few (a quote opening a key)
@@ -179,9 +179,15 @@ class GrammarVocab:
                 path += ff
                 continue
             allowed = np.unpackbits(np.frombuffer(c.compute_bitmask(), dtype=np.uint8), bitorder="little")
-            tid = next((t for t in self.closers if allowed[t]), None)
-            if tid is None:
+            options = [t for t in self.closers if allowed[t]]
+            if not options:
                 return None
+            tid = options[0]
+            for t in options:  # a closer that ends the document right away wins over the usual order
+                trial = c.deep_copy()
+                if trial.consume_token(t) and (trial.is_accepting() or trial.is_stopped()):
+                    tid = t
+                    break
             c.consume_token(tid)
             path.append(tid)
         return None
@@ -213,7 +219,9 @@ class GrammarConstraint:
         if self._forced:
             out[self._forced[0]] = True
             return out
-        if self.m.is_stopped():  # the document is complete: only an end of sequence may follow
+        # Complete, and near the budget (or unable to go on): end here rather than open a part
+        # (another tool call, say) that may not fit.
+        if self.m.is_stopped() or (self.left <= self._watch and self.m.is_accepting()):
             out[self.vocab.eos] = True
             return out
         mask = self.vocab.mask(self.m)

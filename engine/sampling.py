@@ -101,6 +101,9 @@ class SamplingParams:
     min_tokens: int = 0
     n: int = 1
     kv_policy: KVPolicy | None = None  # a str is parsed into a KVPolicy
+    # Added to the logits before penalties and sampling, as OpenAI's logit_bias: ((token id, bias), ...);
+    # a {id: bias} mapping is normalised to that sorted tuple (hashable, frozen). -100 bans, 100 forces.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise through the back door once
@@ -167,6 +170,15 @@ class SamplingParams:
             raise _bad("min_tokens", self.min_tokens, f"must be <= max_tokens ({self.max_tokens})")
         if not _is_int(self.n) or self.n < 1:
             raise _bad("n", self.n, "must be an integer >= 1")
+        bias = self.logit_bias
+        pairs = sorted(bias.items()) if isinstance(bias, dict) else list(bias or ())
+        try:
+            pairs = [(int(t), float(b)) for t, b in pairs]
+        except (TypeError, ValueError):
+            raise _bad("logit_bias", bias, "must map token ids (integers >= 0) to numbers in [-100, 100]") from None
+        if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in pairs):
+            raise _bad("logit_bias", bias, "must map token ids (integers >= 0) to numbers in [-100, 100]")
+        set_(self, "logit_bias", tuple(pairs))
         if isinstance(self.kv_policy, str):
             set_(self, "kv_policy", parse_kv_policy(self.kv_policy))
         elif self.kv_policy is not None and not isinstance(self.kv_policy, KVPolicy):
@@ -370,7 +382,7 @@ class Sampler:
 
     @staticmethod
     def _penalize(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """min_tokens mask + penalties -> float32 [B, V] (the caller's logits are never modified)."""
+        """min_tokens mask + logit_bias + penalties -> float32 [B, V] (the caller's logits are never modified)."""
         b, v = logits.shape
         if len(batch.params) != b:
             raise ValueError(f"logits have {b} rows but the batch has {len(batch.params)} params")
@@ -389,6 +401,14 @@ class Sampler:
         if mask_rows:
             x = x.clone()
             x[torch.tensor(mask_rows, device=device), torch.tensor(mask_cols, device=device)] = -math.inf
+
+        # logit_bias: added to the raw logits (OpenAI's order: before penalties and temperature).
+        bias_rows = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias if t < v]
+        if bias_rows:
+            rows, cols, vals = zip(*bias_rows)
+            x = x.clone() if not mask_rows else x
+            x.index_put_((torch.tensor(rows, device=device), torch.tensor(cols, device=device)),
+                         torch.tensor(vals, device=device, dtype=x.dtype), accumulate=True)
 
         rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
         out_rows = [

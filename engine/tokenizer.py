@@ -46,6 +46,7 @@ class _Backend(Protocol):
     def decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str: ...
     def id_to_token(self, token_id: int) -> str | None: ...
     def token_to_id(self, token: str) -> int | None: ...
+    def vocabulary(self) -> str | list[bytes]: ...
 
 
 # --------------------------------------------------------------------------- HF
@@ -192,6 +193,10 @@ class _HFBackend:
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
+
+    def vocabulary(self) -> str:
+        """The whole tokenizer as ``tokenizer.json`` text (fix-ups included)."""
+        return self._tok.to_str()
 
 
 # `tokenizers`' encode holds the GIL for its whole run (2.8 s for 4 MB: a server's event loop
@@ -348,6 +353,15 @@ class _Llama2cBackend:
                 return tid
         return self._lookup.get(token.replace("▁", " ").encode("utf-8"))
 
+    def vocabulary(self) -> list[bytes]:
+        """Each token's bytes as it appears mid-sequence (byte-fallback tokens: their byte)."""
+        out = [p for p in self._pieces]
+        for tid, name in self._SPECIAL_NAMES.items():
+            out[tid] = name.encode()
+        for tid in range(3, 259):
+            out[tid] = bytes([tid - 3])
+        return out
+
 
 # ----------------------------------------------------------------------- facade
 
@@ -493,6 +507,11 @@ class Tokenizer:
         neighbours (the incremental detokenizer holds them back)."""
         return self._backend.byte_token_ids
 
+    def vocabulary(self) -> str | list[bytes]:
+        """The vocabulary for a grammar engine (llmsys.engine.grammar): a Hugging Face
+        ``tokenizer.json`` text, or for a llama2.c tokenizer each token's raw bytes."""
+        return self._backend.vocabulary()
+
     def convert_ids_to_tokens(self, ids: int | Sequence[int]) -> str | list[str]:
         if isinstance(ids, int):
             return self._backend.id_to_token(ids) or ""
@@ -524,6 +543,12 @@ class Tokenizer:
     @property
     def chat_template(self) -> str | None:
         template = self._chat_templates.get("default")
+        return None if template is None else template.source
+
+    def chat_template_source(self, tools: bool = False) -> str | None:
+        """The template :meth:`apply_chat_template` renders with (``tools``: the ``tool_use`` one when
+        the tokenizer has it), as text; None for a base model."""
+        template = (self._chat_templates.get("tool_use") if tools else None) or self._chat_templates.get("default")
         return None if template is None else template.source
 
     def apply_chat_template(

@@ -43,6 +43,10 @@ def serve_command(
     served_name: Annotated[
         Optional[str], typer.Option("--served-model-name", help="model id shown by /v1/models")
     ] = None,
+    model_alias: Annotated[
+        Optional[str], typer.Option("--model-alias", help="comma-separated more names clients may ask for "
+                                    "(e.g. gpt-4o-mini,llama3); other names get 404 model_not_found")
+    ] = None,
     shutdown_timeout: Annotated[
         float, typer.Option("--shutdown-timeout", help="seconds in-flight requests get to finish on Ctrl+C/SIGTERM")
     ] = 10.0,
@@ -74,6 +78,7 @@ def serve_command(
         max_queue=max_queue,
         max_body_bytes=body,
         model_name=served_name,
+        model_aliases=_names(model_alias),
         shutdown_timeout_s=shutdown_timeout,
     )
     ensure_pulled(model, auto_pull)

@@ -31,8 +31,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from llmsys.kernels.common.errors import ContextOverflowError, LLMSysError, TokenizerError
 from llmsys.engine.sampling import SamplingParams
 from llmsys.offload.kv_policy import KVPolicy
+from llmsys.engine.grammar import GrammarSpec
 from llmsys.engine.server.completions import (
     Job,
+    Shape,
+    grammar_constraints,
     chat_logprobs,
     collect,
     completion_logprobs,
@@ -49,8 +52,10 @@ from llmsys.engine.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     stop_list,
+    unsupported_field,
     validation_message,
 )
+from llmsys.engine.server.tools import ToolChoiceError, ToolPlan, plan_tools, template_messages
 from llmsys.engine.server.state import ServerState
 
 log = logging.getLogger("llmsys.server")
@@ -288,21 +293,60 @@ def create_app(state: ServerState) -> ServerAPI:
             min_tokens=req.min_tokens,
             n=req.n,
             kv_policy=policy,
+            logit_bias={int(k): v for k, v in (req.logit_bias or {}).items()},
         )
 
+    def check_model(model: str | None) -> None:
+        """The request's ``model`` must be one this server serves (its name, ``name:latest``,
+        or a --model-alias); None means the served one."""
+        if model is not None and model not in state.model_names():
+            raise APIError(404, f"the model '{model}' does not exist on this server; it serves "
+                                f"'{state.model_name}' (GET /v1/models lists it; --model-alias adds names)",
+                           type="invalid_request_error", param="model", code="model_not_found")
+
+    def check_common(req: Any) -> None:
+        """What every generating request is refused for before any work (unsupported fields, model, logit_bias)."""
+        err = unsupported_field(req)
+        if err is not None:
+            raise err
+        check_model(req.model)
+        if req.logit_bias:
+            vocab = state.llm.loaded.args.vocab_size
+            bad = next((k for k in req.logit_bias if int(k) >= vocab), None)
+            if bad is not None:
+                raise APIError(400, f"logit_bias names token id {bad}, outside the vocabulary (0..{vocab - 1})",
+                               param="logit_bias", code="invalid_logit_bias")
+
+    def response_grammar(req: Any) -> GrammarSpec | None:
+        f = req.response_format
+        if f is None or f.type == "text":
+            return None
+        if f.type == "json_object":
+            return GrammarSpec.json()
+        if f.type == "json_schema":
+            return GrammarSpec.json(f.json_schema.schema_)
+        if f.type == "regex":
+            return GrammarSpec("regex", f.regex)
+        return GrammarSpec(f.syntax, f.grammar)
+
+    async def constraints(prompts: list[list[int]], params: SamplingParams, spec: GrammarSpec | None, field: str):
+        if spec is not None and params.min_tokens:
+            raise APIError(400, f"min_tokens cannot be combined with {field}: the format decides where the output "
+                                "ends", param="min_tokens", code="conflicting_parameters")
+        return await state.off_loop(grammar_constraints, state, prompts, params, spec, field)
+
     async def run(request: Request, req: Any, chat: bool, prompts: list[list[int]], params: SamplingParams,
-                  logprobs: int | None):
-        json_mode = req.response_format is not None and req.response_format.type == "json_object"
-        if json_mode:
-            await state.off_loop(state.json_vocab)  # first use builds the token trie
+                  logprobs: int | None, cons: list | None, tools: ToolPlan | None = None,
+                  echo: list[str] | None = None):
         resp_id = new_id("chatcmpl" if chat else "cmpl")
-        job = Job(state, resp_id, prompts, params, json_mode)
+        job = Job(state, resp_id, prompts, params, cons)
+        shape = Shape(chat, tools, echo)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             if not await job.start(request.is_disconnected):  # headers wait for the first news
                 return JSONResponse({}, status_code=499)  # the client left; nobody reads this
             return StreamingResponse(
-                stream_events(job, state, resp_id, chat, include_usage, logprobs),
+                stream_events(job, state, resp_id, shape, include_usage, logprobs),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
@@ -315,14 +359,19 @@ def create_app(state: ServerState) -> ServerAPI:
             lp = None
             if logprobs is not None:
                 lp = chat_logprobs(state, r["lps"], logprobs) if chat else completion_logprobs(state, r["lps"], 0)[0]
-            c: dict[str, Any] = {"index": i, "logprobs": lp, "finish_reason": r["finish"] or "abort"}
+            finish = r["finish"] or "abort"
+            c: dict[str, Any] = {"index": i, "logprobs": lp, "finish_reason": finish}
             details = finish_details(r["finish"], r["timings"], state.llm.max_model_len, job.evicts)
             if details is not None:
                 c["finish_details"] = details
             if chat:
-                c["message"] = {"role": "assistant", "content": r["text"]}
+                content, calls = shape.split(r["text"])
+                c["message"] = {"role": "assistant", "content": content if content or not calls else None}
+                if calls:
+                    c["message"]["tool_calls"] = [call.openai() for call in calls]
+                    c["finish_reason"] = "tool_calls"
             else:
-                c["text"] = r["text"]
+                c["text"] = (echo[i // params.n] if echo else "") + r["text"]
             choices.append(c)
         return JSONResponse({
             "id": resp_id,
@@ -334,21 +383,65 @@ def create_app(state: ServerState) -> ServerAPI:
             "timings": timings_dict([r["timings"] for r in results]),
         })
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model_info(model_id: str) -> dict[str, Any]:
+        need_ready()
+        check_model(model_id)
+        return {"id": model_id, "object": "model", "created": state.created, "owned_by": "llmsys",
+                "max_model_len": state.llm.max_model_len}
+
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         need_ready()
-        messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()} for m in req.messages]
+        check_common(req)
         policy = prep.kv_policy(req.kv_policy)
-        ids = await state.off_loop(prep.chat_ids, messages, "messages", policy)
+        tools = [{"name": t.function.name, "description": t.function.description,
+                  "parameters": t.function.parameters} for t in req.tools or []]
+        plan = None
+        if tools:
+            choice = req.tool_choice or "auto"
+            choice = choice if isinstance(choice, str) else choice.function.name
+            vocab = await state.off_loop(state.grammar_vocab)
+            tok = state.llm.tokenizer
+            try:
+                plan = plan_tools(tok.chat_template_source(tools=True), tools, choice, req.parallel_tool_calls,
+                                  vocab.special_token)
+            except ToolChoiceError as e:
+                raise APIError(400, str(e), param="tool_choice" if "tool_choice" in str(e) else "tools",
+                               code="invalid_tools") from None
+        elif req.tool_choice not in (None, "none", "auto"):
+            raise APIError(400, "tool_choice asks for a tool call but the request has no tools", param="tool_choice",
+                           code="invalid_tools")
+        spec = response_grammar(req)
+        if plan is not None and plan.grammar is not None:
+            if spec is not None:
+                raise APIError(400, "response_format and a required or named tool_choice both decide the output's "
+                                    "form; send one of them", param="response_format", code="conflicting_parameters")
+            spec = plan.grammar
+        messages = template_messages(req.messages)
+        template_tools = [{"type": "function", "function": {k: v for k, v in t.items() if v is not None}}
+                          for t in tools] or None
+        ids = await state.off_loop(prep.chat_ids, messages, "messages", policy, template_tools)
         top = None
         if req.logprobs:
             top = req.top_logprobs or 0
         max_tokens = req.max_completion_tokens or req.max_tokens
-        return await run(request, req, True, [ids], sampling(req, max_tokens, top, policy), top)
+        params = sampling(req, max_tokens, top, policy)
+        field = "tool_choice" if plan is not None and plan.grammar is not None else "response_format"
+        cons = await constraints([ids], params, spec, field)
+        return await run(request, req, True, [ids], params, top, cons, plan if plan and plan.fmt else None)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         need_ready()
+        check_common(req)
+        if req.best_of is not None and req.best_of != req.n:
+            raise APIError(400, f"best_of={req.best_of} with n={req.n}: this server returns every completion it "
+                                "generates and does not rerank; ask for n completions instead",
+                           param="best_of", code="unsupported_parameter")
+        if req.echo and req.logprobs is not None:
+            raise APIError(400, "echo with logprobs would need the prompt's logprobs, which this server does not "
+                                "compute; drop one of them", param="echo", code="unsupported_parameter")
         p = req.prompt
         if isinstance(p, str):
             raw: list = [p]
@@ -372,7 +465,13 @@ def create_app(state: ServerState) -> ServerAPI:
             return prompts
 
         prompts = await state.off_loop(prepare)
+        echo = None
+        if req.echo:
+            tok = state.llm.tokenizer
+            echo = [x if isinstance(x, str) else tok.decode(x) for x in raw]
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
-        return await run(request, req, False, prompts, sampling(req, max_tokens, req.logprobs, policy), req.logprobs)
+        params = sampling(req, max_tokens, req.logprobs, policy)
+        cons = await constraints(prompts, params, response_grammar(req), "response_format")
+        return await run(request, req, False, prompts, params, req.logprobs, cons, echo=echo)
 
     return app

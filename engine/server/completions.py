@@ -15,13 +15,20 @@ import logging
 import math
 import time
 import uuid
-from typing import Any, AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Sequence
 
+from llmsys.engine.core import TokenConstraint
 from llmsys.engine.outputs import StreamChunk, Timings
 from llmsys.engine.sampling import SamplingParams
 from llmsys.engine.server.protocol import APIError
 from llmsys.engine.server.state import ServerState
+from llmsys.engine.server.tools import ToolCall, ToolPlan, ToolStream
 from llmsys.engine.server.worker import Interrupted, QueueFullError, ServiceUnavailableError, Submission
+from llmsys.kernels.common.errors import InvalidParameterError
+
+if TYPE_CHECKING:
+    from llmsys.engine.grammar import GrammarConstraint, GrammarSpec
 
 log = logging.getLogger("llmsys.server")
 LIVENESS_POLL_S = 0.5  # how often a waiting handler checks that its client and the engine thread are there
@@ -31,6 +38,34 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
+def grammar_constraints(state: ServerState, prompts: list[list[int]], params: SamplingParams,
+                        spec: GrammarSpec | None, field: str = "response_format") -> list[GrammarConstraint] | None:
+    """One constraint per completion (prompt-major, as :class:`Job` numbers them), each with
+    the token budget it must close its document in: ``max_tokens``, else the context room.
+    CPU work (compiling the grammar): run it on the preparation thread. A grammar llguidance
+    rejects, or a budget below the format's shortest output, is a 400 naming the field."""
+    if spec is None:
+        return None
+    from llmsys.engine.grammar import GrammarConstraint
+
+    vocab = state.grammar_vocab()
+    max_len = state.llm.max_model_len
+    evicts = state.llm.core.kv_policy.resolve(params.kv_policy).evicts
+    out = []
+    for ids in prompts:
+        room = max_len if evicts else max_len - len(ids)
+        budget = min(room, params.max_tokens) if params.max_tokens is not None else room
+        for _ in range(params.n):
+            try:
+                out.append(GrammarConstraint(vocab, spec, budget))
+            except InvalidParameterError as e:
+                why = str(e)
+                if params.max_tokens is None or room < params.max_tokens:
+                    why += f" (the prompt leaves room for {room} tokens in this model's {max_len}-token context)"
+                raise APIError(400, why, param=field, code="invalid_grammar") from None
+    return out
+
+
 class Job:
     def __init__(
         self,
@@ -38,28 +73,21 @@ class Job:
         resp_id: str,
         prompts: list[list[int]],
         params: SamplingParams,
-        json_mode: bool,
+        constraints: Sequence[TokenConstraint] | None = None,
     ):
-        from llmsys.engine.server.json_mode import JsonConstraint
-
+        """``constraints``: one per completion (:func:`grammar_constraints`), or None."""
         self.state = state
         self.prompts = prompts
         self.n = n = params.n
         self.out: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        vocab = state.json_vocab() if json_mode else None
-        max_len = state.llm.max_model_len
         # An evicting KV policy (the request's, else the server's) slides past the context.
         self.evicts = state.llm.core.kv_policy.resolve(params.kv_policy).evicts
         self.subs: list[Submission] = []
         for ids in prompts:
             for j in range(n):
-                constraint = None  # per completion: a constraint follows one token stream
-                if vocab is not None:
-                    room = max_len if self.evicts else max_len - len(ids)
-                    budget = min(room, params.max_tokens) if params.max_tokens is not None else room
-                    constraint = JsonConstraint(vocab, budget)
                 k = len(self.subs)
+                constraint = constraints[k] if constraints is not None else None  # follows one token stream
                 self.subs.append(Submission(f"{resp_id}-{k}", k, ids, params, loop, self.out, constraint,
                                              sample_index=j))
         try:
@@ -213,7 +241,7 @@ def finish_details(reason: str | None, timings: Timings | None, n_ctx: int, evic
 
 
 # -- logprobs in both wire shapes ------------------------------------------------
-# In JSON mode the logits of forbidden tokens are -inf before the logprobs are
+# Under a grammar (response_format, tool_choice) the logits of forbidden tokens are -inf before the logprobs are
 # taken (they describe the constrained distribution); JSON has no -inf, so
 # such values go out as -9999.0, the floor OpenAI's API uses.
 
@@ -270,6 +298,27 @@ async def collect(job: Job, is_disconnected: Callable[[], Any]) -> list[dict[str
     return res
 
 
+@dataclass(frozen=True)
+class Shape:
+    """How choices are written back: chat or text completion, tool calls parsed out of the
+    text (``tools``, None: plain content), the prompt echoed before a completion (``echo``,
+    one text per prompt)."""
+
+    chat: bool
+    tools: ToolPlan | None = None
+    echo: list[str] | None = None
+
+    def split(self, text: str) -> tuple[str, list[ToolCall]]:
+        """A finished chat output's (content, tool calls)."""
+        if self.tools is None or self.tools.fmt is None:
+            return text, []
+        content, calls = self.tools.fmt.parse(text)
+        return content, calls if self.tools.parallel else calls[:1]
+
+    def stream(self) -> ToolStream | None:
+        return ToolStream(self.tools.fmt) if self.tools is not None and self.tools.fmt is not None else None
+
+
 def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
@@ -278,29 +327,46 @@ async def stream_events(
     job: Job,
     state: ServerState,
     resp_id: str,
-    chat: bool,
+    shape: Shape,
     include_usage: bool,
     logprobs: int | None,
 ) -> AsyncIterator[str]:
     """SSE frames of a streaming job; ``finally`` aborts what is unfinished,
     which is how a client that disconnects frees its KV blocks."""
+    chat = shape.chat
     created = int(time.time())
     obj = "chat.completion.chunk" if chat else "text_completion"
     base = {"id": resp_id, "object": obj, "created": created, "model": state.model_name}
     offsets = [0] * len(job.subs)
     n_out = 0
     timings: list[Timings] = []
+    splitters = [shape.stream() for _ in job.subs]  # per choice: tool calls out of the text, or None
+    n_calls = [0] * len(job.subs)
     try:
         if chat:
             for i in range(len(job.subs)):
                 yield sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                                 "logprobs": None, "finish_reason": None}]})
+        elif shape.echo:
+            for i in range(len(job.subs)):
+                text = shape.echo[i // job.n]
+                offsets[i] = len(text)
+                yield sse({**base, "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": None}]})
         try:
             async for idx, ch in job.items():
                 n_out += len(ch.token_ids)
                 if ch.timings is not None:
                     timings.append(ch.timings)
-                if not (ch.text or ch.finished or (logprobs is not None and ch.logprobs)):
+                text, calls = ch.text, []
+                sp = splitters[idx]
+                if sp is not None:
+                    text, calls = sp.feed(ch.text)
+                    if ch.finished:
+                        rest, late = sp.finish()
+                        text, calls = text + rest, calls + late
+                    if not shape.tools.parallel:
+                        calls = calls[:max(0, 1 - n_calls[idx])]
+                if not (text or calls or ch.finished or (logprobs is not None and ch.logprobs)):
                     continue
                 lp = None
                 if logprobs is not None and ch.logprobs:
@@ -308,14 +374,21 @@ async def stream_events(
                         lp = chat_logprobs(state, ch.logprobs, logprobs)
                     else:
                         lp, offsets[idx] = completion_logprobs(state, ch.logprobs, offsets[idx])
-                choice: dict[str, Any] = {"index": idx, "logprobs": lp, "finish_reason": ch.finish_reason}
+                finish = ch.finish_reason
+                if finish is not None and (n_calls[idx] or calls):
+                    finish = "tool_calls"
+                choice: dict[str, Any] = {"index": idx, "logprobs": lp, "finish_reason": finish}
                 details = finish_details(ch.finish_reason, ch.timings, state.llm.max_model_len, job.evicts)
                 if details is not None:
                     choice["finish_details"] = details
                 if chat:
-                    choice["delta"] = {"content": ch.text} if ch.text else {}
+                    delta: dict[str, Any] = {"content": text} if text else {}
+                    if calls:
+                        delta["tool_calls"] = [c.openai(n_calls[idx] + k) for k, c in enumerate(calls)]
+                        n_calls[idx] += len(calls)
+                    choice["delta"] = delta
                 else:
-                    choice["text"] = ch.text
+                    choice["text"] = text
                 frame = {**base, "choices": [choice]}
                 if ch.finished and (err := ending_error(job, idx, ch)) is not None:
                     frame["error"] = err.body()["error"]  # the final chunk says why it ended early

@@ -25,6 +25,9 @@ from llmsys.engine.sampling import MAX_LOGPROBS
 MAX_N = 16  # choices per request
 MAX_STOP = 4  # stop sequences per request (OpenAI's limit)
 MAX_PROMPTS = 64  # prompts per /v1/completions request (and completions: prompts x n)
+MAX_TOOLS = 128  # tools per request (OpenAI's limit), and tool calls per message
+MAX_GRAMMAR_CHARS = 64 * 1024  # a regex or grammar in response_format
+MAX_LOGIT_BIAS = 300  # logit_bias entries (OpenAI's limit)
 
 # 400 codes for limits that depend on the loaded model or on two fields together,
 # which the OpenAPI schema cannot state; every other 400 means the body broke the schema.
@@ -36,6 +39,9 @@ SEMANTIC_CODES = (
     "conflicting_parameters",  # min_tokens > max_tokens
     "invalid_kv_policy",  # a well-formed kv_policy this engine cannot run (its pool, its block size)
     "invalid_prompt",  # text that encodes to no tokens, or token ids outside the vocabulary
+    "invalid_grammar",  # a response_format / tool schema the grammar engine cannot use, or too long for max_tokens
+    "invalid_logit_bias",  # a logit_bias token id outside this model's vocabulary
+    "unsupported_parameter",  # an OpenAI field this server does not implement, set to a value that needs it
 )
 # The characters of --kv-policy syntax; which words and numbers make a policy is the
 # parser's (its 400s name the problem, code invalid_kv_policy).
@@ -99,9 +105,52 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class ResponseFormat(BaseModel):
+class TextFormat(BaseModel):
     model_config = _STRICT
-    type: Literal["text", "json_object"] = "text"
+    type: Literal["text"]
+
+
+class JsonObjectFormat(BaseModel):
+    model_config = _STRICT
+    type: Literal["json_object"]
+
+
+class JsonSchemaSpec(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="a JSON Schema; none: any JSON object")
+    strict: bool | None = None
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = _STRICT
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+class RegexFormat(BaseModel):
+    """llmsys extension: the whole output matches this regex."""
+
+    model_config = _STRICT
+    type: Literal["regex"]
+    regex: str = Field(..., min_length=1, max_length=MAX_GRAMMAR_CHARS)
+
+
+class GrammarFormat(BaseModel):
+    """llmsys extension: the output is a sentence of this grammar (Lark syntax as llguidance
+    reads it, or llama.cpp's GBNF)."""
+
+    model_config = _STRICT
+    type: Literal["grammar"]
+    grammar: str = Field(..., min_length=1, max_length=MAX_GRAMMAR_CHARS)
+    syntax: Literal["lark", "gbnf"] = "lark"
+
+
+ResponseFormat = Annotated[
+    Union[TextFormat, JsonObjectFormat, JsonSchemaFormat, RegexFormat, GrammarFormat],
+    Field(discriminator="type"),
+]
 
 
 class TextPart(BaseModel):
@@ -110,11 +159,28 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = _STRICT
+    name: str = Field(..., max_length=64)
+    arguments: str = Field(..., description="the arguments as JSON text, as the model wrote them")
+
+
+class ToolCallIn(BaseModel):
+    """An earlier assistant turn's tool call, sent back in the conversation."""
+
+    model_config = _STRICT
+    id: str = Field(..., max_length=128)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = _STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = Field(None, max_length=MAX_TOOLS)
+    tool_call_id: str | None = Field(None, max_length=128)
 
     def text(self) -> str:
         if self.content is None:
@@ -122,6 +188,35 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
+
+
+class FunctionDef(BaseModel):
+    model_config = _STRICT
+    name: str = Field(..., pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON Schema of the arguments object")
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = _STRICT
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = _STRICT
+    name: str = Field(..., pattern=r"^[A-Za-z0-9_-]{1,64}$")
+
+
+class NamedToolChoice(BaseModel):
+    model_config = _STRICT
+    type: Literal["function"]
+    function: NamedFunction
+
+
+_BiasKey = Annotated[str, Field(pattern=r"^[0-9]{1,9}$")]
+_Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
 
 
 class _Common(BaseModel):
@@ -150,7 +245,16 @@ class _Common(BaseModel):
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    user: str | None = None
+    user: str | None = Field(None, description="an end-user id; OpenAI uses it for abuse monitoring, it changes no output "
+                                                "(llmsys logs it with the request)")
+    logit_bias: dict[_BiasKey, _Bias] | None = Field(
+        None, max_length=MAX_LOGIT_BIAS, description="token id -> bias added to its logit before sampling "
+                                                     "(-100 bans the token, 100 forces it)")
+    # OpenAI fields llmsys does not implement: accepted only at the value that asks for nothing
+    # (else a 400 with code unsupported_parameter naming the field; see UNSUPPORTED).
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
@@ -171,6 +275,17 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: bool = True
+    functions: list[dict[str, Any]] | None = None
+    function_call: Union[str, dict[str, Any], None] = None
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
 
 
 _TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
@@ -185,6 +300,36 @@ class CompletionRequest(_Common):
     ]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     response_format: ResponseFormat | None = None
+    echo: bool = Field(False, description="put the prompt before the completion in its text")
+    suffix: str | None = Field(None, description="text after the completion (insertion); only empty or null here")
+    best_of: int | None = Field(None, ge=1, le=MAX_N, description="only equal to n here (no server-side reranking)")
+
+
+# Fields accepted only at the value that asks for nothing: field -> (is that value?, what to do instead).
+UNSUPPORTED: dict[str, tuple[Any, str]] = {
+    "store": (lambda v: not v, "llmsys stores no completions"),
+    "metadata": (lambda v: not v, "metadata belongs to stored completions, which llmsys does not keep"),
+    "service_tier": (lambda v: v in ("auto", "default"), "one local engine has one tier: use 'auto' or omit it"),
+    "functions": (lambda v: not v, "the legacy functions field is not served: send tools"),
+    "function_call": (lambda v: v in ("none", "auto"), "the legacy function_call field is not served: send tool_choice"),
+    "audio": (lambda v: not v, "this is a text model: no audio output"),
+    "modalities": (lambda v: list(v) == ["text"], "this is a text model: modalities can only be ['text']"),
+    "prediction": (lambda v: not v, "predicted outputs are not implemented; omit prediction"),
+    "web_search_options": (lambda v: not v, "the server has no web search"),
+    "reasoning_effort": (lambda v: False, "the served model has no reasoning-effort setting; omit it"),
+    "verbosity": (lambda v: v == "medium", "the served model has no verbosity setting; omit it"),
+    "suffix": (lambda v: not v, "insertion (fill in the middle) is not implemented; send the prefix as the prompt"),
+}
+
+
+def unsupported_field(req: BaseModel) -> APIError | None:
+    """A 400 for the first field of :data:`UNSUPPORTED` set to a value that asks for something."""
+    for name, (harmless, why) in UNSUPPORTED.items():
+        v = getattr(req, name, None)
+        if v is not None and not harmless(v):
+            return APIError(400, f"'{name}' is not supported by this server: {why}", param=name,
+                            code="unsupported_parameter")
+    return None
 
 
 def stop_list(stop: str | list[str] | None) -> tuple[str, ...]:

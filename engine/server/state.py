@@ -19,8 +19,9 @@ from llmsys.engine.config import EngineConfig
 from llmsys.engine.server.metrics import Metrics
 
 if TYPE_CHECKING:
+    from llmsys.engine.tokenizer import Tokenizer
     from llmsys.engine.llm import LLM
-    from llmsys.engine.server.json_mode import JsonVocab
+    from llmsys.engine.grammar import GrammarVocab
     from llmsys.engine.server.worker import EngineWorker
 
 DEFAULT_MAX_BODY = 4 * 1024 * 1024
@@ -34,6 +35,7 @@ class ServerSettings:
     max_queue: int = 256
     max_body_bytes: int = DEFAULT_MAX_BODY
     model_name: str | None = None  # the id /v1/models shows; default: the model argument
+    model_aliases: tuple[str, ...] = ()  # more names requests may use for the served model (--model-alias)
     shutdown_timeout_s: float = 10.0  # in-flight requests get this long to finish on SIGTERM
     # Host header names accepted besides loopback names and IP literals ("*": any). A browser
     # page can reach a loopback server through a DNS name it rebinds to 127.0.0.1; refusing
@@ -56,7 +58,7 @@ class ServerState:
         self.created = int(time.time())
         self._vocab_lock = threading.Lock()
         self._token_strings: list[str | None] | None = None
-        self._json_vocab: JsonVocab | None = None
+        self._grammar_vocab: GrammarVocab | None = None
         self._max_token_chars: int | None = None
         # Tokenizing and rendering chat templates is CPU work: it runs here, never on the event
         # loop (a 4 MB prompt would freeze every stream for a second). One thread, so preparing
@@ -85,6 +87,11 @@ class ServerState:
         worker.start()
         self.worker = worker
 
+    def model_names(self) -> set[str]:
+        """Every name a request's ``model`` may use: the served name, ``name:latest`` (Ollama
+        clients add the tag), and the aliases."""
+        return {self.model_name, f"{self.model_name}:latest", *self.settings.model_aliases}
+
     async def off_loop(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run ``fn`` on the request-preparation thread and await its result (exceptions included)."""
         return await asyncio.get_running_loop().run_in_executor(self._prep, functools.partial(fn, *args, **kwargs))
@@ -101,8 +108,6 @@ class ServerState:
 
     # -- vocabulary views (computed once, on first use) -----------------------
     def token_strings(self) -> list[str | None]:
-        from llmsys.engine.server.json_mode import token_strings
-
         with self._vocab_lock:
             if self._token_strings is None:
                 self._token_strings = token_strings(self.llm.tokenizer)
@@ -127,12 +132,37 @@ class ServerState:
                 self._max_token_chars = 1 + max([len(x) for x in strings if x] + [len(x) for x in raw if x] + [1])
             return self._max_token_chars
 
-    def json_vocab(self) -> JsonVocab:
-        from llmsys.engine.server.json_mode import JsonVocab
+    def grammar_vocab(self) -> GrammarVocab:
+        """The model's vocabulary for constrained decoding (llmsys.engine.grammar), built on first use."""
+        from llmsys.engine.grammar import GrammarVocab
 
-        strings = self.token_strings()
         with self._vocab_lock:
-            if self._json_vocab is None:
+            if self._grammar_vocab is None:
                 llm = self.llm
-                self._json_vocab = JsonVocab(strings, llm.core.eos_token_ids, llm.loaded.args.vocab_size)
-            return self._json_vocab
+                self._grammar_vocab = GrammarVocab(llm.tokenizer, llm.loaded.args.vocab_size, llm.core.eos_token_ids)
+            return self._grammar_vocab
+
+
+def token_strings(tokenizer: Tokenizer) -> list[str | None]:
+    """Each token id's text as it appears mid-sequence (logprobs show it); None for special
+    tokens, lone bytes of a multi-byte character and tokens that decode to nothing.
+
+    A token's text is ``decode([anchor, id]) - decode([anchor])``: decoding a
+    token alone would drop a SentencePiece leading space.
+    """
+    special = set(tokenizer.all_special_ids)
+    anchor_ids = tokenizer.encode("a", add_special_tokens=False)
+    anchor = anchor_ids[-1:] if anchor_ids else []
+    base = tokenizer.decode(anchor, skip_special_tokens=False)
+    out: list[str | None] = []
+    for i in range(tokenizer.vocab_size):
+        if i in special:
+            out.append(None)
+            continue
+        s = tokenizer.decode(anchor + [i], skip_special_tokens=False)
+        if not s.startswith(base):
+            out.append(None)
+            continue
+        s = s[len(base):]
+        out.append(s if s and "\ufffd" not in s else None)
+    return out

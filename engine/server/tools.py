@@ -223,6 +223,7 @@ class ToolStream:
         self.fmt = fmt
         self.held = ""
         self.mode: Literal["scan", "call", "text"] = "scan"
+        self.called = False  # a call was completed: the newline after its block is not content
 
     def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
         """(content to send now, calls completed by this delta)."""
@@ -244,6 +245,8 @@ class ToolStream:
         opener = self.fmt.opener
         while True:
             if self.mode == "scan":
+                if self.called:
+                    self.held = self.held.lstrip("\n")
                 at = self.held.find(opener)
                 if at < 0:
                     cut = len(self.held) - _partial_suffix(self.held, opener)
@@ -257,7 +260,7 @@ class ToolStream:
             found = self.fmt.parse(block)[1]
             if found:
                 calls += found
-                self.held = self.held[1:] if self.held.startswith("\n") else self.held
+                self.called = True
             else:
                 out += block  # not a call after all: it is content
             self.mode = "scan"
@@ -278,3 +281,40 @@ def _partial_suffix(text: str, marker: str) -> int:
         if marker.startswith(text[-n:]):
             return n
     return 0
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """How one request treats tools: the format to parse calls with (None: calls are not
+    parsed, ``tool_choice: none``), the grammar that forces calls (``required`` / named), and
+    whether more than one call may come back."""
+
+    fmt: ToolFormat | None
+    grammar: GrammarSpec | None
+    parallel: bool
+
+
+class ToolChoiceError(ValueError):
+    """A tools request this model or server cannot serve (the message says why and what to do)."""
+
+
+def plan_tools(template: str | None, tools: Sequence[dict[str, Any]], choice: str, parallel: bool,
+               special_token: Any) -> ToolPlan:
+    """``tools``: ``{"name", "description", "parameters"}`` each; ``choice``: ``none``, ``auto``,
+    ``required`` or a function name; ``special_token``: text -> its id when the vocabulary has it
+    as one special token (``GrammarVocab.special_token``), else None."""
+    if choice == "none":
+        return ToolPlan(None, None, parallel)
+    name = detect_format(template)
+    if name is None:
+        raise ToolChoiceError("the model's chat template has no tool-call format llmsys knows (Hermes/Qwen "
+                              "<tool_call>, Llama 3 JSON, Mistral [TOOL_CALLS]); send the request without tools")
+    markers = {"hermes": ("<tool_call>", "</tool_call>"), "llama3": ("<|python_tag|>",),
+                          "mistral": ("[TOOL_CALLS]",)}[name]
+    fmt = ToolFormat(name, {m: t for m in markers if (t := special_token(m)) is not None})
+    if choice == "auto":
+        return ToolPlan(fmt, None, parallel)
+    forced = None if choice == "required" else choice
+    if forced is not None and forced not in {t["name"] for t in tools}:
+        raise ToolChoiceError(f"tool_choice names the function '{forced}' but tools has no function of that name")
+    return ToolPlan(fmt, fmt.grammar(tools, forced, parallel and forced is None), parallel)
