@@ -44,6 +44,7 @@ from llmsys.engine.server.completions import (
     stream_events,
     timings_dict,
 )
+from llmsys.engine.server.ollama import OLLAMA_ENDPOINTS, add_ollama_routes
 from llmsys.engine.server.openapi import ServerAPI
 from llmsys.engine.server.prepare import Preparer
 from llmsys.engine.server.protocol import (
@@ -60,7 +61,7 @@ from llmsys.engine.server.state import ServerState
 
 log = logging.getLogger("llmsys.server")
 
-_ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"}
+_ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", *OLLAMA_ENDPOINTS}
 _KEYED_DOCS = ("/docs", "/redoc", "/openapi.json")  # need the API key too when one is set
 
 
@@ -171,7 +172,7 @@ class GuardMiddleware:
             return _too_large(limit)
         key = settings.api_key
         path = scope.get("path", "")
-        keyed = path.startswith("/v1") or path in _KEYED_DOCS
+        keyed = path.startswith(("/v1", "/api/")) or path in _KEYED_DOCS
         if key and keyed and scope.get("method") != "OPTIONS":  # CORS preflights carry no credentials
             auth = headers.get("authorization", "")
             given = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
@@ -474,4 +475,5 @@ def create_app(state: ServerState) -> ServerAPI:
         cons = await constraints(prompts, params, response_grammar(req), "response_format")
         return await run(request, req, False, prompts, params, req.logprobs, cons, echo=echo)
 
+    add_ollama_routes(app, state, prep)  # Ollama's API (/api/...) on the same engine
     return app
