@@ -54,7 +54,7 @@ def servers(tmp_path_factory):
 def _complete(srv, n: int = 1) -> None:
     for _ in range(n):
         r = httpx.post(srv.url + "/v1/completions", timeout=60,
-                       json={"model": "m", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0})
+                       json={"model": srv.state.model_name, "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0})
         assert r.status_code == 200, r.text
 
 
