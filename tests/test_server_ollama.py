@@ -202,6 +202,9 @@ def test_errors_in_ollama_shape(env):
     assert ctx.status_code == 400 and ctx.json()["code"] == "invalid_prompt"
     emb = _post(env["a"], "/api/embed", {"model": "stories-chat", "input": "x"})
     assert emb.status_code == 501 and "embeddings are not served" in emb.json()["error"]
+    with pytest.raises(ollama.ResponseError) as e:
+        c.pull("llama3.2")
+    assert e.value.status_code == 501 and "serves one model" in e.value.error
 
 
 def test_load_ping_answers_at_once(env):

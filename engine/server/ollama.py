@@ -5,7 +5,9 @@ plugins) can use llmsys: ``POST /api/chat`` and ``POST /api/generate`` (NDJSON
 streams by default, ``"stream": false`` for one object), ``GET /api/tags``,
 ``POST /api/show``, ``GET /api/ps``, ``GET /api/version``, and ``GET``/``HEAD
 /`` ("Ollama is running", which clients probe). ``/api/embed`` and
-``/api/embeddings`` answer 501: llmsys serves no embedding model.
+``/api/embeddings`` answer 501 (llmsys serves no embedding model), as do the
+model-management routes (``/api/pull``, ``push``, ``create``, ``copy``, ``delete``:
+a server serves the one model it was started with; ``llmsys pull`` downloads).
 
 Requests run on the same machinery as ``/v1``: :class:`Preparer` for readiness,
 prompt checks and chat rendering, :class:`Job` for the engine thread (so Ollama
@@ -99,7 +101,8 @@ log = logging.getLogger("llmsys.server")
 OLLAMA_VERSION = "0.12.0"
 # Every path this module serves (the request counter in app.py labels them by path).
 OLLAMA_ENDPOINTS = ("/", "/api/chat", "/api/generate", "/api/tags", "/api/show", "/api/ps", "/api/version",
-                    "/api/embed", "/api/embeddings")
+                    "/api/embed", "/api/embeddings", "/api/pull", "/api/push", "/api/create", "/api/copy",
+                    "/api/delete")
 # What /api/show says the model can do (Ollama's capability names; "tools" once tools are served).
 CAPABILITIES = ["completion"]
 # Ollama's sampling defaults, used where the checkpoint's generation_config.json has none.
@@ -893,5 +896,15 @@ def add_ollama_routes(app: FastAPI, state: ServerState, prep: Preparer | None = 
     async def embed() -> JSONResponse:
         return _error(501, "embeddings are not served: llmsys serves a generative model, not an embedding model; "
                            "use an embedding server for /api/embed")
+
+    @router.post("/api/pull", include_in_schema=False)
+    @router.post("/api/push", include_in_schema=False)
+    @router.post("/api/create", include_in_schema=False)
+    @router.post("/api/copy", include_in_schema=False)
+    @router.delete("/api/delete", include_in_schema=False)
+    async def manage() -> JSONResponse:
+        return _error(501, f"this server serves one model, '{api.display_name()}', chosen when it starts; models "
+                           "are not pulled, created, copied or deleted through it (`llmsys pull NAME` downloads one, "
+                           "`llmsys serve NAME` serves it)")
 
     app.include_router(router)
