@@ -16,7 +16,7 @@ from conftest import STORIES_HF, need_shared
 
 ollama = pytest.importorskip("ollama", reason="pip install ollama (test dependency)")
 
-from test_server import KEY, PROMPT, _chat_model, _metrics, _wait_idle  # noqa: E402
+from test_server import KEY, PROMPT, _chat_model, _metrics, _wait_idle
 
 MSGS = [{"role": "system", "content": "Tell a story."}, {"role": "user", "content": "A cat and a dog"}]
 GREEDY = {"temperature": 0, "num_predict": 40}
@@ -27,7 +27,6 @@ def env(tmp_path_factory):
     """Server A: chat-capable copy, open. Server B: base model (no chat template), API key. Plus a reference LLM."""
     need_shared(STORIES_HF)
     import torch
-
     from llmsys import LLM
     from llmsys.engine.server.serve import start_server_thread
     from llmsys.engine.server.state import ServerSettings, ServerState

@@ -74,11 +74,11 @@ import json
 import logging
 import math
 import time
+from collections.abc import AsyncIterator, Callable
 from datetime import datetime, timezone
-from typing import Annotated, Any, AsyncIterator, Callable, ClassVar, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal
 
 import torch
-
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -137,16 +137,13 @@ class _Model(BaseModel):
         return data
 
 
-_Float = Field(None, allow_inf_nan=False)
-
-
 class OllamaOptions(_Model):
     """Ollama's ``options`` (Modelfile parameters). An option Ollama does not know is a 400,
     as is a value llmsys cannot honour (see the module docstring's table)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
-    INT_FIELDS: ClassVar[tuple[str, ...]] = ("num_ctx", "num_batch", "num_gpu", "main_gpu", "num_thread", "num_keep", "seed", "num_predict",
-             "top_k", "repeat_last_n", "mirostat")
+    INT_FIELDS: ClassVar[tuple[str, ...]] = ("num_ctx", "num_batch", "num_gpu", "main_gpu", "num_thread", "num_keep",
+                                             "seed", "num_predict", "top_k", "repeat_last_n", "mirostat")
 
     # load-time settings
     numa: bool | None = None
@@ -177,8 +174,8 @@ class OllamaOptions(_Model):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     mirostat: int | None = Field(None, ge=0, le=2)
-    mirostat_tau: float | None = _Float
-    mirostat_eta: float | None = _Float
+    mirostat_tau: float | None = Field(None, allow_inf_nan=False)  # used by mirostat only: any value with it off
+    mirostat_eta: float | None = Field(None, allow_inf_nan=False)
     penalize_newline: bool | None = None
     stop: list[Annotated[str, Field(min_length=1)]] | None = Field(None, max_length=MAX_STOP)
 
@@ -207,7 +204,7 @@ class OllamaMessage(BaseModel):
 _KEEP_ALIVE = r"^-?([0-9]+(\.[0-9]+)?(ns|us|µs|ms|s|m|h)?)+$"
 # format: "" (none), "json", or a JSON schema; tools: Ollama's function tools. Both are
 # accepted by the schema and refused by _constrained_request until they are served.
-_Format = Union[Literal["", "json"], dict[str, Any], None]
+_Format = Literal["", "json"] | dict[str, Any] | None
 
 
 class _Generating(_Model):
@@ -215,9 +212,9 @@ class _Generating(_Model):
     stream: bool | None = Field(None, description="default true: NDJSON, one object per line")
     options: OllamaOptions | None = None
     format: _Format = Field(None, description="JSON mode or a JSON schema (not served yet: 400 when set)")
-    keep_alive: Union[float, Annotated[str, Field(max_length=64, pattern=_KEEP_ALIVE)], None] = Field(
+    keep_alive: float | Annotated[str, Field(max_length=64, pattern=_KEEP_ALIVE)] | None = Field(
         None, description="accepted; the served model stays loaded for the server's life")
-    think: Union[bool, Literal["low", "medium", "high"], None] = Field(
+    think: bool | Literal["low", "medium", "high"] | None = Field(
         None, description="only false: no separate thinking output")
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -741,7 +738,7 @@ class _Ollama:
                         else:
                             yield _line(self.final(req, chat, "", ch, ids, gen, t0, context))
                         return
-            except Exception as e:  # noqa: BLE001 -- the headers are sent: report in-band
+            except Exception as e:
                 if not isinstance(e, (APIError, LLMSysError)):
                     log.exception("an Ollama stream failed")
                 yield _line({"error": e.message if isinstance(e, APIError) else str(e) or type(e).__name__})
