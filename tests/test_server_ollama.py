@@ -281,3 +281,20 @@ def test_client_disconnect_mid_stream_frees_kv(env):
     assert m['llmsys_kv_blocks_used{tier="cpu"}'] == 0 and m["llmsys_requests_running"] == 0
     assert m['llmsys_request_finished_total{reason="abort"}'] == before + 1
     assert m['llmsys_requests_total{endpoint="/api/generate",status="200"}'] >= 1
+
+
+def test_503_while_loading_in_ollama_shape():
+    from llmsys.engine.server.serve import start_server_thread
+    from llmsys.engine.server.state import ServerSettings, ServerState
+
+    srv = start_server_thread(ServerState(ServerSettings()))
+    try:
+        with pytest.raises(ollama.ResponseError) as e:
+            ollama.Client(host=srv.url).chat("model", MSGS, keep_alive="5m")
+        assert e.value.status_code == 503 and "loading" in e.value.error
+        r = httpx.get(srv.url + "/api/tags")
+        assert r.status_code == 503 and r.headers["retry-after"] == "1" and isinstance(r.json()["error"], str)
+        assert httpx.get(srv.url + "/api/version").status_code == 200  # no model needed
+        assert httpx.get(srv.url + "/").text == "Ollama is running"
+    finally:
+        srv.stop()

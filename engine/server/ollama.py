@@ -486,12 +486,15 @@ class _Ollama:
         return self._defaults
 
     def sizes(self) -> tuple[int, int, int]:
-        """(weight bytes, resident bytes: weights + KV pool off disk, bytes on the GPU)."""
-        rep = self.state.llm.core.memory_report()
-        weights = sum(rep.weights.values())
-        resident = sum(v for t, v in rep.weights.items() if t != "disk") + sum(
-            v for t, v in rep.kv_total.items() if t != "disk")
-        return weights, resident, rep.weights.get("gpu", 0) + rep.kv_total.get("gpu", 0)
+        """(weight bytes, resident bytes: weights + KV pool off disk, bytes on the GPU), from the
+        engine thread's last memory report (/metrics' snapshot), or one taken now before the first."""
+        snap = getattr(self.state.metrics, "engine", None)
+        w, kv = (snap.weights, snap.kv_total) if snap is not None and snap.weights else (None, None)
+        if w is None:
+            rep = self.state.llm.core.memory_report()
+            w, kv = rep.weights, rep.kv_total
+        resident = sum(v for t, v in w.items() if t != "disk") + sum(v for t, v in kv.items() if t != "disk")
+        return sum(w.values()), resident, w.get("gpu", 0) + kv.get("gpu", 0)
 
     # -- the request checks
     def begin(self, req: OllamaChatRequest | OllamaGenerateRequest) -> None:
