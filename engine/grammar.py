@@ -42,8 +42,8 @@ from llmsys.kernels.common.errors import InvalidParameterError
 # a model left free to write whitespace can fill its whole budget with newlines.
 JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 # The closers tried, in order, when the constraint must finish the document within the budget.
-_CLOSERS = b'"}]01tfn,:a[{'
-_CLOSE_MARGIN = 4  # tokens: one sampled token can lengthen the way out by a few (a quote opening a key)
+_CLOSERS = b'"}]01tfn,: a[{'
+_CLOSE_MARGIN = 8  # tokens: one sampled token can lengthen the way out by several (a quote opening a key)
 _CLOSE_MAX_STEPS = 256  # the closer gives up past this many tokens (a grammar it cannot finish)
 _CLOSE_SLACK = 32  # start checking the way out this many tokens before the minimal document's length runs out
 
@@ -70,13 +70,15 @@ class GrammarSpec:
         if self.kind == "json_schema":
             try:
                 return llguidance.LLMatcher.grammar_from_json_schema(self.source, defaults=JSON_OPTIONS)
-            except ValueError as e:
+            except Exception as e:  # ValueError for bad JSON; anything the compiler raises is the schema's fault
                 raise InvalidParameterError(f"the JSON schema is not valid: {_first_line(str(e))}") from None
         if self.kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(self.source)
         if self.kind == "gbnf":
+            from llguidance.gbnf_to_lark import gbnf_to_lark
+
             try:
-                return llguidance.LLMatcher.grammar_from_lark(llguidance.gbnf_to_lark(self.source))
+                return llguidance.LLMatcher.grammar_from_lark(gbnf_to_lark(self.source))
             except Exception as e:  # the converter raises plain exceptions on bad syntax
                 raise InvalidParameterError(f"the GBNF grammar is not valid: {_first_line(str(e))}") from None
         return llguidance.LLMatcher.grammar_from_lark(self.source)
@@ -180,6 +182,9 @@ class GrammarVocab:
                 continue
             allowed = np.unpackbits(np.frombuffer(c.compute_bitmask(), dtype=np.uint8), bitorder="little")
             options = [t for t in self.closers if allowed[t]]
+            if not options:  # none of the usual closers fits here: any allowed token, lowest id first
+                options = [int(t) for t in np.flatnonzero(allowed[:self.lltok.vocab_size])[:8]
+                           if t not in self.eos]
             if not options:
                 return None
             tid = options[0]

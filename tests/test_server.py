@@ -63,9 +63,9 @@ def env(tmp_path_factory):
 
     torch.set_num_threads(2)
     chat_dir = _chat_model(tmp_path_factory.mktemp("m"))
-    a = ServerState(ServerSettings())
+    a = ServerState(ServerSettings(model_aliases=("x",)))
     a.attach(LLM(str(chat_dir), dtype="float32"), "stories-chat")
-    b = ServerState(ServerSettings(api_key=KEY, max_concurrency=1, max_queue=1, max_body_bytes=2048))
+    b = ServerState(ServerSettings(model_aliases=("x",), api_key=KEY, max_concurrency=1, max_queue=1, max_body_bytes=2048))
     b.attach(LLM(str(STORIES_HF), dtype="float32"), "stories")
     sa, sb = start_server_thread(a), start_server_thread(b)
     ref = LLM(str(chat_dir), dtype="float32")
@@ -294,9 +294,9 @@ def test_repeated_prompt_reuses_cached_prefix(env):
     prompt = "Once upon a time there was a little girl named Lily who loved to play outside in the sun with her dog"
     cl = _client(env["a"])
     before = _metrics(env["a"]).get("llmsys_prefix_cache_hit_tokens_total", 0)
-    first = cl.completions.create(model="m", prompt=prompt, max_tokens=12, temperature=0)
+    first = cl.completions.create(model="x", prompt=prompt, max_tokens=12, temperature=0)
     parts, usage = [], None
-    for ch in cl.completions.create(model="m", prompt=prompt, max_tokens=12, temperature=0, stream=True,
+    for ch in cl.completions.create(model="x", prompt=prompt, max_tokens=12, temperature=0, stream=True,
                                    stream_options={"include_usage": True}):
         parts.extend(c.text for c in ch.choices)
         usage = ch.usage or usage
@@ -473,17 +473,17 @@ def test_context_full_is_said_not_silent(env):
     """finish_reason is `length` for max_tokens and for a full context alike; only
     the second carries finish_details naming the limit (streamed and not)."""
     c = _client(env["a"])
-    long = c.completions.create(model="m", prompt="Once upon a time", max_tokens=2000, temperature=0,
+    long = c.completions.create(model="x", prompt="Once upon a time", max_tokens=2000, temperature=0,
                                 extra_body={"ignore_eos": True})
     ch = long.choices[0]
     assert ch.finish_reason == "length"
     det = ch.model_extra["finish_details"]
     assert det["type"] == "context_full" and det["n_ctx"] == 512 and det["n_tokens"] == 512
     assert "--max-model-len" in det["message"]
-    short = c.completions.create(model="m", prompt="Once upon a time", max_tokens=5, temperature=0)
+    short = c.completions.create(model="x", prompt="Once upon a time", max_tokens=5, temperature=0)
     assert short.choices[0].finish_reason == "length" and "finish_details" not in short.choices[0].model_extra
     last = None
-    for part in c.completions.create(model="m", prompt="Once upon a time", max_tokens=2000, temperature=0,
+    for part in c.completions.create(model="x", prompt="Once upon a time", max_tokens=2000, temperature=0,
                                      stream=True, extra_body={"ignore_eos": True}):
         if part.choices and part.choices[0].finish_reason:
             last = part.choices[0]
@@ -498,19 +498,19 @@ def test_per_request_sink_continues_past_the_context(env):
     a default request on the same server stops there with finish_details context_full."""
     c = _client(env["a"])
     body = {"ignore_eos": True, "kv_policy": "sink:4,window:60"}
-    sink = c.completions.create(model="m", prompt="Once upon a time", max_tokens=600, temperature=0, extra_body=body)
+    sink = c.completions.create(model="x", prompt="Once upon a time", max_tokens=600, temperature=0, extra_body=body)
     ch = sink.choices[0]
     assert ch.finish_reason == "length" and "finish_details" not in ch.model_extra
     n_prompt = sink.usage.prompt_tokens
     assert sink.usage.completion_tokens == 600 and n_prompt + 600 > 512
     assert sink.usage.model_extra["evicted_tokens"] >= n_prompt + 600 - 64 - 16  # kept <= budget + one chunk
-    default = c.completions.create(model="m", prompt="Once upon a time", max_tokens=600, temperature=0,
+    default = c.completions.create(model="x", prompt="Once upon a time", max_tokens=600, temperature=0,
                                    extra_body={"ignore_eos": True})
     assert default.choices[0].model_extra["finish_details"]["type"] == "context_full"
     assert default.usage.completion_tokens == 512 - n_prompt and default.usage.model_extra["evicted_tokens"] == 0
     # streamed chat, same policy: also past the context, no context_full
     last, usage = None, None
-    for part in c.chat.completions.create(model="m", messages=[{"role": "user", "content": "Tell a story"}],
+    for part in c.chat.completions.create(model="x", messages=[{"role": "user", "content": "Tell a story"}],
                                           max_tokens=600, temperature=0, stream=True, extra_body=body,
                                           stream_options={"include_usage": True}):
         if part.choices and part.choices[0].finish_reason:
@@ -522,7 +522,7 @@ def test_per_request_sink_continues_past_the_context(env):
 
 def test_per_request_window_takes_a_prompt_longer_than_the_context(env):
     prompt = "a " * 600  # over the 512-token context: 400 by default (test_context_overflow_400)
-    r = _client(env["a"]).completions.create(model="m", prompt=prompt, max_tokens=4, temperature=0,
+    r = _client(env["a"]).completions.create(model="x", prompt=prompt, max_tokens=4, temperature=0,
                                              extra_body={"kv_policy": "window:128"})
     assert r.usage.prompt_tokens > 512 and r.usage.completion_tokens == 4
     assert r.usage.model_extra["evicted_tokens"] >= r.usage.prompt_tokens - 128

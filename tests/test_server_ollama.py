@@ -171,7 +171,6 @@ def test_options_mapping(env):
     ({"options": {"no_such_option": 1}}, "no_such_option"),
     ({"options": {"temperature": -1}}, "options.temperature"),
     ({"think": True}, "think"),
-    ({"format": "json"}, "format"),
     ({"suffix": "the end"}, "suffix"),
     ({"template": "{{ .Prompt }}"}, "template"),
     ({"images": ["aGVsbG8="]}, "images"),
@@ -181,6 +180,23 @@ def test_what_cannot_be_honoured_is_400(env, kw, needle):
     with pytest.raises(ollama.ResponseError) as e:
         env["client"].generate("stories-chat", PROMPT, **kw)
     assert e.value.status_code == 400 and needle in e.value.error
+
+
+def test_format_json_and_schema(env):
+    """``format`` goes through the same grammar machinery as /v1's response_format."""
+    c = env["client"]
+    r = c.generate("stories-chat", PROMPT, format="json", options={"temperature": 0, "num_predict": 40})
+    assert isinstance(json.loads(r.response), dict), r.response
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                               "legs": {"type": "integer", "minimum": 0, "maximum": 4}},
+              "required": ["name", "legs"], "additionalProperties": False}
+    parts = [p.message.content for p in c.chat("stories-chat", MSGS, format=schema, stream=True,
+                                                options={"temperature": 1.0, "seed": 4, "num_predict": 60})]
+    obj = json.loads("".join(parts))
+    assert set(obj) == {"name", "legs"} and 0 <= obj["legs"] <= 4 and len(obj["name"]) <= 8
+    with pytest.raises(ollama.ResponseError) as e:
+        c.generate("stories-chat", PROMPT, format={"type": "nonsense"})
+    assert e.value.status_code == 400 and "schema" in e.value.error
 
 
 def test_errors_in_ollama_shape(env):

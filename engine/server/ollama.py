@@ -61,8 +61,10 @@ Request fields: ``system``, ``raw``, ``context`` (the token ids a templated
 ``/api/generate`` returns, accepted as the prompt's prefix), ``logprobs`` /
 ``top_logprobs`` and ``keep_alive`` (accepted; the served model stays loaded
 for the server's life) are implemented; ``suffix``, ``template``, ``images`` and
-``think`` (other than false) are 400s; ``format`` and ``tools`` are 400s for now
-(:func:`_constrained_request`). An empty prompt (``/api/generate``) or no
+``think`` (other than false) are 400s. ``format`` ("json" or a JSON schema) and
+``tools`` (parsed out of the output as OpenAI's ``tool_choice: auto``; Ollama has
+no tool_choice) go through the same grammar and tool-call machinery as ``/v1``
+(llmsys.engine.grammar, engine/server/tools.py). An empty prompt (``/api/generate``) or no
 messages (``/api/chat``) is Ollama's "load the model" ping: answered at once
 with ``done_reason`` "load".
 """
@@ -88,9 +90,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmsys.engine.outputs import StreamChunk, Timings
 from llmsys.engine.sampling import MAX_LOGPROBS, SamplingParams
-from llmsys.engine.server.completions import Job, ending_error, new_id
+from llmsys.engine.grammar import GrammarSpec
+from llmsys.engine.server.completions import Job, ending_error, grammar_constraints, new_id
+from llmsys.engine.server.tools import ToolCall, ToolChoiceError, ToolPlan, ToolStream, detect_format, plan_tools
 from llmsys.engine.server.prepare import Preparer
-from llmsys.engine.server.protocol import SEED_MAX, SEED_MIN, APIError, validation_message
+from llmsys.engine.server.protocol import MAX_TOOLS, SEED_MAX, SEED_MIN, APIError, Tool, validation_message
 from llmsys.engine.server.state import ServerState
 from llmsys.kernels.common.errors import ContextOverflowError, LLMSysError, TokenizerError
 
@@ -103,8 +107,6 @@ OLLAMA_VERSION = "0.12.0"
 OLLAMA_ENDPOINTS = ("/", "/api/chat", "/api/generate", "/api/tags", "/api/show", "/api/ps", "/api/version",
                     "/api/embed", "/api/embeddings", "/api/pull", "/api/push", "/api/create", "/api/copy",
                     "/api/delete")
-# What /api/show says the model can do (Ollama's capability names; "tools" once tools are served).
-CAPABILITIES = ["completion"]
 # Ollama's sampling defaults, used where the checkpoint's generation_config.json has none.
 OLLAMA_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.0, "repeat_penalty": 1.0}
 EXPIRES_NEVER = "2318-01-01T00:00:00Z"  # /api/ps: the model stays loaded (Ollama's "forever" is this far out)
@@ -202,8 +204,7 @@ class OllamaMessage(BaseModel):
 
 
 _KEEP_ALIVE = r"^-?([0-9]+(\.[0-9]+)?(ns|us|µs|ms|s|m|h)?)+$"
-# format: "" (none), "json", or a JSON schema; tools: Ollama's function tools. Both are
-# accepted by the schema and refused by _constrained_request until they are served.
+# format: "" (none), "json", or a JSON schema; tools: Ollama's function tools (OpenAI's shape).
 _Format = Literal["", "json"] | dict[str, Any] | None
 
 
@@ -211,7 +212,7 @@ class _Generating(_Model):
     model: str = Field(..., min_length=1, max_length=512)
     stream: bool | None = Field(None, description="default true: NDJSON, one object per line")
     options: OllamaOptions | None = None
-    format: _Format = Field(None, description="JSON mode or a JSON schema (not served yet: 400 when set)")
+    format: _Format = Field(None, description="\"json\" (any JSON object) or a JSON schema the output matches")
     keep_alive: float | Annotated[str, Field(max_length=64, pattern=_KEEP_ALIVE)] | None = Field(
         None, description="accepted; the served model stays loaded for the server's life")
     think: bool | Literal["low", "medium", "high"] | None = Field(
@@ -223,7 +224,8 @@ class _Generating(_Model):
 class OllamaChatRequest(_Generating):
     INT_FIELDS: ClassVar[tuple[str, ...]] = ("top_logprobs",)
     messages: list[OllamaMessage] = Field(default_factory=list, description="none: load the model, answer done")
-    tools: list[dict[str, Any]] | None = Field(None, description="not served yet: 400 when non-empty")
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS, description="functions the model may call "
+                                     "(as tool_choice auto: calls parsed out of its output)")
 
 
 class OllamaGenerateRequest(_Generating):
@@ -345,13 +347,12 @@ def _unsupported(field: str, why: str) -> APIError:
                     code="unsupported_parameter")
 
 
-def _constrained_request(req: OllamaChatRequest | OllamaGenerateRequest) -> None:
-    """The seam for grammar-constrained output: ``format`` (JSON mode, a JSON schema) and
-    ``tools``. Until they are served, a request that sets either is a 400."""
-    if req.format:
-        raise _unsupported("format", "JSON mode and JSON-schema output are not supported yet")
-    if getattr(req, "tools", None):
-        raise _unsupported("tools", "tool calling is not supported yet")
+def _format_grammar(fmt: Any) -> GrammarSpec | None:
+    """Ollama's ``format``: "json" (any JSON object) or a JSON schema, through the same grammar
+    machinery as ``response_format`` (llmsys.engine.grammar)."""
+    if not fmt:
+        return None
+    return GrammarSpec.json() if fmt == "json" else GrammarSpec.json(fmt)
 
 
 # -- the loaded model, as Ollama describes one ---------------------------------------------
@@ -501,7 +502,6 @@ class _Ollama:
         """Readiness, the model name, and the fields and options llmsys cannot honour."""
         self.prep.need_ready()
         self.check_model(req.model)
-        _constrained_request(req)
         if req.think not in (None, False):
             raise _unsupported("think", "the served model has no separate thinking output here; omit think or "
                                         "send false")
@@ -630,7 +630,8 @@ class _Ollama:
             if m.tool_name:
                 d["name"] = m.tool_name
             messages.append(d)
-        return self.prep.chat_ids(messages, "messages", None)
+        tools = [t.model_dump(exclude_none=True) for t in req.tools or []] or None
+        return self.prep.chat_ids(messages, "messages", None, tools)
 
     def generate_ids(self, req: OllamaGenerateRequest) -> list[int]:
         """The prompt wrapped in the chat template (with ``system``) unless ``raw`` or the model
@@ -664,10 +665,13 @@ class _Ollama:
                 for lp in lps]
 
     @staticmethod
-    def head(req: Any, chat: bool, text: str, done: bool) -> dict[str, Any]:
+    def head(req: Any, chat: bool, text: str, done: bool, calls: list[ToolCall] | None = None) -> dict[str, Any]:
         d: dict[str, Any] = {"model": req.model, "created_at": _now()}
         if chat:
             d["message"] = {"role": "assistant", "content": text}
+            if calls:  # Ollama's shape: arguments as an object, no ids
+                d["message"]["tool_calls"] = [{"function": {"name": c.name, "arguments": json.loads(c.arguments)}}
+                                              for c in calls]
         else:
             d["response"] = text
         d["done"] = done
@@ -694,13 +698,30 @@ class _Ollama:
             d["context"] = ids + gen
         return d
 
+    def plan(self, req: OllamaChatRequest) -> ToolPlan | None:
+        """Tools as ``tool_choice: auto`` (Ollama has no tool_choice): calls parsed out of the output."""
+        if not req.tools:
+            return None
+        tools = [{"name": t.function.name, "description": t.function.description,
+                  "parameters": t.function.parameters} for t in req.tools]
+        vocab = self.state.grammar_vocab()
+        try:
+            return plan_tools(self.state.llm.tokenizer.chat_template_source(tools=True), tools, "auto", True,
+                              vocab.special_token)
+        except ToolChoiceError as e:
+            raise APIError(400, str(e), param="tools", code="invalid_tools") from None
+
     async def run(self, request: Request, req: Any, chat: bool, ids: list[int], params: SamplingParams,
-                  top: int | None, t0: float, context: bool) -> Response:
-        job = Job(self.state, new_id("ollama"), [ids], params, None)
+                  top: int | None, t0: float, context: bool, plan: ToolPlan | None = None) -> Response:
+        spec = _format_grammar(req.format)
+        if spec is not None and params.min_tokens:
+            raise _unsupported("format", "min_tokens cannot be combined with a format")
+        cons = await self.state.off_loop(grammar_constraints, self.state, [ids], params, spec, "format")
+        job = Job(self.state, new_id("ollama"), [ids], params, cons)
         if req.stream is not False:
             if not await job.start(request.is_disconnected):  # headers wait for the first news
                 return JSONResponse({}, status_code=499)  # the client left; nobody reads this
-            return StreamingResponse(self.stream(job, req, chat, ids, top, t0, context), media_type=NDJSON,
+            return StreamingResponse(self.stream(job, req, chat, ids, top, t0, context, plan), media_type=NDJSON,
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         text, gen, lps, last = [], [], [], None
         try:
@@ -714,23 +735,35 @@ class _Ollama:
                     last = ch
         finally:
             job.abort_rest()
-        body = self.final(req, chat, "".join(text), last, ids, gen, t0, context)
+        content, calls = "".join(text), []
+        if plan is not None and plan.fmt is not None:
+            content, calls = plan.fmt.parse(content)
+        body = self.final(req, chat, content, last, ids, gen, t0, context)
+        if calls:
+            body["message"]["tool_calls"] = self.head(req, chat, "", True, calls)["message"]["tool_calls"]
         if top is not None:
             body["logprobs"] = self.logprobs(lps, top)
         return JSONResponse(body)
 
     async def stream(self, job: Job, req: Any, chat: bool, ids: list[int], top: int | None, t0: float,
-                     context: bool) -> AsyncIterator[str]:
+                     context: bool, plan: ToolPlan | None = None) -> AsyncIterator[str]:
         """NDJSON lines; ``finally`` aborts what is unfinished, which is how a client that
         disconnects frees its KV blocks. An error after the headers is a last ``{"error"}`` line."""
         gen: list[int] = []
         try:
             try:
+                splitter = ToolStream(plan.fmt) if plan is not None and plan.fmt is not None else None
                 async for idx, ch in job.items():
                     gen.extend(ch.token_ids)
                     lps = self.logprobs(ch.logprobs, top) if top is not None and ch.logprobs else None
-                    if ch.text or lps:
-                        piece = self.head(req, chat, ch.text, False)
+                    text, calls = ch.text, []
+                    if splitter is not None:
+                        text, calls = splitter.feed(ch.text)
+                        if ch.finished:
+                            rest, late = splitter.finish()
+                            text, calls = text + rest, calls + late
+                    if text or lps or calls:
+                        piece = self.head(req, chat, text, False, calls)
                         if lps:
                             piece["logprobs"] = lps
                         yield _line(piece)
@@ -779,7 +812,8 @@ def add_ollama_routes(app: FastAPI, state: ServerState, prep: Preparer | None = 
         ids = await state.off_loop(api.chat_ids, req)
         top = top_of(req)
         params = api.sampling(req.options, len(ids), top)
-        return await api.run(request, req, True, ids, params, top, t0, context=False)
+        plan = await state.off_loop(api.plan, req)
+        return await api.run(request, req, True, ids, params, top, t0, context=False, plan=plan)
 
     @router.post("/api/generate", responses=gen_errors)
     async def generate(req: OllamaGenerateRequest, request: Request):
@@ -866,7 +900,9 @@ def add_ollama_routes(app: FastAPI, state: ServerState, prep: Preparer | None = 
             "template": template,
             "details": facts["details"],
             "model_info": info,
-            "capabilities": CAPABILITIES,
+            # Ollama's capability names: "tools" when the chat template has a call format llmsys parses
+            "capabilities": ["completion"] + (["tools"] if detect_format(tok.chat_template_source(tools=True))
+                                              else []),
             "modified_at": facts["modified_at"],
         }
 

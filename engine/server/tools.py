@@ -27,7 +27,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal, Sequence
 
-from llmsys.engine.grammar import GrammarSpec
+from llmsys.engine.grammar import JSON_OPTIONS, GrammarSpec
 
 FormatName = Literal["hermes", "llama3", "mistral"]
 
@@ -93,6 +93,7 @@ class ToolFormat:
                 "properties": {"name": {"const": t["name"]}, args_key: t.get("parameters") or {"type": "object"}},
                 "required": ["name", args_key],
                 "additionalProperties": False,
+                "x-guidance": JSON_OPTIONS,  # %json in Lark takes its options from the schema
             }
             rules.append(f"call{i}: %json {json.dumps(schema)}")
         call = "call: " + " | ".join(f"call{i}" for i in range(len(chosen)))
