@@ -338,6 +338,7 @@ def main() -> int:
             args.model_desc += f", {args.quant} weights"
         port = _free_port()
         cmd = [sys.executable, "-m", "llmsys.engine.cli.main", "serve", str(model), "--port", str(port),
+               "--model-alias", "m",  # the name the load generator asks for
                "--dtype", args.dtype, "--device", "cpu", "--max-num-seqs", str(max(16, args.clients)),
                "--max-model-len", "512", "--log-level", "warning"]
         if args.threads:

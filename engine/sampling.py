@@ -283,7 +283,9 @@ def apply_penalties(
     and multiplied when negative (so > 1 always discourages). OpenAI:
     ``logit -= count * frequency + (count > 0) * presence``, output only.
     """
-    rep = repetition[:, None]
+    # A penalty below float32's range (the API allows any value > 0) would round to 0, and a masked
+    # token's -inf * 0 is NaN, which argmax picks: keep it the smallest positive float32.
+    rep = repetition[:, None].clamp(min=torch.finfo(torch.float32).tiny)
     seen = (prompt_counts + output_counts) > 0
     x = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
     return x - output_counts * frequency[:, None] - (output_counts > 0).float() * presence[:, None]

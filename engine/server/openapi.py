@@ -78,6 +78,8 @@ def build_schema(app: FastAPI, state: ServerState) -> dict[str, Any]:
                 statuses += ["400", "408", "413"]
             if path.startswith("/v1"):
                 statuses.append("401")
+            if path in _GENERATING or path.startswith("/v1/models/"):
+                statuses.append("404")  # a model name this server does not serve
             if path in _GENERATING:
                 statuses.append("429")
                 ok = responses.setdefault("200", {"description": "Successful Response"})
@@ -86,8 +88,14 @@ def build_schema(app: FastAPI, state: ServerState) -> dict[str, Any]:
             for st in statuses:
                 responses.setdefault(st, _error(st))
     if state.ready:
-        prompt = schema["components"]["schemas"].get("CompletionRequest", {}).get("properties", {}).get("prompt")
+        schemas = schema["components"]["schemas"]
+        prompt = schemas.get("CompletionRequest", {}).get("properties", {}).get("prompt")
         _cap_token_ids(prompt, state.llm.loaded.args.vocab_size)
+        for name in ("CompletionRequest", "ChatCompletionRequest"):  # the names this server answers to
+            props = schemas.get(name, {}).get("properties", {})
+            if "model" in props:
+                props["model"] = {"anyOf": [{"type": "string", "enum": sorted(state.model_names())}, {"type": "null"}],
+                                  "title": "Model", "description": "the served model (GET /v1/models), or null"}
     return schema
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 
 from llmsys.engine.sampling import MAX_LOGPROBS
 
@@ -40,6 +40,7 @@ SEMANTIC_CODES = (
     "invalid_kv_policy",  # a well-formed kv_policy this engine cannot run (its pool, its block size)
     "invalid_prompt",  # text that encodes to no tokens, or token ids outside the vocabulary
     "invalid_grammar",  # a response_format / tool schema the grammar engine cannot use, or too long for max_tokens
+    "invalid_tools",  # tools this model's chat template has no call format for, or a tool_choice naming none of them
     "invalid_logit_bias",  # a logit_bias token id outside this model's vocabulary
     "unsupported_parameter",  # an OpenAI field this server does not implement, set to a value that needs it
 )
@@ -96,7 +97,7 @@ def _integral(v: Any) -> Any:
     return v
 
 
-_INT_FIELDS = ("max_tokens", "n", "seed", "top_k", "min_tokens", "max_completion_tokens", "top_logprobs",
+_INT_FIELDS = ("max_tokens", "n", "seed", "top_k", "min_tokens", "max_completion_tokens", "top_logprobs", "best_of",
                "logprobs", "prompt")
 
 
@@ -217,6 +218,10 @@ class NamedToolChoice(BaseModel):
 
 _BiasKey = Annotated[str, Field(pattern=r"^[0-9]{1,9}$")]
 _Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
+# pydantic publishes the key pattern as patternProperties but not that other keys are refused.
+_LogitBias = Annotated[dict[_BiasKey, _Bias], WithJsonSchema({
+    "type": "object", "maxProperties": MAX_LOGIT_BIAS, "additionalProperties": False,
+    "patternProperties": {r"^[0-9]{1,9}$": {"type": "number", "minimum": -100.0, "maximum": 100.0}}})]
 
 
 class _Common(BaseModel):
@@ -247,7 +252,7 @@ class _Common(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     user: str | None = Field(None, description="an end-user id; OpenAI uses it for abuse monitoring, it changes no output "
                                                 "(llmsys logs it with the request)")
-    logit_bias: dict[_BiasKey, _Bias] | None = Field(
+    logit_bias: _LogitBias | None = Field(
         None, max_length=MAX_LOGIT_BIAS, description="token id -> bias added to its logit before sampling "
                                                      "(-100 bans the token, 100 forces it)")
     # OpenAI fields llmsys does not implement: accepted only at the value that asks for nothing
