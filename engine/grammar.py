@@ -137,7 +137,6 @@ class GrammarVocab:
             if len(b) == 1 and b[0] in _CLOSERS and b[0] not in single and not self.lltok.is_special_token(tid):
                 single[b[0]] = tid
         self.closers = [single[c] for c in _CLOSERS if c in single]  # token ids in closing order
-        self._bits = torch.arange(8, dtype=torch.uint8)
 
     def special_token(self, text: str) -> int | None:
         """The id of ``text`` when the vocabulary has it as one special token (grammar syntax ``<[id]>``)."""
@@ -159,11 +158,10 @@ class GrammarVocab:
 
     def mask(self, m: Any) -> torch.Tensor:
         """[vocab_size] bool: the tokens ``m`` allows next."""
-        raw = torch.frombuffer(bytearray(m.compute_bitmask()), dtype=torch.uint8)  # [ceil(V/32)*4]
-        bits = ((raw[:, None] >> self._bits) & 1).flatten().bool()  # [ceil(V/32)*32], little-endian bits
+        bits = np.unpackbits(np.frombuffer(m.compute_bitmask(), dtype=np.uint8), bitorder="little")  # [ceil(V/32)*32]
         out = torch.zeros(self.vocab_size, dtype=torch.bool)
         n = min(self.lltok.vocab_size, self.vocab_size)
-        out[:n] = bits[:n]
+        out[:n] = torch.from_numpy(bits[:n].view(np.bool_))
         return out
 
     def closing(self, m: Any, limit: int) -> list[int] | None:
@@ -212,14 +210,18 @@ class GrammarConstraint:
             raise InvalidParameterError(f"the shortest output this format allows is {len(minimal)} tokens but the "
                                         f"request may generate only {budget}; raise max_tokens")
         self._watch = (len(minimal) if minimal is not None else 0) + _CLOSE_SLACK
+        self._check_at = self._watch  # the next ``left`` at which the way out is measured again
 
     def allowed(self, vocab_size: int) -> torch.Tensor:
         if self.m.is_error():
             raise ValueError(_first_line(self.m.get_error()))
-        if not self._forced and self.left <= self._watch:
+        if not self._forced and self.left <= self._check_at:
             path = self.vocab.closing(self.m, _CLOSE_MAX_STEPS)
             if path and len(path) + _CLOSE_MARGIN >= self.left:
                 self._forced = path
+            else:  # measured again when half the slack is spent (a token rarely lengthens it by more)
+                need = (len(path) if path else 0) + _CLOSE_MARGIN
+                self._check_at = self.left - max(1, (self.left - need) // 2)
         out = torch.zeros(vocab_size, dtype=torch.bool)
         if self._forced:
             out[self._forced[0]] = True
