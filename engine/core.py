@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+from concurrent.futures import ThreadPoolExecutor
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -47,6 +48,9 @@ class TokenConstraint(Protocol):
         ...
 
     def advance(self, token_id: int) -> None:  # the sampled token was appended
+        ...
+
+    def prefetch(self) -> None:  # compute the next allowed() now; called on another thread during the forward
         ...
 
 
@@ -106,6 +110,16 @@ def _apply_constraints(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torc
     return logits, broken
 
 
+def _prefetch(constraints: list[TokenConstraint]) -> None:
+    """The mask thread's job (EngineCore.step): each constraint's next mask; one that fails is
+    logged here and asked again (and fails its request) in _apply_constraints."""
+    for c in constraints:
+        try:
+            c.prefetch()
+        except Exception:
+            log.exception("computing a token constraint's mask ahead failed")
+
+
 def _constraint_failure(e: Exception) -> str:
     log.exception("a request's token constraint failed")
     return f"the request's output constraint failed: {type(e).__name__}: {e}".splitlines()[0]
@@ -119,6 +133,8 @@ class EngineCore:
         self.tokenizer = tokenizer
         self.config = config
         self.max_len = max_len  # prompt + output tokens per request, at most
+        # Computes grammar masks while a step's forward runs (step()); its thread starts on first use.
+        self._mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmsys-masks")
         self.kv = make_kv_pool(kv_spec, loaded.device)
         # Cold KV tier (None unless --kv-offload-tokens): block ids past the pool, demoted to disk / RAM.
         self.tier = make_kv_tier(self.kv, config.offload_tokens(kv_spec.bytes_per_token), config.offload_dir,
@@ -223,6 +239,10 @@ class EngineCore:
             st = self.requests[s.request_id].state
             if st.start_time is None:
                 st.start_time = now
+        # Constrained rows' masks depend only on tokens already sampled: computed on the mask
+        # thread while the forward runs (llguidance releases the GIL), not after it, in series.
+        constraints = [c for s in sched.scheduled if (c := self.requests[s.request_id].state.constraint) is not None]
+        ahead = self._mask_thread.submit(_prefetch, constraints) if constraints else None
         try:
             result = self.forward(sched)
         except KVReadError as e:
@@ -234,6 +254,9 @@ class EngineCore:
             return chunks
         except Exception as e:
             return chunks + self._isolate(sched, e)
+        finally:
+            if ahead is not None:
+                ahead.result()  # the masks are ready before anything reads or advances a constraint
         if self.swap is not None and sched.num_tokens > len(sched.scheduled):
             # A step with prefill chunks: what recomputing a token costs here (swap vs recompute).
             self.swap.observe_prefill(time.perf_counter() - now, sched.num_tokens)

@@ -211,8 +211,30 @@ class GrammarConstraint:
                                         f"request may generate only {budget}; raise max_tokens")
         self._watch = (len(minimal) if minimal is not None else 0) + _CLOSE_SLACK
         self._check_at = self._watch  # the next ``left`` at which the way out is measured again
+        self._ready: torch.Tensor | Exception | None = None  # a mask computed ahead (prefetch), or its failure
+
+    def prefetch(self) -> None:
+        """Compute the next mask now: the engine calls this on its mask thread while the step's
+        forward runs (the mask depends only on tokens already sampled), so constrained rows do
+        not hold up the batch; a failure is kept and raised by :meth:`allowed`."""
+        try:
+            self._ready = self._next_mask()
+        except Exception as e:
+            self._ready = e
 
     def allowed(self, vocab_size: int) -> torch.Tensor:
+        ready, self._ready = self._ready, None
+        if isinstance(ready, Exception):
+            raise ready
+        mask = ready if ready is not None else self._next_mask()  # [self.vocab.vocab_size]
+        if mask.shape[0] == vocab_size:
+            return mask
+        out = torch.zeros(vocab_size, dtype=torch.bool)
+        n = min(vocab_size, mask.shape[0])
+        out[:n] = mask[:n]
+        return out
+
+    def _next_mask(self) -> torch.Tensor:
         if self.m.is_error():
             raise ValueError(_first_line(self.m.get_error()))
         if not self._forced and self.left <= self._check_at:
@@ -222,7 +244,7 @@ class GrammarConstraint:
             else:  # measured again when half the slack is spent (a token rarely lengthens it by more)
                 need = (len(path) if path else 0) + _CLOSE_MARGIN
                 self._check_at = self.left - max(1, (self.left - need) // 2)
-        out = torch.zeros(vocab_size, dtype=torch.bool)
+        out = torch.zeros(self.vocab.vocab_size, dtype=torch.bool)
         if self._forced:
             out[self._forced[0]] = True
             return out
@@ -231,12 +253,10 @@ class GrammarConstraint:
         if self.m.is_stopped() or (self.left <= self._watch and self.m.is_accepting()):
             out[self.vocab.eos] = True
             return out
-        mask = self.vocab.mask(self.m)
-        n = min(vocab_size, mask.shape[0])
-        out[:n] = mask[:n]
-        return out
+        return self.vocab.mask(self.m)
 
     def advance(self, token_id: int) -> None:
+        self._ready = None
         self.left -= 1
         if self._forced:
             self._forced.pop(0)

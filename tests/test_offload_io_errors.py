@@ -305,6 +305,9 @@ def test_a_failing_constraint_fails_only_its_request(stories_hf, plain):
             if self.fail_in == "advance" and self.n == 5:
                 raise ValueError("grammar rejected the token")
 
+        def prefetch(self):  # nothing to compute ahead: allowed() is immediate
+            pass
+
     core = llm.core
     rids = [core.add_request(llm.encode(p), SP) for p in PROMPTS[:2]]
     rids += [core.add_request(llm.encode(PROMPTS[2]), SP, constraint=Broken("allowed")),
