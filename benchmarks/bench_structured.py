@@ -10,10 +10,10 @@ Two parts, one run:
 2. **End to end** through ``llmsys serve`` (in process, the official AsyncOpenAI client, ``/v1/completions``):
    stories260k-hf and the random-weight SmolLM2-135M shape carrying that BPE vocabulary
    (vocab resized to it), ``--batch`` concurrent requests of ``--tokens`` tokens each,
-   plain (``ignore_eos``, so every request runs the full budget) vs ``response_format:
-   json_schema`` (a schema whose string field runs until the budget closes the document:
-   the output is as long as the plain one), interleaved, median of ``--reps``. tok/s =
-   generated tokens / wall time.
+   ``response_format: json_schema`` (a schema whose string field runs until the budget closes
+   the document, or the model closes it earlier) vs plain requests each given exactly the
+   tokens its structured twin produced (``ignore_eos``), so both runs have the same batch
+   shape step by step; interleaved, median of ``--reps``. tok/s = generated tokens / wall time.
 
 Prints a Markdown block for docs/benchmarks.md. Usage:
 
@@ -113,12 +113,13 @@ def smollm_with_bpe(bpe: Path, root: Path) -> Path:
     return d
 
 
-async def run_batch(url: str, model: str, batch: int, tokens: int, structured: bool) -> tuple[int, float]:
+async def run_batch(url: str, model: str, budgets: list[int], structured: bool) -> tuple[list[int], float]:
+    """``len(budgets)`` concurrent requests, request i allowed ``budgets[i]`` tokens; (tokens each, wall s)."""
     import openai
 
     async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600) as c:
         async def one(i: int) -> int:
-            kw: dict = dict(model=model, prompt=f"Story number {i}: once upon a time", max_tokens=tokens,
+            kw: dict = dict(model=model, prompt=f"Story number {i}: once upon a time", max_tokens=budgets[i],
                             temperature=0.7, seed=i)
             if structured:
                 kw["extra_body"] = {"response_format": {"type": "json_schema",
@@ -131,7 +132,7 @@ async def run_batch(url: str, model: str, batch: int, tokens: int, structured: b
             return r.usage.completion_tokens
 
         t0 = time.perf_counter()
-        n = sum(await asyncio.gather(*[one(i) for i in range(batch)]))
+        n = list(await asyncio.gather(*[one(i) for i in range(len(budgets))]))
         return n, time.perf_counter() - t0
 
 
@@ -145,13 +146,17 @@ def end_to_end(model_dir: Path, name: str, batches: list[int], tokens: int, reps
     srv = start_server_thread(state)
     rows = []
     try:
-        asyncio.run(run_batch(srv.url, name, max(batches), tokens, True))  # warm: the grammar vocabulary, kernels
+        asyncio.run(run_batch(srv.url, name, [tokens] * max(batches), True))  # warm: the grammar vocabulary
         for b in batches:
             got: dict[bool, list[float]] = {False: [], True: []}
             for _ in range(reps):
-                for structured in (False, True):  # interleaved
-                    n, s = asyncio.run(run_batch(srv.url, name, b, tokens, structured))
-                    got[structured].append(n / s)
+                # A document may close before the budget, so each plain request then gets exactly the
+                # tokens its structured twin produced: the same batch shape, step by step.
+                lengths, s = asyncio.run(run_batch(srv.url, name, [tokens] * b, True))
+                got[True].append(sum(lengths) / s)
+                n, s = asyncio.run(run_batch(srv.url, name, lengths, False))
+                assert n == lengths
+                got[False].append(sum(n) / s)
             plain, js = statistics.median(got[False]), statistics.median(got[True])
             rows.append(f"| {name} | {b} | {plain:.1f} | {js:.1f} | {js / plain:.2f}x |")
     finally:
@@ -195,6 +200,10 @@ def main() -> int:
     print("| model | batch | plain tok/s | json_schema tok/s | ratio |")
     print("|---|---|---|---|---|")
     print("\n".join(rows))
+    import resource
+
+    print(f"\nPeak RSS of the process (both servers, one after the other, the BPE training): "
+          f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB.")
     return 0
 
 

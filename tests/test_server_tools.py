@@ -487,6 +487,15 @@ def test_echo_best_of_suffix_and_unserved_fields(srv):
         assert e.value.body["param"] == field and e.value.body["code"] == "unsupported_parameter"
 
 
+def test_identifiers_are_logged_not_ignored(srv, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="llmsys.server"):
+        _client(srv).completions.create(model=NAME, prompt="Hi", max_tokens=2, user="alice",
+                                        extra_body={"safety_identifier": "u-42"})
+    assert "user='alice'" in caplog.text and "safety_identifier='u-42'" in caplog.text
+
+
 def test_model_names(srv):
     c = _client(srv)
     for bad in ("gpt-4o", "stories"):

@@ -311,6 +311,9 @@ def create_app(state: ServerState) -> ServerAPI:
         if err is not None:
             raise err
         check_model(req.model)
+        ids = {k: v for k in ("user", "safety_identifier", "prompt_cache_key") if (v := getattr(req, k)) is not None}
+        if ids:  # identifiers change no output; they are kept in the server's log, as their owners expect
+            log.info("request identifiers: %s", ", ".join(f"{k}={v!r}" for k, v in ids.items()))
         if req.logit_bias:
             vocab = state.llm.loaded.args.vocab_size
             bad = next((k for k in req.logit_bias if int(k) >= vocab), None)

@@ -250,8 +250,11 @@ class _Common(BaseModel):
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    user: str | None = Field(None, description="an end-user id; OpenAI uses it for abuse monitoring, it changes no output "
-                                                "(llmsys logs it with the request)")
+    user: str | None = Field(None, max_length=256, description="an end-user id; OpenAI uses it for abuse monitoring, it "
+                                                               "changes no output (llmsys logs it with the request)")
+    safety_identifier: str | None = Field(None, max_length=256, description="OpenAI's newer name for user; logged")
+    prompt_cache_key: str | None = Field(None, max_length=256, description="OpenAI's cache-routing hint; llmsys "
+                                         "reuses any cached prompt prefix by itself, the key is logged")
     logit_bias: _LogitBias | None = Field(
         None, max_length=MAX_LOGIT_BIAS, description="token id -> bias added to its logit before sampling "
                                                      "(-100 bans the token, 100 forces it)")
