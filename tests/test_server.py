@@ -34,14 +34,20 @@ PROMPT = "Once upon a time"
 KEY = "sekrit"
 
 
-def _chat_model(tmp: Path) -> Path:
-    """stories260k-hf plus a chat template (the base model has none)."""
-    out = tmp / "stories-chat"
+def _chat_model(tmp: Path, template: str = CHAT_TEMPLATE, name: str = "stories-chat",
+                positions: int | None = None) -> Path:
+    """stories260k-hf plus a chat template (the base model has none); ``positions``: a longer
+    context than its 512 (RoPE extends; the words are nonsense either way)."""
+    out = tmp / name
     out.mkdir()
     for f in STORIES_HF.iterdir():
         if f.name == "tokenizer_config.json":
             cfg = json.loads(f.read_text())
-            cfg["chat_template"] = CHAT_TEMPLATE
+            cfg["chat_template"] = template
+            (out / f.name).write_text(json.dumps(cfg))
+        elif f.name == "config.json" and positions is not None:
+            cfg = json.loads(f.read_text())
+            cfg["max_position_embeddings"] = positions
             (out / f.name).write_text(json.dumps(cfg))
         elif f.name.endswith(".safetensors"):
             os.symlink(f, out / f.name)
