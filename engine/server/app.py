@@ -411,8 +411,7 @@ def create_app(state: ServerState) -> ServerAPI:
                 plan = plan_tools(tok.chat_template_source(tools=True), tools, choice, req.parallel_tool_calls,
                                   vocab.special_token)
             except ToolChoiceError as e:
-                raise APIError(400, str(e), param="tool_choice" if "tool_choice" in str(e) else "tools",
-                               code="invalid_tools") from None
+                raise APIError(400, str(e), param=e.param, code="invalid_tools") from None
         elif req.tool_choice not in (None, "none", "auto"):
             raise APIError(400, "tool_choice asks for a tool call but the request has no tools", param="tool_choice",
                            code="invalid_tools")

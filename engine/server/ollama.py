@@ -709,7 +709,7 @@ class _Ollama:
             return plan_tools(self.state.llm.tokenizer.chat_template_source(tools=True), tools, "auto", True,
                               vocab.special_token)
         except ToolChoiceError as e:
-            raise APIError(400, str(e), param="tools", code="invalid_tools") from None
+            raise APIError(400, str(e), param=e.param, code="invalid_tools") from None
 
     async def run(self, request: Request, req: Any, chat: bool, ids: list[int], params: SamplingParams,
                   top: int | None, t0: float, context: bool, plan: ToolPlan | None = None) -> Response:

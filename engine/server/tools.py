@@ -296,7 +296,12 @@ class ToolPlan:
 
 
 class ToolChoiceError(ValueError):
-    """A tools request this model or server cannot serve (the message says why and what to do)."""
+    """A tools request this model or server cannot serve (the message says why and what to do);
+    ``param``: the request field at fault."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
 
 
 def plan_tools(template: str | None, tools: Sequence[dict[str, Any]], choice: str, parallel: bool,
@@ -309,7 +314,8 @@ def plan_tools(template: str | None, tools: Sequence[dict[str, Any]], choice: st
     name = detect_format(template)
     if name is None:
         raise ToolChoiceError("the model's chat template has no tool-call format llmsys knows (Hermes/Qwen "
-                              "<tool_call>, Llama 3 JSON, Mistral [TOOL_CALLS]); send the request without tools")
+                              "<tool_call>, Llama 3 JSON, Mistral [TOOL_CALLS]); send the request without tools",
+                              "tools")
     markers = {"hermes": ("<tool_call>", "</tool_call>"), "llama3": ("<|python_tag|>",),
                           "mistral": ("[TOOL_CALLS]",)}[name]
     fmt = ToolFormat(name, {m: t for m in markers if (t := special_token(m)) is not None})
@@ -317,5 +323,6 @@ def plan_tools(template: str | None, tools: Sequence[dict[str, Any]], choice: st
         return ToolPlan(fmt, None, parallel)
     forced = None if choice == "required" else choice
     if forced is not None and forced not in {t["name"] for t in tools}:
-        raise ToolChoiceError(f"tool_choice names the function '{forced}' but tools has no function of that name")
+        raise ToolChoiceError(f"tool_choice names the function '{forced}' but tools has no function of that name",
+                              "tool_choice")
     return ToolPlan(fmt, fmt.grammar(tools, forced, parallel and forced is None), parallel)
