@@ -24,6 +24,12 @@ of pool or device it runs on. The implementations:
 * :class:`CudaBackend` / :class:`CudaInt8Backend` -- Triton paged kernels (the
   gather plan only when a step reads cold blocks).
 
+Per layer, ``attend`` takes the layer's ``window`` (sliding-window layers: Gemma 2/3,
+Phi-3) and ``softcap`` (tanh soft-capped logits: Gemma 2) beside its ``scale``; each
+backend applies them itself (on the CPU: ``kernels.windowed`` plans, soft-capped
+float32 logits), and a window no context of the step exceeds changes nothing, so the
+fast paths still run those steps.
+
 Decorators, given the backend they wrap at construction: :class:`ScoringBackend`
 (attention rows for H2O / SnapKV, only for the sequences that need them) and
 :class:`QuestBackend` (per-query page selection, ``llmsys.offload.eviction.quest``).
@@ -48,6 +54,7 @@ from llmsys.kernels import (
     make_gather_plan,
     paged_attention_gathered,
     paged_attention_gathered_scores,
+    windowed,
 )
 
 if TYPE_CHECKING:
@@ -181,16 +188,22 @@ class AttentionBackend(Protocol):
         ...
 
     def rope_attend(self, layer: int, qkv: torch.Tensor, hq: int, hk: int, positions: torch.Tensor,
-                    rope_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    rope_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
         """:meth:`rope_store` then :meth:`attend` from a q|k|v projection ``[T, (Hq + 2 Hk) D]`` -> ``[T, Hq D]``."""
         ...
 
-    def attend(self, layer: int, q: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """Each new token over its sequence's cached context: q ``[T, Hq, D]`` -> ``[T, Hq, D]``."""
+    def attend(self, layer: int, q: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None = None,
+               softcap: float | None = None) -> torch.Tensor:
+        """Each new token over its sequence's cached context: q ``[T, Hq, D]`` -> ``[T, Hq, D]``.
+
+        ``window``: the layer attends only to keys less than ``window`` positions behind each query
+        (sliding-window layers); ``softcap``: its logits are ``cap * tanh(logits / cap)`` (Gemma 2)."""
         ...
 
     def attend_with_scores(self, layer: int, q: torch.Tensor, meta: AttentionMetadata, scale: float,
-                           score_from: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                           score_from: list[int], window: int | None = None,
+                           softcap: float | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """:meth:`attend`, also returning per sequence the attention rows from ``score_from[b]`` on."""
         ...
 
@@ -201,7 +214,7 @@ class AttentionBackend(Protocol):
 
 def rope_attend_ops(backend: AttentionBackend, layer: int, qkv: torch.Tensor, hq: int, hk: int,
                     positions: torch.Tensor, rope_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float) -> torch.Tensor:
+                    scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """``rope_attend`` as ``backend``'s own ``rope_store`` then ``attend`` on views of ``qkv``."""
     t = qkv.shape[0]
     d = qkv.shape[1] // (hq + 2 * hk)
@@ -209,7 +222,7 @@ def rope_attend_ops(backend: AttentionBackend, layer: int, qkv: torch.Tensor, hq
     k = qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)
     v = qkv[:, (hq + hk) * d :].view(t, hk, d)
     q = backend.rope_store(layer, q, k, v, positions, rope_cache, meta)
-    return backend.attend(layer, q, meta, scale).reshape(t, hq * d)
+    return backend.attend(layer, q, meta, scale, window, softcap).reshape(t, hq * d)
 
 
 class _PagedBackend:
@@ -222,6 +235,17 @@ class _PagedBackend:
         self.pool = pool
         self.block_size = block_size
         self.device = device
+        self._window: tuple[GatherPlan | None, int | None, GatherPlan | None] = (None, None, None)  # _windowed's last
+
+    def _windowed(self, plan: GatherPlan, window: int | None) -> GatherPlan:
+        """``kernels.windowed(plan, window)``, made once per step: every sliding layer of a model has one window."""
+        if window is None:
+            return plan
+        src, w, out = self._window
+        if src is not plan or w != window:
+            out = windowed(plan, window)
+            self._window = (plan, window, out)
+        return out
 
     def metadata(self, query_lens, context_lens, block_tables, cold=None, prompt=None, score_from=None):
         return build_metadata(query_lens, context_lens, block_tables, self.block_size, self.device, cold, prompt,
@@ -238,8 +262,8 @@ class _PagedBackend:
     def store(self, layer, k, v, meta):
         self.pool.store(layer, k, v, meta.slot_mapping)
 
-    def rope_attend(self, layer, qkv, hq, hk, positions, rope_cache, meta, scale):
-        return rope_attend_ops(self, layer, qkv, hq, hk, positions, rope_cache, meta, scale)
+    def rope_attend(self, layer, qkv, hq, hk, positions, rope_cache, meta, scale, window=None, softcap=None):
+        return rope_attend_ops(self, layer, qkv, hq, hk, positions, rope_cache, meta, scale, window, softcap)
 
     def on_demote(self, pairs):
         pass
@@ -274,41 +298,43 @@ class CpuBackend(_PagedBackend):
         kf.index_copy_(0, meta.slot_mapping, k)
         vf.index_copy_(0, meta.slot_mapping, v)
 
-    def rope_attend(self, layer, qkv, hq, hk, positions, rope_cache, meta, scale):
-        plan = meta.plan
+    def rope_attend(self, layer, qkv, hq, hk, positions, rope_cache, meta, scale, window=None, softcap=None):
+        plan = self._windowed(meta.plan, window)
         if (self._c_rope and plan.is_decode and plan.cold is None and plan.split is None and plan.lens is not None
-                and qkv.dtype == torch.bfloat16 and qkv.stride(1) == 1):
+                and softcap is None and qkv.dtype == torch.bfloat16 and qkv.stride(1) == 1):
             # rope_store's and attend's C calls below in one (the same bits)
             kf, vf = self._flat[layer]
             return cpu_fused_rope_store_attend(qkv, hq, hk, positions, rope_cache, kf, vf, meta.slot_mapping,
                                                plan.lens, scale, plan.gather_slots)
-        return rope_attend_ops(self, layer, qkv, hq, hk, positions, rope_cache, meta, scale)
+        return rope_attend_ops(self, layer, qkv, hq, hk, positions, rope_cache, meta, scale, window, softcap)
 
-    def attend(self, layer, q, meta, scale):
-        plan = meta.plan
+    def attend(self, layer, q, meta, scale, window=None, softcap=None):
+        plan = self._windowed(meta.plan, window)
         if (self._c_decode and plan.is_decode and plan.cold is None and plan.split is None and plan.lens is not None
-                and q.dtype == self.pool.spec.dtype):
+                and softcap is None and q.dtype == self.pool.spec.dtype):
             # What paged_attention_gathered runs for this step (the C decode attention reading the
             # pool by slot), without its dispatch: asked per layer, the same answer every layer.
             kf, vf = self._flat[layer]
             return cpu_fused_decode_attention(q.contiguous(), kf, vf, plan.lens, scale, plan.gather_slots)
-        return paged_attention_gathered(q, self.pool.k[layer], self.pool.v[layer], plan, scale)
+        return paged_attention_gathered(q, self.pool.k[layer], self.pool.v[layer], plan, scale, softcap=softcap)
 
-    def attend_with_scores(self, layer, q, meta, scale, score_from):
-        return paged_attention_gathered_scores(q, self.pool.k[layer], self.pool.v[layer], meta.plan, scale,
-                                               score_from)
+    def attend_with_scores(self, layer, q, meta, scale, score_from, window=None, softcap=None):
+        return paged_attention_gathered_scores(q, self.pool.k[layer], self.pool.v[layer],
+                                               self._windowed(meta.plan, window), scale, score_from, softcap=softcap)
 
 
 class CpuInt8Backend(_PagedBackend):
     """int8 pool on the CPU: the plain path with codes and per (slot, head) scales."""
 
-    def attend(self, layer, q, meta, scale):
+    def attend(self, layer, q, meta, scale, window=None, softcap=None):
         k, v = self.pool.k[layer], self.pool.v[layer]
-        return paged_attention_gathered(q, k.codes, v.codes, meta.plan, scale, k.scale, v.scale)
+        return paged_attention_gathered(q, k.codes, v.codes, self._windowed(meta.plan, window), scale, k.scale,
+                                        v.scale, softcap)
 
-    def attend_with_scores(self, layer, q, meta, scale, score_from):
+    def attend_with_scores(self, layer, q, meta, scale, score_from, window=None, softcap=None):
         k, v = self.pool.k[layer], self.pool.v[layer]
-        return paged_attention_gathered_scores(q, k.codes, v.codes, meta.plan, scale, score_from, k.scale, v.scale)
+        return paged_attention_gathered_scores(q, k.codes, v.codes, self._windowed(meta.plan, window), scale,
+                                               score_from, k.scale, v.scale, softcap=softcap)
 
 
 class Int4Backend(_PagedBackend):
@@ -319,51 +345,63 @@ class Int4Backend(_PagedBackend):
     decodes and prompt chunks of a mixed step run as two batches (``GatherPlan.split``).
     """
 
-    def attend(self, layer, q, meta, scale):
-        return self._attend(layer, q, meta.plan, scale)
+    def attend(self, layer, q, meta, scale, window=None, softcap=None):
+        return self._attend(layer, q, self._windowed(meta.plan, window), scale, softcap)
 
-    def _attend(self, layer: int, q: torch.Tensor, plan: GatherPlan, scale: float) -> torch.Tensor:
+    def _attend(self, layer: int, q: torch.Tensor, plan: GatherPlan, scale: float,
+                softcap: float | None) -> torch.Tensor:
         if plan.split is not None:
             dplan, dtok, pplan, ptok = plan.split
             out = q.new_empty(q.shape)
             for sub, tok in ((dplan, dtok), (pplan, ptok)):
-                out.index_copy_(0, tok, self._attend(layer, q.index_select(0, tok), sub, scale))
+                out.index_copy_(0, tok, self._attend(layer, q.index_select(0, tok), sub, scale, softcap))
             return out
         k, v = self.pool.gather(layer, plan.gather_slots, q.dtype)  # [B, Lmax, Hk, D]
-        return attend_gathered(q, k, v, plan, scale)
+        return attend_gathered(q, k, v, plan, scale, softcap)
 
-    def attend_with_scores(self, layer, q, meta, scale, score_from):
+    def attend_with_scores(self, layer, q, meta, scale, score_from, window=None, softcap=None):
         raise ValueError("attention scores need a float KV pool (KV policies run on kv_dtype auto)")
 
 
 class CudaBackend(_PagedBackend):
-    """Plain pool on CUDA: the Triton paged kernels; a step with cold blocks takes the gather plan."""
+    """Plain pool on CUDA: the Triton paged kernels; a step with cold blocks takes the gather plan.
+
+    The Triton decode kernel takes no window and no soft-capping: a decode step of a layer whose
+    window some context exceeds, or whose logits are capped, runs the torch reference attention
+    (``kernels.paged_decode_attention`` with them; correct, not fast)."""
 
     plans = False
 
     def _caches(self, layer: int):
         return self.pool.k[layer], self.pool.v[layer], None, None
 
-    def attend(self, layer, q, meta, scale):
+    def attend(self, layer, q, meta, scale, window=None, softcap=None):
         kc, vc, ks, vs = self._caches(layer)
         if meta.plan is not None:  # the step reads cold blocks: staged rows over the gathered pool rows
-            return paged_attention_gathered(q, kc, vc, meta.plan, scale, ks, vs)
+            return paged_attention_gathered(q, kc, vc, self._windowed(meta.plan, window), scale, ks, vs, softcap)
+        if window is not None and max(meta.context_lens) <= window:
+            window = None  # no context of the step reaches past it: the Triton kernel runs the step
         if meta.is_decode:
-            return kernels.paged_decode_attention(q, kc, vc, meta.block_tables, meta.context_lens_t, scale, ks, vs)
+            return kernels.paged_decode_attention(q, kc, vc, meta.block_tables, meta.context_lens_t, scale, ks, vs,
+                                                  window=window, softcap=softcap)
         return kernels.paged_prefill_attention(
-            q, kc, vc, meta.block_tables, meta.context_lens_t, meta.query_start_loc, scale, ks, vs
+            q, kc, vc, meta.block_tables, meta.context_lens_t, meta.query_start_loc, scale, ks, vs,
+            window=window, softcap=softcap
         )
 
-    def attend_with_scores(self, layer, q, meta, scale, score_from):
+    def attend_with_scores(self, layer, q, meta, scale, score_from, window=None, softcap=None):
         kc, vc, ks, vs = self._caches(layer)
-        if meta.is_decode and ks is None and meta.plan is None:
+        if window is not None and max(meta.context_lens) <= window:
+            window = None
+        if meta.is_decode and ks is None and meta.plan is None and window is None and softcap is None:
             res = kernels.paged_decode_attention(q, kc, vc, meta.block_tables, meta.context_lens_t, scale,
                                                  return_scores=True)
             return res.out, [res.token_mass[b].sum(0, keepdim=True) for b in range(q.shape[0])]  # [1, cap]
         plan = meta.plan
         if plan is None:  # a scoring prefill: ScoringBackend asked for the plan in its metadata
             raise ValueError("attend_with_scores: the step's metadata has no gather plan")
-        return paged_attention_gathered_scores(q, kc, vc, plan, scale, score_from, ks, vs)
+        return paged_attention_gathered_scores(q, kc, vc, self._windowed(plan, window), scale, score_from, ks, vs,
+                                               softcap=softcap)
 
     def metadata(self, query_lens, context_lens, block_tables, cold=None, prompt=None, score_from=None):
         # A scoring step's prompt rows need the gather layout (explicit softmax rows).
@@ -402,14 +440,15 @@ class BackendDecorator:
     def store(self, layer, k, v, meta):
         self.inner.store(layer, k, v, meta)
 
-    def rope_attend(self, layer, qkv, hq, hk, positions, rope_cache, meta, scale):
-        return rope_attend_ops(self, layer, qkv, hq, hk, positions, rope_cache, meta, scale)  # this decorator's ops
+    def rope_attend(self, layer, qkv, hq, hk, positions, rope_cache, meta, scale, window=None, softcap=None):
+        # this decorator's ops
+        return rope_attend_ops(self, layer, qkv, hq, hk, positions, rope_cache, meta, scale, window, softcap)
 
-    def attend(self, layer, q, meta, scale):
-        return self.inner.attend(layer, q, meta, scale)
+    def attend(self, layer, q, meta, scale, window=None, softcap=None):
+        return self.inner.attend(layer, q, meta, scale, window, softcap)
 
-    def attend_with_scores(self, layer, q, meta, scale, score_from):
-        return self.inner.attend_with_scores(layer, q, meta, scale, score_from)
+    def attend_with_scores(self, layer, q, meta, scale, score_from, window=None, softcap=None):
+        return self.inner.attend_with_scores(layer, q, meta, scale, score_from, window, softcap)
 
     def on_demote(self, pairs):
         self.inner.on_demote(pairs)
@@ -445,20 +484,20 @@ class ScoringBackend(BackendDecorator):
     def for_step(self, meta):
         return self.inner.for_step(meta) if meta.scores is None else self
 
-    def attend(self, layer, q, meta, scale):
+    def attend(self, layer, q, meta, scale, window=None, softcap=None):
         sc = meta.scores
         if sc is None:
-            return self.inner.attend(layer, q, meta, scale)
+            return self.inner.attend(layer, q, meta, scale, window, softcap)
         if sc.split is None:
-            out, rows = self.inner.attend_with_scores(layer, q, meta, scale, sc.score_from)
+            out, rows = self.inner.attend_with_scores(layer, q, meta, scale, sc.score_from, window, softcap)
             sc.add(range(len(rows)), rows)
             return out
         srows, smeta, stok, ometa, otok = sc.split
         out = q.new_empty(q.shape)
         res, rows = self.inner.attend_with_scores(layer, q.index_select(0, stok), smeta, scale,
-                                                  [sc.score_from[b] for b in srows])
+                                                  [sc.score_from[b] for b in srows], window, softcap)
         out.index_copy_(0, stok, res)
-        out.index_copy_(0, otok, self.inner.attend(layer, q.index_select(0, otok), ometa, scale))
+        out.index_copy_(0, otok, self.inner.attend(layer, q.index_select(0, otok), ometa, scale, window, softcap))
         sc.add(srows, rows)
         return out
 
@@ -485,11 +524,13 @@ class QuestBackend(BackendDecorator):
         self.inner.store(layer, k, v, meta)
         self.quest.update(self.pool.k[layer], meta.slot_mapping)
 
-    def attend(self, layer, q, meta, scale):
+    def attend(self, layer, q, meta, scale, window=None, softcap=None):
         if meta.is_decode:
+            if window is not None or softcap is not None:  # the engine refuses quest for such models (kv_policy)
+                raise ValueError("quest: page selection does not apply a sliding window or soft-capped logits")
             return self.quest.decode(q, self.pool.k[layer], self.pool.v[layer], meta.block_tables,
                                      meta.context_lens_t, scale)
-        return self.inner.attend(layer, q, meta, scale)
+        return self.inner.attend(layer, q, meta, scale, window, softcap)
 
     def on_demote(self, pairs):
         self.quest.move_pages(pairs)  # the demoted pages' summaries follow them

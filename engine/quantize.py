@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -98,6 +98,13 @@ def loader_quantizer(config) -> WeightQuantizer | None:
 # ------------------------------------------------------------------ calibration (GPTQ)
 
 
+def _require_llama_layers(a: Any, what: str, fix: str) -> None:
+    """Raise unless the layers are Llama's: q/k/v and gate/up stored apart, one plain RMSNorm before
+    attention and one before the MLP (Phi-3 stores them fused; Gemma's (1 + w) norms sit on both sides)."""
+    if a.fused_qkv or a.fused_gate_up or a.sandwich_norms or a.norm_offset:
+        raise InvalidParameterError(f"{what} needs Llama-shaped layers, which this model does not have; {fix}")
+
+
 def _calib_layout(lens: list[int], block_size: int) -> list[list[int]]:
     tables, nxt = [], 1  # block 0 is the scratch block
     for n in lens:
@@ -145,7 +152,7 @@ def _calib_batch(model: nn.Module, seqs: list[list[int]]):
         y, res = layer(h, None, pos, model.rope_cache, attn, meta)
         return res + y  # the layer's hidden state
 
-    return model.model.embed_tokens(ids), run_layer  # [T, hidden]
+    return model.embed(ids), run_layer  # [T, hidden]
 
 
 def _input_stats(layer: nn.Module, h: torch.Tensor, run_layer, names: tuple[str, ...] | None = None):
@@ -253,6 +260,8 @@ def awq_calibrate(model: nn.Module, seqs: list[list[int]], spec: QuantSpec, prog
     if spec.method != "int4":
         raise InvalidParameterError(f"--method awq quantizes int4 weights; got --quant {spec.name} (use --method rtn)")
     a = model.args
+    _require_llama_layers(a, "--method awq (its scales fold into q/k/v, gate/up and the (w) norm before each)",
+                          "use --method gptq or rtn")
     g = spec.group_size
     h, run_layer = _calib_batch(model, seqs)
     dev, dtype = h.device, h.dtype
@@ -460,6 +469,8 @@ def refine_quantized(model: nn.Module, float_weights: dict[str, torch.Tensor], s
     from llmsys.quant.int4 import Int4Linear
 
     a = model.args
+    _require_llama_layers(a, "refinement (it tunes q/k/v, gate/up and the two (w) norms of each layer)",
+                          "quantize it without --refine")
     n_layers = len(model.model.layers)
     tun: dict[str, TunableInt4] = {}
     for i, layer in enumerate(model.model.layers):

@@ -194,6 +194,9 @@ def perplexity_stream(
     bs = core.kv.spec.block_size
     per_block = core.kv.spec.bytes_per_token * bs
     model = core.loaded.model
+    if pol.kind != "full" and model.kv_policy_blocker:
+        raise InvalidParameterError(f"--kv-policy {pol.text!r}: this model's attention ({model.kv_policy_blocker}) "
+                                    "runs with kv_policy full only")
     from llmsys.engine.runner import StepBatch
     from llmsys.engine.sampling import SamplingParams
     from llmsys.engine.scheduler import ScheduledSeq
@@ -302,7 +305,9 @@ class _CausalWindows(BackendDecorator):
         super().__init__(inner)
         self.window = window
 
-    def attend(self, layer, q, meta, scale):  # q [B*window, Hq, D]
+    def attend(self, layer, q, meta, scale, window=None, softcap=None):  # q [B*window, Hq, D]
+        if softcap is not None or (window is not None and window < self.window):  # SDPA's causal mask cannot say it
+            return self.inner.attend(layer, q, meta, scale, window, softcap)
         T, Hq, D = q.shape
         k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
         Hk = k_cache.shape[-2]

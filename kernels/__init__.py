@@ -16,6 +16,7 @@ from llmsys.kernels.cpu_attention import (
     make_gather_plan,
     paged_attention_gathered,
     paged_attention_gathered_scores,
+    windowed,
 )
 # The CPU backend's fused bf16 decode ops, unvalidated (the backend checks once per engine
 # that shapes and dtypes fit; kernels.ops wraps the validated forms).
@@ -63,7 +64,7 @@ from llmsys.kernels.cpu_qgemv import (
 )
 from llmsys.kernels.cpu_report import CpuKernels, QuantMatmulSupport, cpu_kernels, quant_matmul_support
 from llmsys.kernels.reference import dequant_int4, pack_int4, quantize_int8_ref, unpack_int4
-from llmsys.kernels.rope_cache import build_rope_cache, rope_inv_freq
+from llmsys.kernels.rope_cache import build_rope_cache, rope_attention_factor, rope_inv_freq, rope_type
 
 __all__ = [
     "BF16_UPCAST_MIN_ROWS",
@@ -122,7 +123,10 @@ __all__ = [
     "quantize_int8_ref",
     "rms_norm",
     "rope",
+    "rope_attention_factor",
     "rope_inv_freq",
+    "rope_type",
+    "windowed",
     "silu_mul",
     "transpose_bf16",
     "triton_available",

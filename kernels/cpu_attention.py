@@ -9,6 +9,10 @@ gathered rows); prompt chunks gather each sequence's K/V by slot into
 ``[B, Lmax, Hk, D]`` and run ``scaled_dot_product_attention`` per sequence,
 unpadded, so a sequence's bits do not depend on the rest of the step.
 
+Sliding-window layers (Gemma 2/3, Phi-3) attend through :func:`windowed`, the step's plan
+restricted to each query's window; soft-capped logits (Gemma 2) take explicit float32 logits
+(``softcap``), as transformers' eager attention computes them (SDPA has no soft-capping).
+
 Cold blocks (a KV tier beyond the pool, ``llmsys.offload.kv_tier``): block ids
 ``>= ColdBlocks.first`` are not in the pool tensors. The plan gathers their
 positions from scratch slot 0 and then copies the rows the tier staged for the
@@ -18,7 +22,7 @@ K/V an all-resident pool would give.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -228,8 +232,10 @@ def _decode_grouped(
     v: torch.Tensor,  # [Hk, B, L, D]
     mask: torch.Tensor | None,  # [B, 1, 1, L] bool or None
     scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [B, Hq, D]
-    """Decode attention as two grouped matmuls, all in float32 (output in q's dtype).
+    """Decode attention as two grouped matmuls, all in float32 (output in q's dtype); ``softcap``:
+    logits ``cap * tanh(logits / cap)`` before the mask (Gemma 2).
 
     float32 even for bfloat16 pools: the bf16 batched matmul picks its blocking
     by batch shape, so the same sequence decoded alone or beside others got
@@ -247,6 +253,8 @@ def _decode_grouped(
     dtype = q.dtype
     qg = q.view(B, Hk, Hq // Hk, D).transpose(0, 1).float()  # [Hk, B, G, D]
     s = torch.matmul(qg, k.float().transpose(-1, -2)) * scale  # [Hk, B, G, L]
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
     if mask is not None:
         s = s.masked_fill(~mask.transpose(0, 1), float("-inf"))  # mask [1, B, 1, L] broadcasts over heads
     p = torch.softmax(s, dim=-1)
@@ -261,18 +269,21 @@ def paged_attention_gathered(
     scale: float,
     k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, Hk] f32 for int8 caches
     v_scale: torch.Tensor | None = None,
+    softcap: float | None = None,  # tanh soft-capping of the logits (Gemma 2)
 ) -> torch.Tensor:  # [T, Hq, D]
+    """Each new token over its sequence's context, by the plan (a sliding window: :func:`windowed` first)."""
     T, Hq, D = q.shape
     if plan.split is not None:  # decodes and prompt chunks as two batches (see GatherPlan.split)
         dplan, dtok, pplan, ptok = plan.split
         out = q.new_empty(T, Hq, D)
         for sub, tok in ((dplan, dtok), (pplan, ptok)):
-            res = paged_attention_gathered(q.index_select(0, tok), k_cache, v_cache, sub, scale, k_scale, v_scale)
+            res = paged_attention_gathered(q.index_select(0, tok), k_cache, v_cache, sub, scale, k_scale, v_scale,
+                                           softcap)
             out.index_copy_(0, tok, res)
         return out
     same_dtype = k_scale is not None or k_cache.dtype == q.dtype  # int8 pools dequantize to q's dtype
-    if (plan.is_decode and same_dtype and plan.lens is not None and cpu_decode.attention_applies(q)
-            and cpu_decode.available()):
+    if (plan.is_decode and same_dtype and plan.lens is not None and softcap is None
+            and cpu_decode.attention_applies(q) and cpu_decode.available()):
         # The C decode attention (kernels/cpu_decode.c), reading a plain pool by slot (the same
         # rows a gather would copy), else the gathered (dequantized / staged) rows. No gather,
         # permute or padded matmul: at batch 16 those cost a third of a float32 step.
@@ -286,10 +297,10 @@ def paged_attention_gathered(
     if plan.is_decode:
         k = _gather_heads_first(k_cache, k_scale, plan, q.dtype)  # [Hk, B, Lmax, D]
         v = _gather_heads_first(v_cache, v_scale, plan, q.dtype)
-        return _decode_grouped(q, k, v, plan.attn_mask, scale)
+        return _decode_grouped(q, k, v, plan.attn_mask, scale, softcap)
     k = _gather(k_cache, k_scale, plan, q.dtype).transpose(1, 2)  # [B, Hk, Lmax, D]
     v = _gather(v_cache, v_scale, plan, q.dtype).transpose(1, 2)
-    return _prefill_each(q, k, v, plan, scale)
+    return _prefill_each(q, k, v, plan, scale, softcap)
 
 
 def attend_gathered(
@@ -298,17 +309,21 @@ def attend_gathered(
     v: torch.Tensor,
     plan: GatherPlan,  # not split (callers run a split plan's parts one by one)
     scale: float,
+    softcap: float | None = None,  # tanh soft-capping of the logits (Gemma 2)
 ) -> torch.Tensor:  # [T, Hq, D]
     """Attention over K/V a pool gathered itself (the int4 pool dequantizes in its gather).
 
-    Decode rows: one SDPA over the batch. Prompt chunks: :func:`_prefill_each`, one
-    unpadded SDPA per sequence, as the plain and int8 pools run them, so a prompt's
-    bits do not depend on the rest of the step.
+    Decode rows: one SDPA over the batch (the grouped float32 matmuls with ``softcap``). Prompt
+    chunks: :func:`_prefill_each`, one unpadded SDPA per sequence, as the plain and int8 pools run
+    them, so a prompt's bits do not depend on the rest of the step.
     """
     if plan.split is not None:
         raise ValueError("attend_gathered: run a split plan's parts one at a time")
     if not plan.is_decode:
-        return _prefill_each(q, k.transpose(1, 2), v.transpose(1, 2), plan, scale)
+        return _prefill_each(q, k.transpose(1, 2), v.transpose(1, 2), plan, scale, softcap)
+    if softcap is not None:
+        kh, vh = (x.permute(2, 0, 1, 3) for x in (k, v))  # [Hk, B, Lmax, D]
+        return _decode_grouped(q, kh, vh, plan.attn_mask, scale, softcap)
     T, Hq, D = q.shape
     qb = q.view(T, 1, Hq, D).transpose(1, 2)  # [B, Hq, 1, D]
     out = F.scaled_dot_product_attention(qb, k.transpose(1, 2), v.transpose(1, 2), attn_mask=plan.attn_mask,
@@ -316,8 +331,8 @@ def attend_gathered(
     return out.transpose(1, 2).reshape(T, Hq, D)
 
 
-def _prefill_each(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: GatherPlan,
-                  scale: float) -> torch.Tensor:  # q [T, Hq, D], k/v [B, Hk, Lmax, D] -> [T, Hq, D]
+def _prefill_each(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: GatherPlan, scale: float,
+                  softcap: float | None = None) -> torch.Tensor:  # q [T, Hq, D], k/v [B, Hk, Lmax, D] -> [T, Hq, D]
     """Prompt attention one sequence at a time, unpadded: each sequence's SDPA call has the
     shapes and mask it would have alone, so its bits do not depend on what else is in the step.
 
@@ -336,10 +351,78 @@ def _prefill_each(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Gathe
         qb = q[qs[b] : qs[b + 1]].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
         mask = plan.attn_mask[b : b + 1, :, :n, :L].contiguous()  # [1, 1, n, L]; its strides would follow Lmax
         # k/v [1, Hk, L, D] views: their strides (Hk * D per position) do not depend on the padding
-        out = F.scaled_dot_product_attention(qb, k[b : b + 1, :, :L], v[b : b + 1, :, :L], attn_mask=mask,
-                                             scale=scale, enable_gqa=Hq != Hk)
+        kb, vb = k[b : b + 1, :, :L], v[b : b + 1, :, :L]
+        if softcap is None:
+            out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale, enable_gqa=Hq != Hk)
+        else:
+            out = _capped_attention(qb, kb, vb, mask, scale, softcap)
         outs.append(out[0].transpose(0, 1))  # [n, Hq, D]
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+
+def _capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                      softcap: float, q_chunk: int = 256) -> torch.Tensor:  # q [1, Hq, n, D], k/v [1, Hk, L, D]
+    """Attention with soft-capped logits, ``cap * tanh(logits / cap)`` before the mask and softmax (Gemma 2),
+    as transformers' eager attention computes it, in float32 (output in q's dtype) -> ``[1, Hq, n, D]``.
+
+    Why not SDPA: it has no soft-capping. ``q_chunk`` queries at a time, so at most ``[Hq, q_chunk, L]``
+    logits exist at once (never the whole ``[n, L]`` matrix of a long prompt).
+    """
+    hq, hk, n = q.shape[1], k.shape[1], q.shape[2]
+    kf, vf = k.float(), v.float()
+    if hq != hk:
+        kf, vf = kf.repeat_interleave(hq // hk, dim=1), vf.repeat_interleave(hq // hk, dim=1)  # [1, Hq, L, D]
+    kt = kf.transpose(-1, -2)
+    out = q.new_empty(q.shape)
+    for c0 in range(0, n, q_chunk):
+        c1 = min(n, c0 + q_chunk)
+        s = torch.matmul(q[:, :, c0:c1].float(), kt) * scale  # [1, Hq, c, L]
+        s = torch.tanh(s / softcap) * softcap
+        s = s.masked_fill(~mask[:, :, c0:c1], float("-inf"))
+        out[:, :, c0:c1] = torch.matmul(torch.softmax(s, dim=-1), vf).to(q.dtype)
+    return out
+
+
+def windowed(plan: GatherPlan, window: int | None) -> GatherPlan:
+    """``plan`` for a sliding-window layer: each query sees only the keys less than ``window`` positions
+    behind it (``query - window < key <= query``, transformers' ``sliding_window_overlay``); ``plan``
+    itself when no query of the step reaches that far back (every context fits the window).
+
+    Decode rows without cold blocks gather only each sequence's last ``window`` slots (lengths capped
+    to the window): exactly the keys the windowed mask leaves, in the same order, so the C decode
+    attention still runs them. Other plans keep their gather and get the band ANDed into their mask;
+    a masked decode plan drops ``lens`` (which only the C decode path and prompt chunks read), so its
+    rows take the masked torch path.
+    """
+    L = plan.gather_slots.shape[1]
+    if window is None or L <= window:
+        return plan
+    split = plan.split
+    if split is not None:
+        split = (windowed(split[0], window), split[1], windowed(split[2], window), split[3])
+    dev = plan.gather_slots.device
+    if plan.is_decode and plan.cold is None and plan.lens is not None:
+        lens = plan.lens
+        n = lens.clamp(max=window)  # [B] keys each row attends
+        idx = ((lens - window).clamp(min=0)[:, None] + torch.arange(window)).clamp(max=L - 1)  # [B, W]
+        valid = torch.arange(window)[None, :] < n[:, None]  # [B, W]
+        slots = torch.where(valid.to(dev), torch.gather(plan.gather_slots, 1, idx.to(dev)),
+                            torch.zeros((), dtype=torch.int64, device=dev))
+        mask = None if bool(valid.all()) else valid[:, None, None, :].to(dev)
+        return GatherPlan(slots.contiguous(), mask, None, plan.query_start, True, split, lens=n)
+    qs = torch.tensor(plan.query_start)
+    qlens = qs[1:] - qs[:-1]  # [B]
+    lens = plan.lens
+    if lens is None:
+        raise ValueError("windowed: the plan has no context lengths (make_gather_plan sets them)")
+    qmax = int(qlens.max())
+    q_pos = torch.arange(qmax)[None, :] + (lens - qlens)[:, None]  # [B, Qmax] absolute position of each query
+    pos = torch.arange(L)
+    m = (pos[None, None, :] <= q_pos[:, :, None]) & (pos[None, None, :] > q_pos[:, :, None] - window)
+    m &= (pos[None, :] < lens[:, None])[:, None, :]  # [B, Qmax, L]
+    m[:, :, 0] |= ~(torch.arange(qmax)[None, :] < qlens[:, None])  # padded query rows: key 0, a finite softmax
+    lens_out = plan.lens if not plan.is_decode else None
+    return replace(plan, attn_mask=m[:, None].to(dev), split=split, lens=lens_out)
 
 
 def paged_attention_gathered_scores(
@@ -352,6 +435,7 @@ def paged_attention_gathered_scores(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     q_chunk: int = 128,
+    softcap: float | None = None,  # tanh soft-capping of the logits (Gemma 2)
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:  # out [T, Hq, D], rows[b] [nq_b, Lmax] f32
     """Like :func:`paged_attention_gathered`, also returning attention rows.
 
@@ -383,6 +467,8 @@ def paged_attention_gathered_scores(
     for c0 in range(0, qmax, q_chunk):
         c1 = min(qmax, c0 + q_chunk)
         logits = torch.matmul(qb[:, :, c0:c1].float(), kt) * scale  # [B, Hq, c, Lmax]
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
         if plan.attn_mask is not None:
             logits = logits.masked_fill(~plan.attn_mask[:, :, c0:c1], float("-inf"))
         p = torch.softmax(logits, dim=-1)

@@ -254,6 +254,8 @@ def paged_decode_attention(
     *,
     partition_size: int | None = None,
     impl: Impl = "auto",
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor | DecodeAttentionResult:
     """Decode attention over a paged KV cache (GQA, variable lengths, split-K).
 
@@ -261,6 +263,9 @@ def paged_decode_attention(
     probability mass summed over each KV head's query heads (for H2O) and its
     per-block max (for Quest-style block selection). ``context_lens`` must not
     exceed ``max_blocks * block_size`` (not checked on CUDA: it would sync).
+    ``window`` (only the last ``window`` keys: sliding-window layers) and
+    ``softcap`` (logits ``cap * tanh(logits / cap)``: Gemma 2) run the torch
+    reference: the Triton kernel has neither yet.
     """
     op = "paged_decode_attention"
     hk, _ = _check_paged(op, q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
@@ -270,12 +275,12 @@ def paged_decode_attention(
     if part < 16 or part & (part - 1):
         fail(op, f"partition_size must be a power of two >= 16, got {part}")
     block_size = k_cache.shape[1]
-    if not use_triton(impl, q.device, op):
+    if not use_triton(impl, q.device, op) or window is not None or softcap is not None:
         cap = block_tables.shape[1] * block_size
         if context_lens.numel() and int(context_lens.max()) > cap:
             fail(op, f"a context length exceeds the block table capacity ({cap} tokens)")
         result = ref.paged_decode_attention_ref(
-            q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale, return_scores
+            q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale, return_scores, window, softcap
         )
         return DecodeAttentionResult(*result) if return_scores else result
     out, lse, logits = triton_module("triton_attention").paged_decode_attention(
@@ -309,8 +314,11 @@ def paged_prefill_attention(
     v_scale: torch.Tensor | None = None,
     *,
     impl: Impl = "auto",
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
-    """Causal attention of new tokens over cached prefix + themselves.
+    """Causal attention of new tokens over cached prefix + themselves (``window``, ``softcap``: as in
+    :func:`paged_decode_attention`).
 
     Torch only for now (gather + ``scaled_dot_product_attention`` per
     sequence, on whatever device the tensors live); ``impl='triton'`` raises.
@@ -329,5 +337,5 @@ def paged_prefill_attention(
     if bool((qlens > context_lens.long()).any()):
         fail(op, "a sequence has more new tokens than its context length")
     return ref.paged_prefill_attention_ref(
-        q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, k_scale, v_scale
+        q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, k_scale, v_scale, window, softcap
     )

@@ -193,8 +193,13 @@ def paged_decode_attention_ref(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     return_scores: bool = False,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One query token per sequence against its paged K/V (dense softmax).
+
+    ``window``: only the last ``window`` keys (sliding-window layers); ``softcap``: logits
+    ``cap * tanh(logits / cap)`` before the softmax (Gemma 2).
 
     Returns ``out [B, Hq, D]``; with ``return_scores`` also
     ``token_mass [B, Hk, max_blocks*block_size]`` (softmax probability summed
@@ -216,6 +221,10 @@ def paged_decode_attention_ref(
         keys = keys.repeat_interleave(group, dim=1)  # [L, Hq, D]
         vals = vals.repeat_interleave(group, dim=1)
         logits = torch.einsum("hd,lhd->hl", q[b].float(), keys) * scale  # [Hq, L]
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        if window is not None and length > window:
+            logits[:, : length - window] = float("-inf")
         probs = torch.softmax(logits, dim=-1)
         out[b] = torch.einsum("hl,lhd->hd", probs, vals)
         mass[b, :, :length] = probs.view(hk, group, length).sum(dim=1)
@@ -235,12 +244,16 @@ def paged_prefill_attention_ref(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Causal attention of each sequence's new tokens over its whole context.
 
     The new tokens are the last ``query_len`` positions of the context, so
     query ``i`` (0-based within the sequence) sits at absolute position
-    ``context_len - query_len + i`` and sees keys ``0..that position``.
+    ``context_len - query_len + i`` and sees keys ``0..that position`` (with
+    ``window``, only those above ``position - window``); ``softcap`` as in
+    :func:`paged_decode_attention_ref`.
     """
     hq, hk = q.shape[1], k_cache.shape[2]
     group = hq // hk
@@ -256,7 +269,14 @@ def paged_prefill_attention_ref(
         vals = vals.repeat_interleave(group, dim=1).transpose(0, 1)
         qb = q[start:end].float().transpose(0, 1)  # [Hq, Lq, D]
         qpos = torch.arange(length - qlen, length, device=q.device)  # [Lq]
-        mask = torch.arange(length, device=q.device)[None, :] <= qpos[:, None]  # [Lq, L]
-        o = F.scaled_dot_product_attention(qb, keys, vals, attn_mask=mask, scale=scale)
+        kpos = torch.arange(length, device=q.device)[None, :]
+        mask = kpos <= qpos[:, None]  # [Lq, L]
+        if window is not None:
+            mask &= kpos > qpos[:, None] - window
+        if softcap is None:
+            o = F.scaled_dot_product_attention(qb, keys, vals, attn_mask=mask, scale=scale)
+        else:
+            logits = torch.tanh(torch.matmul(qb, keys.transpose(-1, -2)) * scale / softcap) * softcap
+            o = torch.matmul(torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1), vals)
         out[start:end] = o.transpose(0, 1).to(q.dtype)
     return out

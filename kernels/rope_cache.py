@@ -13,41 +13,77 @@ from typing import Any
 
 import torch
 
-_SUPPORTED = ("default", "llama3", "linear", "freq_factors")
+_SUPPORTED = ("default", "llama3", "linear", "freq_factors", "longrope")
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None = None) -> torch.Tensor:
+def rope_type(scaling: dict[str, Any] | None) -> str:
+    """The RoPE type a ``rope_scaling`` / ``rope_parameters`` dict names (``default`` for None)."""
+    if not scaling:
+        return "default"
+    return scaling.get("rope_type", scaling.get("type", "default"))
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None = None,
+                  long: bool = False) -> torch.Tensor:
     """Inverse frequencies ``[head_dim // 2]`` float32 for a rope config.
 
-    ``scaling`` is the HF ``rope_scaling`` / ``rope_parameters`` dict (or None):
+    ``head_dim``: the rotated dimensions (``head_dim * partial_rotary_factor`` where only part of
+    each head rotates). ``scaling`` is the HF ``rope_scaling`` / ``rope_parameters`` dict (or None):
     ``rope_type`` (or legacy ``type``) ``default``, ``llama3`` (factor,
     low_freq_factor, high_freq_factor, original_max_position_embeddings) or
     ``linear`` (factor), or ``freq_factors`` (``factors``: ``head_dim // 2`` divisors, what
     llama.cpp stores as ``rope_freqs.weight`` in Llama 3 GGUF files instead of the llama3
-    parameters). Other types raise ``ValueError``.
+    parameters), or ``longrope`` (Phi-3: ``short_factor`` / ``long_factor``, ``head_dim // 2``
+    divisors each; ``long`` picks the long set). Other types raise ``ValueError``.
     """
     if head_dim <= 0 or head_dim % 2:
         raise ValueError(f"build_rope_cache: head_dim must be a positive even number, got {head_dim}")
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    rope_type = "default"
-    if scaling:
-        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type not in _SUPPORTED:
+    kind = rope_type(scaling)
+    if kind not in _SUPPORTED:
         raise ValueError(
-            f"build_rope_cache: rope_type {rope_type!r} is not supported (supported: {_SUPPORTED})"
+            f"build_rope_cache: rope_type {kind!r} is not supported (supported: {_SUPPORTED})"
         )
-    if rope_type == "linear":
+    if kind == "longrope":
+        return _longrope_inv_freq(head_dim, theta, scaling, long)
+    if kind == "linear":
         # HF divides positions by the factor; dividing inv_freq is the same product.
         return inv_freq / float(scaling["factor"])
-    if rope_type == "llama3":
+    if kind == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
-    if rope_type == "freq_factors":
+    if kind == "freq_factors":
         factors = torch.tensor(scaling.get("factors") or [], dtype=torch.float32)
         if factors.shape != inv_freq.shape:
             raise ValueError(f"build_rope_cache: {factors.numel()} rope frequency factors for head_dim {head_dim}, "
                              f"expected {inv_freq.numel()}")
         return inv_freq / factors
     return inv_freq
+
+
+def _longrope_inv_freq(dim: int, theta: float, scaling: dict[str, Any], long: bool) -> torch.Tensor:
+    """Line for line transformers' ``_compute_longrope_parameters`` (its inverse frequencies)."""
+    key = "long_factor" if long else "short_factor"
+    ext = scaling.get(key)
+    if not isinstance(ext, (list, tuple)) or len(ext) != dim // 2:
+        n = len(ext) if isinstance(ext, (list, tuple)) else ext
+        raise ValueError(f"build_rope_cache: longrope {key} has {n} entries, expected {dim // 2} (rotary dim {dim} / 2)")
+    ext_factors = torch.tensor(ext, dtype=torch.float32)
+    inv_freq_shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return 1.0 / (ext_factors * theta**inv_freq_shape)
+
+
+def rope_attention_factor(scaling: dict[str, Any] | None, max_position_embeddings: int) -> float:
+    """What transformers multiplies cos and sin by: LongRoPE's ``attention_factor``, by default
+    ``sqrt(1 + ln(factor) / ln(original_max_position_embeddings))`` with ``factor`` the configured one or
+    ``max_position_embeddings / original_max_position_embeddings`` (1 for the other types)."""
+    if rope_type(scaling) != "longrope":
+        return 1.0
+    given = scaling.get("attention_factor")
+    if given is not None:
+        return float(given)
+    orig = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or max_position_embeddings / orig
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
@@ -75,12 +111,21 @@ def build_rope_cache(
     theta: float,
     scaling: dict[str, Any] | None = None,
     device: torch.device | str | None = None,
+    long: bool = False,
+    attention_factor: float = 1.0,
 ) -> torch.Tensor:  # [max_pos, head_dim] float32: cos | sin
-    """Table for ``rope()``: row p = cat(cos(p * inv_freq), sin(p * inv_freq))."""
+    """Table for ``rope()``: row p = cat(cos(p * inv_freq), sin(p * inv_freq)), times ``attention_factor``
+    (:func:`rope_attention_factor`; transformers scales cos and sin in float32 the same way).
+
+    ``long``: a LongRoPE table's long factors (the model picks the table per sequence, see
+    ``engine.models.base.rope_cache``)."""
     if max_pos <= 0:
         raise ValueError(f"build_rope_cache: max_pos must be positive, got {max_pos}")
-    inv_freq = rope_inv_freq(head_dim, theta, scaling)  # [D/2]
+    inv_freq = rope_inv_freq(head_dim, theta, scaling, long)  # [D/2]
     pos = torch.arange(max_pos, dtype=torch.int64).float()  # [max_pos]
     freqs = pos[:, None] * inv_freq[None, :]  # [max_pos, D/2]
-    cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1).contiguous()
+    cos, sin = freqs.cos(), freqs.sin()
+    if attention_factor != 1.0:
+        cos, sin = cos * attention_factor, sin * attention_factor
+    cache = torch.cat([cos, sin], dim=-1).contiguous()
     return cache if device is None else cache.to(device)

@@ -283,8 +283,8 @@ CASES: list[tuple[str, str, Callable[[Path], Path], type, str]] = [
     ("theta-0-legacy", "hf", _cfg(rope_parameters=None, rope_theta=0), CE, r"rope_theta is 0"),
     ("theta-neg", "hf", _cfg(rope_parameters=None, rope_theta=-10000.0), CE, r"rope_theta is -10000\.0"),
     ("theta-str", "hf", _cfg(rope_parameters=None, rope_theta="1e4"), CE, r"rope_theta is '1e4'; it must be a number"),
-    ("act-bogus", "hf", _cfg(hidden_act="bogus"), UE, (r"hidden_act is 'bogus'; llmsys implements the SwiGLU MLP "
-     r"with silu only")),
+    ("act-bogus", "hf", _cfg(hidden_act="bogus"), UE, (r"hidden_act is 'bogus'; llmsys implements the gated MLP "
+     r"with silu \(SwiGLU\) or gelu_pytorch_tanh \(GeGLU\) only")),
     ("act-gelu", "hf", _cfg(hidden_act="gelu"), UE, r"hidden_act is 'gelu'"),
     ("vocab-0", "hf", _cfg(vocab_size=0), CE, r"vocab_size is 0; it must be between 1"),
     ("vocab-neg", "hf", _cfg(vocab_size=-512), CE, r"vocab_size is -512"),

@@ -454,3 +454,93 @@ def test_cpu_prompt_attention_needs_context_lengths():
     q = torch.randn(12, 4, 16)
     with pytest.raises(ValueError, match="prompt plan needs its context lengths"):
         paged_attention_gathered(q, kc, vc, dataclasses.replace(plan, lens=None), 0.25)
+
+
+# ------------------------------------------------- sliding window, soft-capping, LongRoPE
+
+
+def _dense_attention(q, k, v, pos, scale, window=None, softcap=None):
+    """One query ``[Hq, D]`` at ``pos`` over dense ``k, v [L, Hk, D]`` in float64 (the definition)."""
+    hq, hk = q.shape[0], k.shape[1]
+    kk = k[: pos + 1].double().repeat_interleave(hq // hk, 1)
+    vv = v[: pos + 1].double().repeat_interleave(hq // hk, 1)
+    logits = torch.einsum("hd,lhd->hl", q.double(), kk) * scale
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    if window is not None:
+        logits[:, : max(0, pos + 1 - window)] = float("-inf")
+    return torch.einsum("hl,lhd->hd", torch.softmax(logits, -1), vv)
+
+
+@pytest.mark.parametrize("window,softcap", [(5, None), (None, 2.0), (6, 1.5)])
+def test_reference_attention_window_and_softcap_vs_dense(window, softcap):
+    lens, qlens, hq, hk, d, scale = [9, 14, 3], [9, 4, 1], 4, 2, 8, 0.4
+    kc, vc, _, _, tables, dk, dv = _paged_setup(lens, hk, d, 8)
+    starts = [0, 9, 13, 14]
+    q = torch.randn(14, hq, d, generator=torch.Generator().manual_seed(2))
+    cl = torch.tensor(lens, dtype=torch.int32)
+    got = K.paged_prefill_attention(q, kc, vc, tables, cl, torch.tensor(starts), scale, window=window, softcap=softcap)
+    dec = K.paged_decode_attention(q[[8, 12, 13]], kc, vc, tables, cl, scale, window=window, softcap=softcap)
+    for b, (n, m) in enumerate(zip(lens, qlens)):
+        for i in range(m):
+            want = _dense_attention(q[starts[b] + i], dk[b], dv[b], n - m + i, scale, window, softcap)
+            _close(got[starts[b] + i], want)
+        _close(dec[b], _dense_attention(q[starts[b + 1] - 1], dk[b], dv[b], n - 1, scale, window, softcap))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("softcap", [None, 3.0])
+@pytest.mark.parametrize("qlens", [[1, 1, 1, 1, 1], [1, 6, 5, 1, 1]])
+def test_cpu_windowed_attention_equals_reference(dtype, softcap, qlens):
+    """A sliding-window layer through the CPU paths (``kernels.windowed`` plans: decode rows gather each
+    sequence's last window of slots, for the C decode attention too; prompt chunks and mixed steps get the
+    band in their mask) equals the reference attention with the window, soft-capped or not."""
+    from llmsys.kernels.cpu_attention import make_gather_plan, paged_attention_gathered, windowed
+
+    lens, hq, hk, d, bs, window = [9, 30, 5, 17, 12], 8, 2, 16, 8, 7
+    kc, vc, ks, vs, tables, _, _ = _paged_setup(lens, hk, d, bs, dtype=dtype)
+    starts = [0]
+    for q_ in qlens:
+        starts.append(starts[-1] + q_)
+    qdtype = torch.float32 if dtype == torch.int8 else dtype
+    q = torch.randn(starts[-1], hq, d, generator=torch.Generator().manual_seed(3)).to(qdtype)
+    block_lists = [row[: -(-n // bs)].tolist() for row, n in zip(tables, lens)]
+    plan = make_gather_plan(qlens, lens, block_lists, bs, torch.device("cpu"))
+    wplan = windowed(plan, window)
+    assert windowed(plan, max(lens)) is plan  # no context passes the window: the plan itself
+    if plan.is_decode:
+        assert wplan.gather_slots.shape == (len(lens), window) and wplan.lens.tolist() == [min(n, window) for n in lens]
+    got = paged_attention_gathered(q, kc, vc, wplan, 0.3, ks, vs, softcap)
+    kf, vf = (kc, vc) if dtype != torch.bfloat16 else (kc.float(), vc.float())
+    want = K.paged_prefill_attention(q.float(), kf, vf, tables, torch.tensor(lens, dtype=torch.int32),
+                                     torch.tensor(starts), 0.3, ks, vs, impl="reference", window=window,
+                                     softcap=softcap)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    _close(got.float(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("partial", [1.0, 0.5])
+def test_longrope_cache_matches_hf(partial):
+    """LongRoPE's two tables (Phi-3): transformers' short and long inverse frequencies and its attention
+    factor on cos and sin, for whole and partial rotary heads."""
+    transformers = pytest.importorskip("transformers")
+    phi3 = pytest.importorskip("transformers.models.phi3.modeling_phi3")
+    head_dim, heads, max_pos, orig = 16, 4, 256, 32
+    dim = int(head_dim * partial)
+    short = [1.0 + 0.1 * i for i in range(dim // 2)]
+    long = [1.0 + 2.0 * i for i in range(dim // 2)]
+    cfg = transformers.Phi3Config(
+        hidden_size=head_dim * heads, num_attention_heads=heads, num_key_value_heads=2, max_position_embeddings=max_pos,
+        original_max_position_embeddings=orig, pad_token_id=0, partial_rotary_factor=partial,
+        rope_scaling=dict(rope_type="longrope", short_factor=short, long_factor=long),
+    )
+    emb = phi3.Phi3RotaryEmbedding(cfg)
+    scaling = dict(rope_type="longrope", short_factor=short, long_factor=long, original_max_position_embeddings=orig)
+    factor = K.rope_attention_factor(scaling, max_pos)
+    assert factor == emb.attention_scaling
+    x = torch.zeros(1)
+    for long_table, pos in ((False, torch.arange(orig)), (True, torch.arange(orig + 8))):  # HF: by the longest
+        cache = K.build_rope_cache(dim, max_pos, 10000.0, scaling, long=long_table, attention_factor=factor)
+        cos, sin = emb(x, pos[None])  # [1, T, dim]
+        assert torch.equal(cache[pos, : dim // 2], cos[0, :, : dim // 2])
+        assert torch.equal(cache[pos, dim // 2 :], sin[0, :, : dim // 2])

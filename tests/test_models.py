@@ -143,3 +143,75 @@ def test_bfloat16_engine_is_as_close_to_float32_as_transformers_bfloat16(arch, t
     ours = torch.stack(llmsys_logits(llm.loaded, prompt, cont)).float()
     err = (ours - ref).abs().max().item()
     assert err <= 1.5 * hf_err + 1e-3, f"{arch}: bf16 max |logit err| {err:.3g} vs transformers bf16 {hf_err:.3g}"
+
+
+def test_phi3_longrope_switches_tables(tmp_path):
+    """LongRoPE: a sequence's tokens rotate with the short factors while its context is within
+    ``original_max_position_embeddings`` (40 here) and with the long ones past it, the keys cached
+    before the switch kept, as transformers' forward over a cache computes them step by step."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    path = make_hf_model("phi3-longrope", tmp_path / "phi3", original_max_position_embeddings=40)
+    hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    loaded = load_model(path, dtype="float32", device="cpu")
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(3, 512, (32,), generator=g).tolist()
+    cont = torch.randint(3, 512, (32,), generator=g).tolist()
+    ours = llmsys_logits(loaded, prompt, cont)
+    with torch.no_grad():
+        cache = DynamicCache(config=hf.config)
+        ref = [hf(torch.tensor([prompt]), cache=cache, use_cache=True).logits[0, -1]]
+        for t in cont:
+            ref.append(hf(torch.tensor([[t]]), cache=cache, use_cache=True).logits[0, -1])
+    worst = max((o - r).abs().max().item() for o, r in zip(ours, ref))
+    assert worst < 1e-4, f"max |logit diff| {worst:.2e} over prefill + 32 decode steps across the switch"
+
+
+@pytest.mark.parametrize("arch", ["phi3", "gemma2", "gemma3"])
+def test_sliding_window_batched_chunked_shared_prefix_greedy_match_transformers(arch, tmp_path):
+    """Sliding-window layers in the serving paths: prompts of different lengths batched with decodes,
+    a prompt chunked past its window (16-token steps), a prefix shared through the prefix cache; each
+    sequence's greedy tokens equal transformers' for it alone."""
+    from transformers import AutoModelForCausalLM
+
+    from llmsys import LLM, SamplingParams
+
+    path = make_hf_model(arch, tmp_path / arch, seed=3)
+    hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    base = torch.randint(3, 512, (40,), generator=torch.Generator().manual_seed(7)).tolist()
+    prompts = [base[:5], base[:40], base[:33] + [9, 8, 7]]
+    refs = []
+    with torch.no_grad():
+        for p in prompts:
+            refs.append(hf.generate(torch.tensor([p]), max_new_tokens=24, min_new_tokens=24, do_sample=False,
+                                    eos_token_id=None, pad_token_id=0)[0, len(p):].tolist())
+    llm = LLM(str(path), dtype="float32", device="cpu", kv_cache_tokens=1024, max_num_batched_tokens=16,
+              progress=False)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    assert [o.token_ids for o in outs] == refs
+
+
+@pytest.mark.parametrize("arch", ["phi3", "phi3-longrope", "gemma2", "gemma3"])
+def test_kv_policies_that_move_or_select_keys_are_refused(arch, tmp_path):
+    """Evicting policies re-rotate kept keys with one whole-head table and Quest / the scores know no
+    window or soft-cap: for these families they are refused up front, naming why; full runs."""
+    from llmsys import LLM
+    from llmsys.kernels.common.errors import InvalidParameterError
+
+    path = make_hf_model(arch, tmp_path / arch)
+    with pytest.raises(InvalidParameterError, match="runs with kv_policy full only"):
+        LLM(str(path), dtype="float32", device="cpu", kv_cache_tokens=512, kv_policy="h2o:32,recent:32", progress=False)
+    llm = LLM(str(path), dtype="float32", device="cpu", kv_cache_tokens=512, progress=False)
+    with pytest.raises(InvalidParameterError, match="runs with kv_policy full only"):
+        llm.core.kv_policy.resolve("window:64")
+
+
+@pytest.mark.parametrize("arch", ["phi3", "gemma2"])
+def test_awq_needs_llama_shaped_layers(arch, tmp_path):
+    from llmsys.engine.quantize import awq_calibrate
+    from llmsys.kernels.common.errors import InvalidParameterError
+    from llmsys.quant import QuantSpec
+
+    loaded = load_model(make_hf_model(arch, tmp_path / arch), dtype="float32", device="cpu")
+    with pytest.raises(InvalidParameterError, match="Llama-shaped layers"):
+        awq_calibrate(loaded.model, [[5, 6, 7, 8]], QuantSpec("int4"))

@@ -32,6 +32,23 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
     "mistral": dict(model_type="mistral", tie_word_embeddings=False, sliding_window=None),
     "qwen2": dict(model_type="qwen2", tie_word_embeddings=True, rope_theta=1000000.0),
     "qwen3": dict(model_type="qwen3", tie_word_embeddings=True, head_dim=32, rope_theta=1000000.0),
+    # Phi-3: fused qkv_proj / gate_up_proj; a sliding window the 64 tested positions pass.
+    "phi3": dict(model_type="phi3", tie_word_embeddings=False, sliding_window=24, pad_token_id=0, eos_token_id=2),
+    # Phi-4-mini-like: partial rotary and LongRoPE whose original context (8) every tested prompt passes, so
+    # transformers' generate (which recomputes the cache when a sequence first passes it) and a step-by-step
+    # forward agree; test_phi3_longrope_switches_tables covers the switch itself.
+    "phi3-longrope": dict(
+        model_type="phi3", tie_word_embeddings=False, pad_token_id=0, eos_token_id=2, partial_rotary_factor=0.5,
+        original_max_position_embeddings=8,
+        rope_scaling=dict(rope_type="longrope"),  # factors: make_hf_model, one per rotated pair
+    ),
+    # Gemma 2: sliding layer 0 (window 12 < the prompt), global layer 1; caps small enough to bend the logits.
+    "gemma2": dict(model_type="gemma2", head_dim=16, sliding_window=12, query_pre_attn_scalar=24,
+                   attn_logit_softcapping=5.0, final_logit_softcapping=3.0),
+    # Gemma 3: local layer 0 (window 12, its own RoPE base), global layer 1 (linear-scaled RoPE), q/k norms.
+    "gemma3": dict(model_type="gemma3_text", head_dim=16, sliding_window=12, query_pre_attn_scalar=24,
+                   layer_types=["sliding_attention", "full_attention"], rope_theta=1000000.0,
+                   rope_local_base_freq=10000.0, rope_scaling=dict(rope_type="linear", factor=2.0)),
 }
 
 
@@ -39,8 +56,14 @@ def make_hf_model(kind: str, out: Path, seed: int = 0, **overrides: Any) -> Path
     """Save a random transformers model of family ``kind`` to ``out``."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    spec = dict(TINY, **ARCH_CONFIGS[kind], **overrides)
+    spec = {**TINY, **ARCH_CONFIGS[kind], **overrides}
     mt = spec.pop("model_type")
+    scaling = spec.get("rope_scaling")
+    if scaling and scaling.get("rope_type") == "longrope" and "short_factor" not in scaling:
+        # one factor per rotated pair of this head size: short 1..2, long 1..8
+        n = int(spec["hidden_size"] // spec["num_attention_heads"] * spec.get("partial_rotary_factor", 1.0)) // 2
+        steps = torch.linspace(0, 1, n).tolist()
+        spec["rope_scaling"] = dict(scaling, short_factor=[2.0**s for s in steps], long_factor=[8.0**s for s in steps])
     cfg = AutoConfig.for_model(mt, **spec)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)

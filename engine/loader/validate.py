@@ -44,8 +44,9 @@ INT_FIELDS: dict[str, tuple[bool, int]] = {
     "sliding_window": (False, 1 << 30),
 }
 BOOL_FIELDS = ("tie_word_embeddings", "attention_bias")
-# The MLP is SwiGLU: silu(gate) * up. transformers' ACT2FN maps "swish" to the same function.
-ACTIVATIONS = ("silu", "swish")
+# The MLP is gated: act(gate) * up with silu (SwiGLU; transformers' ACT2FN maps "swish" to the same
+# function) or gelu_pytorch_tanh (GeGLU: Gemma); engine.models.base.GATE_ACTIVATIONS implements them.
+ACTIVATIONS = ("silu", "swish", "gelu_pytorch_tanh")
 MAX_RMS_EPS = 1.0  # real models use 1e-6 .. 1e-5; eps >= 1 swamps the mean square of unit-scale activations
 
 
@@ -114,10 +115,11 @@ def check_config(cfg: Mapping[str, Any], origin: Origin) -> None:
     head_dim = head_dim or cfg["hidden_size"] // heads
     if head_dim % 2:
         raise origin.error("head_dim", head_dim, "RoPE rotates pairs of dimensions, so it must be even")
-    act = cfg.get("hidden_act", "silu")
-    if act not in ACTIVATIONS:
-        raise origin.error("hidden_act", act, "llmsys implements the SwiGLU MLP with silu only",
-                           UnsupportedModelError)
+    for name in ("hidden_act", "hidden_activation"):  # Gemma 2/3 name it hidden_activation
+        act = cfg.get(name)
+        if act is not None and act not in ACTIVATIONS:
+            raise origin.error(name, act, "llmsys implements the gated MLP with silu (SwiGLU) or gelu_pytorch_tanh "
+                               "(GeGLU) only", UnsupportedModelError)
     for name in ("rms_norm_eps", "rope_theta"):
         v = cfg.get(name)
         if v is not None and not _is_number(v):
@@ -136,7 +138,7 @@ def check_config(cfg: Mapping[str, Any], origin: Origin) -> None:
 def check_args(a: Any, origin: Origin) -> None:
     """The values as the model uses them (after defaults and ``rope_parameters`` are applied): norm epsilon,
     RoPE frequencies and scaling, special token ids inside the vocabulary."""
-    from llmsys.kernels import rope_inv_freq
+    from llmsys.kernels import rope_attention_factor, rope_inv_freq
 
     eps = a.rms_norm_eps
     if not _is_number(eps) or not (0 < eps <= MAX_RMS_EPS):
@@ -145,15 +147,29 @@ def check_args(a: Any, origin: Origin) -> None:
     if not _is_number(theta) or not math.isfinite(theta) or theta <= 1:
         raise origin.error("rope_theta", theta, "it must be a finite number above 1 (models use 1e4 to 1e7)")
     _check_rope_scaling(a.rope_scaling, origin)
-    try:
-        inv = rope_inv_freq(a.head_dim, float(theta), a.rope_scaling)
-    except ValueError as e:
-        raise UnsupportedModelError(f"{origin.path}: {e}") from None
-    except (TypeError, KeyError, ZeroDivisionError) as e:
-        raise origin.error("rope_scaling", a.rope_scaling, f"its parameters are not usable ({e!r})") from None
-    if not bool(torch.isfinite(inv).all()) or not bool((inv > 0).all()):
-        raise origin.error("rope_scaling", a.rope_scaling, "it gives RoPE frequencies that are not finite and "
-                           "positive (a zero or negative factor?)")
+    if a.rotary_dim < 2 or a.rotary_dim % 2:
+        raise origin.error("partial_rotary_factor", a.partial_rotary_factor,
+                           f"it must rotate an even number of each head's {a.head_dim} dims")
+    for t_theta, scaling, long in a.rope_tables:  # LongRoPE's short and long factors, Gemma 3's local table
+        if not _is_number(t_theta) or not math.isfinite(t_theta) or t_theta <= 1:
+            raise origin.error("rope_local_base_freq", t_theta, "it must be a finite number above 1")
+        try:
+            inv = rope_inv_freq(a.rotary_dim, float(t_theta), scaling, long)
+            rope_attention_factor(scaling, a.max_position_embeddings)
+        except ValueError as e:
+            raise UnsupportedModelError(f"{origin.path}: {e}") from None
+        except (TypeError, KeyError, ZeroDivisionError) as e:
+            raise origin.error("rope_scaling", scaling, f"its parameters are not usable ({e!r})") from None
+        if not bool(torch.isfinite(inv).all()) or not bool((inv > 0).all()):
+            raise origin.error("rope_scaling", scaling, "it gives RoPE frequencies that are not finite and "
+                               "positive (a zero or negative factor?)")
+    window = a.sliding_window
+    if window is not None and (not _is_int(window) or window < 1):
+        raise origin.error("sliding_window", window, "it must be a whole number of positions above 0")
+    for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
+        v = getattr(a, name)
+        if v is not None and (not _is_number(v) or not math.isfinite(v) or v <= 0):
+            raise origin.error(name, v, "it must be a finite number above 0 (or null)")
     bos = a.bos_token_id
     if bos is not None and not 0 <= bos < a.vocab_size:
         raise origin.error("bos_token_id", bos, f"it must be an id below vocab_size ({a.vocab_size})")
@@ -164,13 +180,17 @@ def check_args(a: Any, origin: Origin) -> None:
 
 def _check_rope_scaling(sc: Mapping[str, Any] | None, origin: Origin) -> None:
     """Each numeric RoPE scaling parameter is a finite positive number (a factor of 0 divides by zero)."""
-    for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+    for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
+                "attention_factor"):
         v = (sc or {}).get(key)
         if v is not None and (not _is_number(v) or not math.isfinite(v) or v <= 0):
             raise origin.error(f"rope_scaling.{key}", v, "it must be a finite number above 0")
-    factors = (sc or {}).get("factors")
-    if factors is not None and not all(_is_number(f) and math.isfinite(f) and f > 0 for f in factors):
-        raise origin.error("rope_scaling.factors", factors, "every RoPE frequency divisor must be finite and above 0")
+    for key in ("factors", "short_factor", "long_factor"):  # freq_factors; LongRoPE's two sets
+        factors = (sc or {}).get(key)
+        if factors is not None and not (isinstance(factors, (list, tuple)) and all(
+                _is_number(f) and math.isfinite(f) and f > 0 for f in factors)):
+            raise origin.error(f"rope_scaling.{key}", factors,
+                               "every RoPE frequency divisor must be finite and above 0")
 
 
 def layer_indices(names: Iterable[str], prefix: str = "model.layers.") -> set[int]:

@@ -14,12 +14,18 @@ FAMILIES = {
     "mistral": "mistral",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "phi3": "phi3",
+    "gemma2": "gemma2",
+    "gemma3_text": "gemma3",
 }
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
 }
 
 

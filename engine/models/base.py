@@ -1,7 +1,10 @@
-"""The decoder shared by the Llama-family architectures.
+"""The decoder shared by every supported architecture.
 
-Llama, Mistral, Qwen2 and Qwen3 differ only in a few switches (q/k/v bias,
-per-head q/k RMSNorm, explicit head_dim, RoPE scaling, tied embeddings), so
+Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and Gemma 3 differ only in switches
+(q/k/v bias, per-head q/k RMSNorm, explicit head_dim, RoPE scaling, partial
+rotary, tied embeddings, fused q|k|v and gate|up checkpoints, Gemma's ``1 + w``
+norms around both attention and MLP, GeGLU, scaled embeddings, soft-capped
+logits, sliding-window layers, a second RoPE table for the local layers), so
 one decoder implements them and each family module only maps its Hugging Face
 config onto :class:`TransformerArgs`. Tokens of a batch are packed into one
 ``[T, ...]`` tensor; attention gets the per-sequence layout from
@@ -40,9 +43,57 @@ class TransformerArgs:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # bias on q/k/v projections (Qwen2)
-    qk_norm: bool = False  # RMSNorm per head on q and k (Qwen3)
+    qk_norm: bool = False  # RMSNorm per head on q and k (Qwen3, Gemma 3)
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
+    hidden_act: str = "silu"  # the MLP gate's activation: silu (SwiGLU) or gelu_pytorch_tanh (GeGLU: Gemma)
+    partial_rotary_factor: float = 1.0  # the part of each head RoPE rotates (Phi-4-mini: 0.75)
+    fused_qkv: bool = False  # the checkpoint stores q|k|v as one qkv_proj (Phi-3): built and kept fused
+    fused_gate_up: bool = False  # ... and gate|up as one gate_up_proj
+    sliding_window: int | None = None  # a sliding layer's keys: fewer than this many positions behind each query
+    # Per layer "sliding_attention" or "full_attention" (Gemma 2/3); None: every layer slides when sliding_window
+    # is set (Phi-3, Mistral).
+    layer_types: tuple[str, ...] | None = None
+    local_rope_theta: float | None = None  # Gemma 3: the sliding layers' RoPE base (their own table, unscaled)
+    query_pre_attn_scalar: float | None = None  # Gemma: attention scale query_pre_attn_scalar ** -0.5, not head_dim's
+    attn_logit_softcapping: float | None = None  # Gemma 2: attention logits cap * tanh(logits / cap)
+    final_logit_softcapping: float | None = None  # Gemma 2: the LM head's logits likewise
+    norm_offset: bool = False  # Gemma: RMSNorm weights are stored as w and scale by (1 + w), in float32
+    sandwich_norms: bool = False  # Gemma 2/3: norms on both sides of attention and of the MLP
+    embed_scale: bool = False  # Gemma: embeddings times sqrt(hidden_size) (rounded to the model dtype)
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dims of each head RoPE rotates (its first ones; the width of the RoPE table)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def longrope(self) -> bool:
+        """LongRoPE (Phi-3 ``rope_scaling`` type ``longrope`` / ``su``): short and long factor tables."""
+        return kernels.rope_type(self.rope_scaling) == "longrope"
+
+    @property
+    def rope_tables(self) -> list[tuple[float, dict[str, Any] | None, bool]]:
+        """``(theta, scaling, long)`` of each RoPE table :func:`rope_cache` stacks, in order.
+
+        One for most models; LongRoPE: its short then long factors (a sequence's tokens take the long
+        table once it is longer than the original context, :meth:`DecoderModel.rope_positions`);
+        Gemma 3: the global layers' then the local (sliding) layers' (:meth:`layer_rope`)."""
+        if self.longrope:
+            return [(self.rope_theta, self.rope_scaling, False), (self.rope_theta, self.rope_scaling, True)]
+        if self.local_rope_theta is not None:
+            return [(self.rope_theta, self.rope_scaling, False), (self.local_rope_theta, None, False)]
+        return [(self.rope_theta, self.rope_scaling, False)]
+
+    def sliding(self, i: int) -> bool:
+        """Does layer ``i`` attend through a sliding window?"""
+        if self.sliding_window is None:
+            return False
+        return self.layer_types is None or self.layer_types[i] == "sliding_attention"
+
+    def layer_rope(self, i: int) -> int:
+        """Which of :attr:`rope_tables` layer ``i`` rotates with (Gemma 3's sliding layers: the local one)."""
+        return 1 if self.local_rope_theta is not None and self.sliding(i) else 0
 
     @classmethod
     def _common(cls, cfg: dict[str, Any], **overrides: Any) -> dict[str, Any]:
@@ -69,19 +120,32 @@ class TransformerArgs:
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+            hidden_act=cfg.get("hidden_act") or "silu",
         )
         kw.update(overrides)
         return kw
 
 
-def rope_cache(args: TransformerArgs, device: torch.device | None = None) -> torch.Tensor:
-    """``[max_pos, head_dim]`` float32 cos|sin table (default/linear/llama3 scaling)."""
+def rope_cache(args: TransformerArgs, device: torch.device | None = None,
+               positions: int | None = None) -> torch.Tensor:
+    """``[S * P, R]`` float32: the model's ``S`` RoPE tables (:attr:`TransformerArgs.rope_tables`) of ``P``
+    positions each (``positions``, default ``max_position_embeddings``), stacked; ``R`` columns cos | sin of
+    the rotary dims (default/linear/llama3/longrope scaling).
+
+    Why one stacked table: every layer and kernel takes one ``rope_cache`` and reads rows by position; a
+    layer (Gemma 3's local ones) or a sequence (LongRoPE's long ones) that needs the second table reads row
+    ``position + P`` (:meth:`Attention.rope_positions`, :meth:`DecoderModel.rope_positions`).
+    """
+    n = positions or args.max_position_embeddings
     try:
-        return kernels.build_rope_cache(
-            args.head_dim, args.max_position_embeddings, args.rope_theta, args.rope_scaling, device
-        )
+        tables = [
+            kernels.build_rope_cache(args.rotary_dim, n, theta, scaling, device, long,
+                                     kernels.rope_attention_factor(scaling, args.max_position_embeddings))
+            for theta, scaling, long in args.rope_tables
+        ]
     except ValueError as e:
         raise UnsupportedModelError(f"config.json: {e}") from None
+    return tables[0] if len(tables) == 1 else torch.cat(tables)
 
 
 class Linear(nn.Linear):
@@ -106,13 +170,17 @@ class Linear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, offset: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        # Gemma: the stored weight is w and the norm scales by (1 + w), all in float32 before the one
+        # rounding to the input's dtype (HF GemmaRMSNorm), where Llama rounds first, then multiplies.
+        self.offset = offset
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """HF LlamaRMSNorm numerics; with ``residual`` the add is fused and ``(normed, x + residual)`` is returned.
+        """HF LlamaRMSNorm numerics (GemmaRMSNorm's with ``offset``); with ``residual`` the add is fused and
+        ``(normed, x + residual)`` is returned.
 
         On the CPU the two dtypes the engine decodes in go straight to what
         ``kernels.rms_norm`` would pick for them (torch's fused ``F.rms_norm`` for
@@ -121,6 +189,10 @@ class RMSNorm(nn.Module):
         decoder's own contiguous activations).
         """
         w = self.weight
+        if self.offset:
+            h = x if residual is None else x + residual
+            out = (F.rms_norm(h.float(), (h.shape[-1],), None, self.eps) * (1.0 + w.float())).to(h.dtype)
+            return out if residual is None else (out, h)
         if not x.is_cuda and x.dtype == w.dtype:
             if x.dtype == torch.float32:
                 h = x if residual is None else x + residual
@@ -136,15 +208,25 @@ class Attention(nn.Module):
         super().__init__()
         self.index = index  # the layer's index in the KV pool
         self.n_heads, self.n_kv, self.head_dim = a.num_attention_heads, a.num_key_value_heads, a.head_dim
-        self.q_proj = Linear(a.hidden_size, self.n_heads * self.head_dim, bias=a.attention_bias)
-        self.k_proj = Linear(a.hidden_size, self.n_kv * self.head_dim, bias=a.attention_bias)
-        self.v_proj = Linear(a.hidden_size, self.n_kv * self.head_dim, bias=a.attention_bias)
-        self.o_proj = Linear(self.n_heads * self.head_dim, a.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, a.rms_norm_eps) if a.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, a.rms_norm_eps) if a.qk_norm else None
-        self.scale = self.head_dim**-0.5
-        # q|k|v rows in one GEMM, set by DecoderModel.fuse_projections (which drops q/k/v_proj).
+        nq, nkv = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        # q|k|v rows in one GEMM: as the checkpoint stores them (Phi-3), else set by
+        # DecoderModel.fuse_projections (which drops q/k/v_proj).
         self.qkv_proj: nn.Module | None = None
+        if a.fused_qkv:
+            self.qkv_proj = Linear(a.hidden_size, nq + 2 * nkv, bias=a.attention_bias)
+            self.q_proj = self.k_proj = self.v_proj = None
+        else:
+            self.q_proj = Linear(a.hidden_size, nq, bias=a.attention_bias)
+            self.k_proj = Linear(a.hidden_size, nkv, bias=a.attention_bias)
+            self.v_proj = Linear(a.hidden_size, nkv, bias=a.attention_bias)
+        self.o_proj = Linear(nq, a.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, a.rms_norm_eps, a.norm_offset) if a.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, a.rms_norm_eps, a.norm_offset) if a.qk_norm else None
+        self.scale = (a.query_pre_attn_scalar or self.head_dim) ** -0.5
+        self.window = a.sliding_window if a.sliding(index) else None  # attention's sliding window (None: all keys)
+        self.softcap = a.attn_logit_softcapping  # logits cap * tanh(logits / cap) (Gemma 2)
+        self.rotary_dim = a.rotary_dim  # each head's first dims that RoPE rotates (the rest pass through)
+        self.rope_table, self.rope_tables = a.layer_rope(index), len(a.rope_tables)  # which stacked table, of how many
         # [(2 (Hq + Hk) + Hk) D, hidden] rows q | k | q swapped | k swapped | v, set by DecoderModel.fold_rope
         # for plain float32 projections: decode steps get RoPE's rotate-half out of the GEMM.
         self.rope_qkv: torch.Tensor | None = None
@@ -166,6 +248,34 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
         return q, k, v
+
+    def rope_positions(self, positions: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
+        """``[T]`` rows of ``rope_cache`` this layer rotates ``positions`` with: the position itself, plus one
+        table's length for a layer of the second table (Gemma 3's local layers; see :func:`rope_cache`)."""
+        if not self.rope_table:
+            return positions
+        return positions + self.rope_table * (rope_cache.shape[0] // self.rope_tables)
+
+    def rope_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                   rope_cache: torch.Tensor, attn: AttentionBackend, meta: AttentionMetadata) -> torch.Tensor:
+        """RoPE on q ``[T, Hq, D]`` and k ``[T, Hk, D]`` with this layer's table; k, v into the pool -> roped q.
+
+        Partial rotary (``rotary_dim < head_dim``, Phi-4-mini): each head's first ``rotary_dim`` dims
+        rotate (the table is that wide) and the rest pass through, as in transformers'
+        ``apply_rotary_pos_emb``; the roped halves are joined back and stored with the backend's ``store``.
+        """
+        positions = self.rope_positions(positions, rope_cache)
+        r = self.rotary_dim
+        if r == self.head_dim:
+            return attn.rope_store(self.index, q, k, v, positions, rope_cache, meta)
+        qr, kr = kernels.rope(q[..., :r], k[..., :r], positions, rope_cache)  # [T, H, r] each
+        q, k = torch.cat([qr, q[..., r:]], dim=-1), torch.cat([kr, k[..., r:]], dim=-1)
+        attn.store(self.index, k, v, meta)
+        return q
+
+    def attend(self, q: torch.Tensor, attn: AttentionBackend, meta: AttentionMetadata) -> torch.Tensor:
+        """Roped q ``[T, Hq, D]`` over the pool with this layer's scale, window and soft-cap -> ``[T, Hq * D]``."""
+        return attn.attend(self.index, q, meta, self.scale, self.window, self.softcap).reshape(q.shape[0], -1)
 
     def forward(self, x, positions, rope_cache, attn: AttentionBackend, meta: AttentionMetadata,
                 rows: tuple[torch.Tensor, torch.Tensor] | None = None):
@@ -194,29 +304,45 @@ class Attention(nn.Module):
             q = r[:, :hq]
         else:
             q, k, v = self.project(x)
-            q = attn.rope_store(self.index, q, k, v, positions, rope_cache, meta)  # k, v into the pool
-        o = attn.attend(self.index, q, meta, self.scale).reshape(T, hq * d)  # [T, Hq * D]
+            q = self.rope_store(q, k, v, positions, rope_cache, attn, meta)  # k, v into the pool
+        o = self.attend(q, attn, meta)  # [T, Hq * D]
         if rows is not None and self.o_decode is not None:
             return F.linear(o, self.o_decode)  # what kernels.linear runs for this weight, without its dispatch
         # Decode: the module's forward without nn.Module dispatch (calibration hooks see prompts only).
         return self.o_proj.forward(o) if meta.is_decode else self.o_proj(o)
 
 
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """transformers' ``gelu_pytorch_tanh`` (GELUTanh): torch's gelu with the tanh approximation."""
+    return F.gelu(x, approximate="tanh")
+
+
+# The MLP gate activations (HF ACT2FN names): SwiGLU's silu, GeGLU's tanh-approximated gelu (Gemma).
+GATE_ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu_pytorch_tanh": gelu_tanh}
+
+
 class MLP(nn.Module):
     def __init__(self, a: TransformerArgs):
         super().__init__()
-        self.gate_proj = Linear(a.hidden_size, a.intermediate_size, bias=False)
-        self.up_proj = Linear(a.hidden_size, a.intermediate_size, bias=False)
-        self.down_proj = Linear(a.intermediate_size, a.hidden_size, bias=False)
-        # gate|up rows in one GEMM, set by DecoderModel.fuse_projections (which drops gate/up_proj).
+        # gate|up rows in one GEMM: as the checkpoint stores them (Phi-3), else set by
+        # DecoderModel.fuse_projections (which drops gate/up_proj).
         self.gate_up_proj: nn.Module | None = None
+        if a.fused_gate_up:
+            self.gate_up_proj = Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)
+            self.gate_proj = self.up_proj = None
+        else:
+            self.gate_proj = Linear(a.hidden_size, a.intermediate_size, bias=False)
+            self.up_proj = Linear(a.hidden_size, a.intermediate_size, bias=False)
+        self.down_proj = Linear(a.intermediate_size, a.hidden_size, bias=False)
+        self.silu = a.hidden_act in ("silu", "swish")  # SwiGLU (the C row kernels' silu * mul)
+        self.act_fn = GATE_ACTIVATIONS[a.hidden_act]
         # [2 I, hidden] plain float32 gate|up weights for decode steps, set by DecoderModel.fold_rope where
         # fuse_projections leaves small weights apart (each output row equals the separate GEMMs' at decode).
         self.gate_up_decode: torch.Tensor | None = None
         self.down_decode: torch.Tensor | None = None  # down_proj's plain float32 weight for decode steps
 
     def act(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, I]
-        """``silu(gate(x)) * up(x)``, the input of ``down_proj``.
+        """``silu(gate(x)) * up(x)`` (GeGLU: ``gelu_tanh(gate(x)) * up(x)``), the input of ``down_proj``.
 
         CPU bfloat16: the C row code (``kernels.cpu_fused_silu_mul``) that the fused decode layers
         run too (:meth:`DecoderLayer.decode_layer`), so both give the same bits.
@@ -227,11 +353,12 @@ class MLP(nn.Module):
             gu = self.gate_up_proj(x)  # [T, 2 I]
             inter = gu.shape[-1] // 2
             g, u = gu[..., :inter], gu[..., inter:]
-        if g.dtype == torch.bfloat16 and g.dim() == 2 and not g.is_cuda and kernels.cpu_fused_available():
+        if (self.silu and g.dtype == torch.bfloat16 and g.dim() == 2 and not g.is_cuda
+                and kernels.cpu_fused_available()):
             return kernels.cpu_fused_silu_mul(g, u)
         # contiguous: silu's vectorized and scalar loops round differently, so the gate
         # must sit in memory as the unfused GEMM's output does (the same bits either way).
-        return F.silu(g.contiguous()) * u
+        return self.act_fn(g.contiguous()) * u
 
     def forward(self, x, decode: bool = False, folded: bool = False):
         """``decode``: a pure-decode step (the projections' forward without ``nn.Module`` dispatch;
@@ -243,7 +370,7 @@ class MLP(nn.Module):
             gu = F.linear(x, self.gate_up_decode)  # [T, 2 I]
             inter = gu.shape[-1] // 2
             # contiguous: as in act, the gate must sit in memory as the unfused GEMM's output did.
-            y = F.silu(gu[:, :inter].contiguous()) * gu[:, inter:]
+            y = self.act_fn(gu[:, :inter].contiguous()) * gu[:, inter:]
         else:
             y = self.act(x)
         if folded and self.down_decode is not None:
@@ -256,8 +383,13 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(a, index)
         self.mlp = MLP(a)
-        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        eps, off = a.rms_norm_eps, a.norm_offset
+        self.input_layernorm = RMSNorm(a.hidden_size, eps, off)
+        # Llama: the norm before the MLP. Gemma 2/3 (sandwich_norms): the norm of attention's output, and
+        # pre_feedforward_layernorm is the one before the MLP, post_feedforward_layernorm that of its output.
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, eps, off)
+        self.pre_feedforward_layernorm = RMSNorm(a.hidden_size, eps, off) if a.sandwich_norms else None
+        self.post_feedforward_layernorm = RMSNorm(a.hidden_size, eps, off) if a.sandwich_norms else None
         self._fused: FusedBinding | None = None  # decode_layer's last answer
 
     def forward(self, h, residual, positions, rope_cache, attn: AttentionBackend, meta: AttentionMetadata,
@@ -280,6 +412,11 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm.forward(h, residual)
         a = self.self_attn.forward(x, positions, rope_cache, attn, meta, rows)
+        if self.pre_feedforward_layernorm is not None:  # Gemma: attention's and the MLP's outputs normed too
+            a = self.post_attention_layernorm.forward(a)
+            x, residual = self.pre_feedforward_layernorm.forward(a, residual)  # residual <- residual + a
+            m = self.mlp.forward(x, meta.is_decode, rows is not None)
+            return self.post_feedforward_layernorm.forward(m), residual
         x, residual = self.post_attention_layernorm.forward(a, residual)  # residual <- residual + a
         return self.mlp.forward(x, meta.is_decode, rows is not None), residual
 
@@ -299,6 +436,8 @@ class DecoderLayer(nn.Module):
             return c.layer
         at, mlp = self.self_attn, self.mlp
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        if self.pre_feedforward_layernorm is not None or ln1.offset or not mlp.silu:
+            return None  # the C layer is Llama's: one norm before attention and MLP each, (w) norms, SwiGLU
         if ln1.weight.dtype != torch.bfloat16 or ln2.weight.dtype != torch.bfloat16:
             return None
         qkv = [at.qkv_proj] if at.qkv_proj is not None else [at.q_proj, at.k_proj, at.v_proj]
@@ -333,15 +472,17 @@ class DecoderLayer(nn.Module):
         # check=False: the decoder's own contiguous bf16 [T, D] activations (decode_layer checked the dtype;
         # the embeddings and the kernels' outputs are contiguous)
         qkv, residual = kernels.layer_attn_in(fused, h, residual, check=False)  # [T, (Hq + 2 Hk) D]
-        if at.q_norm is None:  # RoPE, the K/V store and attention: one backend call (one C call on the CPU pool)
-            o = attn.rope_attend(at.index, qkv, at.n_heads, at.n_kv, positions, rope_cache, meta, at.scale)
-        else:  # per-head q/k norms between the projection and RoPE (Qwen3)
+        if at.q_norm is None and at.rotary_dim == at.head_dim:
+            # RoPE, the K/V store and attention: one backend call (one C call on the CPU pool)
+            o = attn.rope_attend(at.index, qkv, at.n_heads, at.n_kv, at.rope_positions(positions, rope_cache),
+                                 rope_cache, meta, at.scale, at.window, at.softcap)
+        else:  # per-head q/k norms between the projection and RoPE (Qwen3), or partial rotary (Phi-4-mini)
             T, hq, hk, d = h.shape[0], at.n_heads, at.n_kv, at.head_dim
             q, k = qkv[:, : hq * d].view(T, hq, d), qkv[:, hq * d : (hq + hk) * d].view(T, hk, d)
             v = qkv[:, (hq + hk) * d :].view(T, hk, d)
-            q, k = at.q_norm(q.contiguous()), at.k_norm(k.contiguous())
-            q = attn.rope_store(at.index, q, k, v, positions, rope_cache, meta)
-            o = attn.attend(at.index, q, meta, at.scale).reshape(T, hq * d)  # [T, Hq * D]
+            if at.q_norm is not None:
+                q, k = at.q_norm(q.contiguous()), at.k_norm(k.contiguous())
+            o = at.attend(at.rope_store(q, k, v, positions, rope_cache, attn, meta), attn, meta)  # [T, Hq * D]
         return kernels.layer_mlp(fused, o.contiguous(), residual, check=False)
 
 
@@ -384,13 +525,14 @@ class DecoderModel(nn.Module):
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.model.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_hidden_layers))
-        self.model.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.model.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.norm_offset)
         self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         # On the meta device (the loader's skeleton) the table is a placeholder the
         # loader rebuilds; computing it there imports torch's symbolic-shape stack
         # (sympy, ~150 MiB RSS), a third of a 512 MiB memory cap (llmsys.offload).
         on_meta = torch.empty(0).is_meta
-        cache = torch.empty(args.max_position_embeddings, args.head_dim) if on_meta else rope_cache(args)
+        rows = len(args.rope_tables) * args.max_position_embeddings
+        cache = torch.empty(rows, args.rotary_dim) if on_meta else rope_cache(args)
         self.register_buffer("rope_cache", cache, persistent=False)
         # Set by fold_rope: [max_pos, 2, D] rows [cos, cos] | [-sin, sin] of rope_cache (source, table).
         self._rope2: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -423,10 +565,11 @@ class DecoderModel(nn.Module):
         slots and gather layout are in ``meta``. The residual add after each MLP is
         fused into the next RMSNorm (:meth:`DecoderLayer.forward`).
         """
-        rows = self.decode_rope_rows(positions, meta)
         rope = self.rope_cache
+        positions = self.rope_positions(positions, meta)
+        rows = self.decode_rope_rows(positions, meta)
         attn = attn.for_step(meta)  # e.g. the scoring decorator steps aside when no sequence scores
-        h, res = self.model.embed_tokens(input_ids), None
+        h, res = self.embed(input_ids), None
         for i, layer in enumerate(self.model.layers):
             if layers is None:
                 h, res = layer.forward(h, res, positions, rope, attn, meta, rows)
@@ -434,6 +577,60 @@ class DecoderModel(nn.Module):
                 h, res = layers.run_layer(i, layer, h, res, positions, rope, attn, meta)
         norm = self.model.norm
         return norm.forward(h) if res is None else norm.forward(h, res)[0]
+
+    def ensure_rope_positions(self, n_positions: int) -> None:
+        """Grow ``rope_cache`` so each of its tables covers ``n_positions`` (a context or a KV policy's
+        budget past the trained one: RoPE is defined for any position)."""
+        held = self.rope_cache.shape[0] // len(self.args.rope_tables)
+        if held < n_positions:
+            self.rope_cache = rope_cache(self.args, self.rope_cache.device, n_positions)
+
+    @property
+    def kv_policy_blocker(self) -> str | None:
+        """Why KV policies other than ``full`` cannot run this model, or None.
+
+        Evicting policies move kept keys to new cache indices and re-rotate them with one whole-head
+        table (``offload.eviction.compact``); Quest's page selection and the scoring policies' rows
+        know no window or soft-capping. Partial rotary, per-layer or per-length tables, sliding windows
+        and soft-capped logits (Phi-3, Gemma 2/3) need each of those taught first."""
+        a = self.args
+        context = getattr(a, "max_context", a.max_position_embeddings)  # Mistral stops at its window
+        what = [name for name, has in (
+            ("partial rotary", a.rotary_dim != a.head_dim),
+            ("two RoPE tables", len(a.rope_tables) > 1),
+            ("sliding-window layers", a.sliding_window is not None and a.sliding_window < context),
+            ("soft-capped attention", a.attn_logit_softcapping is not None),
+        ) if has]
+        return ", ".join(what) if what else None
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        """The embedding rows, times ``sqrt(hidden_size)`` rounded to their dtype for Gemma (as transformers
+        scales them: by a tensor of the weights' dtype)."""
+        h = self.model.embed_tokens(input_ids)
+        if self.args.embed_scale:
+            h = h * torch.tensor(self.args.hidden_size**0.5, dtype=h.dtype)
+        return h
+
+    def rope_positions(self, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """``[T]`` RoPE table rows of the step's tokens: their positions, but in LongRoPE's long table for a
+        sequence whose context after this step is longer than the original one.
+
+        Why per sequence and step: transformers picks the long factors when a forward's longest position
+        passes ``original_max_position_embeddings`` and keeps the keys it cached before (generate: a
+        prompt within it rotates with the short factors, the tokens past it with the long ones); a
+        sequence's step is that forward. The short table is rows ``0..P-1``, the long ``P..2P-1``
+        (:func:`rope_cache`)."""
+        a = self.args
+        if not a.longrope:
+            return positions
+        orig = a.rope_scaling["original_max_position_embeddings"]
+        long = [n > orig for n in meta.context_lens]
+        if not any(long):
+            return positions
+        qs = meta.query_start
+        shift = torch.tensor([self.rope_cache.shape[0] // 2 * f for f in long])
+        counts = torch.tensor([qs[b + 1] - qs[b] for b in range(len(long))])
+        return positions + shift.repeat_interleave(counts).to(positions.device)
 
     def decode_rope_rows(self, positions: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``[T, 1, D]`` rows ``[cos, cos]`` and ``[-sin, sin]`` of a pure-decode CPU float32 step.
@@ -447,7 +644,7 @@ class DecoderModel(nn.Module):
         r2 = self._rope2
         plan = meta.plan
         if r2 is None or plan is None or not plan.is_decode or plan.lens is None:
-            return None
+            return None  # (fold_rope leaves _rope2 None for partial rotary or per-layer tables)
         src = self.rope_cache
         if r2[0] is not src:
             half = src.shape[1] // 2
@@ -470,6 +667,9 @@ class DecoderModel(nn.Module):
         engine's pass (``engine/builder.py``), after :meth:`prepack_linears`. A float32 CPU
         model gets the per-step RoPE rows (:meth:`decode_rope_rows`) even with no fold.
         """
+        a = self.args
+        if a.rotary_dim != a.head_dim or any(a.layer_rope(i) for i in range(a.num_hidden_layers)):
+            return 0  # the per-step rows rotate whole heads with one table (not with partial rotary or Gemma 3's two tables)
         n = 0
         for layer in self.model.layers:
             at, mlp = layer.self_attn, layer.mlp
@@ -491,7 +691,12 @@ class DecoderModel(nn.Module):
         return n
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V]
-        return self.lm_head(hidden)
+        """The LM head's logits; Gemma 2's soft-capped, ``cap * tanh(logits / cap)``."""
+        logits = self.lm_head(hidden)
+        cap = self.args.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def never_pack(self) -> None:
         """Mark every ``Linear`` (and streamed head) as never packed (an engine whose weights are read or rewritten)."""

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import torch
 
-from llmsys.kernels import build_rope_cache
-
 
 def rotate_by(
     x: torch.Tensor,  # [M, H, D] keys rotated at their old positions
@@ -83,9 +81,8 @@ def ensure_rope_positions(model: torch.nn.Module, n_positions: int) -> None:
     Running past the trained context (``full`` on a long stream, Quest on a
     long prompt) needs positions the table was not built for; RoPE itself is
     defined for any position, so the table is simply extended.
+
+    The model builds it (``DecoderModel.ensure_rope_positions``): it knows how many tables it stacks
+    (LongRoPE's short and long, Gemma 3's global and local) and how many dims rotate.
     """
-    rc = getattr(model, "rope_cache", None)
-    if rc is None or rc.shape[0] >= n_positions:
-        return
-    a = model.args
-    model.rope_cache = build_rope_cache(a.head_dim, n_positions, a.rope_theta, a.rope_scaling, rc.device)
+    model.ensure_rope_positions(n_positions)

@@ -92,6 +92,11 @@ class RopeModel(Protocol):
     rope_cache: torch.Tensor  # [positions, head_dim]
     args: object  # .head_dim .rope_theta .rope_scaling
 
+    def ensure_rope_positions(self, n_positions: int) -> None: ...
+
+    @property
+    def kv_policy_blocker(self) -> str | None: ...
+
 
 class SeqKVState:
     """One sequence's policy and cache bookkeeping (CPU tensors, indexed by cache index).
@@ -182,7 +187,7 @@ class PolicyRuntime:
         pol = parse_kv_policy(text).resolve(self.kv.spec.bytes_per_token)
         if pol.kind == self.policy.kind and pol.text == self.policy.text:
             return self.policy
-        check_policy(pol, self.kv, self.block_size)
+        check_policy(pol, self.kv, self.block_size, self.model)
         if pol.kind == "quest":
             raise InvalidParameterError(
                 f"kv_policy {pol.text!r}: quest is engine-wide (it selects KV pages for every sequence of a batch); "
@@ -279,8 +284,13 @@ class PolicyRuntime:
                     self.evict(seq, max(pol.obs + 1, pol.budget - st.chunk))
 
 
-def check_policy(pol: KVPolicy, kv: KVPool, block_size: int) -> None:
+def check_policy(pol: KVPolicy, kv: KVPool, block_size: int, model: RopeModel | None = None) -> None:
     """Can this engine run ``pol`` for generation? Raises :class:`InvalidParameterError` naming why not."""
+    blocker = model.kv_policy_blocker if model is not None and pol.kind != "full" else None
+    if blocker:
+        raise InvalidParameterError(
+            f"kv_policy {pol.text!r}: this model's attention ({blocker}) runs with kv_policy full only"
+        )
     spec = kv.spec
     if pol.kind == "recompute":
         raise InvalidParameterError(
@@ -307,6 +317,6 @@ def make_policy_runtime(text: str | KVPolicy | None, model: RopeModel, kv: KVPoo
     policy's budget) reaches past the trained positions.
     """
     pol = parse_kv_policy(text).resolve(kv.spec.bytes_per_token)
-    check_policy(pol, kv, block_size)
+    check_policy(pol, kv, block_size, model)
     ensure_rope_positions(model, max(max_len, pol.budget) + block_size)
     return PolicyRuntime(pol, model, kv, allocator, block_size, tier=tier)

@@ -1,0 +1,50 @@
+"""Gemma 3, text only (``Gemma3ForCausalLM``, config ``Gemma3TextConfig``, model_type ``gemma3_text``).
+
+Gemma 2's decoder (:mod:`.gemma2`) plus per-head q/k RMSNorm (``1 + w`` too), five local
+(sliding-window) layers to one global by default (``sliding_window_pattern`` 6, or ``layer_types``),
+and the local layers' own RoPE base (``rope_local_base_freq``, unscaled; the global layers take
+``rope_theta`` and ``rope_scaling``): a second RoPE table (``local_rope_theta``). No soft-capping
+unless the config sets it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from llmsys.engine.models.base import DecoderModel, TransformerArgs
+from llmsys.engine.models.gemma2 import gemma_kwargs
+from llmsys.kernels.common.errors import UnsupportedModelError
+
+GLOBAL_THETA, LOCAL_THETA = 1_000_000.0, 10_000.0  # transformers' Gemma3TextConfig defaults
+
+
+@dataclass
+class ModelArgs(TransformerArgs):
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelArgs":
+        if cfg.get("use_bidirectional_attention"):
+            raise UnsupportedModelError("config.json: Gemma 3 with use_bidirectional_attention (an embedding "
+                                        "model) is not supported; llmsys runs causal language models")
+        rope = cfg.get("rope_parameters") or {}
+        full, local = rope.get("full_attention"), rope.get("sliding_attention")
+        if isinstance(full, dict) or isinstance(local, dict):  # transformers >= 5: one dict per layer type
+            full, local = dict(full or {}), dict(local or {})
+            theta = full.pop("rope_theta", GLOBAL_THETA)
+            local_theta = local.get("rope_theta", LOCAL_THETA)
+            scaling = full if full.get("rope_type", "default") != "default" else None
+        else:  # older configs: rope_theta + rope_scaling (the global layers'), rope_local_base_freq
+            theta = cfg.get("rope_theta", GLOBAL_THETA)
+            local_theta = cfg.get("rope_local_base_freq", LOCAL_THETA)
+            scaling = cfg.get("rope_scaling")
+        pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
+        return cls(**cls._common(
+            cfg, **gemma_kwargs(cfg, pattern), qk_norm=True, rope_theta=theta, rope_scaling=scaling,
+            local_rope_theta=local_theta,
+            attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
+            final_logit_softcapping=cfg.get("final_logit_softcapping"),
+        ))
+
+
+class Model(DecoderModel):
+    pass
