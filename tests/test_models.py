@@ -13,12 +13,15 @@ from tiny_models import ARCH_CONFIGS, make_hf_model
 ARCHS = list(ARCH_CONFIGS)
 
 
-def llmsys_logits(loaded, prompt: list[int], cont: list[int]) -> list[torch.Tensor]:
-    """Prefill ``prompt`` then decode ``cont`` one token at a time; logits [V] per step."""
+def llmsys_logits(loaded, prompt: list[int], cont: list[int], backend=None) -> list[torch.Tensor]:
+    """Prefill ``prompt`` then decode ``cont`` one token at a time; logits [V] per step.
+
+    ``backend``: an attention backend class to use instead of the device's (``make_backend``)."""
     a = loaded.args
     bs = 16
     spec = KVCacheSpec(a.num_hidden_layers, 16, bs, a.num_key_value_heads, a.head_dim, loaded.dtype)
-    attn = make_backend(make_kv_pool(spec, loaded.device), loaded.device, bs)
+    pool = make_kv_pool(spec, loaded.device)
+    attn = make_backend(pool, loaded.device, bs) if backend is None else backend(pool, bs, loaded.device)
     table = list(range(1, 9))
     out = []
     tokens = list(prompt)
@@ -215,3 +218,25 @@ def test_awq_needs_llama_shaped_layers(arch, tmp_path):
     loaded = load_model(make_hf_model(arch, tmp_path / arch), dtype="float32", device="cpu")
     with pytest.raises(InvalidParameterError, match="Llama-shaped layers"):
         awq_calibrate(loaded.model, [[5, 6, 7, 8]], QuantSpec("int4"))
+
+
+@pytest.mark.parametrize("arch", ["phi3", "gemma2", "gemma3"])
+def test_cuda_backend_window_and_softcap_paths_match_transformers(arch, tmp_path):
+    """The CUDA backend's own logic for sliding and soft-capped layers (the steps the Triton decode
+    kernel cannot take go to the reference attention with the window and cap), run on CPU tensors:
+    the same logits as transformers."""
+    from transformers import AutoModelForCausalLM
+
+    from llmsys.engine.attention import CudaBackend
+
+    path = make_hf_model(arch, tmp_path / arch)
+    hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    loaded = load_model(path, dtype="float32", device="cpu")
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(3, 512, (32,), generator=g).tolist()
+    cont = torch.randint(3, 512, (8,), generator=g).tolist()
+    ours = llmsys_logits(loaded, prompt, cont, backend=CudaBackend)
+    with torch.no_grad():
+        full = hf(torch.tensor([prompt + cont])).logits[0]
+    worst = max((o - r).abs().max().item() for o, r in zip(ours, [full[31]] + [full[32 + i] for i in range(8)]))
+    assert worst < 1e-4, f"{arch}: max |logit diff| {worst:.2e}"
