@@ -107,7 +107,8 @@ def model_context(args: Any) -> tuple[int, str]:
     original context (older HF configs, GGUF files) stretches it ``factor``
     times (llama3 / freq_factors configs already state the stretched length);
     a sliding window the engine does not slide (Mistral's ``max_context``)
-    caps it.
+    caps it, as does a config whose length already counts its linear factor
+    (Gemma 3's ``max_context``).
     """
     limit, what = args.max_position_embeddings, "max_position_embeddings"
     scaling = args.rope_scaling or {}
@@ -115,9 +116,9 @@ def model_context(args: Any) -> tuple[int, str]:
         base = scaling.get("original_max_position_embeddings", limit)
         if int(base * float(scaling["factor"])) > limit:
             limit, what = int(base * float(scaling["factor"])), f"{base} x its linear RoPE factor {scaling['factor']}"
-    cap = getattr(args, "max_context", None)
+    cap = getattr(args, "max_context", None)  # Mistral: its window; Gemma 3: the stated (already stretched) context
     if cap is not None and cap < limit:
-        limit, what = cap, "its sliding window"
+        limit, what = cap, "max_position_embeddings" if cap == args.max_position_embeddings else "its sliding window"
     return limit, what
 
 

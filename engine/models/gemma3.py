@@ -30,6 +30,9 @@ class ModelArgs(TransformerArgs):
         full, local = rope.get("full_attention"), rope.get("sliding_attention")
         if isinstance(full, dict) or isinstance(local, dict):  # transformers >= 5: one dict per layer type
             full, local = dict(full or {}), dict(local or {})
+            if local.get("rope_type", "default") != "default":
+                raise UnsupportedModelError(f"config.json: Gemma 3 local layers with rope_type "
+                                            f"{local['rope_type']!r} are not supported (default is)")
             theta = full.pop("rope_theta", GLOBAL_THETA)
             local_theta = local.get("rope_theta", LOCAL_THETA)
             scaling = full if full.get("rope_type", "default") != "default" else None
@@ -44,6 +47,12 @@ class ModelArgs(TransformerArgs):
             attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
             final_logit_softcapping=cfg.get("final_logit_softcapping"),
         ))
+
+    @property
+    def max_context(self) -> int:
+        """``max_position_embeddings``: Gemma 3's configs state the context their linear RoPE factor
+        already stretched (the builder would otherwise stretch it once more, as for older Llama configs)."""
+        return self.max_position_embeddings
 
 
 class Model(DecoderModel):
