@@ -388,11 +388,10 @@ def windowed(plan: GatherPlan, window: int | None) -> GatherPlan:
     behind it (``query - window < key <= query``, transformers' ``sliding_window_overlay``); ``plan``
     itself when no query of the step reaches that far back (every context fits the window).
 
-    Decode rows without cold blocks gather only each sequence's last ``window`` slots (lengths capped
-    to the window): exactly the keys the windowed mask leaves, in the same order, so the C decode
-    attention still runs them. Other plans keep their gather and get the band ANDed into their mask;
-    a masked decode plan drops ``lens`` (which only the C decode path and prompt chunks read), so its
-    rows take the masked torch path.
+    Decode rows gather only each sequence's last ``window`` positions (lengths capped to the window,
+    staged cold rows moved with their positions): exactly the keys the windowed mask leaves, in the
+    same order, so the C decode attention still runs them, with the bits of an all-hot pool. Prompt
+    chunks and mixed steps keep their gather and get the band ANDed into their mask.
     """
     L = plan.gather_slots.shape[1]
     if window is None or L <= window:
@@ -401,15 +400,17 @@ def windowed(plan: GatherPlan, window: int | None) -> GatherPlan:
     if split is not None:
         split = (windowed(split[0], window), split[1], windowed(split[2], window), split[3])
     dev = plan.gather_slots.device
-    if plan.is_decode and plan.cold is None and plan.lens is not None:
+    if plan.is_decode and plan.lens is not None:
         lens = plan.lens
+        start = (lens - window).clamp(min=0)  # [B] first position each row attends
         n = lens.clamp(max=window)  # [B] keys each row attends
-        idx = ((lens - window).clamp(min=0)[:, None] + torch.arange(window)).clamp(max=L - 1)  # [B, W]
+        idx = (start[:, None] + torch.arange(window)).clamp(max=L - 1)  # [B, W]
         valid = torch.arange(window)[None, :] < n[:, None]  # [B, W]
         slots = torch.where(valid.to(dev), torch.gather(plan.gather_slots, 1, idx.to(dev)),
                             torch.zeros((), dtype=torch.int64, device=dev))
         mask = None if bool(valid.all()) else valid[:, None, None, :].to(dev)
-        return GatherPlan(slots.contiguous(), mask, None, plan.query_start, True, split, lens=n)
+        cold = _windowed_cold(plan, start, window)
+        return GatherPlan(slots.contiguous(), mask, None, plan.query_start, True, split, *cold, lens=n)
     qs = torch.tensor(plan.query_start)
     qlens = qs[1:] - qs[:-1]  # [B]
     lens = plan.lens
@@ -421,8 +422,25 @@ def windowed(plan: GatherPlan, window: int | None) -> GatherPlan:
     m = (pos[None, None, :] <= q_pos[:, :, None]) & (pos[None, None, :] > q_pos[:, :, None] - window)
     m &= (pos[None, :] < lens[:, None])[:, None, :]  # [B, Qmax, L]
     m[:, :, 0] |= ~(torch.arange(qmax)[None, :] < qlens[:, None])  # padded query rows: key 0, a finite softmax
-    lens_out = plan.lens if not plan.is_decode else None
-    return replace(plan, attn_mask=m[:, None].to(dev), split=split, lens=lens_out)
+    return replace(plan, attn_mask=m[:, None].to(dev), split=split)
+
+
+def _windowed_cold(plan: GatherPlan, start: torch.Tensor, window: int) -> tuple:
+    """A decode plan's cold fields (``cold, cold_dst, cold_src, cold_runs, hot_runs``) for its rows'
+    last ``window`` positions from ``start [B]``: each staged row moves with its position into the
+    ``[B, window]`` layout, those before the window are dropped."""
+    if plan.cold is None:
+        return None, None, None, None, None
+    L = plan.gather_slots.shape[1]
+    b, p = plan.cold_dst // L, plan.cold_dst % L
+    first = start.to(b.device)[b]
+    keep = p >= first
+    if not bool(keep.any()):
+        return None, None, None, None, None
+    dst = b[keep] * window + (p[keep] - first[keep])
+    src = plan.cold_src[keep]
+    runs = _runs(dst.cpu(), src.cpu())
+    return plan.cold, dst, src, runs, _gaps(runs, len(start) * window) if runs is not None else None
 
 
 def paged_attention_gathered_scores(
