@@ -107,6 +107,9 @@ class AttentionMetadata:
     # the pool; the gather plan reads them from the tier's staging (None: every block is in the pool).
     cold: ColdBlocks | None = None
     scores: StepScores | None = None  # set by ScoringBackend.metadata when some sequence scores
+    # [B] each sequence's context once all its known tokens are in, where a prompt chunk stops short of
+    # its prompt's end (set by the runner; None: context_lens). LongRoPE picks its table by it.
+    seq_lens: list[int] | None = None
 
     @property
     def num_seqs(self) -> int:

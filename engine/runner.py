@@ -12,7 +12,7 @@ perplexity) goes through it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -62,6 +62,7 @@ class ModelRunner:
         pos: list[int] = []
         qlens: list[int] = []
         clens: list[int] = []
+        slens: list[int] = []  # each sequence's context once its known tokens are in (LongRoPE's table)
         tables: list[list[int]] = []
         sample_index: list[int] = []
         sample_ids: list[str] = []
@@ -72,6 +73,7 @@ class ModelRunner:
             pos.extend(range(base, base + n))
             qlens.append(n)
             clens.append(base + n)
+            slens.append(s.length or base + n)
             prompt.append(s.is_prompt)
             tables.append(s.block_table)
             if s.samples:
@@ -84,6 +86,8 @@ class ModelRunner:
             cold = self.tier.cold_blocks(cold_ids) if cold_ids else None
         score_from = self.kv_policy.score_from(sched.scheduled) if self.kv_policy is not None else None
         meta = self.attn.metadata(qlens, clens, tables, cold, prompt, score_from)
+        if slens != clens:  # a prompt chunk short of its prompt's end
+            meta = replace(meta, seq_lens=slens)
         if cold is not None:
             # Quest decode reads only the pages it selects (synchronously, per layer): no prefetch.
             self.tier.begin_step(prefetch=not (meta.is_decode and self.attn.selects_pages))

@@ -70,6 +70,8 @@ class ScheduledSeq:
     is_prompt: bool  # the fed tokens start inside the prompt (the CPU plan gives them prefill attention)
     samples: bool  # the step reaches the end of the known tokens: the runner returns logits for its last
     kv_policy: KVPolicy | None = None  # the sequence's evicting policy (its attention may record scores)
+    # Its context once every known token is in (a prompt chunk's: the whole prompt's); None: this step's.
+    length: int | None = None
 
     @property
     def num_new_tokens(self) -> int:
@@ -119,6 +121,7 @@ def _scheduled(seq: Sequence, n: int) -> ScheduledSeq:
         is_prompt=start < len(seq.prompt_ids),
         samples=start + n == seq.num_tokens,
         kv_policy=seq.kv.policy if seq.kv is not None else None,
+        length=seq.kv_len + seq.num_tokens - start,
     )
 
 

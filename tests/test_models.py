@@ -170,6 +170,25 @@ def test_phi3_longrope_switches_tables(tmp_path):
     assert worst < 1e-4, f"max |logit diff| {worst:.2e} over prefill + 32 decode steps across the switch"
 
 
+def test_phi3_longrope_chunked_prompts_take_the_long_table(tmp_path):
+    """A prompt longer than LongRoPE's original context rotates with the long factors from its first
+    chunk on, as transformers' one forward over it does, however the steps chunk it (4 tokens here)."""
+    from transformers import AutoModelForCausalLM
+
+    from llmsys import LLM, SamplingParams
+
+    path = make_hf_model("phi3-longrope", tmp_path / "phi3", seed=3)
+    hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    base = torch.randint(3, 512, (30,), generator=torch.Generator().manual_seed(4)).tolist()
+    prompts = [base[:12], base[:30]]
+    with torch.no_grad():
+        refs = [hf.generate(torch.tensor([p]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    llm = LLM(str(path), dtype="float32", device="cpu", kv_cache_tokens=512, max_num_batched_tokens=4, progress=False)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    assert [o.token_ids for o in outs] == refs
+
+
 @pytest.mark.parametrize("arch", ["phi3", "gemma2", "gemma3"])
 def test_sliding_window_batched_chunked_shared_prefix_greedy_match_transformers(arch, tmp_path):
     """Sliding-window layers in the serving paths: prompts of different lengths batched with decodes,

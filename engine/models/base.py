@@ -613,18 +613,17 @@ class DecoderModel(nn.Module):
 
     def rope_positions(self, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """``[T]`` RoPE table rows of the step's tokens: their positions, but in LongRoPE's long table for a
-        sequence whose context after this step is longer than the original one.
+        sequence longer than the original context (its whole prompt for a prompt chunk: ``meta.seq_lens``).
 
         Why per sequence and step: transformers picks the long factors when a forward's longest position
-        passes ``original_max_position_embeddings`` and keeps the keys it cached before (generate: a
-        prompt within it rotates with the short factors, the tokens past it with the long ones); a
-        sequence's step is that forward. The short table is rows ``0..P-1``, the long ``P..2P-1``
-        (:func:`rope_cache`)."""
+        passes ``original_max_position_embeddings``, for every token of that forward, and keeps the keys
+        it cached before; a sequence's step (its whole prompt, however it is chunked) is that forward.
+        The short table is rows ``0..P-1``, the long ``P..2P-1`` (:func:`rope_cache`)."""
         a = self.args
         if not a.longrope:
             return positions
         orig = a.rope_scaling["original_max_position_embeddings"]
-        long = [n > orig for n in meta.context_lens]
+        long = [n > orig for n in (meta.seq_lens or meta.context_lens)]
         if not any(long):
             return positions
         qs = meta.query_start

@@ -5,10 +5,12 @@ built fused (``fused_qkv``, ``fused_gate_up``), so the tensors load by name and 
 runs the one GEMM each that it would fuse for Llama anyway. ``partial_rotary_factor`` (Phi-4-mini:
 0.75) rotates only each head's first dims. ``rope_scaling`` LongRoPE (``longrope``; ``su`` and
 ``yarn`` in older configs) gives a short and a long factor table; as in transformers' forward, a
-step rotates a sequence's new tokens with the long one when the sequence's context passes
-``original_max_position_embeddings`` (``DecoderModel.rope_positions``). Keys cached before that
-keep their short rotation (transformers' ``generate`` recomputes them once, at the switch). A
-configured ``sliding_window`` applies to every layer, as in transformers (Phi-3-mini-4k: 2047).
+step rotates a sequence's new tokens with the long one when the sequence (a prompt: all of it,
+however it is chunked) is longer than ``original_max_position_embeddings``
+(``DecoderModel.rope_positions``). Keys cached before a generation passes that length keep their
+short rotation (transformers' ``generate`` recomputes them once, at the switch), as do prompt
+blocks reused from the prefix cache. A configured ``sliding_window`` applies to every layer, as in
+transformers (Phi-3-mini-4k: 2047).
 """
 
 from __future__ import annotations
