@@ -43,11 +43,11 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
         rope_scaling=dict(rope_type="longrope"),  # factors: make_hf_model, one per rotated pair
     ),
     # Gemma 2: sliding layer 0 (window 12 < the prompt), global layer 1; caps small enough to bend the logits.
-    "gemma2": dict(model_type="gemma2", head_dim=16, sliding_window=12, query_pre_attn_scalar=24,
-                   attn_logit_softcapping=5.0, final_logit_softcapping=3.0),
+    "gemma2": dict(model_type="gemma2", tie_word_embeddings=True, head_dim=16, sliding_window=12,
+                   query_pre_attn_scalar=24, attn_logit_softcapping=5.0, final_logit_softcapping=3.0),
     # Gemma 3: local layer 0 (window 12, its own RoPE base), global layer 1 (linear-scaled RoPE), q/k norms.
-    "gemma3": dict(model_type="gemma3_text", head_dim=16, sliding_window=12, query_pre_attn_scalar=24,
-                   layer_types=["sliding_attention", "full_attention"], rope_theta=1000000.0,
+    "gemma3": dict(model_type="gemma3_text", tie_word_embeddings=True, head_dim=16, sliding_window=12,
+                   query_pre_attn_scalar=24, layer_types=["sliding_attention", "full_attention"], rope_theta=1000000.0,
                    rope_local_base_freq=10000.0, rope_scaling=dict(rope_type="linear", factor=2.0)),
 }
 
