@@ -170,8 +170,10 @@ def _ref_full(path: Path, dtype="float32") -> tuple[list[list[int]], list[list[f
 def _run(path: Path, dtype="float32", **kw):
     from llmsys import LLM, SamplingParams
 
+    # Threads pinned: the default counts idle cores, and the reference and the offloaded run must
+    # reduce in the same order to give the same bits even when another program makes a core busy.
     llm = LLM(str(path), dtype=dtype, device="cpu", kv_cache_tokens=256, max_num_batched_tokens=64, max_num_seqs=4,
-              progress=False, **kw)
+              progress=False, threads=2, **kw)
     prompts = [[5, 17, 99, 200, 31, 7, 8], [300, 12, 4]]
     sp = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=0)
     # Batched (M = 2 rows per step) and alone (M = 1): oneDNN's float32 bits for a packed
