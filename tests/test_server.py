@@ -561,3 +561,12 @@ def test_kv_policy_is_in_the_openapi_schema(env):
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         field = schema[name]["properties"]["kv_policy"]
         assert "sink:S,window:N" in field["description"]
+
+
+def test_tools_on_a_template_without_a_call_format_are_400(env):
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        _client(env["a"]).chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}],
+                                                  tools=[tool], max_tokens=2)
+    assert e.value.body["code"] == "invalid_tools" and e.value.body["param"] == "tools"
+    assert "no tool-call format" in e.value.body["message"]

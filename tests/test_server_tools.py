@@ -406,6 +406,14 @@ def test_unusable_schemas_are_400s(srv):
         with pytest.raises(openai.BadRequestError) as e:
             c.chat.completions.create(model=NAME, messages=ASK, extra_body={"response_format": fmt})
         assert e.value.body["code"] == "invalid_grammar" and e.value.body["param"] == "response_format"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=NAME, messages=ASK, extra_body={
+            "response_format": {"type": "grammar", "grammar": "root ::= (", "syntax": "gbnf"}})
+    assert e.value.body["code"] == "invalid_grammar" and "GBNF grammar is not valid" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=NAME, messages=ASK, response_format={"type": "json_object"},
+                                  extra_body={"min_tokens": 5})
+    assert e.value.body["code"] == "conflicting_parameters" and "min_tokens" in e.value.body["message"]
     with pytest.raises(openai.BadRequestError) as e:  # the shortest object of this schema cannot fit 3 tokens
         c.chat.completions.create(model=NAME, messages=ASK, max_tokens=3, response_format={
             "type": "json_schema", "json_schema": {"name": "p", "schema": Point.model_json_schema()}})
