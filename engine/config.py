@@ -52,6 +52,59 @@ def check_kv_dtype(kv_dtype: str, head_dim: int) -> None:
         raise InvalidParameterError(f"--kv-dtype int4 needs an even head_dim (this model has {head_dim}); use int8")
 
 
+SPEC_KINDS = ("ngram", "self", "draft")
+MAX_SPEC_TOKENS = 16  # --spec-tokens at most
+
+
+@dataclass(frozen=True)
+class SpecSpec:
+    """``--spec`` parsed: ``kind`` ngram | self | draft, ``quant`` for a model draft (None: as stored)."""
+
+    kind: str
+    quant: str | None = None
+
+    @property
+    def needs_model(self) -> bool:
+        return self.kind != "ngram"
+
+
+def parse_spec(text: str | SpecSpec | None, draft_model: str | None) -> SpecSpec | None:
+    """``--spec`` (``ngram``, ``self[:QUANT]``, ``draft[:QUANT]``) with ``--draft MODEL``; None: off.
+
+    ``--draft`` alone means ``draft``; ``self`` alone means ``self:int4``.
+    """
+    if isinstance(text, SpecSpec):
+        text = text.kind + (f":{text.quant}" if text.quant else "")
+    raw = (text or "").strip().lower()
+    if raw in ("", "none", "off"):
+        return SpecSpec("draft") if draft_model else None
+    kind, _, quant = raw.partition(":")
+    if kind not in SPEC_KINDS:
+        raise InvalidParameterError(f"unknown --spec {text!r}; valid: ngram, self[:QUANT] (e.g. self:int4), "
+                                    "draft[:QUANT] with --draft MODEL")
+    if kind == "ngram" and quant:
+        raise InvalidParameterError(f"--spec ngram takes no quantization, got {text!r}")
+    if kind == "draft" and not draft_model:
+        raise InvalidParameterError("--spec draft needs --draft MODEL (a model with the target's tokenizer)")
+    if kind != "draft" and draft_model:
+        raise InvalidParameterError(f"--draft {draft_model} goes with --spec draft (or no --spec), not {text!r}")
+    if kind == "self":
+        quant = quant or "int4"
+    if quant:
+        try:
+            parse_quant(quant)
+        except InvalidParameterError:
+            raise InvalidParameterError(f"--spec {text}: unknown quantization {quant!r}; valid: "
+                                        f"{', '.join(QUANT_NAMES)}") from None
+    return SpecSpec(kind, quant or None)
+
+
+def spec_tokens_ok(k: int) -> int:
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPEC_TOKENS:
+        raise InvalidParameterError(f"--spec-tokens must be in 1..{MAX_SPEC_TOKENS}, got {k!r}")
+    return k
+
+
 def flag_name(field_name: str) -> str:
     """The CLI flag of an EngineConfig field (``swap_space`` -> ``--swap-space``), for error messages."""
     return "--" + field_name.replace("_", "-")
@@ -120,6 +173,11 @@ class EngineConfig:
     # of prefill speed turn it off: a repeated prompt would not be computed at all.
     prefix_caching: bool = True
     progress: bool = True  # loading progress bar (only drawn on a TTY)
+    # Speculative decoding (llmsys.engine.speculative): --spec ngram | self[:QUANT] | draft[:QUANT],
+    # --draft MODEL (implies draft), --spec-tokens drafts verified per step at most.
+    spec: SpecSpec | None = None  # a str is parsed
+    draft_model: str | None = None
+    spec_tokens: int = 4
     kv_offload_bytes: int | None = field(default=None, init=False)  # --kv-offload-tokens given as a size
 
     def __post_init__(self) -> None:
@@ -151,6 +209,11 @@ class EngineConfig:
         set_(self, "quant_keep_float", tuple(self.quant_keep_float))
         set_(self, "kv_dtype", parse_kv_dtype(self.kv_dtype))
         set_(self, "kv_policy", parse_kv_policy(self.kv_policy))
+        set_(self, "spec", parse_spec(self.spec, self.draft_model))
+        spec_tokens_ok(self.spec_tokens)
+        if self.spec is not None and self.kv_policy.kind == "quest":
+            raise InvalidParameterError("--spec cannot run with --kv-policy quest (its page selection is per "
+                                        "decode step); use another policy or no --spec")
         off = self.kv_offload_tokens
         if off is None or (isinstance(off, str) and off.strip().isdigit()):
             set_(self, "kv_offload_tokens", int(off or 0))

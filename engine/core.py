@@ -31,6 +31,7 @@ from llmsys.engine.runner import ModelRunner
 from llmsys.engine.sampling import Sampler, SamplingBatch, SamplingParams, make_generator
 from llmsys.engine.scheduler import Scheduler, SchedulerOutput, StepResult
 from llmsys.engine.sequence import Sequence
+from llmsys.engine.speculative import ProposalRequest, Proposer, SpecStats
 from llmsys.engine.tokenizer import Tokenizer
 from llmsys.offload.kv_policy import make_policy_runtime
 from llmsys.offload.kv_swap import make_swap_space
@@ -120,6 +121,16 @@ def _prefetch(constraints: list[TokenConstraint]) -> None:
             log.exception("computing a token constraint's mask ahead failed")
 
 
+def _merge(chunks: list[StreamChunk]) -> StreamChunk:
+    """One request's chunks of one step (the tokens a verification kept) as one chunk."""
+    if len(chunks) == 1:
+        return chunks[0]
+    last = chunks[-1]
+    return StreamChunk(last.request_id, "".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids],
+                       [lp for c in chunks for lp in c.logprobs], last.finish_reason, last.usage, last.timings,
+                       last.error)
+
+
 def _constraint_failure(e: Exception) -> str:
     log.exception("a request's token constraint failed")
     return f"the request's output constraint failed: {type(e).__name__}: {e}".splitlines()[0]
@@ -127,8 +138,12 @@ def _constraint_failure(e: Exception) -> str:
 
 class EngineCore:
     def __init__(self, loaded: LoadedModel, tokenizer: Tokenizer, config: EngineConfig, kv_spec: KVCacheSpec, max_len: int,
-                 offload: OffloadRuntime | None = None):
+                 offload: OffloadRuntime | None = None, proposer: Proposer | None = None):
         self.loaded = loaded
+        # Speculative decoding (llmsys.engine.speculative): drafts for decoding sequences, verified
+        # in the step itself; None: one token per sequence per step.
+        self.proposer = proposer
+        self.spec_stats = SpecStats()
         self.offload = offload  # llmsys.offload weight runtime (streamed / off-device layers), None: all resident
         self.tokenizer = tokenizer
         self.config = config
@@ -228,9 +243,35 @@ class EngineCore:
         self.scheduler.update_from_output(sched, result)  # before sampling: a request that stops now frees its blocks
         return result
 
+    def _propose(self) -> dict[str, list[int]] | None:
+        """Drafts for the running sequences that decode (speculative decoding), by request id.
+
+        Not for a sequence with a token constraint (its drafts would need the grammar's
+        look-ahead) or under an evicting KV policy (its per-token bookkeeping); none at all in a
+        step where any running sequence carries policy state, whose attention scores are laid
+        out per sequence. A draft never runs past ``max_tokens`` or the context: with ``k``
+        drafts a verification yields at most ``k + 1`` tokens.
+        """
+        running = self.scheduler.running
+        if self.proposer is None or any(s.kv is not None for s in running):
+            return None
+        reqs = []
+        for s in running:
+            if s.num_computed != s.num_tokens - 1 or s.state.constraint is not None:
+                continue
+            k = min(self.config.spec_tokens, s.max_len - s.num_tokens - 1)
+            if s.params.max_tokens is not None:
+                k = min(k, s.params.max_tokens - len(s.output_ids) - 1)
+            if k >= 1:
+                reqs.append(ProposalRequest(s.request_id, s.tokens, k))
+        if not reqs:
+            return None
+        drafts = self.proposer.propose(reqs, set(self.requests))
+        return {r.request_id: d[: r.k] for r, d in zip(reqs, drafts) if d}
+
     def step(self) -> list[StreamChunk]:
         chunks, self._pending = self._pending, []
-        sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule(self._propose())
         chunks.extend(self._failed(sched.failed))
         if sched.empty:
             return chunks
@@ -263,6 +304,8 @@ class EngineCore:
         if not result.sample_ids:
             return chunks
         seqs = [self.requests[rid] for rid in result.sample_ids]
+        if result.sample_rows is not None:
+            return chunks + self._verify(sched, result, seqs)
         batch = SamplingBatch(
             params=[s.params for s in seqs],
             prompt_ids=[s.prompt_ids for s in seqs],
@@ -286,6 +329,64 @@ class EngineCore:
             chunk = self._append(seq, tok, lp, now)
             if chunk is not None:
                 chunks.append(chunk)
+        return chunks
+
+    def _verify(self, sched: SchedulerOutput, result: StepResult, seqs: list[Sequence]) -> list[StreamChunk]:
+        """Sample a step that verified drafts: row ``j`` of a sequence with drafts ``d`` sees the
+        output so far plus ``d[:j]`` (penalties, min_tokens) and judges ``d[j]``; the sequence keeps
+        the accepted prefix and the first token the target chose itself (the correction, or after
+        every draft the bonus token), stopping early where a token ends the request. A sequence
+        with constraints never has drafts (:meth:`_propose`), so every row here is unconstrained
+        or a one-row sequence."""
+        fed = {s.request_id: s for s in sched.scheduled}
+        rows: list[Sequence] = []
+        outs: list[list[int]] = []
+        drafts: list[int | None] = []
+        for seq, n in zip(seqs, result.sample_rows):
+            d = fed[seq.request_id].token_ids[len(fed[seq.request_id].token_ids) - (n - 1):] if n > 1 else []
+            for j in range(n):
+                rows.append(seq)
+                outs.append(seq.output_ids + d[:j] if j else seq.output_ids)
+                drafts.append(d[j] if j < len(d) else None)
+        batch = SamplingBatch(params=[s.params for s in rows], prompt_ids=[s.prompt_ids for s in rows],
+                              output_ids=outs, generators=[s.generator for s in rows],
+                              eos_token_ids=self.eos_token_ids)
+        logits, broken = _apply_constraints(result.logits, rows)
+        sampled = self.sampler.sample(logits, batch, drafts)
+        now = time.perf_counter()
+        chunks: list[StreamChunk] = []
+        i = 0
+        for seq, n in zip(seqs, result.sample_rows):
+            first, i = i, i + n
+            if n > 1:
+                self.spec_stats.verify_seqs += 1
+                self.spec_stats.proposed += n - 1
+                seq.num_drafted += n - 1
+            if seq.state.constraint is not None and seq.request_id not in broken:
+                try:
+                    seq.state.constraint.advance(sampled.token_ids[first])
+                except Exception as e:
+                    broken[seq.request_id] = _constraint_failure(e)
+            if seq.request_id in broken:
+                chunks.append(self._end_with_error(seq, broken[seq.request_id]))
+                continue
+            news: list[StreamChunk] = []
+            for r in range(first, i):
+                tok, took_draft = sampled.token_ids[r], r < i - 1 and sampled.accepted[r]
+                self.scheduler.append_tokens([seq], [tok])
+                if took_draft:  # its KV was written by this step
+                    self.scheduler.accept_draft(seq)
+                    self.spec_stats.accepted += 1
+                    seq.num_draft_accepted += 1
+                chunk = self._append(seq, tok, sampled.logprobs[r], now)
+                if chunk is not None:
+                    news.append(chunk)
+                if seq.finished or not took_draft:
+                    break
+            if not seq.finished and n > 1:
+                self.scheduler.trim_drafts(seq)
+            if news:
+                chunks.append(_merge(news))
         return chunks
 
     def _append(self, seq: Sequence, tok: int, lp, now: float) -> StreamChunk | None:
@@ -369,7 +470,8 @@ class EngineCore:
             generated_tokens=len(seq.output_ids),
         )
         usage = Usage(
-            len(seq.prompt_ids), len(seq.output_ids), seq.kv.evicted if seq.kv is not None else 0, seq.num_cached_tokens
+            len(seq.prompt_ids), len(seq.output_ids), seq.kv.evicted if seq.kv is not None else 0, seq.num_cached_tokens,
+            seq.num_drafted, seq.num_draft_accepted,
         )
         return StreamChunk(seq.request_id, delta, toks, lps or [], seq.finish_reason, usage, timings, error)
 

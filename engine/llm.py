@@ -27,12 +27,15 @@ from llmsys.engine.loader.llama2c import is_llama2c
 from llmsys.engine.loader.llama2c import load as llama2c_load
 from llmsys.engine.outputs import RequestOutput, StreamChunk, Timings, Usage
 from llmsys.engine.quantize import loader_quantizer
+from llmsys.engine.kv_cache import KVCacheSpec
 from llmsys.engine.sampling import SamplingParams
+from llmsys.engine.speculative import DraftProposer, NgramProposer, Proposer, check_same_vocabulary
 from llmsys.engine.tokenizer import Tokenizer
 from llmsys.kernels import cpu_kernels
 from llmsys.kernels.common.cpus import choose_threads
 
 Prompt = str | list[int]
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 class LLM:
@@ -86,9 +89,41 @@ class LLM:
         self.config = config
         self.tokenizer = Tokenizer.load(self.loaded.tokenizer_path)
         spec, max_len = size_kv_pool(self.loaded, config)
-        self.core = EngineCore(self.loaded, self.tokenizer, config, spec, max_len, offload=self.offload)
+        # The draft model of speculative decoding: an engine of its own, resident (None: no draft model).
+        self.draft: LLM | None = self._draft(config, spec, max_len)
+        self.core = EngineCore(self.loaded, self.tokenizer, config, spec, max_len, offload=self.offload,
+                               proposer=self._proposer(config))
         if self.offload is not None:
             self.offload.place_kv(self.core.kv)
+
+    def _draft(self, config: EngineConfig, spec: KVCacheSpec, max_len: int) -> LLM | None:
+        """Load the draft model ``--spec self:QUANT`` / ``--draft MODEL`` asks for: on the target's device
+        and dtype, resident (no budgets: the target's offloading is what it is there to speed up), a
+        KV pool as large as the target's plus the drafts, no prefix cache or swap space."""
+        sp = config.spec
+        if sp is None or not sp.needs_model:
+            return None
+        model = config.model if sp.kind == "self" else config.draft_model
+        draft = LLM(EngineConfig(
+            model=model, device=str(self.loaded.device), dtype=_DTYPE_NAMES[self.loaded.dtype],
+            quant=sp.quant or "none", max_model_len=max_len, block_size=spec.block_size,
+            kv_cache_tokens=(spec.num_blocks - 1) * spec.block_size + config.max_num_seqs * config.spec_tokens,
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            threads=self.threads.threads, offload_dir=config.offload_dir, swap_space=0, prefix_caching=False,
+            progress=config.progress))
+        probe = "Once upon a time, 12 + 30 = 42.\n<|im_start|> def f(x): return x"
+        check_same_vocabulary(self.loaded.args.vocab_size, draft.loaded.args.vocab_size,
+                              self.tokenizer.encode(probe), draft.tokenizer.encode(probe), model)
+        return draft
+
+    def _proposer(self, config: EngineConfig) -> Proposer | None:
+        sp = config.spec
+        if sp is None:
+            return None
+        if sp.kind == "ngram":
+            return NgramProposer()
+        name = f"self:{sp.quant}" if sp.kind == "self" else f"draft {config.draft_model}"
+        return DraftProposer(self.draft.core, name)
 
     # -- properties ----------------------------------------------------------
     @property

@@ -13,6 +13,8 @@ class Usage:
     completion_tokens: int = 0
     evicted_tokens: int = 0  # KV tokens dropped by an eviction policy
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (not computed)
+    draft_tokens: int = 0  # speculative decoding: drafts the target verified
+    accepted_draft_tokens: int = 0  # of those, the ones kept (part of completion_tokens)
 
     @property
     def total_tokens(self) -> int:

@@ -56,8 +56,16 @@ class ModelRunner:
         self.swap = swap  # llmsys.offload.kv_swap.KVSwapSpace, or None (no swap space)
         self.tier = tier  # llmsys.offload.kv_tier.KVTier, or None (every block in the pool)
 
-    def prepare(self, sched: SchedulerOutput) -> tuple[StepBatch, list[str]]:
-        """The step's tensors, and the request ids of the rows that sample (in order)."""
+    def prepare(self, sched: SchedulerOutput) -> tuple[StepBatch, list[str], list[int] | None]:
+        """The step's tensors, the request ids of the sequences that sample (in order) and, when the
+        step verifies drafts, each one's number of logits rows (None: one row each).
+
+        A sequence's verification (its known token then ``num_draft`` drafts, speculative
+        decoding) is laid out as that many decode rows of one token each, row ``j`` seeing the
+        context up to its own position: the same attention a plain decode step computes for that
+        token (the decode kernel, not the prompt path), so verified logits are the ones plain
+        decoding would give. All rows' K/V are written before any row attends (the layer stores
+        the step's K/V first), so row ``j`` reads the drafts before it."""
         ids: list[int] = []
         pos: list[int] = []
         qlens: list[int] = []
@@ -66,19 +74,29 @@ class ModelRunner:
         tables: list[list[int]] = []
         sample_index: list[int] = []
         sample_ids: list[str] = []
+        sample_rows: list[int] = []
         prompt: list[bool] = []  # the step feeds sequence b prompt tokens
         for s in sched.scheduled:
             n, base = s.num_new_tokens, s.position  # positions = cache indices
             ids.extend(s.token_ids)
             pos.extend(range(base, base + n))
-            qlens.append(n)
-            clens.append(base + n)
-            slens.append(s.length or base + n)
-            prompt.append(s.is_prompt)
-            tables.append(s.block_table)
+            if s.num_draft:  # one decode row per fed token (see the docstring)
+                qlens.extend([1] * n)
+                clens.extend(range(base + 1, base + n + 1))
+                slens.extend(range(base + 1, base + n + 1))
+                prompt.extend([False] * n)
+                tables.extend([s.block_table] * n)
+            else:
+                qlens.append(n)
+                clens.append(base + n)
+                slens.append(s.length or base + n)
+                prompt.append(s.is_prompt)
+                tables.append(s.block_table)
             if s.samples:
-                sample_index.append(len(ids) - 1)
+                rows = 1 + s.num_draft
+                sample_index.extend(range(len(ids) - rows, len(ids)))
                 sample_ids.append(s.request_id)
+                sample_rows.append(rows)
         cold = None
         if self.tier is not None:
             first = self.tier.first
@@ -97,7 +115,7 @@ class ModelRunner:
             meta=meta,
             logits_index=torch.as_tensor(sample_index, dtype=torch.int64, device=self.device),
         )
-        return batch, sample_ids
+        return batch, sample_ids, sample_rows if len(sample_rows) != len(sample_index) else None
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> torch.Tensor:
@@ -124,5 +142,5 @@ class ModelRunner:
             self.attn.on_demote(sched.demote)
         if sched.swap_in:
             self.swap.copy_in(sched.swap_in)
-        batch, sample_ids = self.prepare(sched)
-        return StepResult(self.forward(batch), sample_ids, batch.meta)
+        batch, sample_ids, sample_rows = self.prepare(sched)
+        return StepResult(self.forward(batch), sample_ids, batch.meta, sample_rows)

@@ -246,6 +246,9 @@ class TokenLogprobs:
 class SampleOutput:
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]  # None for rows that did not ask
+    # With drafts (speculative verification): row i's draft token was accepted (its token_ids[i] is the
+    # draft); a rejected row's token is the target's own pick (greedy) or its residual draw. None: no drafts.
+    accepted: list[bool] | None = None
 
 
 # ---------------------------------------------------------------------------
@@ -441,12 +444,24 @@ class Sampler:
         x = apply_top_p(x, _per_row([p.top_p for p in params], device), top_k)
         return apply_min_p(x, _per_row([p.min_p for p in params], device))
 
-    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
-        """Pick one token per row of ``logits`` [B, V] (any float dtype)."""
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch, drafts: Sequence[int | None] | None = None) -> SampleOutput:
+        """Pick one token per row of ``logits`` [B, V] (any float dtype).
+
+        ``drafts[i]`` (speculative verification): a token proposed for row i, accepted or not by
+        the standard rejection rule for a draft that is a point mass (every llmsys proposer picks
+        its tokens deterministically): a greedy row accepts it when it is the row's argmax; a
+        random row draws ``u ~ U[0, 1)`` and accepts when ``u < p(draft)``, else takes a draw from
+        ``p`` with the draft's probability removed and renormalised. So a token's distribution is
+        exactly ``p`` (``P(d) = p(d)``; ``P(x) = (1 - p(d)) p(x) / (1 - p(d))`` otherwise), the
+        sampling settings included. A seeded row with a draft consumes one uniform and then its
+        ``V`` race draws, whatever the outcome: a fixed seed gives one fixed answer; rows without
+        a draft draw exactly as before.
+        """
         b, v = logits.shape
         device = logits.device
         params = batch.params
         greedy = [p.greedy for p in params]
+        draft_rows = [i for i in range(b) if drafts is not None and drafts[i] is not None]
         penalized = self._penalize(logits, batch)
         # All-greedy batches (the server's common case) skip the filters: they
         # only shape the draw distribution, which no greedy row reads.
@@ -455,12 +470,18 @@ class Sampler:
         chosen = torch.empty(b, dtype=torch.long, device=device)
         if any(greedy):
             chosen = penalized.argmax(dim=-1)
+        accepted = [False] * b
         if not all(greedy):
             probs = torch.softmax(filtered, dim=-1)  # [B, V]
             race = torch.ones_like(probs)  # [B, V] Exp(1) draws; 1 for greedy rows (unused)
+            u = torch.ones(b, device=device)  # [B] acceptance draws of random draft rows (1: never accepts)
+            random_drafts = [i for i in draft_rows if not greedy[i]]
             unseeded = [i for i in range(b) if not greedy[i] and batch.generators[i] is None]
             if unseeded:
                 idx = torch.tensor(unseeded, device=device)
+                und = [i for i in unseeded if i in random_drafts]
+                if und:
+                    u[torch.tensor(und, device=device)] = torch.rand(len(und), device=device)
                 race[idx] = _exp1((len(unseeded), v), device, None)
             for i in range(b):
                 g = batch.generators[i]
@@ -468,15 +489,33 @@ class Sampler:
                     continue
                 # Drawn on the generator's own device, so a CPU generator gives
                 # the same stream whatever device the logits live on.
+                if i in random_drafts:
+                    u[i] = torch.rand((1,), device=g.device, generator=g).to(device)[0]
                 race[i] = _exp1((v,), g.device, g).to(device)
             # Guard: a 0 draw would make 0/0 = nan for masked tokens, and nan wins argmax.
             race.clamp_(min=torch.finfo(torch.float32).tiny)
+            if random_drafts:
+                rows = torch.tensor(random_drafts, device=device)
+                cols = torch.tensor([drafts[i] for i in random_drafts], device=device)
+                p_draft = probs[rows, cols]  # [R]
+                ok = (u[rows] < p_draft).tolist()
+                probs = probs.clone()
+                probs[rows, cols] = 0.0  # the residual: p without the draft (the draw on rejection)
+                for i, a in zip(random_drafts, ok):
+                    accepted[i] = a
             drawn = (probs / race).argmax(dim=-1)
             is_greedy = torch.tensor(greedy, device=device)
             chosen = torch.where(is_greedy, chosen, drawn) if any(greedy) else drawn
-
         token_ids = chosen.tolist()
-        return SampleOutput(token_ids=token_ids, logprobs=self._logprobs(logits, params, chosen, token_ids))
+        for i in draft_rows:
+            if greedy[i]:
+                accepted[i] = token_ids[i] == drafts[i]
+            elif accepted[i]:
+                token_ids[i] = drafts[i]
+        if draft_rows:
+            chosen = torch.tensor(token_ids, device=device)
+        return SampleOutput(token_ids=token_ids, logprobs=self._logprobs(logits, params, chosen, token_ids),
+                            accepted=accepted if drafts is not None else None)
 
     @staticmethod
     def _logprobs(

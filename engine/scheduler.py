@@ -72,6 +72,10 @@ class ScheduledSeq:
     kv_policy: KVPolicy | None = None  # the sequence's evicting policy (its attention may record scores)
     # Its context once every known token is in (a prompt chunk's: the whole prompt's); None: this step's.
     length: int | None = None
+    # Speculative decoding: the last ``num_draft`` fed tokens are proposed, not known; the runner
+    # returns logits for each of the last ``num_draft + 1`` rows (the verification) and the core
+    # keeps the KV of the drafts it accepts (:meth:`Scheduler.accept_draft`).
+    num_draft: int = 0
 
     @property
     def num_new_tokens(self) -> int:
@@ -105,23 +109,27 @@ class SchedulerOutput:
 class StepResult:
     """What the runner computed for a :class:`SchedulerOutput`."""
 
-    logits: torch.Tensor  # [S, V] float32: the last fed token of each sampling sequence
-    sample_ids: list[str]  # request ids of those S rows, in order
+    logits: torch.Tensor  # [R, V] float32: the last fed token of each sampling sequence (+ its draft rows)
+    sample_ids: list[str]  # request ids of the sampling sequences, in order
     meta: AttentionMetadata | None = None  # the step's attention metadata (a KV policy reads the scores its attention recorded)
+    # Logits rows of each sampling sequence (1 + its drafts), in sample_ids order; None: one row each.
+    sample_rows: list[int] | None = None
 
 
-def _scheduled(seq: Sequence, n: int) -> ScheduledSeq:
+def _scheduled(seq: Sequence, n: int, draft: list[int]) -> ScheduledSeq:
+    """``n`` fed tokens, the last ``len(draft)`` of them the proposed ``draft``."""
     start = seq.num_computed
     return ScheduledSeq(
         request_id=seq.request_id,
-        token_ids=seq.tokens[start : start + n],
+        token_ids=seq.tokens[start : start + n - len(draft)] + draft,
         start=start,
         position=seq.kv_len,
         block_table=list(seq.block_table),
         is_prompt=start < len(seq.prompt_ids),
-        samples=start + n == seq.num_tokens,
+        samples=start + n - len(draft) == seq.num_tokens,
         kv_policy=seq.kv.policy if seq.kv is not None else None,
-        length=seq.kv_len + seq.num_tokens - start,
+        length=seq.kv_len + seq.num_tokens - start + len(draft),
+        num_draft=len(draft),
     )
 
 
@@ -317,11 +325,16 @@ class Scheduler:
         self._suspects = {s.request_id for s in running}  # a finished or preempted one is no longer watched
         return min(running, key=lambda s: s.arrival) if running else None
 
-    def schedule(self) -> SchedulerOutput:
-        """Decide the next step; the sequences' block tables and queues change here, tokens do not."""
+    def schedule(self, drafts: dict[str, list[int]] | None = None) -> SchedulerOutput:
+        """Decide the next step; the sequences' block tables and queues change here, tokens do not.
+
+        ``drafts``: proposed tokens (speculative decoding) of running sequences that decode (one
+        known token to feed, no evicting policy); each is fed after its known token as far as the
+        step's budget and the hot pool allow, so the step verifies it.
+        """
         out = SchedulerOutput()
         alone = self._next_suspect()
-        chosen: list[tuple[Sequence, int]] = []  # turned into data at the end: a later demotion edits tables
+        chosen: list[tuple[Sequence, int, list[int]]] = []  # data at the end: a later demotion edits tables
         budget = self.max_tokens
         if self.swap is not None:
             self.swap.end_step()  # last step's swap-ins are copied: their swap blocks are free again
@@ -333,10 +346,14 @@ class Scheduler:
             if budget <= 0:
                 break
             n = min(seq.num_tokens - seq.num_computed, budget)
+            draft = drafts.get(seq.request_id, []) if drafts and n == 1 and seq.kv is None else []
+            n += len(draft)
             if seq.kv is not None:
                 n = self.kv_policy.before_step(seq, n)
+            n = min(n, budget)
             if self.tier is not None:
                 n = min(n, self._hot_room(seq))
+            draft = draft[:max(0, n - 1)]
             while not self._grow(seq, seq.kv_len + n, out):
                 victim = max(self.running, key=lambda s: s.arrival)
                 self._preempt(victim, out)
@@ -344,7 +361,7 @@ class Scheduler:
                     break
             if seq.status is not SeqStatus.RUNNING:
                 continue
-            chosen.append((seq, n))
+            chosen.append((seq, n, draft))
             budget -= n
         # 2. Waiting sequences, in arrival order, while budget and blocks last.
         while alone is None and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -383,16 +400,17 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            chosen.append((seq, n))
+            chosen.append((seq, n, []))
             budget -= n
-        out.scheduled = [_scheduled(seq, n) for seq, n in chosen]
+        out.scheduled = [_scheduled(seq, n, draft) for seq, n, draft in chosen]
         return out
 
     def update_from_output(self, out: SchedulerOutput, result: StepResult) -> list[Sequence]:
         """The step ran: its tokens are computed (policy bookkeeping, ``num_computed``), and its
         newly full blocks are findable by later prompts. Returns the sequences that sample, in
         ``result.sample_ids`` order (their tokens come back through :meth:`append_tokens`)."""
-        chunks = [SeqChunk(self.requests[s.request_id], s.num_new_tokens) for s in out.scheduled]
+        # A draft's KV counts once the core accepts it (accept_draft); the known tokens' counts now.
+        chunks = [SeqChunk(self.requests[s.request_id], s.num_new_tokens - s.num_draft) for s in out.scheduled]
         if self._suspects:
             self._suspects.difference_update(s.request_id for s in out.scheduled)  # ran without a fault
         if self.kv_policy is not None:
@@ -408,6 +426,22 @@ class Scheduler:
         """Sampled tokens join their sequences (the core decides afterwards whether each one finished)."""
         for seq, tok in zip(seqs, token_ids):
             seq.output_ids.append(tok)
+
+    def accept_draft(self, seq: Sequence) -> None:
+        """``seq``'s next draft token was accepted and appended: its KV, written by the verification
+        step, is now part of the sequence (and its block, once full, findable by later prompts)."""
+        seq.num_computed += 1
+        if self.prefix_caching:
+            register_full_blocks(seq, self.allocator, self.block_size)
+
+    def trim_drafts(self, seq: Sequence) -> None:
+        """After a verification: the blocks grown for rejected drafts go back to the pool (the open
+        block stays; its slots past ``kv_len`` are written again before anything reads them)."""
+        keep = blocks_needed(seq.kv_len, self.block_size)
+        if len(seq.block_table) > keep:
+            extra = seq.block_table[keep:]
+            del seq.block_table[keep:]
+            self.allocator.free(extra)
 
     def num_blocks_used(self) -> int:
         return self.allocator.num_used

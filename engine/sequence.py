@@ -53,6 +53,9 @@ class Sequence:
     block_keys: list[bytes] = field(default_factory=list)
     num_registered: int = 0
     num_cached_tokens: int = 0
+    # Speculative decoding: drafts the target verified for it, and how many it kept.
+    num_drafted: int = 0
+    num_draft_accepted: int = 0
 
     @property
     def tokens(self) -> list[int]:
