@@ -99,14 +99,15 @@ class LLM:
     def _draft(self, config: EngineConfig, spec: KVCacheSpec, max_len: int) -> LLM | None:
         """Load the draft model ``--spec self:QUANT`` / ``--draft MODEL`` asks for: on the target's device
         and dtype, resident (no budgets: the target's offloading is what it is there to speed up), a
-        KV pool as large as the target's plus the drafts, no prefix cache or swap space."""
+        KV pool as large as the target's plus the drafts, no prefix cache or swap space. Its context
+        is its own: a sequence longer than the draft's positions decodes without drafts."""
         sp = config.spec
         if sp is None or not sp.needs_model:
             return None
         model = config.model if sp.kind == "self" else config.draft_model
         draft = LLM(EngineConfig(
             model=model, device=str(self.loaded.device), dtype=_DTYPE_NAMES[self.loaded.dtype],
-            quant=sp.quant or "none", max_model_len=max_len, block_size=spec.block_size,
+            quant=sp.quant or "none", block_size=spec.block_size,
             kv_cache_tokens=(spec.num_blocks - 1) * spec.block_size + config.max_num_seqs * config.spec_tokens,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             threads=self.threads.threads, offload_dir=config.offload_dir, swap_space=0, prefix_caching=False,

@@ -421,6 +421,112 @@ def model_hidden(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return model(ids.reshape(-1), pos, attn, meta)
 
 
+class _BatchMeta:
+    """The few :class:`~llmsys.engine.attention.AttentionMetadata` fields the model's forward reads, for
+    :class:`_BatchedAttention`: ``b`` sequences of ``n`` new tokens each, ``ctx`` tokens of context after
+    the step (``n == 1``: a decode step of every sequence)."""
+
+    plan = None  # no gather plan: DecoderModel.decode_rope_rows answers None, each layer runs its own RoPE
+    cold = scores = seq_lens = None
+
+    def __init__(self, b: int, n: int, ctx: int) -> None:
+        self.is_decode = n == 1
+        self.ctx = ctx
+        self.context_lens = [ctx] * b
+        self.query_start = list(range(0, b * n + 1, n))
+
+
+class _BatchedAttention:
+    """A training / calibration-only attention backend: ``b`` sequences of equal length side by side,
+    their K/V in plain ``[b, Hk, L, D]`` tensors, attention one batched ``scaled_dot_product_attention``
+    per layer.
+
+    Why it may differ from the engine's: the engine's paged pool (``model_hidden``) attends one prompt at
+    a time, unpadded, so a sequence's bits never depend on the rest of its step; that matters for
+    inference, not for a training objective or calibration statistics. On stories260k (8 heads of
+    head_dim 8, 8 x 128 tokens, Zen 3) the per-sequence path through the pool (a gather plan, a slot
+    write, an SDPA call per sequence per layer, autograd through all of them) made a refinement step
+    ~200 ms; this one is a few ms per layer. Every other op is the model's own
+    (``DecoderModel.forward``: norms, projections, RoPE through ``kernels.rope``, q/k norms, MLP), so the
+    results agree with the engine's forward to float rounding; ``refine_quantized`` checks that on its
+    first batch and falls back to ``model_hidden`` if they do not (tests/test_quant_engine.py).
+
+    ``cache``: the generation mode (``self_generated_calibration``): K/V kept in preallocated
+    ``[b, Hk, cache, D]`` tensors, one token per sequence per step.
+    """
+
+    def __init__(self, b: int, cache: int = 0) -> None:
+        self.b, self.cache = b, cache
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+
+    def for_step(self, meta):
+        return self
+
+    def rope_store(self, layer, q, k, v, positions, rope_cache, meta):
+        from llmsys import kernels
+
+        q, k = kernels.rope(q, k, positions, rope_cache)
+        self.store(layer, k, v, meta)
+        return q
+
+    def store(self, layer, k, v, meta):
+        b = self.b
+        k = k.view(b, -1, *k.shape[1:]).transpose(1, 2)  # [b, Hk, n, D]
+        v = v.view(b, -1, *v.shape[1:]).transpose(1, 2)
+        if not self.cache:
+            self.k[layer], self.v[layer] = k, v
+            return
+        if layer not in self.k:
+            shape = (b, k.shape[1], self.cache, k.shape[3])
+            self.k[layer], self.v[layer] = k.new_zeros(shape), v.new_zeros(shape)
+        start = meta.ctx - k.shape[2]
+        self.k[layer][:, :, start:meta.ctx] = k
+        self.v[layer][:, :, start:meta.ctx] = v
+
+    def rope_attend(self, layer, qkv, hq, hk, positions, rope_cache, meta, scale, window=None, softcap=None):
+        from llmsys.engine.attention import rope_attend_ops
+
+        return rope_attend_ops(self, layer, qkv, hq, hk, positions, rope_cache, meta, scale, window, softcap)
+
+    def attend(self, layer, q, meta, scale, window=None, softcap=None):  # q [b*n, Hq, D] -> [b*n, Hq, D]
+        b, ctx = self.b, meta.ctx
+        t, hq, d = q.shape
+        n = t // b
+        k, v = self.k[layer][:, :, :ctx], self.v[layer][:, :, :ctx]  # [b, Hk, ctx, D]
+        hk = k.shape[1]
+        plain = softcap is None and (window is None or window >= ctx)
+        if n == 1 and plain:
+            # A decode row sees every cached key: the g = Hq / Hk query heads of a K/V head as SDPA's
+            # query rows (q head h reads K/V head h // g, as transformers' repeat_kv), no mask.
+            o = F.scaled_dot_product_attention(q.view(b, hk, hq // hk, d), k, v, scale=scale)
+            return o.reshape(t, hq, d)
+        q = q.view(b, n, hq, d).transpose(1, 2)  # [b, Hq, n, D]
+        if plain and n == ctx:  # whole sequences (training, calibration statistics, a prompt)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=hk != hq)
+        else:
+            k, v = k.repeat_interleave(hq // hk, 1), v.repeat_interleave(hq // hk, 1)
+            s = (q @ k.transpose(-1, -2)) * scale  # [b, Hq, n, ctx]
+            if softcap is not None:
+                s = torch.tanh(s / softcap) * softcap
+            qpos = torch.arange(ctx - n, ctx, device=q.device)[:, None]
+            kpos = torch.arange(ctx, device=q.device)[None, :]
+            keep = kpos <= qpos
+            if window is not None:
+                keep = keep & (kpos > qpos - window)
+            o = torch.softmax(s.masked_fill(~keep, float("-inf")), -1) @ v
+        return o.transpose(1, 2).reshape(t, hq, d)
+
+
+def train_hidden(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """:func:`model_hidden` with batched attention (:class:`_BatchedAttention`): ``ids [B, L] -> [B*L, hidden]``.
+
+    The model's own forward; only attention is the batched training-only one."""
+    b, length = ids.shape
+    pos = torch.arange(length, device=ids.device).repeat(b)
+    return model(ids.reshape(-1), pos, _BatchedAttention(b), _BatchMeta(b, length, length))
+
+
 def _kl_sum(teacher_logp: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     """Summed KL(teacher || student) over the rows: ``[T, V], [T, V] -> []``."""
     lp = torch.log_softmax(logits.float(), dim=-1)
@@ -593,16 +699,30 @@ def refine_quantized(model: nn.Module, float_weights: dict[str, torch.Tensor], s
     return TuneReport(before, after, steps)
 
 
+GEN_BATCH_BYTES = 256 << 20  # self-generated calibration text: K/V and logits of the rows sampled together
+
+
 def self_generated_calibration(llm, n: int, length: int, seed: int = 0, progress: bool = False) -> list[list[int]]:
     """Calibration sequences the float model writes itself (temperature 1 from BOS).
 
     Why: in-distribution for the model, and by construction disjoint from any
     evaluation text (the tinystories-valid.txt perplexity rows).
+
+    How: every sequence side by side through the model's own forward with the batched attention of
+    :class:`_BatchedAttention` (its K/V in plain tensors) and one multinomial draw per step for all rows
+    from one generator seeded by ``seed`` (:func:`_sample_batched`). Through the engine (``llm.generate``,
+    each sequence with its own seeded sampler, scheduled, detokenized) the 512 x 128 tokens of
+    ``llmsys quantize``'s defaults took 27.7 s on stories260k (Zen 3, 2 cores), ~0.4 ms of per-sequence
+    bookkeeping per token; batched they take ~1 s. The text is a different draw from the same
+    distribution, not the engine's text for these seeds. A model whose layers stream from disk
+    (an offload plan) still goes through the engine.
     """
     from llmsys.engine.sampling import SamplingParams
 
     bos = llm.tokenizer.bos_token_id
     start = [bos] if bos is not None else llm.encode(" ")
+    if llm.offload is None and len(start) < length:
+        return _sample_batched(llm.loaded.model, n, length, start, seed, progress)
     params = [SamplingParams(max_tokens=length - len(start), temperature=1.0, seed=seed + i, ignore_eos=True)
               for i in range(n)]
     # In rounds of the engine's batch (what it decodes together anyway), so the bar moves; each sequence's
@@ -614,6 +734,39 @@ def self_generated_calibration(llm, n: int, length: int, seed: int = 0, progress
             outs += llm.generate([list(start) for _ in params[j:j + chunk]], params[j:j + chunk])
             b.update(len(params[j:j + chunk]))
     return [list(start) + o.token_ids for o in outs]
+
+
+@torch.inference_mode()
+def _sample_batched(model: nn.Module, n: int, length: int, start: list[int], seed: int, progress: bool,
+                    batch_bytes: int = GEN_BATCH_BYTES) -> list[list[int]]:
+    """``n`` sequences of ``length`` tokens sampled at temperature 1 after ``start``, as many rows at a time
+    as ``batch_bytes`` of K/V and logits allow (all 512 of stories260k; ~70 of Qwen2.5-0.5B)."""
+    a = model.args
+    dev = model.rope_cache.device
+    item = next(model.parameters()).element_size()
+    per_row = a.num_hidden_layers * 2 * a.num_key_value_heads * a.head_dim * length * item + a.vocab_size * 8
+    rows = max(1, min(n, batch_bytes // per_row))
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    s = len(start)
+    out: list[list[int]] = []
+    with bar(n, "calibration text", progress, unit="seq") as pb:
+        for j in range(0, n, rows):
+            b = min(rows, n - j)
+            attn = _BatchedAttention(b, cache=length)
+            toks = torch.tensor(start, device=dev).repeat(b, 1)  # [b, s]
+            h = model(toks.reshape(-1), torch.arange(s, device=dev).repeat(b), attn, _BatchMeta(b, s, s))
+            h = h.view(b, s, -1)[:, -1]  # [b, hidden]
+            picked = [toks]
+            for ctx in range(s, length):
+                probs = torch.softmax(model.compute_logits(h).float(), -1)  # [b, V]
+                # a draw from probs: argmax of p / Exp(1) (one pass; torch.multinomial took 8 ms a step at b = 512)
+                nxt = (probs / torch.empty_like(probs).exponential_(generator=gen)).argmax(-1, keepdim=True)  # [b, 1]
+                picked.append(nxt)
+                if ctx + 1 < length:
+                    h = model(nxt.reshape(-1), torch.full((b,), ctx, device=dev), attn, _BatchMeta(b, 1, ctx + 1))
+            out += torch.cat(picked, 1).tolist()
+            pb.update(b)
+    return out
 
 
 def file_calibration(llm, path: str, n: int, length: int) -> list[list[int]]:

@@ -476,10 +476,11 @@ class Sampler:
             race = torch.ones_like(probs)  # [B, V] Exp(1) draws; 1 for greedy rows (unused)
             u = torch.ones(b, device=device)  # [B] acceptance draws of random draft rows (1: never accepts)
             random_drafts = [i for i in draft_rows if not greedy[i]]
+            judged = set(random_drafts)
             unseeded = [i for i in range(b) if not greedy[i] and batch.generators[i] is None]
             if unseeded:
                 idx = torch.tensor(unseeded, device=device)
-                und = [i for i in unseeded if i in random_drafts]
+                und = [i for i in unseeded if i in judged]
                 if und:
                     u[torch.tensor(und, device=device)] = torch.rand(len(und), device=device)
                 race[idx] = _exp1((len(unseeded), v), device, None)
@@ -489,7 +490,7 @@ class Sampler:
                     continue
                 # Drawn on the generator's own device, so a CPU generator gives
                 # the same stream whatever device the logits live on.
-                if i in random_drafts:
+                if i in judged:
                     u[i] = torch.rand((1,), device=g.device, generator=g).to(device)[0]
                 race[i] = _exp1((v,), g.device, g).to(device)
             # Guard: a 0 draw would make 0/0 = nan for masked tokens, and nan wins argmax.

@@ -100,17 +100,25 @@ class NgramProposer:
         return [self.lookup(r.tokens, r.k) for r in reqs]
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
-        """Up to ``k`` tokens that followed the latest earlier occurrence of the longest matching suffix."""
+        """Up to ``k`` tokens that followed the latest earlier occurrence of the longest matching suffix.
+
+        One pass from the last token back: the candidates are the earlier positions holding the
+        last token, narrowed to those whose preceding tokens match one more suffix token each round.
+        """
         t = np.asarray(tokens, dtype=np.int64)  # [L]
         L = len(t)
-        for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
-            # windows[i] = t[i:i+n] for every start i whose window ends before the suffix itself
-            windows = np.lib.stride_tricks.sliding_window_view(t[: L - 1], n)  # [L-n, n]
-            hits = np.flatnonzero((windows == t[L - n:]).all(axis=1))
-            if hits.size:
-                start = int(hits[-1]) + n
-                return t[start: start + k].tolist()
-        return []
+        ends = np.flatnonzero(t[: L - 1] == t[L - 1])  # earlier positions where a 1-token match ends
+        found, n = ends, 0
+        while ends.size and n < self.max_n:
+            n, found = n + 1, ends
+            ends = ends[ends >= n]  # room for one more token before the match
+            ends = ends[t[ends - n] == t[L - 1 - n]]
+        if not found.size or n < self.min_n:
+            return []
+        # The latest match with k tokens after it (in a repeating run the very latest has fewer).
+        full = found[found + k < L]
+        best = int(full[-1] if full.size else found[-1])
+        return t[best + 1: best + 1 + k].tolist()
 
     def weight_bytes(self) -> int:
         return 0

@@ -29,7 +29,7 @@ def _opt(name: str, annotation: Any, default: Any, *flags: str, help: str) -> in
 _ENGINE_NAMES = {
     "device", "dtype", "max_model_len", "block_size", "kv_cache_tokens", "max_num_seqs",
     "max_num_batched_tokens", "threads", "quant", "kv_dtype", "gpu_mem", "cpu_mem", "offload_dir", "kv_policy",
-    "swap_space", "prefix_caching", "kv_offload_tokens",
+    "swap_space", "prefix_caching", "kv_offload_tokens", "spec", "draft_model", "spec_tokens",
 }
 
 ENGINE_PARAMS = [
@@ -54,6 +54,12 @@ ENGINE_PARAMS = [
               "tokens or a size, e.g. 32768 or 2GiB; 0 = off"),
     _opt("prefix_caching", bool, True, "--prefix-caching/--no-prefix-caching",
          help="reuse the KV of prompt prefixes seen before (off: every prompt is computed in full)"),
+    _opt("spec", Optional[str], None, "--spec",
+         help="speculative decoding (same answers, fewer target steps): ngram (prompt lookup), self[:QUANT] (the "
+              "model's own weights at int4 as the draft), draft[:QUANT] (with --draft)"),
+    _opt("draft_model", Optional[str], None, "--draft",
+         help="draft model for speculative decoding (same tokenizer, resident; implies --spec draft)"),
+    _opt("spec_tokens", int, 4, "--spec-tokens", help="drafts verified per step at most (1..16)"),
 ]
 
 SAMPLING_PARAMS = [

@@ -1,0 +1,211 @@
+"""Speculative decoding (engine/speculative.py): the same greedy tokens as plain decoding for every
+proposer, alone and batched, on stories260k and every parity family; sampled tokens distributed as
+the target's (chi-square); seeds reproducible; rejected drafts leave no trace in the KV pool."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from llmsys import LLM, SamplingParams
+from llmsys.engine.sampling import Sampler, SamplingBatch
+from llmsys.engine.speculative import NgramProposer
+from llmsys.kernels.common.errors import InvalidParameterError
+from tiny_models import ARCH_CONFIGS, make_hf_model
+
+PROMPTS = ["Once upon a time", "The cat sat", "Tom and Sue went to", "One day, a big dog",
+           "Lily wanted", "The sun was", "A little bird", "Max had a red"]
+GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+
+
+def truncated_stories(src: Path, out: Path, layers: int) -> Path:
+    """stories260k with only its first ``layers`` layers: a draft model with the same tokenizer."""
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v for k, v in load_file(src / "model.safetensors").items()
+               if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
+    save_file(tensors, out / "model.safetensors")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["num_hidden_layers"] = layers
+    (out / "config.json").write_text(json.dumps(cfg))
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(src / f, out / f)
+    return out
+
+
+def engine(path, **kw) -> LLM:
+    kw = {"dtype": "float32", "device": "cpu", "kv_cache_tokens": 2048, "progress": False, "threads": 1, **kw}
+    return LLM(str(path), **kw)
+
+
+@pytest.fixture(scope="module")
+def plain():
+    from conftest import STORIES_HF, need_shared
+
+    return engine(need_shared(STORIES_HF))
+
+
+@pytest.fixture(scope="module")
+def reference(plain):
+    return [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
+
+
+@pytest.mark.parametrize("spec", ["ngram", "self:int4", "draft"])
+def test_greedy_identical_alone_and_batched(stories_hf, reference, spec, tmp_path):
+    kw = {"spec": spec}
+    if spec == "draft":
+        kw["draft_model"] = str(truncated_stories(stories_hf, tmp_path / "draft", 2))
+    llm = engine(stories_hf, **kw)
+    alone = [llm.generate(p, GREEDY)[0].token_ids for p in PROMPTS]
+    batched = llm.generate(PROMPTS, GREEDY)
+    assert alone == reference
+    assert [o.token_ids for o in batched] == reference
+    st = llm.core.spec_stats
+    assert st.proposed > 100 and 0 < st.accepted <= st.proposed  # drafts were verified, some kept
+    assert sum(o.usage.accepted_draft_tokens for o in batched) <= sum(o.usage.draft_tokens for o in batched)
+    assert all(o.usage.completion_tokens == 48 for o in batched)
+    assert llm.core.allocator.num_used == 0
+    if llm.draft is not None:
+        llm.core.step()  # the draft's per-request state goes with the requests
+        assert llm.draft.core.allocator.num_used == 0 or not llm.core.requests
+
+
+@pytest.mark.parametrize("arch", list(ARCH_CONFIGS))
+def test_parity_families_greedy_identical(arch, tmp_path):
+    path = make_hf_model(arch, tmp_path / arch, seed=3)
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 512, (int(n),), generator=g).tolist() for n in torch.randint(4, 30, (8,), generator=g)]
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ref = [o.token_ids for o in engine(path, kv_cache_tokens=1024).generate(prompts, sp)]
+    for spec in ("ngram", "self:int8"):
+        llm = engine(path, kv_cache_tokens=1024, spec=spec)
+        assert [o.token_ids for o in llm.generate(prompts, sp)] == ref, spec
+        assert llm.generate(prompts[3], sp)[0].token_ids == ref[3], spec
+        assert llm.core.spec_stats.accepted > 0, spec
+
+
+def test_penalties_stops_logprobs_and_streaming_match_plain(plain, stories_hf):
+    llm = engine(stories_hf, spec="self:int8")
+    for sp in (SamplingParams(temperature=0, max_tokens=60, repetition_penalty=1.3, frequency_penalty=0.5),
+               SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
+               SamplingParams(temperature=0, max_tokens=80, stop=["park"], logprobs=2),
+               SamplingParams(temperature=0, max_tokens=40, min_tokens=30, logit_bias={13: 3.0})):
+        ref = plain.generate("Once upon a time", sp)[0]
+        out = llm.generate("Once upon a time", sp)[0]
+        assert (out.token_ids, out.text, out.finish_reason) == (ref.token_ids, ref.text, ref.finish_reason)
+        if sp.logprobs:
+            assert [lp.token_id for lp in out.logprobs] == [lp.token_id for lp in ref.logprobs]
+            assert max(abs(a.logprob - b.logprob) for a, b in zip(out.logprobs, ref.logprobs)) < 1e-4
+    sp = SamplingParams(temperature=0, max_tokens=50)
+    chunks = list(llm.stream("Once upon a time", sp))
+    full = plain.generate("Once upon a time", sp)[0]
+    assert "".join(c.text for c in chunks) == full.text
+    assert [t for c in chunks for t in c.token_ids] == full.token_ids
+    assert any(len(c.token_ids) > 1 for c in chunks)  # a verification's tokens come out together
+
+
+def test_rejected_drafts_do_not_reach_the_prefix_cache(plain, stories_hf):
+    """Blocks registered while speculating hold the sequence's real tokens: a later prompt that
+    reuses them continues exactly as on an engine that never speculated."""
+    llm = engine(stories_hf, spec="self:int4", block_size=4)
+    first = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))[0]
+    assert llm.core.spec_stats.accepted < llm.core.spec_stats.proposed  # some drafts were rejected
+    prompt = first.prompt_token_ids + first.token_ids[:41]
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    again = llm.generate([prompt], sp)[0]
+    assert again.usage.cached_tokens >= 40
+    assert again.token_ids == plain.generate([prompt], sp)[0].token_ids
+
+
+def test_tiny_pool_preemption_and_context_end(stories_hf):
+    sp = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    big = engine(stories_hf)
+    ref = [o.token_ids for o in big.generate(PROMPTS[:4], sp)]
+    small = engine(stories_hf, kv_cache_tokens=160, block_size=8, spec="ngram", spec_tokens=6)
+    assert [o.token_ids for o in small.generate(PROMPTS[:4], sp)] == ref
+    assert small.core.allocator.num_used == 0
+    # The context's last positions: drafts never run past it, the output stops where plain decoding does.
+    short = engine(stories_hf, max_model_len=40)
+    spec = engine(stories_hf, max_model_len=40, spec="self:int8")
+    a = short.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))[0]
+    b = spec.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))[0]
+    assert (b.token_ids, b.finish_reason) == (a.token_ids, a.finish_reason) and len(a.token_ids) == 40 - 5
+
+
+def test_sampling_with_drafts_is_the_target_distribution():
+    """Sampler-level: the acceptance rule with a point-mass draft leaves each row's distribution
+    p (after temperature, top-k and penalties) unchanged: chi-square over 20,000 draws."""
+    from scipy.stats import chisquare
+
+    v = 12
+    logits = torch.randn(v, generator=torch.Generator().manual_seed(0)) * 1.5
+    n = 20000
+    sp = SamplingParams(temperature=0.9, top_k=8, repetition_penalty=1.2, seed=None)
+    batch = SamplingBatch([sp] * n, [[1, 2]] * n, [[3]] * n)
+    sampler = Sampler()
+    _, filtered = sampler.process_logits(logits[None].repeat(1, 1), SamplingBatch([sp], [[1, 2]], [[3]]))
+    p = torch.softmax(filtered[0], -1)
+    torch.manual_seed(1)
+    for draft in (int(p.argmax()), int(p.argsort()[-4]), int(torch.nonzero(p == 0)[0])):
+        out = sampler.sample(logits[None].repeat(n, 1), batch, [draft] * n)
+        counts = torch.bincount(torch.tensor(out.token_ids), minlength=v).double()
+        keep = p > 0
+        assert counts[~keep].sum() == 0  # nothing top-k removed is ever emitted, not even the draft
+        res = chisquare(counts[keep].numpy(), (p[keep] * n).double().numpy())
+        assert res.pvalue > 0.01, (draft, res)
+        acc = torch.tensor(out.accepted)
+        assert abs(acc.double().mean().item() - p[draft].item()) < 0.02  # accepted with probability p(draft)
+
+
+def test_engine_sampling_distribution_and_seed(stories_hf):
+    """End to end: the second sampled token, judged against a self:int4 draft, follows the target's
+    next-token distribution given the first (chi-square, p > 0.01); a fixed seed gives one answer."""
+    from scipy.stats import chisquare
+
+    llm = engine(stories_hf, spec="self:int4", spec_tokens=2, max_num_seqs=64)
+    plain = engine(stories_hf)
+    sp = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, n=2500, seed=7)
+    outs = llm.generate("Once upon a time, there was a", sp)
+    assert llm.core.spec_stats.proposed >= 2500 and llm.core.spec_stats.accepted < llm.core.spec_stats.proposed
+    firsts = torch.tensor([o.token_ids[0] for o in outs])
+    top = int(torch.mode(firsts).values)
+    seconds = torch.tensor([o.token_ids[1] for o in outs if o.token_ids[0] == top])
+    ctx = plain.encode("Once upon a time, there was a") + [top]
+    lp = plain.generate([ctx], SamplingParams(temperature=0, max_tokens=1, logprobs=20))[0].logprobs[0]
+    probs = {t: float(torch.tensor(x).exp()) for t, x in lp.top}
+    counts = torch.bincount(seconds, minlength=512).double()
+    m = len(seconds)
+    bins = [t for t, q in probs.items() if q * m >= 5]
+    obs = [counts[t].item() for t in bins] + [m - sum(counts[t].item() for t in bins)]
+    exp = [probs[t] * m for t in bins] + [m - sum(probs[t] * m for t in bins)]
+    assert m > 500 and len(bins) >= 2
+    assert chisquare(obs, exp).pvalue > 0.01
+    one = SamplingParams(temperature=0.8, max_tokens=40, seed=123)
+    a = llm.generate("The cat sat", one)[0].token_ids
+    assert llm.generate("The cat sat", one)[0].token_ids == a
+
+
+def test_ngram_lookup():
+    p = NgramProposer()
+    assert p.lookup([1, 2, 3, 4, 9, 1, 2, 3], 3) == [4, 9, 1]  # the longest suffix that occurred before
+    assert p.lookup([1, 2, 3, 9, 2, 3, 8, 1, 2, 3], 2) == [9, 2]  # [1, 2, 3] beats the later [2, 3]
+    assert p.lookup([1, 2, 1, 3, 1], 2) == [3, 1]  # the latest occurrence of [1]
+    assert p.lookup([5, 6, 7], 2) == [] and p.lookup([4], 2) == []
+
+
+def test_bad_flags_are_one_line(stories_hf, tmp_path):
+    from llmsys.engine.config import EngineConfig
+
+    for kw, needle in ((dict(spec="beam"), "unknown --spec"), (dict(spec="draft"), "needs --draft"),
+                       (dict(spec="self:int3"), "unknown quantization"), (dict(spec_tokens=0), "1..16"),
+                       (dict(spec="ngram", kv_policy="quest:64"), "quest")):
+        with pytest.raises(InvalidParameterError, match=needle):
+            EngineConfig(model=str(stories_hf), **kw)
+    other = make_hf_model("llama", tmp_path / "other", vocab_size=640)
+    with pytest.raises(InvalidParameterError, match="vocabulary has 640 tokens"):
+        engine(stories_hf, draft_model=str(other))
