@@ -206,7 +206,10 @@ def place(r: Resolved, ck: Checkpoint) -> Placement:
         tokens = fitted = kv_tokens_within(budget, per_tok, max_len * c.max_num_seqs, min(max_len, 512))
     if tokens is None:
         tokens = pool_tokens(max_len, c.max_num_seqs, per_tok, budgets.gpu if budgets.gpu is not None else budgets.cpu)
-    work = Workload(batch=c.plan_batch, kv_tokens=tokens + c.block_size,
+    # A speculating engine's decode step verifies up to spec_tokens drafts per sequence: the plan's
+    # compute/transfer overlap is for that many rows (the weights are still read once per step).
+    rows = c.plan_batch * (1 + c.spec_tokens if c.spec is not None else 1)
+    work = Workload(batch=rows, kv_tokens=tokens + c.block_size,
                     max_batched_tokens=c.max_num_batched_tokens, kv_cold_tokens=c.offload_tokens(per_tok))
     # A GGUF loaded as stored mixes kept codes (int4, int8) and dequantized matrices: the planner gets their mix.
     bpw = ck.index.weight_bytes(r.dtype) if ck.is_gguf and c.quant.method == "none" else None

@@ -250,7 +250,8 @@ class EngineCore:
         look-ahead) or under an evicting KV policy (its per-token bookkeeping); none at all in a
         step where any running sequence carries policy state, whose attention scores are laid
         out per sequence. A draft never runs past ``max_tokens`` or the context: with ``k``
-        drafts a verification yields at most ``k + 1`` tokens.
+        drafts a verification yields at most ``k + 1`` tokens. ``k`` adapts per sequence
+        (:meth:`_adapt_k`) up to ``--spec-tokens``.
         """
         running = self.scheduler.running
         if self.proposer is None or any(s.kv is not None for s in running):
@@ -259,7 +260,7 @@ class EngineCore:
         for s in running:
             if s.num_computed != s.num_tokens - 1 or s.state.constraint is not None:
                 continue
-            k = min(self.config.spec_tokens, s.max_len - s.num_tokens - 1)
+            k = min(s.spec_k or self.config.spec_tokens, s.max_len - s.num_tokens - 1)
             if s.params.max_tokens is not None:
                 k = min(k, s.params.max_tokens - len(s.output_ids) - 1)
             if k >= 1:
@@ -371,6 +372,7 @@ class EngineCore:
                 chunks.append(self._end_with_error(seq, broken[seq.request_id]))
                 continue
             news: list[StreamChunk] = []
+            kept = 0
             for r in range(first, i):
                 tok, took_draft = sampled.token_ids[r], r < i - 1 and sampled.accepted[r]
                 self.scheduler.append_tokens([seq], [tok])
@@ -378,6 +380,7 @@ class EngineCore:
                     self.scheduler.accept_draft(seq)
                     self.spec_stats.accepted += 1
                     seq.num_draft_accepted += 1
+                    kept += 1
                 chunk = self._append(seq, tok, sampled.logprobs[r], now)
                 if chunk is not None:
                     news.append(chunk)
@@ -385,9 +388,19 @@ class EngineCore:
                     break
             if not seq.finished and n > 1:
                 self.scheduler.trim_drafts(seq)
+                self._adapt_k(seq, n - 1, kept)
             if news:
                 chunks.append(_merge(news))
         return chunks
+
+    def _adapt_k(self, seq: Sequence, drafted: int, kept: int) -> None:
+        """Next step's draft count for ``seq``: two more after a verification that kept every draft,
+        one fewer (at least one) otherwise, at most ``--spec-tokens`` (transformers' assisted
+        generation schedule). A rejected draft costs a row of the verification; a sequence whose
+        drafts keep failing asks for one at a time."""
+        k = seq.spec_k or self.config.spec_tokens
+        k = k + 2 if kept == drafted else k - 1
+        seq.spec_k = max(1, min(self.config.spec_tokens, k))
 
     def _append(self, seq: Sequence, tok: int, lp, now: float) -> StreamChunk | None:
         st: TextState = seq.state

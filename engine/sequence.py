@@ -56,6 +56,7 @@ class Sequence:
     # Speculative decoding: drafts the target verified for it, and how many it kept.
     num_drafted: int = 0
     num_draft_accepted: int = 0
+    spec_k: int | None = None  # drafts to ask for next (EngineCore adapts it; None: --spec-tokens)
 
     @property
     def tokens(self) -> list[int]:

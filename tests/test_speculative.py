@@ -209,3 +209,44 @@ def test_bad_flags_are_one_line(stories_hf, tmp_path):
     other = make_hf_model("llama", tmp_path / "other", vocab_size=640)
     with pytest.raises(InvalidParameterError, match="vocabulary has 640 tokens"):
         engine(stories_hf, draft_model=str(other))
+
+
+def test_server_reports_drafts_and_answers_as_plain(plain, stories_hf):
+    """The OpenAI server on a speculating engine: the same greedy text as plain decoding, streamed or
+    not; usage says how many drafts were kept (OpenAI's prediction-token fields); /metrics counts them."""
+    import httpx
+    import openai
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from llmsys.engine.server.serve import start_server_thread
+    from llmsys.engine.server.state import ServerSettings, ServerState
+
+    state = ServerState(ServerSettings())
+    state.attach(engine(stories_hf, spec="ngram"), "stories")
+    srv = start_server_thread(state)
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        ref = plain.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=64))[0]
+        r = client.completions.create(model="stories", prompt="Once upon a time", max_tokens=64, temperature=0)
+        assert r.choices[0].text == ref.text
+        d = r.usage.completion_tokens_details
+        assert d.accepted_prediction_tokens > 0 and d.rejected_prediction_tokens >= 0
+        streamed = client.completions.create(model="stories", prompt="Once upon a time", max_tokens=64,
+                                             temperature=0, stream=True)
+        assert "".join(c.choices[0].text for c in streamed if c.choices) == ref.text
+        fams = {f.name: f for f in text_string_to_metric_families(httpx.get(srv.url + "/metrics").text)}
+        drafted = fams["llmsys_spec_draft_tokens"].samples[0].value
+        kept = fams["llmsys_spec_accepted_tokens"].samples[0].value
+        assert drafted >= kept >= 2 * d.accepted_prediction_tokens > 0
+    finally:
+        srv.stop()
+
+
+def test_plan_predicts_the_verification_step(capsys):
+    from llmsys.engine.cli.main import main
+
+    rc = main(["plan", "qwen2.5-0.5b", "--cpu-mem", "256MiB", "--dtype", "bfloat16", "--spec", "self", "--accept", "3"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "a verification step of 1 x 5 tokens" in out and "at mean accepted length 3:" in out
+    assert main(["plan", "qwen2.5-0.5b", "--spec", "ngram", "--accept", "7"]) == 2
+    assert "--accept 7.0 must be in 1..5" in capsys.readouterr().err

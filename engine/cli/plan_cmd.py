@@ -13,6 +13,7 @@ same record ``llmsys bench`` shows; ``--remeasure`` refreshes it for both.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Annotated, Any
@@ -21,7 +22,7 @@ import torch
 import typer
 
 from llmsys.engine.cli.options import build_engine_config, engine_command
-from llmsys.kernels.common.errors import CheckpointError
+from llmsys.kernels.common.errors import CheckpointError, InvalidParameterError
 
 
 def _config_for(model: str) -> tuple[dict[str, Any], str]:
@@ -68,6 +69,7 @@ def plan_command(
     explain: Annotated[bool, typer.Option("--explain", help="say why this placement was chosen")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print the plan as JSON")] = False,
     remeasure: Annotated[bool, typer.Option("--remeasure", help="measure RAM / disk / host-GPU bandwidth again (else the cached record llmsys bench shares)")] = False,
+    accept: Annotated[float, typer.Option("--accept", help="with --spec: the mean accepted length to predict ms/token at (tokens a verification yields, 1..spec-tokens+1)")] = 2.5,
     *,
     engine_flags: dict[str, Any],
 ) -> int:
@@ -108,6 +110,18 @@ def plan_command(
     print(f"{source}: {a.num_hidden_layers} layers, {str(dt).removeprefix('torch.')}"
           + (" (hypothetical GPU: no CUDA device here, host-to-device 16 GB/s assumed)" if hypothetical else ""))
     print(format_plan(plan))
+    if config.spec is not None:
+        k = config.spec_tokens
+        if not 1.0 <= accept <= k + 1:
+            raise InvalidParameterError(f"--accept {accept} must be in 1..{k + 1} (--spec-tokens {k} + 1)")
+        vwork = dataclasses.replace(work, batch=batch * (k + 1))
+        vplan, _ = plan_for(meta, dt, budgets, vwork, config.quant.method, bandwidths=bw, max_seqs=batch * (k + 1),
+                            bytes_per_weight=bpw)
+        per_tok = vplan.decode_ms / accept
+        print(f"speculative decoding ({config.spec.kind}, --spec-tokens {k}): a verification step of {batch} x {k + 1} "
+              f"tokens {vplan.decode_ms:.1f} ms ({vplan.decode_ms / plan.decode_ms:.2f}x a decode step); at mean "
+              f"accepted length {accept:g}: {per_tok:.1f} ms per token per sequence vs {plan.decode_ms:.1f} without "
+              f"({plan.decode_ms / per_tok:.2f}x), the draft's own time not included")
     if explain:
         print()
         for line in plan.reasons:

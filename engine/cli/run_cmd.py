@@ -63,6 +63,10 @@ def run_command(
             f"ttft {t.ttft_s * 1000:.0f} ms | prefill {t.prompt_tok_s:.1f} tok/s | decode {t.decode_tok_s:.1f} tok/s | "
             f"finish {final.finish_reason}\n"
         )
+        u = final.usage
+        if u is not None and u.draft_tokens:
+            sys.stderr.write(f"speculative: {u.accepted_draft_tokens} of {u.draft_tokens} drafts kept "
+                             f"({u.accepted_draft_tokens / u.draft_tokens:.0%})\n")
         if final.finish_reason == "length" and t.prompt_tokens + t.generated_tokens >= llm.max_model_len:
             # Never a silent truncation: say the context, not max_tokens, ended it.
             sys.stderr.write(

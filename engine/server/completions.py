@@ -103,6 +103,7 @@ class Job:
         self._checked = time.monotonic()  # when the client and the engine thread were last checked
         self.cached_tokens = 0  # prompt tokens served from the prefix cache, over every choice
         self.evicted_tokens = 0  # KV tokens the eviction policy dropped, over every choice
+        self.draft_tokens = self.accepted_draft_tokens = 0  # speculative decoding, over every choice
 
     async def _next(self, is_disconnected: Callable[[], Any] | None) -> tuple[int, Any] | None:
         """The next item, or None when the client left. Every LIVENESS_POLL_S it also asks
@@ -164,6 +165,8 @@ class Job:
                     self.cached_tokens += item.usage.cached_tokens
                 if item.usage is not None:
                     self.evicted_tokens += item.usage.evicted_tokens
+                    self.draft_tokens += item.usage.draft_tokens
+                    self.accepted_draft_tokens += item.usage.accepted_draft_tokens
             yield idx, item
 
     def abort_rest(self) -> None:
@@ -176,6 +179,10 @@ class Job:
         p = sum(len(ids) for ids in self.prompts)
         return {"prompt_tokens": p, "completion_tokens": completion_tokens, "total_tokens": p + completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+                # OpenAI's fields for predicted outputs, here the speculative drafts the model verified
+                "completion_tokens_details": {
+                    "accepted_prediction_tokens": self.accepted_draft_tokens,
+                    "rejected_prediction_tokens": self.draft_tokens - self.accepted_draft_tokens},
                 "evicted_tokens": self.evicted_tokens}  # llmsys extension: the KV policy's evictions
 
 

@@ -177,6 +177,10 @@ class Metrics:
         self.evicted_tokens = Counter("llmsys_kv_evicted_tokens", "KV tokens evicted by the KV policy.", registry=None)
         self.cached_tokens = Counter("llmsys_prefix_cache_hit_tokens",
                                      "Prompt tokens whose KV came from the prefix cache.", registry=None)
+        self.draft_tokens = Counter("llmsys_spec_draft_tokens",
+                                    "Speculative decoding: draft tokens the model verified.", registry=None)
+        self.accepted_draft_tokens = Counter("llmsys_spec_accepted_tokens",
+                                             "Speculative decoding: draft tokens the model kept.", registry=None)
         self.ttft = Histogram("llmsys_time_to_first_token_seconds", "Request arrival to first generated token.",
                               buckets=LATENCY_BUCKETS, registry=None)
         self.itl = Histogram("llmsys_inter_token_latency_seconds", "Time between consecutive tokens of a request.",
@@ -184,7 +188,8 @@ class Metrics:
         self.e2e = Histogram("llmsys_e2e_request_latency_seconds", "Request arrival to finish.",
                              buckets=LATENCY_BUCKETS, registry=None)
         self.registry.register(_Instruments([self.requests, self.finished, self.prompt_tokens, self.generation_tokens,
-                                             self.evicted_tokens, self.cached_tokens]))
+                                             self.evicted_tokens, self.cached_tokens, self.draft_tokens,
+                                             self.accepted_draft_tokens]))
         self.registry.register(_EngineCollector(self))
         self.registry.register(_Instruments([self.ttft, self.itl, self.e2e]))
         ProcessCollector(registry=self.registry)
@@ -202,8 +207,11 @@ class Metrics:
         if itl is not None:
             self.itl.observe(itl)
 
-    def on_finish(self, reason: str, prompt_tokens: int, evicted: int, e2e: float, cached: int = 0) -> None:
+    def on_finish(self, reason: str, prompt_tokens: int, evicted: int, e2e: float, cached: int = 0,
+                  drafted: int = 0, accepted: int = 0) -> None:
         self.finished.labels(reason).inc()
+        self.draft_tokens.inc(drafted)
+        self.accepted_draft_tokens.inc(accepted)
         self.prompt_tokens.inc(prompt_tokens)
         self.evicted_tokens.inc(evicted)
         self.cached_tokens.inc(cached)

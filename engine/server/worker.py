@@ -294,7 +294,7 @@ class EngineWorker(threading.Thread):
             u = ch.usage
             self.metrics.on_finish(
                 ch.finish_reason or "stop", u.prompt_tokens if u else 0, u.evicted_tokens if u else 0, now - sub.arrival,
-                u.cached_tokens if u else 0,
+                u.cached_tokens if u else 0, u.draft_tokens if u else 0, u.accepted_draft_tokens if u else 0,
             )
             self._finish(sub)
             if sub.interrupt is not None:
