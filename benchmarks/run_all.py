@@ -117,6 +117,7 @@ SCRIPTS: dict[str, list[str]] = {
     "refine-attention": ["benchmarks/bench_refine_attention.py"],
     "server-hardening": ["benchmarks/bench_server_hardening.py", "--rounds", "3"],
     "structured": ["benchmarks/bench_structured.py"],
+    "speculative": ["benchmarks/bench_speculative.py", "--offload"],
 }
 
 
