@@ -31,7 +31,7 @@ from llmsys.engine.runner import ModelRunner
 from llmsys.engine.sampling import Sampler, SamplingBatch, SamplingParams, make_generator
 from llmsys.engine.scheduler import Scheduler, SchedulerOutput, StepResult
 from llmsys.engine.sequence import Sequence
-from llmsys.engine.speculative import ProposalRequest, Proposer, SpecStats
+from llmsys.engine.speculative import ProposalRequest, Proposer, SpecStats, predicted_continuation
 from llmsys.engine.tokenizer import Tokenizer
 from llmsys.offload.kv_policy import make_policy_runtime
 from llmsys.offload.kv_swap import make_swap_space
@@ -119,6 +119,9 @@ def _prefetch(constraints: list[TokenConstraint]) -> None:
             c.prefetch()
         except Exception:
             log.exception("computing a token constraint's mask ahead failed")
+
+
+PREDICTION_TOKENS = 8  # drafts per step at most from a request's predicted output, unless it says
 
 
 def _merge(chunks: list[StreamChunk]) -> StreamChunk:
@@ -251,24 +254,37 @@ class EngineCore:
         step where any running sequence carries policy state, whose attention scores are laid
         out per sequence. A draft never runs past ``max_tokens`` or the context: with ``k``
         drafts a verification yields at most ``k + 1`` tokens. ``k`` adapts per sequence
-        (:meth:`_adapt_k`) up to ``--spec-tokens``.
+        (:meth:`_adapt_k`) up to the request's ``spec_tokens`` (default ``--spec-tokens``; 0:
+        none). A request with a ``prediction`` takes its drafts from it first (any engine, with
+        or without a proposer), the engine's proposer where the prediction has no match.
         """
         running = self.scheduler.running
-        if self.proposer is None or any(s.kv is not None for s in running):
+        if any(s.kv is not None for s in running):
             return None
+        drafts: dict[str, list[int]] = {}
         reqs = []
         for s in running:
-            if s.num_computed != s.num_tokens - 1 or s.state.constraint is not None:
+            p = s.params
+            if s.num_computed != s.num_tokens - 1 or s.state.constraint is not None or p.spec_tokens == 0:
                 continue
-            k = min(s.spec_k or self.config.spec_tokens, s.max_len - s.num_tokens - 1)
-            if s.params.max_tokens is not None:
-                k = min(k, s.params.max_tokens - len(s.output_ids) - 1)
-            if k >= 1:
+            if self.proposer is None and not p.prediction:
+                continue
+            cap = self._spec_cap(p)
+            k = min(s.spec_k or cap, cap, s.max_len - s.num_tokens - 1)
+            if p.max_tokens is not None:
+                k = min(k, p.max_tokens - len(s.output_ids) - 1)
+            if k < 1:
+                continue
+            d = predicted_continuation(p.prediction, s.output_ids, k)
+            if d:
+                drafts[s.request_id] = d
+            elif self.proposer is not None:
                 reqs.append(ProposalRequest(s.request_id, s.tokens, k))
-        if not reqs:
-            return None
-        drafts = self.proposer.propose(reqs, set(self.requests))
-        return {r.request_id: d[: r.k] for r, d in zip(reqs, drafts) if d}
+        if reqs:
+            for r, d in zip(reqs, self.proposer.propose(reqs, set(self.requests))):
+                if d:
+                    drafts[r.request_id] = d[: r.k]
+        return drafts or None
 
     def step(self) -> list[StreamChunk]:
         chunks, self._pending = self._pending, []
@@ -393,14 +409,22 @@ class EngineCore:
                 chunks.append(_merge(news))
         return chunks
 
+    def _spec_cap(self, p: SamplingParams) -> int:
+        """Drafts per step at most for a request: its ``spec_tokens``, else ``--spec-tokens``, else for a
+        prediction :data:`PREDICTION_TOKENS` (a prediction is usually right for long stretches)."""
+        if p.spec_tokens:
+            return p.spec_tokens
+        return max(self.config.spec_tokens, PREDICTION_TOKENS) if p.prediction else self.config.spec_tokens
+
     def _adapt_k(self, seq: Sequence, drafted: int, kept: int) -> None:
         """Next step's draft count for ``seq``: two more after a verification that kept every draft,
         one fewer (at least one) otherwise, at most ``--spec-tokens`` (transformers' assisted
         generation schedule). A rejected draft costs a row of the verification; a sequence whose
         drafts keep failing asks for one at a time."""
-        k = seq.spec_k or self.config.spec_tokens
+        cap = self._spec_cap(seq.params)
+        k = seq.spec_k or cap
         k = k + 2 if kept == drafted else k - 1
-        seq.spec_k = max(1, min(self.config.spec_tokens, k))
+        seq.spec_k = max(1, min(cap, k))
 
     def _append(self, seq: Sequence, tok: int, lp, now: float) -> StreamChunk | None:
         st: TextState = seq.state

@@ -104,6 +104,11 @@ class SamplingParams:
     # Added to the logits before penalties and sampling, as OpenAI's logit_bias: ((token id, bias), ...);
     # a {id: bias} mapping is normalised to that sorted tuple (hashable, frozen). -100 bans, 100 forces.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Speculative decoding (llmsys.engine.speculative), like kv_policy not a sampling knob: drafts per
+    # step at most for this request (None: the engine's --spec-tokens; 0: none), and the token ids of a
+    # predicted output (OpenAI's ``prediction``) that drafts are copied from. Neither changes the output.
+    spec_tokens: int | None = None
+    prediction: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise through the back door once
@@ -179,6 +184,12 @@ class SamplingParams:
         if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in pairs):
             raise _bad("logit_bias", bias, "must map token ids (integers >= 0) to numbers in [-100, 100]")
         set_(self, "logit_bias", tuple(pairs))
+        if self.spec_tokens is not None and (not _is_int(self.spec_tokens) or not 0 <= self.spec_tokens <= 16):
+            raise _bad("spec_tokens", self.spec_tokens, "must be an integer in 0..16 (0 = no drafts), or None")
+        pred = self.prediction
+        if not isinstance(pred, (list, tuple)) or any(not _is_int(t) or t < 0 for t in pred):
+            raise _bad("prediction", pred, "must be a list of token ids (integers >= 0)")
+        set_(self, "prediction", tuple(pred))
         if isinstance(self.kv_policy, str):
             set_(self, "kv_policy", parse_kv_policy(self.kv_policy))
         elif self.kv_policy is not None and not isinstance(self.kv_policy, KVPolicy):

@@ -54,6 +54,42 @@ class ProposalRequest:
     k: int  # at most this many drafts
 
 
+def _suffix_matches(source: np.ndarray, pattern: np.ndarray, max_n: int) -> tuple[np.ndarray, int]:
+    """Positions ``i`` of ``source`` where its tokens ``..i`` equal the last ``n`` tokens of ``pattern``,
+    for the longest ``n <= max_n`` that has any (``[], 0`` when even the last token never occurs).
+
+    One pass back from the last token: the candidates are the positions holding it, narrowed each
+    round to those whose preceding token matches one more token of the pattern."""
+    ends = np.flatnonzero(source == pattern[-1])
+    found, n = ends, 0
+    while ends.size and n < min(max_n, len(pattern)):
+        n, found = n + 1, ends
+        ends = ends[ends >= n]  # room for one more token before the match
+        if n < len(pattern):
+            ends = ends[source[ends - n] == pattern[-1 - n]]
+        else:
+            ends = ends[:0]
+    return found, n
+
+
+def predicted_continuation(prediction: tuple[int, ...], output: list[int], k: int, max_n: int = 4) -> list[int]:
+    """Drafts from a request's predicted output (OpenAI's ``prediction``: the text the answer is
+    expected to be close to, e.g. a file being edited): its first ``k`` tokens before any output,
+    then what follows the place in the prediction that matches the output's last tokens (the
+    longest match up to ``max_n``; among equal ones the nearest to the output's own position, as an
+    edited text keeps its order)."""
+    if not prediction or k < 1:
+        return []
+    p = np.asarray(prediction, dtype=np.int64)  # [P]
+    if not output:
+        return p[:k].tolist()
+    found, n = _suffix_matches(p, np.asarray(output, dtype=np.int64), max_n)
+    if not found.size:
+        return []
+    best = int(found[np.argmin(np.abs(found - (len(output) - 1)))])
+    return p[best + 1: best + 1 + k].tolist()
+
+
 class Proposer(Protocol):
     """Guesses the next tokens of decoding sequences (deterministically: each draft a point mass)."""
 
@@ -100,19 +136,12 @@ class NgramProposer:
         return [self.lookup(r.tokens, r.k) for r in reqs]
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
-        """Up to ``k`` tokens that followed the latest earlier occurrence of the longest matching suffix.
-
-        One pass from the last token back: the candidates are the earlier positions holding the
-        last token, narrowed to those whose preceding tokens match one more suffix token each round.
-        """
+        """Up to ``k`` tokens that followed the latest earlier occurrence of the longest matching suffix."""
         t = np.asarray(tokens, dtype=np.int64)  # [L]
         L = len(t)
-        ends = np.flatnonzero(t[: L - 1] == t[L - 1])  # earlier positions where a 1-token match ends
-        found, n = ends, 0
-        while ends.size and n < self.max_n:
-            n, found = n + 1, ends
-            ends = ends[ends >= n]  # room for one more token before the match
-            ends = ends[t[ends - n] == t[L - 1 - n]]
+        if L < 2:
+            return []
+        found, n = _suffix_matches(t[: L - 1], t, self.max_n)
         if not found.size or n < self.min_n:
             return []
         # The latest match with k tokens after it (in a repeating run the very latest has fewer).

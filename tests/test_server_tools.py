@@ -461,8 +461,8 @@ def test_echo_best_of_suffix_and_unserved_fields(srv):
             c.completions.create(model=NAME, prompt="Hi", max_tokens=2, **kw)
         assert e.value.body["param"] == field and e.value.body["code"] == "unsupported_parameter"
     for kw, field in ((dict(functions=[{"name": "f"}]), "functions"), (dict(modalities=["audio"]), "modalities"),
-                      (dict(reasoning_effort="high"), "reasoning_effort"), (dict(prediction={
-                          "type": "content", "content": "x"}), "prediction")):
+                      (dict(reasoning_effort="high"), "reasoning_effort"), (dict(web_search_options={
+                          "search_context_size": "low"}), "web_search_options")):
         with pytest.raises(openai.BadRequestError) as e:
             c.chat.completions.create(model=NAME, messages=ASK, max_tokens=2, **kw)
         assert e.value.body["param"] == field and e.value.body["code"] == "unsupported_parameter"

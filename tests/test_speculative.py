@@ -4,6 +4,7 @@ the target's (chi-square); seeds reproducible; rejected drafts leave no trace in
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -250,3 +251,57 @@ def test_plan_predicts_the_verification_step(capsys):
     assert rc == 0 and "a verification step of 1 x 5 tokens" in out and "at mean accepted length 3:" in out
     assert main(["plan", "qwen2.5-0.5b", "--spec", "ngram", "--accept", "7"]) == 2
     assert "--accept 7.0 must be in 1..5" in capsys.readouterr().err
+
+
+def test_a_predicted_output_is_a_draft_source_on_any_engine(plain, stories_hf, tmp_path):
+    """SamplingParams(prediction=ids) (OpenAI's ``prediction`` on the chat route): an engine without
+    --spec copies drafts from it; the answer is unchanged, a close prediction is mostly accepted, and
+    a wrong one costs nothing but rejected drafts."""
+    sp = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    ref = plain.generate("Once upon a time", sp)[0]
+    llm = engine(stories_hf)
+    edited = list(ref.token_ids)
+    edited[20:23] = [400, 401]  # a prediction that differs in the middle
+    for pred, least in ((ref.token_ids, 50), (edited, 35), ([7] * 30, 0)):
+        before = llm.core.spec_stats.accepted
+        out = llm.generate("Once upon a time", dataclasses.replace(sp, prediction=tuple(pred)))[0]
+        assert out.token_ids == ref.token_ids
+        assert out.usage.accepted_draft_tokens == llm.core.spec_stats.accepted - before >= least
+    none = llm.generate("Once upon a time", dataclasses.replace(sp, prediction=tuple(ref.token_ids), spec_tokens=0))[0]
+    assert none.token_ids == ref.token_ids and none.usage.draft_tokens == 0
+
+    import openai
+
+    from llmsys.engine.server.serve import start_server_thread
+    from llmsys.engine.server.state import ServerSettings, ServerState
+    from test_server import _chat_model
+
+    chat = _chat_model(tmp_path)
+    state = ServerState(ServerSettings())
+    state.attach(engine(chat), "chat")
+    srv = start_server_thread(state)
+    try:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        ask = [{"role": "user", "content": "Tell me a story."}]
+        first = c.chat.completions.create(model="chat", messages=ask, max_tokens=40, temperature=0)
+        text = first.choices[0].message.content
+        again = c.chat.completions.create(model="chat", messages=ask, max_tokens=40, temperature=0,
+                                          prediction={"type": "content", "content": [{"type": "text", "text": text}]})
+        assert again.choices[0].message.content == text
+        assert again.usage.completion_tokens_details.accepted_prediction_tokens >= 30
+        with pytest.raises(openai.BadRequestError):
+            c.chat.completions.create(model="chat", messages=ask, max_tokens=4, prediction={"type": "image"})
+    finally:
+        srv.stop()
+
+
+def test_per_request_spec_tokens(plain, stories_hf):
+    llm = engine(stories_hf, spec="ngram")
+    sp = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    ref = plain.generate("Once upon a time", sp)[0].token_ids
+    off = llm.generate("Once upon a time", dataclasses.replace(sp, spec_tokens=0))[0]
+    assert off.token_ids == ref and off.usage.draft_tokens == 0
+    one = llm.generate("Once upon a time", dataclasses.replace(sp, spec_tokens=1))[0]
+    assert one.token_ids == ref and 0 < one.usage.draft_tokens <= 59
+    with pytest.raises(InvalidParameterError, match="spec_tokens"):
+        SamplingParams(spec_tokens=17)

@@ -277,7 +277,8 @@ def create_app(state: ServerState) -> ServerAPI:
             "max_model_len": state.llm.max_model_len,
         }]}
 
-    def sampling(req: Any, max_tokens: int | None, logprobs: int | None, policy: KVPolicy | None) -> SamplingParams:
+    def sampling(req: Any, max_tokens: int | None, logprobs: int | None, policy: KVPolicy | None,
+                 prediction: list[int] | None = None) -> SamplingParams:
         return prep.sampling(
             max_tokens=max_tokens,
             temperature=1.0 if req.temperature is None else req.temperature,
@@ -295,6 +296,8 @@ def create_app(state: ServerState) -> ServerAPI:
             n=req.n,
             kv_policy=policy,
             logit_bias={int(k): v for k, v in (req.logit_bias or {}).items()},
+            prediction=tuple(prediction or ()),
+            spec_tokens=req.spec_tokens,
         )
 
     def check_model(model: str | None) -> None:
@@ -425,11 +428,14 @@ def create_app(state: ServerState) -> ServerAPI:
         template_tools = [{"type": "function", "function": {k: v for k, v in t.items() if v is not None}}
                           for t in tools] or None
         ids = await state.off_loop(prep.chat_ids, messages, "messages", policy, template_tools)
+        predicted = None
+        if req.prediction is not None:  # tokenized on the preparation thread, as the prompt
+            predicted = await state.off_loop(prep.encode_text, req.prediction.text, "prediction")
         top = None
         if req.logprobs:
             top = req.top_logprobs or 0
         max_tokens = req.max_completion_tokens or req.max_tokens
-        params = sampling(req, max_tokens, top, policy)
+        params = sampling(req, max_tokens, top, policy, predicted)
         field = "tool_choice" if plan is not None and plan.grammar is not None else "response_format"
         cons = await constraints([ids], params, spec, field)
         return await run(request, req, True, [ids], params, top, cons, plan if plan and plan.fmt else None)

@@ -92,6 +92,16 @@ class Preparer:
         self.check_prompt(ids, field, policy)
         return ids
 
+    def encode_text(self, text: str, field: str) -> list[int]:
+        """Text that is not a prompt (a predicted output) as token ids, without special tokens;
+        at most the context's length of it is kept (more could never be used)."""
+        if len(text) > self.state.llm.max_model_len * self.state.max_token_chars():
+            raise APIError(400, f"{field} is longer than the model's context could ever use "
+                                f"({self.state.llm.max_model_len} tokens)", param=field, code="invalid_prompt")
+        with self.bad_text(field):
+            ids = self.state.llm.tokenizer.encode(text, add_special_tokens=False)
+        return ids[: self.state.llm.max_model_len]
+
     def chat_ids(self, messages: list[dict[str, Any]], field: str, policy: KVPolicy | None,
                  tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
         """A conversation rendered with the model's chat template (``tools`` passed in as

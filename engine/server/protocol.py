@@ -98,7 +98,7 @@ def _integral(v: Any) -> Any:
 
 
 _INT_FIELDS = ("max_tokens", "n", "seed", "top_k", "min_tokens", "max_completion_tokens", "top_logprobs", "best_of",
-               "logprobs", "prompt")
+               "logprobs", "prompt", "spec_tokens")
 
 
 class StreamOptions(BaseModel):
@@ -268,6 +268,9 @@ class _Common(BaseModel):
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
+    spec_tokens: int | None = Field(
+        None, ge=0, le=16, description="llmsys extension: speculative drafts verified per step at most for this "
+                                       "request (0: none; default: the server's --spec-tokens, 8 with a prediction)")
     kv_policy: str | None = Field(
         None, max_length=200, pattern=KV_POLICY_PATTERN,
         description="llmsys extension: this request's KV eviction policy, in --kv-policy syntax: full, window:N, "
@@ -275,6 +278,24 @@ class _Common(BaseModel):
                     "Default: the server's --kv-policy. quest:K is engine-wide (server flag only).",
         examples=["sink:4,window:252"],
     )
+
+
+class PredictionPart(BaseModel):
+    model_config = _STRICT
+    type: Literal["text"]
+    text: str
+
+
+class Prediction(BaseModel):
+    """OpenAI's predicted output: ``{"type": "content", "content": str | [{"type": "text", "text": str}]}``."""
+
+    model_config = _STRICT
+    type: Literal["content"]
+    content: Union[str, list[PredictionPart]]
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
 class ChatCompletionRequest(_Common):
@@ -290,7 +311,9 @@ class ChatCompletionRequest(_Common):
     function_call: Union[str, dict[str, Any], None] = None
     audio: dict[str, Any] | None = None
     modalities: list[str] | None = None
-    prediction: dict[str, Any] | None = None
+    prediction: Prediction | None = Field(
+        None, description="the expected output (e.g. the file being edited): its spans become speculative drafts "
+                          "the model verifies, so a close prediction answers in fewer steps; the answer is the same")
     web_search_options: dict[str, Any] | None = None
     reasoning_effort: str | None = None
     verbosity: str | None = None
@@ -322,7 +345,6 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "function_call": (lambda v: v in ("none", "auto"), "the legacy function_call field is not served: send tool_choice"),
     "audio": (lambda v: not v, "this is a text model: no audio output"),
     "modalities": (lambda v: list(v) == ["text"], "this is a text model: modalities can only be ['text']"),
-    "prediction": (lambda v: not v, "predicted outputs are not implemented; omit prediction"),
     "web_search_options": (lambda v: not v, "the server has no web search"),
     "reasoning_effort": (lambda v: False, "the served model has no reasoning-effort setting; omit it"),
     "verbosity": (lambda v: v == "medium", "the served model has no verbosity setting; omit it"),
