@@ -305,3 +305,16 @@ def test_per_request_spec_tokens(plain, stories_hf):
     assert one.token_ids == ref and 0 < one.usage.draft_tokens <= 59
     with pytest.raises(InvalidParameterError, match="spec_tokens"):
         SamplingParams(spec_tokens=17)
+
+
+def test_bench_spec_reports_acceptance_and_the_verify_step(stories_hf, capsys):
+    from llmsys.engine.cli.main import main
+
+    rc = main(["bench", str(stories_hf), "-p", "0", "-n", "16", "-r", "1", "--dtype", "float32", "--no-e2e",
+               "--spec", "self:int8", "--output", "json"])
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert rc == 0 and len(rows) == 1
+    r = rows[0]
+    assert r["spec"] == "self:int8 K=4" and r["spec_verify_x"] > 0.5
+    assert 1.5 < r["spec_tokens_per_step"] <= 5.0  # the int8 self-draft is almost always kept
+    assert r["spec_tok_s"] > 0 and r["spec_plain_tok_s"] > 0

@@ -14,6 +14,8 @@ prefill and batching are the ones serving uses.
 
 from __future__ import annotations
 
+import dataclasses
+
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -99,10 +101,15 @@ def _random_ids(n: int, vocab: int, gen: torch.Generator) -> list[int]:
 
 
 class StepDriver:
-    """Runs batches of sequences through a core's scheduler + runner, greedily."""
+    """Runs batches of sequences through a core's scheduler + runner, greedily.
 
-    def __init__(self, core):
+    ``verify``: every decode step also feeds that many random drafts per sequence (the cost of a
+    speculative verification step; each sequence keeps only its own next token, the drafts' blocks
+    are trimmed), so decode step times compare with ``verify=0``'s on the same context."""
+
+    def __init__(self, core, verify: int = 0):
         self.core = core
+        self.verify = verify
         self.device = core.loaded.device
         self.vocab = core.loaded.args.vocab_size
         self._params = SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True)
@@ -112,16 +119,27 @@ class StepDriver:
         """One engine step; returns (seconds, sequences that sampled)."""
         sched = self.core.scheduler
         _sync(self.device)
+        drafts = None
+        if self.verify:  # drafted before the clock starts: the proposer is not the model's cost
+            g = torch.Generator().manual_seed(len(sched.running))
+            drafts = {s.request_id: _random_ids(self.verify, self.vocab, g) for s in sched.running
+                      if s.num_computed == s.num_tokens - 1}
         t0 = time.perf_counter()
-        out = sched.schedule()
+        out = sched.schedule(drafts)
         if out.empty:
             raise RuntimeError("bench: the scheduler had nothing to run (KV pool too small?)")
         res = self.core.forward(out)
         _sync(self.device)
         dt = time.perf_counter() - t0
         if res.sample_ids:
-            toks = res.logits.argmax(dim=-1).tolist()  # untimed: sampling is not the model's cost
-            sched.append_tokens([sched.requests[rid] for rid in res.sample_ids], toks)
+            rows = res.sample_rows or [1] * len(res.sample_ids)
+            first = [sum(rows[:i]) for i in range(len(rows))]  # each sequence's own next-token row
+            toks = res.logits[first].argmax(dim=-1).tolist()  # untimed: sampling is not the model's cost
+            seqs = [sched.requests[rid] for rid in res.sample_ids]
+            sched.append_tokens(seqs, toks)
+            for s, n in zip(seqs, rows):
+                if n > 1:
+                    sched.trim_drafts(s)
         return dt, len(res.sample_ids)
 
     def _run_until_sampled(self, seqs: list[Sequence]) -> float:
@@ -234,6 +252,53 @@ def _text_of(tokenizer, ids: list[int], n: int) -> str | list[int]:
             return text
         text = tokenizer.decode(again[: max(1, 2 * n - len(again))])
     return text if len(tokenizer.encode(text, add_special_tokens=False)) <= n else ids
+
+
+@dataclass(frozen=True)
+class SpecFigures:
+    """Speculative decoding on a tg test (``llmsys bench --spec``)."""
+
+    verify_x: float  # median verification step (K drafts + 1 per sequence) over the median decode step
+    tokens_per_step: float  # generated tokens per decode step and sequence (kept drafts + the model's own)
+    tok_s: float  # LLM.generate with speculation, generated tokens per wall second
+    plain_tok_s: float  # the same prompts without (spec_tokens=0)
+
+
+SPEC_TEXT = ("Once upon a time, there was a little girl named Lily. She loved to play outside in the park with her "
+             "friends. One day, she saw a big red ball under a tree. She ran to the ball and picked it up.")
+
+
+def measure_spec(llm, test: TestSpec, batch: int, seed: int = 0) -> SpecFigures:
+    """The engine's speculative decoding (its ``--spec`` / ``--draft``) on ``test`` (tg): the verify
+    step's cost against a decode step at the same context (random drafts, ``StepDriver(verify=K)``),
+    and end to end on a text the model is asked to repeat (a plain English story and its first
+    words again: what a proposer can find depends on the text, and random tokens give none), with
+    and without speculation, greedy."""
+    k = llm.config.spec_tokens
+    gen = torch.Generator().manual_seed(seed)
+    steps = {}
+    for v in (0, k):
+        runs = [StepDriver(llm.core, verify=v).run(test, batch, gen) for _ in range(2)]
+        steps[v] = _pct(sorted(dt for r in runs[1:] for dt in r.decode_steps), 50)
+    n_gen = max(test.n_gen, 1)
+    words = SPEC_TEXT.split()
+    for n in range(len(words), 5, -1):  # as much of the story as the test's context leaves room for
+        prompt = " ".join(words[:n]) + "\n\n" + " ".join(words[:6])
+        if len(llm.tokenizer.encode(prompt)) + n_gen <= llm.max_model_len:
+            break
+    params = SamplingParams(max_tokens=n_gen, temperature=0.0, ignore_eos=True)
+    figures = {}
+    for spec_tokens in (0, None):
+        p = dataclasses.replace(params, spec_tokens=spec_tokens)
+        t0 = time.perf_counter()
+        outs = llm.generate([prompt] * batch, p)
+        figures[spec_tokens] = (sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0), outs)
+    outs = figures[None][1]
+    kept = sum(o.usage.accepted_draft_tokens for o in outs)
+    # Decode steps per sequence: every token but the prefill's first and the kept drafts came from one.
+    decode_steps = max(1, sum(len(o.token_ids) for o in outs) - kept - batch)
+    return SpecFigures(verify_x=steps[k] / steps[0], tokens_per_step=(kept + decode_steps) / decode_steps,
+                       tok_s=figures[None][0], plain_tok_s=figures[0][0])
 
 
 def measure_e2e(llm, test: TestSpec, batch: int, seed: int = 0) -> E2EResult:

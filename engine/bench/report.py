@@ -50,6 +50,9 @@ def to_markdown(result: BenchResult) -> str:
     head += ["threads", "batch", "test", "t/s", "ttft ms", "itl p50/p99 ms", "e2e t/s", "%roof", "peak RSS"]
     if any(r.peak_gpu_bytes for r in rows):
         head.append("peak GPU")
+    spec = any(r.spec for r in rows)
+    if spec:
+        head += ["spec", "verify / decode step", "tokens / step", "spec e2e t/s", "plain e2e t/s"]
     for b in baselines:
         head += [f"{b} t/s", f"x {b}"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
@@ -77,6 +80,9 @@ def to_markdown(result: BenchResult) -> str:
             ]
         if "peak GPU" in head:
             cells.append(format_bytes(r.peak_gpu_bytes) if r.peak_gpu_bytes else "-")
+        if spec:
+            cells += [r.spec or "-", f"{_f(r.spec_verify_x)}x" if r.spec_verify_x else "-", _f(r.spec_tokens_per_step),
+                      _f(r.spec_tok_s), _f(r.spec_plain_tok_s)]
         for b in baselines:
             f = r.baselines[b]
             if f.error:

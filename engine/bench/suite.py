@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 
 from llmsys.engine.bench.machine import MachineInfo
-from llmsys.engine.bench.measure import TestSpec, measure_e2e, measure_test
+from llmsys.engine.bench.measure import TestSpec, measure_e2e, measure_spec, measure_test
 from llmsys.kernels.common.cpus import choose_threads
 from llmsys.kernels.common.errors import InvalidParameterError, LLMSysError
 
@@ -109,6 +109,12 @@ class BenchRow:
     baselines: dict[str, BaselineFigures] = field(default_factory=dict)
     command: str = ""
     threads_auto: str | None = None  # -t auto (no -t): why the engine's default picked ``threads``
+    # --spec / --draft (tg tests): measure.SpecFigures
+    spec: str | None = None
+    spec_verify_x: float | None = None
+    spec_tokens_per_step: float | None = None
+    spec_tok_s: float | None = None
+    spec_plain_tok_s: float | None = None
 
     def to_dict(self, machine: MachineInfo | None = None) -> dict[str, Any]:
         d = asdict(self)
@@ -580,6 +586,8 @@ def _measure_row(row: BenchRow, llm, spec: BenchSpec, test: TestSpec, batch: int
     try:
         res = measure_test(llm.core, test, batch, spec.repetitions, seed=spec.seed, warmup=spec.warmup)
         e2e = measure_e2e(llm, test, batch, seed=spec.seed) if spec.e2e else None
+        sp = llm.config.spec
+        figs = measure_spec(llm, test, batch, seed=spec.seed) if sp is not None and test.kind == "tg" else None
     except Exception as e:  # noqa: BLE001
         row.error = _error_text(e)  # and no figures: a row has a result or an error, never both
         _drain(llm)
@@ -589,6 +597,10 @@ def _measure_row(row: BenchRow, llm, spec: BenchSpec, test: TestSpec, batch: int
         row.ttft_ms, row.itl_p50_ms, row.itl_p99_ms = res.ttft_ms, res.itl_p50_ms, res.itl_p99_ms
         if e2e is not None:
             row.e2e_tok_s, row.e2e_ttft_ms = e2e.tok_s, e2e.ttft_ms
+        if figs is not None:
+            row.spec = sp.kind + (f":{sp.quant}" if sp.quant else "") + f" K={llm.config.spec_tokens}"
+            row.spec_verify_x, row.spec_tokens_per_step = figs.verify_x, figs.tokens_per_step
+            row.spec_tok_s, row.spec_plain_tok_s = figs.tok_s, figs.plain_tok_s
         kv_tok = llm.core.kv.spec.bytes_per_token
         row.roof_pct = decode_roof_pct(row, kv_tok, machine.bandwidths.roof_gbps(row.device))
     row.peak_cpu_bytes, row.peak_gpu_bytes = peak_memory()
