@@ -28,7 +28,6 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from llmsys.engine.config import DEFAULT_TUNE_STEPS
 from llmsys.engine.progress import bar, track
@@ -137,15 +136,24 @@ def _scratch_pool(model: nn.Module, lens: list[int], dtype: torch.dtype, one_scr
 
 
 def _calib_batch(model: nn.Module, seqs: list[list[int]]):
-    """All calibration sequences as one packed prefill: ``(h [T, hidden], run_layer)``.
+    """All calibration sequences as one batch: ``(h [T, hidden], run_layer)``.
 
     ``run_layer(layer, h)`` runs one decoder layer of the model (its own forward, as
     ``DecoderModel.forward`` calls it) on the whole batch and returns the next hidden states.
     Layer by layer (GPTQ and AWQ calibrate layer i on what the quantized layers before it
-    produce), so one K/V pair serves every layer: each writes its K/V before it attends.
+    produce), so one layer's K/V at a time: each writes its K/V before it attends.
+    Sequences of one length (self-generated text, a file's windows) attend side by side
+    (:class:`_BatchedAttention`: statistics, not inference; on stories260k's 512 x 128 tokens the
+    per-sequence prefill through a paged pool was 5 of GPTQ's 8 s); others as one packed prefill.
     """
     dtype = next(model.parameters()).dtype
-    attn, meta, pos = _scratch_pool(model, [len(s) for s in seqs], dtype, one_scratch=True)
+    lens = [len(s) for s in seqs]
+    if len(set(lens)) == 1:
+        b, n = len(seqs), lens[0]
+        attn, meta = _BatchedAttention(b), _BatchMeta(b, n, n)
+        pos = torch.arange(n, device=model.rope_cache.device).repeat(b)
+    else:
+        attn, meta, pos = _scratch_pool(model, lens, dtype, one_scratch=True)
     ids = torch.tensor([t for s in seqs for t in s], device=pos.device)
 
     def run_layer(layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
@@ -350,15 +358,12 @@ class _DenseLinear(nn.Module):
         self.bias_f = None if bias is None else bias.float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N] float32
-        if torch.is_grad_enabled():
-            # The weight rebuilt in the backward pass: autograd keeps the dense [N, K] weight the matmul
-            # needs, not the code/scale temporaries it was built from (~16 bytes per weight: 8 GB on
-            # Qwen2.5-0.5B, the difference between refining in 24 GB of RAM and being killed). The cost
-            # is one elementwise pass per layer, not a second matmul.
-            w = checkpoint(self.weight_fn, use_reentrant=False)
-        else:
-            w = self.weight_fn()
-        return F.linear(x.float(), w, self.bias_f)
+        # Autograd keeps the dense [N, K] weight the matmul needs, not the code/scale temporaries it was
+        # built from (~16 bytes per weight: 8 GB on Qwen2.5-0.5B, the difference between refining in
+        # 24 GB of RAM and being killed): TunableInt4's weight is one autograd Function that recomputes
+        # them in its backward (it replaced torch.utils.checkpoint around the formula, which did the
+        # same at three times the ops).
+        return F.linear(x.float(), self.weight_fn(), self.bias_f)
 
 
 class _DenseEmbedding(nn.Module):
@@ -474,8 +479,8 @@ class _BatchedAttention:
         b = self.b
         k = k.view(b, -1, *k.shape[1:]).transpose(1, 2)  # [b, Hk, n, D]
         v = v.view(b, -1, *v.shape[1:]).transpose(1, 2)
-        if not self.cache:
-            self.k[layer], self.v[layer] = k, v
+        if not self.cache:  # whole sequences: only this layer's K/V (autograd keeps what it needs)
+            self.k, self.v = {layer: k}, {layer: v}
             return
         if layer not in self.k:
             shape = (b, k.shape[1], self.cache, k.shape[3])
@@ -499,8 +504,9 @@ class _BatchedAttention:
         if n == 1 and plain:
             # A decode row sees every cached key: the g = Hq / Hk query heads of a K/V head as SDPA's
             # query rows (q head h reads K/V head h // g, as transformers' repeat_kv), no mask.
-            o = F.scaled_dot_product_attention(q.view(b, hk, hq // hk, d), k, v, scale=scale)
-            return o.reshape(t, hq, d)
+            # (Two matmuls and a softmax: SDPA's kernel took 7 ms a call at b = 512, these 4.)
+            s = torch.matmul(q.view(b, hk, hq // hk, d), k.transpose(-1, -2)).mul_(scale)  # [b, Hk, g, ctx]
+            return torch.matmul(torch.softmax(s, -1), v).reshape(t, hq, d)
         q = q.view(b, n, hq, d).transpose(1, 2)  # [b, Hq, n, D]
         if plain and n == ctx:  # whole sequences (training, calibration statistics, a prompt)
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=hk != hq)
@@ -546,7 +552,7 @@ def _token_chunks(tokens: int, vocab: int, chunk_bytes: int) -> list[slice]:
 def refine_quantized(model: nn.Module, float_weights: dict[str, torch.Tensor], seqs: list[list[int]],
                      steps: int = DEFAULT_TUNE_STEPS, lr: float = 4e-3, round_lr: float = 0.01, batch: int = 8,
                      seed: int = 0, progress: bool = False, teacher_cache_bytes: int = TEACHER_CACHE_BYTES,
-                     logit_chunk_bytes: int = LOGIT_CHUNK_BYTES) -> TuneReport:
+                     logit_chunk_bytes: int = LOGIT_CHUNK_BYTES, report_seqs: int | None = None) -> TuneReport:
     """Refine a GPTQ-quantized ``model`` in place by distilling the float model on ``seqs``.
 
     GPTQ minimizes each layer's own output error; what matters is the model's
@@ -571,7 +577,7 @@ def refine_quantized(model: nn.Module, float_weights: dict[str, torch.Tensor], s
     else run the teacher per batch; ``logit_chunk_bytes``: the loss's logits per chunk (both change
     memory and time, not the result beyond float summation order).
     """
-    from llmsys.quant.calibrate import TunableInt4
+    from llmsys.quant.calibrate import TunableInt4, round_steps
     from llmsys.quant.int4 import Int4Linear
 
     a = model.args
@@ -612,11 +618,17 @@ def refine_quantized(model: nn.Module, float_weights: dict[str, torch.Tensor], s
 
     length = min(len(s) for s in seqs)
     data = torch.tensor([s[:length] for s in seqs], device=t_embed.device)  # [S, L]
+    # The batched training forward where it agrees with the engine's on the teacher (it does, to float
+    # rounding, unless a model needs something _BatchedAttention does not know).
+    with torch.no_grad(), teacher_swap:
+        probe = data[:2]
+        want, got = model_hidden(model, probe), train_hidden(model, probe)
+    hidden = train_hidden if torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())) else model_hidden
 
     def teacher_logp_run(rows: torch.Tensor) -> Callable[[slice], torch.Tensor]:
         """The teacher's log-probabilities of ``data[rows]``, a chunk of tokens at a time: ``slice -> [t, V]``."""
         with torch.no_grad(), teacher_swap:  # nests inside student_swap: its exit puts the student back
-            h_t = model_hidden(model, data[rows])  # [b*L, hidden]
+            h_t = hidden(model, data[rows])  # [b*L, hidden]
 
         def chunk(c: slice) -> torch.Tensor:
             with torch.no_grad(), teacher_swap:
@@ -628,12 +640,15 @@ def refine_quantized(model: nn.Module, float_weights: dict[str, torch.Tensor], s
     # 512 floats, 128 MiB); a real vocabulary does not (Qwen2.5, 151,936 tokens: 40 GB), so there the teacher
     # runs again for each batch: the same numbers, one more forward per step.
     rows_all = torch.arange(len(data), device=data.device)
+    # Passes without gradients (the teacher, the KL report) take more rows at a time, up to one chunk of
+    # logits: fewer, larger ops (the same numbers, to float rounding).
+    eval_batch = max(batch, min(64, len(data), logit_chunk_bytes // max(1, length * a.vocab_size * 4)))
     cached = None
     if data.numel() * a.vocab_size * 4 <= teacher_cache_bytes:
         cached = torch.empty(data.numel(), a.vocab_size)  # [S*L, V]
-        for j in range(0, len(data), batch):
-            run = teacher_logp_run(rows_all[j:j + batch])
-            for c in _token_chunks(len(rows_all[j:j + batch]) * length, a.vocab_size, logit_chunk_bytes):
+        for j in range(0, len(data), eval_batch):
+            run = teacher_logp_run(rows_all[j:j + eval_batch])
+            for c in _token_chunks(len(rows_all[j:j + eval_batch]) * length, a.vocab_size, logit_chunk_bytes):
                 cached[j * length + c.start: j * length + c.stop] = run(c)
 
     def teacher_logp(rows: torch.Tensor) -> Callable[[slice], torch.Tensor]:
@@ -651,7 +666,7 @@ def refine_quantized(model: nn.Module, float_weights: dict[str, torch.Tensor], s
         at the end from it, so the peak holds one chunk's logits.
         """
         teacher = teacher_logp(rows)
-        h = model_hidden(model, data[rows])  # [b*L, hidden]
+        h = hidden(model, data[rows])  # [b*L, hidden]
         tokens = h.shape[0]
         h_in = h.detach().requires_grad_(train)
         total = 0.0
@@ -664,14 +679,19 @@ def refine_quantized(model: nn.Module, float_weights: dict[str, torch.Tensor], s
             h.backward(h_in.grad)
         return total
 
+    # The report's KL on the first report_seqs sequences (all of them by default; llmsys quantize: 64 of 512,
+    # two passes of 1 s each instead of 8 s on stories260k).
+    shown = rows_all[: report_seqs or len(data)]
+
     def full_kl() -> float:
         with torch.no_grad(), student_swap:
-            return sum(batch_kl(rows_all[j:j + batch], train=False) * len(rows_all[j:j + batch])
-                       for j in range(0, len(data), batch)) / len(data)
+            return sum(batch_kl(shown[j:j + eval_batch], train=False) * len(shown[j:j + eval_batch])
+                       for j in range(0, len(shown), eval_batch)) / len(shown)
 
     before = full_kl()
     params = [tv.log_s for tv in tun.values()] + list(norms.values())
-    opt = torch.optim.Adam(params, lr=lr)
+    opt = torch.optim.Adam(params, lr=lr, fused=True)  # one kernel per tensor (torch's default is per op on the CPU)
+    rounders = list(tun.values())
     gen = torch.Generator().manual_seed(seed)
     with torch.enable_grad(), student_swap, bar(steps, "refine", progress, unit="step") as b:
         for step in range(steps):
@@ -682,8 +702,7 @@ def refine_quantized(model: nn.Module, float_weights: dict[str, torch.Tensor], s
             for g in opt.param_groups:
                 g["lr"] = lr * decay
             opt.step()
-            for tv in tun.values():
-                tv.round_step(round_lr * decay)
+            round_steps(rounders, round_lr * decay)
             b.update()
             if step % 20 == 0:
                 b.set_postfix(kl=f"{loss:.4f}", refresh=False)

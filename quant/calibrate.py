@@ -149,6 +149,7 @@ class TunableInt4:
         self.log_s = torch.zeros_like(self.s0, requires_grad=True)
         self.v = torch.zeros(self.q.shape, requires_grad=True)
         self.inv = None if lin.perm is None else lin.perm.long()
+        self.pos = None if lin.perm is None else torch.argsort(self.inv)  # input i is stored column pos[i]
         # AWQ scale kept in the layer (None when folded away); a clone, as it may be an inference tensor
         self.input_scale = None if lin.input_scale is None else lin.input_scale.clone()
 
@@ -162,12 +163,7 @@ class TunableInt4:
         return (c + (torch.round(c) - c).detach()).clamp(0, 15)
 
     def _dense(self, q, v, z, s0, log_s) -> torch.Tensor:  # the formula on [n, G, g] rows -> [n, K]
-        w = ((self._codes(q, v) - z) * (s0 * log_s.exp())[..., None]).reshape(q.shape[0], -1)[:, : self.k]
-        if self.inv is not None:
-            out = torch.empty_like(w)
-            out[:, self.inv] = w  # stored column j is input perm[j]
-            w = out
-        return w if self.input_scale is None else w * self.input_scale
+        return _TunableWeight.apply(v, log_s, q, z, s0, self.k, self.inv, self.pos, self.input_scale)
 
     def weight(self) -> torch.Tensor:
         """Differentiable dense ``[N, K]`` weight in input-feature order."""
@@ -200,3 +196,63 @@ class TunableInt4:
         if self.lin.bias is not None:
             t["bias"] = self.lin.bias
         return Int4Linear.from_quantized(t, in_features=self.k)
+
+
+@torch.no_grad()
+def round_steps(tunables: list[TunableInt4], lr: float) -> None:
+    """:meth:`TunableInt4.round_step` for many layers at once (four ``torch._foreach`` calls, not four ops a layer)."""
+    live = [t for t in tunables if t.v.grad is not None]
+    if not live:
+        return
+    vs = [t.v for t in live]
+    signs = torch._foreach_sign([t.v.grad for t in live])
+    torch._foreach_add_(vs, signs, alpha=-lr)
+    torch._foreach_clamp_min_(vs, -1.0)
+    torch._foreach_clamp_max_(vs, 1.0)
+    for t in live:
+        t.v.grad = None
+
+
+class _TunableWeight(torch.autograd.Function):
+    """:class:`TunableInt4`'s weight ``(clamp(round(q + v), 0, 15) - z) * s0 * exp(log_s)`` (columns to
+    input order, times an AWQ input scale) with its gradients written out.
+
+    The same gradients as autograd through the formula with a straight-through round (the clamp's
+    gradient passes where the rounded code is in [0, 15]; :meth:`TunableInt4.codes`), up to float
+    summation order. Why by hand: autograd recorded ~10 ops per layer and the column permutation's
+    scatter (``IndexPutBackward``, ~0.8 ms a layer), and kept the code and scale temporaries unless
+    the weight was recomputed under ``torch.utils.checkpoint``; on stories260k that bookkeeping was
+    ~40% of a refinement step. Here the forward keeps nothing but its inputs, the backward
+    recomputes the codes (one elementwise pass): the memory of the checkpointed version, a third of
+    the ops.
+    """
+
+    @staticmethod
+    def forward(ctx, v, log_s, q, z, s0, k, inv, pos, input_scale):
+        n = q.shape[0]
+        scale = s0 * log_s.exp()  # [n, G]
+        w = q.float().add_(v).round_().clamp_(0, 15).sub_(z).mul_(scale[..., None]).reshape(n, -1)[:, :k]
+        if inv is not None:
+            w = w.index_select(1, pos)  # input i is stored column pos[i]
+        if input_scale is not None:
+            w = w * input_scale
+        ctx.save_for_backward(v, log_s, q, z, s0, inv, input_scale)
+        ctx.k = k
+        return w
+
+    @staticmethod
+    def backward(ctx, gw):  # gw [n, K] input order -> (dv [n, G, g], dlog_s [n, G])
+        v, log_s, q, z, s0, inv, input_scale = ctx.saved_tensors
+        n, groups, g = q.shape
+        if input_scale is not None:
+            gw = gw * input_scale
+        gs = gw.new_zeros(n, groups * g)
+        gs[:, : ctx.k] = gw if inv is None else gw.index_select(1, inv)  # stored column j is input inv[j]
+        gs = gs.view(n, groups, g)
+        c = q.float().add_(v).round_()
+        inside = (c >= 0) & (c <= 15)
+        scale = s0 * log_s.exp()
+        dv = (gs * scale[..., None]).mul_(inside)
+        dlog_s = (gs * c.clamp_(0, 15).sub_(z)).sum(-1).mul_(scale)
+        return dv, dlog_s, None, None, None, None, None, None, None
+

@@ -287,6 +287,49 @@ def test_refinement_forward_is_the_engine_model(tiny):
         torch.testing.assert_close(got, ref, atol=2e-4, rtol=0)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_training_forward_matches_the_engine_forward(family, tmp_path):
+    """The refinement's batched attention (``train_hidden``) gives the engine forward's hidden states (GQA,
+    q/k/v biases, q/k norms) to float rounding, and gradients through it match too."""
+    from llmsys.engine.quantize import model_hidden, train_hidden
+
+    model = _llm(make_hf_model(family, tmp_path / family, seed=4), prepack=False).loaded.model
+    ids = torch.randint(3, 200, (3, 37), generator=torch.Generator().manual_seed(0))
+    norm = model.model.layers[0].input_layernorm
+    w = torch.nn.Parameter(norm.weight.detach().float().clone())
+    saved, norm.weight = norm.weight, w
+    try:
+        outs, grads = [], []
+        for fn in (model_hidden, train_hidden):
+            with torch.enable_grad():
+                h = fn(model, ids)
+                (h * torch.arange(h.numel()).view_as(h).cos()).sum().backward()
+            outs.append(h.detach())
+            grads.append(w.grad.clone())
+            w.grad = None
+    finally:
+        norm.weight = saved
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grads[1], grads[0], atol=1e-3, rtol=1e-4)
+
+
+def test_self_generated_calibration_is_seeded_batched_sampling(tiny):
+    """Calibration text sampled side by side: BOS first, the requested length, the same text for the same
+    seed, another for another seed; rows sampled a few at a time (a model too large for all at once)
+    are sequences of the same shape."""
+    from llmsys.engine.quantize import _sample_batched, self_generated_calibration
+
+    llm = _llm(tiny, prepack=False)
+    bos = llm.tokenizer.bos_token_id
+    a = self_generated_calibration(llm, 6, 20, seed=3)
+    assert len(a) == 6 and all(len(s) == 20 and s[0] == bos for s in a)
+    assert self_generated_calibration(llm, 6, 20, seed=3) == a
+    assert self_generated_calibration(llm, 6, 20, seed=4) != a
+    assert len({tuple(s) for s in a}) == 6
+    one = _sample_batched(llm.loaded.model, 6, 20, [bos], 3, False, batch_bytes=1)  # one row at a time
+    assert len(one) == 6 and all(len(s) == 20 and s[0] == bos for s in one)
+
+
 def test_calibrated_int4_beats_rtn_on_stories260k():
     """GPTQ + distillation refinement (the `--method gptq` recipe) must beat round-to-nearest."""
     from llmsys.engine.quantize import gptq_calibrate, refine_quantized, self_generated_calibration
