@@ -243,8 +243,10 @@ def test_server_reports_drafts_and_answers_as_plain(plain, stories_hf):
         srv.stop()
 
 
-def test_plan_predicts_the_verification_step(capsys):
+def test_plan_predicts_the_verification_step(capsys, monkeypatch, tmp_path):
     from llmsys.engine.cli.main import main
+
+    monkeypatch.setenv("LLMSYS_HOME", str(tmp_path))  # the machine probe's record, not the user's
 
     rc = main(["plan", "qwen2.5-0.5b", "--cpu-mem", "256MiB", "--dtype", "bfloat16", "--spec", "self", "--accept", "3"])
     out = capsys.readouterr().out
@@ -318,3 +320,67 @@ def test_bench_spec_reports_acceptance_and_the_verify_step(stories_hf, capsys):
     assert r["spec"] == "self:int8 K=4" and r["spec_verify_x"] > 0.5
     assert 1.5 < r["spec_tokens_per_step"] <= 5.0  # the int8 self-draft is almost always kept
     assert r["spec_tok_s"] > 0 and r["spec_plain_tok_s"] > 0
+
+
+def test_cold_kv_tier_offloaded_layers_and_evicting_policies_keep_the_answers(stories_hf, tmp_path):
+    """Speculation beside the other memory machinery: a cold KV tier (hot pool of 64 tokens), layers
+    streamed from disk, and a per-request evicting policy (that request gets no drafts; its
+    neighbours' steps then verify none either) all give plain decoding's tokens."""
+    sp = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)
+    long = "Once upon a time there was a little girl named Lily. She loved to play outside in the sun."
+    ref = engine(stories_hf).generate([long, "The cat sat"], sp)
+    tiered = engine(stories_hf, kv_cache_tokens=64, kv_offload_tokens=2048, offload_dir=str(tmp_path),
+                    spec="self:int8", max_num_batched_tokens=32)
+    out = tiered.generate([long, "The cat sat"], sp)
+    assert [o.token_ids for o in out] == [o.token_ids for o in ref]
+    assert tiered.core.tier.stats.demoted_blocks > 0 and tiered.core.spec_stats.accepted > 0
+    assert tiered.core.allocator.num_used == 0
+
+    path = make_hf_model("llama", tmp_path / "m", num_hidden_layers=4, hidden_size=256, intermediate_size=512)
+    prompts = [[5, 17, 99, 200, 31, 7, 8], [300, 12, 4]]
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    base = [o.token_ids for o in engine(path, threads=2).generate(prompts, sp)]
+    streamed = engine(path, threads=2, cpu_mem="64MiB", placement={"disk": 4}, spec="self:int8")
+    assert [o.token_ids for o in streamed.generate(prompts, sp)] == base
+    assert streamed.plan.layer_kinds().count("disk") == 4 and streamed.core.spec_stats.accepted > 0
+
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    win = dataclasses.replace(sp, kv_policy="sink:4,window:28")
+    plain = engine(stories_hf)
+    refs = [plain.generate("Once upon a time", win)[0].token_ids, plain.generate("The cat sat", sp)[0].token_ids]
+    llm = engine(stories_hf, spec="ngram")
+    outs = llm.generate(["Once upon a time", "The cat sat"], [win, sp])
+    assert [o.token_ids for o in outs] == refs
+    assert outs[0].usage.draft_tokens == 0 and outs[0].usage.evicted_tokens > 0
+
+
+@pytest.mark.parametrize("backend", ["CpuBackend", "CudaBackend"])
+def test_verification_rows_are_decode_rows(stories_hf, backend):
+    """The runner's layout of a verification: each of the K + 1 rows gets the logits a decode step at
+    its position gives (the CUDA backend's logic too, on CPU tensors: its decode dispatch per row)."""
+    from llmsys.engine import attention
+    from llmsys.engine.loader import load_model
+    from llmsys.engine.kv_cache import KVCacheSpec, make_kv_pool
+    from llmsys.engine.runner import ModelRunner
+    from llmsys.engine.scheduler import ScheduledSeq, SchedulerOutput
+
+    loaded = load_model(str(stories_hf), dtype="float32", device="cpu")
+    a = loaded.args
+    pool = make_kv_pool(KVCacheSpec(a.num_hidden_layers, 8, 16, a.num_key_value_heads, a.head_dim, torch.float32),
+                        loaded.device)
+    runner = ModelRunner(loaded.model, getattr(attention, backend)(pool, 16, loaded.device), loaded.device, 16)
+    table = [1, 2, 3, 4]
+    prompt = [1, 403, 407, 261, 378, 432, 383, 286, 261]
+    cont = [376, 298, 265, 317, 289]
+
+    def run(ids, start, samples=True, draft=0):
+        step = ScheduledSeq("r", ids, start, start, table, start == 0, samples, num_draft=draft)
+        return runner.execute(SchedulerOutput([step])).logits
+
+    run(prompt, 0)
+    one_by_one = [run([t], len(prompt) + i) for i, t in enumerate(cont)]  # [1, V] each
+    verified = run(cont, len(prompt), draft=len(cont) - 1)  # the same tokens as one verification
+    assert verified.shape == (len(cont), a.vocab_size)
+    for i, ref in enumerate(one_by_one):
+        assert torch.allclose(verified[i], ref[0], atol=1e-4, rtol=0), i  # float rounding of M-row GEMMs
+        assert int(verified[i].argmax()) == int(ref[0].argmax())
