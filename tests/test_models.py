@@ -140,9 +140,11 @@ def test_bfloat16_engine_is_as_close_to_float32_as_transformers_bfloat16(arch, t
     llm = LLM(str(path), dtype="bfloat16", device="cpu", progress=False, kv_cache_tokens=256)
     model = llm.loaded.model
     from llmsys.engine.attention import CpuBackend
+    from llmsys.engine.models.base import MLP
 
-    # The CPU backend (C RoPE+store and decode attention) and fused projections.
-    assert type(llm.core.attn.inner) is CpuBackend and model.model.layers[0].mlp.gate_up_proj is not None
+    # The CPU backend (C RoPE+store and decode attention) and fused projections (an MoE block's: each expert's).
+    mlps = [m for m in model.model.layers[0].mlp.modules() if type(m) is MLP]
+    assert type(llm.core.attn.inner) is CpuBackend and mlps and all(m.gate_up_proj is not None for m in mlps)
     ours = torch.stack(llmsys_logits(llm.loaded, prompt, cont)).float()
     err = (ours - ref).abs().max().item()
     assert err <= 1.5 * hf_err + 1e-3, f"{arch}: bf16 max |logit err| {err:.3g} vs transformers bf16 {hf_err:.3g}"

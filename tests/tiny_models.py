@@ -49,6 +49,17 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
     "gemma3": dict(model_type="gemma3_text", tie_word_embeddings=True, head_dim=16, sliding_window=12,
                    query_pre_attn_scalar=24, layer_types=["sliding_attention", "full_attention"], rope_theta=1000000.0,
                    rope_local_base_freq=10000.0, rope_scaling=dict(rope_type="linear", factor=2.0)),
+    # Mixtures of experts (engine/models/moe.py). Qwen3-MoE: 8 experts, top-2 renormalised, layer 1 dense
+    # (mlp_only_layers); Qwen2-MoE: layer 0 dense (decoder_sparse_step 2), a gated shared expert, top-2 not
+    # renormalised; Mixtral: every layer 4 experts, top-2, float32 routing weights.
+    "qwen3_moe": dict(model_type="qwen3_moe", tie_word_embeddings=False, head_dim=32, rope_theta=1000000.0,
+                      num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
+                      mlp_only_layers=[1]),
+    "qwen2_moe": dict(model_type="qwen2_moe", tie_word_embeddings=True, rope_theta=1000000.0, num_experts=4,
+                      num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=96,
+                      norm_topk_prob=False, decoder_sparse_step=2),
+    "mixtral": dict(model_type="mixtral", tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2,
+                    sliding_window=None),
 }
 
 

@@ -346,6 +346,11 @@ def open_checkpoint(path: str | Path, dt: torch.dtype, dev: torch.device) -> Che
         emb = embed_file(args, index.where[EMBED].path, index.info(EMBED))
     with torch.device("meta"), skip_init():
         model = family.Model(args, embed_file=emb)
+    if args.num_experts:  # Mixtral's and fused expert tensors under the engine's per-expert names
+        from llmsys.engine.loader.experts import add_expert_views
+
+        shapes = {n: tuple(t.shape) for n, t in model.named_parameters()}
+        add_expert_views(index, shapes, shapes, p)
     validate.check_tensors(model, lambda n: index.info(n) if n in index else None, p)
     return Checkpoint(p, model, family.__name__.rsplit(".", 1)[1], cfg, index, dt, dev)
 

@@ -205,6 +205,20 @@ class CheckpointIndex:
     def read(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
         return self.where[name].read(name, out)
 
+    def add_view(self, name: str, source: str, first: int, shape: tuple[int, ...]) -> None:
+        """Hold ``name`` as a contiguous piece of the stored tensor ``source``: ``prod(shape)`` elements from its
+        element ``first`` (one expert's gate rows of a fused ``[E, 2 I, H]`` tensor). Reading, locating and
+        streaming ``name`` then read just those bytes, as for any stored tensor (``engine/loader/experts.py``)."""
+        f, src = self.where[source], self.info(source)
+        elt = torch.tensor([], dtype=src.dtype).element_size()
+        numel = 1
+        for s in shape:
+            numel *= s
+        if first < 0 or (first + numel) * elt > src.nbytes:
+            raise ValueError(f"view {name} of {source}: elements {first}..{first + numel} pass its {src.shape}")
+        f.tensors[name] = TensorInfo(name, src.dtype, tuple(shape), src.offset + first * elt, numel * elt)
+        self.where[name] = f
+
 
 def save_file(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None) -> None:
     """Write tensors as safetensors one at a time (no whole-state copy)."""

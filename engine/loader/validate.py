@@ -42,6 +42,13 @@ INT_FIELDS: dict[str, tuple[bool, int]] = {
     # The RoPE table is built for every position (rope_cache): 2^24 x head_dim 128 float32 is 8 GiB.
     "max_position_embeddings": (False, 1 << 24),
     "sliding_window": (False, 1 << 30),
+    # Mixture of experts (Qwen2/3-MoE: num_experts; Mixtral: num_local_experts). Qwen3-235B: 128 experts of 1536.
+    "num_experts": (False, 1 << 12),
+    "num_local_experts": (False, 1 << 12),
+    "num_experts_per_tok": (False, 1 << 12),
+    "moe_intermediate_size": (False, 1 << 18),
+    "shared_expert_intermediate_size": (False, 1 << 18),
+    "decoder_sparse_step": (False, 1 << 12),
 }
 BOOL_FIELDS = ("tie_word_embeddings", "attention_bias")
 # The MLP is gated: act(gate) * up with silu (SwiGLU; transformers' ACT2FN maps "swish" to the same
@@ -92,6 +99,8 @@ def check_config(cfg: Mapping[str, Any], origin: Origin) -> None:
     divides ``hidden_size`` by ``num_attention_heads``)."""
     for name, (required, limit) in INT_FIELDS.items():
         v = cfg.get(name)
+        if name == "sliding_window" and v == 0 and cfg.get("use_sliding_window") is False:
+            continue  # transformers 5 writes Qwen2-MoE's unused window as 0
         if v is None:
             if required:
                 raise CheckpointError(f"{origin.path}: {origin.label(name)} is missing; {origin.fix}")
@@ -120,6 +129,9 @@ def check_config(cfg: Mapping[str, Any], origin: Origin) -> None:
         if act is not None and act not in ACTIVATIONS:
             raise origin.error(name, act, "llmsys implements the gated MLP with silu (SwiGLU) or gelu_pytorch_tanh "
                                "(GeGLU) only", UnsupportedModelError)
+    dense = cfg.get("mlp_only_layers")
+    if dense is not None and not (isinstance(dense, list) and all(_is_int(i) for i in dense)):
+        raise origin.error("mlp_only_layers", dense, "it must be a list of layer numbers")
     for name in ("rms_norm_eps", "rope_theta"):
         v = cfg.get(name)
         if v is not None and not _is_number(v):
@@ -170,6 +182,12 @@ def check_args(a: Any, origin: Origin) -> None:
         v = getattr(a, name)
         if v is not None and (not _is_number(v) or not math.isfinite(v) or v <= 0):
             raise origin.error(name, v, "it must be a finite number above 0 (or null)")
+    if a.num_experts:
+        if not 1 <= a.num_experts_per_tok <= a.num_experts:
+            raise origin.error("num_experts_per_tok", a.num_experts_per_tok,
+                               f"each token needs 1 to num_experts ({a.num_experts}) experts")
+        if a.moe_intermediate_size < 1:
+            raise origin.error("moe_intermediate_size", a.moe_intermediate_size, "it must be a whole number above 0")
     bos = a.bos_token_id
     if bos is not None and not 0 <= bos < a.vocab_size:
         raise origin.error("bos_token_id", bos, f"it must be an id below vocab_size ({a.vocab_size})")

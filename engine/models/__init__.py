@@ -17,6 +17,9 @@ FAMILIES = {
     "phi3": "phi3",
     "gemma2": "gemma2",
     "gemma3_text": "gemma3",
+    "qwen2_moe": "qwen2_moe",
+    "qwen3_moe": "qwen3_moe",
+    "mixtral": "mixtral",
 }
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -26,6 +29,9 @@ ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 
 

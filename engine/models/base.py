@@ -1,10 +1,12 @@
 """The decoder shared by every supported architecture.
 
-Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and Gemma 3 differ only in switches
+Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3 and the MoE families (Qwen2-MoE,
+Qwen3-MoE, Mixtral) differ only in switches
 (q/k/v bias, per-head q/k RMSNorm, explicit head_dim, RoPE scaling, partial
 rotary, tied embeddings, fused q|k|v and gate|up checkpoints, Gemma's ``1 + w``
 norms around both attention and MLP, GeGLU, scaled embeddings, soft-capped
-logits, sliding-window layers, a second RoPE table for the local layers), so
+logits, sliding-window layers, a second RoPE table for the local layers, a
+mixture of experts in place of the MLP), so
 one decoder implements them and each family module only maps its Hugging Face
 config onto :class:`TransformerArgs`. Tokens of a batch are packed into one
 ``[T, ...]`` tensor; attention gets the per-sequence layout from
@@ -23,6 +25,7 @@ from torch import nn
 
 from llmsys import kernels
 from llmsys.engine.attention import AttentionBackend, AttentionMetadata
+from llmsys.engine.models.moe import MoE
 from llmsys.kernels.common.errors import UnsupportedModelError
 from llmsys.kernels.common.protocols import LayerRunner
 from llmsys.quant.base import QuantLinear
@@ -61,6 +64,17 @@ class TransformerArgs:
     norm_offset: bool = False  # Gemma: RMSNorm weights are stored as w and scale by (1 + w), in float32
     sandwich_norms: bool = False  # Gemma 2/3: norms on both sides of attention and of the MLP
     embed_scale: bool = False  # Gemma: embeddings times sqrt(hidden_size) (rounded to the model dtype)
+    # Mixture of experts (Qwen2-MoE, Qwen3-MoE, Mixtral; engine/models/moe.py): a sparse layer's MLP is a router
+    # over num_experts SwiGLU experts of moe_intermediate_size, each token run through its top num_experts_per_tok.
+    num_experts: int = 0  # 0: every layer dense
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # the top-k probabilities renormalised to sum 1 (Qwen3-MoE's, Mixtral's)
+    # Mixtral: routing weights stay float32 (transformers' MixtralTopKRouter never casts them back), so experts'
+    # outputs are weighted and summed in float32; Qwen's are rounded to the model dtype first.
+    router_float_weights: bool = False
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an always-run expert, sigmoid-gated per token (0: none)
+    sparse_layers: tuple[int, ...] | None = None  # the layers with an MoE block (None: all, when num_experts)
 
     @property
     def rotary_dim(self) -> int:
@@ -90,6 +104,10 @@ class TransformerArgs:
         if self.sliding_window is None:
             return False
         return self.layer_types is None or self.layer_types[i] == "sliding_attention"
+
+    def sparse(self, i: int) -> bool:
+        """Is layer ``i``'s MLP a mixture of experts (:class:`~llmsys.engine.models.moe.MoE`)?"""
+        return self.num_experts > 0 and (self.sparse_layers is None or i in self.sparse_layers)
 
     def layer_rope(self, i: int) -> int:
         """Which of :attr:`rope_tables` layer ``i`` rotates with (Gemma 3's sliding layers: the local one)."""
@@ -322,18 +340,21 @@ GATE_ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu_pytorch_tanh": gelu_t
 
 
 class MLP(nn.Module):
-    def __init__(self, a: TransformerArgs):
+    def __init__(self, a: TransformerArgs, intermediate: int | None = None):
+        """``intermediate``: the width of gate/up (default ``a.intermediate_size``; an MoE expert's is
+        ``moe_intermediate_size``, a shared expert's its own)."""
         super().__init__()
+        inter = intermediate or a.intermediate_size
         # gate|up rows in one GEMM: as the checkpoint stores them (Phi-3), else set by
         # DecoderModel.fuse_projections (which drops gate/up_proj).
         self.gate_up_proj: nn.Module | None = None
         if a.fused_gate_up:
-            self.gate_up_proj = Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)
+            self.gate_up_proj = Linear(a.hidden_size, 2 * inter, bias=False)
             self.gate_proj = self.up_proj = None
         else:
-            self.gate_proj = Linear(a.hidden_size, a.intermediate_size, bias=False)
-            self.up_proj = Linear(a.hidden_size, a.intermediate_size, bias=False)
-        self.down_proj = Linear(a.intermediate_size, a.hidden_size, bias=False)
+            self.gate_proj = Linear(a.hidden_size, inter, bias=False)
+            self.up_proj = Linear(a.hidden_size, inter, bias=False)
+        self.down_proj = Linear(inter, a.hidden_size, bias=False)
         self.silu = a.hidden_act in ("silu", "swish")  # SwiGLU (the C row kernels' silu * mul)
         self.act_fn = GATE_ACTIVATIONS[a.hidden_act]
         # [2 I, hidden] plain float32 gate|up weights for decode steps, set by DecoderModel.fold_rope where
@@ -382,7 +403,8 @@ class DecoderLayer(nn.Module):
     def __init__(self, a: TransformerArgs, index: int = 0):
         super().__init__()
         self.self_attn = Attention(a, index)
-        self.mlp = MLP(a)
+        # A sparse layer's MLP is an MoE block over MLP experts (built here: moe.py does not import this module).
+        self.mlp: MLP | MoE = MoE(a, lambda n: MLP(a, n)) if a.sparse(index) else MLP(a)
         eps, off = a.rms_norm_eps, a.norm_offset
         self.input_layernorm = RMSNorm(a.hidden_size, eps, off)
         # Llama: the norm before the MLP. Gemma 2/3 (sandwich_norms): the norm of attention's output, and
@@ -436,6 +458,8 @@ class DecoderLayer(nn.Module):
             return c.layer
         at, mlp = self.self_attn, self.mlp
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        if type(mlp) is not MLP:
+            return None  # an MoE block routes each token to its own experts; the C layer runs one SwiGLU MLP
         if self.pre_feedforward_layernorm is not None or ln1.offset or not mlp.silu:
             return None  # the C layer is Llama's: one norm before attention and MLP each, (w) norms, SwiGLU
         if ln1.weight.dtype != torch.bfloat16 or ln2.weight.dtype != torch.bfloat16:
@@ -678,6 +702,9 @@ class DecoderModel(nn.Module):
                                          _swap_halves(k, at.n_kv, at.head_dim), v])
                 n += 1
             at.o_decode = _plain_gemm(at.o_proj)
+            if type(mlp) is not MLP:  # an MoE block: its experts run their own GEMMs (MoE.forward)
+                n += at.o_decode is not None
+                continue
             g, u = _plain_gemm(mlp.gate_proj), _plain_gemm(mlp.up_proj)
             if g is not None and u is not None:
                 mlp.gate_up_decode = torch.cat([g, u])
@@ -744,17 +771,19 @@ class DecoderModel(nn.Module):
         """
         n = 0
         for layer in self.model.layers:
-            at, mlp = layer.self_attn, layer.mlp
+            at = layer.self_attn
             if at.qkv_proj is None and at.q_proj is not None:
                 fused = _fused_linear([at.q_proj, at.k_proj, at.v_proj])
                 if fused is not None:
                     at.qkv_proj, at.q_proj, at.k_proj, at.v_proj = fused, None, None, None
                     n += 1
-            if mlp.gate_up_proj is None and mlp.gate_proj is not None:
-                fused = _fused_linear([mlp.gate_proj, mlp.up_proj])
-                if fused is not None:
-                    mlp.gate_up_proj, mlp.gate_proj, mlp.up_proj = fused, None, None
-                    n += 1
+            # the layer's MLP, or an MoE block's experts and shared expert (each an MLP)
+            for mlp in (m for m in layer.mlp.modules() if type(m) is MLP):
+                if mlp.gate_up_proj is None and mlp.gate_proj is not None:
+                    fused = _fused_linear([mlp.gate_proj, mlp.up_proj])
+                    if fused is not None:
+                        mlp.gate_up_proj, mlp.gate_proj, mlp.up_proj = fused, None, None
+                        n += 1
         return n
 
     def share_scratch(self) -> None:

@@ -1,0 +1,92 @@
+"""The mixture-of-experts block a sparse layer runs in place of its MLP (Qwen2-MoE, Qwen3-MoE, Mixtral).
+
+A router (``gate``) scores every expert per token; each token runs through its top ``k`` experts
+(SwiGLU MLPs) and their outputs are summed, weighted by the routing probabilities; Qwen2-MoE adds a
+shared expert every token runs, scaled by a sigmoid gate. Routing follows transformers exactly
+(:func:`route`): a softmax over all experts in float32, ``topk``, optional renormalisation, and the
+weights rounded to the model dtype (Qwen) or kept in float32 (Mixtral).
+
+Why grouped by expert: a step's tokens are sorted by the expert they chose and each active expert
+runs one GEMM over its rows (``index_select``), so a prefill costs one GEMM per expert used, and a
+decode step computes only the experts its tokens selected. Each ``(token, slot)`` result lands in
+its own row (``index_copy_``) and a token's ``k`` rows are summed at the end, as transformers'
+default ``grouped_mm`` experts implementation sums them (``.view(T, k, H).sum(1)``).
+
+The experts are the engine's ``MLP`` modules (``Linear`` layers, named as Hugging Face's per-expert
+checkpoints: ``mlp.experts.{e}.gate_proj``), so load-time quantization and prepacking treat them as
+any projection. The router and the shared expert's gate are :class:`FloatLinear`: not ``nn.Linear``,
+so quantization passes them by (routing is a discrete choice; an int4 router would pick other experts).
+This module does not import ``base`` (which builds the experts and hands them in): no import cycle.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class FloatLinear(nn.Module):
+    """``x @ weight.T`` with the weight kept in the model's float dtype (never quantized nor packed)."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
+        return F.linear(x, self.weight)
+
+
+def route(logits: torch.Tensor, k: int, normalize: bool, float_weights: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits ``[T, E]`` -> (weights ``[T, k]``, experts ``[T, k]`` int64), as transformers' routers do.
+
+    Softmax over all experts in float32, the top ``k`` probabilities (``torch.topk``: descending, ties to
+    the lower index), renormalised to sum 1 when ``normalize``; then rounded to the logits' dtype unless
+    ``float_weights`` (Mixtral's router leaves them float32; Qwen2/3-MoE's cast them back).
+    """
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]
+    top, experts = torch.topk(probs, k, dim=-1)  # [T, k]
+    if normalize:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return (top if float_weights else top.to(logits.dtype)), experts
+
+
+class MoE(nn.Module):
+    """Router + ``num_experts`` experts (+ an optional sigmoid-gated shared expert): ``[T, hidden] -> [T, hidden]``."""
+
+    def __init__(self, a: Any, expert: Callable[[int], nn.Module]):
+        """``a``: the model's ``TransformerArgs``; ``expert(intermediate)``: a new SwiGLU MLP of that width."""
+        super().__init__()
+        self.top_k, self.normalize, self.float_weights = a.num_experts_per_tok, a.norm_topk_prob, a.router_float_weights
+        self.gate = FloatLinear(a.hidden_size, a.num_experts)  # the router (HF: mlp.gate)
+        self.experts = nn.ModuleList(expert(a.moe_intermediate_size) for _ in range(a.num_experts))
+        shared = a.shared_expert_intermediate_size
+        self.shared_expert = expert(shared) if shared else None
+        self.shared_expert_gate = FloatLinear(a.hidden_size, 1) if shared else None
+
+    def forward(self, x: torch.Tensor, decode: bool = False, folded: bool = False) -> torch.Tensor:
+        """``x [T, hidden]`` -> ``[T, hidden]``. ``decode``: the experts' projections run without module
+        dispatch (as ``MLP.forward``; calibration hooks see prompt steps); ``folded`` is ignored (no folded
+        weights here: ``DecoderModel.fold_rope`` passes MoE blocks by)."""
+        T, H = x.shape
+        k = self.top_k
+        weights, experts = route(self.gate(x), k, self.normalize, self.float_weights)  # [T, k] each
+        flat = experts.reshape(-1)  # [T k]: row r is token r // k's slot r % k
+        order = torch.argsort(flat, stable=True)  # rows grouped by expert, each group in token order
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        w = weights.reshape(-1, 1)  # [T k, 1]
+        out = x.new_empty(T * k, H, dtype=torch.promote_types(x.dtype, w.dtype))  # [T k, H] weighted outputs
+        start = 0
+        for e, n in enumerate(counts):
+            if not n:
+                continue
+            rows = order[start : start + n]  # [n]
+            start += n
+            y = self.experts[e].forward(x.index_select(0, rows // k), decode)  # [n, H]: one GEMM per projection
+            out.index_copy_(0, rows, y * w.index_select(0, rows))
+        h = out.view(T, k, H).sum(dim=1).to(x.dtype)  # [T, H]
+        if self.shared_expert is not None:
+            h = h + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert.forward(x, decode)
+        return h
