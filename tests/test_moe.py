@@ -1,0 +1,184 @@
+"""Mixture-of-experts families (Qwen3-MoE, Qwen2-MoE, Mixtral) beyond the parity tests of test_models.py:
+the router against transformers', long prefills, batching, load-time quantization, streamed layers and the
+checkpoint layouts experts are stored in."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmsys.engine.loader import load_model
+from tiny_models import make_hf_model
+
+MOE = ["qwen3_moe", "qwen2_moe", "mixtral"]
+GREEDY = dict(temperature=0, ignore_eos=True)
+
+
+def _sparse_layer(arch: str) -> int:
+    """A layer with an MoE block in the tiny config (Qwen2-MoE's layer 0 is dense: decoder_sparse_step 2)."""
+    return 1 if arch == "qwen2_moe" else 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", MOE)
+def test_routing_equals_transformers_router(arch, dtype, tmp_path):
+    """On a batch of 256 hidden states: the same router logits, top-k experts and routing weights (bits and
+    dtype: Mixtral's stay float32) as transformers' router; the block's output matches its sparse block."""
+    from transformers import AutoModelForCausalLM
+
+    from llmsys.engine.models.moe import MoE, route
+
+    path = make_hf_model(arch, tmp_path / arch)
+    i = _sparse_layer(arch)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    ours = load_model(path, dtype=str(dtype).removeprefix("torch."), device="cpu").model.model.layers[i].mlp
+    assert isinstance(ours, MoE)
+    x = torch.randn(256, hf.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(dtype)
+    with torch.no_grad():
+        ref_logits, ref_w, ref_e = hf.model.layers[i].mlp.gate(x)
+        logits = ours.gate(x)
+        w, e = route(logits, ours.top_k, ours.normalize, ours.float_weights)
+        assert torch.equal(logits, ref_logits)
+        assert torch.equal(e, ref_e) and w.dtype == ref_w.dtype and torch.equal(w, ref_w)
+        assert len(set(e.flatten().tolist())) == len(ours.experts)  # every expert chosen somewhere
+        if dtype == torch.float32:
+            ref = hf.model.layers[i].mlp(x[None])[0]
+            assert (ours(x) - ref).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("arch", MOE)
+def test_long_prefill_many_tokens_per_expert(arch, tmp_path):
+    """One 240-token prefill (~120 rows per expert GEMM): every position's logits equal transformers'."""
+    from transformers import AutoModelForCausalLM
+
+    from llmsys.engine.attention import make_backend
+    from llmsys.engine.kv_cache import KVCacheSpec, make_kv_pool
+
+    path = make_hf_model(arch, tmp_path / arch)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    loaded = load_model(path, dtype="float32", device="cpu")
+    a = loaded.args
+    n = 240
+    prompt = torch.randint(3, 512, (n,), generator=torch.Generator().manual_seed(3))
+    pool = make_kv_pool(KVCacheSpec(a.num_hidden_layers, 17, 16, a.num_key_value_heads, a.head_dim, torch.float32),
+                        loaded.device)
+    attn = make_backend(pool, loaded.device, 16)
+    with torch.inference_mode():
+        h = loaded.model(prompt, torch.arange(n), attn, attn.metadata([n], [n], [list(range(1, 16))]))
+        ours = loaded.model.compute_logits(h)  # [n, V]
+        ref = hf(prompt[None]).logits[0]
+    assert (ours - ref).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("arch", MOE)
+def test_batched_requests_equal_alone(arch, tmp_path):
+    """Eight prompts of different lengths in one batch (their tokens sharing the experts' GEMMs) give each
+    prompt's greedy tokens alone."""
+    from llmsys import LLM, SamplingParams
+
+    path = make_hf_model(arch, tmp_path / arch, seed=3)
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 512, (int(n),), generator=g).tolist() for n in torch.randint(2, 40, (8,), generator=g)]
+    llm = LLM(str(path), dtype="float32", device="cpu", kv_cache_tokens=1024, progress=False)
+    sp = SamplingParams(max_tokens=24, **GREEDY)
+    batched = [o.token_ids for o in llm.generate(prompts, sp)]
+    alone = [llm.generate([p], sp)[0].token_ids for p in prompts]
+    assert batched == alone
+
+
+@pytest.mark.parametrize("arch", MOE)
+def test_int8_quantizes_experts_and_keeps_the_router(arch, tmp_path):
+    """``--quant int8`` at load: every expert projection is an int8 layer, the router and the shared expert's
+    gate stay float (a routing decision is discrete), and over a prompt and 32 forced tokens the logits stay
+    close to float's (the tiny random models' logits are nearly flat, so free-running greedy text drifts
+    apart within a few tokens even for dense families: the same argmax at most steps is the smoke test)."""
+    from llmsys import LLM, SamplingParams
+    from llmsys.engine.models.moe import FloatLinear
+    from llmsys.quant.base import QuantLinear
+    from test_models import llmsys_logits
+
+    path = make_hf_model(arch, tmp_path / arch, seed=3)
+    g = torch.Generator().manual_seed(5)
+    prompt, cont = torch.randint(3, 512, (12,), generator=g).tolist(), torch.randint(3, 512, (32,), generator=g).tolist()
+    ref = LLM(str(path), dtype="float32", device="cpu", kv_cache_tokens=512, progress=False)
+    llm = LLM(str(path), dtype="float32", device="cpu", kv_cache_tokens=512, quant="int8", progress=False)
+    moe = llm.loaded.model.model.layers[_sparse_layer(arch)].mlp
+    experts = [m for e in moe.experts for m in e.modules() if isinstance(m, torch.nn.Linear | QuantLinear)]
+    assert experts and all(isinstance(m, QuantLinear) for m in experts)
+    assert type(moe.gate) is FloatLinear and moe.gate.weight.dtype == torch.float32
+    if moe.shared_expert_gate is not None:
+        assert type(moe.shared_expert_gate) is FloatLinear
+    want = torch.stack(llmsys_logits(ref.loaded, prompt, cont))  # [33, V]
+    got = torch.stack(llmsys_logits(llm.loaded, prompt, cont))
+    same = int((want.argmax(-1) == got.argmax(-1)).sum())
+    assert same >= 28 and (want - got).abs().max().item() < 0.5, (same, (want - got).abs().max().item())
+    out = llm.generate([prompt], SamplingParams(max_tokens=16, **GREEDY))[0].token_ids
+    assert len(out) == 16 and out[0] == int(want[0].argmax())
+
+
+def test_streamed_moe_layers_give_identical_tokens(tmp_path):
+    """A Mixtral (Hub names ``block_sparse_moe.experts.E.w1``) bigger than ``cpu_mem``: the planner streams
+    layers from the checkpoint (the views of the renamed tensors), with the resident run's greedy tokens."""
+    from llmsys import LLM, SamplingParams
+
+    path = make_hf_model("mixtral", tmp_path / "m", seed=3, hidden_size=128, intermediate_size=256,
+                         num_hidden_layers=6, num_local_experts=8)  # ~20 MiB of float32 weights
+    prompts = [[5, 17, 99, 200, 31, 7, 8], [300, 12, 4]]
+    sp = SamplingParams(max_tokens=16, logprobs=0, **GREEDY)
+
+    def run(**kw):
+        llm = LLM(str(path), dtype="float32", device="cpu", kv_cache_tokens=256, max_num_batched_tokens=64,
+                  max_num_seqs=4, progress=False, threads=2, **kw)
+        outs = llm.generate(prompts, sp)
+        return llm, [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in outs]
+
+    ref_llm, ref = run()
+    assert ref_llm.loaded.weight_bytes > 16 * 2**20
+    llm, got = run(cpu_mem="12MiB")
+    assert "disk" in llm.plan.layer_kinds() and llm.offload.ring.stats.bytes_read > 0
+    assert got == ref
+
+
+def test_fused_expert_checkpoint_loads_and_streams(tmp_path):
+    """A checkpoint holding transformers' in-memory layout (``mlp.experts.gate_up_proj`` [E, 2I, H],
+    ``mlp.experts.down_proj`` [E, H, I]) loads as the per-expert one does (the same weights, bit for bit),
+    resident and streamed; a fused tensor of the wrong shape is one line naming it."""
+    from llmsys import LLM, SamplingParams
+    from llmsys.engine.loader.safetensors_io import CheckpointIndex, save_file
+    from llmsys.kernels.common.errors import CheckpointError
+
+    path = make_hf_model("qwen3_moe", tmp_path / "m", seed=3)
+    index = CheckpointIndex.open_dir(path)
+    tensors = {n: index.read(n) for n in index.where}
+    E = 8
+    fused: dict[str, torch.Tensor] = {}
+    for n, t in tensors.items():
+        if ".mlp.experts." not in n:
+            fused[n] = t
+        elif n.endswith(".experts.0.gate_proj.weight"):
+            pre = n.removesuffix(".0.gate_proj.weight")
+            gu = [torch.cat([tensors[f"{pre}.{e}.gate_proj.weight"], tensors[f"{pre}.{e}.up_proj.weight"]])
+                  for e in range(E)]
+            fused[f"{pre}.gate_up_proj"] = torch.stack(gu)
+            fused[f"{pre}.down_proj"] = torch.stack([tensors[f"{pre}.{e}.down_proj.weight"] for e in range(E)])
+    (path / "model.safetensors").unlink()
+    other = tmp_path / "fused"
+    other.mkdir()
+    for f in path.iterdir():
+        (other / f.name).write_bytes(f.read_bytes())
+    save_file(fused, other / "model.safetensors")
+    save_file(tensors, path / "model.safetensors")
+    a, b = load_model(path, dtype="float32", device="cpu"), load_model(other, dtype="float32", device="cpu")
+    sa, sb = a.model.state_dict(), b.model.state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    sp = SamplingParams(max_tokens=12, **GREEDY)
+    ref = LLM(str(path), dtype="float32", device="cpu", kv_cache_tokens=256, progress=False).generate([[5, 6, 7]], sp)
+    llm = LLM(str(other), dtype="float32", device="cpu", kv_cache_tokens=256, progress=False, cpu_mem="64MiB",
+              placement={"disk": 2})
+    assert llm.plan.layer_kinds().count("disk") == 2
+    assert llm.generate([[5, 6, 7]], sp)[0].token_ids == ref[0].token_ids
+    fused["model.layers.0.mlp.experts.down_proj"] = fused["model.layers.0.mlp.experts.down_proj"][:, :, :32]
+    save_file(fused, other / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"mlp\.experts\.down_proj has shape \[8, 64, 32\]") as e:
+        load_model(other, dtype="float32", device="cpu")
+    assert "\n" not in str(e.value)
