@@ -203,6 +203,9 @@ class EngineCore:
         bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidParameterError(f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        bad = next((t for t in params.prediction if t >= vocab), None)
+        if bad is not None:
+            raise InvalidParameterError(f"prediction token id {bad} is outside the vocabulary (0..{vocab - 1})")
         policy = self.kv_policy.resolve(params.kv_policy)  # the request's, else the engine's
         if len(prompt_ids) >= self.max_len and not policy.allows_long_prompts:
             raise ContextOverflowError(len(prompt_ids), self.max_len)
@@ -281,7 +284,13 @@ class EngineCore:
             elif self.proposer is not None:
                 reqs.append(ProposalRequest(s.request_id, s.tokens, k))
         if reqs:
-            for r, d in zip(reqs, self.proposer.propose(reqs, set(self.requests))):
+            try:
+                proposed = self.proposer.propose(reqs, set(self.requests))
+            except Exception:  # a draft model's fault must not stop the engine: this step goes without
+                log.exception("the speculative proposer %s failed; this step decodes without its drafts",
+                              self.proposer.name)
+                proposed = []
+            for r, d in zip(reqs, proposed):
                 if d:
                     drafts[r.request_id] = d[: r.k]
         return drafts or None

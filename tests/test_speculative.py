@@ -384,3 +384,17 @@ def test_verification_rows_are_decode_rows(stories_hf, backend):
     for i, ref in enumerate(one_by_one):
         assert torch.allclose(verified[i], ref[0], atol=1e-4, rtol=0), i  # float rounding of M-row GEMMs
         assert int(verified[i].argmax()) == int(ref[0].argmax())
+
+
+def test_a_failing_proposer_costs_its_drafts_only(plain, stories_hf, caplog):
+    llm = engine(stories_hf, spec="ngram")
+
+    def boom(reqs, live):
+        raise RuntimeError("draft model fell over")
+
+    llm.core.proposer.propose = boom  # a fault inside the proposer, whatever its kind
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    assert llm.generate("Once upon a time", sp)[0].token_ids == plain.generate("Once upon a time", sp)[0].token_ids
+    assert "proposer ngram failed" in caplog.text
+    with pytest.raises(InvalidParameterError, match="prediction token id 600"):
+        llm.generate("Once upon a time", dataclasses.replace(sp, prediction=(5, 600)))
