@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -249,7 +250,9 @@ def test_plan_cli_prints_table_and_explains(capsys):
     out = capsys.readouterr().out
     assert rc == 0
     assert "embed+lm_head" in out and "disk, streamed" in out and "ms/step" in out
-    assert "bound by disk read" in out and "runners-up" in out
+    # Which resource binds depends on this machine's measured speeds (a busy CPU measures slow
+    # GEMMs): the explanation must name one.
+    assert re.search(r"bound by (disk read|compute)", out) and "runners-up" in out
     rc = main(["plan", "llama-8b", "--gpu-mem", "4GiB", "--cpu-mem", "32GiB", "--dtype", "bfloat16"])
     out = capsys.readouterr().out
     assert rc == 0 and "GPU (resident)" in out and "streamed to GPU" in out
