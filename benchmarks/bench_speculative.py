@@ -86,7 +86,7 @@ def part1(rounds: int, tokens: int, work: Path) -> list[str]:
                   for k, e in engines.items()}
         for r in range(rounds):
             for k, llm in engines.items():
-                n, t = 0, time.perf_counter()
+                t = time.perf_counter()
                 outs = [llm.generate(p, sp)[0] for p in plist]
                 dt = time.perf_counter() - t
                 speed[k].append(sum(len(o.token_ids) for o in outs) / dt)
