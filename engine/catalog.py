@@ -32,7 +32,6 @@ from llmsys.kernels.common.paths import llmsys_home
 CATALOG_FILENAME = "models.toml"
 _REQUIRED = {
     "repo": str,
-    "files": list,
     "architecture": str,
     "params": str,
     "size_bytes": int,
@@ -41,7 +40,7 @@ _REQUIRED = {
     "chat": bool,
     "description": str,
 }
-_OPTIONAL = {"format": str, "subfolder": str, "gated": bool, "revision": str}
+_OPTIONAL = {"format": str, "subfolder": str, "gated": bool, "revision": str, "files": list}
 _FORMATS = ("hf", "llama2c")
 
 
@@ -50,12 +49,16 @@ class CatalogEntry:
     """One downloadable model, as listed in models.toml.
 
     ``files`` are paths inside the repo (relative to ``subfolder`` when set);
-    they are stored flat under :func:`local_path` with the same names.
+    they are stored flat under :func:`local_path` with the same names. None:
+    chosen when pulling from the repo's file list, as for an ``org/repo`` pull
+    (``hub.choose_files``: config, tokenizer and safetensors at its top level;
+    the architecture checked before the weights): for large sharded repos whose
+    shard list is best read from the Hub itself.
     """
 
     name: str
     repo: str  # Hugging Face repo id, "owner/name"
-    files: tuple[str, ...]
+    files: tuple[str, ...] | None
     architecture: str  # HF `architectures[0]`, e.g. "LlamaForCausalLM"
     params: str  # human-readable parameter count, e.g. "1.24B"
     size_bytes: int  # approximate bf16 weight bytes (the download size)
@@ -113,16 +116,16 @@ def _entry_from_table(name: str, table: dict[str, Any], path: Path | None) -> Ca
     unknown = set(table) - set(_REQUIRED) - set(_OPTIONAL)
     if unknown:
         raise LLMSysError(f"{where} has unknown fields {sorted(unknown)}")
-    files = table["files"]
-    if not files or not all(isinstance(f, str) and f for f in files):
-        raise LLMSysError(f"{where}: 'files' must be a non-empty list of file names")
+    files = table.get("files")
+    if files is not None and (not files or not all(isinstance(f, str) and f for f in files)):
+        raise LLMSysError(f"{where}: 'files' must be a non-empty list of file names (or left out)")
     fmt = table.get("format", "hf")
     if fmt not in _FORMATS:
         raise LLMSysError(f"{where}: format must be one of {_FORMATS}, not {fmt!r}")
     return CatalogEntry(
         name=name,
         repo=table["repo"],
-        files=tuple(files),
+        files=tuple(files) if files is not None else None,
         architecture=table["architecture"],
         params=table["params"],
         size_bytes=table["size_bytes"],

@@ -11,6 +11,7 @@ genuine huggingface_hub code (`snapshot_download`) end to end.
 from __future__ import annotations
 
 import hashlib
+import dataclasses
 import json
 import shutil
 import socket
@@ -214,6 +215,8 @@ def _leftovers(home: Path) -> list[str]:
 
 
 def test_every_entry_is_complete():
+    from llmsys.engine.models import ARCHITECTURES
+
     catalog = load_catalog()
     required_models = {
         "stories260k", "SmolLM2-135M-Instruct", "SmolLM2-360M-Instruct",
@@ -229,10 +232,13 @@ def test_every_entry_is_complete():
         assert entry.repo.count("/") == 1, name
         assert entry.size_bytes > 0 and entry.params and entry.licence, name
         assert entry.default_dtype in ("float32", "bfloat16", "float16"), name
-        assert len(set(entry.files)) == len(entry.files), name
         if entry.format == "llama2c":
             continue
         assert entry.architecture.endswith("ForCausalLM"), name
+        assert entry.architecture in ARCHITECTURES, name  # every catalog model runs
+        if entry.files is None:  # chosen at pull time from the repo's listing (hub.choose_files)
+            continue
+        assert len(set(entry.files)) == len(entry.files), name
         for needed in ("config.json", "tokenizer.json", "tokenizer_config.json"):
             assert needed in entry.files, (name, needed)
         shards = [f for f in entry.files if f.endswith(".safetensors")]
@@ -247,6 +253,10 @@ def test_every_entry_is_complete():
             assert shards == ["model.safetensors"], name
     stories = catalog["stories260k"]
     assert stories.format == "llama2c" and not stories.chat
+    # The families people ask for now (#18), their files read from the Hub when pulled.
+    for name in ("Qwen3-30B-A3B-Instruct-2507", "Qwen3-Coder-30B-A3B-Instruct", "Mixtral-8x7B-Instruct-v0.1",
+                 "gemma-3-1b-it", "Phi-4-mini-instruct"):
+        assert catalog[name].files is None and catalog[name].chat, name
 
 
 def test_synthetic_shapes_are_valid_transformers_configs():
@@ -661,3 +671,21 @@ def test_pull_asks_first_on_a_terminal(home, hub, tiny_files, monkeypatch):
     assert asked == [f"{FAKE_REPO} is not downloaded: pull {size} from {FAKE_REPO} into "
                      f"{home / 'models' / 'hub' / 'llmsys-test' / 'tiny-model'}?"]
     assert not any(r.startswith("GET") and "/resolve/" in r for r in hub.requests)  # nothing fetched
+
+
+def test_catalog_entry_without_files_takes_them_from_the_listing(home):
+    """A catalog entry that leaves `files` out (the large sharded repos) pulls what an org/repo pull
+    would: config, tokenizer and top-level safetensors, never README, .bin or original/."""
+    files = _stories_repo_files()
+    server = _serve_repo(ANY_REPO, files)
+    entry = dataclasses.replace(_entry([], name="listed", repo=ANY_REPO), files=None)
+    try:
+        path = pull(entry, endpoint=_endpoint(server), progress=False)
+    finally:
+        server.shutdown()
+        server.server_close()
+    wanted = sorted(n for n in files if n.endswith((".json", ".safetensors")))
+    assert path == home / "models" / "listed"
+    assert sorted(p.name for p in path.iterdir()) == sorted([*wanted, PULL_MANIFEST])
+    assert is_downloaded(entry)
+    assert not any("pytorch_model.bin" in r or "original/" in r for r in server.requests)
