@@ -159,6 +159,9 @@ class EngineConfig:
     # Let streamed weight pages stay in the page cache (benchmarks comparing with Accelerate's
     # memmaps, which keep them); the default drops them.
     keep_page_cache: bool = False
+    # --cpu-moe / --n-cpu-moe N (llama.cpp's flags): the experts of the first N sparse layers (-1: all) stay in
+    # CPU RAM and are computed by the CPU on a CUDA engine (llmsys.offload.experts); 0: planned as any weight.
+    cpu_moe: int = 0
     # Swap space for preempted sequences' KV (llmsys.offload.kv_swap): bytes, 0 = off (recompute),
     # None = auto (as many blocks as the pool, at most 4 GiB; CPU RAM for a GPU pool, else disk).
     swap_space: int | None = None
@@ -200,6 +203,8 @@ class EngineConfig:
             # 0 would read as "unset" downstream (the model's context): refuse it here instead.
             raise InvalidParameterError(f"--max-model-len must be >= 2, got {self.max_model_len}; "
                                         "leave it unset for the model's context")
+        if self.cpu_moe < -1:
+            raise InvalidParameterError(f"--n-cpu-moe must be >= 0 (or -1: every sparse layer), got {self.cpu_moe}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:
             raise InvalidParameterError(f"--kv-cache-tokens must be >= 1, got {self.kv_cache_tokens}; "
                                         "leave it unset to size the pool from free memory")
