@@ -22,7 +22,7 @@ QUANT_NAMES = ("none", "int8", "int8:g32", "int4", "int4:g32", "int4:g64", "int4
 KV_DTYPE_NAMES = ("auto", "int8", "int4")
 # Distillation steps after GPTQ / AWQ calibration and the calibration sequences' length
 # (`llmsys quantize --tune-steps`, `--calib-len`; why these: engine.quantize.refine_quantized).
-DEFAULT_TUNE_STEPS = 1000
+DEFAULT_TUNE_STEPS = 500
 DEFAULT_CALIB_LEN = 128
 
 

@@ -81,9 +81,9 @@ def quantize_command(
         sys.stderr.write(f"{method}: {len(model_obj.model.layers)} layers quantized ({time.perf_counter() - t:.1f} s)\n")
         if tune_steps:
             t = time.perf_counter()
-            rep = refine_quantized(model_obj, teacher, seqs, steps=tune_steps, progress=True)
+            rep = refine_quantized(model_obj, teacher, seqs, steps=tune_steps, progress=True, report_seqs=64)
             del teacher
-            sys.stderr.write(f"refined: KL(float || int4) per token {rep.kl_before:.4f} -> {rep.kl_after:.4f} "
+            sys.stderr.write(f"refined: KL(float || int4) per token ({min(64, len(seqs))} sequences) {rep.kl_before:.4f} -> {rep.kl_after:.4f} "
                              f"({rep.steps} steps, {time.perf_counter() - t:.1f} s)\n")
     loaded = llm.loaded
     if loaded.config.get("quantization_config") is not None:
