@@ -213,8 +213,11 @@ def place(r: Resolved, ck: Checkpoint) -> Placement:
                     max_batched_tokens=c.max_num_batched_tokens, kv_cold_tokens=c.offload_tokens(per_tok))
     # A GGUF loaded as stored mixes kept codes (int4, int8) and dequantized matrices: the planner gets their mix.
     bpw = ck.index.weight_bytes(r.dtype) if ck.is_gguf and c.quant.method == "none" else None
+    if c.cpu_moe and not a.num_experts:
+        raise InvalidParameterError(f"--n-cpu-moe {c.cpu_moe}: this model has no mixture-of-experts layers; "
+                                    "drop --cpu-moe / --n-cpu-moe")
     plan, _ = plan_for(ck.model, r.dtype, budgets, work, c.quant.method, max_seqs=c.max_num_seqs, force=c.placement,
-                       bytes_per_weight=bpw)
+                       bytes_per_weight=bpw, cpu_moe=c.cpu_moe)
     runtime = None
     if runtime_needed(plan, r.device):
         runtime = make_runtime(ck.model, ck.locate, r.dtype, r.device, plan, c.quant.method,

@@ -10,6 +10,16 @@ Placement kinds (``Placement.kind``):
 - ``disk``: on disk, read every step by a reader thread into a ring of
   preallocated buffers (then computed on the CPU, or copied on to the GPU).
 
+Experts (sparse MoE layers): a layer's routed experts may live apart from the
+rest of it (``Placement.experts``): ``disk`` (read on demand, only the experts
+a step's tokens chose, into a RAM cache sized by the budget left after every
+other weight: :class:`ExpertPlan`, ``offload/experts.py``) or ``cpu``
+(``--cpu-moe``: resident in CPU RAM and computed there beside a GPU layer). A
+token computes ``k / E`` of a sparse layer's expert bytes, so compute costs
+count those (:meth:`UnitShape.compute_bytes`), and streaming a sparse layer whole
+reads ``E / k`` times what it computes: the planner weighs that against
+experts on disk with a cache.
+
 Cost model. With prefetch the resources work in parallel: the disk reads
 layer i+1 while the host-to-device link copies layer i and the compute device
 runs layer i-1. Compute is sequential across layers (each needs the previous
@@ -46,7 +56,33 @@ class UnitShape:
     name: str  # "layers.3", "embed", "lm_head", "embed+lm_head" (tied)
     kind: str  # "layer" | "embed" | "head"
     nbytes: int  # weight bytes as stored at run time (dtype / quantized format)
-    params: int  # weights used per token (2 * params flops/token); 0 for an embedding gather
+    params: int  # weights of the unit (2 * params flops/token, less the experts a token skips); 0 for a gather
+    # A sparse layer's routed experts (included in nbytes / params): E experts, k used per token.
+    expert_bytes: int = 0
+    expert_params: int = 0
+    num_experts: int = 0
+    top_k: int = 0
+
+    def expert_frac(self, tokens: int) -> float:
+        """The expected share of the experts a step of ``tokens`` tokens uses (uniform routing): ``1 - (1 - k/E)^T``."""
+        if not self.num_experts:
+            return 1.0
+        return 1.0 - (1.0 - self.top_k / self.num_experts) ** max(tokens, 1)
+
+    def compute_bytes(self, tokens: int) -> int:
+        """Weight bytes a step of ``tokens`` tokens reads from memory: the experts its tokens chose only."""
+        return self.nbytes - self.expert_bytes + int(self.expert_bytes * self.expert_frac(tokens))
+
+    @property
+    def token_params(self) -> int:
+        """Weights one token multiplies: the non-expert ones and ``k`` of the ``E`` experts."""
+        if not self.num_experts:
+            return self.params
+        return self.params - self.expert_params + self.expert_params * self.top_k // self.num_experts
+
+    @property
+    def bytes_per_expert(self) -> int:
+        return self.expert_bytes // max(self.num_experts, 1)
 
 
 @dataclass(frozen=True)
@@ -70,6 +106,11 @@ class ModelShape:
     def tied(self) -> bool:
         return self.embed is None
 
+    @property
+    def sparse(self) -> tuple[int, ...]:
+        """Indices of the layers with routed experts."""
+        return tuple(i for i, u in enumerate(self.layers) if u.num_experts)
+
 
 @dataclass(frozen=True)
 class Workload:
@@ -91,10 +132,68 @@ class Placement:
     nbytes: int
     ms: float  # predicted ms of this unit per decode step
     bound: str  # what bounds it: "compute", "disk", "h2d", "memory"
+    # Where a sparse layer's routed experts live when not with the layer: "" (with it), "disk" (read on
+    # demand into the RAM expert cache), "cpu" (--cpu-moe: CPU RAM, computed there). nbytes includes them.
+    experts: str = ""
+    expert_bytes: int = 0
+
+    def bytes_by_tier(self) -> dict[str, int]:
+        """This unit's weight bytes per tier (a layer's experts may live in another)."""
+        if not self.experts:
+            return {self.tier: self.nbytes}
+        out = {self.tier: self.nbytes - self.expert_bytes}
+        out[self.experts] = out.get(self.experts, 0) + self.expert_bytes
+        return out
 
     @property
     def tier(self) -> str:
         return {"gpu": "gpu", "cpu": "cpu", "cpu->gpu": "cpu", "disk": "disk"}[self.kind]
+
+
+@dataclass(frozen=True)
+class ExpertPlan:
+    """Where sparse layers' experts live when apart from their layers, and what that costs per token."""
+
+    tier: str  # "disk" (read on demand into the RAM cache) | "cpu" (--cpu-moe: resident, computed by the CPU)
+    layers: tuple[int, ...]  # the sparse layers placed so
+    num_experts: int
+    top_k: int
+    bytes_per_expert: int
+    cache_bytes: int = 0  # the RAM expert cache (disk tier): the CPU budget left after everything else
+    batch: int = 1  # sequences per decode step the estimate is for
+    policy: str = "lfu"  # the cache's eviction ("lfu" | "lru": offload/experts.py says why LFU is the default)
+
+    @property
+    def expert_bytes(self) -> int:
+        return len(self.layers) * self.num_experts * self.bytes_per_expert
+
+    @property
+    def active_bytes_per_token(self) -> int:
+        """Expert bytes one token computes: ``k / E`` of them."""
+        return len(self.layers) * self.top_k * self.bytes_per_expert
+
+    @property
+    def hit_rate(self) -> float:
+        """Expected cache hits: with independent uniform routing an expert is cached with probability
+        ``cache / expert bytes`` (skewed routers do better; ``benchmarks/bench_moe.py`` measures both)."""
+        if self.tier != "disk":
+            return 1.0
+        return min(1.0, self.cache_bytes / max(self.expert_bytes, 1))
+
+    def distinct(self, tokens: int) -> float:
+        """Expected experts a layer runs for ``tokens`` tokens."""
+        return self.num_experts * (1.0 - (1.0 - self.top_k / max(self.num_experts, 1)) ** max(tokens, 1))
+
+    def read_bytes(self, tokens: int) -> int:
+        """Expected disk bytes of a step of ``tokens`` tokens: the chosen experts that miss the cache."""
+        if self.tier != "disk":
+            return 0
+        return int(len(self.layers) * self.distinct(tokens) * self.bytes_per_expert * (1.0 - self.hit_rate))
+
+    @property
+    def read_bytes_per_token(self) -> int:
+        """Expected disk bytes per decoded token (a batch shares the experts its tokens have in common)."""
+        return self.read_bytes(self.batch) // max(self.batch, 1)
 
 
 @dataclass(frozen=True)
@@ -119,6 +218,7 @@ class Plan:
     reasons: tuple[str, ...] = ()
     alternatives: tuple[tuple[str, float], ...] = ()  # (description, decode ms) of other feasible plans
     min_cpu_bytes: int = 0  # smallest --cpu-mem that could run at all
+    experts: ExpertPlan | None = None  # sparse layers' experts kept apart from their layers (None: with them)
 
     @property
     def kv_cold_tier(self) -> str:
@@ -135,12 +235,17 @@ class Plan:
 
     def bytes_in(self, tier: str) -> int:
         """Weight bytes resident in (or, for disk, read from) ``tier``."""
-        return sum(u.nbytes for u in self.units if u.tier == tier)
+        return sum(u.bytes_by_tier().get(tier, 0) for u in self.units)
+
+    @property
+    def expert_cache_bytes(self) -> int:
+        return self.experts.cache_bytes if self.experts is not None and self.experts.tier == "disk" else 0
 
     def used(self, tier: str) -> int:
         """Everything the plan allocates on ``tier`` (the number checked against the budget)."""
         kv = self.kv_bytes if self.kv_tier == tier else 0
-        return self.bytes_in(tier) + kv + self.staging.get(tier, 0) + self.activations.get(tier, 0)
+        cache = self.expert_cache_bytes if tier == "cpu" else 0
+        return self.bytes_in(tier) + kv + self.staging.get(tier, 0) + self.activations.get(tier, 0) + cache
 
     @property
     def streamed_bytes_per_step(self) -> int:
@@ -148,7 +253,9 @@ class Plan:
 
     @property
     def disk_bytes_per_step(self) -> int:
-        return sum(u.nbytes for u in self.units if u.kind == "disk" and u is not self.embed)
+        """Disk bytes of a decode step: streamed units whole, plus the experts expected to miss the cache."""
+        experts = self.experts.read_bytes(self.workload.batch) if self.experts is not None else 0
+        return sum(u.nbytes for u in self.units if u.kind == "disk" and u is not self.embed) + experts
 
     @property
     def tok_s(self) -> float:
@@ -156,7 +263,7 @@ class Plan:
 
     @property
     def needs_streaming(self) -> bool:
-        return any(u.kind in ("disk", "cpu->gpu") for u in self.units)
+        return any(u.kind in ("disk", "cpu->gpu") for u in self.units) or any(p.experts for p in self.layers)
 
     def layer_kinds(self) -> list[str]:
         return [p.kind for p in self.layers]
@@ -183,8 +290,11 @@ class _Cost:
 
 
 def _unit_cost(u: UnitShape, kind: str, tokens: int, ctx: int, shape: ModelShape, bw: Bandwidths,
-               compute_dev: str) -> tuple[float, float, float]:
-    """(compute s, disk s, h2d s) of one unit for one step of ``tokens`` tokens."""
+               compute_dev: str, experts: str = "", hit: float = 0.0) -> tuple[float, float, float]:
+    """(compute s, disk s, h2d s) of one unit for one step of ``tokens`` tokens.
+
+    ``experts``: where a sparse layer's experts live when apart from it ("disk": the chosen ones missing
+    the cache, ``1 - hit`` of them, are read; "cpu": computed by the CPU beside a GPU layer)."""
     if u.kind == "embed":
         # A gather of `tokens` rows; from disk it is one small read per row.
         row = u.nbytes // max(shape.vocab, 1)
@@ -194,23 +304,37 @@ def _unit_cost(u: UnitShape, kind: str, tokens: int, ctx: int, shape: ModelShape
     mem_bw = (bw.gpu_mem_gbps or 1000.0) * 1e9 if compute_dev == "gpu" else bw.mem_gbps * 1e9
     flops = bw.gpu_flops(shape.dtype) if compute_dev == "gpu" else bw.cpu_flops(shape.dtype)
     kv_read = shape.kv_bytes_per_token_layer * ctx * min(tokens, shape.vocab) if u.kind == "layer" else 0
-    compute = max(u.nbytes / mem_bw, 2.0 * u.params * tokens / flops) + kv_read / mem_bw
-    disk = u.nbytes / (bw.disk_read_gbps * 1e9) if kind == "disk" else 0.0
-    h2d = u.nbytes / ((bw.h2d_gbps or 16.0) * 1e9) if (kind == "cpu->gpu" or (kind == "disk" and compute_dev == "gpu")) else 0.0
+    moved = u.nbytes - (u.expert_bytes if experts else 0)  # what streams / copies with the layer
+    used = u.compute_bytes(tokens)  # a sparse layer reads only the experts its tokens chose
+    disk = moved / (bw.disk_read_gbps * 1e9) if kind == "disk" else 0.0
+    if experts == "cpu" and compute_dev == "gpu":  # --cpu-moe: the experts' GEMMs on the CPU
+        ex = used - (u.nbytes - u.expert_bytes)
+        used -= ex
+        cpu_p = (u.token_params - (u.params - u.expert_params)) * tokens
+        extra = max(ex / (bw.mem_gbps * 1e9), 2.0 * cpu_p / bw.cpu_flops(shape.dtype))
+    else:
+        extra = 0.0
+    compute = max(used / mem_bw, 2.0 * u.token_params * tokens / flops) + kv_read / mem_bw + extra
+    if experts == "disk":
+        distinct = u.num_experts * u.expert_frac(tokens)
+        disk += distinct * u.bytes_per_expert * (1.0 - hit) / (bw.disk_read_gbps * 1e9)
+    h2d = moved / ((bw.h2d_gbps or 16.0) * 1e9) if (kind == "cpu->gpu" or (kind == "disk" and compute_dev == "gpu")) else 0.0
     if kind in ("disk", "cpu->gpu"):
         compute += STREAM_LATENCY_S
     return compute, disk, h2d
 
 
 def _step_cost(shape: ModelShape, kinds: list[str], embed_kind: str | None, head_kind: str, tokens: int, ctx: int,
-               bw: Bandwidths, gpu: bool) -> _Cost:
+               bw: Bandwidths, gpu: bool, experts: ExpertPlan | None = None) -> _Cost:
     c = _Cost()
     items = list(zip(shape.layers, kinds)) + ([(shape.embed, embed_kind)] if shape.embed else []) + [(shape.head, head_kind)]
-    for u, kind in items:
+    placed = set(experts.layers) if experts is not None else set()
+    for j, (u, kind) in enumerate(items):
         dev = "cpu" if (kind == "cpu" or not gpu) else "gpu"
         if u.kind == "embed" and kind == "cpu":
             dev = "cpu"
-        comp, disk, h2d = _unit_cost(u, kind, tokens, ctx, shape, bw, dev)
+        ex = experts.tier if (j in placed and u.kind == "layer") else ""
+        comp, disk, h2d = _unit_cost(u, kind, tokens, ctx, shape, bw, dev, ex, experts.hit_rate if ex else 0.0)
         c.compute += comp
         c.disk += disk
         c.h2d += h2d
@@ -251,14 +375,30 @@ def head_chunk_rows(shape: ModelShape) -> int:
 
 
 def plan_placement(shape: ModelShape, budgets: Budgets, bw: Bandwidths, workload: Workload,
-                   max_seqs: int | None = None, force: dict[str, int] | None = None) -> Plan:
+                   max_seqs: int | None = None, force: dict[str, int] | None = None, cpu_moe: int = 0) -> Plan:
     """The fastest feasible placement (or the one ``force`` = kind -> layer count asks for).
+
+    Sparse layers: on a CPU engine the experts may stay on disk, read on demand into a RAM cache
+    (chosen when that beats streaming layers whole; ``force["experts"] = "disk"`` asks for it and
+    ``force["expert_cache"]`` caps the cache's bytes). ``cpu_moe`` (``--n-cpu-moe``; -1 all): the experts
+    of the first ``cpu_moe`` sparse layers stay in CPU RAM, computed by the CPU; the rest of those
+    layers is resident (GPU or CPU), never streamed.
 
     Raises ``BudgetError`` (with the minimum that would work) when nothing fits.
     """
     gpu = budgets.has_gpu
     n = len(shape.layers)
-    layer_bytes = max((u.nbytes for u in shape.layers), default=0)
+    force = dict(force or {})
+    want_experts = force.pop("experts", None)
+    cache_cap = force.pop("expert_cache", None)
+    policy = str(force.pop("expert_policy", "lfu"))
+    sparse = shape.sparse
+    moe_cpu = tuple(sparse if cpu_moe < 0 else sparse[:cpu_moe]) if cpu_moe else ()
+    fixed_cpu = sum(shape.layers[i].expert_bytes for i in moe_cpu)  # --cpu-moe experts: CPU RAM whatever the kinds
+    cpu_ep = (ExpertPlan("cpu", moe_cpu, shape.layers[moe_cpu[0]].num_experts, shape.layers[moe_cpu[0]].top_k,
+                         shape.layers[moe_cpu[0]].bytes_per_expert, 0, workload.batch) if moe_cpu else None)
+    layer_bytes = max((u.nbytes - (u.expert_bytes if i in moe_cpu else 0) for i, u in enumerate(shape.layers)),
+                      default=0)
     rows = head_chunk_rows(shape)
     chunk_bytes = rows * max(shape.head.nbytes // max(shape.vocab, 1), 1)
     kv_bytes = workload.kv_tokens * shape.kv_bytes_per_token_layer * n
@@ -274,8 +414,10 @@ def plan_placement(shape: ModelShape, budgets: Budgets, bw: Bandwidths, workload
 
     def consider(counts: dict[str, int], ek: str | None, hk: str) -> None:
         nonlocal best, min_cpu
+        if moe_cpu and (counts.get("disk") or counts.get("cpu->gpu")):
+            return  # --cpu-moe layers are resident (their experts in CPU RAM, the rest on the compute device)
         kinds = [k for k, c in counts.items() for _ in range(c)]  # spread() only for the winner
-        tiers = {"gpu": 0, "cpu": 0}
+        tiers = {"gpu": 0, "cpu": fixed_cpu}
         for k, c in counts.items():
             if k == "gpu":
                 tiers["gpu"] += c * layer_bytes
@@ -307,7 +449,8 @@ def plan_placement(shape: ModelShape, budgets: Budgets, bw: Bandwidths, workload
         desc = ", ".join(f"{c} {k}" for k, c in counts.items() if c) + f"; head {hk}" + (f"; embed {ek}" if ek else "")
         feasible.append((desc, dec * 1000))
         if best is None or total < best[0] - 1e-12:
-            best = (total, dict(kinds=kinds, ek=ek, hk=hk, staging=staging, kv_tier=kv_tier, acts=acts, counts=counts))
+            best = (total, dict(kinds=kinds, ek=ek, hk=hk, staging=staging, kv_tier=kv_tier, acts=acts, counts=counts,
+                                experts=cpu_ep))
 
     pre_tokens = workload.batch * workload.prompt_len
     steps = math.ceil(pre_tokens / workload.max_batched_tokens)
@@ -322,9 +465,17 @@ def plan_placement(shape: ModelShape, budgets: Budgets, bw: Bandwidths, workload
         return got
 
     rep = max(shape.layers, key=lambda u: u.nbytes) if shape.layers else None
+    moe_rep = shape.layers[moe_cpu[0]] if moe_cpu else None
+    if moe_rep is not None:  # --cpu-moe: a layer's own compute without its experts, plus theirs on the CPU
+        rep = UnitShape(moe_rep.name, "layer", moe_rep.nbytes - moe_rep.expert_bytes, moe_rep.params - moe_rep.expert_params)
 
     def fast_cost(counts: dict[str, int], ek: str | None, hk: str, tokens: int, c: int) -> float:
         comp = disk = h2d = 0.0
+        if moe_rep is not None:
+            r = moe_rep
+            ex_p = r.expert_params * r.top_k / max(r.num_experts, 1) * tokens
+            comp += len(moe_cpu) * max(r.expert_bytes * r.expert_frac(tokens) / (bw.mem_gbps * 1e9),
+                                       2.0 * ex_p / bw.cpu_flops(shape.dtype))
         for k, cnt in counts.items():
             a, b, d = unit_cost(rep, k, tokens, c)
             comp, disk, h2d = comp + cnt * a, disk + cnt * b, h2d + cnt * d
@@ -334,14 +485,17 @@ def plan_placement(shape: ModelShape, budgets: Budgets, bw: Bandwidths, workload
                 comp, disk, h2d = comp + a, disk + b, h2d + d
         return max(comp, disk, h2d)
 
-    if force is not None and force.get("head"):
+    if force.get("head"):
         head_kinds = (force["head"],)
-    if force is not None and force.get("embed") and shape.embed is not None:
+    if force.get("embed") and shape.embed is not None:
         embed_kinds = (force["embed"],)
+    layer_force = {k: int(force[k]) for k in layer_kinds if force.get(k)}
     for ek in embed_kinds:
         for hk in head_kinds:
-            if force is not None:
-                consider({k: int(force.get(k, 0)) for k in layer_kinds if force.get(k, 0)}, ek, hk)
+            if want_experts == "disk":
+                break  # only the experts-on-disk placement below
+            if layer_force:
+                consider(layer_force, ek, hk)
                 continue
             if not gpu:
                 for c in range(n + 1):
@@ -352,6 +506,36 @@ def plan_placement(shape: ModelShape, budgets: Budgets, bw: Bandwidths, workload
                     r = n - g - c
                     for s in (r, r // 2, 0):
                         consider({"gpu": g, "cpu": c, "cpu->gpu": s, "disk": r - s}, ek, hk)
+
+    # Sparse layers on a CPU engine: every non-expert weight resident, the experts on disk, read on demand
+    # into a RAM cache of what the budget leaves (offload/experts.py). Chosen when it beats streaming
+    # layers whole (those read every expert each step) or when asked for.
+    streams = best is not None and any(k == "disk" for k in best[1]["kinds"])
+    if sparse and not gpu and not moe_cpu and not layer_force and (want_experts == "disk" or (best is None or streams)):
+        first = shape.layers[sparse[0]]
+        bpe = max(shape.layers[i].bytes_per_expert for i in sparse)
+        total_e = sum(shape.layers[i].expert_bytes for i in sparse)
+        resident = sum(u.nbytes - u.expert_bytes for u in shape.layers)
+        for ek in embed_kinds:
+            for hk in head_kinds:
+                cpu = resident + sum(u.nbytes for u, k in ((shape.embed, ek), (shape.head, hk)) if u is not None and k == "cpu")
+                ring = RING_SLOTS * chunk_bytes if hk == "disk" else 0
+                need = cpu + ring + act + kv_bytes
+                min_cpu = min(min_cpu if min_cpu is not None else need + bpe, need + bpe)
+                cache = min(budgets.cpu - need, total_e, int(cache_cap) if cache_cap else total_e)
+                cache -= cache % max(bpe, 1)
+                if cache < bpe:
+                    continue
+                ep = ExpertPlan("disk", sparse, first.num_experts, first.top_k, bpe, cache, workload.batch, policy)
+                dec = _step_cost(shape, ["cpu"] * n, ek, hk, workload.batch, ctx, bw, False, ep).total
+                pre = _step_cost(shape, ["cpu"] * n, ek, hk, min(pre_tokens, workload.max_batched_tokens),
+                                 workload.prompt_len // 2, bw, False, ep).total
+                total = steps * pre + workload.output_len * dec
+                desc = f"{n} cpu, experts on disk ({format_bytes(cache)} cache); head {hk}" + (f"; embed {ek}" if ek else "")
+                feasible.append((desc, dec * 1000))
+                if best is None or total < best[0] - 1e-12:  # (asked for: the layer-wise search found none)
+                    best = (total, dict(kinds=["cpu"] * n, ek=ek, hk=hk, staging={"cpu": ring, "gpu": 0},
+                                        kv_tier="cpu", acts={"cpu": act, "gpu": 0}, counts={"cpu": n}, experts=ep))
 
     if best is None:
         from llmsys.kernels.common.errors import BudgetError
@@ -372,14 +556,17 @@ def plan_placement(shape: ModelShape, budgets: Budgets, bw: Bandwidths, workload
         )
     _, b = best
     b["kinds"] = spread(b["counts"])
-    dec = _step_cost(shape, b["kinds"], b["ek"], b["hk"], workload.batch, ctx, bw, gpu)
+    ep = b.get("experts")
+    dec = _step_cost(shape, b["kinds"], b["ek"], b["hk"], workload.batch, ctx, bw, gpu, ep)
     b["pre"] = _step_cost(shape, b["kinds"], b["ek"], b["hk"], min(pre_tokens, workload.max_batched_tokens),
-                          workload.prompt_len // 2, bw, gpu)
+                          workload.prompt_len // 2, bw, gpu, ep)
     b["steps"] = steps
     gpu_dev = lambda k: "cpu" if (k == "cpu" or not gpu) else "gpu"  # noqa: E731
+    placed = set(ep.layers) if ep is not None else set()
     layers = tuple(
-        Placement(u.name, k, gpu_dev(k), u.nbytes, dec.per_unit[u.name][0] * 1000, dec.per_unit[u.name][1])
-        for u, k in zip(shape.layers, b["kinds"])
+        Placement(u.name, k, gpu_dev(k), u.nbytes, dec.per_unit[u.name][0] * 1000, dec.per_unit[u.name][1],
+                  experts=ep.tier if i in placed else "", expert_bytes=u.expert_bytes if i in placed else 0)
+        for i, (u, k) in enumerate(zip(shape.layers, b["kinds"]))
     )
     embed = None
     if shape.embed is not None:
@@ -394,6 +581,7 @@ def plan_placement(shape: ModelShape, budgets: Budgets, bw: Bandwidths, workload
         prefill_ms=b["steps"] * b["pre"].total * 1000, bound=dec.bound,
         resources_ms={"compute": dec.compute * 1000, "disk read": dec.disk * 1000, "host-to-device": dec.h2d * 1000},
         alternatives=tuple(sorted(set(feasible), key=lambda x: x[1])[:8]), min_cpu_bytes=min_cpu or 0,
+        experts=ep,
     )
     return _with_reasons(plan, shape)
 
@@ -448,7 +636,14 @@ def model_shape(
     lus = []
     for i, layer in enumerate(layers):
         nb, p = size(layer)
-        lus.append(UnitShape(f"layers.{i}", "layer", nb, p))
+        moe = getattr(layer, "mlp", None)
+        experts = getattr(moe, "experts", None)  # a sparse layer's MoE block (engine/models/moe.py), duck-typed
+        if isinstance(experts, torch.nn.ModuleList) and len(experts):
+            sizes = [size(e) for e in experts]
+            lus.append(UnitShape(f"layers.{i}", "layer", nb, p, sum(b for b, _ in sizes), sum(q for _, q in sizes),
+                                 len(experts), int(moe.top_k)))
+        else:
+            lus.append(UnitShape(f"layers.{i}", "layer", nb, p))
     e_nb, _ = size(embed, "embed")
     vocab, hidden = embed.weight.shape
     if tied:

@@ -46,10 +46,11 @@ def kv_tokens_within(budget: int, per_token: int, wanted: int, floor: int) -> in
 
 def plan_for(model: nn.Module, dtype: torch.dtype, budgets: Budgets, workload: Workload, quant: str = "none",
              bandwidths: Bandwidths | None = None, max_seqs: int | None = None,
-             force: dict[str, int] | None = None, bytes_per_weight: WeightBytes | None = None) -> tuple[Plan, ModelShape]:
+             force: dict[str, int] | None = None, bytes_per_weight: WeightBytes | None = None,
+             cpu_moe: int = 0) -> tuple[Plan, ModelShape]:
     shape = shape_of(model, dtype, quant, bytes_per_weight)
     bw = bandwidths or measure_bandwidths(probe_dir=budgets.offload_dir)
-    return plan_placement(shape, budgets, bw, workload, max_seqs=max_seqs, force=force), shape
+    return plan_placement(shape, budgets, bw, workload, max_seqs=max_seqs, force=force, cpu_moe=cpu_moe), shape
 
 
 def make_runtime(model: nn.Module, locate: Locate, dtype: torch.dtype, device: torch.device, plan: Plan,
@@ -62,6 +63,6 @@ def make_runtime(model: nn.Module, locate: Locate, dtype: torch.dtype, device: t
 
 def runtime_needed(plan: Plan, device: torch.device) -> bool:
     """Does carrying out the plan need hooks (anything streamed or computed off the main device)?"""
-    if plan.needs_streaming:
+    if plan.needs_streaming:  # (experts kept apart from their layers included)
         return True
     return device.type == "cuda" and any(p.kind != "gpu" for p in plan.units)

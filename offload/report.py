@@ -36,7 +36,8 @@ def format_plan(plan: "Plan") -> str:
         name = f"layers {a}" if a == b else f"layers {a}-{b}"
         per = sum(x.nbytes for x in plan.layers[a : b + 1])
         ms = sum(x.ms for x in plan.layers[a : b + 1])
-        rows.append((name, _KIND_TEXT[p.kind], format_bytes(per), f"{ms:.2f}", p.bound + (f" (x{n})" if n > 1 else "")))
+        where = _KIND_TEXT[p.kind] + ({"disk": "; experts on disk", "cpu": "; experts in CPU RAM"}.get(p.experts, ""))
+        rows.append((name, where, format_bytes(per), f"{ms:.2f}", p.bound + (f" (x{n})" if n > 1 else "")))
     for p in ((plan.embed,) if plan.embed else ()) + (plan.head,):
         extra = f", {plan.head_chunk_rows}-row chunks" if p is plan.head and p.kind in ("disk", "cpu->gpu") else ""
         rows.append((p.name, _KIND_TEXT[p.kind] + extra, format_bytes(p.nbytes), f"{p.ms:.2f}", p.bound))
@@ -47,6 +48,10 @@ def format_plan(plan: "Plan") -> str:
         rows.append(("KV cold tier", where, format_bytes(plan.kv_cold_bytes), "", f"{plan.workload.kv_cold_tokens} tokens"))
     for tier, nb in plan.staging.items():
         rows.append((f"staging ({tier})", f"{2} ring buffers", format_bytes(nb), "", ""))
+    ep = plan.experts
+    if ep is not None and ep.tier == "disk":
+        rows.append(("expert cache", f"CPU RAM, {ep.policy.upper()}", format_bytes(ep.cache_bytes), "",
+                     f"~{ep.hit_rate:.0%} hits (uniform routing)"))
     head = ("unit", "placement", "bytes", "ms/step", "bound")
     widths = [max(len(r[i]) for r in rows + [head]) for i in range(5)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths)), "  ".join("-" * w for w in widths)]
@@ -64,6 +69,29 @@ def format_plan(plan: "Plan") -> str:
     return "\n".join(lines)
 
 
+def _expert_lines(plan: "Plan", shape: "ModelShape") -> list[str]:
+    """Where expert bytes live and what a token reads (sparse layers whose experts stay apart)."""
+    ep = plan.experts
+    n = len(ep.layers)
+    total = format_bytes(ep.expert_bytes)
+    active = format_bytes(ep.active_bytes_per_token)
+    lines = [
+        f"experts: {n} sparse layers x {ep.num_experts} experts of {format_bytes(ep.bytes_per_expert)} = {total}; "
+        f"a token uses {ep.top_k} of {ep.num_experts} per layer, {active} of expert weights "
+        f"({ep.top_k / max(ep.num_experts, 1):.1%})"
+    ]
+    if ep.tier == "disk":
+        lines.append(
+            f"experts stay on disk ({total}); every other weight is resident, and a step reads only the experts its "
+            f"tokens were routed to into a {format_bytes(ep.cache_bytes)} RAM cache ({ep.policy.upper()}, the budget "
+            f"left): ~{ep.hit_rate:.0%} hits with uniform routing, so ~{format_bytes(ep.read_bytes_per_token)} "
+            f"read per token from disk (streaming these layers whole would read {total} per step)")
+    else:
+        lines.append(f"--cpu-moe: the experts ({total}) stay in CPU RAM and are computed by the CPU; a token's "
+                     f"hidden state goes there and back per sparse layer, the weights never cross")
+    return lines
+
+
 def explain_lines(plan: "Plan", shape: "ModelShape") -> list[str]:
     """Why this plan: budgets, measured speeds, resource times, runners-up."""
     bw = plan.bandwidths
@@ -76,8 +104,13 @@ def explain_lines(plan: "Plan", shape: "ModelShape") -> list[str]:
         + ", CPU " + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in bw.cpu_gflops.items()),
     ]
     fits_cpu = shape.weight_bytes + plan.kv_bytes <= plan.budgets.cpu
+    ep = plan.experts
+    if ep is not None:
+        out.extend(_expert_lines(plan, shape))
     if not plan.needs_streaming:
         out.append("everything fits its tier's budget, so nothing streams: weights are read from memory only")
+    elif ep is not None and not any(p.kind in ("disk", "cpu->gpu") for p in plan.layers):
+        pass  # only the experts stay apart (said above)
     else:
         out.append(
             f"the weights ({format_bytes(shape.weight_bytes)}) do not fit the budgets"

@@ -26,7 +26,6 @@ from __future__ import annotations
 import os
 import shutil
 import weakref
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -35,20 +34,13 @@ from torch import nn
 
 from llmsys import kernels
 from llmsys.offload.budgets import scratch_offload_dir
+from llmsys.offload.experts import DiskExperts, ExpertCache, ExpertReport, ExpertWeights, ResidentExperts
 from llmsys.offload.plan import Plan
-from llmsys.offload.streamer import ALIGN, CudaStager, MappedUnits, ReaderRing, StreamItem, StreamUnit, TensorSource
+from llmsys.offload.streamer import ALIGN, Binding as _Binding, CudaStager, MappedUnits, ReaderRing, StreamItem, StreamUnit, TensorSource
 
 # locate(name) -> (file path, info with .dtype .shape .offset .nbytes) or None (not in a safetensors file)
 Locate = Callable[[str], "tuple[str, Any] | None"]
 CONVERT_CHUNK = 16 << 20  # bytes per read/convert/write step when writing the offload file
-
-
-@dataclass
-class _Binding:
-    owner: nn.Module
-    leaf: str
-    is_param: bool
-    placeholder: torch.Tensor  # what the slot holds while the unit is not resident (meta)
 
 
 def _tensor_slots(module: nn.Module) -> list[tuple[nn.Module, str, bool, torch.Tensor]]:
@@ -213,6 +205,11 @@ class OffloadRuntime:
         self.quantized = quantized
         self.cuda = device.type == "cuda"
         self.kind = {i: p.kind for i, p in enumerate(plan.layers)}
+        # Sparse layers whose experts live apart ("disk": read on demand into the expert cache; "cpu": --cpu-moe).
+        self.expert_tier = {i: p.experts for i, p in enumerate(plan.layers) if p.experts}
+        self.expert_cache: ExpertCache | None = None
+        self._experts: dict[int, DiskExperts | ResidentExperts] = {}  # layer -> the source run_layer hands in
+        self.expert_disk_bytes = 0
         self.ring: ReaderRing | MappedUnits | None = None
         self.stager: CudaStager | None = None
         self._scratch: Path | None = None
@@ -232,8 +229,13 @@ class OffloadRuntime:
     # -- which unit a checkpoint tensor belongs to -------------------------
     def unit_of(self, name: str) -> str | None:
         if name.startswith("model.layers."):
-            i = int(name.split(".")[2])
-            return f"layers.{i}" if self.kind.get(i) == "disk" else None
+            parts = name.split(".")
+            i = int(parts[2])
+            if self.kind.get(i) == "disk":
+                return f"layers.{i}"
+            if self.expert_tier.get(i) == "disk" and parts[3:5] == ["mlp", "experts"] and parts[5].isdigit():
+                return f"layers.{i}.mlp.experts.{parts[5]}"  # one expert: read on demand (offload/experts.py)
+            return None
         head = self.plan.head
         if name == "model.embed_tokens.weight":
             if self.plan.embed is None:
@@ -252,6 +254,8 @@ class OffloadRuntime:
                 by_unit.setdefault(u, []).append(n)
         for u, ns in by_unit.items():
             found = [self.locate(n) for n in ns]
+            # (an expert's unit streams as a layer's does: straight from the checkpoint, converted, or written
+            # to the offload file once quantized in memory)
             quant_here = self.quantized and u.startswith("layers.")
             if not quant_here and all(f is not None for f in found):
                 same = all(f[1].dtype == self.dtype or not f[1].dtype.is_floating_point for f in found)
@@ -266,9 +270,12 @@ class OffloadRuntime:
 
     def device_for(self, name: str, default: torch.device) -> torch.device:
         if name.startswith("model.layers."):
-            i = int(name.split(".")[2])
+            parts = name.split(".")
+            i = int(parts[2])
             if self.kind.get(i) in ("cpu", "cpu->gpu", "disk"):
                 return torch.device("cpu")
+            if i in self.expert_tier and parts[3:5] == ["mlp", "experts"]:
+                return torch.device("cpu")  # --cpu-moe: the experts stay in CPU RAM
         u = self.unit_of(name)
         if u is not None:
             return torch.device("cpu")
@@ -337,6 +344,7 @@ class OffloadRuntime:
                 slots = _tensor_slots(layers[i])
                 binds = [_Binding(o, leaf, p, t.pin_memory()) for o, leaf, p, t in slots]
                 self._resident_cpu[i] = (binds, [b.placeholder for b in binds])
+        self._install_experts(model, sources)
         self._install_embed_head(model, sources)
         self.disk_bytes = sum(u.nbytes for u in self._units)
         if self._units:
@@ -346,7 +354,47 @@ class OffloadRuntime:
                 self.ring = MappedUnits(self._units)
             if self.cuda:  # pragma: no cover - GPU only
                 self.stager = CudaStager(self.ring.slot_bytes, self.device)
-        self.runs_layers = bool(self._units or self._resident_cpu or any(k == "cpu" for k in self.kind.values()) and self.cuda)
+        self.runs_layers = bool(self._units or self._resident_cpu or self._experts
+                                or any(k == "cpu" for k in self.kind.values()) and self.cuda)
+
+    def _install_experts(self, model: nn.Module, sources: dict[str, TensorSource]) -> None:
+        """Each sparse layer whose experts live apart gets its ``ExpertSource``: on disk, one unit per expert
+        read into a cache shared by every layer (capacity: the plan's ``ExpertPlan.cache_bytes``); in CPU RAM
+        (``--cpu-moe``), a source that only moves the routed rows to the CPU and back."""
+        layers = model.model.layers
+        disk: dict[int, list[ExpertWeights]] = {}
+        for i, tier in sorted(self.expert_tier.items()):
+            if tier == "cpu":
+                self._experts[i] = ResidentExperts(torch.device("cpu"))
+                continue
+            ws = []
+            for e, mod in enumerate(layers[i].mlp.experts):
+                u = f"layers.{i}.mlp.experts.{e}"
+                pairs = self._written.get(u) or self._bind_direct(mod, f"model.{u}.", sources)
+                ws.append(ExpertWeights(StreamUnit(u, [it for _, it in pairs]), tuple(b for b, _ in pairs)))
+            disk[i] = ws
+        if not disk:
+            return
+        slot = max(w.unit.nbytes for ws in disk.values() for w in ws)
+        self.expert_disk_bytes = sum(w.unit.nbytes for ws in disk.values() for w in ws)
+        ep = self.plan.experts
+        capacity = ep.cache_bytes if ep is not None and ep.cache_bytes else slot
+        self.expert_cache = ExpertCache(max(capacity, slot), slot, drop_cache=self.drop_cache,
+                                        policy=ep.policy if ep is not None else "lfu")
+        for i, ws in disk.items():
+            self._experts[i] = DiskExperts(i, ws, self.expert_cache)
+
+    def expert_report(self) -> ExpertReport | None:
+        """The experts kept apart from their layers: tier, bytes, cache counters (None: none are)."""
+        if not self._experts:
+            return None
+        c = self.expert_cache
+        if c is not None:
+            st = c.stats
+            return ExpertReport("disk", sum(1 for x in self._experts.values() if isinstance(x, DiskExperts)),
+                                self.expert_disk_bytes, c.capacity, c.cached_bytes, st.hits, st.misses, st.bytes_read)
+        ep = self.plan.experts
+        return ExpertReport("cpu", len(self._experts), ep.expert_bytes if ep is not None else 0, 0, 0, 0, 0, 0)
 
     def _names_of(self, model: nn.Module, u: str) -> list[str]:
         if u.startswith("layers."):
@@ -442,6 +490,10 @@ class OffloadRuntime:
 
     def run_layer(self, i: int, layer: nn.Module, h, residual, positions, rope, attn, meta):
         """``LayerRunner``: layer ``i`` with its weights streamed in (or copied / computed across devices)."""
+        ex = self._experts.get(i)
+        if ex is not None and not (self.cuda and self.kind.get(i) == "cpu"):
+            # Experts apart from the layer (never a streamed one): the MoE block asks for those it routed to.
+            return layer(h, residual, positions, rope, attn, meta, experts=ex)
         u = self._layer_unit.get(i)
         if u is not None:
             self.bring(u)
@@ -493,8 +545,9 @@ class OffloadRuntime:
             out[tier] = out.get(tier, 0) + t.numel() * t.element_size()
         for binds, srcs in self._resident_cpu.values():  # pragma: no cover - GPU only
             out["cpu"] = out.get("cpu", 0) + sum(t.numel() * t.element_size() for t in srcs)
-        if self.disk_bytes:
-            out["disk"] = self.disk_bytes
+        disk = self.disk_bytes + self.expert_disk_bytes
+        if disk:
+            out["disk"] = disk
         return out
 
     def staging_bytes(self) -> dict[str, int]:
@@ -503,9 +556,14 @@ class OffloadRuntime:
             out["cpu"] = self.ring.slot_bytes * len(self.ring.slots)
         if self.stager is not None:  # pragma: no cover - GPU only
             out["gpu"] = sum(b.numel() for b in self.stager.bufs)
+        if self.expert_cache is not None:  # the expert cache's slots (RAM as they fill)
+            out["cpu"] = out.get("cpu", 0) + self.expert_cache.capacity
         return out
 
     def close(self) -> None:
+        if self.expert_cache is not None:
+            self.expert_cache.close()
+            self.expert_cache = None
         if self.ring is not None:
             self.ring.close()
             self.ring = None

@@ -62,6 +62,22 @@ class TensorSource:
     nbytes: int
 
 
+@dataclass
+class Binding:
+    """One tensor slot of a module whose weights are not resident: bound to a buffer view while it runs."""
+
+    owner: torch.nn.Module
+    leaf: str
+    is_param: bool
+    placeholder: torch.Tensor  # what the slot holds while the unit is not resident (meta)
+
+    def bind(self, t: torch.Tensor) -> None:
+        (self.owner._parameters if self.is_param else self.owner._buffers)[self.leaf] = t
+
+    def unbind(self) -> None:
+        self.bind(self.placeholder)
+
+
 @dataclass(frozen=True)
 class StreamItem:
     """One tensor of a unit: its dtype/shape at run time and its bytes on disk."""

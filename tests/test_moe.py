@@ -117,8 +117,9 @@ def test_int8_quantizes_experts_and_keeps_the_router(arch, tmp_path):
 
 
 def test_streamed_moe_layers_give_identical_tokens(tmp_path):
-    """A Mixtral (Hub names ``block_sparse_moe.experts.E.w1``) bigger than ``cpu_mem``: the planner streams
-    layers from the checkpoint (the views of the renamed tensors), with the resident run's greedy tokens."""
+    """A Mixtral (Hub names ``block_sparse_moe.experts.E.w1``) bigger than ``cpu_mem``: layers streamed whole
+    from the checkpoint (the views of the renamed tensors), and the planner's own choice (experts on disk,
+    read on demand), each with the resident run's greedy tokens and logprobs."""
     from llmsys import LLM, SamplingParams
 
     path = make_hf_model("mixtral", tmp_path / "m", seed=3, hidden_size=128, intermediate_size=256,
@@ -134,8 +135,12 @@ def test_streamed_moe_layers_give_identical_tokens(tmp_path):
 
     ref_llm, ref = run()
     assert ref_llm.loaded.weight_bytes > 16 * 2**20
-    llm, got = run(cpu_mem="12MiB")
+    llm, got = run(cpu_mem="12MiB", placement={"disk": 6})  # layers streamed whole
     assert "disk" in llm.plan.layer_kinds() and llm.offload.ring.stats.bytes_read > 0
+    assert got == ref
+    # Unforced, the planner keeps the experts on disk instead (a step reads k/E of them, not every one).
+    llm, got = run(cpu_mem="12MiB")
+    assert llm.plan.experts.tier == "disk" and llm.offload.expert_report().misses > 0
     assert got == ref
 
 
@@ -182,3 +187,147 @@ def test_fused_expert_checkpoint_loads_and_streams(tmp_path):
     with pytest.raises(CheckpointError, match=r"mlp\.experts\.down_proj has shape \[8, 64, 32\]") as e:
         load_model(other, dtype="float32", device="cpu")
     assert "\n" not in str(e.value)
+
+
+def _moe_engine_pair(tmp_path, dtype: str, quant: str = "none", **kw):
+    """Greedy tokens + logprobs of a Qwen3-MoE (16 experts, 4 per token) all resident and under ``kw``."""
+    from llmsys import LLM, SamplingParams
+
+    path = make_hf_model("qwen3_moe", tmp_path / "m", seed=3, hidden_size=128, intermediate_size=256,
+                         moe_intermediate_size=128, num_hidden_layers=4, num_experts=16, num_experts_per_tok=4)
+    prompts = [[5, 17, 99, 200, 31, 7, 8], [300, 12, 4]]
+    sp = SamplingParams(max_tokens=16, logprobs=0, **GREEDY)
+
+    def run(**extra):
+        llm = LLM(str(path), dtype=dtype, device="cpu", kv_cache_tokens=256, max_num_batched_tokens=64, max_num_seqs=4,
+                  progress=False, threads=2, quant=quant, **extra)
+        return llm, [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in llm.generate(prompts, sp)]
+
+    _, ref = run()
+    llm, got = run(**kw)
+    return llm, ref, got
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_experts_on_disk_read_on_demand_identical(dtype, tmp_path):
+    """Experts left on disk (every other weight resident) and read on demand into a cache of a fifth of them:
+    the all-resident run's greedy tokens and logprobs, bit for bit; the cache counted hits and misses, read
+    less than streaming every expert each step would, and memory_report lists the experts under disk and the
+    cache under staging (RAM)."""
+    from llmsys.offload.experts import DiskExperts
+
+    llm, ref, got = _moe_engine_pair(tmp_path, dtype, cpu_mem="12MiB",
+                                     placement={"experts": "disk", "expert_cache": 2 * 2**20})
+    plan = llm.plan
+    assert plan.experts is not None and plan.experts.tier == "disk" and plan.layer_kinds() == ["cpu"] * 4
+    assert got == ref
+    rep = llm.offload.expert_report()
+    steps = 16 + 1
+    assert rep.tier == "disk" and rep.hits > 0 and rep.misses > 0 and rep.cache_bytes <= rep.cache_capacity
+    assert rep.bytes_read < steps * rep.expert_bytes / 2  # whole-layer streaming reads every expert every step
+    assert isinstance(llm.offload._experts[plan.experts.layers[0]], DiskExperts)
+    mem = llm.memory_report()
+    assert mem.weights["disk"] >= rep.expert_bytes and mem.staging["cpu"] >= rep.cache_capacity
+    # No expert weight is resident: the MoE blocks' experts hold meta placeholders between uses.
+    moe = llm.loaded.model.model.layers[plan.experts.layers[0]].mlp
+    assert all(p.device.type == "meta" for e in moe.experts for p in e.parameters())
+
+
+def test_experts_on_disk_int4_and_lru(tmp_path):
+    """``--quant int4``: quantized experts are written to the offload file once and read from there with the
+    resident int4 run's tokens; the LRU policy (kept for comparison) gives the same tokens too."""
+    llm, ref, got = _moe_engine_pair(tmp_path, "float32", quant="int4", cpu_mem="12MiB",
+                                     placement={"experts": "disk", "expert_cache": 1 << 20, "expert_policy": "lru"})
+    assert llm.plan.experts.policy == "lru" and llm.offload.expert_cache.policy == "lru"
+    assert got == ref and llm.offload.expert_report().misses > 0
+
+
+def test_cpu_moe_routes_rows_through_the_expert_source(tmp_path):
+    """``--cpu-moe`` (``cpu_moe=-1``): the experts stay in CPU RAM and the MoE blocks compute them through the
+    resident source (on a CPU engine the device is the CPU, so the hidden rows' trip is a no-op, but the path
+    is the CUDA engine's); the tokens are the plain run's. A dense model refuses the flag in one line."""
+    from llmsys import LLM
+    from llmsys.kernels.common.errors import InvalidParameterError
+    from llmsys.offload.experts import ResidentExperts
+
+    llm, ref, got = _moe_engine_pair(tmp_path, "float32", cpu_moe=-1)
+    assert got == ref
+    srcs = llm.offload._experts
+    assert srcs and all(isinstance(s, ResidentExperts) and s.uses > 0 for s in srcs.values())
+    assert llm.plan.experts.tier == "cpu" and llm.offload.expert_report().tier == "cpu"
+    dense = make_hf_model("llama", tmp_path / "dense")
+    with pytest.raises(InvalidParameterError, match="no mixture-of-experts") as e:
+        LLM(str(dense), device="cpu", cpu_moe=2, progress=False)
+    assert "\n" not in str(e.value)
+
+
+def test_expert_cache_smaller_than_a_step():
+    """A cache of one slot serves a step that needs several experts (each read when its turn comes); a
+    consumer that stops early leaves every module unbound and the cache usable."""
+    import tempfile
+
+    from llmsys.offload.experts import ExpertCache, ExpertWeights
+    from llmsys.offload.streamer import Binding, StreamItem, StreamUnit, TensorSource
+
+    data = torch.arange(4 * 16, dtype=torch.float32).view(4, 16)
+    with tempfile.NamedTemporaryFile() as f:
+        f.write(data.numpy().tobytes())
+        f.flush()
+        mods = [torch.nn.Linear(4, 4, bias=False) for _ in range(4)]
+        ws = []
+        for e, m in enumerate(mods):
+            b = Binding(m, "weight", True, torch.nn.Parameter(torch.empty(4, 4, device="meta"), requires_grad=False))
+            b.unbind()
+            ws.append(ExpertWeights(StreamUnit(f"e{e}", [StreamItem(torch.float32, (4, 4), TensorSource(f.name, e * 64, 64))]), (b,)))
+        for policy in ("lfu", "lru"):
+            cache = ExpertCache(64, 64, policy=policy)
+            for _ in range(2):
+                seen = []
+                for e in cache.each(0, [3, 1, 2], ws):
+                    assert torch.equal(mods[e].weight.view(-1), data[e])
+                    seen.append(e)
+                assert sorted(seen) == [1, 2, 3]
+            it = cache.each(0, [0, 2], ws)
+            next(it)
+            it.close()
+            assert all(m.weight.device.type == "meta" for m in mods)
+            assert cache.stats.misses + cache.stats.hits == 7
+            cache.close()
+
+
+def test_planner_accounts_experts():
+    """Qwen3-30B-A3B's shape (models.toml): a token computes k/E of the expert bytes; on a CPU budget below the
+    model the planner keeps every non-expert weight resident and the experts on disk with the rest of the budget
+    as their cache, and --explain says where expert bytes live and the bytes read per token; --cpu-moe on a GPU
+    budget moves the expert bytes to the CPU tier."""
+    from llmsys.engine.bench.synthetic import synthetic_config
+    from llmsys.engine.cli.plan_cmd import meta_model
+    from llmsys.offload.bandwidth import Bandwidths
+    from llmsys.offload.budgets import Budgets
+    from llmsys.offload.plan import Workload
+    from llmsys.offload.prepare import plan_for, shape_of
+
+    cfg = synthetic_config("qwen3-30b-a3b")
+    assert (cfg["num_experts"], cfg["num_experts_per_tok"], cfg["num_hidden_layers"]) == (128, 8, 48)
+    meta = meta_model(cfg)
+    shape = shape_of(meta, torch.bfloat16, "int4")
+    u = shape.layers[0]
+    assert u.num_experts == 128 and u.top_k == 8 and len(shape.sparse) == 48
+    total_e = sum(x.expert_bytes for x in shape.layers)
+    assert 28e9 < sum(x.expert_params for x in shape.layers) < 30e9  # ~29B of the 30B are experts
+    assert u.compute_bytes(1) - (u.nbytes - u.expert_bytes) == u.expert_bytes * 8 // 128
+    bw = Bandwidths(mem_gbps=20.0, disk_read_gbps=2.0, cpu_gflops={"bfloat16": 200.0, "float32": 200.0})
+    budget = int(shape.weight_bytes - 0.6 * total_e)
+    plan, _ = plan_for(meta, torch.bfloat16, Budgets(budget, None, None, True), Workload(kv_tokens=1024), "int4",
+                       bandwidths=bw)
+    ep = plan.experts
+    assert ep is not None and ep.tier == "disk" and set(plan.layer_kinds()) == {"cpu"}
+    assert plan.used("cpu") <= budget and 0.3 < ep.hit_rate < 0.45
+    assert ep.active_bytes_per_token == total_e * 8 // 128
+    assert ep.read_bytes_per_token == pytest.approx(ep.active_bytes_per_token * (1 - ep.hit_rate), rel=1e-3)
+    assert plan.bytes_in("disk") - sum(p.nbytes for p in (plan.embed, plan.head) if p and p.kind == "disk") == total_e
+    text = "\n".join(plan.reasons)
+    assert "experts:" in text and "read per token" in text, text
+    gplan, _ = plan_for(meta, torch.bfloat16, Budgets(64 << 30, 16 << 30, None, True, True), Workload(kv_tokens=1024),
+                        "int4", bandwidths=bw, cpu_moe=-1)
+    assert gplan.experts.tier == "cpu" and gplan.bytes_in("cpu") >= total_e and gplan.bytes_in("gpu") < total_e / 4

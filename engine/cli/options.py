@@ -29,7 +29,7 @@ def _opt(name: str, annotation: Any, default: Any, *flags: str, help: str) -> in
 _ENGINE_NAMES = {
     "device", "dtype", "max_model_len", "block_size", "kv_cache_tokens", "max_num_seqs",
     "max_num_batched_tokens", "threads", "quant", "kv_dtype", "gpu_mem", "cpu_mem", "offload_dir", "kv_policy",
-    "swap_space", "prefix_caching", "kv_offload_tokens", "spec", "draft_model", "spec_tokens",
+    "swap_space", "prefix_caching", "kv_offload_tokens", "spec", "draft_model", "spec_tokens", "cpu_moe", "n_cpu_moe",
 }
 
 ENGINE_PARAMS = [
@@ -60,6 +60,10 @@ ENGINE_PARAMS = [
     _opt("draft_model", Optional[str], None, "--draft",
          help="draft model for speculative decoding (same tokenizer, resident; implies --spec draft)"),
     _opt("spec_tokens", int, 4, "--spec-tokens", help="drafts verified per step at most (1..16)"),
+    _opt("cpu_moe", bool, False, "--cpu-moe",
+         help="MoE models: keep every sparse layer's experts in CPU RAM, computed by the CPU (a CUDA engine sends "
+              "the hidden states there and back; llama.cpp's flag)"),
+    _opt("n_cpu_moe", int, 0, "--n-cpu-moe", help="as --cpu-moe for the first N sparse layers only"),
 ]
 
 SAMPLING_PARAMS = [
@@ -122,9 +126,18 @@ def pulling_command(fn: Callable) -> Callable:
     return _extend(fn, [PULL_PARAM], lambda v: v["pull"], "auto_pull")
 
 
+def fold_moe_flags(values: dict[str, Any]) -> dict[str, Any]:
+    """``--cpu-moe`` / ``--n-cpu-moe N`` (llama.cpp's two spellings) as ``EngineConfig.cpu_moe`` (-1: all)."""
+    v = dict(values)
+    every, n = v.pop("cpu_moe", False), v.pop("n_cpu_moe", 0)
+    if every or n:
+        v["cpu_moe"] = -1 if every else n
+    return v
+
+
 def engine_command(fn: Callable) -> Callable:
     """Give ``fn(model, ..., engine_flags: dict)`` every engine flag."""
-    return _extend(fn, ENGINE_PARAMS, lambda v: v, "engine_flags")
+    return _extend(fn, ENGINE_PARAMS, fold_moe_flags, "engine_flags")
 
 
 def sampling_command(fn: Callable) -> Callable:

@@ -103,7 +103,8 @@ def plan_command(
     if config.quant.method == "none" and Path(source).is_file() and gguf_io.is_gguf(Path(source)):
         bpw = gguf_io.open_index(Path(source)).weight_bytes(dt)
     bw = measure_bandwidths(cache=not remeasure, probe_dir=budgets.offload_dir)
-    plan, _ = plan_for(meta, dt, budgets, work, config.quant.method, bandwidths=bw, max_seqs=batch, bytes_per_weight=bpw)
+    plan, _ = plan_for(meta, dt, budgets, work, config.quant.method, bandwidths=bw, max_seqs=batch, bytes_per_weight=bpw,
+                       cpu_moe=config.cpu_moe)
     if as_json:
         print(json.dumps(plan_to_dict(plan), indent=1))
         return 0

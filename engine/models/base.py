@@ -27,7 +27,7 @@ from llmsys import kernels
 from llmsys.engine.attention import AttentionBackend, AttentionMetadata
 from llmsys.engine.models.moe import MoE
 from llmsys.kernels.common.errors import UnsupportedModelError
-from llmsys.kernels.common.protocols import LayerRunner
+from llmsys.kernels.common.protocols import ExpertSource, LayerRunner
 from llmsys.quant.base import QuantLinear
 
 
@@ -415,7 +415,7 @@ class DecoderLayer(nn.Module):
         self._fused: FusedBinding | None = None  # decode_layer's last answer
 
     def forward(self, h, residual, positions, rope_cache, attn: AttentionBackend, meta: AttentionMetadata,
-                rows: tuple[torch.Tensor, torch.Tensor] | None = None):
+                rows: tuple[torch.Tensor, torch.Tensor] | None = None, experts: ExpertSource | None = None):
         """``(h, residual) -> (mlp output, residual)``; the layer's hidden state is ``residual + mlp output``.
 
         ``h``: the previous layer's MLP output, added to ``residual`` inside this layer's
@@ -423,9 +423,10 @@ class DecoderLayer(nn.Module):
         model dtype, then the same norm); for layer 0, the embeddings with ``residual``
         None. Norms and attention are called by ``forward``, not ``__call__`` (no
         module dispatch per op at decode); linear layers keep ``__call__`` (calibration
-        hooks them).
+        hooks them). ``experts``: a sparse layer's experts kept elsewhere (``llmsys.offload.experts``; the
+        offload runtime's ``run_layer`` hands it in), passed to the MoE block.
         """
-        if rows is None:
+        if rows is None and experts is None:
             fused = self.decode_layer(h)
             if fused is not None:
                 return self._forward_fused(fused, h, residual, positions, rope_cache, attn, meta)
@@ -437,10 +438,15 @@ class DecoderLayer(nn.Module):
         if self.pre_feedforward_layernorm is not None:  # Gemma: attention's and the MLP's outputs normed too
             a = self.post_attention_layernorm.forward(a)
             x, residual = self.pre_feedforward_layernorm.forward(a, residual)  # residual <- residual + a
-            m = self.mlp.forward(x, meta.is_decode, rows is not None)
+            m = self._mlp(x, meta.is_decode, rows is not None, experts)
             return self.post_feedforward_layernorm.forward(m), residual
         x, residual = self.post_attention_layernorm.forward(a, residual)  # residual <- residual + a
-        return self.mlp.forward(x, meta.is_decode, rows is not None), residual
+        return self._mlp(x, meta.is_decode, rows is not None, experts), residual
+
+    def _mlp(self, x: torch.Tensor, decode: bool, folded: bool, experts: ExpertSource | None) -> torch.Tensor:
+        if experts is None:
+            return self.mlp.forward(x, decode, folded)
+        return self.mlp.forward(x, decode, folded, experts)  # an MoE block (only sparse layers get a source)
 
     def decode_layer(self, h: torch.Tensor) -> kernels.DecodeLayer | None:
         """The layer's arguments for the fused decode kernels when every projection of it would run its
@@ -856,6 +862,8 @@ def _fused_linear(mods: list[nn.Module]) -> nn.Module | None:
     fusable (``cpu_linear.fusable``: each, streamed alone, takes the same GEMM), with one dtype and
     input size, all with or all without bias.
     """
+    if any(t.is_meta for m in mods for t in (*m.parameters(), *m.buffers())):
+        return None  # not resident (an expert on disk, a streamed layer): bound to unfused tensors per use
     kind = type(mods[0])
     if kind is not Linear and all(type(m) is kind for m in mods) and hasattr(kind, "cat_rows"):
         return kind.cat_rows(mods)  # a quantized format fuses its own way, or not at all

@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmsys.kernels.common.protocols import ExpertSource
+
 
 class FloatLinear(nn.Module):
     """``x @ weight.T`` with the weight kept in the model's float dtype (never quantized nor packed)."""
@@ -66,27 +68,36 @@ class MoE(nn.Module):
         self.shared_expert = expert(shared) if shared else None
         self.shared_expert_gate = FloatLinear(a.hidden_size, 1) if shared else None
 
-    def forward(self, x: torch.Tensor, decode: bool = False, folded: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, decode: bool = False, folded: bool = False,
+                experts: ExpertSource | None = None) -> torch.Tensor:
         """``x [T, hidden]`` -> ``[T, hidden]``. ``decode``: the experts' projections run without module
         dispatch (as ``MLP.forward``; calibration hooks see prompt steps); ``folded`` is ignored (no folded
-        weights here: ``DecoderModel.fold_rope`` passes MoE blocks by)."""
+        weights here: ``DecoderModel.fold_rope`` passes MoE blocks by). ``experts``: where the experts' weights
+        are when they are not resident with the layer (``llmsys.offload.experts``, handed in by the offload
+        runtime): only the experts the router chose are asked for, and they compute on its device."""
         T, H = x.shape
         k = self.top_k
-        weights, experts = route(self.gate(x), k, self.normalize, self.float_weights)  # [T, k] each
-        flat = experts.reshape(-1)  # [T k]: row r is token r // k's slot r % k
+        weights, chosen = route(self.gate(x), k, self.normalize, self.float_weights)  # [T, k] each
+        flat = chosen.reshape(-1)  # [T k]: row r is token r // k's slot r % k
         order = torch.argsort(flat, stable=True)  # rows grouped by expert, each group in token order
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
         w = weights.reshape(-1, 1)  # [T k, 1]
-        out = x.new_empty(T * k, H, dtype=torch.promote_types(x.dtype, w.dtype))  # [T k, H] weighted outputs
-        start = 0
+        xe = x
+        if experts is not None and experts.device != x.device:  # --cpu-moe: the rows go to the experts
+            xe, order, w = x.to(experts.device), order.to(experts.device), w.to(experts.device)
+        out = xe.new_empty(T * k, H, dtype=torch.promote_types(x.dtype, w.dtype))  # [T k, H] weighted outputs
+        starts, start = {}, 0
         for e, n in enumerate(counts):
-            if not n:
-                continue
-            rows = order[start : start + n]  # [n]
-            start += n
-            y = self.experts[e].forward(x.index_select(0, rows // k), decode)  # [n, H]: one GEMM per projection
+            if n:
+                starts[e] = start
+                start += n
+        active = list(starts)
+        # Each (token, slot) row is written once, so the order the experts run in changes no bit.
+        for e in (experts.each(active) if experts is not None else active):
+            rows = order[starts[e] : starts[e] + counts[e]]  # [n]
+            y = self.experts[e].forward(xe.index_select(0, rows // k), decode)  # [n, H]: one GEMM per projection
             out.index_copy_(0, rows, y * w.index_select(0, rows))
-        h = out.view(T, k, H).sum(dim=1).to(x.dtype)  # [T, H]
+        h = out.view(T, k, H).sum(dim=1).to(device=x.device, dtype=x.dtype)  # [T, H]
         if self.shared_expert is not None:
             h = h + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert.forward(x, decode)
         return h

@@ -7,7 +7,7 @@ They name here exactly what they read, and any pool with those attributes fits.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Iterator, Protocol
 
 import torch
 
@@ -78,4 +78,26 @@ class LayerRunner(Protocol):
                   positions: torch.Tensor, rope: torch.Tensor, attn: object, meta: object,
                   ) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``i``'s ``layer(h, residual, positions, rope, attn, meta)`` with its weights made resident."""
+        ...
+
+
+class ExpertSource(Protocol):
+    """A sparse layer's experts whose weights are not all resident where the layer runs
+    (``llmsys.offload.experts``: experts read from disk on demand into a RAM cache, or kept in CPU RAM
+    and computed there beside a GPU layer).
+
+    Why a Protocol handed to the layer's forward (by the offload runtime's ``run_layer``), not a hook
+    set on the MoE block: the block is built on the meta device before any plan exists, and offload
+    must not import the engine. The block routes first, then asks only for the experts its tokens
+    chose.
+    """
+
+    @property
+    def device(self) -> torch.device:
+        """Where the experts compute: the block sends the routed hidden rows there and the sum back."""
+        ...
+
+    def each(self, experts: list[int]) -> Iterator[int]:
+        """Yield every id of ``experts`` once (in any order), each while the layer's expert module of that
+        id holds its weights; they are unbound again when the consumer asks for the next one."""
         ...
