@@ -568,19 +568,22 @@ def refine_quantized(model: nn.Module, float_weights: dict[str, torch.Tensor], s
 
     The training forward is the model's own with a batched attention (:func:`train_hidden`,
     :class:`_BatchedAttention`: a training objective, not inference, so a sequence's bits may depend on
-    its batch), checked against the engine's forward on the first batch. Defaults, for ``llmsys
-    quantize`` under a minute on 2 Zen 3 cores (issue #22; stories260k, int4 g64, 512 x 128
-    self-generated tokens, perplexity on tinystories-valid's first 30,000 tokens, float 4.6402, bound
-    +4% = 4.8258; one run each, calibration seed 0, 2026-12-03): :data:`DEFAULT_TUNE_STEPS` 300 steps
-    of 8 sequences, Adam ``lr`` 4e-3 on the scales and norms, ``round_lr`` 0.02 for the code offsets:
-    4.8166 (+3.80%). At 300 steps the other settings tried were worse: ``round_lr`` 0.01 (the old
-    default, tuned for 1000 steps) 4.8424 (+4.36%); lr 8e-3 / round_lr 0.02 4.8829; lr 8e-3 / 0.005
-    4.9026; lr 3e-3 / 0.03 4.8565; lr 6e-3 / 0.02 with 12 sequences a step 4.8387. A higher Adam lr lowers
-    the calibration KL and raises held-out perplexity (it fits the calibration text); the code moves want
-    the larger step once there are fewer of them. A step (forward and backward of 8 x 128 tokens) costs
-    ~100-160 ms here: ~40% attention (stories260k's head_dim is 8: 128 x 128 score matrices per head),
-    ~25% matmuls, the rest elementwise ops and Python. The old 1000 steps (lr 4e-3, round_lr 0.01)
-    reached +3.57% / +3.83% (seeds 0 / 1, Zen 4) in ~3 min; ``--tune-steps 1000`` still runs them.
+    its batch), checked against the engine's forward on the first batch. Defaults (issue #22: ``llmsys
+    quantize`` fast on 2 Zen 3 cores within +4% perplexity; stories260k, int4 g64, 512 x 128
+    self-generated tokens, tinystories-valid's first 30,000 tokens, ``--ctx 256``, float 4.6402, bound
+    4.8258; one run each, 2026-12-03): :data:`DEFAULT_TUNE_STEPS` 500 steps of 8 sequences, Adam ``lr``
+    4e-3 on the scales and norms, ``round_lr`` 0.015 for the code offsets: 4.8164 (+3.80%) / 4.7964
+    (+3.37%) for calibration seeds 0 / 1. 300 steps at ``round_lr`` 0.02 gave +3.80% / +4.17% (seed 1
+    over the bound); at 300 steps the other settings were worse for seed 0: ``round_lr`` 0.01 (the old
+    default, tuned for 1000 steps) +4.36%; lr 8e-3 / round_lr 0.02 +5.23%; 8e-3 / 0.005 +5.65%; 3e-3 /
+    0.03 +4.66%; 6e-3 / 0.02 with 12 sequences a step +4.28%; 250 steps at 0.025 +4.40%. A higher Adam lr
+    lowers the calibration KL and raises held-out perplexity (it fits the calibration text); the code moves
+    want a larger step when there are fewer of them. A step (forward and backward of 8 x 128 tokens)
+    costs ~150 ms on one Zen 3 core: ~40% attention (stories260k's head_dim is 8: 128 x 128 score
+    matrices per head; batched SDPA, masked matmuls and halves of the causal square all cost 11-14 ms a
+    layer), ~25% matmuls, the rest elementwise ops and Python. The old 1000 steps (lr 4e-3, round_lr
+    0.01) reached +3.57% / +3.83% (Zen 4) in ~3 min; ``--tune-steps 1000`` still runs them (at
+    ``round_lr`` 0.015). docs/benchmarks.md, "Script quantize-cost".
     ``float_weights``: the float state dict taken *before* quantizing (the teacher).
     ``teacher_cache_bytes``: keep the teacher's log-probabilities of all of ``seqs`` up to this size,
     else run the teacher per batch; ``logit_chunk_bytes``: the loss's logits per chunk (both change
