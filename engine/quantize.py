@@ -99,9 +99,13 @@ def loader_quantizer(config) -> WeightQuantizer | None:
 
 def _require_llama_layers(a: Any, what: str, fix: str) -> None:
     """Raise unless the layers are Llama's: q/k/v and gate/up stored apart, one plain RMSNorm before
-    attention and one before the MLP (Phi-3 stores them fused; Gemma's (1 + w) norms sit on both sides)."""
+    attention and one before the MLP, a dense MLP (Phi-3 stores them fused; Gemma's (1 + w) norms sit on
+    both sides; an MoE layer's MLP is a router over experts)."""
     if a.fused_qkv or a.fused_gate_up or a.sandwich_norms or a.norm_offset:
         raise InvalidParameterError(f"{what} needs Llama-shaped layers, which this model does not have; {fix}")
+    if a.num_experts:
+        raise InvalidParameterError(f"{what} needs dense MLP layers, and this model's are mixture-of-experts "
+                                    f"({a.num_experts} experts); {fix}")
 
 
 def _calib_layout(lens: list[int], block_size: int) -> list[list[int]]:
@@ -211,6 +215,10 @@ def gptq_calibrate(model: nn.Module, seqs: list[list[int]], spec: QuantSpec, dam
     if spec.method != "int4":
         raise InvalidParameterError(f"--method gptq quantizes int4 weights; got --quant {spec.name} (use --method rtn)")
     a = model.args
+    if a.num_experts:
+        # An expert no calibration token is routed to has no Hessian: it would stay float.
+        raise InvalidParameterError(f"--method gptq calibrates dense layers; this model's MLPs are mixtures of "
+                                    f"{a.num_experts} experts (use --method rtn)")
     h, run_layer = _calib_batch(model, seqs)
     dev, dtype = h.device, h.dtype
 

@@ -241,6 +241,23 @@ def test_awq_needs_llama_shaped_layers(arch, tmp_path):
         awq_calibrate(loaded.model, [[5, 6, 7, 8]], QuantSpec("int4"))
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_calibrated_quantization_refuses_experts(arch, tmp_path):
+    """AWQ and refinement fold into / tune a dense MLP, and GPTQ would leave experts no token reached in
+    float: each says so in one line and names --method rtn."""
+    from llmsys.engine.quantize import awq_calibrate, gptq_calibrate, refine_quantized
+    from llmsys.kernels.common.errors import InvalidParameterError
+    from llmsys.quant import QuantSpec
+
+    loaded = load_model(make_hf_model(arch, tmp_path / arch), dtype="float32", device="cpu")
+    with pytest.raises(InvalidParameterError, match=r"mixtures of \d+ experts"):
+        gptq_calibrate(loaded.model, [[5, 6, 7, 8]], QuantSpec("int4"))
+    with pytest.raises(InvalidParameterError, match="mixture-of-experts"):
+        awq_calibrate(loaded.model, [[5, 6, 7, 8]], QuantSpec("int4"))
+    with pytest.raises(InvalidParameterError, match="mixture-of-experts"):
+        refine_quantized(loaded.model, {}, [[5, 6, 7, 8]], steps=1)
+
+
 @pytest.mark.parametrize("arch", ["phi3", "gemma2", "gemma3"])
 def test_cuda_backend_window_and_softcap_paths_match_transformers(arch, tmp_path):
     """The CUDA backend's own logic for sliding and soft-capped layers (the steps the Triton decode
