@@ -25,6 +25,9 @@ point mass, which is what the acceptance rule assumes):
   ``self:QUANT`` is the target's own checkpoint at that quantization (int4 by
   default): no second download, and it agrees with the target far more often
   than an unrelated small model.
+* :func:`predicted_continuation`: a request's own predicted output (OpenAI's
+  ``prediction``, ``SamplingParams.prediction``) on any engine, tried before
+  the engine's proposer.
 
 Why written here and not taken from a library: proposing and verifying are the
 engine's step (its scheduler, KV pool and sampler); vLLM's and transformers'
@@ -44,6 +47,7 @@ from llmsys.kernels.common.errors import InvalidParameterError
 
 if TYPE_CHECKING:
     from llmsys.engine.core import EngineCore
+
 
 @dataclass(frozen=True)
 class ProposalRequest:
