@@ -19,10 +19,10 @@ layers, a 25% cache): uniform routing 23.2% LFU vs 23.0% LRU, a Zipf-like router
 where popularity drifts (98% vs 89% when the greedy phase counted other experts than the sampled one
 uses): counts that age would cover that too (not done). ``placement={"expert_policy": "lru"}`` picks LRU.
 
-Overlap: the experts already cached run first while a reader thread reads the first missing one, and
-each missing expert's read overlaps the compute of the one before it. The order experts run in does
-not change any bit: each ``(token, slot)`` row is written once and a token's rows are summed in slot
-order (``engine/models/moe.py``).
+Overlap: the experts already cached run first while reader threads read the missing ones, up to
+``READ_DEPTH`` at a time, each into its own slot; each read overlaps the compute of the experts before
+it. The order experts run in does not change any bit: each ``(token, slot)`` row is written once and a
+token's rows are summed in slot order (``engine/models/moe.py``).
 """
 
 from __future__ import annotations
@@ -41,6 +41,10 @@ from llmsys.offload.streamer import Binding, StreamUnit, pread_full
 
 
 POLICIES = ("lru", "lfu")
+# Expert reads in flight at most: one 2.8 MB preadv at a time reached 0.66 GB/s on a disk whose sequential
+# probe reads 1.67 GB/s (docs/benchmarks.md, script moe); four in flight halved the time spent waiting on
+# reads there (on 2 cores the reads' kernel copies then compete with compute: ~the same tok/s).
+READ_DEPTH = 4
 
 
 @dataclass
@@ -101,7 +105,8 @@ class ExpertCache:
     allocates nothing and the cache never holds more than its capacity. One reader thread reads ahead.
     """
 
-    def __init__(self, capacity: int, slot_bytes: int, drop_cache: bool = True, policy: str = "lfu"):
+    def __init__(self, capacity: int, slot_bytes: int, drop_cache: bool = True, policy: str = "lfu",
+                 depth: int = READ_DEPTH):
         if policy not in POLICIES:
             raise ValueError(f"expert cache policy {policy!r}: one of {', '.join(POLICIES)}")
         self.policy = policy
@@ -117,7 +122,9 @@ class ExpertCache:
         self._free = list(range(n))
         self._fds: dict[str, int] = {}
         self._fd_lock = threading.Lock()
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix="llmsys-expert-reader")
+        self.depth = depth  # reads in flight at most (each into its own slot)
+        self._stats_lock = threading.Lock()
+        self._reader = ThreadPoolExecutor(depth, thread_name_prefix="llmsys-expert-reader")
 
     @property
     def cached_bytes(self) -> int:
@@ -141,8 +148,9 @@ class ExpertCache:
                 raise OSError(f"{path}: unexpected end of file at byte {off + got} while reading expert {w.unit.name}")
             if self.drop_cache:
                 os.posix_fadvise(fd, off, total, os.POSIX_FADV_DONTNEED)
-        self.stats.read_s += time.perf_counter() - t
-        self.stats.bytes_read += w.unit.nbytes
+        with self._stats_lock:  # (reader threads and the compute thread read at once)
+            self.stats.read_s += time.perf_counter() - t
+            self.stats.bytes_read += w.unit.nbytes
 
     def _take(self, layer: int, keep: set[int], busy: set[int], strict: bool) -> int | None:
         """A slot to fill: a free one, else the least recently used not in ``busy`` (being read or
@@ -163,11 +171,12 @@ class ExpertCache:
         raise RuntimeError("expert cache: every slot is busy (it needs at least one)")
 
     def each(self, layer: int, ids: list[int], weights: list[ExpertWeights]) -> Iterator[int]:
-        """:meth:`ExpertSource.each` for one layer: cached experts first, the missing ones as they are read."""
+        """:meth:`ExpertSource.each` for one layer: cached experts first, the missing ones as they are read
+        (up to ``depth`` reads in flight while the compute thread works)."""
         lru = self._lru
         order = [e for e in ids if (layer, e) in lru] + [e for e in ids if (layer, e) not in lru]
         left = set(order)
-        pending: tuple[int, int, Future] | None = None  # (expert, slot, read) in flight
+        pending: dict[int, tuple[int, Future]] = {}  # expert -> (slot, read) in flight
         try:
             for i, e in enumerate(order):
                 key = (layer, e)
@@ -176,35 +185,33 @@ class ExpertCache:
                     slot = lru[key]
                     lru.move_to_end(key)
                     self.stats.hits += 1
-                elif pending is not None and pending[0] == e:
-                    t = time.perf_counter()
-                    _, slot, fut = pending
-                    pending = None
-                    try:
-                        fut.result()
-                    except BaseException:
-                        self._free.append(slot)
-                        raise
-                    self.stats.wait_s += time.perf_counter() - t
-                    lru[key] = slot
-                    self.stats.misses += 1
                 else:
-                    slot = self._take(layer, left, {pending[1]} if pending else set(), strict=False)
                     t = time.perf_counter()
+                    if e in pending:
+                        slot, fut = pending.pop(e)
+                    else:
+                        slot = self._take(layer, left, {s for s, _ in pending.values()}, strict=False)
+                        fut = None
                     try:
-                        self._read(weights[e], slot)
+                        fut.result() if fut is not None else self._read(weights[e], slot)
                     except BaseException:
                         self._free.append(slot)
                         raise
                     self.stats.wait_s += time.perf_counter() - t
                     lru[key] = slot
                     self.stats.misses += 1
-                if pending is None:  # read the next missing expert while this one computes
-                    nxt = next((x for x in order[i + 1 :] if (layer, x) not in lru), None)
-                    if nxt is not None:
-                        s = self._take(layer, left - {e}, {slot}, strict=True)
-                        if s is not None:
-                            pending = (nxt, s, self._reader.submit(self._read, weights[nxt], s))
+                # Keep up to `depth` of the step's next missing experts reading while this one computes.
+                busy = {slot} | {s for s, _ in pending.values()}
+                for x in order[i + 1 :]:
+                    if len(pending) >= self.depth:
+                        break
+                    if (layer, x) in lru or x in pending:
+                        continue
+                    s = self._take(layer, left - {e}, busy, strict=True)
+                    if s is None:
+                        break
+                    busy.add(s)
+                    pending[x] = (s, self._reader.submit(self._read, weights[x], s))
                 w = weights[e]
                 w.bind(self.slots[slot])
                 try:
@@ -213,11 +220,10 @@ class ExpertCache:
                     w.unbind()
                 left.discard(e)
         finally:
-            if pending is not None:  # the consumer stopped early: let the read land, keep its slot usable
-                e, s, fut = pending
+            for x, (s, fut) in pending.items():  # the consumer stopped early: let reads land, keep slots usable
                 try:
                     fut.result()
-                    lru[(layer, e)] = s
+                    lru[(layer, x)] = s
                 except BaseException:
                     self._free.append(s)
 
