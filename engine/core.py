@@ -36,6 +36,7 @@ from llmsys.engine.tokenizer import Tokenizer
 from llmsys.offload.kv_policy import make_policy_runtime
 from llmsys.offload.kv_swap import make_swap_space
 from llmsys.offload.kv_tier import make_kv_tier
+from llmsys.offload.experts import ExpertReport
 from llmsys.offload.runtime import OffloadRuntime
 from llmsys.quant.base import kernel_counts
 
@@ -87,6 +88,8 @@ class MemoryReport:
     kernels: dict[str, int] = field(default_factory=dict)
     # What each stored tensor type became at load (a GGUF), e.g. {"Q6_K (1)": "dequantized to bfloat16"}
     stored_formats: dict[str, str] = field(default_factory=dict)
+    # Experts kept apart from their layers (MoE on disk with a RAM cache, or --cpu-moe); None: none are.
+    experts: ExpertReport | None = None
 
 
 def _apply_constraints(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, dict[str, str]]:
@@ -566,4 +569,5 @@ class EngineCore:
             kv_blocks_by_tier=by_tier,
             kernels=dict(self.quant_kernels),
             stored_formats=dict(self.loaded.stored_formats),
+            experts=rt.expert_report() if rt is not None else None,
         )

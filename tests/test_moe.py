@@ -228,6 +228,15 @@ def test_experts_on_disk_read_on_demand_identical(dtype, tmp_path):
     assert isinstance(llm.offload._experts[plan.experts.layers[0]], DiskExperts)
     mem = llm.memory_report()
     assert mem.weights["disk"] >= rep.expert_bytes and mem.staging["cpu"] >= rep.cache_capacity
+    assert mem.experts == rep  # the engine's own report carries the expert cache's counters
+    from llmsys.engine.server.metrics import Metrics, parse_metrics
+
+    m = Metrics()
+    m.set_memory(mem)
+    scraped = parse_metrics(m.render())
+    assert scraped["llmsys_expert_cache_hits_total"] == rep.hits
+    assert scraped["llmsys_expert_cache_misses_total"] == rep.misses
+    assert scraped['llmsys_expert_bytes{tier="disk"}'] == rep.expert_bytes
     # No expert weight is resident: the MoE blocks' experts hold meta placeholders between uses.
     moe = llm.loaded.model.model.layers[plan.experts.layers[0]].mlp
     assert all(p.device.type == "meta" for e in moe.experts for p in e.parameters())

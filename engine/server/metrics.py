@@ -39,6 +39,7 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from llmsys.engine.core import EngineCore, MemoryReport
+    from llmsys.offload.experts import ExpertReport
 
 # Latency buckets in seconds: sub-millisecond decode steps up to slow prefills.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -65,6 +66,7 @@ class EngineGauges:
     staging: dict[str, int] = field(default_factory=dict)
     swap_total: dict[str, int] = field(default_factory=dict)
     swap_used: dict[str, int] = field(default_factory=dict)
+    experts: ExpertReport | None = None  # MoE experts kept apart from their layers (offload/experts.py)
     # Fixed once the model is loaded (set_placement).
     budgets: dict[str, int] = field(default_factory=dict)  # tier -> bytes llmsys may use there
     layers: tuple[tuple[str, bool], ...] = ()  # per layer: (tier holding its weights, streamed per step)
@@ -154,6 +156,17 @@ class _EngineCollector(Collector):
         ):
             if values:
                 yield _per_tier(name, help_, values)
+        ex = g.experts
+        if ex is not None:
+            yield _per_tier("llmsys_expert_bytes", "MoE expert weight bytes kept apart from their layers, per tier "
+                            "(disk: read on demand into the expert cache).", {ex.tier: ex.expert_bytes})
+            yield GaugeMetricFamily("llmsys_expert_cache_bytes", "RAM expert cache: bytes holding an expert now.",
+                                    value=ex.cache_bytes)
+            yield GaugeMetricFamily("llmsys_expert_cache_capacity_bytes", "RAM expert cache size.",
+                                    value=ex.cache_capacity)
+            yield CounterMetricFamily("llmsys_expert_cache_hits", "Routed experts found in the cache.", value=ex.hits)
+            yield CounterMetricFamily("llmsys_expert_cache_misses", "Routed experts read from disk.", value=ex.misses)
+            yield CounterMetricFamily("llmsys_expert_read_bytes", "Expert bytes read from disk.", value=ex.bytes_read)
         if g.layers:
             info = InfoMetricFamily("llmsys_layer", "Where each decoder layer's weights live (streamed: copied to "
                                     "the compute tier each step).", labels=["layer"])
@@ -231,7 +244,8 @@ class Metrics:
         """Bytes per tier from the engine's own accounting (``EngineCore.memory_report()``)."""
         self.engine = dataclasses.replace(
             self.engine, weights=dict(rep.weights), kv_total=dict(rep.kv_total), kv_used=dict(rep.kv_used),
-            staging=dict(rep.staging), swap_total=dict(rep.kv_swap_total), swap_used=dict(rep.kv_swap_used))
+            staging=dict(rep.staging), swap_total=dict(rep.kv_swap_total), swap_used=dict(rep.kv_swap_used),
+            experts=rep.experts)
 
     @property
     def has_placement(self) -> bool:
