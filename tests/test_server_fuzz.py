@@ -61,7 +61,8 @@ def server(tmp_path_factory):
 
     state = ServerState(ServerSettings(max_queue=64))
     model = _chat_model(tmp_path_factory.mktemp("fuzz"))
-    state.attach(LLM(str(model), dtype="float32", max_model_len=128), "stories")
+    # 64 positions: a fuzzed max_tokens / n costs at most 64 tokens a completion (the checks are the same).
+    state.attach(LLM(str(model), dtype="float32", max_model_len=64), "stories")
     srv = start_server_thread(state)
     yield srv
     srv.stop()

@@ -83,7 +83,8 @@ def test_parity_families_greedy_identical(arch, tmp_path):
     prompts = [torch.randint(3, 512, (int(n),), generator=g).tolist() for n in torch.randint(4, 30, (8,), generator=g)]
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     ref = [o.token_ids for o in engine(path, kv_cache_tokens=1024).generate(prompts, sp)]
-    for spec in ("ngram", "self:int8"):
+    # Prompt lookup on every family; a model draft on one of each kind of layer (the suite's time).
+    for spec in ("ngram", "self:int8") if arch in ("llama", "phi3-longrope", "gemma2", "qwen3_moe") else ("ngram",):
         llm = engine(path, kv_cache_tokens=1024, spec=spec)
         assert [o.token_ids for o in llm.generate(prompts, sp)] == ref, spec
         assert llm.generate(prompts[3], sp)[0].token_ids == ref[3], spec
