@@ -333,45 +333,23 @@ class EngineCore:
         if not result.sample_ids:
             return chunks
         seqs = [self.requests[rid] for rid in result.sample_ids]
-        if result.sample_rows is not None:
-            return chunks + self._verify(sched, result, seqs)
-        batch = SamplingBatch(
-            params=[s.params for s in seqs],
-            prompt_ids=[s.prompt_ids for s in seqs],
-            output_ids=[s.output_ids for s in seqs],
-            generators=[s.generator for s in seqs],
-            eos_token_ids=self.eos_token_ids,
-        )
-        logits, broken = _apply_constraints(result.logits, seqs)
-        sampled = self.sampler.sample(logits, batch)
-        now = time.perf_counter()
-        for seq, tok, lp in zip(seqs, sampled.token_ids, sampled.logprobs):
-            if seq.state.constraint is not None and seq.request_id not in broken:
-                try:
-                    seq.state.constraint.advance(tok)
-                except Exception as e:
-                    broken[seq.request_id] = _constraint_failure(e)
-            if seq.request_id in broken:
-                chunks.append(self._end_with_error(seq, broken[seq.request_id]))
-                continue
-            self.scheduler.append_tokens([seq], [tok])
-            chunk = self._append(seq, tok, lp, now)
-            if chunk is not None:
-                chunks.append(chunk)
-        return chunks
+        return chunks + self._sample(sched, result, seqs)
 
-    def _verify(self, sched: SchedulerOutput, result: StepResult, seqs: list[Sequence]) -> list[StreamChunk]:
-        """Sample a step that verified drafts: row ``j`` of a sequence with drafts ``d`` sees the
-        output so far plus ``d[:j]`` (penalties, min_tokens) and judges ``d[j]``; the sequence keeps
-        the accepted prefix and the first token the target chose itself (the correction, or after
-        every draft the bonus token), stopping early where a token ends the request. A sequence
-        with constraints never has drafts (:meth:`_propose`), so every row here is unconstrained
-        or a one-row sequence."""
+    def _sample(self, sched: SchedulerOutput, result: StepResult, seqs: list[Sequence]) -> list[StreamChunk]:
+        """Sample the step's rows and append what each sequence keeps (its news as one chunk each).
+
+        A sequence without drafts has one row and keeps its token. With drafts ``d`` (a
+        verification), row ``j`` sees the output so far plus ``d[:j]`` (penalties, min_tokens) and
+        judges ``d[j]``; the sequence keeps the accepted prefix and the first token the target chose
+        itself (the correction, or after every draft the bonus token), stopping early where a token
+        ends the request. A sequence with constraints never has drafts (:meth:`_propose`), so every
+        constrained row is a one-row sequence."""
+        counts = result.sample_rows or [1] * len(seqs)
         fed = {s.request_id: s for s in sched.scheduled}
         rows: list[Sequence] = []
         outs: list[list[int]] = []
         drafts: list[int | None] = []
-        for seq, n in zip(seqs, result.sample_rows):
+        for seq, n in zip(seqs, counts):
             d = fed[seq.request_id].token_ids[len(fed[seq.request_id].token_ids) - (n - 1):] if n > 1 else []
             for j in range(n):
                 rows.append(seq)
@@ -381,11 +359,11 @@ class EngineCore:
                               output_ids=outs, generators=[s.generator for s in rows],
                               eos_token_ids=self.eos_token_ids)
         logits, broken = _apply_constraints(result.logits, rows)
-        sampled = self.sampler.sample(logits, batch, drafts)
+        sampled = self.sampler.sample(logits, batch, drafts if result.sample_rows is not None else None)
         now = time.perf_counter()
         chunks: list[StreamChunk] = []
         i = 0
-        for seq, n in zip(seqs, result.sample_rows):
+        for seq, n in zip(seqs, counts):
             first, i = i, i + n
             if n > 1:
                 self.spec_stats.verify_seqs += 1
