@@ -299,6 +299,10 @@ def test_a_predicted_output_is_a_draft_source_on_any_engine(plain, stories_hf, t
         assert again.usage.completion_tokens_details.accepted_prediction_tokens >= 30
         with pytest.raises(openai.BadRequestError):
             c.chat.completions.create(model="chat", messages=ask, max_tokens=4, prediction={"type": "image"})
+        with pytest.raises(openai.BadRequestError) as e:  # more text than the context could ever use
+            c.chat.completions.create(model="chat", messages=ask, max_tokens=4,
+                                      prediction={"type": "content", "content": "Once upon a time. " * 20000})
+        assert e.value.body["param"] == "prediction" and "longer than the model's context" in e.value.body["message"]
     finally:
         srv.stop()
 
