@@ -118,7 +118,6 @@ class Fixed:
     name = "fixed"
     def __init__(self, k): self.k, self.g = k, torch.Generator().manual_seed(0)
     def propose(self, reqs, live): return [torch.randint(16, 1000, (r.k,), generator=self.g).tolist() for r in reqs]
-    def weight_bytes(self): return 0
 
 llm = LLM(args["model"], **args["kw"])
 if args.get("fixed"):

@@ -104,26 +104,15 @@ class Proposer(Protocol):
         unfinished request id; a proposer drops the state it kept for any other."""
         ...
 
-    def weight_bytes(self) -> int:  # weights it keeps resident (0 for n-gram lookup)
-        ...
-
 
 @dataclass
 class SpecStats:
-    """Counters over the engine's life: ``/metrics``, ``llmsys bench --spec`` and the notes read them."""
+    """Counters over the engine's life (benchmarks/bench_speculative.py and the tests read them; requests
+    report their own in ``Usage``)."""
 
     verify_seqs: int = 0  # sequence-steps that verified at least one draft
     proposed: int = 0  # drafts fed to the target
     accepted: int = 0  # drafts the target kept
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.proposed if self.proposed else 0.0
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Tokens a verification step yields per sequence: accepted drafts + the target's own token."""
-        return (self.accepted + self.verify_seqs) / self.verify_seqs if self.verify_seqs else 0.0
 
 
 class NgramProposer:
@@ -152,9 +141,6 @@ class NgramProposer:
         full = found[found + k < L]
         best = int(full[-1] if full.size else found[-1])
         return t[best + 1: best + 1 + k].tolist()
-
-    def weight_bytes(self) -> int:
-        return 0
 
 
 @dataclass
@@ -193,9 +179,6 @@ class DraftProposer:
         self.max_len = core.max_len
         self.prefill_chunk = prefill_chunk
         self.seqs: dict[str, _DraftSeq] = {}
-
-    def weight_bytes(self) -> int:
-        return self.core.loaded.weight_bytes
 
     def _drop(self, rid: str) -> None:
         st = self.seqs.pop(rid, None)
