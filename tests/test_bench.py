@@ -173,6 +173,24 @@ def test_cli_sweep_2x2_gives_4_rows_and_plot(tiny, tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_cli_layers_cuts_a_synthetic_shape(capsys):
+    """--layers N: the shape at full width with its first N layers; the row and its command say so."""
+    from llmsys.engine.bench.synthetic import synthetic_dir
+
+    rc = main(["bench", "--synthetic", "smollm2-135m", "--layers", "1", "-p", "4", "-n", "0", "-r", "1",
+               "--dtype", "float32", "--no-e2e", "--no-warmup", "-o", "jsonl"])
+    assert rc == 0
+    (row,) = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert row["error"] is None and row["model"] == "synthetic smollm2-135m (1 of 30 layers)"
+    assert "--synthetic smollm2-135m --layers 1" in row["command"]
+    cfg = json.loads((synthetic_dir("smollm2-135m-1l") / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 1 and cfg["hidden_size"] == 576  # full width
+    for argv, said in ((["--synthetic", "smollm2-135m", "--layers", "31"], "smollm2-135m has 30 layers"),
+                       (["some-model", "--layers", "2"], "--layers cuts a --synthetic shape")):
+        assert main(["bench", *argv, "-p", "4", "-n", "0", "-r", "1"]) == 2
+        assert said in capsys.readouterr().err
+
+
 def test_plot_lines(tiny, machine, tmp_path):
     spec = _spec(tiny, tests=[TestSpec(0, 2)], repetitions=1, e2e=False, batches=[1, 2], threads=[1, 2])
     result = run_bench(spec, machine)

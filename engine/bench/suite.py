@@ -55,6 +55,7 @@ class BenchSpec:
     vs: list[str] = field(default_factory=list)
     seed: int = 0
     synthetic: str | None = None  # shape name when the weights are random
+    layers: int | None = None  # the synthetic shape cut to its first N layers (bench --layers)
     engine_flags: dict[str, Any] = field(default_factory=dict)  # other EngineConfig fields
 
     @property
@@ -282,6 +283,8 @@ def row_command(spec: BenchSpec, cfg: LoadConfig, test: TestSpec, batch: int, th
     """The ``llmsys bench`` command that reproduces one row."""
     parts = ["llmsys bench"]
     parts.append(f"--synthetic {spec.synthetic}" if spec.synthetic else _q(spec.model))
+    if spec.layers is not None:
+        parts.append(f"--layers {spec.layers}")
     if test.n_prompt and test.n_gen:
         parts += ["-p 0 -n 0", f"--pg {test.n_prompt},{test.n_gen}"]
     else:
@@ -369,6 +372,10 @@ def run_bench(spec: BenchSpec, machine: MachineInfo, progress: Progress | None =
     done = 0
     total = spec.num_rows * (1 + len(spec.vs))
     label = f"synthetic {spec.synthetic}" if spec.synthetic else Path(spec.model).name
+    if spec.layers is not None:
+        from llmsys.engine.bench.synthetic import synthetic_config
+
+        label += f" ({spec.layers} of {synthetic_config(spec.synthetic)['num_hidden_layers']} layers)"
     # The engine's default (kernels.common.cpus), sampled once before anything loads: what `llmsys run`
     # without -t would use on this machine now.
     auto = choose_threads()

@@ -50,6 +50,25 @@ def synthetic_config(name: str) -> dict[str, Any]:
     return dict(shapes[name])
 
 
+def cut_layers(cfg: dict[str, Any], layers: int, name: str = "the shape") -> dict[str, Any]:
+    """``cfg`` with only its first ``layers`` decoder layers, every width kept.
+
+    Why: a full-width model with fewer layers benches a big shape's per-layer
+    cost (kernels, expert reads, KV per token) in this machine's RAM; tok/s
+    scales by layers/total for a layer-equivalent figure. Per-layer lists
+    (``layer_types``, ``mlp_only_layers``) are cut to match.
+    """
+    total = int(cfg["num_hidden_layers"])
+    if not 1 <= layers <= total:
+        raise InvalidParameterError(f"--layers {layers}: {name} has {total} layers; choose 1..{total}")
+    out = dict(cfg, num_hidden_layers=layers)
+    if isinstance(out.get("layer_types"), list):
+        out["layer_types"] = out["layer_types"][:layers]
+    if isinstance(out.get("mlp_only_layers"), list):
+        out["mlp_only_layers"] = [i for i in out["mlp_only_layers"] if i < layers]
+    return out
+
+
 def synthetic_dir(name: str, seed: int = 0, root: Path | None = None) -> Path:
     from llmsys.kernels.common.paths import llmsys_home
 

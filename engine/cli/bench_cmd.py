@@ -54,7 +54,8 @@ def _pg(values: list[str] | None) -> list[tuple[int, int]]:
 @_bench_flags
 def bench_command(
     model: Annotated[Optional[str], typer.Argument(help=f"model folder, llama2.c .bin, GGUF or catalog name (default: synthetic {DEFAULT_SYNTHETIC} with -p {QUICK['n_prompt']} -n {QUICK['n_gen']} -r {QUICK['repetitions']})")] = None,
-    synthetic: Annotated[Optional[str], typer.Option("--synthetic", help=f"random-weight shape from models.toml: smollm2-135m, qwen2.5-0.5b, llama-1b, llama-8b (runs -p {FULL['n_prompt']} -n {FULL['n_gen']} -r {FULL['repetitions']} unless given)")] = None,
+    synthetic: Annotated[Optional[str], typer.Option("--synthetic", help=f"random-weight shape from models.toml [synthetic.*], e.g. smollm2-135m, qwen2.5-0.5b, llama-8b, qwen3-30b-a3b (runs -p {FULL['n_prompt']} -n {FULL['n_gen']} -r {FULL['repetitions']} unless given)")] = None,
+    layers: Annotated[Optional[int], typer.Option("--layers", help="with --synthetic: keep the first N layers at full width (a big shape in this machine's RAM; rows say N of the total)")] = None,
     n_prompt: Annotated[Optional[str], typer.Option("--n-prompt", "-p", help=f"prompt tokens for pp tests, comma list ({_default('n_prompt')}; 0 with --pg; 0 = none)")] = None,
     n_gen: Annotated[Optional[str], typer.Option("--n-gen", "-n", help=f"generated tokens for tg tests, comma list ({_default('n_gen')}; 0 with --pg; 0 = none)")] = None,
     pg: Annotated[Optional[list[str]], typer.Option("--pg", help="prompt+generation test PROMPT,GEN (repeatable)")] = None,
@@ -84,7 +85,7 @@ def bench_command(
     from llmsys.engine.bench.machine import machine_info
     from llmsys.engine.bench.suite import (BenchSpec, build_configs, build_tests, check_baselines, check_context, int_list,
                                            run_bench, split_list, split_policies, thread_list)
-    from llmsys.engine.bench.synthetic import make_synthetic, synthetic_config
+    from llmsys.engine.bench.synthetic import cut_layers, make_synthetic, synthetic_config
 
     if output not in report.FORMATS:
         raise InvalidParameterError(f"--output {output!r}: choose one of {', '.join(report.FORMATS)}")
@@ -108,14 +109,21 @@ def bench_command(
         dtype=split_list(dtype), quant=split_list(quant), kv_dtype=split_list(kv_dtype),
         kv_policy=split_policies(kv_policy), gpu_mem=split_list(gpu_mem), cpu_mem=split_list(cpu_mem),
     )
+    if layers is not None and model is not None:
+        raise InvalidParameterError("--layers cuts a --synthetic shape; a MODEL is benched whole")
+    shape = None
     if model is None:
         synthetic = synthetic or DEFAULT_SYNTHETIC
+        shape = synthetic_config(synthetic)
+        if layers is not None:
+            shape = cut_layers(shape, layers, f"--synthetic {synthetic}")
     # Before any weight is written or read: every test must fit the context.
-    check_context(tests, configs, engine_flags.get("max_model_len"), synthetic_config(synthetic) if model is None else model)
+    check_context(tests, configs, engine_flags.get("max_model_len"), shape if model is None else model)
     if model is None:
         if show:
             sys.stderr.write(f"preparing synthetic {synthetic} (random weights, cached)...\n")
-        model = str(make_synthetic(synthetic, seed=seed))
+        folder = synthetic if layers is None else f"{synthetic}-{layers}l"
+        model = str(make_synthetic(folder, seed=seed, config=shape))
     spec = BenchSpec(
         model=model,
         tests=tests,
@@ -128,6 +136,7 @@ def bench_command(
         vs=baselines,
         seed=seed,
         synthetic=synthetic,
+        layers=layers,
         engine_flags={k: v for k, v in engine_flags.items() if v is not None and not _is_default(k, v)},
     )
     if show:
