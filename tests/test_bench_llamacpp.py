@@ -70,6 +70,8 @@ def families(tmp_path_factory) -> dict[str, Path]:
     for kind in ("qwen2", "llama3.2", "mistral", "qwen3"):
         (root / kind).mkdir()
         out[kind] = make_hf_model(kind, root / kind, seed=1)
+    (root / "qwen3_moe").mkdir()  # every layer sparse, as llama.cpp's qwen3moe reads it
+    out["qwen3_moe"] = make_hf_model("qwen3_moe", root / "qwen3_moe", seed=1, mlp_only_layers=[])
     return out
 
 
@@ -212,8 +214,11 @@ def test_unhandled_inputs_get_one_line_errors(families, tmp_path):
     phi.mkdir()
     (phi / "config.json").write_text('{"model_type": "phi3"}')
     (phi / "model.safetensors").write_bytes(b"")
-    with pytest.raises(UnsupportedModelError, match="handles model_type llama, mistral, qwen2, qwen3, not 'phi3'"):
+    with pytest.raises(UnsupportedModelError, match="handles model_type llama, mistral, qwen2, qwen3, qwen3_moe, not 'phi3'"):
         gguf_file(phi, "f32")
+    dense1 = make_hf_model("qwen3_moe", tmp_path / "moe", seed=0)  # layer 1 dense: llama.cpp's qwen3moe has none
+    with pytest.raises(UnsupportedModelError, match="every layer sparse"):
+        gguf_file(dense1, "f32")
     with pytest.raises(UnsupportedModelError, match="needs a Hugging Face safetensors folder"):
         gguf_file(tmp_path, "f32")
     with pytest.raises(InvalidParameterError, match="choose one of f32, f16, q8_0, q4_0, q4_K_M"):
@@ -315,9 +320,10 @@ def test_llama_cpp_f32_matches_transformers_on_stories(stories, monkeypatch):
 
 
 @needs_llama_cpp
-@pytest.mark.parametrize("kind", ["qwen2", "llama3.2", "mistral"])
+@pytest.mark.parametrize("kind", ["qwen2", "llama3.2", "mistral", "qwen3_moe"])
 def test_llama_cpp_f32_matches_transformers_on_other_families(families, kind):
-    """qwen2: biases + NEOX RoPE, tied; llama3.2: llama3 rope scaling (rope_freqs), tied; mistral: llama arch."""
+    """qwen2: biases + NEOX RoPE, tied; llama3.2: llama3 rope scaling (rope_freqs), tied; mistral: llama arch;
+    qwen3_moe: stacked experts (ffn_*_exps) and the router, as llama.cpp's qwen3moe."""
     ids = list(range(20, 60))
     ref, ref_gen = _hf_logits_and_greedy(families[kind], ids, 20)
     llm = _llama(gguf_file(families[kind], "f32"), logits_all=True)

@@ -9,7 +9,8 @@ formats, not an imitation of them.
 
 What is exported: the families sharing the Llama tensor layout - ``llama``
 (and SmolLM2, Llama 3.x with its rope scaling) and ``mistral`` as llama.cpp's
-``llama`` architecture, ``qwen2`` (q/k/v biases) as ``qwen2``, ``qwen3`` (q/k norms) as ``qwen3``. Tied
+``llama`` architecture, ``qwen2`` (q/k/v biases) as ``qwen2``, ``qwen3`` (q/k norms) as ``qwen3``, ``qwen3_moe`` as ``qwen3moe``
+(each layer's experts stacked into llama.cpp's ``ffn_{gate,up,down}_exps`` tensors). Tied
 embeddings are written once (llama.cpp reuses ``token_embd`` as the head when
 ``output`` is absent). Two layout facts matter:
 
@@ -41,6 +42,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -65,7 +67,11 @@ GGUF_FORMATS = FLOAT_FORMATS + QUANT_FORMATS
 # llama.cpp's ftype constant per quantized format (names in llama_cpp).
 _FTYPES = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
 # HF model_type -> (llama.cpp architecture, q/k rows reordered for interleaved RoPE)
-_ARCHS = {"llama": ("llama", True), "mistral": ("llama", True), "qwen2": ("qwen2", False), "qwen3": ("qwen3", False)}
+_ARCHS = {"llama": ("llama", True), "mistral": ("llama", True), "qwen2": ("qwen2", False), "qwen3": ("qwen3", False),
+          "qwen3_moe": ("qwen3moe", False)}
+_FUSED_EXPERTS = re.compile(r"\.mlp\.experts\.(gate_up|down)_proj$|\.block_sparse_moe\.")
+# An MoE layer's tensors: the router, and each expert's matrix stacked over the experts ([E, rows, cols]).
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.(?:gate\.weight|experts\.(\d+)\.(gate|up|down)_proj\.weight)$")
 _EXPORT_VERSION = 1  # part of the cache key: bump when the written bytes change
 _INSTALL = 'pip install -e ".[llamacpp]" (builds llama.cpp, ~15 min)'
 
@@ -103,11 +109,24 @@ def open_source(folder: str | Path) -> GGUFSource:
     if rope_type not in ("default", "linear", "llama3") or (rope_type == "llama3" and mt in ("qwen2", "qwen3")):
         raise UnsupportedModelError(f"{folder}: the GGUF export does not handle rope scaling {rope_type!r} for {mt}")
     arch, interleave = _ARCHS[mt]
+    if args.num_experts and (not args.norm_topk_prob or args.sparse_layers is not None
+                             and len(args.sparse_layers) != args.num_hidden_layers):
+        # llama.cpp's qwen3moe renormalises the top-k weights and has an MoE block in every layer.
+        raise UnsupportedModelError(f"{folder}: the GGUF export handles {mt} with norm_topk_prob true and every "
+                                    "layer sparse (no mlp_only_layers / decoder_sparse_step), as llama.cpp reads it")
     return GGUFSource(folder, args, arch, interleave)
 
 
 def gguf_name(hf_name: str) -> str | None:
-    """llama.cpp's name for an HF tensor name; None for a tensor llama.cpp does not read (RoPE buffers)."""
+    """llama.cpp's name for an HF tensor name; None for a tensor llama.cpp does not read (RoPE buffers).
+
+    An expert's matrix maps to its layer's stacked tensor (``blk.N.ffn_gate_exps.weight``: every expert's
+    gate rows, :func:`_plan`), the router to ``blk.N.ffn_gate_inp.weight``.
+    """
+    m = _EXPERT.match(hf_name)
+    if m is not None:
+        layer, expert, part = m.groups()
+        return f"blk.{layer}.ffn_gate_inp.weight" if expert is None else f"blk.{layer}.ffn_{part}_exps.weight"
     if hf_name in _TOP_NAMES:
         return _TOP_NAMES[hf_name]
     if hf_name.endswith("rotary_emb.inv_freq"):
@@ -191,12 +210,7 @@ def export_float(folder: str | Path, out: Path, fmt: str = "f32", matrices: str 
     src = open_source(folder)
     a = src.args
     index = CheckpointIndex.open_dir(src.folder)
-    plan: list[tuple[str, str]] = []  # (hf name, gguf name) in file order
-    for name in sorted(index.where, key=_order):
-        g = gguf_name(name)
-        if g is None or (g == "output.weight" and a.tie_word_embeddings):
-            continue
-        plan.append((name, g))
+    plan = _plan(src, index)
     if "token_embd.weight" not in {g for _, g in plan}:
         raise CheckpointError(f"{src.folder}: no model.embed_tokens.weight in the safetensors files")
     extra = _rope_freqs(a) if src.arch == "llama" else None  # [head_dim/2] float32 or None
@@ -209,26 +223,26 @@ def export_float(folder: str | Path, out: Path, fmt: str = "f32", matrices: str 
         return qtype is not None and len(shape) == 2 and shape[1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0
 
     def target(shape: tuple[int, ...]) -> torch.dtype:
-        # Matrices in the file's format; norms and biases f32, as llama.cpp wants them.
-        return torch.float16 if fmt == "f16" and len(shape) == 2 else torch.float32
+        # Matrices (and stacked experts) in the file's format; norms and biases f32, as llama.cpp wants them.
+        return torch.float16 if fmt == "f16" and len(shape) >= 2 else torch.float32
 
-    for name, g in plan:
-        info = index.info(name)
-        if quantized(info.shape):
+    for names, g in plan:
+        shape = _stacked_shape(index, names)
+        if quantized(shape):
             block, size = gguf.GGML_QUANT_SIZES[qtype]
-            w.add_tensor_info(g, info.shape, np.dtype(np.float32), info.shape[0] * info.shape[1] // block * size,
-                              raw_dtype=qtype)
+            w.add_tensor_info(g, shape, np.dtype(np.float32), shape[0] * shape[1] // block * size, raw_dtype=qtype)
             continue
-        dt = np.dtype(np.float16 if target(info.shape) == torch.float16 else np.float32)
-        w.add_tensor_info(g, info.shape, dt, int(np.prod(info.shape)) * dt.itemsize)
+        dt = np.dtype(np.float16 if target(shape) == torch.float16 else np.float32)
+        w.add_tensor_info(g, shape, dt, int(np.prod(shape)) * dt.itemsize)
     if extra is not None:
         w.add_tensor_info("rope_freqs.weight", tuple(extra.shape), np.dtype(np.float32), extra.numel() * 4)
     try:
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
-        for name, g in plan:
-            t = _layout(src, name, index.read(name))
+        for names, g in plan:
+            t = _layout(src, names[0], torch.stack([index.read(n) for n in names]) if len(names) > 1
+                        else index.read(names[0]))
             if quantized(tuple(t.shape)):
                 x = t.float().numpy()
                 own = {gguf.GGMLQuantizationType.Q4_K: quantize_q4_k, gguf.GGMLQuantizationType.Q5_K: quantize_q5_k,
@@ -244,6 +258,46 @@ def export_float(folder: str | Path, out: Path, fmt: str = "f32", matrices: str 
         w.close()  # idempotent; closes the file when a write failed
         tmp.unlink(missing_ok=True)
     return out
+
+
+def _plan(src: GGUFSource, index) -> list[tuple[tuple[str, ...], str]]:
+    """The file's tensors in order: (the HF names written as one tensor, its llama.cpp name).
+
+    One name each, except an MoE layer's experts: each of gate / up / down is one ``[E, rows, cols]``
+    tensor of the E experts' matrices in expert order, as llama.cpp's ``*_exps`` tensors hold them.
+    Experts stored fused or under Mixtral's names are read through the loader's views of them.
+    """
+    a = src.args
+    if a.num_experts:
+        from llmsys.engine.bench.synthetic import _param_shapes
+        from llmsys.engine.loader.experts import add_expert_views
+
+        cfg = json.loads((src.folder / "config.json").read_text())
+        shapes = dict(_param_shapes(cfg))
+        add_expert_views(index, shapes, shapes, src.folder)
+    groups: dict[str, list[tuple[int, str]]] = {}
+    for name in sorted(index.where, key=_order):
+        if a.num_experts and _FUSED_EXPERTS.search(name):
+            continue  # stored fused / Mixtral-named: written through the views added above
+        g = gguf_name(name)
+        if g is None or (g == "output.weight" and a.tie_word_embeddings):
+            continue
+        m = _EXPERT.match(name)
+        expert = int(m.group(2)) if m is not None and m.group(2) is not None else 0
+        groups.setdefault(g, []).append((expert, name))
+    plan = []
+    for g, members in groups.items():
+        members.sort()
+        if g.endswith("_exps.weight") and [e for e, _ in members] != list(range(a.num_experts)):
+            raise CheckpointError(f"{src.folder}: {g} needs experts 0..{a.num_experts - 1}, "
+                                  f"the checkpoint has {len(members)} of them")
+        plan.append((tuple(n for _, n in members), g))
+    return plan
+
+
+def _stacked_shape(index, names: tuple[str, ...]) -> tuple[int, ...]:
+    shape = tuple(index.info(names[0]).shape)
+    return (len(names), *shape) if len(names) > 1 else shape
 
 
 def _k_quant(x: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray]:
@@ -367,6 +421,10 @@ def _write_metadata(w: gguf.GGUFWriter, src: GGUFSource, fmt: str) -> None:
     w.add_rope_freq_base(float(a.rope_theta))
     w.add_layer_norm_rms_eps(float(a.rms_norm_eps))
     w.add_vocab_size(a.vocab_size)
+    if a.num_experts:
+        w.add_expert_count(a.num_experts)
+        w.add_expert_used_count(a.num_experts_per_tok)
+        w.add_expert_feed_forward_length(a.moe_intermediate_size)
     scaling = a.rope_scaling or {}
     if scaling.get("rope_type", scaling.get("type")) == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
