@@ -25,10 +25,13 @@ of pool or device it runs on. The implementations:
   gather plan only when a step reads cold blocks).
 
 Per layer, ``attend`` takes the layer's ``window`` (sliding-window layers: Gemma 2/3,
-Phi-3) and ``softcap`` (tanh soft-capped logits: Gemma 2) beside its ``scale``; each
-backend applies them itself (on the CPU: ``kernels.windowed`` plans, soft-capped
-float32 logits), and a window no context of the step exceeds changes nothing, so the
-fast paths still run those steps.
+Phi-3), ``softcap`` (tanh soft-capped logits: Gemma 2) and ``sinks`` (``[Hq]`` attention
+sinks, one more logit per head in the softmax's denominator: gpt-oss) beside its ``scale``;
+each backend applies them itself (on the CPU: ``kernels.windowed`` plans, explicit float32
+logits for caps and sinks; on CUDA the torch reference attention for caps and sinks), and a
+window no context of the step exceeds changes nothing, so the fast paths still run those
+steps. Quest's page selection applies no window, cap or sink: the engine refuses it for such
+models (``DecoderModel.kv_policy_blocker``).
 
 Decorators, given the backend they wrap at construction: :class:`ScoringBackend`
 (attention rows for H2O / SnapKV, only for the sequences that need them) and
@@ -192,21 +195,22 @@ class AttentionBackend(Protocol):
 
     def rope_attend(self, layer: int, qkv: torch.Tensor, hq: int, hk: int, positions: torch.Tensor,
                     rope_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None = None,
-                    softcap: float | None = None) -> torch.Tensor:
+                    softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """:meth:`rope_store` then :meth:`attend` from a q|k|v projection ``[T, (Hq + 2 Hk) D]`` -> ``[T, Hq D]``."""
         ...
 
     def attend(self, layer: int, q: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None = None,
-               softcap: float | None = None) -> torch.Tensor:
+               softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Each new token over its sequence's cached context: q ``[T, Hq, D]`` -> ``[T, Hq, D]``.
 
         ``window``: the layer attends only to keys less than ``window`` positions behind each query
-        (sliding-window layers); ``softcap``: its logits are ``cap * tanh(logits / cap)`` (Gemma 2)."""
+        (sliding-window layers); ``softcap``: its logits are ``cap * tanh(logits / cap)`` (Gemma 2);
+        ``sinks`` ``[Hq]``: each head's softmax has one more logit, with no value (gpt-oss)."""
         ...
 
     def attend_with_scores(self, layer: int, q: torch.Tensor, meta: AttentionMetadata, scale: float,
-                           score_from: list[int], window: int | None = None,
-                           softcap: float | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                           score_from: list[int], window: int | None = None, softcap: float | None = None,
+                           sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """:meth:`attend`, also returning per sequence the attention rows from ``score_from[b]`` on."""
         ...
 
@@ -217,7 +221,8 @@ class AttentionBackend(Protocol):
 
 def rope_attend_ops(backend: AttentionBackend, layer: int, qkv: torch.Tensor, hq: int, hk: int,
                     positions: torch.Tensor, rope_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                    scale: float, window: int | None = None, softcap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """``rope_attend`` as ``backend``'s own ``rope_store`` then ``attend`` on views of ``qkv``."""
     t = qkv.shape[0]
     d = qkv.shape[1] // (hq + 2 * hk)
@@ -225,7 +230,7 @@ def rope_attend_ops(backend: AttentionBackend, layer: int, qkv: torch.Tensor, hq
     k = qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)
     v = qkv[:, (hq + hk) * d :].view(t, hk, d)
     q = backend.rope_store(layer, q, k, v, positions, rope_cache, meta)
-    return backend.attend(layer, q, meta, scale, window, softcap).reshape(t, hq * d)
+    return backend.attend(layer, q, meta, scale, window, softcap, sinks).reshape(t, hq * d)
 
 
 class _PagedBackend:
@@ -265,8 +270,9 @@ class _PagedBackend:
     def store(self, layer, k, v, meta):
         self.pool.store(layer, k, v, meta.slot_mapping)
 
-    def rope_attend(self, layer, qkv, hq, hk, positions, rope_cache, meta, scale, window=None, softcap=None):
-        return rope_attend_ops(self, layer, qkv, hq, hk, positions, rope_cache, meta, scale, window, softcap)
+    def rope_attend(self, layer, qkv, hq, hk, positions, rope_cache, meta, scale, window=None, softcap=None,
+                    sinks=None):
+        return rope_attend_ops(self, layer, qkv, hq, hk, positions, rope_cache, meta, scale, window, softcap, sinks)
 
     def on_demote(self, pairs):
         pass
@@ -301,43 +307,46 @@ class CpuBackend(_PagedBackend):
         kf.index_copy_(0, meta.slot_mapping, k)
         vf.index_copy_(0, meta.slot_mapping, v)
 
-    def rope_attend(self, layer, qkv, hq, hk, positions, rope_cache, meta, scale, window=None, softcap=None):
+    def rope_attend(self, layer, qkv, hq, hk, positions, rope_cache, meta, scale, window=None, softcap=None,
+                    sinks=None):
         plan = self._windowed(meta.plan, window)
         if (self._c_rope and plan.is_decode and plan.cold is None and plan.split is None and plan.lens is not None
-                and softcap is None and qkv.dtype == torch.bfloat16 and qkv.stride(1) == 1):
+                and softcap is None and sinks is None and qkv.dtype == torch.bfloat16 and qkv.stride(1) == 1):
             # rope_store's and attend's C calls below in one (the same bits)
             kf, vf = self._flat[layer]
             return cpu_fused_rope_store_attend(qkv, hq, hk, positions, rope_cache, kf, vf, meta.slot_mapping,
                                                plan.lens, scale, plan.gather_slots)
-        return rope_attend_ops(self, layer, qkv, hq, hk, positions, rope_cache, meta, scale, window, softcap)
+        return rope_attend_ops(self, layer, qkv, hq, hk, positions, rope_cache, meta, scale, window, softcap, sinks)
 
-    def attend(self, layer, q, meta, scale, window=None, softcap=None):
+    def attend(self, layer, q, meta, scale, window=None, softcap=None, sinks=None):
         plan = self._windowed(meta.plan, window)
         if (self._c_decode and plan.is_decode and plan.cold is None and plan.split is None and plan.lens is not None
-                and softcap is None and q.dtype == self.pool.spec.dtype):
+                and softcap is None and sinks is None and q.dtype == self.pool.spec.dtype):
             # What paged_attention_gathered runs for this step (the C decode attention reading the
             # pool by slot), without its dispatch: asked per layer, the same answer every layer.
             kf, vf = self._flat[layer]
             return cpu_fused_decode_attention(q.contiguous(), kf, vf, plan.lens, scale, plan.gather_slots)
-        return paged_attention_gathered(q, self.pool.k[layer], self.pool.v[layer], plan, scale, softcap=softcap)
+        return paged_attention_gathered(q, self.pool.k[layer], self.pool.v[layer], plan, scale, softcap=softcap,
+                                        sinks=sinks)
 
-    def attend_with_scores(self, layer, q, meta, scale, score_from, window=None, softcap=None):
+    def attend_with_scores(self, layer, q, meta, scale, score_from, window=None, softcap=None, sinks=None):
         return paged_attention_gathered_scores(q, self.pool.k[layer], self.pool.v[layer],
-                                               self._windowed(meta.plan, window), scale, score_from, softcap=softcap)
+                                               self._windowed(meta.plan, window), scale, score_from, softcap=softcap,
+                                               sinks=sinks)
 
 
 class CpuInt8Backend(_PagedBackend):
     """int8 pool on the CPU: the plain path with codes and per (slot, head) scales."""
 
-    def attend(self, layer, q, meta, scale, window=None, softcap=None):
+    def attend(self, layer, q, meta, scale, window=None, softcap=None, sinks=None):
         k, v = self.pool.k[layer], self.pool.v[layer]
         return paged_attention_gathered(q, k.codes, v.codes, self._windowed(meta.plan, window), scale, k.scale,
-                                        v.scale, softcap)
+                                        v.scale, softcap, sinks)
 
-    def attend_with_scores(self, layer, q, meta, scale, score_from, window=None, softcap=None):
+    def attend_with_scores(self, layer, q, meta, scale, score_from, window=None, softcap=None, sinks=None):
         k, v = self.pool.k[layer], self.pool.v[layer]
         return paged_attention_gathered_scores(q, k.codes, v.codes, self._windowed(meta.plan, window), scale,
-                                               score_from, k.scale, v.scale, softcap=softcap)
+                                               score_from, k.scale, v.scale, softcap=softcap, sinks=sinks)
 
 
 class Int4Backend(_PagedBackend):
@@ -348,55 +357,58 @@ class Int4Backend(_PagedBackend):
     decodes and prompt chunks of a mixed step run as two batches (``GatherPlan.split``).
     """
 
-    def attend(self, layer, q, meta, scale, window=None, softcap=None):
-        return self._attend(layer, q, self._windowed(meta.plan, window), scale, softcap)
+    def attend(self, layer, q, meta, scale, window=None, softcap=None, sinks=None):
+        return self._attend(layer, q, self._windowed(meta.plan, window), scale, softcap, sinks)
 
     def _attend(self, layer: int, q: torch.Tensor, plan: GatherPlan, scale: float,
-                softcap: float | None) -> torch.Tensor:
+                softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
         if plan.split is not None:
             dplan, dtok, pplan, ptok = plan.split
             out = q.new_empty(q.shape)
             for sub, tok in ((dplan, dtok), (pplan, ptok)):
-                out.index_copy_(0, tok, self._attend(layer, q.index_select(0, tok), sub, scale, softcap))
+                out.index_copy_(0, tok, self._attend(layer, q.index_select(0, tok), sub, scale, softcap, sinks))
             return out
         k, v = self.pool.gather(layer, plan.gather_slots, q.dtype)  # [B, Lmax, Hk, D]
-        return attend_gathered(q, k, v, plan, scale, softcap)
+        return attend_gathered(q, k, v, plan, scale, softcap, sinks)
 
-    def attend_with_scores(self, layer, q, meta, scale, score_from, window=None, softcap=None):
+    def attend_with_scores(self, layer, q, meta, scale, score_from, window=None, softcap=None, sinks=None):
         raise ValueError("attention scores need a float KV pool (KV policies run on kv_dtype auto)")
 
 
 class CudaBackend(_PagedBackend):
     """Plain pool on CUDA: the Triton paged kernels; a step with cold blocks takes the gather plan.
 
-    The Triton decode kernel takes no window and no soft-capping: a decode step of a layer whose
-    window some context exceeds, or whose logits are capped, runs the torch reference attention
-    (``kernels.paged_decode_attention`` with them; correct, not fast)."""
+    The Triton decode kernel takes no window, no soft-capping and no attention sinks: a decode step
+    of a layer whose window some context exceeds, whose logits are capped or that has sinks (gpt-oss)
+    runs the torch reference attention (``kernels.paged_decode_attention`` with them; correct, not
+    fast). Prompt steps run the torch attention anyway (``kernels.paged_prefill_attention``)."""
 
     plans = False
 
     def _caches(self, layer: int):
         return self.pool.k[layer], self.pool.v[layer], None, None
 
-    def attend(self, layer, q, meta, scale, window=None, softcap=None):
+    def attend(self, layer, q, meta, scale, window=None, softcap=None, sinks=None):
         kc, vc, ks, vs = self._caches(layer)
         if meta.plan is not None:  # the step reads cold blocks: staged rows over the gathered pool rows
-            return paged_attention_gathered(q, kc, vc, self._windowed(meta.plan, window), scale, ks, vs, softcap)
+            return paged_attention_gathered(q, kc, vc, self._windowed(meta.plan, window), scale, ks, vs, softcap,
+                                            sinks)
         if window is not None and max(meta.context_lens) <= window:
             window = None  # no context of the step reaches past it: the Triton kernel runs the step
         if meta.is_decode:
             return kernels.paged_decode_attention(q, kc, vc, meta.block_tables, meta.context_lens_t, scale, ks, vs,
-                                                  window=window, softcap=softcap)
+                                                  window=window, softcap=softcap, sinks=sinks)
         return kernels.paged_prefill_attention(
             q, kc, vc, meta.block_tables, meta.context_lens_t, meta.query_start_loc, scale, ks, vs,
-            window=window, softcap=softcap
+            window=window, softcap=softcap, sinks=sinks
         )
 
-    def attend_with_scores(self, layer, q, meta, scale, score_from, window=None, softcap=None):
+    def attend_with_scores(self, layer, q, meta, scale, score_from, window=None, softcap=None, sinks=None):
         kc, vc, ks, vs = self._caches(layer)
         if window is not None and max(meta.context_lens) <= window:
             window = None
-        if meta.is_decode and ks is None and meta.plan is None and window is None and softcap is None:
+        if (meta.is_decode and ks is None and meta.plan is None and window is None and softcap is None
+                and sinks is None):
             res = kernels.paged_decode_attention(q, kc, vc, meta.block_tables, meta.context_lens_t, scale,
                                                  return_scores=True)
             return res.out, [res.token_mass[b].sum(0, keepdim=True) for b in range(q.shape[0])]  # [1, cap]
@@ -404,7 +416,7 @@ class CudaBackend(_PagedBackend):
         if plan is None:  # a scoring prefill: ScoringBackend asked for the plan in its metadata
             raise ValueError("attend_with_scores: the step's metadata has no gather plan")
         return paged_attention_gathered_scores(q, kc, vc, self._windowed(plan, window), scale, score_from, ks, vs,
-                                               softcap=softcap)
+                                               softcap=softcap, sinks=sinks)
 
     def metadata(self, query_lens, context_lens, block_tables, cold=None, prompt=None, score_from=None):
         # A scoring step's prompt rows need the gather layout (explicit softmax rows).
@@ -447,11 +459,11 @@ class BackendDecorator:
         # this decorator's ops
         return rope_attend_ops(self, layer, qkv, hq, hk, positions, rope_cache, meta, scale, window, softcap)
 
-    def attend(self, layer, q, meta, scale, window=None, softcap=None):
-        return self.inner.attend(layer, q, meta, scale, window, softcap)
+    def attend(self, layer, q, meta, scale, window=None, softcap=None, sinks=None):
+        return self.inner.attend(layer, q, meta, scale, window, softcap, sinks)
 
-    def attend_with_scores(self, layer, q, meta, scale, score_from, window=None, softcap=None):
-        return self.inner.attend_with_scores(layer, q, meta, scale, score_from, window, softcap)
+    def attend_with_scores(self, layer, q, meta, scale, score_from, window=None, softcap=None, sinks=None):
+        return self.inner.attend_with_scores(layer, q, meta, scale, score_from, window, softcap, sinks)
 
     def on_demote(self, pairs):
         self.inner.on_demote(pairs)
@@ -487,20 +499,21 @@ class ScoringBackend(BackendDecorator):
     def for_step(self, meta):
         return self.inner.for_step(meta) if meta.scores is None else self
 
-    def attend(self, layer, q, meta, scale, window=None, softcap=None):
+    def attend(self, layer, q, meta, scale, window=None, softcap=None, sinks=None):
         sc = meta.scores
         if sc is None:
-            return self.inner.attend(layer, q, meta, scale, window, softcap)
+            return self.inner.attend(layer, q, meta, scale, window, softcap, sinks)
         if sc.split is None:
-            out, rows = self.inner.attend_with_scores(layer, q, meta, scale, sc.score_from, window, softcap)
+            out, rows = self.inner.attend_with_scores(layer, q, meta, scale, sc.score_from, window, softcap, sinks)
             sc.add(range(len(rows)), rows)
             return out
         srows, smeta, stok, ometa, otok = sc.split
         out = q.new_empty(q.shape)
         res, rows = self.inner.attend_with_scores(layer, q.index_select(0, stok), smeta, scale,
-                                                  [sc.score_from[b] for b in srows], window, softcap)
+                                                  [sc.score_from[b] for b in srows], window, softcap, sinks)
         out.index_copy_(0, stok, res)
-        out.index_copy_(0, otok, self.inner.attend(layer, q.index_select(0, otok), ometa, scale, window, softcap))
+        out.index_copy_(0, otok, self.inner.attend(layer, q.index_select(0, otok), ometa, scale, window, softcap,
+                                                   sinks))
         sc.add(srows, rows)
         return out
 
@@ -527,13 +540,14 @@ class QuestBackend(BackendDecorator):
         self.inner.store(layer, k, v, meta)
         self.quest.update(self.pool.k[layer], meta.slot_mapping)
 
-    def attend(self, layer, q, meta, scale, window=None, softcap=None):
+    def attend(self, layer, q, meta, scale, window=None, softcap=None, sinks=None):
         if meta.is_decode:
-            if window is not None or softcap is not None:  # the engine refuses quest for such models (kv_policy)
-                raise ValueError("quest: page selection does not apply a sliding window or soft-capped logits")
+            if window is not None or softcap is not None or sinks is not None:  # refused at build (kv_policy_blocker)
+                raise ValueError("quest: page selection does not apply a sliding window, soft-capped logits or "
+                                 "attention sinks")
             return self.quest.decode(q, self.pool.k[layer], self.pool.v[layer], meta.block_tables,
                                      meta.context_lens_t, scale)
-        return self.inner.attend(layer, q, meta, scale, window, softcap)
+        return self.inner.attend(layer, q, meta, scale, window, softcap, sinks)
 
     def on_demote(self, pairs):
         self.quest.move_pages(pairs)  # the demoted pages' summaries follow them

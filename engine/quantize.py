@@ -501,18 +501,19 @@ class _BatchedAttention:
         self.k[layer][:, :, start:meta.ctx] = k
         self.v[layer][:, :, start:meta.ctx] = v
 
-    def rope_attend(self, layer, qkv, hq, hk, positions, rope_cache, meta, scale, window=None, softcap=None):
+    def rope_attend(self, layer, qkv, hq, hk, positions, rope_cache, meta, scale, window=None, softcap=None,
+                    sinks=None):
         from llmsys.engine.attention import rope_attend_ops
 
-        return rope_attend_ops(self, layer, qkv, hq, hk, positions, rope_cache, meta, scale, window, softcap)
+        return rope_attend_ops(self, layer, qkv, hq, hk, positions, rope_cache, meta, scale, window, softcap, sinks)
 
-    def attend(self, layer, q, meta, scale, window=None, softcap=None):  # q [b*n, Hq, D] -> [b*n, Hq, D]
+    def attend(self, layer, q, meta, scale, window=None, softcap=None, sinks=None):  # q [b*n, Hq, D] -> [b*n, Hq, D]
         b, ctx = self.b, meta.ctx
         t, hq, d = q.shape
         n = t // b
         k, v = self.k[layer][:, :, :ctx], self.v[layer][:, :, :ctx]  # [b, Hk, ctx, D]
         hk = k.shape[1]
-        plain = softcap is None and (window is None or window >= ctx)
+        plain = softcap is None and sinks is None and (window is None or window >= ctx)
         if n == 1 and plain:
             # A decode row sees every cached key: the g = Hq / Hk query heads of a K/V head as SDPA's
             # query rows (q head h reads K/V head h // g, as transformers' repeat_kv), no mask.
@@ -532,7 +533,10 @@ class _BatchedAttention:
             keep = kpos <= qpos
             if window is not None:
                 keep = keep & (kpos > qpos - window)
-            o = torch.softmax(s.masked_fill(~keep, float("-inf")), -1) @ v
+            from llmsys.kernels import softmax_with_sinks
+
+            head_sinks = None if sinks is None else sinks.view(hq, 1, 1)  # gpt-oss: a logit per head, no value
+            o = softmax_with_sinks(s.masked_fill(~keep, float("-inf")), head_sinks) @ v
         return o.transpose(1, 2).reshape(t, hq, d)
 
 

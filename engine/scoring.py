@@ -305,9 +305,9 @@ class _CausalWindows(BackendDecorator):
         super().__init__(inner)
         self.window = window
 
-    def attend(self, layer, q, meta, scale, window=None, softcap=None):  # q [B*window, Hq, D]
-        if softcap is not None or (window is not None and window < self.window):  # SDPA's causal mask cannot say it
-            return self.inner.attend(layer, q, meta, scale, window, softcap)
+    def attend(self, layer, q, meta, scale, window=None, softcap=None, sinks=None):  # q [B*window, Hq, D]
+        if softcap is not None or sinks is not None or (window is not None and window < self.window):
+            return self.inner.attend(layer, q, meta, scale, window, softcap, sinks)  # SDPA cannot say these
         T, Hq, D = q.shape
         k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
         Hk = k_cache.shape[-2]

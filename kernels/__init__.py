@@ -63,7 +63,7 @@ from llmsys.kernels.cpu_qgemv import (
     layer_mlp,
 )
 from llmsys.kernels.cpu_report import CpuKernels, QuantMatmulSupport, cpu_kernels, quant_matmul_support
-from llmsys.kernels.reference import dequant_int4, pack_int4, quantize_int8_ref, unpack_int4
+from llmsys.kernels.reference import dequant_int4, pack_int4, quantize_int8_ref, softmax_with_sinks, unpack_int4
 from llmsys.kernels.rope_cache import build_rope_cache, rope_attention_factor, rope_inv_freq, rope_type
 
 __all__ = [
@@ -128,6 +128,7 @@ __all__ = [
     "rope_type",
     "windowed",
     "silu_mul",
+    "softmax_with_sinks",
     "transpose_bf16",
     "triton_available",
     "unpack_cpu_int4",

@@ -11,7 +11,9 @@ unpadded, so a sequence's bits do not depend on the rest of the step.
 
 Sliding-window layers (Gemma 2/3, Phi-3) attend through :func:`windowed`, the step's plan
 restricted to each query's window; soft-capped logits (Gemma 2) take explicit float32 logits
-(``softcap``), as transformers' eager attention computes them (SDPA has no soft-capping).
+(``softcap``), as transformers' eager attention computes them (SDPA has no soft-capping); so do
+attention sinks (gpt-oss: ``sinks``, one more logit per head in each softmax's denominator,
+``reference.softmax_with_sinks``), which neither SDPA nor the C decode attention take.
 
 Cold blocks (a KV tier beyond the pool, ``llmsys.offload.kv_tier``): block ids
 ``>= ColdBlocks.first`` are not in the pool tensors. The plan gathers their
@@ -29,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from llmsys.kernels import cpu_decode
+from llmsys.kernels.reference import softmax_with_sinks
 
 
 @dataclass(frozen=True)
@@ -233,9 +236,11 @@ def _decode_grouped(
     mask: torch.Tensor | None,  # [B, 1, 1, L] bool or None
     scale: float,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [Hq]
 ) -> torch.Tensor:  # [B, Hq, D]
     """Decode attention as two grouped matmuls, all in float32 (output in q's dtype); ``softcap``:
-    logits ``cap * tanh(logits / cap)`` before the mask (Gemma 2).
+    logits ``cap * tanh(logits / cap)`` before the mask (Gemma 2); ``sinks``: one more logit per
+    query head in the softmax's denominator (gpt-oss).
 
     float32 even for bfloat16 pools: the bf16 batched matmul picks its blocking
     by batch shape, so the same sequence decoded alone or beside others got
@@ -257,7 +262,7 @@ def _decode_grouped(
         s = torch.tanh(s / softcap) * softcap
     if mask is not None:
         s = s.masked_fill(~mask.transpose(0, 1), float("-inf"))  # mask [1, B, 1, L] broadcasts over heads
-    p = torch.softmax(s, dim=-1)
+    p = softmax_with_sinks(s, None if sinks is None else sinks.view(Hk, 1, Hq // Hk, 1))  # head h = hk * G + g
     return torch.matmul(p, v.float()).to(dtype).transpose(0, 1).reshape(B, Hq, D)  # [Hk, B, G, D] -> [B, Hq, D]
 
 
@@ -270,6 +275,7 @@ def paged_attention_gathered(
     k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, Hk] f32 for int8 caches
     v_scale: torch.Tensor | None = None,
     softcap: float | None = None,  # tanh soft-capping of the logits (Gemma 2)
+    sinks: torch.Tensor | None = None,  # [Hq] attention sinks (gpt-oss): explicit float32 logits, never the C path
 ) -> torch.Tensor:  # [T, Hq, D]
     """Each new token over its sequence's context, by the plan (a sliding window: :func:`windowed` first)."""
     T, Hq, D = q.shape
@@ -278,11 +284,11 @@ def paged_attention_gathered(
         out = q.new_empty(T, Hq, D)
         for sub, tok in ((dplan, dtok), (pplan, ptok)):
             res = paged_attention_gathered(q.index_select(0, tok), k_cache, v_cache, sub, scale, k_scale, v_scale,
-                                           softcap)
+                                           softcap, sinks)
             out.index_copy_(0, tok, res)
         return out
     same_dtype = k_scale is not None or k_cache.dtype == q.dtype  # int8 pools dequantize to q's dtype
-    if (plan.is_decode and same_dtype and plan.lens is not None and softcap is None
+    if (plan.is_decode and same_dtype and plan.lens is not None and softcap is None and sinks is None
             and cpu_decode.attention_applies(q) and cpu_decode.available()):
         # The C decode attention (kernels/cpu_decode.c), reading a plain pool by slot (the same
         # rows a gather would copy), else the gathered (dequantized / staged) rows. No gather,
@@ -297,10 +303,10 @@ def paged_attention_gathered(
     if plan.is_decode:
         k = _gather_heads_first(k_cache, k_scale, plan, q.dtype)  # [Hk, B, Lmax, D]
         v = _gather_heads_first(v_cache, v_scale, plan, q.dtype)
-        return _decode_grouped(q, k, v, plan.attn_mask, scale, softcap)
+        return _decode_grouped(q, k, v, plan.attn_mask, scale, softcap, sinks)
     k = _gather(k_cache, k_scale, plan, q.dtype).transpose(1, 2)  # [B, Hk, Lmax, D]
     v = _gather(v_cache, v_scale, plan, q.dtype).transpose(1, 2)
-    return _prefill_each(q, k, v, plan, scale, softcap)
+    return _prefill_each(q, k, v, plan, scale, softcap, sinks)
 
 
 def attend_gathered(
@@ -310,20 +316,21 @@ def attend_gathered(
     plan: GatherPlan,  # not split (callers run a split plan's parts one by one)
     scale: float,
     softcap: float | None = None,  # tanh soft-capping of the logits (Gemma 2)
+    sinks: torch.Tensor | None = None,  # [Hq] attention sinks (gpt-oss)
 ) -> torch.Tensor:  # [T, Hq, D]
     """Attention over K/V a pool gathered itself (the int4 pool dequantizes in its gather).
 
-    Decode rows: one SDPA over the batch (the grouped float32 matmuls with ``softcap``). Prompt
+    Decode rows: one SDPA over the batch (the grouped float32 matmuls with ``softcap`` or ``sinks``). Prompt
     chunks: :func:`_prefill_each`, one unpadded SDPA per sequence, as the plain and int8 pools run
     them, so a prompt's bits do not depend on the rest of the step.
     """
     if plan.split is not None:
         raise ValueError("attend_gathered: run a split plan's parts one at a time")
     if not plan.is_decode:
-        return _prefill_each(q, k.transpose(1, 2), v.transpose(1, 2), plan, scale, softcap)
-    if softcap is not None:
+        return _prefill_each(q, k.transpose(1, 2), v.transpose(1, 2), plan, scale, softcap, sinks)
+    if softcap is not None or sinks is not None:
         kh, vh = (x.permute(2, 0, 1, 3) for x in (k, v))  # [Hk, B, Lmax, D]
-        return _decode_grouped(q, kh, vh, plan.attn_mask, scale, softcap)
+        return _decode_grouped(q, kh, vh, plan.attn_mask, scale, softcap, sinks)
     T, Hq, D = q.shape
     qb = q.view(T, 1, Hq, D).transpose(1, 2)  # [B, Hq, 1, D]
     out = F.scaled_dot_product_attention(qb, k.transpose(1, 2), v.transpose(1, 2), attn_mask=plan.attn_mask,
@@ -332,7 +339,8 @@ def attend_gathered(
 
 
 def _prefill_each(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: GatherPlan, scale: float,
-                  softcap: float | None = None) -> torch.Tensor:  # q [T, Hq, D], k/v [B, Hk, Lmax, D] -> [T, Hq, D]
+                  softcap: float | None = None,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:  # q [T, Hq, D], k/v [B, Hk, Lmax, D] -> [T, Hq, D]
     """Prompt attention one sequence at a time, unpadded: each sequence's SDPA call has the
     shapes and mask it would have alone, so its bits do not depend on what else is in the step.
 
@@ -352,20 +360,22 @@ def _prefill_each(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Gathe
         mask = plan.attn_mask[b : b + 1, :, :n, :L].contiguous()  # [1, 1, n, L]; its strides would follow Lmax
         # k/v [1, Hk, L, D] views: their strides (Hk * D per position) do not depend on the padding
         kb, vb = k[b : b + 1, :, :L], v[b : b + 1, :, :L]
-        if softcap is None:
+        if softcap is None and sinks is None:
             out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale, enable_gqa=Hq != Hk)
         else:
-            out = _capped_attention(qb, kb, vb, mask, scale, softcap)
+            out = _explicit_attention(qb, kb, vb, mask, scale, softcap, sinks)
         outs.append(out[0].transpose(0, 1))  # [n, Hq, D]
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
 
-def _capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-                      softcap: float, q_chunk: int = 256) -> torch.Tensor:  # q [1, Hq, n, D], k/v [1, Hk, L, D]
-    """Attention with soft-capped logits, ``cap * tanh(logits / cap)`` before the mask and softmax (Gemma 2),
-    as transformers' eager attention computes it, in float32 (output in q's dtype) -> ``[1, Hq, n, D]``.
+def _explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                        softcap: float | None, sinks: torch.Tensor | None,
+                        q_chunk: int = 256) -> torch.Tensor:  # q [1, Hq, n, D], k/v [1, Hk, L, D]
+    """Attention over explicit float32 logits, as transformers' eager attention computes it (output in q's
+    dtype) -> ``[1, Hq, n, D]``: soft-capped, ``cap * tanh(logits / cap)`` before the mask and softmax
+    (``softcap``: Gemma 2), and with attention sinks in the softmax (``sinks [Hq]``: gpt-oss).
 
-    Why not SDPA: it has no soft-capping. ``q_chunk`` queries at a time, so at most ``[Hq, q_chunk, L]``
+    Why not SDPA: it has neither. ``q_chunk`` queries at a time, so at most ``[Hq, q_chunk, L]``
     logits exist at once (never the whole ``[n, L]`` matrix of a long prompt).
     """
     hq, hk, n = q.shape[1], k.shape[1], q.shape[2]
@@ -377,9 +387,11 @@ def _capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     for c0 in range(0, n, q_chunk):
         c1 = min(n, c0 + q_chunk)
         s = torch.matmul(q[:, :, c0:c1].float(), kt) * scale  # [1, Hq, c, L]
-        s = torch.tanh(s / softcap) * softcap
+        if softcap is not None:
+            s = torch.tanh(s / softcap) * softcap
         s = s.masked_fill(~mask[:, :, c0:c1], float("-inf"))
-        out[:, :, c0:c1] = torch.matmul(torch.softmax(s, dim=-1), vf).to(q.dtype)
+        p = softmax_with_sinks(s, None if sinks is None else sinks.view(1, hq, 1, 1))
+        out[:, :, c0:c1] = torch.matmul(p, vf).to(q.dtype)
     return out
 
 
@@ -454,6 +466,7 @@ def paged_attention_gathered_scores(
     v_scale: torch.Tensor | None = None,
     q_chunk: int = 128,
     softcap: float | None = None,  # tanh soft-capping of the logits (Gemma 2)
+    sinks: torch.Tensor | None = None,  # [Hq] attention sinks (gpt-oss)
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:  # out [T, Hq, D], rows[b] [nq_b, Lmax] f32
     """Like :func:`paged_attention_gathered`, also returning attention rows.
 
@@ -462,7 +475,7 @@ def paged_attention_gathered_scores(
     time, so at most ``[B, Hq, q_chunk, Lmax]`` probabilities exist at once
     (never the full ``[Lq, L]`` matrix of a long prefill). Row ``i`` of
     ``rows[b]`` is the probability mass of query ``score_from[b] + i`` summed
-    over all query heads (each row sums to Hq).
+    over all query heads (each row sums to Hq; less with ``sinks``, whose mass no key holds).
     """
     T, Hq, D = q.shape
     Hk = k_cache.shape[-2]
@@ -489,7 +502,7 @@ def paged_attention_gathered_scores(
             logits = torch.tanh(logits / softcap) * softcap
         if plan.attn_mask is not None:
             logits = logits.masked_fill(~plan.attn_mask[:, :, c0:c1], float("-inf"))
-        p = torch.softmax(logits, dim=-1)
+        p = softmax_with_sinks(logits, None if sinks is None else sinks.view(1, Hq, 1, 1))
         out[:, :, c0:c1] = torch.matmul(p, v.float()).to(q.dtype)
         mass = p.sum(dim=1)  # [B, c, Lmax]
         for b in range(B):

@@ -256,6 +256,7 @@ def paged_decode_attention(
     impl: Impl = "auto",
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | DecodeAttentionResult:
     """Decode attention over a paged KV cache (GQA, variable lengths, split-K).
 
@@ -263,24 +264,28 @@ def paged_decode_attention(
     probability mass summed over each KV head's query heads (for H2O) and its
     per-block max (for Quest-style block selection). ``context_lens`` must not
     exceed ``max_blocks * block_size`` (not checked on CUDA: it would sync).
-    ``window`` (only the last ``window`` keys: sliding-window layers) and
-    ``softcap`` (logits ``cap * tanh(logits / cap)``: Gemma 2) run the torch
-    reference: the Triton kernel has neither yet.
+    ``window`` (only the last ``window`` keys: sliding-window layers),
+    ``softcap`` (logits ``cap * tanh(logits / cap)``: Gemma 2) and ``sinks``
+    (``[Hq]`` float, one more logit per head in the softmax's denominator whose
+    column is dropped: gpt-oss) run the torch reference: the Triton kernel has
+    none of them yet (correct on CUDA, not fast).
     """
     op = "paged_decode_attention"
     hk, _ = _check_paged(op, q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
+    _check_sinks(op, sinks, q)
     if q.shape[0] != block_tables.shape[0]:
         fail(op, f"q has {q.shape[0]} sequences but block_tables has {block_tables.shape[0]}")
     part = DEFAULT_PARTITION_SIZE if partition_size is None else partition_size
     if part < 16 or part & (part - 1):
         fail(op, f"partition_size must be a power of two >= 16, got {part}")
     block_size = k_cache.shape[1]
-    if not use_triton(impl, q.device, op) or window is not None or softcap is not None:
+    if not use_triton(impl, q.device, op) or window is not None or softcap is not None or sinks is not None:
         cap = block_tables.shape[1] * block_size
         if context_lens.numel() and int(context_lens.max()) > cap:
             fail(op, f"a context length exceeds the block table capacity ({cap} tokens)")
         result = ref.paged_decode_attention_ref(
-            q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale, return_scores, window, softcap
+            q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale, return_scores, window, softcap,
+            sinks,
         )
         return DecodeAttentionResult(*result) if return_scores else result
     out, lse, logits = triton_module("triton_attention").paged_decode_attention(
@@ -291,6 +296,12 @@ def paged_decode_attention(
         return out
     mass = _token_mass(logits, lse, context_lens, hk)
     return DecodeAttentionResult(out, mass, ref.block_max_from_token_mass(mass, block_size))
+
+
+def _check_sinks(op: str, sinks: torch.Tensor | None, q: torch.Tensor) -> None:
+    """Attention sinks are one float logit per query head, on q's device."""
+    if sinks is not None:
+        check(op, "sinks", sinks, shape=(q.shape[1],), dtypes=FLOAT_DTYPES, device=q.device)
 
 
 def _token_mass(logits: torch.Tensor, lse: torch.Tensor, lens: torch.Tensor, hk: int) -> torch.Tensor:
@@ -316,9 +327,10 @@ def paged_prefill_attention(
     impl: Impl = "auto",
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
-    """Causal attention of new tokens over cached prefix + themselves (``window``, ``softcap``: as in
-    :func:`paged_decode_attention`).
+    """Causal attention of new tokens over cached prefix + themselves (``window``, ``softcap``, ``sinks``: as
+    in :func:`paged_decode_attention`).
 
     Torch only for now (gather + ``scaled_dot_product_attention`` per
     sequence, on whatever device the tensors live); ``impl='triton'`` raises.
@@ -327,6 +339,7 @@ def paged_prefill_attention(
     _check_paged(op, q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
     check(op, "query_start_loc", query_start_loc, shape=(block_tables.shape[0] + 1,),
           dtypes=(torch.int32, torch.int64), device=q.device)
+    _check_sinks(op, sinks, q)
     if impl == "triton":
         fail(op, "there is no Triton prefill kernel yet; use impl='auto' or 'reference'")
     use_triton(impl, q.device, op)  # validates the impl string
@@ -337,5 +350,6 @@ def paged_prefill_attention(
     if bool((qlens > context_lens.long()).any()):
         fail(op, "a sequence has more new tokens than its context length")
     return ref.paged_prefill_attention_ref(
-        q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, k_scale, v_scale, window, softcap
+        q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, k_scale, v_scale, window, softcap,
+        sinks,
     )

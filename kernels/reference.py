@@ -177,6 +177,20 @@ def gather_kv_ref(
     return out
 
 
+def softmax_with_sinks(logits: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """``softmax(logits)`` over the last dim (keys), with attention sinks (gpt-oss) when given.
+
+    A sink is one learned logit per query head that joins each row's softmax denominator and has no
+    value: the probabilities are ``softmax([logits, sink])`` with the sink's column dropped, so a row's
+    mass sums to less than 1 (transformers' ``eager_attention_forward`` of GptOss). ``sinks`` must
+    broadcast against ``logits[..., :1]`` (the head on its axis of ``logits``); it is used in float32.
+    """
+    if sinks is None:
+        return torch.softmax(logits, dim=-1)
+    col = sinks.to(device=logits.device, dtype=logits.dtype).expand(*logits.shape[:-1], 1)
+    return torch.softmax(torch.cat([logits, col], dim=-1), dim=-1)[..., :-1]
+
+
 def block_max_from_token_mass(token_mass: torch.Tensor, block_size: int) -> torch.Tensor:
     """[B, Hk, max_blocks * block_size] -> [B, Hk, max_blocks]: max per KV block."""
     b, h, c = token_mass.shape
@@ -195,11 +209,13 @@ def paged_decode_attention_ref(
     return_scores: bool = False,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One query token per sequence against its paged K/V (dense softmax).
 
     ``window``: only the last ``window`` keys (sliding-window layers); ``softcap``: logits
-    ``cap * tanh(logits / cap)`` before the softmax (Gemma 2).
+    ``cap * tanh(logits / cap)`` before the softmax (Gemma 2); ``sinks`` ``[Hq]``: one more logit per
+    head in each softmax's denominator (:func:`softmax_with_sinks`: gpt-oss).
 
     Returns ``out [B, Hq, D]``; with ``return_scores`` also
     ``token_mass [B, Hk, max_blocks*block_size]`` (softmax probability summed
@@ -225,7 +241,7 @@ def paged_decode_attention_ref(
             logits = torch.tanh(logits / softcap) * softcap
         if window is not None and length > window:
             logits[:, : length - window] = float("-inf")
-        probs = torch.softmax(logits, dim=-1)
+        probs = softmax_with_sinks(logits, None if sinks is None else sinks.view(hq, 1))
         out[b] = torch.einsum("hl,lhd->hd", probs, vals)
         mass[b, :, :length] = probs.view(hk, group, length).sum(dim=1)
     out = out.to(q.dtype)
@@ -246,13 +262,14 @@ def paged_prefill_attention_ref(
     v_scale: torch.Tensor | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Causal attention of each sequence's new tokens over its whole context.
 
     The new tokens are the last ``query_len`` positions of the context, so
     query ``i`` (0-based within the sequence) sits at absolute position
     ``context_len - query_len + i`` and sees keys ``0..that position`` (with
-    ``window``, only those above ``position - window``); ``softcap`` as in
+    ``window``, only those above ``position - window``); ``softcap`` and ``sinks`` as in
     :func:`paged_decode_attention_ref`.
     """
     hq, hk = q.shape[1], k_cache.shape[2]
@@ -273,10 +290,13 @@ def paged_prefill_attention_ref(
         mask = kpos <= qpos[:, None]  # [Lq, L]
         if window is not None:
             mask &= kpos > qpos[:, None] - window
-        if softcap is None:
+        if softcap is None and sinks is None:
             o = F.scaled_dot_product_attention(qb, keys, vals, attn_mask=mask, scale=scale)
         else:
-            logits = torch.tanh(torch.matmul(qb, keys.transpose(-1, -2)) * scale / softcap) * softcap
-            o = torch.matmul(torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1), vals)
+            logits = torch.matmul(qb, keys.transpose(-1, -2)) * scale  # [Hq, Lq, L]
+            if softcap is not None:
+                logits = torch.tanh(logits / softcap) * softcap
+            head_sinks = None if sinks is None else sinks.view(hq, 1, 1)
+            o = torch.matmul(softmax_with_sinks(logits.masked_fill(~mask, float("-inf")), head_sinks), vals)
         out[start:end] = o.transpose(0, 1).to(q.dtype)
     return out

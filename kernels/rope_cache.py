@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-_SUPPORTED = ("default", "llama3", "linear", "freq_factors", "longrope")
+_SUPPORTED = ("default", "llama3", "linear", "freq_factors", "longrope", "yarn")
 
 
 def rope_type(scaling: dict[str, Any] | None) -> str:
@@ -34,7 +34,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None = 
     ``linear`` (factor), or ``freq_factors`` (``factors``: ``head_dim // 2`` divisors, what
     llama.cpp stores as ``rope_freqs.weight`` in Llama 3 GGUF files instead of the llama3
     parameters), or ``longrope`` (Phi-3: ``short_factor`` / ``long_factor``, ``head_dim // 2``
-    divisors each; ``long`` picks the long set). Other types raise ``ValueError``.
+    divisors each; ``long`` picks the long set), or ``yarn`` (gpt-oss: factor,
+    original_max_position_embeddings, optional beta_fast / beta_slow / truncate; its attention factor
+    is :func:`rope_attention_factor`'s). Other types raise ``ValueError``.
     """
     if head_dim <= 0 or head_dim % 2:
         raise ValueError(f"build_rope_cache: head_dim must be a positive even number, got {head_dim}")
@@ -46,6 +48,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None = 
         )
     if kind == "longrope":
         return _longrope_inv_freq(head_dim, theta, scaling, long)
+    if kind == "yarn":
+        return _yarn_inv_freq(head_dim, theta, scaling)
     if kind == "linear":
         # HF divides positions by the factor; dividing inv_freq is the same product.
         return inv_freq / float(scaling["factor"])
@@ -72,11 +76,57 @@ def _longrope_inv_freq(dim: int, theta: float, scaling: dict[str, Any], long: bo
     return 1.0 / (ext_factors * theta**inv_freq_shape)
 
 
+def _yarn_inv_freq(dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """Line for line transformers' ``_compute_yarn_parameters`` (its inverse frequencies): each pair's
+    frequency blends the interpolated ``1 / (factor * theta^(2i/dim))`` and the original one by a ramp
+    over the pairs between the correction dims of ``beta_fast`` and ``beta_slow`` rotations in the original
+    context (floored / ceiled unless ``truncate`` is false, as gpt-oss's config says)."""
+    try:
+        factor = float(scaling["factor"])
+        orig = scaling["original_max_position_embeddings"]
+    except KeyError as exc:
+        raise ValueError(f"build_rope_cache: yarn rope scaling is missing key {exc}") from None
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:  # the dim whose wavelength fits `rotations` turns in orig
+        return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)  # [dim / 2]
+    pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    keep = 1 - ramp  # the share of each pair's original (extrapolated) frequency
+    return interpolation * (1 - keep) + extrapolation * keep
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
 def rope_attention_factor(scaling: dict[str, Any] | None, max_position_embeddings: int) -> float:
-    """What transformers multiplies cos and sin by: LongRoPE's ``attention_factor``, by default
-    ``sqrt(1 + ln(factor) / ln(original_max_position_embeddings))`` with ``factor`` the configured one or
-    ``max_position_embeddings / original_max_position_embeddings`` (1 for the other types)."""
-    if rope_type(scaling) != "longrope":
+    """What transformers multiplies cos and sin by (1 for most types).
+
+    LongRoPE: its ``attention_factor``, by default ``sqrt(1 + ln(factor) / ln(original_max_position_embeddings))``
+    with ``factor`` the configured one or ``max_position_embeddings / original_max_position_embeddings``.
+    YaRN: its ``attention_factor``, by default ``0.1 ln(factor) + 1`` (or the ratio of that with ``mscale`` to
+    that with ``mscale_all_dim`` when both are given), as ``_compute_yarn_parameters``."""
+    kind = rope_type(scaling)
+    if kind == "yarn":
+        given = scaling.get("attention_factor")
+        if given is not None:
+            return float(given)
+        factor = scaling.get("factor") or max_position_embeddings / scaling["original_max_position_embeddings"]
+        mscale, mscale_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if mscale and mscale_all:
+            return float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all))
+        return _yarn_mscale(factor)
+    if kind != "longrope":
         return 1.0
     given = scaling.get("attention_factor")
     if given is not None:

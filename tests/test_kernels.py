@@ -459,8 +459,9 @@ def test_cpu_prompt_attention_needs_context_lengths():
 # ------------------------------------------------- sliding window, soft-capping, LongRoPE
 
 
-def _dense_attention(q, k, v, pos, scale, window=None, softcap=None):
-    """One query ``[Hq, D]`` at ``pos`` over dense ``k, v [L, Hk, D]`` in float64 (the definition)."""
+def _dense_attention(q, k, v, pos, scale, window=None, softcap=None, sinks=None):
+    """One query ``[Hq, D]`` at ``pos`` over dense ``k, v [L, Hk, D]`` in float64 (the definition); ``sinks``
+    ``[Hq]``: a last logit column per head in the softmax, dropped after it (gpt-oss)."""
     hq, hk = q.shape[0], k.shape[1]
     kk = k[: pos + 1].double().repeat_interleave(hq // hk, 1)
     vv = v[: pos + 1].double().repeat_interleave(hq // hk, 1)
@@ -469,7 +470,87 @@ def _dense_attention(q, k, v, pos, scale, window=None, softcap=None):
         logits = torch.tanh(logits / softcap) * softcap
     if window is not None:
         logits[:, : max(0, pos + 1 - window)] = float("-inf")
-    return torch.einsum("hl,lhd->hd", torch.softmax(logits, -1), vv)
+    if sinks is None:
+        return torch.einsum("hl,lhd->hd", torch.softmax(logits, -1), vv)
+    probs = torch.softmax(torch.cat([logits, sinks.double()[:, None]], -1), -1)[:, :-1]
+    return torch.einsum("hl,lhd->hd", probs, vv)
+
+
+@pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (6, 1.5)])
+def test_reference_attention_sinks_vs_dense(window, softcap):
+    """Attention sinks (gpt-oss: one logit per head in each softmax's denominator, no value) in the reference
+    prefill and decode attention, with a window and soft-capping too, against the float64 definition."""
+    lens, qlens, hq, hk, d, scale = [9, 14, 3], [9, 4, 1], 4, 2, 8, 0.4
+    kc, vc, _, _, tables, dk, dv = _paged_setup(lens, hk, d, 8)
+    starts = [0, 9, 13, 14]
+    q = torch.randn(14, hq, d, generator=torch.Generator().manual_seed(2))
+    sinks = torch.tensor([2.0, -1.0, 0.5, 4.0])
+    cl = torch.tensor(lens, dtype=torch.int32)
+    kw = dict(window=window, softcap=softcap, sinks=sinks)
+    got = K.paged_prefill_attention(q, kc, vc, tables, cl, torch.tensor(starts), scale, **kw)
+    dec = K.paged_decode_attention(q[[8, 12, 13]], kc, vc, tables, cl, scale, **kw)
+    for b, (n, m) in enumerate(zip(lens, qlens)):
+        for i in range(m):
+            _close(got[starts[b] + i], _dense_attention(q[starts[b] + i], dk[b], dv[b], n - m + i, scale, **kw))
+        _close(dec[b], _dense_attention(q[starts[b + 1] - 1], dk[b], dv[b], n - 1, scale, **kw))
+    with pytest.raises(ValueError, match="sinks"):
+        K.paged_decode_attention(q[[8, 12, 13]], kc, vc, tables, cl, scale, sinks=sinks[:3])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("qlens", [[1, 1, 1, 1, 1], [1, 6, 5, 1, 1]])
+def test_cpu_attention_with_sinks_equals_reference(dtype, window, qlens):
+    """Attention sinks through the CPU paths: the gathered attention (decode rows take the grouped float32
+    matmuls, never the C decode kernel, which has no sinks; prompt chunks explicit float32 logits), the
+    int4 pool's ``attend_gathered`` on the same gathered rows, and the scoring path, each equal to the
+    reference attention with the sinks; the scores' rows keep the mass the sinks took out (< Hq)."""
+    from llmsys.kernels.cpu_attention import (attend_gathered, make_gather_plan, paged_attention_gathered,
+                                              paged_attention_gathered_scores, windowed)
+
+    lens, hq, hk, d, bs = [9, 30, 5, 17, 12], 8, 2, 16, 8
+    kc, vc, ks, vs, tables, _, _ = _paged_setup(lens, hk, d, bs, dtype=dtype)
+    starts = [0]
+    for q_ in qlens:
+        starts.append(starts[-1] + q_)
+    qdtype = torch.float32 if dtype == torch.int8 else dtype
+    q = torch.randn(starts[-1], hq, d, generator=torch.Generator().manual_seed(3)).to(qdtype)
+    sinks = torch.linspace(-2.0, 3.0, hq).to(qdtype)
+    block_lists = [row[: -(-n // bs)].tolist() for row, n in zip(tables, lens)]
+    plan = windowed(make_gather_plan(qlens, lens, block_lists, bs, torch.device("cpu")), window)
+    got = paged_attention_gathered(q, kc, vc, plan, 0.3, ks, vs, sinks=sinks)
+    kf, vf = (kc, vc) if dtype != torch.bfloat16 else (kc.float(), vc.float())
+    want = K.paged_prefill_attention(q.float(), kf, vf, tables, torch.tensor(lens, dtype=torch.int32),
+                                     torch.tensor(starts), 0.3, ks, vs, impl="reference", window=window,
+                                     sinks=sinks.float())
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    _close(got.float(), want, atol=tol, rtol=tol)
+    out, rows = paged_attention_gathered_scores(q, kc, vc, plan, 0.3, [0] * len(lens), ks, vs, sinks=sinks)
+    _close(out.float(), want, atol=tol, rtol=tol)
+    assert all(bool((r.sum(-1) < hq - 1e-3).all()) for r in rows)
+    if dtype == torch.float32 and plan.split is None:  # the int4 pool's path, on the plain rows
+        slots = plan.gather_slots
+        kg, vg = (c.view(-1, hk, d)[slots] for c in (kc, vc))  # [B, Lmax, Hk, D]
+        _close(attend_gathered(q, kg, vg, plan, 0.3, sinks=sinks), want, atol=tol, rtol=tol)
+
+
+def test_yarn_cache_matches_hf():
+    """YaRN (gpt-oss's released parameters, and a truncated ramp): transformers' inverse frequencies bit for bit,
+    and its attention factor on cos and sin, as GptOssRotaryEmbedding computes them."""
+    transformers = pytest.importorskip("transformers")
+    gpt_oss = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
+    for params in (dict(factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False, original_max_position_embeddings=4096),
+                   dict(factor=4.0, original_max_position_embeddings=64)):
+        scaling = dict(rope_type="yarn", **params)
+        cfg = transformers.GptOssConfig(head_dim=64, max_position_embeddings=8192,
+                                        rope_parameters=dict(scaling, rope_theta=150000.0))
+        emb = gpt_oss.GptOssRotaryEmbedding(cfg)
+        factor = K.rope_attention_factor(scaling, 8192)
+        assert factor == emb.attention_scaling
+        pos = torch.arange(8192)
+        cache = K.build_rope_cache(64, 8192, 150000.0, scaling, attention_factor=factor)
+        cos, sin = emb(torch.zeros(1), pos[None])  # [1, T, 32]
+        assert torch.equal(cache[:, :32], cos[0]) and torch.equal(cache[:, 32:], sin[0])
 
 
 @pytest.mark.parametrize("window,softcap", [(5, None), (None, 2.0), (6, 1.5)])

@@ -191,7 +191,7 @@ def test_phi3_longrope_chunked_prompts_take_the_long_table(tmp_path):
     assert [o.token_ids for o in outs] == refs
 
 
-@pytest.mark.parametrize("arch", ["phi3", "gemma2", "gemma3"])
+@pytest.mark.parametrize("arch", ["phi3", "gemma2", "gemma3", "gpt_oss"])
 def test_sliding_window_batched_chunked_shared_prefix_greedy_match_transformers(arch, tmp_path):
     """Sliding-window layers in the serving paths: prompts of different lengths batched with decodes,
     a prompt chunked past its window (16-token steps), a prefix shared through the prefix cache; each
@@ -215,10 +215,10 @@ def test_sliding_window_batched_chunked_shared_prefix_greedy_match_transformers(
     assert [o.token_ids for o in outs] == refs
 
 
-@pytest.mark.parametrize("arch", ["phi3", "phi3-longrope", "gemma2", "gemma3"])
+@pytest.mark.parametrize("arch", ["phi3", "phi3-longrope", "gemma2", "gemma3", "gpt_oss"])
 def test_kv_policies_that_move_or_select_keys_are_refused(arch, tmp_path):
     """Evicting policies re-rotate kept keys with one whole-head table and Quest / the scores know no
-    window or soft-cap: for these families they are refused up front, naming why; full runs."""
+    window, soft-cap or attention sink: for these families they are refused up front, naming why; full runs."""
     from llmsys import LLM
     from llmsys.kernels.common.errors import InvalidParameterError
 
@@ -258,11 +258,11 @@ def test_calibrated_quantization_refuses_experts(arch, tmp_path):
         refine_quantized(loaded.model, {}, [[5, 6, 7, 8]], steps=1)
 
 
-@pytest.mark.parametrize("arch", ["phi3", "gemma2", "gemma3"])
+@pytest.mark.parametrize("arch", ["phi3", "gemma2", "gemma3", "gpt_oss"])
 def test_cuda_backend_window_and_softcap_paths_match_transformers(arch, tmp_path):
-    """The CUDA backend's own logic for sliding and soft-capped layers (the steps the Triton decode
-    kernel cannot take go to the reference attention with the window and cap), run on CPU tensors:
-    the same logits as transformers."""
+    """The CUDA backend's own logic for sliding and soft-capped layers and attention sinks (the steps the
+    Triton decode kernel cannot take go to the reference attention with the window, cap and sinks), run on
+    CPU tensors: the same logits as transformers."""
     from transformers import AutoModelForCausalLM
 
     from llmsys.engine.attention import CudaBackend

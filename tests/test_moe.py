@@ -340,3 +340,104 @@ def test_planner_accounts_experts():
     gplan, _ = plan_for(meta, torch.bfloat16, Budgets(64 << 30, 16 << 30, None, True, True), Workload(kv_tokens=1024),
                         "int4", bandwidths=bw, cpu_moe=-1)
     assert gplan.experts.tier == "cpu" and gplan.bytes_in("cpu") >= total_e and gplan.bytes_in("gpu") < total_e / 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpt_oss_router_equals_transformers(dtype, tmp_path):
+    """gpt-oss's router (a bias; the top-k logits, then a softmax over those in the logits' dtype): the same
+    logits, experts and weights, bit for bit and dtype, as transformers' ``GptOssTopKRouter``; in float32
+    the MoE block's output matches ``GptOssMLP`` (clamped SwiGLU experts with biases)."""
+    from transformers import AutoModelForCausalLM
+
+    from llmsys.engine.models.moe import MoE, route
+
+    path = make_hf_model("gpt_oss", tmp_path / "g")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    ours = load_model(path, dtype=str(dtype).removeprefix("torch."), device="cpu").model.model.layers[0].mlp
+    assert isinstance(ours, MoE) and ours.topk_first and ours.gate.bias is not None
+    x = torch.randn(256, hf.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(dtype)
+    with torch.no_grad():
+        ref_logits, ref_w, ref_e = hf.model.layers[0].mlp.router(x)
+        logits = ours.gate(x)
+        w, e = route(logits, ours.top_k, ours.normalize, ours.float_weights, ours.topk_first)
+        assert torch.equal(logits, ref_logits)
+        assert torch.equal(e, ref_e) and w.dtype == ref_w.dtype and torch.equal(w, ref_w)
+        assert len(set(e.flatten().tolist())) == len(ours.experts)
+        if dtype == torch.float32:
+            ref = hf.model.layers[0].mlp(x[None])[0][0]
+            assert (ours(x) - ref).abs().max().item() < 1e-5
+
+
+def test_gpt_oss_mxfp4_checkpoint_dequantized_at_load(tmp_path):
+    """openai's release stores the experts as MXFP4 blocks and scales: each loaded expert matrix equals
+    transformers' ``convert_moe_packed_tensors`` of the same bytes, value for value, and over a prefill and 32
+    decode steps the logits match transformers loading the same checkpoint (which dequantizes on the CPU);
+    ``--quant int8`` then quantizes the dequantized experts like any; a blocks tensor of the wrong shape is
+    one line naming it."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from llmsys import LLM
+    from llmsys.kernels.common.errors import CheckpointError
+    from llmsys.quant.base import QuantLinear
+    from test_models import llmsys_logits
+    from tiny_models import write_mxfp4_checkpoint
+
+    mx = write_mxfp4_checkpoint(make_hf_model("gpt_oss", tmp_path / "g", seed=3), tmp_path / "mx")
+    stored = load_file(str(mx / "model.safetensors"))
+    loaded = load_model(mx, dtype="float32", device="cpu")
+    assert loaded.stored_formats == {"MXFP4 (4)": "dequantized to float32"}
+    for i, layer in enumerate(loaded.model.model.layers):
+        pre = f"model.layers.{i}.mlp.experts."
+        gu = convert_moe_packed_tensors(stored[pre + "gate_up_proj_blocks"], stored[pre + "gate_up_proj_scales"],
+                                        dtype=torch.float32)  # [E, H, 2 I]
+        down = convert_moe_packed_tensors(stored[pre + "down_proj_blocks"], stored[pre + "down_proj_scales"],
+                                          dtype=torch.float32)  # [E, I, H]
+        for e, ex in enumerate(layer.mlp.experts):
+            assert torch.equal(ex.gate_proj.weight, gu[e][:, 0::2].t()) and torch.equal(ex.up_proj.weight, gu[e][:, 1::2].t())
+            assert torch.equal(ex.down_proj.weight, down[e].t())
+            assert torch.equal(ex.up_proj.bias, stored[pre + "gate_up_proj_bias"][e][1::2])
+    hf = AutoModelForCausalLM.from_pretrained(mx, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(1)
+    prompt, cont = torch.randint(3, 512, (32,), generator=g).tolist(), torch.randint(3, 512, (32,), generator=g).tolist()
+    with torch.no_grad():
+        assert torch.equal(hf.model.layers[1].mlp.experts.down_proj, down)  # transformers decoded the same values
+        full = hf(torch.tensor([prompt + cont])).logits[0]
+    ours = llmsys_logits(loaded, prompt, cont)
+    worst = max((o - r).abs().max().item() for o, r in zip(ours, [full[31]] + [full[32 + i] for i in range(32)]))
+    assert worst < 1e-4, f"max |logit diff| {worst:.2e} over prefill + 32 decode steps"
+    llm = LLM(str(mx), dtype="float32", device="cpu", kv_cache_tokens=256, quant="int8", progress=False)
+    experts = [m for layer in llm.loaded.model.model.layers for e in layer.mlp.experts for m in e.modules()
+               if isinstance(m, torch.nn.Linear | QuantLinear)]
+    assert len(experts) == 2 * 4 * 2 and all(isinstance(m, QuantLinear) for m in experts)  # gate|up fused, down
+    assert llm.loaded.stored_formats == {"MXFP4 (4)": "dequantized, matrices re-quantized to int8 (--quant)"}
+    stored["model.layers.1.mlp.experts.down_proj_blocks"] = stored["model.layers.1.mlp.experts.down_proj_blocks"][:, :32].clone()
+    save_file(stored, str(mx / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"down_proj_blocks has shape \[4, 32, 3, 16\]") as err:
+        load_model(mx, dtype="float32", device="cpu")
+    assert "\n" not in str(err.value)
+
+
+def test_gpt_oss_experts_on_disk_identical(tmp_path):
+    """gpt-oss's experts are derived tensors (strided columns, MXFP4), not byte ranges of the checkpoint: left on
+    disk they are written to the offload file once decoded and read on demand from there, with the resident
+    run's greedy tokens and logprobs, bit for bit."""
+    from llmsys import LLM, SamplingParams
+    from tiny_models import write_mxfp4_checkpoint
+
+    src = make_hf_model("gpt_oss", tmp_path / "g", seed=3, hidden_size=128, intermediate_size=128,
+                        num_hidden_layers=4, num_local_experts=16, num_experts_per_tok=4)
+    mx = write_mxfp4_checkpoint(src, tmp_path / "mx")
+    prompts = [[5, 17, 99, 200, 31, 7, 8], [300, 12, 4]]
+    sp = SamplingParams(max_tokens=16, logprobs=0, **GREEDY)
+
+    def run(**extra):
+        llm = LLM(str(mx), dtype="float32", device="cpu", kv_cache_tokens=256, max_num_batched_tokens=64,
+                  max_num_seqs=4, progress=False, threads=2, **extra)
+        return llm, [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in llm.generate(prompts, sp)]
+
+    _, ref = run()
+    llm, got = run(cpu_mem="12MiB", placement={"experts": "disk", "expert_cache": 2 * 2**20})
+    assert llm.plan.experts is not None and llm.plan.experts.tier == "disk"
+    assert got == ref and llm.offload.expert_report().misses > 0

@@ -60,6 +60,13 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
                       norm_topk_prob=False, decoder_sparse_step=2),
     "mixtral": dict(model_type="mixtral", tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2,
                     sliding_window=None),
+    # gpt-oss: head_dim 24 apart from hidden 64, sliding layer 0 (window 12) and full layer 1, attention sinks,
+    # YaRN RoPE (factor 4 over an original 64 positions, truncate false as released), 4 experts top-2 with
+    # biases and the clamped SwiGLU (make_hf_model widens its gate|up weights so the clamps bite).
+    "gpt_oss": dict(model_type="gpt_oss", tie_word_embeddings=False, head_dim=24, sliding_window=12,
+                    num_local_experts=4, num_experts_per_tok=2,
+                    rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0,
+                                         beta_slow=1.0, truncate=False, original_max_position_embeddings=64)),
 }
 
 
@@ -85,10 +92,57 @@ def make_hf_model(kind: str, out: Path, seed: int = 0, **overrides: Any) -> Path
                 p.normal_(0, 0.08)
             elif "norm" in n:
                 p.uniform_(0.8, 1.2)
+            elif n.endswith("sinks"):  # gpt-oss: sinks that take a visible share of each softmax
+                p.normal_(0, 1.0)
+            elif n.endswith("experts.gate_up_proj"):  # gpt-oss: gate|up values past swiglu_limit (7) now and then
+                p.normal_(0, 0.4)
             else:
                 p.normal_(0, 0.05)
     model.save_pretrained(out, safe_serialization=True)
     write_tiny_tokenizer(out, spec["vocab_size"])
+    return out
+
+
+def pack_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w [..., K]`` (K a multiple of 32) -> MXFP4 ``blocks [..., K / 32, 16]`` uint8 (two e2m1 codes a byte,
+    low nibble first) and ``scales [..., K / 32]`` uint8 (e8m0, ``2^(s - 127)``): each block of 32 scaled by
+    the power of two that brings its largest magnitude to at most 6, each value rounded to the nearest e2m1
+    magnitude (0, 0.5, 1, 1.5, 2, 3, 4, 6). A test packer: any valid packing serves the loader's tests."""
+    g = w.float().reshape(*w.shape[:-1], -1, 32)  # [..., G, 32]
+    amax = g.abs().amax(dim=-1)  # [..., G]
+    exp = torch.ceil(torch.log2(amax.clamp(min=2.0**-100) / 6.0))  # amax / 2^exp <= 6
+    x = g / torch.exp2(exp).unsqueeze(-1)
+    mags = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    codes = (x.abs().unsqueeze(-1) - mags).abs().argmin(dim=-1) | ((x < 0).long() << 3)  # [..., G, 32]
+    blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+    return blocks.contiguous(), (exp + 127).to(torch.uint8)
+
+
+def write_mxfp4_checkpoint(src: Path, out: Path) -> Path:
+    """The gpt-oss checkpoint at ``src`` as openai releases it: every expert matrix as MXFP4 blocks and scales
+    (``mlp.experts.gate_up_proj_blocks [E, 2 I, H / 32, 16]``, one row per output; ``down_proj_blocks [E, H,
+    I / 32, 16]``) and ``quantization_config`` ``{"quant_method": "mxfp4"}``; everything else as stored."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name, t in load_file(str(src / "model.safetensors")).items():
+        if name.endswith("mlp.experts.gate_up_proj") or name.endswith("mlp.experts.down_proj"):
+            blocks, scales = pack_mxfp4(t.transpose(1, 2))  # [E, out, in]: packed along the inputs
+            tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+        else:
+            tensors[name] = t
+    save_file(tensors, str(out / "model.safetensors"))
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (out / "config.json").write_text(json.dumps(cfg))
+    for f in src.iterdir():
+        if f.name not in ("config.json", "model.safetensors"):
+            shutil.copy(f, out / f.name)
     return out
 
 

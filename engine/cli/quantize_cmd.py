@@ -46,7 +46,7 @@ def quantize_command(
     *,
     engine_flags: dict[str, Any],
 ) -> int:
-    from llmsys.engine.loader.quantized import save_quantized
+    from llmsys.engine.loader.quantized import save_quantized, stored_quantized
     method = method.strip().lower()
     if method not in METHODS:
         raise InvalidParameterError(f"unknown --method {method!r}; valid: {', '.join(METHODS)}")
@@ -86,7 +86,7 @@ def quantize_command(
             sys.stderr.write(f"refined: KL(float || int4) per token ({min(64, len(seqs))} sequences) {rep.kl_before:.4f} -> {rep.kl_after:.4f} "
                              f"({rep.steps} steps, {time.perf_counter() - t:.1f} s)\n")
     loaded = llm.loaded
-    if loaded.config.get("quantization_config") is not None:
+    if stored_quantized(loaded.config):  # (MXFP4 experts were dequantized at load: quantized like float ones)
         raise InvalidParameterError(f"{model} is already quantized; quantize its float checkpoint instead")
     if not loaded.config:
         raise InvalidParameterError(f"{model}: llmsys quantize needs a Hugging Face directory (config.json)")

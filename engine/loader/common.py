@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch
 from torch import nn
 
-from llmsys.kernels.common.errors import CheckpointError, ModelNotFoundError
+from llmsys.kernels.common.errors import CheckpointError, ModelNotFoundError, UnsupportedModelError
 from llmsys.engine.loader import validate
 from llmsys.engine.models import family_for
 from llmsys.engine.models.base import DecoderModel, TransformerArgs, rope_cache
@@ -281,8 +281,11 @@ class Checkpoint:
 
     @property
     def prequantized(self) -> bool:
-        """Stored quantized (llmsys / AWQ / GPTQ): rebuilt as stored, always resident."""
-        return self.config.get("quantization_config") is not None
+        """Stored quantized (llmsys / AWQ / GPTQ): rebuilt as stored, always resident (not MXFP4 experts:
+        decoded as they are read, ``engine/loader/experts.py``)."""
+        from llmsys.engine.loader.quantized import stored_quantized
+
+        return stored_quantized(self.config)
 
     def locate(self, name: str) -> tuple[Path, Any] | None:
         """``name``'s file and TensorInfo, or None when it cannot be streamed from the file as stored."""
@@ -341,18 +344,38 @@ def open_checkpoint(path: str | Path, dt: torch.dtype, dev: torch.device) -> Che
     index = CheckpointIndex.open_dir(p)
     # The config's values, and its layer count against the tensors held, before the skeleton is built.
     args = validate.model_args(family, cfg, validate.Origin(cfg_path), validate.layer_indices(index.where))
+    from llmsys.engine.loader.quantized import decoded_at_load, stored_quantized
+
+    decoded = decoded_at_load(cfg)
+    if decoded is not None and args.experts_layout != "gpt_oss":
+        raise UnsupportedModelError(f"{cfg_path}: quant_method {decoded!r} is supported for gpt-oss's experts only; "
+                                    "use a float checkpoint of this model")
     emb = None
-    if cfg.get("quantization_config") is None and EMBED in index:
+    if not stored_quantized(cfg) and EMBED in index:
         emb = embed_file(args, index.where[EMBED].path, index.info(EMBED))
     with torch.device("meta"), skip_init():
         model = family.Model(args, embed_file=emb)
-    if args.num_experts:  # Mixtral's and fused expert tensors under the engine's per-expert names
+    if args.num_experts:  # Mixtral's, fused and gpt-oss's expert tensors under the engine's per-expert names
         from llmsys.engine.loader.experts import add_expert_views
 
         shapes = {n: tuple(t.shape) for n, t in model.named_parameters()}
-        add_expert_views(index, shapes, shapes, p)
+        add_expert_views(index, shapes, shapes, p, args.experts_layout)
     validate.check_tensors(model, lambda n: index.info(n) if n in index else None, p)
     return Checkpoint(p, model, family.__name__.rsplit(".", 1)[1], cfg, index, dt, dev)
+
+
+def _decoded_formats(ck: Checkpoint, dt: torch.dtype, make_linear: MakeLinear | None) -> dict[str, str]:
+    """What the tensors decoded at load (MXFP4 experts) became, for reports (as ``gguf_io.conversions``)."""
+    from llmsys.engine.loader.quantized import decoded_at_load
+
+    method = decoded_at_load(ck.config)
+    if method is None:
+        return {}
+    n = sum(1 for name in ck.index.where if name.endswith("_blocks"))
+    spec = getattr(make_linear, "spec", None)
+    dtype = str(dt).removeprefix("torch.")
+    what = f"dequantized to {dtype}" if spec is None else f"dequantized, matrices re-quantized to {spec.name} (--quant)"
+    return {f"{method.upper()} ({n})": what}
 
 
 def _open_gguf(p: Path, dt: torch.dtype, dev: torch.device) -> Checkpoint:
@@ -388,6 +411,7 @@ def materialize_checkpoint(ck: Checkpoint, make_linear: MakeLinear | None = None
     else:
         materialize(model, ck.index.read, ck.index.__contains__, dt, dev, p, make_linear, progress, offload,
                     check_finite)
+        formats = _decoded_formats(ck, dt, make_linear)
     model.eval()
     a = model.args
     if ck.is_gguf:  # the special ids come from the file's metadata (its config)

@@ -46,6 +46,24 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "generation_config.json", "chat_template.jinja", "vocab.json", "merges.txt")
 
 
+# quant_methods whose tensors the float loader decodes as it reads them (gpt-oss's MXFP4 experts:
+# engine/loader/experts.py), so the model loads as a float one and --quant applies as to any.
+DECODED_AT_LOAD = ("mxfp4",)
+
+
+def decoded_at_load(cfg: dict[str, Any]) -> str | None:
+    """The config's quant_method when the float loader decodes it (:data:`DECODED_AT_LOAD`), else None."""
+    qc = cfg.get("quantization_config")
+    method = str(qc.get("quant_method", "")).lower() if isinstance(qc, dict) else None
+    return method if method in DECODED_AT_LOAD else None
+
+
+def stored_quantized(cfg: dict[str, Any]) -> bool:
+    """Are the config's layers stored quantized and rebuilt as stored (llmsys / AWQ / GPTQ, or an unsupported
+    method, which :func:`validate_quant_config` names)? Not for a method decoded at load."""
+    return cfg.get("quantization_config") is not None and decoded_at_load(cfg) is None
+
+
 def stored_format(cfg: dict[str, Any]) -> str:
     """The ``--quant`` name a quantized checkpoint holds (e.g. ``int4:g128`` for AWQ g128)."""
     qc = cfg["quantization_config"]

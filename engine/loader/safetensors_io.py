@@ -15,6 +15,7 @@ import itertools
 import json
 import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,7 +113,11 @@ class SafetensorsFile:
 
     def read(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
         """Read one tensor (into ``out`` when given: same dtype/shape, contiguous, CPU)."""
-        info = self.tensors[name]
+        return self.read_info(self.tensors[name], out)
+
+    def read_info(self, info: TensorInfo, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Read the bytes ``info`` places in this file (a stored tensor, or a piece of one), as :meth:`read`."""
+        name = info.name
         if out is None:
             out = torch.empty(info.shape, dtype=info.dtype)
         elif out.dtype != info.dtype or tuple(out.shape) != info.shape:
@@ -157,6 +162,16 @@ def _read_header(path: Path) -> tuple[dict, int, int]:
     return header, 8 + hlen, size
 
 
+@dataclass(frozen=True)
+class DerivedTensor:
+    """A tensor the model needs that the checkpoint stores in another layout, made when read
+    (:meth:`CheckpointIndex.add_derived`): its ``info`` (name, dtype, shape; no place in a file)
+    and the function that reads the stored pieces and makes it."""
+
+    info: TensorInfo
+    make: Callable[[], torch.Tensor]
+
+
 class CheckpointIndex:
     """All tensors of a (possibly sharded) checkpoint, by name."""
 
@@ -166,6 +181,7 @@ class CheckpointIndex:
         for f in files:
             for name in f.tensors:
                 self.where[name] = f
+        self.derived: dict[str, DerivedTensor] = {}  # add_derived's
 
     @classmethod
     def open_dir(cls, directory: Path) -> "CheckpointIndex":
@@ -193,17 +209,48 @@ class CheckpointIndex:
         return cls([SafetensorsFile(p) for p in files])
 
     def __contains__(self, name: str) -> bool:
-        return name in self.where
+        return name in self.where or name in self.derived
 
     def info(self, name: str) -> TensorInfo:
-        return self.where[name].tensors[name]
+        d = self.derived.get(name)
+        return d.info if d is not None else self.where[name].tensors[name]
 
     def locate(self, name: str) -> tuple[Path, TensorInfo] | None:
-        """``name``'s file and TensorInfo (an offloaded layer streams from there), None when absent."""
+        """``name``'s file and TensorInfo (an offloaded layer streams from there), None when absent or
+        derived (not stored as such: streamed from the offload file once made, like a quantized layer)."""
         return (self.where[name].path, self.info(name)) if name in self.where else None
 
     def read(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
-        return self.where[name].read(name, out)
+        d = self.derived.get(name)
+        if d is None:
+            return self.where[name].read(name, out)
+        t = d.make()
+        if tuple(t.shape) != d.info.shape or t.dtype != d.info.dtype:
+            raise ValueError(f"derived tensor {name}: made {t.dtype}{tuple(t.shape)}, declared "
+                             f"{d.info.dtype}{d.info.shape}")
+        return t if out is None else out.copy_(t)
+
+    def read_piece(self, source: str, first: int, shape: tuple[int, ...]) -> torch.Tensor:
+        """``prod(shape)`` elements of the stored tensor ``source`` from its element ``first`` (one expert of a
+        fused ``[E, ...]`` tensor), read alone, shaped ``shape``."""
+        f, src = self.where[source], self.info(source)
+        elt = torch.tensor([], dtype=src.dtype).element_size()
+        numel = 1
+        for s in shape:
+            numel *= s
+        if first < 0 or (first + numel) * elt > src.nbytes:
+            raise ValueError(f"piece of {source}: elements {first}..{first + numel} pass its {src.shape}")
+        return f.read_info(TensorInfo(source, src.dtype, tuple(shape), src.offset + first * elt, numel * elt))
+
+    def add_derived(self, name: str, dtype: torch.dtype, shape: tuple[int, ...],
+                    make: Callable[[], torch.Tensor]) -> None:
+        """Hold ``name`` as ``make()``: a tensor computed from stored ones when it is read (gpt-oss's
+        interleaved gate|up columns of one expert, transposed; MXFP4 blocks dequantized). It is in the index,
+        with this dtype and shape, but not locatable (:meth:`locate`)."""
+        nbytes = torch.tensor([], dtype=dtype).element_size()
+        for s in shape:
+            nbytes *= s
+        self.derived[name] = DerivedTensor(TensorInfo(name, dtype, tuple(shape), -1, nbytes), make)
 
     def add_view(self, name: str, source: str, first: int, shape: tuple[int, ...]) -> None:
         """Hold ``name`` as a contiguous piece of the stored tensor ``source``: ``prod(shape)`` elements from its

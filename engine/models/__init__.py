@@ -20,6 +20,7 @@ FAMILIES = {
     "qwen2_moe": "qwen2_moe",
     "qwen3_moe": "qwen3_moe",
     "mixtral": "mixtral",
+    "gpt_oss": "gpt_oss",
 }
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -32,6 +33,7 @@ ARCHITECTURES = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
+    "GptOssForCausalLM": "gpt_oss",
 }
 
 

@@ -1,12 +1,13 @@
 """The decoder shared by every supported architecture.
 
 Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3 and the MoE families (Qwen2-MoE,
-Qwen3-MoE, Mixtral) differ only in switches
+Qwen3-MoE, Mixtral, gpt-oss) differ only in switches
 (q/k/v bias, per-head q/k RMSNorm, explicit head_dim, RoPE scaling, partial
 rotary, tied embeddings, fused q|k|v and gate|up checkpoints, Gemma's ``1 + w``
 norms around both attention and MLP, GeGLU, scaled embeddings, soft-capped
 logits, sliding-window layers, a second RoPE table for the local layers, a
-mixture of experts in place of the MLP), so
+mixture of experts in place of the MLP; gpt-oss's attention sinks, o_proj and
+MLP biases and clamped SwiGLU), so
 one decoder implements them and each family module only maps its Hugging Face
 config onto :class:`TransformerArgs`. Tokens of a batch are packed into one
 ``[T, ...]`` tensor; attention gets the per-sequence layout from
@@ -75,6 +76,21 @@ class TransformerArgs:
     router_float_weights: bool = False
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an always-run expert, sigmoid-gated per token (0: none)
     sparse_layers: tuple[int, ...] | None = None  # the layers with an MoE block (None: all, when num_experts)
+    # How a checkpoint's fused expert tensors lie (engine/loader/experts.py): "rows" ([E, 2 I, H] gate rows
+    # then up rows, [E, H, I]: transformers' Qwen/Mixtral layout) or "gpt_oss" (x @ W, gate/up interleaved).
+    experts_layout: str = "rows"
+    router_bias: bool = False  # gpt-oss: the router is a linear layer with a bias
+    # gpt-oss: top-k of the router's logits, then a softmax over those k (in the logits' dtype), where the
+    # others take the softmax over all experts first (moe.route).
+    router_topk_first: bool = False
+    # gpt-oss's attention and MLP (engine/models/gpt_oss.py)
+    o_proj_bias: bool = False  # a bias on o_proj too (gpt-oss's attention_bias covers all four projections)
+    attention_sinks: bool = False  # a learned logit per query head in each softmax's denominator, with no value
+    mlp_bias: bool = False  # biases on gate/up/down (gpt-oss's experts)
+    # Clamped SwiGLU (gpt-oss): gate clamped above at the limit, up to +-limit, (up + 1) * gate * sigmoid(alpha
+    # gate) in place of act(gate) * up; None: the plain gated MLP of hidden_act.
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
     @property
     def rotary_dim(self) -> int:
@@ -237,12 +253,14 @@ class Attention(nn.Module):
             self.q_proj = Linear(a.hidden_size, nq, bias=a.attention_bias)
             self.k_proj = Linear(a.hidden_size, nkv, bias=a.attention_bias)
             self.v_proj = Linear(a.hidden_size, nkv, bias=a.attention_bias)
-        self.o_proj = Linear(nq, a.hidden_size, bias=False)
+        self.o_proj = Linear(nq, a.hidden_size, bias=a.o_proj_bias)
         self.q_norm = RMSNorm(self.head_dim, a.rms_norm_eps, a.norm_offset) if a.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, a.rms_norm_eps, a.norm_offset) if a.qk_norm else None
         self.scale = (a.query_pre_attn_scalar or self.head_dim) ** -0.5
         self.window = a.sliding_window if a.sliding(index) else None  # attention's sliding window (None: all keys)
         self.softcap = a.attn_logit_softcapping  # logits cap * tanh(logits / cap) (Gemma 2)
+        # [Hq] attention sinks (gpt-oss): one more logit per head in the softmax's denominator (HF: self_attn.sinks)
+        self.sinks = nn.Parameter(torch.empty(self.n_heads)) if a.attention_sinks else None
         self.rotary_dim = a.rotary_dim  # each head's first dims that RoPE rotates (the rest pass through)
         self.rope_table, self.rope_tables = a.layer_rope(index), len(a.rope_tables)  # which stacked table, of how many
         # [(2 (Hq + Hk) + Hk) D, hidden] rows q | k | q swapped | k swapped | v, set by DecoderModel.fold_rope
@@ -292,8 +310,10 @@ class Attention(nn.Module):
         return q
 
     def attend(self, q: torch.Tensor, attn: AttentionBackend, meta: AttentionMetadata) -> torch.Tensor:
-        """Roped q ``[T, Hq, D]`` over the pool with this layer's scale, window and soft-cap -> ``[T, Hq * D]``."""
-        return attn.attend(self.index, q, meta, self.scale, self.window, self.softcap).reshape(q.shape[0], -1)
+        """Roped q ``[T, Hq, D]`` over the pool with this layer's scale, window, soft-cap and sinks
+        -> ``[T, Hq * D]``."""
+        o = attn.attend(self.index, q, meta, self.scale, self.window, self.softcap, self.sinks)  # [T, Hq, D]
+        return o.reshape(q.shape[0], -1)
 
     def forward(self, x, positions, rope_cache, attn: AttentionBackend, meta: AttentionMetadata,
                 rows: tuple[torch.Tensor, torch.Tensor] | None = None):
@@ -339,6 +359,16 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 GATE_ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu_pytorch_tanh": gelu_tanh}
 
 
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's expert activation (transformers' ``GptOssExperts._apply_gate``): ``[T, I], [T, I] -> [T, I]``.
+
+    The gate is clamped above at ``limit`` and up to ``[-limit, limit]``; then ``(up + 1) * gate *
+    sigmoid(alpha * gate)``: a SwiGLU with a sharper sigmoid and a residual-like ``+ 1`` on up."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 class MLP(nn.Module):
     def __init__(self, a: TransformerArgs, intermediate: int | None = None):
         """``intermediate``: the width of gate/up (default ``a.intermediate_size``; an MoE expert's is
@@ -348,15 +378,18 @@ class MLP(nn.Module):
         # gate|up rows in one GEMM: as the checkpoint stores them (Phi-3), else set by
         # DecoderModel.fuse_projections (which drops gate/up_proj).
         self.gate_up_proj: nn.Module | None = None
+        bias = a.mlp_bias
         if a.fused_gate_up:
-            self.gate_up_proj = Linear(a.hidden_size, 2 * inter, bias=False)
+            self.gate_up_proj = Linear(a.hidden_size, 2 * inter, bias=bias)
             self.gate_proj = self.up_proj = None
         else:
-            self.gate_proj = Linear(a.hidden_size, inter, bias=False)
-            self.up_proj = Linear(a.hidden_size, inter, bias=False)
-        self.down_proj = Linear(inter, a.hidden_size, bias=False)
-        self.silu = a.hidden_act in ("silu", "swish")  # SwiGLU (the C row kernels' silu * mul)
+            self.gate_proj = Linear(a.hidden_size, inter, bias=bias)
+            self.up_proj = Linear(a.hidden_size, inter, bias=bias)
+        self.down_proj = Linear(inter, a.hidden_size, bias=bias)
+        # SwiGLU (the C row kernels' silu * mul; not gpt-oss's clamped one)
+        self.silu = a.hidden_act in ("silu", "swish") and a.swiglu_limit is None
         self.act_fn = GATE_ACTIVATIONS[a.hidden_act]
+        self.swiglu = (a.swiglu_alpha, a.swiglu_limit) if a.swiglu_limit is not None else None  # gpt-oss
         # [2 I, hidden] plain float32 gate|up weights for decode steps, set by DecoderModel.fold_rope where
         # fuse_projections leaves small weights apart (each output row equals the separate GEMMs' at decode).
         self.gate_up_decode: torch.Tensor | None = None
@@ -377,6 +410,12 @@ class MLP(nn.Module):
         if (self.silu and g.dtype == torch.bfloat16 and g.dim() == 2 and not g.is_cuda
                 and kernels.cpu_fused_available()):
             return kernels.cpu_fused_silu_mul(g, u)
+        return self.glu(g, u)
+
+    def glu(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:  # [T, I], [T, I] -> [T, I]
+        """``act(g) * u``, or gpt-oss's :func:`clamped_swiglu`, in torch ops."""
+        if self.swiglu is not None:
+            return clamped_swiglu(g, u, *self.swiglu)
         # contiguous: silu's vectorized and scalar loops round differently, so the gate
         # must sit in memory as the unfused GEMM's output does (the same bits either way).
         return self.act_fn(g.contiguous()) * u
@@ -390,8 +429,7 @@ class MLP(nn.Module):
         if folded and self.gate_up_decode is not None:
             gu = F.linear(x, self.gate_up_decode)  # [T, 2 I]
             inter = gu.shape[-1] // 2
-            # contiguous: as in act, the gate must sit in memory as the unfused GEMM's output did.
-            y = self.act_fn(gu[:, :inter].contiguous()) * gu[:, inter:]
+            y = self.glu(gu[:, :inter], gu[:, inter:])
         else:
             y = self.act(x)
         if folded and self.down_decode is not None:
@@ -505,7 +543,7 @@ class DecoderLayer(nn.Module):
         if at.q_norm is None and at.rotary_dim == at.head_dim:
             # RoPE, the K/V store and attention: one backend call (one C call on the CPU pool)
             o = attn.rope_attend(at.index, qkv, at.n_heads, at.n_kv, at.rope_positions(positions, rope_cache),
-                                 rope_cache, meta, at.scale, at.window, at.softcap)
+                                 rope_cache, meta, at.scale, at.window, at.softcap, at.sinks)
         else:  # per-head q/k norms between the projection and RoPE (Qwen3), or partial rotary (Phi-4-mini)
             T, hq, hk, d = h.shape[0], at.n_heads, at.n_kv, at.head_dim
             q, k = qkv[:, : hq * d].view(T, hq, d), qkv[:, hq * d : (hq + hk) * d].view(T, hk, d)
@@ -621,8 +659,9 @@ class DecoderModel(nn.Module):
 
         Evicting policies move kept keys to new cache indices and re-rotate them with one whole-head
         table (``offload.eviction.compact``); Quest's page selection and the scoring policies' rows
-        know no window or soft-capping. Partial rotary, per-layer or per-length tables, sliding windows
-        and soft-capped logits (Phi-3, Gemma 2/3) need each of those taught first."""
+        know no window, soft-capping or attention sink. Partial rotary, per-layer or per-length tables,
+        sliding windows, soft-capped logits and sinks (Phi-3, Gemma 2/3, gpt-oss) need each of those
+        taught first."""
         a = self.args
         context = getattr(a, "max_context", a.max_position_embeddings)  # Mistral stops at its window
         what = [name for name, has in (
@@ -630,6 +669,7 @@ class DecoderModel(nn.Module):
             ("two RoPE tables", len(a.rope_tables) > 1),
             ("sliding-window layers", a.sliding_window is not None and a.sliding_window < context),
             ("soft-capped attention", a.attn_logit_softcapping is not None),
+            ("attention sinks", a.attention_sinks),
         ) if has]
         return ", ".join(what) if what else None
 

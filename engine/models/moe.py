@@ -1,10 +1,11 @@
-"""The mixture-of-experts block a sparse layer runs in place of its MLP (Qwen2-MoE, Qwen3-MoE, Mixtral).
+"""The mixture-of-experts block a sparse layer runs in place of its MLP (Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss).
 
 A router (``gate``) scores every expert per token; each token runs through its top ``k`` experts
 (SwiGLU MLPs) and their outputs are summed, weighted by the routing probabilities; Qwen2-MoE adds a
 shared expert every token runs, scaled by a sigmoid gate. Routing follows transformers exactly
 (:func:`route`): a softmax over all experts in float32, ``topk``, optional renormalisation, and the
-weights rounded to the model dtype (Qwen) or kept in float32 (Mixtral).
+weights rounded to the model dtype (Qwen) or kept in float32 (Mixtral); gpt-oss's router has a bias
+and takes the top ``k`` logits first, then a softmax over those.
 
 Why grouped by expert: a step's tokens are sorted by the expert they chose and each active expert
 runs one GEMM over its rows (``index_select``), so a prefill costs one GEMM per expert used, and a
@@ -31,23 +32,30 @@ from llmsys.kernels.common.protocols import ExpertSource
 
 
 class FloatLinear(nn.Module):
-    """``x @ weight.T`` with the weight kept in the model's float dtype (never quantized nor packed)."""
+    """``x @ weight.T (+ bias)`` with the weight kept in the model's float dtype (never quantized nor packed)."""
 
-    def __init__(self, in_features: int, out_features: int):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None  # gpt-oss's router
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
 
 
-def route(logits: torch.Tensor, k: int, normalize: bool, float_weights: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, k: int, normalize: bool, float_weights: bool,
+          topk_first: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits ``[T, E]`` -> (weights ``[T, k]``, experts ``[T, k]`` int64), as transformers' routers do.
 
     Softmax over all experts in float32, the top ``k`` probabilities (``torch.topk``: descending, ties to
     the lower index), renormalised to sum 1 when ``normalize``; then rounded to the logits' dtype unless
     ``float_weights`` (Mixtral's router leaves them float32; Qwen2/3-MoE's cast them back).
+    ``topk_first`` (gpt-oss's ``GptOssTopKRouter``): the top ``k`` logits, then a softmax over just those in
+    the logits' dtype (the same choice; weights that equal the renormalised ones up to rounding).
     """
+    if topk_first:
+        top, experts = torch.topk(logits, k, dim=-1)  # [T, k]
+        return torch.softmax(top, dim=-1, dtype=top.dtype), experts
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]
     top, experts = torch.topk(probs, k, dim=-1)  # [T, k]
     if normalize:
@@ -62,7 +70,9 @@ class MoE(nn.Module):
         """``a``: the model's ``TransformerArgs``; ``expert(intermediate)``: a new SwiGLU MLP of that width."""
         super().__init__()
         self.top_k, self.normalize, self.float_weights = a.num_experts_per_tok, a.norm_topk_prob, a.router_float_weights
-        self.gate = FloatLinear(a.hidden_size, a.num_experts)  # the router (HF: mlp.gate)
+        self.topk_first = a.router_topk_first
+        # the router (HF: mlp.gate; gpt-oss: mlp.router, with a bias)
+        self.gate = FloatLinear(a.hidden_size, a.num_experts, a.router_bias)
         self.experts = nn.ModuleList(expert(a.moe_intermediate_size) for _ in range(a.num_experts))
         shared = a.shared_expert_intermediate_size
         self.shared_expert = expert(shared) if shared else None
@@ -77,7 +87,7 @@ class MoE(nn.Module):
         runtime): only the experts the router chose are asked for, and they compute on its device."""
         T, H = x.shape
         k = self.top_k
-        weights, chosen = route(self.gate(x), k, self.normalize, self.float_weights)  # [T, k] each
+        weights, chosen = route(self.gate(x), k, self.normalize, self.float_weights, self.topk_first)  # [T, k] each
         flat = chosen.reshape(-1)  # [T k]: row r is token r // k's slot r % k
         order = torch.argsort(flat, stable=True)  # rows grouped by expert, each group in token order
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
