@@ -34,8 +34,10 @@ steps. Quest's page selection applies no window, cap or sink: the engine refuses
 models (``DecoderModel.kv_policy_blocker``).
 
 Decorators, given the backend they wrap at construction: :class:`ScoringBackend`
-(attention rows for H2O / SnapKV, only for the sequences that need them) and
-:class:`QuestBackend` (per-query page selection, ``llmsys.offload.eviction.quest``).
+(attention rows for H2O / SnapKV, only for the sequences that need them),
+:class:`QuestBackend` (per-query page selection, ``llmsys.offload.eviction.quest``) and
+:class:`RingBackend` (sliding layers that keep only their window, in per-sequence rings:
+``engine/sliding_kv.py``; it hands those layers the step's ring metadata).
 """
 
 from __future__ import annotations
@@ -113,6 +115,10 @@ class AttentionMetadata:
     # [B] each sequence's context once all its known tokens are in, where a prompt chunk stops short of
     # its prompt's end (set by the runner; None: context_lens). LongRoPE picks its table by it.
     seq_lens: list[int] | None = None
+    # The sliding layers' own addressing where they keep only their window (engine/sliding_kv.py): this
+    # step's metadata over their ring tables, set by the runner; :class:`RingBackend` hands it to those
+    # layers. None: every layer's KV is in the block tables.
+    ring: AttentionMetadata | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -469,6 +475,43 @@ class BackendDecorator:
         self.inner.on_demote(pairs)
 
 
+class RingBackend(BackendDecorator):
+    """Sliding layers whose KV lives in per-sequence rings (``engine/sliding_kv.py``): every call on one
+    of ``layers`` reaches the inner backend with the step's ring metadata (``meta.ring``: the ring
+    pool's slots, tables and gather plan), every other call with the metadata as it is. The one place
+    a layer's addressing is chosen; the inner backend's paths (the C decode attention, fused RoPE +
+    store, windowed plans) run unchanged on the layer's tensors."""
+
+    def __init__(self, inner: AttentionBackend, layers: frozenset[int]):
+        super().__init__(inner)
+        self.layers = layers
+
+    def _meta(self, layer: int, meta: AttentionMetadata) -> AttentionMetadata:
+        if layer not in self.layers:
+            return meta
+        if meta.ring is None:
+            raise ValueError("this engine keeps its sliding layers' KV in per-sequence rings, and the step's "
+                             "metadata has no ring tables; run sequences through the scheduler, or build the "
+                             "engine with sliding_kv='full'")
+        return meta.ring
+
+    def rope_store(self, layer, q, k, v, positions, rope_cache, meta):
+        return self.inner.rope_store(layer, q, k, v, positions, rope_cache, self._meta(layer, meta))
+
+    def store(self, layer, k, v, meta):
+        self.inner.store(layer, k, v, self._meta(layer, meta))
+
+    def rope_attend(self, layer, qkv, hq, hk, positions, rope_cache, meta, scale, *args):
+        return self.inner.rope_attend(layer, qkv, hq, hk, positions, rope_cache, self._meta(layer, meta), scale,
+                                      *args)
+
+    def attend(self, layer, q, meta, scale, *args):
+        return self.inner.attend(layer, q, self._meta(layer, meta), scale, *args)
+
+    def attend_with_scores(self, layer, q, meta, scale, score_from, *args):
+        return self.inner.attend_with_scores(layer, q, self._meta(layer, meta), scale, score_from, *args)
+
+
 class ScoringBackend(BackendDecorator):
     """Sums attention rows over layers for the sequences whose policy needs scores (H2O, SnapKV).
 
@@ -566,6 +609,8 @@ def make_backend(pool: KVPool, device: torch.device, block_size: int,
         base = (CudaInt8Backend if pool.kind == "int8" else CudaBackend)(pool, block_size, device)
     else:
         base = (CpuInt8Backend if pool.kind == "int8" else CpuBackend)(pool, block_size, device)
+    if pool.spec is not None and pool.spec.sliding is not None:  # sliding layers in rings (engine/sliding_kv.py)
+        base = RingBackend(base, pool.spec.sliding.layers)
     if quest is not None:
         if pool.quantized:
             raise ValueError("quest: quantized KV pools are not supported (use kv_dtype auto)")

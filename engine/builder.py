@@ -26,7 +26,7 @@ llama2.c files skip steps 2-4 (they load in one go and are always resident).
 from __future__ import annotations
 
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +36,7 @@ import torch
 from llmsys.engine.config import EngineConfig, check_kv_dtype
 from llmsys.kernels.common.errors import BudgetError, InvalidParameterError
 from llmsys.engine.kv_cache import KVCacheSpec, blocks_needed
+from llmsys.engine.sliding_kv import KVCost, SlidingKVSpec, kv_cost, plan_sliding_kv
 from llmsys.engine.loader.common import Checkpoint, LoadedModel, resolve_device, resolve_dtype
 from llmsys.kernels.common.units import format_bytes
 from llmsys.offload.budgets import SpaceAsk, check_room, ram_available
@@ -142,6 +143,14 @@ def kv_probe(args: Any, config: EngineConfig, dtype: torch.dtype) -> KVCacheSpec
                        config.kv_dtype)
 
 
+def kv_cost_of(args: Any, config: EngineConfig, max_len: int, per_layer: float,
+             sliding: SlidingKVSpec | None = None) -> KVCost:
+    """What ``tokens`` of KV cost with this config: every layer per token, but sliding layers in rings
+    (``plan_sliding_kv``, unless given) at most their rings' positions."""
+    sliding = sliding if sliding is not None else plan_sliding_kv(args, config, max_len)
+    return kv_cost(per_layer, args.num_hidden_layers, sliding, config.block_size, config.max_num_seqs)
+
+
 def kv_room_asks(args: Any, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> list[SpaceAsk]:
     """What the stated KV sizes will fill, per tier: the pool (RAM, for a CPU pool), the cold tier
     (disk in the offload folder for a CPU pool, plus its staging buffers in RAM; pinned RAM for a
@@ -152,8 +161,9 @@ def kv_room_asks(args: Any, config: EngineConfig, device: torch.device, dtype: t
     folder = Path(config.offload_dir).expanduser() if config.offload_dir else Path(tempfile.gettempdir())
     asks = []
     if config.kv_cache_tokens is not None and not gpu:
+        cost = kv_cost_of(args, config, context_limit(args, config), probe.layer_bytes_per_token)  # rings: less
         asks.append(SpaceAsk(f"--kv-cache-tokens {config.kv_cache_tokens}",
-                             (blocks_needed(config.kv_cache_tokens, bs) + 1) * bs * per_tok, "cpu",
+                             cost.nbytes((blocks_needed(config.kv_cache_tokens, bs) + 1) * bs), "cpu",
                              "lower --kv-cache-tokens (--kv-dtype int8 shrinks it), or leave it unset"))
     cold = config.offload_tokens(per_tok)
     if cold > 0:
@@ -181,11 +191,12 @@ def check_kv_room(args: Any, config: EngineConfig, device: torch.device, dtype: 
     check_room(kv_room_asks(args, config, device, dtype))
 
 
-def pool_tokens(max_len: int, max_num_seqs: int, bytes_per_token: int, free: int) -> int:
+def pool_tokens(max_len: int, max_num_seqs: int, cost: KVCost, free: int) -> int:
     """KV pool tokens sized from memory: ``max_num_seqs`` full contexts, capped at a quarter of
-    ``free`` bytes, never under one token. The one formula the plan's estimate (before loading,
-    ``free`` = the budget) and the pool (after loading, ``free`` = what is free then) share."""
-    return min(max_len * max_num_seqs, max(free // 4 // bytes_per_token, 1))
+    ``free`` bytes (sliding layers in rings counted at their ring size: ``cost``), never under one
+    token. The one formula the plan's estimate (before loading, ``free`` = the budget) and the pool
+    (after loading, ``free`` = what is free then) share."""
+    return min(max_len * max_num_seqs, max(cost.tokens_within(free // 4), 1))
 
 
 def place(r: Resolved, ck: Checkpoint) -> Placement:
@@ -199,17 +210,21 @@ def place(r: Resolved, ck: Checkpoint) -> Placement:
     max_len = context_limit(a, c)
     check_kv_room(a, c, r.device, r.dtype)
     budgets = resolve_budgets(c.gpu_mem, c.cpu_mem, c.offload_dir, r.device)
-    per_tok = kv_bytes_per_token_layer(a, r.dtype) * a.num_hidden_layers
+    per_layer = kv_bytes_per_token_layer(a, r.dtype)
+    per_tok = per_layer * a.num_hidden_layers
+    cost = kv_cost_of(a, c, max_len, per_layer)
     tokens, fitted = c.kv_cache_tokens, None
     if tokens is None and (budgets.cpu_explicit or budgets.gpu_explicit):
         budget = budgets.gpu if budgets.gpu_explicit else budgets.cpu
-        tokens = fitted = kv_tokens_within(budget, per_tok, max_len * c.max_num_seqs, min(max_len, 512))
+        tokens = fitted = kv_tokens_within(budget, cost.tokens_within, max_len * c.max_num_seqs, min(max_len, 512))
     if tokens is None:
-        tokens = pool_tokens(max_len, c.max_num_seqs, per_tok, budgets.gpu if budgets.gpu is not None else budgets.cpu)
+        tokens = pool_tokens(max_len, c.max_num_seqs, cost, budgets.gpu if budgets.gpu is not None else budgets.cpu)
     # A speculating engine's decode step verifies up to spec_tokens drafts per sequence: the plan's
     # compute/transfer overlap is for that many rows (the weights are still read once per step).
     rows = c.plan_batch * (1 + c.spec_tokens if c.spec is not None else 1)
-    work = Workload(batch=rows, kv_tokens=tokens + c.block_size,
+    # The planner counts KV as tokens x every layer: the ring layers' smaller share as that many tokens.
+    kv_tokens = -(-cost.nbytes(tokens + c.block_size) // per_tok)
+    work = Workload(batch=rows, kv_tokens=kv_tokens,
                     max_batched_tokens=c.max_num_batched_tokens, kv_cold_tokens=c.offload_tokens(per_tok))
     # A GGUF loaded as stored mixes kept codes (int4, int8) and dequantized matrices: the planner gets their mix.
     bpw = ck.index.weight_bytes(r.dtype) if ck.is_gguf and c.quant.method == "none" else None
@@ -261,8 +276,10 @@ def size_kv_pool(loaded: LoadedModel, config: EngineConfig) -> tuple[KVCacheSpec
         raise InvalidParameterError(f"max_model_len must be >= 2, got {max_len}")
     check_kv_room(a, config, loaded.device, loaded.dtype)
     kv_dtype = config.kv_dtype
-    per_tok = kv_probe(a, config, loaded.dtype).bytes_per_token
-    cold = config.offload_tokens(per_tok)
+    probe = kv_probe(a, config, loaded.dtype)
+    cold = config.offload_tokens(probe.bytes_per_token)
+    sliding = plan_sliding_kv(a, config, max_len, say=True)
+    cost = kv_cost_of(a, config, max_len, probe.layer_bytes_per_token, sliding)
     if config.kv_cache_tokens is not None:
         tokens = config.kv_cache_tokens
     else:
@@ -270,9 +287,12 @@ def size_kv_pool(loaded: LoadedModel, config: EngineConfig) -> tuple[KVCacheSpec
             free = torch.cuda.mem_get_info(loaded.device)[0]
         else:
             free = psutil.virtual_memory().available
-        tokens = pool_tokens(max_len, config.max_num_seqs, per_tok, free)
+        tokens = pool_tokens(max_len, config.max_num_seqs, cost, free)
     max_len = min(max_len, tokens + cold)
     bs = config.block_size
     num_blocks = blocks_needed(tokens, bs) + 1  # + the reserved scratch block
-    spec = KVCacheSpec(a.num_hidden_layers, num_blocks, bs, a.num_key_value_heads, a.head_dim, loaded.dtype, kv_dtype)
+    if sliding is not None:  # the rings never hold more than the block tables (+ the ring pool's scratch block)
+        sliding = replace(sliding, num_blocks=blocks_needed(min(tokens, cost.ring_tokens), bs) + 1)
+    spec = KVCacheSpec(a.num_hidden_layers, num_blocks, bs, a.num_key_value_heads, a.head_dim, loaded.dtype, kv_dtype,
+                       sliding)
     return spec, max_len

@@ -15,6 +15,7 @@ from llmsys.offload.eviction.policy import KVPolicy, parse_kv_policy
 from llmsys.quant.formats import QuantSpec, parse_quant
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+SLIDING_KV_MODES = ("auto", "ring", "full")  # EngineConfig.sliding_kv (llmsys.engine.sliding_kv)
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -175,6 +176,10 @@ class EngineConfig:
     # Reuse the KV blocks of prompt prefixes seen before (llmsys.engine.prefix_cache). Benchmarks
     # of prefill speed turn it off: a repeated prompt would not be computed at all.
     prefix_caching: bool = True
+    # Sliding-window layers' KV (llmsys.engine.sliding_kv): "auto" keeps only their window, in per-sequence
+    # rings, unless a cold tier or an explicit swap space needs every position (then full, said in the log);
+    # "ring" refuses those instead; "full" keeps every position, as global layers do.
+    sliding_kv: str = "auto"
     progress: bool = True  # loading progress bar (only drawn on a TTY)
     # Speculative decoding (llmsys.engine.speculative): --spec ngram | self[:QUANT] | draft[:QUANT],
     # --draft MODEL (implies draft), --spec-tokens drafts verified per step at most.
@@ -193,6 +198,9 @@ class EngineConfig:
             raise InvalidParameterError(f"--block-size must be in 1..1024, got {self.block_size}")
         if self.max_num_seqs < 1:
             raise InvalidParameterError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+        if self.sliding_kv not in SLIDING_KV_MODES:
+            raise InvalidParameterError(f"unknown --sliding-kv {self.sliding_kv!r}; valid: "
+                                        f"{', '.join(SLIDING_KV_MODES)}")
         if self.max_num_batched_tokens < 1:
             raise InvalidParameterError(f"--max-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.threads is not None and self.threads < 1:

@@ -31,6 +31,7 @@ from llmsys.engine.runner import ModelRunner
 from llmsys.engine.sampling import Sampler, SamplingBatch, SamplingParams, make_generator
 from llmsys.engine.scheduler import Scheduler, SchedulerOutput, StepResult
 from llmsys.engine.sequence import Sequence
+from llmsys.engine.sliding_kv import RingTables, sliding_layers
 from llmsys.engine.speculative import ProposalRequest, Proposer, SpecStats, predicted_continuation
 from llmsys.engine.tokenizer import Tokenizer
 from llmsys.offload.kv_policy import make_policy_runtime
@@ -68,6 +69,18 @@ class TextState:
 
 
 @dataclass(frozen=True)
+class KVLayerReport:
+    """The KV of one kind of layer (:attr:`MemoryReport.kv_layers`): its blocks and their bytes."""
+
+    layers: int
+    ring: bool  # the blocks are per-sequence rings of the ring pool (engine/sliding_kv.py), not the block tables
+    blocks_used: int
+    blocks_total: int  # usable blocks (the scratch block not counted)
+    bytes_used: int
+    bytes_total: int  # the pool tensors of these layers (scratch block included)
+
+
+@dataclass(frozen=True)
 class MemoryReport:
     """Bytes per tier and kind: the engine's own accounting (TUI/bench show it)."""
 
@@ -90,6 +103,9 @@ class MemoryReport:
     stored_formats: dict[str, str] = field(default_factory=dict)
     # Experts kept apart from their layers (MoE on disk with a RAM cache, or --cpu-moe); None: none are.
     experts: ExpertReport | None = None
+    # KV per kind of layer: "global" (every position kept) and, for a model with sliding-window layers,
+    # "sliding" (in rings where the engine keeps only their window: engine/sliding_kv.py). Pool blocks only.
+    kv_layers: dict[str, KVLayerReport] = field(default_factory=dict)
 
 
 def _apply_constraints(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, dict[str, str]]:
@@ -168,11 +184,15 @@ class EngineCore:
                                              kv_spec.block_size, max_len, tier=self.tier)
         # The attention backend, chosen once for this device and pool (engine/attention.py).
         self.attn = make_backend(self.kv, loaded.device, kv_spec.block_size, self.kv_policy.quest)
-        # Swap space for preempted sequences (None: recompute only).
-        self.swap = make_swap_space(self.kv, config.swap_space, config.offload_dir)
+        # The sliding layers' rings (engine/sliding_kv.py; None: every layer's KV in the block tables).
+        self.ring = RingTables(kv_spec.sliding, kv_spec.block_size) if kv_spec.sliding is not None else None
+        # Swap space for preempted sequences (None: recompute only). It copies one block id across every
+        # layer, so an engine with rings recomputes (an explicit --swap-space kept every layer full instead).
+        self.swap = make_swap_space(self.kv, 0 if self.ring is not None else config.swap_space, config.offload_dir)
         self.scheduler = Scheduler(
             self.allocator, kv_spec.block_size, config.max_num_seqs, config.max_num_batched_tokens,
             prefix_caching=config.prefix_caching, kv_policy=self.kv_policy, swap=self.swap, tier=self.tier,
+            ring=self.ring,
         )
         self.runner = ModelRunner(loaded.model, self.attn, loaded.device, kv_spec.block_size,
                                   kv_policy=self.kv_policy, swap=self.swap, tier=self.tier,
@@ -521,7 +541,9 @@ class EngineCore:
         if on_file:
             weights["disk"] = weights.get("disk", 0) + on_file
         sw = self.swap
-        kv_total, kv_used = {tier: spec.nbytes}, {tier: used * per_block}
+        ring_used = self.ring.num_used if self.ring is not None else 0  # sliding layers' ring blocks (sliding_kv)
+        kv_total = {tier: spec.nbytes}
+        kv_used = {tier: used * per_block + ring_used * spec.ring_bytes_per_token * spec.block_size}
         staging = rt.staging_bytes() if rt is not None else {}
         tr, by_tier = self.tier, None
         if tr is not None:  # cold blocks under their own tier ('disk' for a CPU pool, 'cpu' for a GPU pool)
@@ -548,4 +570,23 @@ class EngineCore:
             kernels=dict(self.quant_kernels),
             stored_formats=dict(self.loaded.stored_formats),
             experts=rt.expert_report() if rt is not None else None,
+            kv_layers=self._kv_layers(),
         )
+
+    def _kv_layers(self) -> dict[str, KVLayerReport]:
+        """:attr:`MemoryReport.kv_layers`: global layers on the block tables' blocks; sliding ones on the
+        rings' (engine/sliding_kv.py) or, keeping every position, on the block tables' too."""
+        spec, bs = self.kv.spec, self.kv.spec.block_size
+        per = spec.layer_bytes_per_token
+        sliding = len(sliding_layers(self.loaded.args))
+
+        def group(layers: int, ring: bool, used: int, blocks: int) -> KVLayerReport:  # blocks: scratch included
+            return KVLayerReport(layers, ring, used, blocks - 1, int(used * bs * per * layers),
+                                 int(blocks * bs * per * layers))
+
+        out = {"global": group(spec.num_layers - sliding, False, self.allocator.num_used, spec.num_blocks)}
+        if self.ring is not None:
+            out["sliding"] = group(sliding, True, self.ring.num_used, spec.sliding.num_blocks)
+        elif sliding:
+            out["sliding"] = group(sliding, False, self.allocator.num_used, spec.num_blocks)
+        return out

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,10 +22,17 @@ from llmsys.kernels.common.errors import BudgetError
 from llmsys.kernels.common.memory import zeros_on_demand
 from llmsys.kernels.common.protocols import KVPool
 
+if TYPE_CHECKING:
+    from llmsys.engine.sliding_kv import SlidingKVSpec
+
 
 @dataclass(frozen=True)
 class KVCacheSpec:
-    """Shape of the pool, decided once when the engine starts."""
+    """Shape of the pool, decided once when the engine starts.
+
+    ``sliding``: the sliding-window layers keep only their window, in per-sequence rings of a
+    smaller pool (``engine/sliding_kv.py``): those layers' tensors have ``sliding.num_blocks``
+    blocks, every other layer ``num_blocks`` (None: every layer has ``num_blocks``)."""
 
     num_layers: int
     num_blocks: int
@@ -33,28 +41,50 @@ class KVCacheSpec:
     head_dim: int
     dtype: torch.dtype  # the model's float dtype (the pool's dtype when kv_dtype is "auto")
     kv_dtype: str = "auto"  # "auto" (= dtype), "int8" (kernels' layout) or "int4" (KIVI, llmsys.quant.kv_paged)
+    sliding: SlidingKVSpec | None = None
 
     @property
     def num_slots(self) -> int:
         return self.num_blocks * self.block_size
 
     @property
-    def bytes_per_token(self) -> int:
-        """K+V bytes per token over all layers (quantized pools: codes + scales)."""
-        n = self.num_layers * self.num_kv_heads
+    def ring_layers(self) -> frozenset[int]:
+        """The layers whose K/V live in the sliding layers' ring pool (empty: none)."""
+        return self.sliding.layers if self.sliding is not None else frozenset()
+
+    def layer_blocks(self, layer: int) -> int:
+        """Blocks of ``layer``'s tensors: the ring pool's for a ring layer, else ``num_blocks``."""
+        return self.sliding.num_blocks if layer in self.ring_layers else self.num_blocks
+
+    @property
+    def layer_bytes_per_token(self) -> float:
+        """K+V bytes per token of one layer (quantized pools: codes + scales; int4's stats make it fractional)."""
         if self.kv_dtype == "int8":
-            return 2 * n * (self.head_dim + 4)  # int8 codes + one f32 scale per (token, head)
+            return 2 * self.num_kv_heads * (self.head_dim + 4)  # int8 codes + one f32 scale per (token, head)
         if self.kv_dtype == "int4":
             from llmsys.quant.kv_paged import int4_bytes_per_token
 
-            per = int4_bytes_per_token(self.num_kv_heads, self.head_dim, self.block_size)
-            return int(-(-per * self.num_layers // 1))
+            return int4_bytes_per_token(self.num_kv_heads, self.head_dim, self.block_size)
         itemsize = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * n * self.head_dim * itemsize
+        return 2 * self.num_kv_heads * self.head_dim * itemsize
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K+V bytes per token of the block tables' pool: every layer but the ring layers."""
+        return int(-(-self.layer_bytes_per_token * (self.num_layers - len(self.ring_layers)) // 1))
+
+    @property
+    def ring_bytes_per_token(self) -> int:
+        """K+V bytes per ring position over the ring layers (0: no ring)."""
+        return int(-(-self.layer_bytes_per_token * len(self.ring_layers) // 1))
+
+    @property
+    def ring_slots(self) -> int:
+        return self.sliding.num_blocks * self.block_size if self.sliding is not None else 0
 
     @property
     def nbytes(self) -> int:
-        return self.bytes_per_token * self.num_slots
+        return self.bytes_per_token * self.num_slots + self.ring_bytes_per_token * self.ring_slots
 
 
 class PlainKVPool:
@@ -67,11 +97,14 @@ class PlainKVPool:
         """``one_scratch``: every layer index shares one K/V pair (calibration runs the layers one at a
         time over the same batch, so each layer may overwrite the previous one's K/V)."""
         self.spec = spec
-        shape = (spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        n = 1 if one_scratch else spec.num_layers
+        if one_scratch and spec.sliding is not None:
+            raise ValueError("one_scratch: every layer shares one K/V pair, so no layer may have a ring pool")
+        shapes = [(spec.layer_blocks(i), spec.block_size, spec.num_kv_heads, spec.head_dim)
+                  for i in range(1 if one_scratch else spec.num_layers)]
+        n = len(shapes)
         # Pages are backed as blocks are first written (kernels.common.memory): RSS follows use.
-        self.k = [zeros_on_demand(shape, spec.dtype, device) for _ in range(n)] * (spec.num_layers // n)
-        self.v = [zeros_on_demand(shape, spec.dtype, device) for _ in range(n)] * (spec.num_layers // n)
+        self.k = [zeros_on_demand(shape, spec.dtype, device) for shape in shapes] * (spec.num_layers // n)
+        self.v = [zeros_on_demand(shape, spec.dtype, device) for shape in shapes] * (spec.num_layers // n)
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         kernels.kv_store(k, v, self.k[layer], self.v[layer], slots)
@@ -89,12 +122,12 @@ def make_kv_pool(spec: KVCacheSpec, device: torch.device) -> KVPool:
         return PlainKVPool(spec, device)
     from llmsys.quant.kv_paged import Int4KVPool, Int8KVPool
 
+    blocks = [spec.layer_blocks(i) for i in range(spec.num_layers)]  # per layer (ring layers: the ring pool's)
     if spec.kv_dtype == "int8":
-        return Int8KVPool(spec.num_layers, spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim,
-                          device, spec)
+        return Int8KVPool(spec.num_layers, blocks, spec.block_size, spec.num_kv_heads, spec.head_dim, device, spec)
     if spec.kv_dtype == "int4":
-        return Int4KVPool(spec.num_layers, spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim,
-                          device, spec.dtype, spec)
+        return Int4KVPool(spec.num_layers, blocks, spec.block_size, spec.num_kv_heads, spec.head_dim, device,
+                          spec.dtype, spec)
     raise ValueError(f"no KV pool for kv_dtype {spec.kv_dtype!r}")
 
 
@@ -172,6 +205,10 @@ class BlockAllocator:
 
     def refs(self, block: int) -> int:
         return self._refs[block]
+
+    def is_registered(self, block: int) -> bool:
+        """Does a prefix key name ``block`` (its contents must stay as they are)?"""
+        return block in self._hash_of
 
     def demote(self, block: int) -> int | None:
         """Move a pool block held by one reference to a cold id (None: the cold tier is full).

@@ -111,7 +111,7 @@ class LLM:
             kv_cache_tokens=(spec.num_blocks - 1) * spec.block_size + config.max_num_seqs * config.spec_tokens,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             threads=self.threads.threads, offload_dir=config.offload_dir, swap_space=0, prefix_caching=False,
-            progress=config.progress))
+            sliding_kv="full", progress=config.progress))  # DraftProposer feeds its runner block tables only
         probe = "Once upon a time, 12 + 30 = 42.\n<|im_start|> def f(x): return x"
         check_same_vocabulary(self.loaded.args.vocab_size, draft.loaded.args.vocab_size,
                               self.tokenizer.encode(probe), draft.tokenizer.encode(probe), model)

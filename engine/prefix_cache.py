@@ -19,15 +19,23 @@ in the same pool format.
 
 Sequences under an evicting KV policy (``seq.kv`` set) neither look up nor
 register: eviction moves tokens between their blocks.
+
+Sliding layers kept in rings (``llmsys.engine.sliding_kv``): their ring blocks
+are registered and found under the same keys, and a hit is only as long as the
+ring blocks of its last window are still there (``RingTables.reuse``).
 """
 
 from __future__ import annotations
 
 import hashlib
 from array import array
+from typing import TYPE_CHECKING
 
 from llmsys.engine.kv_cache import BlockAllocator
 from llmsys.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from llmsys.engine.sliding_kv import RingTables
 
 
 def block_key(parent: bytes, tokens: list[int]) -> bytes:
@@ -43,11 +51,11 @@ def extend_keys(keys: list[bytes], tokens: list[int], block_size: int, num_block
         keys.append(block_key(keys[-1] if keys else b"", tokens[i * block_size : (i + 1) * block_size]))
 
 
-def match_prefix(seq: Sequence, allocator: BlockAllocator, block_size: int) -> int:
+def match_prefix(seq: Sequence, allocator: BlockAllocator, block_size: int, ring: RingTables | None = None) -> int:
     """Give a fresh sequence the cached blocks of its longest known prefix; returns tokens reused.
 
     Leaves at least one token to compute. The caller releases the blocks
-    (``allocator.free(seq.block_table)``) if it cannot schedule the sequence.
+    (``allocator.free(seq.block_table)``, and its ring's) if it cannot schedule the sequence.
     """
     if seq.kv is not None or seq.num_computed or seq.block_table:
         return 0
@@ -57,14 +65,20 @@ def match_prefix(seq: Sequence, allocator: BlockAllocator, block_size: int) -> i
     tokens = seq.tokens
     extend_keys(seq.block_keys, tokens, block_size, usable)
     hit = allocator.lookup(seq.block_keys[:usable])
+    if ring is not None and hit:
+        n = ring.reuse(seq, len(hit))
+        allocator.free(hit[n:])
+        hit = hit[:n]
     seq.block_table = hit
     seq.num_registered = len(hit)
     seq.num_computed = len(hit) * block_size
     return seq.num_computed
 
 
-def register_full_blocks(seq: Sequence, allocator: BlockAllocator, block_size: int) -> None:
-    """After a forward pass: register the blocks of ``seq`` that are now full of computed KV."""
+def register_full_blocks(seq: Sequence, allocator: BlockAllocator, block_size: int,
+                         ring: RingTables | None = None) -> None:
+    """After a forward pass: register the blocks of ``seq`` that are now full of computed KV (and
+    their ring blocks)."""
     if seq.kv is not None:
         return
     full = min(seq.num_computed // block_size, len(seq.block_table))
@@ -73,6 +87,8 @@ def register_full_blocks(seq: Sequence, allocator: BlockAllocator, block_size: i
     extend_keys(seq.block_keys, seq.tokens, block_size, full)
     for i in range(seq.num_registered, full):
         allocator.register(seq.block_table[i], seq.block_keys[i])
+    if ring is not None:
+        ring.register(seq, seq.num_registered, full)
     seq.num_registered = full
 
 

@@ -72,6 +72,7 @@ class ModelRunner:
         clens: list[int] = []
         slens: list[int] = []  # each sequence's context once its known tokens are in (LongRoPE's table)
         tables: list[list[int]] = []
+        rings: list[list[int]] = []  # the sliding layers' ring tables (engine/sliding_kv.py), when the engine has them
         sample_index: list[int] = []
         sample_ids: list[str] = []
         sample_rows: list[int] = []
@@ -86,12 +87,14 @@ class ModelRunner:
                 slens.extend(range(base + 1, base + n + 1))
                 prompt.extend([False] * n)
                 tables.extend([s.block_table] * n)
+                rings.extend([s.ring_table] * n)
             else:
                 qlens.append(n)
                 clens.append(base + n)
                 slens.append(s.length or base + n)
                 prompt.append(s.is_prompt)
                 tables.append(s.block_table)
+                rings.append(s.ring_table)
             if s.samples:
                 rows = 1 + s.num_draft
                 sample_index.extend(range(len(ids) - rows, len(ids)))
@@ -106,6 +109,8 @@ class ModelRunner:
         meta = self.attn.metadata(qlens, clens, tables, cold, prompt, score_from)
         if slens != clens:  # a prompt chunk short of its prompt's end
             meta = replace(meta, seq_lens=slens)
+        if rings and rings[0] is not None:  # the same step over the ring tables (never cold)
+            meta = replace(meta, ring=self.attn.metadata(qlens, clens, rings, None, prompt))
         if cold is not None:
             # Quest decode reads only the pages it selects (synchronously, per layer): no prefetch.
             self.tier.begin_step(prefetch=not (meta.is_decode and self.attn.selects_pages))

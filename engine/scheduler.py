@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     import torch
 
     from llmsys.engine.attention import AttentionMetadata
+    from llmsys.engine.sliding_kv import RingTables
     from llmsys.offload.eviction.policy import KVPolicy
     from llmsys.offload.kv_policy import PolicyRuntime
     from llmsys.offload.kv_swap import KVSwapSpace
@@ -76,6 +77,9 @@ class ScheduledSeq:
     # returns logits for each of the last ``num_draft + 1`` rows (the verification) and the core
     # keeps the KV of the drafts it accepts (:meth:`Scheduler.accept_draft`).
     num_draft: int = 0
+    # The sliding layers' table (llmsys.engine.sliding_kv: logical block i -> ring slot i % R), as long as
+    # ``block_table``; None: the engine keeps every layer's KV in the block tables.
+    ring_table: list[int] | None = None
 
     @property
     def num_new_tokens(self) -> int:
@@ -116,7 +120,7 @@ class StepResult:
     sample_rows: list[int] | None = None
 
 
-def _scheduled(seq: Sequence, n: int, draft: list[int]) -> ScheduledSeq:
+def _scheduled(seq: Sequence, n: int, draft: list[int], ring: RingTables | None) -> ScheduledSeq:
     """``n`` fed tokens, the last ``len(draft)`` of them the proposed ``draft``."""
     start = seq.num_computed
     return ScheduledSeq(
@@ -130,6 +134,7 @@ def _scheduled(seq: Sequence, n: int, draft: list[int]) -> ScheduledSeq:
         kv_policy=seq.kv.policy if seq.kv is not None else None,
         length=seq.kv_len + seq.num_tokens - start + len(draft),
         num_draft=len(draft),
+        ring_table=ring.table(seq, len(seq.block_table)) if ring is not None else None,
     )
 
 
@@ -140,13 +145,15 @@ class Scheduler:
     ``kv_policy`` caps a policy sequence's (``seq.kv`` set) chunk and evicts
     before its block table grows; ``swap`` holds preempted sequences' KV (None:
     recompute only); ``tier`` is the cold KV tier whose blocks are the
-    allocator's cold ids (None: every block is in the pool).
+    allocator's cold ids (None: every block is in the pool); ``ring`` holds the sliding layers'
+    per-sequence rings (None: every layer's KV is in the block tables), grown and freed with
+    the block tables.
     """
 
     def __init__(
         self, allocator: BlockAllocator, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
         prefix_caching: bool = False, kv_policy: PolicyRuntime | None = None, swap: KVSwapSpace | None = None,
-        tier: KVTier | None = None,
+        tier: KVTier | None = None, ring: RingTables | None = None,
     ):
         self.allocator = allocator
         self.prefix_caching = prefix_caching  # reuse registered prompt-prefix blocks (llmsys.engine.prefix_cache)
@@ -156,6 +163,7 @@ class Scheduler:
         self.kv_policy = kv_policy
         self.swap = swap
         self.tier = tier
+        self.ring = ring
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.requests: dict[str, Sequence] = {}  # every unfinished sequence by request id
@@ -179,11 +187,17 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.allocator.free(seq.block_table)
-        seq.block_table = []
+        self._release_blocks(seq)
         if seq.swapped_blocks:
             self.swap.release(seq.swapped_blocks)
             seq.swapped_blocks = []
+
+    def _release_blocks(self, seq: Sequence) -> None:
+        """Its block table and ring go back to their pools."""
+        self.allocator.free(seq.block_table)
+        seq.block_table = []
+        if self.ring is not None:
+            self.ring.free(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -191,14 +205,14 @@ class Scheduler:
     # -- the step decision ------------------------------------------------
     def _grow(self, seq: Sequence, upto_tokens: int, out: SchedulerOutput) -> bool:
         need = blocks_needed(upto_tokens, self.block_size) - len(seq.block_table)
-        if need <= 0:
-            return True
-        if not self.allocator.can_allocate(need) and self._tier_takes_blocks():
+        if need > 0 and not self.allocator.can_allocate(need) and self._tier_takes_blocks():
             self._demote(need - self.allocator.num_free, seq, out)
-        if not self.allocator.can_allocate(need):
-            return False
-        seq.block_table.extend(self.allocator.allocate(need))
-        return True
+        if need > 0:
+            if not self.allocator.can_allocate(need):
+                return False
+            seq.block_table.extend(self.allocator.allocate(need))
+        # The ring's blocks for the positions this step writes (a full ring pool: preempt, as above).
+        return self.ring is None or self.ring.grow(seq, seq.kv_len, upto_tokens)
 
     def _demote(self, n: int, growing: Sequence, out: SchedulerOutput) -> None:
         """Move up to ``n`` hot blocks of running sequences (and ``growing``) to the cold tier.
@@ -261,8 +275,7 @@ class Scheduler:
 
     def _requeue(self, seq: Sequence) -> None:
         """Back to the head of the queue without its blocks (taken off ``running`` by the caller)."""
-        self.allocator.free(seq.block_table)
-        seq.block_table = []
+        self._release_blocks(seq)
         forget_blocks(seq)
         seq.num_preemptions += 1
         seq.status = SeqStatus.WAITING
@@ -375,16 +388,16 @@ class Scheduler:
             if self._outgrew_hot_pool(seq):
                 self._fail_unfit(seq, out)
                 continue
-            reused = match_prefix(seq, self.allocator, self.block_size) if self.prefix_caching else 0
+            reused = match_prefix(seq, self.allocator, self.block_size, self.ring) if self.prefix_caching else 0
             n = min(seq.num_tokens - seq.num_computed, budget)
             if seq.kv is not None:
                 n = self.kv_policy.before_step(seq, n)
             if self.tier is not None:
                 n = min(n, self._hot_room(seq))
             if not self._grow(seq, seq.kv_len + n, out):
-                if reused:  # not admitted: do not pin the shared blocks while it waits
-                    self.allocator.free(seq.block_table)
-                    seq.block_table = []
+                if seq.block_table:  # not admitted: do not pin its blocks (a shared prefix's, a ring's) while it waits
+                    self._release_blocks(seq)
+                if reused:
                     seq.num_computed = seq.num_registered = 0
                 if not self.running and not chosen:
                     self._fail_unfit(seq, out)
@@ -402,7 +415,7 @@ class Scheduler:
             self.running.append(seq)
             chosen.append((seq, n, []))
             budget -= n
-        out.scheduled = [_scheduled(seq, n, draft) for seq, n, draft in chosen]
+        out.scheduled = [_scheduled(seq, n, draft, self.ring) for seq, n, draft in chosen]
         return out
 
     def update_from_output(self, out: SchedulerOutput, result: StepResult) -> list[Sequence]:
@@ -419,7 +432,7 @@ class Scheduler:
             c.seq.num_computed += c.num_new_tokens
         if self.prefix_caching:
             for c in chunks:
-                register_full_blocks(c.seq, self.allocator, self.block_size)
+                register_full_blocks(c.seq, self.allocator, self.block_size, self.ring)
         return [self.requests[rid] for rid in result.sample_ids]
 
     def append_tokens(self, seqs: list[Sequence], token_ids: list[int]) -> None:
@@ -432,7 +445,7 @@ class Scheduler:
         step, is now part of the sequence (and its block, once full, findable by later prompts)."""
         seq.num_computed += 1
         if self.prefix_caching:
-            register_full_blocks(seq, self.allocator, self.block_size)
+            register_full_blocks(seq, self.allocator, self.block_size, self.ring)
 
     def trim_drafts(self, seq: Sequence) -> None:
         """After a verification: the blocks grown for rejected drafts go back to the pool (the open

@@ -48,6 +48,10 @@ class Sequence:
     state: TextState | None = None  # the engine core's text state (detokenizer, stop checker, constraint)
     kv: SeqKVState | None = None  # KV policy bookkeeping; None under `full`
     swapped_blocks: list[int] = field(default_factory=list)  # swap-space blocks holding its KV while preempted
+    # The sliding layers' ring (llmsys.engine.sliding_kv): R ring-pool block ids (0: none yet) and the
+    # logical block each holds (-1: none); empty while it holds no ring.
+    ring_blocks: list[int] = field(default_factory=list)
+    ring_logical: list[int] = field(default_factory=list)
     # Prefix caching (llmsys.engine.prefix_cache): keys of its full blocks, how many of its
     # blocks are registered under them, and prompt tokens served from the cache at admission.
     block_keys: list[bytes] = field(default_factory=list)

@@ -8,7 +8,7 @@ import order.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -39,9 +39,11 @@ def shape_of(model: nn.Module, dtype: torch.dtype, quant: str = "none",
     )
 
 
-def kv_tokens_within(budget: int, per_token: int, wanted: int, floor: int) -> int:
-    """KV pool tokens under an explicit budget: at most an eighth of it, at least ``floor`` tokens."""
-    return max(min(wanted, budget // 8 // max(per_token, 1)), min(floor, wanted))
+def kv_tokens_within(budget: int, tokens_for: Callable[[int], int], wanted: int, floor: int) -> int:
+    """KV pool tokens under an explicit budget: at most an eighth of it, at least ``floor`` tokens.
+    ``tokens_for(bytes)``: the tokens of KV those bytes hold (sliding layers kept in rings cost less
+    per token than the others: the engine's ``KVCost.tokens_within``)."""
+    return max(min(wanted, tokens_for(budget // 8)), min(floor, wanted))
 
 
 def plan_for(model: nn.Module, dtype: torch.dtype, budgets: Budgets, workload: Workload, quant: str = "none",

@@ -227,17 +227,29 @@ class Int4Side:
 KV_DTYPES = ("auto", "int8", "int4")
 
 
+def _per_layer(num_blocks: int | list[int], num_layers: int) -> list[int]:
+    """Each layer's block count from one count or a list of them."""
+    if isinstance(num_blocks, int):
+        return [num_blocks] * num_layers
+    if len(num_blocks) != num_layers:
+        raise ValueError(f"{len(num_blocks)} block counts for {num_layers} layers")
+    return list(num_blocks)
+
+
 class Int8KVPool:
     """int8 KV pool (the kernels' layout): per layer an :class:`Int8Side` for K and one for V."""
 
     kind = "int8"
     quantized = True
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, n_kv: int, head_dim: int,
+    def __init__(self, num_layers: int, num_blocks: int | list[int], block_size: int, n_kv: int, head_dim: int,
                  device: torch.device, spec: object = None):
+        """``num_blocks``: one count for every layer, or one per layer (a ring pool's layers have fewer,
+        ``engine/sliding_kv.py``)."""
         self.spec = spec  # the engine's KVCacheSpec (llmsys.engine.kv_cache), kept for its accounting
-        self.k = [Int8Side(num_blocks, block_size, n_kv, head_dim, device) for _ in range(num_layers)]
-        self.v = [Int8Side(num_blocks, block_size, n_kv, head_dim, device) for _ in range(num_layers)]
+        nbs = _per_layer(num_blocks, num_layers)
+        self.k = [Int8Side(nb, block_size, n_kv, head_dim, device) for nb in nbs]
+        self.v = [Int8Side(nb, block_size, n_kv, head_dim, device) for nb in nbs]
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Quantize on write (``kernels.kv_store``'s int8 path: codes + per (slot, head) scales)."""
@@ -257,14 +269,15 @@ class Int4KVPool:
     kind = "int4"
     quantized = True
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, n_kv: int, head_dim: int,
+    def __init__(self, num_layers: int, num_blocks: int | list[int], block_size: int, n_kv: int, head_dim: int,
                  device: torch.device, float_dtype: torch.dtype, spec: object = None,
                  value_group: int | None = None, value_window: bool = False):
+        """``num_blocks``: as for :class:`Int8KVPool`."""
         self.spec = spec  # the engine's KVCacheSpec (llmsys.engine.kv_cache), kept for its accounting
-        self.k = [Int4Side("key", num_blocks, block_size, n_kv, head_dim, device, float_dtype)
-                  for _ in range(num_layers)]
-        self.v = [Int4Side("value", num_blocks, block_size, n_kv, head_dim, device, float_dtype, value_group,
-                           window=value_window) for _ in range(num_layers)]
+        nbs = _per_layer(num_blocks, num_layers)
+        self.k = [Int4Side("key", nb, block_size, n_kv, head_dim, device, float_dtype) for nb in nbs]
+        self.v = [Int4Side("value", nb, block_size, n_kv, head_dim, device, float_dtype, value_group,
+                           window=value_window) for nb in nbs]
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         self.k[layer].store(k, slots)

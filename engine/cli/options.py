@@ -30,6 +30,7 @@ _ENGINE_NAMES = {
     "device", "dtype", "max_model_len", "block_size", "kv_cache_tokens", "max_num_seqs",
     "max_num_batched_tokens", "threads", "quant", "kv_dtype", "gpu_mem", "cpu_mem", "offload_dir", "kv_policy",
     "swap_space", "prefix_caching", "kv_offload_tokens", "spec", "draft_model", "spec_tokens", "cpu_moe", "n_cpu_moe",
+    "sliding_kv",
 }
 
 ENGINE_PARAMS = [
@@ -54,6 +55,9 @@ ENGINE_PARAMS = [
               "tokens or a size, e.g. 32768 or 2GiB; 0 = off"),
     _opt("prefix_caching", bool, True, "--prefix-caching/--no-prefix-caching",
          help="reuse the KV of prompt prefixes seen before (off: every prompt is computed in full)"),
+    _opt("sliding_kv", str, "auto", "--sliding-kv",
+         help="sliding-window layers' KV: auto (only their window, unless a cold tier or --swap-space needs every "
+              "position), ring (only their window, or refuse), full (every position)"),
     _opt("spec", Optional[str], None, "--spec",
          help="speculative decoding (same answers, fewer target steps): ngram (prompt lookup), self[:QUANT] (the "
               "model's own weights at int4 as the draft), draft[:QUANT] (with --draft)"),

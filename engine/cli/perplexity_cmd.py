@@ -16,6 +16,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from llmsys.engine.cli.options import build_engine_config, engine_command
+from llmsys.engine.config import EngineConfig
 from llmsys.kernels.common.errors import InvalidParameterError, ModelNotFoundError
 
 
@@ -45,7 +46,7 @@ def perplexity_command(
     if not stream:
         if policy.kind != "full":
             raise InvalidParameterError(f"--kv-policy {policy.text!r} applies to --stream scoring; add --stream")
-        llm = LLM(build_engine_config(model, flags))
+        llm = LLM(_scoring_config(model, flags))
         if ctx > llm.max_model_len:
             raise InvalidParameterError(f"--ctx {ctx} exceeds the model's context of {llm.max_model_len} tokens")
         ids = llm.tokenizer.encode(file.read_text(encoding="utf-8", errors="replace"), add_special_tokens=False)
@@ -59,7 +60,7 @@ def perplexity_command(
     if flags.get("kv_cache_tokens") is None and policy.kind == "full":
         # `full` keeps the whole stream: size the pool for it (an estimate: ~4 chars per token, capped).
         flags["kv_cache_tokens"] = min(max(len(text) // 2, 4096), 1 << 20) if limit is None else limit + 64
-    llm = LLM(build_engine_config(model, flags))
+    llm = LLM(_scoring_config(model, flags))
     ids = llm.tokenizer.encode(text, add_special_tokens=False)
     bos = llm.tokenizer.bos_token_id
     ids = ([bos] if bos is not None else []) + ids
@@ -74,3 +75,9 @@ def perplexity_command(
         print(f"  tokens {a:>7}-{b:<7} perplexity {ppl:.4f}")
     sys.stdout.flush()
     return 0
+
+
+def _scoring_config(model: str, flags: dict[str, Any]) -> EngineConfig:
+    """Scoring runs its windows and streams outside the scheduler, on block tables only: sliding layers
+    keep every position (``sliding_kv`` full; the scores are the same bits either way)."""
+    return build_engine_config(model, flags).with_(sliding_kv="full")

@@ -73,6 +73,7 @@ def plan_command(
     *,
     engine_flags: dict[str, Any],
 ) -> int:
+    from llmsys.engine.builder import kv_cost_of
     from llmsys.engine.loader import gguf_io
     from llmsys.engine.loader.common import resolve_device, resolve_dtype
     from llmsys.offload.bandwidth import measure_bandwidths
@@ -92,12 +93,15 @@ def plan_command(
     if hypothetical:  # plan for a GPU this machine does not have (what-if)
         budgets = Budgets(budgets.cpu, config.gpu_mem, budgets.offload_dir, budgets.cpu_explicit, True)
     max_len = min(config.max_model_len or a.max_position_embeddings, prompt_len + output_len)
-    per_tok = kv_bytes_per_token_layer(a, dt) * a.num_hidden_layers
+    per_layer = kv_bytes_per_token_layer(a, dt)
+    per_tok = per_layer * a.num_hidden_layers
+    cost = kv_cost_of(a, config, max_len, per_layer)  # sliding layers kept in rings cost less per token
     tokens = config.kv_cache_tokens or max_len * batch
     if config.kv_cache_tokens is None and (budgets.cpu_explicit or budgets.gpu_explicit):
         budget = budgets.gpu if budgets.gpu is not None else budgets.cpu
-        tokens = kv_tokens_within(budget, per_tok, tokens, min(max_len, 512))
-    work = Workload(batch=batch, prompt_len=prompt_len, output_len=output_len, kv_tokens=tokens,
+        tokens = kv_tokens_within(budget, cost.tokens_within, tokens, min(max_len, 512))
+    kv_tokens = -(-cost.nbytes(tokens) // per_tok)  # the planner counts every layer per token: rings as fewer
+    work = Workload(batch=batch, prompt_len=prompt_len, output_len=output_len, kv_tokens=kv_tokens,
                     max_batched_tokens=config.max_num_batched_tokens, kv_cold_tokens=config.offload_tokens(per_tok))
     bpw = None  # a GGUF as stored: its mix of kept int4 codes and dequantized matrices
     if config.quant.method == "none" and Path(source).is_file() and gguf_io.is_gguf(Path(source)):
