@@ -28,6 +28,10 @@ llama.cpp has no batched row.
 
     python benchmarks/bench_vs_llamacpp.py --threads 2 --rounds 3
     python benchmarks/bench_vs_llamacpp.py --quick   # wiring check: smollm2-135m, 8+4 tokens, one round
+    python benchmarks/bench_vs_llamacpp.py --shapes qwen3-30b-a3b --layers 6 --formats q4_0,q8_0 --batches ''
+
+Mixture-of-experts shapes (``qwen3-30b-a3b``, written for llama.cpp as its ``qwen3moe``): the MB read per
+token counts k/E of the expert tensors (a batch-1 step runs k of each layer's E experts), on both sides.
 
 The tensor-type mix of each GGUF is printed under the table: llama.cpp falls
 back to other types for tensors whose rows do not divide its block size (256
@@ -75,8 +79,11 @@ class Figures:
 
 def llmsys_step_bytes(model) -> int:
     """Bytes of the tensors a decode step of ``model`` reads: every parameter and buffer once, except the
-    embedding table's when the LM head does not share it (a step looks up one row) and the RoPE table."""
+    embedding table's when the LM head does not share it (a step looks up one row) and the RoPE table.
+    A mixture of experts' expert tensors count k/E of their bytes: one token runs k of a layer's E experts."""
     emb, head = model.model.embed_tokens, model.lm_head
+    a = model.args
+    expert_share = a.num_experts_per_tok / a.num_experts if a.num_experts else 1.0
 
     def ids(mod) -> set[int]:
         return {id(t) for t in (*mod.parameters(), *mod.buffers())}
@@ -91,16 +98,25 @@ def llmsys_step_bytes(model) -> int:
         if key in seen:
             continue
         seen.add(key)
-        total += t.numel() * t.element_size()
-    return total
+        total += t.numel() * t.element_size() * (expert_share if ".experts." in name else 1.0)
+    return int(total)
 
 
 def gguf_step_bytes(path: Path) -> int:
-    """Bytes of a GGUF's tensors a decode step reads: all, less token_embd when an output.weight exists."""
+    """Bytes of a GGUF's tensors a decode step reads: all, less token_embd when an output.weight exists;
+    the stacked expert tensors (``*_exps``) at k/E of their bytes, as :func:`llmsys_step_bytes`."""
     import gguf
 
-    tensors = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors}
-    return sum(tensors.values()) - (tensors.get("token_embd.weight", 0) if "output.weight" in tensors else 0)
+    reader = gguf.GGUFReader(str(path))
+    arch = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
+
+    def meta(key: str) -> int:
+        f = reader.fields.get(f"{arch}.{key}")
+        return int(f.parts[-1][0]) if f is not None else 0
+
+    share = meta("expert_used_count") / meta("expert_count") if meta("expert_count") else 1.0
+    tensors = {t.name: int(t.n_bytes) * (share if t.name.endswith("_exps.weight") else 1.0) for t in reader.tensors}
+    return int(sum(tensors.values()) - (tensors.get("token_embd.weight", 0) if "output.weight" in tensors else 0))
 
 
 def worker(job: Job) -> Figures:
@@ -169,6 +185,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--shapes", default=",".join(SHAPES), help="synthetic shapes, comma list")
+    ap.add_argument("--layers", type=int, help="cut each shape to its first N layers, full width (llmsys bench --layers)")
+    ap.add_argument("--formats", default=",".join(f for _, f in PAIRS),
+                    help="llama.cpp formats to run (with their llmsys pair), comma list")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3, help="fresh-process rounds per engine and format (median)")
     ap.add_argument("--reps", type=int, default=1, help="timed repetitions inside each process")
@@ -186,7 +205,7 @@ def main() -> None:
         raise SystemExit("--rounds must be >= 1")
 
     from llmsys.engine.bench.gguf_export import gguf_file
-    from llmsys.engine.bench.synthetic import make_synthetic
+    from llmsys.engine.bench.synthetic import cut_layers, make_synthetic, synthetic_config
     from llmsys.offload.bandwidth import probe_mem_gbps
 
     import torch
@@ -196,9 +215,16 @@ def main() -> None:
 
     jobs: list[tuple[Job, ...]] = []  # one tuple per (shape, pair): the engines run back to back
     mixes: dict[tuple[str, str], str] = {}
-    for shape in a.shapes.split(","):
-        model = str(make_synthetic(shape, seed=0))
+    formats = a.formats.split(",")
+    for name in a.shapes.split(","):
+        if a.layers is None:
+            shape, model = name, str(make_synthetic(name, seed=0))
+        else:
+            cfg = cut_layers(synthetic_config(name), a.layers, name)
+            shape, model = f"{name} ({a.layers} layers)", str(make_synthetic(f"{name}-{a.layers}l", seed=0, config=cfg))
         for quant, fmt in PAIRS:
+            if fmt not in formats:
+                continue
             mixes[(shape, fmt)] = type_mix(gguf_file(model, fmt, a.threads))  # exported / quantized before timing
             pair = []
             if quant is not None:
