@@ -191,6 +191,17 @@ def test_cli_layers_cuts_a_synthetic_shape(capsys):
         assert said in capsys.readouterr().err
 
 
+def test_cli_cpu_moe_flags_reach_the_engine(tmp_path, capsys):
+    """--cpu-moe / --n-cpu-moe N fold into EngineConfig.cpu_moe as for run (was passed through raw: True = 1)."""
+    moe = make_hf_model("qwen3_moe", tmp_path / "moe", seed=0)
+    for flags, said in ((["--cpu-moe"], "--cpu-moe"), (["--n-cpu-moe", "1"], "--n-cpu-moe 1")):
+        rc = main(["bench", str(moe), "-p", "4", "-n", "2", "-r", "1", "--dtype", "float32", "--no-e2e",
+                   "--no-warmup", "-o", "jsonl", *flags])
+        assert rc == 0
+        (row,) = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")][-1:]
+        assert row["error"] is None and row["command"].endswith(said), row["command"]
+
+
 def test_plot_lines(tiny, machine, tmp_path):
     spec = _spec(tiny, tests=[TestSpec(0, 2)], repetitions=1, e2e=False, batches=[1, 2], threads=[1, 2])
     result = run_bench(spec, machine)

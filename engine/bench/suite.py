@@ -300,7 +300,9 @@ def row_command(spec: BenchSpec, cfg: LoadConfig, test: TestSpec, batch: int, th
         if v != DEFAULTS[name]:
             parts.append(f"--{name.replace('_', '-')} {_q(str(v))}")
     for name, v in spec.engine_flags.items():
-        if v is not None and name != "progress":
+        if name == "cpu_moe":  # EngineConfig's one field, spelled back as llama.cpp's two flags
+            parts.append("--cpu-moe" if v == -1 else f"--n-cpu-moe {v}")
+        elif v is not None and name != "progress":
             parts.append(f"--{name.replace('_', '-')} {_q(str(v))}")
     if spec.vs:
         parts.append(f"--vs {','.join(spec.vs)}")

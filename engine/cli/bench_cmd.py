@@ -20,7 +20,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from llmsys.engine.cli.options import ENGINE_PARAMS, _extend
+from llmsys.engine.cli.options import ENGINE_PARAMS, _extend, fold_moe_flags
 from llmsys.kernels.common.errors import InvalidParameterError
 
 # Engine flags that bench sweeps: it declares them itself as comma lists.
@@ -36,7 +36,7 @@ def _default(key: str) -> str:
 
 
 def _bench_flags(fn):
-    return _extend(fn, [p for p in ENGINE_PARAMS if p.name not in SWEPT], lambda v: v, "engine_flags")
+    return _extend(fn, [p for p in ENGINE_PARAMS if p.name not in SWEPT], fold_moe_flags, "engine_flags")
 
 
 def _pg(values: list[str] | None) -> list[tuple[int, int]]:
