@@ -116,6 +116,7 @@ SCRIPTS: dict[str, list[str]] = {
     "quantize-cost": ["benchmarks/bench_quantize_cost.py", "--shapes", "qwen2.5-0.5b"],
     "refine-attention": ["benchmarks/bench_refine_attention.py"],
     "server-hardening": ["benchmarks/bench_server_hardening.py", "--rounds", "3"],
+    "sliding-kv": ["benchmarks/bench_sliding_kv.py"],
     "structured": ["benchmarks/bench_structured.py"],
     "speculative": ["benchmarks/bench_speculative.py", "--offload"],
 }
