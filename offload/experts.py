@@ -17,7 +17,10 @@ cached). Evicting the expert routed to least often so far keeps a stable set: wi
 skewed router the popular experts stay. Measured (docs/benchmarks.md, script ``moe``: 6 Qwen3-30B-A3B
 layers, a 25% cache): uniform routing 23.2% LFU vs 23.0% LRU, a Zipf-like router 69% vs 53%; LRU wins
 where popularity drifts (98% vs 89% when the greedy phase counted other experts than the sampled one
-uses): counts that age would cover that too (not done). ``placement={"expert_policy": "lru"}`` picks LRU.
+uses). So the counts age: every ``AGE_USES_PER_SLOT`` routing uses per cache slot they are all halved,
+so an expert popular long ago yields its slot to one popular now within about that many uses, while a
+stable popularity keeps its order (halving every count keeps their ranks up to rounding).
+``placement={"expert_policy": "lru"}`` picks LRU.
 
 Overlap: the experts already cached run first while reader threads read the missing ones, up to
 ``READ_DEPTH`` at a time, each into its own slot; each read overlaps the compute of the experts before
@@ -45,6 +48,10 @@ POLICIES = ("lru", "lfu")
 # probe reads 1.67 GB/s (docs/benchmarks.md, script moe); four in flight halved the time spent waiting on
 # reads there (on 2 cores the reads' kernel copies then compete with compute: ~the same tok/s).
 READ_DEPTH = 4
+# LFU counts halve after this many routing uses per cache slot (a 25% cache of 6 Qwen3-30B-A3B layers: 192
+# slots, so every ~3000 uses = ~64 decode steps of 6 x 8 experts): long enough that a stable router's ranks
+# settle, short enough that a drift in popularity (a new topic, greedy vs sampled text) is followed.
+AGE_USES_PER_SLOT = 16
 
 
 @dataclass
@@ -119,6 +126,8 @@ class ExpertCache:
         self.stats = ExpertCacheStats()
         self._lru: OrderedDict[tuple[int, int], int] = OrderedDict()  # (layer, expert) -> slot, oldest first
         self._uses: dict[tuple[int, int], int] = {}  # (layer, expert) -> times routed to ("lfu"), cached or not
+        self._age_every = AGE_USES_PER_SLOT * n  # uses between two halvings of every count
+        self._since_age = 0
         self._free = list(range(n))
         self._fds: dict[str, int] = {}
         self._fd_lock = threading.Lock()
@@ -152,6 +161,14 @@ class ExpertCache:
             self.stats.read_s += time.perf_counter() - t
             self.stats.bytes_read += w.unit.nbytes
 
+    def _count(self, key: tuple[int, int]) -> None:
+        """One more use of ``key``; every ``_age_every`` uses all counts halve (zeros dropped)."""
+        self._uses[key] = self._uses.get(key, 0) + 1
+        self._since_age += 1
+        if self._since_age >= self._age_every:
+            self._since_age = 0
+            self._uses = {k: c // 2 for k, c in self._uses.items() if c > 1}
+
     def _take(self, layer: int, keep: set[int], busy: set[int], strict: bool) -> int | None:
         """A slot to fill: a free one, else the least recently used not in ``busy`` (being read or
         computed) nor, for ``strict``, one of ``layer``'s experts in ``keep`` (still to run this step)."""
@@ -162,7 +179,7 @@ class ExpertCache:
                   if s not in busy and not (passes and key[0] == layer and key[1] in keep)]
             if not ok:
                 continue
-            # "lru": the oldest use; "lfu": the expert routed to least often so far (ties: the oldest use)
+            # "lru": the oldest use; "lfu": the expert routed to least often lately (aged counts; ties: the oldest use)
             key = ok[0] if self.policy == "lru" else min(ok, key=lambda k: self._uses.get(k, 0))
             self.stats.evictions += 1
             return self._lru.pop(key)
@@ -180,7 +197,7 @@ class ExpertCache:
         try:
             for i, e in enumerate(order):
                 key = (layer, e)
-                self._uses[key] = self._uses.get(key, 0) + 1
+                self._count(key)
                 if key in lru:
                     slot = lru[key]
                     lru.move_to_end(key)

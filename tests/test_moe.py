@@ -304,6 +304,42 @@ def test_expert_cache_smaller_than_a_step():
             cache.close()
 
 
+def test_expert_cache_counts_age(monkeypatch):
+    """LFU follows a drift in popularity: after experts 0-1 were used 50 times each, a new favourite (3) gets a
+    slot within a few dozen uses (counts halve every AGE_USES_PER_SLOT x slots uses); with counts that never
+    age it would wait behind the old favourites' 50 uses."""
+    import tempfile
+
+    from llmsys.offload import experts as ex
+    from llmsys.offload.streamer import Binding, StreamItem, StreamUnit, TensorSource
+
+    with tempfile.NamedTemporaryFile() as f:
+        f.write(bytes(64 * 4))
+        f.flush()
+        ws = []
+        for e in range(4):
+            m = torch.nn.Linear(4, 4, bias=False)
+            b = Binding(m, "weight", True, torch.nn.Parameter(torch.empty(4, 4, device="meta"), requires_grad=False))
+            b.unbind()
+            ws.append(ex.ExpertWeights(StreamUnit(f"e{e}", [StreamItem(torch.float32, (4, 4), TensorSource(f.name, e * 64, 64))]), (b,)))
+
+        def uses_until_cached(age: int) -> int:
+            monkeypatch.setattr(ex, "AGE_USES_PER_SLOT", age)
+            cache = ex.ExpertCache(2 * 64, 64)  # two slots
+            for _ in range(50):
+                list(cache.each(0, [0, 1], ws))
+            for n in range(1, 200):
+                list(cache.each(0, [2 + n % 2], ws))  # drift: 2 and 3 take turns
+                if (0, 3) in cache._lru and (0, 2) in cache._lru:
+                    cache.close()
+                    return n
+            cache.close()
+            return 10**6
+
+        assert uses_until_cached(4) < 40  # aged: the new pair owns the cache soon
+        assert uses_until_cached(10**9) >= 100  # never aged: until the new pair has 50 uses each too
+
+
 def test_planner_accounts_experts():
     """Qwen3-30B-A3B's shape (models.toml): a token computes k/E of the expert bytes; on a CPU budget below the
     model the planner keeps every non-expert weight resident and the experts on disk with the rest of the budget
