@@ -70,6 +70,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="qwen2.5-0.5b", help="synthetic shapes to estimate (comma list; '' = none)")
     ap.add_argument("--seeds", default="0,1", help="stories260k: one default run per calibration seed (comma list)")
+    ap.add_argument("--points", default="8x2,24x6",
+                    help="synthetic shapes: the two measured runs, SEQUENCESxSTEPS each (the fit's two points)")
     args = ap.parse_args()
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
     from llmsys.kernels.cpu_report import cpu_kernels
@@ -93,13 +95,13 @@ def main() -> int:
 
             model = str(make_synthetic(shape, seed=0))
             runs = []  # (sequences, steps, stage seconds, wall, peak)
-            for n_seq, n_steps in ((8, 2), (24, 6)):
-                wall, log, peak, _ = quantize(model, Path(tmp) / shape, ["--calib-samples", str(n_seq),
+            for n_seq, n_steps in (tuple(int(x) for x in p.split("x")) for p in args.points.split(",")):
+                wall, log, peak, cpu_s = quantize(model, Path(tmp) / shape, ["--calib-samples", str(n_seq),
                                                                       "--tune-steps", str(n_steps)])
                 cal, gptq, ref, _, _ = stage_times(log)
                 runs.append((n_seq, n_steps, (cal, gptq, ref), wall, peak))
                 print(f"| synthetic {shape} | measured: {n_seq} sequences, {n_steps} steps | {cal:.1f} s | "
-                      f"{gptq:.1f} s | {ref:.1f} s | {wall:.1f} s | - | {peak:.2f} GiB | - | - |")
+                      f"{gptq:.1f} s | {ref:.1f} s | {wall:.1f} s | {cpu_s:.1f} s | {peak:.2f} GiB | - | - |", flush=True)
             (n0, s0, t0, _, _), (n1, s1, t1, _, _) = runs
             est = []
             for stage, (u0, u1, full) in enumerate(((n0, n1, 512), (n0, n1, 512), (s0, s1, DEFAULT_TUNE_STEPS))):
