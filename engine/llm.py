@@ -69,6 +69,9 @@ class LLM:
             weakref.finalize(self, self.offload.close)
         if self.loaded.device.type == "cpu":
             _report_cpu_kernels()
+        if config.progress:
+            for line in self.loaded.notices:  # what the load left out (a multimodal checkpoint's image part)
+                print(f"notice: {r.path.name}: {line}", file=sys.stderr)
         formats = self.loaded.stored_formats
         if config.progress and any(v.startswith("dequantized to") for v in formats.values()):
             # Block formats without an exact llmsys layout take more memory than on disk: say so once, and how

@@ -482,7 +482,7 @@ def _trained_context(source: Path | dict[str, Any]) -> tuple[int, int | None] | 
     from llmsys.engine.loader import gguf_io
     from llmsys.engine.loader.common import read_json
     from llmsys.engine.loader.llama2c import HEADER, find_checkpoint
-    from llmsys.engine.models import family_for
+    from llmsys.engine.models import family_for, text_config
 
     try:
         if isinstance(source, dict):
@@ -493,7 +493,7 @@ def _trained_context(source: Path | dict[str, Any]) -> tuple[int, int | None] | 
         elif source.is_file() and gguf_io.is_gguf(source):
             cfg = gguf_io.hf_config(source)
         else:
-            cfg = read_json(source / "config.json")
+            cfg = text_config(read_json(source / "config.json"))
         args = family_for(cfg, "config").ModelArgs.from_hf_config(cfg)
     except Exception:  # noqa: BLE001 - an unreadable model becomes the load's error row
         return None

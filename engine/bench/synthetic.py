@@ -90,8 +90,9 @@ def param_count(cfg: dict[str, Any]) -> int:
 
 def _param_shapes(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
     """Every tensor a checkpoint of this config holds, with HF names (meta device)."""
-    from llmsys.engine.models import family_for
+    from llmsys.engine.models import family_for, text_config
 
+    cfg = text_config(cfg, "synthetic config")  # a multimodal shape counts its text model (the one loaded)
     family = family_for(cfg, "synthetic config")
     args = family.ModelArgs.from_hf_config(cfg)
     with torch.device("meta"):

@@ -50,8 +50,9 @@ def _config_for(model: str) -> tuple[dict[str, Any], str]:
 
 
 def meta_model(cfg: dict[str, Any], source: str = "config.json"):
-    from llmsys.engine.models import family_for
+    from llmsys.engine.models import family_for, text_config
 
+    cfg = text_config(cfg, source)  # a multimodal checkpoint plans its text model (the one loaded)
     family = family_for(cfg, source)
     args = family.ModelArgs.from_hf_config(cfg)
     from llmsys.engine.loader.common import skip_init

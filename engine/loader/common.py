@@ -19,7 +19,7 @@ from torch import nn
 
 from llmsys.kernels.common.errors import CheckpointError, ModelNotFoundError, UnsupportedModelError
 from llmsys.engine.loader import validate
-from llmsys.engine.models import family_for
+from llmsys.engine.models import family_for, is_multimodal, text_config
 from llmsys.engine.models.base import DecoderModel, TransformerArgs, rope_cache
 
 if TYPE_CHECKING:
@@ -47,6 +47,9 @@ class LoadedModel:
     # What each stored tensor type became, where the checkpoint mixes them (a GGUF):
     # {"Q4_0 (168)": "int4:g32, codes as stored", "Q8_0 (1)": "dequantized to bfloat16"}
     stored_formats: dict[str, str] = field(default_factory=dict)
+    # One line each about what the load left out, shown once by the engine (a multimodal checkpoint's
+    # image part: loader.multimodal).
+    notices: tuple[str, ...] = ()
 
     @property
     def weight_bytes(self) -> int:
@@ -274,6 +277,7 @@ class Checkpoint:
     dtype: torch.dtype
     device: torch.device
     kind: str = "hf"  # "hf" (a directory of safetensors) or "gguf" (one GGUF file)
+    notices: tuple[str, ...] = ()  # LoadedModel.notices
 
     @property
     def is_gguf(self) -> bool:
@@ -339,11 +343,13 @@ def open_checkpoint(path: str | Path, dt: torch.dtype, dev: torch.device) -> Che
     cfg_path = p / "config.json"
     if not cfg_path.exists():
         raise CheckpointError(f"{p}: no config.json; point at a Hugging Face model directory")
-    cfg = validate.config_object(read_json(cfg_path), cfg_path)
+    raw = validate.config_object(read_json(cfg_path), cfg_path)
+    cfg = text_config(raw, str(cfg_path))  # a multimodal checkpoint's language model
     family = family_for(cfg, str(cfg_path))
     index = CheckpointIndex.open_dir(p)
+    notices, origin = _text_of_multimodal(raw, index, cfg_path)
     # The config's values, and its layer count against the tensors held, before the skeleton is built.
-    args = validate.model_args(family, cfg, validate.Origin(cfg_path), validate.layer_indices(index.where))
+    args = validate.model_args(family, cfg, origin, validate.layer_indices(index.where))
     from llmsys.engine.loader.quantized import decoded_at_load, stored_quantized
 
     decoded = decoded_at_load(cfg)
@@ -361,7 +367,19 @@ def open_checkpoint(path: str | Path, dt: torch.dtype, dev: torch.device) -> Che
         shapes = {n: tuple(t.shape) for n, t in model.named_parameters()}
         add_expert_views(index, shapes, shapes, p, args.experts_layout)
     validate.check_tensors(model, lambda n: index.info(n) if n in index else None, p)
-    return Checkpoint(p, model, family.__name__.rsplit(".", 1)[1], cfg, index, dt, dev)
+    return Checkpoint(p, model, family.__name__.rsplit(".", 1)[1], cfg, index, dt, dev, notices=notices)
+
+
+def _text_of_multimodal(raw: dict[str, Any], index: Any, cfg_path: Path) -> tuple[tuple[str, ...], validate.Origin]:
+    """For a multimodal checkpoint (``raw``, its config.json as written): its text tensors added to ``index`` under
+    the engine's names (before the layers are counted), the load's notice that the image part is left out, and
+    an Origin naming each nested field where it is written (``text_config.num_hidden_layers``)."""
+    if not is_multimodal(raw):
+        return (), validate.Origin(cfg_path)
+    from llmsys.engine.loader.multimodal import add_text_views, image_notice
+
+    notice = image_notice(add_text_views(index))
+    return (notice,), validate.Origin(cfg_path, keys={k: f"text_config.{k}" for k in raw.get("text_config") or {}})
 
 
 def _decoded_formats(ck: Checkpoint, dt: torch.dtype, make_linear: MakeLinear | None) -> dict[str, str]:
@@ -418,4 +436,4 @@ def materialize_checkpoint(ck: Checkpoint, make_linear: MakeLinear | None = None
         gen = {"bos_token_id": a.bos_token_id, "eos_token_id": list(a.eos_token_id)}
     else:
         gen = read_json(p / "generation_config.json") if (p / "generation_config.json").exists() else {}
-    return LoadedModel(model, model.args, ck.family, p, p, dt, dev, ck.config, gen, formats)
+    return LoadedModel(model, model.args, ck.family, p, p, dt, dev, ck.config, gen, formats, ck.notices)

@@ -5,6 +5,10 @@ Gemma 2's decoder (:mod:`.gemma2`) plus per-head q/k RMSNorm (``1 + w`` too), fi
 and the local layers' own RoPE base (``rope_local_base_freq``, unscaled; the global layers take
 ``rope_theta`` and ``rope_scaling``): a second RoPE table (``local_rope_theta``). No soft-capping
 unless the config sets it.
+
+Gemma 3 4B/12B/27B ship as ``Gemma3ForConditionalGeneration`` (model_type ``gemma3``): the text model is
+read out of them (``models.text_config`` over :func:`text_defaults`; the weights under the
+``language_model`` prefixes, ``loader.multimodal``), the vision tower and projector left unread.
 """
 
 from __future__ import annotations
@@ -17,6 +21,19 @@ from llmsys.engine.models.gemma2 import gemma_kwargs
 from llmsys.kernels.common.errors import UnsupportedModelError
 
 GLOBAL_THETA, LOCAL_THETA = 1_000_000.0, 10_000.0  # transformers' Gemma3TextConfig defaults
+
+
+def text_defaults() -> dict[str, Any]:
+    """transformers' ``Gemma3TextConfig`` defaults of the fields llmsys reads, for the ``text_config`` of a
+    ``Gemma3ForConditionalGeneration`` checkpoint (``models.text_config``): the Hub's gemma-3-4b-it states
+    only hidden/intermediate size, layers, sliding window and RoPE scaling, so its vocabulary (262208),
+    heads (8, 4 KV, 256 wide) and context (131072) are these. A function: a fresh dict per caller."""
+    return dict(
+        vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131_072,
+        rms_norm_eps=1e-6, pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_word_embeddings=True,
+        query_pre_attn_scalar=256, sliding_window=4096,
+    )
 
 
 @dataclass
