@@ -210,3 +210,16 @@ def test_bad_nested_field_is_named_where_written(tmp_path):
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match=r"text_config\.num_hidden_layers.*holds 2 layers"):
         load_model(path, dtype="float32", device="cpu")
+
+
+def test_streamed_layer_reads_the_views(tmp_path):
+    """A layer the offload plan leaves on disk streams from the stored ``language_model.model.*`` bytes
+    (the views locate in the file like stored tensors): the same greedy tokens as resident."""
+    from llmsys import LLM, SamplingParams
+
+    path = make_multimodal(tmp_path / "mm", seed=4)
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    resident = LLM(str(path), dtype="float32", device="cpu", kv_cache_tokens=256)
+    streamed = LLM(str(path), dtype="float32", device="cpu", kv_cache_tokens=256, placement={"cpu": 1, "disk": 1})
+    assert [p.kind for p in streamed.plan.layers] == ["cpu", "disk"]
+    assert streamed.generate([[5, 6, 7]], sp)[0].token_ids == resident.generate([[5, 6, 7]], sp)[0].token_ids
