@@ -609,6 +609,7 @@ def refine_quantized(model: nn.Module, float_weights: dict[str, torch.Tensor], s
     self-generated tokens, tinystories-valid's first 30,000 tokens, ``--ctx 256``, float 4.6402, bound
     4.8258; 2026-12-03): :data:`DEFAULT_TUNE_STEPS` 500 steps of 8 sequences, Adam ``lr`` 4e-3 on the
     scales and norms, ``round_lr`` 0.015 for the code offsets: +3.31% / +3.36% for calibration seeds 0 / 1
+    (+3.31% / +3.45% through ``llmsys quantize``, whose GPTQ ran on 2 threads: another summation order)
     (+3.80% / +3.37% before GPTQ's rerun through dequantized float weights, which moves its results by
     float rounding only). Fewer steps do not hold the bound for both seeds: the result of one setting moves
     by up to 1.2 points with a float-rounding change upstream (a code flips or not), so single runs mislead.
