@@ -233,14 +233,18 @@ class CheckpointIndex:
     def read_piece(self, source: str, first: int, shape: tuple[int, ...]) -> torch.Tensor:
         """``prod(shape)`` elements of the stored tensor ``source`` from its element ``first`` (one expert of a
         fused ``[E, ...]`` tensor), read alone, shaped ``shape``."""
-        f, src = self.where[source], self.info(source)
+        return self.where[source].read_info(self._piece(source, source, first, shape))
+
+    def _piece(self, name: str, source: str, first: int, shape: tuple[int, ...]) -> TensorInfo:
+        """``name``'s TensorInfo as ``prod(shape)`` elements of stored ``source`` from its element ``first``."""
+        src = self.info(source)
         elt = torch.tensor([], dtype=src.dtype).element_size()
         numel = 1
         for s in shape:
             numel *= s
         if first < 0 or (first + numel) * elt > src.nbytes:
-            raise ValueError(f"piece of {source}: elements {first}..{first + numel} pass its {src.shape}")
-        return f.read_info(TensorInfo(source, src.dtype, tuple(shape), src.offset + first * elt, numel * elt))
+            raise ValueError(f"{name} of {source}: elements {first}..{first + numel} pass its {src.shape}")
+        return TensorInfo(name, src.dtype, tuple(shape), src.offset + first * elt, numel * elt)
 
     def add_derived(self, name: str, dtype: torch.dtype, shape: tuple[int, ...],
                     make: Callable[[], torch.Tensor]) -> None:
@@ -256,14 +260,8 @@ class CheckpointIndex:
         """Hold ``name`` as a contiguous piece of the stored tensor ``source``: ``prod(shape)`` elements from its
         element ``first`` (one expert's gate rows of a fused ``[E, 2 I, H]`` tensor). Reading, locating and
         streaming ``name`` then read just those bytes, as for any stored tensor (``engine/loader/experts.py``)."""
-        f, src = self.where[source], self.info(source)
-        elt = torch.tensor([], dtype=src.dtype).element_size()
-        numel = 1
-        for s in shape:
-            numel *= s
-        if first < 0 or (first + numel) * elt > src.nbytes:
-            raise ValueError(f"view {name} of {source}: elements {first}..{first + numel} pass its {src.shape}")
-        f.tensors[name] = TensorInfo(name, src.dtype, tuple(shape), src.offset + first * elt, numel * elt)
+        f = self.where[source]
+        f.tensors[name] = self._piece(name, source, first, shape)
         self.where[name] = f
 
 
