@@ -12,7 +12,7 @@ import torch
 
 from llmsys.engine.loader import load_model
 from llmsys.kernels.common.errors import CheckpointError
-from test_models import llmsys_logits
+from test_models import worst_logit_diff
 from tiny_models import ARCH_CONFIGS, TINY, write_tiny_tokenizer
 
 # The Hub's google/gemma-3-4b-it config.json, its text part as written (the rest left to Gemma3TextConfig).
@@ -79,19 +79,6 @@ def hf_model(path: Path):
     from transformers import Gemma3ForConditionalGeneration
 
     return Gemma3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
-
-
-def worst_logit_diff(path: Path, hf) -> float:
-    """Max |logit difference| of llmsys against ``hf`` over a 32-token prefill and 32 decode steps."""
-    loaded = load_model(path, dtype="float32", device="cpu")
-    g = torch.Generator().manual_seed(1)
-    prompt = torch.randint(3, 512, (32,), generator=g).tolist()
-    cont = torch.randint(3, 512, (32,), generator=g).tolist()
-    ours = llmsys_logits(loaded, prompt, cont)
-    with torch.no_grad():
-        full = hf(input_ids=torch.tensor([prompt + cont])).logits[0]  # text only: no pixel_values
-    ref = [full[31]] + [full[32 + i] for i in range(32)]
-    return max((o - r).abs().max().item() for o, r in zip(ours, ref))
 
 
 def test_saved_names_are_the_language_model_prefix(tmp_path):

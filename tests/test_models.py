@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -39,21 +41,27 @@ def llmsys_logits(loaded, prompt: list[int], cont: list[int], backend=None) -> l
     return out
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_logits_match_transformers(arch, tmp_path):
-    from transformers import AutoModelForCausalLM
-
-    path = make_hf_model(arch, tmp_path / arch)
-    hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+def worst_logit_diff(path: Path, hf) -> float:
+    """Max |logit difference| of llmsys (float32, CPU) against transformers' ``hf`` over a 32-token prefill
+    and 32 decode steps (``hf`` fed the ids only)."""
     loaded = load_model(path, dtype="float32", device="cpu")
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(3, 512, (32,), generator=g).tolist()
     cont = torch.randint(3, 512, (32,), generator=g).tolist()
     ours = llmsys_logits(loaded, prompt, cont)
     with torch.no_grad():
-        full = hf(torch.tensor([prompt + cont])).logits[0]  # [64, V]
+        full = hf(input_ids=torch.tensor([prompt + cont])).logits[0]  # [64, V]
     ref = [full[31]] + [full[32 + i] for i in range(32)]
-    worst = max((o - r).abs().max().item() for o, r in zip(ours, ref))
+    return max((o - r).abs().max().item() for o, r in zip(ours, ref))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_logits_match_transformers(arch, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    path = make_hf_model(arch, tmp_path / arch)
+    hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    worst = worst_logit_diff(path, hf)
     assert worst < 1e-4, f"{arch}: max |logit diff| {worst:.2e} over prefill + 32 decode steps"
 
 
