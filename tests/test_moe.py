@@ -237,6 +237,16 @@ def test_experts_on_disk_read_on_demand_identical(dtype, tmp_path):
     assert scraped["llmsys_expert_cache_hits_total"] == rep.hits
     assert scraped["llmsys_expert_cache_misses_total"] == rep.misses
     assert scraped['llmsys_expert_bytes{tier="disk"}'] == rep.expert_bytes
+    # The TUI panel shows the same counters, from the engine (chat) and from /metrics (monitor).
+    from llmsys.tui.memory_panel import describe
+    from llmsys.tui.metrics import MetricsTracker, parse_prometheus
+    from llmsys.tui.snapshot import snapshot_from_engine
+
+    text = m.render()
+    for snap in (snapshot_from_engine(llm, {}),
+                 MetricsTracker().update(parse_prometheus(text if isinstance(text, str) else text.decode()), 0.0)):
+        (line,) = [x for x in describe(snap) if x.startswith("experts")]
+        assert "on disk" in line and f"hits {100 * rep.hit_rate:.0f}% ({rep.hits}/{rep.hits + rep.misses})" in line
     # No expert weight is resident: the MoE blocks' experts hold meta placeholders between uses.
     moe = llm.loaded.model.model.layers[plan.experts.layers[0]].mlp
     assert all(p.device.type == "meta" for e in moe.experts for p in e.parameters())

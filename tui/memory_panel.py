@@ -50,6 +50,15 @@ def describe(s: TierSnapshot) -> list[str]:
     if s.source == "server":
         lines.append(f"requests   {_n(s.requests_running)} running · {_n(s.requests_waiting)} queued")
         lines.append(f"per req    {_n(s.per_request_tok_s, '{:.1f}')} tok/s")
+    ex = s.experts
+    if ex is not None:
+        where = "on disk" if ex.tier == "disk" else f"in {TIER_LABELS.get(ex.tier, ex.tier)} RAM"
+        line = f"experts    {ex.expert_bytes / 2**30:.2f} GiB {where}"
+        if ex.cache_capacity:
+            rate = "n/a" if ex.hit_rate is None else f"{ex.hit_rate * 100:.0f}%"
+            line += (f" · cache {ex.cache_bytes / 2**20:.0f}/{ex.cache_capacity / 2**20:.0f} MiB"
+                     f" · hits {rate} ({ex.hits}/{ex.hits + ex.misses})")
+        lines.append(line)
     lines.append(f"speed      {_n(s.tok_s, '{:.1f}')} tok/s · TTFT {_n(None if s.ttft_s is None else s.ttft_s * 1000, '{:.0f}')} ms")
     wait = "no weight streaming" if s.transfer_wait_share is None and not any(s.layer_streamed) else _n(None if s.transfer_wait_share is None else s.transfer_wait_share * 100, "{:.0f}%")
     lines.append(f"transfers  {wait}" + (" waiting" if s.transfer_wait_share is not None else ""))

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from llmsys.tui.snapshot import TIERS, TierSnapshot, TierUsage, plan_phrase
+from llmsys.tui.snapshot import TIERS, ExpertUsage, TierSnapshot, TierUsage, plan_phrase
 
 Labels = tuple[tuple[str, str], ...]
 
@@ -140,6 +140,14 @@ class MetricsTracker:
         per_req = tok_s / running if tok_s is not None and running else None
         layer_tiers, streamed = layer_placement(s)
         home = "gpu" if weights_on_gpu(s) else "cpu"
+        expert_bytes = s.by_label("llmsys_expert_bytes", "tier")
+        experts = None
+        if expert_bytes:
+            tier, nbytes = next(iter(expert_bytes.items()))
+            experts = ExpertUsage(tier, int(nbytes), int(s.get("llmsys_expert_cache_bytes") or 0),
+                                  int(s.get("llmsys_expert_cache_capacity_bytes") or 0),
+                                  int(s.get("llmsys_expert_cache_hits_total") or 0),
+                                  int(s.get("llmsys_expert_cache_misses_total") or 0))
         return TierSnapshot(
             tiers=tiers,
             layer_tiers=layer_tiers,
@@ -154,5 +162,6 @@ class MetricsTracker:
             requests_running=int(running) if running is not None else None,
             requests_waiting=int(waiting) if waiting is not None else None,
             per_request_tok_s=per_req,
+            experts=experts,
             extra={"prompt_tokens_total": s.get("llmsys_prompt_tokens_total"), "generation_tokens_total": gen},
         )

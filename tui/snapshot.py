@@ -46,6 +46,23 @@ class TierUsage:
 
 
 @dataclass(frozen=True)
+class ExpertUsage:
+    """MoE experts kept apart from their layers (``memory_report().experts`` or the server's
+    ``llmsys_expert_*`` metrics): where they live and how the RAM expert cache is doing."""
+
+    tier: str  # "disk" (read on demand into the cache) | "cpu" (resident, computed on the CPU)
+    expert_bytes: int
+    cache_bytes: int = 0  # slots holding an expert now
+    cache_capacity: int = 0
+    hits: int = 0
+    misses: int = 0
+
+    @property
+    def hit_rate(self) -> float | None:
+        return self.hits / (self.hits + self.misses) if self.hits + self.misses else None
+
+
+@dataclass(frozen=True)
 class TierSnapshot:
     """One moment of the engine's memory and speed, ready to draw."""
 
@@ -67,6 +84,7 @@ class TierSnapshot:
     requests_running: int | None = None
     requests_waiting: int | None = None
     per_request_tok_s: float | None = None
+    experts: ExpertUsage | None = None  # None: no MoE experts kept apart from their layers
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def tier(self, name: str) -> TierUsage:
@@ -214,6 +232,9 @@ def snapshot_from_engine(llm: Any, budgets: dict[str, int | None], perf: PerfSta
         if wait is not None and total:
             wait_share = float(wait) / float(total)
     evicted = perf.evicted_tokens + int(getattr(rep, "evicted_tokens", 0) or 0)
+    ex = getattr(rep, "experts", None)
+    experts = None if ex is None else ExpertUsage(ex.tier, ex.expert_bytes, ex.cache_bytes, ex.cache_capacity,
+                                                  ex.hits, ex.misses)
     return TierSnapshot(
         tiers=tuple(tiers),
         layer_tiers=layer_tiers,
@@ -228,4 +249,5 @@ def snapshot_from_engine(llm: Any, budgets: dict[str, int | None], perf: PerfSta
         ttft_s=perf.ttft_s,
         transfer_wait_share=wait_share,
         generating=perf.generating,
+        experts=experts,
     )
