@@ -34,7 +34,7 @@ gguf = pytest.importorskip("gguf", reason="the GGUF export needs the gguf packag
 from llmsys.engine.bench import gguf_export  # noqa: E402
 from llmsys.engine.bench.gguf_export import gguf_file  # noqa: E402
 from llmsys.engine.loader.gguf_io import hf_to_interleaved, interleaved_to_hf  # noqa: E402
-from llmsys.kernels.common.errors import InvalidParameterError, UnsupportedModelError  # noqa: E402
+from llmsys.kernels.common.errors import CheckpointError, InvalidParameterError, UnsupportedModelError  # noqa: E402
 
 try:
     import llama_cpp
@@ -219,6 +219,15 @@ def test_unhandled_inputs_get_one_line_errors(families, tmp_path):
     dense1 = make_hf_model("qwen3_moe", tmp_path / "moe", seed=0)  # layer 1 dense: llama.cpp's qwen3moe has none
     with pytest.raises(UnsupportedModelError, match="every layer sparse"):
         gguf_file(dense1, "f32")
+    from safetensors.torch import load_file, save_file
+
+    gap = make_hf_model("qwen3_moe", tmp_path / "gap", seed=0, mlp_only_layers=[])
+    (st,) = gap.glob("*.safetensors")
+    tensors = load_file(str(st))
+    del tensors["model.layers.0.mlp.experts.1.gate_proj.weight"]
+    save_file(tensors, str(st))
+    with pytest.raises(CheckpointError, match=r"blk.0.ffn_gate_exps.weight needs experts 0..7, the checkpoint has 7"):
+        gguf_file(gap, "f32")
     with pytest.raises(UnsupportedModelError, match="needs a Hugging Face safetensors folder"):
         gguf_file(tmp_path, "f32")
     with pytest.raises(InvalidParameterError, match="choose one of f32, f16, q8_0, q4_0, q4_K_M"):

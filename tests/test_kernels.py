@@ -166,6 +166,18 @@ def test_quantize_int8_ref_bounds():
     assert bool((amax_codes == 127).all())  # each vector's amax maps to +-127
 
 
+def _paged_case(lens, qlens, hq, hk, d, bs, dtype):
+    """A paged pool of ``lens`` contexts (``_paged_setup``) plus ``qlens`` new queries per sequence: the pool,
+    the packed queries' start offsets, ``q [sum(qlens), hq, d]`` (float32 for an int8 pool) and its dtype."""
+    kc, vc, ks, vs, tables, _, _ = _paged_setup(lens, hk, d, bs, dtype=dtype)
+    starts = [0]
+    for q_ in qlens:
+        starts.append(starts[-1] + q_)
+    qdtype = torch.float32 if dtype == torch.int8 else dtype
+    q = torch.randn(starts[-1], hq, d, generator=torch.Generator().manual_seed(3)).to(qdtype)
+    return kc, vc, ks, vs, tables, starts, q, qdtype
+
+
 def _paged_setup(lens, hk, d, block_size, dtype=torch.float32, seed=0):
     """Random K/V per sequence stored through kv_store into shuffled blocks.
 
@@ -509,12 +521,7 @@ def test_cpu_attention_with_sinks_equals_reference(dtype, window, qlens):
                                               paged_attention_gathered_scores, windowed)
 
     lens, hq, hk, d, bs = [9, 30, 5, 17, 12], 8, 2, 16, 8
-    kc, vc, ks, vs, tables, _, _ = _paged_setup(lens, hk, d, bs, dtype=dtype)
-    starts = [0]
-    for q_ in qlens:
-        starts.append(starts[-1] + q_)
-    qdtype = torch.float32 if dtype == torch.int8 else dtype
-    q = torch.randn(starts[-1], hq, d, generator=torch.Generator().manual_seed(3)).to(qdtype)
+    kc, vc, ks, vs, tables, starts, q, qdtype = _paged_case(lens, qlens, hq, hk, d, bs, dtype)
     sinks = torch.linspace(-2.0, 3.0, hq).to(qdtype)
     block_lists = [row[: -(-n // bs)].tolist() for row, n in zip(tables, lens)]
     plan = windowed(make_gather_plan(qlens, lens, block_lists, bs, torch.device("cpu")), window)
@@ -579,12 +586,7 @@ def test_cpu_windowed_attention_equals_reference(dtype, softcap, qlens):
     from llmsys.kernels.cpu_attention import make_gather_plan, paged_attention_gathered, windowed
 
     lens, hq, hk, d, bs, window = [9, 30, 5, 17, 12], 8, 2, 16, 8, 7
-    kc, vc, ks, vs, tables, _, _ = _paged_setup(lens, hk, d, bs, dtype=dtype)
-    starts = [0]
-    for q_ in qlens:
-        starts.append(starts[-1] + q_)
-    qdtype = torch.float32 if dtype == torch.int8 else dtype
-    q = torch.randn(starts[-1], hq, d, generator=torch.Generator().manual_seed(3)).to(qdtype)
+    kc, vc, ks, vs, tables, starts, q, qdtype = _paged_case(lens, qlens, hq, hk, d, bs, dtype)
     block_lists = [row[: -(-n // bs)].tolist() for row, n in zip(tables, lens)]
     plan = make_gather_plan(qlens, lens, block_lists, bs, torch.device("cpu"))
     wplan = windowed(plan, window)
