@@ -16,15 +16,21 @@ matrices, 2 threads; ``python benchmarks/bench_gemv.py``). The engine packs
 resident CPU weights once after loading; ``linear`` keeps a packed resident
 layer and the same layer streamed from disk (plain) bit-identical.
 
-bfloat16 without oneDNN's bf16 path (a CPU with neither AVX-512BW/VL/DQ nor
-AVX-NE-CONVERT: AVX2 laptops and desktops, Zen 2/3): oneDNN refuses to prepack
-bf16 weights there, and torch's own bf16 GEMM costs about 0.45 ms per row of x
-on a 4864x896 weight (55 ms at M = 128, 5.5x float32's MKL sgemm). Batches of
-fewer than :data:`BF16_UPCAST_MIN_ROWS` rows run the C bf16 GEMV
-(``cpu_qgemv.bf16_gemv``: 12.5-18.5 GB/s from DRAM where torch's GEMV read 10.8-15.1,
-and the fused decode layers' bits), bigger ones upcast the weight to float32 a
-few hundred rows at a time (the chunk stays in L2) and run sgemm: 8.9 ms at
-M = 128 (Zen 3, 2 threads; 49152x576 head: 431 -> 110 ms).
+bfloat16 weights are never prepacked: they stay plain so that batches of fewer
+than :data:`BF16_UPCAST_MIN_ROWS` rows (decode) run the C bf16 GEMV
+(``cpu_qgemv.bf16_gemv``), whose bits the fused decode layers give (two C calls
+per decoder layer instead of ~10 Python-dispatched ops). Where oneDNN has bf16
+(AVX-512BW/VL/DQ or AVX-NE-CONVERT) bigger batches (prompts) run its bf16 GEMM
+on the plain weight (within 10% of the packed one at M = 128, Zen 5). Before,
+such CPUs kept oneDNN's packed GEMV op by op at decode: SmolLM2-135M bf16
+decoded 73.5 tok/s where the fused layers with the AVX512-BF16 GEMV give 93.5
+(Zen 5, 2 threads, ``llmsys bench --synthetic smollm2-135m --dtype bfloat16``).
+Without oneDNN bf16 (AVX2 laptops and desktops, Zen 2/3) torch's own bf16 GEMM
+costs about 0.45 ms per row of x on a 4864x896 weight (55 ms at M = 128, 5.5x
+float32's MKL sgemm), so prompts upcast the weight to float32 a few hundred rows
+at a time (the chunk stays in L2) and run sgemm: 8.9 ms at M = 128 (Zen 3,
+2 threads; 49152x576 head: 431 -> 110 ms). The C GEMV reads 12.5-18.5 GB/s from
+DRAM there where torch's GEMV read 10.8-15.1.
 """
 
 from __future__ import annotations
@@ -49,9 +55,11 @@ def _onednn_bf16() -> bool:
 
 
 _ONEDNN_BF16 = _onednn_bf16()  # oneDNN runs (and prepacks) bf16 on this CPU; a fact, never mutated
-_PACKABLE = (torch.float32, torch.bfloat16) if _ONEDNN_BF16 else (torch.float32,)
-# Without oneDNN bf16: rows of x from which a bf16 matmul upcasts the weight in chunks (see the module doc);
-# below, the C bf16 GEMV (Zen 3, 2 threads, C vs upcast ms: 3072x576 M=8 0.68 vs 1.63, M=16 1.34 vs 0.99;
+# Only float32 is prepacked: bf16 weights stay plain everywhere, so the C bf16 GEMV (and the fused decode
+# layers) can read them at decode; where oneDNN has bf16 its GEMM takes prompts on the plain weight.
+_PACKABLE = (torch.float32,)
+# Rows of x from which a bf16 matmul leaves the C GEMV for a GEMM (oneDNN's, or without oneDNN bf16 the
+# upcast sgemm; module doc). Without oneDNN bf16, the C GEMV (Zen 3, 2 threads, C vs upcast ms: 3072x576 M=8 0.68 vs 1.63, M=16 1.34 vs 0.99;
 # 49152x576 M=8 11.0 vs 17.8, M=16 20.3 vs 13.5; torch's own bf16 GEMM was 23.7 ms at M=8 on the head).
 BF16_UPCAST_MIN_ROWS = 12
 _UPCAST_CHUNK_BYTES = 4 << 20  # float32 bytes of weight upcast at a time (1024-4096 rows: the same speed)
@@ -84,10 +92,10 @@ def packable(weight: torch.Tensor, numel: int | None = None) -> bool:
 def fusable(weight: torch.Tensor) -> bool:
     """Does ``linear`` take the same GEMM for ``weight`` [N, K] alone as for a row concatenation that
     holds it (so a fused q|k|v or gate|up gives each part's bits)? Packable weights do; so does any
-    CPU bf16 weight where oneDNN has no bf16 (torch's bf16 GEMV or the upcast sgemm, by M alone)."""
+    CPU bf16 weight (the C GEMV, oneDNN's bf16 GEMM or the upcast sgemm, by M alone)."""
     if packable(weight):
         return True
-    return (not _ONEDNN_BF16 and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
             and weight.dim() == 2 and weight.is_contiguous() and not weight.is_mkldnn)
 
 
@@ -120,9 +128,9 @@ def linear(
     packed on the fly, so it gives the same bits as the resident packed layer: the
     identical-answers-at-any-budget guarantee. The reorder costs a copy of the
     weight per call, noise next to the disk read it follows. bfloat16 needs none of
-    this (packed, plain and ``F.linear`` agree bitwise; tests/test_cpu_linear.py); without
-    oneDNN bf16 (AVX2) bf16 batches of :data:`BF16_UPCAST_MIN_ROWS` rows and more run as float32
-    sgemm on upcast weight chunks (module doc).
+    this (never packed): batches of fewer than :data:`BF16_UPCAST_MIN_ROWS` rows run the C bf16 GEMV,
+    bigger ones oneDNN's bf16 GEMM, or float32 sgemm on upcast weight chunks where oneDNN has no bf16
+    (module doc).
 
     ``rows_of``: ``weight`` is a row chunk of a matrix with this many rows (an LM
     head streamed in chunks); the GEMM choice follows the whole matrix, and
@@ -148,13 +156,13 @@ def linear(
     if (
         x.dtype == torch.bfloat16
         and weight.dtype == torch.bfloat16
-        and not _ONEDNN_BF16
         and x.device.type == "cpu"
         and weight.dim() == 2
         and not torch.is_grad_enabled()
     ):
         if x.numel() >= BF16_UPCAST_MIN_ROWS * x.shape[-1]:
-            return _bf16_upcast(x, weight, bias)
+            # prompts: oneDNN's bf16 GEMM on the plain weight where it has one, else upcast sgemm
+            return F.linear(x, weight, bias) if _ONEDNN_BF16 else _bf16_upcast(x, weight, bias)
         if bf16_gemv_applies(weight, bias):  # decode-sized batches: the C GEMV (the fused layers' bits)
             x2 = x.reshape(-1, x.shape[-1])
             y = cpu_qgemv.bf16_gemv(x2 if x2.stride(-1) == 1 else x2.contiguous(), weight, check=False)
@@ -166,9 +174,9 @@ def linear(
 
 def bf16_gemv_applies(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Does :func:`linear` run batches of fewer than :data:`BF16_UPCAST_MIN_ROWS` rows on ``weight`` through
-    the C bf16 GEMV (``cpu_qgemv.bf16_gemv``; then ``bf16(y + bias)``)? Where oneDNN has no bf16, for plain
+    the C bf16 GEMV (``cpu_qgemv.bf16_gemv``; then ``bf16(y + bias)``)? For plain
     CPU bf16 weights with unit column stride and a bf16 bias or none, when the C kernel is built."""
-    return (not _ONEDNN_BF16 and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
             and weight.dim() == 2 and weight.stride(1) == 1 and not weight.is_mkldnn
             and (bias is None or bias.dtype == torch.bfloat16) and cpu_qgemv.available())
 

@@ -273,7 +273,7 @@ def int8_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *, c
 
 def bf16_gemv(x: torch.Tensor, weight: torch.Tensor, *, check: bool = True, lib=None) -> torch.Tensor:
     """``x [M, K]`` bf16 times a plain bf16 ``weight [N, K]`` (unit column stride) ``-> [M, N]`` bf16, as
-    :func:`bf16_gemv_def`: the decode GEMV of bf16 layers where oneDNN has no bf16 (``cpu_linear``).
+    :func:`bf16_gemv_def`: the decode GEMV of bf16 layers (``cpu_linear``).
     ``check`` and ``lib`` as :func:`int8_gemv`."""
     n, k = weight.shape
     if check:

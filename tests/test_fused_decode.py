@@ -84,11 +84,9 @@ def test_fused_decode_is_bit_identical(tmp_path, kind, overrides, dtype, fused, 
     llm = LLM(str(path), dtype=dtype, progress=False, block_size=4, kv_cache_tokens=256, quant=quant)
     layers = llm.loaded.model.model.layers
     assert all((layer.self_attn.rope_qkv is not None) == fused for layer in layers)
-    from llmsys.kernels import cpu_linear
-
-    # The fused decode layers take decode-sized bf16 steps of int8 / int4 layers, and of bf16 ones where
-    # oneDNN has no bf16 (the C bf16 GEMV); the reference below runs the same layers op by op.
-    fuses = dtype == "bfloat16" and (quant is not None or not cpu_linear._ONEDNN_BF16)
+    # The fused decode layers take decode-sized bf16 steps (int8 / int4 layers, and bf16 ones through the
+    # C bf16 GEMV); the reference below runs the same layers op by op.
+    fuses = dtype == "bfloat16"
     if kernels.cpu_fused_available():
         h = torch.zeros(3, overrides.get("hidden_size", 64), dtype=torch.bfloat16)  # a decode step of 3 sequences
         with torch.inference_mode():

@@ -12,7 +12,7 @@ import torch
 from conftest import other_isa_build, x86_levels
 from llmsys import kernels
 from llmsys.engine.models.base import Linear
-from llmsys.kernels import cpu_decode, cpu_linear, cpu_qgemv
+from llmsys.kernels import cpu_decode, cpu_qgemv
 from llmsys.quant.int4 import Int4Linear
 from llmsys.quant.int8_fp8 import Int8Linear
 
@@ -30,9 +30,7 @@ def _layer(fmt: str, n: int, k: int, seed: int, bias: bool = False):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * 0.05
     b = (torch.randn(n, generator=g) * 0.1).to(BF) if bias else None
-    if fmt == "bf16":  # the engine's Linear: the C bf16 GEMV where oneDNN has no bf16
-        if cpu_linear._ONEDNN_BF16:
-            pytest.skip("oneDNN runs bf16 on this CPU: bf16 layers keep its GEMM, not the fused decode layers")
+    if fmt == "bf16":  # the engine's Linear: the C bf16 GEMV at decode sizes
         lin = Linear(k, n, bias=bias, dtype=BF)
         with torch.no_grad():
             lin.weight.copy_(w)
@@ -167,7 +165,7 @@ def test_other_isas_give_the_same_bits(level, tmp_path):
     x, res = torch.randn(rows, D, generator=g).to(BF), torch.randn(rows, D, generator=g).to(BF)
     attn_out = torch.randn(rows, HQ * HD, generator=g).to(BF)
     ln = (torch.rand(D, generator=g) + 0.5).to(BF)
-    for fmt in ("int8", "int4", "int4-offsets") + (() if cpu_linear._ONEDNN_BF16 else ("bf16",)):
+    for fmt in ("int8", "int4", "int4-offsets", "bf16"):
         qkv, o_proj = _layer(fmt, (HQ + 2 * HK) * HD, D, 1, bias=True), _layer(fmt, D, HQ * HD, 2)
         gu, down = _layer(fmt, 2 * INTER, D, 3), _layer(fmt, D, INTER, 4)
         layer = _a8([qkv], o_proj, [gu], down, ln, ln)

@@ -69,7 +69,11 @@ def _native_level() -> str | None:
 def _emulate(cpu: str, args: list[str], home: Path, timeout: int) -> subprocess.CompletedProcess:
     """``python ARGS`` as ``cpu``. Unbuffered, with faulthandler: a SIGILL prints the Python stack that
     reached the instruction (which module, which call), and the output up to it is not lost."""
-    env = {**os.environ, "LLMSYS_HOME": str(home), "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
+    # OPENBLAS_CORETYPE: numpy's bundled OpenBLAS picked its Haswell (AVX2) kernels under qemu -cpu Nehalem
+    # on a Zen 5 host (OPENBLAS_VERBOSE=2: "Core: Haswell", then SIGILL on vxorps in numpy's import-time
+    # sanity check), though qemu's CPUID reports no AVX: name the emulated CPU's kernels outright.
+    env = {**os.environ, "LLMSYS_HOME": str(home), "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1",
+           "OPENBLAS_CORETYPE": cpu}
     env.pop("LLMSYS_CPU_ISA", None)
     return subprocess.run([QEMU, "-cpu", cpu, sys.executable, *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=ROOT)

@@ -190,12 +190,12 @@ class Linear(nn.Linear):
     # False for a head tied to an embedding held in memory: never prepacked (see
     # prepack_linears), so its plain weight must not be packed on the fly either (kernels.linear).
     packed_when_resident = True
-    # Batches that kernels.linear runs through the C bf16 GEMV where oneDNN has no bf16 (below its upcast size).
+    # Batches that kernels.linear runs through the C bf16 GEMV (below the size that takes a GEMM).
     DECODE_MAX_ROWS = kernels.BF16_UPCAST_MIN_ROWS - 1
 
     def decode_weight(self) -> kernels.DecodeWeight | None:
         """The fused decode layers' weight when ``kernels.linear`` runs this layer's decode-sized batches
-        through the C bf16 GEMV (a plain bf16 weight where oneDNN has no bf16), else None: the fused
+        through the C bf16 GEMV (a plain CPU bf16 weight), else None: the fused
         layer then gives this layer's bits."""
         return kernels.bf16_decode_weight(self.weight, self.bias)
 
