@@ -46,7 +46,9 @@ import torch
 from llmsys.kernels.common.cpus import physical_cores, usable_cpus
 from llmsys.kernels.common.paths import llmsys_home
 
-CACHE_VERSION = 4
+CACHE_VERSION = 5
+BUSY_PROBE_LOAD = 0.25  # cores' worth of other processes' CPU during the host probe above which it is not cached
+LOAD_MIN_SECONDS = 0.2  # host probes shorter than this report no load (see probe_host)
 CACHE_NAME = "machine.json"  # under $LLMSYS_HOME: one record per machine (see machine_fingerprint)
 MEM_PROBE_BYTES = 256 << 20  # per buffer: well above any last-level cache
 RAM_FILESYSTEMS = ("tmpfs", "ramfs")  # "disk" reads there come from RAM: the figure is no disk's
@@ -112,6 +114,10 @@ class Bandwidths:
     gpu_gflops: dict[str, float] = field(default_factory=dict)
     disk_probe_dir: str | None = None  # the folder disk_read_gbps was measured in
     mem_threads: int | None = None  # torch threads the RAM / GEMM probes ran on
+    # Cores' worth of CPU other processes used while the host probes ran: above BUSY_PROBE_LOAD the
+    # figures are this run's only and are not cached (a probe beside a test suite read RAM at 23.5 GB/s
+    # where the quiet machine reads 33.6: every %roof after it would have been 1.4x too high).
+    probe_load: float = 0.0
 
     def roof_gbps(self, device_type: str) -> float:
         """Bandwidth that bounds decode on ``device_type`` ("cpu" or "cuda")."""
@@ -143,11 +149,37 @@ def machine_fingerprint() -> dict:
         pass
     return {
         "cpu_model": model,
+        # family / model / stepping: a VM's "AMD EPYC" names Zen 3, 4 and 5 alike, whose speeds differ
+        "cpu_id": _cpuinfo_fields(("cpu family", "model", "stepping")),
         "cpu_threads": psutil.cpu_count(logical=True) or 1,
         "ram_bytes": psutil.virtual_memory().total,
         "gpu_name": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "node": platform.node(),
     }
+
+
+def _cpuinfo_fields(keys: tuple[str, ...]) -> str:
+    """``/proc/cpuinfo``'s first values for ``keys``, joined (empty where there is no such file)."""
+    found: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in keys and key.strip() not in found:
+                found[key.strip()] = value.strip()
+            if len(found) == len(keys) or not line.strip():
+                break
+    except OSError:
+        pass
+    return "/".join(found.get(k, "") for k in keys)
+
+
+def others_cpu_seconds() -> float:
+    """CPU seconds every other process (and the hypervisor's steal) has used so far: all CPUs' busy time
+    minus this process's own."""
+    t = psutil.cpu_times()
+    busy = sum(getattr(t, f, 0.0) for f in ("user", "nice", "system", "irq", "softirq", "steal"))
+    own = psutil.Process().cpu_times()
+    return busy - own.user - own.system
 
 
 def cache_path() -> Path:
@@ -263,6 +295,7 @@ def probe_disk(folder: Path, nbytes: int) -> DiskSpeed:
 def probe_host(probe: ProbeSettings) -> Bandwidths:
     """RAM, GEMM and (with a GPU) host-GPU speeds; no disk figure (that is per filesystem)."""
     threads = probe.thread_count()
+    others, start = others_cpu_seconds(), time.perf_counter()
     with _torch_threads(threads):
         mem = probe_mem_gbps(probe.mem_bytes, probe.repeat)
         copy = probe_mem_copy_gbps(probe.mem_bytes, probe.repeat)
@@ -273,8 +306,12 @@ def probe_host(probe: ProbeSettings) -> Bandwidths:
     gpu_flops: dict[str, float] = {}
     if torch.cuda.is_available():  # pragma: no cover - untested here (no GPU)
         h2d, gpu_mem, gpu_flops = probe_cuda()
+    elapsed = time.perf_counter() - start
+    # CPU times tick every 10 ms: a probe shorter than LOAD_MIN_SECONDS cannot tell load from noise
+    load = max(0.0, others_cpu_seconds() - others) / elapsed if elapsed >= LOAD_MIN_SECONDS else 0.0
     return Bandwidths(mem_gbps=round(mem, 2), disk_read_gbps=None, h2d_gbps=h2d, gpu_mem_gbps=gpu_mem,
-                      mem_copy_gbps=round(copy, 2), cpu_gflops=flops, gpu_gflops=gpu_flops, mem_threads=threads)
+                      mem_copy_gbps=round(copy, 2), cpu_gflops=flops, gpu_gflops=gpu_flops, mem_threads=threads,
+                      probe_load=round(load, 2))
 
 
 def probe_cuda() -> tuple[float, float, dict[str, float]]:  # pragma: no cover - needs a GPU
@@ -364,6 +401,7 @@ def measure_bandwidths(cache: bool = True, probe_dir: Path | None = None,
     probe = probe or DEFAULT_PROBE
     folder = Path(probe_dir) if probe_dir is not None else default_probe_dir()
     rec = read_record() if cache else None
+    fresh = rec is None
     if rec is None:
         rec = MachineRecord(machine_fingerprint(), probe_host(probe), {}, time.time())
     mount, _ = filesystem_of(folder)
@@ -371,5 +409,6 @@ def measure_bandwidths(cache: bool = True, probe_dir: Path | None = None,
     if disk is None:
         disk = probe_disk(folder, probe.disk_bytes)
         rec = replace(rec, disks={**rec.disks, disk.mount: disk})
-        _write_record(rec)
+        if not (fresh and rec.host.probe_load > BUSY_PROBE_LOAD):  # a busy machine's figures are not kept
+            _write_record(rec)
     return rec.host.with_disk(disk)

@@ -21,6 +21,7 @@ import torch
 
 from conftest import STORIES_HF, need_shared
 from llmsys.engine.bench import report
+from llmsys.engine.bench import machine as machine_mod
 from llmsys.engine.bench.machine import machine_info
 from llmsys.engine.bench.measure import TestSpec
 from llmsys.engine.bench.suite import BaselineFigures, BenchResult, BenchRow, BenchSpec, LoadConfig, run_bench
@@ -372,3 +373,19 @@ def test_probe_threads_and_disk_folders(tmp_path):
             folder.rmdir()
         assert ram.disk_cached and ram.disk_probe_dir == str(folder) and ram.mem_gbps == bw.mem_gbps
         assert set(_record()["disks"]) == {bandwidth.filesystem_of(tmp_path)[0], str(shm)}
+
+
+def test_a_probe_beside_busy_programs_is_shown_and_not_cached(monkeypatch):
+    """Other processes' CPU during the host probe (here faked: 0.5 s of it per reading, over a probe that
+    counts as long enough) marks the figures as low and keeps them out of the one record; a quiet probe
+    is recorded as before."""
+    clock = iter(range(0, 10_000))
+    monkeypatch.setattr(bandwidth, "others_cpu_seconds", lambda: 0.5 * next(clock))
+    monkeypatch.setattr(bandwidth, "LOAD_MIN_SECONDS", 0.0)
+    busy = bandwidth.measure_bandwidths(cache=False)
+    assert busy.probe_load > bandwidth.BUSY_PROBE_LOAD and not bandwidth.cache_path().exists()
+    assert "not cached" in " ".join(machine_mod.bandwidth_parts(busy))
+    monkeypatch.setattr(bandwidth, "others_cpu_seconds", lambda: 0.0)
+    quiet = bandwidth.measure_bandwidths(cache=False)
+    assert quiet.probe_load == 0.0 and _record()["host"]["mem_gbps"] == quiet.mem_gbps
+    assert "not cached" not in " ".join(machine_mod.bandwidth_parts(quiet))

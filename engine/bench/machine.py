@@ -27,7 +27,7 @@ import torch
 
 from llmsys.kernels.common.units import format_bytes
 from llmsys.kernels import cpu_kernels
-from llmsys.offload.bandwidth import Bandwidths, machine_fingerprint, measure_bandwidths
+from llmsys.offload.bandwidth import BUSY_PROBE_LOAD, Bandwidths, machine_fingerprint, measure_bandwidths
 
 
 @dataclass(frozen=True)
@@ -69,8 +69,10 @@ class MachineInfo:
 
 def bandwidth_parts(bw: Bandwidths) -> list[str]:
     """The measured speeds in the words ``llmsys plan --explain`` uses, so the two read alike."""
-    threads = f" ({bw.mem_threads} threads)" if bw.mem_threads else ""
-    parts = [f"RAM read {bw.mem_gbps:.1f} GB/s{threads}"]
+    notes = [f"{bw.mem_threads} threads"] if bw.mem_threads else []
+    if bw.probe_load > BUSY_PROBE_LOAD:
+        notes.append(f"other programs used {bw.probe_load:.1f} cores meanwhile: low, not cached")
+    parts = [f"RAM read {bw.mem_gbps:.1f} GB/s" + (f" ({'; '.join(notes)})" if notes else "")]
     if bw.gpu_mem_gbps:
         parts.append(f"GPU mem {bw.gpu_mem_gbps:.0f} GB/s")
     if bw.h2d_gbps:
