@@ -297,6 +297,17 @@ class CpuBackend(_PagedBackend):
         self._flat = [(k.view(-1, s.num_kv_heads, s.head_dim), v.view(-1, s.num_kv_heads, s.head_dim))
                       for k, v in zip(pool.k, pool.v)]
 
+    def decode_pools(self, meta: AttentionMetadata) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Each layer's flat K/V pools ``[slots, Hk, D]`` when this step's :meth:`rope_attend` is one C call of
+        RoPE, the K/V store and decode attention for every layer without a window, soft cap or sinks (the
+        bf16 pool, a decode step with nothing cold or split), else None: ``DecoderModel.decode_stack`` then
+        runs those calls for all layers in one (``kernels.decode_stack``, the same bits)."""
+        plan = meta.plan
+        if (self._c_rope and plan is not None and plan.is_decode and plan.cold is None and plan.split is None
+                and plan.lens is not None):
+            return self._flat
+        return None
+
     def rope_store(self, layer, q, k, v, positions, rope_cache, meta):
         d = q.shape[-1]
         if self._c_rope and q.stride(1) == d and k.stride(1) == d and v.stride(1) == d:

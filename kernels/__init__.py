@@ -45,9 +45,13 @@ from llmsys.kernels.ops import (
 # The CPU decode GEMVs and the fused decode layers (two C calls per decoder layer around attention).
 from llmsys.kernels.cpu_qgemv import (
     DecodeLayer,
+    DecodeStack,
     DecodeWeight,
     KScales,
+    StackLayer,
     decode_layer_args,
+    decode_stack,
+    decode_stack_args,
     int4_decode_weight,
     int4k_decode_weight,
     int4k_gemv_a8,
@@ -69,6 +73,10 @@ from llmsys.kernels.rope_cache import build_rope_cache, rope_attention_factor, r
 __all__ = [
     "BF16_UPCAST_MIN_ROWS",
     "DecodeLayer",
+    "DecodeStack",
+    "StackLayer",
+    "decode_stack",
+    "decode_stack_args",
     "bf16_decode_weight",
     "DecodeWeight",
     "layer_attn_in",

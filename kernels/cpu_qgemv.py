@@ -78,6 +78,7 @@ _SIGNATURES = {
     "llmsys_gemv_bf16": [_P, _I, _P, _I, _P, _I, _I, _I, _I, _C],
     "llmsys_layer_attn_in": [_P, _P, _P, _P, _P, _I, _C],
     "llmsys_layer_mlp": [_P, _P, _P, _P, _P, _I, _C],
+    "llmsys_decode_stack": [_P, _P, _P, _P, _I, _C],
 }
 A8_BLOCK = 32  # columns of x per int8 block in the a8 GEMVs
 _SCALE_KINDS = {torch.bfloat16: 0, torch.float32: 1, torch.float16: 2}
@@ -662,3 +663,93 @@ def layer_mlp(layer: DecodeLayer, o: torch.Tensor, residual: torch.Tensor, *,
         raise ValueError(f"layer_mlp: the C kernel rejected the layer (code {rc}; 2: out of memory): "
                          f"{layer.describe()}")
     return out, new_res
+
+
+class _StackLayer(ctypes.Structure):
+    """``llmsys_stack_layer`` in cpu_qgemv.c."""
+
+    _fields_ = [("layer", _P), ("k_pool", _P), ("v_pool", _P), ("pos", _P), ("hq", _I), ("hk", _I), ("hd", _I),
+                ("scale", ctypes.c_float)]
+
+
+class _Stack(ctypes.Structure):
+    """``llmsys_stack`` in cpu_qgemv.c."""
+
+    _fields_ = [("layers", _P), ("n_layers", _I), ("rope_attend", _P), ("slot_mapping", _P), ("n_slots", _I),
+                ("cache", _P), ("max_pos", _I), ("gather_slots", _P), ("lens", _P), ("l_max", _I)]
+
+
+@dataclass(frozen=True)
+class StackLayer:
+    """One layer of a :class:`DecodeStack`: its fused arguments, K/V pools ``[n_slots, Hk, D]`` bf16 (contiguous),
+    heads, head dim and softmax scale; ``table`` of ``tables``: the RoPE table it rotates with (the tables lie
+    one after the other in the cache, ``Attention.rope_positions``)."""
+
+    layer: DecodeLayer
+    k_pool: torch.Tensor
+    v_pool: torch.Tensor
+    hq: int
+    hk: int
+    hd: int
+    scale: float
+    table: int = 0
+    tables: int = 1
+
+
+@dataclass(frozen=True)
+class DecodeStack:
+    """Every decoder layer of a decode step in one C call (:func:`decode_stack`): the layers' fixed
+    arguments, built once per bound weights and pools (``DecoderModel.decode_stack``)."""
+
+    layers: tuple[StackLayer, ...]
+    array: ctypes.Array  # the llmsys_stack_layer array (pos pointers set per step)
+
+
+def decode_stack_args(layers: list[StackLayer]) -> DecodeStack:
+    """The :class:`DecodeStack` of ``layers`` (each a fused layer whose attention is RoPE over its whole head,
+    the K/V store and plain decode attention: no window, soft cap or sinks)."""
+    if not layers:
+        raise ValueError("decode_stack_args: no layers")
+    d = layers[0].layer.d
+    for i, s in enumerate(layers):
+        for name, t in (("k_pool", s.k_pool), ("v_pool", s.v_pool)):
+            if t.dtype != torch.bfloat16 or t.dim() != 3 or tuple(t.shape[1:]) != (s.hk, s.hd) or not t.is_contiguous():
+                raise ValueError(f"decode_stack_args: layer {i}'s {name} must be a contiguous bf16 [slots, {s.hk}, "
+                                 f"{s.hd}] tensor, got {t.dtype} {tuple(t.shape)}")
+        if s.layer.d != d or s.layer.k_o != s.hq * s.hd or s.layer.qkv_rows != (s.hq + 2 * s.hk) * s.hd:
+            raise ValueError(f"decode_stack_args: layer {i} ({s.layer.describe()}) does not fit {s.hq} query and "
+                             f"{s.hk} K/V heads of {s.hd} in a hidden size of {d}")
+    array = (_StackLayer * len(layers))(*(
+        _StackLayer(ctypes.addressof(s.layer.args), s.k_pool.data_ptr(), s.v_pool.data_ptr(), None, s.hq, s.hk, s.hd,
+                    s.scale) for s in layers))
+    return DecodeStack(tuple(layers), array)
+
+
+def decode_stack(stack: DecodeStack, h: torch.Tensor, positions: torch.Tensor, rope_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor, gather_slots: torch.Tensor, lens: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode step through every layer of ``stack`` in one C call: ``h [M, D]`` bf16 (the embeddings) ``->
+    (the last layer's MLP output, its residual)``, each ``[M, D]``; the bits of the layers' fused calls around
+    ``cpu_decode.rope_store_attend`` one after the other (K/V written to each layer's pools at
+    ``slot_mapping [M]``; ``positions [M]`` rows of ``rope_cache``'s first table, ``gather_slots [M, L]`` and
+    ``lens [M]`` the step's decode plan, int64). The caller's own validated tensors, as for
+    ``rope_store_attend``; ``h`` contiguous."""
+    from llmsys.kernels import cpu_decode
+
+    m, d = h.shape
+    pos = {0: positions}  # table -> its rows (kept alive until the call returns)
+    for i, s in enumerate(stack.layers):
+        if s.table not in pos:
+            pos[s.table] = positions + s.table * (rope_cache.shape[0] // s.tables)
+        stack.array[i].pos = pos[s.table].data_ptr()
+    fn = ctypes.cast(cpu_decode._KERNEL.lib().llmsys_rope_store_attend_bf16, ctypes.c_void_p).value
+    args = _Stack(ctypes.addressof(stack.array), len(stack.layers), fn, slot_mapping.data_ptr(),
+                  stack.layers[0].k_pool.shape[0], rope_cache.data_ptr(), rope_cache.shape[0],
+                  gather_slots.data_ptr(), lens.data_ptr(), gather_slots.shape[1])
+    out, res = torch.empty(m, d, dtype=torch.bfloat16), torch.empty(m, d, dtype=torch.bfloat16)
+    rc = _KERNEL.lib().llmsys_decode_stack(ctypes.byref(args), h.data_ptr(), out.data_ptr(), res.data_ptr(), m,
+                                           torch.get_num_threads())
+    if rc:
+        where = f" at layer {rc // 100 - 1} (attention code {rc % 100})" if rc >= 100 else ""
+        raise ValueError(f"decode_stack: the C kernel rejected the step{where} (code {rc}; 2: out of memory)")
+    return out, res

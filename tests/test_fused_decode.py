@@ -55,10 +55,11 @@ def _step_both(llm, lens: list[int], seed: int = 0):
             for run in (lambda: _reference(model, core.kv, meta, ids, pos), lambda: model(ids, pos, core.attn, meta)):
                 h = run()
                 out.append((h, [k.clone() for k in core.kv.k], [v.clone() for v in core.kv.v]))
+            stacked = model.decode_stack(model.embed(ids), core.attn.for_step(meta), meta) is not None
     finally:
         for t in tables:
             core.allocator.free(t)
-    return out
+    return out, stacked
 
 
 @pytest.mark.parametrize(
@@ -92,7 +93,9 @@ def test_fused_decode_is_bit_identical(tmp_path, kind, overrides, dtype, fused, 
         with torch.inference_mode():
             assert all((layer.decode_layer(h) is not None) == fuses for layer in layers)
     for lens in ([9], [3, 17, 8], [12, 12]):  # one sequence; unequal lengths (masked); equal lengths
-        (h0, k0, v0), (h1, k1, v1) = _step_both(llm, lens)
+        ((h0, k0, v0), (h1, k1, v1)), stacked = _step_both(llm, lens)
+        # the whole decoder in one C call (kernels.decode_stack) where every layer fuses and has no q/k norms
+        assert stacked == (fuses and kernels.cpu_fused_available() and kind != "qwen3")
         assert torch.equal(h0, h1)
         assert all(torch.equal(a, b) for a, b in zip(k0 + v0, k1 + v1))  # the same K/V written
 

@@ -485,7 +485,8 @@ def test_fused_decode_layers_take_kept_gguf_layers_bit_for_bit(tmp_path, matrice
         with torch.inference_mode():
             assert all(layer.decode_layer(h) is not None for layer in llm.loaded.model.model.layers)
     for lens in ([9], [3, 17, 8]):
-        (h0, k0, v0), (h1, k1, v1) = _step_both(llm, lens)
+        ((h0, k0, v0), (h1, k1, v1)), stacked = _step_both(llm, lens)
+        assert stacked == kernels.cpu_fused_available()  # the whole decoder in one C call
         assert torch.equal(h0, h1)
         assert all(torch.equal(a, b) for a, b in zip(k0 + v0, k1 + v1))
 

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmsys import kernels
-from llmsys.engine.attention import AttentionBackend, AttentionMetadata
+from llmsys.engine.attention import AttentionBackend, AttentionMetadata, CpuBackend
 from llmsys.engine.models.moe import MoE
 from llmsys.kernels.common.errors import UnsupportedModelError
 from llmsys.kernels.common.protocols import ExpertSource, LayerRunner
@@ -576,6 +576,15 @@ class FusedBinding:
         return True
 
 
+@dataclass(frozen=True)
+class StackBinding:
+    """A model's :class:`kernels.DecodeStack` with the per-layer fused arguments and the pools it was built from."""
+
+    stack: kernels.DecodeStack
+    fused: tuple[kernels.DecodeLayer, ...]
+    pools: list[tuple[torch.Tensor, torch.Tensor]]
+
+
 def _ref(t: torch.Tensor | None):
     return None if t is None else weakref.ref(t)
 
@@ -609,6 +618,7 @@ class DecoderModel(nn.Module):
         # serves embedding rows from the file so the tied head can be packed.
         self.embed_file = embed_file
         self.embed_file_bytes = 0  # bytes of the embedding table served from the file (memory_report: "disk")
+        self._stack: StackBinding | None = None  # decode_stack's last answer
 
     def tie_weights(self) -> None:
         if self.args.tie_word_embeddings:
@@ -638,13 +648,52 @@ class DecoderModel(nn.Module):
         rows = self.decode_rope_rows(positions, meta)
         attn = attn.for_step(meta)  # e.g. the scoring decorator steps aside when no sequence scores
         h, res = self.embed(input_ids), None
-        for i, layer in enumerate(self.model.layers):
-            if layers is None:
-                h, res = layer.forward(h, res, positions, rope, attn, meta, rows)
-            else:
-                h, res = layers.run_layer(i, layer, h, res, positions, rope, attn, meta)
+        stack = self.decode_stack(h, attn, meta) if layers is None and rows is None else None
+        if stack is not None:  # every layer's fused decode calls in one C call (the same bits as the loop)
+            plan = meta.plan
+            h, res = kernels.decode_stack(stack, h, positions, rope, meta.slot_mapping, plan.gather_slots, plan.lens)
+        else:
+            for i, layer in enumerate(self.model.layers):
+                if layers is None:
+                    h, res = layer.forward(h, res, positions, rope, attn, meta, rows)
+                else:
+                    h, res = layers.run_layer(i, layer, h, res, positions, rope, attn, meta)
         norm = self.model.norm
         return norm.forward(h) if res is None else norm.forward(h, res)[0]
+
+    def decode_stack(self, h: torch.Tensor, attn: AttentionBackend, meta: AttentionMetadata
+                     ) -> kernels.DecodeStack | None:
+        """The whole decoder's arguments for one C call per decode step (``kernels.decode_stack``) when every
+        layer would run :meth:`DecoderLayer._forward_fused` with its attention as the CPU backend's one C
+        call (``CpuBackend.decode_pools``: RoPE over whole heads, no q/k norms, window, soft cap or sinks),
+        else None (the per-layer loop runs).
+
+        Why: the loop's Python and ctypes cost ~50 us a layer around ~150 us of kernels (SmolLM2-135M int4;
+        profile_decode.py); the stack makes the same calls in C. Kept while every layer's fused arguments
+        and the pools are the ones it was built from (resident layers: for the engine's life).
+        """
+        pools = attn.decode_pools(meta) if isinstance(attn, CpuBackend) else None
+        if pools is None:
+            return None
+        fused = []
+        for layer in self.model.layers:
+            at = layer.self_attn
+            if (at.q_norm is not None or at.rotary_dim != at.head_dim or at.window is not None
+                    or at.softcap is not None or at.sinks is not None):
+                return None
+            f = layer.decode_layer(h)
+            if f is None:
+                return None
+            fused.append(f)
+        st = self._stack
+        if st is None or st.pools is not pools or any(a is not b for a, b in zip(st.fused, fused)):
+            stack = kernels.decode_stack_args([
+                kernels.StackLayer(f, *pools[layer.self_attn.index], layer.self_attn.n_heads, layer.self_attn.n_kv,
+                                   layer.self_attn.head_dim, layer.self_attn.scale, layer.self_attn.rope_table,
+                                   layer.self_attn.rope_tables)
+                for f, layer in zip(fused, self.model.layers)])
+            st = self._stack = StackBinding(stack, tuple(fused), pools)
+        return st.stack
 
     def ensure_rope_positions(self, n_positions: int) -> None:
         """Grow ``rope_cache`` so each of its tables covers ``n_positions`` (a context or a KV policy's
