@@ -406,6 +406,18 @@ static inline __attribute__((always_inline)) void int8_lane_tile(const uint32_t 
     }
 }
 
+/* int8_lane_tile for mt = 1..I8B_MT rows of x, each a constant (the accumulators stay in registers) */
+static void lane_tile(const uint32_t *xt, int64_t nb, const __m512i *wb, float *res, int mt) {
+    switch (mt) {
+    case 1: int8_lane_tile(xt, nb, wb, res, 1); break;
+    case 2: int8_lane_tile(xt, nb, wb, res, 2); break;
+    case 3: int8_lane_tile(xt, nb, wb, res, 3); break;
+    case 4: int8_lane_tile(xt, nb, wb, res, 4); break;
+    case 5: int8_lane_tile(xt, nb, wb, res, 5); break;
+    default: int8_lane_tile(xt, nb, wb, res, 6); break;
+    }
+}
+
 /* int8_rows for batches: rows n in [n0, n1), all rows of x; wb: nb * I8B_R vectors of scratch. */
 static void int8_rows_lanes(const uint32_t *xs, int64_t nb, int64_t m_count, const int8_t *q, int64_t k,
                             const uint16_t *scales, uint16_t *out, int64_t ldo, int64_t n0, int64_t n1, __m512i *wb) {
@@ -423,14 +435,7 @@ static void int8_rows_lanes(const uint32_t *xs, int64_t nb, int64_t m_count, con
         for (int64_t m0 = 0; m0 < m_count; m0 += I8B_MT) {
             const int mt = m_count - m0 < I8B_MT ? (int)(m_count - m0) : I8B_MT;
             const uint32_t *xt = xs + m0 * nb * 16;
-            switch (mt) {
-            case 1: int8_lane_tile(xt, nb, wb, res, 1); break;
-            case 2: int8_lane_tile(xt, nb, wb, res, 2); break;
-            case 3: int8_lane_tile(xt, nb, wb, res, 3); break;
-            case 4: int8_lane_tile(xt, nb, wb, res, 4); break;
-            case 5: int8_lane_tile(xt, nb, wb, res, 5); break;
-            default: int8_lane_tile(xt, nb, wb, res, 6); break;
-            }
+            lane_tile(xt, nb, wb, res, mt);
             for (int rr = 0; rr < r; rr++) {
                 const float s = bf(scales[n + rr]);
                 for (int m = 0; m < mt; m++) out[(m0 + m) * ldo + n + rr] = rne(res[m * I8B_R + rr] * s);
@@ -1854,53 +1859,7 @@ static __attribute__((unused)) void bf16_rows(const uint16_t *xb, int64_t ldx, i
    per 32 multiply-adds for each row of x. Why: the AVX2 code widens every weight element to float32 (two
    shifts / masks and two FMAs per 16 columns) and walks the weight once per row of x, so batches of 2-11
    rows ran at 0.17-0.5x oneDNN's packed bf16 GEMV (Zen 5, 2 threads); here a weight block is read once
-   for up to BF_MT rows of x. */
-#define BF_R 4  /* weight rows per tile */
-#define BF_MT 6 /* rows of x per tile: 24 accumulators */
-
-static inline __attribute__((always_inline)) void bf16_lane_tile(const uint32_t *xs, int64_t nb, int64_t k,
-                                                                 const uint16_t *w, int64_t ldw, int r, float *res,
-                                                                 const int MT) {
-    /* word 2j of a block's pair vector = column 16 + j (low), word 2j + 1 = column j (high) */
-    const __m512i perm = _mm512_set_epi16(15, 31, 14, 30, 13, 29, 12, 28, 11, 27, 10, 26, 9, 25, 8, 24,
-                                          7, 23, 6, 22, 5, 21, 4, 20, 3, 19, 2, 18, 1, 17, 0, 16);
-    __m512 acc[BF_R][BF_MT];
-#pragma GCC unroll 4
-    for (int rr = 0; rr < BF_R; rr++)
-#pragma GCC unroll 6
-        for (int m = 0; m < MT; m++) acc[rr][m] = _mm512_setzero_ps();
-    const uint16_t *w1 = w + (r > 1 ? 1 : 0) * ldw, *w2 = w + (r > 2 ? 2 : 0) * ldw, *w3 = w + (r > 3 ? 3 : 0) * ldw;
-    for (int64_t t = 0; t < nb; t++) {
-        const int64_t kn = k - 32 * t < 32 ? k - 32 * t : 32;
-        const __mmask32 mk = kn >= 32 ? ~(__mmask32)0 : (((__mmask32)1 << kn) - 1);
-        /* into L2, BF_AHEAD rows ahead (big weights stream from DRAM): a block is one cache line */
-        for (int rr = 0; rr < BF_R; rr++) _mm_prefetch((const char *)(w + (rr + BF_AHEAD) * ldw + 32 * t), _MM_HINT_T1);
-        const __m512i v0 = _mm512_permutexvar_epi16(perm, _mm512_maskz_loadu_epi16(mk, w + 32 * t));
-        const __m512i v1 = _mm512_permutexvar_epi16(perm, _mm512_maskz_loadu_epi16(mk, w1 + 32 * t));
-        const __m512i v2 = _mm512_permutexvar_epi16(perm, _mm512_maskz_loadu_epi16(mk, w2 + 32 * t));
-        const __m512i v3 = _mm512_permutexvar_epi16(perm, _mm512_maskz_loadu_epi16(mk, w3 + 32 * t));
-#pragma GCC unroll 6
-        for (int m = 0; m < MT; m++) {
-            const __m512i xv = _mm512_load_si512(xs + (m * nb + t) * 16);
-            acc[0][m] = _mm512_dpbf16_ps(acc[0][m], (__m512bh)v0, (__m512bh)xv);
-            acc[1][m] = _mm512_dpbf16_ps(acc[1][m], (__m512bh)v1, (__m512bh)xv);
-            acc[2][m] = _mm512_dpbf16_ps(acc[2][m], (__m512bh)v2, (__m512bh)xv);
-            acc[3][m] = _mm512_dpbf16_ps(acc[3][m], (__m512bh)v3, (__m512bh)xv);
-        }
-    }
-    __m512 all[BF_R * BF_MT + 16];
-    int cnt = 0;
-#pragma GCC unroll 6
-    for (int m = 0; m < MT; m++)
-#pragma GCC unroll 4
-        for (int rr = 0; rr < BF_R; rr++) all[cnt++] = acc[rr][m];
-    for (int i = cnt; i % 16; i++) all[i] = _mm512_setzero_ps();
-    for (int i = 0; i < cnt; i += 16) {
-        float r16[16];
-        reduce16(all + i, r16);
-        for (int j = 0; j < 16 && i + j < cnt; j++) res[i + j] = r16[j];
-    }
-}
+   for up to 6 rows of x. */
 
 /* One row of x (decode): a weight row at a time, front to back, the row BF1_AHEAD ahead prefetched. Why:
    four rows at a time read ~30 GB/s from DRAM where oneDNN's packed GEMV read ~35; one row's single
@@ -1924,32 +1883,44 @@ static void bf16_rows_one(const uint32_t *xs, int64_t nb, int64_t k, const uint1
     }
 }
 
-/* bf16_rows' contract; x as lane pairs xs [M, nb * 16] (lane_pairs). */
+/* bf16_rows' contract; x as lane pairs xs [M, nb * 16] (lane_pairs). From 2 rows of x, 4 weight rows at a time
+   turned into lane pairs once (wb) for every tile of up to 6 rows of x: int8_lane_tile's sums. */
 static void bf16_rows_lanes(const uint32_t *xs, int64_t nb, int64_t m_count, int64_t k, const uint16_t *w,
                             int64_t ldw, uint16_t *out, int64_t ldo, int64_t n0, int64_t n1) {
-    float res[BF_MT * BF_R];
     if (m_count == 1) {
         bf16_rows_one(xs, nb, k, w, ldw, out, n0, n1);
         return;
     }
-    for (int64_t n = n0; n < n1; n += BF_R) {
-        const int r = n1 - n < BF_R ? (int)(n1 - n) : BF_R;
-        const uint16_t *wr = w + n * ldw;
-        for (int64_t m0 = 0; m0 < m_count; m0 += BF_MT) {
-            const int mt = m_count - m0 < BF_MT ? (int)(m_count - m0) : BF_MT;
-            const uint32_t *xt = xs + m0 * nb * 16;
-            switch (mt) {
-            case 1: bf16_lane_tile(xt, nb, k, wr, ldw, r, res, 1); break;
-            case 2: bf16_lane_tile(xt, nb, k, wr, ldw, r, res, 2); break;
-            case 3: bf16_lane_tile(xt, nb, k, wr, ldw, r, res, 3); break;
-            case 4: bf16_lane_tile(xt, nb, k, wr, ldw, r, res, 4); break;
-            case 5: bf16_lane_tile(xt, nb, k, wr, ldw, r, res, 5); break;
-            default: bf16_lane_tile(xt, nb, k, wr, ldw, r, res, 6); break;
+    /* word 2j of a block's pair vector = column 16 + j (low), word 2j + 1 = column j (high) */
+    const __m512i perm = _mm512_set_epi16(15, 31, 14, 30, 13, 29, 12, 28, 11, 27, 10, 26, 9, 25, 8, 24,
+                                          7, 23, 6, 22, 5, 21, 4, 20, 3, 19, 2, 18, 1, 17, 0, 16);
+    __m512i *wb = aligned_alloc(64, sizeof(__m512i) * (size_t)(nb * I8B_R));
+    if (!wb) { /* out of memory: one weight row at a time for each row of x (the same bits) */
+        for (int64_t m = 0; m < m_count; m++) bf16_rows_one(xs + m * nb * 16, nb, k, w, ldw, out + m * ldo, n0, n1);
+        return;
+    }
+    float res[I8B_MT * I8B_R];
+    for (int64_t n = n0; n < n1; n += I8B_R) {
+        const int r = n1 - n < I8B_R ? (int)(n1 - n) : I8B_R;
+        for (int64_t t = 0; t < nb; t++) {
+            const int64_t kn = k - 32 * t < 32 ? k - 32 * t : 32;
+            const __mmask32 mk = kn >= 32 ? ~(__mmask32)0 : (((__mmask32)1 << kn) - 1);
+            for (int rr = 0; rr < I8B_R; rr++) { /* into L2, BF_AHEAD rows ahead: a block is one cache line */
+                _mm_prefetch((const char *)(w + (n + rr + BF_AHEAD) * ldw + 32 * t), _MM_HINT_T1);
+                wb[t * I8B_R + rr] = rr < r ? _mm512_permutexvar_epi16(
+                                                  perm, _mm512_maskz_loadu_epi16(mk, w + (n + rr) * ldw + 32 * t))
+                                            : _mm512_setzero_si512();
             }
+        }
+        for (int64_t m0 = 0; m0 < m_count; m0 += I8B_MT) {
+            const int mt = m_count - m0 < I8B_MT ? (int)(m_count - m0) : I8B_MT;
+            const uint32_t *xt = xs + m0 * nb * 16;
+            lane_tile(xt, nb, wb, res, mt);
             for (int rr = 0; rr < r; rr++)
-                for (int m = 0; m < mt; m++) out[(m0 + m) * ldo + n + rr] = rne(res[m * BF_R + rr]);
+                for (int m = 0; m < mt; m++) out[(m0 + m) * ldo + n + rr] = rne(res[m * I8B_R + rr]);
         }
     }
+    free(wb);
 }
 #endif
 
