@@ -170,10 +170,12 @@ def test_int4_a8_bit_exact(n, k, g, threads):
     the layer holds them and as a plain [N, G] tensor), batch-invariant."""
     lin = _int4(n, k, g, seed=n + g)
     torch.manual_seed(n)
-    x = torch.randn(12, k).bfloat16()
+    x = torch.randn(20, k).bfloat16()
     with _threads(threads):
         for args in (_int4_args(lin), (lin.packed, lin.scales_zeros, lin.zeros_gm.t(), g)):
-            for m in (1, 3, 7, 12):  # AVX512-VNNI: x rows in passes of 4, 2 and 1
+            # AVX512-VNNI: x rows in passes of 3, 2 and 1; from 16 rows on 2 threads an odd number of 64-row
+            # blocks (130 rows: 3) has each block's rows split between the threads
+            for m in (1, 3, 7, 12, 17, 20):
                 want = _bits(cpu_qgemv.int4_a8_def(x[:m], *args))
                 assert torch.equal(_bits(cpu_qgemv.int4_gemv_a8(x[:m], *args)), want), (m, args[1].shape)
         args = _int4_args(lin)
