@@ -43,7 +43,7 @@
  * prefetches the rows 16 ahead into L2 (without it the row streams reached
  * only ~11 GB/s from DRAM, with it ~27-33). From 5 rows of x, with
  * AVX512-BF16, it converts each weight row once to bf16 "lane pairs" that
- * vdpbf16ps adds in the same lane order (int8_rows_lanes: the same bits, twice
+ * vdpbf16ps adds in the same lane order (rows_lanes: the same bits, twice
  * the multiply-adds per instruction). int4 works on one 64-row block at
  * a time, whose bytes for consecutive columns are contiguous (32 bytes per
  * column give 64 rows' codes), one group at a time: with AVX512-BF16 two
@@ -77,6 +77,8 @@
 /* Software prefetch distances (into L2), measured on Zen 4 at M = 1, 2 threads, weights from DRAM:
    int8 rows ahead: none 11 GB/s, L1 hint 14, L2 hint 8-16 rows ahead 27-33 (151936 x 896). */
 #define I8_AHEAD 16
+#define BF_AHEAD 8  /* bf16 weight rows prefetched ahead (into L2) */
+#define BF1_AHEAD 8 /* bf16, one row of x, a weight row at a time: the row this far ahead prefetched (into L1) */
 #define MTILE 4             /* rows of x per pass over a weight tile */
 #define PAR_MIN (1 << 16)   /* multiply-adds below which one thread runs (no fork) */
 
@@ -418,27 +420,40 @@ static void lane_tile(const uint32_t *xt, int64_t nb, const __m512i *wb, float *
     }
 }
 
-/* int8_rows for batches: rows n in [n0, n1), all rows of x; wb: nb * I8B_R vectors of scratch. */
-static void int8_rows_lanes(const uint32_t *xs, int64_t nb, int64_t m_count, const int8_t *q, int64_t k,
-                            const uint16_t *scales, uint16_t *out, int64_t ldo, int64_t n0, int64_t n1, __m512i *wb) {
+/* Batches on lane pairs: weight rows n in [n0, n1) against all rows of x (xs, lane_pairs), I8B_R weight rows at a
+   time turned into lane pairs once (wb: nb * I8B_R vectors of scratch) for every tile of x rows. The weight is
+   int8 codes (bf16 == 0: rows of k, out = bf16(sum * scale)) or bf16 (bf16 == 1: rows ldw apart, out = bf16(sum),
+   scales unused); rows ahead prefetched into L2, one 64-byte line each (int8: every other block). */
+static void rows_lanes(const uint32_t *xs, int64_t nb, int64_t m_count, const void *w, int bf16, int64_t ldw,
+                       int64_t k, const uint16_t *scales, uint16_t *out, int64_t ldo, int64_t n0, int64_t n1,
+                       __m512i *wb) {
+    /* bf16: word 2j of a block's pair vector = column 16 + j (low), word 2j + 1 = column j (high) */
+    const __m512i perm = _mm512_set_epi16(15, 31, 14, 30, 13, 29, 12, 28, 11, 27, 10, 26, 9, 25, 8, 24,
+                                          7, 23, 6, 22, 5, 21, 4, 20, 3, 19, 2, 18, 1, 17, 0, 16);
+    const int64_t ahead = bf16 ? BF_AHEAD : I8_AHEAD, es = bf16 ? 2 : 1;
     float res[I8B_MT * I8B_R];
     for (int64_t n = n0; n < n1; n += I8B_R) {
         const int r = n1 - n < I8B_R ? (int)(n1 - n) : I8B_R;
         for (int64_t t = 0; t < nb; t++) {
             const int64_t kn = k - 32 * t < 32 ? k - 32 * t : 32;
             const __mmask32 mk = kn >= 32 ? ~(__mmask32)0 : (((__mmask32)1 << kn) - 1);
-            if ((t & 1) == 0) /* into L2, I8_AHEAD rows ahead, as int8_tile (big weights stream from DRAM) */
-                for (int rr = 0; rr < I8B_R; rr++) _mm_prefetch((const char *)(q + (n + rr + I8_AHEAD) * k + 32 * t), _MM_HINT_T1);
-            for (int rr = 0; rr < I8B_R; rr++)
-                wb[t * I8B_R + rr] = rr < r ? int8_lane_words(q + (n + rr) * k + 32 * t, mk) : _mm512_setzero_si512();
+            if (bf16 || (t & 1) == 0)
+                for (int rr = 0; rr < I8B_R; rr++)
+                    _mm_prefetch((const char *)w + ((n + rr + ahead) * ldw + 32 * t) * es, _MM_HINT_T1);
+            for (int rr = 0; rr < I8B_R; rr++) {
+                const int64_t at = (n + rr) * ldw + 32 * t;
+                wb[t * I8B_R + rr] = rr >= r ? _mm512_setzero_si512()
+                                   : bf16 ? _mm512_permutexvar_epi16(perm, _mm512_maskz_loadu_epi16(mk, (const uint16_t *)w + at))
+                                          : int8_lane_words((const int8_t *)w + at, mk);
+            }
         }
         for (int64_t m0 = 0; m0 < m_count; m0 += I8B_MT) {
             const int mt = m_count - m0 < I8B_MT ? (int)(m_count - m0) : I8B_MT;
-            const uint32_t *xt = xs + m0 * nb * 16;
-            lane_tile(xt, nb, wb, res, mt);
+            lane_tile(xs + m0 * nb * 16, nb, wb, res, mt);
             for (int rr = 0; rr < r; rr++) {
-                const float s = bf(scales[n + rr]);
-                for (int m = 0; m < mt; m++) out[(m0 + m) * ldo + n + rr] = rne(res[m * I8B_R + rr] * s);
+                const float s = bf16 ? 1.0f : bf(scales[n + rr]);
+                for (int m = 0; m < mt; m++)
+                    out[(m0 + m) * ldo + n + rr] = rne(bf16 ? res[m * I8B_R + rr] : res[m * I8B_R + rr] * s);
             }
         }
     }
@@ -464,7 +479,7 @@ int llmsys_qgemv_int8(const uint16_t *x, int64_t ldx, const int8_t *q, const uin
             }
 #pragma omp for schedule(static)
             for (int64_t it = 0; it < items; it++)
-                if (wb) int8_rows_lanes(xs, nb, m_count, q, k, scales, out, ldo, it * 64, it * 64 + 64 < n ? it * 64 + 64 : n, wb);
+                if (wb) rows_lanes(xs, nb, m_count, q, 0, k, k, scales, out, ldo, it * 64, it * 64 + 64 < n ? it * 64 + 64 : n, wb);
             free(wb);
         }
         free(xs);
@@ -827,7 +842,7 @@ int llmsys_qgemv_int4(const uint16_t *x, int64_t ldx, const uint8_t *packed, con
  * group's a_g from zero, then acc + a_g * scale), so llmsys_qgemm_int4 equals llmsys_qgemv_int4 bit for
  * bit: prefill and decode give the same bits, and either may run for any M. Needs AVX512-BF16
  * (llmsys_qgemm_native); other builds run the GEMV's loop. (int8 needs no GEMM: its lane-pair GEMV,
- * int8_rows_lanes, already converts each weight row once per call.)
+ * rows_lanes, already converts each weight row once per call.)
  */
 #define GM_MT 6      /* rows of x per tile: 24 accumulators, 4 weight vectors, 1 broadcast */
 #ifndef GM_MB
@@ -1776,10 +1791,6 @@ int llmsys_qgemv_int4_a8(const uint16_t *x, int64_t ldx, const uint8_t *packed, 
  * at ~12-19 GB/s; this reads each weight row once, 4 rows at a time, with x widened once per call.
  */
 
-#ifndef BF_AHEAD
-#define BF_AHEAD 8 /* weight rows prefetched ahead (into L2) */
-#endif
-#define BF1_AHEAD 8 /* one row of x, a weight row at a time: the row this far ahead prefetched (into L1) */
 
 static inline float bf16_row_tail(float *a, const uint16_t *x, const uint16_t *w, int64_t full, int64_t k) {
     for (int64_t j = 0; full + j < k; j++) a[j] = a[j] + bf(x[full + j]) * bf(w[full + j]);
@@ -1854,13 +1865,12 @@ static __attribute__((unused)) void bf16_rows(const uint16_t *xb, int64_t ldx, i
 }
 
 #if defined(QG_AVX512) && defined(__AVX512BF16__)
-/* bf16_rows with AVX512-BF16 dot products (the same bits, as int8_lane_tile's): x as lane pairs (lane_pairs),
+/* The AVX512-BF16 build's bf16_rows (bf16_rows_lanes below), the same bits with vdpbf16ps (as int8_lane_tile's): x as lane pairs (lane_pairs),
    each weight row's 32-column block turned into lane pairs in a register by one vpermw, then one vdpbf16ps
    per 32 multiply-adds for each row of x. Why: the AVX2 code widens every weight element to float32 (two
    shifts / masks and two FMAs per 16 columns) and walks the weight once per row of x, so batches of 2-11
    rows ran at 0.17-0.5x oneDNN's packed bf16 GEMV (Zen 5, 2 threads); here a weight block is read once
    for up to 6 rows of x. */
-
 /* One row of x (decode): a weight row at a time, front to back, the row BF1_AHEAD ahead prefetched. Why:
    four rows at a time read ~30 GB/s from DRAM where oneDNN's packed GEMV read ~35; one row's single
    stream reads more than either (Zen 5, 2 threads, from DRAM: 151936x896 91 vs 75 GB/s oneDNN, 4864x896
@@ -1883,43 +1893,16 @@ static void bf16_rows_one(const uint32_t *xs, int64_t nb, int64_t k, const uint1
     }
 }
 
-/* bf16_rows' contract; x as lane pairs xs [M, nb * 16] (lane_pairs). From 2 rows of x, 4 weight rows at a time
-   turned into lane pairs once (wb) for every tile of up to 6 rows of x: int8_lane_tile's sums. */
+/* bf16_rows' contract; x as lane pairs xs [M, nb * 16] (lane_pairs): one row of x bf16_rows_one, more the
+   int8 batches' lane-pair tiles (rows_lanes). */
 static void bf16_rows_lanes(const uint32_t *xs, int64_t nb, int64_t m_count, int64_t k, const uint16_t *w,
                             int64_t ldw, uint16_t *out, int64_t ldo, int64_t n0, int64_t n1) {
-    if (m_count == 1) {
-        bf16_rows_one(xs, nb, k, w, ldw, out, n0, n1);
-        return;
-    }
-    /* word 2j of a block's pair vector = column 16 + j (low), word 2j + 1 = column j (high) */
-    const __m512i perm = _mm512_set_epi16(15, 31, 14, 30, 13, 29, 12, 28, 11, 27, 10, 26, 9, 25, 8, 24,
-                                          7, 23, 6, 22, 5, 21, 4, 20, 3, 19, 2, 18, 1, 17, 0, 16);
-    __m512i *wb = aligned_alloc(64, sizeof(__m512i) * (size_t)(nb * I8B_R));
-    if (!wb) { /* out of memory: one weight row at a time for each row of x (the same bits) */
+    __m512i *wb = m_count > 1 ? aligned_alloc(64, sizeof(__m512i) * (size_t)(nb * I8B_R)) : NULL;
+    if (!wb) { /* one row of x, or out of memory: one weight row at a time for each row of x (the same bits) */
         for (int64_t m = 0; m < m_count; m++) bf16_rows_one(xs + m * nb * 16, nb, k, w, ldw, out + m * ldo, n0, n1);
         return;
     }
-    float res[I8B_MT * I8B_R];
-    for (int64_t n = n0; n < n1; n += I8B_R) {
-        const int r = n1 - n < I8B_R ? (int)(n1 - n) : I8B_R;
-        for (int64_t t = 0; t < nb; t++) {
-            const int64_t kn = k - 32 * t < 32 ? k - 32 * t : 32;
-            const __mmask32 mk = kn >= 32 ? ~(__mmask32)0 : (((__mmask32)1 << kn) - 1);
-            for (int rr = 0; rr < I8B_R; rr++) { /* into L2, BF_AHEAD rows ahead: a block is one cache line */
-                _mm_prefetch((const char *)(w + (n + rr + BF_AHEAD) * ldw + 32 * t), _MM_HINT_T1);
-                wb[t * I8B_R + rr] = rr < r ? _mm512_permutexvar_epi16(
-                                                  perm, _mm512_maskz_loadu_epi16(mk, w + (n + rr) * ldw + 32 * t))
-                                            : _mm512_setzero_si512();
-            }
-        }
-        for (int64_t m0 = 0; m0 < m_count; m0 += I8B_MT) {
-            const int mt = m_count - m0 < I8B_MT ? (int)(m_count - m0) : I8B_MT;
-            const uint32_t *xt = xs + m0 * nb * 16;
-            lane_tile(xt, nb, wb, res, mt);
-            for (int rr = 0; rr < r; rr++)
-                for (int m = 0; m < mt; m++) out[(m0 + m) * ldo + n + rr] = rne(res[m * I8B_R + rr]);
-        }
-    }
+    rows_lanes(xs, nb, m_count, w, 1, ldw, k, NULL, out, ldo, n0, n1, wb);
     free(wb);
 }
 #endif

@@ -205,3 +205,31 @@ def test_bad_arguments_are_one_line_errors():
         kernels.layer_mlp(bad, o, x)
     with pytest.raises(ValueError, match="layer_attn_in: the C kernel rejected the layer"):
         kernels.layer_attn_in(bad, x, None)
+
+
+@needs_kernel
+def test_decode_stack_errors_name_the_layer_and_what_does_not_fit():
+    """The decode stack's arguments are checked in Python (each layer's pools and heads against its fused
+    layer), and a step the C attention rejects (here a context length past the gather plan) is a one-line
+    error naming the layer and the attention's code."""
+    ln = torch.ones(D, dtype=BF)
+    qkv, o_proj = _layer("int8", (HQ + 2 * HK) * HD, D, 0), _layer("int8", D, HQ * HD, 1)
+    gu, down = _layer("int8", 2 * INTER, D, 2), _layer("int8", D, INTER, 3)
+    layer = _a8([qkv], o_proj, [gu], down, ln, ln)
+    pool = torch.zeros(16, HK, HD, dtype=BF)
+    with pytest.raises(ValueError, match="decode_stack_args: no layers"):
+        kernels.decode_stack_args([])
+    with pytest.raises(ValueError, match=r"decode_stack_args: layer 0's k_pool must be a contiguous bf16 "
+                                         r"\[slots, 2, 32\] tensor, got torch.float32 \(16, 2, 32\)"):
+        kernels.decode_stack_args([kernels.StackLayer(layer, pool.float(), pool, HQ, HK, HD, 1.0)])
+    with pytest.raises(ValueError, match=r"decode_stack_args: layer 0 \(D=192, .*\) does not fit 7 query and 2 K/V "
+                                         r"heads of 32 in a hidden size of 192"):
+        kernels.decode_stack_args([kernels.StackLayer(layer, pool, pool, HQ + 1, HK, HD, 1.0)])
+    stack = kernels.decode_stack_args([kernels.StackLayer(layer, pool, pool, HQ, HK, HD, 1.0)] * 2)
+    h, cache = torch.randn(1, D).to(BF), torch.zeros(32, HD)
+    pos, slots, gather = torch.tensor([3]), torch.tensor([3]), torch.tensor([[0, 1, 2, 3]])
+    out, res = kernels.decode_stack(stack, h, pos, cache, slots, gather, torch.tensor([4]))  # a valid step
+    assert out.shape == res.shape == (1, D)
+    with pytest.raises(ValueError, match=r"decode_stack: the C kernel rejected the step at layer 0 "
+                                         r"\(attention code \d+\) \(code 1\d\d; 2: out of memory\)"):
+        kernels.decode_stack(stack, h, pos, cache, slots, gather, torch.tensor([9]))  # 9 keys in a 4-slot plan
