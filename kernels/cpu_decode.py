@@ -232,6 +232,12 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: to
     return out
 
 
+def rope_store_attend_address() -> int:
+    """The C address of :func:`rope_store_attend`'s kernel, for C code that calls it per layer
+    (``cpu_qgemv.decode_stack``). Needs the C kernel (callers check :func:`available`)."""
+    return ctypes.cast(_KERNEL.lib().llmsys_rope_store_attend_bf16, ctypes.c_void_p).value
+
+
 def rope_store_attend(qkv: torch.Tensor, hq: int, hk: int, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                       k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor,
                       scale: float, gather_slots: torch.Tensor) -> torch.Tensor:

@@ -58,7 +58,7 @@ from pathlib import Path
 import torch
 
 from llmsys.kernels import _cbuild
-from llmsys.kernels.cpu_decode import lane_sum
+from llmsys.kernels.cpu_decode import lane_sum, rope_store_attend_address
 from llmsys.kernels.cpu_int4 import CPU_BLOCK_N, check_int4_layout, unpack_cpu_int4
 
 _SOURCE = Path(__file__).with_name("cpu_qgemv.c")
@@ -703,6 +703,7 @@ class DecodeStack:
 
     layers: tuple[StackLayer, ...]
     array: ctypes.Array  # the llmsys_stack_layer array (pos pointers set per step)
+    rope_attend: int  # the address of cpu_decode's llmsys_rope_store_attend_bf16
 
 
 def decode_stack_args(layers: list[StackLayer]) -> DecodeStack:
@@ -722,7 +723,7 @@ def decode_stack_args(layers: list[StackLayer]) -> DecodeStack:
     array = (_StackLayer * len(layers))(*(
         _StackLayer(ctypes.addressof(s.layer.args), s.k_pool.data_ptr(), s.v_pool.data_ptr(), None, s.hq, s.hk, s.hd,
                     s.scale) for s in layers))
-    return DecodeStack(tuple(layers), array)
+    return DecodeStack(tuple(layers), array, rope_store_attend_address())
 
 
 def decode_stack(stack: DecodeStack, h: torch.Tensor, positions: torch.Tensor, rope_cache: torch.Tensor,
@@ -734,16 +735,13 @@ def decode_stack(stack: DecodeStack, h: torch.Tensor, positions: torch.Tensor, r
     ``slot_mapping [M]``; ``positions [M]`` rows of ``rope_cache``'s first table, ``gather_slots [M, L]`` and
     ``lens [M]`` the step's decode plan, int64). The caller's own validated tensors, as for
     ``rope_store_attend``; ``h`` contiguous."""
-    from llmsys.kernels import cpu_decode
-
     m, d = h.shape
     pos = {0: positions}  # table -> its rows (kept alive until the call returns)
     for i, s in enumerate(stack.layers):
         if s.table not in pos:
             pos[s.table] = positions + s.table * (rope_cache.shape[0] // s.tables)
         stack.array[i].pos = pos[s.table].data_ptr()
-    fn = ctypes.cast(cpu_decode._KERNEL.lib().llmsys_rope_store_attend_bf16, ctypes.c_void_p).value
-    args = _Stack(ctypes.addressof(stack.array), len(stack.layers), fn, slot_mapping.data_ptr(),
+    args = _Stack(ctypes.addressof(stack.array), len(stack.layers), stack.rope_attend, slot_mapping.data_ptr(),
                   stack.layers[0].k_pool.shape[0], rope_cache.data_ptr(), rope_cache.shape[0],
                   gather_slots.data_ptr(), lens.data_ptr(), gather_slots.shape[1])
     out, res = torch.empty(m, d, dtype=torch.bfloat16), torch.empty(m, d, dtype=torch.bfloat16)
