@@ -2154,7 +2154,7 @@ typedef int (*llmsys_rope_attend_fn)(const uint16_t *qkv, int64_t ld, uint16_t *
 typedef struct {
     const llmsys_layer *layer; /* the layer's fused decode arguments */
     uint16_t *k_pool, *v_pool; /* its K/V pools, [n_slots, Hk, D] bf16 */
-    const int64_t *pos;        /* the RoPE table rows its tokens rotate with [M] */
+    int64_t table, tables;     /* it rotates with table `table` of the `tables` stacked in the RoPE cache */
     int64_t hq, hk, hd;        /* heads of q and of k/v, head dim */
     float scale;               /* attention's softmax scale */
 } llmsys_stack_layer;
@@ -2163,6 +2163,7 @@ typedef struct {
     const llmsys_stack_layer *layers;
     int64_t n_layers;
     const void *rope_attend;       /* llmsys_rope_attend_fn */
+    const int64_t *positions;      /* [M] RoPE rows of the step's tokens in the first table */
     const int64_t *slot_mapping;   /* [M] pool slot of each new token */
     int64_t n_slots;
     const float *cache;            /* the RoPE table [max_pos, rotary dim] */
@@ -2183,7 +2184,9 @@ int llmsys_decode_stack(const llmsys_stack *S, const uint16_t *h, uint16_t *out,
     int64_t qkv_max = 0, o_max = 0;
     for (int64_t i = 0; i < S->n_layers; i++) {
         const llmsys_stack_layer *s = &S->layers[i];
-        if (s->layer->d != d || s->layer->k_o != s->hq * s->hd) return 1;
+        if (s->layer->d != d || s->layer->k_o != s->hq * s->hd || s->tables < 1 || s->table < 0
+            || s->table >= s->tables)
+            return 1;
         int64_t rows = 0;
         for (int64_t j = 0; j < s->layer->n_qkv; j++) rows += s->layer->qkv[j].n;
         if (rows != (s->hq + 2 * s->hk) * s->hd) return 1;
@@ -2192,7 +2195,9 @@ int llmsys_decode_stack(const llmsys_stack *S, const uint16_t *h, uint16_t *out,
     }
     /* qkv, attention output, one hidden state and two residuals used in turn: no call writes what it reads */
     uint16_t *buf = malloc(sizeof(uint16_t) * (size_t)(m_count * (qkv_max + o_max + 3 * d)));
-    if (!buf) return 2;
+    int64_t *pos = malloc(sizeof(int64_t) * (size_t)m_count); /* a later table's rows */
+    if (!buf || !pos) { free(buf); free(pos); return 2; }
+    int64_t pos_table = -1;
     uint16_t *qkv = buf, *o = qkv + m_count * qkv_max, *hb = o + m_count * o_max;
     uint16_t *rs[2] = {hb + m_count * d, hb + 2 * m_count * d};
     const uint16_t *x = h, *r = NULL;
@@ -2206,7 +2211,12 @@ int llmsys_decode_stack(const llmsys_stack *S, const uint16_t *h, uint16_t *out,
         if (rc) break;
         r = r ? r_in : x; /* layer 0: the residual is the embeddings themselves (attn_in does not write it) */
         const int64_t rows = (s->hq + 2 * s->hk) * s->hd;
-        rc = attend(qkv, rows, s->k_pool, s->v_pool, S->slot_mapping, S->n_slots, s->pos, S->cache, S->max_pos,
+        if (s->table && s->table != pos_table) { /* Attention.rope_positions: + table * rows per table */
+            for (int64_t t = 0; t < m_count; t++) pos[t] = S->positions[t] + s->table * (S->max_pos / s->tables);
+            pos_table = s->table;
+        }
+        rc = attend(qkv, rows, s->k_pool, s->v_pool, S->slot_mapping, S->n_slots, s->table ? pos : S->positions,
+                    S->cache, S->max_pos,
                     m_count, s->hq, s->hk, s->hd, S->gather_slots, S->lens, S->l_max, s->scale, o, threads);
         if (rc) { rc += 100 * (int)(i + 1); break; }
         rc = llmsys_layer_mlp(s->layer, o, r, h_out, r_out, m_count, threads);
@@ -2215,5 +2225,6 @@ int llmsys_decode_stack(const llmsys_stack *S, const uint16_t *h, uint16_t *out,
         r = r_out;
     }
     free(buf);
+    free(pos);
     return rc;
 }

@@ -668,14 +668,15 @@ def layer_mlp(layer: DecodeLayer, o: torch.Tensor, residual: torch.Tensor, *,
 class _StackLayer(ctypes.Structure):
     """``llmsys_stack_layer`` in cpu_qgemv.c."""
 
-    _fields_ = [("layer", _P), ("k_pool", _P), ("v_pool", _P), ("pos", _P), ("hq", _I), ("hk", _I), ("hd", _I),
-                ("scale", ctypes.c_float)]
+    _fields_ = [("layer", _P), ("k_pool", _P), ("v_pool", _P), ("table", _I), ("tables", _I), ("hq", _I), ("hk", _I),
+                ("hd", _I), ("scale", ctypes.c_float)]
 
 
 class _Stack(ctypes.Structure):
     """``llmsys_stack`` in cpu_qgemv.c."""
 
-    _fields_ = [("layers", _P), ("n_layers", _I), ("rope_attend", _P), ("slot_mapping", _P), ("n_slots", _I),
+    _fields_ = [("layers", _P), ("n_layers", _I), ("rope_attend", _P), ("positions", _P), ("slot_mapping", _P),
+                ("n_slots", _I),
                 ("cache", _P), ("max_pos", _I), ("gather_slots", _P), ("lens", _P), ("l_max", _I)]
 
 
@@ -702,7 +703,7 @@ class DecodeStack:
     arguments, built once per bound weights and pools (``DecoderModel.decode_stack``)."""
 
     layers: tuple[StackLayer, ...]
-    array: ctypes.Array  # the llmsys_stack_layer array (pos pointers set per step)
+    array: ctypes.Array  # the llmsys_stack_layer array
     rope_attend: int  # the address of cpu_decode's llmsys_rope_store_attend_bf16
 
 
@@ -721,8 +722,8 @@ def decode_stack_args(layers: list[StackLayer]) -> DecodeStack:
             raise ValueError(f"decode_stack_args: layer {i} ({s.layer.describe()}) does not fit {s.hq} query and "
                              f"{s.hk} K/V heads of {s.hd} in a hidden size of {d}")
     array = (_StackLayer * len(layers))(*(
-        _StackLayer(ctypes.addressof(s.layer.args), s.k_pool.data_ptr(), s.v_pool.data_ptr(), None, s.hq, s.hk, s.hd,
-                    s.scale) for s in layers))
+        _StackLayer(ctypes.addressof(s.layer.args), s.k_pool.data_ptr(), s.v_pool.data_ptr(), s.table, s.tables, s.hq,
+                    s.hk, s.hd, s.scale) for s in layers))
     return DecodeStack(tuple(layers), array, rope_store_attend_address())
 
 
@@ -732,17 +733,13 @@ def decode_stack(stack: DecodeStack, h: torch.Tensor, positions: torch.Tensor, r
     """A decode step through every layer of ``stack`` in one C call: ``h [M, D]`` bf16 (the embeddings) ``->
     (the last layer's MLP output, its residual)``, each ``[M, D]``; the bits of the layers' fused calls around
     ``cpu_decode.rope_store_attend`` one after the other (K/V written to each layer's pools at
-    ``slot_mapping [M]``; ``positions [M]`` rows of ``rope_cache``'s first table, ``gather_slots [M, L]`` and
+    ``slot_mapping [M]``; ``positions [M]`` rows of ``rope_cache``'s first table, each layer's table's rows
+    found by the C code as ``Attention.rope_positions`` finds them; ``gather_slots [M, L]`` and
     ``lens [M]`` the step's decode plan, int64). The caller's own validated tensors, as for
     ``rope_store_attend``; ``h`` contiguous."""
     m, d = h.shape
-    pos = {0: positions}  # table -> its rows (kept alive until the call returns)
-    for i, s in enumerate(stack.layers):
-        if s.table not in pos:
-            pos[s.table] = positions + s.table * (rope_cache.shape[0] // s.tables)
-        stack.array[i].pos = pos[s.table].data_ptr()
-    args = _Stack(ctypes.addressof(stack.array), len(stack.layers), stack.rope_attend, slot_mapping.data_ptr(),
-                  stack.layers[0].k_pool.shape[0], rope_cache.data_ptr(), rope_cache.shape[0],
+    args = _Stack(ctypes.addressof(stack.array), len(stack.layers), stack.rope_attend, positions.data_ptr(),
+                  slot_mapping.data_ptr(), stack.layers[0].k_pool.shape[0], rope_cache.data_ptr(), rope_cache.shape[0],
                   gather_slots.data_ptr(), lens.data_ptr(), gather_slots.shape[1])
     out, res = torch.empty(m, d, dtype=torch.bfloat16), torch.empty(m, d, dtype=torch.bfloat16)
     rc = _KERNEL.lib().llmsys_decode_stack(ctypes.byref(args), h.data_ptr(), out.data_ptr(), res.data_ptr(), m,

@@ -230,6 +230,13 @@ def test_decode_stack_errors_name_the_layer_and_what_does_not_fit():
     pos, slots, gather = torch.tensor([3]), torch.tensor([3]), torch.tensor([[0, 1, 2, 3]])
     out, res = kernels.decode_stack(stack, h, pos, cache, slots, gather, torch.tensor([4]))  # a valid step
     assert out.shape == res.shape == (1, D)
+    # A layer of the second of two stacked RoPE tables rotates with rows + half the cache (Attention.rope_positions)
+    cache2 = torch.randn(64, HD)
+    got = [kernels.decode_stack(kernels.decode_stack_args([kernels.StackLayer(layer, p.clone(), p.clone(), HQ, HK, HD,
+                                                                               1.0, table, tables)]),
+                                h, pos + shift, cache2, slots, gather, torch.tensor([4]))
+           for p in (torch.randn(16, HK, HD).to(BF),) for table, tables, shift in ((1, 2, 0), (0, 1, 32))]
+    assert torch.equal(_bits(got[0][0]), _bits(got[1][0])) and torch.equal(_bits(got[0][1]), _bits(got[1][1]))
     with pytest.raises(ValueError, match=r"decode_stack: the C kernel rejected the step at layer 0 "
                                          r"\(attention code \d+\) \(code 1\d\d; 2: out of memory\)"):
         kernels.decode_stack(stack, h, pos, cache, slots, gather, torch.tensor([9]))  # 9 keys in a 4-slot plan
