@@ -16,7 +16,7 @@ of pool or device it runs on. The implementations:
 
 * :class:`CpuBackend` -- plain pool on the CPU: one gather plan per step
   (``kernels.cpu_attention``), the C decode attention reading the pool by slot,
-  unpadded per-sequence prompt attention; bfloat16 RoPE writes K/V in the same
+  unpadded per-sequence prompt attention; bfloat16 and float32 RoPE write K/V in the same
   C call (``kernels.cpu_fused_rope_store``) when the C kernels are built.
 * :class:`CpuInt8Backend` -- int8 pool on the CPU: the same plan, dequantized in the gather.
 * :class:`Int4Backend` -- KIVI int4 pool (any device): the pool's dequantizing
@@ -290,17 +290,17 @@ class CpuBackend(_PagedBackend):
     def __init__(self, pool: KVPool, block_size: int, device: torch.device):
         super().__init__(pool, block_size, device)
         s = pool.spec
-        # bfloat16 with the C kernels: RoPE writes K/V into the pool in the same call (the bits of
-        # kernels.rope + kernels.kv_store, kernels/cpu_decode.py). The pool's flat [slots, Hk, D] views.
-        self._c_rope = s.dtype == torch.bfloat16 and cpu_fused_available()
-        self._c_decode = s.dtype in (torch.bfloat16, torch.float32) and cpu_fused_available()  # q has the pool's dtype
+        # bfloat16 and float32 with the C kernels: RoPE writes K/V into the pool in the same call (the bits of
+        # kernels.rope + kernels.kv_store, kernels/cpu_decode.py), and decode attention reads the pool by slot
+        # (q has the pool's dtype). The pool's flat [slots, Hk, D] views.
+        self._c_rope = self._c_decode = s.dtype in (torch.bfloat16, torch.float32) and cpu_fused_available()
         self._flat = [(k.view(-1, s.num_kv_heads, s.head_dim), v.view(-1, s.num_kv_heads, s.head_dim))
                       for k, v in zip(pool.k, pool.v)]
 
     def decode_pools(self, meta: AttentionMetadata) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """Each layer's flat K/V pools ``[slots, Hk, D]`` when this step's :meth:`rope_attend` is one C call of
-        RoPE, the K/V store and decode attention for every layer without a window, soft cap or sinks (the
-        bf16 pool, a decode step with nothing cold or split), else None: ``DecoderModel.decode_stack`` then
+        RoPE, the K/V store and decode attention for every layer without a window, soft cap or sinks (a
+        bf16 or float32 pool, a decode step with nothing cold or split), else None: ``DecoderModel.decode_stack`` then
         runs those calls for all layers in one (``kernels.decode_stack``, the same bits)."""
         plan = meta.plan
         if (self._c_rope and plan is not None and plan.is_decode and plan.cold is None and plan.split is None
@@ -310,8 +310,9 @@ class CpuBackend(_PagedBackend):
 
     def rope_store(self, layer, q, k, v, positions, rope_cache, meta):
         d = q.shape[-1]
-        if self._c_rope and q.stride(1) == d and k.stride(1) == d and v.stride(1) == d:
-            kf, vf = self._flat[layer]
+        if (self._c_rope and q.stride(1) == d and k.stride(1) == d and v.stride(1) == d
+                and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))):
+            kf, vf = self._flat[layer]  # (the C call records no autograd: a training forward runs the ops)
             return cpu_fused_rope_store(q, k, v, positions, rope_cache, kf, vf, meta.slot_mapping)
         q, k = kernels.rope(q, k, positions, rope_cache)
         self.store(layer, k, v, meta)
@@ -328,7 +329,7 @@ class CpuBackend(_PagedBackend):
                     sinks=None):
         plan = self._windowed(meta.plan, window)
         if (self._c_rope and plan.is_decode and plan.cold is None and plan.split is None and plan.lens is not None
-                and softcap is None and sinks is None and qkv.dtype == torch.bfloat16 and qkv.stride(1) == 1):
+                and softcap is None and sinks is None and qkv.dtype == self.pool.spec.dtype and qkv.stride(1) == 1):
             # rope_store's and attend's C calls below in one (the same bits)
             kf, vf = self._flat[layer]
             return cpu_fused_rope_store_attend(qkv, hq, hk, positions, rope_cache, kf, vf, meta.slot_mapping,
@@ -472,9 +473,10 @@ class BackendDecorator:
     def store(self, layer, k, v, meta):
         self.inner.store(layer, k, v, meta)
 
-    def rope_attend(self, layer, qkv, hq, hk, positions, rope_cache, meta, scale, window=None, softcap=None):
+    def rope_attend(self, layer, qkv, hq, hk, positions, rope_cache, meta, scale, window=None, softcap=None,
+                    sinks=None):
         # this decorator's ops
-        return rope_attend_ops(self, layer, qkv, hq, hk, positions, rope_cache, meta, scale, window, softcap)
+        return rope_attend_ops(self, layer, qkv, hq, hk, positions, rope_cache, meta, scale, window, softcap, sinks)
 
     def attend(self, layer, q, meta, scale, window=None, softcap=None, sinks=None):
         return self.inner.attend(layer, q, meta, scale, window, softcap, sinks)

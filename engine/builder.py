@@ -14,8 +14,8 @@ calls back into a caller or sets fields on objects built earlier:
    :func:`check_kv_room`) before any weight is read.
 4. ``materialize_checkpoint`` (loader): the weights, placed as planned.
 5. :func:`prepare`: the model passes, in order: offload hooks, then on the
-   CPU prepacking linears (with the tied embedding served from the file) and
-   folding RoPE's rotate-half into small float32 q/k weights (``fold_rope``), or ``never_pack`` for tools that rewrite weights.
+   CPU prepacking linears (with the tied embedding served from the file), or ``never_pack`` for tools that
+   rewrite weights.
 6. :func:`size_kv_pool`: the KV pool spec and the per-request context limit
    (the same checks again: llama2.c files come here without step 3).
 7. ``EngineCore``, given all of the above.
@@ -252,9 +252,6 @@ def prepare(loaded: LoadedModel, config: EngineConfig, runtime: OffloadRuntime |
         # streamed layers (kernels.cpu_linear). Streamed layers hold no real weight
         # here (the offload runtime binds one per step), so they are skipped.
         model.prepack_linears()
-        if runtime is None:
-            # Decode steps of small float32 layers in fewer ops, same bits (DecoderModel.fold_rope).
-            model.fold_rope()
     else:
         # Tools that read or rewrite .weight (`llmsys quantize`): nothing is packed,
         # and no layer packs on the fly either.

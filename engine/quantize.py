@@ -467,7 +467,7 @@ class _BatchMeta:
     :class:`_BatchedAttention`: ``b`` sequences of ``n`` new tokens each, ``ctx`` tokens of context after
     the step (``n == 1``: a decode step of every sequence)."""
 
-    plan = None  # no gather plan: DecoderModel.decode_rope_rows answers None, each layer runs its own RoPE
+    plan = None  # no gather plan: no decode stack (CpuBackend.decode_pools), each layer runs its own attention
     cold = scores = seq_lens = None
 
     def __init__(self, b: int, n: int, ctx: int) -> None:

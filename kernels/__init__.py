@@ -20,6 +20,7 @@ from llmsys.kernels.cpu_attention import (
 )
 # The CPU backend's fused bf16 decode ops, unvalidated (the backend checks once per engine
 # that shapes and dtypes fit; kernels.ops wraps the validated forms).
+from llmsys.kernels.cpu_decode import applies as cpu_fused_applies
 from llmsys.kernels.cpu_decode import available as cpu_fused_available
 from llmsys.kernels.cpu_decode import decode_attention as cpu_fused_decode_attention
 from llmsys.kernels.cpu_decode import rms_norm as cpu_fused_rms_norm
@@ -29,7 +30,7 @@ from llmsys.kernels.cpu_decode import silu_mul as cpu_fused_silu_mul
 from llmsys.kernels.cpu_int4 import Scratch as Int4Scratch
 from llmsys.kernels.cpu_int4 import CPU_BLOCK_N as CPU_INT4_BLOCK_N
 from llmsys.kernels.cpu_int4 import dequant_cpu_int4, pack_cpu_int4, transpose_bf16, unpack_cpu_int4
-from llmsys.kernels.cpu_linear import BF16_UPCAST_MIN_ROWS, bf16_decode_weight, fusable, linear, mm_bf16, packable, prepack
+from llmsys.kernels.cpu_linear import BF16_UPCAST_MIN_ROWS, decode_weight, fusable, linear, mm_bf16, packable, prepack
 from llmsys.kernels.ops import (
     DEFAULT_PARTITION_SIZE,
     DecodeAttentionResult,
@@ -77,7 +78,7 @@ __all__ = [
     "StackLayer",
     "decode_stack",
     "decode_stack_args",
-    "bf16_decode_weight",
+    "decode_weight",
     "DecodeWeight",
     "layer_attn_in",
     "decode_layer_args",
@@ -95,6 +96,7 @@ __all__ = [
     "GatherPlan",
     "Int4Scratch",
     "attend_gathered",
+    "cpu_fused_applies",
     "cpu_fused_available",
     "cpu_fused_decode_attention",
     "cpu_fused_rms_norm",

@@ -289,7 +289,7 @@ def paged_attention_gathered(
         return out
     same_dtype = k_scale is not None or k_cache.dtype == q.dtype  # int8 pools dequantize to q's dtype
     if (plan.is_decode and same_dtype and plan.lens is not None and softcap is None and sinks is None
-            and cpu_decode.attention_applies(q) and cpu_decode.available()):
+            and cpu_decode.applies(q) and cpu_decode.available()):
         # The C decode attention (kernels/cpu_decode.c), reading a plain pool by slot (the same
         # rows a gather would copy), else the gathered (dequantized / staged) rows. No gather,
         # permute or padded matmul: at batch 16 those cost a third of a float32 step.

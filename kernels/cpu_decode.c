@@ -1,13 +1,13 @@
-/* Decode-step kernels for the CPU: bfloat16 RMSNorm, SwiGLU's silu * mul and RoPE, bfloat16 / float32
- * decode attention.
+/* Decode-step kernels for the CPU: RMSNorm, SwiGLU's silu * mul, RoPE and decode attention, on bfloat16
+ * or float32 rows (an `f32` argument; float32 skips every bf16 rounding below).
  *
  * Built for each ISA level and loaded for the running CPU by kernels/_cbuild.py
  * (gcc -O3 -march=<level> -fopenmp -ffp-contract=off -shared). Why: a
  * bfloat16 decode step of a small model spends as long in small torch ops
  * (upcasts, elementwise, softmax, their dispatch) as in its GEMVs; each kernel
  * here replaces 4-12 of them with one call. The engine uses these kernels for
- * every CPU bfloat16 step that computes the op (prefill and decode, resident
- * or streamed layers), so all paths give the same bits.
+ * every CPU bfloat16 and float32 step that computes the op (prefill and decode,
+ * resident or streamed layers), so all paths give the same bits.
  *
  * Arithmetic (documented because tests/test_cpu_decode.py holds the torch
  * definitions in kernels/cpu_decode.py to it):
@@ -37,74 +37,102 @@
 
 #include "cpu_ops.h"
 
-int llmsys_rms_norm_bf16(const uint16_t *x, const uint16_t *res, const uint16_t *w, uint16_t *out,
-                         uint16_t *new_res, int64_t rows, int64_t d, float eps, int threads) {
+int llmsys_rms_norm(const void *x, const void *res, const void *w, void *out, void *new_res, int64_t rows,
+                    int64_t d, float eps, int f32, int threads) {
     if (d <= 0 || d > (1 << 20)) return 1;
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows * d >= (1 << 16))
     for (int64_t t = 0; t < rows; t++) {
+        if (f32) {
+            ops_rms_norm_row_f32((const float *)x + t * d, res ? (const float *)res + t * d : NULL, w,
+                                 (float *)out + t * d, res ? (float *)new_res + t * d : NULL, d, eps);
+            continue;
+        }
         float *h = malloc(sizeof(float) * (size_t)d);
-        ops_rms_norm_row(x + t * d, res ? res + t * d : NULL, w, out + t * d, res ? new_res + t * d : NULL, d, eps, h);
+        ops_rms_norm_row((const uint16_t *)x + t * d, res ? (const uint16_t *)res + t * d : NULL, w,
+                         (uint16_t *)out + t * d, res ? (uint16_t *)new_res + t * d : NULL, d, eps, h);
         free(h);
     }
     return 0;
 }
 
-/* SwiGLU's product y [T, I] (contiguous) = silu(g) * u, g and u [T, I] rows of strides ldg, ldu (cpu_ops.h). */
-int llmsys_silu_mul_bf16(const uint16_t *g, int64_t ldg, const uint16_t *u, int64_t ldu, uint16_t *y, int64_t rows,
-                         int64_t inter, int threads) {
+/* SwiGLU's product y [T, I] (contiguous) = silu(g) * u, g and u [T, I] rows of strides ldg, ldu (cpu_ops.h);
+   bf16 (f32 = 0) or float32 (f32 = 1). */
+int llmsys_silu_mul(const void *g, int64_t ldg, const void *u, int64_t ldu, void *y, int64_t rows, int64_t inter,
+                    int f32, int threads) {
     if (inter <= 0 || ldg < inter || ldu < inter) return 1;
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows * inter >= (1 << 16))
-    for (int64_t t = 0; t < rows; t++) ops_silu_mul_row(g + t * ldg, u + t * ldu, y + t * inter, inter);
+    for (int64_t t = 0; t < rows; t++) {
+        if (f32)
+            ops_silu_mul_row_f32((const float *)g + t * ldg, (const float *)u + t * ldu, (float *)y + t * inter, inter);
+        else
+            ops_silu_mul_row((const uint16_t *)g + t * ldg, (const uint16_t *)u + t * ldu, (uint16_t *)y + t * inter,
+                             inter);
+    }
     return 0;
 }
 
+/* element i of a bf16 (f32 = 0) or float32 array, as float32; and a float32 value stored (rounded for bf16) */
+static inline float ld_el(const void *p, int64_t i, int f32) {
+    return f32 ? ((const float *)p)[i] : bf(((const uint16_t *)p)[i]);
+}
+static inline void st_el(void *p, int64_t i, float v, int f32) {
+    if (f32)
+        ((float *)p)[i] = v;
+    else
+        ((uint16_t *)p)[i] = rne(v);
+}
+
 /* x [T, H, D] rows with row stride `stride` (elements between tokens), out [T, H, D] contiguous. */
-static void rope_one(const uint16_t *x, int64_t stride, uint16_t *out, const int64_t *pos, const float *cache,
-                     int64_t t_count, int64_t heads, int64_t d) {
+static void rope_one(const void *x, int64_t stride, void *out, const int64_t *pos, const float *cache,
+                     int64_t t_count, int64_t heads, int64_t d, int f32) {
     int64_t half = d / 2;
     for (int64_t t = 0; t < t_count; t++) {
         const float *cs = cache + pos[t] * d; /* cos | sin */
         for (int64_t hh = 0; hh < heads; hh++) {
-            const uint16_t *xr = x + t * stride + hh * d;
-            uint16_t *o = out + (t * heads + hh) * d;
+            const int64_t xr = t * stride + hh * d, o = (t * heads + hh) * d;
             for (int64_t i = 0; i < half; i++) {
-                float x1 = bf(xr[i]), x2 = bf(xr[i + half]), c = cs[i], s = cs[half + i];
+                float x1 = ld_el(x, xr + i, f32), x2 = ld_el(x, xr + i + half, f32), c = cs[i], s = cs[half + i];
                 float a = x1 * c, b = x2 * -s;
-                o[i] = rne(a + b);
+                st_el(out, o + i, a + b, f32);
                 float a2 = x2 * c, b2 = x1 * s;
-                o[i + half] = rne(a2 + b2);
+                st_el(out, o + i + half, a2 + b2, f32);
             }
         }
     }
 }
 
-int llmsys_rope_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride, uint16_t *q_out,
-                     uint16_t *k_out, const int64_t *pos, const float *cache, int64_t max_pos, int64_t t_count,
-                     int64_t hq, int64_t hk, int64_t d) {
+/* bf16 (f32 = 0) or float32 (f32 = 1) q, k, outputs */
+int llmsys_rope(const void *q, int64_t q_stride, const void *k, int64_t k_stride, void *q_out, void *k_out,
+                const int64_t *pos, const float *cache, int64_t max_pos, int64_t t_count, int64_t hq, int64_t hk,
+                int64_t d, int f32) {
     if (d % 2) return 1;
     for (int64_t t = 0; t < t_count; t++)
         if (pos[t] < 0 || pos[t] >= max_pos) return 2;
-    rope_one(q, q_stride, q_out, pos, cache, t_count, hq, d);
-    rope_one(k, k_stride, k_out, pos, cache, t_count, hk, d);
+    rope_one(q, q_stride, q_out, pos, cache, t_count, hq, d, f32);
+    rope_one(k, k_stride, k_out, pos, cache, t_count, hk, d, f32);
     return 0;
 }
 
 /* RoPE on q (-> q_out) and k, with k and v written straight into their pool rows:
- * token t's k and v go to row slots[t] of k_pool / v_pool ([slots, Hk, D]); slots[t] < 0 skips the token. */
-int llmsys_rope_store_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride,
-                           const uint16_t *v, int64_t v_stride, uint16_t *q_out, uint16_t *k_pool, uint16_t *v_pool,
-                           const int64_t *slots, int64_t n_slots, const int64_t *pos, const float *cache,
-                           int64_t max_pos, int64_t t_count, int64_t hq, int64_t hk, int64_t d) {
+ * token t's k and v go to row slots[t] of k_pool / v_pool ([slots, Hk, D]); slots[t] < 0 skips the token.
+ * All bf16 (f32 = 0) or all float32 (f32 = 1). */
+int llmsys_rope_store(const void *q, int64_t q_stride, const void *k, int64_t k_stride, const void *v,
+                      int64_t v_stride, void *q_out, void *k_pool, void *v_pool, const int64_t *slots, int64_t n_slots,
+                      const int64_t *pos, const float *cache, int64_t max_pos, int64_t t_count, int64_t hq, int64_t hk,
+                      int64_t d, int f32) {
     if (d % 2) return 1;
     for (int64_t t = 0; t < t_count; t++) {
         if (pos[t] < 0 || pos[t] >= max_pos) return 2;
         if (slots[t] >= n_slots) return 3;
     }
-    rope_one(q, q_stride, q_out, pos, cache, t_count, hq, d);
+    const size_t es = f32 ? 4 : 2;
+    rope_one(q, q_stride, q_out, pos, cache, t_count, hq, d, f32);
     for (int64_t t = 0; t < t_count; t++) {
         if (slots[t] < 0) continue;
-        rope_one(k + t * k_stride, 0, k_pool + slots[t] * hk * d, pos + t, cache, 1, hk, d);
-        memcpy(v_pool + slots[t] * hk * d, v + t * v_stride, sizeof(uint16_t) * (size_t)(hk * d));
+        rope_one((const char *)k + es * (size_t)(t * k_stride), 0, (char *)k_pool + es * (size_t)(slots[t] * hk * d),
+                 pos + t, cache, 1, hk, d, f32);
+        memcpy((char *)v_pool + es * (size_t)(slots[t] * hk * d), (const char *)v + es * (size_t)(t * v_stride),
+               es * (size_t)(hk * d));
     }
     return 0;
 }
@@ -228,24 +256,43 @@ int llmsys_decode_attention(const void *q, const void *k, const void *v, const i
 }
 
 /* A decode step's attention from the q|k|v projection in one call: qkv [T, (Hq + 2 Hk) D] rows (stride ld)
- * -> RoPE on q and k, k and v stored at slot_mapping (llmsys_rope_store_bf16), then each token over its
+ * -> RoPE on q and k, k and v stored at slot_mapping (llmsys_rope_store), then each token over its
  * sequence's context (llmsys_decode_attention, gather_slots [T, L], lens [T]) -> out [T, Hq, D]: the bits of
  * the two calls. Why one: at decode each separate call cost ~20 us of Python around ~5 us of C. */
-int llmsys_rope_store_attend_bf16(const uint16_t *qkv, int64_t ld, uint16_t *k_pool, uint16_t *v_pool,
-                                  const int64_t *slot_mapping, int64_t n_slots, const int64_t *pos, const float *cache,
-                                  int64_t max_pos, int64_t t_count, int64_t hq, int64_t hk, int64_t d,
-                                  const int64_t *gather_slots, const int64_t *lens, int64_t l_max, float scale,
-                                  uint16_t *out, int threads) {
+static int rope_store_attend(const void *qkv, int64_t ld, void *k_pool, void *v_pool, const int64_t *slot_mapping,
+                             int64_t n_slots, const int64_t *pos, const float *cache, int64_t max_pos, int64_t t_count,
+                             int64_t hq, int64_t hk, int64_t d, const int64_t *gather_slots, const int64_t *lens,
+                             int64_t l_max, float scale, void *out, int f32, int threads) {
     if (t_count <= 0 || hq <= 0 || hk <= 0 || ld < (hq + 2 * hk) * d) return 1;
-    uint16_t *q = malloc(sizeof(uint16_t) * (size_t)(t_count * hq * d));
+    const size_t es = f32 ? 4 : 2;
+    void *q = malloc(es * (size_t)(t_count * hq * d));
     if (!q) return 4;
-    int rc = llmsys_rope_store_bf16(qkv, ld, qkv + hq * d, ld, qkv + (hq + hk) * d, ld, q, k_pool, v_pool,
-                                    slot_mapping, n_slots, pos, cache, max_pos, t_count, hq, hk, d);
+    const char *c = qkv;
+    int rc = llmsys_rope_store(c, ld, c + es * (size_t)(hq * d), ld, c + es * (size_t)((hq + hk) * d), ld, q, k_pool,
+                               v_pool, slot_mapping, n_slots, pos, cache, max_pos, t_count, hq, hk, d, f32);
     if (!rc) {
-        rc = llmsys_decode_attention(q, k_pool, v_pool, gather_slots, lens, scale, out, t_count, l_max, hq, hk, d, 0,
+        rc = llmsys_decode_attention(q, k_pool, v_pool, gather_slots, lens, scale, out, t_count, l_max, hq, hk, d, f32,
                                      threads);
         if (rc) rc += 10;
     }
     free(q);
     return rc;
+}
+
+/* rope_store_attend on bf16 and on float32 activations and pools: one signature (the decode stack of
+   cpu_qgemv.c calls either through a function pointer). */
+int llmsys_rope_store_attend_bf16(const void *qkv, int64_t ld, void *k_pool, void *v_pool, const int64_t *slot_mapping,
+                                  int64_t n_slots, const int64_t *pos, const float *cache, int64_t max_pos,
+                                  int64_t t_count, int64_t hq, int64_t hk, int64_t d, const int64_t *gather_slots,
+                                  const int64_t *lens, int64_t l_max, float scale, void *out, int threads) {
+    return rope_store_attend(qkv, ld, k_pool, v_pool, slot_mapping, n_slots, pos, cache, max_pos, t_count, hq, hk, d,
+                             gather_slots, lens, l_max, scale, out, 0, threads);
+}
+
+int llmsys_rope_store_attend_f32(const void *qkv, int64_t ld, void *k_pool, void *v_pool, const int64_t *slot_mapping,
+                                 int64_t n_slots, const int64_t *pos, const float *cache, int64_t max_pos,
+                                 int64_t t_count, int64_t hq, int64_t hk, int64_t d, const int64_t *gather_slots,
+                                 const int64_t *lens, int64_t l_max, float scale, void *out, int threads) {
+    return rope_store_attend(qkv, ld, k_pool, v_pool, slot_mapping, n_slots, pos, cache, max_pos, t_count, hq, hk, d,
+                             gather_slots, lens, l_max, scale, out, 1, threads);
 }

@@ -1,4 +1,4 @@
-"""CPU bfloat16 RMSNorm, silu * mul and RoPE, bfloat16 / float32 decode attention: one C call each (``cpu_decode.c``).
+"""CPU RMSNorm, silu * mul, RoPE and decode attention on bfloat16 or float32 rows: one C call each (``cpu_decode.c``).
 
 Why: a bfloat16 decode step of SmolLM2-135M spent ~11 ms of its ~27 ms
 outside the GEMVs, in ~40 small torch ops per layer (upcasts, elementwise
@@ -6,10 +6,10 @@ products, softmax, and the dispatch around each). These kernels replace the
 RMSNorm (with its residual add), RoPE over q and k, and decode attention over
 gathered K/V with one call each.
 
-Every CPU bfloat16 computation of these ops in the engine goes through here
-(``kernels.rms_norm``, ``kernels.rope``, the CPU attention fast path and the
-fast decode step), so resident, streamed and batched paths keep giving the
-same bits. The arithmetic is spelled out in ``cpu_decode.c``; the ``*_def``
+Every CPU bfloat16 and float32 computation of these ops in the engine goes
+through here (``kernels.rms_norm``, ``kernels.rope``, the decoder's norms and
+MLP, the CPU attention backend), and the fused decode layers of ``cpu_qgemv.c``
+run the same row code, so resident, streamed and fused paths give the same bits. The arithmetic is spelled out in ``cpu_decode.c``; the ``*_def``
 functions below are its torch definitions: RMSNorm and RoPE bit for bit, silu * mul
 and the attention up to the C exp (``cpu_ops.h``, the same bits on every ISA build)
 against ``torch.exp`` (tests/test_cpu_decode.py).
@@ -30,14 +30,17 @@ LANES = 16  # float32 accumulator lanes of the C reductions
 _SOURCE = Path(__file__).with_name("cpu_decode.c")
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
-    "llmsys_rms_norm_bf16": [_P, _P, _P, _P, _P, _I, _I, _F, ctypes.c_int],
-    "llmsys_silu_mul_bf16": [_P, _I, _P, _I, _P, _I, _I, ctypes.c_int],
-    "llmsys_rope_bf16": [_P, _I, _P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _I],
-    "llmsys_rope_store_bf16": [_P, _I, _P, _I, _P, _I, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I],
+    "llmsys_rms_norm": [_P, _P, _P, _P, _P, _I, _I, _F, ctypes.c_int, ctypes.c_int],
+    "llmsys_silu_mul": [_P, _I, _P, _I, _P, _I, _I, ctypes.c_int, ctypes.c_int],
+    "llmsys_rope": [_P, _I, _P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_int],
+    "llmsys_rope_store": [_P, _I, _P, _I, _P, _I, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, ctypes.c_int],
     "llmsys_decode_attention": [_P, _P, _P, _P, _P, _F, _P, _I, _I, _I, _I, _I, ctypes.c_int, ctypes.c_int],
     "llmsys_rope_store_attend_bf16": [_P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _P, _P, _I, _F, _P,
                                       ctypes.c_int],
+    "llmsys_rope_store_attend_f32": [_P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _P, _P, _I, _F, _P,
+                                     ctypes.c_int],
 }
+DTYPES = (torch.bfloat16, torch.float32)  # the activations' dtypes the kernels take
 
 
 _KERNEL = _cbuild.Kernel(_SOURCE, _SIGNATURES)  # loaded (built if need be) at the CPU's ISA level, once per process
@@ -45,14 +48,12 @@ kernel_status = _KERNEL.status  # "ok: <path>" when the C kernel is loaded, else
 available = _KERNEL.available
 
 
-def applies(x: torch.Tensor) -> bool:
-    """Do this module's RMSNorm and RoPE kernels handle ``x`` (a CPU bfloat16 tensor)?"""
-    return x.dtype == torch.bfloat16 and x.device.type == "cpu"
-
-
-def attention_applies(q: torch.Tensor) -> bool:
-    """Does :func:`decode_attention` handle ``q`` (a CPU bfloat16 or float32 tensor)?"""
-    return q.dtype in (torch.bfloat16, torch.float32) and q.device.type == "cpu"
+def applies(x: torch.Tensor, *others: torch.Tensor | None) -> bool:
+    """Do this module's kernels handle ``x`` (a CPU bfloat16 or float32 tensor) and ``others`` (the op's
+    other inputs)? Not when autograd must record the op (the C kernels have no backward: quantization's
+    refinement trains through the float32 decoder)."""
+    return (x.dtype in DTYPES and x.device.type == "cpu"
+            and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *others))))
 
 
 # ------------------------------------------------------------------ definitions
@@ -76,20 +77,25 @@ def lane_sum(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # [..., n] f32 
 
 
 def rms_norm_def(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
-    """The C RMSNorm in torch ops: HF's roundings, the sum of squares in lane order."""
-    h = x if residual is None else (x.float() + residual.float()).to(torch.bfloat16)
+    """The C RMSNorm in torch ops: HF's roundings (none for float32), the sum of squares in lane order."""
+    dt = x.dtype
+    h = x if residual is None else (x.float() + residual.float()).to(dt)
     hf = h.float()
     ms = lane_sum(hf, hf) / hf.shape[-1]
-    r = 1.0 / torch.sqrt(ms + torch.tensor(eps, dtype=torch.float32))
-    out = (weight.float() * (hf * r.unsqueeze(-1)).to(torch.bfloat16).float()).to(torch.bfloat16)
+    # the C's correctly rounded float sqrtf and 1.0f / s, through double (exact once rounded: 53 >= 2 * 24 + 2);
+    # torch's float32 sqrt and scalar-over-tensor division were an ulp off for a few rows on AVX-512
+    s = torch.sqrt((ms + torch.tensor(eps, dtype=torch.float32)).double()).float()
+    r = (1.0 / s.double()).float()
+    out = (weight.float() * (hf * r.unsqueeze(-1)).to(dt).float()).to(dt)
     return out if residual is None else (out, h)
 
 
 def silu_mul_def(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """The C silu * mul in torch ops (``torch.exp`` for ``cpu_ops.h``'s exp): ``bf16(bf16(g / (1 + exp(-g))) * u)``."""
+    """The C silu * mul in torch ops (``torch.exp`` for ``cpu_ops.h``'s exp): ``bf16(bf16(g / (1 + exp(-g))) * u)``
+    (float32: no roundings)."""
     g = gate.float()
-    s = (g / (1.0 + torch.exp(-g))).to(torch.bfloat16)
-    return (s.float() * up.float()).to(torch.bfloat16)
+    s = (g / (1.0 + torch.exp(-g))).to(gate.dtype)
+    return (s.float() * up.float()).to(gate.dtype)
 
 
 def decode_attention_def(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor,
@@ -123,22 +129,23 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
-    """``x [..., D]`` bf16 contiguous, ``weight [D]`` bf16 (``residual`` like x): as :func:`rms_norm_def`."""
+    """``x [..., D]`` bf16 or float32 contiguous, ``weight [D]`` and ``residual`` (like x) of its dtype:
+    as :func:`rms_norm_def`."""
     lib = _KERNEL.lib()
     if lib is None:
         return rms_norm_def(x, weight, eps, residual)
     d = x.shape[-1]
     out = torch.empty_like(x)
     new_res = None if residual is None else torch.empty_like(x)
-    rc = lib.llmsys_rms_norm_bf16(x.data_ptr(), _ptr(residual), weight.data_ptr(), out.data_ptr(), _ptr(new_res),
-                                  x.numel() // d, d, eps, torch.get_num_threads())
+    rc = lib.llmsys_rms_norm(x.data_ptr(), _ptr(residual), weight.data_ptr(), out.data_ptr(), _ptr(new_res),
+                             x.numel() // d, d, eps, int(x.dtype == torch.float32), torch.get_num_threads())
     if rc:
         raise RuntimeError(f"rms_norm: the C kernel rejected D={d}")
     return out if residual is None else (out, new_res)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU's ``silu(gate) * up``: ``[T, I]`` bf16 each (rows may be strided, e.g. the halves of one
+    """SwiGLU's ``silu(gate) * up``: ``[T, I]`` bf16 or float32 each (rows may be strided, e.g. the halves of one
     gate|up output) ``-> [T, I]`` contiguous, as :func:`silu_mul_def` (up to the exp). Why C: the fused
     a8 decode layers (``cpu_qgemv.mlp_a8``) compute it with the same row code, so a layer run op by op
     and fused agree bit for bit; torch's bf16 ``F.silu`` rounds its exp differently."""
@@ -146,19 +153,19 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if lib is None:
         return silu_mul_def(gate, up)
     t, inter = gate.shape
-    if up.shape != gate.shape or gate.stride(1) != 1 or up.stride(1) != 1 or gate.dtype != torch.bfloat16 \
-            or up.dtype != torch.bfloat16:
-        raise ValueError(f"silu_mul: gate and up must be bf16 [T, I] with unit column stride, got "
-                         f"{gate.dtype} {tuple(gate.shape)}, {up.dtype} {tuple(up.shape)}")
-    y = torch.empty(t, inter, dtype=torch.bfloat16)
-    if lib.llmsys_silu_mul_bf16(gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), y.data_ptr(), t, inter,
-                                torch.get_num_threads()):
+    if up.shape != gate.shape or gate.stride(1) != 1 or up.stride(1) != 1 or gate.dtype not in DTYPES \
+            or up.dtype != gate.dtype:
+        raise ValueError(f"silu_mul: gate and up must be bf16 or float32 [T, I] of one dtype with unit column "
+                         f"stride, got {gate.dtype} {tuple(gate.shape)}, {up.dtype} {tuple(up.shape)}")
+    y = torch.empty(t, inter, dtype=gate.dtype)
+    if lib.llmsys_silu_mul(gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), y.data_ptr(), t, inter,
+                           int(gate.dtype == torch.float32), torch.get_num_threads()):
         raise ValueError(f"silu_mul: the C kernel rejected I={inter} with row strides {gate.stride(0)}, {up.stride(0)}")
     return y
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor):
-    """``q [T, Hq, D]``, ``k [T, Hk, D]`` bf16 (rows may be strided) -> new contiguous (q, k).
+    """``q [T, Hq, D]``, ``k [T, Hk, D]`` bf16 or float32 (one dtype; rows may be strided) -> new contiguous (q, k).
 
     Bit for bit ``kernels.reference.rope_ref``; positions must lie in the cache.
     """
@@ -173,8 +180,11 @@ def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cach
         if t.stride(2) != 1 or t.stride(1) != d:
             raise ValueError(f"rope: heads of q and k must be contiguous, got strides {t.stride()}")
     qo, ko = torch.empty(T, hq, d, dtype=q.dtype), torch.empty(T, hk, d, dtype=k.dtype)
-    rc = lib.llmsys_rope_bf16(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), qo.data_ptr(), ko.data_ptr(),
-                              positions.data_ptr(), cos_sin_cache.data_ptr(), cos_sin_cache.shape[0], T, hq, hk, d)
+    if k.dtype != q.dtype:
+        raise ValueError(f"rope: q and k must share a dtype, got {q.dtype} and {k.dtype}")
+    rc = lib.llmsys_rope(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), qo.data_ptr(), ko.data_ptr(),
+                         positions.data_ptr(), cos_sin_cache.data_ptr(), cos_sin_cache.shape[0], T, hq, hk, d,
+                         int(q.dtype == torch.float32))
     if rc == 2:
         raise ValueError(f"rope: a position lies outside the cos/sin cache (0..{cos_sin_cache.shape[0] - 1})")
     if rc:
@@ -197,10 +207,13 @@ def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: tor
         if t.stride(2) != 1 or t.stride(1) != d:
             raise ValueError(f"rope_store: heads of q, k and v must be contiguous, got strides {t.stride()}")
     qo = torch.empty(T, hq, d, dtype=q.dtype)
-    rc = lib.llmsys_rope_store_bf16(
+    if not (q.dtype == k.dtype == v.dtype == k_pool.dtype == v_pool.dtype):
+        raise ValueError(f"rope_store: q, k, v and the pools must share a dtype, got {q.dtype}, {k.dtype}, "
+                         f"{v.dtype}, {k_pool.dtype}, {v_pool.dtype}")
+    rc = lib.llmsys_rope_store(
         q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), qo.data_ptr(),
         k_pool.data_ptr(), v_pool.data_ptr(), slots.data_ptr(), k_pool.shape[0], positions.data_ptr(),
-        cos_sin_cache.data_ptr(), cos_sin_cache.shape[0], T, hq, hk, d)
+        cos_sin_cache.data_ptr(), cos_sin_cache.shape[0], T, hq, hk, d, int(q.dtype == torch.float32))
     if rc:
         raise ValueError(f"rope_store: odd head_dim {d}, or a position or slot outside its table (code {rc})")
     return qo
@@ -232,24 +245,29 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: to
     return out
 
 
-def rope_store_attend_address() -> int:
-    """The C address of :func:`rope_store_attend`'s kernel, for C code that calls it per layer
-    (``cpu_qgemv.decode_stack``). Needs the C kernel (callers check :func:`available`)."""
-    return ctypes.cast(_KERNEL.lib().llmsys_rope_store_attend_bf16, ctypes.c_void_p).value
+def rope_store_attend_address(dtype: torch.dtype) -> int:
+    """The C address of :func:`rope_store_attend`'s kernel for ``dtype`` activations and pools (bf16 or
+    float32), for C code that calls it per layer (``cpu_qgemv.decode_stack``). Needs the C kernel (callers
+    check :func:`available`)."""
+    lib = _KERNEL.lib()
+    fn = lib.llmsys_rope_store_attend_f32 if dtype == torch.float32 else lib.llmsys_rope_store_attend_bf16
+    return ctypes.cast(fn, ctypes.c_void_p).value
 
 
 def rope_store_attend(qkv: torch.Tensor, hq: int, hk: int, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                       k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor,
                       scale: float, gather_slots: torch.Tensor) -> torch.Tensor:
-    """A decode step's attention from its q|k|v projection in one C call: ``qkv [T, (Hq + 2 Hk) D]`` bf16
-    (unit column stride) -> :func:`rope_store` (k, v into the pools ``[num_slots, Hk, D]`` at ``slots [T]``)
+    """A decode step's attention from its q|k|v projection in one C call: ``qkv [T, (Hq + 2 Hk) D]`` bf16 or
+    float32 as the pools (unit column stride) -> :func:`rope_store` (k, v into the pools ``[num_slots, Hk, D]`` at ``slots [T]``)
     then :func:`decode_attention` (``gather_slots [T, L]``, ``lens [T]``) ``-> [T, Hq * D]``, their bits.
     Needs the C kernel (callers check :func:`available`); the pools, slots and lengths are the caller's
     own validated tensors (the CPU attention backend's)."""
     t = qkv.shape[0]
     d = qkv.shape[1] // (hq + 2 * hk)
-    out = torch.empty(t, hq * d, dtype=torch.bfloat16)
-    rc = _KERNEL.lib().llmsys_rope_store_attend_bf16(
+    out = torch.empty(t, hq * d, dtype=qkv.dtype)
+    lib = _KERNEL.lib()
+    fn = lib.llmsys_rope_store_attend_f32 if qkv.dtype == torch.float32 else lib.llmsys_rope_store_attend_bf16
+    rc = fn(
         qkv.data_ptr(), qkv.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), slots.data_ptr(), k_pool.shape[0],
         positions.data_ptr(), cos_sin_cache.data_ptr(), cos_sin_cache.shape[0], t, hq, hk, d,
         gather_slots.data_ptr(), lens.data_ptr(), gather_slots.shape[1], scale, out.data_ptr(),

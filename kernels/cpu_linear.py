@@ -31,6 +31,12 @@ float32's MKL sgemm), so prompts upcast the weight to float32 a few hundred rows
 at a time (the chunk stays in L2) and run sgemm: 8.9 ms at M = 128 (Zen 3,
 2 threads; 49152x576 head: 431 -> 110 ms). The C GEMV reads 12.5-18.5 GB/s from
 DRAM there where torch's GEMV read 10.8-15.1.
+
+float32 weights too small to pack (below 64K elements: stories260k's) run their
+decode-sized batches through the C float32 GEMV (``cpu_qgemv.f32_gemv``), whose
+bits the fused decode layers give: a float32 decode step of such a model is then
+one C call for the whole decoder (``DecoderModel.decode_stack``) instead of ~10
+torch ops a layer, each costing more in dispatch than in arithmetic.
 """
 
 from __future__ import annotations
@@ -164,12 +170,20 @@ def linear(
             # prompts: oneDNN's bf16 GEMM on the plain weight where it has one, else upcast sgemm
             return F.linear(x, weight, bias) if _ONEDNN_BF16 else _bf16_upcast(x, weight, bias)
         if bf16_gemv_applies(weight, bias):  # decode-sized batches: the C GEMV (the fused layers' bits)
-            x2 = x.reshape(-1, x.shape[-1])
-            y = cpu_qgemv.bf16_gemv(x2 if x2.stride(-1) == 1 else x2.contiguous(), weight, check=False)
-            if bias is not None:
-                y = y + bias
-            return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
+            return _gemv(cpu_qgemv.bf16_gemv, x, weight, bias)
+    if (x.dtype == torch.float32 and x.numel() < BF16_UPCAST_MIN_ROWS * x.shape[-1] and rows_of is None
+            and not torch.is_grad_enabled() and f32_gemv_applies(weight, bias)):
+        return _gemv(cpu_qgemv.f32_gemv, x, weight, bias)  # (a weight too small to pack: the fused layers' bits)
     return F.linear(x, weight, bias)
+
+
+def _gemv(fn, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``fn`` (the C bf16 or float32 GEMV) on ``x [..., K]`` rows, then ``y + bias`` in the dtype."""
+    x2 = x.reshape(-1, x.shape[-1])
+    y = fn(x2 if x2.stride(-1) == 1 else x2.contiguous(), weight, check=False)
+    if bias is not None:
+        y = y + bias
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
 
 
 def bf16_gemv_applies(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -181,10 +195,25 @@ def bf16_gemv_applies(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
             and (bias is None or bias.dtype == torch.bfloat16) and cpu_qgemv.available())
 
 
-def bf16_decode_weight(weight: torch.Tensor, bias: torch.Tensor | None) -> cpu_qgemv.DecodeWeight | None:
-    """The fused decode layers' weight for a plain bf16 layer whose decode batches :func:`linear` runs
-    through the C GEMV (:func:`bf16_gemv_applies`), else None."""
-    return cpu_qgemv.bf16_decode_weight(weight, bias) if bf16_gemv_applies(weight, bias) else None
+def f32_gemv_applies(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Does :func:`linear` run float32 batches of fewer than :data:`BF16_UPCAST_MIN_ROWS` rows on ``weight``
+    through the C float32 GEMV (``cpu_qgemv.f32_gemv``; then ``y + bias``)? For plain CPU float32 weights
+    that :func:`packable` turns down for size (oneDNN takes the rest, packed), with unit column stride and
+    a float32 bias or none, when the C kernel is built."""
+    return (weight.dtype == torch.float32 and weight.device.type == "cpu"
+            and weight.dim() == 2 and weight.stride(1) == 1 and not weight.is_mkldnn
+            and weight.numel() < _ONEDNN_MIN_WEIGHT
+            and (bias is None or bias.dtype == torch.float32) and cpu_qgemv.available())
+
+
+def decode_weight(weight: torch.Tensor, bias: torch.Tensor | None) -> cpu_qgemv.DecodeWeight | None:
+    """The fused decode layers' weight for a plain layer whose decode batches :func:`linear` runs through
+    a C GEMV (:func:`bf16_gemv_applies`, :func:`f32_gemv_applies`), else None."""
+    if bf16_gemv_applies(weight, bias):
+        return cpu_qgemv.bf16_decode_weight(weight, bias)
+    if f32_gemv_applies(weight, bias):
+        return cpu_qgemv.f32_decode_weight(weight, bias)
+    return None
 
 
 def mm_bf16(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

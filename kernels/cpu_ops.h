@@ -7,6 +7,7 @@
  *   - rms_norm: h = residual ? bf16(x + residual) : x;  r = 1 / sqrt(sumsq(h) / D + eps);
  *               out = bf16(w * bf16(h * r))   (HF LlamaRMSNorm's roundings)
  *   - silu_mul: out = bf16(bf16(g / (1 + e)) * u), e = ops_exp(-g) (torch's bf16 F.silu(g) * u, up to exp)
+ *   - float32 rows (the _f32 functions): the same operations, no bf16 roundings
  *   - ops_exp(x): n = round-half-even(x * log2 e); r = (x - n * C1) - n * C2; p = Horner over the
  *     Cephes expf coefficients; y = ((p * (r * r)) + r) + 1; e = (y * 2^(n-1)) * 2; +inf above 88.7228
  *     (float's overflow, as torch.exp), 0 below -86, NaN for NaN. ~1 float ulp: against torch.exp no bf16
@@ -56,6 +57,20 @@ static inline void ops_rms_norm_row(const uint16_t *x, const uint16_t *res, cons
     const float ms = ops_dot_f32(h, h, d) / (float)d;
     const float r = 1.0f / sqrtf(ms + eps);
     for (int64_t i = 0; i < d; i++) out[i] = rne(bf(w[i]) * bf(rne(h[i] * r)));
+}
+
+/* ops_rms_norm_row for float32 rows (a float32 model): the same arithmetic without the bf16 roundings,
+ * h = res ? x + res : x;  out = w * (h * r)  (HF LlamaRMSNorm in float32). With res, new_res = h. */
+static inline void ops_rms_norm_row_f32(const float *x, const float *res, const float *w, float *out,
+                                        float *new_res, int64_t d, float eps) {
+    const float *h = x;
+    if (res) {
+        for (int64_t i = 0; i < d; i++) new_res[i] = x[i] + res[i];
+        h = new_res;
+    }
+    const float ms = ops_dot_f32(h, h, d) / (float)d;
+    const float r = 1.0f / sqrtf(ms + eps);
+    for (int64_t i = 0; i < d; i++) out[i] = w[i] * (h[i] * r);
 }
 
 #define OPS_EXP_LO (-86.0f) /* below: 0 (e^-86 ~ 4e-38; keeps 2^(n-1) a normal float) */
@@ -144,5 +159,19 @@ static inline void ops_silu_mul_row(const uint16_t *g, const uint16_t *u, uint16
         const float gv = bf(g[i]);
         y[i] = rne(bf(rne(gv / (1.0f + ops_exp(-gv)))) * bf(u[i]));
     }
+}
+
+/* ops_silu_mul_row for float32 rows: y[i] = (g[i] / (1 + e)) * u[i], e = ops_exp(-g[i]) */
+static inline void ops_silu_mul_row_f32(const float *g, const float *u, float *y, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX2__)
+    for (; i + 8 <= n; i += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + i);
+        const __m256 e = ops_exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+        const __m256 s = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+        _mm256_storeu_ps(y + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
+    }
+#endif
+    for (; i < n; i++) y[i] = (g[i] / (1.0f + ops_exp(-g[i]))) * u[i];
 }
 #endif

@@ -1929,6 +1929,71 @@ int llmsys_gemv_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t 
     return 0;
 }
 
+/* ------------------------------------------------------------ float32 GEMV (decode)
+ *
+ * out[m, n] = dot(x[m], w[n]) for float32 x and w in cpu_ops.h's order (ops_dot_f32: 16 lanes, each product
+ * rounded and then added, the lanes reduced as its tree; kernels/cpu_qgemv.py f32_gemv_def), so every build
+ * gives the same bits. Why: a float32 model's decode layers run fused like the bf16 and quantized ones (the
+ * layer kernels and the decode stack below), which needs a GEMV of their own; torch's own (MKL sgemv)
+ * also ran 2.5x slower at M = 2..8 than at M = 1 (cpu_linear.py). A weight row at a time, front to back,
+ * the row F1_AHEAD ahead prefetched (bf16_rows_one's one stream), every row of x against it while it sits
+ * in L1. No FMA: the definition rounds the product before the add (memory-bound either way).
+ */
+#define F1_AHEAD 4
+
+static void f32_rows(const float *x, int64_t ldx, int64_t m_count, int64_t k, const float *w, int64_t ldw,
+                     float *out, int64_t ldo, int64_t n0, int64_t n1) {
+    const int64_t full = k / 16 * 16;
+    for (int64_t n = n0; n < n1; n++) {
+        const float *wr = w + n * ldw;
+#if defined(QG_AVX512)
+        for (int64_t i = 0; i < k; i += 16) _mm_prefetch((const char *)(wr + F1_AHEAD * ldw + i), _MM_HINT_T0);
+#endif
+        for (int64_t m = 0; m < m_count; m++) {
+            const float *xr = x + m * ldx;
+#if defined(QG_AVX512)
+            __m512 acc = _mm512_setzero_ps();
+            for (int64_t i = 0; i < full; i += 16)
+                acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_loadu_ps(xr + i), _mm512_loadu_ps(wr + i)));
+            if (full < k) { /* the tail into lanes 0 .. k - full - 1, the others untouched */
+                const __mmask16 mk = (__mmask16)((1u << (k - full)) - 1);
+                acc = _mm512_mask_add_ps(acc, mk, acc,
+                                         _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, xr + full), _mm512_maskz_loadu_ps(mk, wr + full)));
+            }
+            out[m * ldo + n] = tree512(acc);
+#else
+            float a[16] = {0};
+#if defined(__AVX2__)
+            __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+            for (int64_t i = 0; i < full; i += 16) {
+                lo = _mm256_add_ps(lo, _mm256_mul_ps(_mm256_loadu_ps(xr + i), _mm256_loadu_ps(wr + i)));
+                hi = _mm256_add_ps(hi, _mm256_mul_ps(_mm256_loadu_ps(xr + i + 8), _mm256_loadu_ps(wr + i + 8)));
+            }
+            _mm256_storeu_ps(a, lo);
+            _mm256_storeu_ps(a + 8, hi);
+#else
+            for (int64_t i = 0; i < full; i += 16)
+                for (int j = 0; j < 16; j++) a[j] = a[j] + xr[i + j] * wr[i + j];
+#endif
+            for (int64_t j = 0; full + j < k; j++) a[j] = a[j] + xr[full + j] * wr[full + j];
+            out[m * ldo + n] = ops_tree(a);
+#endif
+        }
+    }
+}
+
+/* x [M, K] float32 (row stride ldx), w float32 [N, K] (row stride ldw) -> out [M, N] float32 (row stride ldo). */
+int llmsys_gemv_f32(const float *x, int64_t ldx, const float *w, int64_t ldw, float *out, int64_t ldo,
+                    int64_t m_count, int64_t n, int64_t k, int threads) {
+    if (m_count <= 0 || n <= 0 || k <= 0 || ldx < k || ldw < k || ldo < n) return 1;
+    const int64_t items = (n + 63) / 64;
+    const int par = threads > 1 && items > 1 && m_count * n * k >= PAR_MIN;
+#pragma omp parallel for num_threads(threads) schedule(static) if (par)
+    for (int64_t it = 0; it < items; it++)
+        f32_rows(x, ldx, m_count, k, w, ldw, out, ldo, it * 64, it * 64 + 64 < n ? it * 64 + 64 : n);
+    return 0;
+}
+
 /* ------------------------------------------------------------ fused decode layers
  *
  * A decode step's layer in two calls instead of ~10: llmsys_layer_attn_in (input RMSNorm with its
@@ -1942,6 +2007,9 @@ int llmsys_gemv_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t 
  *
  * A projection is 1-4 weights (llmsys_qw) whose outputs lie side by side (q | k | v, gate | up: fused
  * into one weight or not, the same bits: each output row depends on its own weight row only).
+ *
+ * A float32 model's layer (llmsys_layer.f32) runs the same calls on float32 rows: float32 weights (kind 6,
+ * f32_rows), biases and norm weights, cpu_ops.h's float32 RMSNorm and silu * mul rows.
  */
 
 typedef struct {
@@ -1949,14 +2017,15 @@ typedef struct {
                               3: int8 codes [N, K], fp16 block scales [nb, s_g] (group-major, one per 32 columns);
                               4: int8 codes [N, K], GGUF Q6_K's scales as stored: int8 sc per 16 columns (ksc
                                  [K / 16, s_g]) times fp16 d per 256 (kd [K / 256, s_g]);
-                              5: int8 codes [N, K], float32 scales and offsets (offs) [K / 32, s_g] (GGUF Q5_K) */
+                              5: int8 codes [N, K], float32 scales and offsets (offs) [K / 32, s_g] (GGUF Q5_K);
+                              6: float32 [N, K] (rows kp elements apart; x and out float32, bias float32) */
     int64_t n, k, kp, gs;  /* rows, columns; int4: padded columns Kp = G * gs and the group size */
     const void *q;         /* the codes (bf16: the weight, rows of kp elements apart) */
     const void *scales;    /* int4: scales at [n * s_n + g * s_g] of scale_kind (0 bf16, 1 f32, 2 f16) */
     int64_t s_n, s_g, scale_kind;
     const uint8_t *zeros;  /* int4: zero points at [n * z_n + g * z_g] */
     int64_t z_n, z_g;
-    const uint16_t *bias;  /* bf16 [N], or NULL */
+    const void *bias;      /* bf16 [N] (float32 for kind 6), or NULL */
     const float *offs;     /* int4: float32 offsets at [n * o_n + g * o_g] (int4_meta.offs), or NULL */
     int64_t o_n, o_g;
     const uint8_t *ksc, *km; /* int4: GGUF Q4_K's scales as stored (int4_meta.ksc ..; scales, zeros unused), or NULL */
@@ -1968,10 +2037,13 @@ typedef struct {
 
 static int64_t qw_nb(const llmsys_qw *w) { return w->kind == 1 ? w->kp / A8 : (w->k + A8 - 1) / A8; }
 
+/* weights that read x as it is (bf16 or float32), not as a8 blocks */
+static int qw_plain(const llmsys_qw *w) { return w->kind == 2 || w->kind == 6; }
+
 /* 0 when w is a weight of k columns the a8 GEMVs take (their own argument checks), else 1 */
 static int qw_check(const llmsys_qw *w, int64_t k) {
     if (w->n <= 0 || w->k != k || !w->q) return 1;
-    if (w->kind == 2) return w->kp < k;
+    if (w->kind == 2 || w->kind == 6) return w->kp < k;
     if (w->kind == 1 && w->ksc) /* Q4_K's scales as stored: group 32, whole super-blocks */
         return !w->km || !w->kd || !w->kdm || w->gs != A8 || w->kp % 256 || k <= w->kp - w->gs || k > w->kp
                || w->k_n < w->n;
@@ -1987,10 +2059,20 @@ static int qw_check(const llmsys_qw *w, int64_t k) {
 }
 
 /* Rows [64 it, 64 it + 64) of w against the m_count rows of x (contiguous bf16, read by bf16 weights; a: its
-   a8 blocks, read by int8 / int4 weights): out[m * ldo + n], bias added. */
-static void qw_item(const llmsys_qw *w, const a8_x *a, const uint16_t *x, const uint32_t *xs, int64_t m_count,
-                    int64_t it, uint16_t *out, int64_t ldo) {
+   a8 blocks, read by int8 / int4 weights; float32 for a float32 weight): out[m * ldo + n], bias added. */
+static void qw_item(const llmsys_qw *w, const a8_x *a, const void *xv, const uint32_t *xs, int64_t m_count,
+                    int64_t it, void *outv, int64_t ldo) {
     const int64_t n0 = it * 64, n1 = n0 + 64 < w->n ? n0 + 64 : w->n;
+    if (w->kind == 6) {
+        float *out = outv;
+        f32_rows(xv, w->k, m_count, w->k, (const float *)w->q, w->kp, out, ldo, n0, n1);
+        if (w->bias)
+            for (int64_t m = 0; m < m_count; m++)
+                for (int64_t n = n0; n < n1; n++) out[m * ldo + n] = out[m * ldo + n] + ((const float *)w->bias)[n];
+        return;
+    }
+    const uint16_t *x = xv;
+    uint16_t *out = outv;
     if (w->kind == 2) {
 #if defined(QG_AVX512) && defined(__AVX512BF16__)
         (void)x;
@@ -2016,12 +2098,14 @@ static void qw_item(const llmsys_qw *w, const a8_x *a, const uint16_t *x, const 
     }
     if (w->bias)
         for (int64_t m = 0; m < m_count; m++)
-            for (int64_t n = n0; n < n1; n++) out[m * ldo + n] = rne(bf(out[m * ldo + n]) + bf(w->bias[n]));
+            for (int64_t n = n0; n < n1; n++)
+                out[m * ldo + n] = rne(bf(out[m * ldo + n]) + bf(((const uint16_t *)w->bias)[n]));
 }
 
-/* out [M, sum of n] = x [M, K] (contiguous) times each weight, side by side. 0, 1 bad weights, 2 no memory. */
-static int proj_run(const llmsys_qw *ws, int64_t nw, const uint16_t *x, int64_t m_count, int64_t k, uint16_t *out,
-                   int threads) {
+/* out [M, sum of n] = x [M, K] (contiguous) times each weight, side by side; x and out float32 (f32) or bf16:
+   float32 weights then, no float32 weight else. 0, 1 bad weights, 2 no memory. */
+static int proj_run(const llmsys_qw *ws, int64_t nw, const void *x, int64_t m_count, int64_t k, void *out, int f32,
+                    int threads) {
     if (nw < 1 || nw > QW_MAX) return 1;
     a8_x a[QW_MAX];
     const a8_x *use[QW_MAX];
@@ -2030,14 +2114,14 @@ static int proj_run(const llmsys_qw *ws, int64_t nw, const uint16_t *x, int64_t 
     uint32_t *xs = NULL; /* x as lane pairs, for bf16 weights in the AVX512-BF16 build */
     first[0] = 0;
     for (int64_t j = 0; j < nw; j++) {
-        if (qw_check(&ws[j], k)) { rc = 1; break; }
+        if (qw_check(&ws[j], k) || (ws[j].kind == 6) != f32) { rc = 1; break; }
         use[j] = NULL;
 #if defined(QG_AVX512) && defined(__AVX512BF16__)
         if (ws[j].kind == 2 && !xs && !(xs = lane_pairs(x, k, m_count, k, (k + 31) / 32))) { rc = 2; break; }
 #endif
-        if (ws[j].kind != 2) {
+        if (!qw_plain(&ws[j])) {
             for (int64_t i = 0; i < j; i++) /* x's blocks are shared by weights with the same block count */
-                if (ws[i].kind != 2 && qw_nb(&ws[i]) == qw_nb(&ws[j])) { use[j] = use[i]; break; }
+                if (!qw_plain(&ws[i]) && qw_nb(&ws[i]) == qw_nb(&ws[j])) { use[j] = use[i]; break; }
             if (!use[j]) {
                 if (a8_quantize(x, k, m_count, k, qw_nb(&ws[j]), &a[made])) { rc = 2; break; }
                 use[j] = &a[made++];
@@ -2055,7 +2139,7 @@ static int proj_run(const llmsys_qw *ws, int64_t nw, const uint16_t *x, int64_t 
         for (int64_t it = 0; it < items; it++) {
             int64_t j = 0;
             while (it >= first[j + 1]) j++;
-            qw_item(&ws[j], use[j], x, xs, m_count, it - first[j], out + col[j], ldo);
+            qw_item(&ws[j], use[j], x, xs, m_count, it - first[j], (char *)out + (f32 ? 4 : 2) * col[j], ldo);
         }
     }
     free(xs);
@@ -2063,9 +2147,19 @@ static int proj_run(const llmsys_qw *ws, int64_t nw, const uint16_t *x, int64_t 
     return rc;
 }
 
-/* rows of x [M, D] (+ res) RMSNormed into xn; with res, new_res = bf16(x + res) */
-static int norm_rows(const uint16_t *x, const uint16_t *res, const uint16_t *w, float eps, uint16_t *xn,
-                     uint16_t *new_res, int64_t m_count, int64_t d) {
+/* rows of x [M, D] (+ res) RMSNormed into xn; with res, new_res = bf16(x + res) (float32 rows: x + res) */
+static int norm_rows(const void *xv, const void *resv, const void *wv, float eps, void *xnv, void *new_resv,
+                     int64_t m_count, int64_t d, int f32) {
+    if (f32) {
+        const float *x = xv, *res = resv;
+        float *new_res = new_resv;
+        for (int64_t t = 0; t < m_count; t++)
+            ops_rms_norm_row_f32(x + t * d, res ? res + t * d : NULL, wv, (float *)xnv + t * d,
+                                 res ? new_res + t * d : NULL, d, eps);
+        return 0;
+    }
+    const uint16_t *x = xv, *res = resv, *w = wv;
+    uint16_t *xn = xnv, *new_res = new_resv;
     float *h = malloc(sizeof(float) * (size_t)d);
     if (!h) return 2;
     for (int64_t t = 0; t < m_count; t++)
@@ -2076,7 +2170,7 @@ static int norm_rows(const uint16_t *x, const uint16_t *res, const uint16_t *w, 
 
 /* One decoder layer's fixed arguments (built once per bound weights, kernels/cpu_qgemv.py DecodeLayer). */
 typedef struct {
-    const uint16_t *ln1, *ln2; /* input and post-attention RMSNorm weights, bf16 [D] */
+    const void *ln1, *ln2;     /* input and post-attention RMSNorm weights, [D] in the activations' dtype */
     float eps1, eps2;
     int64_t d, k_o;            /* hidden size; o_proj's input size (Hq D) */
     const llmsys_qw *qkv;      /* q | k | v: n_qkv weights side by side */
@@ -2085,6 +2179,7 @@ typedef struct {
     const llmsys_qw *gu;       /* gate | up: n_gu weights side by side */
     int64_t n_gu;
     const llmsys_qw *down;     /* one weight */
+    int64_t f32;               /* 1: float32 activations, weights (kind 6) and norm weights; 0: bf16 activations */
 } llmsys_layer;
 
 /* 0 when the layer's shapes fit together (what proj_run does not check itself), else 1 */
@@ -2100,13 +2195,13 @@ static int layer_check(const llmsys_layer *L, int64_t m_count) {
 /* The attention input: x [M, D] (the previous layer's MLP output; the embeddings with res NULL), res [M, D]
  * or NULL -> out [M, sum of q|k|v rows] = RMSNorm(x + res) times the q|k|v weights (+ bias), new_res [M, D]
  * = bf16(x + res) (not written when res is NULL). 0, 1 bad arguments, 2 no memory. */
-int llmsys_layer_attn_in(const llmsys_layer *L, const uint16_t *x, const uint16_t *res, uint16_t *out,
-                      uint16_t *new_res, int64_t m_count, int threads) {
+int llmsys_layer_attn_in(const llmsys_layer *L, const void *x, const void *res, void *out, void *new_res,
+                         int64_t m_count, int threads) {
     if (layer_check(L, m_count)) return 1;
-    const int64_t d = L->d;
-    uint16_t *xn = malloc(sizeof(uint16_t) * (size_t)(m_count * d));
-    int rc = xn ? norm_rows(x, res, L->ln1, L->eps1, xn, new_res, m_count, d) : 2;
-    if (!rc) rc = proj_run(L->qkv, L->n_qkv, xn, m_count, d, out, threads);
+    const int64_t d = L->d, f32 = L->f32 != 0;
+    void *xn = malloc((f32 ? 4 : 2) * (size_t)(m_count * d));
+    int rc = xn ? norm_rows(x, res, L->ln1, L->eps1, xn, new_res, m_count, d, f32) : 2;
+    if (!rc) rc = proj_run(L->qkv, L->n_qkv, xn, m_count, d, out, f32, threads);
     free(xn);
     return rc;
 }
@@ -2115,22 +2210,32 @@ int llmsys_layer_attn_in(const llmsys_layer *L, const uint16_t *x, const uint16_
  * -> a = o times o; x = RMSNorm(a + res) (ln2); new_res = bf16(a + res);
  * out [M, D] = down(silu(gate(x)) * up(x)), gate | up the gu weights' outputs side by side (2 I).
  * 0, 1 bad arguments, 2 no memory. */
-int llmsys_layer_mlp(const llmsys_layer *L, const uint16_t *o, const uint16_t *res, uint16_t *out,
-                  uint16_t *new_res, int64_t m_count, int threads) {
+int llmsys_layer_mlp(const llmsys_layer *L, const void *o, const void *res, void *out, void *new_res,
+                     int64_t m_count, int threads) {
     if (layer_check(L, m_count)) return 1;
-    const int64_t d = L->d;
+    const int64_t d = L->d, f32 = L->f32 != 0;
+    const size_t es = f32 ? 4 : 2;
     int64_t two_i = 0;
     for (int64_t j = 0; j < L->n_gu; j++) two_i += L->gu[j].n;
     const int64_t inter = two_i / 2;
-    uint16_t *a = malloc(sizeof(uint16_t) * (size_t)(m_count * (2 * d + two_i + inter)));
+    char *a = malloc(es * (size_t)(m_count * (2 * d + two_i + inter)));
     if (!a) return 2;
-    uint16_t *xn = a + m_count * d, *g = xn + m_count * d, *y = g + m_count * two_i;
-    int rc = proj_run(L->o, 1, o, m_count, L->k_o, a, threads);
-    if (!rc) rc = norm_rows(a, res, L->ln2, L->eps2, xn, new_res, m_count, d);
-    if (!rc) rc = proj_run(L->gu, L->n_gu, xn, m_count, d, g, threads);
+    char *xn = a + es * (size_t)(m_count * d), *g = xn + es * (size_t)(m_count * d),
+         *y = g + es * (size_t)(m_count * two_i);
+    int rc = proj_run(L->o, 1, o, m_count, L->k_o, a, f32, threads);
+    if (!rc) rc = norm_rows(a, res, L->ln2, L->eps2, xn, new_res, m_count, d, f32);
+    if (!rc) rc = proj_run(L->gu, L->n_gu, xn, m_count, d, g, f32, threads);
     if (!rc) {
-        for (int64_t t = 0; t < m_count; t++) ops_silu_mul_row(g + t * two_i, g + t * two_i + inter, y + t * inter, inter);
-        rc = proj_run(L->down, 1, y, m_count, inter, out, threads);
+        for (int64_t t = 0; t < m_count; t++) {
+            if (f32) {
+                const float *gt = (const float *)g + t * two_i;
+                ops_silu_mul_row_f32(gt, gt + inter, (float *)y + t * inter, inter);
+            } else {
+                const uint16_t *gt = (const uint16_t *)g + t * two_i;
+                ops_silu_mul_row(gt, gt + inter, (uint16_t *)y + t * inter, inter);
+            }
+        }
+        rc = proj_run(L->down, 1, y, m_count, inter, out, f32, threads);
     }
     free(a);
     return rc;
@@ -2145,15 +2250,15 @@ int llmsys_layer_mlp(const llmsys_layer *L, const uint16_t *o, const uint16_t *r
  * checks both against the op-by-op decoder). Why: that loop spent ~50 us of Python and ctypes per layer
  * around ~150 us of kernels (SmolLM2-135M int4, 30 layers: ~1.5 ms of a ~7 ms step, profile_decode.py). */
 
-typedef int (*llmsys_rope_attend_fn)(const uint16_t *qkv, int64_t ld, uint16_t *k_pool, uint16_t *v_pool,
+typedef int (*llmsys_rope_attend_fn)(const void *qkv, int64_t ld, void *k_pool, void *v_pool,
                                      const int64_t *slot_mapping, int64_t n_slots, const int64_t *pos,
                                      const float *cache, int64_t max_pos, int64_t t_count, int64_t hq, int64_t hk,
                                      int64_t d, const int64_t *gather_slots, const int64_t *lens, int64_t l_max,
-                                     float scale, uint16_t *out, int threads);
+                                     float scale, void *out, int threads);
 
 typedef struct {
     const llmsys_layer *layer; /* the layer's fused decode arguments */
-    uint16_t *k_pool, *v_pool; /* its K/V pools, [n_slots, Hk, D] bf16 */
+    void *k_pool, *v_pool;     /* its K/V pools, [n_slots, Hk, D] in the activations' dtype */
     int64_t table, tables;     /* it rotates with table `table` of the `tables` stacked in the RoPE cache */
     int64_t hq, hk, hd;        /* heads of q and of k/v, head dim */
     float scale;               /* attention's softmax scale */
@@ -2162,7 +2267,7 @@ typedef struct {
 typedef struct {
     const llmsys_stack_layer *layers;
     int64_t n_layers;
-    const void *rope_attend;       /* llmsys_rope_attend_fn */
+    const void *rope_attend;       /* llmsys_rope_attend_fn (cpu_decode.c's, for the activations' dtype) */
     const int64_t *positions;      /* [M] RoPE rows of the step's tokens in the first table */
     const int64_t *slot_mapping;   /* [M] pool slot of each new token */
     int64_t n_slots;
@@ -2174,18 +2279,18 @@ typedef struct {
 } llmsys_stack;
 
 /* h [M, D]: the embeddings -> out [M, D] the last layer's MLP output, res [M, D] its residual (the model's
- * hidden state is out + res, normed by the caller). 0; 1 bad arguments; 2 no memory; 100 * (layer + 1) + the
- * attention's code when it rejects a layer's step. */
-int llmsys_decode_stack(const llmsys_stack *S, const uint16_t *h, uint16_t *out, uint16_t *res, int64_t m_count,
-                        int threads) {
+ * hidden state is out + res, normed by the caller); bf16, or float32 when the layers are (f32). 0; 1 bad
+ * arguments; 2 no memory; 100 * (layer + 1) + the attention's code when it rejects a layer's step. */
+int llmsys_decode_stack(const llmsys_stack *S, const void *h, void *out, void *res, int64_t m_count, int threads) {
     if (!S || S->n_layers < 1 || m_count <= 0 || !S->rope_attend) return 1;
     const llmsys_rope_attend_fn attend = (llmsys_rope_attend_fn)S->rope_attend;
-    const int64_t d = S->layers[0].layer->d;
+    const int64_t d = S->layers[0].layer->d, f32 = S->layers[0].layer->f32;
+    const size_t es = f32 ? 4 : 2;
     int64_t qkv_max = 0, o_max = 0;
     for (int64_t i = 0; i < S->n_layers; i++) {
         const llmsys_stack_layer *s = &S->layers[i];
-        if (s->layer->d != d || s->layer->k_o != s->hq * s->hd || s->tables < 1 || s->table < 0
-            || s->table >= s->tables)
+        if (s->layer->d != d || s->layer->f32 != f32 || s->layer->k_o != s->hq * s->hd || s->tables < 1
+            || s->table < 0 || s->table >= s->tables)
             return 1;
         int64_t rows = 0;
         for (int64_t j = 0; j < s->layer->n_qkv; j++) rows += s->layer->qkv[j].n;
@@ -2194,19 +2299,19 @@ int llmsys_decode_stack(const llmsys_stack *S, const uint16_t *h, uint16_t *out,
         if (s->hq * s->hd > o_max) o_max = s->hq * s->hd;
     }
     /* qkv, attention output, one hidden state and two residuals used in turn: no call writes what it reads */
-    uint16_t *buf = malloc(sizeof(uint16_t) * (size_t)(m_count * (qkv_max + o_max + 3 * d)));
+    char *buf = malloc(es * (size_t)(m_count * (qkv_max + o_max + 3 * d)));
     int64_t *pos = malloc(sizeof(int64_t) * (size_t)m_count); /* a later table's rows */
     if (!buf || !pos) { free(buf); free(pos); return 2; }
     int64_t pos_table = -1;
-    uint16_t *qkv = buf, *o = qkv + m_count * qkv_max, *hb = o + m_count * o_max;
-    uint16_t *rs[2] = {hb + m_count * d, hb + 2 * m_count * d};
-    const uint16_t *x = h, *r = NULL;
+    char *qkv = buf, *o = qkv + es * (size_t)(m_count * qkv_max), *hb = o + es * (size_t)(m_count * o_max);
+    char *rs[2] = {hb + es * (size_t)(m_count * d), hb + 2 * es * (size_t)(m_count * d)};
+    const void *x = h, *r = NULL;
     int rc = 0;
     for (int64_t i = 0; i < S->n_layers; i++) {
         const llmsys_stack_layer *s = &S->layers[i];
         const int last = i == S->n_layers - 1;
-        uint16_t *r_in = r == rs[0] ? rs[1] : rs[0]; /* never the residual it reads */
-        uint16_t *r_out = last ? res : (r_in == rs[0] ? rs[1] : rs[0]), *h_out = last ? out : hb;
+        char *r_in = r == rs[0] ? rs[1] : rs[0]; /* never the residual it reads */
+        void *r_out = last ? res : (r_in == rs[0] ? rs[1] : rs[0]), *h_out = last ? out : hb;
         rc = llmsys_layer_attn_in(s->layer, x, r, qkv, r_in, m_count, threads);
         if (rc) break;
         r = r ? r_in : x; /* layer 0: the residual is the embeddings themselves (attn_in does not write it) */

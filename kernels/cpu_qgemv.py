@@ -76,6 +76,7 @@ _SIGNATURES = {
     "llmsys_qgemv_int4o_a8": [_P, _I, _P, _P, _I, _I, _C, _P, _I, _I, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _C],
     "llmsys_qgemv_int4k_a8": [_P, _I, _P, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _C],
     "llmsys_gemv_bf16": [_P, _I, _P, _I, _P, _I, _I, _I, _I, _C],
+    "llmsys_gemv_f32": [_P, _I, _P, _I, _P, _I, _I, _I, _I, _C],
     "llmsys_layer_attn_in": [_P, _P, _P, _P, _P, _I, _C],
     "llmsys_layer_mlp": [_P, _P, _P, _P, _P, _I, _C],
     "llmsys_decode_stack": [_P, _P, _P, _P, _I, _C],
@@ -245,6 +246,12 @@ def bf16_gemv_def(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return lane_sum(x.float()[:, None, :], weight.float()[None, :, :]).to(torch.bfloat16)
 
 
+def f32_gemv_def(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x [M, K]`` and ``weight [N, K]`` float32 ``-> [M, N]`` float32, :func:`f32_gemv`'s bits: each dot in
+    16 float32 lanes in order (each product rounded, then added), then the lanes' tree (``cpu_decode.lane_sum``)."""
+    return lane_sum(x[:, None, :], weight[None, :, :])
+
+
 def _scales_2d(scales: torch.Tensor, n: int) -> torch.Tensor:
     """``scales [N, G]``, or the ``[N, G]`` view of torch's ``scales_zeros [G, Np, 2]``."""
     return scales[:, :n, 0].t() if scales.dim() == 3 else scales
@@ -288,6 +295,26 @@ def bf16_gemv(x: torch.Tensor, weight: torch.Tensor, *, check: bool = True, lib=
                                                   out.data_ptr(), n, m, n, k, torch.get_num_threads())
     if rc:
         raise RuntimeError(f"bf16_gemv: the C kernel failed (code {rc}) on M={m} N={n} K={k}")
+    return out
+
+
+def f32_gemv(x: torch.Tensor, weight: torch.Tensor, *, check: bool = True, lib=None) -> torch.Tensor:
+    """``x [M, K]`` float32 (unit column stride) times a plain float32 ``weight [N, K]`` (unit column stride)
+    ``-> [M, N]`` float32, as :func:`f32_gemv_def`: the decode GEMV of float32 layers (``cpu_linear``).
+    ``check`` and ``lib`` as :func:`int8_gemv`."""
+    n, k = weight.shape
+    if check:
+        for name, t, shape in (("x", x, (x.shape[0], k)), ("weight", weight, (n, k))):
+            if t.dtype != torch.float32 or t.dim() != 2 or tuple(t.shape) != shape or t.stride(1) != 1 \
+                    or t.device.type != "cpu":
+                raise ValueError(f"f32_gemv: {name} must be a CPU float32 [{shape[0]}, {k}] tensor with unit column "
+                                 f"stride, got {t.dtype} {tuple(t.shape)} strides {t.stride()}")
+    m = x.shape[0]
+    out = torch.empty(m, n, dtype=torch.float32)
+    rc = (lib or _KERNEL.lib()).llmsys_gemv_f32(x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0),
+                                                 out.data_ptr(), n, m, n, k, torch.get_num_threads())
+    if rc:
+        raise RuntimeError(f"f32_gemv: the C kernel failed (code {rc}) on M={m} N={n} K={k}")
     return out
 
 
@@ -458,10 +485,10 @@ def _int4(symbol: str, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
 
 
 class DecodeWeight(ctypes.Structure):
-    """One a8 weight as the fused layer kernels read it (``llmsys_qw`` in cpu_qgemv.c): raw pointers
+    """One weight as the fused layer kernels read it (``llmsys_qw`` in cpu_qgemv.c): raw pointers
     into the layer's buffers, which the caller keeps alive for the call. Built by the quantized
     layers (``Int8Linear.decode_weight``, ``Int4Linear.decode_weight``) through :func:`int8_decode_weight` /
-    :func:`int4_decode_weight`."""
+    :func:`int4_decode_weight`, and for plain bf16 / float32 weights by ``cpu_linear.decode_weight``."""
 
     _fields_ = [("kind", _I), ("n", _I), ("k", _I), ("kp", _I), ("gs", _I), ("q", _P), ("scales", _P),
                 ("s_n", _I), ("s_g", _I), ("scale_kind", _I), ("zeros", _P), ("z_n", _I), ("z_g", _I),
@@ -498,6 +525,13 @@ def bf16_decode_weight(weight: torch.Tensor, bias: torch.Tensor | None) -> Decod
     n, k = weight.shape
     return DecodeWeight(2, n, k, weight.stride(0), 0, weight.data_ptr(), None, 0, 0, 0, None, 0, 0,
               None if bias is None else bias.data_ptr())
+
+
+def f32_decode_weight(weight: torch.Tensor, bias: torch.Tensor | None) -> DecodeWeight:
+    """:func:`f32_gemv`'s weight (float32 ``[N, K]``, unit column stride) plus a float32 ``bias [N]`` or None."""
+    n, k = weight.shape
+    return DecodeWeight(6, n, k, weight.stride(0), 0, weight.data_ptr(), None, 0, 0, 0, None, 0, 0,
+                        None if bias is None else bias.data_ptr())
 
 
 @dataclass(frozen=True)
@@ -569,7 +603,8 @@ class _LayerArgs(ctypes.Structure):
     """``llmsys_layer`` in cpu_qgemv.c."""
 
     _fields_ = [("ln1", _P), ("ln2", _P), ("eps1", ctypes.c_float), ("eps2", ctypes.c_float), ("d", _I),
-                ("k_o", _I), ("qkv", _P), ("n_qkv", _I), ("o", _P), ("gu", _P), ("n_gu", _I), ("down", _P)]
+                ("k_o", _I), ("qkv", _P), ("n_qkv", _I), ("o", _P), ("gu", _P), ("n_gu", _I), ("down", _P),
+                ("f32", _I)]
 
 
 @dataclass(frozen=True)
@@ -584,6 +619,7 @@ class DecodeLayer:
     d: int  # hidden size
     qkv_rows: int  # q | k | v output columns
     k_o: int  # o_proj's input columns
+    dtype: torch.dtype  # of the activations (and norm weights): bf16, or float32 for float32 weights
 
     def describe(self) -> str:
         a = self.args
@@ -594,26 +630,36 @@ class DecodeLayer:
 
 def decode_layer_args(qkv: list[DecodeWeight], o_proj: DecodeWeight, gate_up: list[DecodeWeight], down: DecodeWeight, ln1: torch.Tensor, eps1: float,
              ln2: torch.Tensor, eps2: float) -> DecodeLayer:
-    """The :class:`DecodeLayer` of a layer's a8 weights (q|k|v and gate|up: 1-4 weights each whose outputs lie
-    side by side, one fused weight or several) and its two RMSNorm weights (bf16 ``[D]``, contiguous)."""
+    """The :class:`DecodeLayer` of a layer's weights (q|k|v and gate|up: 1-4 weights each whose outputs lie
+    side by side, one fused weight or several) and its two RMSNorm weights (``[D]``, contiguous): bf16 norms
+    with a8 / bf16 weights, float32 norms with float32 weights (a float32 layer: float32 activations)."""
     if not (1 <= len(qkv) <= 4 and 1 <= len(gate_up) <= 4):
         raise ValueError(f"decode_layer_args: q|k|v and gate|up take 1-4 weights each, got {len(qkv)} and {len(gate_up)}")
     d = qkv[0].k
+    ws = [*qkv, o_proj, *gate_up, down]
+    f32 = ws[0].kind == 6
+    if any((w.kind == 6) != f32 for w in ws):
+        raise ValueError("decode_layer_args: float32 weights cannot be mixed with bf16 or quantized ones in a layer")
+    dtype = torch.float32 if f32 else torch.bfloat16
     for name, t in (("ln1", ln1), ("ln2", ln2)):
-        if t.dtype != torch.bfloat16 or tuple(t.shape) != (d,) or not t.is_contiguous() or t.device.type != "cpu":
-            raise ValueError(f"decode_layer_args: {name} must be a contiguous CPU bf16 [{d}] tensor, "
+        if t.dtype != dtype or tuple(t.shape) != (d,) or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"decode_layer_args: {name} must be a contiguous CPU {_dname(dtype)} [{d}] tensor, "
                              f"got {t.dtype} {tuple(t.shape)} on {t.device}")
     arrays = ((DecodeWeight * len(qkv))(*qkv), (DecodeWeight * 1)(o_proj), (DecodeWeight * len(gate_up))(*gate_up), (DecodeWeight * 1)(down))
     args = _LayerArgs(ln1.data_ptr(), ln2.data_ptr(), eps1, eps2, d, o_proj.k, ctypes.addressof(arrays[0]),
                       len(qkv), ctypes.addressof(arrays[1]), ctypes.addressof(arrays[2]), len(gate_up),
-                      ctypes.addressof(arrays[3]))
-    return DecodeLayer(args, arrays, d, sum(w.n for w in qkv), o_proj.k)
+                      ctypes.addressof(arrays[3]), int(f32))
+    return DecodeLayer(args, arrays, d, sum(w.n for w in qkv), o_proj.k, dtype)
 
 
-def _check_rows(op: str, x: torch.Tensor, d: int, m: int | None = None) -> None:
-    if x.dtype != torch.bfloat16 or x.dim() != 2 or not x.is_contiguous() or x.device.type != "cpu" \
+def _dname(dtype: torch.dtype) -> str:
+    return "bf16" if dtype == torch.bfloat16 else "float32"
+
+
+def _check_rows(op: str, x: torch.Tensor, d: int, dtype: torch.dtype, m: int | None = None) -> None:
+    if x.dtype != dtype or x.dim() != 2 or not x.is_contiguous() or x.device.type != "cpu" \
             or x.shape[1] != d or (m is not None and x.shape[0] != m):
-        raise ValueError(f"{op}: expected a contiguous CPU bf16 [{m or 'M'}, {d}] tensor, "
+        raise ValueError(f"{op}: expected a contiguous CPU {_dname(dtype)} [{m or 'M'}, {d}] tensor, "
                          f"got {x.dtype} {tuple(x.shape)} on {x.device}")
 
 
@@ -621,7 +667,7 @@ def layer_attn_in(layer: DecodeLayer, x: torch.Tensor, residual: torch.Tensor | 
                check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """A decode layer's input RMSNorm and q|k|v projection in one C call.
 
-    ``x [M, D]`` bf16 (the previous layer's MLP output, or the embeddings with ``residual`` None),
+    ``x [M, D]`` bf16, or float32 for a float32 layer (the previous layer's MLP output, or the embeddings with ``residual`` None),
     ``residual [M, D]`` ``-> (out [M, q|k|v rows] = rms_norm(x + residual) times the q|k|v weights side
     by side (+ bias), x + residual)``: the bits of ``cpu_decode.rms_norm`` then each layer's
     :func:`int8_gemv_a8` / :func:`int4_gemv_a8` plus ``bf16(y + bias)``. ``check=False``: the caller
@@ -629,10 +675,10 @@ def layer_attn_in(layer: DecodeLayer, x: torch.Tensor, residual: torch.Tensor | 
     """
     m = x.shape[0]
     if check:
-        _check_rows("layer_attn_in", x, layer.d)
+        _check_rows("layer_attn_in", x, layer.d, layer.dtype)
         if residual is not None:
-            _check_rows("layer_attn_in", residual, layer.d, m)
-    out = torch.empty(m, layer.qkv_rows, dtype=torch.bfloat16)
+            _check_rows("layer_attn_in", residual, layer.d, layer.dtype, m)
+    out = torch.empty(m, layer.qkv_rows, dtype=layer.dtype)
     new_res = x if residual is None else torch.empty_like(x)
     rc = _KERNEL.lib().llmsys_layer_attn_in(ctypes.byref(layer.args), x.data_ptr(),
                                          None if residual is None else residual.data_ptr(), out.data_ptr(),
@@ -654,9 +700,9 @@ def layer_mlp(layer: DecodeLayer, o: torch.Tensor, residual: torch.Tensor, *,
     """
     m = o.shape[0]
     if check:
-        _check_rows("layer_mlp", o, layer.k_o)
-        _check_rows("layer_mlp", residual, layer.d, m)
-    out, new_res = torch.empty(m, layer.d, dtype=torch.bfloat16), torch.empty(m, layer.d, dtype=torch.bfloat16)
+        _check_rows("layer_mlp", o, layer.k_o, layer.dtype)
+        _check_rows("layer_mlp", residual, layer.d, layer.dtype, m)
+    out, new_res = torch.empty(m, layer.d, dtype=layer.dtype), torch.empty(m, layer.d, dtype=layer.dtype)
     rc = _KERNEL.lib().llmsys_layer_mlp(ctypes.byref(layer.args), o.data_ptr(), residual.data_ptr(), out.data_ptr(),
                                      new_res.data_ptr(), m, torch.get_num_threads())
     if rc:
@@ -682,7 +728,7 @@ class _Stack(ctypes.Structure):
 
 @dataclass(frozen=True)
 class StackLayer:
-    """One layer of a :class:`DecodeStack`: its fused arguments, K/V pools ``[n_slots, Hk, D]`` bf16 (contiguous),
+    """One layer of a :class:`DecodeStack`: its fused arguments, K/V pools ``[n_slots, Hk, D]`` of its dtype (contiguous),
     heads, head dim and softmax scale; ``table`` of ``tables``: the RoPE table it rotates with (the tables lie
     one after the other in the cache, ``Attention.rope_positions``)."""
 
@@ -704,7 +750,8 @@ class DecodeStack:
 
     layers: tuple[StackLayer, ...]
     array: ctypes.Array  # the llmsys_stack_layer array
-    rope_attend: int  # the address of cpu_decode's llmsys_rope_store_attend_bf16
+    rope_attend: int  # the address of cpu_decode's llmsys_rope_store_attend_bf16 / _f32
+    dtype: torch.dtype  # of the activations and pools
 
 
 def decode_stack_args(layers: list[StackLayer]) -> DecodeStack:
@@ -712,25 +759,26 @@ def decode_stack_args(layers: list[StackLayer]) -> DecodeStack:
     the K/V store and plain decode attention: no window, soft cap or sinks)."""
     if not layers:
         raise ValueError("decode_stack_args: no layers")
-    d = layers[0].layer.d
+    d, dtype = layers[0].layer.d, layers[0].layer.dtype
     for i, s in enumerate(layers):
         for name, t in (("k_pool", s.k_pool), ("v_pool", s.v_pool)):
-            if t.dtype != torch.bfloat16 or t.dim() != 3 or tuple(t.shape[1:]) != (s.hk, s.hd) or not t.is_contiguous():
-                raise ValueError(f"decode_stack_args: layer {i}'s {name} must be a contiguous bf16 [slots, {s.hk}, "
+            if t.dtype != dtype or t.dim() != 3 or tuple(t.shape[1:]) != (s.hk, s.hd) or not t.is_contiguous():
+                raise ValueError(f"decode_stack_args: layer {i}'s {name} must be a contiguous {_dname(dtype)} [slots, {s.hk}, "
                                  f"{s.hd}] tensor, got {t.dtype} {tuple(t.shape)}")
-        if s.layer.d != d or s.layer.k_o != s.hq * s.hd or s.layer.qkv_rows != (s.hq + 2 * s.hk) * s.hd:
+        if s.layer.d != d or s.layer.dtype != dtype or s.layer.k_o != s.hq * s.hd \
+                or s.layer.qkv_rows != (s.hq + 2 * s.hk) * s.hd:
             raise ValueError(f"decode_stack_args: layer {i} ({s.layer.describe()}) does not fit {s.hq} query and "
                              f"{s.hk} K/V heads of {s.hd} in a hidden size of {d}")
     array = (_StackLayer * len(layers))(*(
         _StackLayer(ctypes.addressof(s.layer.args), s.k_pool.data_ptr(), s.v_pool.data_ptr(), s.table, s.tables, s.hq,
                     s.hk, s.hd, s.scale) for s in layers))
-    return DecodeStack(tuple(layers), array, rope_store_attend_address())
+    return DecodeStack(tuple(layers), array, rope_store_attend_address(dtype), dtype)
 
 
 def decode_stack(stack: DecodeStack, h: torch.Tensor, positions: torch.Tensor, rope_cache: torch.Tensor,
                  slot_mapping: torch.Tensor, gather_slots: torch.Tensor, lens: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A decode step through every layer of ``stack`` in one C call: ``h [M, D]`` bf16 (the embeddings) ``->
+    """A decode step through every layer of ``stack`` in one C call: ``h [M, D]`` of the stack's dtype (the embeddings) ``->
     (the last layer's MLP output, its residual)``, each ``[M, D]``; the bits of the layers' fused calls around
     ``cpu_decode.rope_store_attend`` one after the other (K/V written to each layer's pools at
     ``slot_mapping [M]``; ``positions [M]`` rows of ``rope_cache``'s first table, each layer's table's rows
@@ -741,7 +789,7 @@ def decode_stack(stack: DecodeStack, h: torch.Tensor, positions: torch.Tensor, r
     args = _Stack(ctypes.addressof(stack.array), len(stack.layers), stack.rope_attend, positions.data_ptr(),
                   slot_mapping.data_ptr(), stack.layers[0].k_pool.shape[0], rope_cache.data_ptr(), rope_cache.shape[0],
                   gather_slots.data_ptr(), lens.data_ptr(), gather_slots.shape[1])
-    out, res = torch.empty(m, d, dtype=torch.bfloat16), torch.empty(m, d, dtype=torch.bfloat16)
+    out, res = torch.empty(m, d, dtype=stack.dtype), torch.empty(m, d, dtype=stack.dtype)
     rc = _KERNEL.lib().llmsys_decode_stack(ctypes.byref(args), h.data_ptr(), out.data_ptr(), res.data_ptr(), m,
                                            torch.get_num_threads())
     if rc:

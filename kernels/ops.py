@@ -63,14 +63,15 @@ def rms_norm(
         check(op, "residual", residual, shape=tuple(x.shape), dtypes=(x.dtype,),
               device=x.device, contiguous=True)
     if not use_triton(impl, x.device, op):
+        if (impl == "auto" and cpu_decode.applies(x, weight, residual) and weight.dtype == x.dtype
+                and cpu_decode.available()):
+            return cpu_decode.rms_norm(x, weight, eps, residual)  # one C call, HF's roundings (the fused layers' bits)
         if impl == "auto" and x.dtype == torch.float32 and weight.dtype == torch.float32:
-            # CPU fast path: torch's fused rms_norm is the same math when
+            # without the C kernel: torch's fused rms_norm is the same math when
             # nothing is rounded to a narrower dtype in between (~3x fewer ops).
             h = x if residual is None else x + residual
             out = F.rms_norm(h, (d,), weight, eps)
             return out if residual is None else (out, h)
-        if impl == "auto" and cpu_decode.applies(x) and weight.dtype == torch.bfloat16 and cpu_decode.available():
-            return cpu_decode.rms_norm(x, weight, eps, residual)  # one C call, HF's roundings
         return ref.rms_norm_ref(x, weight, eps, residual)
     res2d = residual.reshape(-1, d) if residual is not None else None
     result = triton_module("triton_elementwise").rms_norm(x.reshape(-1, d), weight, eps, res2d)
@@ -100,7 +101,7 @@ def rope(
     check(op, "cos_sin_cache", cos_sin_cache, ndim=2, shape=(None, d), dtypes=(torch.float32,),
           device=q.device, contiguous=True)
     if not use_triton(impl, q.device, op):
-        if (impl == "auto" and cpu_decode.applies(q) and cpu_decode.applies(k) and cpu_decode.available()
+        if (impl == "auto" and cpu_decode.applies(q, k) and cpu_decode.applies(k) and cpu_decode.available()
                 and q.stride(1) == d and k.stride(1) == d):
             return cpu_decode.rope(q, k, positions, cos_sin_cache)  # the reference's bits in one C call
         return ref.rope_ref(q, k, positions, cos_sin_cache)

@@ -12,11 +12,15 @@
 #include <stdlib.h>
 #include <string.h>
 
-int llmsys_rms_norm_bf16(const uint16_t *x, const uint16_t *res, const uint16_t *w, uint16_t *out,
-                         uint16_t *new_res, int64_t rows, int64_t d, float eps, int threads);
-int llmsys_rope_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride, uint16_t *q_out,
-                     uint16_t *k_out, const int64_t *pos, const float *cache, int64_t max_pos, int64_t t_count,
-                     int64_t hq, int64_t hk, int64_t d);
+int llmsys_rms_norm(const void *x, const void *res, const void *w, void *out, void *new_res, int64_t rows,
+                    int64_t d, float eps, int f32, int threads);
+int llmsys_silu_mul(const void *g, int64_t ldg, const void *u, int64_t ldu, void *y, int64_t rows, int64_t inter,
+                    int f32, int threads);
+int llmsys_rope(const void *q, int64_t q_stride, const void *k, int64_t k_stride, void *q_out, void *k_out,
+                const int64_t *pos, const float *cache, int64_t max_pos, int64_t t_count, int64_t hq, int64_t hk,
+                int64_t d, int f32);
+int llmsys_gemv_f32(const float *x, int64_t ldx, const float *w, int64_t ldw, float *out, int64_t ldo,
+                    int64_t m_count, int64_t n, int64_t k, int threads);
 int llmsys_decode_attention(const void *q, const void *k, const void *v, const int64_t *slots, const int64_t *lens,
                             float scale, void *out, int64_t b_count, int64_t l_max, int64_t hq, int64_t hk, int64_t d,
                             int f32, int threads);
@@ -68,6 +72,11 @@ static uint16_t *bf16_array(int64_t n, float lo, float hi) {
     for (int64_t i = 0; i < n; i++) a[i] = bf16(uniform(lo, hi));
     return a;
 }
+static float *f32_array(int64_t n, float lo, float hi) {
+    float *a = malloc(4 * n);
+    for (int64_t i = 0; i < n; i++) a[i] = uniform(lo, hi);
+    return a;
+}
 static void dump(const char *name, int rc, const void *p, int64_t bytes) {
     printf("%s rc=%d ", name, rc);
     const uint8_t *b = p;
@@ -79,8 +88,20 @@ int main(void) {
     enum { D = 300, ROWS = 4 };
     uint16_t *x = bf16_array(ROWS * D, -2, 2), *res = bf16_array(ROWS * D, -2, 2), *w = bf16_array(D, 0.5f, 1.5f);
     uint16_t out[ROWS * D], new_res[ROWS * D];
-    dump("rms_norm", llmsys_rms_norm_bf16(x, res, w, out, new_res, ROWS, D, 1e-6f, 2), out, sizeof out);
+    dump("rms_norm", llmsys_rms_norm(x, res, w, out, new_res, ROWS, D, 1e-6f, 0, 2), out, sizeof out);
     dump("rms_norm_residual", 0, new_res, sizeof new_res);
+    /* float32 rows: RMSNorm, silu * mul (its own exp), the float32 GEMV (K and N tails) */
+    float *xf = f32_array(ROWS * D, -2, 2), *rf = f32_array(ROWS * D, -2, 2), *wf = f32_array(D, 0.5f, 1.5f);
+    float outf[ROWS * D], resf[ROWS * D];
+    dump("rms_norm_f32", llmsys_rms_norm(xf, rf, wf, outf, resf, ROWS, D, 1e-6f, 1, 2), outf, sizeof outf);
+    dump("silu_mul_f32", llmsys_silu_mul(xf, D, rf, D, outf, ROWS, D - 3, 1, 2), outf, 4 * ROWS * (D - 3));
+    enum { NF = 70 };
+    float *gw = f32_array(NF * (D - 3), -1, 1), gout[ROWS * NF];
+    for (int m = 1; m <= ROWS; m += 3) {
+        char name[32];
+        snprintf(name, sizeof name, "gemv_f32_m%d", m);
+        dump(name, llmsys_gemv_f32(xf, D, gw, D - 3, gout, NF, m, NF, D - 3, 2), gout, 4 * m * NF);
+    }
 
     enum { T = 3, HQ = 8, HK = 2, HD = 64, MAXPOS = 32 };
     uint16_t *q = bf16_array(T * HQ * HD, -2, 2), *k = bf16_array(T * HK * HD, -2, 2);
@@ -88,7 +109,7 @@ int main(void) {
     for (int i = 0; i < MAXPOS * HD; i++) cache[i] = uniform(-1, 1);
     int64_t pos[T] = {0, 5, 31};
     uint16_t qo[T * HQ * HD], ko[T * HK * HD];
-    int rc = llmsys_rope_bf16(q, HQ * HD, k, HK * HD, qo, ko, pos, cache, MAXPOS, T, HQ, HK, HD);
+    int rc = llmsys_rope(q, HQ * HD, k, HK * HD, qo, ko, pos, cache, MAXPOS, T, HQ, HK, HD, 0);
     dump("rope_q", rc, qo, sizeof qo);
     dump("rope_k", rc, ko, sizeof ko);
 

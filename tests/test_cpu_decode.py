@@ -1,4 +1,5 @@
-"""The CPU bfloat16 decode kernels (kernels/cpu_decode.c) against their torch definitions and the references."""
+"""The CPU decode kernels (kernels/cpu_decode.c) on bfloat16 and float32 rows against their torch definitions and
+the references."""
 
 from __future__ import annotations
 
@@ -21,26 +22,27 @@ BF = torch.bfloat16
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int16)
+    return t.view(torch.int16 if t.dtype == BF else torch.int32)
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [BF, torch.float32])
 @pytest.mark.parametrize("d", [64, 100, 576, 4096])
-def test_rms_norm_is_its_definition_and_hf_within_one_ulp(d):
+def test_rms_norm_is_its_definition_and_hf_within_one_ulp(d, dtype):
     g = torch.Generator().manual_seed(d)
-    x = (torch.randn(7, d, generator=g) * 3).to(BF)
-    r = torch.randn(7, d, generator=g).to(BF)
-    w = torch.randn(d, generator=g).to(BF)
+    x = (torch.randn(7, d, generator=g) * 3).to(dtype)
+    r = torch.randn(7, d, generator=g).to(dtype)
+    w = torch.randn(d, generator=g).to(dtype)
     out = cpu_decode.rms_norm(x, w, 1e-5)
     assert torch.equal(_bits(out), _bits(cpu_decode.rms_norm_def(x, w, 1e-5)))
     out2, h = cpu_decode.rms_norm(x, w, 1e-5, residual=r)
     ref2, href = cpu_decode.rms_norm_def(x, w, 1e-5, residual=r)
     assert torch.equal(_bits(out2), _bits(ref2)) and torch.equal(_bits(h), _bits(x + r))
     # HF's LlamaRMSNorm (the torch reference) sums the squares in another order: at most
-    # one bf16 rounding step apart, through the normalized value and the weight product.
+    # one rounding step apart, through the normalized value and the weight product.
     hf = rms_norm_ref(x, w, 1e-5)
-    assert torch.allclose(out.float(), hf.float(), rtol=2 * 2**-8, atol=1e-6)
-    # kernels.rms_norm routes CPU bf16 here, 3-D inputs (per-head q/k norms) included
+    assert torch.allclose(out.float(), hf.float(), rtol=2 * 2**-8 if dtype == BF else 1e-5, atol=1e-6)
+    # kernels.rms_norm routes CPU bf16 and float32 here, 3-D inputs (per-head q/k norms) included
     assert torch.equal(_bits(kernels.rms_norm(x, w, 1e-5)), _bits(out))
     x3 = x.view(7, -1, d // 4 if d % 4 == 0 else d)
     w3 = w[: x3.shape[-1]].contiguous()
@@ -68,9 +70,13 @@ def test_silu_mul_is_its_definition_and_torch(scale):
                           3.0, -3.0, 20.0, -20.0, 0.5, -0.5]]).to(BF)
     ones = torch.ones_like(edge)
     assert torch.equal(cpu_decode.silu_mul(edge, ones).isnan(), (torch.nn.functional.silu(edge) * ones).isnan())
-    with pytest.raises(ValueError, match=r"silu_mul: gate and up must be bf16 \[T, I\] with unit column stride, "
-                                         r"got torch.float32 \(50, 2000\)"):
+    with pytest.raises(ValueError, match=r"silu_mul: gate and up must be bf16 or float32 \[T, I\] of one dtype "
+                                         r"with unit column stride, got torch.float32 \(50, 2000\)"):
         cpu_decode.silu_mul(gate.float(), up)
+    # float32 rows: the same operations without the roundings, within an ulp or two of torch's exp
+    y32 = cpu_decode.silu_mul(gate.float(), up.float())
+    assert torch.allclose(y32, cpu_decode.silu_mul_def(gate.float(), up.float()), rtol=4e-7, atol=1e-30)
+    assert torch.equal(_bits(kernels.silu_mul(gu.float())), _bits(y32))
     with pytest.raises(ValueError, match=r"silu_mul: the C kernel rejected I=0"):
         cpu_decode.silu_mul(gate[:, :0], up[:, :0])
     finite = ~edge.isnan()
@@ -78,17 +84,18 @@ def test_silu_mul_is_its_definition_and_torch(scale):
 
 
 @needs_kernel
-def test_rope_is_the_reference_bit_for_bit_and_stores_kv():
+@pytest.mark.parametrize("dtype", [BF, torch.float32])
+def test_rope_is_the_reference_bit_for_bit_and_stores_kv(dtype):
     g = torch.Generator().manual_seed(1)
     cache = kernels.build_rope_cache(64, 512, 10000.0, None, None)
-    fused = torch.randn(5, (9 + 3 + 3) * 64, generator=g).to(BF)  # a q|k|v GEMM output: strided views
+    fused = torch.randn(5, (9 + 3 + 3) * 64, generator=g).to(dtype)  # a q|k|v GEMM output: strided views
     q, k, v = fused[:, :576].view(5, 9, 64), fused[:, 576:768].view(5, 3, 64), fused[:, 768:].view(5, 3, 64)
     pos = torch.tensor([0, 5, 100, 511, 7])
     qo, ko = cpu_decode.rope(q, k, pos, cache)
     qr, kr = rope_ref(q, k, pos, cache)
     assert torch.equal(_bits(qo), _bits(qr)) and torch.equal(_bits(ko), _bits(kr))
     assert torch.equal(_bits(kernels.rope(q, k, pos, cache)[0]), _bits(qr))
-    kp, vp = torch.zeros(20, 3, 64, dtype=BF), torch.zeros(20, 3, 64, dtype=BF)
+    kp, vp = torch.zeros(20, 3, 64, dtype=dtype), torch.zeros(20, 3, 64, dtype=dtype)
     slots = torch.tensor([3, 19, -1, 0, 8])  # -1: no slot (skipped)
     qs = cpu_decode.rope_store(q, k, v, pos, cache, kp, vp, slots)
     assert torch.equal(_bits(qs), _bits(qr))
@@ -148,14 +155,15 @@ def test_decode_attention_by_slot_equals_gathered_and_is_batch_invariant(dtype):
 
 
 @needs_kernel
-def test_rope_store_attend_is_rope_store_then_attention():
+@pytest.mark.parametrize("dtype", [BF, torch.float32])
+def test_rope_store_attend_is_rope_store_then_attention(dtype):
     """The decode step's one attention call (kernels.cpu_fused_rope_store_attend) gives the bits of
     rope_store then decode_attention by slot, and stores the same K/V."""
     g = torch.Generator().manual_seed(3)
     cache = kernels.build_rope_cache(64, 512, 10000.0, None, None)
     hq, hk, d, t, l = 9, 3, 64, 3, 40
-    qkv = torch.randn(t, (hq + 2 * hk) * d, generator=g).to(BF)
-    pools = [torch.randn(256, hk, d, generator=g).to(BF) for _ in range(2)]
+    qkv = torch.randn(t, (hq + 2 * hk) * d, generator=g).to(dtype)
+    pools = [torch.randn(256, hk, d, generator=g).to(dtype) for _ in range(2)]
     slots = torch.tensor([39, 100, 201])
     gather = torch.stack([torch.arange(l), torch.arange(61, 61 + l), torch.arange(162, 162 + l)])
     gather[:, -1] = slots
@@ -181,12 +189,17 @@ def test_other_isas_give_the_same_bits(level, tmp_path):
     x = (torch.randn(4, 300) * 2).to(BF)
     w = torch.randn(300).to(BF)
     out = torch.empty_like(x)
-    assert lib.llmsys_rms_norm_bf16(x.data_ptr(), None, w.data_ptr(), out.data_ptr(), None, 4, 300, 1e-6, 2) == 0
-    assert torch.equal(_bits(out), _bits(cpu_decode.rms_norm(x, w, 1e-6)))
-    gate, up = (torch.randn(3, 203) * 6).to(BF), torch.randn(3, 203).to(BF)  # 203: vector and scalar parts
-    y = torch.empty_like(gate)
-    assert lib.llmsys_silu_mul_bf16(gate.data_ptr(), 203, up.data_ptr(), 203, y.data_ptr(), 3, 203, 2) == 0
-    assert torch.equal(_bits(y), _bits(cpu_decode.silu_mul(gate, up)))
+    for dtype in (BF, torch.float32):
+        f32 = int(dtype == torch.float32)
+        x = (torch.randn(4, 300) * 2).to(dtype)
+        w = torch.randn(300).to(dtype)
+        out = torch.empty_like(x)
+        assert lib.llmsys_rms_norm(x.data_ptr(), None, w.data_ptr(), out.data_ptr(), None, 4, 300, 1e-6, f32, 2) == 0
+        assert torch.equal(_bits(out), _bits(cpu_decode.rms_norm(x, w, 1e-6)))
+        gate, up = (torch.randn(3, 203) * 6).to(dtype), torch.randn(3, 203).to(dtype)  # 203: vector and scalar parts
+        y = torch.empty_like(gate)
+        assert lib.llmsys_silu_mul(gate.data_ptr(), 203, up.data_ptr(), 203, y.data_ptr(), 3, 203, f32, 2) == 0
+        assert torch.equal(y, cpu_decode.silu_mul(gate, up))
     for dtype in (BF, torch.float32):
         q, k, v, lens = _attention_inputs(4, dtype=dtype)
         o = torch.empty_like(q)

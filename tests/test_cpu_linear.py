@@ -43,6 +43,24 @@ def test_prepacked_weight_is_bit_identical_to_the_plain_one(m):
     assert (fast.double() - ref).abs().max().item() < 1e-5 * ref.abs().max().item()
 
 
+@pytest.mark.parametrize("m", [1, 7, 11, 12, 40])
+def test_small_float32_weights_take_the_c_gemv_at_decode_sizes(m):
+    """float32 batches of fewer than BF16_UPCAST_MIN_ROWS rows on a weight too small to pack run the C
+    float32 GEMV (its definition's bits, then y + bias: what the fused decode layers compute); bigger batches
+    and packable weights keep torch's F.linear / oneDNN."""
+    w, b = _weights(torch.float32, n=200, k=64)  # 12.8K elements: never packed
+    x = torch.randn(m, 64, generator=torch.Generator().manual_seed(m))
+    with torch.inference_mode():
+        got = kernels.linear(x, w, b)
+    assert not cpu_linear.packable(w)
+    if m < cpu_linear.BF16_UPCAST_MIN_ROWS and cpu_linear.f32_gemv_applies(w, b):
+        assert torch.equal(got, cpu_qgemv.f32_gemv_def(x, w) + b)
+    else:
+        assert torch.equal(got, F.linear(x, w, b))
+    ref = F.linear(x.double(), w.double(), b.double())
+    assert (got.double() - ref).abs().max().item() < 1e-5 * ref.abs().max().item()
+
+
 @pytest.mark.parametrize("m", [1, 7, 8, 11, 12, 40])
 def test_bf16_batches_take_the_c_gemv_then_a_gemm(m):
     """bf16 batches of fewer than BF16_UPCAST_MIN_ROWS rows run the C bf16 GEMV on every CPU (its

@@ -354,6 +354,9 @@ def test_other_code_paths_bit_exact(level, tmp_path):
     xb, wb = torch.randn(8, 203).bfloat16(), torch.randn(70, 203).bfloat16()  # the bf16 GEMV: K and N tails
     for m in (1, 3, 8):  # AVX512-BF16: up to 6 rows of x per weight pass, then the rest
         assert torch.equal(_bits(cpu_qgemv.bf16_gemv(xb[:m], wb, lib=lib)), _bits(cpu_qgemv.bf16_gemv_def(xb[:m], wb)))
+        xf, wf = xb[:m].float() * 1.1, wb.float() * 0.9  # the float32 GEMV: every bit of the product counts
+        assert torch.equal(cpu_qgemv.f32_gemv(xf, wf, lib=lib).view(torch.int32),
+                           cpu_qgemv.f32_gemv_def(xf, wf).view(torch.int32))
     torch.manual_seed(4)
     x = torch.randn(5, 300).bfloat16()
     for n, k in [(130, 300), (9, 37)]:
@@ -548,6 +551,24 @@ def test_bf16_gemv_is_its_definition(m, n, k):
         cpu_qgemv.bf16_gemv(x, w.float())
     with pytest.raises(ValueError, match=r"bf16_gemv: x must be a CPU bf16 \[M, \d+\] tensor"):
         cpu_qgemv.bf16_gemv(x.float(), w)
+
+
+@needs_kernel
+@pytest.mark.parametrize("m,n,k", [(1, 64, 576), (3, 130, 200), (7, 257, 1000), (2, 5, 16), (1, 3, 7), (11, 70, 33)])
+def test_f32_gemv_is_its_definition(m, n, k):
+    """The C float32 GEMV (the decode GEMV of small float32 layers): its definition bit for bit (16 lanes,
+    the product rounded before the add, the lanes' tree), with row and K tails and strided rows of x; close
+    to the float64 product."""
+    g = torch.Generator().manual_seed(m * n + k)
+    x, w = torch.randn(m, k + 3, generator=g)[:, :k], torch.randn(n, k, generator=g)
+    y = cpu_qgemv.f32_gemv(x, w)
+    assert torch.equal(y.view(torch.int32), cpu_qgemv.f32_gemv_def(x, w).view(torch.int32))
+    ref = x.double() @ w.double().t()
+    assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+    with pytest.raises(ValueError, match=r"f32_gemv: weight must be a CPU float32 \[\d+, \d+\] tensor"):
+        cpu_qgemv.f32_gemv(x, w.bfloat16())
+    with pytest.raises(ValueError, match=r"f32_gemv: x must be a CPU float32"):
+        cpu_qgemv.f32_gemv(x.bfloat16(), w)
 
 
 @needs_kernel

@@ -1,15 +1,14 @@
 """The decoder's one forward with its fused CPU decode ops equals the op-by-op decoder bit for bit.
 
 What the forward fuses (engine/models/base.py, engine/attention.py): RMSNorm with the residual add
-before it, RoPE + the K/V store in one C call (bfloat16), decode attention reading the pool by slot,
-RoPE's rotate-half folded into float32 q|k|v weights and gate|up in one GEMM (DecoderModel.fold_rope),
-and for int8 / int4 layers the whole layer around attention in two C calls (DecoderLayer._forward_fused).
-The reference below is the decoder as separate ``kernels`` ops, the way the module path ran them.
+before it, RoPE + the K/V store in one C call, decode attention reading the pool by slot, for layers whose
+projections run a C GEMV at decode (int8 / int4, bf16, float32 weights too small to pack) the whole layer
+around attention in two C calls (DecoderLayer._forward_fused), and where every layer does, the whole
+decoder in one (DecoderModel.decode_stack). The reference below is the decoder as separate ``kernels`` ops,
+the way the module path ran them.
 """
 
 from __future__ import annotations
-
-from contextlib import contextmanager
 
 import pytest
 import torch
@@ -63,57 +62,60 @@ def _step_both(llm, lens: list[int], seed: int = 0):
 
 
 @pytest.mark.parametrize(
-    "kind,overrides,dtype,fused,quant",
+    "kind,overrides,dtype,fuses,quant",
     [
-        ("llama", {}, "float32", True, None),  # small plain weights: folded q|k|v and gate|up GEMMs
-        ("qwen2", {}, "float32", False, None),  # q/k/v biases: the layers' own projections
-        ("qwen3", {}, "float32", False, None),  # per-head q/k norms
+        ("llama", {}, "float32", True, None),  # small plain float32 weights: the C float32 GEMV, fused layers
+        ("qwen2", {}, "float32", True, None),  # q/k/v biases
+        ("qwen3", {}, "float32", True, None),  # per-head q/k norms (fused layers, attention per layer)
         ("llama", {"hidden_size": 256, "intermediate_size": 512}, "float32", False, None),  # prepacked (oneDNN)
-        ("llama", {}, "bfloat16", False, None),  # bf16: the layers' projections, C RMSNorm, RoPE+store, attention
-        ("qwen2", {"hidden_size": 256, "intermediate_size": 512}, "bfloat16", False, None),  # prepacked bf16, biases
-        ("qwen3", {}, "bfloat16", False, None),
+        ("llama", {}, "bfloat16", True, None),  # bf16: the C bf16 GEMV, fused layers
+        ("qwen2", {"hidden_size": 256, "intermediate_size": 512}, "bfloat16", True, None),  # biases
+        ("qwen3", {}, "bfloat16", True, None),
         # int8 / int4: the fused a8 layers (two C calls around attention), biases and q/k norms included
-        ("llama", {"hidden_size": 128, "intermediate_size": 320}, "bfloat16", False, "int4"),
-        ("qwen2", {"hidden_size": 128, "intermediate_size": 320}, "bfloat16", False, "int8"),
-        ("qwen3", {"hidden_size": 128, "intermediate_size": 320}, "bfloat16", False, "int4"),
+        ("llama", {"hidden_size": 128, "intermediate_size": 320}, "bfloat16", True, "int4"),
+        ("qwen2", {"hidden_size": 128, "intermediate_size": 320}, "bfloat16", True, "int8"),
+        ("qwen3", {"hidden_size": 128, "intermediate_size": 320}, "bfloat16", True, "int4"),
     ],
 )
-def test_fused_decode_is_bit_identical(tmp_path, kind, overrides, dtype, fused, quant):
+def test_fused_decode_is_bit_identical(tmp_path, kind, overrides, dtype, fuses, quant):
     from llmsys import LLM, kernels
 
     path = make_hf_model(kind, tmp_path / kind, **overrides)
     llm = LLM(str(path), dtype=dtype, progress=False, block_size=4, kv_cache_tokens=256, quant=quant)
     layers = llm.loaded.model.model.layers
-    assert all((layer.self_attn.rope_qkv is not None) == fused for layer in layers)
-    # The fused decode layers take decode-sized bf16 steps (int8 / int4 layers, and bf16 ones through the
-    # C bf16 GEMV); the reference below runs the same layers op by op.
-    fuses = dtype == "bfloat16"
+    # The fused decode layers take decode-sized steps whose projections all run a C GEMV (int8 / int4
+    # layers, bf16 ones, float32 ones too small to pack); the reference below runs the same layers op by op.
+    fuses = fuses and kernels.cpu_fused_available()
     if kernels.cpu_fused_available():
-        h = torch.zeros(3, overrides.get("hidden_size", 64), dtype=torch.bfloat16)  # a decode step of 3 sequences
+        h = torch.zeros(3, overrides.get("hidden_size", 64), dtype=getattr(torch, dtype))  # a decode step of 3 sequences
         with torch.inference_mode():
             assert all((layer.decode_layer(h) is not None) == fuses for layer in layers)
     for lens in ([9], [3, 17, 8], [12, 12]):  # one sequence; unequal lengths (masked); equal lengths
         ((h0, k0, v0), (h1, k1, v1)), stacked = _step_both(llm, lens)
         # the whole decoder in one C call (kernels.decode_stack) where every layer fuses and has no q/k norms
-        assert stacked == (fuses and kernels.cpu_fused_available() and kind != "qwen3")
+        assert stacked == (fuses and kind != "qwen3")
         assert torch.equal(h0, h1)
         assert all(torch.equal(a, b) for a, b in zip(k0 + v0, k1 + v1))  # the same K/V written
 
 
 def test_fused_decode_only_where_it_applies(tmp_path):
-    from llmsys import LLM
+    from llmsys import LLM, kernels
     from llmsys.engine.attention import CpuInt8Backend
 
     path = make_hf_model("llama", tmp_path / "m")
     fp16 = LLM(str(path), dtype="float16", progress=False, kv_cache_tokens=256)
-    meta = fp16.core.attn.metadata([1], [3], [[3]])
-    assert fp16.loaded.model.decode_rope_rows(torch.tensor([2]), meta) is None  # float32 decoders fold only
+    h16 = torch.zeros(1, 64, dtype=torch.float16)
+    with torch.inference_mode():  # float16 has no C GEMV: its layers run op by op
+        assert all(layer.decode_layer(h16) is None for layer in fp16.loaded.model.model.layers)
     llm = LLM(str(path), dtype="float32", progress=False, block_size=4, kv_cache_tokens=256)
     model, attn = llm.loaded.model, llm.core.attn
     t = [[1, 2], [3]]
-    pos = torch.tensor([4, 2])
-    assert model.decode_rope_rows(pos, attn.metadata([1, 1], [5, 3], t)) is not None
-    assert model.decode_rope_rows(torch.tensor([3, 4, 2]), attn.metadata([2, 1], [5, 3], t)) is None  # a prompt chunk
+    h = torch.zeros(2, 64)
+    with torch.inference_mode():  # the whole decoder in one C call for a decode step, not for a prompt chunk
+        meta = attn.metadata([1, 1], [5, 3], t)
+        assert (model.decode_stack(h, attn.for_step(meta), meta) is not None) == kernels.cpu_fused_available()
+        meta = attn.metadata([2, 1], [5, 3], t)
+        assert model.decode_stack(torch.zeros(3, 64), attn.for_step(meta), meta) is None
     # A KV policy's attention is not bypassed by the fused decode: a scoring step collects its rows.
     blocks = llm.core.allocator.allocate(1)
     try:
@@ -127,37 +129,36 @@ def test_fused_decode_only_where_it_applies(tmp_path):
     assert type(int8.core.attn) is CpuInt8Backend  # the int8 pool's own attention, dequantizing in the gather
 
 
-@contextmanager
-def _unfolded(model):
-    """The model without its decode folds (DecoderModel.fold_rope), restored after."""
-    fields = (("self_attn", "rope_qkv"), ("self_attn", "o_decode"), ("mlp", "gate_up_decode"), ("mlp", "down_decode"))
-    saved = [[getattr(getattr(layer, m), f) for m, f in fields] for layer in model.model.layers]
-    r2, model._rope2 = model._rope2, None
-    for layer in model.model.layers:
-        for m, f in fields:
-            setattr(getattr(layer, m), f, None)
-    try:
-        yield
-    finally:
-        model._rope2 = r2
-        for layer, vals in zip(model.model.layers, saved):
-            for (m, f), val in zip(fields, vals):
-                setattr(getattr(layer, m), f, val)
-
-
-def test_stories260k_tokens_and_logprobs_unchanged():
-    """Generation with the folded decode gives the tokens and logprobs of the unfolded decoder exactly."""
-    from llmsys import LLM, SamplingParams
+def test_stories260k_tokens_and_logprobs_unchanged(monkeypatch):
+    """Generation through the one-call decode stack gives the tokens and logprobs of the fused layers one by
+    one and of the op-by-op decoder, exactly (stories260k, float32: small plain weights, the C float32 GEMV)."""
+    from llmsys import LLM, SamplingParams, kernels
+    from llmsys.engine.models.base import DecoderLayer, DecoderModel
 
     need_shared(STORIES_HF)
     llm = LLM(str(STORIES_HF), dtype="float32", progress=False, kv_cache_tokens=1024)
     sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=0)
     prompts = ["Once upon a time", "The cat", "Lily and Tom went to the park"]
-    model = llm.loaded.model
-    assert all(layer.self_attn.rope_qkv is not None for layer in model.model.layers)  # folded by the engine
-    fast = llm.generate(prompts, sp)
-    with _unfolded(model):
-        plain = llm.generate(prompts, sp)
-    for a, b in zip(fast, plain):
-        assert a.token_ids == b.token_ids
-        assert [x.logprob for x in a.logprobs] == [x.logprob for x in b.logprobs]
+    runs = [llm.generate(prompts, sp)]
+    assert (llm.loaded.model._stack is not None) == kernels.cpu_fused_available()  # the stack ran
+    monkeypatch.setattr(DecoderModel, "decode_stack", lambda self, h, attn, meta: None)
+    runs.append(llm.generate(prompts, sp))  # the fused layers one by one
+    monkeypatch.setattr(DecoderLayer, "decode_layer", lambda self, h: None)
+    runs.append(llm.generate(prompts, sp))  # op by op
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            assert a.token_ids == b.token_ids
+            assert [x.logprob for x in a.logprobs] == [x.logprob for x in b.logprobs]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_scoring_policy_decodes_through_the_fused_layers(tmp_path, dtype):
+    """H2O scores every decode step (the scoring decorator's attention) while the layers run fused: the
+    decorator takes the fused layer's attention call with its sinks argument (it raised TypeError for bf16
+    before), and the eviction runs on the scores."""
+    from llmsys import LLM, SamplingParams
+
+    path = make_hf_model("llama", tmp_path / "m")
+    llm = LLM(str(path), dtype=dtype, progress=False, kv_cache_tokens=256, kv_policy="h2o:24,recent:8")
+    out = llm.generate(["hello world"] * 2, SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))
+    assert all(o.finish_reason == "length" and len(o.token_ids) == 60 for o in out)

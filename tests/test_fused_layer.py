@@ -23,15 +23,20 @@ D, HQ, HK, HD, INTER = 192, 6, 2, 32, 320  # INTER: not a multiple of 64 (row ta
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int16)
+    return t.view(torch.int16 if t.dtype == BF else torch.int32)
+
+
+def _dt(fmt: str) -> torch.dtype:
+    """The activations' dtype of a layer of ``fmt`` weights (float32 weights: a float32 model's layer)."""
+    return torch.float32 if fmt == "f32" else BF
 
 
 def _layer(fmt: str, n: int, k: int, seed: int, bias: bool = False):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * 0.05
-    b = (torch.randn(n, generator=g) * 0.1).to(BF) if bias else None
-    if fmt == "bf16":  # the engine's Linear: the C bf16 GEMV at decode sizes
-        lin = Linear(k, n, bias=bias, dtype=BF)
+    b = (torch.randn(n, generator=g) * 0.1).to(_dt(fmt)) if bias else None
+    if fmt in ("bf16", "f32"):  # the engine's Linear: the C bf16 / float32 GEMV at decode sizes
+        lin = Linear(k, n, bias=bias, dtype=_dt(fmt))
         with torch.no_grad():
             lin.weight.copy_(w)
             if bias:
@@ -82,20 +87,21 @@ def _op_by_op(x, res, ln1, ln2, qkv, o_proj, gu, down, attn_out):
 
 
 @needs_kernel
-@pytest.mark.parametrize("fmt", ["int8", "int4", "int4-g32", "int4-offsets", "bf16"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int4-g32", "int4-offsets", "bf16", "f32"])
 @pytest.mark.parametrize("rows", [1, 5])
 @torch.inference_mode()  # as the engine runs (kernels.linear keeps autograd's F.linear otherwise)
 def test_fused_layer_equals_op_by_op(fmt, rows):
-    g = torch.Generator().manual_seed(rows)
-    x, res = torch.randn(rows, D, generator=g).to(BF), torch.randn(rows, D, generator=g).to(BF)
-    attn_out = torch.randn(rows, HQ * HD, generator=g).to(BF)
-    ln1, ln2 = (torch.rand(D, generator=g) + 0.5).to(BF), (torch.rand(D, generator=g) + 0.5).to(BF)
+    g, dt = torch.Generator().manual_seed(rows), _dt(fmt)
+    x, res = torch.randn(rows, D, generator=g).to(dt), torch.randn(rows, D, generator=g).to(dt)
+    attn_out = torch.randn(rows, HQ * HD, generator=g).to(dt)
+    ln1, ln2 = (torch.rand(D, generator=g) + 0.5).to(dt), (torch.rand(D, generator=g) + 0.5).to(dt)
     q, k, v = (_layer(fmt, h * HD, D, s, bias=True) for s, h in ((1, HQ), (2, HK), (3, HK)))
     o_proj, gate, up = _layer(fmt, D, HQ * HD, 4), _layer(fmt, INTER, D, 5), _layer(fmt, INTER, D, 6)
     down = _layer(fmt, D, INTER, 7)
     want = _op_by_op(x, res, ln1, ln2, [q, k, v], o_proj, [gate, up], down, attn_out)
-    fused_qkv, fused_gu = _cat(q, k, v), _cat(gate, up)
-    for qkv, gu in (([q, k, v], [gate, up]), ([fused_qkv], [fused_gu])):  # apart, and fused into one weight
+    # apart, and fused into one weight (small float32 weights are never fused: together they would be packed)
+    ways = [([q, k, v], [gate, up])] + ([([_cat(q, k, v)], [_cat(gate, up)])] if fmt != "f32" else [])
+    for qkv, gu in ways:
         layer = _a8(qkv, o_proj, gu, down, ln1, ln2)
         out, new_res = kernels.layer_attn_in(layer, x, res)
         assert torch.equal(_bits(out), _bits(want[0])) and torch.equal(_bits(new_res), _bits(want[1]))
@@ -164,11 +170,13 @@ def test_other_isas_give_the_same_bits(level, tmp_path):
     g = torch.Generator().manual_seed(9)
     x, res = torch.randn(rows, D, generator=g).to(BF), torch.randn(rows, D, generator=g).to(BF)
     attn_out = torch.randn(rows, HQ * HD, generator=g).to(BF)
-    ln = (torch.rand(D, generator=g) + 0.5).to(BF)
-    for fmt in ("int8", "int4", "int4-offsets", "bf16"):
+    for fmt in ("int8", "int4", "int4-offsets", "bf16", "f32"):
+        dt = _dt(fmt)
+        x, res, attn_out, ln = x.to(dt), res.to(dt), attn_out.to(dt), (torch.rand(D, generator=g) + 0.5).to(dt)
         qkv, o_proj = _layer(fmt, (HQ + 2 * HK) * HD, D, 1, bias=True), _layer(fmt, D, HQ * HD, 2)
-        gu, down = _layer(fmt, 2 * INTER, D, 3), _layer(fmt, D, INTER, 4)
-        layer = _a8([qkv], o_proj, [gu], down, ln, ln)
+        gu = [_layer(fmt, INTER, D, 3), _layer(fmt, INTER, D, 5)]
+        down = _layer(fmt, D, INTER, 4)
+        layer = _a8([qkv], o_proj, gu, down, ln, ln)
         args = ctypes.byref(layer.args)
         want, want_res = kernels.layer_mlp(layer, attn_out, res)
         got, got_res = torch.empty_like(want), torch.empty_like(want)

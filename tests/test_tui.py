@@ -205,7 +205,10 @@ def test_panel_numbers_equal_engine_accounting(llm):
     per_block = spec.bytes_per_token * spec.block_size
 
     async def go():
-        app = Recording(lambda: llm, sampling=SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True), refresh_hz=20)
+        # 480 tokens at 100 Hz: stories260k decodes a token in ~0.3 ms (the C decode stack), so 200 at 20 Hz
+        # could finish between two snapshots
+        app = Recording(lambda: llm, sampling=SamplingParams(max_tokens=480, temperature=0.0, ignore_eos=True),
+                        refresh_hz=100)
         async with app.run_test(size=SIZE) as pilot:
             await ready(pilot)
             await send_and_wait_reply(pilot, "Once upon a time")

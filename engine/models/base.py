@@ -195,9 +195,9 @@ class Linear(nn.Linear):
 
     def decode_weight(self) -> kernels.DecodeWeight | None:
         """The fused decode layers' weight when ``kernels.linear`` runs this layer's decode-sized batches
-        through the C bf16 GEMV (a plain CPU bf16 weight), else None: the fused
+        through a C GEMV (a plain CPU bf16 weight, or a float32 one too small to pack), else None: the fused
         layer then gives this layer's bits."""
-        return kernels.bf16_decode_weight(self.weight, self.bias)
+        return kernels.decode_weight(self.weight, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.linear(x, self.weight, self.bias, packed_when_resident=self.packed_when_resident)
@@ -216,24 +216,19 @@ class RMSNorm(nn.Module):
         """HF LlamaRMSNorm numerics (GemmaRMSNorm's with ``offset``); with ``residual`` the add is fused and
         ``(normed, x + residual)`` is returned.
 
-        On the CPU the two dtypes the engine decodes in go straight to what
-        ``kernels.rms_norm`` would pick for them (torch's fused ``F.rms_norm`` for
-        float32, the C kernel for bfloat16): the same bits without the wrapper's
-        checks, which cost as much as the op at decode (the inputs are the
-        decoder's own contiguous activations).
+        On the CPU the two dtypes the engine decodes in (bfloat16, float32) go straight to
+        the C kernel ``kernels.rms_norm`` would pick for them (the fused decode layers' row
+        code): the same bits without the wrapper's checks, which cost as much as the op at
+        decode (the inputs are the decoder's own contiguous activations).
         """
         w = self.weight
         if self.offset:
             h = x if residual is None else x + residual
             out = (F.rms_norm(h.float(), (h.shape[-1],), None, self.eps) * (1.0 + w.float())).to(h.dtype)
             return out if residual is None else (out, h)
-        if not x.is_cuda and x.dtype == w.dtype:
-            if x.dtype == torch.float32:
-                h = x if residual is None else x + residual
-                out = F.rms_norm(h, (h.shape[-1],), w, self.eps)
-                return out if residual is None else (out, h)
-            if x.dtype == torch.bfloat16 and kernels.cpu_fused_available():
-                return kernels.cpu_fused_rms_norm(x, w, self.eps, residual)
+        if (x.dtype == w.dtype and kernels.cpu_fused_applies(x, w, residual) and kernels.cpu_fused_available()
+                and x.is_contiguous()):
+            return kernels.cpu_fused_rms_norm(x, w, self.eps, residual)
         return kernels.rms_norm(x, w, self.eps, residual)
 
 
@@ -263,10 +258,6 @@ class Attention(nn.Module):
         self.sinks = nn.Parameter(torch.empty(self.n_heads)) if a.attention_sinks else None
         self.rotary_dim = a.rotary_dim  # each head's first dims that RoPE rotates (the rest pass through)
         self.rope_table, self.rope_tables = a.layer_rope(index), len(a.rope_tables)  # which stacked table, of how many
-        # [(2 (Hq + Hk) + Hk) D, hidden] rows q | k | q swapped | k swapped | v, set by DecoderModel.fold_rope
-        # for plain float32 projections: decode steps get RoPE's rotate-half out of the GEMM.
-        self.rope_qkv: torch.Tensor | None = None
-        self.o_decode: torch.Tensor | None = None  # o_proj's plain float32 weight for those steps (F.linear direct)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q ``[T, Hq, D]``, k and v ``[T, Hk, D]`` (views into one fused output when fused), q/k normed."""
@@ -315,37 +306,11 @@ class Attention(nn.Module):
         o = attn.attend(self.index, q, meta, self.scale, self.window, self.softcap, self.sinks)  # [T, Hq, D]
         return o.reshape(q.shape[0], -1)
 
-    def forward(self, x, positions, rope_cache, attn: AttentionBackend, meta: AttentionMetadata,
-                rows: tuple[torch.Tensor, torch.Tensor] | None = None):
-        """``x [T, hidden]`` -> ``[T, hidden]``; K/V of the new tokens go into ``attn``'s pool.
-
-        ``rows``: a decode step's ``[T, 1, D]`` RoPE rows ``[cos, cos]`` and ``[-sin, sin]``
-        (``DecoderModel.decode_rope_rows``). With folded weights (``rope_qkv``) the GEMM
-        yields ``[x1, x2]`` and ``[x2, x1]`` per head, so RoPE is ``x * cos2 + swapped * sin2``:
-        the products and sums of ``kernels.rope``'s reference, the same bits.
-        """
-        T = x.shape[0]
-        hq, d = self.n_heads, self.head_dim
-        if rows is not None:  # a float32 CPU decode step: RoPE over q|k at once with the step's rows
-            hk = self.n_kv
-            if self.rope_qkv is not None:  # folded: the GEMM yields q|k and their swapped halves
-                nqk = (hq + hk) * d
-                out = F.linear(x, self.rope_qkv)  # [T, (2 (Hq + Hk) + Hk) D]
-                qk, sw = out[:, :nqk].view(T, hq + hk, d), out[:, nqk : 2 * nqk].view(T, hq + hk, d)
-                v = out[:, 2 * nqk :].view(T, hk, d)
-            else:
-                q, k, v = self.project(x)
-                qk = torch.cat([q, k], dim=1)  # [T, Hq + Hk, D]
-                sw = torch.cat([qk[..., d // 2 :], qk[..., : d // 2]], dim=-1)
-            r = qk * rows[0] + sw * rows[1]  # [T, Hq + Hk, D] roped q | k
-            attn.store(self.index, r[:, hq:], v, meta)
-            q = r[:, :hq]
-        else:
-            q, k, v = self.project(x)
-            q = self.rope_store(q, k, v, positions, rope_cache, attn, meta)  # k, v into the pool
+    def forward(self, x, positions, rope_cache, attn: AttentionBackend, meta: AttentionMetadata):
+        """``x [T, hidden]`` -> ``[T, hidden]``; K/V of the new tokens go into ``attn``'s pool."""
+        q, k, v = self.project(x)
+        q = self.rope_store(q, k, v, positions, rope_cache, attn, meta)  # k, v into the pool
         o = self.attend(q, attn, meta)  # [T, Hq * D]
-        if rows is not None and self.o_decode is not None:
-            return F.linear(o, self.o_decode)  # what kernels.linear runs for this weight, without its dispatch
         # Decode: the module's forward without nn.Module dispatch (calibration hooks see prompts only).
         return self.o_proj.forward(o) if meta.is_decode else self.o_proj(o)
 
@@ -390,16 +355,12 @@ class MLP(nn.Module):
         self.silu = a.hidden_act in ("silu", "swish") and a.swiglu_limit is None
         self.act_fn = GATE_ACTIVATIONS[a.hidden_act]
         self.swiglu = (a.swiglu_alpha, a.swiglu_limit) if a.swiglu_limit is not None else None  # gpt-oss
-        # [2 I, hidden] plain float32 gate|up weights for decode steps, set by DecoderModel.fold_rope where
-        # fuse_projections leaves small weights apart (each output row equals the separate GEMMs' at decode).
-        self.gate_up_decode: torch.Tensor | None = None
-        self.down_decode: torch.Tensor | None = None  # down_proj's plain float32 weight for decode steps
 
     def act(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, I]
         """``silu(gate(x)) * up(x)`` (GeGLU: ``gelu_tanh(gate(x)) * up(x)``), the input of ``down_proj``.
 
-        CPU bfloat16: the C row code (``kernels.cpu_fused_silu_mul``) that the fused decode layers
-        run too (:meth:`DecoderLayer.decode_layer`), so both give the same bits.
+        CPU bfloat16 and float32: the C row code (``kernels.cpu_fused_silu_mul``) that the fused decode
+        layers run too (:meth:`DecoderLayer.decode_layer`), so both give the same bits.
         """
         if self.gate_up_proj is None:
             g, u = self.gate_proj(x), self.up_proj(x)
@@ -407,8 +368,7 @@ class MLP(nn.Module):
             gu = self.gate_up_proj(x)  # [T, 2 I]
             inter = gu.shape[-1] // 2
             g, u = gu[..., :inter], gu[..., inter:]
-        if (self.silu and g.dtype == torch.bfloat16 and g.dim() == 2 and not g.is_cuda
-                and kernels.cpu_fused_available()):
+        if self.silu and g.dim() == 2 and kernels.cpu_fused_applies(g, u) and kernels.cpu_fused_available():
             return kernels.cpu_fused_silu_mul(g, u)
         return self.glu(g, u)
 
@@ -420,21 +380,12 @@ class MLP(nn.Module):
         # must sit in memory as the unfused GEMM's output does (the same bits either way).
         return self.act_fn(g.contiguous()) * u
 
-    def forward(self, x, decode: bool = False, folded: bool = False):
+    def forward(self, x, decode: bool = False):
         """``decode``: a pure-decode step (the projections' forward without ``nn.Module`` dispatch;
-        calibration hooks see prompt steps only); ``folded``: one whose RoPE rows the model made, so
-        :meth:`DecoderModel.fold_rope`'s plain float32 weights apply."""
+        calibration hooks see prompt steps only)."""
         if not decode:
             return self.down_proj(self.act(x))
-        if folded and self.gate_up_decode is not None:
-            gu = F.linear(x, self.gate_up_decode)  # [T, 2 I]
-            inter = gu.shape[-1] // 2
-            y = self.glu(gu[:, :inter], gu[:, inter:])
-        else:
-            y = self.act(x)
-        if folded and self.down_decode is not None:
-            return F.linear(y, self.down_decode)
-        return self.down_proj.forward(y)
+        return self.down_proj.forward(self.act(x))
 
 
 class DecoderLayer(nn.Module):
@@ -453,7 +404,7 @@ class DecoderLayer(nn.Module):
         self._fused: FusedBinding | None = None  # decode_layer's last answer
 
     def forward(self, h, residual, positions, rope_cache, attn: AttentionBackend, meta: AttentionMetadata,
-                rows: tuple[torch.Tensor, torch.Tensor] | None = None, experts: ExpertSource | None = None):
+                experts: ExpertSource | None = None):
         """``(h, residual) -> (mlp output, residual)``; the layer's hidden state is ``residual + mlp output``.
 
         ``h``: the previous layer's MLP output, added to ``residual`` inside this layer's
@@ -464,7 +415,7 @@ class DecoderLayer(nn.Module):
         hooks them). ``experts``: a sparse layer's experts kept elsewhere (``llmsys.offload.experts``; the
         offload runtime's ``run_layer`` hands it in), passed to the MoE block.
         """
-        if rows is None and experts is None:
+        if experts is None:
             fused = self.decode_layer(h)
             if fused is not None:
                 return self._forward_fused(fused, h, residual, positions, rope_cache, attn, meta)
@@ -472,41 +423,43 @@ class DecoderLayer(nn.Module):
             x, residual = self.input_layernorm.forward(h), h
         else:
             x, residual = self.input_layernorm.forward(h, residual)
-        a = self.self_attn.forward(x, positions, rope_cache, attn, meta, rows)
+        a = self.self_attn.forward(x, positions, rope_cache, attn, meta)
         if self.pre_feedforward_layernorm is not None:  # Gemma: attention's and the MLP's outputs normed too
             a = self.post_attention_layernorm.forward(a)
             x, residual = self.pre_feedforward_layernorm.forward(a, residual)  # residual <- residual + a
-            m = self._mlp(x, meta.is_decode, rows is not None, experts)
+            m = self._mlp(x, meta.is_decode, experts)
             return self.post_feedforward_layernorm.forward(m), residual
         x, residual = self.post_attention_layernorm.forward(a, residual)  # residual <- residual + a
-        return self._mlp(x, meta.is_decode, rows is not None, experts), residual
+        return self._mlp(x, meta.is_decode, experts), residual
 
-    def _mlp(self, x: torch.Tensor, decode: bool, folded: bool, experts: ExpertSource | None) -> torch.Tensor:
+    def _mlp(self, x: torch.Tensor, decode: bool, experts: ExpertSource | None) -> torch.Tensor:
         if experts is None:
-            return self.mlp.forward(x, decode, folded)
-        return self.mlp.forward(x, decode, folded, experts)  # an MoE block (only sparse layers get a source)
+            return self.mlp.forward(x, decode)
+        return self.mlp.forward(x, decode, experts)  # an MoE block (only sparse layers get a source)
 
     def decode_layer(self, h: torch.Tensor) -> kernels.DecodeLayer | None:
         """The layer's arguments for the fused decode kernels when every projection of it would run its
         decode GEMV on ``h``'s rows (int8 / int4 a8 GEMVs, the C bf16 GEMV: a decode-sized bf16 CPU
-        batch; each projection's ``decode_weight``), else None.
+        batch; the C float32 GEMV: a decode-sized float32 batch on small plain weights; each projection's
+        ``decode_weight``), else None.
 
         Built once and kept while every tensor it points into is still bound where it was (weak
         references: a resident layer's never move; a streamed layer's are bound afresh per step, so it
         is rebuilt then, without holding the old views alive).
         """
-        if h.dtype != torch.bfloat16 or h.is_cuda or torch.is_grad_enabled() or not h.is_contiguous():
+        if (h.dtype not in (torch.bfloat16, torch.float32) or h.is_cuda or torch.is_grad_enabled()
+                or not h.is_contiguous()):
             return None  # (the C kernels record no autograd)
         c = self._fused
         if c is not None and h.shape[0] <= c.max_rows and c.bound():
-            return c.layer
+            return c.layer if c.layer.dtype == h.dtype else None
         at, mlp = self.self_attn, self.mlp
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
         if type(mlp) is not MLP:
             return None  # an MoE block routes each token to its own experts; the C layer runs one SwiGLU MLP
         if self.pre_feedforward_layernorm is not None or ln1.offset or not mlp.silu:
             return None  # the C layer is Llama's: one norm before attention and MLP each, (w) norms, SwiGLU
-        if ln1.weight.dtype != torch.bfloat16 or ln2.weight.dtype != torch.bfloat16:
+        if ln1.weight.dtype != h.dtype or ln2.weight.dtype != h.dtype:
             return None
         qkv = [at.qkv_proj] if at.qkv_proj is not None else [at.q_proj, at.k_proj, at.v_proj]
         gu = [mlp.gate_up_proj] if mlp.gate_up_proj is not None else [mlp.gate_proj, mlp.up_proj]
@@ -517,8 +470,8 @@ class DecoderLayer(nn.Module):
         if h.shape[0] > max_rows or not ln1.weight.is_contiguous() or not ln2.weight.is_contiguous():
             return None
         ws = [m.decode_weight() for m in mods]
-        if any(w is None for w in ws):
-            return None
+        if any(w is None for w in ws) or any((w.kind == 6) != (h.dtype == torch.float32) for w in ws):
+            return None  # (float32 activations read float32 weights only; bf16 ones the rest)
         n = len(qkv)
         layer = kernels.decode_layer_args(ws[:n], ws[n], ws[n + 1 : -1], ws[-1], ln1.weight, ln1.eps, ln2.weight,
                                           ln2.eps)
@@ -611,8 +564,6 @@ class DecoderModel(nn.Module):
         rows = len(args.rope_tables) * args.max_position_embeddings
         cache = torch.empty(rows, args.rotary_dim) if on_meta else rope_cache(args)
         self.register_buffer("rope_cache", cache, persistent=False)
-        # Set by fold_rope: [max_pos, 2, D] rows [cos, cos] | [-sin, sin] of rope_cache (source, table).
-        self._rope2: tuple[torch.Tensor, torch.Tensor] | None = None
         # From the loader, for a tied model whose checkpoint stores the embedding table
         # plainly: (source with .path .offset .nbytes, stored dtype). prepack_linears then
         # serves embedding rows from the file so the tied head can be packed.
@@ -639,23 +590,21 @@ class DecoderModel(nn.Module):
     ) -> torch.Tensor:  # [T, hidden]
         """The decoder's one forward: prefill, decode and mixed steps, resident or streamed layers.
 
-        Per step, not per layer: the decode RoPE rows (:meth:`decode_rope_rows`); the
-        slots and gather layout are in ``meta``. The residual add after each MLP is
+        The slots and gather layout are in ``meta``. The residual add after each MLP is
         fused into the next RMSNorm (:meth:`DecoderLayer.forward`).
         """
         rope = self.rope_cache
         positions = self.rope_positions(positions, meta)
-        rows = self.decode_rope_rows(positions, meta)
         attn = attn.for_step(meta)  # e.g. the scoring decorator steps aside when no sequence scores
         h, res = self.embed(input_ids), None
-        stack = self.decode_stack(h, attn, meta) if layers is None and rows is None else None
+        stack = self.decode_stack(h, attn, meta) if layers is None else None
         if stack is not None:  # every layer's fused decode calls in one C call (the same bits as the loop)
             plan = meta.plan
             h, res = kernels.decode_stack(stack, h, positions, rope, meta.slot_mapping, plan.gather_slots, plan.lens)
         else:
             for i, layer in enumerate(self.model.layers):
                 if layers is None:
-                    h, res = layer.forward(h, res, positions, rope, attn, meta, rows)
+                    h, res = layer.forward(h, res, positions, rope, attn, meta)
                 else:
                     h, res = layers.run_layer(i, layer, h, res, positions, rope, attn, meta)
         norm = self.model.norm
@@ -749,67 +698,6 @@ class DecoderModel(nn.Module):
         shift = torch.tensor([self.rope_cache.shape[0] // 2 * f for f in long])
         counts = torch.tensor([qs[b + 1] - qs[b] for b in range(len(long))])
         return positions + shift.repeat_interleave(counts).to(positions.device)
-
-    def decode_rope_rows(self, positions: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``[T, 1, D]`` rows ``[cos, cos]`` and ``[-sin, sin]`` of a pure-decode CPU float32 step.
-
-        None unless :meth:`fold_rope` ran (a float32 CPU inference engine, or some folded
-        layer) and every new token of the step is a generated one (a gather plan with the
-        decode layout): then every layer's RoPE reads these rows (:meth:`Attention.forward`)
-        instead of looking up cos/sin per layer. The table is
-        rebuilt when the RoPE table grew (``ensure_rope_positions``).
-        """
-        r2 = self._rope2
-        plan = meta.plan
-        if r2 is None or plan is None or not plan.is_decode or plan.lens is None:
-            return None  # (fold_rope leaves _rope2 None for partial rotary or per-layer tables)
-        src = self.rope_cache
-        if r2[0] is not src:
-            half = src.shape[1] // 2
-            cos, sin = src[:, :half], src[:, half:]
-            r2 = self._rope2 = (src, torch.stack([torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)], dim=1))
-        rows = r2[1].index_select(0, positions)  # [T, 2, D]
-        return rows[:, :1], rows[:, 1:]
-
-    def fold_rope(self) -> int:
-        """Fold RoPE's rotate-half into plain float32 q|k|v weights (and gate|up into one GEMM); returns folds made.
-
-        Why: a float32 decode step of a small model (stories260k) costs as much in op
-        dispatch as in arithmetic. With the q and k rows stored once more with the two
-        halves of every head swapped, one GEMM yields q, k, their swapped halves and v,
-        and RoPE is three elementwise ops (:meth:`Attention.forward`). Only decode
-        steps use the folded weights (:meth:`decode_rope_rows`): each output row of a
-        GEMM over more rows equals the separate GEMMs' there (tests/test_fused_decode.py).
-        For resident plain CPU float32 projections without biases or per-head norms
-        that ``kernels.linear`` sends to ``F.linear`` (too small to pack); an inference
-        engine's pass (``engine/builder.py``), after :meth:`prepack_linears`. A float32 CPU
-        model gets the per-step RoPE rows (:meth:`decode_rope_rows`) even with no fold.
-        """
-        a = self.args
-        if a.rotary_dim != a.head_dim or any(a.layer_rope(i) for i in range(a.num_hidden_layers)):
-            return 0  # the per-step rows rotate whole heads with one table (not with partial rotary or Gemma 3's two tables)
-        n = 0
-        for layer in self.model.layers:
-            at, mlp = layer.self_attn, layer.mlp
-            q, k, v = (_plain_gemm(m) for m in (at.q_proj, at.k_proj, at.v_proj))
-            if q is not None and k is not None and v is not None and at.q_norm is None:
-                at.rope_qkv = torch.cat([q, k, _swap_halves(q, at.n_heads, at.head_dim),
-                                         _swap_halves(k, at.n_kv, at.head_dim), v])
-                n += 1
-            at.o_decode = _plain_gemm(at.o_proj)
-            if type(mlp) is not MLP:  # an MoE block: its experts run their own GEMMs (MoE.forward)
-                n += at.o_decode is not None
-                continue
-            g, u = _plain_gemm(mlp.gate_proj), _plain_gemm(mlp.up_proj)
-            if g is not None and u is not None:
-                mlp.gate_up_decode = torch.cat([g, u])
-            mlp.down_decode = _plain_gemm(mlp.down_proj)
-            n += at.o_decode is not None or mlp.down_decode is not None
-        norm = self.model.norm.weight
-        if n or (norm.dtype == torch.float32 and norm.device.type == "cpu"):
-            # Every float32 CPU decode step takes its RoPE rows from one table (Attention.forward).
-            self._rope2 = (torch.empty(0), torch.empty(0))  # built from rope_cache at the first decode step
-        return n
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V]
         """The LM head's logits; Gemma 2's soft-capped, ``cap * tanh(logits / cap)``."""
@@ -924,23 +812,6 @@ class DecoderModel(nn.Module):
         src, stored = self.embed_file
         w = emb.weight
         return DiskEmbedding(src, w.shape[0], w.shape[1], w.dtype, w.device, stored=stored, drop_cache=False)
-
-
-def _plain_gemm(mod: nn.Module | None) -> torch.Tensor | None:
-    """The weight of a layer that ``kernels.linear`` sends to ``F.linear`` with no bias, else None."""
-    if type(mod) is not Linear or mod.bias is not None:
-        return None
-    w = mod.weight
-    if w.is_mkldnn or w.device.type != "cpu" or w.dtype != torch.float32 or kernels.packable(w):
-        return None
-    return w
-
-
-def _swap_halves(w: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
-    """Rows of a [heads * D, K] projection reordered so each head's output reads ``[x2, x1]``."""
-    half = head_dim // 2
-    w = w.view(heads, head_dim, -1)
-    return torch.cat([w[:, half:], w[:, :half]], dim=1).reshape(heads * head_dim, -1)
 
 
 def _fused_linear(mods: list[nn.Module]) -> nn.Module | None:

@@ -78,11 +78,9 @@ class MoE(nn.Module):
         self.shared_expert = expert(shared) if shared else None
         self.shared_expert_gate = FloatLinear(a.hidden_size, 1) if shared else None
 
-    def forward(self, x: torch.Tensor, decode: bool = False, folded: bool = False,
-                experts: ExpertSource | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, decode: bool = False, experts: ExpertSource | None = None) -> torch.Tensor:
         """``x [T, hidden]`` -> ``[T, hidden]``. ``decode``: the experts' projections run without module
-        dispatch (as ``MLP.forward``; calibration hooks see prompt steps); ``folded`` is ignored (no folded
-        weights here: ``DecoderModel.fold_rope`` passes MoE blocks by). ``experts``: where the experts' weights
+        dispatch (as ``MLP.forward``; calibration hooks see prompt steps). ``experts``: where the experts' weights
         are when they are not resident with the layer (``llmsys.offload.experts``, handed in by the offload
         runtime): only the experts the router chose are asked for, and they compute on its device."""
         T, H = x.shape
