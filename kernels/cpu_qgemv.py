@@ -260,6 +260,10 @@ def _scales_2d(scales: torch.Tensor, n: int) -> torch.Tensor:
 # ------------------------------------------------------------------ kernels
 
 
+def _dname(dtype: torch.dtype) -> str:
+    return "bf16" if dtype == torch.bfloat16 else "float32"
+
+
 def _check_x(op: str, x: torch.Tensor, k: int) -> None:
     if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1 or x.device.type != "cpu":
         raise ValueError(f"{op}: x must be a CPU bf16 [M, {k}] tensor with unit column stride, "
@@ -283,38 +287,32 @@ def bf16_gemv(x: torch.Tensor, weight: torch.Tensor, *, check: bool = True, lib=
     """``x [M, K]`` bf16 times a plain bf16 ``weight [N, K]`` (unit column stride) ``-> [M, N]`` bf16, as
     :func:`bf16_gemv_def`: the decode GEMV of bf16 layers (``cpu_linear``).
     ``check`` and ``lib`` as :func:`int8_gemv`."""
-    n, k = weight.shape
-    if check:
-        _check_x("bf16_gemv", x, k)
-        if weight.dtype != torch.bfloat16 or weight.stride(1) != 1 or weight.device.type != "cpu":
-            raise ValueError(f"bf16_gemv: weight must be a CPU bf16 [N, K] tensor with unit column stride, "
-                             f"got {weight.dtype} {tuple(weight.shape)} strides {weight.stride()}")
-    m = x.shape[0]
-    out = torch.empty(m, n, dtype=torch.bfloat16)
-    rc = (lib or _KERNEL.lib()).llmsys_gemv_bf16(x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0),
-                                                  out.data_ptr(), n, m, n, k, torch.get_num_threads())
-    if rc:
-        raise RuntimeError(f"bf16_gemv: the C kernel failed (code {rc}) on M={m} N={n} K={k}")
-    return out
+    return _plain_gemv("bf16_gemv", "llmsys_gemv_bf16", torch.bfloat16, x, weight, check, lib)
 
 
 def f32_gemv(x: torch.Tensor, weight: torch.Tensor, *, check: bool = True, lib=None) -> torch.Tensor:
     """``x [M, K]`` float32 (unit column stride) times a plain float32 ``weight [N, K]`` (unit column stride)
-    ``-> [M, N]`` float32, as :func:`f32_gemv_def`: the decode GEMV of float32 layers (``cpu_linear``).
+    ``-> [M, N]`` float32, as :func:`f32_gemv_def`: the decode GEMV of small float32 layers (``cpu_linear``).
     ``check`` and ``lib`` as :func:`int8_gemv`."""
+    return _plain_gemv("f32_gemv", "llmsys_gemv_f32", torch.float32, x, weight, check, lib)
+
+
+def _plain_gemv(op: str, symbol: str, dtype: torch.dtype, x: torch.Tensor, weight: torch.Tensor, check: bool,
+                lib) -> torch.Tensor:
+    """:func:`bf16_gemv` / :func:`f32_gemv`: x and weight of ``dtype``, out of ``dtype``."""
     n, k = weight.shape
     if check:
         for name, t, shape in (("x", x, (x.shape[0], k)), ("weight", weight, (n, k))):
-            if t.dtype != torch.float32 or t.dim() != 2 or tuple(t.shape) != shape or t.stride(1) != 1 \
+            if t.dtype != dtype or t.dim() != 2 or tuple(t.shape) != shape or t.stride(1) != 1 \
                     or t.device.type != "cpu":
-                raise ValueError(f"f32_gemv: {name} must be a CPU float32 [{shape[0]}, {k}] tensor with unit column "
-                                 f"stride, got {t.dtype} {tuple(t.shape)} strides {t.stride()}")
+                raise ValueError(f"{op}: {name} must be a CPU {_dname(dtype)} [{shape[0]}, {k}] tensor with unit "
+                                 f"column stride, got {t.dtype} {tuple(t.shape)} strides {t.stride()}")
     m = x.shape[0]
-    out = torch.empty(m, n, dtype=torch.float32)
-    rc = (lib or _KERNEL.lib()).llmsys_gemv_f32(x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0),
-                                                 out.data_ptr(), n, m, n, k, torch.get_num_threads())
+    out = torch.empty(m, n, dtype=dtype)
+    rc = getattr(lib or _KERNEL.lib(), symbol)(x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0),
+                                                out.data_ptr(), n, m, n, k, torch.get_num_threads())
     if rc:
-        raise RuntimeError(f"f32_gemv: the C kernel failed (code {rc}) on M={m} N={n} K={k}")
+        raise RuntimeError(f"{op}: the C kernel failed (code {rc}) on M={m} N={n} K={k}")
     return out
 
 
@@ -650,10 +648,6 @@ def decode_layer_args(qkv: list[DecodeWeight], o_proj: DecodeWeight, gate_up: li
                       len(qkv), ctypes.addressof(arrays[1]), ctypes.addressof(arrays[2]), len(gate_up),
                       ctypes.addressof(arrays[3]), int(f32))
     return DecodeLayer(args, arrays, d, sum(w.n for w in qkv), o_proj.k, dtype)
-
-
-def _dname(dtype: torch.dtype) -> str:
-    return "bf16" if dtype == torch.bfloat16 else "float32"
 
 
 def _check_rows(op: str, x: torch.Tensor, d: int, dtype: torch.dtype, m: int | None = None) -> None:
