@@ -554,6 +554,34 @@ def test_bf16_gemv_is_its_definition(m, n, k):
 
 
 @needs_kernel
+@pytest.mark.parametrize("level", [None, *x86_levels()])  # None: the build this CPU loads
+@pytest.mark.parametrize("k", [96, 100])  # whole 32-column blocks, and a tail block
+def test_a8_edge_values_are_the_definition_on_every_build(k, level, tmp_path):
+    """x with NaN, infinities, all-zero blocks, subnormals and huge values: the C a8 quantization (vector
+    code for whole blocks, scalar for the tail) gives quantize_a8's codes, so the GEMVs give the definitions'
+    bits, at 1 row and at 4 (the VNNI tiles), on every ISA build this CPU runs."""
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(4, k, generator=g) * 3
+    x[0, 5], x[0, 40] = float("nan"), float("inf")
+    x[1, :32] = 0.0  # a zero block: d = 0, codes 0
+    x[1, 33], x[1, 70] = -float("inf"), 1e-40
+    x[2, :] = x[2, :] * 1e30
+    x[3, 64:] = float("nan")
+    x = x.bfloat16()
+    q, s = _int8(40, k)
+    lin = _int4(64, k, 32, seed=2)
+    lib = None if level is None else other_isa_build(cpu_qgemv._SOURCE, cpu_qgemv._SIGNATURES, level, tmp_path)
+    for rows in (slice(0, 1), slice(0, 4)):
+        args = _int4_args(lin)
+        for got, want in ((cpu_qgemv.int8_gemv_a8(x[rows], q, s, lib=lib), cpu_qgemv.int8_a8_def(x[rows], q, s)),
+                          (cpu_qgemv.int4_gemv_a8(x[rows], *args, lib=lib), cpu_qgemv.int4_a8_def(x[rows], *args))):
+            # an infinite x makes its row's block scale infinite: NaN outputs (the C rounds any NaN to 0x7fc0)
+            nan = want.isnan()
+            assert torch.equal(got.isnan(), nan) and torch.equal(_bits(got[~nan]), _bits(want[~nan]))
+            assert nan[0].all() and (rows.stop == 1 or (nan[1].all() and not nan[2:].any()))  # rows 0, 1 hold an inf
+
+
+@needs_kernel
 @pytest.mark.parametrize("m,n,k", [(1, 64, 576), (3, 130, 200), (7, 257, 1000), (2, 5, 16), (1, 3, 7), (11, 70, 33)])
 def test_f32_gemv_is_its_definition(m, n, k):
     """The C float32 GEMV (the decode GEMV of small float32 layers): its definition bit for bit (16 lanes,
