@@ -101,7 +101,7 @@ def rope(
     check(op, "cos_sin_cache", cos_sin_cache, ndim=2, shape=(None, d), dtypes=(torch.float32,),
           device=q.device, contiguous=True)
     if not use_triton(impl, q.device, op):
-        if (impl == "auto" and cpu_decode.applies(q, k) and cpu_decode.applies(k) and cpu_decode.available()
+        if (impl == "auto" and cpu_decode.applies(q, k) and k.dtype == q.dtype and cpu_decode.available()
                 and q.stride(1) == d and k.stride(1) == d):
             return cpu_decode.rope(q, k, positions, cos_sin_cache)  # the reference's bits in one C call
         return ref.rope_ref(q, k, positions, cos_sin_cache)

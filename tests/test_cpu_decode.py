@@ -240,6 +240,11 @@ def test_bad_inputs_are_one_line_errors():
     odd = kernels.build_rope_cache(64, 16, 10000.0, None, None)[:, :63].contiguous()
     with pytest.raises(ValueError, match="head_dim must be even"):
         cpu_decode.rope(q[..., :63].contiguous(), k[..., :63].contiguous(), pos, odd)
+    with pytest.raises(ValueError, match="rope: q and k must share a dtype, got torch.bfloat16 and torch.float32"):
+        cpu_decode.rope(q, k.float(), pos, cache)
+    kp, vp = torch.zeros(4, 2, 64, dtype=BF), torch.zeros(4, 2, 64, dtype=BF)
+    with pytest.raises(ValueError, match="rope_store: q, k, v and the pools must share a dtype"):
+        cpu_decode.rope_store(q.float(), k.float(), k.float(), pos, cache, kp, vp, torch.tensor([0, 1]))
     qa, ka, va, lens = _attention_inputs(7)
     with pytest.raises(ValueError, match="all be bfloat16 or all float32"):
         cpu_decode.decode_attention(qa, ka.float(), va, lens, 0.125)

@@ -206,6 +206,9 @@ def test_bad_arguments_are_one_line_errors():
         kernels.decode_layer_args(_ws([qkv]), _ws([o_proj])[0], _ws([gu]), _ws([down])[0], ln, 1e-5, ln.float(), 1e-5)
     with pytest.raises(ValueError, match=r"decode_layer_args: q\|k\|v and gate\|up take 1-4 weights each, got 5 and 1"):
         kernels.decode_layer_args(_ws([qkv] * 5), _ws([o_proj])[0], _ws([gu]), _ws([down])[0], ln, 1e-5, ln, 1e-5)
+    f32_o = _layer("f32", D, 128, 5)  # a float32 weight among a8 ones: the layer's rows cannot be both dtypes
+    with pytest.raises(ValueError, match=r"decode_layer_args: float32 weights cannot be mixed with bf16 or quantized"):
+        kernels.decode_layer_args(_ws([qkv]), _ws([f32_o])[0], _ws([gu]), _ws([down])[0], ln, 1e-5, ln, 1e-5)
     wide = _layer("int8", D, 2 * INTER, 4)  # a down_proj reading 2 I columns where silu * mul gives I
     bad = _a8([qkv], o_proj, [gu], wide, ln, ln)
     with pytest.raises(ValueError, match=r"layer_mlp: the C kernel rejected the layer \(code 1; 2: out of memory\): "
