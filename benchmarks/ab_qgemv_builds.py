@@ -6,10 +6,13 @@ build differ by 10-30% from minute to minute. So both builds are compiled here f
 loaded into one process, checked bit for bit against each other on every shape, and timed
 interleaved (A, B, A, B, ...; median of each): the ratio is what counts. The a8 GEMVs (what every row
 of a quantized CPU layer runs) on the Qwen2.5-0.5B gate|up (9728x896) and down (896x4864) matrices,
-SmolLM2-135M's gate|up (1728x576) and its 49152x576 head; int4 with group 64.
+SmolLM2-135M's gate|up (1728x576) and its 49152x576 head; int4 with group 64. ``--dram MB``: each call
+runs over that many MB of copies of the weight, one after another, so the weights come from RAM as in a
+decode step (one matrix alone is served from the L3 cache after its first call).
 
     python benchmarks/ab_qgemv_builds.py HEAD~1                  # the best level this CPU runs
     python benchmarks/ab_qgemv_builds.py HEAD~1 --level x86-64-v3 --rows 1,8,128
+    python benchmarks/ab_qgemv_builds.py HEAD~1 --rows 1,4 --dram 256   # decode: weights from RAM
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (each a median of --reps calls)")
     ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--dram", type=float, default=0.0,
+                    help="MB of weight copies a timed call runs over (weights from RAM, not cache); 0: one matrix")
     a = ap.parse_args()
 
     import torch
@@ -65,8 +70,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         libs = [_build(old, level, Path(tmp) / "a.so"), _build(Path(cpu_qgemv._SOURCE).read_text(), level,
                                                              Path(tmp) / "b.so")]
-        print(f"A = {a.rev}, B = working tree; {level.name}, {a.threads} threads; ms per call, median of "
-              f"{a.rounds} interleaved rounds of {a.reps}; B's bits checked equal to A's\n")
+        where = f"weights from RAM ({a.dram:g} MB of copies a pass)" if a.dram else "one matrix (cache-warm)"
+        print(f"A = {a.rev}, B = working tree; {level.name}, {a.threads} threads, {where}; ms per call, median "
+              f"of {a.rounds} interleaved rounds of {a.reps}; B's bits checked equal to A's\n")
         print("| matrix | rows | int4 a8 A | int4 a8 B | B speed-up | int8 a8 A | int8 a8 B | B speed-up |")
         print("|---|---|---|---|---|---|---|---|")
         for n, k in SHAPES:
@@ -75,11 +81,13 @@ def main() -> None:
             l4, l8 = Int4Linear.from_float(w, group_size=64), Int8Linear.from_float(w)
             b4 = l4._buffers
             sc = b4["scales_orig"] if b4["scales_orig"] is not None else b4["scales_zeros"]
+            copies = max(1, round(a.dram * 1e6 / (n * k)))  # int8 bytes; int4's copies are half as many bytes
+            w4 = [(b4["packed"].clone(), sc.clone(), b4["zeros_gm"].t().clone()) for _ in range(copies)]
+            w8 = [(l8.qweight.clone(), l8.scales.clone()) for _ in range(copies)]
             for m in (int(r) for r in a.rows.split(",")):
                 x = torch.randn(m, k).bfloat16()
-                ops = [lambda lib: cpu_qgemv.int4_gemv_a8(x, b4["packed"], sc, b4["zeros_gm"].t(), 64,
-                                                          check=False, lib=lib),
-                       lambda lib: cpu_qgemv.int8_gemv_a8(x, l8.qweight, l8.scales, check=False, lib=lib)]
+                ops = [lambda lib: [cpu_qgemv.int4_gemv_a8(x, p, s, z, 64, check=False, lib=lib) for p, s, z in w4][-1],
+                       lambda lib: [cpu_qgemv.int8_gemv_a8(x, q, s, check=False, lib=lib) for q, s in w8][-1]]
                 cells = []
                 for op in ops:
                     if not torch.equal(op(libs[0]).view(torch.int16), op(libs[1]).view(torch.int16)):
@@ -87,7 +95,7 @@ def main() -> None:
                     t = [[], []]
                     for _ in range(a.rounds):
                         for j in (0, 1):
-                            t[j].append(_median_s(lambda: op(libs[j]), a.reps) * 1e3)
+                            t[j].append(_median_s(lambda: op(libs[j]), a.reps) * 1e3 / copies)
                     ta, tb = statistics.median(t[0]), statistics.median(t[1])
                     cells += [f"{ta:.3f}", f"{tb:.3f}", f"{ta / tb:.2f}x"]
                 print(f"| {n}x{k} | {m} | " + " | ".join(cells) + " |", flush=True)

@@ -77,6 +77,9 @@
 /* Software prefetch distances (into L2), measured on Zen 4 at M = 1, 2 threads, weights from DRAM:
    int8 rows ahead: none 11 GB/s, L1 hint 14, L2 hint 8-16 rows ahead 27-33 (151936 x 896). */
 #define I8_AHEAD 16
+#ifndef PF_LOC
+#define PF_LOC 3
+#endif
 #define BF_AHEAD 8  /* bf16 weight rows prefetched ahead (into L2) */
 #define BF1_AHEAD 8 /* bf16, one row of x, a weight row at a time: the row this far ahead prefetched (into L1) */
 #define MTILE 4             /* rows of x per pass over a weight tile */
@@ -550,6 +553,28 @@ typedef struct {
 } int4_meta;
 
 static inline int has_offsets(const int4_meta *md) { return md->offs != NULL || md->ksc != NULL; }
+
+/* bytes [from, from + len) of base into L1 (a prefetch per 64-byte line; a prefetch never faults) */
+static inline void pf_span(const void *base, int64_t from, int64_t len) {
+    for (int64_t l = 0; l < len; l += 64) __builtin_prefetch((const char *)base + from + l, 0, 3);
+}
+
+/* Group g's metadata of the 64-row block at row0 (the next block, called during this one) into the cache.
+   Why: in the group-major arrays (Int4Linear's zeros_gm and scales, GGUF's scales) a block's rows of each
+   group are their own short run of bytes, one run per group a block, which the hardware prefetchers do not
+   follow: each was a miss to RAM in the decode GEMV, which streamed at ~2/3 of the RAM's read rate.
+   Row-major arrays (row stride > 2) are one run a block, in address order: left to the hardware. */
+static inline void meta_prefetch(const int4_meta *md, int64_t row0, int64_t g) {
+    if (md->ksc) { /* Q4_K: uint8 sc / m [G, k_n], fp16 d / dmin [G / 8, k_n] */
+        pf_span(md->ksc, g * md->k_n + row0, 64), pf_span(md->km, g * md->k_n + row0, 64);
+        if (g % 8 == 0) pf_span(md->kd, 2 * ((g / 8) * md->k_n + row0), 128), pf_span(md->kdm, 2 * ((g / 8) * md->k_n + row0), 128);
+        return;
+    }
+    if (md->z_n == 1 && !md->offs) pf_span(md->zeros, g * md->z_g + row0, 64);
+    const int64_t es = md->kind == 1 ? 4 : 2;
+    if (md->s_n <= 2) pf_span(md->scales, es * (g * md->s_g + row0 * md->s_n), 64 * es * md->s_n);
+    if (md->offs && md->o_n == 1) pf_span(md->offs, 4 * (g * md->o_g + row0), 256);
+}
 
 static void meta_scalar(const int4_meta *md, int64_t row0, int64_t rows, int64_t g, float *zf, float *sf) {
     for (int64_t j = 0; j < 64; j++) {
@@ -1048,15 +1073,15 @@ int llmsys_qgemm_int4(const uint16_t *x, int64_t ldx, const uint8_t *packed, con
 #endif
 #if defined(QG_AVX512) && defined(__AVX512VNNI__)
 #define QA8_VNNI 1 /* AVX512-VNNI (the x86-64-v4-bf16 build): vpdpbusd sums 4 byte products into an int32 lane */
-#ifndef A8_VNNI_MIN_M
-#define A8_VNNI_MIN_M 2 /* rows of x from which the VNNI paths run (one row: the AVX2 code, cheaper there) */
+#ifndef I8_VNNI_MIN_M
+#define I8_VNNI_MIN_M 2 /* rows of x from which the int8 VNNI tile runs (one row: the AVX2 rows, cheaper there) */
 #endif
 #endif
 
 typedef struct {
     int8_t *q;      /* [M, nb * 32] codes, zero past K (int16 pairs (code 2i, code 2i+1) for the int4 broadcasts) */
-    int8_t *q4;     /* VNNI builds, 2+ rows: q with each 4 codes' middle two swapped (int4's column quads), else NULL */
-    uint8_t *qu;    /* VNNI builds, 2+ rows: q + 128 as unsigned bytes (int8's vpdpbusd operand), else NULL */
+    int8_t *q4;     /* VNNI builds: q with each 4 codes' middle two swapped (int4's column quads), else NULL */
+    uint8_t *qu;    /* VNNI builds: q + 128 as unsigned bytes (int8's vpdpbusd operand), else NULL */
     float *d;       /* [M, nb] block scales */
     int32_t *s;     /* [M, nb] sums of a block's codes */
     int64_t nb;
@@ -1105,10 +1130,10 @@ static int a8_quantize(const uint16_t *x, int64_t ldx, int64_t m_count, int64_t 
     const size_t qbytes = (size_t)((m_count * nb * A8 + 63) / 64 * 64);
     a->nb = nb;
     a->q = aligned_alloc(64, qbytes);
-    a->q4 = NULL, a->qu = NULL; /* only the VNNI paths read them: not made for a decode step's one row */
+    a->q4 = NULL, a->qu = NULL; /* only the VNNI paths read them */
 #ifdef QA8_VNNI
-    const int vnni = m_count >= A8_VNNI_MIN_M;
-    if (vnni) a->q4 = aligned_alloc(64, qbytes), a->qu = aligned_alloc(64, qbytes);
+    const int vnni = 1; /* int4 decodes one row of x with VNNI too; int8's qu costs a xor a block */
+    a->q4 = aligned_alloc(64, qbytes), a->qu = aligned_alloc(64, qbytes);
 #else
     const int vnni = 0;
 #endif
@@ -1211,8 +1236,8 @@ static void int8_a8_rows(const a8_x *a, int64_t m, const int8_t *q, int64_t k, c
             const __m256i xv = _mm256_load_si256((const __m256i *)(qx + b * A8));
             const __m256i ax = _mm256_sign_epi8(xv, xv);
             __m256i p[8];
-            if (!(b & 1)) /* rows ahead into L2, one 64-byte line each (a prefetch never faults) */
-                for (int r = 0; r < 8; r++) __builtin_prefetch(q + (n + I8_AHEAD + r) * k + b * A8, 0, 2);
+            /* the 8 rows I8_AHEAD ahead are 8 k contiguous bytes: 256 of them a block, in address order */
+            for (int l = 0; l < 4; l++) __builtin_prefetch(q + (n + I8_AHEAD) * k + b * 8 * A8 + 64 * l, 0, PF_LOC);
             for (int r = 0; r < 8; r++) p[r] = dot32_i8(ax, xv, q + (n + r) * k + b * A8);
             const __m256 sb = _mm256_cvtepi32_ps(hsum8_epi32(p));
             const __m256 db = bs ? _mm256_mul_ps(bs8(bs + b * bs_ld + n), _mm256_set1_ps(dx[b])) : _mm256_set1_ps(dx[b]);
@@ -1273,8 +1298,8 @@ static inline __attribute__((always_inline)) void int8_a8_vnni_tile(const a8_x *
     for (int m = 0; m < mt; m++) f[m] = _mm512_setzero_ps();
     for (int64_t b = 0; b < full; b++) {
         __m512i z[8];
-        if (!(b & 1)) /* rows ahead into L2, one 64-byte line each (a prefetch never faults) */
-            for (int r = 0; r < 16; r++) __builtin_prefetch(q + (n + I8_AHEAD + r) * k + b * A8, 0, 2);
+        /* the 16 rows I8_AHEAD ahead: 512 of their 16 k contiguous bytes a block, in address order */
+        for (int l = 0; l < 8; l++) __builtin_prefetch(q + (n + I8_AHEAD) * k + b * 16 * A8 + 64 * l, 0, PF_LOC);
         for (int i = 0; i < 8; i++) /* z[i] = row i's 8 dwords | row i + 8's */
             z[i] = _mm512_inserti64x4(
                 _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(q + (n + i) * k + b * A8))),
@@ -1338,7 +1363,7 @@ static inline __attribute__((always_inline)) void int8_a8_vnni_tile(const a8_x *
 static void int8_a8_many(const a8_x *a, int64_t m_count, const int8_t *q, int64_t k, const uint16_t *scales,
                          const uint16_t *bs, int64_t bs_ld, uint16_t *out, int64_t ldo, int64_t n0, int64_t n1) {
     int64_t n = n0;
-    if (m_count >= A8_VNNI_MIN_M)
+    if (m_count >= I8_VNNI_MIN_M)
         for (; n + 16 <= n1; n += 16)
             for (int64_t mb = 0; mb < m_count;) { /* I8_MT rows at a time, then 4, 2, 1 (constants: inlined) */
                 const int64_t left = m_count - mb;
@@ -1590,6 +1615,7 @@ static void int4_a8_block(const a8_x *a, int64_t m0, int64_t m1, const uint8_t *
             int32_t zs[64] __attribute__((aligned(32)));
             float ss[64] __attribute__((aligned(32))), os[64] __attribute__((aligned(32)));
             a8_meta(md, row0, rows, g, zs, ss);
+            meta_prefetch(md, row0 + 64, g);
             if (has_offsets(md)) a8_offsets(md, row0, rows, g, os);
             for (int64_t bi = 0; bi < per_g; bi++) {
                 const int64_t b = g * per_g + bi;
@@ -1695,8 +1721,10 @@ static void int4_a8_block(const a8_x *a, int64_t m0, int64_t m1, const uint8_t *
 /* int4_a8_block with vpdpbusd: 4 columns at a time, each row's 4 codes brought into one dword by two
    rounds of unpacks (bytes of columns c, c+2, then words of the (c, c+2) and (c+1, c+3) pairs), decoded
    once for up to I4_MT rows of x, whose codes (a->q4) lie in the same order. The integer sums are exact
-   and the float steps per row those of the other builds, so the same bits. From 2 rows of x: for one
-   the decode costs more than the AVX2 code's pairs (Zen 4: 0.8-0.9x), from 4 it is 1.35-1.7x. */
+   and the float steps per row those of the other builds, so the same bits. Every row count: with the
+   next block's metadata prefetched (meta_prefetch), one row of x from RAM is 1.08-1.39x the AVX2 code's
+   pairs on Zen 5 (2 threads; cache-warm 1.4x); on Zen 4 the cache-warm decode was 0.8-0.9x for one row,
+   1.35-1.7x from 4. */
 /* x rows [mb, mb + mt) of int4_a8_block_vnni, mt a constant where inlined (the accumulators stay in registers) */
 static inline __attribute__((always_inline)) void int4_a8_vnni_tile(
         const a8_x *a, int64_t mb, const int mt, const uint8_t *blk, const int4_meta *md, int64_t n_groups,
@@ -1713,6 +1741,7 @@ static inline __attribute__((always_inline)) void int4_a8_vnni_tile(
         __m512i zr[4], zs[4];
         __m512 sr[4], ss[4];
         meta_vec(md, row0, rows, g, zr, sr);
+        meta_prefetch(md, row0 + 64, g);
         for (int h = 0; h < 2; h++) {
             zs[2 * h] = _mm512_permutex2var_epi32(zr[2 * h], ie, zr[2 * h + 1]);
             zs[2 * h + 1] = _mm512_permutex2var_epi32(zr[2 * h], io, zr[2 * h + 1]);
@@ -1779,11 +1808,11 @@ static void int4_a8_block_vnni(const a8_x *a, int64_t m0, int64_t m1, const uint
 }
 #endif
 
-/* A 64-row block of the tiling against x rows [m0, m1): the VNNI code for 2 rows and more where built. */
+/* A 64-row block of the tiling against x rows [m0, m1): the VNNI code where built (but offsets: AVX2's). */
 static void int4_a8_rows(const a8_x *a, int64_t m0, int64_t m1, const uint8_t *blk, const int4_meta *md,
                          int64_t n_groups, int64_t gs, int64_t row0, int64_t n_rows, uint16_t *out, int64_t ldo) {
 #ifdef QA8_VNNI
-    if (m1 - m0 >= A8_VNNI_MIN_M && !has_offsets(md)) { /* offsets: the AVX2 code (also in this build) */
+    if (!has_offsets(md)) { /* offsets: the AVX2 code (also in this build) */
         int4_a8_block_vnni(a, m0, m1, blk, md, n_groups, gs, row0, n_rows, out, ldo);
         return;
     }
