@@ -6,6 +6,7 @@ whether the greedy tokens agree. Used for "no regression" checks of a change:
 
     git worktree add /tmp/old <rev>
     python benchmarks/ab_commits.py --old /tmp/old --rounds 3
+    python benchmarks/ab_commits.py --old /tmp/old --only "int8,int4"   # the quantized cases only
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def main() -> None:
     ap.add_argument("--old", required=True, help="the older checkout (a git worktree of this repository)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--shared", default=str(ROOT.parent / "shared"), help="../shared (stories260k)")
+    ap.add_argument("--only", default="", help="comma list: run only the cases whose name contains one of them")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import torch
@@ -57,6 +59,8 @@ def main() -> None:
                  ("SmolLM2-135M shape float32", str(smol), "float32", "none"),
                  ("SmolLM2-135M shape bf16 + int8", str(smol), "bfloat16", "int8"),
                  ("SmolLM2-135M shape bf16 + int4", str(smol), "bfloat16", "int4")]
+        if args.only:
+            cases = [c for c in cases if any(w in c[0] for w in args.only.split(","))]
         sides = {}
         for name, src in (("old", Path(args.old)), ("new", ROOT)):
             (t / f"pp-{name}").mkdir()

@@ -162,3 +162,38 @@ def test_scoring_policy_decodes_through_the_fused_layers(tmp_path, dtype):
     llm = LLM(str(path), dtype=dtype, progress=False, kv_cache_tokens=256, kv_policy="h2o:24,recent:8")
     out = llm.generate(["hello world"] * 2, SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))
     assert all(o.finish_reason == "length" and len(o.token_ids) == 60 for o in out)
+
+
+def test_decode_stack_follows_a_rebound_weight(tmp_path):
+    """The decoder-in-one-call arguments are reused from step to step while every tensor they point into is
+    still bound where it was; a weight rebound in between (a loader or the offload runtime binding another
+    tensor) makes the next step rebuild them and use the new weight: the op-by-op reference's bits again."""
+    from llmsys import LLM, kernels
+
+    if not kernels.cpu_fused_available():
+        pytest.skip("the C decode kernels are not built on this machine")
+    path = make_hf_model("llama", tmp_path / "m")
+    llm = LLM(str(path), dtype="float32", progress=False, block_size=4, kv_cache_tokens=256)
+    model = llm.loaded.model
+    ((h0, _, _), (h1, _, _)), stacked = _step_both(llm, [9])
+    assert stacked and torch.equal(h0, h1)
+    first = model._stack
+    ((h0, _, _), (h1, _, _)), _ = _step_both(llm, [7])
+    assert model._stack is first and torch.equal(h0, h1)  # reused: nothing was rebound
+    down = model.model.layers[1].mlp.down_proj
+    name = "weight" if "weight" in down._parameters else next(iter(down._buffers))
+    table = down._parameters if name in down._parameters else down._buffers
+    old = table[name]
+    new = old.detach().clone() * 2  # another tensor: the old pointer would read the old values
+    table[name] = torch.nn.Parameter(new, requires_grad=False) if isinstance(old, torch.nn.Parameter) else new
+    ((h0, _, _), (h1, _, _)), stacked = _step_both(llm, [9])
+    assert stacked and model._stack is not first
+    assert torch.equal(h0, h1)  # the reference reads the new weight, and so does the rebuilt stack
+    assert not torch.equal(h0, _step_both_with(old, table, name, llm)), "the doubled weight changes the output"
+
+
+def _step_both_with(old, table, name, llm) -> torch.Tensor:
+    """The reference hidden state of the same step with ``old`` bound back at ``table[name]``."""
+    table[name] = old
+    ((h0, _, _), _), _ = _step_both(llm, [9])
+    return h0
