@@ -74,8 +74,11 @@
 #endif
 
 #define LANES 16
-/* Software prefetch distances (into L2), measured on Zen 4 at M = 1, 2 threads, weights from DRAM:
-   int8 rows ahead: none 11 GB/s, L1 hint 14, L2 hint 8-16 rows ahead 27-33 (151936 x 896). */
+/* Software prefetch distance, measured on Zen 4 at M = 1, 2 threads, weights from DRAM: int8 rows ahead:
+   none 11 GB/s, L1 hint 14, L2 hint 8-16 rows ahead 27-33 (151936 x 896). The a8 paths prefetch the rows
+   this far ahead as one run in address order (not a line a row: 8-16 interleaved streams read ~35 GB/s where
+   one run reads ~48, Zen 5), with locality PF_LOC (3 = T0: a streaming test read 47-49 GB/s with it, 43-48
+   with T1). */
 #define I8_AHEAD 16
 #ifndef PF_LOC
 #define PF_LOC 3
