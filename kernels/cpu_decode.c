@@ -153,41 +153,91 @@ static inline __m256 load8(const void *base, int64_t at, int f32) {
     return f32 ? _mm256_loadu_ps((const float *)base + at) : ops_bf8((const uint16_t *)base + at);
 }
 
-/* ops_dot_f32(q, row) for a row of d % 16 == 0 elements read in place: lanes 0-7 and 8-15 in two
-   registers, then ops_tree's order (i + (i+8), i + (i+4), i + (i+2), i + (i+1)). */
+#define ATT_VEC 1
+#endif
+
+#if defined(__AVX512F__)
+/* 16 elements of a bf16 (f32 = 0) or float32 row from element `at`, as float32 */
+static inline __m512 load16(const void *base, int64_t at, int f32) {
+    return f32 ? _mm512_loadu_ps((const float *)base + at)
+               : _mm512_castsi512_ps(_mm512_slli_epi32(
+                     _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + at))), 16));
+}
+#endif
+
+/* ops_dot_f32(q, row) for a row of d % 16 == 0 elements read in place, lanes 0-15 in one 512-bit register
+   (AVX-512) or lanes 0-7 and 8-15 in two, then ops_tree's order (i + (i+8), i + (i+4), i + (i+2), i + (i+1)). */
+#ifdef ATT_VEC
 static inline float dot_row16(const float *q, const void *base, int64_t at, int f32, int64_t d) {
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < d; i += 16) acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_loadu_ps(q + i), load16(base, at + i, f32)));
+    const __m256 t8 = _mm256_add_ps(_mm512_castps512_ps256(acc), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1)));
+#else
     __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
     for (int64_t i = 0; i < d; i += 16) {
         lo = _mm256_add_ps(lo, _mm256_mul_ps(_mm256_loadu_ps(q + i), load8(base, at + i, f32)));
         hi = _mm256_add_ps(hi, _mm256_mul_ps(_mm256_loadu_ps(q + i + 8), load8(base, at + i + 8, f32)));
     }
     const __m256 t8 = _mm256_add_ps(lo, hi);
+#endif
     const __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps(t8, 1));
     const __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
     return _mm_cvtss_f32(_mm_add_ss(t2, _mm_shuffle_ps(t2, t2, 1)));
 }
-#define ATT_VEC 1
+
+/* acc[0 .. 64) += p_l * v_l[c .. c + 64) for l < len, in order of l, held in registers over the whole context
+   (the bits of the element-by-element loop: each element's sum is its own chain). */
+static inline void pv_chunk64(const float *p, const void *v, const int64_t *rows, int64_t len, int64_t c, int f32,
+                              float *acc) {
+#if defined(__AVX512F__)
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t l = 0; l < len; l++) {
+        const __m512 pv = _mm512_set1_ps(p[l]);
+        const int64_t at = rows[l] + c;
+        a0 = _mm512_add_ps(a0, _mm512_mul_ps(pv, load16(v, at, f32)));
+        a1 = _mm512_add_ps(a1, _mm512_mul_ps(pv, load16(v, at + 16, f32)));
+        a2 = _mm512_add_ps(a2, _mm512_mul_ps(pv, load16(v, at + 32, f32)));
+        a3 = _mm512_add_ps(a3, _mm512_mul_ps(pv, load16(v, at + 48, f32)));
+    }
+    _mm512_storeu_ps(acc, a0);
+    _mm512_storeu_ps(acc + 16, a1);
+    _mm512_storeu_ps(acc + 32, a2);
+    _mm512_storeu_ps(acc + 48, a3);
+#else
+    __m256 a[8];
+    for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
+    for (int64_t l = 0; l < len; l++) {
+        const __m256 pv = _mm256_set1_ps(p[l]);
+        const int64_t at = rows[l] + c;
+        for (int i = 0; i < 8; i++) a[i] = _mm256_add_ps(a[i], _mm256_mul_ps(pv, load8(v, at + 8 * i, f32)));
+    }
+    for (int i = 0; i < 8; i++) _mm256_storeu_ps(acc + 8 * i, a[i]);
+#endif
+}
 #endif
 
-/* One query head against its context: q_row (d floats), K/V rows by slot; s: len floats of scratch,
-   row / acc: d floats each. Writes acc (the head's output in float32). */
+/* One query head against its context: q_row (d floats), K/V rows by slot; s: len floats of scratch, rows: len
+   int64 of scratch, row / acc: d floats each. Writes acc (the head's output in float32). Vectorised (d % 16 ==
+   0): the scores a row at a time, the softmax's exps 8 at a time, p_l = e_l / z 8 at a time (a correctly rounded
+   division either way), the output 64 elements at a time in registers over the whole context. */
 static void attend_head(const float *qf, const void *k, const void *v, const int64_t *slots, int64_t b, int64_t l_max,
-                        int64_t len, int64_t hk, int64_t j, int64_t d, int f32, float scale, float *s, float *row,
-                        float *acc) {
+                        int64_t len, int64_t hk, int64_t j, int64_t d, int f32, float scale, float *s, int64_t *rows,
+                        float *row, float *acc) {
 #ifdef ATT_VEC
     const int vec = d % 16 == 0;
 #else
     const int vec = 0;
 #endif
+    for (int64_t l = 0; l < len; l++) rows[l] = ((slots ? slots[b * l_max + l] : b * l_max + l) * hk + j) * d;
     for (int64_t l = 0; l < len; l++) { /* scores */
-        const int64_t r = slots ? slots[b * l_max + l] : b * l_max + l;
 #ifdef ATT_VEC
         if (vec) {
-            s[l] = dot_row16(qf, k, (r * hk + j) * d, f32, d) * scale;
+            s[l] = dot_row16(qf, k, rows[l], f32, d) * scale;
             continue;
         }
 #endif
-        load_row(k, (r * hk + j) * d, f32, row, d);
+        load_row(k, rows[l], f32, row, d);
         s[l] = ops_dot_f32(qf, row, d) * scale;
     }
     float m = -INFINITY, z = 0.0f;
@@ -199,22 +249,30 @@ static void attend_head(const float *qf, const void *k, const void *v, const int
 #endif
     for (; l < len; l++) s[l] = ops_exp(s[l] - m);
     for (l = 0; l < len; l++) z = z + s[l]; /* in order */
-    for (l = 0; l < len; l++) s[l] = s[l] / z;
-    for (int64_t i = 0; i < d; i++) acc[i] = 0.0f;
+    l = 0;
+#ifdef ATT_VEC
+    const __m256 zv = _mm256_set1_ps(z);
+    for (; l + 8 <= len; l += 8) _mm256_storeu_ps(s + l, _mm256_div_ps(_mm256_loadu_ps(s + l), zv));
+#endif
+    for (; l < len; l++) s[l] = s[l] / z;
+    int64_t i = 0;
+#ifdef ATT_VEC
+    for (; i + 64 <= d; i += 64) pv_chunk64(s, v, rows, len, i, f32, acc + i);
+#endif
+    if (i == d) return;
+    for (int64_t e = i; e < d; e++) acc[e] = 0.0f;
     for (l = 0; l < len; l++) { /* every output element sums over l in order */
-        const int64_t r = slots ? slots[b * l_max + l] : b * l_max + l;
         const float p = s[l];
-        int64_t i = 0;
+        int64_t e = i;
 #ifdef ATT_VEC
         const __m256 pv = _mm256_set1_ps(p);
-        for (; i + 8 <= d; i += 8)
-            _mm256_storeu_ps(acc + i, _mm256_add_ps(_mm256_loadu_ps(acc + i),
-                                                    _mm256_mul_ps(pv, load8(v, (r * hk + j) * d + i, f32))));
-        if (i < d) load_row(v, (r * hk + j) * d, f32, row, d);
+        for (; e + 8 <= d; e += 8)
+            _mm256_storeu_ps(acc + e, _mm256_add_ps(_mm256_loadu_ps(acc + e), _mm256_mul_ps(pv, load8(v, rows[l] + e, f32))));
+        if (e < d) load_row(v, rows[l], f32, row, d);
 #else
-        load_row(v, (r * hk + j) * d, f32, row, d);
+        load_row(v, rows[l], f32, row, d);
 #endif
-        for (; i < d; i++) acc[i] = acc[i] + p * row[i];
+        for (; e < d; e++) acc[e] = acc[e] + p * row[e];
     }
 }
 
@@ -235,15 +293,16 @@ int llmsys_decode_attention(const void *q, const void *k, const void *v, const i
 #pragma omp parallel for num_threads(threads) schedule(static) if (b_count * hq > 1 && work * hq * d >= (1 << 14))
     for (int64_t item = 0; item < b_count * hq; item++) {
         const int64_t b = item / hq, h = item % hq, len = lens[b];
-        float *s = malloc(sizeof(float) * (size_t)(len + 3 * d));
+        float *s = malloc(sizeof(float) * (size_t)(len + 3 * d) + sizeof(int64_t) * (size_t)len);
         if (!s) {
 #pragma omp atomic write
             failed = 1;
             continue;
         }
         float *qf = s + len, *row = qf + d, *acc = row + d;
+        int64_t *rows = (int64_t *)(acc + d);
         load_row(q, (b * hq + h) * d, f32, qf, d);
-        attend_head(qf, k, v, slots, b, l_max, len, hk, h / g, d, f32, scale, s, row, acc);
+        attend_head(qf, k, v, slots, b, l_max, len, hk, h / g, d, f32, scale, s, rows, row, acc);
         const int64_t o = (b * hq + h) * d;
         if (f32) {
             memcpy((float *)out + o, acc, sizeof(float) * (size_t)d);

@@ -2135,6 +2135,12 @@ static int64_t qw_nb(const llmsys_qw *w) { return w->kind == 1 ? w->kp / A8 : (w
 /* weights that read x as it is (bf16 or float32), not as a8 blocks */
 static int qw_plain(const llmsys_qw *w) { return w->kind == 2 || w->kind == 6; }
 
+/* Rows of a work item: 32 for weights read a row at a time (bf16, float32), so a 576-row matrix splits 9 / 9
+   between 2 threads, not 5 / 4 items of 64 (one thread idle a ninth of each o_proj and down_proj: measured as
+   ~0.4 ms of a SmolLM2-135M bf16 decode step); 64 else (int4's blocks; int8's 16- or 32-row items measured no
+   faster in the decode stack, here and in session 23). */
+static int64_t qw_step(const llmsys_qw *w) { return qw_plain(w) ? 32 : 64; }
+
 /* 0 when w is a weight of k columns the a8 GEMVs take (their own argument checks), else 1 */
 static int qw_check(const llmsys_qw *w, int64_t k) {
     if (w->n <= 0 || w->k != k || !w->q) return 1;
@@ -2153,11 +2159,11 @@ static int qw_check(const llmsys_qw *w, int64_t k) {
     return 0;
 }
 
-/* Rows [64 it, 64 it + 64) of w against the m_count rows of x (contiguous bf16, read by bf16 weights; a: its
+/* Rows [step it, step it + step) of w (step = qw_step(w)) against the m_count rows of x (contiguous bf16, read by bf16 weights; a: its
    a8 blocks, read by int8 / int4 weights; float32 for a float32 weight): out[m * ldo + n], bias added. */
 static void qw_item(const llmsys_qw *w, const a8_x *a, const void *xv, const uint32_t *xs, int64_t m_count,
                     int64_t it, void *outv, int64_t ldo) {
-    const int64_t n0 = it * 64, n1 = n0 + 64 < w->n ? n0 + 64 : w->n;
+    const int64_t step = qw_step(w), n0 = it * step, n1 = n0 + step < w->n ? n0 + step : w->n;
     if (w->kind == 6) {
         float *out = outv;
         f32_rows(xv, w->k, m_count, w->k, (const float *)w->q, w->kp, out, ldo, n0, n1);
@@ -2224,7 +2230,7 @@ static int proj_run(const llmsys_qw *ws, int64_t nw, const void *x, int64_t m_co
         }
         col[j] = ldo;
         ldo += ws[j].n;
-        first[j + 1] = first[j] + (ws[j].n + 63) / 64;
+        first[j + 1] = first[j] + (ws[j].n + qw_step(&ws[j]) - 1) / qw_step(&ws[j]);
         work += ws[j].n * (ws[j].kind == 1 ? ws[j].kp : ws[j].k);
     }
     if (!rc) {
