@@ -1241,6 +1241,8 @@ static void int8_a8_rows(const a8_x *a, int64_t m, const int8_t *q, int64_t k, c
             __m256i p[8];
             /* the 8 rows I8_AHEAD ahead are 8 k contiguous bytes: 256 of them a block, in address order */
             for (int l = 0; l < 4; l++) __builtin_prefetch(q + (n + I8_AHEAD) * k + b * 8 * A8 + 64 * l, 0, PF_LOC);
+            if (bs) /* and their block's scales: a line of a group-major row, 32 rows, a miss to RAM each group */
+                __builtin_prefetch(bs + b * bs_ld + n + I8_AHEAD, 0, PF_LOC);
             for (int r = 0; r < 8; r++) p[r] = dot32_i8(ax, xv, q + (n + r) * k + b * A8);
             const __m256 sb = _mm256_cvtepi32_ps(hsum8_epi32(p));
             const __m256 db = bs ? _mm256_mul_ps(bs8(bs + b * bs_ld + n), _mm256_set1_ps(dx[b])) : _mm256_set1_ps(dx[b]);
@@ -1303,6 +1305,7 @@ static inline __attribute__((always_inline)) void int8_a8_vnni_tile(const a8_x *
         __m512i z[8];
         /* the 16 rows I8_AHEAD ahead: 512 of their 16 k contiguous bytes a block, in address order */
         for (int l = 0; l < 8; l++) __builtin_prefetch(q + (n + I8_AHEAD) * k + b * 16 * A8 + 64 * l, 0, PF_LOC);
+        if (bs) __builtin_prefetch(bs + b * bs_ld + n + I8_AHEAD, 0, PF_LOC); /* their block's scales (int8_a8_rows) */
         for (int i = 0; i < 8; i++) /* z[i] = row i's 8 dwords | row i + 8's */
             z[i] = _mm512_inserti64x4(
                 _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(q + (n + i) * k + b * A8))),
@@ -1436,8 +1439,16 @@ static void int8k_a8_rows(const a8_x *a, int64_t m, const int8_t *q, int64_t k, 
             const __m256i xv = _mm256_load_si256((const __m256i *)(qx + b * A8));
             const __m256i ax = _mm256_sign_epi8(xv, xv);
             __m256i p[8];
-            if (!(b & 1))
-                for (int r = 0; r < 8; r++) __builtin_prefetch(q + (n + I8_AHEAD + r) * k + b * A8, 0, 2);
+            /* the 8 rows I8_AHEAD ahead in address order (int8_a8_rows' why), and their group-major scales */
+            for (int l = 0; l < 4; l++) __builtin_prefetch(q + (n + I8_AHEAD) * k + b * 8 * A8 + 64 * l, 0, PF_LOC);
+            if (!ksc) {
+                __builtin_prefetch(fs + b * f_ld + n + I8_AHEAD, 0, PF_LOC);
+                __builtin_prefetch(fo + b * f_ld + n + I8_AHEAD, 0, PF_LOC);
+            } else {
+                __builtin_prefetch(ksc + 2 * b * f_ld + n + I8_AHEAD, 0, PF_LOC);
+                __builtin_prefetch(ksc + (2 * b + 1) * f_ld + n + I8_AHEAD, 0, PF_LOC);
+                if (!(b & 7)) __builtin_prefetch(kd + (b / 8) * f_ld + n + I8_AHEAD, 0, PF_LOC);
+            }
             for (int r = 0; r < 8; r++) p[r] = dot32_i8(ax, xv, q + (n + r) * k + b * A8);
             const __m256 dv = _mm256_set1_ps(dx[b]);
             if (!ksc) {
