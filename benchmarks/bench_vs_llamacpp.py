@@ -177,6 +177,32 @@ def type_mix(path: Path) -> str:
     return ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in sorted(by.items(), key=lambda kv: -kv[1]))
 
 
+def machine_line() -> str:
+    """The CPU, the ISA level each engine runs at (what every figure must name)."""
+    import platform
+
+    import torch
+
+    from llmsys.kernels import cpu_qgemv
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        info = dict(ln.split(":", 1) for ln in Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines()
+                    if ":" in ln)
+        info = {k.strip(): v.strip() for k, v in info.items()}
+        cpu = f"{info['model name']} (family {info['cpu family']} model {info['model']})"
+    except (OSError, KeyError, ValueError):
+        pass
+    try:
+        import llama_cpp
+
+        llama = llama_cpp.llama_print_system_info().decode().strip()
+    except Exception as exc:  # noqa: BLE001 - only a description
+        llama = f"not importable ({exc})"
+    return (f"Machine: {cpu}; llmsys C kernels: {cpu_qgemv.kernel_status().split(' /')[0]}; torch {torch.__version__} at "
+            f"{torch.backends.cpu.get_cpu_capability()}; llama.cpp: {llama}")
+
+
 def _mib(n: int) -> str:
     return f"{n / 2**20:.0f} MiB"
 
@@ -236,8 +262,10 @@ def main() -> None:
     for rnd in range(a.rounds):
         for pair in jobs:
             for job in pair:  # A B, A B, ...
-                sys.stderr.write(f"round {rnd + 1}/{a.rounds}: {job.engine} {job.shape} {job.fmt}\n")
-                results[job].append(run_job(job))
+                f = run_job(job)
+                results[job].append(f)
+                sys.stderr.write(f"round {rnd + 1}/{a.rounds}: {job.engine} {job.shape} {job.fmt}: prefill "
+                                 f"{f.prefill_tok_s:.1f} decode {f.decode_tok_s:.1f} tok/s\n")
 
     batches = [int(b) for b in a.batches.split(",") if b.strip()]
     batched: dict[Job, Figures] = {}
@@ -259,6 +287,7 @@ def main() -> None:
         return f"{100 * f.step_bytes * f.decode_tok_s / (mem_gbps * 1e9):.0f}%"
 
     ours = {(j.shape, j.fmt): med(j) for j in results if j.engine == "llmsys"}
+    print(f"\n{machine_line()}")
     print(f"\n{a.threads} threads, batch 1, {a.prompt}-token prompt, {a.new} generated tokens, "
           f"median of {a.rounds} fresh-process rounds ({a.reps} timed rep(s) each, after a warm-up)\n")
     print(f"Read bandwidth {mem_gbps:.1f} GB/s ({a.threads} threads, offload.bandwidth.probe_mem_gbps): a decode step "
