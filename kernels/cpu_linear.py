@@ -27,9 +27,12 @@ decoded 73.5 tok/s where the fused layers with the AVX512-BF16 GEMV give 93.5
 (Zen 5, 2 threads, ``llmsys bench --synthetic smollm2-135m --dtype bfloat16``).
 Without oneDNN bf16 (AVX2 laptops and desktops, Zen 2/3) torch's own bf16 GEMM
 costs about 0.45 ms per row of x on a 4864x896 weight (55 ms at M = 128, 5.5x
-float32's MKL sgemm), so prompts upcast the weight to float32 a few hundred rows
-at a time (the chunk stays in L2) and run sgemm: 8.9 ms at M = 128 (Zen 3,
-2 threads; 49152x576 head: 431 -> 110 ms). The C GEMV reads 12.5-18.5 GB/s from
+float32's MKL sgemm). Prompts there run the C bf16 GEMM (``cpu_qgemv.bf16_gemm``:
+the weight read as bf16 and converted a block at a time, one float32 FMA chain per
+output): on the Qwen2.5-0.5B layer matrices at M = 128, 2 Zen 5 cores held to
+AVX2, 222-226 GFLOP/s where the float32 sgemm on weight chunks upcast per call
+(what ran before, and what a build without AVX2 + FMA still runs) gave 160-185,
+and a row's bits do not depend on the batch. The C GEMV reads 12.5-18.5 GB/s from
 DRAM there where torch's GEMV read 10.8-15.1.
 
 float32 weights too small to pack (below 64K elements: stories260k's) run their
@@ -167,8 +170,13 @@ def linear(
         and not torch.is_grad_enabled()
     ):
         if x.numel() >= BF16_UPCAST_MIN_ROWS * x.shape[-1]:
-            # prompts: oneDNN's bf16 GEMM on the plain weight where it has one, else upcast sgemm
-            return F.linear(x, weight, bias) if _ONEDNN_BF16 else _bf16_upcast(x, weight, bias)
+            # prompts: oneDNN's bf16 GEMM on the plain weight where it has one, else the C bf16 GEMM
+            # (upcast sgemm in a build without AVX2 + FMA)
+            if _ONEDNN_BF16:
+                return F.linear(x, weight, bias)
+            if bf16_gemm_applies(weight, bias):
+                return _gemv(cpu_qgemv.bf16_gemm, x, weight, bias, with_bias=True)
+            return _bf16_upcast(x, weight, bias)
         if bf16_gemv_applies(weight, bias):  # decode-sized batches: the C GEMV (the fused layers' bits)
             return _gemv(cpu_qgemv.bf16_gemv, x, weight, bias)
     if (x.dtype == torch.float32 and x.numel() < BF16_UPCAST_MIN_ROWS * x.shape[-1] and rows_of is None
@@ -177,11 +185,14 @@ def linear(
     return F.linear(x, weight, bias)
 
 
-def _gemv(fn, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``fn`` (the C bf16 or float32 GEMV) on ``x [..., K]`` rows, then ``y + bias`` in the dtype."""
+def _gemv(fn, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, with_bias: bool = False
+          ) -> torch.Tensor:
+    """``fn`` (the C bf16 or float32 GEMV, or the C bf16 GEMM) on ``x [..., K]`` rows, then ``y + bias`` in the
+    dtype (``with_bias``: ``fn`` adds it itself, before its rounding)."""
     x2 = x.reshape(-1, x.shape[-1])
-    y = fn(x2 if x2.stride(-1) == 1 else x2.contiguous(), weight, check=False)
-    if bias is not None:
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    y = fn(x2, weight, bias, check=False) if with_bias else fn(x2, weight, check=False)
+    if bias is not None and not with_bias:
         y = y + bias
     return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
 
@@ -193,6 +204,16 @@ def bf16_gemv_applies(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
             and weight.dim() == 2 and weight.stride(1) == 1 and not weight.is_mkldnn
             and (bias is None or bias.dtype == torch.bfloat16) and cpu_qgemv.available())
+
+
+def bf16_gemm_applies(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Does :func:`linear` run prompts (:data:`BF16_UPCAST_MIN_ROWS` rows or more) on ``weight`` through the C
+    bf16 GEMM (``cpu_qgemv.bf16_gemm``)? Where oneDNN has no bf16, for plain CPU bf16 weights with unit column
+    stride and a bf16 bias or none, when the C kernel is built with AVX2 + FMA."""
+    return (not _ONEDNN_BF16 and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+            and weight.dim() == 2 and weight.stride(1) == 1 and not weight.is_mkldnn
+            and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()))
+            and cpu_qgemv.bf16_gemm_native())
 
 
 def f32_gemv_applies(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -218,9 +239,13 @@ def decode_weight(weight: torch.Tensor, bias: torch.Tensor | None) -> cpu_qgemv.
 
 def mm_bf16(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``a [N, K] @ b [K, M]`` for bf16 CPU tensors ``-> [N, M]`` bf16 (into ``out`` if given): torch's
-    bf16 GEMM where oneDNN runs bf16, else float32 sgemm rounded once (5x faster there, module doc)."""
+    bf16 GEMM where oneDNN runs bf16, else the C bf16 GEMM (``b``'s transpose with unit column stride:
+    the quantized layers' ``x^T``), else float32 sgemm rounded once (5x faster than torch's, module doc)."""
     if _ONEDNN_BF16:
         return torch.mm(a, b, out=out)
+    if b.stride(0) == 1 and bf16_gemm_applies(a, None):
+        r = cpu_qgemv.bf16_gemm(b.t(), a, check=False).t()  # [N, M]
+        return r.contiguous() if out is None else out.copy_(r)
     r = _mm_upcast(a, b.float())
     if out is None:
         return r.to(torch.bfloat16)

@@ -2035,6 +2035,161 @@ int llmsys_gemv_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t 
     return 0;
 }
 
+/* ------------------------------------------------------------ bf16 GEMM (prompts, AVX2 + FMA)
+ *
+ * out[m, n] = bf16(c + bias[n]), c = fma(x[m, K-1], w[n, K-1], ... fma(x[m, 0], w[n, 0], 0)): one float32
+ * fused multiply-add chain per output element, over k in order. Why: on CPUs where oneDNN has no bf16
+ * (AVX2: Zen 2/3, Intel before Ice Lake) a bf16 prompt ran float32 sgemm on weight chunks upcast for each
+ * call (kernels/cpu_linear.py), ~180 GFLOP/s on 2 Zen 5 cores held to AVX2 where llama.cpp's f16 prompt
+ * ran ~190-200: a Qwen2.5-0.5B bf16 prefill 0.88x llama.cpp's. Here the weight is read as bf16 and
+ * converted in L1-sized blocks, no float32 copy of it is made, and an element's chain does not depend on
+ * how many rows of x come with it, the row split between threads or a chunked weight (the bits of a row are
+ * the same in any batch, unlike sgemm's).
+ *
+ * How (the classic register-blocked GEMM): x converted once to float32 panels of GB_MR rows, k-major
+ * ([K][GB_MR]); per 16 weight rows and GB_KC columns, the block transposed into float32 [GB_KC][16] (L1);
+ * a 6 x 16 tile of outputs in 12 registers takes per k 2 weight loads, 6 broadcasts of x and 12 FMAs. The
+ * tiles' partial sums wait in a per-thread float32 buffer between column blocks (loaded back into the same
+ * chain). Threads split the weight's 16-row blocks.
+ */
+#define GB_MR 6
+#define GB_NR 16
+#define GB_KC 256
+
+int llmsys_gemm_bf16_native(void) {
+#if defined(__AVX2__) && defined(__FMA__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* c[r][0..16) for rows r < mr of the panel a ([kc][GB_MR] floats) against b ([kc][16] floats), chains
+   continued from c (zero when first). mr is a constant where inlined. */
+static inline __attribute__((always_inline)) void gb_tile(const float *a, const float *b, int64_t kc, float *c,
+                                                          int first, const int mr) {
+    __m256 acc[GB_MR][2];
+    for (int r = 0; r < mr; r++) {
+        acc[r][0] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(c + r * GB_NR);
+        acc[r][1] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(c + r * GB_NR + 8);
+    }
+    for (int64_t kk = 0; kk < kc; kk++) {
+        const __m256 b0 = _mm256_load_ps(b + kk * GB_NR), b1 = _mm256_load_ps(b + kk * GB_NR + 8);
+        for (int r = 0; r < mr; r++) {
+            const __m256 av = _mm256_broadcast_ss(a + kk * GB_MR + r);
+            acc[r][0] = _mm256_fmadd_ps(av, b0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(av, b1, acc[r][1]);
+        }
+    }
+    for (int r = 0; r < mr; r++) {
+        _mm256_storeu_ps(c + r * GB_NR, acc[r][0]);
+        _mm256_storeu_ps(c + r * GB_NR + 8, acc[r][1]);
+    }
+}
+
+/* 8 x 8 floats: rows r[0..8) -> columns (r[i] lane j -> out[j] lane i) */
+static inline void gb_transpose8(__m256 r[8]) {
+    const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    r[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
+    r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+    r[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
+    r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+    r[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
+    r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+    r[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
+    r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
+/* b [kc][16] floats = weight rows [n0, n0 + 16) (rows >= n: zeros), columns [k0, k0 + kc), transposed */
+static void gb_pack_w(const uint16_t *w, int64_t ldw, int64_t n, int64_t n0, int64_t k0, int64_t kc, float *b) {
+    int64_t kk = 0;
+    if (n0 + GB_NR <= n)
+        for (; kk + 8 <= kc; kk += 8)
+            for (int h = 0; h < 2; h++) { /* rows n0 + 8h .. + 8: an 8 x 8 block */
+                __m256 r[8];
+                for (int i = 0; i < 8; i++) r[i] = ops_bf8(w + (n0 + 8 * h + i) * ldw + k0 + kk);
+                gb_transpose8(r);
+                for (int j = 0; j < 8; j++) _mm256_store_ps(b + (kk + j) * GB_NR + 8 * h, r[j]);
+            }
+    for (; kk < kc; kk++)
+        for (int j = 0; j < GB_NR; j++) b[kk * GB_NR + j] = n0 + j < n ? bf(w[(n0 + j) * ldw + k0 + kk]) : 0.0f;
+}
+#endif
+
+/* x [M, K] bf16 (row stride ldx) times w [N, K] bf16 (row stride ldw) (+ bias [N] bf16 or NULL) -> out [M, N]
+   bf16 (row stride ldo). 0; 1 bad arguments or not an AVX2 + FMA build; 2 no memory. */
+int llmsys_gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw, const uint16_t *bias,
+                     uint16_t *out, int64_t ldo, int64_t m_count, int64_t n, int64_t k, int threads) {
+    if (m_count <= 0 || n <= 0 || k <= 0 || ldx < k || ldw < k || ldo < n) return 1;
+#if defined(__AVX2__) && defined(__FMA__)
+    const int64_t panels = (m_count + GB_MR - 1) / GB_MR, mpad = panels * GB_MR;
+    float *a = aligned_alloc(64, sizeof(float) * (size_t)(mpad * k + 16));
+    if (!a) return 2;
+    const int64_t blocks = (n + GB_NR - 1) / GB_NR;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1 && blocks > 1 && m_count * n * k >= PAR_MIN)
+    {
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; p++) /* x as k-major panels of GB_MR rows (rows past M: zeros) */
+            for (int64_t r = 0; r < GB_MR; r++) {
+                const int64_t m = p * GB_MR + r;
+                float *ap = a + p * GB_MR * k + r;
+                if (m < m_count)
+                    for (int64_t kk = 0; kk < k; kk++) ap[kk * GB_MR] = bf(x[m * ldx + kk]);
+                else
+                    for (int64_t kk = 0; kk < k; kk++) ap[kk * GB_MR] = 0.0f;
+            }
+        float *b = aligned_alloc(64, sizeof(float) * GB_KC * GB_NR);
+        float *c = aligned_alloc(64, sizeof(float) * (size_t)(mpad * GB_NR));
+        if (!b || !c) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t blk = 0; blk < blocks; blk++) {
+            if (!b || !c) continue;
+            const int64_t n0 = blk * GB_NR;
+            for (int64_t k0 = 0; k0 < k; k0 += GB_KC) {
+                const int64_t kc = k - k0 < GB_KC ? k - k0 : GB_KC;
+                gb_pack_w(w, ldw, n, n0, k0, kc, b);
+                for (int64_t p = 0; p < panels; p++) {
+                    const int64_t mr = m_count - p * GB_MR < GB_MR ? m_count - p * GB_MR : GB_MR;
+                    const float *ap = a + p * GB_MR * k + k0 * GB_MR;
+                    float *cp = c + p * GB_MR * GB_NR;
+                    if (mr == GB_MR) gb_tile(ap, b, kc, cp, k0 == 0, GB_MR);
+                    else if (mr == 5) gb_tile(ap, b, kc, cp, k0 == 0, 5);
+                    else if (mr == 4) gb_tile(ap, b, kc, cp, k0 == 0, 4);
+                    else if (mr == 3) gb_tile(ap, b, kc, cp, k0 == 0, 3);
+                    else if (mr == 2) gb_tile(ap, b, kc, cp, k0 == 0, 2);
+                    else gb_tile(ap, b, kc, cp, k0 == 0, 1);
+                }
+            }
+            const int64_t nr = n - n0 < GB_NR ? n - n0 : GB_NR;
+            for (int64_t m = 0; m < m_count; m++)
+                for (int64_t j = 0; j < nr; j++) {
+                    const float v = c[m * GB_NR + j];
+                    out[m * ldo + n0 + j] = rne(bias ? v + bf(bias[n0 + j]) : v);
+                }
+        }
+        free(b);
+        free(c);
+    }
+    free(a);
+    return failed ? 2 : 0;
+#else
+    (void)x; (void)w; (void)bias; (void)out; (void)threads;
+    return 1;
+#endif
+}
+
 /* ------------------------------------------------------------ float32 GEMV (decode)
  *
  * out[m, n] = dot(x[m], w[n]) for float32 x and w in cpu_ops.h's order (ops_dot_f32: 16 lanes, each product

@@ -76,6 +76,8 @@ _SIGNATURES = {
     "llmsys_qgemv_int4o_a8": [_P, _I, _P, _P, _I, _I, _C, _P, _I, _I, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _C],
     "llmsys_qgemv_int4k_a8": [_P, _I, _P, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _C],
     "llmsys_gemv_bf16": [_P, _I, _P, _I, _P, _I, _I, _I, _I, _C],
+    "llmsys_gemm_bf16": [_P, _I, _P, _I, _P, _P, _I, _I, _I, _I, _C],
+    "llmsys_gemm_bf16_native": [],
     "llmsys_gemv_f32": [_P, _I, _P, _I, _P, _I, _I, _I, _I, _C],
     "llmsys_layer_attn_in": [_P, _P, _P, _P, _P, _I, _C],
     "llmsys_layer_mlp": [_P, _P, _P, _P, _P, _I, _C],
@@ -288,6 +290,54 @@ def bf16_gemv(x: torch.Tensor, weight: torch.Tensor, *, check: bool = True, lib=
     :func:`bf16_gemv_def`: the decode GEMV of bf16 layers (``cpu_linear``).
     ``check`` and ``lib`` as :func:`int8_gemv`."""
     return _plain_gemv("bf16_gemv", "llmsys_gemv_bf16", torch.bfloat16, x, weight, check, lib)
+
+
+def bf16_gemm_native(lib=None) -> bool:
+    """Whether the kernel is built with AVX2 + FMA, where :func:`bf16_gemm` runs (else it is not built)."""
+    lib = lib or _KERNEL.lib()
+    return lib is not None and bool(lib.llmsys_gemm_bf16_native())
+
+
+def bf16_gemm_def(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`bf16_gemm` in torch ops: ``c = fma(x[:, k], w[:, k], c)`` in float32 for k in order, then
+    ``bf16(c + bias)``. The FMA is emulated in float64, where a product of two bf16 values is exact and the
+    sum rounds once before the rounding to float32 (a double rounding can differ from the FMA's single one
+    only when the float64 sum lands on a float32 tie: ~2^-29 of the time). One step per column: for tests."""
+    xd, wd = x.double(), weight.double()
+    c = torch.zeros(x.shape[0], weight.shape[0], dtype=torch.float32)  # [M, N]
+    for i in range(x.shape[1]):
+        c = (xd[:, i : i + 1] * wd[:, i] + c.double()).float()
+    if bias is not None:
+        c = c + bias.float()
+    return c.to(torch.bfloat16)
+
+
+def bf16_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, check: bool = True,
+              lib=None) -> torch.Tensor:
+    """``x [M, K]`` bf16 times a plain bf16 ``weight [N, K]`` (+ ``bias [N]`` bf16), both with unit column
+    stride, ``-> [M, N]`` bf16: each output one float32 FMA chain over k in order, plus the bias, rounded
+    once (cpu_qgemv.c). A row's bits do not depend on the other rows, the threads or a row chunk of the
+    weight. The prompt GEMM of bf16 layers where oneDNN has no bf16 (``cpu_linear``); needs
+    :func:`bf16_gemm_native`. ``check`` and ``lib`` as :func:`int8_gemv`."""
+    n, k = weight.shape
+    if check:
+        for name, t, shape in (("x", x, (x.shape[0], k)), ("weight", weight, (n, k))):
+            if t.dtype != torch.bfloat16 or t.dim() != 2 or tuple(t.shape) != shape or t.stride(1) != 1 \
+                    or t.device.type != "cpu":
+                raise ValueError(f"bf16_gemm: {name} must be a CPU bfloat16 [{shape[0]}, {k}] tensor with unit "
+                                 f"column stride, got {t.dtype} {tuple(t.shape)} strides {t.stride()}")
+        if bias is not None and (bias.dtype != torch.bfloat16 or tuple(bias.shape) != (n,) or not bias.is_contiguous()):
+            raise ValueError(f"bf16_gemm: bias must be a contiguous bfloat16 [{n}] tensor, got {bias.dtype} "
+                             f"{tuple(bias.shape)}")
+    m = x.shape[0]
+    out = torch.empty(m, n, dtype=torch.bfloat16)
+    rc = (lib or _KERNEL.lib()).llmsys_gemm_bf16(x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0),
+                                                 None if bias is None else bias.data_ptr(), out.data_ptr(), n, m, n,
+                                                 k, torch.get_num_threads())
+    if rc:
+        raise RuntimeError(f"bf16_gemm: the C kernel failed (code {rc}) on M={m} N={n} K={k}"
+                           + (" (not an AVX2 + FMA build: see bf16_gemm_native)" if rc == 1 else ""))
+    return out
 
 
 def f32_gemv(x: torch.Tensor, weight: torch.Tensor, *, check: bool = True, lib=None) -> torch.Tensor:

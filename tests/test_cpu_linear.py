@@ -66,7 +66,8 @@ def test_bf16_batches_take_the_c_gemv_then_a_gemm(m):
     """bf16 batches of fewer than BF16_UPCAST_MIN_ROWS rows run the C bf16 GEMV on every CPU (its
     definition's bits, then bf16(y + bias): what the fused decode layers compute), or torch's bf16
     linear without the C kernels; bigger ones oneDNN's bf16 GEMM where it has one (torch's own linear),
-    else float32 sgemm on weight chunks (AVX2: the float32 product rounded once)."""
+    else the C bf16 GEMM (AVX2 + FMA builds: its definition's bits), else float32 sgemm on weight chunks
+    (the float32 product rounded once)."""
     w, b = _weights(torch.bfloat16, n=1000, k=256)
     x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)).bfloat16()
     with torch.inference_mode():
@@ -76,7 +77,10 @@ def test_bf16_batches_take_the_c_gemv_then_a_gemm(m):
     whole = (torch.mm(w.float(), x.float().t()).t() + b.float()).bfloat16()  # one sgemm, bias, one rounding
     assert torch.equal(up[0], whole)  # the weight's row chunks change no bits
     if m >= cpu_linear.BF16_UPCAST_MIN_ROWS:
-        want = F.linear(x, w, b) if cpu_linear._ONEDNN_BF16 else up[0]
+        if cpu_linear._ONEDNN_BF16:
+            want = F.linear(x, w, b)
+        else:
+            want = cpu_qgemv.bf16_gemm_def(x, w, b) if cpu_linear.bf16_gemm_applies(w, b) else up[0]
     elif cpu_linear.bf16_gemv_applies(w, b):
         want = cpu_qgemv.bf16_gemv_def(x, w) + b
     else:

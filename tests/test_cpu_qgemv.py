@@ -555,6 +555,43 @@ def test_bf16_gemv_is_its_definition(m, n, k):
 
 @needs_kernel
 @pytest.mark.parametrize("level", [None, *x86_levels()])  # None: the build this CPU loads
+def test_bf16_gemm_is_its_definition_and_batch_invariant(level, tmp_path):
+    """The C bf16 GEMM (bf16 prompts where oneDNN has no bf16): its definition bit for bit (one float32 FMA
+    chain per output over k in order, + bias, one rounding) on every AVX2 + FMA build this CPU runs, with M,
+    N and K tails (6-row panels, 16-row blocks, 256-column blocks) and strided rows of x; a row's bits are
+    the same alone, in any batch, from a row chunk of the weight and on one thread. Builds without AVX2 +
+    FMA say so and refuse."""
+    lib = None if level is None else other_isa_build(cpu_qgemv._SOURCE, cpu_qgemv._SIGNATURES, level, tmp_path)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(23, 300 + 5, generator=g).bfloat16()[:, :300]
+    w, b = (torch.randn(37, 300, generator=g) * 0.1).bfloat16(), torch.randn(37, generator=g).bfloat16()
+    if not cpu_qgemv.bf16_gemm_native(lib):
+        with pytest.raises(RuntimeError, match="not an AVX2 \\+ FMA build"):
+            cpu_qgemv.bf16_gemm(x, w, b, lib=lib)
+        return
+    y = cpu_qgemv.bf16_gemm(x, w, b, lib=lib)
+    assert torch.equal(_bits(y), _bits(cpu_qgemv.bf16_gemm_def(x, w, b)))
+    assert torch.equal(_bits(cpu_qgemv.bf16_gemm(x, w, lib=lib)), _bits(cpu_qgemv.bf16_gemm_def(x, w)))
+    for rows in (slice(0, 1), slice(5, 12), slice(17, 23)):
+        assert torch.equal(_bits(cpu_qgemv.bf16_gemm(x[rows], w, b, lib=lib)), _bits(y[rows]))
+    parts = [cpu_qgemv.bf16_gemm(x, w[r0:r1], b[r0:r1], lib=lib) for r0, r1 in ((0, 16), (16, 21), (21, 37))]
+    assert torch.equal(_bits(torch.cat(parts, 1)), _bits(y))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(_bits(cpu_qgemv.bf16_gemm(x, w, b, lib=lib)), _bits(y))
+    finally:
+        torch.set_num_threads(threads)
+    ref = x.double() @ w.double().t() + b.double()
+    assert (y.double() - ref).abs().max() <= 2**-7 * ref.abs().max()
+    with pytest.raises(ValueError, match="bf16_gemm: bias must be a contiguous bfloat16 \\[37\\]"):
+        cpu_qgemv.bf16_gemm(x, w, b.float(), lib=lib)
+    with pytest.raises(ValueError, match=r"bf16_gemm: weight must be a CPU bfloat16 \[37, 300\]"):
+        cpu_qgemv.bf16_gemm(x, w.float(), lib=lib)
+
+
+@needs_kernel
+@pytest.mark.parametrize("level", [None, *x86_levels()])  # None: the build this CPU loads
 @pytest.mark.parametrize("k", [96, 100])  # whole 32-column blocks, and a tail block
 def test_a8_edge_values_are_the_definition_on_every_build(k, level, tmp_path):
     """x with NaN, infinities, all-zero blocks, subnormals and huge values: the C a8 quantization (vector
