@@ -336,7 +336,7 @@ def bf16_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
                                                  k, torch.get_num_threads())
     if rc:
         raise RuntimeError(f"bf16_gemm: the C kernel failed (code {rc}) on M={m} N={n} K={k}"
-                           + (" (not an AVX2 + FMA build: see bf16_gemm_native)" if rc == 1 else ""))
+                           + (" (bad arguments, or not an AVX2 + FMA build: see bf16_gemm_native)" if rc == 1 else ""))
     return out
 
 
