@@ -2,7 +2,7 @@
 """Perplexity of every weight and KV format on every x86-64 ISA level: natively and under qemu-user.
 
 For each level (this CPU's own, then ``qemu-x86_64 -cpu Haswell`` (x86-64-v3)
-and ``-cpu Nehalem`` (x86-64, no AVX); Haswell is skipped when it is the
+and ``-cpu Nehalem`` (x86-64-v2, no AVX); Haswell is skipped when it is the
 native level) it scores stories260k on the TinyStories validation text
 (``--ctx 256 --limit 2048``, as ``llmsys perplexity``) in float32, bf16, int8,
 fp8, int4 RTN, a GPTQ int4 checkpoint made once natively by ``llmsys quantize``
@@ -43,7 +43,7 @@ FORMATS = {
     "int8 KV": (dict(dtype="float32", kv_dtype="int8"), 0.01),
     "int4 KV": (dict(dtype="float32", kv_dtype="int4"), 0.03),
 }
-CPUS = {"Haswell": "x86-64-v3", "Nehalem": "x86-64"}
+CPUS = {"Haswell": "x86-64-v3", "Nehalem": "x86-64-v2"}
 
 
 def inner(gptq: str) -> None:

@@ -24,6 +24,7 @@ enum {
     F_AVX2 = 1 << 0, F_FMA = 1 << 1, F_F16C = 1 << 2, F_BMI2 = 1 << 3,
     F_AVX512F = 1 << 4, F_AVX512BW = 1 << 5, F_AVX512DQ = 1 << 6, F_AVX512VL = 1 << 7,
     F_AVX512CD = 1 << 8, F_AVX512BF16 = 1 << 9, F_AVX512VNNI = 1 << 10,
+    F_SSSE3 = 1 << 11, F_SSE41 = 1 << 12, F_SSE42 = 1 << 13, F_POPCNT = 1 << 14,
     F_NEON = 1 << 16, F_DOTPROD = 1 << 17, F_FP16 = 1 << 18,
 };
 
@@ -31,6 +32,10 @@ int64_t llmsys_cpu_features(void) {
     int64_t f = 0;
 #if defined(__x86_64__)
     __builtin_cpu_init();
+    if (__builtin_cpu_supports("ssse3")) f |= F_SSSE3;
+    if (__builtin_cpu_supports("sse4.1")) f |= F_SSE41;
+    if (__builtin_cpu_supports("sse4.2")) f |= F_SSE42;
+    if (__builtin_cpu_supports("popcnt")) f |= F_POPCNT;
     if (__builtin_cpu_supports("avx2")) f |= F_AVX2;
     if (__builtin_cpu_supports("fma")) f |= F_FMA;
     if (__builtin_cpu_supports("f16c")) f |= F_F16C;
