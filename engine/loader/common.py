@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from llmsys.kernels.common.errors import CheckpointError, ModelNotFoundError, UnsupportedModelError
+from llmsys.kernels.common.memory import release_free_heap
 from llmsys.engine.loader import validate
 from llmsys.engine.models import family_for, is_multimodal, text_config
 from llmsys.engine.models.base import DecoderModel, TransformerArgs, rope_cache
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
 # quantized layer: (qualified name, weight [N, K], bias | None) -> module or None.
 MakeLinear = Callable[[str, torch.Tensor, "torch.Tensor | None"], "nn.Module | None"]
 EMBED = "model.embed_tokens.weight"
+TRIM_EVERY_BYTES = 32 << 20  # quantizing at load: the C heap handed back after this many bytes of weights
 
 
 @dataclass
@@ -180,6 +182,8 @@ def materialize(
     linears = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     read = _checked_reader(model, read, source, check_finite)
     done: set[str] = set()
+    sizes = {n: p.numel() * p.element_size() for n, p in model.named_parameters(remove_duplicate=False)}
+    untrimmed = 0  # bytes of weights converted since the C heap was last handed back
     for name in _progress(wanted, progress, "loading"):
         if name in done:
             continue
@@ -188,6 +192,13 @@ def materialize(
         dev = offload.device_for(name, device) if offload is not None else device
         before = set(done)
         _materialize_one(model, name, names, linears, done, read, dtype, dev, make_linear)
+        untrimmed += sizes.get(name, 0)
+        if make_linear is not None and untrimmed >= TRIM_EVERY_BYTES:
+            # Quantizing at load frees float32 temporaries of up to QUANT_CHUNK_BYTES a piece; glibc keeps them
+            # (its mmap threshold rises as they are freed), so the load's peak RSS depended on the heap's luck:
+            # a bf16 SmolLM2-135M to int8 peaked at 406-815 MiB over runs, 407-420 with this.
+            release_free_heap()
+            untrimmed = 0
         if offload is not None:
             for n in [name, *sorted(done - before - {name})]:
                 offload.loaded(n, model)
