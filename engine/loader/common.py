@@ -196,7 +196,7 @@ def materialize(
         if make_linear is not None and untrimmed >= TRIM_EVERY_BYTES:
             # Quantizing at load frees float32 temporaries of up to QUANT_CHUNK_BYTES a piece; glibc keeps them
             # (its mmap threshold rises as they are freed), so the load's peak RSS depended on the heap's luck:
-            # a bf16 SmolLM2-135M to int8 peaked at 406-815 MiB over runs, 407-420 with this.
+            # a bf16 SmolLM2-135M to int8 peaked at 406-815 MiB over runs, 404-447 with this.
             release_free_heap()
             untrimmed = 0
         if offload is not None:
