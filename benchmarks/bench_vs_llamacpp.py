@@ -179,27 +179,20 @@ def type_mix(path: Path) -> str:
 
 def machine_line() -> str:
     """The CPU, the ISA level each engine runs at (what every figure must name)."""
-    import platform
-
     import torch
 
     from llmsys.kernels import cpu_qgemv
+    from llmsys.offload.bandwidth import machine_fingerprint
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        info = dict(ln.split(":", 1) for ln in Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines()
-                    if ":" in ln)
-        info = {k.strip(): v.strip() for k, v in info.items()}
-        cpu = f"{info['model name']} (family {info['cpu family']} model {info['model']})"
-    except (OSError, KeyError, ValueError):
-        pass
+    fp = machine_fingerprint()  # the planner's own record of the CPU: model name, family / model / stepping
     try:
         import llama_cpp
 
         llama = llama_cpp.llama_print_system_info().decode().strip()
     except Exception as exc:  # noqa: BLE001 - only a description
         llama = f"not importable ({exc})"
-    return (f"Machine: {cpu}; llmsys C kernels: {cpu_qgemv.kernel_status().split(' /')[0]}; torch {torch.__version__} at "
+    return (f"Machine: {fp['cpu_model']} (family/model/stepping {fp['cpu_id']}); llmsys C kernels: "
+            f"{cpu_qgemv.kernel_status().split(' /')[0]}; torch {torch.__version__} at "
             f"{torch.backends.cpu.get_cpu_capability()}; llama.cpp: {llama}")
 
 

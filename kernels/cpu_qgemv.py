@@ -321,11 +321,7 @@ def bf16_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     :func:`bf16_gemm_native`. ``check`` and ``lib`` as :func:`int8_gemv`."""
     n, k = weight.shape
     if check:
-        for name, t, shape in (("x", x, (x.shape[0], k)), ("weight", weight, (n, k))):
-            if t.dtype != torch.bfloat16 or t.dim() != 2 or tuple(t.shape) != shape or t.stride(1) != 1 \
-                    or t.device.type != "cpu":
-                raise ValueError(f"bf16_gemm: {name} must be a CPU bfloat16 [{shape[0]}, {k}] tensor with unit "
-                                 f"column stride, got {t.dtype} {tuple(t.shape)} strides {t.stride()}")
+        _check_plain("bf16_gemm", torch.bfloat16, "bfloat16", x, weight)
         if bias is not None and (bias.dtype != torch.bfloat16 or tuple(bias.shape) != (n,) or not bias.is_contiguous()):
             raise ValueError(f"bf16_gemm: bias must be a contiguous bfloat16 [{n}] tensor, got {bias.dtype} "
                              f"{tuple(bias.shape)}")
@@ -347,16 +343,22 @@ def f32_gemv(x: torch.Tensor, weight: torch.Tensor, *, check: bool = True, lib=N
     return _plain_gemv("f32_gemv", "llmsys_gemv_f32", torch.float32, x, weight, check, lib)
 
 
+def _check_plain(op: str, dtype: torch.dtype, dname: str, x: torch.Tensor, weight: torch.Tensor) -> None:
+    """x [M, K] and weight [N, K]: CPU tensors of ``dtype`` (called ``dname``) with unit column stride, or a
+    one-line error."""
+    n, k = weight.shape
+    for name, t, shape in (("x", x, (x.shape[0], k)), ("weight", weight, (n, k))):
+        if t.dtype != dtype or t.dim() != 2 or tuple(t.shape) != shape or t.stride(1) != 1 or t.device.type != "cpu":
+            raise ValueError(f"{op}: {name} must be a CPU {dname} [{shape[0]}, {k}] tensor with unit "
+                             f"column stride, got {t.dtype} {tuple(t.shape)} strides {t.stride()}")
+
+
 def _plain_gemv(op: str, symbol: str, dtype: torch.dtype, x: torch.Tensor, weight: torch.Tensor, check: bool,
                 lib) -> torch.Tensor:
     """:func:`bf16_gemv` / :func:`f32_gemv`: x and weight of ``dtype``, out of ``dtype``."""
     n, k = weight.shape
     if check:
-        for name, t, shape in (("x", x, (x.shape[0], k)), ("weight", weight, (n, k))):
-            if t.dtype != dtype or t.dim() != 2 or tuple(t.shape) != shape or t.stride(1) != 1 \
-                    or t.device.type != "cpu":
-                raise ValueError(f"{op}: {name} must be a CPU {_dname(dtype)} [{shape[0]}, {k}] tensor with unit "
-                                 f"column stride, got {t.dtype} {tuple(t.shape)} strides {t.stride()}")
+        _check_plain(op, dtype, _dname(dtype), x, weight)
     m = x.shape[0]
     out = torch.empty(m, n, dtype=dtype)
     rc = getattr(lib or _KERNEL.lib(), symbol)(x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0),
