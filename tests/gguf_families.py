@@ -1,0 +1,136 @@
+"""GGUF files of every family llmsys runs, made the way the world makes them.
+
+A tiny random transformers checkpoint per family (``tiny_models.make_hf_model``, fixed seed), with the
+kind of tokenizer the family ships (SentencePiece for Gemma, Phi-3 and Mixtral, trained here with
+``sentencepiece``; byte-level BPE for the rest), converted by llama.cpp's own ``convert_hf_to_gguf.py``
+and quantized by llama.cpp's quantizer (``engine.bench.llamacpp_convert``). Files are cached under
+``$LLMSYS_HOME/test-gguf`` keyed by family, format and :data:`VERSION`, so a second run converts nothing.
+
+Sizes: 256-wide matrices, so llama.cpp's K-quants (256-column super-blocks) apply as they do to real
+models instead of falling back to Q5_0 / Q8_0.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tiny_models import make_hf_model
+
+VERSION = 1  # bump when the checkpoints or tokenizers made here change
+SIZES = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
+TEXT = [
+    "Once upon a time there was a little girl who loved to play in the park.",
+    "The quick brown fox jumps over the lazy dog. Hello, world! 12345",
+    "def main():\n    print('hello')\n",
+    "Lily and Ben went to the park. They saw a big red ball and ran to get it.",
+    "Tom had a small dog named Spot. Spot liked to run and jump in the green grass.",
+] * 20
+
+
+@dataclass(frozen=True)
+class Family:
+    """One family as its GGUF files hold it: the tiny checkpoint kind, the config changes llama.cpp needs
+    (every layer of a Qwen-MoE sparse: llama.cpp has no dense layers there), the tokenizer (``spm`` or a
+    byte-level BPE pre-tokenizer name) and llama.cpp's architecture name."""
+
+    kind: str
+    arch: str
+    tokenizer: str
+    overrides: dict[str, Any] = field(default_factory=dict)
+    moe: bool = False
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family("llama", "llama", "llama-bpe"),
+    "qwen2": Family("qwen2", "qwen2", "qwen2"),
+    "qwen3": Family("qwen3", "qwen3", "qwen2", dict(head_dim=64)),
+    "gemma2": Family("gemma2", "gemma2", "spm", dict(head_dim=64, query_pre_attn_scalar=64)),
+    "gemma3": Family("gemma3", "gemma3", "spm", dict(head_dim=64, query_pre_attn_scalar=64)),
+    "phi3": Family("phi3", "phi3", "spm"),
+    "mixtral": Family("mixtral", "llama", "spm", moe=True),
+    "qwen2moe": Family("qwen2_moe", "qwen2moe", "qwen2",
+                       dict(decoder_sparse_step=1, moe_intermediate_size=256, shared_expert_intermediate_size=512),
+                       moe=True),
+    "qwen3moe": Family("qwen3_moe", "qwen3moe", "qwen2", dict(head_dim=64, mlp_only_layers=[],
+                                                             moe_intermediate_size=256), moe=True),
+    "gpt-oss": Family("gpt_oss", "gpt-oss", "gpt-4o", dict(head_dim=64, intermediate_size=256), moe=True),
+}
+FLOAT_TYPES = ("f16",)
+QUANT_TYPES = ("q8_0", "q4_0", "q4_K_M")
+
+
+def cache_root() -> Path:
+    from llmsys.kernels.common.paths import llmsys_home
+
+    return llmsys_home() / "test-gguf" / f"v{VERSION}"
+
+
+def need_converter() -> None:
+    """Skip the calling test, saying why, where llama.cpp's converter or quantizer cannot be had."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        pytest.skip('llama-cpp-python is not installed (pip install -e ".[llamacpp]", ~15 min build): its '
+                    "converter and quantizer make these files")
+    from llmsys.engine.bench.llamacpp_convert import converter_source
+    from llmsys.kernels.common.errors import LLMSysError
+
+    try:
+        converter_source()
+    except LLMSysError as exc:
+        pytest.skip(str(exc))
+
+
+def write_spm_tokenizer(out: Path, vocab_size: int) -> None:
+    """A SentencePiece BPE model with byte fallback (as Llama 2, Gemma, Phi-3 and Mixtral ship) trained on a
+    few sentences: ``tokenizer.model`` and the ``tokenizer_config.json`` the converter reads."""
+    import sentencepiece as spm
+
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(TEXT), model_writer=model, vocab_size=min(vocab_size, 400), model_type="bpe",
+        byte_fallback=True, character_coverage=1.0, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+        hard_vocab_limit=False, minloglevel=2)
+    (out / "tokenizer.model").write_bytes(model.getvalue())
+    (out / "tokenizer.json").unlink(missing_ok=True)  # the converter reads tokenizer.model
+    cfg = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": True,
+           "tokenizer_class": "LlamaTokenizer"}
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg))
+
+
+def hf_checkpoint(name: str, root: Path | None = None) -> Path:
+    """The tiny checkpoint of family ``name`` (cached), its tokenizer of the family's kind."""
+    fam = FAMILIES[name]
+    out = (root or cache_root()) / name / "hf"
+    if (out / "config.json").exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    make_hf_model(fam.kind, out, seed=7, **{**SIZES, **fam.overrides})
+    if fam.tokenizer == "spm":
+        write_spm_tokenizer(out, SIZES["vocab_size"])
+    return out
+
+
+def converted(name: str, fmt: str) -> Path:
+    """Family ``name``'s GGUF at ``fmt`` (f16: the converter's; q8_0 / q4_0 / q4_K_M: llama.cpp's quantizer
+    of the f16 file), made once and cached."""
+    from llmsys.engine.bench.gguf_export import quantize
+    from llmsys.engine.bench.llamacpp_convert import convert
+
+    need_converter()
+    fam = FAMILIES[name]
+    path = cache_root() / name / f"{name}.{fmt}.gguf"
+    if path.exists():
+        return path
+    folder = hf_checkpoint(name)
+    if fmt in FLOAT_TYPES:
+        pre = None if fam.tokenizer == "spm" else fam.tokenizer
+        return convert(folder, path, fmt, pre=pre)
+    return quantize(converted(name, "f16"), path, fmt, threads=min(2, os.cpu_count() or 1))
