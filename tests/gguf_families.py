@@ -23,7 +23,7 @@ import pytest
 
 from tiny_models import make_hf_model
 
-VERSION = 1  # bump when the checkpoints or tokenizers made here change
+VERSION = 2  # bump when the checkpoints or tokenizers made here change
 SIZES = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
 TEXT = [
     "Once upon a time there was a little girl who loved to play in the park.",
@@ -52,7 +52,9 @@ FAMILIES: dict[str, Family] = {
     "qwen2": Family("qwen2", "qwen2", "qwen2"),
     "qwen3": Family("qwen3", "qwen3", "qwen2", dict(head_dim=64)),
     "gemma2": Family("gemma2", "gemma2", "spm", dict(head_dim=64, query_pre_attn_scalar=64)),
-    "gemma3": Family("gemma3", "gemma3", "spm", dict(head_dim=64, query_pre_attn_scalar=64)),
+    # Gemma 3: llama.cpp's five sliding layers to one global (layer 5), as transformers derives them by default
+    "gemma3": Family("gemma3", "gemma3", "spm", dict(head_dim=64, query_pre_attn_scalar=64, num_hidden_layers=6,
+                                                     layer_types=None)),
     "phi3": Family("phi3", "phi3", "spm"),
     "mixtral": Family("mixtral", "llama", "spm", moe=True),
     "qwen2moe": Family("qwen2_moe", "qwen2moe", "qwen2",

@@ -47,7 +47,7 @@ file open or its pages in the process's RSS after loading.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -62,12 +62,26 @@ from llmsys.kernels.common.errors import CheckpointError, UnsupportedModelError
 if TYPE_CHECKING:
     from llmsys.offload.plan import WeightBytes
 
-# llama.cpp architecture -> (HF model_type, HF architectures entry, q/k rows interleaved in the file)
+# llama.cpp architecture -> (HF model_type, HF architectures entry, q/k rows interleaved in the file). A
+# ``llama`` file with ``llama.expert_count`` is Mixtral (:data:`MOE_ARCHS`).
 ARCHS: dict[str, tuple[str, str, bool]] = {
     "llama": ("llama", "LlamaForCausalLM", True),
     "qwen2": ("qwen2", "Qwen2ForCausalLM", False),
     "qwen3": ("qwen3", "Qwen3ForCausalLM", False),
+    "gemma2": ("gemma2", "Gemma2ForCausalLM", False),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM", False),
+    "phi3": ("phi3", "Phi3ForCausalLM", False),
+    "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM", False),
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM", False),
+    "gpt-oss": ("gpt_oss", "GptOssForCausalLM", False),
 }
+MOE_ARCHS = {"llama": ("mixtral", "MixtralForCausalLM", True)}  # the same file layout with experts
+# llama.cpp's converter stores Gemma's RMSNorm weights as 1 + w (GemmaRMSNorm scales by 1 + w): the reader
+# takes the 1 back off, so the family code (which adds it in float32) computes the file's own factor.
+NORM_SHIFT_ARCHS = frozenset({"gemma2", "gemma3"})
+# Gemma's attention scale is 1/sqrt(head_dim), except the 27B models' 1/sqrt(hidden / heads) (llama.cpp
+# decides it by the layer count, as here: Gemma 2 27B has 46 layers, Gemma 3 27B 62).
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 # HF config field -> the GGUF metadata key (after "<arch>.") it is read from (hf_config), for messages.
 _GGUF_KEYS = {
     "hidden_size": "embedding_length", "intermediate_size": "feed_forward_length", "num_hidden_layers": "block_count",
@@ -95,8 +109,37 @@ LAYER_NAMES = {
 }
 TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
              "output.weight": "lm_head.weight"}
+# Per-architecture names that differ from (or add to) LAYER_NAMES. Gemma's four norms around attention and the
+# MLP; gpt-oss's pre-MLP norm is llama.cpp's post_attention_norm; Phi-3's fused q|k|v and gate|up (llama.cpp's
+# ffn_up holds gate then up, as the checkpoint's gate_up_proj); Qwen2-MoE's shared expert and its gate.
+_GEMMA_NAMES = {
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+ARCH_LAYER_NAMES: dict[str, dict[str, str]] = {
+    "gemma2": _GEMMA_NAMES,
+    "gemma3": _GEMMA_NAMES,
+    "phi3": {"attn_qkv.weight": "self_attn.qkv_proj.weight", "attn_qkv.bias": "self_attn.qkv_proj.bias",
+             "ffn_up.weight": "mlp.gate_up_proj.weight"},
+    "gpt-oss": {"post_attention_norm.weight": "post_attention_layernorm.weight",
+                "attn_sinks.weight": "self_attn.sinks", "attn_output.bias": "self_attn.o_proj.bias"},
+}
+# Mixture-of-experts tensors (every MoE architecture): the router and Qwen2-MoE's shared expert ...
+MOE_NAMES = {
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_inp.bias": "mlp.gate.bias",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+}
+# ... and the experts, stacked in one tensor per projection (ggml ``ne`` = [in, out, experts]): expert e of
+# ``ffn_gate_exps.weight`` is HF's ``mlp.experts.{e}.gate_proj.weight`` (its bias likewise, gpt-oss).
+EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 INTEGER_TYPES = ("I8", "I16", "I32", "I64")  # ggml's plain integer tensors: never a weight of these models
-IGNORED = {"rope_freqs.weight"}  # read into the config (rope scaling), not a model tensor
+# read into the config (rope scaling), not model tensors
+IGNORED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 # Rows dequantized per piece: bounds the float32 transient of a big table (a 151936-row embedding).
 DEQUANT_ROWS = 8192
 # The block formats kept as codes, and what they become: Q4_0 is int4 with group 32, zero 8 and fp16 scales
@@ -146,14 +189,36 @@ def is_gguf(path: Path) -> bool:
         return False
 
 
-def hf_name(name: str) -> str | None:
-    """The HF name of a llama.cpp tensor name; None for one llmsys does not map."""
+def hf_name(name: str, arch: str = "llama") -> str | None:
+    """The HF name of a llama.cpp tensor name of architecture ``arch``; None for one llmsys does not map (or
+    a stacked expert tensor: :func:`expert_names`)."""
     if name in TOP_NAMES:
         return TOP_NAMES[name]
     parts = name.split(".", 2)  # blk.N.<suffix>
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}"
-    return None
+    if len(parts) != 3 or parts[0] != "blk" or not parts[1].isdigit():
+        return None
+    suffix = parts[2]
+    hf = ARCH_LAYER_NAMES.get(arch, {}).get(suffix) or MOE_NAMES.get(suffix) or LAYER_NAMES.get(suffix)
+    return f"model.layers.{parts[1]}.{hf}" if hf else None
+
+
+def expert_names(name: str, n_experts: int) -> list[str] | None:
+    """HF names of the experts stacked in llama.cpp tensor ``name`` (``blk.N.ffn_gate_exps.weight`` -> expert e's
+    ``model.layers.N.mlp.experts.{e}.gate_proj.weight``), or None for any other tensor."""
+    parts = name.split(".")  # blk, N, ffn_gate_exps, weight|bias
+    if len(parts) != 4 or parts[0] != "blk" or not parts[1].isdigit() or parts[2] not in EXPERT_NAMES:
+        return None
+    return [f"model.layers.{parts[1]}.mlp.experts.{e}.{EXPERT_NAMES[parts[2]]}.{parts[3]}" for e in range(n_experts)]
+
+
+def expert_slice(t: TensorEntry, e: int, n_experts: int) -> TensorEntry:
+    """Expert ``e``'s part of a stacked expert tensor (ggml ``ne`` = ``[in, out, experts]`` or ``[out, experts]``
+    for a bias): the experts lie one after the other, so it is a plain tensor at an offset."""
+    if t.shape[-1] != n_experts or t.nbytes % n_experts:
+        raise CheckpointError(f"tensor {t.name} has shape {list(t.shape)}; its last dimension must be the "
+                              f"{n_experts} experts the metadata states")
+    size = t.nbytes // n_experts
+    return replace(t, name=f"{t.name}[{e}]", shape=tuple(t.shape[:-1]), offset=t.offset + e * size, nbytes=size)
 
 
 def hf_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -218,7 +283,7 @@ def hf_config(path: Path, header: GGUFHeader | None = None) -> dict[str, Any]:
         raise UnsupportedModelError(
             f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(ARCHS)}"
         )
-    model_type, hf_arch, _ = ARCHS[arch]
+    model_type, hf_arch, _ = arch_spec(arch, meta)
 
     def need(key: str) -> Any:
         v = meta.get(f"{arch}.{key}")
@@ -241,7 +306,7 @@ def hf_config(path: Path, header: GGUFHeader | None = None) -> dict[str, Any]:
         "architectures": [hf_arch],
         "model_type": model_type,
         "hidden_size": need("embedding_length"),
-        "intermediate_size": need("feed_forward_length"),
+        "intermediate_size": meta.get(f"{arch}.feed_forward_length") if arch in _MOE_ONLY else need("feed_forward_length"),
         "num_hidden_layers": need("block_count"),
         "num_attention_heads": heads,
         "num_key_value_heads": meta.get(f"{arch}.attention.head_count_kv", heads),
@@ -260,21 +325,95 @@ def hf_config(path: Path, header: GGUFHeader | None = None) -> dict[str, Any]:
     if eos_ids:
         ints = all(isinstance(v, int) for v in eos_ids)
         cfg["eos_token_id"] = sorted(set(eos_ids), key=eos_ids.index) if ints else eos_ids
+    cfg.update(_family_fields(path, arch, meta, cfg, {t.name: t for t in h.tensors}))
     validate.check_config(cfg, origin(path, arch))
     head_dim = cfg["head_dim"] or cfg["hidden_size"] // heads
     rope_dims = meta.get(f"{arch}.rope.dimension_count")
     if rope_dims is not None and rope_dims != head_dim:
-        raise UnsupportedModelError(f"{path}: partial RoPE ({rope_dims} of {head_dim} dims) is not supported")
+        if arch != "phi3":  # Phi-4-mini rotates part of each head (partial_rotary_factor, set above)
+            raise UnsupportedModelError(f"{path}: partial RoPE ({rope_dims} of {head_dim} dims) is not supported")
     scaling = meta.get(f"{arch}.rope.scaling.type")
     if scaling == "linear":
         cfg["rope_scaling"] = {"rope_type": "linear", "factor": _f32(need("rope.scaling.factor"))}
+    elif scaling == "yarn" and arch == "gpt-oss":
+        cfg["rope_scaling"] = {
+            "rope_type": "yarn", "factor": _f32(need("rope.scaling.factor")),
+            "beta_fast": _f32(meta.get(f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
+            "beta_slow": _f32(meta.get(f"{arch}.rope.scaling.yarn_beta_slow", 1.0)),
+            "original_max_position_embeddings": need("rope.scaling.original_context_length"), "truncate": False}
     elif scaling not in (None, "none"):
-        raise UnsupportedModelError(f"{path}: GGUF rope scaling {scaling!r} is not supported (linear and llama3 are)")
+        raise UnsupportedModelError(f"{path}: GGUF rope scaling {scaling!r} is not supported (linear and llama3 are"
+                                    ", and yarn for gpt-oss)")
     if "rope_freqs.weight" in names:  # Llama 3.x: llama.cpp's per-frequency divisors
         t = next(t for t in h.tensors if t.name == "rope_freqs.weight")
         cfg["rope_scaling"] = {"rope_type": "freq_factors",
                                "factors": [float(v) for v in read_bytes(path, t).view(np.float32)]}
     return cfg
+
+
+_MOE_ONLY = frozenset({"qwen2moe", "qwen3moe", "gpt-oss"})  # no dense MLP width needed
+
+
+def arch_spec(arch: str, meta: dict[str, Any]) -> tuple[str, str, bool]:
+    """(HF model_type, HF architecture, q/k rows interleaved) of a file of llama.cpp architecture ``arch``."""
+    if arch in MOE_ARCHS and meta.get(f"{arch}.expert_count"):
+        return MOE_ARCHS[arch]
+    return ARCHS[arch]
+
+
+def _family_fields(path: Path, arch: str, meta: dict[str, Any], cfg: dict[str, Any],
+                   tensors: dict[str, TensorEntry]) -> dict[str, Any]:
+    """The HF config fields one family reads beyond the common ones, from ``<arch>.*`` keys as llama.cpp's
+    converter writes them and llama.cpp reads them (its defaults where a key is absent)."""
+    def get(key: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{key}", default)
+
+    heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
+    head_dim = cfg["head_dim"] or (hidden // heads if isinstance(hidden, int) and isinstance(heads, int) else None)
+    out: dict[str, Any] = {}
+    experts = get("expert_count")
+    if experts:
+        out.update(num_local_experts=experts, num_experts=experts, num_experts_per_tok=get("expert_used_count"),
+                   moe_intermediate_size=get("expert_feed_forward_length", cfg["intermediate_size"]))
+    if arch in ("gemma2", "gemma3"):
+        big = cfg["num_hidden_layers"] == GEMMA_27B_LAYERS[arch]
+        out.update(hidden_activation="gelu_pytorch_tanh", sliding_window=get("attention.sliding_window"),
+                   query_pre_attn_scalar=hidden // heads if big else head_dim,
+                   final_logit_softcapping=_f32(get("final_logit_softcapping")),
+                   attn_logit_softcapping=_f32(get("attn_logit_softcapping")))
+        if arch == "gemma3":  # llama.cpp's Gemma 3: five sliding layers to one global, the local RoPE base apart
+            out.update(sliding_window_pattern=6, layer_types=None,
+                       rope_local_base_freq=_f32(get("rope.freq_base_swa", 10000.0)))
+    elif arch == "phi3":
+        rope_dims = get("rope.dimension_count")
+        if rope_dims and head_dim:
+            out["partial_rotary_factor"] = rope_dims / head_dim
+        out["sliding_window"] = get("attention.sliding_window")
+        if "rope_factors_long.weight" in tensors:  # LongRoPE (Phi-3.5 / Phi-4-mini): the tables are tensors
+            out["original_max_position_embeddings"] = get("rope.scaling.original_context_length")
+            out["rope_scaling"] = {"rope_type": "longrope",
+                                   "long_factor": _tensor_list(path, tensors, "rope_factors_long.weight"),
+                                   "short_factor": _tensor_list(path, tensors, "rope_factors_short.weight"),
+                                   "original_max_position_embeddings": out["original_max_position_embeddings"]}
+    elif arch == "qwen2moe":  # llama.cpp: every layer sparse, top-k weights not renormalised
+        out.update(decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=False, qkv_bias=True,
+                   shared_expert_intermediate_size=get("expert_shared_feed_forward_length"))
+    elif arch == "qwen3moe":  # llama.cpp: every layer sparse, top-k weights renormalised
+        out.update(decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
+    elif arch == "gpt-oss":
+        out.update(intermediate_size=get("expert_feed_forward_length"), sliding_window=get("attention.sliding_window"),
+                   attention_bias=True, layer_types=None)
+    elif arch == "llama" and experts:  # Mixtral: no sliding window in llama.cpp's llama graph
+        out.update(intermediate_size=cfg["intermediate_size"], sliding_window=None)
+    return {k: v for k, v in out.items() if v is not None or k in ("layer_types", "sliding_window")}
+
+
+def _tensor_list(path: Path, tensors: dict[str, TensorEntry], name: str) -> list[float]:
+    """A small float32 tensor's values (Phi-3's LongRoPE factor tables)."""
+    t = tensors.get(name)
+    if t is None:
+        raise CheckpointError(f"{path}: LongRoPE needs both rope_factors_long and rope_factors_short; {name} is absent")
+    return [float(v) for v in read_bytes(path, t).view(np.float32)]
 
 
 class GGUFIndex:
@@ -290,15 +429,22 @@ class GGUFIndex:
     def __init__(self, path: Path, header: GGUFHeader, config: dict[str, Any]):
         self.path = path
         self.config = config
-        self.arch = header.fields["general.architecture"]  # llama.cpp's name: llama, qwen2, qwen3
-        arch = ARCHS[self.arch]
-        self._interleaved = arch[2]
+        self.arch = header.fields["general.architecture"]  # llama.cpp's name: llama, qwen2, gemma3, qwen3moe ...
+        self._interleaved = arch_spec(self.arch, header.fields)[2]
         self._heads = config["num_attention_heads"]
         self._kv_heads = config["num_key_value_heads"]
+        # Gemma's norms are stored as 1 + w (NORM_SHIFT_ARCHS)
+        self._norm_shift = 1.0 if self.arch in NORM_SHIFT_ARCHS else 0.0
+        n_experts = config.get("num_local_experts") or 0
         self._tensors: dict[str, TensorEntry] = {}
         unknown = []
         for t in header.tensors:
-            h = hf_name(t.name)
+            h = hf_name(t.name, self.arch)
+            stacked = expert_names(t.name, n_experts) if n_experts else None
+            if stacked is not None:
+                for e, name in enumerate(stacked):
+                    self._tensors[name] = expert_slice(t, e, n_experts)
+                continue
             if h is None:
                 if t.name not in IGNORED:
                     unknown.append(t.name)
@@ -356,6 +502,8 @@ class GGUFIndex:
     def read(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``name`` as a float tensor of ``dtype`` in HF layout (q/k rows in rotate-half order)."""
         t = self._tensors[name]
+        if self._norm_shift and name.endswith("norm.weight"):  # the file's 1 + w, as float32, less the 1
+            return (self._dequantize(t, torch.float32) - self._norm_shift).to(dtype)
         return self._rows_in_hf_order(name, self._dequantize(t, dtype))
 
     def int4_tensors(self, name: str) -> dict[str, torch.Tensor]:
