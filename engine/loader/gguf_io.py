@@ -460,6 +460,10 @@ class GGUFIndex:
     def __contains__(self, name: str) -> bool:
         return name in self._tensors
 
+    def names(self) -> list[str]:
+        """Every HF tensor name the file holds (each expert of a stacked tensor apart)."""
+        return list(self._tensors)
+
     def layers(self) -> set[int]:
         """The layer numbers the file's tensors hold (``blk.N.*``), for ``validate.check_layers``."""
         return validate.layer_indices(self._tensors)
