@@ -24,7 +24,12 @@ from test_gguf_loading import _logits  # noqa: E402
 NAMES = tuple(FAMILIES)
 PROMPTS = ([5, 17, 42, 99, 7, 3, 250, 11], [300, 12, 12, 64, 8], [9, 140, 77, 31, 200, 45, 6, 90, 13, 2])
 STEPS = 32
-NEAR_TIE = 1e-3  # llama.cpp's own top-2 logit gap under which a different greedy pick is not a disagreement
+# A different greedy pick is no disagreement where llama.cpp's logits of the two tokens are within NEAR_TIE, or
+# within the largest difference between the two engines' logits at that step, itself bounded relative to the
+# logits' scale per file type (llama.cpp rounds activations to f16 for F16 weights and to 8 bits per 32 or 256
+# for the block formats; llmsys keeps float32 for F16 and rounds per 32 for the block formats).
+NEAR_TIE = 1e-3
+NOISE_RTOL = {"f16": 2e-3, "q8_0": 1e-2, "q4_0": 2e-2, "q4_K_M": 2e-2}
 # Perplexity against llama.cpp's on the same file: 8-bit and F16 within 0.5%, 4-bit within 1% (issue #42)
 PPL_RTOL = {"f16": 0.005, "q8_0": 0.005, "q4_0": 0.01, "q4_K_M": 0.01}
 
@@ -76,18 +81,16 @@ def _llama_cpp(path, n_ctx: int = 256):
                            seed=0)
 
 
-def _cpp_greedy(cpp, prompt: list[int]) -> tuple[list[int], list[float]]:
-    """llama.cpp's greedy continuation and, per step, the gap between its top two logits."""
+def _cpp_greedy(cpp, prompt: list[int]) -> tuple[list[int], list[np.ndarray]]:
+    """llama.cpp's greedy continuation and its logits at every step ``[V]``."""
     cpp.reset()
     cpp.eval(prompt)
-    toks, gaps = [], []
+    toks, logits = [], []
     for _ in range(STEPS):
-        logits = np.array(cpp.scores[cpp.n_tokens - 1], dtype=np.float32)
-        top2 = np.sort(logits)[-2:]
-        gaps.append(float(top2[1] - top2[0]))
-        toks.append(int(logits.argmax()))
+        logits.append(np.array(cpp.scores[cpp.n_tokens - 1], dtype=np.float32))
+        toks.append(int(logits[-1].argmax()))
         cpp.eval([toks[-1]])
-    return toks, gaps
+    return toks, logits
 
 
 @pytest.mark.parametrize("fmt", ("f16", *QUANT_TYPES))
@@ -106,13 +109,17 @@ def test_agrees_with_llama_cpp_on_the_same_file(name, fmt):
         outs = llm.generate([list(p) for p in PROMPTS],
                             SamplingParams(max_tokens=STEPS, temperature=0, ignore_eos=True))
         for prompt, out in zip(PROMPTS, outs):
-            theirs, gaps = _cpp_greedy(cpp, list(prompt))
+            theirs, their_logits = _cpp_greedy(cpp, list(prompt))
             mine = list(out.token_ids)
+            assert len(mine) == STEPS
             diff = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), None)
-            if diff is not None:
-                assert gaps[diff] < NEAR_TIE, (name, fmt, prompt, diff, mine, theirs, gaps[diff])
-            else:
-                assert len(mine) == len(theirs) == STEPS
+            if diff is not None:  # only where the two picks are tied within the engines' own disagreement
+                lc = their_logits[diff]
+                lm = prompt_logits(llm.core, list(prompt) + mine[:diff]).numpy()[-1]
+                noise = float(np.abs(lm - lc).max())
+                gap = float(lc[theirs[diff]] - lc[mine[diff]])
+                assert noise / float(np.abs(lc).max()) < NOISE_RTOL[fmt], (name, fmt, noise)
+                assert gap < max(NEAR_TIE, noise), (name, fmt, prompt, diff, mine, theirs, gap, noise)
         ids = _ids(160, 1, 300)
         mine_l = prompt_logits(llm.core, ids).numpy().astype(np.float64)
         cpp.reset()
