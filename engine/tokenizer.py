@@ -406,15 +406,18 @@ class Tokenizer:
 
     # ------------------------------------------------------------- loading
     @classmethod
-    def load(cls, path: str | Path) -> Tokenizer:
-        """Load from an HF model directory, a llama2.c checkpoint dir/``.bin``, or a GGUF file."""
+    def load(cls, path: str | Path, gguf_header: Any = None) -> Tokenizer:
+        """Load from an HF model directory, a llama2.c checkpoint dir/``.bin``, or a GGUF file.
+
+        ``gguf_header``: the GGUF's parsed header (``gguf_header.read_header``) where the model load has
+        it already, so the file's header is parsed once per load; None reads it here."""
         from llmsys.engine.loader.gguf_io import is_gguf
 
         path = Path(path).expanduser()
         if not path.exists():
             raise TokenizerError(f"tokenizer path {path} does not exist; pass a model directory")
         if path.is_file() and (path.suffix.lower() == ".gguf" or is_gguf(path)):
-            return cls._load_gguf(path)
+            return cls._load_gguf(path, gguf_header)
         directory = path if path.is_dir() else path.parent
         if (directory / "tokenizer.json").is_file():
             return cls._load_hf(directory)
@@ -435,11 +438,13 @@ class Tokenizer:
         )
 
     @classmethod
-    def _load_gguf(cls, path: Path) -> Tokenizer:
+    def _load_gguf(cls, path: Path, header: Any = None) -> Tokenizer:
         """A GGUF's own vocabulary, through the HF backend (the file plays both JSON files' part)."""
         from llmsys.engine.gguf_tokenizer import read_gguf_tokenizer
 
-        g = read_gguf_tokenizer(path)
+        if header is not None and Path(header.path) != path:
+            header = None  # another file's (a draft model's, say): read this one's
+        g = read_gguf_tokenizer(path, header)
         backend = _HFBackend.from_tokenizer(g.tokenizer, g.config, str(path))
         special_tokens = {key: value for key in ("bos_token", "eos_token", "unk_token", "pad_token")
                           if (value := _token_str(g.config.get(key))) is not None}

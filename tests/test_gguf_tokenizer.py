@@ -19,6 +19,7 @@ import json
 import math
 import random
 import shutil
+import unicodedata
 from pathlib import Path
 from typing import Any
 
@@ -282,10 +283,24 @@ def spm_pair(tmp_path_factory: Any) -> tuple[Path, Path]:
 # ------------------------------------------------------------------ parity checks
 
 
+def _conventions_agree(tok: Tokenizer, line: str) -> bool:
+    """Whether transformers and llama.cpp tokenize ``line`` alike by design. A GGUF follows llama.cpp
+    (its ids are checked against llama.cpp itself below), which departs from transformers in two places:
+    a SentencePiece vocabulary gets its "▁" prefix after every special token, not only at the start,
+    and also before text that starts with a space (transformers' Metaspace skips it there); and no
+    normalizer runs (Qwen2's tokenizer.json has NFC)."""
+    specials = [tok.convert_ids_to_tokens(i) for i in tok.all_special_ids]
+    return (unicodedata.normalize("NFC", line) == line and not line.startswith(" ")
+            and not any(t and t in line for t in specials))
+
+
 def _assert_same(gguf_path: Path, directory: Path, lines: list[str]) -> tuple[Tokenizer, Tokenizer]:
-    """Every line, and the whole text, encode and decode alike; the metadata agrees."""
+    """Every line where the conventions agree (:func:`_conventions_agree`), and their whole text, encode
+    and decode alike; the metadata agrees."""
     g, h = Tokenizer.load(gguf_path), Tokenizer.load(directory)
     assert g.source == str(gguf_path) and h.source == str(directory)
+    lines = [line for line in lines if _conventions_agree(h, line)]
+    assert len(lines) > 100
     bad_ids, bad_text = [], []
     for line in lines:
         ids = h.encode(line)
@@ -303,10 +318,14 @@ def _assert_same(gguf_path: Path, directory: Path, lines: list[str]) -> tuple[To
 
     assert g.vocab_size == h.vocab_size
     assert g.bos_token_id == h.bos_token_id
-    assert g.eos_token_ids == h.eos_token_ids
+    # llama.cpp also ends generation at tokens its list names by text (<|endoftext|>, </s>, <|im_end|>...).
+    from llmsys.engine.gguf_tokenizer import _EOG_TEXTS
+
+    assert h.eos_token_ids <= g.eos_token_ids
+    assert all(g.convert_ids_to_tokens(i) in _EOG_TEXTS for i in g.eos_token_ids - h.eos_token_ids)
     assert g.pad_token_id == h.pad_token_id
     assert g.special_tokens == h.special_tokens
-    assert g.all_special_ids == h.all_special_ids
+    assert set(g.all_special_ids) == set(h.all_special_ids) | g.eos_token_ids
     assert g.byte_token_ids == h.byte_token_ids
     assert g._adds_bos == h._adds_bos
     for tid in h.all_special_ids:  # special tokens typed in the text encode to their ids
@@ -354,7 +373,8 @@ def test_spm_with_explicit_merges_and_extra_keys(tmp_path: Path, lines: list[str
                       add_bos_token=True, eot_token_id=2, eom_token_id=0, pad_token_id=0,
                       chat_template="{{ bos_token }}{{ messages[0]['content'] }}")
     g, h = Tokenizer.load(path), Tokenizer.load(_need(HF_DIR))
-    assert [g.encode(line) for line in lines[:300]] == [h.encode(line) for line in lines[:300]]
+    agree = [line for line in lines[:300] if _conventions_agree(h, line)]
+    assert [g.encode(line) for line in agree] == [h.encode(line) for line in agree]
     assert g.eos_token_ids == {2, 0} and g.pad_token_id == 0
     assert g.special_tokens["pad_token"] == "<unk>"
     assert g.apply_chat_template([{"role": "user", "content": "hi"}]) == "<s>hi"
@@ -415,7 +435,7 @@ def test_byte_level_rebuilds_the_original_pipeline(bpe_pair: tuple[str, Path, Pa
     for key in ("type", "unk_token", "fuse_unk", "byte_fallback", "ignore_merges", "merges"):
         assert got_model[key] == want_model[key], key
     assert {k: v for k, v in got_model["vocab"].items() if k in want_model["vocab"]} == want_model["vocab"]
-    assert json.dumps(json.loads(got.to_str())["normalizer"]) == json.dumps(json.loads(want.to_str())["normalizer"])
+    assert got.normalizer is None  # llama.cpp normalizes nothing (Qwen2's NFC included)
     norm = want.normalizer
     for line in lines:
         text = norm.normalize_str(line) if norm is not None else line
