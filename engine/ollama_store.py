@@ -51,6 +51,13 @@ SYSTEM_STORE = Path("/usr/share/ollama/.ollama/models")
 _MAX_TEXT_LAYER = 1 << 20
 # Names a "not in the store" error lists before "and N more": one line stays readable.
 _MAX_LISTED = 20
+# Ollama params (its Modelfile PARAMETERs) -> the llmsys flag that sets the same thing. llmsys's own flags and
+# defaults decide those (a flag left at its default cannot be told from one given), so they are named, not applied.
+PARAM_FLAGS = MappingProxyType({
+    "temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p",
+    "repeat_penalty": "--repeat-penalty", "presence_penalty": "--presence-penalty",
+    "frequency_penalty": "--frequency-penalty", "seed": "--seed", "num_predict": "-n", "num_ctx": "--max-model-len",
+})
 
 # Ollama's own rules for name parts (host may carry a port). Each part starts with a letter or
 # digit, so none can be "." or ".." and lead outside the store.
@@ -362,3 +369,61 @@ def list_models(on_error: Callable[[LLMSysError], None] | None = None) -> list[O
                 raise
             on_error(exc)
     return models
+
+
+# --------------------------------------------------------------------------
+# What `llmsys run` takes from the manifest
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """The manifest's say in a run: ``stop`` (the user's ``--stop`` strings, then the params layer's, which end
+    the text as they do in Ollama), ``system`` (the user's ``--system``, else the system layer, as Ollama uses
+    it) and ``note``: one line naming the params llmsys does not apply, or ``None``."""
+
+    stop: tuple[str, ...]
+    system: str | None
+    note: str | None
+
+
+def run_settings(model: OllamaModel, stop: tuple[str, ...] = (), system: str | None = None) -> RunSettings:
+    """How ``model``'s params and system layers combine with the user's flags (see :class:`RunSettings`).
+
+    Why not the template layer: it is a Go template (Ollama's own), which llmsys does not run; ``--chat`` uses
+    the GGUF's ``tokenizer.chat_template`` as for any GGUF file (:func:`require_chat_template`).
+    """
+    params = dict(model.params or {})
+    wanted = params.pop("stop", None)
+    wanted = [wanted] if isinstance(wanted, str) else wanted
+    extra: list[str] = []
+    if isinstance(wanted, list) and all(isinstance(s, str) and s for s in wanted):
+        extra = wanted
+    elif wanted is not None:
+        params["stop"] = wanted  # malformed: reported below rather than half applied
+    merged = tuple(dict.fromkeys([*stop, *extra]))
+    ignored = []
+    for key, value in params.items():
+        shown = json.dumps(value, ensure_ascii=False)
+        flag = PARAM_FLAGS.get(key)
+        ignored.append(f"{key}={shown} ({flag} {shown} to match)" if flag and not isinstance(value, (list, dict))
+                       else f"{key}={shown} (no llmsys equivalent)")
+    note = None
+    if ignored:
+        applied = "its stop strings are applied; " if extra else ""
+        note = (f"note: {model.spec}: {applied}Ollama params not applied (llmsys's flags decide): "
+                + ", ".join(ignored))
+    return RunSettings(merged, system if system is not None else model.system, note)
+
+
+def require_chat_template(model: OllamaModel, fields: Mapping[str, Any]) -> None:
+    """Refuse ``--chat`` in one line, before loading, when ``model``'s GGUF (``fields``: its header's metadata)
+    has no chat template: Ollama's template layer is Go, which llmsys does not run, so there is nothing to use."""
+    if isinstance(fields.get("tokenizer.chat_template"), str):
+        return
+    why = ("its Ollama template layer is a Go template, which llmsys does not run" if model.template is not None
+           else "Ollama's manifest has no template either")
+    raise InvalidParameterError(
+        f"{model.spec} cannot take --chat: its GGUF {model.blob} has no tokenizer.chat_template and {why}; "
+        "drop --chat and write the prompt in the model's own format"
+    )

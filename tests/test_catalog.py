@@ -468,7 +468,7 @@ def test_models_command_lists_catalog(home):
     result = CliRunner().invoke(_app(), ["models"])
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
-    assert lines[0].split() == ["NAME", "PARAMS", "ARCHITECTURE", "SIZE", "LICENCE", "DOWNLOADED"]
+    assert lines[0].split() == ["NAME", "PARAMS", "ARCHITECTURE", "QUANT", "SIZE", "LICENCE", "DOWNLOADED"]
     row = next(line for line in lines if line.startswith("Llama-3.2-1B-Instruct "))
     assert "1.24B" in row and "LlamaForCausalLM" in row and row.rstrip().endswith("no")
     assert str(home / "models") in result.output

@@ -323,14 +323,15 @@ def llmsys(*args: str, env: dict) -> subprocess.CompletedProcess:
 
 
 def test_models_cli_lists_the_ollama_store(store, tmp_path):
-    add_model(store, "qwen2.5:0.5b", b"GGUF" + bytes(2 * 1024 * 1024 - 4))
-    add_model(store, "me/custom:v2")
+    weights = tiny_gguf(tmp_path / "w.gguf")
+    add_model(store, "qwen2.5:0.5b", weights + bytes(2 * 1024 * 1024 - len(weights)))  # bytes past the data: still GGUF
+    add_model(store, "me/custom:v2", weights)
     r = llmsys("models", env=dict(ENV, OLLAMA_MODELS=str(store), LLMSYS_HOME=str(tmp_path / "home")))
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
-    assert lines[0].split() == ["NAME", "PARAMS", "ARCHITECTURE", "SIZE", "LICENCE", "DOWNLOADED"]
+    assert lines[0].split() == ["NAME", "PARAMS", "ARCHITECTURE", "QUANT", "SIZE", "LICENCE", "DOWNLOADED"]
     row = next(line for line in lines if line.startswith("ollama:qwen2.5:0.5b "))
-    assert "2.0 MiB" in row and row.rstrip().endswith("in the Ollama store")
+    assert row.split()[1:5] == ["32", "Llama", "F32", "2.0"] and row.rstrip().endswith("in the Ollama store")
     assert any(line.startswith("ollama:me/custom:v2 ") for line in lines)
     assert any(line.startswith("Qwen2.5-0.5B-Instruct ") for line in lines)  # the catalog is still there
     assert f"in the Ollama store {store}" in r.stdout and "llmsys run ollama:NAME:TAG" in r.stdout
@@ -345,8 +346,8 @@ def test_models_without_store_is_unchanged(tmp_path, monkeypatch):
     assert result.output.rstrip().endswith("`llmsys run /path/to/model-dir`.")
 
 
-def test_models_reports_a_broken_manifest_and_lists_the_rest(store):
-    add_model(store, "good:1")
+def test_models_reports_a_broken_manifest_and_lists_the_rest(store, tmp_path):
+    add_model(store, "good:1", tiny_gguf(tmp_path / "w.gguf"))
     manifest = add_model(store, "bad:1", b"GGUF" + b"other weights")  # blobs are shared by content
     model_blob(store, manifest).unlink()
     result = CliRunner().invoke(_app(), ["models"])
@@ -354,6 +355,20 @@ def test_models_reports_a_broken_manifest_and_lists_the_rest(store):
     assert any(line.startswith("ollama:good:1 ") for line in result.stdout.splitlines())
     assert "ollama:bad:1 " not in result.stdout
     assert f"warning: skipped: the weights blob {model_blob(store, manifest)} of ollama:bad:1" in result.stderr
+
+
+def test_models_reports_an_unreadable_gguf_header(store, tmp_path):
+    """A blob with the magic and the recorded size but a corrupt header: one warning naming it and the fix."""
+    add_model(store, "good:1", tiny_gguf(tmp_path / "w.gguf"))
+    add_model(store, "bad:1", b"GGUF" + bytes(60))  # version 0
+    result = CliRunner().invoke(_app(), ["models"])
+    assert result.exit_code == 0, result.output
+    assert any(line.startswith("ollama:good:1 ") for line in result.stdout.splitlines())
+    assert "ollama:bad:1 " not in result.stdout
+    warning = [line for line in result.stderr.splitlines() if "ollama:bad:1" in line]
+    assert len(warning) == 1 and "GGUF version 0 is not supported" in warning[0]
+    assert warning[0].startswith("warning: skipped: the weights blob of ollama:bad:1 is not a readable GGUF")
+    assert warning[0].endswith("re-download it with `ollama pull bad:1`")
 
 
 def test_run_unknown_ollama_model_is_one_line_error(store, tmp_path):

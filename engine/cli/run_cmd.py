@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import replace
 from typing import Annotated, Any, Optional
 
 import typer
 
+from llmsys.engine import ollama_store
 from llmsys.engine.cli.options import build_engine_config, engine_command, pulling_command, sampling_command
 from llmsys.engine.sampling import SamplingParams
 
@@ -29,6 +31,8 @@ def run_command(
     from llmsys.engine.llm import LLM
 
     ensure_pulled(model, auto_pull)
+    if model.startswith(ollama_store.PREFIX):  # the manifest's stop strings and system message; the rest named
+        sampling, system = _ollama_settings(model, sampling, system, chat)
     if prompt == "-":
         prompt = sys.stdin.read()
     llm = LLM(build_engine_config(model, engine_flags))
@@ -79,3 +83,18 @@ def run_command(
         return 0
     sys.stderr.write(f"interrupted after {n_out} generated tokens ({wall:.1f} s)\n")
     return 130 if interrupted else 0
+
+
+def _ollama_settings(
+    model: str, sampling: SamplingParams, system: str | None, chat: bool
+) -> tuple[SamplingParams, str | None]:
+    """``ollama:NAME``'s params and system layers folded into the run (engine/ollama_store.run_settings)."""
+    from llmsys.engine.loader.gguf_header import read_header
+
+    found = ollama_store.resolve(model)
+    settings = ollama_store.run_settings(found, sampling.stop, system)
+    if chat:
+        ollama_store.require_chat_template(found, read_header(found.blob).fields)
+    if settings.note:
+        sys.stderr.write(settings.note + "\n")
+    return replace(sampling, stop=settings.stop), settings.system
