@@ -65,7 +65,13 @@ FAMILIES: dict[str, Family] = {
                        moe=True),
     "qwen3moe": Family("qwen3_moe", "qwen3moe", "qwen2", dict(head_dim=64, mlp_only_layers=[],
                                                              moe_intermediate_size=256), moe=True),
-    "gpt-oss": Family("gpt_oss", "gpt-oss", "gpt-4o", dict(head_dim=64, intermediate_size=256), moe=True),
+    # gpt-oss at its released YaRN (factor 32 over 4096 positions): llama.cpp rounds YaRN's ramp ends to whole
+    # dimensions (truncate), transformers and openai's reference do not; at the released values the two differ
+    # by less than llama.cpp's own f16 rounding (tiny_models' factor 4 over 64 positions: by 0.2 of 3.8)
+    "gpt-oss": Family("gpt_oss", "gpt-oss", "gpt-4o", dict(
+        head_dim=64, intermediate_size=256, max_position_embeddings=131072,
+        rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0, beta_slow=1.0,
+                             truncate=False, original_max_position_embeddings=4096)), moe=True),
 }
 FLOAT_TYPES = ("f16",)
 QUANT_TYPES = ("q8_0", "q4_0", "q4_K_M")
