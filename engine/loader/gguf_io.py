@@ -9,15 +9,19 @@ safetensors; the ``gguf`` package supplies the type tables and the K-quant decod
 
 * **The config**: ``general.architecture`` and its ``<arch>.*`` keys are turned
   into the Hugging Face ``config.json`` fields the model families read
-  (:func:`hf_config`), so the same family code builds the model. Handled:
-  ``llama`` (which is also how llama.cpp names Mistral and SmolLM), ``qwen2``,
-  ``qwen3``.
+  (:func:`hf_config`, :func:`_family_fields`), so the same family code builds the model. Handled:
+  ``llama`` (also Mistral and SmolLM; with ``expert_count``, Mixtral), ``qwen2``, ``qwen3``,
+  ``gemma2``, ``gemma3``, ``phi3``, ``qwen2moe``, ``qwen3moe``, ``gpt-oss``, read with llama.cpp's
+  defaults where a key is absent (Gemma's attention scale, Gemma 3's 5:1 sliding pattern).
 * **Tensor names** ``blk.N.attn_q.weight`` ... map back to HF names
-  (``model.layers.N.self_attn.q_proj.weight`` ...). llama.cpp's ``llama``
-  architecture rotates adjacent pairs (interleaved RoPE), so its q/k rows were
+  (``model.layers.N.self_attn.q_proj.weight`` ...; per-family ones in :data:`ARCH_LAYER_NAMES`).
+  llama.cpp's ``llama`` architecture rotates adjacent pairs (interleaved RoPE), so its q/k rows were
   reordered when the file was written; they are put back into the rotate-half
-  order here (``interleaved_to_hf``). ``qwen2``/``qwen3`` files use llama.cpp's
-  NEOX RoPE: rows as they are.
+  order here (``interleaved_to_hf``). The other architectures use llama.cpp's
+  NEOX RoPE: rows as they are. Gemma's norm weights were stored as ``1 + w`` and
+  are read back as ``w``. An MoE layer's experts are stacked in one tensor per
+  projection (``ffn_gate_exps`` ...): each expert is read as its own matrix at its
+  own offset (:func:`expert_slice`), codes kept as stored like any matrix.
 * **Tensor types**: where a GGUF block format is exactly an llmsys layout the
   codes are kept as they are: **Q4_0** (32 codes, ``w = (q - 8) * d``, d fp16)
   *is* canonical int4 with group 32, zero 8 and fp16 scales, so such layers
