@@ -110,6 +110,13 @@ _EOG_TEXTS = frozenset({
     "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
     "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>", "<\uff5cend\u2581of\u2581sentence\uff5c>",
 })
+# FIM tokens llama.cpp finds by text where the keys are absent; their pad, repo and file-separator ones end
+# generation too.
+_FIM_TEXTS = MappingProxyType({
+    "fim_pad_token_id": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+    "fim_rep_token_id": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    "fim_sep_token_id": ("<|file_sep|>",),
+})
 # gpt-oss (harmony): llama.cpp turns these control tokens into user-defined ones, so they are split out of
 # any text and survive decoding for the harmony parser.
 _HARMONY_SHOWN = frozenset({"<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"})
@@ -213,8 +220,9 @@ def _end_of_generation(tokens: Sequence[str], ids: Mapping[str, int | None]) -> 
     keys, plus every token whose text is on its list (Gemma's ``<end_of_turn>``, ChatML's ``<|im_end|>``...
     which files often do not name). Why its list and not only the keys: a Gemma GGUF names ``<eos>``,
     but the chat model ends its turns with ``<end_of_turn>``."""
-    named = [ids[k] for k in ("eos_token_id", "eot_token_id", "eom_token_id", "fim_pad_token_id",
-                              "fim_rep_token_id", "fim_sep_token_id")]
+    named = [ids[k] for k in ("eos_token_id", "eot_token_id", "eom_token_id")]
+    for key, texts in _FIM_TEXTS.items():
+        named.append(ids[key] if ids[key] is not None else next((i for i, t in enumerate(tokens) if t in texts), None))
     found = [i for i, t in enumerate(tokens) if t in _EOG_TEXTS]
     eog = dict.fromkeys(i for i in (*named, *found) if i is not None)
     texts = {tokens[i]: i for i in eog}
@@ -348,9 +356,10 @@ def spm_merges_from_scores(
     Why this order: SentencePiece's BPE merges the adjacent pair whose joined
     piece scores highest, so each split ``(a, b)`` of a piece is a merge with
     that piece's score; merges are sorted by score, highest first, ties kept in
-    piece-id order, and a piece's own splits ordered by the ids of ``a`` then
-    ``b``. This is the HF SentencePiece conversion's order, so a converted
-    ``tokenizer.json``'s merge list comes back exactly. Control, unknown, byte
+    piece-id order (longer pieces first among equal scores, see below), and a
+    piece's own splits ordered by the ids of ``a`` then ``b``. Where scores
+    differ per piece this is the HF SentencePiece conversion's order, so a
+    converted ``tokenizer.json``'s merge list comes back exactly. Control, unknown, byte
     and unused pieces are left out: they are matched whole or reached by byte
     fallback, never merged.
     """
@@ -362,7 +371,11 @@ def spm_merges_from_scores(
         local = [(piece[:k], piece[k:]) for k in range(1, len(piece)) if piece[:k] in vocab and piece[k:] in vocab]
         local.sort(key=lambda ab: (vocab[ab[0]], vocab[ab[1]]))
         ranked.extend((float(scores[i]), a, b) for a, b in local)
-    ranked.sort(key=lambda m: m[0], reverse=True)  # stable: ties stay in piece order
+    # Stable: equal scores go longer piece first, then in piece order. llama.cpp breaks a tie between
+    # different pieces by position (leftmost first), which no fixed order reproduces in general; longer
+    # first reproduces it for the case that occurs, runs such as Gemma's "▁▁", "▁▁▁"... (all scored 0),
+    # which llama.cpp grows from the left.
+    ranked.sort(key=lambda m: (-m[0], -len(m[1]) - len(m[2])))
     return [(a, b) for _, a, b in ranked]
 
 

@@ -122,11 +122,11 @@ class _Cursor:
         self.pos = pos
         if count == 0:
             return []
-        raw = np.frombuffer(buf, dtype=np.uint8, count=pos - start, offset=start)
-        keep = np.ones(raw.size, dtype=bool)
+        keep = np.ones(pos - start, dtype=bool)
         first = np.array(firsts, dtype=np.int64) - start
         keep[(first[:, None] - 8 + np.arange(8)).ravel()] = False  # the length fields
-        data = raw[keep]
+        # A copy: no view of the map may outlive this line (the map is closed when the header is read).
+        data = np.frombuffer(buf, dtype=np.uint8, count=pos - start, offset=start)[keep]
         # Byte offsets of each string in the length-less text, then character offsets in its decoding.
         lens = np.diff(first, append=pos - start + 8) - 8
         ends = np.cumsum(lens)
