@@ -289,6 +289,9 @@ class Checkpoint:
     device: torch.device
     kind: str = "hf"  # "hf" (a directory of safetensors) or "gguf" (one GGUF file)
     notices: tuple[str, ...] = ()  # LoadedModel.notices
+    # A GGUF's parsed header (gguf_header.GGUFHeader), kept for the tokenizer: the file's header is parsed
+    # once per load (its vocabulary is most of it). None for other checkpoints.
+    gguf_header: Any = None
 
     @property
     def is_gguf(self) -> bool:
@@ -410,14 +413,17 @@ def _decoded_formats(ck: Checkpoint, dt: torch.dtype, make_linear: MakeLinear | 
 def _open_gguf(p: Path, dt: torch.dtype, dev: torch.device) -> Checkpoint:
     """A GGUF file's meta model (its config from the GGUF metadata, ``gguf_io.hf_config``)."""
     from llmsys.engine.loader import gguf_io
+    from llmsys.engine.loader.gguf_header import read_header
 
-    index = gguf_io.open_index(p)
+    header = read_header(p)
+    index = gguf_io.GGUFIndex(p, header, gguf_io.hf_config(p, header))  # gguf_io.open_index, header kept
     family = family_for(index.config, str(p))
     args = validate.model_args(family, index.config, gguf_io.origin(p, index.arch), index.layers())
     with torch.device("meta"), skip_init():
         model = family.Model(args)
     validate.check_tensors(model, lambda n: index.info(n) if n in index else None, p)
-    return Checkpoint(p, model, family.__name__.rsplit(".", 1)[1], index.config, index, dt, dev, "gguf")
+    return Checkpoint(p, model, family.__name__.rsplit(".", 1)[1], index.config, index, dt, dev, "gguf",
+                      gguf_header=header)
 
 
 def materialize_checkpoint(ck: Checkpoint, make_linear: MakeLinear | None = None, progress: bool = True,
