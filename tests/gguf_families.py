@@ -75,6 +75,7 @@ FAMILIES: dict[str, Family] = {
 }
 FLOAT_TYPES = ("f16",)
 QUANT_TYPES = ("q8_0", "q4_0", "q4_K_M")
+MXFP4 = "mxfp4"  # gpt-oss as openai releases it: experts in MXFP4, which the converter keeps as stored
 
 
 def cache_root() -> Path:
@@ -141,7 +142,17 @@ def converted(name: str, fmt: str) -> Path:
     if path.exists():
         return path
     folder = hf_checkpoint(name)
+    if fmt == MXFP4:
+        return convert(mxfp4_checkpoint(name), path, "f16", pre=fam.tokenizer)
     if fmt in FLOAT_TYPES:
         pre = None if fam.tokenizer == "spm" else fam.tokenizer
         return convert(folder, path, fmt, pre=pre)
     return quantize(converted(name, "f16"), path, fmt, threads=min(2, os.cpu_count() or 1))
+
+
+def mxfp4_checkpoint(name: str) -> Path:
+    """Family ``name``'s (gpt-oss's) checkpoint with its experts as MXFP4 blocks and scales, as openai releases it."""
+    from tiny_models import write_mxfp4_checkpoint
+
+    out = hf_checkpoint(name).parent / "hf-mxfp4"
+    return out if (out / "config.json").exists() else write_mxfp4_checkpoint(hf_checkpoint(name), out)

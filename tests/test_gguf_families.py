@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from gguf_families import FAMILIES, QUANT_TYPES, converted, hf_checkpoint
+from gguf_families import FAMILIES, MXFP4, QUANT_TYPES, converted, hf_checkpoint, mxfp4_checkpoint
 
 gguf = pytest.importorskip("gguf", reason="reading GGUF needs the gguf package (a dependency of llmsys)")
 
@@ -29,9 +29,10 @@ STEPS = 32
 # logits' scale per file type (llama.cpp rounds activations to f16 for F16 weights and to 8 bits per 32 or 256
 # for the block formats; llmsys keeps float32 for F16 and rounds per 32 for the block formats).
 NEAR_TIE = 1e-3
-NOISE_RTOL = {"f16": 2e-3, "q8_0": 1e-2, "q4_0": 2e-2, "q4_K_M": 2e-2}
+NOISE_RTOL = {"f16": 2e-3, "q8_0": 1e-2, "q4_0": 2e-2, "q4_K_M": 2e-2, MXFP4: 2e-2}
 # Perplexity against llama.cpp's on the same file: 8-bit and F16 within 0.5%, 4-bit within 1% (issue #42)
-PPL_RTOL = {"f16": 0.005, "q8_0": 0.005, "q4_0": 0.01, "q4_K_M": 0.01}
+PPL_RTOL = {"f16": 0.005, "q8_0": 0.005, "q4_0": 0.01, "q4_K_M": 0.01, MXFP4: 0.01}
+FILES = [(n, f) for n in NAMES for f in ("f16", *QUANT_TYPES)] + [("gpt-oss", MXFP4)]
 
 
 def _ids(n: int, seed: int, vocab: int) -> list[int]:
@@ -93,8 +94,23 @@ def _cpp_greedy(cpp, prompt: list[int]) -> tuple[list[int], list[np.ndarray]]:
     return toks, logits
 
 
-@pytest.mark.parametrize("fmt", ("f16", *QUANT_TYPES))
-@pytest.mark.parametrize("name", NAMES)
+def test_mxfp4_gpt_oss_file_gives_the_released_checkpoints_logits():
+    """openai's MXFP4 experts, kept by the converter as stored: llmsys decodes them as it decodes the released
+    safetensors (bit for bit, the other matrices rounded to f16 as the file holds them)."""
+    path = converted("gpt-oss", MXFP4)
+    kinds = {open_index(path).info(n).qtype for n in open_index(path).names() if ".experts." in n and "weight" in n}
+    assert kinds == {"MXFP4"}
+    ref = load_model(mxfp4_checkpoint("gpt-oss"), dtype="float32", device="cpu")
+    index = open_index(path)
+    with torch.no_grad():
+        for pname, p in ref.model.named_parameters():
+            if pname in index and index.info(pname).qtype == "F16":
+                p.copy_(p.half().float())
+    ids = _ids(40, 0, 300)
+    assert torch.equal(_logits(load_model(path, dtype="float32", device="cpu"), ids), _logits(ref, ids))
+
+
+@pytest.mark.parametrize(("name", "fmt"), FILES)
 def test_agrees_with_llama_cpp_on_the_same_file(name, fmt):
     """Greedy tokens for 32 steps from 3 prompts equal llama.cpp's (until a step where llama.cpp's own top two
     are within NEAR_TIE), and perplexity over 160 tokens within PPL_RTOL of llama.cpp's. float32 activations,
