@@ -185,6 +185,46 @@ def linear(
     return F.linear(x, weight, bias)
 
 
+def linear_logits(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    rows_of: int | None = None,
+    packed_when_resident: bool = True,
+) -> torch.Tensor:
+    """An LM head on a plain or packed ``weight [N, K]``: ``x [M, K]`` (float32, the final norm's output)
+    ``-> [M, N]`` float32 logits as summed, never rounded to the weight's dtype.
+
+    Why: bf16 logits have gaps that are multiples of 2^-3 near 10, so argmax ties everywhere and the
+    sampler sees a coarse distribution; an upcast after that rounding restores nothing.
+
+    float32 weights: :func:`linear` on float32 x (its GEMM choice, packing and ``rows_of``, so a streamed
+    chunk gives the resident head's bits). bf16 weights on the CPU: x rounded to bf16 (the kernel multiplies
+    bf16 pairs, each product exact in float32) and the C bf16 GEMV writing its float32 sums, for every row
+    count: a row's logits do not depend on its batch, so a prompt's scoring and its decode steps agree.
+    Without the C kernel, and for other dtypes: float32 sgemm on weight chunks upcast. CUDA: the GEMM with a
+    float32 output.
+    """
+    x2 = x.reshape(-1, x.shape[-1])  # [M, K]
+    if weight.is_mkldnn or weight.dtype == torch.float32:
+        y = linear(x2.float().contiguous(), weight, bias, rows_of=rows_of, packed_when_resident=packed_when_resident)
+    elif weight.device.type == "cuda":
+        y = torch.mm(x2.to(weight.dtype), weight.t(), out_dtype=torch.float32)  # [M, N]
+        if bias is not None:
+            y = y + bias.float()
+    else:
+        if weight.dtype == torch.bfloat16 and bf16_gemv_applies(weight, bias):
+            xb = x2.to(torch.bfloat16)
+            y = cpu_qgemv.bf16_gemv(xb if xb.stride(-1) == 1 else xb.contiguous(), weight, out_dtype=torch.float32,
+                                    check=False)
+        else:
+            y = _mm_upcast(weight, x2.float().t()).t()  # [M, N]
+        if bias is not None:
+            y = y + bias.float()
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
+
+
 def _gemv(fn, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, with_bias: bool = False
           ) -> torch.Tensor:
     """``fn`` (the C bf16 or float32 GEMV, or the C bf16 GEMM) on ``x [..., K]`` rows, then ``y + bias`` in the

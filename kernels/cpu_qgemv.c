@@ -131,6 +131,32 @@ static float *widen(const uint16_t *x, int64_t ldx, int64_t m_count, int64_t k, 
     return xf;
 }
 
+/* Where a GEMV writes: out[m * ld + n], bf16 rounded to nearest even (the layers' activations), or with f32 set
+   float32 as summed, unrounded (the LM head's logits: rounded to bf16 their gaps were multiples of 2^-3 near
+   10, argmax ties everywhere and a coarse distribution for the sampler). */
+typedef struct {
+    void *p;
+    int64_t ld;
+    int f32;
+} qout;
+
+static inline qout qout_at(qout o, int64_t m, int64_t n) { /* the same matrix from row m, column n */
+    o.p = (char *)o.p + (m * o.ld + n) * (o.f32 ? 4 : 2);
+    return o;
+}
+
+static inline void put1(qout o, int64_t m, int64_t n, float v) {
+    if (o.f32) ((float *)o.p)[m * o.ld + n] = v;
+    else ((uint16_t *)o.p)[m * o.ld + n] = rne(v);
+}
+
+#if defined(__AVX2__)
+static inline void put8(qout o, int64_t m, int64_t n, __m256 v) { /* 8 outputs at once */
+    if (o.f32) _mm256_storeu_ps((float *)o.p + m * o.ld + n, v);
+    else _mm_storeu_si128((__m128i *)((uint16_t *)o.p + m * o.ld + n), ops_rne8(v));
+}
+#endif
+
 /* ------------------------------------------------------------ int8 */
 
 #ifdef QG_AVX512
@@ -152,6 +178,26 @@ static inline void store_rows(uint16_t *o, const __m512 *r, int64_t rows) {
         if (left <= 0) break;
         const __mmask16 mk = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1u);
         _mm256_mask_storeu_epi16(o + 16 * v, mk, rne16(r[v]));
+    }
+}
+
+/* 16 outputs at once; the first `rows` (<= 16) of them with rows_mask */
+static inline void put16(qout o, int64_t m, int64_t n, __m512 v) {
+    if (o.f32) _mm512_storeu_ps((float *)o.p + m * o.ld + n, v);
+    else _mm256_storeu_si256((__m256i *)((uint16_t *)o.p + m * o.ld + n), rne16(v));
+}
+
+/* store_rows into a qout: out[m, n + 16v + i] = r[v] lane i for the first `rows` */
+static inline void put_rows(qout o, int64_t m, int64_t n, const __m512 *r, int64_t rows) {
+    if (!o.f32) {
+        store_rows((uint16_t *)o.p + m * o.ld + n, r, rows);
+        return;
+    }
+    for (int v = 0; v < 4; v++) {
+        const int64_t left = rows - 16 * v;
+        if (left <= 0) break;
+        const __mmask16 mk = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1u);
+        _mm512_mask_storeu_ps((float *)o.p + m * o.ld + n + 16 * v, mk, r[v]);
     }
 }
 
@@ -452,7 +498,7 @@ static void lane_tile(const uint32_t *xt, int64_t nb, const __m512i *wb, float *
    int8 codes (bf16 == 0: rows of k, out = bf16(sum * scale)) or bf16 (bf16 == 1: rows ldw apart, out = bf16(sum),
    scales unused); rows ahead prefetched into L2, one 64-byte line each (int8: every other block). */
 static void rows_lanes(const uint32_t *xs, int64_t nb, int64_t m_count, const void *w, int bf16, int64_t ldw,
-                       int64_t k, const uint16_t *scales, uint16_t *out, int64_t ldo, int64_t n0, int64_t n1,
+                       int64_t k, const uint16_t *scales, qout out, int64_t n0, int64_t n1,
                        __m512i *wb) {
     /* bf16: word 2j of a block's pair vector = column 16 + j (low), word 2j + 1 = column j (high) */
     const __m512i perm = _mm512_set_epi16(15, 31, 14, 30, 13, 29, 12, 28, 11, 27, 10, 26, 9, 25, 8, 24,
@@ -480,7 +526,7 @@ static void rows_lanes(const uint32_t *xs, int64_t nb, int64_t m_count, const vo
             for (int rr = 0; rr < r; rr++) {
                 const float s = bf16 ? 1.0f : bf(scales[n + rr]);
                 for (int m = 0; m < mt; m++)
-                    out[(m0 + m) * ldo + n + rr] = rne(bf16 ? res[m * I8B_R + rr] : res[m * I8B_R + rr] * s);
+                    put1(out, m0 + m, n + rr, bf16 ? res[m * I8B_R + rr] : res[m * I8B_R + rr] * s);
             }
         }
     }
@@ -506,7 +552,8 @@ int llmsys_qgemv_int8(const uint16_t *x, int64_t ldx, const int8_t *q, const uin
             }
 #pragma omp for schedule(static)
             for (int64_t it = 0; it < items; it++)
-                if (wb) rows_lanes(xs, nb, m_count, q, 0, k, k, scales, out, ldo, it * 64, it * 64 + 64 < n ? it * 64 + 64 : n, wb);
+                if (wb) rows_lanes(xs, nb, m_count, q, 0, k, k, scales, (qout){out, ldo, 0}, it * 64,
+                                   it * 64 + 64 < n ? it * 64 + 64 : n, wb);
             free(wb);
         }
         free(xs);
@@ -1068,6 +1115,9 @@ int llmsys_qgemm_int4(const uint16_t *x, int64_t ldx, const uint8_t *packed, con
  */
 
 #define A8 32 /* columns per activation block */
+/* io flags of the *_io entry points: x float32 (else bf16), out float32 unrounded (else bf16) */
+#define IO_X_F32 1
+#define IO_OUT_F32 2
 #define A8_AHEAD 4096 /* int4: bytes of the tiling prefetched ahead (4 activation blocks) */
 
 #if defined(__AVX2__)
@@ -1100,12 +1150,12 @@ static void a8_free(a8_x *a) { free(a->q); free(a->q4); free(a->qu); free(a->d);
    loop's operations lane by lane (abs, max ignoring NaN, v * (1 / d) rounded to nearest even, clamped to
    +-127, NaN -> 0), so the same bits. Why: the scalar loop cost ~7 cycles a value, ~0.15 ms for a 128 x 576
    prompt: ~20% of an int8 layer's GEMM at M = 128 once the GEMMs lost their output stalls (Zen 5). */
-static inline float a8_block_avx2(const uint16_t *x, int8_t *qb, int32_t *sum) {
+static inline float a8_block_avx2(const void *x, int xf32, int8_t *qb, int32_t *sum) {
     __m256 v[4];
     __m256 amax = _mm256_setzero_ps();
     const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     for (int i = 0; i < 4; i++) {
-        v[i] = ops_bf8(x + 8 * i);
+        v[i] = xf32 ? _mm256_loadu_ps((const float *)x + 8 * i) : ops_bf8((const uint16_t *)x + 8 * i);
         amax = _mm256_max_ps(_mm256_and_ps(v[i], absm), amax); /* a NaN lane leaves amax (max's second operand) */
     }
     __m128 h = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
@@ -1131,8 +1181,10 @@ static inline float a8_block_avx2(const uint16_t *x, int8_t *qb, int32_t *sum) {
 }
 #endif
 
-/* x [M, K] bf16 (row stride ldx) -> int8 blocks (the arithmetic above). 0, or 2 when out of memory. */
-static int a8_quantize(const uint16_t *x, int64_t ldx, int64_t m_count, int64_t k, int64_t nb, a8_x *a) {
+/* x [M, K] bf16, or float32 with xf32 set (the LM head's input: the final norm's unrounded output, quantized as
+   llama.cpp quantizes its float32 activations), row stride ldx -> int8 blocks (the arithmetic above). 0, or 2
+   when out of memory. */
+static int a8_quantize(const void *x, int64_t ldx, int xf32, int64_t m_count, int64_t k, int64_t nb, a8_x *a) {
     const size_t qbytes = (size_t)((m_count * nb * A8 + 63) / 64 * 64);
     a->nb = nb;
     a->q = aligned_alloc(64, qbytes);
@@ -1152,7 +1204,8 @@ static int a8_quantize(const uint16_t *x, int64_t ldx, int64_t m_count, int64_t 
 #ifdef QA8_AVX2
             if ((b + 1) * A8 <= k) { /* a full block */
                 int32_t sum;
-                a->d[m * nb + b] = a8_block_avx2(x + m * ldx + b * A8, qb, &sum);
+                a->d[m * nb + b] = a8_block_avx2(xf32 ? (const void *)((const float *)x + m * ldx + b * A8)
+                                                      : (const void *)((const uint16_t *)x + m * ldx + b * A8), xf32, qb, &sum);
                 a->s[m * nb + b] = sum;
                 const __m256i qv = _mm256_loadu_si256((const __m256i *)qb);
                 if (a->q4) /* (c, c+2, c+1, c+3) in each 4 */
@@ -1167,7 +1220,7 @@ static int a8_quantize(const uint16_t *x, int64_t ldx, int64_t m_count, int64_t 
             float v[A8], amax = 0.0f;
             for (int i = 0; i < A8; i++) {
                 const int64_t c = b * A8 + i;
-                v[i] = c < k ? bf(x[m * ldx + c]) : 0.0f;
+                v[i] = c >= k ? 0.0f : xf32 ? ((const float *)x)[m * ldx + c] : bf(((const uint16_t *)x)[m * ldx + c]);
                 const float av = v[i] < 0.0f ? -v[i] : v[i];
                 amax = av > amax ? av : amax;
             }
@@ -1244,7 +1297,7 @@ static inline __m256 bs8(const uint16_t *p) {
    f += float(S_b) * dx[b], out = bf16(f * scale[n]); block scales (bs: fp16 [nb, >= N] group-major,
    row stride bs_ld, GGUF Q8_0's): f += float(S_b) * (bs[b, n] * dx[b]), out = bf16(f). */
 static void int8_a8_rows(const a8_x *a, int64_t m, const int8_t *q, int64_t k, const uint16_t *scales,
-                         const uint16_t *bs, int64_t bs_ld, uint16_t *out, int64_t ldo, int64_t n0, int64_t n1) {
+                         const uint16_t *bs, int64_t bs_ld, qout out, int64_t n0, int64_t n1) {
     const int64_t full = k / A8, nb = a->nb;
     const int8_t *qx = a->q + m * nb * A8;
     const float *dx = a->d + m * nb;
@@ -1267,7 +1320,7 @@ static void int8_a8_rows(const a8_x *a, int64_t m, const int8_t *q, int64_t k, c
         }
         if (full == nb) { /* no K tail: rne(v * bf(scale)) below, 8 at once (the AVX-512 rne16's why) */
             const __m256 sc = bs ? _mm256_set1_ps(1.0f) : ops_bf8(scales + n);
-            _mm_storeu_si128((__m128i *)(out + m * ldo + n), ops_rne8(_mm256_mul_ps(f, sc)));
+            put8(out, m, n, _mm256_mul_ps(f, sc));
             continue;
         }
         float fr[8];
@@ -1276,7 +1329,7 @@ static void int8_a8_rows(const a8_x *a, int64_t m, const int8_t *q, int64_t k, c
             float v = fr[r];
             if (full < nb) v = v + (float)dot_block_i8(qx + full * A8, q + (n + r) * k + full * A8, k - full * A8)
                                        * (bs ? half_to_f32(bs[full * bs_ld + n + r]) * dx[full] : dx[full]);
-            out[m * ldo + n + r] = rne(bs ? v : v * bf(scales[n + r]));
+            put1(out, m, n + r, bs ? v : v * bf(scales[n + r]));
         }
     }
 #endif
@@ -1286,7 +1339,7 @@ static void int8_a8_rows(const a8_x *a, int64_t m, const int8_t *q, int64_t k, c
             const int64_t len = b < full ? A8 : k - full * A8;
             f = f + (float)dot_block_i8(qx + b * A8, q + n * k + b * A8, len) * (bs ? half_to_f32(bs[b * bs_ld + n]) * dx[b] : dx[b]);
         }
-        out[m * ldo + n] = rne(bs ? f : f * bf(scales[n]));
+        put1(out, m, n, bs ? f : f * bf(scales[n]));
     }
 }
 
@@ -1310,8 +1363,7 @@ static void int8_a8_rows(const a8_x *a, int64_t m, const int8_t *q, int64_t k, c
 static inline __attribute__((always_inline)) void int8_a8_vnni_tile(const a8_x *a, int64_t mb, const int mt,
                                                                     const int8_t *q, int64_t k,
                                                                     const uint16_t *scales, const uint16_t *bs,
-                                                                    int64_t bs_ld, uint16_t *out,
-                                                                    int64_t ldo, int64_t n) {
+                                                                    int64_t bs_ld, qout out, int64_t n) {
     const int64_t full = k / A8, nb = a->nb;
     const __m512i ones = _mm512_set1_epi8(1);
     const __m512i lo_idx = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
@@ -1365,7 +1417,7 @@ static inline __attribute__((always_inline)) void int8_a8_vnni_tile(const a8_x *
                          : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(scales + n))), 16));
     for (int m = 0; m < mt; m++) {
         if (full == nb) { /* no K tail: bf16(f * scale) as rne(val * bf(scale)) below, 16 at once */
-            _mm256_storeu_si256((__m256i *)(out + (mb + m) * ldo + n), rne16(bs ? f[m] : _mm512_mul_ps(f[m], sc)));
+            put16(out, mb + m, n, bs ? f[m] : _mm512_mul_ps(f[m], sc));
             continue;
         }
         float fr[16];
@@ -1376,7 +1428,7 @@ static inline __attribute__((always_inline)) void int8_a8_vnni_tile(const a8_x *
             float val = fr[r];
             if (full < nb) val = val + (float)dot_block_i8(qx + full * A8, q + (n + r) * k + full * A8, k - full * A8)
                                            * (bs ? half_to_f32(bs[full * bs_ld + n + r]) * dx[full] : dx[full]);
-            out[(mb + m) * ldo + n + r] = rne(bs ? val : val * bf(scales[n + r]));
+            put1(out, mb + m, n + r, bs ? val : val * bf(scales[n + r]));
         }
     }
 }
@@ -1384,37 +1436,38 @@ static inline __attribute__((always_inline)) void int8_a8_vnni_tile(const a8_x *
 /* Weight rows [n0, n1) against x rows [0, m_count): 16-row tiles for 2+ rows of x (one row: the AVX2
    code, whose 8-row blocks cost less than a transpose used once; Zen 4), the rows left one by one. */
 static void int8_a8_many(const a8_x *a, int64_t m_count, const int8_t *q, int64_t k, const uint16_t *scales,
-                         const uint16_t *bs, int64_t bs_ld, uint16_t *out, int64_t ldo, int64_t n0, int64_t n1) {
+                         const uint16_t *bs, int64_t bs_ld, qout out, int64_t n0, int64_t n1) {
     int64_t n = n0;
     if (m_count >= I8_VNNI_MIN_M)
         for (; n + 16 <= n1; n += 16)
             for (int64_t mb = 0; mb < m_count;) { /* I8_MT rows at a time, then 4, 2, 1 (constants: inlined) */
                 const int64_t left = m_count - mb;
-                if (left >= I8_MT) int8_a8_vnni_tile(a, mb, I8_MT, q, k, scales, bs, bs_ld, out, ldo, n), mb += I8_MT;
-                else if (left >= 4) int8_a8_vnni_tile(a, mb, 4, q, k, scales, bs, bs_ld, out, ldo, n), mb += 4;
-                else if (left >= 2) int8_a8_vnni_tile(a, mb, 2, q, k, scales, bs, bs_ld, out, ldo, n), mb += 2;
-                else int8_a8_vnni_tile(a, mb, 1, q, k, scales, bs, bs_ld, out, ldo, n), mb += 1;
+                if (left >= I8_MT) int8_a8_vnni_tile(a, mb, I8_MT, q, k, scales, bs, bs_ld, out, n), mb += I8_MT;
+                else if (left >= 4) int8_a8_vnni_tile(a, mb, 4, q, k, scales, bs, bs_ld, out, n), mb += 4;
+                else if (left >= 2) int8_a8_vnni_tile(a, mb, 2, q, k, scales, bs, bs_ld, out, n), mb += 2;
+                else int8_a8_vnni_tile(a, mb, 1, q, k, scales, bs, bs_ld, out, n), mb += 1;
             }
-    for (int64_t m = 0; m < m_count; m++) int8_a8_rows(a, m, q, k, scales, bs, bs_ld, out, ldo, n, n1);
+    for (int64_t m = 0; m < m_count; m++) int8_a8_rows(a, m, q, k, scales, bs, bs_ld, out, n, n1);
 }
 #else
 static void int8_a8_many(const a8_x *a, int64_t m_count, const int8_t *q, int64_t k, const uint16_t *scales,
-                         const uint16_t *bs, int64_t bs_ld, uint16_t *out, int64_t ldo, int64_t n0, int64_t n1) {
-    for (int64_t m = 0; m < m_count; m++) int8_a8_rows(a, m, q, k, scales, bs, bs_ld, out, ldo, n0, n1);
+                         const uint16_t *bs, int64_t bs_ld, qout out, int64_t n0, int64_t n1) {
+    for (int64_t m = 0; m < m_count; m++) int8_a8_rows(a, m, q, k, scales, bs, bs_ld, out, n0, n1);
 }
 #endif
 
-static int int8_a8_run(const uint16_t *x, int64_t ldx, const int8_t *q, const uint16_t *scales, const uint16_t *bs,
-                       uint16_t *out, int64_t ldo, int64_t m_count, int64_t n, int64_t k, int threads) {
-    if (m_count <= 0 || n <= 0 || k <= 0 || ldx < k || ldo < n) return 1;
+static int int8_a8_run(const void *x, int64_t ldx, const int8_t *q, const uint16_t *scales, const uint16_t *bs,
+                       void *out, int64_t ldo, int64_t m_count, int64_t n, int64_t k, int threads, int io) {
+    if (m_count <= 0 || n <= 0 || k <= 0 || ldx < k || ldo < n || io & ~3) return 1;
     a8_x a;
-    if (a8_quantize(x, ldx, m_count, k, (k + A8 - 1) / A8, &a)) return 2;
+    if (a8_quantize(x, ldx, io & IO_X_F32, m_count, k, (k + A8 - 1) / A8, &a)) return 2;
+    const qout o = {out, ldo, (io & IO_OUT_F32) != 0};
     const int64_t step = 64, items = (n + step - 1) / step;
     const int par = threads > 1 && m_count * n * k >= PAR_MIN && items > 1;
 #pragma omp parallel for num_threads(threads) schedule(static) if (par)
     for (int64_t it = 0; it < items; it++) {
         const int64_t n0 = it * step, n1 = n0 + step < n ? n0 + step : n;
-        int8_a8_many(&a, m_count, q, k, scales, bs, n, out, ldo, n0, n1);
+        int8_a8_many(&a, m_count, q, k, scales, bs, n, o, n0, n1);
     }
     a8_free(&a);
     return 0;
@@ -1423,13 +1476,24 @@ static int int8_a8_run(const uint16_t *x, int64_t ldx, const int8_t *q, const ui
 /* x [M, K] bf16 (row stride ldx), q int8 [N, K] contiguous, scales bf16 [N] -> out [M, N] bf16 (row stride ldo). */
 int llmsys_qgemv_int8_a8(const uint16_t *x, int64_t ldx, const int8_t *q, const uint16_t *scales, uint16_t *out,
                          int64_t ldo, int64_t m_count, int64_t n, int64_t k, int threads) {
-    return int8_a8_run(x, ldx, q, scales, NULL, out, ldo, m_count, n, k, threads);
+    return int8_a8_run(x, ldx, q, scales, NULL, out, ldo, m_count, n, k, threads, 0);
+}
+
+/* llmsys_qgemv_int8_a8 with io (IO_X_F32: x float32; IO_OUT_F32: out float32, unrounded) */
+int llmsys_qgemv_int8_a8_io(const void *x, int64_t ldx, const int8_t *q, const uint16_t *scales, void *out,
+                            int64_t ldo, int64_t m_count, int64_t n, int64_t k, int threads, int io) {
+    return int8_a8_run(x, ldx, q, scales, NULL, out, ldo, m_count, n, k, threads, io);
 }
 
 /* The same with a scale per 32-column block (GGUF Q8_0): block_scales fp16 [ceil(K / 32), N] (group-major). */
 int llmsys_qgemv_int8g_a8(const uint16_t *x, int64_t ldx, const int8_t *q, const uint16_t *block_scales,
                           uint16_t *out, int64_t ldo, int64_t m_count, int64_t n, int64_t k, int threads) {
-    return int8_a8_run(x, ldx, q, NULL, block_scales, out, ldo, m_count, n, k, threads);
+    return int8_a8_run(x, ldx, q, NULL, block_scales, out, ldo, m_count, n, k, threads, 0);
+}
+
+int llmsys_qgemv_int8g_a8_io(const void *x, int64_t ldx, const int8_t *q, const uint16_t *block_scales,
+                             void *out, int64_t ldo, int64_t m_count, int64_t n, int64_t k, int threads, int io) {
+    return int8_a8_run(x, ldx, q, NULL, block_scales, out, ldo, m_count, n, k, threads, io);
 }
 
 /* int8 codes with the scales of GGUF K-quants kept as stored, group-major arrays [.., >= N] (row stride f_ld),
@@ -1442,7 +1506,7 @@ int llmsys_qgemv_int8g_a8(const uint16_t *x, int64_t ldx, const int8_t *q, const
    out = bf16(f). AVX2: the 8 int32 lanes vpmaddwd leaves per row hold 4 columns each, lanes 0-3 the block's
    first 16 columns (the low 128 bits), 4-7 the next 16: two rounds of vphaddd keep the halves apart. */
 static void int8k_a8_rows(const a8_x *a, int64_t m, const int8_t *q, int64_t k, const float *fs, const float *fo,
-                          const int8_t *ksc, const uint16_t *kd, int64_t f_ld, uint16_t *out, int64_t ldo,
+                          const int8_t *ksc, const uint16_t *kd, int64_t f_ld, qout out,
                           int64_t n0, int64_t n1) {
     const int64_t nb = k / A8;
     const int8_t *qx = a->q + m * a->nb * A8;
@@ -1491,7 +1555,7 @@ static void int8k_a8_rows(const a8_x *a, int64_t m, const int8_t *q, int64_t k, 
         }
         float fr[8];
         _mm256_storeu_ps(fr, f);
-        for (int r = 0; r < 8; r++) out[m * ldo + n + r] = rne(fr[r]);
+        for (int r = 0; r < 8; r++) put1(out, m, n + r, fr[r]);
     }
 #endif
     for (; n < n1; n++) {
@@ -1507,22 +1571,23 @@ static void int8k_a8_rows(const a8_x *a, int64_t m, const int8_t *q, int64_t k, 
             const float hlo = d * (float)ksc[2 * b * f_ld + n], hhi = d * (float)ksc[(2 * b + 1) * f_ld + n];
             f = f + ((float)dot_block_i8(xb, w, 16) * (hlo * dx[b]) + (float)dot_block_i8(xb + 16, w + 16, 16) * (hhi * dx[b]));
         }
-        out[m * ldo + n] = rne(f);
+        put1(out, m, n, f);
     }
 }
 
-static int int8k_a8_run(const uint16_t *x, int64_t ldx, const int8_t *q, const float *fs, const float *fo,
-                        const int8_t *ksc, const uint16_t *kd, uint16_t *out, int64_t ldo, int64_t m_count,
-                        int64_t n, int64_t k, int threads) {
-    if (m_count <= 0 || n <= 0 || k <= 0 || k % A8 || ldx < k || ldo < n || (ksc && k % 256)) return 1;
+static int int8k_a8_run(const void *x, int64_t ldx, const int8_t *q, const float *fs, const float *fo,
+                        const int8_t *ksc, const uint16_t *kd, void *out, int64_t ldo, int64_t m_count,
+                        int64_t n, int64_t k, int threads, int io) {
+    if (m_count <= 0 || n <= 0 || k <= 0 || k % A8 || ldx < k || ldo < n || (ksc && k % 256) || io & ~3) return 1;
     a8_x a;
-    if (a8_quantize(x, ldx, m_count, k, k / A8, &a)) return 2;
+    if (a8_quantize(x, ldx, io & IO_X_F32, m_count, k, k / A8, &a)) return 2;
+    const qout o = {out, ldo, (io & IO_OUT_F32) != 0};
     const int64_t step = 64, items = (n + step - 1) / step;
     const int par = threads > 1 && m_count * n * k >= PAR_MIN && items > 1;
 #pragma omp parallel for num_threads(threads) schedule(static) if (par)
     for (int64_t it = 0; it < items; it++) {
         const int64_t n0 = it * step, n1 = n0 + step < n ? n0 + step : n;
-        for (int64_t m = 0; m < m_count; m++) int8k_a8_rows(&a, m, q, k, fs, fo, ksc, kd, n, out, ldo, n0, n1);
+        for (int64_t m = 0; m < m_count; m++) int8k_a8_rows(&a, m, q, k, fs, fo, ksc, kd, n, o, n0, n1);
     }
     a8_free(&a);
     return 0;
@@ -1532,14 +1597,24 @@ static int int8k_a8_run(const uint16_t *x, int64_t ldx, const int8_t *q, const f
    [M, N] bf16 (row stride ldo); K a multiple of 32 (else 1). */
 int llmsys_qgemv_int8o_a8(const uint16_t *x, int64_t ldx, const int8_t *q, const float *scales, const float *offsets,
                           uint16_t *out, int64_t ldo, int64_t m_count, int64_t n, int64_t k, int threads) {
-    return scales && offsets ? int8k_a8_run(x, ldx, q, scales, offsets, NULL, NULL, out, ldo, m_count, n, k, threads) : 1;
+    return scales && offsets ? int8k_a8_run(x, ldx, q, scales, offsets, NULL, NULL, out, ldo, m_count, n, k, threads, 0) : 1;
+}
+
+int llmsys_qgemv_int8o_a8_io(const void *x, int64_t ldx, const int8_t *q, const float *scales, const float *offsets,
+                             void *out, int64_t ldo, int64_t m_count, int64_t n, int64_t k, int threads, int io) {
+    return scales && offsets ? int8k_a8_run(x, ldx, q, scales, offsets, NULL, NULL, out, ldo, m_count, n, k, threads, io) : 1;
 }
 
 /* x [M, K] bf16 (row stride ldx), q int8 [N, K] contiguous, Q6_K's scales as stored: int8 sc [K / 16, N] and fp16
    d [K / 256, N] -> out [M, N] bf16 (row stride ldo); K a multiple of 256 (else 1). */
 int llmsys_qgemv_int8h_a8(const uint16_t *x, int64_t ldx, const int8_t *q, const int8_t *sc, const uint16_t *d,
                           uint16_t *out, int64_t ldo, int64_t m_count, int64_t n, int64_t k, int threads) {
-    return sc && d ? int8k_a8_run(x, ldx, q, NULL, NULL, sc, d, out, ldo, m_count, n, k, threads) : 1;
+    return sc && d ? int8k_a8_run(x, ldx, q, NULL, NULL, sc, d, out, ldo, m_count, n, k, threads, 0) : 1;
+}
+
+int llmsys_qgemv_int8h_a8_io(const void *x, int64_t ldx, const int8_t *q, const int8_t *sc, const uint16_t *d,
+                             void *out, int64_t ldo, int64_t m_count, int64_t n, int64_t k, int threads, int io) {
+    return sc && d ? int8k_a8_run(x, ldx, q, NULL, NULL, sc, d, out, ldo, m_count, n, k, threads, io) : 1;
 }
 
 /* Slot s of an int4 a8 block's accumulators holds row a8_row(s): the AVX2 unpacks interleave
@@ -1634,7 +1709,7 @@ static void a8_meta(const int4_meta *md, int64_t row0, int64_t rows, int64_t g, 
 
 /* One 64-row block of the CPU int4 tiling against x rows [m0, m1): out[m, row0 + j]. */
 static void int4_a8_block(const a8_x *a, int64_t m0, int64_t m1, const uint8_t *blk, const int4_meta *md,
-                          int64_t n_groups, int64_t gs, int64_t row0, int64_t n_rows, uint16_t *out, int64_t ldo) {
+                          int64_t n_groups, int64_t gs, int64_t row0, int64_t n_rows, qout out) {
     const int64_t rows = n_rows - row0 < 64 ? n_rows - row0 : 64, per_g = gs / A8, nb = a->nb;
     enum { MT8 = 8 };
     float acc[MT8][64] __attribute__((aligned(32)));
@@ -1766,14 +1841,13 @@ static void int4_a8_block(const a8_x *a, int64_t m0, int64_t m1, const uint8_t *
         for (int m = 0; m < mt; m++)
             for (int s8 = 0; s8 < 64; s8 += 8) { /* 8 slots are 8 consecutive rows (a8_row) */
                 const int j = a8_row(s8);
-                uint16_t *o = out + (mb + m) * ldo + row0 + j;
 #ifdef QA8_AVX2
                 if (j + 8 <= rows) { /* 8 at once: a float read back after the vector store stalled (see rne16) */
-                    _mm_storeu_si128((__m128i *)o, ops_rne8(_mm256_load_ps(acc[m] + s8)));
+                    put8(out, mb + m, row0 + j, _mm256_load_ps(acc[m] + s8));
                     continue;
                 }
 #endif
-                for (int i = 0; i < 8 && j + i < rows; i++) o[i] = rne(acc[m][s8 + i]);
+                for (int i = 0; i < 8 && j + i < rows; i++) put1(out, mb + m, row0 + j + i, acc[m][s8 + i]);
             }
     }
 }
@@ -1793,7 +1867,7 @@ static void int4_a8_block(const a8_x *a, int64_t m0, int64_t m1, const uint8_t *
 /* x rows [mb, mb + mt) of int4_a8_block_vnni, mt a constant where inlined (the accumulators stay in registers) */
 static inline __attribute__((always_inline)) void int4_a8_vnni_tile(
         const a8_x *a, int64_t mb, const int mt, const uint8_t *blk, const int4_meta *md, int64_t n_groups,
-        int64_t gs, int64_t row0, int64_t rows, uint16_t *out, int64_t ldo) {
+        int64_t gs, int64_t row0, int64_t rows, qout out) {
     const int64_t per_g = gs / A8, nb = a->nb;
     const __m512i low4 = _mm512_set1_epi8(15);
     /* slot vector v of a half (rows 0-31 or 32-63) from that half's two row-order vectors */
@@ -1856,42 +1930,43 @@ static inline __attribute__((always_inline)) void int4_a8_vnni_tile(
     for (int m = 0; m < mt; m++) { /* slots back into row order (ie, io: the inverse of vnni_row's order) */
         const __m512 r[4] = {_mm512_permutex2var_ps(acc[m][0], ie, acc[m][1]), _mm512_permutex2var_ps(acc[m][0], io, acc[m][1]),
                              _mm512_permutex2var_ps(acc[m][2], ie, acc[m][3]), _mm512_permutex2var_ps(acc[m][2], io, acc[m][3])};
-        store_rows(out + (mb + m) * ldo + row0, r, rows);
+        put_rows(out, mb + m, row0, r, rows);
     }
 }
 
 static void int4_a8_block_vnni(const a8_x *a, int64_t m0, int64_t m1, const uint8_t *blk, const int4_meta *md,
-                               int64_t n_groups, int64_t gs, int64_t row0, int64_t n_rows, uint16_t *out,
-                               int64_t ldo) {
+                               int64_t n_groups, int64_t gs, int64_t row0, int64_t n_rows, qout out) {
     const int64_t rows = n_rows - row0 < 64 ? n_rows - row0 : 64;
     for (int64_t mb = m0; mb < m1;) { /* I4_MT rows at a time, then 2, 1 (constants: inlined) */
         const int64_t left = m1 - mb;
-        if (left >= I4_MT) int4_a8_vnni_tile(a, mb, I4_MT, blk, md, n_groups, gs, row0, rows, out, ldo), mb += I4_MT;
-        else if (left >= 2) int4_a8_vnni_tile(a, mb, 2, blk, md, n_groups, gs, row0, rows, out, ldo), mb += 2;
-        else int4_a8_vnni_tile(a, mb, 1, blk, md, n_groups, gs, row0, rows, out, ldo), mb += 1;
+        if (left >= I4_MT) int4_a8_vnni_tile(a, mb, I4_MT, blk, md, n_groups, gs, row0, rows, out), mb += I4_MT;
+        else if (left >= 2) int4_a8_vnni_tile(a, mb, 2, blk, md, n_groups, gs, row0, rows, out), mb += 2;
+        else int4_a8_vnni_tile(a, mb, 1, blk, md, n_groups, gs, row0, rows, out), mb += 1;
     }
 }
 #endif
 
 /* A 64-row block of the tiling against x rows [m0, m1): the VNNI code where built (but offsets: AVX2's). */
 static void int4_a8_rows(const a8_x *a, int64_t m0, int64_t m1, const uint8_t *blk, const int4_meta *md,
-                         int64_t n_groups, int64_t gs, int64_t row0, int64_t n_rows, uint16_t *out, int64_t ldo) {
+                         int64_t n_groups, int64_t gs, int64_t row0, int64_t n_rows, qout out) {
 #ifdef QA8_VNNI
     if (!has_offsets(md)) { /* offsets: the AVX2 code (also in this build) */
-        int4_a8_block_vnni(a, m0, m1, blk, md, n_groups, gs, row0, n_rows, out, ldo);
+        int4_a8_block_vnni(a, m0, m1, blk, md, n_groups, gs, row0, n_rows, out);
         return;
     }
 #endif
-    int4_a8_block(a, m0, m1, blk, md, n_groups, gs, row0, n_rows, out, ldo);
+    int4_a8_block(a, m0, m1, blk, md, n_groups, gs, row0, n_rows, out);
 }
 
 #define I4_SPLIT_MIN_M 16 /* rows of x from which a block's rows are split between the threads */
 
 /* The int4 a8 GEMV over every 64-row block (threads split the blocks), arguments checked by the caller. */
-static int int4_a8_run(const uint16_t *x, int64_t ldx, const uint8_t *packed, const int4_meta *md, uint16_t *out,
-                       int64_t ldo, int64_t m_count, int64_t n, int64_t kp, int64_t k, int64_t gs, int threads) {
+static int int4_a8_run(const void *x, int64_t ldx, const uint8_t *packed, const int4_meta *md, void *out,
+                       int64_t ldo, int64_t m_count, int64_t n, int64_t kp, int64_t k, int64_t gs, int threads, int io) {
+    if (io & ~3) return 1;
     a8_x a;
-    if (a8_quantize(x, ldx, m_count, k, kp / A8, &a)) return 2;
+    if (a8_quantize(x, ldx, io & IO_X_F32, m_count, k, kp / A8, &a)) return 2;
+    const qout o = {out, ldo, (io & IO_OUT_F32) != 0};
     const int64_t blocks = (n + 63) / 64, n_groups = kp / gs;
     const int par = threads > 1 && m_count * n * kp >= PAR_MIN && blocks > 1;
     /* Prompts: a block count the threads do not divide (576 rows: 9 blocks, 5 + 4 on 2 threads) leaves a thread
@@ -1902,7 +1977,7 @@ static int int4_a8_run(const uint16_t *x, int64_t ldx, const uint8_t *packed, co
 #pragma omp parallel for num_threads(threads) schedule(static) if (par)
     for (int64_t it = 0; it < blocks * parts; it++) {
         const int64_t b = it / parts, m0 = it % parts * per, m1 = m0 + per < m_count ? m0 + per : m_count;
-        if (m0 < m1) int4_a8_rows(&a, m0, m1, packed + b * kp * 32, md, n_groups, gs, b * 64, n, out, ldo);
+        if (m0 < m1) int4_a8_rows(&a, m0, m1, packed + b * kp * 32, md, n_groups, gs, b * 64, n, o);
     }
     a8_free(&a);
     return 0;
@@ -1910,25 +1985,39 @@ static int int4_a8_run(const uint16_t *x, int64_t ldx, const uint8_t *packed, co
 
 /* llmsys_qgemv_int4's arguments and layout, x quantized per 32 columns (the a8 arithmetic above); offs:
    float32 offsets [n * o_n + g * o_g] (w = scale * q + offset, zeros not read), or NULL. */
+int llmsys_qgemv_int4o_a8_io(const void *x, int64_t ldx, const uint8_t *packed, const void *scales, int64_t s_n,
+                             int64_t s_g, int scale_kind, const uint8_t *zeros, int64_t z_n, int64_t z_g, const float *offs,
+                             int64_t o_n, int64_t o_g, void *out, int64_t ldo, int64_t m_count, int64_t n, int64_t kp,
+                             int64_t k, int64_t gs, int threads, int io) {
+    if (m_count <= 0 || n <= 0 || gs % A8 || gs > 256 || kp % gs || k <= kp - gs || k > kp || ldx < k || ldo < n)
+        return 1;
+    const int4_meta md = {zeros, z_n, z_g, scales, s_n, s_g, scale_kind, offs, o_n, o_g, NULL, NULL, NULL, NULL, 0};
+    return int4_a8_run(x, ldx, packed, &md, out, ldo, m_count, n, kp, k, gs, threads, io);
+}
+
 int llmsys_qgemv_int4o_a8(const uint16_t *x, int64_t ldx, const uint8_t *packed, const void *scales, int64_t s_n,
                           int64_t s_g, int scale_kind, const uint8_t *zeros, int64_t z_n, int64_t z_g, const float *offs,
                           int64_t o_n, int64_t o_g, uint16_t *out, int64_t ldo, int64_t m_count, int64_t n, int64_t kp,
                           int64_t k, int64_t gs, int threads) {
-    if (m_count <= 0 || n <= 0 || gs % A8 || gs > 256 || kp % gs || k <= kp - gs || k > kp || ldx < k || ldo < n)
-        return 1;
-    const int4_meta md = {zeros, z_n, z_g, scales, s_n, s_g, scale_kind, offs, o_n, o_g, NULL, NULL, NULL, NULL, 0};
-    return int4_a8_run(x, ldx, packed, &md, out, ldo, m_count, n, kp, k, gs, threads);
+    return llmsys_qgemv_int4o_a8_io(x, ldx, packed, scales, s_n, s_g, scale_kind, zeros, z_n, z_g, offs, o_n, o_g, out,
+                                    ldo, m_count, n, kp, k, gs, threads, 0);
 }
 
 /* llmsys_qgemv_int4o_a8 with GGUF Q4_K's scales as stored (int4_meta.ksc ..; group size 32): sc, m uint8
    [G, k_n], d, dmin fp16 [G / 8, k_n], group-major. */
-int llmsys_qgemv_int4k_a8(const uint16_t *x, int64_t ldx, const uint8_t *packed, const uint8_t *ksc, const uint8_t *km,
-                          const uint16_t *kd, const uint16_t *kdm, int64_t k_n, uint16_t *out, int64_t ldo,
-                          int64_t m_count, int64_t n, int64_t kp, int64_t k, int threads) {
+int llmsys_qgemv_int4k_a8_io(const void *x, int64_t ldx, const uint8_t *packed, const uint8_t *ksc, const uint8_t *km,
+                             const uint16_t *kd, const uint16_t *kdm, int64_t k_n, void *out, int64_t ldo,
+                             int64_t m_count, int64_t n, int64_t kp, int64_t k, int threads, int io) {
     const int64_t gs = A8;
     if (m_count <= 0 || n <= 0 || kp % 256 || k <= kp - gs || k > kp || ldx < k || ldo < n || k_n < n) return 1;
     const int4_meta md = {NULL, 0, 0, NULL, 0, 0, 1, NULL, 0, 0, ksc, km, kd, kdm, k_n};
-    return int4_a8_run(x, ldx, packed, &md, out, ldo, m_count, n, kp, k, gs, threads);
+    return int4_a8_run(x, ldx, packed, &md, out, ldo, m_count, n, kp, k, gs, threads, io);
+}
+
+int llmsys_qgemv_int4k_a8(const uint16_t *x, int64_t ldx, const uint8_t *packed, const uint8_t *ksc, const uint8_t *km,
+                          const uint16_t *kd, const uint16_t *kdm, int64_t k_n, uint16_t *out, int64_t ldo,
+                          int64_t m_count, int64_t n, int64_t kp, int64_t k, int threads) {
+    return llmsys_qgemv_int4k_a8_io(x, ldx, packed, ksc, km, kd, kdm, k_n, out, ldo, m_count, n, kp, k, threads, 0);
 }
 
 /* llmsys_qgemv_int4o_a8 with integer zero points (no offsets). */
@@ -1937,6 +2026,13 @@ int llmsys_qgemv_int4_a8(const uint16_t *x, int64_t ldx, const uint8_t *packed, 
                          int64_t ldo, int64_t m_count, int64_t n, int64_t kp, int64_t k, int64_t gs, int threads) {
     return llmsys_qgemv_int4o_a8(x, ldx, packed, scales, s_n, s_g, scale_kind, zeros, z_n, z_g, NULL, 0, 0, out, ldo,
                                  m_count, n, kp, k, gs, threads);
+}
+
+int llmsys_qgemv_int4_a8_io(const void *x, int64_t ldx, const uint8_t *packed, const void *scales, int64_t s_n,
+                            int64_t s_g, int scale_kind, const uint8_t *zeros, int64_t z_n, int64_t z_g, void *out,
+                            int64_t ldo, int64_t m_count, int64_t n, int64_t kp, int64_t k, int64_t gs, int threads, int io) {
+    return llmsys_qgemv_int4o_a8_io(x, ldx, packed, scales, s_n, s_g, scale_kind, zeros, z_n, z_g, NULL, 0, 0, out, ldo,
+                                    m_count, n, kp, k, gs, threads, io);
 }
 
 /* ------------------------------------------------------------ bf16 GEMV (decode)
@@ -1959,7 +2055,7 @@ static inline float bf16_row_tail(float *a, const uint16_t *x, const uint16_t *w
    floats, masking its high half the odd ones, so two registers hold the 16 lanes (even | odd) with no
    conversion instruction but a shift and an and; the lanes are put back in order before the tree. */
 static __attribute__((unused)) void bf16_rows(const uint16_t *xb, int64_t ldx, int64_t m_count, int64_t k, const uint16_t *w, int64_t ldw,
-                      uint16_t *out, int64_t ldo, int64_t n0, int64_t n1) {
+                      qout out, int64_t n0, int64_t n1) {
     const int64_t full = k / 16 * 16;
     for (int64_t m = 0; m < m_count; m++) {
         const uint16_t *x = xb + m * ldx;
@@ -1985,7 +2081,7 @@ static __attribute__((unused)) void bf16_rows(const uint16_t *xb, int64_t ldx, i
             _mm256_storeu_ps(e, ev);
             _mm256_storeu_ps(o, od);
             for (int t = 0; t < 8; t++) { a[2 * t] = e[t]; a[2 * t + 1] = o[t]; }
-            out[m * ldo + n] = rne(bf16_row_tail(a, x, wr, full, k));
+            put1(out, m, n, bf16_row_tail(a, x, wr, full, k));
         }
         for (; n + 4 <= n1; n += 4) {
             __m256 ev[4], od[4];
@@ -2007,7 +2103,7 @@ static __attribute__((unused)) void bf16_rows(const uint16_t *xb, int64_t ldx, i
                 _mm256_storeu_ps(e, ev[r]);
                 _mm256_storeu_ps(o, od[r]);
                 for (int t = 0; t < 8; t++) { a[2 * t] = e[t]; a[2 * t + 1] = o[t]; }
-                out[m * ldo + n + r] = rne(bf16_row_tail(a, x, w + (n + r) * ldw, full, k));
+                put1(out, m, n + r, bf16_row_tail(a, x, w + (n + r) * ldw, full, k));
             }
         }
 #endif
@@ -2016,7 +2112,7 @@ static __attribute__((unused)) void bf16_rows(const uint16_t *xb, int64_t ldx, i
             float a[16] = {0};
             for (int64_t i = 0; i < full; i += 16)
                 for (int j = 0; j < 16; j++) a[j] = a[j] + bf(x[i + j]) * bf(wr[i + j]);
-            out[m * ldo + n] = rne(bf16_row_tail(a, x, wr, full, k));
+            put1(out, m, n, bf16_row_tail(a, x, wr, full, k));
         }
     }
 }
@@ -2032,7 +2128,7 @@ static __attribute__((unused)) void bf16_rows(const uint16_t *xb, int64_t ldx, i
    four rows at a time read ~30 GB/s from DRAM where oneDNN's packed GEMV read ~35; one row's single
    stream reads more than either (Zen 5, 2 threads, from DRAM: 151936x896 91 vs 75 GB/s oneDNN, 4864x896
    76 vs 62; 4 rows: ~0.8x oneDNN). One vdpbf16ps chain per row is no limit: ~40 GB/s a thread. */
-static void bf16_rows_one(const uint32_t *xs, int64_t nb, int64_t k, const uint16_t *w, int64_t ldw, uint16_t *out,
+static void bf16_rows_one(const uint32_t *xs, int64_t nb, int64_t k, const uint16_t *w, int64_t ldw, qout out,
                           int64_t n0, int64_t n1) {
     const __m512i perm = _mm512_set_epi16(15, 31, 14, 30, 13, 29, 12, 28, 11, 27, 10, 26, 9, 25, 8, 24,
                                           7, 23, 6, 22, 5, 21, 4, 20, 3, 19, 2, 18, 1, 17, 0, 16);
@@ -2046,28 +2142,30 @@ static void bf16_rows_one(const uint32_t *xs, int64_t nb, int64_t k, const uint1
             const __m512i v = _mm512_permutexvar_epi16(perm, _mm512_maskz_loadu_epi16(mk, wr + 32 * t));
             acc = _mm512_dpbf16_ps(acc, (__m512bh)v, (__m512bh)_mm512_load_si512(xs + t * 16));
         }
-        out[n] = rne(tree512(acc));
+        put1(out, 0, n, tree512(acc));
     }
 }
 
 /* bf16_rows' contract; x as lane pairs xs [M, nb * 16] (lane_pairs): one row of x bf16_rows_one, more the
    int8 batches' lane-pair tiles (rows_lanes). */
 static void bf16_rows_lanes(const uint32_t *xs, int64_t nb, int64_t m_count, int64_t k, const uint16_t *w,
-                            int64_t ldw, uint16_t *out, int64_t ldo, int64_t n0, int64_t n1) {
+                            int64_t ldw, qout out, int64_t n0, int64_t n1) {
     __m512i *wb = m_count > 1 ? aligned_alloc(64, sizeof(__m512i) * (size_t)(nb * I8B_R)) : NULL;
     if (!wb) { /* one row of x, or out of memory: one weight row at a time for each row of x (the same bits) */
-        for (int64_t m = 0; m < m_count; m++) bf16_rows_one(xs + m * nb * 16, nb, k, w, ldw, out + m * ldo, n0, n1);
+        for (int64_t m = 0; m < m_count; m++) bf16_rows_one(xs + m * nb * 16, nb, k, w, ldw, qout_at(out, m, 0), n0, n1);
         return;
     }
-    rows_lanes(xs, nb, m_count, w, 1, ldw, k, NULL, out, ldo, n0, n1, wb);
+    rows_lanes(xs, nb, m_count, w, 1, ldw, k, NULL, out, n0, n1, wb);
     free(wb);
 }
 #endif
 
-/* x [M, K] bf16 (row stride ldx), w bf16 [N, K] (row stride ldw) -> out [M, N] bf16 (row stride ldo). */
-int llmsys_gemv_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw, uint16_t *out, int64_t ldo,
-                     int64_t m_count, int64_t n, int64_t k, int threads) {
-    if (m_count <= 0 || n <= 0 || k <= 0 || ldx < k || ldw < k || ldo < n) return 1;
+/* x [M, K] bf16 (row stride ldx), w bf16 [N, K] (row stride ldw) -> out [M, N] (row stride ldo): bf16, or float32
+   unrounded with IO_OUT_F32 in io (the LM head's logits). */
+int llmsys_gemv_bf16_io(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw, void *outp, int64_t ldo,
+                        int64_t m_count, int64_t n, int64_t k, int threads, int io) {
+    if (m_count <= 0 || n <= 0 || k <= 0 || ldx < k || ldw < k || ldo < n || io & ~IO_OUT_F32) return 1;
+    const qout out = {outp, ldo, (io & IO_OUT_F32) != 0};
     const int64_t items = (n + 63) / 64;
     const int par = threads > 1 && items > 1 && m_count * n * k >= PAR_MIN;
 #if defined(QG_AVX512) && defined(__AVX512BF16__)
@@ -2076,14 +2174,19 @@ int llmsys_gemv_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t 
     if (!xs) return 2;
 #pragma omp parallel for num_threads(threads) schedule(static) if (par)
     for (int64_t it = 0; it < items; it++)
-        bf16_rows_lanes(xs, nb, m_count, k, w, ldw, out, ldo, it * 64, it * 64 + 64 < n ? it * 64 + 64 : n);
+        bf16_rows_lanes(xs, nb, m_count, k, w, ldw, out, it * 64, it * 64 + 64 < n ? it * 64 + 64 : n);
     free(xs);
 #else
 #pragma omp parallel for num_threads(threads) schedule(static) if (par)
     for (int64_t it = 0; it < items; it++)
-        bf16_rows(x, ldx, m_count, k, w, ldw, out, ldo, it * 64, it * 64 + 64 < n ? it * 64 + 64 : n);
+        bf16_rows(x, ldx, m_count, k, w, ldw, out, it * 64, it * 64 + 64 < n ? it * 64 + 64 : n);
 #endif
     return 0;
+}
+
+int llmsys_gemv_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw, uint16_t *out, int64_t ldo,
+                     int64_t m_count, int64_t n, int64_t k, int threads) {
+    return llmsys_gemv_bf16_io(x, ldx, w, ldw, out, ldo, m_count, n, k, threads, 0);
 }
 
 /* ------------------------------------------------------------ bf16 GEMM (prompts, AVX2 + FMA)
@@ -2391,28 +2494,28 @@ static void qw_item(const llmsys_qw *w, const a8_x *a, const void *xv, const uin
     }
     const uint16_t *x = xv;
     uint16_t *out = outv;
+    const qout o = {outv, ldo, 0}; /* the layers' activations: bf16 */
     if (w->kind == 2) {
 #if defined(QG_AVX512) && defined(__AVX512BF16__)
         (void)x;
-        bf16_rows_lanes(xs, (w->k + 31) / 32, m_count, w->k, (const uint16_t *)w->q, w->kp, out, ldo, n0, n1);
+        bf16_rows_lanes(xs, (w->k + 31) / 32, m_count, w->k, (const uint16_t *)w->q, w->kp, o, n0, n1);
 #else
         (void)xs;
-        bf16_rows(x, w->k, m_count, w->k, (const uint16_t *)w->q, w->kp, out, ldo, n0, n1);
+        bf16_rows(x, w->k, m_count, w->k, (const uint16_t *)w->q, w->kp, o, n0, n1);
 #endif
     } else if (w->kind == 0) {
-        int8_a8_many(a, m_count, (const int8_t *)w->q, w->k, (const uint16_t *)w->scales, NULL, 0, out, ldo, n0, n1);
+        int8_a8_many(a, m_count, (const int8_t *)w->q, w->k, (const uint16_t *)w->scales, NULL, 0, o, n0, n1);
     } else if (w->kind == 3) {
-        int8_a8_many(a, m_count, (const int8_t *)w->q, w->k, NULL, (const uint16_t *)w->scales, w->s_g, out, ldo, n0, n1);
+        int8_a8_many(a, m_count, (const int8_t *)w->q, w->k, NULL, (const uint16_t *)w->scales, w->s_g, o, n0, n1);
     } else if (w->kind == 4 || w->kind == 5) { /* Q6_K: its stored scales (ksc, kd); Q5_K: scales and offsets */
         const int q6 = w->kind == 4;
         for (int64_t m = 0; m < m_count; m++)
             int8k_a8_rows(a, m, (const int8_t *)w->q, w->k, (const float *)w->scales, w->offs,
-                          q6 ? (const int8_t *)w->ksc : NULL, q6 ? w->kd : NULL, w->s_g, out, ldo, n0, n1);
+                          q6 ? (const int8_t *)w->ksc : NULL, q6 ? w->kd : NULL, w->s_g, o, n0, n1);
     } else {
         const int4_meta md = {w->zeros, w->z_n, w->z_g, w->scales, w->s_n, w->s_g, (int)w->scale_kind, w->offs,
                               w->o_n, w->o_g, w->ksc, w->km, w->kd, w->kdm, w->k_n};
-        int4_a8_rows(a, 0, m_count, (const uint8_t *)w->q + it * w->kp * 32, &md, w->kp / w->gs, w->gs, n0, w->n,
-                      out, ldo);
+        int4_a8_rows(a, 0, m_count, (const uint8_t *)w->q + it * w->kp * 32, &md, w->kp / w->gs, w->gs, n0, w->n, o);
     }
     if (w->bias)
         for (int64_t m = 0; m < m_count; m++)
@@ -2441,7 +2544,7 @@ static int proj_run(const llmsys_qw *ws, int64_t nw, const void *x, int64_t m_co
             for (int64_t i = 0; i < j; i++) /* x's blocks are shared by weights with the same block count */
                 if (!qw_plain(&ws[i]) && qw_nb(&ws[i]) == qw_nb(&ws[j])) { use[j] = use[i]; break; }
             if (!use[j]) {
-                if (a8_quantize(x, k, m_count, k, qw_nb(&ws[j]), &a[made])) { rc = 2; break; }
+                if (a8_quantize(x, k, 0, m_count, k, qw_nb(&ws[j]), &a[made])) { rc = 2; break; }
                 use[j] = &a[made++];
             }
         }

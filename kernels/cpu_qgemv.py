@@ -75,6 +75,15 @@ _SIGNATURES = {
     "llmsys_qgemv_int4_a8": [_P, _I, _P, _P, _I, _I, _C, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _C],
     "llmsys_qgemv_int4o_a8": [_P, _I, _P, _P, _I, _I, _C, _P, _I, _I, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _C],
     "llmsys_qgemv_int4k_a8": [_P, _I, _P, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _C],
+    # the a8 GEMVs and the bf16 GEMV with ``io`` last (_io_flags: float32 x, float32 out)
+    "llmsys_qgemv_int8_a8_io": [_P, _I, _P, _P, _P, _I, _I, _I, _I, _C, _C],
+    "llmsys_qgemv_int8g_a8_io": [_P, _I, _P, _P, _P, _I, _I, _I, _I, _C, _C],
+    "llmsys_qgemv_int8h_a8_io": [_P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _C, _C],
+    "llmsys_qgemv_int8o_a8_io": [_P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _C, _C],
+    "llmsys_qgemv_int4_a8_io": [_P, _I, _P, _P, _I, _I, _C, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _C, _C],
+    "llmsys_qgemv_int4o_a8_io": [_P, _I, _P, _P, _I, _I, _C, _P, _I, _I, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _C, _C],
+    "llmsys_qgemv_int4k_a8_io": [_P, _I, _P, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _C, _C],
+    "llmsys_gemv_bf16_io": [_P, _I, _P, _I, _P, _I, _I, _I, _I, _C, _C],
     "llmsys_gemv_bf16": [_P, _I, _P, _I, _P, _I, _I, _I, _I, _C],
     "llmsys_gemm_bf16": [_P, _I, _P, _I, _P, _P, _I, _I, _I, _I, _C],
     "llmsys_gemm_bf16_native": [],
@@ -84,6 +93,21 @@ _SIGNATURES = {
     "llmsys_decode_stack": [_P, _P, _P, _P, _I, _C],
 }
 A8_BLOCK = 32  # columns of x per int8 block in the a8 GEMVs
+_IO_X_F32, _IO_OUT_F32 = 1, 2  # cpu_qgemv.c's io flags
+_OUT_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def _io_flags(op: str, x: torch.Tensor, out_dtype: torch.dtype, x_f32: bool = True) -> int:
+    """The ``io`` argument of the ``*_io`` C entry points: x float32 (where ``x_f32``: the a8 GEMVs quantize it
+    as it is) and out float32, unrounded (the LM head's logits), else bf16."""
+    if out_dtype not in _OUT_DTYPES:
+        raise ValueError(f"{op}: out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
+    return (_IO_X_F32 if x_f32 and x.dtype == torch.float32 else 0) | (_IO_OUT_F32 if out_dtype == torch.float32 else 0)
+
+
+def _out(f: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """A definition's float32 sums as the kernel leaves them: rounded once to bf16, or float32 as summed."""
+    return f if out_dtype == torch.float32 else f.to(torch.bfloat16)
 _SCALE_KINDS = {torch.bfloat16: 0, torch.float32: 1, torch.float16: 2}
 
 
@@ -159,8 +183,10 @@ def _block_dots(qx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.einsum("mbc,nbc->mnb", qx.long(), wb)
 
 
-def int8_a8_def(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``x [M, K]`` bf16, ``qweight int8 [N, K]``, ``scales [N]`` bf16 ``-> [M, N]`` bf16, :func:`int8_gemv_a8`'s bits.
+def int8_a8_def(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``x [M, K]`` bf16 (or float32), ``qweight int8 [N, K]``, ``scales [N]`` bf16 ``-> [M, N]`` bf16 (or float32,
+    unrounded: ``out_dtype``), :func:`int8_gemv_a8`'s bits.
 
     ``out = bf16(f * scale)``, ``f`` summing ``float(S_b) * d_b`` over x's 32-column blocks in order
     (``S_b`` the block's exact integer dot product, products rounded, then added).
@@ -171,11 +197,12 @@ def int8_a8_def(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) ->
     f = torch.zeros(s.shape[:2])
     for b in range(s.shape[2]):
         f = f + s[..., b].float() * d[:, None, b]
-    return (f * scales.float()).to(torch.bfloat16)
+    return _out(f * scales.float(), out_dtype)
 
 
 def int8g_a8_def(x: torch.Tensor, qweight: torch.Tensor, block_scales: torch.Tensor,
-                 offsets: torch.Tensor | None = None, super_scales: torch.Tensor | None = None) -> torch.Tensor:
+                 offsets: torch.Tensor | None = None, super_scales: torch.Tensor | None = None,
+                 out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """``x [M, K]`` bf16, ``qweight int8 [N, K]``, ``block_scales`` fp16 ``[nb, N]`` (a scale per 32 columns,
     group-major: GGUF Q8_0's) ``-> [M, N]`` bf16, :func:`int8g_gemv_a8`'s bits. Or GGUF Q6_K's scales as stored:
     ``block_scales`` int8 ``[K / 16, N]`` and ``super_scales`` fp16 ``[K / 256, N]``, a scale per 16 columns
@@ -196,7 +223,7 @@ def int8g_a8_def(x: torch.Tensor, qweight: torch.Tensor, block_scales: torch.Ten
         for b in range(s.shape[2]):
             f = f + (s[..., b].float() * (bs[None, b, :] * d[:, b, None])
                      + sx[:, b, None].float() * (offsets[None, b, :].float() * d[:, b, None]))
-        return f.to(torch.bfloat16)
+        return _out(f, out_dtype)
     if super_scales is not None:  # halves: 16-column blocks of codes against each half of x's block
         bs = super_scales.float().repeat_interleave(16, 0) * bs  # [K / 16, N] float32: d * sc
         wh = w.long().view(w.shape[0], -1, 2, A8_BLOCK // 2)  # [N, nb, 2, 16]
@@ -205,16 +232,17 @@ def int8g_a8_def(x: torch.Tensor, qweight: torch.Tensor, block_scales: torch.Ten
         for b in range(sh.shape[2]):
             f = f + (sh[..., b, 0].float() * (bs[None, 2 * b, :] * d[:, b, None])
                      + sh[..., b, 1].float() * (bs[None, 2 * b + 1, :] * d[:, b, None]))
-        return f.to(torch.bfloat16)
+        return _out(f, out_dtype)
     s = _block_dots(qx, w)  # [M, N, nb]
     f = torch.zeros(s.shape[:2])
     for b in range(s.shape[2]):
         f = f + s[..., b].float() * (bs[None, b, :] * d[:, b, None])
-    return f.to(torch.bfloat16)
+    return _out(f, out_dtype)
 
 
 def int4_a8_def(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                group_size: int, offsets: torch.Tensor | None = None) -> torch.Tensor:
+                group_size: int, offsets: torch.Tensor | None = None,
+                out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """:func:`int4_gemv_def`'s arguments ``-> [M, N]`` bf16, :func:`int4_gemv_a8`'s bits.
 
     ``out = bf16(f)``, ``f`` summing ``float(S_b - zero_g * sum(codes_b)) * (scale_g * d_b)`` over x's
@@ -239,13 +267,14 @@ def int4_a8_def(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zer
             continue
         t = s[..., b] - zeros[:, g].long()[None, :] * sx[:, b, None]  # exact
         f = f + t.float() * (sc[None, :, g] * d[:, b, None])
-    return f.to(torch.bfloat16)
+    return _out(f, out_dtype)
 
 
-def bf16_gemv_def(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def bf16_gemv_def(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """``x [M, K]`` and ``weight [N, K]`` bf16 ``-> [M, N]`` bf16, :func:`bf16_gemv`'s bits: each dot in
-    16 float32 lanes in order, then the lanes' tree (``cpu_decode.lane_sum``), rounded once."""
-    return lane_sum(x.float()[:, None, :], weight.float()[None, :, :]).to(torch.bfloat16)
+    16 float32 lanes in order, then the lanes' tree (``cpu_decode.lane_sum``), rounded once (float32
+    ``out_dtype``: not rounded)."""
+    return _out(lane_sum(x.float()[:, None, :], weight.float()[None, :, :]), out_dtype)
 
 
 def f32_gemv_def(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -266,9 +295,12 @@ def _dname(dtype: torch.dtype) -> str:
     return "bf16" if dtype == torch.bfloat16 else "float32"
 
 
-def _check_x(op: str, x: torch.Tensor, k: int) -> None:
-    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1 or x.device.type != "cpu":
-        raise ValueError(f"{op}: x must be a CPU bf16 [M, {k}] tensor with unit column stride, "
+def _check_x(op: str, x: torch.Tensor, k: int, f32: bool = False) -> None:
+    """x [M, k] on the CPU with unit column stride, bf16 (or float32 where ``f32``: the a8 GEMVs), else ValueError."""
+    if (x.dtype != torch.bfloat16 and not (f32 and x.dtype == torch.float32)) or x.dim() != 2 or x.shape[1] != k \
+            or x.stride(1) != 1 or x.device.type != "cpu":
+        what = "bf16 or float32" if f32 else "bf16"
+        raise ValueError(f"{op}: x must be a CPU {what} [M, {k}] tensor with unit column stride, "
                          f"got {x.dtype} {tuple(x.shape)} strides {x.stride()}")
 
 
@@ -285,11 +317,24 @@ def int8_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *, c
     return _int8("llmsys_qgemv_int8", x, qweight, scales, check, lib)
 
 
-def bf16_gemv(x: torch.Tensor, weight: torch.Tensor, *, check: bool = True, lib=None) -> torch.Tensor:
+def bf16_gemv(x: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch.dtype = torch.bfloat16, check: bool = True,
+              lib=None) -> torch.Tensor:
     """``x [M, K]`` bf16 times a plain bf16 ``weight [N, K]`` (unit column stride) ``-> [M, N]`` bf16, as
-    :func:`bf16_gemv_def`: the decode GEMV of bf16 layers (``cpu_linear``).
-    ``check`` and ``lib`` as :func:`int8_gemv`."""
-    return _plain_gemv("bf16_gemv", "llmsys_gemv_bf16", torch.bfloat16, x, weight, check, lib)
+    :func:`bf16_gemv_def`: the decode GEMV of bf16 layers (``cpu_linear``); ``out_dtype`` float32: the sums
+    unrounded (a bf16 LM head's logits, any M). ``check`` and ``lib`` as :func:`int8_gemv`."""
+    if out_dtype == torch.bfloat16:
+        return _plain_gemv("bf16_gemv", "llmsys_gemv_bf16", torch.bfloat16, x, weight, check, lib)
+    io = _io_flags("bf16_gemv", x, out_dtype, x_f32=False)
+    n, k = weight.shape
+    if check:
+        _check_plain("bf16_gemv", torch.bfloat16, "bfloat16", x, weight)
+    m = x.shape[0]
+    out = torch.empty(m, n, dtype=out_dtype)
+    rc = (lib or _KERNEL.lib()).llmsys_gemv_bf16_io(x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0),
+                                                    out.data_ptr(), n, m, n, k, torch.get_num_threads(), io)
+    if rc:
+        raise RuntimeError(f"bf16_gemv: the C kernel failed (code {rc}) on M={m} N={n} K={k}")
+    return out
 
 
 def bf16_gemm_native(lib=None) -> bool:
@@ -368,27 +413,30 @@ def _plain_gemv(op: str, symbol: str, dtype: torch.dtype, x: torch.Tensor, weigh
     return out
 
 
-def int8_gemv_a8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *, check: bool = True,
-                 lib=None) -> torch.Tensor:
+def int8_gemv_a8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *,
+                 out_dtype: torch.dtype = torch.bfloat16, check: bool = True, lib=None) -> torch.Tensor:
     """:func:`int8_gemv`'s product with x quantized to int8 per 32 columns (:func:`int8_a8_def`'s bits):
-    the decode GEMV of int8 layers. Same arguments and checks as :func:`int8_gemv`."""
-    return _int8("llmsys_qgemv_int8_a8", x, qweight, scales, check, lib)
+    the decode GEMV of int8 layers. Same arguments and checks as :func:`int8_gemv`, but x may be float32
+    (quantized as it is) and ``out_dtype`` float32 leaves the sums unrounded (the LM head's logits)."""
+    return _int8("llmsys_qgemv_int8_a8", x, qweight, scales, check, lib, out_dtype)
 
 
 def int8g_gemv_a8(x: torch.Tensor, qweight: torch.Tensor, block_scales: torch.Tensor, *,
-                  offsets: torch.Tensor | None = None, super_scales: torch.Tensor | None = None, check: bool = True,
-                  lib=None) -> torch.Tensor:
+                  offsets: torch.Tensor | None = None, super_scales: torch.Tensor | None = None,
+                  out_dtype: torch.dtype = torch.bfloat16, check: bool = True, lib=None) -> torch.Tensor:
     """``x [M, K]`` bf16 times the int8 weight ``qweight [N, K]`` with a scale per 32 columns, ``block_scales``
     fp16 ``[ceil(K / 32), N]`` contiguous (group-major, so a block's scales for a run of rows are one vector
     load), x quantized to int8 per 32 columns (:func:`int8g_a8_def`'s bits): GGUF Q8_0 layers' GEMV, the
     arithmetic of llama.cpp's q8_0 x q8_0 dot. Or GGUF Q6_K's codes minus 32 with its scales as stored: int8
     ``block_scales [K / 16, N]`` and fp16 ``super_scales [K / 256, N]`` contiguous, K a multiple of 256. Or float32 scales and
     ``offsets`` per 32 columns, ``[K / 32, N]`` contiguous, K a multiple of 32 (GGUF Q5_K's 5-bit codes, ``d * sc``
-    and ``-(dmin * m)``). ``check`` and ``lib`` as :func:`int8_gemv`."""
+    and ``-(dmin * m)``). x bf16 or float32, ``out_dtype`` as :func:`int8_gemv_a8`; ``check`` and ``lib`` as
+    :func:`int8_gemv`."""
     n, k = qweight.shape
+    io = _io_flags("int8g_gemv_a8", x, out_dtype)
     if offsets is not None:
         if check:
-            _check_x("int8g_gemv_a8", x, k)
+            _check_x("int8g_gemv_a8", x, k, f32=True)
             want = (k // A8_BLOCK, n)
             if qweight.dtype != torch.int8 or not qweight.is_contiguous() or k % A8_BLOCK or any(
                     t.dtype != torch.float32 or tuple(t.shape) != want or not t.is_contiguous()
@@ -396,16 +444,16 @@ def int8g_gemv_a8(x: torch.Tensor, qweight: torch.Tensor, block_scales: torch.Te
                 raise ValueError(f"int8g_gemv_a8: with offsets, qweight must be contiguous int8 [N, K] (K a multiple "
                                  f"of 32) and block_scales, offsets contiguous float32 {list(want)}")
         m = x.shape[0]
-        out = torch.empty(m, n, dtype=torch.bfloat16)
-        rc = (lib or _KERNEL.lib()).llmsys_qgemv_int8o_a8(
+        out = torch.empty(m, n, dtype=out_dtype)
+        rc = (lib or _KERNEL.lib()).llmsys_qgemv_int8o_a8_io(
             x.data_ptr(), x.stride(0), qweight.data_ptr(), block_scales.data_ptr(), offsets.data_ptr(),
-            out.data_ptr(), n, m, n, k, torch.get_num_threads())
+            out.data_ptr(), n, m, n, k, torch.get_num_threads(), io)
         if rc:
             raise RuntimeError(f"int8g_gemv_a8: the C kernel failed (code {rc}) on M={m} N={n} K={k}")
         return out
     halves = super_scales is not None
     if check:
-        _check_x("int8g_gemv_a8", x, k)
+        _check_x("int8g_gemv_a8", x, k, f32=True)
         ok = qweight.dtype == torch.int8 and qweight.is_contiguous() and block_scales.is_contiguous()
         if halves:
             ok = ok and k % 256 == 0 and block_scales.dtype == torch.int8 and tuple(block_scales.shape) == (
@@ -419,14 +467,15 @@ def int8g_gemv_a8(x: torch.Tensor, qweight: torch.Tensor, block_scales: torch.Te
                              f"multiple of 256), got {qweight.dtype} {tuple(qweight.shape)}, {block_scales.dtype} "
                              f"{tuple(block_scales.shape)}")
     m = x.shape[0]
-    out = torch.empty(m, n, dtype=torch.bfloat16)
+    out = torch.empty(m, n, dtype=out_dtype)
     lib = lib or _KERNEL.lib()
     if halves:
-        rc = lib.llmsys_qgemv_int8h_a8(x.data_ptr(), x.stride(0), qweight.data_ptr(), block_scales.data_ptr(),
-                                       super_scales.data_ptr(), out.data_ptr(), n, m, n, k, torch.get_num_threads())
+        rc = lib.llmsys_qgemv_int8h_a8_io(x.data_ptr(), x.stride(0), qweight.data_ptr(), block_scales.data_ptr(),
+                                          super_scales.data_ptr(), out.data_ptr(), n, m, n, k, torch.get_num_threads(),
+                                          io)
     else:
-        rc = lib.llmsys_qgemv_int8g_a8(x.data_ptr(), x.stride(0), qweight.data_ptr(), block_scales.data_ptr(),
-                                       out.data_ptr(), n, m, n, k, torch.get_num_threads())
+        rc = lib.llmsys_qgemv_int8g_a8_io(x.data_ptr(), x.stride(0), qweight.data_ptr(), block_scales.data_ptr(),
+                                          out.data_ptr(), n, m, n, k, torch.get_num_threads(), io)
     if rc:
         raise RuntimeError(f"int8g_gemv_a8: the C kernel failed (code {rc}) on M={m} N={n} K={k}")
     return out
@@ -436,32 +485,36 @@ _INT8_OPS = {"llmsys_qgemv_int8": "int8_gemv", "llmsys_qgemv_int8_a8": "int8_gem
 
 
 def _int8(symbol: str, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, check: bool,
-          lib) -> torch.Tensor:
+          lib, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     op = _INT8_OPS[symbol]
+    a8 = symbol.endswith("_a8")
     n, k = qweight.shape
+    io = _io_flags(op, x, out_dtype) if a8 else 0
     if check:
-        _check_x(op, x, k)
+        _check_x(op, x, k, f32=a8)
         if qweight.dtype != torch.int8 or not qweight.is_contiguous() or scales.dtype != torch.bfloat16 \
                 or tuple(scales.shape) != (n,) or not scales.is_contiguous():
             raise ValueError(f"{op}: qweight must be contiguous int8 [N, K] and scales contiguous bf16 [N], "
                              f"got {qweight.dtype} {tuple(qweight.shape)}, {scales.dtype} {tuple(scales.shape)}")
     m = x.shape[0]
-    out = torch.empty(m, n, dtype=torch.bfloat16)
-    rc = getattr(lib or _KERNEL.lib(), symbol)(x.data_ptr(), x.stride(0), qweight.data_ptr(), scales.data_ptr(),
-                                               out.data_ptr(), n, m, n, k, torch.get_num_threads())
+    out = torch.empty(m, n, dtype=out_dtype)
+    args = (x.data_ptr(), x.stride(0), qweight.data_ptr(), scales.data_ptr(), out.data_ptr(), n, m, n, k,
+            torch.get_num_threads())
+    lib = lib or _KERNEL.lib()
+    rc = lib.llmsys_qgemv_int8_a8_io(*args, io) if a8 else getattr(lib, symbol)(*args)
     if rc:
         raise RuntimeError(f"{op}: the C kernel failed (code {rc}) on M={m} N={n} K={k}")
     return out
 
 
 def check_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-               group_size: int, op: str = "int4_gemv") -> None:
+               group_size: int, op: str = "int4_gemv", x_f32: bool = False) -> None:
     """Raise ``ValueError`` (naming ``op``) unless the arguments fit :func:`int4_gemv`."""
     if zeros.dim() != 2 or zeros.dtype != torch.uint8:
         raise ValueError(f"{op}: zeros must be a uint8 [N, G] tensor, got {zeros.dtype} {tuple(zeros.shape)}")
     n, n_groups = zeros.shape
     k = x.shape[-1]
-    _check_x(op, x, k)
+    _check_x(op, x, k, f32=x_f32)
     if scales.dim() == 3 and (scales.shape[0] != n_groups or scales.shape[1] < n or scales.shape[2] != 2):
         raise ValueError(f"{op}: scales_zeros must be [G, >= N, 2] = [{n_groups}, >= {n}, 2], "
                          f"got {tuple(scales.shape)}")
@@ -485,17 +538,18 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros
 
 
 def int4_gemv_a8(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                 group_size: int, *, offsets: torch.Tensor | None = None, check: bool = True,
-                 lib=None) -> torch.Tensor:
+                 group_size: int, *, offsets: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
+                 check: bool = True, lib=None) -> torch.Tensor:
     """:func:`int4_gemv`'s product with x quantized to int8 per 32 columns (:func:`int4_a8_def`'s bits):
     the GEMV of int4 layers. Same arguments as :func:`int4_gemv`, plus ``offsets``: float32 ``[N, G]``
-    of any strides (group-major is the fast one), ``w = scale * q + offset`` with the zeros not read."""
+    of any strides (group-major is the fast one), ``w = scale * q + offset`` with the zeros not read;
+    x bf16 or float32 and ``out_dtype`` as :func:`int8_gemv_a8`."""
     if offsets is None:
-        return _int4("llmsys_qgemv_int4_a8", x, packed, scales, zeros, group_size, check, lib)
+        return _int4("llmsys_qgemv_int4_a8", x, packed, scales, zeros, group_size, check, lib, out_dtype=out_dtype)
     if check and (offsets.dtype != torch.float32 or tuple(offsets.shape) != tuple(zeros.shape)):
         raise ValueError(f"int4_gemv_a8: offsets must be float32 {tuple(zeros.shape)}, "
                          f"got {offsets.dtype} {tuple(offsets.shape)}")
-    return _int4("llmsys_qgemv_int4o_a8", x, packed, scales, zeros, group_size, check, lib, offsets)
+    return _int4("llmsys_qgemv_int4o_a8", x, packed, scales, zeros, group_size, check, lib, offsets, out_dtype)
 
 
 def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -511,21 +565,24 @@ _INT4_OPS = {"llmsys_qgemv_int4": "int4_gemv", "llmsys_qgemm_int4": "int4_gemm",
 
 
 def _int4(symbol: str, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-          group_size: int, check: bool, lib, offsets: torch.Tensor | None = None) -> torch.Tensor:
+          group_size: int, check: bool, lib, offsets: torch.Tensor | None = None,
+          out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     op = _INT4_OPS[symbol]
+    a8 = symbol.endswith("_a8")
+    io = _io_flags(op, x, out_dtype) if a8 else 0
     if check:
-        check_int4(x, packed, scales, zeros, group_size, op=op)  # group sizes 32/64/128: whole a8 blocks
+        check_int4(x, packed, scales, zeros, group_size, op=op, x_f32=a8)  # group sizes 32/64/128: whole a8 blocks
     if scales.dtype not in _SCALE_KINDS:
         scales = _scales_2d(scales, zeros.shape[0]).float()  # as the definition reads them
     n, n_groups = zeros.shape
     m, k = x.shape
     s_n, s_g = (scales.stride(1), scales.stride(0)) if scales.dim() == 3 else scales.stride()
-    out = torch.empty(m, n, dtype=torch.bfloat16)
+    out = torch.empty(m, n, dtype=out_dtype)
     offs = () if offsets is None else (offsets.data_ptr(), offsets.stride(0), offsets.stride(1))
-    rc = getattr(lib or _KERNEL.lib(), symbol)(
-        x.data_ptr(), x.stride(0), packed.data_ptr(), scales.data_ptr(), s_n, s_g, _SCALE_KINDS[scales.dtype],
-        zeros.data_ptr(), zeros.stride(0), zeros.stride(1), *offs, out.data_ptr(), n,
-        m, n, n_groups * group_size, k, group_size, torch.get_num_threads())
+    args = (x.data_ptr(), x.stride(0), packed.data_ptr(), scales.data_ptr(), s_n, s_g, _SCALE_KINDS[scales.dtype],
+            zeros.data_ptr(), zeros.stride(0), zeros.stride(1), *offs, out.data_ptr(), n,
+            m, n, n_groups * group_size, k, group_size, torch.get_num_threads())
+    rc = getattr(lib or _KERNEL.lib(), symbol + "_io" if a8 else symbol)(*args, *((io,) if a8 else ()))
     if rc:
         raise RuntimeError(f"{op}: the C kernel failed (code {rc}) on M={m} N={n} K={k} group={group_size}")
     return out
@@ -611,18 +668,20 @@ class KScales:
         return (self.sc.data_ptr(), self.m.data_ptr(), self.d.data_ptr(), self.dmin.data_ptr(), self.sc.stride(0))
 
 
-def int4k_gemv_a8(x: torch.Tensor, packed: torch.Tensor, ks: KScales, k: int, *, check: bool = True,
-                  lib=None) -> torch.Tensor:
+def int4k_gemv_a8(x: torch.Tensor, packed: torch.Tensor, ks: KScales, k: int, *,
+                  out_dtype: torch.dtype = torch.bfloat16, check: bool = True, lib=None) -> torch.Tensor:
     """:func:`int4_gemv_a8` with Q4_K's scales as stored (``ks``; group 32, ``k`` input features, whole
     256-column super-blocks): the bits of :func:`int4_a8_def` given ``ks.scales()`` and ``offsets=ks.offsets()``.
-    ``check=False`` skips the check of ``x`` for callers that made it (the C kernel still checks the shapes)."""
+    x bf16 or float32 and ``out_dtype`` as :func:`int8_gemv_a8`. ``check=False`` skips the check of ``x`` for
+    callers that made it (the C kernel still checks the shapes)."""
     n, kp = ks.sc.shape[1], ks.sc.shape[0] * 32
+    io = _io_flags("int4_gemv_a8", x, out_dtype)
     if check:
-        _check_x("int4_gemv_a8", x, k)
+        _check_x("int4_gemv_a8", x, k, f32=True)
     m = x.shape[0]
-    out = torch.empty(m, n, dtype=torch.bfloat16)
-    rc = (lib or _KERNEL.lib()).llmsys_qgemv_int4k_a8(x.data_ptr(), x.stride(0), packed.data_ptr(), *ks.pointers(),
-                                                       out.data_ptr(), n, m, n, kp, k, torch.get_num_threads())
+    out = torch.empty(m, n, dtype=out_dtype)
+    rc = (lib or _KERNEL.lib()).llmsys_qgemv_int4k_a8_io(x.data_ptr(), x.stride(0), packed.data_ptr(), *ks.pointers(),
+                                                          out.data_ptr(), n, m, n, kp, k, torch.get_num_threads(), io)
     if rc:
         raise RuntimeError(f"int4_gemv_a8: the C kernel failed (code {rc}) on M={m} N={n} K={k} (Q4_K scales)")
     return out

@@ -180,13 +180,21 @@ class StreamedLMHead(nn.Module):
         self.packed_when_resident = packed_when_resident  # False: a tied head that is never prepacked
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
+        return self._run(h, h.dtype, kernels.linear)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:  # [N, hidden] float32 -> [N, vocab] float32
+        """The resident head's ``logits`` chunk by chunk (``kernels.linear_logits``: float32 sums, each row's
+        independent of the chunking), so a streamed head gives the resident head's bits."""
+        return self._run(h, torch.float32, kernels.linear_logits)
+
+    def _run(self, h: torch.Tensor, dtype: torch.dtype, fn) -> torch.Tensor:
         rt = self._rt[0]
-        out = torch.empty(h.shape[0], self.vocab, dtype=h.dtype, device=h.device)
+        out = torch.empty(h.shape[0], self.vocab, dtype=dtype, device=h.device)
         for a, b, u in self.chunks:
             (w,) = rt.bring(u)
             try:
-                # kernels.linear as the resident head: the same GEMM choice, so the same bits.
-                out[:, a:b] = kernels.linear(h, w, rows_of=self.vocab, packed_when_resident=self.packed_when_resident)
+                # as the resident head: the same GEMM choice, so the same bits.
+                out[:, a:b] = fn(h, w, rows_of=self.vocab, packed_when_resident=self.packed_when_resident)
             finally:
                 rt.drop(u)
         return out
@@ -445,6 +453,13 @@ class OffloadRuntime:
                             rt.bring(idx)
                             try:
                                 return head(h)
+                            finally:
+                                rt.drop(idx)
+
+                        def logits(self, h):  # the quantized head's float32 logits (QuantLinear.logits)
+                            rt.bring(idx)
+                            try:
+                                return head.logits(h)
                             finally:
                                 rt.drop(idx)
 

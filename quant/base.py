@@ -24,6 +24,8 @@ from llmsys.kernels.common.errors import CheckpointError
 # Measured on AVX-512 (Qwen2.5-0.5B MLP up-proj, 896x4864): at M=16 int8-packed 2.4 ms vs
 # dequant 3.8 ms, at M=128 15 ms vs 8 ms. Also the most rows int8's fused decode layers take.
 PACKED_MAX_ROWS = 32
+# Float32 bytes of weight rows dequantized at a time by the reference LM head (QuantLinear.logits' fallback).
+LOGITS_CHUNK_BYTES = 16 << 20
 # Float32 bytes of one row chunk while quantizing (quantize_rows): bounds the quantizers'
 # full-size temporaries, so the largest tensor no longer sets the load-time peak.
 QUANT_CHUNK_BYTES = 16 << 20
@@ -176,6 +178,16 @@ class QuantLinear(nn.Module):
             raise ValueError(f"{type(self).__name__}: input has {xb.shape[1]} features, expected {self.in_features}")
         return xb
 
+    def _a8_f32_input(self, x2: torch.Tensor) -> torch.Tensor:
+        """``x2 [M, K]`` as the C a8 GEMVs take an LM head's input: float32 as it is (quantized per 32 columns
+        from its own value, as llama.cpp quantizes its float32 activations), unit column stride, K checked."""
+        xf = x2.float()
+        if xf.stride(-1) != 1:
+            xf = xf.contiguous()
+        if xf.shape[1] != self.in_features:
+            raise ValueError(f"{type(self).__name__}: input has {xf.shape[1]} features, expected {self.in_features}")
+        return xf
+
     def rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Dequantized weight rows ``ids [M] -> [M, K]`` (an embedding lookup).
 
@@ -192,6 +204,35 @@ class QuantLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*lead, self.out_features)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """This layer as the LM head: ``x [..., K]`` (float32, the final norm's output) ``-> [..., N]`` float32
+        logits as summed (plus the bias), never rounded to bf16.
+
+        Why: bf16 logits have gaps that are multiples of 2^-3 near 10, so argmax ties everywhere and the
+        sampler sees a coarse distribution; an upcast of :meth:`forward`'s bf16 output restores nothing.
+        """
+        lead = x.shape[:-1]
+        y = self._logits(x.reshape(-1, x.shape[-1]))  # [M, N] float32
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.reshape(*lead, self.out_features)
+
+    def _logits(self, x2: torch.Tensor) -> torch.Tensor:
+        """``x2 [M, K] -> [M, N]`` float32 sums; formats whose kernel writes float32 override this."""
+        return self._dequant_logits(x2)
+
+    def _dequant_logits(self, x2: torch.Tensor) -> torch.Tensor:
+        """``x2 [M, K]`` times the float32 dequantized weight, in row chunks of at most :data:`LOGITS_CHUNK_BYTES`
+        (a 151936-row head dequantized whole is 0.5 GB) ``-> [M, N]`` float32: the reference head."""
+        xf = x2.float()
+        n, k = self.out_features, self.in_features
+        step = max(1, LOGITS_CHUNK_BYTES // (4 * k))
+        out = torch.empty(xf.shape[0], n, dtype=torch.float32, device=xf.device)
+        for r0 in range(0, n, step):
+            ids = torch.arange(r0, min(n, r0 + step), device=xf.device)
+            out[:, r0 : r0 + ids.numel()] = xf @ self.rows(ids, torch.float32).t()
+        return out
 
     def nbytes(self) -> int:
         """Bytes held by this layer: every persistent buffer, incl. scales/zeros/bias (a non-persistent one is

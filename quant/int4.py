@@ -457,6 +457,30 @@ class Int4Linear(QuantLinear):
         w = dequantize_int4(self.qweight, self.scales, self.zeros, k, x2.dtype, self.offsets)  # [N, K] stored order
         return F.linear(x2, w)
 
+    def _logits(self, x2: torch.Tensor) -> torch.Tensor:
+        """The LM head's float32 logits: the C a8 GEMV on float32 x (AWQ's input scale applied in float32)
+        writing float32 sums, or the Triton kernel on float32 x, else the reference (the stored column order)."""
+        buf = self._buffers
+        if buf["input_scale"] is not None:
+            x2 = x2.float() * buf["input_scale"]
+        if buf["perm"] is not None:
+            x2 = x2.index_select(1, buf["perm"])
+        family = self._kernel.family
+        if self.mode == "packed_cpu" and family is KernelFamily.C_INT4:
+            xf = self._a8_f32_input(x2)
+            if buf["k_sc"] is not None:  # Q4_K's stored scales
+                return int4k_gemv_a8(xf, buf["packed"], self.kscales(), self.in_features, out_dtype=torch.float32,
+                                     check=False)
+            scales = buf["scales_orig"]
+            if scales is None:
+                scales = buf["scales_zeros"]
+            offs = buf["offsets_gm"]
+            return int4_gemv_a8(xf, buf["packed"], scales, buf["zeros_gm"].t(), self.group_size,
+                                offsets=None if offs is None else offs.t(), out_dtype=torch.float32, check=False)
+        if self.mode != "packed_cpu" and family is KernelFamily.TRITON_W4A16:
+            return w4a16_matmul(x2.float().contiguous(), self.qweight, self.scales, self.zeros, self.group_size)
+        return self._dequant_logits(x2)
+
     def _canonical_scales(self) -> torch.Tensor:
         """The canonical scales ``[N, G]`` (packed_cpu mode): a view into ``scales_zeros`` when they are bf16."""
         if self.scales_orig is not None:

@@ -151,6 +151,15 @@ class Int8BlockLinear(QuantLinear):
         return self._int8_decode_weight(KernelFamily.C_INT8_BLOCK, tensors,
                                         lambda q, bs, o, ss, bias: int8g_decode_weight(q, bs, bias, o, ss))
 
+    def _logits(self, x2: torch.Tensor) -> torch.Tensor:
+        """The LM head's float32 logits: the a8 GEMV on float32 x writing its float32 sums (GGUF Q8_0 / Q6_K /
+        Q5_K heads kept as stored: llama.cpp's q8_0 activations and dot, unrounded), else the reference."""
+        buf = self._buffers
+        if self._kernel.family is KernelFamily.C_INT8_BLOCK:
+            return int8g_gemv_a8(self._a8_f32_input(x2), buf["qweight"], buf["block_scales"], offsets=buf["offsets"],
+                                 super_scales=buf["super_scales"], out_dtype=torch.float32, check=False)  # [M, N]
+        return self._dequant_logits(x2)
+
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
         buf = self._buffers
         if self._kernel.family is KernelFamily.C_INT8_BLOCK and x2.dtype in (torch.bfloat16, torch.float32):

@@ -137,6 +137,18 @@ class Int8Linear(_PerRowLinear):
         buf = self._buffers
         return self._int8_decode_weight(KernelFamily.C_INT8, (buf["qweight"], buf["scales"]), int8_decode_weight)
 
+    def _logits(self, x2: torch.Tensor) -> torch.Tensor:
+        """The LM head's float32 logits: the C a8 GEMV on float32 x writing float32 sums, or the Triton kernel on
+        float32 x (float32 accumulation and output), else the reference."""
+        buf = self._buffers
+        family = self._kernel.family
+        if family is KernelFamily.C_INT8:
+            return int8_gemv_a8(self._a8_f32_input(x2), buf["qweight"], buf["scales"], out_dtype=torch.float32,
+                                check=False)  # [M, N]
+        if family is KernelFamily.TRITON_W8A16:
+            return w8a16_matmul(x2.float().contiguous(), buf["qweight"], buf["scales"])
+        return self._dequant_logits(x2)
+
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
         buf = self._buffers  # read directly: nn.Module.__getattr__ costs ~1 us a buffer on the decode path
         family = self._kernel.family
@@ -223,6 +235,16 @@ class FP8Linear(_PerRowLinear):
 
     FORMAT = "fp8"
     quantize = staticmethod(quantize_fp8)
+
+    def _logits(self, x2: torch.Tensor) -> torch.Tensor:
+        """The LM head's float32 logits: ``_scaled_mm`` with a float32 output on FP8 GPUs, else the reference."""
+        if self._kernel.family is KernelFamily.FP8_SCALED_MM:
+            xf = x2.float()
+            sa = (xf.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / FP8_MAX)  # [M, 1]
+            xq = (xf / sa).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)  # [M, K]
+            return torch._scaled_mm(xq, self.qweight.t(), scale_a=sa, scale_b=self.scales[None, :],
+                                    out_dtype=torch.float32)  # [M, N]
+        return self._dequant_logits(x2)
 
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
         if self._kernel.family is KernelFamily.FP8_SCALED_MM:

@@ -436,8 +436,8 @@ def test_a8_argument_checks():
     """The a8 GEMVs check as the exact ones do and name themselves; unchecked, what the kernel refuses
     (a row stride below K, a group that is not whole activation blocks) is a RuntimeError naming it."""
     q, s = _int8(64, 64)
-    with pytest.raises(ValueError, match="int8_gemv_a8: x must"):
-        cpu_qgemv.int8_gemv_a8(torch.randn(1, 64), q, s)
+    with pytest.raises(ValueError, match="int8_gemv_a8: x must be a CPU bf16 or float32"):
+        cpu_qgemv.int8_gemv_a8(torch.randn(1, 64, dtype=torch.float64), q, s)  # (float32 x: the LM head's)
     with pytest.raises(ValueError, match="int8_gemv_a8: qweight must .* got torch.int8 .* torch.float32"):
         cpu_qgemv.int8_gemv_a8(torch.randn(1, 64).bfloat16(), q, s.float())
     with pytest.raises(RuntimeError, match=r"int8_gemv_a8: the C kernel failed \(code 1\) on M=1 N=64 K=64"):

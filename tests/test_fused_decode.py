@@ -17,7 +17,7 @@ from conftest import STORIES_HF, need_shared
 from tiny_models import make_hf_model
 
 
-def _reference(model, kv, meta, ids, pos) -> torch.Tensor:  # [T, hidden]
+def _reference(model, kv, meta, ids, pos) -> torch.Tensor:  # [T, hidden] float32
     """One step as separate ops: norm, projections, RoPE, store, paged attention, o, norm + residual, MLP, add."""
     from llmsys import kernels
     from llmsys.kernels.cpu_attention import paged_attention_gathered
@@ -34,7 +34,7 @@ def _reference(model, kv, meta, ids, pos) -> torch.Tensor:  # [T, hidden]
         a = at.o_proj(o.reshape(T, at.n_heads * at.head_dim))
         x, h = kernels.rms_norm(a, n2.weight, n2.eps, h)
         h = h + layer.mlp.down_proj(layer.mlp.act(x))
-    return kernels.rms_norm(h, model.model.norm.weight, model.model.norm.eps)
+    return model.model.norm.forward_f32(h)  # the final norm: float32 out, the LM head's input (exact logits)
 
 
 def _step_both(llm, lens: list[int], seed: int = 0):

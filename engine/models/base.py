@@ -202,6 +202,10 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.linear(x, self.weight, self.bias, packed_when_resident=self.packed_when_resident)
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden] float32 -> [N, V] float32
+        """This layer as the LM head: float32 logits, never rounded to the weight's dtype (``kernels.linear_logits``)."""
+        return kernels.linear_logits(x, self.weight, self.bias, packed_when_resident=self.packed_when_resident)
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, offset: bool = False):
@@ -230,6 +234,20 @@ class RMSNorm(nn.Module):
                 and x.is_contiguous()):
             return kernels.cpu_fused_rms_norm(x, w, self.eps, residual)
         return kernels.rms_norm(x, w, self.eps, residual)
+
+    def forward_f32(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`forward`'s norm (of ``x + residual``, the sum in ``x``'s dtype as there) ``[T, D] -> [T, D]`` in
+        float32, not rounded to the activations' dtype: the model's final norm, the LM head's input.
+
+        Why: the head quantizes its input per 32 columns (the a8 GEMVs, as llama.cpp does its float32 norm's
+        output) or multiplies it in float32; a bf16 rounding first moved codes at block boundaries for nothing.
+        Float32 activations keep :meth:`forward` (already float32, its bits unchanged)."""
+        if x.dtype == torch.float32:
+            return self.forward(x) if residual is None else self.forward(x, residual)[0]
+        h = (x if residual is None else x + residual).float()  # [T, D]
+        n = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        w = self.weight.float()
+        return n * (1.0 + w if self.offset else w)
 
 
 class Attention(nn.Module):
@@ -609,8 +627,9 @@ class DecoderModel(nn.Module):
         attn: AttentionBackend,  # the engine's attention backend (owns the KV pool)
         meta: AttentionMetadata,  # built by attn.metadata for this step
         layers: LayerRunner | None = None,  # the offload runtime when some layer streams; None: all resident
-    ) -> torch.Tensor:  # [T, hidden]
-        """The decoder's one forward: prefill, decode and mixed steps, resident or streamed layers.
+    ) -> torch.Tensor:  # [T, hidden] float32
+        """The decoder's one forward: prefill, decode and mixed steps, resident or streamed layers; returns the
+        final norm's float32 output (:meth:`RMSNorm.forward_f32`), the LM head's input (:meth:`compute_logits`).
 
         The slots and gather layout are in ``meta``. The residual add after each MLP is
         fused into the next RMSNorm (:meth:`DecoderLayer.forward`).
@@ -631,8 +650,7 @@ class DecoderModel(nn.Module):
                     h, res = layer.forward(h, res, positions, rope, attn, meta)
                 else:
                     h, res = layers.run_layer(i, layer, h, res, positions, rope, attn, meta)
-        norm = self.model.norm
-        return norm.forward(h) if res is None else norm.forward(h, res)[0]
+        return self.model.norm.forward_f32(h, res)  # [T, hidden] float32
 
     def decode_stack(self, h: torch.Tensor, attn: AttentionBackend, meta: AttentionMetadata
                      ) -> kernels.DecodeStack | None:
@@ -728,9 +746,12 @@ class DecoderModel(nn.Module):
         counts = torch.tensor([qs[b + 1] - qs[b] for b in range(len(long))])
         return positions + shift.repeat_interleave(counts).to(positions.device)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V]
-        """The LM head's logits; Gemma 2's soft-capped, ``cap * tanh(logits / cap)``."""
-        logits = self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V] float32
+        """The LM head's float32 logits (its ``logits``: every head the engine builds, quantized, plain, tied or
+        streamed, writes its float32 sums, never bf16-rounded ones); Gemma 2's soft-capped in float32,
+        ``cap * tanh(logits / cap)``. A head without ``logits`` (refinement's float32 training swaps) runs its forward."""
+        head = self.lm_head
+        logits = head.logits(hidden) if hasattr(head, "logits") else head(hidden).float()
         cap = self.args.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
