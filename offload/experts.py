@@ -36,11 +36,12 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
+from torch import nn
 
-from llmsys.offload.streamer import Binding, StreamUnit, pread_full
+from llmsys.offload.streamer import ALIGN, Binding, StreamUnit, TensorSource, pread_full
 
 
 POLICIES = ("lru", "lfu")
@@ -63,7 +64,9 @@ class ExpertCacheStats:
     bytes_read: int = 0
     read_s: float = 0.0  # reader time inside preadv (either thread)
     wait_s: float = 0.0  # compute thread blocked on a read
+    repack_s: float = 0.0  # building run-time tensors from stored bytes (:class:`Repacked`), either thread
     evictions: int = 0
+    files: dict[str, int] = field(default_factory=dict)  # bytes read per file (the checkpoint, an offload file)
 
     @property
     def hit_rate(self) -> float:
@@ -89,19 +92,113 @@ class ExpertReport:
 
 
 @dataclass(frozen=True)
+class StoredTensor:
+    """``locate()``'s answer for a tensor whose stored bytes are not what the engine computes on (a GGUF block
+    format): where they are and the loader's own way from them to the run-time form, so reading them at run time
+    gives the resident load's bits. ``layer``: the quantized layer a matrix kept as codes becomes (its bias, in
+    the run dtype, passed in); ``decode``: the float tensor one dequantized at load becomes. One of them is set."""
+
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+    shape: tuple[int, ...]  # as the model holds it ([out, in])
+    layer: Callable[[torch.Tensor, "torch.Tensor | None"], nn.Module] | None = None  # (uint8 [nbytes], bias) -> layer
+    decode: Callable[[torch.Tensor, torch.dtype], torch.Tensor] | None = None  # (uint8 [nbytes], dtype) -> tensor
+    dtype: torch.dtype = torch.uint8  # what the file holds, as bytes
+
+
+@dataclass(frozen=True)
+class SlotTensor:
+    """Where one run-time tensor of a :class:`Repacked` lies in a slot, with the strides the resident module
+    holds it in (Int4Linear's fp16 ``scales_orig`` is an ``[N, G]`` view of a ``[G, N]`` tensor; a stride-0
+    ``zeros_u8`` costs one element): ``span`` elements from its first to its last address."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int  # byte offset in the slot (ALIGN-aligned)
+    span: int
+
+    @staticmethod
+    def span_of(t: torch.Tensor) -> int:
+        if t.numel() == 0:
+            return 0
+        return 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+
+    @property
+    def nbytes(self) -> int:
+        return self.span * torch.tensor([], dtype=self.dtype).element_size()
+
+    def view(self, slot: torch.Tensor) -> torch.Tensor:
+        flat = slot[self.offset : self.offset + self.nbytes].view(self.dtype)
+        return flat.as_strided(self.shape, self.stride)
+
+    def put(self, slot: torch.Tensor, t: torch.Tensor, what: str) -> None:
+        """Copy ``t`` (the memory it addresses, so its strides hold) into the slot."""
+        if (t.dtype, tuple(t.shape), tuple(t.stride())) != (self.dtype, self.shape, self.stride):
+            raise RuntimeError(f"{what}: built as {t.dtype} {tuple(t.shape)} strides {tuple(t.stride())}, but the "
+                               f"expert's slot holds {self.dtype} {self.shape} strides {self.stride} (its first expert's)")
+        if self.span:
+            src = t.as_strided((self.span,), (1,), t.storage_offset())
+            slot[self.offset : self.offset + self.nbytes].view(self.dtype).copy_(src)
+
+
+@dataclass(frozen=True)
+class Repacked:
+    """Run-time tensors an expert's slot holds that are built from stored bytes of another form: ``stored`` is read
+    into a staging buffer, ``make`` (the loader's conversion, :class:`StoredTensor`) returns the tensors in
+    ``tensors`` order and they are copied into the slot, each bound to its ``bindings`` entry."""
+
+    name: str  # for messages: "layers.3.mlp.experts.5.gate_proj"
+    stored: tuple[TensorSource, ...]
+    make: Callable[[list[torch.Tensor]], list[torch.Tensor]]  # stored bytes (uint8 [nbytes] each) -> tensors
+    tensors: tuple[SlotTensor, ...]
+    bindings: tuple[Binding, ...]
+
+
+@dataclass(frozen=True)
 class ExpertWeights:
-    """One expert's tensors: where their bytes are on disk (``unit``) and the module slots they bind into."""
+    """One expert's tensors: where their bytes are on disk and the module slots they bind into. ``unit``: tensors
+    stored as the engine computes on them, read straight into the slot; ``repacked``: the rest, built from their
+    stored bytes into the slot after it (:class:`Repacked`)."""
 
     unit: StreamUnit
     bindings: tuple[Binding, ...]
+    repacked: tuple[Repacked, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        """Slot bytes this expert needs."""
+        ends = [t.offset + t.nbytes for r in self.repacked for t in r.tensors]
+        return max([self.unit.nbytes, *ends])
+
+    @property
+    def read_bytes(self) -> int:
+        """Bytes one read of this expert takes from disk (what the file stores)."""
+        return sum(it.src.nbytes for it in self.unit.items) + self.stored_bytes
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes of the repacked parts as stored."""
+        return sum(s.nbytes for r in self.repacked for s in r.stored)
+
+    @property
+    def staging_bytes(self) -> int:
+        """Staging bytes a read of the repacked parts needs (each part ALIGN-aligned)."""
+        return sum(-(-s.nbytes // ALIGN) * ALIGN for r in self.repacked for s in r.stored)
 
     def bind(self, buf: torch.Tensor) -> None:
         for b, o, it in zip(self.bindings, self.unit.offsets, self.unit.items):
             b.bind(buf[o : o + it.src.nbytes].view(it.dtype).view(it.shape))
+        for r in self.repacked:
+            for b, t in zip(r.bindings, r.tensors):
+                b.bind(t.view(buf))
 
     def unbind(self) -> None:
         for b in self.bindings:
             b.unbind()
+        for r in self.repacked:
+            for b in r.bindings:
+                b.unbind()
 
 
 class ExpertCache:
@@ -133,7 +230,22 @@ class ExpertCache:
         self._fd_lock = threading.Lock()
         self.depth = depth  # reads in flight at most (each into its own slot)
         self._stats_lock = threading.Lock()
-        self._reader = ThreadPoolExecutor(depth, thread_name_prefix="llmsys-expert-reader")
+        # One intra-op thread per reader: a repack's ops (offload/experts.py's Repacked) are an expert's few MB, too
+        # small to gain from more, and each reader's own OpenMP team would contend with the compute thread's (a
+        # 2-core VM under load: an F16 -> float32 conversion of 128K weights 13 ms with 2 threads, 0.02 ms with 1).
+        self._reader = ThreadPoolExecutor(depth, thread_name_prefix="llmsys-expert-reader",
+                                          initializer=torch.set_num_threads, initargs=(1,))
+        self._staging = threading.local()  # per reading thread: uint8 buffer for stored bytes to repack
+        self.staging_bytes = 0  # those buffers' bytes, all threads
+
+    def _stage(self, n: int) -> torch.Tensor:
+        """This thread's staging buffer of at least ``n`` bytes (grown, never shrunk)."""
+        buf = getattr(self._staging, "buf", None)
+        if buf is None or buf.numel() < n:
+            with self._stats_lock:
+                self.staging_bytes += n - (0 if buf is None else buf.numel())
+            buf = self._staging.buf = torch.empty(n, dtype=torch.uint8)
+        return buf
 
     @property
     def cached_bytes(self) -> int:
@@ -146,20 +258,54 @@ class ExpertCache:
                 fd = self._fds[path] = os.open(path, os.O_RDONLY)
             return fd
 
+    def _pread(self, path: str, off: int, bufs: list[memoryview], name: str) -> int:
+        fd = self._fd(path)
+        total = sum(len(b) for b in bufs)
+        got = pread_full(fd, bufs, off)
+        if got < total:
+            raise OSError(f"{path}: unexpected end of file at byte {off + got} while reading expert {name}")
+        if self.drop_cache:
+            os.posix_fadvise(fd, off, total, os.POSIX_FADV_DONTNEED)
+        return total
+
     def _read(self, w: ExpertWeights, slot: int) -> None:
         t = time.perf_counter()
         view = self._views[slot]
+        files: dict[str, int] = {}
         for path, off, iov in w.unit.reads:
-            fd = self._fd(path)
-            total = sum(n for _, n in iov)
-            got = pread_full(fd, [view[b : b + n] for b, n in iov], off)
-            if got < total:
-                raise OSError(f"{path}: unexpected end of file at byte {off + got} while reading expert {w.unit.name}")
-            if self.drop_cache:
-                os.posix_fadvise(fd, off, total, os.POSIX_FADV_DONTNEED)
+            n = self._pread(path, off, [view[b : b + n] for b, n in iov], w.unit.name)
+            files[path] = files.get(path, 0) + n
+        repack_s = 0.0
+        if w.repacked:  # stored bytes of every repacked part into staging (in file order), then each part built
+            stage = self._stage(w.staging_bytes)
+            sview = memoryview(stage.numpy())
+            raws: list[list[torch.Tensor]] = []
+            reads = []
+            pos = 0
+            for r in w.repacked:
+                mine = []
+                for s in r.stored:
+                    reads.append((s.path, s.offset, pos, s.nbytes))
+                    mine.append(stage[pos : pos + s.nbytes])
+                    pos += -(-s.nbytes // ALIGN) * ALIGN
+                raws.append(mine)
+            for path, off, at, n in sorted(reads):
+                files[path] = files.get(path, 0) + self._pread(path, off, [sview[at : at + n]], w.unit.name)
+            r0 = time.perf_counter()
+            slot_t = self.slots[slot]
+            for r, raw in zip(w.repacked, raws):
+                outs = r.make(raw)
+                if len(outs) != len(r.tensors):
+                    raise RuntimeError(f"{r.name}: built {len(outs)} tensors, its slot holds {len(r.tensors)}")
+                for st, out in zip(r.tensors, outs):
+                    st.put(slot_t, out, r.name)
+            repack_s = time.perf_counter() - r0
         with self._stats_lock:  # (reader threads and the compute thread read at once)
-            self.stats.read_s += time.perf_counter() - t
-            self.stats.bytes_read += w.unit.nbytes
+            self.stats.read_s += time.perf_counter() - t - repack_s
+            self.stats.repack_s += repack_s
+            self.stats.bytes_read += sum(files.values())
+            for path, n in files.items():
+                self.stats.files[path] = self.stats.files.get(path, 0) + n
 
     def _count(self, key: tuple[int, int]) -> None:
         """One more use of ``key``; every ``_age_every`` uses all counts halve (zeros dropped)."""
@@ -208,7 +354,8 @@ class ExpertCache:
                         slot, fut = pending.pop(e)
                     else:
                         slot = self._take(layer, left, {s for s, _ in pending.values()}, strict=False)
-                        fut = None
+                        # a repack runs on a reader (one intra-op thread, as every repack), the rest here
+                        fut = self._reader.submit(self._read, weights[e], slot) if weights[e].repacked else None
                     try:
                         fut.result() if fut is not None else self._read(weights[e], slot)
                     except BaseException:
@@ -253,6 +400,7 @@ class ExpertCache:
         self._lru.clear()
         self.slots = []
         self._views = []
+        self._staging = threading.local()
 
 
 @dataclass

@@ -62,6 +62,9 @@ class UnitShape:
     expert_params: int = 0
     num_experts: int = 0
     top_k: int = 0
+    # The experts' bytes as the checkpoint stores them, where a read of them from disk takes another number of
+    # bytes than they hold at run time (a GGUF's blocks; F16 for a float32 engine); 0: expert_bytes.
+    expert_stored_bytes: int = 0
 
     def expert_frac(self, tokens: int) -> float:
         """The expected share of the experts a step of ``tokens`` tokens uses (uniform routing): ``1 - (1 - k/E)^T``."""
@@ -83,6 +86,11 @@ class UnitShape:
     @property
     def bytes_per_expert(self) -> int:
         return self.expert_bytes // max(self.num_experts, 1)
+
+    @property
+    def stored_bytes_per_expert(self) -> int:
+        """Bytes a read of one expert takes from disk."""
+        return (self.expert_stored_bytes or self.expert_bytes) // max(self.num_experts, 1)
 
 
 @dataclass(frozen=True)
@@ -136,13 +144,15 @@ class Placement:
     # demand into the RAM expert cache), "cpu" (--cpu-moe: CPU RAM, computed there). nbytes includes them.
     experts: str = ""
     expert_bytes: int = 0
+    expert_disk_bytes: int = 0  # experts on disk: their bytes as the file stores them (0: expert_bytes)
 
     def bytes_by_tier(self) -> dict[str, int]:
-        """This unit's weight bytes per tier (a layer's experts may live in another)."""
+        """This unit's weight bytes per tier (a layer's experts may live in another; on disk as stored)."""
         if not self.experts:
             return {self.tier: self.nbytes}
         out = {self.tier: self.nbytes - self.expert_bytes}
-        out[self.experts] = out.get(self.experts, 0) + self.expert_bytes
+        moved = (self.expert_disk_bytes or self.expert_bytes) if self.experts == "disk" else self.expert_bytes
+        out[self.experts] = out.get(self.experts, 0) + moved
         return out
 
     @property
@@ -162,10 +172,23 @@ class ExpertPlan:
     cache_bytes: int = 0  # the RAM expert cache (disk tier): the CPU budget left after everything else
     batch: int = 1  # sequences per decode step the estimate is for
     policy: str = "lfu"  # the cache's eviction ("lfu" | "lru": offload/experts.py says why LFU is the default)
+    # bytes a read of one expert takes from disk, where the file stores them in another form than a cache slot
+    # holds (a GGUF's blocks: read as stored, repacked in the slot); 0: bytes_per_expert
+    stored_bytes_per_expert: int = 0
 
     @property
     def expert_bytes(self) -> int:
+        """The experts' bytes as they are held at run time (cache slots, CPU RAM)."""
         return len(self.layers) * self.num_experts * self.bytes_per_expert
+
+    @property
+    def read_bytes_per_expert(self) -> int:
+        return self.stored_bytes_per_expert or self.bytes_per_expert
+
+    @property
+    def stored_expert_bytes(self) -> int:
+        """The experts' bytes on disk, as the file stores them."""
+        return len(self.layers) * self.num_experts * self.read_bytes_per_expert
 
     @property
     def active_bytes_per_token(self) -> int:
@@ -188,7 +211,7 @@ class ExpertPlan:
         """Expected disk bytes of a step of ``tokens`` tokens: the chosen experts that miss the cache."""
         if self.tier != "disk":
             return 0
-        return int(len(self.layers) * self.distinct(tokens) * self.bytes_per_expert * (1.0 - self.hit_rate))
+        return int(len(self.layers) * self.distinct(tokens) * self.read_bytes_per_expert * (1.0 - self.hit_rate))
 
     @property
     def read_bytes_per_token(self) -> int:
@@ -317,7 +340,7 @@ def _unit_cost(u: UnitShape, kind: str, tokens: int, ctx: int, shape: ModelShape
     compute = max(used / mem_bw, 2.0 * u.token_params * tokens / flops) + kv_read / mem_bw + extra
     if experts == "disk":
         distinct = u.num_experts * u.expert_frac(tokens)
-        disk += distinct * u.bytes_per_expert * (1.0 - hit) / (bw.disk_read_gbps * 1e9)
+        disk += distinct * u.stored_bytes_per_expert * (1.0 - hit) / (bw.disk_read_gbps * 1e9)
     h2d = moved / ((bw.h2d_gbps or 16.0) * 1e9) if (kind == "cpu->gpu" or (kind == "disk" and compute_dev == "gpu")) else 0.0
     if kind in ("disk", "cpu->gpu"):
         compute += STREAM_LATENCY_S
@@ -513,7 +536,8 @@ def plan_placement(shape: ModelShape, budgets: Budgets, bw: Bandwidths, workload
     streams = best is not None and any(k == "disk" for k in best[1]["kinds"])
     if sparse and not gpu and not moe_cpu and not layer_force and (want_experts == "disk" or (best is None or streams)):
         first = shape.layers[sparse[0]]
-        bpe = max(shape.layers[i].bytes_per_expert for i in sparse)
+        bpe = max(shape.layers[i].bytes_per_expert for i in sparse)  # a cache slot
+        spe = max(shape.layers[i].stored_bytes_per_expert for i in sparse)  # a read from disk
         total_e = sum(shape.layers[i].expert_bytes for i in sparse)
         resident = sum(u.nbytes - u.expert_bytes for u in shape.layers)
         for ek in embed_kinds:
@@ -526,7 +550,8 @@ def plan_placement(shape: ModelShape, budgets: Budgets, bw: Bandwidths, workload
                 cache -= cache % max(bpe, 1)
                 if cache < bpe:
                     continue
-                ep = ExpertPlan("disk", sparse, first.num_experts, first.top_k, bpe, cache, workload.batch, policy)
+                ep = ExpertPlan("disk", sparse, first.num_experts, first.top_k, bpe, cache, workload.batch, policy,
+                                spe if spe != bpe else 0)
                 dec = _step_cost(shape, ["cpu"] * n, ek, hk, workload.batch, ctx, bw, False, ep).total
                 pre = _step_cost(shape, ["cpu"] * n, ek, hk, min(pre_tokens, workload.max_batched_tokens),
                                  workload.prompt_len // 2, bw, False, ep).total
@@ -565,7 +590,8 @@ def plan_placement(shape: ModelShape, budgets: Budgets, bw: Bandwidths, workload
     placed = set(ep.layers) if ep is not None else set()
     layers = tuple(
         Placement(u.name, k, gpu_dev(k), u.nbytes, dec.per_unit[u.name][0] * 1000, dec.per_unit[u.name][1],
-                  experts=ep.tier if i in placed else "", expert_bytes=u.expert_bytes if i in placed else 0)
+                  experts=ep.tier if i in placed else "", expert_bytes=u.expert_bytes if i in placed else 0,
+                  expert_disk_bytes=u.expert_stored_bytes if i in placed and ep.tier == "disk" else 0)
         for i, (u, k) in enumerate(zip(shape.layers, b["kinds"]))
     )
     embed = None
@@ -595,13 +621,25 @@ def _with_reasons(plan: Plan, shape: ModelShape) -> Plan:
 
 
 @dataclass(frozen=True)
+class ExpertBytes:
+    """One sparse layer's experts as a checkpoint holds them: bytes of one expert at run time (a cache slot, CPU
+    RAM) and as stored (what reading it from disk takes: a GGUF's Q4_K blocks, read as stored, repacked)."""
+
+    layer: int
+    run_bytes: int
+    stored_bytes: int
+
+
+@dataclass(frozen=True)
 class WeightBytes:
     """Run-time bytes per weight of the matrices, per part of the model: a checkpoint whose parts are
-    stored in different formats (a GGUF: int4 codes kept in the layers, a Q8_0 embedding dequantized)."""
+    stored in different formats (a GGUF: int4 codes kept in the layers, a Q8_0 embedding dequantized).
+    ``experts``: the sparse layers' experts counted exactly (``layers`` is then the other matrices' figure)."""
 
     layers: float
     embed: float
     head: float
+    experts: tuple[ExpertBytes, ...] = ()
 
 
 def model_shape(
@@ -633,6 +671,7 @@ def model_shape(
                 nbytes += t.numel() * (elt if t.is_floating_point() else t.element_size())
         return nbytes, params
 
+    exact = {x.layer: x for x in per.experts} if per is not None else {}
     lus = []
     for i, layer in enumerate(layers):
         nb, p = size(layer)
@@ -640,8 +679,12 @@ def model_shape(
         experts = getattr(moe, "experts", None)  # a sparse layer's MoE block (engine/models/moe.py), duck-typed
         if isinstance(experts, torch.nn.ModuleList) and len(experts):
             sizes = [size(e) for e in experts]
-            lus.append(UnitShape(f"layers.{i}", "layer", nb, p, sum(b for b, _ in sizes), sum(q for _, q in sizes),
-                                 len(experts), int(moe.top_k)))
+            eb, stored = sum(b for b, _ in sizes), 0
+            if i in exact:  # the file's own figures: run-time bytes per expert, and as stored
+                nb += len(experts) * exact[i].run_bytes - eb
+                eb, stored = len(experts) * exact[i].run_bytes, len(experts) * exact[i].stored_bytes
+            lus.append(UnitShape(f"layers.{i}", "layer", nb, p, eb, sum(q for _, q in sizes), len(experts),
+                                 int(moe.top_k), stored))
         else:
             lus.append(UnitShape(f"layers.{i}", "layer", nb, p))
     e_nb, _ = size(embed, "embed")

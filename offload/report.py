@@ -75,14 +75,19 @@ def _expert_lines(plan: "Plan", shape: "ModelShape") -> list[str]:
     n = len(ep.layers)
     total = format_bytes(ep.expert_bytes)
     active = format_bytes(ep.active_bytes_per_token)
+    # read from disk as the file stores them (a GGUF's blocks), held in another form in RAM: say both
+    stored = ep.tier == "disk" and ep.read_bytes_per_expert != ep.bytes_per_expert
+    each = format_bytes(ep.bytes_per_expert) + (f" in RAM, {format_bytes(ep.read_bytes_per_expert)} as stored"
+                                                 if stored else "")
     lines = [
-        f"experts: {n} sparse layers x {ep.num_experts} experts of {format_bytes(ep.bytes_per_expert)} = {total}; "
+        f"experts: {n} sparse layers x {ep.num_experts} experts of {each} = {total}; "
         f"a token uses {ep.top_k} of {ep.num_experts} per layer, {active} of expert weights "
         f"({ep.top_k / max(ep.num_experts, 1):.1%})"
     ]
     if ep.tier == "disk":
+        on_disk = format_bytes(ep.stored_expert_bytes)
         lines.append(
-            f"experts stay on disk ({total}); every other weight is resident, and a step reads only the experts its "
+            f"experts stay on disk ({on_disk}); every other weight is resident, and a step reads only the experts its "
             f"tokens were routed to into a {format_bytes(ep.cache_bytes)} RAM cache ({ep.policy.upper()}, the budget "
             f"left): ~{ep.hit_rate:.0%} hits with uniform routing, so ~{format_bytes(ep.read_bytes_per_token)} "
             f"read per token from disk (streaming these layers whole would read {total} per step)")

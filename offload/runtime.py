@@ -23,9 +23,11 @@ quantized layers (their packed weights are buffers) stream quantized.
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 import weakref
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -34,11 +36,14 @@ from torch import nn
 
 from llmsys import kernels
 from llmsys.offload.budgets import scratch_offload_dir
-from llmsys.offload.experts import DiskExperts, ExpertCache, ExpertReport, ExpertWeights, ResidentExperts
+from llmsys.offload.experts import (DiskExperts, ExpertCache, ExpertReport, ExpertWeights, Repacked, ResidentExperts,
+                                    SlotTensor, StoredTensor)
 from llmsys.offload.plan import Plan
-from llmsys.offload.streamer import ALIGN, Binding as _Binding, CudaStager, MappedUnits, ReaderRing, StreamItem, StreamUnit, TensorSource
+from llmsys.offload.streamer import (ALIGN, Binding as _Binding, CudaStager, MappedUnits, ReaderRing, StreamItem, StreamUnit,
+                                     TensorSource, pread_full)
 
-# locate(name) -> (file path, info with .dtype .shape .offset .nbytes) or None (not in a safetensors file)
+# locate(name) -> (file path, info with .dtype .shape .offset .nbytes) or None (not streamable from the file); the
+# info may be a StoredTensor (stored in another form: only experts read it, offload/experts.py's Repacked)
 Locate = Callable[[str], "tuple[str, Any] | None"]
 CONVERT_CHUNK = 16 << 20  # bytes per read/convert/write step when writing the offload file
 
@@ -54,6 +59,46 @@ def _tensor_slots(module: nn.Module) -> list[tuple[nn.Module, str, bool, torch.T
             if t is not None:
                 out.append((mod, leaf, False, t))
     return out
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    out, n = [], 1
+    for s in reversed(shape):
+        out.append(n)
+        n *= max(s, 1)
+    return tuple(reversed(out))
+
+
+def _read_sources(srcs: tuple[TensorSource, ...]) -> list[torch.Tensor]:
+    """Each source's bytes, ``uint8 [nbytes]`` (a template's expert, read once at install)."""
+    out = []
+    for s in srcs:
+        buf = torch.empty(s.nbytes, dtype=torch.uint8)
+        fd = os.open(s.path, os.O_RDONLY)
+        try:
+            if pread_full(fd, [memoryview(buf.numpy())], s.offset) != s.nbytes:
+                raise OSError(f"{s.path}: unexpected end of file before byte {s.offset + s.nbytes}; the file is truncated")
+        finally:
+            os.close(fd)
+        out.append(buf)
+    return out
+
+
+def _template(built: nn.Module) -> tuple[nn.Module, list[SlotTensor]]:
+    """A built layer made a template: its tensors' slot layout (one :class:`SlotTensor` per tensor slot, in
+    :func:`_tensor_slots` order, offsets from 0, a tensor held twice laid out once) and the module itself with
+    meta placeholders, to be copied per expert."""
+    layout: list[SlotTensor] = []
+    at: dict[int, SlotTensor] = {}
+    off = 0
+    for owner, leaf, is_param, t in _tensor_slots(built):
+        st = at.get(id(t))
+        if st is None:
+            st = at[id(t)] = SlotTensor(t.dtype, tuple(t.shape), tuple(t.stride()), off, SlotTensor.span_of(t))
+            off += -(-st.nbytes // ALIGN) * ALIGN
+        layout.append(st)
+        (owner._parameters if is_param else owner._buffers)[leaf] = _meta_like(t, is_param)
+    return built, layout
 
 
 def _meta_like(t: torch.Tensor, is_param: bool) -> torch.Tensor:
@@ -226,6 +271,8 @@ class OffloadRuntime:
         self._pending: dict[str, set[str]] = {}  # unit -> names not loaded yet (in-memory conversion)
         self._direct: set[str] = set()  # units streamed straight from the checkpoint
         self._convert: set[str] = set()  # units converted chunk-wise into the offload file
+        # expert units read from the checkpoint as stored and converted / rebuilt into their cache slot: name -> locate
+        self._stored: dict[str, dict[str, tuple[str, Any]]] = {}
         self._units: list[StreamUnit] = []
         self._bindings: list[list[_Binding]] = []
         self._layer_unit: dict[int, int] = {}
@@ -262,19 +309,28 @@ class OffloadRuntime:
                 by_unit.setdefault(u, []).append(n)
         for u, ns in by_unit.items():
             found = [self.locate(n) for n in ns]
-            # (an expert's unit streams as a layer's does: straight from the checkpoint, converted, or written
-            # to the offload file once quantized in memory)
+            # (an expert's unit streams as a layer's does: straight from the checkpoint, or written to the offload
+            # file once quantized in memory (--quant); one stored in another form than the engine computes on is
+            # read as stored and converted or rebuilt in its cache slot, never rewritten)
             quant_here = self.quantized and u.startswith("layers.")
-            if not quant_here and all(f is not None for f in found):
+            if not quant_here and ".mlp.experts." in u and all(f is not None for f in found) \
+                    and not all(self._as_stored(f[1]) for f in found):
+                self._stored[u] = dict(zip(ns, found))
+                continue
+            if not quant_here and all(f is not None and not isinstance(f[1], StoredTensor) for f in found):
                 same = all(f[1].dtype == self.dtype or not f[1].dtype.is_floating_point for f in found)
                 (self._direct if same else self._convert).add(u)
             else:
                 self._pending[u] = set(ns)
 
+    def _as_stored(self, info: Any) -> bool:
+        """Does the engine compute on these stored bytes as they are (no conversion)?"""
+        return not isinstance(info, StoredTensor) and (info.dtype == self.dtype or not info.dtype.is_floating_point)
+
     # -- loader policy -------------------------------------------------------
     def skip(self, name: str) -> bool:
         u = self.unit_of(name)
-        return u is not None and (u in self._direct or u in self._convert)
+        return u is not None and (u in self._direct or u in self._convert or u in self._stored)
 
     def device_for(self, name: str, default: torch.device) -> torch.device:
         if name.startswith("model.layers."):
@@ -371,6 +427,7 @@ class OffloadRuntime:
         (``--cpu-moe``), a source that only moves the routed rows to the CPU and back."""
         layers = model.model.layers
         disk: dict[int, list[ExpertWeights]] = {}
+        templates: dict[tuple[int, str], tuple[nn.Module, list[SlotTensor]]] = {}
         for i, tier in sorted(self.expert_tier.items()):
             if tier == "cpu":
                 self._experts[i] = ResidentExperts(torch.device("cpu"))
@@ -378,19 +435,94 @@ class OffloadRuntime:
             ws = []
             for e, mod in enumerate(layers[i].mlp.experts):
                 u = f"layers.{i}.mlp.experts.{e}"
+                if u in self._stored:
+                    ws.append(self._stored_expert(i, mod, u, templates))
+                    continue
                 pairs = self._written.get(u) or self._bind_direct(mod, f"model.{u}.", sources)
                 ws.append(ExpertWeights(StreamUnit(u, [it for _, it in pairs]), tuple(b for b, _ in pairs)))
             disk[i] = ws
         if not disk:
             return
-        slot = max(w.unit.nbytes for ws in disk.values() for w in ws)
-        self.expert_disk_bytes = sum(w.unit.nbytes for ws in disk.values() for w in ws)
+        slot = max(w.nbytes for ws in disk.values() for w in ws)
+        self.expert_disk_bytes = sum(w.read_bytes for ws in disk.values() for w in ws)
         ep = self.plan.experts
         capacity = ep.cache_bytes if ep is not None and ep.cache_bytes else slot
         self.expert_cache = ExpertCache(max(capacity, slot), slot, drop_cache=self.drop_cache,
                                         policy=ep.policy if ep is not None else "lfu")
         for i, ws in disk.items():
             self._experts[i] = DiskExperts(i, ws, self.expert_cache)
+
+    def _stored_expert(self, i: int, mod: nn.Module, u: str,
+                       templates: dict[tuple[int, str], tuple[nn.Module, list[SlotTensor]]]) -> ExpertWeights:
+        """Expert ``u`` (``mod``, its meta MLP) read from the checkpoint as stored (``self._stored[u]``): tensors the
+        engine computes on as stored go straight into the slot; converted ones (F16 for a bf16 engine) and the
+        layers a GGUF keeps as block codes are built from their stored bytes in the slot (:class:`Repacked`).
+        A rebuilt layer's module comes from a template per (layer, projection), made from the first expert's
+        bytes at install (every expert of a stacked GGUF tensor has its type and shape)."""
+        found = self._stored[u]
+        prefix = f"model.{u}."
+        parts: dict[str, dict[str, tuple[str, tuple[str, Any]]]] = {}  # linear -> leaf -> (name, (path, info))
+        for name, _ in mod.named_parameters():
+            sub, _, leaf = name.rpartition(".")
+            parts.setdefault(sub, {})[leaf] = (prefix + name, found[prefix + name])
+        direct: list[tuple[_Binding, StreamItem]] = []
+        later: list[tuple[str, tuple[TensorSource, ...], Any, list[SlotTensor], list[_Binding]]] = []
+        for sub, leaves in parts.items():
+            lin = mod.get_submodule(sub)
+            _, (wpath, winfo) = leaves["weight"]
+            if isinstance(winfo, StoredTensor) and winfo.layer is not None:  # a quantized layer rebuilt from codes
+                bias = leaves.get("bias")
+                stored = (TensorSource(str(wpath), winfo.offset, winfo.nbytes),) + (
+                    (TensorSource(str(bias[1][0]), bias[1][1].offset, bias[1][1].nbytes),) if bias else ())
+                make, build = self._layer_maker(winfo, bias[1][1] if bias else None)
+                key = (i, sub)
+                if key not in templates:
+                    templates[key] = _template(build(_read_sources(stored)))
+                meta, layout = templates[key]
+                new = copy.deepcopy(meta)
+                owner, _, leaf = sub.rpartition(".")
+                setattr(mod.get_submodule(owner) if owner else mod, leaf, new)
+                binds = [_Binding(o, lf, p, t) for o, lf, p, t in _tensor_slots(new)]
+                later.append((f"{u}.{sub}", stored, make, layout, binds))
+                continue
+            for leaf, (name, (path, info)) in leaves.items():
+                p = lin._parameters[leaf]
+                b = _Binding(lin, leaf, True, _meta_like(p, True))
+                lin._parameters[leaf] = b.placeholder
+                if self._as_stored(info):
+                    dt = self.dtype if p.is_floating_point() else p.dtype
+                    direct.append((b, StreamItem(dt, tuple(p.shape), TensorSource(str(path), info.offset, info.nbytes))))
+                    continue
+                st = SlotTensor(self.dtype, tuple(p.shape), _contiguous_stride(tuple(p.shape)), 0, p.numel())
+                later.append((f"{u}.{sub}.{leaf}", (TensorSource(str(path), info.offset, info.nbytes),),
+                              self._tensor_maker(info), [st], [b]))
+        unit = StreamUnit(u, [it for _, it in direct])
+        base = -(-unit.nbytes // ALIGN) * ALIGN
+        repacked = []
+        for name, stored, make, layout, binds in later:
+            tensors = tuple(replace(t, offset=base + t.offset) for t in layout)
+            base += -(-max(t.offset + t.nbytes for t in layout) // ALIGN) * ALIGN
+            repacked.append(Repacked(name, stored, make, tensors, tuple(binds)))
+        return ExpertWeights(unit, tuple(b for b, _ in direct), tuple(repacked))
+
+    def _tensor_maker(self, info: Any):
+        """Stored bytes -> the run-time tensor, as the loader makes it (``Tensor.to``; a GGUF block type's decoder)."""
+        dtype = self.dtype
+        if isinstance(info, StoredTensor):
+            if info.decode is None:
+                raise ValueError(f"tensor at offset {info.offset}: stored as a layer's codes, not a tensor")
+            return lambda raws: [info.decode(raws[0], dtype)]
+        return lambda raws: [raws[0].view(info.dtype).view(info.shape).to(dtype)]
+
+    def _layer_maker(self, winfo: StoredTensor, binfo: Any):
+        """(make, build): stored weight (+ bias) bytes -> the layer the loader builds from them (``build``), and
+        its tensors in :func:`_tensor_slots` order (``make``, what a cache slot holds)."""
+        bias_of = self._tensor_maker(binfo) if binfo is not None else None
+
+        def build(raws: list[torch.Tensor]) -> nn.Module:  # the bias as the loader passes it: in the run dtype
+            return winfo.layer(raws[0], bias_of(raws[1:])[0] if bias_of is not None else None)
+
+        return (lambda raws: [t for *_, t in _tensor_slots(build(raws))]), build
 
     def expert_report(self) -> ExpertReport | None:
         """The experts kept apart from their layers: tier, bytes, cache counters (None: none are)."""
@@ -571,8 +703,8 @@ class OffloadRuntime:
             out["cpu"] = self.ring.slot_bytes * len(self.ring.slots)
         if self.stager is not None:  # pragma: no cover - GPU only
             out["gpu"] = sum(b.numel() for b in self.stager.bufs)
-        if self.expert_cache is not None:  # the expert cache's slots (RAM as they fill)
-            out["cpu"] = out.get("cpu", 0) + self.expert_cache.capacity
+        if self.expert_cache is not None:  # the expert cache's slots (RAM as they fill) and its repack staging
+            out["cpu"] = out.get("cpu", 0) + self.expert_cache.capacity + self.expert_cache.staging_bytes
         return out
 
     def close(self) -> None:

@@ -50,8 +50,10 @@ file open or its pages in the process's RSS after loading.
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -141,7 +143,9 @@ MOE_NAMES = {
 # ... and the experts, stacked in one tensor per projection (ggml ``ne`` = [in, out, experts]): expert e of
 # ``ffn_gate_exps.weight`` is HF's ``mlp.experts.{e}.gate_proj.weight`` (its bias likewise, gpt-oss).
 EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
-INTEGER_TYPES = ("I8", "I16", "I32", "I64")  # ggml's plain integer tensors: never a weight of these models
+INTEGER_TYPES = ("I8", "I16", "I32", "I64")
+PLAIN_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}  # read in place (locate)
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")  # an expert's tensor (HF name)  # ggml's plain integer tensors: never a weight of these models
 # read into the config (rope scaling), not model tensors
 IGNORED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 # Rows dequantized per piece: bounds the float32 transient of a big table (a 151936-row embedding).
@@ -424,10 +428,11 @@ class GGUFIndex:
     """The tensors of one GGUF file by HF name: read dequantized, or as codes where they are exact (:data:`KEPT`).
 
     The loader's ``read(name)``/``name in index`` pair (``materialize``), plus
-    :meth:`int4_tensors` / :meth:`int8_block_tensors` for the matrices :meth:`kept` names. ``locate`` is
-    None for every tensor: no tensor can be streamed from the file as stored
-    (block formats, reordered q/k rows), so an offloaded layer is written to the
-    offload file once loaded (``OffloadRuntime``), as for converted checkpoints.
+    :meth:`int4_tensors` / :meth:`int8_block_tensors` for the matrices :meth:`kept` names. :meth:`locate`
+    says where a tensor's bytes are for the offload runtime: float ones are streamed as stored (or converted
+    as read), block-format matrices are rebuilt from their stored bytes by the loader's own code (only experts
+    on disk do so, in their cache slot; an offloaded whole layer of them is written to the offload file once
+    loaded, as for converted checkpoints).
     """
 
     def __init__(self, path: Path, header: GGUFHeader, config: dict[str, Any]):
@@ -476,8 +481,64 @@ class GGUFIndex:
         t = self._tensors[name]
         return GGUFTensorInfo(t.name, _qtype(t), tuple(reversed(t.shape)), t.offset, t.nbytes)
 
-    def locate(self, name: str) -> None:
-        return None
+    def locate(self, name: str) -> tuple[Path, Any] | None:
+        """Where ``name``'s bytes are, for the offload runtime to read them from this file at run time: a
+        ``TensorInfo`` where they are the HF tensor in a float type (read as stored, or converted as read); an
+        ``offload.experts.StoredTensor`` for a matrix in a block format (rebuilt from its codes as the resident
+        load rebuilds it, :meth:`kept_layer`, or dequantized as it dequantizes it); None where the stored layout
+        is another (``llama``'s interleaved q/k rows, Gemma's ``1 + w`` norms, block-format vectors)."""
+        from llmsys.engine.loader.safetensors_io import TensorInfo
+        from llmsys.offload.experts import StoredTensor
+
+        t = self._tensors.get(name)
+        if t is None or (self._interleaved and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name)):
+            return None
+        if self._norm_shift and name.endswith("norm.weight"):
+            return None
+        kind, shape = _qtype(t), tuple(reversed(t.shape))
+        if kind in PLAIN_TYPES:
+            return self.path, TensorInfo(name, PLAIN_TYPES[kind], shape, t.offset, t.nbytes)
+        if len(shape) != 2:
+            return None
+        if kind in KEPT:  # as materialize_gguf without --quant: the codes kept (a run with --quant loads in memory)
+            return self.path, StoredTensor(t.offset, t.nbytes, shape, layer=partial(self._layer_from, name, KEPT[kind]))
+        return self.path, StoredTensor(t.offset, t.nbytes, shape, decode=partial(self._tensor_from, name))
+
+    def _layer_from(self, name: str, target: str, raw: torch.Tensor, bias: torch.Tensor | None) -> Any:
+        """``StoredTensor.layer``: :meth:`kept_layer` of ``name``'s stored bytes ``raw`` (``uint8 [nbytes]``)."""
+        return self.kept_layer(name, target, bias, raw=raw)
+
+    def _tensor_from(self, name: str, raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``StoredTensor.decode``: :meth:`read` of ``name``'s stored bytes ``raw`` (``uint8 [nbytes]``)."""
+        return self._rows_in_hf_order(name, self._dequantize(self._tensors[name], dtype, raw))
+
+    def kept_layer(self, name: str, target: str, bias: torch.Tensor | None, check_finite: bool = True,
+                   raw: torch.Tensor | None = None) -> Any:
+        """The quantized layer matrix ``name`` becomes with its codes kept (``target``: :func:`kept_as`'s
+        ``int4:g32`` / ``int8:g32`` / ``int8:g16``), read from the file or from its stored bytes ``raw``; the
+        blocks' float factors checked finite (a one-line error naming the tensor)."""
+        from llmsys.quant import Int4Linear, Int8BlockLinear
+
+        if target == "int4:g32":
+            t = self.int4_tensors(name, raw)
+        else:
+            t = self.int8_block_tensors(name, raw)
+        if check_finite:
+            for key, what in BLOCK_FACTORS.items():
+                if key in t and t[key].is_floating_point():
+                    validate.check_finite(f"{self.info(name).gguf_name} ({what})", t[key], self.path)
+        if target == "int4:g32":
+            return Int4Linear.from_quantized({**t, "bias": bias}, in_features=self.info(name).shape[1])
+        return Int8BlockLinear.from_quantized({**t, "bias": bias})
+
+    def _bytes(self, t: TensorEntry, start: int = 0, length: int | None = None,
+               raw: torch.Tensor | None = None) -> np.ndarray:
+        """``read_bytes`` of ``t``, or the same bytes of its stored copy ``raw`` (``uint8 [t.nbytes]``)."""
+        if raw is None:
+            return read_bytes(self.path, t, start, length)
+        if raw.numel() != t.nbytes:
+            raise CheckpointError(f"{self.path}: tensor {t.name} holds {t.nbytes} bytes, {raw.numel()} were handed in")
+        return raw[start : t.nbytes if length is None else start + length].numpy()
 
     def qtypes(self, matrices_only: bool = False) -> Counter[str]:
         """How many tensors (or 2-D ones only) of each GGUF type the model reads."""
@@ -486,7 +547,7 @@ class GGUFIndex:
     def weight_bytes(self, dtype: torch.dtype) -> WeightBytes:
         """Run-time bytes per weight of the matrices as loaded without ``--quant`` (Q4_0 kept as
         int4:g32 codes, the rest dequantized to ``dtype``), per part of the model, for the planner."""
-        from llmsys.offload.plan import WeightBytes
+        from llmsys.offload.plan import ExpertBytes, WeightBytes
 
         elt = torch.tensor([], dtype=dtype).element_size()
 
@@ -496,9 +557,27 @@ class GGUFIndex:
             total = sum(n for n, _ in sized)
             return sum(n * b for n, b in sized) / total if total else float(elt)
 
-        layers = [n for n in self._tensors if n.startswith("model.layers.")]
+        # Experts counted exactly per sparse layer: run-time bytes (kept codes, or dequantized / converted to
+        # dtype) and the bytes the file stores, which a read of an expert on disk takes (locate's StoredTensor).
+        run: dict[tuple[int, int], float] = {}
+        stored: dict[tuple[int, int], int] = {}
+        for n, t in self._tensors.items():
+            m = _EXPERT.match(n)
+            if m is None:
+                continue
+            key = (int(m.group(1)), int(m.group(2)))
+            per = KEPT_BYTES[self.kept(n)] if self.kept(n) else elt
+            run[key] = run.get(key, 0.0) + float(t.n_elements) * per
+            stored[key] = stored.get(key, 0) + t.nbytes
+        experts: dict[int, ExpertBytes] = {}
+        for (layer, e), b in run.items():  # the largest expert of a layer (a stacked tensor's are all alike)
+            had = experts.get(layer)
+            experts[layer] = ExpertBytes(layer, max(int(b), had.run_bytes if had else 0),
+                                         max(stored[(layer, e)], had.stored_bytes if had else 0))
+        layers = [n for n in self._tensors if n.startswith("model.layers.") and _EXPERT.match(n) is None]
         embed = ["model.embed_tokens.weight"]
-        return WeightBytes(part(layers), part(embed), part(["lm_head.weight"] if "lm_head.weight" in self else embed))
+        return WeightBytes(part(layers), part(embed), part(["lm_head.weight"] if "lm_head.weight" in self else embed),
+                           tuple(experts[i] for i in sorted(experts)))
 
     def kept(self, name: str) -> str | None:
         """The GGUF type of ``name`` (a matrix) when its codes are kept as they are (:data:`KEPT`), else None."""
@@ -514,12 +593,13 @@ class GGUFIndex:
             return (self._dequantize(t, torch.float32) - self._norm_shift).to(dtype)
         return self._rows_in_hf_order(name, self._dequantize(t, dtype))
 
-    def int4_tensors(self, name: str) -> dict[str, torch.Tensor]:
+    def int4_tensors(self, name: str, raw: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """A Q4_0, Q4_1 or Q4_K matrix as canonical int4 tensors (``quant/README.md``), codes as stored,
         group 32, rows in HF order: ``qweight uint8 [N, K/2]`` and ``[N, K/32]`` scales and zeros --
         Q4_0: the blocks' fp16 scales, zeros 8; Q4_1 / Q4_K: float32 scales, zeros 0 and float32
         ``offsets`` (``w = q * scale + offset``: Q4_1's ``d`` and ``m``; Q4_K's ``d * sc`` and
-        ``-(dmin * m)``, the products llama.cpp's dequantization rounds to float32)."""
+        ``-(dmin * m)``, the products llama.cpp's dequantization rounds to float32). ``raw``: the stored bytes,
+        already read (an expert read at run time, ``locate``)."""
         t = self._tensors[name]
         n, k = int(t.shape[1]), int(t.shape[0])
         kind = _qtype(t)
@@ -531,15 +611,15 @@ class GGUFIndex:
         else:  # Q4_1: float32 scales and offsets; Q4_0: fp16 scales, zero 8
             scales = torch.empty(n, k // 32, dtype=torch.float32 if kind == "Q4_1" else torch.float16)
             offsets = torch.empty(n, k // 32) if kind == "Q4_1" else None
-        for r0, r1, raw in self._row_pieces(t, n):  # a piece at a time: a whole embedding's temporaries are GBs
+        for r0, r1, piece in self._row_pieces(t, n, raw):  # a piece at a time: an embedding's temporaries are GBs
             rows = r1 - r0
             if kind == "Q4_K":
-                codes, *parts = _q4k_parts(raw.view(rows, k // 256, Q4K_BLOCK))
+                codes, *parts = _q4k_parts(piece.view(rows, k // 256, Q4K_BLOCK))
                 for dst, src in zip(stored, parts):
                     dst[r0:r1] = src
             else:
                 width = 20 if kind == "Q4_1" else 18
-                blocks = raw.view(rows, k // 32, width)  # [rows, G, bytes]: d (fp16)[, m (fp16)], 16 bytes of codes
+                blocks = piece.view(rows, k // 32, width)  # [rows, G, bytes]: d (fp16)[, m (fp16)], 16 bytes of codes
                 scales[r0:r1] = blocks[..., :2].contiguous().view(torch.float16).view(rows, k // 32)
                 if offsets is not None:
                     offsets[r0:r1] = blocks[..., 2:4].contiguous().view(torch.float16).view(rows, k // 32)
@@ -557,42 +637,43 @@ class GGUFIndex:
             out[key] = out[key].t().contiguous()  # group-major, as the kernels read them
         return out
 
-    def _row_pieces(self, t: TensorEntry, n: int):
+    def _row_pieces(self, t: TensorEntry, n: int, raw: torch.Tensor | None = None):
         """``(r0, r1, uint8 [r1 - r0, row bytes])`` over the rows of a block-quantized matrix, read
-        :data:`DEQUANT_ROWS` rows at a time."""
+        :data:`DEQUANT_ROWS` rows at a time (from ``raw``, its stored bytes, when given)."""
         row_bytes = t.nbytes // n
         for r0 in range(0, n, DEQUANT_ROWS):
             r1 = min(n, r0 + DEQUANT_ROWS)
-            yield r0, r1, torch.from_numpy(read_bytes(self.path, t, r0 * row_bytes, (r1 - r0) * row_bytes))
+            yield r0, r1, torch.from_numpy(self._bytes(t, r0 * row_bytes, (r1 - r0) * row_bytes, raw))
 
-    def int8_block_tensors(self, name: str) -> dict[str, torch.Tensor]:
+    def int8_block_tensors(self, name: str, raw: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """A Q8_0, Q5_0, Q4_0, Q6_K or Q5_K matrix as :class:`Int8BlockLinear` tensors (Q5_K: codes 0..31, float32
         ``block_scales`` and ``offsets`` ``[K/32, N]``, see :func:`_q5k_parts`): ``qweight int8 [N, K]`` (Q8_0's
         codes as stored, Q5_0's 5-bit codes minus 16, Q4_0's minus 8, Q6_K's 6-bit codes minus 32) and the
         blocks' scales group-major: fp16 ``block_scales [K/32, N]``; Q6_K's int8 ``sc`` per 16 columns
-        ``block_scales [K/16, N]`` and fp16 ``d`` per 256 ``super_scales [K/256, N]``; rows in HF order."""
+        ``block_scales [K/16, N]`` and fp16 ``d`` per 256 ``super_scales [K/256, N]``; rows in HF order.
+        ``raw``: the stored bytes, already read (as :meth:`int4_tensors`)."""
         t = self._tensors[name]
         n, k = int(t.shape[1]), int(t.shape[0])
         kind = _qtype(t)
         if kind == "Q5_K":  # a piece of rows at a time, as Q4_K in int4_tensors
             q, fs, fo = torch.empty(n, k, dtype=torch.int8), torch.empty(n, k // 32), torch.empty(n, k // 32)
-            for r0, r1, raw in self._row_pieces(t, n):
-                q[r0:r1], fs[r0:r1], fo[r0:r1] = _q5k_parts(raw.view(r1 - r0, k // 256, Q5K_BLOCK))
+            for r0, r1, piece in self._row_pieces(t, n, raw):
+                q[r0:r1], fs[r0:r1], fo[r0:r1] = _q5k_parts(piece.view(r1 - r0, k // 256, Q5K_BLOCK))
             q, fs, fo = (self._rows_in_hf_order(name, v) for v in (q, fs, fo))
             return {"qweight": q.contiguous(), "block_scales": fs.t().contiguous(), "offsets": fo.t().contiguous()}
         if kind == "Q6_K":  # a piece of rows at a time, as Q4_K in int4_tensors
             q, sc = torch.empty(n, k, dtype=torch.int8), torch.empty(n, k // 16, dtype=torch.int8)
             d = torch.empty(n, k // 256, dtype=torch.float16)
-            for r0, r1, raw in self._row_pieces(t, n):
-                q[r0:r1], sc[r0:r1], d[r0:r1] = _q6k_parts(raw.view(r1 - r0, k // 256, Q6K_BLOCK))
+            for r0, r1, piece in self._row_pieces(t, n, raw):
+                q[r0:r1], sc[r0:r1], d[r0:r1] = _q6k_parts(piece.view(r1 - r0, k // 256, Q6K_BLOCK))
             q, sc, d = (self._rows_in_hf_order(name, v) for v in (q, sc, d))
             return {"qweight": q.contiguous(), "block_scales": sc.t().contiguous(), "super_scales": d.t().contiguous()}
         if kind == "Q4_0":
-            c = self.int4_tensors(name)
+            c = self.int4_tensors(name, raw)
             q = (unpack_int4(c["qweight"]).to(torch.int16) - 8).to(torch.int8)  # [N, K]
             return {"qweight": q.contiguous(), "block_scales": c["scales"].t().contiguous()}
         q5 = kind == "Q5_0"
-        raw = torch.from_numpy(read_bytes(self.path, t)).view(n, k // 32, 22 if q5 else 34)  # [N, G, bytes]
+        raw = torch.from_numpy(self._bytes(t, raw=raw)).view(n, k // 32, 22 if q5 else 34)  # [N, G, bytes]
         d = raw[..., :2].contiguous().view(torch.float16).view(n, k // 32)  # [N, G]
         if q5:  # d, qh (bit j: code j's 5th bit), qs (code j's low 4 bits: byte j % 16, low nibble for j < 16)
             qh = raw[..., 2:6].contiguous().view(torch.int32)  # [N, G, 1]
@@ -614,9 +695,9 @@ class GGUFIndex:
             return interleaved_to_hf(t, self._kv_heads).contiguous()
         return t
 
-    def _dequantize(self, t: TensorEntry, dtype: torch.dtype) -> torch.Tensor:
+    def _dequantize(self, t: TensorEntry, dtype: torch.dtype, stored: torch.Tensor | None = None) -> torch.Tensor:
         """The tensor as ``dtype`` ``[out, in]``, read and decoded :data:`DEQUANT_ROWS` rows at a time (the
-        raw bytes of one piece, not of the whole tensor, beside the output)."""
+        raw bytes of one piece, not of the whole tensor, beside the output; ``stored``: its bytes, already read)."""
         import gguf
 
         kind = gguf.GGMLQuantizationType(t.qtype)
@@ -627,7 +708,7 @@ class GGUFIndex:
         flat = out.view(rows, -1)
         for r0 in range(0, rows, DEQUANT_ROWS):
             r1 = min(rows, r0 + DEQUANT_ROWS)
-            raw = read_bytes(self.path, t, r0 * row_bytes, (r1 - r0) * row_bytes).reshape(r1 - r0, row_bytes)
+            raw = self._bytes(t, r0 * row_bytes, (r1 - r0) * row_bytes, stored).reshape(r1 - r0, row_bytes)
             if kind == gguf.GGMLQuantizationType.F32:
                 piece = torch.from_numpy(raw.view(np.float32))
             elif kind == gguf.GGMLQuantizationType.F16:
@@ -760,7 +841,6 @@ def materialize_gguf(model: Any, index: GGUFIndex, dtype: torch.dtype, device: t
     hands the hook a meta tensor of its shape (no bytes decoded), since the hook rebuilds it
     from the codes."""
     from llmsys.engine.loader.common import materialize
-    from llmsys.quant import Int4Linear, Int8BlockLinear
     from llmsys.quant.embedding import QuantEmbedding
 
     spec = getattr(make_linear, "spec", None)
@@ -773,27 +853,13 @@ def materialize_gguf(model: Any, index: GGUFIndex, dtype: torch.dtype, device: t
             return torch.empty(index.info(name).shape, device="meta")
         return index.read(name, dtype if dtype.is_floating_point else torch.float32)
 
-    def finite_factors(name: str, t: dict[str, torch.Tensor]) -> None:
-        """A kept matrix's float factors (scales, minimums, K-quants' d and dmin) are finite, or a one-line error."""
-        for key, what in BLOCK_FACTORS.items():
-            if key in t and t[key].is_floating_point():
-                validate.check_finite(f"{index.info(name).gguf_name} ({what})", t[key], index.path)
-
     def hook(mod_name: str, w: torch.Tensor, b: torch.Tensor | None) -> Any:
         name = mod_name + ".weight"
         target = exact(name)
-        if target == "int4:g32":
-            t = index.int4_tensors(name)
-            if check_finite:
-                finite_factors(name, t)
-            layer = Int4Linear.from_quantized({**t, "bias": b}, in_features=w.shape[1])
-        elif target in ("int8:g32", "int8:g16"):
-            t = index.int8_block_tensors(name)
-            if check_finite:
-                finite_factors(name, t)
-            layer = Int8BlockLinear.from_quantized({**t, "bias": b})
-        else:
+        if target not in ("int4:g32", "int8:g32", "int8:g16"):
             return make_linear(mod_name, w, b) if make_linear is not None else None
+        # (the layer an expert read at run time becomes too: locate's StoredTensor, the same call)
+        layer = index.kept_layer(name, target, b, check_finite)
         return QuantEmbedding(layer, dtype) if mod_name == "model.embed_tokens" else layer
 
     materialize(model, read, index.__contains__, dtype, device, index.path, hook, progress, offload, check_finite)
