@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from tiny_models import make_hf_model
@@ -156,3 +157,85 @@ def mxfp4_checkpoint(name: str) -> Path:
 
     out = hf_checkpoint(name).parent / "hf-mxfp4"
     return out if (out / "config.json").exists() else write_mxfp4_checkpoint(hf_checkpoint(name), out)
+
+
+# -- llmsys against llama.cpp on one file --------------------------------------------------------------
+PROMPTS = ([5, 17, 42, 99, 7, 3, 250, 11], [300, 12, 12, 64, 8], [9, 140, 77, 31, 200, 45, 6, 90, 13, 2])
+STEPS = 32
+PPL_TOKENS = 160
+
+
+def random_ids(n: int, seed: int, vocab: int = 300) -> list[int]:
+    """Token ids every tiny tokenizer has (3 .. vocab - 1)."""
+    return [int(v) for v in np.random.RandomState(seed).randint(3, vocab, n)]
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """Where llmsys's greedy pick first differs from llama.cpp's for one prompt: llama.cpp's logit gap between
+    the two picks, and the largest difference between the engines' logits at that step (and its scale)."""
+
+    prompt: int
+    step: int
+    gap: float
+    noise: float
+    scale: float
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """llmsys vs llama.cpp on one file: greedy tokens equal before any divergence per prompt, the divergences,
+    and perplexity over PPL_TOKENS random ids by each engine."""
+
+    name: str
+    fmt: str
+    equal_steps: tuple[int, ...]
+    divergences: tuple[Divergence, ...]
+    ppl_llmsys: float
+    ppl_llama_cpp: float
+
+
+def perplexity(logits: np.ndarray, ids: list[int]) -> float:
+    """``exp`` of the mean next-token negative log-likelihood of ``ids`` under ``logits [T, V]``."""
+    x = logits[:-1].astype(np.float64)
+    lse = x.max(-1) + np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1))
+    return float(np.exp((lse - x[np.arange(len(ids) - 1), ids[1:]]).mean()))
+
+
+def compare_with_llama_cpp(name: str, fmt: str, threads: int = 2) -> Agreement:
+    """Greedy decoding (llmsys's engine, float32 activations as llama.cpp's) for STEPS steps from each of PROMPTS
+    and perplexity, both engines on family ``name``'s file of type ``fmt``."""
+    import llama_cpp
+
+    from llmsys import LLM, SamplingParams
+    from llmsys.engine.scoring import prompt_logits
+
+    path = converted(name, fmt)
+    llm = LLM(str(path), device="cpu", dtype="float32", progress=False, max_model_len=256, threads=threads)
+    cpp = llama_cpp.Llama(str(path), n_ctx=256, n_batch=256, logits_all=True, verbose=False, n_threads=threads)
+    try:
+        outs = llm.generate([list(p) for p in PROMPTS], SamplingParams(max_tokens=STEPS, temperature=0, ignore_eos=True))
+        equal, divergences = [], []
+        for i, (prompt, out) in enumerate(zip(PROMPTS, outs)):
+            cpp.reset()
+            cpp.eval(list(prompt))
+            mine, theirs = list(out.token_ids), []
+            for step in range(STEPS):
+                lc = np.array(cpp.scores[cpp.n_tokens - 1], dtype=np.float32)  # [V]
+                theirs.append(int(lc.argmax()))
+                if step >= len(mine) or mine[step] != theirs[-1]:
+                    lm = prompt_logits(llm.core, list(prompt) + mine[:step]).numpy()[-1]
+                    pick = mine[step] if step < len(mine) else theirs[-1]
+                    divergences.append(Divergence(i, step, float(lc[theirs[-1]] - lc[pick]),
+                                                  float(np.abs(lm - lc).max()), float(np.abs(lc).max())))
+                    break
+                cpp.eval([theirs[-1]])
+            equal.append(step if divergences and divergences[-1].prompt == i else STEPS)
+        ids = random_ids(PPL_TOKENS, 1)
+        mine_l = prompt_logits(llm.core, ids).numpy()
+        cpp.reset()
+        cpp.eval(ids)
+        theirs_l = np.array(cpp.scores[: len(ids)], dtype=np.float32)
+    finally:
+        cpp.close()
+    return Agreement(name, fmt, tuple(equal), tuple(divergences), perplexity(mine_l, ids), perplexity(theirs_l, ids))
