@@ -344,10 +344,20 @@ def resolve(name: str) -> OllamaModel:
             return _load(store, path, _name_of(store, path))
     names = [_name_of(store, p).pull_name for p in files]
     present = ", ".join(names[:_MAX_LISTED]) + (f" and {len(names) - _MAX_LISTED} more" if len(names) > _MAX_LISTED else "")
+    near = _near_misses(wanted, names)
+    hint = f"did you mean {' or '.join(PREFIX + n for n in near)}? else " if near else ""
     raise ModelNotFoundError(
         f"{wanted.spec} is not in the Ollama store {store} (no manifest {manifest}; models there: {present or 'none'}); "
-        f"fetch it with `ollama pull {wanted.pull_name}`"
+        f"{hint}fetch it with `ollama pull {wanted.pull_name}`"
     )
+
+
+def _near_misses(wanted: OllamaName, names: list[str]) -> list[str]:
+    """Store names a typo or a left-out tag likely meant: the same model at other tags, else close spellings."""
+    import difflib
+
+    same = [n for n in names if n.rpartition(":")[0].lower() == wanted.short.lower()]
+    return (same or difflib.get_close_matches(wanted.pull_name, names, n=3, cutoff=0.75))[:3]
 
 
 def list_models(on_error: Callable[[LLMSysError], None] | None = None) -> list[OllamaModel]:

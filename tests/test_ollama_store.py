@@ -25,7 +25,7 @@ from typer.testing import CliRunner
 from conftest import STORIES_HF, need_shared
 from llmsys.engine.catalog import resolve_model
 from llmsys.engine.cli.models_cmd import models_command
-from llmsys.engine.ollama_store import OllamaName, list_models, parse_name, resolve, store_dir
+from llmsys.engine.ollama_store import OllamaName, list_models, parse_name, require_chat_template, resolve, run_settings, store_dir
 from llmsys.kernels.common.errors import CheckpointError, InvalidParameterError, LLMSysError, ModelNotFoundError
 
 MEDIA = "application/vnd.ollama.image."
@@ -211,6 +211,51 @@ def test_resolve_model_ollama_spec_gives_the_blob(store):
 
 
 # --------------------------------------------------------------------------
+# What a run takes from the manifest
+# --------------------------------------------------------------------------
+
+
+def test_run_settings_applies_stop_and_system_names_the_rest(store, tmp_path):
+    add_model(store, "m:1", tiny_gguf(tmp_path / "w.gguf"), params=PARAMS, system="Be brief.")
+    s = run_settings(resolve("ollama:m:1"), stop=("END", "<|im_end|>"))
+    assert s.stop == ("END", "<|im_end|>", "<|im_start|>")  # the user's first, no repeats
+    assert s.system == "Be brief."
+    assert s.note == ("note: ollama:m:1: its stop strings are applied; Ollama params not applied (llmsys's flags "
+                      "decide): temperature=0.7 (--temperature 0.7 to match), num_ctx=4096 (--max-model-len 4096 "
+                      "to match)")
+    assert run_settings(resolve("ollama:m:1"), system="Mine.").system == "Mine."
+
+
+@pytest.mark.parametrize("params, stop, note", [
+    (None, (), None),
+    ({"stop": "###"}, ("###",), None),  # one string, as some Modelfiles write it
+    ({"stop": ["a", 3]}, (), 'stop=["a", 3] (no llmsys equivalent)'),  # malformed: named, none applied
+    ({"mirostat": 2, "seed": 42}, (), "mirostat=2 (no llmsys equivalent), seed=42 (--seed 42 to match)"),
+])
+def test_run_settings_cases(store, tmp_path, params, stop, note):
+    add_model(store, "m:1", tiny_gguf(tmp_path / "w.gguf"), params=params)
+    s = run_settings(resolve("ollama:m:1"))
+    assert s.stop == stop and s.system is None
+    if note is None:
+        assert s.note is None
+    else:
+        assert s.note.startswith("note: ollama:m:1: ") and s.note.endswith("(llmsys's flags decide): " + note)
+
+
+def test_chat_needs_the_ggufs_template(store, tmp_path):
+    add_model(store, "m:1", tiny_gguf(tmp_path / "w.gguf"), template=TEMPLATE)
+    add_model(store, "bare:1", tiny_gguf(tmp_path / "w.gguf"))
+    m = resolve("ollama:m:1")
+    require_chat_template(m, {"tokenizer.chat_template": "{{ messages }}"})  # the GGUF's own: fine
+    with pytest.raises(InvalidParameterError) as info:
+        require_chat_template(m, {})
+    text = one_line(info)
+    assert str(m.blob) in text and "Ollama template layer is a Go template" in text and "drop --chat" in text
+    with pytest.raises(InvalidParameterError, match="Ollama's manifest has no template either"):
+        require_chat_template(resolve("ollama:bare:1"), {})
+
+
+# --------------------------------------------------------------------------
 # Errors: one line, naming the path and the fix
 # --------------------------------------------------------------------------
 
@@ -243,6 +288,21 @@ def test_unknown_model_lists_what_is_there(store):
     text = one_line(info)
     assert "ollama:qwen2.5:0.5b is not in the Ollama store" in text and str(store) in text
     assert "models there: llama3.2:1b, me/custom:v2" in text and "`ollama pull qwen2.5:0.5b`" in text
+
+
+def test_unknown_model_did_you_mean(store):
+    add_model(store, "qwen2.5:0.5b")
+    add_model(store, "qwen2.5:7b")
+    add_model(store, "llama3.2:1b")
+    with pytest.raises(ModelNotFoundError) as info:
+        resolve("ollama:qwen2.5")  # no :latest; the other tags are meant
+    assert "did you mean ollama:qwen2.5:0.5b or ollama:qwen2.5:7b? else fetch it" in one_line(info)
+    with pytest.raises(ModelNotFoundError) as info:
+        resolve("ollama:llama3.3:1b")  # a typo
+    assert "did you mean ollama:llama3.2:1b? else" in one_line(info)
+    with pytest.raises(ModelNotFoundError) as info:
+        resolve("ollama:mistral")
+    assert "did you mean" not in one_line(info)
 
 
 def test_unknown_model_in_empty_store(store):
