@@ -14,8 +14,12 @@ The ``application/vnd.ollama.image.model`` layer is the GGUF weights file;
 ``...image.params`` (JSON: stop strings, temperature, num_ctx ...),
 ``...image.template`` (a Go template) and ``...image.system`` (text) are
 read too, since they are small and say how the model expects to be
-prompted. The store is ``$OLLAMA_MODELS``, else ``~/.ollama/models``
-(what Ollama itself uses), read at call time so nothing here caches state.
+prompted. A run (:func:`run_settings`) applies the params' stop strings and
+the system message, and names the other params rather than guess whether a
+flag left at its default meant them; the Go template is not run: ``--chat``
+uses the GGUF's own Jinja ``tokenizer.chat_template``. The store is
+``$OLLAMA_MODELS``, else ``~/.ollama/models`` (what Ollama itself uses),
+read at call time so nothing here caches state.
 
 A name is ``[host/][namespace/]name[:tag]`` as Ollama writes it; the
 defaults are ``registry.ollama.ai``, ``library`` and ``latest``, and the

@@ -244,7 +244,8 @@ def test_models_family_names_cover_the_loader():
     assert set(SHOWN) == set(ARCHS) and set(MOE_FAMILIES) == set(MOE_ARCHS)
 
 
-@pytest.mark.parametrize("name, fmt, shown", [("qwen3moe", "q4_K_M", "Q4_K_M"), ("llama", "q8_0", "Q8_0")])
+@pytest.mark.parametrize("name, fmt, shown", [("qwen3moe", "q4_K_M", "Q4_K_M"), ("llama", "q8_0", "Q8_0"),
+                                              ("gpt-oss", "mxfp4", "MXFP4_MOE")])  # as Ollama ships gpt-oss
 def test_models_shows_the_stored_quant_type(name, fmt, shown, env, tmp_path):
     """A file llama.cpp quantized shows its file type as stored (the K-quant mix by its name, not a tensor's)."""
     path = converted(name, fmt)  # skips, saying why, where llama.cpp's quantizer is absent

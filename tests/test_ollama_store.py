@@ -397,6 +397,21 @@ def test_models_cli_lists_the_ollama_store(store, tmp_path):
     assert f"in the Ollama store {store}" in r.stdout and "llmsys run ollama:NAME:TAG" in r.stdout
 
 
+def test_family_and_quant_names():
+    from llmsys.engine.cli.models_cmd import family_name, format_count, quant_name
+
+    assert family_name({"general.architecture": "qwen3moe"}) == "Qwen3-MoE"
+    assert family_name({"general.architecture": "llama", "llama.expert_count": 8}) == "Mixtral"
+    assert family_name({"general.architecture": "llama", "llama.expert_count": 0}) == "Llama"
+    assert family_name({"general.architecture": "mamba"}) == "mamba (not supported)"
+    assert quant_name({"general.file_type": 15}, []) == "Q4_K_M"
+    assert quant_name({"general.file_type": 1024 | 7}, []) == "Q8_0"  # llama.cpp's "guessed" flag
+    assert quant_name({}, [8, 8, 1, 0]) == "Q8_0"  # no file type: what most weight tensors hold
+    assert quant_name({"general.file_type": 9999}, []) == "-"
+    assert [format_count(n) for n in (999, 1000, 1_313_024, 494_032_768, 7_615_616_512, 30_532_122_624)] == [
+        "999", "1.00K", "1.31M", "494M", "7.62B", "30.5B"]
+
+
 def test_models_without_store_is_unchanged(tmp_path, monkeypatch):
     monkeypatch.setenv("OLLAMA_MODELS", str(tmp_path / "none"))
     monkeypatch.setenv("LLMSYS_HOME", str(tmp_path / "home"))

@@ -18,6 +18,7 @@ import sys
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Mapping, Optional
 
 import typer
@@ -41,13 +42,13 @@ _COLUMNS = ("NAME", "PARAMS", "ARCHITECTURE", "QUANT", "SIZE", "LICENCE", "DOWNL
 IN_OLLAMA = "in the Ollama store"
 # llama.cpp's general.architecture -> the family name shown (a llama file with experts is Mixtral). The keys are
 # the architectures llmsys loads (engine.loader.gguf_io.ARCHS; a test keeps the two in step); others show as is.
-FAMILIES = {
+FAMILIES = MappingProxyType({
     "llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma2": "Gemma-2", "gemma3": "Gemma-3",
     "phi3": "Phi-3", "qwen2moe": "Qwen2-MoE", "qwen3moe": "Qwen3-MoE", "gpt-oss": "GPT-OSS",
-}
-MOE_FAMILIES = {"llama": "Mixtral"}
+})
+MOE_FAMILIES = MappingProxyType({"llama": "Mixtral"})
 # Catalog / Hub dtypes as the QUANT column spells stored types (GGUF's names).
-_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+_DTYPES = MappingProxyType({"bfloat16": "BF16", "float16": "F16", "float32": "F32"})
 
 
 @dataclass(frozen=True)
