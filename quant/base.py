@@ -222,16 +222,22 @@ class QuantLinear(nn.Module):
         """``x2 [M, K] -> [M, N]`` float32 sums; formats whose kernel writes float32 override this."""
         return self._dequant_logits(x2)
 
+    def _logit_rows(self):
+        """``ids [R] -> [R, K]``: the float32 weight rows the reference head multiplies (default :meth:`rows`)."""
+        return lambda ids: self.rows(ids, torch.float32)
+
     def _dequant_logits(self, x2: torch.Tensor) -> torch.Tensor:
-        """``x2 [M, K]`` times the float32 dequantized weight, in row chunks of at most :data:`LOGITS_CHUNK_BYTES`
-        (a 151936-row head dequantized whole is 0.5 GB) ``-> [M, N]`` float32: the reference head."""
+        """``x2 [M, K]`` times the float32 dequantized weight (:meth:`_logit_rows`), in row chunks of at most
+        :data:`LOGITS_CHUNK_BYTES` (a 151936-row head dequantized whole is 0.5 GB) ``-> [M, N]`` float32: the
+        reference head."""
+        rows = self._logit_rows()
         xf = x2.float()
         n, k = self.out_features, self.in_features
         step = max(1, LOGITS_CHUNK_BYTES // (4 * k))
         out = torch.empty(xf.shape[0], n, dtype=torch.float32, device=xf.device)
         for r0 in range(0, n, step):
             ids = torch.arange(r0, min(n, r0 + step), device=xf.device)
-            out[:, r0 : r0 + ids.numel()] = xf @ self.rows(ids, torch.float32).t()
+            out[:, r0 : r0 + ids.numel()] = xf @ rows(ids).t()
         return out
 
     def nbytes(self) -> int:

@@ -481,6 +481,14 @@ class Int4Linear(QuantLinear):
             return w4a16_matmul(x2.float().contiguous(), self.qweight, self.scales, self.zeros, self.group_size)
         return self._dequant_logits(x2)
 
+    def _logit_rows(self):
+        """The canonical weight's rows (``w = (q - zero) * scale``, or ``q * scale + offset``), stored column
+        order: the kernels' weight (:meth:`rows` rounds torch's packed zero terms to bf16, for lookups)."""
+        t = self.canonical_tensors()
+        offs = t.get("offsets")
+        return lambda ids: dequantize_int4(t["qweight"][ids], t["scales"][ids], t["zeros"][ids], self.in_features,
+                                           torch.float32, None if offs is None else offs[ids])
+
     def _canonical_scales(self) -> torch.Tensor:
         """The canonical scales ``[N, G]`` (packed_cpu mode): a view into ``scales_zeros`` when they are bf16."""
         if self.scales_orig is not None:
