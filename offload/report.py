@@ -85,7 +85,7 @@ def _expert_lines(plan: "Plan", shape: "ModelShape") -> list[str]:
         f"({ep.top_k / max(ep.num_experts, 1):.1%})"
     ]
     if ep.tier == "disk":
-        on_disk = format_bytes(ep.stored_expert_bytes)
+        on_disk = format_bytes(sum(p.bytes_by_tier().get("disk", 0) for p in plan.layers))  # as stored, per layer
         lines.append(
             f"experts stay on disk ({on_disk}); every other weight is resident, and a step reads only the experts its "
             f"tokens were routed to into a {format_bytes(ep.cache_bytes)} RAM cache ({ep.policy.upper()}, the budget "
