@@ -458,6 +458,8 @@ class GGUFIndex:
                 if t.name not in IGNORED:
                     unknown.append(t.name)
                 continue
+            if h.endswith("mlp.shared_expert_gate.weight") and len(t.shape) == 1:
+                t = replace(t, shape=(t.shape[0], 1))  # llama.cpp's quantizer writes the [1, hidden] gate as 1-D
             self._tensors[h] = t
         if unknown:
             more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
