@@ -542,14 +542,16 @@ def import_llama_cpp() -> ModuleType:
     return llama_cpp
 
 
-def quantize(src: Path, out: Path, fmt: str, threads: int | None = None) -> Path:
-    """``out`` = llama.cpp's ``fmt`` quantization of the float GGUF ``src``."""
+def quantize(src: Path, out: Path, fmt: str, threads: int | None = None, allow_requantize: bool = False) -> Path:
+    """``out`` = llama.cpp's ``fmt`` quantization of the float GGUF ``src`` (or of a quantized one with
+    ``allow_requantize``, as llama.cpp's ``--allow-requantize``)."""
     llama_cpp = import_llama_cpp()
     if fmt not in QUANT_FORMATS:
         raise InvalidParameterError(f"quantize: {fmt!r} is not one of {', '.join(QUANT_FORMATS)}")
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, _FTYPES[fmt])
     params.nthread = threads or torch.get_num_threads()
+    params.allow_requantize = allow_requantize
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     # llama.cpp logs a line per tensor and a warning per block-size fallback (through
     # llama-cpp-python's log callback or straight from C) on stderr: captured, the last

@@ -1,0 +1,220 @@
+"""A Qwen3-30B-A3B-shaped GGUF at full size, run with its experts read from the file under a memory cap.
+
+``make``: writes the model's 48 layers as the Q4_K_M file people download (~17 GB), with llama.cpp's
+``qwen3moe`` metadata, tensor names and Q4_K_M's choice of type per tensor (Q4_K; Q6_K for the head and for
+attn_v / ffn_down of the layers llama.cpp gives more bits), its blocks drawn at random directly (no float
+copy of 30B weights, and no llama.cpp quantizer: its Q4_K search took 148 s for one layer's 1.2B weights on
+this 2-core machine, about an hour for the whole model). Made once, here, never by a test.
+
+``run``: greedy decoding of a fixed prompt by llmsys in a fresh process, optionally inside a memory cgroup
+(``offload.memcap``) with ``--cpu-mem`` (experts read from the GGUF's own offsets into the RAM expert cache);
+prints the tokens, decode tok/s, the process's peak RSS, the cgroup's peak charge, the bytes read from the
+file and the expert cache's hit rate, as one JSON line. ``--engine llama.cpp`` runs llama.cpp on the same
+file (its default mmap) the same way.
+
+    python benchmarks/moe_gguf_fullsize.py make --out /work/big/qwen3-30b-a3b.Q4_K_M.gguf [--layers 48]
+    python benchmarks/moe_gguf_fullsize.py run FILE [--cap 10GiB] [--cpu-mem 8GiB] [--new 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+# Qwen3-30B-A3B (config.json of the release): 48 layers, hidden 2048, 32 query / 4 KV heads of 128, 128 experts
+# of 768, 8 active, vocabulary 151936, untied head.
+SHAPE = dict(layers=48, hidden=2048, heads=32, kv_heads=4, head_dim=128, experts=128, active=8, expert_ff=768,
+             vocab=151936, ff=6144)
+PROMPT = [9707, 11, 1879, 0, 3555, 374, 264, 1273, 13, 576, 3974, 13876]  # ids below 151936; any text would do
+STD = 0.02  # weights' standard deviation (codes uniform in [-127, 127]: std 73 codes)
+
+
+def _q4_k(rng: np.random.Generator, rows: int, cols: int, std: float) -> np.ndarray:
+    """``rows x cols`` random weights as Q4_K super-blocks ``uint8 [rows, cols / 256 * 144]``: fp16 ``d``, ``dmin``,
+    12 bytes of 6-bit scales / minimums, 128 bytes of nibbles (any bytes are a valid block; ``d`` sized so the
+    weights' spread is about ``std``, ``dmin`` so they centre near 0)."""
+    sb = cols // 256
+    out = np.empty((rows, sb, 144), dtype=np.uint8)
+    d = std / (31 * 4.6)
+    out[..., 0:4] = np.array([d, 7.5 * d], dtype=np.float16).view(np.uint8)
+    out[..., 4:] = rng.integers(0, 256, size=(rows, sb, 140), dtype=np.uint8)
+    return out.reshape(rows, sb * 144)
+
+
+def _q6_k(rng: np.random.Generator, rows: int, cols: int, std: float) -> np.ndarray:
+    """``rows x cols`` random weights as Q6_K super-blocks ``uint8 [rows, cols / 256 * 210]``: 192 bytes of 6-bit
+    codes, 16 int8 scales (1..63 here), fp16 ``d``."""
+    sb = cols // 256
+    out = np.empty((rows, sb, 210), dtype=np.uint8)
+    out[..., :192] = rng.integers(0, 256, size=(rows, sb, 192), dtype=np.uint8)
+    out[..., 192:208] = rng.integers(1, 64, size=(rows, sb, 16), dtype=np.uint8)
+    out[..., 208:210] = np.array([std / (32 * 18.5)], dtype=np.float16).view(np.uint8)
+    return out.reshape(rows, sb * 210)
+
+
+def _more_bits(i: int, n: int) -> bool:
+    """llama.cpp's ``use_more_bits``: the layers whose attn_v / ffn_down Q4_K_M stores as Q6_K."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def make(out: Path, layers: int = SHAPE["layers"]) -> None:
+    """Write the Q4_K_M-typed file of :data:`SHAPE` (``layers`` of them) at ``out``, one tensor at a time."""
+    import gguf
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from gguf_families import converted  # a converter-made qwen3moe file: its tokenizer metadata, padded
+
+    s = dict(SHAPE, layers=layers)
+    tiny = gguf.GGUFReader(str(converted("qwen3moe", "f16")))
+    tmp = out.with_name(out.name + ".tmp")
+    w = gguf.GGUFWriter(str(tmp), "qwen3moe")
+    w.add_block_count(s["layers"])
+    w.add_context_length(4096)
+    w.add_embedding_length(s["hidden"])
+    w.add_feed_forward_length(s["ff"])
+    w.add_head_count(s["heads"])
+    w.add_head_count_kv(s["kv_heads"])
+    w.add_rope_freq_base(1e6)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_expert_count(s["experts"])
+    w.add_expert_used_count(s["active"])
+    w.add_key_length(s["head_dim"])
+    w.add_value_length(s["head_dim"])
+    w.add_expert_feed_forward_length(s["expert_ff"])
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    tokens = list(tiny.fields["tokenizer.ggml.tokens"].contents())
+    types = list(tiny.fields["tokenizer.ggml.token_type"].contents())
+    pad = s["vocab"] - len(tokens)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens + [f"<|filler_{i}|>" for i in range(pad)])
+    w.add_token_types(types + [gguf.TokenType.UNUSED] * pad)
+    w.add_token_merges(list(tiny.fields["tokenizer.ggml.merges"].contents()))
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    h, d, L, E, F = s["hidden"], s["head_dim"], s["layers"], s["experts"], s["expert_ff"]
+    plan: list[tuple[str, tuple[int, ...], str]] = [("token_embd.weight", (s["vocab"], h), "Q4_K")]
+    for i in range(L):
+        b, more = f"blk.{i}.", "Q6_K" if _more_bits(i, L) else "Q4_K"
+        plan += [(b + "attn_norm.weight", (h,), "one"), (b + "attn_q.weight", (s["heads"] * d, h), "Q4_K"),
+                 (b + "attn_k.weight", (s["kv_heads"] * d, h), "Q4_K"), (b + "attn_v.weight", (s["kv_heads"] * d, h), more),
+                 (b + "attn_output.weight", (h, s["heads"] * d), "Q4_K"), (b + "attn_q_norm.weight", (d,), "one"),
+                 (b + "attn_k_norm.weight", (d,), "one"), (b + "ffn_norm.weight", (h,), "one"),
+                 (b + "ffn_gate_inp.weight", (E, h), "F32"), (b + "ffn_gate_exps.weight", (E, F, h), "Q4_K"),
+                 (b + "ffn_up_exps.weight", (E, F, h), "Q4_K"), (b + "ffn_down_exps.weight", (E, h, F), more)]
+    plan += [("output_norm.weight", (h,), "one"), ("output.weight", (s["vocab"], h), "Q6_K")]
+    blocks = {"Q4_K": (_q4_k, 144), "Q6_K": (_q6_k, 210)}
+    for name, shape, kind in plan:
+        if kind in blocks:
+            w.add_tensor_info(name, shape, np.dtype(np.float32), int(np.prod(shape)) // 256 * blocks[kind][1],
+                              raw_dtype=gguf.GGMLQuantizationType[kind])
+        else:
+            w.add_tensor_info(name, shape, np.dtype(np.float32), int(np.prod(shape)) * 4)
+    rng = np.random.default_rng(0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    t0 = time.time()
+    for name, shape, kind in plan:  # one tensor at a time: the largest (an expert stack) is 113 MB of blocks
+        if kind in blocks:
+            w.write_tensor_data(blocks[kind][0](rng, int(np.prod(shape[:-1])), shape[-1], STD))
+        elif kind == "one":
+            w.write_tensor_data(np.ones(shape, dtype=np.float32))
+        else:
+            w.write_tensor_data(rng.normal(0, STD, size=shape).astype(np.float32))
+    w.close()
+    tmp.replace(out)
+    print(f"wrote {out} ({out.stat().st_size / 1e9:.1f} GB) in {time.time() - t0:.0f} s", file=sys.stderr)
+
+
+# The measured child: one fresh process per run, so peak RSS is this run's alone.
+_CHILD = r"""
+import json, resource, sys, time
+args = json.loads(sys.argv[1])
+t0 = time.time()
+if args["engine"] == "llmsys":
+    from llmsys import LLM, SamplingParams
+    llm = LLM(args["file"], cpu_mem=args["cpu_mem"], threads=args["threads"], max_model_len=256, progress=False,
+              kv_cache_tokens=256)
+    load = time.time() - t0
+    out = llm.generate(args["prompt"], SamplingParams(max_tokens=args["new"], temperature=0, ignore_eos=True))[0]
+    rep = llm.memory_report().experts
+    res = dict(tokens=list(out.token_ids), decode_tok_s=out.timings.decode_tok_s,
+               prefill_s=out.timings.prefill_s, load_s=load,
+               expert_hit_rate=rep.hit_rate if rep else None, expert_bytes_read=rep.bytes_read if rep else None,
+               expert_cache_bytes=rep.cache_capacity if rep else None)
+else:
+    import llama_cpp
+    m = llama_cpp.Llama(args["file"], n_ctx=256, n_batch=256, n_threads=args["threads"], verbose=False)
+    load = time.time() - t0
+    m.eval(args["prompt"])
+    toks, t1 = [], time.time()
+    for _ in range(args["new"]):
+        toks.append(int(m.scores[m.n_tokens - 1].argmax()))
+        m.eval([toks[-1]])
+    dt = time.time() - t1
+    res = dict(tokens=toks, decode_tok_s=args["new"] / dt, load_s=load)
+res["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+with open(f"/proc/{__import__('os').getpid()}/io") as f:
+    res["read_bytes"] = int(next(ln for ln in f if ln.startswith("read_bytes")).split()[1])
+print("RESULT " + json.dumps(res))
+"""
+
+
+def _size(text: str | None) -> int | None:
+    if text is None:
+        return None
+    from llmsys.kernels.common.units import parse_size
+
+    return parse_size(text)
+
+
+def run(file: Path, engine: str, cap: str | None, cpu_mem: str | None, new: int, threads: int) -> dict:
+    """One measured run in a fresh process (inside a memory cgroup of ``cap`` when given); its JSON result."""
+    import subprocess
+
+    args = dict(file=str(file), engine=engine, cpu_mem=_size(cpu_mem), new=new, threads=threads, prompt=PROMPT)
+    cmd = [sys.executable, "-c", _CHILD, json.dumps(args)]
+    if cap:
+        from llmsys.offload.memcap import run_capped
+
+        r = run_capped(cmd, _size(cap), timeout=3600)
+        out, err, peak, rc = r.stdout, r.stderr, r.peak_bytes, (137 if r.oom_killed else r.returncode)
+    else:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+        out, err, peak, rc = p.stdout, p.stderr, None, p.returncode
+    line = next((ln for ln in out.splitlines() if ln.startswith("RESULT ")), None)
+    if rc != 0 or line is None:
+        raise SystemExit(f"{engine} run failed (rc {rc}): {(err.strip().splitlines() or [''])[-1]}")
+    res = json.loads(line[7:])
+    res.update(engine=engine, cap=cap, cpu_mem=cpu_mem, cgroup_peak=peak)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    mk = sub.add_parser("make")
+    mk.add_argument("--out", type=Path, required=True)
+    mk.add_argument("--layers", type=int, default=SHAPE["layers"], help="fewer for a quick check of the script")
+    rn = sub.add_parser("run")
+    rn.add_argument("file", type=Path)
+    rn.add_argument("--engine", choices=("llmsys", "llama.cpp"), default="llmsys")
+    rn.add_argument("--cap", help="memory cgroup limit, e.g. 10GiB")
+    rn.add_argument("--cpu-mem", help="llmsys --cpu-mem, e.g. 8GiB")
+    rn.add_argument("--new", type=int, default=16)
+    rn.add_argument("--threads", type=int, default=2)
+    a = ap.parse_args()
+    if a.cmd == "make":
+        make(a.out, a.layers)
+    else:
+        print(json.dumps(run(a.file, a.engine, a.cap, a.cpu_mem, a.new, a.threads)))
+
+
+if __name__ == "__main__":
+    main()
