@@ -113,7 +113,9 @@ def test_int8_quantizes_experts_and_keeps_the_router(arch, tmp_path):
     same = int((want.argmax(-1) == got.argmax(-1)).sum())
     assert same >= 28 and (want - got).abs().max().item() < 0.5, (same, (want - got).abs().max().item())
     out = llm.generate([prompt], SamplingParams(max_tokens=16, **GREEDY))[0].token_ids
-    assert len(out) == 16 and out[0] == int(want[0].argmax())
+    # greedy's first token is the int8 model's own argmax (float's can differ at a near-tie: qwen2_moe's top-2
+    # float logits are 0.022 apart, the int8 model's float32 logits 0.001 the other way)
+    assert len(out) == 16 and out[0] == int(got[0].argmax())
 
 
 def test_streamed_moe_layers_give_identical_tokens(tmp_path):
