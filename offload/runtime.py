@@ -565,37 +565,24 @@ class OffloadRuntime:
         embed_disk = head_disk if tied else plan.embed.kind == "disk"
         if embed_disk:
             src = sources.get("model.embed_tokens.weight")
-            if src is None:  # converted in memory while loading
-                (_, item), = [(b, it) for b, it in self._written["head" if tied else "embed"]]
-                src = item.src
-            model.model.embed_tokens = DiskEmbedding(src, a.vocab_size, a.hidden_size, self.dtype, self.device)
+            written = self._written.get("head" if tied else "embed", []) if src is None else []
+            if len(written) > 1 and not tied:
+                # a quantized embedding (codes and scales: a GGUF's Q4_K table): no row-wise file layout to
+                # read rows from, so the module is streamed whole around each lookup, as a quantized head is
+                model.model.embed_tokens = self._whole_unit("embed", written, model.model.embed_tokens, "forward")
+            else:
+                if src is None:  # converted in memory while loading
+                    (_, item), = written
+                    src = item.src
+                model.model.embed_tokens = DiskEmbedding(src, a.vocab_size, a.hidden_size, self.dtype, self.device)
         if head_disk:
             name = "model.embed_tokens.weight" if tied else "lm_head.weight"
             src = sources.get(name)
             if src is None:
                 written = self._written["head"]
                 if len(written) != 1:  # a quantized head: stream the whole module as one unit
-                    self._add_unit("lm_head", written)
-                    idx = len(self._units) - 1
-                    head = model.lm_head
-                    rt = self
-
-                    class _WholeHead(nn.Module):
-                        def forward(self, h):
-                            rt.bring(idx)
-                            try:
-                                return head(h)
-                            finally:
-                                rt.drop(idx)
-
-                        def logits(self, h):  # the quantized head's float32 logits (QuantLinear.logits)
-                            rt.bring(idx)
-                            try:
-                                return head.logits(h)
-                            finally:
-                                rt.drop(idx)
-
-                    model.lm_head = _WholeHead()
+                    # logits: the quantized head's float32 logits (QuantLinear.logits)
+                    model.lm_head = self._whole_unit("lm_head", written, model.lm_head, "forward", "logits")
                     return
                 src = written[0][1].src
             row = src.nbytes // a.vocab_size
@@ -612,6 +599,22 @@ class OffloadRuntime:
             # streamed head gives the resident head's bits.
             packed = not tied or getattr(model, "embed_file", None) is not None
             model.lm_head = StreamedLMHead(self, chunks, a.vocab_size, packed_when_resident=packed)
+
+    def _whole_unit(self, name: str, written: list, module: nn.Module, *methods: str) -> nn.Module:
+        """``module`` streamed as one unit of ``written`` tensors: each of ``methods`` brings it in, runs, drops it."""
+        self._add_unit(name, written)
+        idx, rt = len(self._units) - 1, self
+
+        def streamed(method: str):
+            def call(_self, *args):
+                rt.bring(idx)
+                try:
+                    return getattr(module, method)(*args)
+                finally:
+                    rt.drop(idx)
+            return call
+
+        return type(f"Whole_{name}", (nn.Module,), {m: streamed(m) for m in methods})()
 
     # -- run time ------------------------------------------------------------------
     def bring(self, u: int) -> list[torch.Tensor]:

@@ -445,6 +445,21 @@ def test_offloaded_gguf_layers_give_the_resident_answers(families, tmp_path):
     assert llm.generate(ids, sp)[0].token_ids == resident
 
 
+def test_a_quantized_embedding_and_head_on_disk_give_the_resident_answers(families, tmp_path):
+    """A GGUF's embedding and head kept as codes (Q4_0: an Int4 table, no row layout to read rows from) placed
+    on disk are streamed whole around each lookup / logits call: the resident tokens."""
+    from llmsys import LLM, SamplingParams
+
+    path = export_float(families["llama"], tmp_path / "q4.gguf", "f16", "Q4_0")
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    ids = _ids(10)
+    resident = LLM(str(path), device="cpu", progress=False, kv_cache_tokens=64).generate(ids, sp)[0].token_ids
+    llm = LLM(str(path), device="cpu", progress=False, kv_cache_tokens=64, cpu_mem="64MiB",
+              offload_dir=str(tmp_path / "off"), placement={"embed": "disk", "head": "disk"})
+    assert type(llm.loaded.model.model.embed_tokens).__name__ == "Whole_embed"
+    assert llm.generate(ids, sp)[0].token_ids == resident
+
+
 def test_plan_reads_a_gguf_and_sizes_its_int4_layers(families, tmp_path):
     """``llmsys plan`` on GGUF files: the Q4_0 file's layers planned at int4 size, the F16 one's at bf16."""
     import re
