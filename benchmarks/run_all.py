@@ -119,6 +119,10 @@ SCRIPTS: dict[str, list[str]] = {
     "sliding-kv": ["benchmarks/bench_sliding_kv.py"],
     "structured": ["benchmarks/bench_structured.py"],
     "speculative": ["benchmarks/bench_speculative.py", "--offload"],
+    "gguf-families": ["benchmarks/gguf_families_vs_llamacpp.py"],
+    "smollm2-vs-llamacpp": ["benchmarks/smollm2_vs_llamacpp.py"],
+    "moe-gguf-fullsize": ["benchmarks/moe_gguf_fullsize.py", "run", "/work/big/qwen3-30b-a3b.Q4_K_M.gguf", "--cap",
+                          "10GiB", "--cpu-mem", "8GiB"],
 }
 
 

@@ -65,6 +65,9 @@ class UnitShape:
     # The experts' bytes as the checkpoint stores them, where a read of them from disk takes another number of
     # bytes than they hold at run time (a GGUF's blocks; F16 for a float32 engine); 0: expert_bytes.
     expert_stored_bytes: int = 0
+    # An embedding kept quantized (a GGUF's codes and scales): no row layout to read its tokens' rows from, so on
+    # disk the runtime streams the whole table around each lookup (offload.runtime: _whole_unit).
+    whole_reads: bool = False
 
     def expert_frac(self, tokens: int) -> float:
         """The expected share of the experts a step of ``tokens`` tokens uses (uniform routing): ``1 - (1 - k/E)^T``."""
@@ -321,6 +324,8 @@ def _unit_cost(u: UnitShape, kind: str, tokens: int, ctx: int, shape: ModelShape
     if u.kind == "embed":
         # A gather of `tokens` rows; from disk it is one small read per row.
         row = u.nbytes // max(shape.vocab, 1)
+        if kind == "disk" and u.whole_reads:
+            return 0.0, u.nbytes / (bw.disk_read_gbps * 1e9), 0.0
         if kind == "disk":
             return 0.0, tokens * (row / (bw.disk_read_gbps * 1e9) + 20e-6), 0.0
         return 0.0, 0.0, 0.0
@@ -695,7 +700,8 @@ def model_shape(
     else:
         h_nb, h_p = size(head, "head")
         head_u = UnitShape("lm_head", "head", h_nb, h_p)
-        embed_u = UnitShape("embed", "embed", e_nb, 0)
+        float_table = e_nb == vocab * hidden * torch.tensor([], dtype=dtype).element_size()
+        embed_u = UnitShape("embed", "embed", e_nb, 0, whole_reads=not float_table)
     inter = 0
     for m in layers[0].modules() if layers else ():
         if hasattr(m, "up_proj"):

@@ -134,7 +134,8 @@ def explain_lines(plan: "Plan", shape: "ModelShape") -> list[str]:
             "what is left of the budget"
         )
     if plan.embed is not None and plan.embed.kind == "disk":
-        out.append("embeddings stay on disk: a step reads only the rows of its tokens")
+        out.append(f"embeddings stay on disk ({plan.embed.ms:.2f} ms a step): a step reads only the rows of its "
+                   "tokens, or the whole table where it is kept quantized (no rows to read alone)")
     w = plan.workload
     kv_home = "GPU memory" if plan.kv_tier == "gpu" else "CPU RAM"
     if w.kv_cold_tokens:

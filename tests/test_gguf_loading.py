@@ -458,6 +458,9 @@ def test_a_quantized_embedding_and_head_on_disk_give_the_resident_answers(famili
               offload_dir=str(tmp_path / "off"), placement={"embed": "disk", "head": "disk"})
     assert type(llm.loaded.model.model.embed_tokens).__name__ == "Whole_embed"
     assert llm.generate(ids, sp)[0].token_ids == resident
+    # the planner costs such a table as a whole read per step, not a row per token
+    bw = llm.plan.bandwidths.disk_read_gbps * 1e9
+    assert llm.plan.embed.ms == pytest.approx(llm.plan.embed.nbytes / bw * 1e3, rel=1e-6)
 
 
 def test_plan_reads_a_gguf_and_sizes_its_int4_layers(families, tmp_path):
