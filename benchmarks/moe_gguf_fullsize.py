@@ -36,13 +36,21 @@ STD = 0.02  # weights' standard deviation (codes uniform in [-127, 127]: std 73 
 
 def _q4_k(rng: np.random.Generator, rows: int, cols: int, std: float) -> np.ndarray:
     """``rows x cols`` random weights as Q4_K super-blocks ``uint8 [rows, cols / 256 * 144]``: fp16 ``d``, ``dmin``,
-    12 bytes of 6-bit scales / minimums, 128 bytes of nibbles (any bytes are a valid block; ``d`` sized so the
-    weights' spread is about ``std``, ``dmin`` so they centre near 0)."""
+    12 bytes of 6-bit scales ``sc`` and minimums ``m``, 128 bytes of nibbles ``q``; ``w = d sc q - dmin m``. Each
+    sub-block's minimum is its scale (``m = sc``, ``dmin = 7.5 d``), so every block of 32 weights centres on 0 as
+    trained weights do (independent random minimums shift whole blocks, and 48 such layers overflow llama.cpp's
+    f16 KV cache); ``d`` sized so the weights' spread is about ``std``."""
     sb = cols // 256
     out = np.empty((rows, sb, 144), dtype=np.uint8)
     d = std / (31 * 4.6)
     out[..., 0:4] = np.array([d, 7.5 * d], dtype=np.float16).view(np.uint8)
-    out[..., 4:] = rng.integers(0, 256, size=(rows, sb, 140), dtype=np.uint8)
+    sc = rng.integers(1, 64, size=(rows, sb, 8), dtype=np.uint8)  # [rows, S, 8 sub-blocks]
+    lo, hi = sc[..., :4], sc[..., 4:]
+    packed = (lo & 63) | ((hi >> 4) << 6)  # sub-blocks 0-3 in the low 6 bits, 4-7's top 2 bits above (get_scale_min_k4)
+    out[..., 4:8] = packed  # sc
+    out[..., 8:12] = packed  # m = sc
+    out[..., 12:16] = (hi & 15) | ((hi & 15) << 4)  # sub-blocks 4-7: low nibble sc, high nibble m
+    out[..., 16:] = rng.integers(0, 256, size=(rows, sb, 128), dtype=np.uint8)
     return out.reshape(rows, sb * 144)
 
 
