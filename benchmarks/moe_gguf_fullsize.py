@@ -158,6 +158,14 @@ if args["engine"] == "llmsys":
                expert_cache_bytes=rep.cache_capacity if rep else None)
 else:
     import llama_cpp
+    import llama_cpp.llama_cpp as lib
+    if args["no_repack"]:  # llama.cpp's --no-repack: weights stay in the mapped file (no anonymous repacked copy)
+        default = lib.llama_model_default_params
+        def no_repack():
+            p = default()
+            p.use_extra_bufts = False
+            return p
+        lib.llama_model_default_params = no_repack
     m = llama_cpp.Llama(args["file"], n_ctx=256, n_batch=256, n_threads=args["threads"], verbose=False)
     load = time.time() - t0
     m.eval(args["prompt"])
@@ -182,11 +190,13 @@ def _size(text: str | None) -> int | None:
     return parse_size(text)
 
 
-def run(file: Path, engine: str, cap: str | None, cpu_mem: str | None, new: int, threads: int) -> dict:
+def run(file: Path, engine: str, cap: str | None, cpu_mem: str | None, new: int, threads: int,
+        no_repack: bool = False) -> dict:
     """One measured run in a fresh process (inside a memory cgroup of ``cap`` when given); its JSON result."""
     import subprocess
 
-    args = dict(file=str(file), engine=engine, cpu_mem=_size(cpu_mem), new=new, threads=threads, prompt=PROMPT)
+    args = dict(file=str(file), engine=engine, cpu_mem=_size(cpu_mem), new=new, threads=threads, prompt=PROMPT,
+                no_repack=no_repack)
     cmd = [sys.executable, "-c", _CHILD, json.dumps(args)]
     if cap:
         from llmsys.offload.memcap import run_capped
@@ -200,7 +210,7 @@ def run(file: Path, engine: str, cap: str | None, cpu_mem: str | None, new: int,
     if rc != 0 or line is None:
         raise SystemExit(f"{engine} run failed (rc {rc}): {(err.strip().splitlines() or [''])[-1]}")
     res = json.loads(line[7:])
-    res.update(engine=engine, cap=cap, cpu_mem=cpu_mem, cgroup_peak=peak)
+    res.update(engine=engine, cap=cap, cpu_mem=cpu_mem, no_repack=no_repack, cgroup_peak=peak)
     return res
 
 
@@ -217,11 +227,13 @@ def main() -> None:
     rn.add_argument("--cpu-mem", help="llmsys --cpu-mem, e.g. 8GiB")
     rn.add_argument("--new", type=int, default=16)
     rn.add_argument("--threads", type=int, default=2)
+    rn.add_argument("--no-repack", action="store_true", help="llama.cpp: keep the weights in the mapped file "
+                    "(its default repacks Q4_K into anonymous memory, the whole model, which no cap below it survives)")
     a = ap.parse_args()
     if a.cmd == "make":
         make(a.out, a.layers)
     else:
-        print(json.dumps(run(a.file, a.engine, a.cap, a.cpu_mem, a.new, a.threads)))
+        print(json.dumps(run(a.file, a.engine, a.cap, a.cpu_mem, a.new, a.threads, a.no_repack)))
 
 
 if __name__ == "__main__":
