@@ -7,9 +7,11 @@ both tokenizers; (b) perplexity over those ids in windows of the context, each e
 llama.cpp ``create_chat_completion(temperature=0)``), a difference shown with llama.cpp's top-2 logit gap
 at the first differing token (acceptable only at a near-tie, < 1e-3); (d) one step's top-5 logprobs from
 both engines side by side, with each gap's distance from a multiple of 0.125 (bf16 logits near 10 make
-every gap such a multiple). A correctness table, not a timing: prints markdown for docs/benchmarks.md.
+every gap such a multiple); (e) llama.cpp against itself, its greedy answers decoded token by token vs the
+same ids in one batch (the size of difference any two non-bit-identical runs of this int8-activation model
+show). A correctness table, not a timing: prints markdown for docs/benchmarks.md.
 
-    python benchmarks/smollm2_vs_llamacpp.py [--dtype auto,float32] [--ctx 512] [--tokens 8192]
+    python benchmarks/smollm2_vs_llamacpp.py [--dtype auto,float32] [--ctx 512] [--tokens 8192] [--no-self]
 """
 
 from __future__ import annotations
@@ -109,7 +111,7 @@ def chat(llm, cpp, cpp_scorer, max_tokens: int) -> list[dict]:
         text_c = theirs["choices"][0]["message"]["content"] or ""
         prompt = llm.chat_prompt_ids(msgs)
         toks_m = list(out.token_ids)
-        eos = set(llm.tokenizer.stop_token_ids) if hasattr(llm.tokenizer, "stop_token_ids") else set()
+        eos = set(llm.tokenizer.eos_token_ids)  # the answer without its end-of-turn token
         toks_m_body = [t for t in toks_m if t not in eos]
         toks_c = llm.tokenizer.encode(text_c, add_special_tokens=False)
         row = dict(prompt=p, same=out.text.strip() == text_c.strip(), llmsys=out.text, cpp=text_c, n=len(toks_m))
@@ -121,6 +123,33 @@ def chat(llm, cpp, cpp_scorer, max_tokens: int) -> list[dict]:
                        tok_llmsys=llm.tokenizer.decode(toks_m_body[i : i + 1]) if i < len(toks_m_body) else "(end)",
                        tok_cpp=llm.tokenizer.decode(toks_c[i : i + 1]) if i < len(toks_c) else "(end)")
         rows.append(row)
+    return rows
+
+
+def cpp_self(llm, cpp_scorer, max_tokens: int) -> list[dict]:
+    """(e): llama.cpp against itself. Each prompt's greedy answer decoded token by token, then the prompt and
+    that answer evaluated as one batch: where the batch's argmax first differs from the decoded token, the
+    decode step's top-2 gap there; and the largest logit difference between the two runs over the answer.
+    Why: any ulp of difference ahead of an int8 activation quantizer flips codes and grows to quantization-
+    noise size, so engines that are not bit-identical (or one engine batched differently) differ this much."""
+    rows = []
+    for p in PROMPTS:
+        ids = llm.chat_prompt_ids([{"role": "user", "content": p}])
+        cpp_scorer.reset()
+        cpp_scorer.eval(ids)
+        ans, dec = [], []
+        for _ in range(max_tokens):
+            lg = np.array(cpp_scorer.scores[cpp_scorer.n_tokens - 1], dtype=np.float32)  # [V]
+            ans.append(int(lg.argmax()))
+            dec.append(lg)
+            if ans[-1] == cpp_scorer.token_eos() or ans[-1] in llm.tokenizer.eos_token_ids:
+                break
+            cpp_scorer.eval([ans[-1]])
+        bat = _cpp_logits(cpp_scorer, ids + ans[:-1])[len(ids) - 1 :]  # [n, V]: the same positions, one batch
+        dec = np.stack(dec)  # [n, V]
+        first = next((i for i, t in enumerate(bat.argmax(-1)) if t != ans[i]), None)
+        rows.append(dict(prompt=p, n=len(ans), max_diff=float(np.abs(bat - dec).max()), at=first,
+                         gap=None if first is None else _gap2(dec[first])))
     return rows
 
 
@@ -149,6 +178,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--max-tokens", type=int, default=64, help="chat answer length cap")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-self", action="store_true", help="skip (e), llama.cpp batched vs token by token")
     args = ap.parse_args()
     from llmsys import LLM
 
@@ -191,6 +221,15 @@ def main() -> None:
         for k, ((tm, lm), (tc, lc)) in enumerate(zip(mine, theirs)):
             gm, gc = mine[0][1] - lm, theirs[0][1] - lc
             print(f"| {k + 1} | {tm!r} | {lm:.4f} | {gm:.4f} ({_off_eighth(gm):.4f}) | {tc!r} | {lc:.4f} | {gc:.4f} |")
+        if not args.no_self and dtype == args.dtype.split(",")[0]:  # llama.cpp alone: once, whatever llmsys's dtype
+            print("\n(e) llama.cpp against itself: greedy answer decoded token by token vs the same ids as one batch "
+                  "(the scorer context: `n_ctx=2048, n_batch=512`, default f16 KV cache):\n")
+            print("| prompt | answer tokens | first argmax difference | decode top-2 gap there | largest logit diff |")
+            print("|---|---|---|---|---|")
+            for r in cpp_self(llm, cpp_scorer, args.max_tokens):
+                at = "none" if r["at"] is None else f"#{r['at']}"
+                gap = "" if r["gap"] is None else f"{r['gap']:.2e}"
+                print(f"| {r['prompt']} | {r['n']} | {at} | {gap} | {r['max_diff']:.3f} |")
         del llm
 
 
