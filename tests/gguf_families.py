@@ -24,7 +24,7 @@ import pytest
 
 from tiny_models import make_hf_model
 
-VERSION = 3  # bump when the checkpoints or tokenizers made here change
+VERSION = 4  # bump when the checkpoints or tokenizers made here change
 SIZES = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
 TEXT = [
     "Once upon a time there was a little girl who loved to play in the park.",
