@@ -106,3 +106,17 @@ def test_agrees_with_llama_cpp_on_the_same_file(name, fmt):
     else:
         assert a.err_llmsys <= EXACT_RATIO * a.err_llama_cpp, a
         assert abs(a.ppl_llmsys / a.ppl_exact - 1) < QUANT_PPL, a
+
+
+def test_an_expert_count_the_stacked_tensors_do_not_hold_is_one_line(tmp_path):
+    """A file whose metadata states more experts than its stacked tensors hold fails at load, naming the file,
+    the tensor and the count, never reading experts at wrong offsets."""
+    from llmsys.kernels.common.errors import CheckpointError
+    from test_gguf_loading import _rewrite
+
+    need_converter()
+    bad = _rewrite(converted("qwen3moe", "f16"), tmp_path / "bad.gguf", arch="qwen3moe",
+                   fields={"qwen3moe.expert_count": (3, gguf.GGUFValueType.UINT32)})
+    with pytest.raises(CheckpointError, match=r"bad\.gguf: tensor blk\.0\.ffn_\w+_exps\.weight has shape .* the 3 "
+                                              r"experts the metadata states"):
+        load_model(bad, dtype="float32", device="cpu")

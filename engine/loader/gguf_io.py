@@ -143,9 +143,9 @@ MOE_NAMES = {
 # ... and the experts, stacked in one tensor per projection (ggml ``ne`` = [in, out, experts]): expert e of
 # ``ffn_gate_exps.weight`` is HF's ``mlp.experts.{e}.gate_proj.weight`` (its bias likewise, gpt-oss).
 EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
-INTEGER_TYPES = ("I8", "I16", "I32", "I64")
+INTEGER_TYPES = ("I8", "I16", "I32", "I64")  # ggml's plain integer tensors: never a weight of these models
 PLAIN_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}  # read in place (locate)
-_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")  # an expert's tensor (HF name)  # ggml's plain integer tensors: never a weight of these models
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")  # an expert's tensor (HF name)
 # read into the config (rope scaling), not model tensors
 IGNORED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 # Rows dequantized per piece: bounds the float32 transient of a big table (a 151936-row embedding).
@@ -219,12 +219,12 @@ def expert_names(name: str, n_experts: int) -> list[str] | None:
     return [f"model.layers.{parts[1]}.mlp.experts.{e}.{EXPERT_NAMES[parts[2]]}.{parts[3]}" for e in range(n_experts)]
 
 
-def expert_slice(t: TensorEntry, e: int, n_experts: int) -> TensorEntry:
+def expert_slice(path: Path, t: TensorEntry, e: int, n_experts: int) -> TensorEntry:
     """Expert ``e``'s part of a stacked expert tensor (ggml ``ne`` = ``[in, out, experts]`` or ``[out, experts]``
     for a bias): the experts lie one after the other, so it is a plain tensor at an offset."""
     if t.shape[-1] != n_experts or t.nbytes % n_experts:
-        raise CheckpointError(f"tensor {t.name} has shape {list(t.shape)}; its last dimension must be the "
-                              f"{n_experts} experts the metadata states")
+        raise CheckpointError(f"{path}: tensor {t.name} has shape {list(t.shape)}; its last dimension must be the "
+                              f"{n_experts} experts the metadata states; convert or download the GGUF again")
     size = t.nbytes // n_experts
     return replace(t, name=f"{t.name}[{e}]", shape=tuple(t.shape[:-1]), offset=t.offset + e * size, nbytes=size)
 
@@ -452,7 +452,7 @@ class GGUFIndex:
             stacked = expert_names(t.name, n_experts) if n_experts else None
             if stacked is not None:
                 for e, name in enumerate(stacked):
-                    self._tensors[name] = expert_slice(t, e, n_experts)
+                    self._tensors[name] = expert_slice(path, t, e, n_experts)
                 continue
             if h is None:
                 if t.name not in IGNORED:
