@@ -80,7 +80,8 @@ def converter_source() -> Path:
             prefix = f"{tar.getnames()[0].split('/')[0]}/vendor/llama.cpp/"
             members = [m for m in tar.getmembers() if m.name.startswith(prefix)
                        and m.name[len(prefix):].split("/")[0] in _PARTS]
-            tar.extractall(part, members=members, filter="data")
+            safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}  # Python >= 3.10.12 / 3.11.4
+            tar.extractall(part, members=members, **safe)
         staged = part / prefix
         dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(dest, ignore_errors=True)
