@@ -120,3 +120,23 @@ def test_an_expert_count_the_stacked_tensors_do_not_hold_is_one_line(tmp_path):
     with pytest.raises(CheckpointError, match=r"bad\.gguf: tensor blk\.0\.ffn_\w+_exps\.weight has shape .* the 3 "
                                               r"experts the metadata states"):
         load_model(bad, dtype="float32", device="cpu")
+
+
+def test_converter_errors_are_one_line(tmp_path, monkeypatch):
+    """A converter folder without the script, and a folder the converter cannot read, are one line naming them."""
+    from llmsys.engine.bench import llamacpp_convert
+    from llmsys.engine.loader.gguf_io import _tensor_list
+    from llmsys.kernels.common.errors import CheckpointError, LLMSysError
+
+    monkeypatch.setenv(llamacpp_convert.SOURCE_ENV, str(tmp_path))
+    with pytest.raises(LLMSysError, match=rf"LLMSYS_LLAMA_CPP_SRC={tmp_path}: no convert_hf_to_gguf.py there"):
+        llamacpp_convert.converter_source()
+    monkeypatch.delenv(llamacpp_convert.SOURCE_ENV)
+    need_converter()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(LLMSysError, match=r"empty: llama\.cpp's converter failed: "):
+        llamacpp_convert.convert(tmp_path / "empty", tmp_path / "out.gguf")
+    assert not list(tmp_path.glob("out.gguf*"))  # nothing half-written left behind
+    with pytest.raises(CheckpointError, match=r"x\.gguf: LongRoPE needs both rope_factors_long and "
+                                              r"rope_factors_short; rope_factors_short\.weight is absent"):
+        _tensor_list(tmp_path / "x.gguf", {}, "rope_factors_short.weight")
