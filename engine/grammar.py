@@ -21,15 +21,24 @@ document on a copy of the matcher (forced tokens first, then single-character
 closers: a quote, a brace, a bracket, a digit...) and, once that path is
 about as long as the tokens left, allows only its next token. For JSON this
 closes every open string and container in few tokens; a regex or Lark grammar
-the closer cannot finish ends at the budget like any other request. A budget
-below the format's shortest output is refused up front.
+the closer cannot finish ends at the budget like any other request.
+
+A format that cannot be honoured is refused before it runs (a 400 through the
+server, never an empty "stop"): the same search, on the fresh matcher, must
+find a way to a complete output within the budget. It tells apart a language
+with no string at all (``start: start``), a shortest output longer than the
+budget (``a{99999999}``, ``minItems: 1e9``) and one the engine cannot run
+within its limits (llguidance's lexer and Earley limits). A matcher that
+errors or allows nothing mid-generation raises, so the engine ends that
+request with finish_reason "error" rather than a normal stop.
 """
 
 from __future__ import annotations
 
+import enum
 import json
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Sequence
 
 import numpy as np
@@ -46,8 +55,37 @@ _CLOSERS = b'"}]01tfn,: a[{'
 _CLOSE_MARGIN = 8  # tokens: one sampled token can lengthen the way out by several (a quote opening a key)
 _CLOSE_MAX_STEPS = 256  # the closer gives up past this many tokens (a grammar it cannot finish)
 _CLOSE_SLACK = 32  # start checking the way out this many tokens before the minimal document's length runs out
+# The up-front check's search (GrammarConstraint.__init__): the most tokens it chooses one by one (forced runs
+# count once), and how many of the lowest-id allowed tokens it tries besides the closers at each step.
+_CHECK_MAX_STEPS = 2048
+_TRY_LOWEST = 16
+_TRY_SAMPLE = 32  # and, when exploring, how many allowed tokens drawn at random
 
 GrammarKind = Literal["json_schema", "regex", "lark", "gbnf"]
+_WHAT = {"json_schema": "JSON schema", "regex": "regex", "lark": "grammar", "gbnf": "grammar"}
+
+
+class Outcome(enum.Enum):
+    """How a search for a way to end the document went (:meth:`GrammarVocab.way_out`)."""
+
+    FOUND = "found"  # ``path`` ends the document
+    FORCED_TOO_LONG = "forced_too_long"  # the grammar forces more tokens than the limit: ``at_least`` of them
+    EMPTY = "empty"  # nothing may come first and the empty output is not complete: no string matches
+    DEAD_END = "dead_end"  # the search reached a state that allows nothing (not a proof of emptiness)
+    GAVE_UP = "gave_up"  # past the token limit (``path`` that long) or the step limit, without an end
+    ENGINE_LIMIT = "engine_limit"  # llguidance stopped on one of its limits (lexer states, Earley items)
+
+
+@dataclass(frozen=True)
+class WayOut:
+    """One search's result: ``path`` (token ids; the way out when FOUND, how far it got otherwise),
+    ``at_least`` (FORCED_TOO_LONG: the tokens the grammar forces), ``detail`` (ENGINE_LIMIT: llguidance's
+    error, one line)."""
+
+    outcome: Outcome
+    path: list[int] = field(default_factory=list)
+    at_least: int = 0
+    detail: str = ""
 
 
 @dataclass(frozen=True)
@@ -152,8 +190,7 @@ class GrammarVocab:
         with self._lock:
             m = llguidance.LLMatcher(self.lltok, grammar, log_level=0)
         if m.is_error():
-            what = {"json_schema": "JSON schema", "regex": "regex", "lark": "grammar", "gbnf": "grammar"}[spec.kind]
-            raise InvalidParameterError(f"the {what} cannot be used: {_first_line(m.get_error())}")
+            raise InvalidParameterError(f"the {_WHAT[spec.kind]} cannot be used: {_first_line(m.get_error())}")
         return m
 
     def mask(self, m: Any) -> torch.Tensor:
@@ -167,33 +204,120 @@ class GrammarVocab:
     def closing(self, m: Any, limit: int) -> list[int] | None:
         """A short token path that ends the document from ``m``'s state (on a copy), at most
         ``limit`` tokens; None when the closer finds none."""
+        way = self.way_out(m, limit, _CLOSE_MAX_STEPS)
+        return way.path if way.outcome is Outcome.FOUND else None
+
+    def way_out(self, m: Any, limit: int, max_steps: int, explore: bool = False) -> WayOut:
+        """Search, on a copy of ``m``, for a token path of at most ``limit`` tokens that ends the
+        document, choosing at most ``max_steps`` tokens one by one. Greedy: forced tokens first; a
+        token that completes the document at once wins; else the first closer that fits, then the
+        lowest-id allowed token (the order that closes JSON best). ``explore``: the candidates also
+        hold a seeded sample of the allowed tokens, and the one chosen least often so far wins: it
+        leaves a loop such as ``a`` in ``[a-z]*z``, where the plain order picks ``a`` forever."""
+        rng = np.random.default_rng(0) if explore else None
         c = m.deep_copy()
         path: list[int] = []
-        while len(path) <= limit:
+        used: dict[int, int] = {}
+        failed = ""  # llguidance's error on a token tried and refused (a limit), if any
+        for _ in range(max_steps):
+            if c.is_error():
+                return WayOut(Outcome.ENGINE_LIMIT, path, detail=_first_line(c.get_error()))
             if c.is_stopped() or c.is_accepting():
-                return path
+                return WayOut(Outcome.FOUND, path)
+            if len(path) >= limit:
+                return WayOut(Outcome.ENGINE_LIMIT, path, detail=failed) if failed else WayOut(Outcome.GAVE_UP, path)
             ff = c.compute_ff_tokens()
             if ff:
+                if len(path) + len(ff) > limit:  # checked before consuming: a huge forced run exhausts the lexer
+                    return WayOut(Outcome.FORCED_TOO_LONG, path, at_least=len(path) + len(ff))
                 if not c.consume_tokens(ff):
-                    return None
+                    return WayOut(Outcome.ENGINE_LIMIT, path, detail=_first_line(c.get_error()))
                 path += ff
                 continue
             allowed = np.unpackbits(np.frombuffer(c.compute_bitmask(), dtype=np.uint8), bitorder="little")
-            options = [t for t in self.closers if allowed[t]]
-            if not options:  # none of the usual closers fits here: any allowed token, lowest id first
-                options = [int(t) for t in np.flatnonzero(allowed[:self.lltok.vocab_size])[:8]
-                           if t not in self.eos]
+            if c.is_error():
+                if not _dead_end(c):
+                    continue  # a limit: reported at the top of the loop
+                allowed[:] = 0  # nothing can follow: llguidance says so as an error (NoExtension)
+            lowest = [int(t) for t in np.flatnonzero(allowed[:self.lltok.vocab_size])[:_TRY_LOWEST + len(self.eos)]
+                      if t not in self.eos][:_TRY_LOWEST]
+            closers = [t for t in self.closers if allowed[t]]
+            options = closers + [t for t in lowest if t not in closers]
+            if rng is not None:
+                everyone = np.flatnonzero(allowed[:self.lltok.vocab_size])
+                sample = rng.choice(everyone, size=min(_TRY_SAMPLE, len(everyone)), replace=False)
+                options += [int(t) for t in sample if t not in self.eos and t not in options]
+                options = [options[i] for i in rng.permutation(len(options))]  # ties among the least used: at random
             if not options:
-                return None
-            tid = options[0]
-            for t in options:  # a closer that ends the document right away wins over the usual order
+                if failed:
+                    return WayOut(Outcome.ENGINE_LIMIT, path, detail=failed)
+                return WayOut(Outcome.EMPTY if not path else Outcome.DEAD_END, path)
+            tid, fits = None, []
+            for t in options:  # a token that ends the document right away wins over the usual order
                 trial = c.deep_copy()
-                if trial.consume_token(t) and (trial.is_accepting() or trial.is_stopped()):
+                if not trial.consume_token(t):  # allowed yet refused: llguidance ran into a limit on it
+                    failed = failed or _first_line(trial.get_error())
+                    continue
+                fits.append(t)
+                if trial.is_accepting() or trial.is_stopped():
                     tid = t
                     break
+            if not fits:
+                return WayOut(Outcome.ENGINE_LIMIT, path, detail=failed)
+            if tid is None:
+                tid = min(fits, key=lambda t: used.get(t, 0)) if explore else fits[0]
+            used[tid] = used.get(tid, 0) + 1
             c.consume_token(tid)
             path.append(tid)
-        return None
+        return WayOut(Outcome.ENGINE_LIMIT, path, detail=failed) if failed else WayOut(Outcome.GAVE_UP, path)
+
+    def check(self, m: Any, spec: GrammarSpec, budget: int) -> list[int]:
+        """The shortest way found to a complete output from ``m``'s (fresh) state, or a one-line
+        :class:`InvalidParameterError` saying why ``spec`` cannot be honoured in ``budget`` tokens:
+        it matches nothing, its shortest output is longer, or the engine cannot run it. When the
+        budget is beyond what the search covers (``_CHECK_MAX_STEPS`` choices) and it found no end,
+        the request runs (it ends at its budget, finish_reason "length"). A search that gives up
+        within the budget refuses: the greedy search can miss a way a model would find, but the
+        formats it misses are ones whose outputs are long or pathological."""
+        what = _WHAT[spec.kind]
+        limit = max(budget, _CLOSE_MAX_STEPS)  # a little past the budget: the message can say how long it is
+        for steps in (_CLOSE_MAX_STEPS, _CHECK_MAX_STEPS):  # a short search first: most formats end quickly
+            way = self.way_out(m, limit, steps)
+            if way.outcome in (Outcome.GAVE_UP, Outcome.DEAD_END):  # the plain order loops or strays: explore
+                other = self.way_out(m, limit, steps, explore=True)
+                if other.outcome is not Outcome.GAVE_UP or way.outcome is Outcome.GAVE_UP:
+                    way = other
+            if way.outcome is not Outcome.GAVE_UP or len(way.path) >= limit:
+                break
+        if way.outcome is Outcome.FOUND:
+            if len(way.path) > budget:
+                raise InvalidParameterError(f"the shortest output this {what} allows is {len(way.path)} tokens but the "
+                                            f"request may generate only {budget}; raise max_tokens")
+            return way.path
+        if way.outcome is Outcome.EMPTY:
+            raise InvalidParameterError(_empty_message(spec))
+        if way.outcome is Outcome.FORCED_TOO_LONG:
+            raise InvalidParameterError(f"the {what} needs at least {way.at_least} tokens but the request may "
+                                        f"generate only {budget}; raise max_tokens or shorten the {what}")
+        if way.outcome is Outcome.ENGINE_LIMIT:
+            raise InvalidParameterError(f"the {what} is beyond the grammar engine's limits ({way.detail}); "
+                                        f"simplify it (fewer or smaller repetitions, longer literals)")
+        if way.outcome is Outcome.DEAD_END or len(way.path) >= budget:
+            raise InvalidParameterError(f"no output of this {what} that fits in {budget} tokens was found (every way "
+                                        f"tried runs longer or leads nowhere); raise max_tokens or simplify the {what}")
+        return []  # not decided within the search's steps: the request runs, bounded by its budget
+
+
+def _empty_message(spec: GrammarSpec) -> str:
+    """Why a format with no valid output at all is refused, in the terms of its syntax."""
+    if spec.kind == "regex":
+        return "the regex matches no string (an empty character class or set, e.g. [^\\x00-\\x{10FFFF}])"
+    if spec.kind == "json_schema":
+        return ("the JSON schema matches no value (e.g. a $ref to itself with nothing else, or contradictory "
+                "constraints)")
+    start, sep = ("root", " ::= ") if spec.kind == "gbnf" else ("start", ": ")
+    return (f"the grammar matches no string: rule '{start}' never terminates (recursion with no base case, "
+            f"e.g. '{start}{sep}{start}', or an empty language)")
 
 
 class GrammarConstraint:
@@ -205,11 +329,11 @@ class GrammarConstraint:
         self.m = vocab.matcher(spec)
         self.left = budget
         self._forced: list[int] = []  # the closing path being followed, once the budget demands it
-        minimal = vocab.closing(self.m, _CLOSE_MAX_STEPS)
-        if minimal is not None and len(minimal) > budget:
-            raise InvalidParameterError(f"the shortest output this format allows is {len(minimal)} tokens but the "
-                                        f"request may generate only {budget}; raise max_tokens")
-        self._watch = (len(minimal) if minimal is not None else 0) + _CLOSE_SLACK
+        minimal = vocab.check(self.m, spec, budget)
+        if self.m.is_error():  # the search's copies share the lexer: its limit reached there reaches this one
+            raise InvalidParameterError(f"the {_WHAT[spec.kind]} is beyond the grammar engine's limits "
+                                        f"({_first_line(self.m.get_error())}); simplify it")
+        self._watch = len(minimal) + _CLOSE_SLACK
         self._check_at = self._watch  # the next ``left`` at which the way out is measured again
         self._ready: torch.Tensor | Exception | None = None  # a mask computed ahead (prefetch), or its failure
 
@@ -253,17 +377,33 @@ class GrammarConstraint:
         if self.m.is_stopped() or (self.left <= self._watch and self.m.is_accepting()):
             out[self.vocab.eos] = True
             return out
-        return self.vocab.mask(self.m)
+        out = self.vocab.mask(self.m)
+        # Nothing may follow (llguidance allows only EOS and, on its own, enters an error state) while
+        # the output is incomplete: ending here would look like a normal stop with output that breaks
+        # the format. A limit reached mid-generation (an error) fails the request the same way.
+        if _dead_end(self.m) or (not self.m.is_accepting() and int(out.sum()) == int(out[self.vocab.eos].sum())):
+            raise ValueError("the grammar allows no next token and the output is incomplete (a dead end)")
+        if self.m.is_error():
+            raise ValueError(_first_line(self.m.get_error()))
+        return out
 
     def advance(self, token_id: int) -> None:
         self._ready = None
         self.left -= 1
         if self._forced:
             self._forced.pop(0)
-        if token_id in self.vocab.eos and (self.m.is_accepting() or self.m.is_stopped()):
-            return
+        if token_id in self.vocab.eos:
+            if self.m.is_accepting() or self.m.is_stopped():
+                return
+            raise ValueError("the output ended before it was complete under the grammar")
         if not self.m.consume_token(token_id):
             raise ValueError(f"token {token_id} does not fit the grammar: {_first_line(self.m.get_error())}")
+
+
+def _dead_end(m: Any) -> bool:
+    """Whether ``m`` stopped because no byte can follow (llguidance reports it as an error whose
+    first line is the stop reason, NoExtension or NoExtensionBias), as opposed to a limit."""
+    return m.is_error() and _first_line(m.get_error()).startswith("NoExtension")
 
 
 def _first_line(text: str) -> str:
