@@ -35,8 +35,8 @@ from llmsys.engine.sliding_kv import RingTables, sliding_layers
 from llmsys.engine.speculative import ProposalRequest, Proposer, SpecStats, predicted_continuation
 from llmsys.engine.tokenizer import Tokenizer
 from llmsys.offload.kv_policy import make_policy_runtime
-from llmsys.offload.kv_swap import make_swap_space
-from llmsys.offload.kv_tier import make_kv_tier
+from llmsys.offload.kv_swap import KVSwapSpace, make_swap_space
+from llmsys.offload.kv_tier import KVTier, make_kv_tier
 from llmsys.offload.experts import ExpertReport
 from llmsys.offload.runtime import OffloadRuntime
 from llmsys.quant.base import kernel_counts
@@ -318,8 +318,20 @@ class EngineCore:
                     drafts[r.request_id] = d[: r.k]
         return drafts or None
 
+    def offload_parts(self) -> list[KVTier | KVSwapSpace]:
+        """The offload parts that can fail and come back (``llmsys.offload.recovery``): cold tier, swap."""
+        return [p for p in (self.tier, self.swap) if p is not None]
+
+    def degraded(self) -> list[str]:
+        """One line per offload part that is off after an I/O failure (what ``/health`` lists); empty when
+        everything works. Safe from another thread: each part's state is one frozen object."""
+        return [line for p in self.offload_parts() if (line := p.recovery.describe()) is not None]
+
     def step(self) -> list[StreamChunk]:
         chunks, self._pending = self._pending, []
+        for part in self.offload_parts():  # an offload part off after a failure retries once its backoff ran out
+            if part.recovery.due():
+                part.retry()
         sched = self.scheduler.schedule(self._propose())
         chunks.extend(self._failed(sched.failed))
         if sched.empty:

@@ -26,13 +26,27 @@ Why two commands used to disagree, and what keeps them together now:
 - the scratch file was all ones, which a compressing filesystem stores (and
   reads back) in a fraction of its size; it is random bytes now, and a
   filesystem that lives in RAM (tmpfs) is flagged ``disk_cached``.
+
+The disk probe never stops a start: its file is sized to a quarter of the
+folder's free space (``shutil.disk_usage``); with too little free, or a write
+that fails anyway, it prints one notice naming the folder and ``--offload-dir``
+and assumes :data:`ASSUMED_DISK_GBPS` (not cached: a later start with room
+measures). Its scratch file is unlinked as soon as it is open, so a run
+killed mid-probe leaves nothing behind; the ``.llmsys_bw_*`` files earlier
+versions could leave (or a run killed in the instant before the unlink) are
+removed at the next start once their process is gone (the PID in the name)
+or, without a PID, once they are older than :data:`STALE_PROBE_S`.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import platform
+import re
+import shutil
+import sys
 import tempfile
 import time
 from contextlib import contextmanager
@@ -45,6 +59,7 @@ import torch
 
 from llmsys.kernels.common.cpus import physical_cores, usable_cpus
 from llmsys.kernels.common.paths import llmsys_home
+from llmsys.kernels.common.units import format_bytes
 
 CACHE_VERSION = 5
 BUSY_PROBE_LOAD = 0.25  # cores' worth of other processes' CPU during the host probe above which it is not cached
@@ -52,6 +67,11 @@ LOAD_MIN_SECONDS = 0.2  # host probes shorter than this report no load (see prob
 CACHE_NAME = "machine.json"  # under $LLMSYS_HOME: one record per machine (see machine_fingerprint)
 MEM_PROBE_BYTES = 256 << 20  # per buffer: well above any last-level cache
 RAM_FILESYSTEMS = ("tmpfs", "ramfs")  # "disk" reads there come from RAM: the figure is no disk's
+PROBE_PREFIX = ".llmsys_bw_"  # the disk probe's scratch file: .llmsys_bw_<pid>_<random>
+PROBE_FREE_SHARE = 4  # the probe file takes at most 1/4 of the folder's free space
+MIN_DISK_PROBE_BYTES = 8 << 20  # below this (or the probe's own size) the probe is skipped: too little free
+ASSUMED_DISK_GBPS = 0.1  # the figure when the probe cannot run: a slow disk's, so nothing plans on a fast one
+STALE_PROBE_S = 600.0  # a probe file without a live PID in its name this old is a killed run's (probes take ~1 s)
 
 
 @dataclass(frozen=True)
@@ -86,6 +106,7 @@ class DiskSpeed:
     mount: str  # the filesystem's mount point: the key in the cache
     fstype: str
     cached: bool  # the page cache could not be bypassed (tmpfs, no posix_fadvise): an upper bound
+    measured: bool = True  # False: the probe could not run (too little free space) and gbps is assumed
 
 
 @dataclass(frozen=True)
@@ -251,45 +272,103 @@ def cold_read_gbps(path: Path, chunk: int = 8 << 20) -> float:
     Where ``posix_fadvise`` is missing the pages cannot be evicted, and the figure
     may be the page cache's speed; callers that care check ``hasattr(os, "posix_fadvise")``.
     """
-    evict = hasattr(os, "posix_fadvise")
     fd = os.open(path, os.O_RDONLY)
     try:
-        if evict:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        view = memoryview(bytearray(chunk))
-        total, t = 0, time.perf_counter()
-        while (n := os.readv(fd, [view])) > 0:
-            total += n
-        dt = time.perf_counter() - t
-        if evict:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # leave the cache as we found it
+        return _cold_read_fd_gbps(fd, chunk)
     finally:
         os.close(fd)
+
+
+def _cold_read_fd_gbps(fd: int, chunk: int = 8 << 20) -> float:
+    """:func:`cold_read_gbps` of an open file, from its start."""
+    evict = hasattr(os, "posix_fadvise")
+    if evict:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    view = memoryview(bytearray(chunk))
+    total, off, t = 0, 0, time.perf_counter()
+    while (n := os.preadv(fd, [view], off)) > 0:
+        total += n
+        off += n
+    dt = time.perf_counter() - t
+    if evict:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # leave the cache as we found it
     return total / max(dt, 1e-9) / 1e9
 
 
 def probe_disk_read_gbps(folder: Path, nbytes: int = 64 << 20) -> float:
-    """Write a file of random bytes (nothing a compressing filesystem can shrink), then time a cold read."""
+    """Write a file of random bytes (nothing a compressing filesystem can shrink), then time a cold read.
+
+    The file is unlinked as soon as it exists: the open descriptor keeps it, and a
+    run killed mid-probe leaves no file behind (the disk space comes back with the process).
+    """
     folder.mkdir(parents=True, exist_ok=True)
-    fd_, path = tempfile.mkstemp(prefix=".llmsys_bw_", dir=folder)
+    fd, path = tempfile.mkstemp(prefix=f"{PROBE_PREFIX}{os.getpid()}_", dir=folder)
     try:
-        with os.fdopen(fd_, "wb") as f:
-            chunk = 8 << 20
-            for off in range(0, nbytes, chunk):
-                f.write(os.urandom(min(chunk, nbytes - off)))
-            f.flush()
-            os.fsync(f.fileno())
-        return cold_read_gbps(Path(path))
-    finally:
         os.unlink(path)
+        chunk = 8 << 20
+        for off in range(0, nbytes, chunk):
+            data = os.urandom(min(chunk, nbytes - off))
+            if os.pwrite(fd, data, off) < len(data):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        os.fsync(fd)
+        return _cold_read_fd_gbps(fd)
+    finally:
+        os.close(fd)
+
+
+def remove_stale_probe_files(folder: Path, now: float | None = None) -> list[Path]:
+    """Delete the disk probe's files a killed run left in ``folder``; returns those removed.
+
+    A file named with a PID is stale once that process is gone (or the file is older than
+    :data:`STALE_PROBE_S`: the PID may have been reused); one without a PID (earlier versions)
+    once it is older than :data:`STALE_PROBE_S`. A file another process is probing with is kept.
+    """
+    now = time.time() if now is None else now
+    removed: list[Path] = []
+    try:
+        found = [p for p in folder.iterdir() if p.name.startswith(PROBE_PREFIX)]
+    except OSError:  # no folder yet, or not readable: nothing of ours can be there
+        return removed
+    for p in found:
+        m = re.match(rf"{re.escape(PROBE_PREFIX)}(\d+)_", p.name)
+        try:
+            old = now - p.lstat().st_mtime > STALE_PROBE_S
+            if old or (m is not None and not psutil.pid_exists(int(m.group(1)))):
+                p.unlink()
+                removed.append(p)
+        except OSError:
+            continue  # gone already (another start removed it), or not ours to remove
+    return removed
 
 
 def probe_disk(folder: Path, nbytes: int) -> DiskSpeed:
-    """The disk figure for ``folder``'s filesystem, with where it was measured."""
+    """The disk figure for ``folder``'s filesystem, with where it was measured.
+
+    Never raises for the disk: with too little free space (a probe file of at most a
+    quarter of it, at least ``MIN_DISK_PROBE_BYTES``) or a write that fails, one notice
+    names the folder and the flag and :data:`ASSUMED_DISK_GBPS` stands in (``measured=False``).
+    """
     mount, fstype = filesystem_of(folder)
-    gbps = probe_disk_read_gbps(folder, nbytes)
+    where = folder.expanduser().resolve()
     cached = fstype in RAM_FILESYSTEMS or not hasattr(os, "posix_fadvise")
-    return DiskSpeed(round(gbps, 3), str(folder.expanduser().resolve()), mount, fstype, cached)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(folder).free
+        size = min(nbytes, free // PROBE_FREE_SHARE) // 4096 * 4096
+        if size < min(MIN_DISK_PROBE_BYTES, nbytes):
+            why = f"only {format_bytes(free)} free, too little for the disk-speed probe"
+            return _assumed_disk(where, mount, fstype, cached, why)
+        gbps = probe_disk_read_gbps(folder, size)
+    except OSError as e:
+        return _assumed_disk(where, mount, fstype, cached, f"the disk-speed probe failed ({e.strerror or e})")
+    return DiskSpeed(round(gbps, 3), str(where), mount, fstype, cached)
+
+
+def _assumed_disk(where: Path, mount: str, fstype: str, cached: bool, why: str) -> DiskSpeed:
+    """The stand-in figure when the probe cannot run, and its one-line notice."""
+    print(f"notice: --offload-dir {where}: {why}; assuming {ASSUMED_DISK_GBPS:g} GB/s disk reads (free space "
+          "there, or pass --offload-dir on a disk with room)", file=sys.stderr)
+    return DiskSpeed(ASSUMED_DISK_GBPS, str(where), mount, fstype, cached, measured=False)
 
 
 def probe_host(probe: ProbeSettings) -> Bandwidths:
@@ -404,11 +483,13 @@ def measure_bandwidths(cache: bool = True, probe_dir: Path | None = None,
     fresh = rec is None
     if rec is None:
         rec = MachineRecord(machine_fingerprint(), probe_host(probe), {}, time.time())
+    remove_stale_probe_files(folder)
     mount, _ = filesystem_of(folder)
     disk = rec.disks.get(mount)
     if disk is None:
         disk = probe_disk(folder, probe.disk_bytes)
-        rec = replace(rec, disks={**rec.disks, disk.mount: disk})
+        if disk.measured:  # an assumed figure is this run's only: a later start with room measures
+            rec = replace(rec, disks={**rec.disks, disk.mount: disk})
         if not (fresh and rec.host.probe_load > BUSY_PROBE_LOAD):  # a busy machine's figures are not kept
             _write_record(rec)
     return rec.host.with_disk(disk)

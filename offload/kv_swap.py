@@ -22,15 +22,19 @@ A swap-out whose write fails (the offload folder's disk filled up) loses
 nothing that cannot be rebuilt: the blocks it could not write are marked lost
 (:meth:`KVSwapSpace.lost`), the scheduler re-prefills their sequence instead
 of copying them back (recompute, the same tokens), and the swap space takes no
-more swap-outs (:attr:`KVSwapSpace.write_error`): every later preemption
-recomputes. One full disk costs speed, never a request.
+more swap-outs (:attr:`KVSwapSpace.write_error`) until it recovers: every
+later preemption recomputes. It retries after a backoff
+(``llmsys.offload.recovery``: 1 s doubling to 60 s; the engine core calls
+:meth:`KVSwapSpace.retry` before a step) with one probe block written past
+the file's end; when that goes through it swaps again. One full disk costs
+speed for a while, never a request; the fallback is logged once per episode.
 
 A swap-in whose read fails (an I/O error, a short read) is the same loss found
 later: the blocks that were read are copied in, then :meth:`KVSwapSpace.copy_in`
 raises :class:`~llmsys.kernels.common.errors.KVReadError` naming the pool
 blocks left without their data; the engine re-prefills the sequences holding
 them (``Scheduler.drop_unreadable``) and the swap space takes no more
-swap-outs (:attr:`KVSwapSpace.read_error`).
+swap-outs (:attr:`KVSwapSpace.read_error`) until a retry brings it back.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ import torch
 from llmsys.kernels.common.errors import KVReadError
 from llmsys.kernels.common.protocols import KVPool
 from llmsys.offload.budgets import disk_free
+from llmsys.offload.recovery import Recovery, RetryPolicy
 
 # Priors used until the first copy is timed (then the measured speed wins).
 _PRIOR_GBPS = {"cpu": 5.0, "disk": 0.5}
@@ -76,7 +81,8 @@ class KVSwapSpace:
     (quantized pools keep their scales in side objects; they recompute).
     """
 
-    def __init__(self, kv: KVPool, num_blocks: int, folder: str | Path | None = None, tier: str | None = None):
+    def __init__(self, kv: KVPool, num_blocks: int, folder: str | Path | None = None, tier: str | None = None,
+                 retry: RetryPolicy | None = None):
         if tier not in (None, "cpu", "disk"):
             raise ValueError(f"swap tier must be 'cpu' or 'disk', got {tier!r}")
         self.kv = kv
@@ -87,8 +93,8 @@ class KVSwapSpace:
         self._free = list(range(num_blocks - 1, -1, -1))
         self._pending_free: list[int] = []  # freed by a swap-in scheduled this step (copied in the runner)
         self._lost: set[int] = set()  # allocated swap blocks whose copy-out failed (their data is not there)
-        self.write_error: str | None = None  # the first failed write; set: no more swap-outs
-        self.read_error: str | None = None  # the last failed read; set: no more swap-outs
+        self.write_error: str | None = None  # the last failed write while swapping is off (None once back)
+        self.read_error: str | None = None  # the last failed read while swapping is off (None once back)
         self.stats = SwapStats()
         self.gbps: float | None = None  # measured copy speed (None: the tier's prior)
         self.recompute_s_per_token: float | None = None  # fed back by the engine core
@@ -96,6 +102,9 @@ class KVSwapSpace:
         self._fd: int | None = None  # disk tier: one file, opened on first use
         self._path: Path | None = None
         self._folder = Path(folder) if folder else None
+        where = f"--offload-dir {self._folder or tempfile.gettempdir()}"
+        self.recovery = Recovery(f"KV swap space (--swap-space, in {where})",
+                                 "preempted sequences recompute instead of swapping", retry)
 
     @property
     def tier(self) -> str:
@@ -147,7 +156,7 @@ class KVSwapSpace:
 
     def prefer_swap(self, num_blocks: int, num_tokens: int) -> bool:
         """Swap (True) or recompute (False) a sequence holding ``num_tokens`` in ``num_blocks``?"""
-        if num_blocks == 0 or num_blocks > len(self._free) or self.write_error or self.read_error:
+        if num_blocks == 0 or num_blocks > len(self._free) or self.recovery.off:
             return False
         if self.recompute_s_per_token is None:
             return True  # nothing measured yet: keeping computed work is the safe bet
@@ -214,6 +223,7 @@ class KVSwapSpace:
         except OSError as e:
             self._lost.update(s for _, s in pairs[done:])
             self.write_error = f"{self._path or self._folder or 'swap space'}: {e.strerror or e}"
+            self.recovery.failed("write", self.write_error)
         if done:
             self._account(done, time.perf_counter() - t0, out=True)
 
@@ -247,7 +257,28 @@ class KVSwapSpace:
             self._scatter([p for _, p in pairs], data)
             self._account(len(pairs), time.perf_counter() - t0, out=False)
         if failed:
+            self.recovery.failed("read", self.read_error)
             raise KVReadError(f"KV swap file {self.read_error}", failed)
+
+    def retry(self) -> bool:
+        """Off and the backoff ran out: write one probe block past the file's end (cut off again);
+        True when swap-outs are back. A CPU-RAM swap space has nothing to probe: it is back at once."""
+        if not self.recovery.due():
+            return not self.recovery.off
+        try:
+            self._ensure_store()
+            if self._fd is not None:
+                try:
+                    write_block(self._fd, os.urandom(self.chunk_bytes), self.nbytes())
+                finally:
+                    os.ftruncate(self._fd, self.nbytes())
+        except OSError as e:
+            self.write_error = f"{self._path or self._folder or 'swap space'}: {e.strerror or e}"
+            self.recovery.failed("write", self.write_error)
+            return False
+        self.write_error = self.read_error = None
+        self.recovery.succeeded()
+        return True
 
     def _account(self, n: int, seconds: float, out: bool) -> None:
         nbytes = n * self.chunk_bytes

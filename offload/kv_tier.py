@@ -41,16 +41,22 @@ cost the sequences their KV: the scheduler has already given their hot blocks
 to others, but the data is still in the pool when the runner copies, so the
 blocks of that demotion are kept in RAM instead (``_spill``, one step's
 demotions at most) and reads take them from there. The tier then takes no
-more demotions (:attr:`KVTier.accepts_demotions`): the scheduler preempts
-(recompute) instead, and fails with a clean error only a request whose KV no
-longer fits the hot pool alone.
+more demotions (:attr:`KVTier.accepts_demotions`) until it recovers: the
+scheduler preempts (recompute) instead, and fails with a clean error only a
+request whose KV no longer fits the hot pool alone. The tier retries after a
+backoff (``llmsys.offload.recovery``: 1 s doubling to 60 s; the engine core
+calls :meth:`KVTier.retry` before a step): the retry writes the blocks kept in
+RAM to the file (or, with none, one probe block past the file's end) and, when
+that goes through, takes demotions again. A disk freed while the server runs
+serves requests that need the tier again, without a restart.
 
 A read that fails (an I/O error, a short read) loses the blocks of that run:
 the read raises :class:`~llmsys.kernels.common.errors.KVReadError` with their
 cold ids, the step is dropped, the engine re-prefills only the sequences
 holding them (``Scheduler.drop_unreadable``), and the tier takes no more
 demotions, as after a failed write: a disk that fails reads would otherwise
-make the same sequence demote, fail and recompute forever.
+make the same sequence demote, fail and recompute forever (it retries as
+after a failed write, so a sequence fails at most once per backoff).
 """
 
 from __future__ import annotations
@@ -69,6 +75,7 @@ import torch
 from llmsys.kernels.common.errors import InvalidParameterError, KVReadError
 from llmsys.kernels.common.protocols import KVPool
 from llmsys.kernels import ColdBlocks
+from llmsys.offload.recovery import Recovery, RetryPolicy
 from llmsys.offload.streamer import pread_full
 
 # A layer's read smaller than this is done inline when attention asks for it: handing it to the
@@ -108,7 +115,7 @@ class KVTier:
     """Cold KV blocks beyond the pool (see the module doc)."""
 
     def __init__(self, kv: KVPool, num_cold: int, folder: str | Path | None = None, tier: str | None = None,
-                 drop_cache: bool = False):
+                 drop_cache: bool = False, retry: RetryPolicy | None = None):
         if kv.quantized:
             raise InvalidParameterError(
                 f"--kv-offload-tokens needs a float KV pool; drop --kv-dtype {kv.spec.kv_dtype} or the offload")
@@ -143,8 +150,12 @@ class KVTier:
         self._path: Path | None = None
         # Cold blocks whose write failed: cold id -> [L, 2, bs, Hk, D] on the CPU (see the module doc).
         self._spill: dict[int, torch.Tensor] = {}
-        self.write_error: str | None = None  # the first failed write; set: no more demotions
-        self.read_error: str | None = None  # the last failed read; set: no more demotions
+        self.write_error: str | None = None  # the last failed write while the tier is off (None once back)
+        self.read_error: str | None = None  # the last failed read while the tier is off (None once back)
+        self._folder = Path(folder) if folder else Path(tempfile.gettempdir())
+        where = f"in --offload-dir {self._folder}" if self.tier == "disk" else "in CPU RAM"
+        self.recovery = Recovery(f"KV cold tier (--kv-offload-tokens, {where})",
+                                 "it takes no more blocks: the scheduler preempts and recomputes instead", retry)
         if self.tier == "cpu":
             self._store = torch.empty((s.num_layers, *shape), dtype=s.dtype, pin_memory=pin)
             if self.cuda:  # written for GPU pools, untested here (no GPU): see offload/README.md
@@ -153,7 +164,7 @@ class KVTier:
         else:
             if self.cuda:
                 raise ValueError("a GPU pool's cold tier is pinned CPU RAM (tier 'cpu')")
-            self._open(Path(folder) if folder else Path(tempfile.gettempdir()))
+            self._open(self._folder)
             self._views = [[memoryview(b[kind].view(-1).view(torch.uint8).numpy()) for kind in (0, 1)] for b in self._stage]
         # One reader thread for CPU pools (preadv / index_select release the GIL); GPU pools copy on a side stream.
         self._pool = None if self.cuda else ThreadPoolExecutor(1, thread_name_prefix="llmsys-kv-tier")
@@ -179,17 +190,56 @@ class KVTier:
 
     @property
     def accepts_demotions(self) -> bool:
-        """False once a write or a read failed: the scheduler preempts instead of demoting (module doc)."""
-        return self.write_error is None and self.read_error is None
+        """False while the tier is off after a failed write or read (until :meth:`retry` brings it back):
+        the scheduler preempts instead of demoting (module doc)."""
+        return not self.recovery.off
 
     @property
     def failure(self) -> str | None:
         """Why the tier stopped taking demotions, for a user-facing message (None: it still takes them)."""
-        if self.write_error is not None:
-            return f"a write failed ({self.write_error})"
-        if self.read_error is not None:
-            return f"a read failed ({self.read_error})"
-        return None
+        o = self.recovery.outage
+        if o is None:
+            return None
+        what = f"a write failed ({self.write_error})" if self.write_error is not None else \
+            f"a read failed ({self.read_error})" if self.read_error is not None else o.reason
+        left = o.retry_at - self.recovery.clock()
+        return f"{what}; it retries in {max(0, round(left))} s" if left > 0 else f"{what}; it retries now"
+
+    def retry(self) -> bool:
+        """Off and the backoff ran out: try a write again; True when the tier takes demotions again.
+
+        The blocks a failed write left in RAM go to the file (they are the probe, and the RAM comes
+        back); with none, one block's bytes are written past the file's end and cut off again.
+        """
+        if not self.recovery.due():
+            return not self.recovery.off
+        try:
+            if self._fd is not None:
+                self._flush_spill()
+        except OSError as e:
+            self.write_error = f"{self._path}: {e.strerror or e}"
+            self.recovery.failed("write", self.write_error)
+            return False
+        self.write_error = self.read_error = None
+        self.recovery.succeeded()
+        return True
+
+    def _flush_spill(self) -> None:
+        """Blocks kept in RAM after a failed write into the file (each popped once written), else a probe."""
+        if not self._spill:
+            probe = memoryview(os.urandom(self.side_bytes))
+            try:
+                write_at(self._fd, probe, self.nbytes())
+            finally:
+                os.ftruncate(self._fd, self.nbytes())
+            return
+        for c in sorted(self._spill):
+            data = self._spill[c]  # [L, 2, bs, Hk, D]
+            for layer in range(self.num_layers):
+                for kind in (0, 1):
+                    raw = memoryview(data[layer, kind].contiguous().view(-1).view(torch.uint8).numpy())
+                    write_at(self._fd, raw, self._offset(layer, kind, c))
+            del self._spill[c]
 
     # -- the file -----------------------------------------------------------------
     def _open(self, folder: Path) -> None:
@@ -229,6 +279,7 @@ class KVTier:
         except OSError as e:
             self._keep_in_ram(hot, cold)
             self.write_error = f"{self._path}: {e.strerror or e}"
+            self.recovery.failed("write", self.write_error)
         else:
             for c in cold if self._spill else ():
                 self._spill.pop(c, None)  # written now: the file has the newer data
@@ -339,6 +390,7 @@ class KVTier:
     def _lost(self, cold: list[int], why: str) -> None:
         """A read of ``cold`` failed: no more demotions, and the step learns which blocks are gone."""
         self.read_error = f"{self._path}: {why}"
+        self.recovery.failed("read", self.read_error)
         self.stats.lost_blocks += len(cold)
         raise KVReadError(f"KV offload file {self.read_error}", cold) from None
 
@@ -412,8 +464,8 @@ def write_at(fd: int, data: memoryview, offset: int) -> None:
 
 
 def make_kv_tier(kv: KVPool, tokens: int, folder: str | None, tier: str | None = None,
-                 drop_cache: bool = False) -> KVTier | None:
+                 drop_cache: bool = False, retry: RetryPolicy | None = None) -> KVTier | None:
     """The engine's cold tier for ``tokens`` tokens of KV, or None (0: ``--kv-offload-tokens``' default)."""
     if tokens <= 0:
         return None
-    return KVTier(kv, -(-tokens // kv.spec.block_size), folder, tier, drop_cache)
+    return KVTier(kv, -(-tokens // kv.spec.block_size), folder, tier, drop_cache, retry)

@@ -8,7 +8,10 @@ tokens; a sequence whose swap-out failed is re-prefilled (the same greedy
 tokens); blocks whose demotion failed are kept in RAM (the same tokens), the
 tier takes no more demotions, and only a request that no longer fits the hot
 pool ends with ``finish_reason == "error"`` and a one-line ``error``; the
-engine then serves a new request as before.
+engine then serves a new request as before. The tier and the swap space
+retry after a backoff (tests/test_fault_recovery.py); the tests here whose
+disk recovers (a failed read, the writes still work) freeze the retry clock,
+so what they check is the state before any retry.
 
 A failing read (``offload.kv_swap.read_block``, ``offload.kv_tier.pread_full``
 raising EIO) loses only the blocks it could not read: the sequences holding
@@ -180,6 +183,7 @@ def test_a_failed_swap_in_recomputes_with_the_same_tokens(stories_hf, tmp_path, 
     llm = LLM(str(stories_hf), dtype="float32", progress=False, kv_cache_tokens=160, block_size=8,
               offload_dir=str(tmp_path))
     sw = llm.core.swap
+    sw.recovery.clock = lambda: 0.0  # no retry here: its probe write would bring swapping back
     calls = _disk_full_after(monkeypatch, kv_swap, "read_block", 2, errno.EIO)
     out = llm.generate(PROMPTS, SP)
     assert calls[0] > 2  # a read did fail
@@ -226,6 +230,7 @@ def test_a_failed_cold_read_recomputes_only_its_holders(stories_hf, tmp_path, mo
     llm = LLM(str(stories_hf), dtype="float32", progress=False, kv_cache_tokens=128, kv_offload_tokens=2048,
               offload_dir=str(tmp_path), max_num_batched_tokens=32)
     tier = llm.core.tier
+    tier.recovery.clock = lambda: 0.0  # no retry here: its probe write would bring the tier back
     calls = _disk_full_after(monkeypatch, kv_tier, "pread_full", 40, errno.EIO)
     sps = [SP] * len(PROMPTS) + [SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)]
     got = _drive(llm, [*PROMPTS, LONG], sps)

@@ -248,14 +248,18 @@ def create_app(state: ServerState) -> ServerAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        """200 only while the engine thread runs and its current step is younger than the stall limit."""
+        """200 only while the engine thread runs and its current step is younger than the stall limit.
+
+        ``degraded`` lists the offload parts off after an I/O failure (the KV cold tier, the swap space;
+        ``EngineCore.degraded``): the server still answers (200), slower or failing only the requests
+        that need them, and each line says why and when it retries."""
         if not state.ready:
             body = {"status": "error", "reason": state.load_error} if state.load_error else {"status": "loading"}
             return JSONResponse(body, status_code=503)
         h = state.worker.health()
         step = None if h.step_s is None else round(h.step_s, 3)
         body = {"status": "ok", "running": h.running, "queued": h.queued, "step_s": step,
-                "loop_age_s": round(h.loop_age_s, 3)}
+                "loop_age_s": round(h.loop_age_s, 3), "degraded": state.worker.core.degraded()}
         stall = state.settings.stall_timeout_s
         if not h.alive:
             body.update(status="error", reason=f"the engine thread stopped ({h.fatal or 'exited'})")
