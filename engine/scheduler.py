@@ -322,7 +322,7 @@ class Scheduler:
         tier = self.tier
         if tier is not None and not self._tier_takes_blocks():
             why += (f": the KV offload tier stopped taking blocks after {tier.failure}; "
-                    "free space in (or fix) the offload folder's disk, or raise --kv-cache-tokens")
+                    "free space in (or fix) the offload folder's disk (--offload-dir), or raise --kv-cache-tokens")
         self.finish(seq, "error")
         out.failed.append((seq.request_id, why))
 

@@ -62,6 +62,7 @@ after a failed write, so a sequence fails at most once per backoff).
 from __future__ import annotations
 
 import errno
+import math
 import os
 import tempfile
 import time
@@ -203,7 +204,7 @@ class KVTier:
         what = f"a write failed ({self.write_error})" if self.write_error is not None else \
             f"a read failed ({self.read_error})" if self.read_error is not None else o.reason
         left = o.retry_at - self.recovery.clock()
-        return f"{what}; it retries in {max(0, round(left))} s" if left > 0 else f"{what}; it retries now"
+        return f"{what}; it retries in {math.ceil(left)} s" if left > 0 else f"{what}; it retries now"
 
     def retry(self) -> bool:
         """Off and the backoff ran out: try a write again; True when the tier takes demotions again.

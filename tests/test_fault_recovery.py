@@ -234,7 +234,8 @@ def test_a_cold_tier_whose_write_failed_comes_back_with_the_same_tokens(tmp_path
     disk.full = True
     (toks, reason, error), = _drive(llm, [LONG], [SP_LONG])
     assert disk.failed >= 1 and reason == "error" and "\n" not in error
-    assert "No space left on device" in error and "retries in 1 s" in error
+    assert "No space left on device" in error and "retries in 1 s" in error and "(--offload-dir)" in error
+    assert f"{tmp_path}/llmsys-kv-tier-" in error  # the file, in the folder
     assert not tier.accepts_demotions
     [line] = core.degraded()
     assert line.startswith(f"KV cold tier (--kv-offload-tokens, in --offload-dir {tmp_path}) off since ")
