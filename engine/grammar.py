@@ -38,6 +38,7 @@ from __future__ import annotations
 import enum
 import json
 import threading
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Literal, Sequence
 
@@ -60,6 +61,7 @@ _CLOSE_SLACK = 32  # start checking the way out this many tokens before the mini
 _CHECK_MAX_STEPS = 2048
 _TRY_LOWEST = 16
 _TRY_SAMPLE = 32  # and, when exploring, how many allowed tokens drawn at random
+_BACKTRACK = 32  # how many of its latest choices the search can go back to from a dead end
 
 GrammarKind = Literal["json_schema", "regex", "lark", "gbnf"]
 _WHAT = {"json_schema": "JSON schema", "regex": "regex", "lark": "grammar", "gbnf": "grammar"}
@@ -203,9 +205,14 @@ class GrammarVocab:
 
     def closing(self, m: Any, limit: int) -> list[int] | None:
         """A short token path that ends the document from ``m``'s state (on a copy), at most
-        ``limit`` tokens; None when the closer finds none."""
-        way = self.way_out(m, limit, _CLOSE_MAX_STEPS)
-        return way.path if way.outcome is Outcome.FOUND else None
+        ``limit`` tokens; None when the closer finds none (in its plain order, then exploring)."""
+        for explore in (False, True):
+            way = self.way_out(m, limit, _CLOSE_MAX_STEPS, explore)
+            if way.outcome is Outcome.FOUND:
+                return way.path
+            if way.outcome not in (Outcome.GAVE_UP, Outcome.DEAD_END):
+                return None
+        return None
 
     def way_out(self, m: Any, limit: int, max_steps: int, explore: bool = False) -> WayOut:
         """Search, on a copy of ``m``, for a token path of at most ``limit`` tokens that ends the
@@ -213,11 +220,16 @@ class GrammarVocab:
         token that completes the document at once wins; else the first closer that fits, then the
         lowest-id allowed token (the order that closes JSON best). ``explore``: the candidates also
         hold a seeded sample of the allowed tokens, and the one chosen least often so far wins: it
-        leaves a loop such as ``a`` in ``[a-z]*z``, where the plain order picks ``a`` forever."""
+        leaves a loop such as ``a`` in ``[a-z]*z``, where the plain order picks ``a`` forever.
+        A state that allows nothing (``"a" x`` with ``x: x``) sends the search back to its latest
+        choice, another token tried there (up to ``_BACKTRACK`` choices back: a copy is kept of each)."""
         rng = np.random.default_rng(0) if explore else None
         c = m.deep_copy()
         path: list[int] = []
         used: dict[int, int] = {}
+        # the latest choices: (the matcher before it, the path's length there, the tokens tried there)
+        choices: deque[tuple[Any, int, set[int]]] = deque(maxlen=_BACKTRACK)
+        tried: set[int] = set()  # the tokens already tried, and found to lead nowhere, from this state
         failed = ""  # llguidance's error on a token tried and refused (a limit), if any
         for _ in range(max_steps):
             if c.is_error():
@@ -248,10 +260,18 @@ class GrammarVocab:
                 sample = rng.choice(everyone, size=min(_TRY_SAMPLE, len(everyone)), replace=False)
                 options += [int(t) for t in sample if t not in self.eos and t not in options]
                 options = [options[i] for i in rng.permutation(len(options))]  # ties among the least used: at random
+            empty = not options and not path and not tried  # nothing at all may come first
+            options = [t for t in options if t not in tried]
             if not options:
                 if failed:
                     return WayOut(Outcome.ENGINE_LIMIT, path, detail=failed)
-                return WayOut(Outcome.EMPTY if not path else Outcome.DEAD_END, path)
+                if empty:
+                    return WayOut(Outcome.EMPTY, path)
+                if not choices:
+                    return WayOut(Outcome.DEAD_END, path)
+                c, n, tried = choices.pop()  # back to the latest choice, the token taken there now tried
+                del path[n:]
+                continue
             tid, fits = None, []
             for t in options:  # a token that ends the document right away wins over the usual order
                 trial = c.deep_copy()
@@ -267,6 +287,8 @@ class GrammarVocab:
             if tid is None:
                 tid = min(fits, key=lambda t: used.get(t, 0)) if explore else fits[0]
             used[tid] = used.get(tid, 0) + 1
+            choices.append((c.deep_copy(), len(path), tried | {tid}))
+            tried = set()
             c.consume_token(tid)
             path.append(tid)
         return WayOut(Outcome.ENGINE_LIMIT, path, detail=failed) if failed else WayOut(Outcome.GAVE_UP, path)
