@@ -73,6 +73,11 @@ class GatherPlan:
     cold_runs: tuple[tuple[int, int, int], ...] | None = None
     hot_runs: tuple[tuple[int, int], ...] | None = None
     lens: torch.Tensor | None = None  # [B] int64 context lengths, on the CPU (kernels.cpu_decode reads them)
+    # Prompt plans: each new token's sequence [T] and context length [T] (its position + 1), on the CPU, for
+    # the C attention by rows (kernels.cpu_decode.rows_attention); ``window``: set by :func:`windowed`.
+    row_seq: torch.Tensor | None = None
+    row_lens: torch.Tensor | None = None
+    window: int | None = None
 
 
 def make_gather_plan(
@@ -152,8 +157,14 @@ def make_gather_plan(
         dec_tok = torch.tensor([starts[b] for b in dec], dtype=torch.int64, device=device)
         pre_tok = torch.tensor([t for b in pre for t in range(starts[b], starts[b + 1])], dtype=torch.int64, device=device)
         split = (sub[0], dec_tok, sub[1], pre_tok)
+    row_seq = row_lens = None
+    if not is_decode and split is None:
+        qlens_t = torch.tensor(query_lens)
+        row_seq = torch.repeat_interleave(torch.arange(B), qlens_t)  # [T]
+        # token i of sequence b's chunk sits at position lens[b] - qlens[b] + i: its context is that + 1
+        row_lens = (lens - qlens_t)[row_seq] + 1 + torch.arange(starts[-1]) - torch.tensor(starts[:-1])[row_seq]
     return GatherPlan(slots.to(device), mask, pad_index, tuple(starts), is_decode, split, cold, cold_dst, cold_src,
-                      cold_runs, hot_runs, lens)
+                      cold_runs, hot_runs, lens, row_seq, row_lens)
 
 
 MAX_COLD_RUNS = 64  # more runs than this: one index_select + index_copy_ beats a Python loop of slice copies
@@ -304,6 +315,19 @@ def paged_attention_gathered(
         k = _gather_heads_first(k_cache, k_scale, plan, q.dtype)  # [Hk, B, Lmax, D]
         v = _gather_heads_first(v_cache, v_scale, plan, q.dtype)
         return _decode_grouped(q, k, v, plan.attn_mask, scale, softcap, sinks)
+    if (same_dtype and plan.row_seq is not None and softcap is None and sinks is None and cpu_decode.applies(q)
+            and cpu_decode.available()):
+        # Prompt tokens by rows, each the decode kernel's arithmetic at its position (kernels.cpu_decode.rows_attention):
+        # a token's bits do not depend on its chunk, a prefix-cache hit or the batch.
+        first = None if plan.window is None else (plan.row_lens - plan.window).clamp(min=0)
+        if k_scale is None and plan.cold is None:
+            hk, d = k_cache.shape[-2], k_cache.shape[-1]
+            return cpu_decode.rows_attention(q.contiguous(), k_cache.view(-1, hk, d), v_cache.view(-1, hk, d),
+                                             plan.row_seq, plan.row_lens, scale, first, plan.gather_slots)
+        k = _gather(k_cache, k_scale, plan, q.dtype)  # [B, Lmax, Hk, D]
+        v = _gather(v_cache, v_scale, plan, q.dtype)
+        return cpu_decode.rows_attention(q.contiguous(), k.contiguous(), v.contiguous(), plan.row_seq, plan.row_lens,
+                                         scale, first)
     k = _gather(k_cache, k_scale, plan, q.dtype).transpose(1, 2)  # [B, Hk, Lmax, D]
     v = _gather(v_cache, v_scale, plan, q.dtype).transpose(1, 2)
     return _prefill_each(q, k, v, plan, scale, softcap, sinks)
@@ -434,7 +458,7 @@ def windowed(plan: GatherPlan, window: int | None) -> GatherPlan:
     m = (pos[None, None, :] <= q_pos[:, :, None]) & (pos[None, None, :] > q_pos[:, :, None] - window)
     m &= (pos[None, :] < lens[:, None])[:, None, :]  # [B, Qmax, L]
     m[:, :, 0] |= ~(torch.arange(qmax)[None, :] < qlens[:, None])  # padded query rows: key 0, a finite softmax
-    return replace(plan, attn_mask=m[:, None].to(dev), split=split)
+    return replace(plan, attn_mask=m[:, None].to(dev), split=split, window=window)
 
 
 def _windowed_cold(plan: GatherPlan, start: torch.Tensor, window: int) -> tuple:

@@ -217,11 +217,12 @@ static inline void pv_chunk64(const float *p, const void *v, const int64_t *rows
 }
 #endif
 
-/* One query head against its context: q_row (d floats), K/V rows by slot; s: len floats of scratch, rows: len
+/* One query head against its context of len keys: q_row (d floats), K/V rows srow[0 .. len) by slot (or rows
+   base .. base + len of gathered K/V when srow is NULL); s: len floats of scratch, rows: len
    int64 of scratch, row / acc: d floats each. Writes acc (the head's output in float32). Vectorised (d % 16 ==
    0): the scores a row at a time, the softmax's exps 8 at a time, p_l = e_l / z 8 at a time (a correctly rounded
    division either way), the output 64 elements at a time in registers over the whole context. */
-static void attend_head(const float *qf, const void *k, const void *v, const int64_t *slots, int64_t b, int64_t l_max,
+static void attend_head(const float *qf, const void *k, const void *v, const int64_t *srow, int64_t base,
                         int64_t len, int64_t hk, int64_t j, int64_t d, int f32, float scale, float *s, int64_t *rows,
                         float *row, float *acc) {
 #ifdef ATT_VEC
@@ -229,7 +230,7 @@ static void attend_head(const float *qf, const void *k, const void *v, const int
 #else
     const int vec = 0;
 #endif
-    for (int64_t l = 0; l < len; l++) rows[l] = ((slots ? slots[b * l_max + l] : b * l_max + l) * hk + j) * d;
+    for (int64_t l = 0; l < len; l++) rows[l] = ((srow ? srow[l] : base + l) * hk + j) * d;
     for (int64_t l = 0; l < len; l++) { /* scores */
 #ifdef ATT_VEC
         if (vec) {
@@ -276,23 +277,28 @@ static void attend_head(const float *qf, const void *k, const void *v, const int
     }
 }
 
-/* q [B, Hq, D]; k, v: rows of [Hk, D]: with slots [B, L], row slots[b, l] of the pool, else row b * L + l
- * (gathered); lens [B]; out [B, Hq, D]. All bf16 (f32 = 0) or all float32 (f32 = 1). One query head per
- * work item (each head's arithmetic is its own, so the split never changes a bit). */
-int llmsys_decode_attention(const void *q, const void *k, const void *v, const int64_t *slots, const int64_t *lens,
-                            float scale, void *out, int64_t b_count, int64_t l_max, int64_t hq, int64_t hk, int64_t d,
-                            int f32, int threads) {
+/* q [B, Hq, D]; k, v: rows of [Hk, D]: with slots [S, L], row slots[seq[b], l] of the pool, else row seq[b] * L + l
+ * (gathered); seq [B] (NULL: seq[b] = b); row b attends keys first[b] .. lens[b] - 1 (first NULL: from 0); out
+ * [B, Hq, D]. All bf16 (f32 = 0) or all float32 (f32 = 1). One query head per work item (each head's arithmetic
+ * is its own, so the split never changes a bit). Why rows of any sequence: a prompt token runs the very
+ * arithmetic of a decode step at its position (llmsys_rows_attention), so its bits do not depend on the chunk,
+ * the batch or a prefix-cache hit (kernels/cpu_attention.py). */
+static int attention_rows(const void *q, const void *k, const void *v, const int64_t *slots, const int64_t *seq,
+                          const int64_t *first, const int64_t *lens, float scale, void *out, int64_t b_count,
+                          int64_t l_max, int64_t hq, int64_t hk, int64_t d, int f32, int threads) {
     if (hk <= 0 || hq % hk || d <= 0 || d > 1024) return 1;
     int64_t work = 0;
     for (int64_t b = 0; b < b_count; b++) {
-        if (lens[b] < 1 || lens[b] > l_max) return 2;
-        work += lens[b];
+        const int64_t f = first ? first[b] : 0;
+        if (lens[b] < 1 || lens[b] > l_max || f < 0 || f >= lens[b] || (seq && seq[b] < 0)) return 2;
+        work += lens[b] - f;
     }
     const int64_t g = hq / hk;
     int failed = 0;
 #pragma omp parallel for num_threads(threads) schedule(static) if (b_count * hq > 1 && work * hq * d >= (1 << 14))
     for (int64_t item = 0; item < b_count * hq; item++) {
-        const int64_t b = item / hq, h = item % hq, len = lens[b];
+        const int64_t b = item / hq, h = item % hq, f = first ? first[b] : 0, len = lens[b] - f;
+        const int64_t sb = seq ? seq[b] : b;
         float *s = malloc(sizeof(float) * (size_t)(len + 3 * d) + sizeof(int64_t) * (size_t)len);
         if (!s) {
 #pragma omp atomic write
@@ -302,7 +308,8 @@ int llmsys_decode_attention(const void *q, const void *k, const void *v, const i
         float *qf = s + len, *row = qf + d, *acc = row + d;
         int64_t *rows = (int64_t *)(acc + d);
         load_row(q, (b * hq + h) * d, f32, qf, d);
-        attend_head(qf, k, v, slots, b, l_max, len, hk, h / g, d, f32, scale, s, rows, row, acc);
+        attend_head(qf, k, v, slots ? slots + sb * l_max + f : NULL, sb * l_max + f, len, hk, h / g, d, f32, scale, s,
+                    rows, row, acc);
         const int64_t o = (b * hq + h) * d;
         if (f32) {
             memcpy((float *)out + o, acc, sizeof(float) * (size_t)d);
@@ -312,6 +319,22 @@ int llmsys_decode_attention(const void *q, const void *k, const void *v, const i
         free(s);
     }
     return failed ? 3 : 0;
+}
+
+/* One query per sequence (decode): attention_rows with seq[b] = b, every key from 0. */
+int llmsys_decode_attention(const void *q, const void *k, const void *v, const int64_t *slots, const int64_t *lens,
+                            float scale, void *out, int64_t b_count, int64_t l_max, int64_t hq, int64_t hk, int64_t d,
+                            int f32, int threads) {
+    return attention_rows(q, k, v, slots, NULL, NULL, lens, scale, out, b_count, l_max, hq, hk, d, f32, threads);
+}
+
+/* Any tokens of any sequences (prompt chunks): token t is a decode step of sequence seq[t] over its keys
+   first[t] .. lens[t] - 1 (a sliding window's band; first may be NULL). */
+int llmsys_rows_attention(const void *q, const void *k, const void *v, const int64_t *slots, const int64_t *seq,
+                          const int64_t *first, const int64_t *lens, float scale, void *out, int64_t t_count,
+                          int64_t l_max, int64_t hq, int64_t hk, int64_t d, int f32, int threads) {
+    if (!seq) return 1;
+    return attention_rows(q, k, v, slots, seq, first, lens, scale, out, t_count, l_max, hq, hk, d, f32, threads);
 }
 
 /* A decode step's attention from the q|k|v projection in one call: qkv [T, (Hq + 2 Hk) D] rows (stride ld)

@@ -35,6 +35,7 @@ _SIGNATURES = {
     "llmsys_rope": [_P, _I, _P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_int],
     "llmsys_rope_store": [_P, _I, _P, _I, _P, _I, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, ctypes.c_int],
     "llmsys_decode_attention": [_P, _P, _P, _P, _P, _F, _P, _I, _I, _I, _I, _I, ctypes.c_int, ctypes.c_int],
+    "llmsys_rows_attention": [_P, _P, _P, _P, _P, _P, _P, _F, _P, _I, _I, _I, _I, _I, ctypes.c_int, ctypes.c_int],
     "llmsys_rope_store_attend_bf16": [_P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _P, _P, _I, _F, _P,
                                       ctypes.c_int],
     "llmsys_rope_store_attend_f32": [_P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _P, _P, _I, _F, _P,
@@ -242,6 +243,49 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: to
                                      torch.get_num_threads())
     if rc:
         raise ValueError(f"decode_attention: bad shapes (Hq={hq}, Hk={hk}, D={d}) or lengths outside 1..{L}")
+    return out
+
+
+def rows_attention_def(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: torch.Tensor, first: torch.Tensor,
+                       lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """:func:`rows_attention` in torch ops: row ``t`` is :func:`decode_attention_def` of ``q[t]`` over keys
+    ``first[t] .. lens[t] - 1`` of sequence ``seq[t]`` (``k, v [S, L, Hk, D]`` gathered)."""
+    out = torch.empty_like(q)
+    for t in range(q.shape[0]):
+        s, f, n = int(seq[t]), int(first[t]), int(lens[t])
+        out[t] = decode_attention_def(q[t : t + 1], k[s : s + 1, f:n], v[s : s + 1, f:n],
+                                      torch.tensor([n - f]), scale)[0]
+    return out
+
+
+def rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: torch.Tensor, lens: torch.Tensor,
+                   scale: float, first: torch.Tensor | None = None, slots: torch.Tensor | None = None) -> torch.Tensor:
+    """Tokens of any sequences, each as a decode step at its own position: ``q [T, Hq, D]``; ``k, v [S, L, Hk, D]``
+    gathered, or with ``slots [S, L]`` the pools ``[num_slots, Hk, D]``; ``seq [T]`` each token's sequence,
+    ``lens [T]`` its context length, ``first [T]`` its first key (a sliding window; None: 0), all int64
+    -> ``[T, Hq, D]`` with the bits :func:`decode_attention` gives that token alone.
+
+    Why: prompt attention by SDPA blocks its sums by the chunk's and the context's sizes, so a prompt token's
+    bits changed with the chunking, a prefix-cache hit or (through them) the batch; this way every token of a
+    prompt, a chunk or a decode step runs one arithmetic, a function of its query and its keys only."""
+    first = torch.zeros_like(lens) if first is None else first
+    lib = _KERNEL.lib()
+    if lib is None:
+        if slots is not None:
+            k, v = (c.view(-1, c.shape[-2], c.shape[-1])[slots.view(-1)].view(*slots.shape, *c.shape[-2:])
+                    for c in (k, v))
+        return rows_attention_def(q, k, v, seq, first, lens, scale)
+    T, hq, d = q.shape
+    L = k.shape[1] if slots is None else slots.shape[1]
+    hk = k.shape[-2]
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"rows_attention: q, k, v must all be bfloat16 or all float32, got {q.dtype}, {k.dtype}, {v.dtype}")
+    out = torch.empty(T, hq, d, dtype=q.dtype)
+    rc = lib.llmsys_rows_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), _ptr(slots), seq.data_ptr(),
+                                   first.data_ptr(), lens.data_ptr(), scale, out.data_ptr(), T, L, hq, hk, d,
+                                   int(q.dtype == torch.float32), torch.get_num_threads())
+    if rc:
+        raise ValueError(f"rows_attention: bad shapes (Hq={hq}, Hk={hk}, D={d}) or key ranges outside 0..{L}")
     return out
 
 

@@ -147,7 +147,7 @@ def linear(
     """
     if weight.is_mkldnn:  # prepacked: only oneDNN can read it
         x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
-        out = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), weight, bias, "none", [], "")
+        out = _onednn_rows(x2.contiguous(), weight, bias)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
     # float32 on packable weights always takes oneDNN (M = 1 too), packed on the fly
     # unless this layer is never packed (see the docstring).
@@ -161,7 +161,7 @@ def linear(
     ):
         if packed_when_resident:
             weight = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_HINT)
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        return _onednn_rows(x, weight, bias)
     if (
         x.dtype == torch.bfloat16
         and weight.dtype == torch.bfloat16
@@ -169,6 +169,8 @@ def linear(
         and weight.dim() == 2
         and not torch.is_grad_enabled()
     ):
+        if bf16_gemv_applies(weight, bias):  # every row count: a row's bits never depend on its batch (module doc)
+            return _gemv(cpu_qgemv.bf16_gemv, x, weight, bias)
         if x.numel() >= BF16_UPCAST_MIN_ROWS * x.shape[-1]:
             # prompts: oneDNN's bf16 GEMM on the plain weight where it has one, else the C bf16 GEMM
             # (upcast sgemm in a build without AVX2 + FMA)
@@ -179,10 +181,20 @@ def linear(
             return _bf16_upcast(x, weight, bias)
         if bf16_gemv_applies(weight, bias):  # decode-sized batches: the C GEMV (the fused layers' bits)
             return _gemv(cpu_qgemv.bf16_gemv, x, weight, bias)
-    if (x.dtype == torch.float32 and x.numel() < BF16_UPCAST_MIN_ROWS * x.shape[-1] and rows_of is None
-            and not torch.is_grad_enabled() and f32_gemv_applies(weight, bias)):
+    if x.dtype == torch.float32 and rows_of is None and not torch.is_grad_enabled() and f32_gemv_applies(weight, bias):
         return _gemv(cpu_qgemv.f32_gemv, x, weight, bias)  # (a weight too small to pack: the fused layers' bits)
     return F.linear(x, weight, bias)
+
+
+def _onednn_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's float32 GEMM of ``x [M, K]`` on a packed ``weight`` ``-> [M, N]``, a single row run as two.
+
+    Why: oneDNN takes another kernel at M = 1 whose sums differ in the last bit from its GEMM's for K of about
+    1,500 and more (a 896x4864 weight, AVX-512), while its GEMM rows agree for M = 2 to 2,048 (tested); the
+    second row costs nothing next to reading the weight."""
+    if x.shape[0] != 1:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise(x.expand(2, -1).contiguous(), weight, bias, "none", [], "")[:1]
 
 
 def linear_logits(

@@ -157,6 +157,36 @@ def test_decode_attention_by_slot_equals_gathered_and_is_batch_invariant(dtype):
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [BF, torch.float32])
+def test_rows_attention_is_each_token_a_decode_step(dtype):
+    """Prompt tokens by rows (kernels.cpu_decode.rows_attention): each token, of any sequence, with any first
+    key (a sliding window's band), by slot or gathered, gives the bits decode_attention gives it alone, and
+    its torch definition's up to the C exp."""
+    g = torch.Generator().manual_seed(5)
+    S, L, hk, hq, d = 2, 40, 2, 6, 64
+    k, v = (torch.randn(S, L, hk, d, generator=g).to(dtype) for _ in range(2))
+    seq = torch.tensor([0, 0, 1, 1, 1, 0, 1])
+    lens = torch.tensor([5, 40, 1, 17, 33, 22, 40])
+    first = torch.tensor([0, 30, 0, 3, 0, 21, 0])
+    q = torch.randn(len(seq), hq, d, generator=g).to(dtype)
+    got = cpu_decode.rows_attention(q, k, v, seq, lens, 0.125, first)
+    for t in range(len(seq)):
+        s, f, n = int(seq[t]), int(first[t]), int(lens[t])
+        alone = cpu_decode.decode_attention(q[t : t + 1].contiguous(), k[s : s + 1, f:].contiguous(),
+                                            v[s : s + 1, f:].contiguous(), torch.tensor([n - f]), 0.125)
+        assert torch.equal(got[t], alone[0]), t
+    perm = torch.randperm(S * L, generator=g)
+    kp, vp = torch.empty(S * L, hk, d, dtype=dtype), torch.empty(S * L, hk, d, dtype=dtype)
+    kp[perm], vp[perm] = k.reshape(-1, hk, d), v.reshape(-1, hk, d)
+    assert torch.equal(cpu_decode.rows_attention(q, kp, vp, seq, lens, 0.125, first, perm.view(S, L).clone()), got)
+    ref = cpu_decode.rows_attention_def(q, k, v, seq, first, lens, 0.125)
+    atol = 1e-2 if dtype == BF else 1e-5
+    assert torch.allclose(got.float(), ref.float(), atol=atol, rtol=atol)
+    with pytest.raises(ValueError, match="key ranges"):
+        cpu_decode.rows_attention(q, k, v, seq, lens, 0.125, lens.clone())  # first == lens: no key
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [BF, torch.float32])
 def test_rope_store_attend_is_rope_store_then_attention(dtype):
     """The decode step's one attention call (kernels.cpu_fused_rope_store_attend) gives the bits of
     rope_store then decode_attention by slot, and stores the same K/V."""

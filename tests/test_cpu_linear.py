@@ -44,17 +44,19 @@ def test_prepacked_weight_is_bit_identical_to_the_plain_one(m):
 
 
 @pytest.mark.parametrize("m", [1, 7, 11, 12, 40])
-def test_small_float32_weights_take_the_c_gemv_at_decode_sizes(m):
-    """float32 batches of fewer than BF16_UPCAST_MIN_ROWS rows on a weight too small to pack run the C
-    float32 GEMV (its definition's bits, then y + bias: what the fused decode layers compute); bigger batches
-    and packable weights keep torch's F.linear / oneDNN."""
+def test_small_float32_weights_take_the_c_gemv_at_every_batch(m):
+    """float32 batches on a weight too small to pack run the C float32 GEMV whatever their row count (its
+    definition's bits, then y + bias: what the fused decode layers compute), so a row's bits never depend on
+    its batch; without the C kernel, torch's F.linear."""
     w, b = _weights(torch.float32, n=200, k=64)  # 12.8K elements: never packed
     x = torch.randn(m, 64, generator=torch.Generator().manual_seed(m))
     with torch.inference_mode():
         got = kernels.linear(x, w, b)
+        alone = torch.cat([kernels.linear(x[i : i + 1], w, b) for i in range(m)])
     assert not cpu_linear.packable(w)
-    if m < cpu_linear.BF16_UPCAST_MIN_ROWS and cpu_linear.f32_gemv_applies(w, b):
+    if cpu_linear.f32_gemv_applies(w, b):
         assert torch.equal(got, cpu_qgemv.f32_gemv_def(x, w) + b)
+        assert torch.equal(got, alone)
     else:
         assert torch.equal(got, F.linear(x, w, b))
     ref = F.linear(x.double(), w.double(), b.double())
@@ -62,32 +64,42 @@ def test_small_float32_weights_take_the_c_gemv_at_decode_sizes(m):
 
 
 @pytest.mark.parametrize("m", [1, 7, 8, 11, 12, 40])
-def test_bf16_batches_take_the_c_gemv_then_a_gemm(m):
-    """bf16 batches of fewer than BF16_UPCAST_MIN_ROWS rows run the C bf16 GEMV on every CPU (its
-    definition's bits, then bf16(y + bias): what the fused decode layers compute), or torch's bf16
-    linear without the C kernels; bigger ones oneDNN's bf16 GEMM where it has one (torch's own linear),
-    else the C bf16 GEMM (AVX2 + FMA builds: its definition's bits), else float32 sgemm on weight chunks
-    (the float32 product rounded once)."""
+def test_bf16_batches_take_the_c_gemv_at_every_batch(m):
+    """bf16 batches run the C bf16 GEMV whatever their row count on every CPU with the C kernel (its
+    definition's bits, then bf16(y + bias): what the fused decode layers compute), so a row's bits never
+    depend on its batch; without it, torch's bf16 linear. The upcast path (weights the GEMV does not take)
+    rounds the float32 product once."""
     w, b = _weights(torch.bfloat16, n=1000, k=256)
     x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)).bfloat16()
     with torch.inference_mode():
         up = cpu_linear._bf16_upcast(x.view(1, m, 256), w, b)  # every CPU: the path itself
         got = kernels.linear(x, w, b)
+        alone = torch.cat([kernels.linear(x[i : i + 1], w, b) for i in range(m)])
     assert up.dtype == torch.bfloat16 and up.shape == (1, m, 1000)
     whole = (torch.mm(w.float(), x.float().t()).t() + b.float()).bfloat16()  # one sgemm, bias, one rounding
     assert torch.equal(up[0], whole)  # the weight's row chunks change no bits
-    if m >= cpu_linear.BF16_UPCAST_MIN_ROWS:
-        if cpu_linear._ONEDNN_BF16:
-            want = F.linear(x, w, b)
-        else:
-            want = cpu_qgemv.bf16_gemm_def(x, w, b) if cpu_linear.bf16_gemm_applies(w, b) else up[0]
-    elif cpu_linear.bf16_gemv_applies(w, b):
-        want = cpu_qgemv.bf16_gemv_def(x, w) + b
+    if cpu_linear.bf16_gemv_applies(w, b):
+        assert torch.equal(got, cpu_qgemv.bf16_gemv_def(x, w) + b)
+        assert torch.equal(got, alone)
     else:
-        want = F.linear(x, w, b)
-    assert torch.equal(got, want)
+        assert torch.equal(got, F.linear(x, w, b))
     ref = F.linear(x.double(), w.double(), b.double())
     assert (got.double() - ref).abs().max().item() < 1e-2 * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("n,k", [(896, 4864), (576, 1536), (1536, 576)])
+def test_packed_float32_rows_do_not_depend_on_the_batch(n, k):
+    """A packed float32 weight gives each row the bits it gets in any batch, one row included (oneDNN's M = 1
+    kernel differs in the last bit from its GEMM for K of ~1,500 and more, so a single row runs as two)."""
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(k))
+    packed = cpu_linear.prepack(w)
+    if packed is None:
+        pytest.skip("this torch has no oneDNN linear to pack for")
+    x = torch.randn(300, k, generator=torch.Generator().manual_seed(n))
+    with torch.inference_mode():
+        whole = kernels.linear(x, packed)
+        for m in (1, 2, 5, 16, 100):
+            assert torch.equal(kernels.linear(x[:m], packed), whole[:m]), m
 
 
 def test_prepack_skips_what_would_not_pay_or_cannot_pack():
