@@ -69,7 +69,7 @@ def env(tmp_path_factory):
 
     torch.set_num_threads(2)
     chat_dir = _chat_model(tmp_path_factory.mktemp("m"))
-    a = ServerState(ServerSettings(model_aliases=("x",)))
+    a = ServerState(ServerSettings(model_aliases=("x",), max_prompt_tokens=2048))  # > context: sliding windows
     a.attach(LLM(str(chat_dir), dtype="float32"), "stories-chat")
     b = ServerState(ServerSettings(model_aliases=("x",), api_key=KEY, max_concurrency=1, max_queue=1, max_body_bytes=2048))
     b.attach(LLM(str(STORIES_HF), dtype="float32"), "stories")
@@ -527,7 +527,9 @@ def test_per_request_sink_continues_past_the_context(env):
 
 
 def test_per_request_window_takes_a_prompt_longer_than_the_context(env):
-    prompt = "a " * 600  # over the 512-token context: 400 by default (test_context_overflow_400)
+    # over the 512-token context: 400 by default (test_context_overflow_400); a window takes it when the
+    # server's --max-prompt-tokens (2048 on server A; default: the context) allows it (test_server_limits)
+    prompt = "a " * 600
     r = _client(env["a"]).completions.create(model="x", prompt=prompt, max_tokens=4, temperature=0,
                                              extra_body={"kv_policy": "window:128"})
     assert r.usage.prompt_tokens > 512 and r.usage.completion_tokens == 4

@@ -50,6 +50,26 @@ def serve_command(
     shutdown_timeout: Annotated[
         float, typer.Option("--shutdown-timeout", help="seconds in-flight requests get to finish on Ctrl+C/SIGTERM")
     ] = 10.0,
+    body_deadline: Annotated[
+        float, typer.Option("--body-deadline", help="seconds a whole request body may take to arrive; slower "
+                            "senders get 408 and are closed")
+    ] = 60.0,
+    max_connections: Annotated[
+        Optional[int], typer.Option("--max-connections", help="open connections at once; more get 503 and are "
+                                    "closed (default: min(1024, open-file limit - 64))")
+    ] = None,
+    max_connections_per_client: Annotated[
+        Optional[int], typer.Option("--max-connections-per-client",
+                                    help="open connections per client address (default: min(256, --max-connections))")
+    ] = None,
+    max_prompt_tokens: Annotated[
+        Optional[int], typer.Option("--max-prompt-tokens", help="tokens one prompt may have, whatever the KV policy; "
+                                    "longer is a 400 (default: the context length)")
+    ] = None,
+    send_timeout: Annotated[
+        float, typer.Option("--send-timeout", help="seconds a stream waits for a client that reads nothing before "
+                            "it is aborted and its slot freed")
+    ] = 30.0,
     log_level: Annotated[str, typer.Option("--log-level", help="uvicorn log level")] = "info",
     *,
     engine_flags: dict[str, Any],
@@ -70,6 +90,14 @@ def serve_command(
         raise InvalidParameterError(f"--max-body must be at least 1KiB, got {max_body}")
     if shutdown_timeout < 0:
         raise InvalidParameterError(f"--shutdown-timeout must be >= 0 seconds, got {shutdown_timeout:g}")
+    if body_deadline <= 0:
+        raise InvalidParameterError(f"--body-deadline must be > 0 seconds, got {body_deadline:g}")
+    if send_timeout <= 0:
+        raise InvalidParameterError(f"--send-timeout must be > 0 seconds, got {send_timeout:g}")
+    for flag, v in (("--max-connections", max_connections), ("--max-connections-per-client", max_connections_per_client),
+                    ("--max-prompt-tokens", max_prompt_tokens)):
+        if v is not None and v < 1:
+            raise InvalidParameterError(f"{flag} must be >= 1, got {v}")
     settings = ServerSettings(
         api_key=_api_key(api_key, api_key_file),
         allowed_hosts=_names(allowed_hosts),
@@ -80,6 +108,11 @@ def serve_command(
         model_name=served_name,
         model_aliases=_names(model_alias),
         shutdown_timeout_s=shutdown_timeout,
+        body_deadline_s=body_deadline,
+        max_connections=max_connections,
+        max_connections_per_client=max_connections_per_client,
+        max_prompt_tokens=max_prompt_tokens,
+        send_timeout_s=send_timeout,
     )
     ensure_pulled(model, auto_pull)
     return serve(build_engine_config(model, engine_flags), settings, host=host, port=port, log_level=log_level)

@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmsys.kernels.common.errors import ContextOverflowError, LLMSysError, TokenizerError
@@ -33,6 +33,7 @@ from llmsys.engine.sampling import SamplingParams
 from llmsys.offload.kv_policy import KVPolicy
 from llmsys.engine.grammar import GrammarSpec
 from llmsys.engine.server.completions import (
+    BoundedStream,
     Job,
     Shape,
     grammar_constraints,
@@ -52,6 +53,7 @@ from llmsys.engine.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    OffLoopRoute,
     stop_list,
     unsupported_field,
     validation_message,
@@ -128,14 +130,24 @@ class GuardMiddleware:
             body, more = [], scope.get("method") in ("POST", "PUT", "PATCH")
             seen = 0
             stall = self.state.settings.body_timeout_s
+            whole = self.state.settings.body_deadline_s
+            deadline = time.monotonic() + whole
             while more:
-                try:  # a client that announces more than it sends must not hold the connection forever
-                    msg = await asyncio.wait_for(receive(), stall)
+                # A client that announces more than it sends, or trickles it, must not hold the
+                # connection forever: each read has the stall limit, the whole body the deadline.
+                left = deadline - time.monotonic()
+                try:
+                    msg = await asyncio.wait_for(receive(), max(0.0, min(stall, left)))
                 except asyncio.TimeoutError:
+                    if left <= stall:
+                        why = (f"the request body did not arrive within {whole:g} s ({seen} bytes came); "
+                               "send it faster (or raise the server's --body-deadline)")
+                    else:
+                        why = (f"the request body stalled: nothing arrived for {stall:g} s "
+                               "(is Content-Length larger than the body?)")
+                    log.info("closed a slow request body from %s: %s", _client(scope), why)
                     return await _send_error(send_counted, APIError(
-                        408, f"the request body stalled: nothing arrived for {stall:g} s "
-                             "(is Content-Length larger than the body?)", code="request_timeout",
-                        headers={"Connection": "close"}))
+                        408, why, code="request_timeout", headers={"Connection": "close"}))
                 if msg["type"] != "http.request":
                     return  # client went away while sending
                 body.append(msg.get("body", b""))
@@ -183,6 +195,11 @@ class GuardMiddleware:
         return None
 
 
+def _client(scope: dict) -> str:
+    c = scope.get("client")
+    return f"{c[0]}:{c[1]}" if c else "a client"
+
+
 def _too_large(limit: int) -> APIError:
     return APIError(413, f"request body is larger than the server's limit of {limit} bytes", code="request_too_large")
 
@@ -212,6 +229,7 @@ def create_app(state: ServerState) -> ServerAPI:
 
     app = ServerAPI(state, title="llmsys", version="0.1", description="OpenAI-compatible local LLM server",
                     lifespan=lifespan)
+    app.router.route_class = OffLoopRoute  # large bodies are parsed on the preparation thread
     if state.settings.cors_origins:
         from starlette.middleware.cors import CORSMiddleware
 
@@ -356,8 +374,9 @@ def create_app(state: ServerState) -> ServerAPI:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             if not await job.start(request.is_disconnected):  # headers wait for the first news
                 return JSONResponse({}, status_code=499)  # the client left; nobody reads this
-            return StreamingResponse(
+            return BoundedStream(
                 stream_events(job, state, resp_id, shape, include_usage, logprobs),
+                state.settings.send_timeout_s,
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )

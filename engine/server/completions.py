@@ -18,6 +18,8 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Sequence
 
+from fastapi.responses import StreamingResponse
+
 from llmsys.engine.core import TokenConstraint
 from llmsys.engine.outputs import StreamChunk, Timings
 from llmsys.engine.sampling import SamplingParams
@@ -324,6 +326,42 @@ class Shape:
 
     def stream(self) -> ToolStream | None:
         return ToolStream(self.tools.fmt) if self.tools is not None and self.tools.fmt is not None else None
+
+
+class BoundedStream(StreamingResponse):
+    """A streaming response that gives up on a client that stops reading.
+
+    Once the socket buffers fill, sending a chunk waits for the client; a client that never
+    reads would hold its engine slot (and decode to ``max_tokens`` into the buffers). Each send
+    gets ``send_timeout_s``; past it the body generator is closed (its ``finally`` aborts the
+    job, freeing the slot), the connection is dropped without flushing, and one line is logged.
+    The server's protocol puts the transport in the scope (``llmsys.transport``) for the drop."""
+
+    def __init__(self, content: AsyncIterator[str], send_timeout_s: float, **kwargs: Any):
+        super().__init__(content, **kwargs)
+        self.send_timeout_s = send_timeout_s
+        self._transport: Any = None
+        self._client: Any = None
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        self._transport = scope.get("llmsys.transport")
+        self._client = scope.get("client")
+        await super().__call__(scope, receive, send)
+
+    async def stream_response(self, send: Any) -> None:
+        async def timed_send(msg: dict) -> None:
+            await asyncio.wait_for(send(msg), self.send_timeout_s)
+
+        try:
+            await super().stream_response(timed_send)
+        except asyncio.TimeoutError:
+            who = f"{self._client[0]}:{self._client[1]}" if self._client else "a client"
+            log.warning("stream to %s aborted: the client read nothing for %g s (its slot is freed)",
+                        who, self.send_timeout_s)
+            await self.body_iterator.aclose()  # the generator's finally aborts the job
+            if self._transport is not None:
+                self._transport.abort()  # close() would wait to flush to a reader that never reads
+                await asyncio.sleep(0)  # let connection_lost mark the cycle disconnected first
 
 
 def sse(obj: Any) -> str:

@@ -83,18 +83,27 @@ from typing import Annotated, Any, ClassVar, Literal
 import torch
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from fastapi.routing import APIRoute
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmsys.engine.outputs import StreamChunk, Timings
 from llmsys.engine.sampling import MAX_LOGPROBS, SamplingParams
 from llmsys.engine.grammar import GrammarSpec
-from llmsys.engine.server.completions import Job, ending_error, grammar_constraints, new_id
+from llmsys.engine.server.completions import BoundedStream, Job, ending_error, grammar_constraints, new_id
 from llmsys.engine.server.tools import ToolCall, ToolChoiceError, ToolPlan, ToolStream, detect_format, plan_tools
 from llmsys.engine.server.prepare import Preparer
-from llmsys.engine.server.protocol import MAX_TOOLS, SEED_MAX, SEED_MIN, APIError, Tool, validation_message
+from llmsys.engine.server.protocol import (
+    MAX_MESSAGES,
+    MAX_TOOLS,
+    SEED_MAX,
+    SEED_MIN,
+    APIError,
+    OffLoopRoute,
+    Tool,
+    redact_paths,
+    validation_message,
+)
 from llmsys.engine.server.state import ServerState
 from llmsys.kernels.common.errors import ContextOverflowError, LLMSysError, TokenizerError
 
@@ -223,7 +232,7 @@ class _Generating(_Model):
 
 class OllamaChatRequest(_Generating):
     INT_FIELDS: ClassVar[tuple[str, ...]] = ("top_logprobs",)
-    messages: list[OllamaMessage] = Field(default_factory=list, description="none: load the model, answer done")
+    messages: list[OllamaMessage] = Field(default_factory=list, max_length=MAX_MESSAGES, description="none: load the model, answer done")
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS, description="functions the model may call "
                                      "(as tool_choice auto: calls parsed out of its output)")
 
@@ -285,7 +294,7 @@ def _responses(*statuses: int, generating: bool = False) -> dict[int | str, dict
 
 
 def _error(status: int, message: str, code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
-    body: dict[str, Any] = {"error": message}
+    body: dict[str, Any] = {"error": redact_paths(message)}
     if code is not None:
         body["code"] = code
     return JSONResponse(body, status_code=status, headers=headers)
@@ -322,7 +331,7 @@ def _is_json(content_type: str | None) -> bool:
     return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
-class _OllamaRoute(APIRoute):
+class _OllamaRoute(OffLoopRoute):
     """Every error of an /api route leaves in Ollama's shape, and a POST body is JSON whatever
     its Content-Type (see the module docstring)."""
 
@@ -721,8 +730,9 @@ class _Ollama:
         if req.stream is not False:
             if not await job.start(request.is_disconnected):  # headers wait for the first news
                 return JSONResponse({}, status_code=499)  # the client left; nobody reads this
-            return StreamingResponse(self.stream(job, req, chat, ids, top, t0, context, plan), media_type=NDJSON,
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return BoundedStream(self.stream(job, req, chat, ids, top, t0, context, plan),
+                                 self.state.settings.send_timeout_s, media_type=NDJSON,
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         text, gen, lps, last = [], [], [], None
         try:
             async for idx, ch in job.items(request.is_disconnected):

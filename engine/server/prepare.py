@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator, Mapping, Sequence
 
 from llmsys.engine.sampling import SamplingParams
-from llmsys.engine.server.protocol import APIError
+from llmsys.engine.server.protocol import APIError, prompt_over_limit
 from llmsys.engine.server.state import ServerState
 from llmsys.kernels.common.errors import InvalidParameterError, LLMSysError
 from llmsys.offload.kv_policy import KVPolicy
@@ -58,16 +58,24 @@ class Preparer:
     def check_length(self, text: str, field: str, policy: KVPolicy | None) -> None:
         """Refuse, without tokenizing it, a text too long to fit whatever its tokens (seconds of CPU
         for megabytes of text, to learn what its length already says)."""
-        max_len = self.state.llm.max_model_len
-        if self._slides(policy) or len(text) < max_len:
+        max_len, limit = self.state.llm.max_model_len, self.state.prompt_limit()
+        if len(text) < min(max_len, limit):
             return
         fewest = len(text) // self.state.max_token_chars()
-        if fewest >= max_len:
+        if fewest >= max_len and not self._slides(policy):
             raise self.too_long(fewest, field, at_least=True)
+        if fewest > limit:
+            raise self.over_limit(fewest, field, at_least=True)
+
+    def over_limit(self, n: int, field: str, at_least: bool = False) -> APIError:
+        """--max-prompt-tokens holds whatever the KV policy (a sliding window would take any length)."""
+        return prompt_over_limit(n, self.state.prompt_limit(), field, at_least)
 
     def check_prompt(self, ids: list[int], field: str, policy: KVPolicy | None) -> None:
         if len(ids) >= self.state.llm.max_model_len and not self._slides(policy):
             raise self.too_long(len(ids), field)
+        if len(ids) > self.state.prompt_limit():
+            raise self.over_limit(len(ids), field)
         if not ids:
             raise APIError(400, "the prompt is empty (it encodes to no tokens)", param=field, code="invalid_prompt")
         vocab = self.state.llm.loaded.args.vocab_size

@@ -15,10 +15,15 @@ servers do.
 
 from __future__ import annotations
 
+import json
 import re
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Callable, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
+import numpy as np
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, model_validator
 
 from llmsys.engine.sampling import MAX_LOGPROBS
 
@@ -28,11 +33,20 @@ MAX_PROMPTS = 64  # prompts per /v1/completions request (and completions: prompt
 MAX_TOOLS = 128  # tools per request (OpenAI's limit), and tool calls per message
 MAX_GRAMMAR_CHARS = 64 * 1024  # a regex or grammar in response_format
 MAX_LOGIT_BIAS = 300  # logit_bias entries (OpenAI's limit)
+MAX_MESSAGES = 4096  # messages per chat request: pydantic stops at the bound, so 100k of them cost nothing
+# Bodies this large are parsed and validated on the preparation thread, not the event loop
+# (json.loads of 4 MB is ~40 ms, validating 100k messages ~0.3 s: every stream would stall).
+OFF_LOOP_BODY_BYTES = 64 * 1024
+# JSON values one body may hold (or twice --max-prompt-tokens, if more), counted before parsing:
+# json.loads holds the GIL for its whole run (0.14 s for 1.3M token ids on a busy 2-core VM, during
+# which the event loop cannot run even from another thread), so a body is parsed only when small.
+MAX_JSON_VALUES = 256 * 1024
 
 # 400 codes for limits that depend on the loaded model or on two fields together,
 # which the OpenAPI schema cannot state; every other 400 means the body broke the schema.
 SEMANTIC_CODES = (
     "context_length_exceeded",  # the prompt's tokens do not fit this model's context
+    "prompt_too_long",  # a prompt over the server's --max-prompt-tokens, whatever the KV policy
     "no_chat_template",  # a base model has no chat template to render messages with
     "chat_template_error",  # the model's template rejected or could not render the conversation
     "too_many_choices",  # prompts x n over MAX_PROMPTS
@@ -52,6 +66,24 @@ KV_POLICY_PATTERN = r"^[A-Za-z0-9:.,; ]*$"
 SEED_MIN, SEED_MAX = -(2**53 - 1), 2**53 - 1
 
 
+# An absolute file path inside a message (not a URL's path: no "scheme:" or host before it).
+_ABS_PATH = re.compile(r"(?<![\w:/.~-])/(?:[^\s/'\"`,;()<>\[\]{}]+/)+[^\s/'\"`,;()<>\[\]{}]*")
+_ROUTES = ("/v1/", "/api/", "/docs", "/health", "/metrics")
+
+
+def redact_paths(text: str) -> str:
+    """``text`` with every absolute file path cut to its last component: an error a client
+    sees names the model or file (``model.gguf``), never where the server keeps it (a path
+    tells an attacker the layout and user names). The API's own routes are kept."""
+    def short(m: re.Match[str]) -> str:
+        path = m.group(0)
+        if path.startswith(_ROUTES):
+            return path
+        return path.rstrip("/").rsplit("/", 1)[-1] or path
+
+    return _ABS_PATH.sub(short, text) if "/" in text else text
+
+
 class APIError(Exception):
     """An error answered as ``{"error": {...}}`` with an HTTP status.
 
@@ -69,6 +101,7 @@ class APIError(Exception):
         headers: dict[str, str] | None = None,
         **extra: Any,
     ):
+        message = redact_paths(message)
         super().__init__(message)
         self.status = status
         self.message = message
@@ -299,7 +332,7 @@ class Prediction(BaseModel):
 
 
 class ChatCompletionRequest(_Common):
-    messages: list[ChatMessage] = Field(..., min_length=1)
+    messages: list[ChatMessage] = Field(..., min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -350,6 +383,98 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "verbosity": (lambda v: v == "medium", "the served model has no verbosity setting; omit it"),
     "suffix": (lambda v: not v, "insertion (fill in the middle) is not implemented; send the prefix as the prompt"),
 }
+
+
+def prompt_over_limit(n: int, limit: int, field: str, at_least: bool = False) -> APIError:
+    """The 400 for a prompt over --max-prompt-tokens (held whatever the KV policy)."""
+    return APIError(400, f"the prompt has {'at least ' if at_least else ''}{n} tokens, more than this server's "
+                         f"limit of {limit} per prompt (--max-prompt-tokens); shorten the prompt",
+                    param=field, code="prompt_too_long", n_prompt_tokens=n, max_prompt_tokens=limit)
+
+
+def parse_body(model: type[BaseModel], body: bytes, prompt_limit: int | None) -> BaseModel:
+    """A JSON body as ``model``, for the preparation thread (see :class:`OffLoopRoute`).
+
+    Token-id lists (``prompt``, Ollama's ``context``) longer than ``prompt_limit`` are
+    refused by their length before pydantic walks a million integers. Errors are the ones
+    FastAPI raises itself, so the app answers them the same way."""
+    cap = max(MAX_JSON_VALUES, 2 * (prompt_limit or 0))
+    if count_json_values(body) > cap:
+        raise APIError(413, f"the request body holds more than {cap} JSON values (this server's limit: "
+                            f"{MAX_JSON_VALUES}, or twice --max-prompt-tokens); send fewer token ids or messages",
+                       code="request_too_large")
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        pos = e.pos if isinstance(e, json.JSONDecodeError) else e.start
+        why = e.msg if isinstance(e, json.JSONDecodeError) else str(e)
+        raise RequestValidationError([{"type": "json_invalid", "loc": ("body", pos), "msg": "JSON decode error",
+                                       "input": {}, "ctx": {"error": why}}]) from None
+    if prompt_limit is not None and isinstance(data, dict):
+        for field in ("prompt", "context"):
+            v = data.get(field)
+            lists = [v] if isinstance(v, list) and v and not isinstance(v[0], list) else v
+            for ids in lists if isinstance(lists, list) else ():
+                if isinstance(ids, list) and len(ids) > prompt_limit:
+                    raise prompt_over_limit(len(ids), prompt_limit, field)
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise RequestValidationError([{**err, "loc": ("body", *err["loc"])}
+                                      for err in e.errors(include_url=False)]) from None
+
+
+def count_json_values(body: bytes) -> int:
+    """About how many values the JSON text ``body`` holds (one per ``,`` ``:`` ``[`` outside
+    strings, plus one), counted without parsing.
+
+    numpy passes over the bytes (a few ms for 4 MB, the GIL released inside them), where
+    ``json.loads`` would hold the GIL for its whole run. Malformed text gets some count;
+    ``json.loads`` says what is wrong with it afterwards."""
+    a = np.frombuffer(body, dtype=np.uint8)
+    if a.size == 0:
+        return 0
+    quote = a == 0x22
+    if body.find(b"\\") >= 0:  # a quote after an odd run of backslashes is inside its string
+        idx = np.arange(a.size, dtype=np.int64)
+        last_other = np.maximum.accumulate(np.where(a != 0x5C, idx, -1))
+        run = idx - last_other  # backslashes ending at each position
+        escaped = np.zeros(a.size, dtype=bool)
+        escaped[1:] = run[:-1] % 2 == 1
+        quote &= ~escaped
+    inside = (np.cumsum(quote, dtype=np.int64) % 2).astype(bool)  # a closing quote counts as inside: no matter
+    structural = (a == 0x2C) | (a == 0x3A) | (a == 0x5B)
+    return 1 + int(np.count_nonzero(structural & ~inside))
+
+
+def _is_json(content_type: str | None) -> bool:
+    media = (content_type or "").split(";")[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+class OffLoopRoute(APIRoute):
+    """A route whose large JSON body (over :data:`OFF_LOOP_BODY_BYTES`) is parsed and validated
+    on the server's preparation thread: FastAPI would do both on the event loop, where four
+    multi-megabyte requests stall every stream and ``/health`` for seconds. The validated model
+    is handed to FastAPI as the request's parsed JSON, which it accepts without a second pass."""
+
+    def get_route_handler(self) -> Callable[[Request], Any]:
+        handler = super().get_route_handler()
+        field = self.body_field
+        model = getattr(field.field_info, "annotation", None) if field is not None else None
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            return handler
+
+        async def route(request: Request) -> Any:
+            if request.method == "POST" and _is_json(request.headers.get("content-type")):
+                body = await request.body()
+                state = getattr(request.app, "llmsys_state", None)
+                if len(body) > OFF_LOOP_BODY_BYTES and state is not None:
+                    limit = state.prompt_limit() if state.ready else None
+                    request._json = await state.off_loop(parse_body, model, body, limit)
+            return await handler(request)
+
+        return route
 
 
 def unsupported_field(req: BaseModel) -> APIError | None:

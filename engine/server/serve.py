@@ -11,20 +11,27 @@ thread; the process exits 0. uvicorn re-raises the caught signal after a
 graceful stop by default (exit 130 / killed by SIGTERM), which would make a
 clean shutdown look like a crash, so :class:`_Server` does not.
 
-:class:`_Protocol` is uvicorn's h11 protocol with two changes a public-facing
-server needs: a connection must send its request head within
-``head_timeout_s`` (uvicorn waits forever, so half-sent requests pile up), and
-the 400 for a malformed request is OpenAI-shaped JSON, not plain text.
+:class:`_Protocol` is uvicorn's h11 protocol with what a public-facing server
+needs: a connection must send its request head within ``head_timeout_s``
+(uvicorn waits forever, so half-sent requests pile up); connections over
+``--max-connections`` or ``--max-connections-per-client`` get a 503 and are
+closed at once (:class:`ConnectionGate`; the default cap sits below the
+open-file limit, so ``accept()`` does not run out of descriptors); a bounded
+send buffer, so a client that stops reading is noticed (see ``BoundedStream``);
+and the 400 for a malformed request is OpenAI-shaped JSON, not plain text.
+Should ``accept()`` fail anyway, :class:`AcceptErrorLog` logs one line per
+interval instead of asyncio's traceback per failure.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import h11
@@ -33,8 +40,8 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from llmsys.engine.config import EngineConfig
 from llmsys.engine.server.app import create_app
-from llmsys.engine.server.protocol import APIError
-from llmsys.engine.server.state import ServerSettings, ServerState
+from llmsys.engine.server.protocol import APIError, redact_paths
+from llmsys.engine.server.state import ConnectionCaps, ServerSettings, ServerState
 
 log = logging.getLogger("llmsys.server")
 
@@ -52,14 +59,129 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
         self._captured_signals.clear()  # a signal-initiated graceful stop is a normal exit
 
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(AcceptErrorLog(loop.get_exception_handler()))
+        await super().startup(sockets)
 
-def _protocol(head_timeout_s: float) -> type[H11Protocol]:
+
+SEND_BUFFER_BYTES = 256 * 1024  # a connection's kernel send buffer: what a non-reading client can pile up
+ACCEPT_LOG_INTERVAL_S = 10.0  # accept() failures and refused connections are logged at most this often
+_OVER_CAP = "503 Service Unavailable"
+
+
+@dataclass
+class ConnectionGate:
+    """Counts open connections, in total and per client address, against the caps; says
+    which to refuse. One per server (the event loop is its only user: no lock)."""
+
+    caps: ConnectionCaps
+    total: int = 0
+    per_client: dict[str, int] = field(default_factory=dict)
+    refused: int = 0  # since the last log line
+    _logged_at: float = 0.0
+
+    def admit(self, host: str) -> str | None:
+        """Count the connection in, or say why it is refused (None: admitted)."""
+        if self.total >= self.caps.total:
+            why = f"the server holds its limit of {self.caps.total} connections (--max-connections)"
+        elif self.per_client.get(host, 0) >= self.caps.per_client:
+            why = (f"this client address holds its limit of {self.caps.per_client} connections "
+                   "(--max-connections-per-client)")
+        else:
+            self.total += 1
+            self.per_client[host] = self.per_client.get(host, 0) + 1
+            return None
+        self.refused += 1
+        now = time.monotonic()
+        if now - self._logged_at >= ACCEPT_LOG_INTERVAL_S:
+            log.warning("refused %d connection(s) in the last %g s: %s (last from %s)", self.refused,
+                        ACCEPT_LOG_INTERVAL_S, why, host)
+            self._logged_at, self.refused = now, 0
+        return why
+
+    def release(self, host: str) -> None:
+        self.total -= 1
+        left = self.per_client.get(host, 1) - 1
+        if left > 0:
+            self.per_client[host] = left
+        else:
+            self.per_client.pop(host, None)
+
+
+class AcceptErrorLog:
+    """An event-loop exception handler that logs accept() failures once per interval.
+
+    Out of file descriptors, asyncio's accept loop reports every failed ``accept()`` with a
+    traceback (a log of tens of megabytes in seconds); here they are counted and one line per
+    ``ACCEPT_LOG_INTERVAL_S`` says how many and what to change. Everything else goes to the
+    handler that was there before."""
+
+    def __init__(self, previous: Any):
+        self.previous = previous
+        self.count = 0
+        self.logged_at = -ACCEPT_LOG_INTERVAL_S
+
+    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        if context.get("message") != "socket.accept() out of system resource":
+            if self.previous is not None:
+                self.previous(loop, context)
+            else:
+                loop.default_exception_handler(context)
+            return
+        self.count += 1
+        now = time.monotonic()
+        if now - self.logged_at >= ACCEPT_LOG_INTERVAL_S:
+            exc = context.get("exception")
+            log.error("accept() failed %d time(s) in the last %g s (%s): the process is out of file descriptors; "
+                      "lower --max-connections or raise the open-file limit (ulimit -n)", self.count,
+                      ACCEPT_LOG_INTERVAL_S, exc.strerror if isinstance(exc, OSError) else exc)
+            self.logged_at, self.count = now, 0
+
+
+def _protocol(settings: ServerSettings, gate: ConnectionGate) -> type[H11Protocol]:
+    head_timeout_s = settings.head_timeout_s
+
     class _Protocol(H11Protocol):
         """See the module docstring."""
 
+        def __init__(self, *args: Any, **kwargs: Any):
+            super().__init__(*args, **kwargs)
+            app = self.app
+
+            async def with_transport(scope: dict, receive: Any, send: Any) -> None:
+                scope["llmsys.transport"] = self.transport  # a stalled stream drops its connection with it
+                await app(scope, receive, send)
+
+            self.app = with_transport
+            self._refused = False
+            self._host = ""
+            self._head_timer: asyncio.TimerHandle | None = None
+
         def connection_made(self, transport: Any) -> None:  # type: ignore[override]
             super().connection_made(transport)
+            peer = transport.get_extra_info("peername")
+            self._host = str(peer[0]) if isinstance(peer, tuple) and peer else ""
+            why = gate.admit(self._host)
+            if why is not None:  # over a cap: a 503 now, and closed
+                self._refused = True
+                body = json.dumps(APIError(503, f"too many connections: {why}; retry later", type="server_error",
+                                           code="too_many_connections").body()).encode()
+                transport.write(f"HTTP/1.1 {_OVER_CAP}\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
+                                f"connection: close\r\ncontent-length: {len(body)}\r\n\r\n".encode() + body)
+                transport.close()
+                return
+            sock = transport.get_extra_info("socket")
+            if sock is not None:
+                try:  # bounded, so a client that stops reading blocks the sender soon (see BoundedStream)
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+                except OSError:
+                    pass
             self._head_timer = self.loop.call_later(head_timeout_s, self._head_overdue)
+
+        def data_received(self, data: bytes) -> None:
+            if not self._refused:
+                super().data_received(data)
 
         def _head_overdue(self) -> None:
             waiting = self.cycle is None or self.cycle.response_complete  # no request head since the last answer
@@ -68,11 +190,15 @@ def _protocol(head_timeout_s: float) -> type[H11Protocol]:
 
         def on_response_complete(self) -> None:
             super().on_response_complete()  # keep-alive: the next head has the same deadline
-            self._head_timer.cancel()
+            if self._head_timer is not None:
+                self._head_timer.cancel()
             self._head_timer = self.loop.call_later(head_timeout_s, self._head_overdue)
 
         def connection_lost(self, exc: Exception | None) -> None:
-            self._head_timer.cancel()
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+            if not self._refused:
+                gate.release(self._host)
             super().connection_lost(exc)
 
         def send_400_response(self, msg: str) -> None:
@@ -90,13 +216,30 @@ def _protocol(head_timeout_s: float) -> type[H11Protocol]:
     return _Protocol
 
 
+def _backlog(caps: ConnectionCaps) -> int:
+    """The listen backlog, which is also how many connections asyncio accepts in one go: kept
+    within the file descriptors left above the connection cap, so a burst of connects cannot
+    run the process out of them before the over-cap ones are closed."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):
+        return 2048
+    if soft == resource.RLIM_INFINITY:
+        return 2048
+    return max(32, min(2048, soft - caps.total - 32))
+
+
 def _uvicorn_config(state: ServerState, host: str, port: int, log_level: str) -> uvicorn.Config:
+    caps = ConnectionCaps.of(state.settings)
     return uvicorn.Config(
         create_app(state),
         host=host,
         port=port,
         log_level=log_level,
-        http=_protocol(state.settings.head_timeout_s),
+        http=_protocol(state.settings, ConnectionGate(caps)),
+        backlog=_backlog(caps),
         timeout_graceful_shutdown=state.settings.shutdown_timeout_s + BACKSTOP_S,
         access_log=log_level == "debug",
         lifespan="on",
@@ -117,8 +260,9 @@ def serve(config: EngineConfig, settings: ServerSettings, host: str = "127.0.0.1
         try:
             state.load(config)
         except Exception as e:  # LLMSysError or worse: report and stop serving
-            state.load_error = str(e).splitlines()[0] if str(e) else type(e).__name__
-            print(f"error: {state.load_error}", flush=True)
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            print(f"error: {first}", flush=True)  # the operator sees the paths; clients do not
+            state.load_error = redact_paths(first)
             server.should_exit = True
             return
         print(f"llmsys: model '{state.model_name}' ready in {time.perf_counter() - t0:.1f} s; "
@@ -165,7 +309,7 @@ def start_server_thread(state: ServerState, log_level: str = "warning") -> Serve
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(_uvicorn_config(state, "127.0.0.1", port, log_level))
+    server = _Server(_uvicorn_config(state, "127.0.0.1", port, log_level), state)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="llmsys-http", daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

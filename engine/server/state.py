@@ -43,8 +43,52 @@ class ServerSettings:
     allowed_hosts: tuple[str, ...] = ()
     cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API ("*": any); none by default
     body_timeout_s: float = 30.0  # a request body that sends nothing for this long gets 408
+    # The whole body must arrive within this (a sender trickling one byte per body_timeout_s
+    # would otherwise hold its connection and slot for ever): 408 and the connection closed.
+    body_deadline_s: float = 60.0
+    # Open connections: None sizes the cap below the open-file soft limit (default_max_connections),
+    # so accept() never meets EMFILE; connections over either cap get a 503 and are closed at once.
+    max_connections: int | None = None
+    max_connections_per_client: int | None = None  # per client address; None: min(256, max_connections)
+    max_prompt_tokens: int | None = None  # per prompt, whatever the KV policy; None: the context length
+    # A stream whose client reads nothing for this long (its socket buffers full) is aborted
+    # and its engine slot freed, instead of decoding to max_tokens for nobody.
+    send_timeout_s: float = 30.0
     head_timeout_s: float = 10.0  # a request head must arrive within this after connecting (else closed)
     stall_timeout_s: float = 120.0  # /health answers 503 when one engine step has run longer
+
+
+FD_RESERVE = 64  # open files kept free for the model, logs and the process's own use
+MAX_CONNECTIONS = 1024
+MAX_CONNECTIONS_PER_CLIENT = 256
+
+
+def default_max_connections() -> int:
+    """The connection cap when none is given: ``min(1024, soft RLIMIT_NOFILE - 64)`` (at least 8),
+    so the server refuses connections itself before the kernel refuses it file descriptors."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):  # no resource module (Windows): the plain cap
+        return MAX_CONNECTIONS
+    if soft == resource.RLIM_INFINITY:
+        return MAX_CONNECTIONS
+    return max(8, min(MAX_CONNECTIONS, soft - FD_RESERVE))
+
+
+@dataclass(frozen=True)
+class ConnectionCaps:
+    """The resolved connection caps (settings' None filled in)."""
+
+    total: int
+    per_client: int
+
+    @classmethod
+    def of(cls, settings: ServerSettings) -> ConnectionCaps:
+        total = settings.max_connections or default_max_connections()
+        per = settings.max_connections_per_client or min(MAX_CONNECTIONS_PER_CLIENT, total)
+        return cls(total, per)
 
 
 class ServerState:
@@ -86,6 +130,12 @@ class ServerState:
         worker = EngineWorker(llm.core, self.metrics, s.max_concurrency or llm.config.max_num_seqs, s.max_queue)
         worker.start()
         self.worker = worker
+
+    def prompt_limit(self) -> int:
+        """The most tokens one prompt may have (--max-prompt-tokens, default the context length),
+        checked whatever the KV policy: a sliding window would otherwise accept a multi-megabyte
+        prompt and queue a prefill of hundreds of thousands of tokens."""
+        return self.settings.max_prompt_tokens or self.llm.max_model_len
 
     def model_names(self) -> set[str]:
         """Every name a request's ``model`` may use: the served name, ``name:latest`` (Ollama
