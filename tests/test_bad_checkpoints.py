@@ -269,7 +269,8 @@ CASES: list[tuple[str, str, Callable[[Path], Path], type, str]] = [
     ("layers-neg", "hf", _cfg(num_hidden_layers=-1), CE, r"num_hidden_layers is -1; it must be between 1"),
     ("layers-1e6", "hf", _cfg(num_hidden_layers=1000000), CE, r"num_hidden_layers is 1000000; it must be between"),
     ("layers-vs-tensors", "hf", _cfg(num_hidden_layers=3), CE,
-     r"num_hidden_layers is 3; the checkpoint holds 2 layers \(layers 0-1\)"),
+     r"num_hidden_layers is 3; the checkpoint holds no tensor of layer 2 \(model\.layers\.2\.\*; it holds 2 layers, "
+     r"0-1\)"),
     ("layers-missing", "hf", _cfg(num_hidden_layers=None), CE, r"num_hidden_layers is missing"),
     ("config-list", "hf", _config_text("[1, 2]"), CE, r"config\.json: holds a JSON list, not an object"),
     ("config-string", "hf", _config_text('"llama"'), CE, r"config\.json: holds a JSON str, not an object"),
@@ -371,7 +372,8 @@ CASES: list[tuple[str, str, Callable[[Path], Path], type, str]] = [
     ("gguf-heads-0", "gguf", _gguf_rewrite({"llama.attention.head_count": (0, _ggml("UINT32"))}), CE,
      r"num_attention_heads \(llama\.attention\.head_count\) is 0"),
     ("gguf-layers-vs-tensors", "gguf", _gguf_rewrite({"llama.block_count": (3, _ggml("UINT32"))}), CE,
-     r"num_hidden_layers \(llama\.block_count\) is 3; the checkpoint holds 2 layers"),
+     r"num_hidden_layers \(llama\.block_count\) is 3; the checkpoint holds no tensor of layer 2 \(blk\.2\.\*; "
+     r"it holds 2 layers, 0-1\)"),
     ("gguf-context-1e12", "gguf", _gguf_rewrite({"llama.context_length": (10**12, _ggml("UINT64"))}), CE,
      r"max_position_embeddings \(llama\.context_length\) is 1000000000000"),
     ("gguf-theta-0", "gguf", _gguf_rewrite({"llama.rope.freq_base": (0.0, _ggml("FLOAT32"))}), CE,
@@ -381,7 +383,7 @@ CASES: list[tuple[str, str, Callable[[Path], Path], type, str]] = [
     ("gguf-alignment", "gguf", _gguf_rewrite({"general.alignment": (3, _ggml("UINT32"))}), CE,
      r"general\.alignment is 3; it must be a power of two"),
     ("gguf-tensor-shape", "gguf", _gguf_rewrite(tensors=lambda n, a: a[:, :32] if n == "blk.0.ffn_up.weight" else a),
-     CE, rf"tensor {E}\.weight has shape \[96, 32\], expected \[96, 64\]"),
+     CE, rf"tensor blk\.0\.ffn_up\.weight \({E}\.weight\) has shape \[96, 32\], expected \[96, 64\]"),
     ("gguf-nan", "gguf", _gguf_rewrite(tensors=lambda n, a: np.where(np.arange(a.size).reshape(a.shape) == 5, np.nan, a)
                                        .astype(a.dtype) if n == "blk.0.ffn_up.weight" else a),
      CE, rf"tensor {E}\.weight holds 1 NaN"),

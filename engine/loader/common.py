@@ -363,7 +363,7 @@ def open_checkpoint(path: str | Path, dt: torch.dtype, dev: torch.device) -> Che
     index = CheckpointIndex.open_dir(p)
     notices, origin = _text_of_multimodal(raw, index, cfg_path)
     # The config's values, and its layer count against the tensors held, before the skeleton is built.
-    args = validate.model_args(family, cfg, origin, validate.layer_indices(index.where))
+    args = validate.model_args(family, cfg, origin, validate.layer_indices(index.where), index.where)
     from llmsys.engine.loader.quantized import decoded_at_load, stored_quantized
 
     decoded = decoded_at_load(cfg)
@@ -418,10 +418,14 @@ def _open_gguf(p: Path, dt: torch.dtype, dev: torch.device) -> Checkpoint:
     header = read_header(p)
     index = gguf_io.GGUFIndex(p, header, gguf_io.hf_config(p, header))  # gguf_io.open_index, header kept
     family = family_for(index.config, str(p))
-    args = validate.model_args(family, index.config, gguf_io.origin(p, index.arch), index.layers())
+    names = [t.name for t in header.tensors]  # llama.cpp's names: a tensor past block_count is named as stored
+    args = validate.model_args(family, index.config, gguf_io.origin(p, index.arch),
+                               validate.layer_indices(names, gguf_io.LAYER_PREFIX), names, gguf_io.LAYER_PREFIX)
     with torch.device("meta"), skip_init():
         model = family.Model(args)
-    validate.check_tensors(model, lambda n: index.info(n) if n in index else None, p)
+    gguf_io.check_complete(p, index, model)
+    validate.check_tensors(model, lambda n: index.info(n) if n in index else None, p,
+                           lambda n: f"{index.info(n).gguf_name} ({n})")
     return Checkpoint(p, model, family.__name__.rsplit(".", 1)[1], index.config, index, dt, dev, "gguf",
                       gguf_header=header)
 

@@ -63,12 +63,15 @@ class TensorEntry:
 @dataclass(frozen=True)
 class GGUFHeader:
     """``fields``: every key -> its value (scalars as Python values, strings as str, arrays of strings as
-    lists of str, numeric arrays as numpy arrays); ``tensors`` in file order."""
+    lists of str, numeric arrays as numpy arrays); ``tensors`` in file order; ``size``: the file's bytes;
+    ``alignment``: ``general.alignment`` (checked)."""
 
     path: Path
     version: int
     fields: dict[str, Any]
     tensors: tuple[TensorEntry, ...]
+    size: int
+    alignment: int
 
 
 class _Cursor:
@@ -219,7 +222,8 @@ def read_header(path: str | Path) -> GGUFHeader:
         raise CheckpointError(f"{p}: cannot read it as GGUF ({e})") from None
     tensors = [_entry(p, name, dims, qtype, start + rel, size, align) for name, dims, qtype, rel in infos]
     _check_overlaps(p, tensors)
-    return GGUFHeader(p, version, fields, tuple(tensors))
+    _check_layout(p, tensors, start, align)
+    return GGUFHeader(p, version, fields, tuple(tensors), size, align)
 
 
 def _alignment(fields: dict[str, Any], p: Path) -> int:
@@ -265,6 +269,57 @@ def _check_overlaps(p: Path, tensors: list[TensorEntry]) -> None:
         if start < end:
             raise CheckpointError(f"{p}: tensors {a} and {b} overlap (bytes {start}-{end}); the file is corrupt, "
                                   "download it again")
+
+
+def _described(t: TensorEntry) -> str:
+    """``blk.0.attn_norm.weight (F16 [576], 1152 bytes)``: what the table says a tensor is."""
+    import gguf
+
+    return f"{t.name} ({gguf.GGMLQuantizationType(t.qtype).name} {list(t.shape)}, {t.nbytes} bytes)"
+
+
+def _padded(nbytes: int, align: int) -> int:
+    return -(-nbytes // align) * align
+
+
+def _check_layout(p: Path, tensors: list[TensorEntry], start: int, align: int) -> None:
+    """The tensors' bytes follow one another in table order from the data area's start, as llama.cpp's reader
+    requires (``gguf.cpp``: each tensor at the previous one's end rounded up to the alignment).
+
+    Why: the table's type and shape fix each tensor's size, so a type or shape that disagrees with the bytes
+    written -- an F32 tensor relabelled F16 reads as half its bytes and decodes to noise ('--------') -- leaves a
+    gap before the next tensor (after the last one: :func:`check_end`), and two swapped offsets put a tensor
+    where another should be. Every file llama.cpp's writer, converter and quantizer (and the ``gguf`` package)
+    makes passes; llama.cpp refuses the rest. Header only: no tensor byte is read. A tensor of at most ``align``
+    bytes relabelled to a type just as padded (F32 [8] as F16) moves no offset and is not caught."""
+    expect, prev = start, None
+    for t in tensors:
+        if t.offset != expect:
+            what = (f"the data area starts at byte {start}" if prev is None else
+                    f"the one before it in the table, {_described(prev)}, ends at byte {prev.offset + prev.nbytes}, "
+                    f"so it should start at byte {expect}")
+            raise CheckpointError(f"{p}: tensor {t.name} starts at byte {t.offset}, but {what} (alignment {align}); "
+                                  "a type or shape in the table disagrees with the bytes written, or an offset is "
+                                  "corrupt; convert or download the file again")
+        expect, prev = t.offset + _padded(t.nbytes, align), t
+
+
+def check_end(h: GGUFHeader) -> None:
+    """A model file ends with its last tensor (and that tensor's padding), checked before the model is loaded.
+
+    Why: the last tensor has no next offset to betray a wrong size (:func:`_check_layout`), so an F32 last
+    tensor relabelled F16 shows only as bytes after it. llama.cpp's writer and converter end the file there;
+    llama.cpp itself does not look. Not part of :func:`read_header`: a listing of models reads headers of files
+    it does not load (an Ollama store's blob may be longer than its GGUF)."""
+    if not h.tensors:
+        return
+    last = max(h.tensors, key=lambda t: t.offset)
+    end, limit = last.offset + last.nbytes, last.offset + _padded(last.nbytes, h.alignment)
+    if h.size > limit:
+        raise CheckpointError(f"{h.path}: the file has {h.size - end} bytes after its last tensor, {_described(last)}, "
+                              f"which ends at byte {end} (at most {limit - end} of padding belong there); its type or "
+                              "shape disagrees with the bytes written, or the file is corrupt; convert or download "
+                              "it again")
 
 
 def read_bytes(path: Path, t: TensorEntry, start: int = 0, length: int | None = None) -> np.ndarray:

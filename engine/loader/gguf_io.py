@@ -61,7 +61,7 @@ import numpy as np
 import torch
 
 from llmsys.engine.loader import validate
-from llmsys.engine.loader.gguf_header import MAGIC, GGUFHeader, TensorEntry, read_bytes, read_header
+from llmsys.engine.loader.gguf_header import MAGIC, GGUFHeader, TensorEntry, check_end, read_bytes, read_header
 from llmsys.kernels import KScales, pack_int4, unpack_int4
 from llmsys.kernels.common.errors import CheckpointError, UnsupportedModelError
 
@@ -113,6 +113,7 @@ LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
+LAYER_PREFIX = "blk."  # llama.cpp's layer tensors: blk.N.<suffix>
 TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
              "output.weight": "lm_head.weight"}
 # Per-architecture names that differ from (or add to) LAYER_NAMES. Gemma's four norms around attention and the
@@ -208,6 +209,40 @@ def hf_name(name: str, arch: str = "llama") -> str | None:
     suffix = parts[2]
     hf = ARCH_LAYER_NAMES.get(arch, {}).get(suffix) or MOE_NAMES.get(suffix) or LAYER_NAMES.get(suffix)
     return f"model.layers.{parts[1]}.{hf}" if hf else None
+
+
+def stored_name(hf: str, arch: str = "llama") -> str | None:
+    """llama.cpp's name of the HF tensor name ``hf`` in a file of architecture ``arch`` (the inverse of
+    :func:`hf_name`; an expert's matrix is its stacked tensor), for messages; None where there is none."""
+    top = next((g for g, h in TOP_NAMES.items() if h == hf), None)
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", hf)
+    if top is not None or m is None:
+        return top
+    layer, suffix = m.groups()
+    e = re.fullmatch(r"mlp\.experts\.\d+\.(gate|up|down)_proj\.(weight|bias)", suffix)
+    if e is not None:
+        return f"blk.{layer}.ffn_{e[1]}_exps.{e[2]}"
+    for table in (ARCH_LAYER_NAMES.get(arch, {}), MOE_NAMES, LAYER_NAMES):  # hf_name's precedence
+        g = next((g for g, h in table.items() if h == suffix), None)
+        if g is not None:
+            return f"blk.{layer}.{g}"
+    return None
+
+
+def check_complete(path: Path, index: "GGUFIndex", model: torch.nn.Module) -> None:
+    """Every parameter of the skeleton the metadata describes is a tensor of the file (the head may be absent
+    when tied), checked before anything is read, the first missing one named as llama.cpp names it
+    (``materialize`` would say the same later, under the HF name only)."""
+    tied = model.args.tie_word_embeddings
+    missing = [n for n, _ in model.named_parameters(remove_duplicate=False)
+               if n not in index and not (tied and n == "lm_head.weight")]
+    if missing:
+        first = missing[0]
+        stored = stored_name(first, index.arch)
+        shown = f"{stored} ({first})" if stored else first
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"{path}: missing tensor {shown}{more}, which {index.arch} with "
+                              f"{model.args.num_hidden_layers} layers needs; convert or download the GGUF again")
 
 
 def expert_names(name: str, n_experts: int) -> list[str] | None:
@@ -335,6 +370,7 @@ def hf_config(path: Path, header: GGUFHeader | None = None) -> dict[str, Any]:
         cfg["eos_token_id"] = sorted(set(eos_ids), key=eos_ids.index) if ints else eos_ids
     cfg.update(_family_fields(path, arch, meta, cfg, {t.name: t for t in h.tensors}))
     validate.check_config(cfg, origin(path, arch))
+    _check_sizes(path, arch, meta, cfg, h.tensors)
     head_dim = cfg["head_dim"] or cfg["hidden_size"] // heads
     rope_dims = meta.get(f"{arch}.rope.dimension_count")
     if rope_dims is not None and rope_dims != head_dim:
@@ -357,6 +393,44 @@ def hf_config(path: Path, header: GGUFHeader | None = None) -> dict[str, Any]:
         cfg["rope_scaling"] = {"rope_type": "freq_factors",
                                "factors": [float(v) for v in read_bytes(path, t).view(np.float32)]}
     return cfg
+
+
+def _check_sizes(path: Path, arch: str, meta: dict[str, Any], cfg: dict[str, Any],
+                 tensors: tuple[TensorEntry, ...]) -> None:
+    """The header's sizes against the tensors that embody them, naming the metadata key: ``embedding_length``
+    and ``vocab_size`` against ``token_embd.weight`` (ggml ``ne`` = [embedding, vocabulary]), the
+    tokenizer's token list against its rows (llama.cpp makes the table one row per token, so a file whose
+    tokenizer can emit an id the table lacks, or the reverse, is refused there too), the head counts and
+    ``key_length`` against layer 0's ``attn_q`` / ``attn_k`` rows. The later shape check of every tensor
+    (``validate.check_tensors``) would catch most of these too, but could name only the tensor, not the key
+    that lies. Header values only (``check_config`` has made them whole numbers)."""
+    by_name = {t.name: t for t in tensors}
+    where = origin(path, arch)
+
+    def refuse(key: str, value: Any, t: TensorEntry, dim: str) -> CheckpointError:
+        return CheckpointError(f"{path}: {key} is {value} but tensor {t.name} has shape {list(t.shape)} "
+                               f"(ggml order), {dim}; {where.fix}")
+
+    emb = by_name.get("token_embd.weight")
+    if emb is not None and len(emb.shape) == 2:
+        width, rows = emb.shape
+        if width != cfg["hidden_size"]:
+            raise refuse(f"{arch}.embedding_length", cfg["hidden_size"], emb, f"{width} wide")
+        vocab = meta.get(f"{arch}.vocab_size")
+        if vocab is not None and vocab != rows:
+            raise refuse(f"{arch}.vocab_size", vocab, emb, f"{rows} rows, one per token")
+        tokens = meta.get("tokenizer.ggml.tokens")
+        if isinstance(tokens, list) and len(tokens) != rows:
+            raise refuse("the token count of tokenizer.ggml.tokens", len(tokens), emb, f"{rows} rows, one per token")
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"] or cfg["num_attention_heads"]
+    head_dim = cfg["head_dim"] or cfg["hidden_size"] // heads
+    per_head = (f"{arch}.attention.key_length ({head_dim})" if cfg["head_dim"] else
+                f"{arch}.embedding_length / head_count ({head_dim})")
+    for name, n, which in (("blk.0.attn_q.weight", heads, ""), ("blk.0.attn_k.weight", kv, "_kv")):
+        t = by_name.get(name)
+        if t is not None and len(t.shape) == 2 and t.shape[1] != n * head_dim:
+            raise refuse(f"{arch}.attention.head_count{which} ({n}) x {per_head}", n * head_dim, t,
+                         f"{t.shape[1]} rows")
 
 
 _MOE_ONLY = frozenset({"qwen2moe", "qwen3moe", "gpt-oss"})  # no dense MLP width needed
@@ -436,6 +510,7 @@ class GGUFIndex:
     """
 
     def __init__(self, path: Path, header: GGUFHeader, config: dict[str, Any]):
+        check_end(header)  # a model's last tensor must hold the bytes after it (a listing reads headers only)
         self.path = path
         self.config = config
         self.arch = header.fields["general.architecture"]  # llama.cpp's name: llama, qwen2, gemma3, qwen3moe ...
@@ -474,10 +549,6 @@ class GGUFIndex:
     def names(self) -> list[str]:
         """Every HF tensor name the file holds (each expert of a stacked tensor apart)."""
         return list(self._tensors)
-
-    def layers(self) -> set[int]:
-        """The layer numbers the file's tensors hold (``blk.N.*``), for ``validate.check_layers``."""
-        return validate.layer_indices(self._tensors)
 
     def info(self, name: str) -> GGUFTensorInfo:
         t = self._tensors[name]

@@ -63,6 +63,7 @@ class SafetensorsFile:
         for name, h in header.items():
             self.tensors[name] = self._entry(name, h, base, size)
         self._check_overlaps()
+        self._check_layout(base, size)
 
     def _corrupt(self, what: str) -> CheckpointError:
         return CheckpointError(f"{self.path}: corrupt safetensors header: {what}; re-download it")
@@ -104,6 +105,24 @@ class SafetensorsFile:
         for (_, end, a), (start, _, b) in itertools.pairwise(spans):
             if start < end:
                 raise self._corrupt(f"tensors {a!r} and {b!r} overlap (bytes {start}-{end})")
+
+    def _check_layout(self, base: int, size: int) -> None:
+        """The tensors tile the data area from its first byte to the file's end, as the ``safetensors`` library
+        requires of every file it reads or writes (``Metadata::validate``). Why: each span already matches its
+        dtype and shape (:meth:`_entry`), so a header whose dtype was changed and whose offsets were made to
+        fit -- an F32 tensor relabelled F16 over half its bytes -- is caught only by the bytes it leaves
+        belonging to no tensor."""
+        pos, prev = base, None
+        for t in sorted(self.tensors.values(), key=lambda t: (t.offset, t.nbytes)):
+            if t.offset != pos:
+                after = "the data area's start" if prev is None else f"the end of tensor {prev!r}"
+                raise self._corrupt(f"tensor {t.name!r} starts at byte {t.offset}, {t.offset - pos} bytes after "
+                                    f"{after} (byte {pos}); those bytes belong to no tensor")
+            pos, prev = t.offset + t.nbytes, t.name
+        if pos != size:
+            last = "the data area's start" if prev is None else f"its last tensor {prev!r}"
+            raise self._corrupt(f"the file has {size - pos} bytes after {last} (which ends at byte {pos}); "
+                                "they belong to no tensor")
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors

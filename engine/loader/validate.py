@@ -211,36 +211,62 @@ def _check_rope_scaling(sc: Mapping[str, Any] | None, origin: Origin) -> None:
                                "every RoPE frequency divisor must be finite and above 0")
 
 
+def _layer_of(name: str, prefix: str) -> int | None:
+    """The layer number of a tensor name ``<prefix>N.*``, None for any other name."""
+    if not name.startswith(prefix):
+        return None
+    head = name[len(prefix):].split(".", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
 def layer_indices(names: Iterable[str], prefix: str = "model.layers.") -> set[int]:
     """The layer numbers the checkpoint's tensor names hold (``model.layers.N.*``; GGUF: ``blk.N.*``)."""
-    out = set()
-    for n in names:
-        if n.startswith(prefix):
-            head = n[len(prefix):].split(".", 1)[0]
-            if head.isdigit():
-                out.add(int(head))
-    return out
+    return {i for i in (_layer_of(n, prefix) for n in names) if i is not None}
 
 
-def check_layers(n_layers: int, found: set[int], origin: Origin) -> None:
-    """A config may not claim more layers than the checkpoint holds: the skeleton would be built first (a million
-    layers never finish building) and fail only when the tensors are missing. Fewer is allowed, as in
-    transformers (the extra layers' tensors are not read)."""
-    if n_layers > len(found):
-        span = f"layers {min(found)}-{max(found)}" if found else "no layer tensors"
-        raise origin.error("num_hidden_layers", n_layers, f"the checkpoint holds {len(found)} layers ({span})")
+def _layers_held(found: set[int]) -> str:
+    """``2 layers, 0-1``; ``2 layers: 0, 2`` where numbers are skipped (the first eight)."""
+    if not found:
+        return "no layer tensors"
+    low, high = min(found), max(found)
+    if len(found) == high - low + 1:
+        return f"{len(found)} layers, {low}-{high}"
+    shown = ", ".join(str(i) for i in sorted(found)[:8])
+    return f"{len(found)} layers: {shown}{', ...' if len(found) > 8 else ''}"
 
 
-def model_args(family: Any, cfg: Mapping[str, Any], origin: Origin, layers: set[int] | None = None) -> Any:
+def check_layers(n_layers: int, found: set[int], origin: Origin, names: Iterable[str] = (),
+                 prefix: str = "model.layers.") -> None:
+    """The config's layer count against the layers the checkpoint's tensors hold, both ways, before the skeleton
+    is built. More than held: a million layers would be built first and fail only when their tensors are found
+    missing; the first missing layer is named. Fewer than held (``names``: the stored tensor names, ``prefix``
+    their layer prefix): a config or GGUF ``block_count`` that lies about the depth would run the first
+    layers only and produce wrong text with no error -- refused, as llama.cpp refuses a file with tensors it
+    did not use, naming the first tensor of the first layer past the count."""
+    span = _layers_held(found)
+    missing = next((i for i in range(n_layers) if i not in found), None)
+    if missing is not None:
+        raise origin.error("num_hidden_layers", n_layers,
+                           f"the checkpoint holds no tensor of layer {missing} ({prefix}{missing}.*; it holds {span})")
+    past = sorted(i for i in found if i >= n_layers)
+    if past:
+        name = next((n for n in names if _layer_of(n, prefix) == past[0]), f"{prefix}{past[0]}.*")
+        raise origin.error("num_hidden_layers", n_layers, f"the checkpoint holds tensor {name} of layer {past[0]} "
+                           f"({span}), past the last layer {n_layers - 1}")
+
+
+def model_args(family: Any, cfg: Mapping[str, Any], origin: Origin, layers: set[int] | None = None,
+               names: Iterable[str] = (), prefix: str = "model.layers.") -> Any:
     """``family.ModelArgs`` of a checked config: the one way every loader builds model arguments.
 
     ``layers``: the layer numbers the checkpoint's tensors hold (None: the format guarantees them, a llama2.c
-    file whose size was checked against its header)."""
+    file whose size was checked against its header); ``names``, ``prefix``: the stored tensor names and
+    their layer prefix, to name a tensor past the config's layer count (:func:`check_layers`)."""
     check_config(cfg, origin)
     args = family.ModelArgs.from_hf_config(dict(cfg))
     check_args(args, origin)
     if layers is not None:
-        check_layers(args.num_hidden_layers, layers, origin)
+        check_layers(args.num_hidden_layers, layers, origin, names, prefix)
     return args
 
 
@@ -250,24 +276,26 @@ def _is_float(dtype: Any) -> bool:
     return not isinstance(dtype, torch.dtype) or dtype.is_floating_point
 
 
-def check_tensors(model: torch.nn.Module, stored: Callable[[str], Any | None], path: Path | str) -> None:
+def check_tensors(model: torch.nn.Module, stored: Callable[[str], Any | None], path: Path | str,
+                  label: Callable[[str], str] = str) -> None:
     """Every stored float parameter of the skeleton against its tensor in the checkpoint, before one is read.
 
     ``stored(name)``: the tensor's info (``.shape``; ``.dtype``, a torch dtype, where the format has one) or None when
     the checkpoint does not hold it (missing ones are :func:`common.materialize`'s error; quantized layers store
-    ``qweight`` instead and are checked by ``quantized.py``)."""
+    ``qweight`` instead and are checked by ``quantized.py``). ``label(name)``: the tensor as messages name it
+    (a GGUF's own name beside the HF one)."""
     for name, p in model.named_parameters():
         info = stored(name)
         if info is None:
             continue
         dtype = getattr(info, "dtype", None)
         if p.dtype.is_floating_point and dtype is not None and not _is_float(dtype):
-            raise CheckpointError(f"{path}: tensor {name} is stored as {_dtype_name(dtype)}, expected a float type "
-                                  "(F32, F16, BF16); the checkpoint is corrupt or not a model of this config")
+            raise CheckpointError(f"{path}: tensor {label(name)} is stored as {_dtype_name(dtype)}, expected a float "
+                                  "type (F32, F16, BF16); the checkpoint is corrupt or not a model of this config")
         found, want = tuple(info.shape), tuple(p.shape)
         if found != want:
-            raise CheckpointError(f"{path}: tensor {name} has shape {list(found)}, expected {list(want)} from the "
-                                  "config; the checkpoint does not match its config (or is corrupt)")
+            raise CheckpointError(f"{path}: tensor {label(name)} has shape {list(found)}, expected {list(want)} from "
+                                  "the config; the checkpoint does not match its config (or is corrupt)")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
