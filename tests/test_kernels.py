@@ -465,7 +465,7 @@ def test_cpu_prompt_attention_needs_context_lengths():
     plan = make_gather_plan([12], [12], [tables[0][:2].tolist()], 8, torch.device("cpu"), prompt=[True])
     q = torch.randn(12, 4, 16)
     with pytest.raises(ValueError, match="prompt plan needs its context lengths"):
-        paged_attention_gathered(q, kc, vc, dataclasses.replace(plan, lens=None), 0.25)
+        paged_attention_gathered(q, kc, vc, dataclasses.replace(plan, lens=None, row_seq=None, row_lens=None), 0.25)
 
 
 # ------------------------------------------------- sliding window, soft-capping, LongRoPE
