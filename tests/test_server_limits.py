@@ -125,29 +125,53 @@ def test_a_body_trickled_in_is_cut_off_by_the_whole_body_deadline(srv):
 # -- connection caps ----------------------------------------------------------------------------
 
 
+def _ask(s: socket.socket, head: bytes) -> tuple[bytes, float]:
+    t0 = time.monotonic()
+    s.sendall(head)
+    got = _read_all(s)
+    s.close()
+    return got, time.monotonic() - t0
+
+
+def _over_cap(got: bytes, flag: str) -> None:
+    head, _, body = got.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in head.lower(), got[:300]
+    err = json.loads(body)["error"]
+    assert err["code"] == "too_many_connections" and flag in err["message"], err
+
+
 def test_connections_over_the_caps_get_a_503_and_health_still_answers(srv):
+    """Over a cap a connection gets a 503 for anything but /health, which one of 16 spare places
+    answers (then closes); with the spare places taken too, a 503 comes at once, unasked."""
+    from llmsys.engine.server.serve import HEALTH_SLOTS
+
+    post = _post_head(COMP, 2) + b"{}"
+    health = b"GET /health HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n"
     held = [_connect(srv, "127.0.0.2") for _ in range(4)]  # the per-client cap (4), sending nothing
     try:
         time.sleep(0.2)
-        t0 = time.monotonic()
-        extra = _connect(srv, "127.0.0.2")
-        got = _read_all(extra)
-        extra.close()
-        took = time.monotonic() - t0
-        head, _, body = got.partition(b"\r\n\r\n")
-        assert head.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in head.lower(), got[:300]
-        err = json.loads(body)["error"]
-        assert err["code"] == "too_many_connections" and "--max-connections-per-client" in err["message"], err
+        got, took = _ask(_connect(srv, "127.0.0.2"), post)
+        _over_cap(got, "--max-connections-per-client")
         assert took < 2, f"the over-cap connection took {took:.2f} s to be refused"
-        assert _health_ms(srv) < 2000  # another address still gets in
+        got, took = _ask(_connect(srv, "127.0.0.2"), health)  # a spare place: /health answers, then closes
+        assert got.startswith(b"HTTP/1.1 200") and b'"status":"ok"' in got and took < 2, (got[:300], took)
+        assert _health_ms(srv) < 2000  # another address gets in as usual
 
-        held += [_connect(srv, "127.0.0.3") for _ in range(4)]
-        held += [_connect(srv, "127.0.0.4") for _ in range(4)]  # 12 now: the total cap
+        held += [_connect(srv, f"127.0.0.{k}") for k in (3, 3, 3, 3, 4, 4, 4, 4)]  # 12 now: the total cap
         time.sleep(0.2)
-        extra = _connect(srv, "127.0.0.5")
-        got = _read_all(extra)
+        got, _ = _ask(_connect(srv, "127.0.0.5"), post)
+        _over_cap(got, "(--max-connections)")
+        spare = [_connect(srv, "127.0.0.5") for _ in range(HEALTH_SLOTS)]  # the spare places, idle
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        extra = _connect(srv, "127.0.0.6")
+        got = _read_all(extra)  # nothing sent: the 503 comes unasked
         extra.close()
-        assert got.startswith(b"HTTP/1.1 503") and b"--max-connections" in got, got[:300]
+        _over_cap(got, "(--max-connections)")
+        assert time.monotonic() - t0 < 2
+        for s in spare:  # an idle spare place is closed after 1 s without a request head
+            assert _read_all(s) == b""
+            s.close()
     finally:
         for s in held:
             s.close()
@@ -159,6 +183,7 @@ def test_connections_over_the_caps_get_a_503_and_health_still_answers(srv):
         except (AssertionError, httpx.HTTPError):
             assert time.monotonic() < deadline, "the connection places were not given back"
             time.sleep(0.1)
+    assert srv.state.worker.health().running == 0
 
 
 def test_the_default_connection_cap_sits_below_the_open_file_limit():
@@ -345,3 +370,19 @@ def test_redact_paths_keeps_routes_and_urls():
     assert redact_paths("model '/home/u/m/' failed") == "model 'm' failed"
     kept = "GET /v1/models lists it; see https://example.com/a/b/c and ./rel/path"
     assert redact_paths(kept) == kept
+
+
+@pytest.mark.parametrize("flag,value,needle", [
+    ("--max-connections", "0", "--max-connections must be >= 1, got 0"),
+    ("--max-connections-per-client", "-3", "--max-connections-per-client must be >= 1, got -3"),
+    ("--max-prompt-tokens", "0", "--max-prompt-tokens must be >= 1, got 0"),
+    ("--body-deadline", "0", "--body-deadline must be > 0 seconds, got 0"),
+    ("--send-timeout", "-1", "--send-timeout must be > 0 seconds, got -1"),
+])
+def test_bad_limit_flags_are_one_error_line(flag, value, needle, capsys):
+    from llmsys.engine.cli.main import main
+
+    rc = main(["serve", str(need_shared(STORIES_HF)), flag, value, "--no-pull"])
+    out, err = capsys.readouterr()
+    lines = [ln for ln in err.splitlines() if not ln.startswith("notice:")]
+    assert rc == 2 and "Traceback" not in err and len(lines) == 1 and needle in lines[0], (rc, out, err)

@@ -15,8 +15,9 @@ clean shutdown look like a crash, so :class:`_Server` does not.
 needs: a connection must send its request head within ``head_timeout_s``
 (uvicorn waits forever, so half-sent requests pile up); connections over
 ``--max-connections`` or ``--max-connections-per-client`` get a 503 and are
-closed at once (:class:`ConnectionGate`; the default cap sits below the
-open-file limit, so ``accept()`` does not run out of descriptors); a bounded
+closed at once, except that a few spare places still answer ``/health``
+(:class:`ConnectionGate`; the default cap sits below the open-file limit, so
+``accept()`` does not run out of descriptors); a bounded
 send buffer, so a client that stops reading is noticed (see ``BoundedStream``);
 and the 400 for a malformed request is OpenAI-shaped JSON, not plain text.
 Should ``accept()`` fail anyway, :class:`AcceptErrorLog` logs one line per
@@ -26,6 +27,7 @@ interval instead of asyncio's traceback per failure.
 from __future__ import annotations
 
 import asyncio
+import enum
 import json
 import logging
 import socket
@@ -65,24 +67,37 @@ class _Server(uvicorn.Server):
         await super().startup(sockets)
 
 
-SEND_BUFFER_BYTES = 256 * 1024  # a connection's kernel send buffer: what a non-reading client can pile up
+SEND_BUFFER_BYTES = 128 * 1024  # a connection's kernel send buffer: what a non-reading client can pile up
 ACCEPT_LOG_INTERVAL_S = 10.0  # accept() failures and refused connections are logged at most this often
 _OVER_CAP = "503 Service Unavailable"
 
 
+HEALTH_SLOTS = 16  # connections beyond the caps that may still ask /health (then closed)
+HEALTH_HEAD_S = 1.0  # ... and must send their request head within this
+
+
+class Admission(enum.Enum):
+    ADMITTED = "admitted"
+    HEALTH_ONLY = "health_only"  # over a cap, in a spare slot: /health is answered, anything else 503
+    REFUSED = "refused"  # over a cap, no spare slot: 503 at once, closed
+
+
 @dataclass
 class ConnectionGate:
-    """Counts open connections, in total and per client address, against the caps; says
-    which to refuse. One per server (the event loop is its only user: no lock)."""
+    """Counts open connections, in total and per client address, against the caps. Over a
+    cap a connection gets one of :data:`HEALTH_SLOTS` spare places, where only ``/health`` is
+    answered (so a monitor can tell a full server from a dead one), else a 503 at once. One per
+    server; the event loop is its only user (no lock)."""
 
     caps: ConnectionCaps
     total: int = 0
     per_client: dict[str, int] = field(default_factory=dict)
+    health_only: int = 0
     refused: int = 0  # since the last log line
-    _logged_at: float = 0.0
+    _logged_at: float = -ACCEPT_LOG_INTERVAL_S
 
-    def admit(self, host: str) -> str | None:
-        """Count the connection in, or say why it is refused (None: admitted)."""
+    def admit(self, host: str) -> tuple[Admission, str]:
+        """Count the connection in; (how, why it is over a cap or "")."""
         if self.total >= self.caps.total:
             why = f"the server holds its limit of {self.caps.total} connections (--max-connections)"
         elif self.per_client.get(host, 0) >= self.caps.per_client:
@@ -91,22 +106,33 @@ class ConnectionGate:
         else:
             self.total += 1
             self.per_client[host] = self.per_client.get(host, 0) + 1
-            return None
+            return Admission.ADMITTED, ""
         self.refused += 1
         now = time.monotonic()
         if now - self._logged_at >= ACCEPT_LOG_INTERVAL_S:
             log.warning("refused %d connection(s) in the last %g s: %s (last from %s)", self.refused,
                         ACCEPT_LOG_INTERVAL_S, why, host)
             self._logged_at, self.refused = now, 0
-        return why
+        if self.health_only < HEALTH_SLOTS:
+            self.health_only += 1
+            return Admission.HEALTH_ONLY, why
+        return Admission.REFUSED, why
 
-    def release(self, host: str) -> None:
-        self.total -= 1
-        left = self.per_client.get(host, 1) - 1
-        if left > 0:
-            self.per_client[host] = left
-        else:
-            self.per_client.pop(host, None)
+    def release(self, host: str, how: Admission) -> None:
+        if how is Admission.HEALTH_ONLY:
+            self.health_only -= 1
+        elif how is Admission.ADMITTED:
+            self.total -= 1
+            left = self.per_client.get(host, 1) - 1
+            if left > 0:
+                self.per_client[host] = left
+            else:
+                self.per_client.pop(host, None)
+
+
+def _over_cap_body(why: str) -> bytes:
+    return json.dumps(APIError(503, f"too many connections: {why}; retry later", type="server_error",
+                               code="too_many_connections").body()).encode()
 
 
 class AcceptErrorLog:
@@ -151,22 +177,31 @@ def _protocol(settings: ServerSettings, gate: ConnectionGate) -> type[H11Protoco
 
             async def with_transport(scope: dict, receive: Any, send: Any) -> None:
                 scope["llmsys.transport"] = self.transport  # a stalled stream drops its connection with it
-                await app(scope, receive, send)
+                await self._guarded(scope, receive, send, app)
 
             self.app = with_transport
-            self._refused = False
+            self._admission = Admission.REFUSED
+            self._why = ""
             self._host = ""
             self._head_timer: asyncio.TimerHandle | None = None
+
+        async def _guarded(self, scope: dict, receive: Any, send: Any, app: Any) -> None:
+            if self._admission is Admission.HEALTH_ONLY and scope.get("path") != "/health":
+                body = _over_cap_body(self._why)
+                await send({"type": "http.response.start", "status": 503, "headers": [
+                    (b"content-type", b"application/json"), (b"retry-after", b"1"), (b"connection", b"close"),
+                    (b"content-length", str(len(body)).encode())]})
+                await send({"type": "http.response.body", "body": body})
+                return
+            await app(scope, receive, send)
 
         def connection_made(self, transport: Any) -> None:  # type: ignore[override]
             super().connection_made(transport)
             peer = transport.get_extra_info("peername")
             self._host = str(peer[0]) if isinstance(peer, tuple) and peer else ""
-            why = gate.admit(self._host)
-            if why is not None:  # over a cap: a 503 now, and closed
-                self._refused = True
-                body = json.dumps(APIError(503, f"too many connections: {why}; retry later", type="server_error",
-                                           code="too_many_connections").body()).encode()
+            self._admission, self._why = gate.admit(self._host)
+            if self._admission is Admission.REFUSED:  # over a cap, no spare place: a 503 now, and closed
+                body = _over_cap_body(self._why)
                 transport.write(f"HTTP/1.1 {_OVER_CAP}\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
                                 f"connection: close\r\ncontent-length: {len(body)}\r\n\r\n".encode() + body)
                 transport.close()
@@ -177,10 +212,11 @@ def _protocol(settings: ServerSettings, gate: ConnectionGate) -> type[H11Protoco
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
                 except OSError:
                     pass
-            self._head_timer = self.loop.call_later(head_timeout_s, self._head_overdue)
+            wait = HEALTH_HEAD_S if self._admission is Admission.HEALTH_ONLY else head_timeout_s
+            self._head_timer = self.loop.call_later(wait, self._head_overdue)
 
         def data_received(self, data: bytes) -> None:
-            if not self._refused:
+            if self._admission is not Admission.REFUSED:
                 super().data_received(data)
 
         def _head_overdue(self) -> None:
@@ -192,13 +228,16 @@ def _protocol(settings: ServerSettings, gate: ConnectionGate) -> type[H11Protoco
             super().on_response_complete()  # keep-alive: the next head has the same deadline
             if self._head_timer is not None:
                 self._head_timer.cancel()
+            if self._admission is Admission.HEALTH_ONLY:  # one answer per spare place
+                self.transport.close()
+                return
             self._head_timer = self.loop.call_later(head_timeout_s, self._head_overdue)
 
         def connection_lost(self, exc: Exception | None) -> None:
             if self._head_timer is not None:
                 self._head_timer.cancel()
-            if not self._refused:
-                gate.release(self._host)
+            gate.release(self._host, self._admission)
+            self._admission = Admission.REFUSED  # released once
             super().connection_lost(exc)
 
         def send_400_response(self, msg: str) -> None:
@@ -228,7 +267,7 @@ def _backlog(caps: ConnectionCaps) -> int:
         return 2048
     if soft == resource.RLIM_INFINITY:
         return 2048
-    return max(32, min(2048, soft - caps.total - 32))
+    return max(16, min(2048, soft - caps.total - HEALTH_SLOTS - 32))
 
 
 def _uvicorn_config(state: ServerState, host: str, port: int, log_level: str) -> uvicorn.Config:
