@@ -317,7 +317,7 @@ def _copy(bases: dict[str, Path], kind: str, tmp_path: Path) -> Path:
     src = bases[kind]
     if src.is_dir():
         return Path(shutil.copytree(src, tmp_path / src.name))
-    (tmp_path / kind).mkdir()
+    (tmp_path / kind).mkdir(parents=True)
     return Path(shutil.copy(src, tmp_path / kind / src.name))
 
 
@@ -339,6 +339,40 @@ def test_a_lying_file_is_refused_in_one_line(bases, tmp_path, case, monkeypatch)
     assert msg.startswith(str(path)), msg
     assert re.search(needle, msg), msg
     assert read == [], (read, msg)
+
+
+@pytest.mark.parametrize("name", ["st-relabel", "st-relabel-fitted", "st-relabel-fitted-last", "st-trailing-bytes"])
+def test_the_safetensors_library_refuses_them_too(bases, tmp_path, name):
+    """The safetensors rules are the library's own: each file refused above is refused by ``safetensors`` too (and
+    the good one loads there)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    _, kind, patch, _ = next(c for c in CASES if c[0] == name)
+    load_file(_copy(bases, kind, tmp_path / "good") / ST)
+    with pytest.raises(SafetensorError):
+        load_file(patch(_copy(bases, kind, tmp_path)) / ST)
+
+
+# The GGUF cases llama.cpp loads: it reads no ``vocab_size`` key (its vocabulary is the token list, which here
+# still matches the table; llmsys sizes the model by the key, so a key that lies is refused), and it checks
+# nothing after the last tensor (llmsys does: the relabelled last tensor would be read as half its bytes).
+LLAMA_CPP_LOADS = {"gguf-vocab-size", "gguf-relabel-last"}
+
+
+@pytest.mark.parametrize("name", [c[0] for c in CASES if c[1] != "hf" and c[0] not in LLAMA_CPP_LOADS])
+def test_llama_cpp_refuses_them_too(bases, tmp_path, name):
+    """Each GGUF refused above is refused by llama.cpp (through llama-cpp-python, where installed), and the good
+    file loads there: the rules are llama.cpp's, not stricter ones that would refuse files it runs."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="the comparison needs llama-cpp-python")
+
+    def load(path: Path) -> None:
+        llama_cpp.Llama(str(path), n_ctx=32, n_threads=1, verbose=False)
+
+    _, kind, patch, _ = next(c for c in CASES if c[0] == name)
+    load(_copy(bases, kind, tmp_path / "good"))
+    with pytest.raises(ValueError, match="Failed to load model"):
+        load(patch(_copy(bases, kind, tmp_path)))
 
 
 def test_the_good_bases_load(bases):

@@ -108,7 +108,8 @@ class SafetensorsFile:
 
     def _check_layout(self, base: int, size: int) -> None:
         """The tensors tile the data area from its first byte to the file's end, as the ``safetensors`` library
-        requires of every file it reads or writes (``Metadata::validate``). Why: each span already matches its
+        requires of every file it reads ("invalid offset for tensor", "file not fully covered"). Why: each span
+        already matches its
         dtype and shape (:meth:`_entry`), so a header whose dtype was changed and whose offsets were made to
         fit -- an F32 tensor relabelled F16 over half its bytes -- is caught only by the bytes it leaves
         belonging to no tensor."""
