@@ -329,8 +329,36 @@ def test_a_stream_whose_client_stops_reading_is_aborted_and_its_slot_freed(srv, 
     s.close()
     assert 0 < generated < 20000, generated  # well before max_tokens (100000)
     lines = [r.getMessage() for r in caplog.records if "aborted" in r.getMessage()]
-    assert len(lines) == 1 and "read nothing for 1 s" in lines[0], lines
+    assert len(lines) == 1 and "--send-timeout 1 s" in lines[0], lines
     assert _health_ms(srv) < 5000
+
+
+def test_a_stalled_stream_is_aborted_by_its_backlog_before_the_send_timeout(chat_dir, caplog):
+    """With a long --send-timeout the bound on chunks waiting behind the blocked send ends it:
+    the engine decodes at most about MAX_UNSENT_CHUNKS tokens past the full socket buffers."""
+    from llmsys.engine.server.completions import MAX_UNSENT_CHUNKS
+
+    srv = _server(chat_dir, send_timeout_s=300.0)
+    try:
+        data = json.dumps({"prompt": "Once upon a time", "stream": True, "max_tokens": 100000, "ignore_eos": True,
+                           "kv_policy": SLIDING}).encode()
+        before = _metric(srv, "llmsys_generation_tokens_total")
+        s = _connect(srv, rcvbuf=4096)
+        with caplog.at_level(logging.WARNING, logger="llmsys.server"):
+            s.sendall(_post_head(COMP, len(data)) + data)
+            t0 = time.monotonic()
+            time.sleep(0.5)
+            while srv.state.worker.health().running:
+                assert time.monotonic() - t0 < 120, "the stream kept its slot for a client that reads nothing"
+                time.sleep(0.1)
+        generated = _metric(srv, "llmsys_generation_tokens_total") - before
+        s.close()
+        lines = [r.getMessage() for r in caplog.records if "aborted" in r.getMessage()]
+        assert len(lines) == 1 and f"at most {MAX_UNSENT_CHUNKS} chunks" in lines[0], lines
+        waited = int(re.search(r"while (\d+) chunks waited", lines[0]).group(1))
+        assert waited > MAX_UNSENT_CHUNKS and generated < 20000, (waited, generated)
+    finally:
+        srv.stop()
 
 
 # -- no server paths in client-facing errors ----------------------------------------------------

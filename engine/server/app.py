@@ -377,6 +377,7 @@ def create_app(state: ServerState) -> ServerAPI:
             return BoundedStream(
                 stream_events(job, state, resp_id, shape, include_usage, logprobs),
                 state.settings.send_timeout_s,
+                job.out.qsize,
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )

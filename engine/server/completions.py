@@ -328,18 +328,25 @@ class Shape:
         return ToolStream(self.tools.fmt) if self.tools is not None and self.tools.fmt is not None else None
 
 
+MAX_UNSENT_CHUNKS = 1024  # engine chunks a stream may have waiting behind a send that does not complete
+
+
 class BoundedStream(StreamingResponse):
     """A streaming response that gives up on a client that stops reading.
 
-    Once the socket buffers fill, sending a chunk waits for the client; a client that never
-    reads would hold its engine slot (and decode to ``max_tokens`` into the buffers). Each send
-    gets ``send_timeout_s``; past it the body generator is closed (its ``finally`` aborts the
-    job, freeing the slot), the connection is dropped without flushing, and one line is logged.
-    The server's protocol puts the transport in the scope (``llmsys.transport``) for the drop."""
+    Once the socket buffers fill, sending a chunk waits for the client, while the engine goes on
+    decoding into the job's queue: a client that never reads would hold its slot to ``max_tokens``.
+    A send that has not completed after ``send_timeout_s``, or while ``backlog()`` (the chunks the
+    engine has queued for this stream) passes :data:`MAX_UNSENT_CHUNKS`, ends the stream: the body
+    generator is closed (its ``finally`` aborts the job, freeing the slot), the connection dropped
+    without flushing, one line logged. The server's protocol puts the transport in the scope
+    (``llmsys.transport``) for the drop."""
 
-    def __init__(self, content: AsyncIterator[str], send_timeout_s: float, **kwargs: Any):
+    def __init__(self, content: AsyncIterator[str], send_timeout_s: float, backlog: Callable[[], int] | None = None,
+                 **kwargs: Any):
         super().__init__(content, **kwargs)
         self.send_timeout_s = send_timeout_s
+        self.backlog = backlog or (lambda: 0)
         self._transport: Any = None
         self._client: Any = None
 
@@ -349,19 +356,35 @@ class BoundedStream(StreamingResponse):
         await super().__call__(scope, receive, send)
 
     async def stream_response(self, send: Any) -> None:
-        async def timed_send(msg: dict) -> None:
-            await asyncio.wait_for(send(msg), self.send_timeout_s)
+        async def bounded_send(msg: dict) -> None:
+            task = asyncio.ensure_future(send(msg))
+            t0 = time.monotonic()
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=min(0.25, self.send_timeout_s))
+                if done:
+                    return task.result()
+                waited = time.monotonic() - t0
+                if waited >= self.send_timeout_s or self.backlog() > MAX_UNSENT_CHUNKS:
+                    task.cancel()
+                    raise _ClientStalled(waited, self.backlog())
 
         try:
-            await super().stream_response(timed_send)
-        except asyncio.TimeoutError:
+            await super().stream_response(bounded_send)
+        except _ClientStalled as e:
             who = f"{self._client[0]}:{self._client[1]}" if self._client else "a client"
-            log.warning("stream to %s aborted: the client read nothing for %g s (its slot is freed)",
-                        who, self.send_timeout_s)
+            log.warning("stream to %s aborted: the client read nothing for %.1f s while %d chunks waited "
+                        "(--send-timeout %g s, at most %d chunks); its slot is freed", who, e.waited, e.backlog,
+                        self.send_timeout_s, MAX_UNSENT_CHUNKS)
             await self.body_iterator.aclose()  # the generator's finally aborts the job
             if self._transport is not None:
                 self._transport.abort()  # close() would wait to flush to a reader that never reads
                 await asyncio.sleep(0)  # let connection_lost mark the cycle disconnected first
+
+
+class _ClientStalled(Exception):
+    def __init__(self, waited: float, backlog: int):
+        super().__init__(f"stalled {waited:.1f} s, {backlog} chunks")
+        self.waited, self.backlog = waited, backlog
 
 
 def sse(obj: Any) -> str:

@@ -442,7 +442,7 @@ def count_json_values(body: bytes) -> int:
         escaped = np.zeros(a.size, dtype=bool)
         escaped[1:] = run[:-1] % 2 == 1
         quote &= ~escaped
-    inside = (np.cumsum(quote, dtype=np.int64) % 2).astype(bool)  # a closing quote counts as inside: no matter
+    inside = np.bitwise_xor.accumulate(quote.view(np.uint8)).view(bool)  # a closing quote counts as inside: no matter
     structural = (a == 0x2C) | (a == 0x3A) | (a == 0x5B)
     return 1 + int(np.count_nonzero(structural & ~inside))
 

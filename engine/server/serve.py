@@ -110,8 +110,8 @@ class ConnectionGate:
         self.refused += 1
         now = time.monotonic()
         if now - self._logged_at >= ACCEPT_LOG_INTERVAL_S:
-            log.warning("refused %d connection(s) in the last %g s: %s (last from %s)", self.refused,
-                        ACCEPT_LOG_INTERVAL_S, why, host)
+            log.warning("connections over the cap: %d since the last such line (at most one per %g s): %s "
+                        "(the latest from %s)", self.refused, ACCEPT_LOG_INTERVAL_S, why, host)
             self._logged_at, self.refused = now, 0
         if self.health_only < HEALTH_SLOTS:
             self.health_only += 1
@@ -159,9 +159,9 @@ class AcceptErrorLog:
         now = time.monotonic()
         if now - self.logged_at >= ACCEPT_LOG_INTERVAL_S:
             exc = context.get("exception")
-            log.error("accept() failed %d time(s) in the last %g s (%s): the process is out of file descriptors; "
-                      "lower --max-connections or raise the open-file limit (ulimit -n)", self.count,
-                      ACCEPT_LOG_INTERVAL_S, exc.strerror if isinstance(exc, OSError) else exc)
+            log.error("accept() failed %d time(s) since the last such line (at most one per %g s: %s): the process "
+                      "is out of file descriptors; lower --max-connections or raise the open-file limit (ulimit -n)",
+                      self.count, ACCEPT_LOG_INTERVAL_S, exc.strerror if isinstance(exc, OSError) else exc)
             self.logged_at, self.count = now, 0
 
 
