@@ -2160,6 +2160,119 @@ static void bf16_rows_lanes(const uint32_t *xs, int64_t nb, int64_t m_count, int
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !(defined(QG_AVX512) && defined(__AVX512BF16__))
+/* Batches of BL_MIN_ROWS rows and more on AVX2 (prompts): bf16_rows' bits -- 16 float32 lanes per output, lane j
+ * summing k = j, j + 16, ... in order, the tail then the tree -- as a register-blocked GEMM. x is widened to
+ * float32 once per call; each thread widens BL_NB weight rows x BL_KC columns at a time into its own buffer
+ * (L2) and runs tiles of 3 rows of x by 2 weight rows (12 accumulators of 8 lanes, 2 weight registers, 1 for x:
+ * 5 loads per 6 FMAs), the lanes' partial sums kept between column blocks, the tree taken from the registers. Why: the
+ * GEMV widens every weight element again for each row of x (~50 GFLOP/s a thread, x86-64-v3 build on a
+ * Xeon 8581C) where a GEMM summing in another order ran ~110 and gave a row other bits in a prompt than at
+ * decode; this runs the GEMV's sums at the GEMM's speed, so a row's bits never depend on its batch. */
+#define BL_MIN_ROWS 4
+#define BL_NB 48   /* weight rows a thread widens at a time (24 tiles of 2) */
+#define BL_KC 512  /* columns widened at a time (a multiple of 16: a lane keeps its k mod 16) */
+#define BL_REG(v) __asm__("" : "+x"(v)) /* v lives in a register here: no arithmetic, no bits changed */
+
+/* ops_tree of the 16 lanes lo (0-7) | hi (8-15): i + (i+8), i + (i+4), i + (i+2), i + (i+1), as cpu_decode.c's dot_row16 */
+static inline float bl_tree(__m256 lo, __m256 hi) {
+    const __m256 t8 = _mm256_add_ps(lo, hi);
+    const __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps(t8, 1));
+    const __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
+    return _mm_cvtss_f32(_mm_add_ss(t2, _mm_shuffle_ps(t2, t2, 1)));
+}
+
+static void bl_block(const float *xf, int64_t m_count, int64_t k, const uint16_t *w, int64_t ldw, qout out,
+                     int64_t n0, int64_t n1, float *wf, float *part) {
+    const int64_t full = k / 16 * 16, nr = n1 - n0;
+    for (int64_t k0 = 0; k0 < full; k0 += BL_KC) {
+        const int64_t kc = full - k0 < BL_KC ? full - k0 : BL_KC;
+        const int first = k0 == 0, last = k0 + kc == k; /* last: no tail follows, the tree comes here */
+        for (int64_t r = 0; r < nr; r++) /* widen the block: wf [nr][kc] */
+            for (int64_t i = 0; i < kc; i += 8)
+                _mm256_storeu_ps(wf + r * BL_KC + i, ops_bf8(w + (n0 + r) * ldw + k0 + i));
+        for (int64_t m = 0; m < m_count; m += 3) {
+            const int mr = m_count - m < 3 ? (int)(m_count - m) : 3;
+            const float *x0 = xf + m * k + k0, *x1 = mr > 1 ? x0 + k : x0, *x2 = mr > 2 ? x0 + 2 * k : x0;
+            for (int64_t r = 0; r < nr; r += 2) {
+                const int rn = nr - r < 2 ? 1 : 2;
+                float *pp = part + (m * BL_NB + r) * 16; /* part [M][BL_NB][16]: row m + i, weight row r + j */
+                const float *w0 = wf + r * BL_KC, *w1 = rn > 1 ? w0 + BL_KC : w0;
+                __m256 a[3][2][2]; /* [row of x][weight row][lanes 0-7 | 8-15] */
+                for (int i = 0; i < 3; i++)
+                    for (int j = 0; j < 2; j++)
+                        for (int h = 0; h < 2; h++)
+                            a[i][j][h] = first || i >= mr || j >= rn ? _mm256_setzero_ps()
+                                                                     : _mm256_loadu_ps(pp + (i * BL_NB + j) * 16 + 8 * h);
+                for (int64_t t = 0; t < kc; t += 16) {
+                    for (int h = 0; h < 2; h++) { /* lanes 0-7, then 8-15: 2 weight + 3 x registers, 6 FMAs */
+                        const __m256 wa = _mm256_loadu_ps(w0 + t + 8 * h), wb = _mm256_loadu_ps(w1 + t + 8 * h);
+                        __m256 xv = _mm256_loadu_ps(x0 + t + 8 * h);
+                        BL_REG(xv); /* one load for two FMAs (GCC would fold it into both) */
+                        a[0][0][h] = _mm256_fmadd_ps(xv, wa, a[0][0][h]);
+                        a[0][1][h] = _mm256_fmadd_ps(xv, wb, a[0][1][h]);
+                        xv = _mm256_loadu_ps(x1 + t + 8 * h);
+                        BL_REG(xv);
+                        a[1][0][h] = _mm256_fmadd_ps(xv, wa, a[1][0][h]);
+                        a[1][1][h] = _mm256_fmadd_ps(xv, wb, a[1][1][h]);
+                        xv = _mm256_loadu_ps(x2 + t + 8 * h);
+                        BL_REG(xv);
+                        a[2][0][h] = _mm256_fmadd_ps(xv, wa, a[2][0][h]);
+                        a[2][1][h] = _mm256_fmadd_ps(xv, wb, a[2][1][h]);
+                    }
+                }
+                for (int i = 0; i < mr; i++) /* missing rows of x or weights were computed on valid memory: dropped */
+                    for (int j = 0; j < rn; j++) {
+                        if (last) {
+                            put1(out, m + i, n0 + r + j, bl_tree(a[i][j][0], a[i][j][1]));
+                        } else {
+                            _mm256_storeu_ps(pp + (i * BL_NB + j) * 16, a[i][j][0]);
+                            _mm256_storeu_ps(pp + (i * BL_NB + j) * 16 + 8, a[i][j][1]);
+                        }
+                    }
+            }
+        }
+    }
+    if (full == k) return;
+    for (int64_t m = 0; m < m_count; m++) /* the tail into lanes 0 .. k - full, then the tree */
+        for (int64_t r = 0; r < nr; r++) {
+            float a[16];
+            if (full) memcpy(a, part + (m * BL_NB + r) * 16, sizeof a);
+            else memset(a, 0, sizeof a);
+            const uint16_t *wr = w + (n0 + r) * ldw;
+            for (int64_t j = 0; full + j < k; j++) a[j] = a[j] + xf[m * k + full + j] * bf(wr[full + j]);
+            put1(out, m, n0 + r, ops_tree(a));
+        }
+}
+
+/* x bf16 [M, K] -> out [M, N] with bf16_rows' bits (see above); 0 when done, 2 when out of memory. */
+static int bf16_gemm_lanes(const uint16_t *x, int64_t ldx, int64_t m_count, int64_t k, const uint16_t *w, int64_t ldw,
+                           qout out, int64_t n, int threads) {
+    float *xf = malloc(sizeof(float) * (size_t)(m_count * k));
+    if (!xf) return 2;
+    for (int64_t m = 0; m < m_count; m++)
+        for (int64_t i = 0; i < k; i++) xf[m * k + i] = bf(x[m * ldx + i]);
+    const int64_t items = (n + BL_NB - 1) / BL_NB;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1 && items > 1 && m_count * n * k >= PAR_MIN)
+    {
+        float *wf = malloc(sizeof(float) * (size_t)(BL_NB * BL_KC));
+        float *part = malloc(sizeof(float) * (size_t)(m_count * BL_NB * 16));
+        if (!wf || !part) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < items; it++)
+            if (wf && part) bl_block(xf, m_count, k, w, ldw, out, it * BL_NB, it * BL_NB + BL_NB < n ? it * BL_NB + BL_NB : n, wf, part);
+        free(wf);
+        free(part);
+    }
+    free(xf);
+    return failed ? 2 : 0;
+}
+#endif
+
 /* x [M, K] bf16 (row stride ldx), w bf16 [N, K] (row stride ldw) -> out [M, N] (row stride ldo): bf16, or float32
    unrounded with IO_OUT_F32 in io (the LM head's logits). */
 int llmsys_gemv_bf16_io(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw, void *outp, int64_t ldo,
@@ -2177,6 +2290,9 @@ int llmsys_gemv_bf16_io(const uint16_t *x, int64_t ldx, const uint16_t *w, int64
         bf16_rows_lanes(xs, nb, m_count, k, w, ldw, out, it * 64, it * 64 + 64 < n ? it * 64 + 64 : n);
     free(xs);
 #else
+#if defined(__AVX2__) && defined(__FMA__)
+    if (m_count >= BL_MIN_ROWS) return bf16_gemm_lanes(x, ldx, m_count, k, w, ldw, out, n, threads);
+#endif
 #pragma omp parallel for num_threads(threads) schedule(static) if (par)
     for (int64_t it = 0; it < items; it++)
         bf16_rows(x, ldx, m_count, k, w, ldw, out, it * 64, it * 64 + 64 < n ? it * 64 + 64 : n);

@@ -555,6 +555,30 @@ def test_bf16_gemv_is_its_definition(m, n, k):
 
 @needs_kernel
 @pytest.mark.parametrize("level", [None, *x86_levels()])  # None: the build this CPU loads
+@pytest.mark.parametrize("k", [1100, 16, 40])  # 512-column blocks and a tail; one block; a tail only past 16
+def test_bf16_gemv_batches_are_its_definition_and_batch_invariant(level, k, tmp_path):
+    """bf16 batches (prompts: the AVX2 builds' register-blocked tile of 3 rows of x by 2 weight rows, the
+    AVX512-BF16 build's lane tiles): the GEMV's definition bit for bit, bf16 and float32 out, with row tails,
+    48-row weight blocks and strided x; a row's bits are the same alone, in any batch and on one thread."""
+    lib = None if level is None else other_isa_build(cpu_qgemv._SOURCE, cpu_qgemv._SIGNATURES, level, tmp_path)
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(37, k + 3, generator=g).bfloat16()[:, :k]
+    w = torch.randn(101, k, generator=g).bfloat16()
+    for out in (torch.bfloat16, torch.float32):
+        y = cpu_qgemv.bf16_gemv(x, w, out_dtype=out, lib=lib)
+        assert torch.equal(_bits(y), _bits(cpu_qgemv.bf16_gemv_def(x, w, out_dtype=out)))
+        for rows in (slice(0, 1), slice(0, 4), slice(5, 12), slice(30, 37)):
+            assert torch.equal(_bits(cpu_qgemv.bf16_gemv(x[rows], w, out_dtype=out, lib=lib)), _bits(y[rows]))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(_bits(cpu_qgemv.bf16_gemv(x, w, out_dtype=torch.float32, lib=lib)), _bits(y))
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernel
+@pytest.mark.parametrize("level", [None, *x86_levels()])  # None: the build this CPU loads
 def test_bf16_gemm_is_its_definition_and_batch_invariant(level, tmp_path):
     """The C bf16 GEMM (bf16 prompts where oneDNN has no bf16): its definition bit for bit (one float32 FMA
     chain per output over k in order, + bias, one rounding) on every AVX2 + FMA build this CPU runs, with M,
