@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import need_shared
+from conftest import SHARED, need_shared
 from llmsys.engine.loader import load_model
 from llmsys.engine.loader.safetensors_io import SafetensorsFile, save_file
 from llmsys.kernels.common.errors import CheckpointError
@@ -35,7 +35,7 @@ from llmsys.engine.bench.gguf_export import export_float  # noqa: E402
 from llmsys.engine.loader.gguf_header import read_header  # noqa: E402
 
 ST = "model.safetensors"
-SMOLLM2 = Path("/work/shared/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf")
+SMOLLM2 = SHARED / "models" / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 F32, F16 = 0, 1  # ggml type numbers
 
 
