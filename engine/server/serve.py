@@ -257,8 +257,9 @@ def _protocol(settings: ServerSettings, gate: ConnectionGate) -> type[H11Protoco
 
 def _backlog(caps: ConnectionCaps) -> int:
     """The listen backlog, which is also how many connections asyncio accepts in one go: kept
-    within the file descriptors left above the connection cap, so a burst of connects cannot
-    run the process out of them before the over-cap ones are closed."""
+    near the file descriptors left above the connection cap (at least 64, so a burst of clients
+    is not made to retry its handshake), so a burst of connects seldom runs the process out of
+    them before the over-cap ones are closed (and when it does, AcceptErrorLog keeps it quiet)."""
     try:
         import resource
 
@@ -267,7 +268,7 @@ def _backlog(caps: ConnectionCaps) -> int:
         return 2048
     if soft == resource.RLIM_INFINITY:
         return 2048
-    return max(16, min(2048, soft - caps.total - HEALTH_SLOTS - 32))
+    return max(64, min(2048, soft - caps.total - HEALTH_SLOTS - 16))
 
 
 def _uvicorn_config(state: ServerState, host: str, port: int, log_level: str) -> uvicorn.Config:
