@@ -787,7 +787,7 @@ class _Ollama:
             except Exception as e:
                 if not isinstance(e, (APIError, LLMSysError)):
                     log.exception("an Ollama stream failed")
-                yield _line({"error": e.message if isinstance(e, APIError) else str(e) or type(e).__name__})
+                yield _line({"error": e.message if isinstance(e, APIError) else redact_paths(str(e) or type(e).__name__)})
         finally:
             job.abort_rest()
 

@@ -36,6 +36,7 @@ from llmsys.kernels.common.errors import LLMSysError
 from llmsys.engine.outputs import StreamChunk
 from llmsys.engine.sampling import SamplingParams
 from llmsys.engine.server.metrics import Metrics, layer_placement, memory_budgets
+from llmsys.engine.server.protocol import redact_paths
 
 log = logging.getLogger("llmsys.server")
 
@@ -171,7 +172,7 @@ class EngineWorker(threading.Thread):
             self._loop()
         except BaseException as e:  # a bug outside the guarded step: tell every request, then end
             log.exception("the engine thread failed")
-            self._fatal = f"{type(e).__name__}: {e}".splitlines()[0]
+            self._fatal = redact_paths(f"{type(e).__name__}: {e}".splitlines()[0])  # /health shows it to clients
             self._fail_everyone(self._fatal)
 
     def _loop(self) -> None:
