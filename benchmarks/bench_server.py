@@ -315,7 +315,7 @@ def main() -> int:
     ap.add_argument("--distinct", type=int, default=20, help="distinct requests (sequential references)")
     ap.add_argument("--shape", default="smollm2-135m")
     ap.add_argument("--model", default=None, help="serve this model dir instead of the synthetic shape (smoke runs)")
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default="auto", help="the server's --dtype (auto: its default, bfloat16 where the CPU has it)")
     ap.add_argument("--quant", default="none", help="weight format the server quantizes to (llmsys serve --quant)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)

@@ -5,9 +5,14 @@ CPU, where decode is bound by Python overhead as much as by bytes, that loop
 costs more than the math. Here a :class:`GatherPlan` is built once per engine
 step (it depends only on the batch layout, not the layer). Decode rows run the
 C decode kernel reading the pool by slot (or one grouped matmul over the
-gathered rows); prompt chunks gather each sequence's K/V by slot into
-``[B, Lmax, Hk, D]`` and run ``scaled_dot_product_attention`` per sequence,
-unpadded, so a sequence's bits do not depend on the rest of the step.
+gathered rows). Prompt tokens run the same C arithmetic, each as a decode step
+at its own position (``cpu_decode.rows_attention``), so a token's bits depend on
+its query and its keys only: not on its chunk, a prefix-cache hit, the batch,
+or whether it is recomputed after preemption. (``scaled_dot_product_attention``
+per sequence, which ran before, blocks its sums by the chunk's and the
+context's sizes.) It costs prompt speed at long contexts (docs/benchmarks.md);
+soft-capped logits and attention sinks, and prompts without the C kernel, still
+take SDPA / explicit logits per sequence, unpadded.
 
 Sliding-window layers (Gemma 2/3, Phi-3) attend through :func:`windowed`, the step's plan
 restricted to each query's window; soft-capped logits (Gemma 2) take explicit float32 logits

@@ -16,27 +16,18 @@ matrices, 2 threads; ``python benchmarks/bench_gemv.py``). The engine packs
 resident CPU weights once after loading; ``linear`` keeps a packed resident
 layer and the same layer streamed from disk (plain) bit-identical.
 
-bfloat16 weights are never prepacked: they stay plain so that batches of fewer
-than :data:`BF16_UPCAST_MIN_ROWS` rows (decode) run the C bf16 GEMV
-(``cpu_qgemv.bf16_gemv``), whose bits the fused decode layers give (two C calls
-per decoder layer instead of ~10 Python-dispatched ops). Where oneDNN has bf16
-(AVX-512BW/VL/DQ or AVX-NE-CONVERT) bigger batches (prompts) run its bf16 GEMM
-on the plain weight (within 10% of the packed one at M = 128, Zen 5). Before,
-such CPUs kept oneDNN's packed GEMV op by op at decode: SmolLM2-135M bf16
-decoded 73.5 tok/s where the fused layers with the AVX512-BF16 GEMV give 93.5
-(Zen 5, 2 threads, ``llmsys bench --synthetic smollm2-135m --dtype bfloat16``).
-Without oneDNN bf16 (AVX2 laptops and desktops, Zen 2/3) torch's own bf16 GEMM
-costs about 0.45 ms per row of x on a 4864x896 weight (55 ms at M = 128, 5.5x
-float32's MKL sgemm). Prompts there run the C bf16 GEMM (``cpu_qgemv.bf16_gemm``:
-the weight read as bf16 and converted a block at a time, one float32 FMA chain per
-output): on the Qwen2.5-0.5B layer matrices at M = 128, 2 Zen 5 cores held to
-AVX2, 222-226 GFLOP/s where the float32 sgemm on weight chunks upcast per call
-(what ran before, and what a build without AVX2 + FMA still runs) gave 160-185,
-and a row's bits do not depend on the batch. The C GEMV reads 12.5-18.5 GB/s from
-DRAM there where torch's GEMV read 10.8-15.1.
+bfloat16 weights are never prepacked, and every batch of every size runs the C bf16 GEMV
+(``cpu_qgemv.bf16_gemv``: 16 float32 lanes per output, then a tree), whose bits the fused decode layers
+give: a row's result never depends on how many rows came with it, so a request's answer is the same alone,
+batched, chunked or after a prefix-cache hit (``tests/test_batch_invariance.py``). Prompts run the GEMV's
+batch tiles (AVX2: 3 rows of x by 2 weight rows on a widened weight block; AVX512-BF16: ``vdpbf16ps`` lane
+tiles). Before, batches of 12 rows and more took oneDNN's bf16 GEMM (AMX where the CPU has it) or the C bf16
+GEMM, which sum in other orders: a request's tokens changed with the batch. The price is prompt speed where
+oneDNN has AMX (docs/benchmarks.md). Without the C kernel, and for weights the GEMV does not take, torch's
+bf16 linear, or float32 sgemm on upcast weight chunks.
 
-float32 weights too small to pack (below 64K elements: stories260k's) run their
-decode-sized batches through the C float32 GEMV (``cpu_qgemv.f32_gemv``), whose
+float32 weights too small to pack (below 64K elements: stories260k's) run every batch through the
+C float32 GEMV (``cpu_qgemv.f32_gemv``), whose
 bits the fused decode layers give: a float32 decode step of such a model is then
 one C call for the whole decoder (``DecoderModel.decode_stack``) instead of ~10
 torch ops a layer, each costing more in dispatch than in arithmetic.
@@ -65,11 +56,10 @@ def _onednn_bf16() -> bool:
 
 _ONEDNN_BF16 = _onednn_bf16()  # oneDNN runs (and prepacks) bf16 on this CPU; a fact, never mutated
 # Only float32 is prepacked: bf16 weights stay plain everywhere, so the C bf16 GEMV (and the fused decode
-# layers) can read them at decode; where oneDNN has bf16 its GEMM takes prompts on the plain weight.
+# layers) can read them.
 _PACKABLE = (torch.float32,)
-# Rows of x from which a bf16 matmul leaves the C GEMV for a GEMM (oneDNN's, or without oneDNN bf16 the
-# upcast sgemm; module doc). Without oneDNN bf16, the C GEMV (Zen 3, 2 threads, C vs upcast ms: 3072x576 M=8 0.68 vs 1.63, M=16 1.34 vs 0.99;
-# 49152x576 M=8 11.0 vs 17.8, M=16 20.3 vs 13.5; torch's own bf16 GEMM was 23.7 ms at M=8 on the head).
+# Rows of x up to which the fused decode layers take a batch (DecoderModel.DECODE_MAX_ROWS), and from which a
+# bf16 matmul the C GEMV cannot run (no C kernel, a float32 bias) takes a GEMM (oneDNN's, or the upcast sgemm).
 BF16_UPCAST_MIN_ROWS = 12
 _UPCAST_CHUNK_BYTES = 4 << 20  # float32 bytes of weight upcast at a time (1024-4096 rows: the same speed)
 # oneDNN's batch-size hint picks the blocking. 16 rather than 1 (1 blocks like the
@@ -137,9 +127,7 @@ def linear(
     packed on the fly, so it gives the same bits as the resident packed layer: the
     identical-answers-at-any-budget guarantee. The reorder costs a copy of the
     weight per call, noise next to the disk read it follows. bfloat16 needs none of
-    this (never packed): batches of fewer than :data:`BF16_UPCAST_MIN_ROWS` rows run the C bf16 GEMV,
-    bigger ones oneDNN's bf16 GEMM, or float32 sgemm on upcast weight chunks where oneDNN has no bf16
-    (module doc).
+    this (never packed): every batch runs the C bf16 GEMV (module doc).
 
     ``rows_of``: ``weight`` is a row chunk of a matrix with this many rows (an LM
     head streamed in chunks); the GEMM choice follows the whole matrix, and
@@ -172,15 +160,8 @@ def linear(
         if bf16_gemv_applies(weight, bias):  # every row count: a row's bits never depend on its batch (module doc)
             return _gemv(cpu_qgemv.bf16_gemv, x, weight, bias)
         if x.numel() >= BF16_UPCAST_MIN_ROWS * x.shape[-1]:
-            # prompts: oneDNN's bf16 GEMM on the plain weight where it has one, else the C bf16 GEMM
-            # (upcast sgemm in a build without AVX2 + FMA)
-            if _ONEDNN_BF16:
-                return F.linear(x, weight, bias)
-            if bf16_gemm_applies(weight, bias):
-                return _gemv(cpu_qgemv.bf16_gemm, x, weight, bias, with_bias=True)
-            return _bf16_upcast(x, weight, bias)
-        if bf16_gemv_applies(weight, bias):  # decode-sized batches: the C GEMV (the fused layers' bits)
-            return _gemv(cpu_qgemv.bf16_gemv, x, weight, bias)
+            # no C kernel (or a float32 bias): oneDNN's bf16 GEMM where it has one, else the upcast sgemm
+            return F.linear(x, weight, bias) if _ONEDNN_BF16 else _bf16_upcast(x, weight, bias)
     if x.dtype == torch.float32 and rows_of is None and not torch.is_grad_enabled() and f32_gemv_applies(weight, bias):
         return _gemv(cpu_qgemv.f32_gemv, x, weight, bias)  # (a weight too small to pack: the fused layers' bits)
     return F.linear(x, weight, bias)
@@ -237,20 +218,18 @@ def linear_logits(
     return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
 
 
-def _gemv(fn, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, with_bias: bool = False
-          ) -> torch.Tensor:
-    """``fn`` (the C bf16 or float32 GEMV, or the C bf16 GEMM) on ``x [..., K]`` rows, then ``y + bias`` in the
-    dtype (``with_bias``: ``fn`` adds it itself, before its rounding)."""
+def _gemv(fn, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``fn`` (the C bf16 or float32 GEMV) on ``x [..., K]`` rows, then ``y + bias`` in the dtype."""
     x2 = x.reshape(-1, x.shape[-1])
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-    y = fn(x2, weight, bias, check=False) if with_bias else fn(x2, weight, check=False)
-    if bias is not None and not with_bias:
+    y = fn(x2, weight, check=False)
+    if bias is not None:
         y = y + bias
     return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
 
 
 def bf16_gemv_applies(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Does :func:`linear` run batches of fewer than :data:`BF16_UPCAST_MIN_ROWS` rows on ``weight`` through
+    """Does :func:`linear` run every batch on ``weight`` through
     the C bf16 GEMV (``cpu_qgemv.bf16_gemv``; then ``bf16(y + bias)``)? For plain
     CPU bf16 weights with unit column stride and a bf16 bias or none, when the C kernel is built."""
     return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
@@ -259,7 +238,7 @@ def bf16_gemv_applies(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
 
 
 def bf16_gemm_applies(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Does :func:`linear` run prompts (:data:`BF16_UPCAST_MIN_ROWS` rows or more) on ``weight`` through the C
+    """Does :func:`mm_bf16` (the quantized layers' dequantized prompt GEMM) run on ``weight`` through the C
     bf16 GEMM (``cpu_qgemv.bf16_gemm``)? Where oneDNN has no bf16, for plain CPU bf16 weights with unit column
     stride and a bf16 bias or none, when the C kernel is built with AVX2 + FMA."""
     return (not _ONEDNN_BF16 and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
@@ -269,7 +248,7 @@ def bf16_gemm_applies(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
 
 
 def f32_gemv_applies(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Does :func:`linear` run float32 batches of fewer than :data:`BF16_UPCAST_MIN_ROWS` rows on ``weight``
+    """Does :func:`linear` run every float32 batch on ``weight``
     through the C float32 GEMV (``cpu_qgemv.f32_gemv``; then ``y + bias``)? For plain CPU float32 weights
     that :func:`packable` turns down for size (oneDNN takes the rest, packed), with unit column stride and
     a float32 bias or none, when the C kernel is built."""
