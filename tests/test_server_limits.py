@@ -29,6 +29,7 @@ from test_server import _chat_model
 
 COMP, CHAT, GEN = "/v1/completions", "/v1/chat/completions", "/api/generate"
 SLIDING = "sink:4,window:200"  # lets a request run past the 512-token context
+LIMIT = 'llmsys_limit_hits_total{{limit="{}"}}'
 
 
 def _server(model: Path, **settings):
@@ -100,6 +101,7 @@ def _health_ms(srv) -> float:
 def test_a_body_trickled_in_is_cut_off_by_the_whole_body_deadline(srv):
     """One byte every 0.4 s never trips the 1 s stall timeout; the 2 s body deadline closes it."""
     body = json.dumps({"prompt": "Once upon a time", "max_tokens": 2}).encode()
+    hits = _metric(srv, LIMIT.format("body_deadline"))
     s = _connect(srv)
     t0 = time.monotonic()
     s.sendall(_post_head(COMP, len(body)))
@@ -121,6 +123,7 @@ def test_a_body_trickled_in_is_cut_off_by_the_whole_body_deadline(srv):
         assert b" 408 " in got.split(b"\r\n")[0], got[:200]
         assert b"did not arrive within 2 s" in got and b"--body-deadline" in got, got
     assert _health_ms(srv) < 5000
+    assert _metric(srv, LIMIT.format("body_deadline")) == hits + 1
 
 
 # -- connection caps ----------------------------------------------------------------------------
@@ -185,6 +188,8 @@ def test_connections_over_the_caps_get_a_503_and_health_still_answers(srv):
             assert time.monotonic() < deadline, "the connection places were not given back"
             time.sleep(0.1)
     assert srv.state.worker.health().running == 0
+    assert _metric(srv, LIMIT.format("max_connections_per_client")) >= 2
+    assert _metric(srv, LIMIT.format("max_connections")) >= 2 + HEALTH_SLOTS
 
 
 def test_the_default_connection_cap_sits_below_the_open_file_limit():
@@ -331,6 +336,7 @@ def test_a_stream_whose_client_stops_reading_is_aborted_and_its_slot_freed(srv, 
     assert 0 < generated < 20000, generated  # well before max_tokens (100000)
     lines = [r.getMessage() for r in caplog.records if "aborted" in r.getMessage()]
     assert len(lines) == 1 and "--send-timeout 1 s" in lines[0], lines
+    assert _metric(srv, LIMIT.format("send_timeout")) >= 1
     assert _health_ms(srv) < 5000
 
 
@@ -358,6 +364,7 @@ def test_a_stalled_stream_is_aborted_by_its_backlog_before_the_send_timeout(chat
         assert len(lines) == 1 and f"at most {MAX_UNSENT_CHUNKS} chunks" in lines[0], lines
         waited = int(re.search(r"while (\d+) chunks waited", lines[0]).group(1))
         assert waited > MAX_UNSENT_CHUNKS and generated < 20000, (waited, generated)
+        assert _metric(srv, LIMIT.format("unsent_backlog")) == 1
     finally:
         srv.stop()
 

@@ -140,11 +140,13 @@ class GuardMiddleware:
                     msg = await asyncio.wait_for(receive(), max(0.0, min(stall, left)))
                 except asyncio.TimeoutError:
                     if left <= stall:
-                        why = (f"the request body did not arrive within {whole:g} s ({seen} bytes came); "
-                               "send it faster (or raise the server's --body-deadline)")
+                        limit, why = "body_deadline", (f"the request body did not arrive within {whole:g} s ({seen} "
+                                                       "bytes came); send it faster (or raise the server's "
+                                                       "--body-deadline)")
                     else:
-                        why = (f"the request body stalled: nothing arrived for {stall:g} s "
-                               "(is Content-Length larger than the body?)")
+                        limit, why = "body_stall", (f"the request body stalled: nothing arrived for {stall:g} s "
+                                                    "(is Content-Length larger than the body?)")
+                    self.state.metrics.count_limit(limit)
                     log.info("closed a slow request body from %s: %s", _client(scope), why)
                     return await _send_error(send_counted, APIError(
                         408, why, code="request_timeout", headers={"Connection": "close"}))
@@ -378,6 +380,7 @@ def create_app(state: ServerState) -> ServerAPI:
                 stream_events(job, state, resp_id, shape, include_usage, logprobs),
                 state.settings.send_timeout_s,
                 job.out.qsize,
+                state.metrics,
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )

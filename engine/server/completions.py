@@ -23,6 +23,7 @@ from fastapi.responses import StreamingResponse
 from llmsys.engine.core import TokenConstraint
 from llmsys.engine.outputs import StreamChunk, Timings
 from llmsys.engine.sampling import SamplingParams
+from llmsys.engine.server.metrics import Metrics
 from llmsys.engine.server.protocol import APIError
 from llmsys.engine.server.state import ServerState
 from llmsys.engine.server.tools import ToolCall, ToolPlan, ToolStream
@@ -343,10 +344,11 @@ class BoundedStream(StreamingResponse):
     (``llmsys.transport``) for the drop."""
 
     def __init__(self, content: AsyncIterator[str], send_timeout_s: float, backlog: Callable[[], int] | None = None,
-                 **kwargs: Any):
+                 metrics: Metrics | None = None, **kwargs: Any):
         super().__init__(content, **kwargs)
         self.send_timeout_s = send_timeout_s
         self.backlog = backlog or (lambda: 0)
+        self.metrics = metrics
         self._transport: Any = None
         self._client: Any = None
 
@@ -375,6 +377,8 @@ class BoundedStream(StreamingResponse):
             log.warning("stream to %s aborted: the client read nothing for %.1f s while %d chunks waited "
                         "(--send-timeout %g s, at most %d chunks); its slot is freed", who, e.waited, e.backlog,
                         self.send_timeout_s, MAX_UNSENT_CHUNKS)
+            if self.metrics is not None:
+                self.metrics.count_limit("send_timeout" if e.waited >= self.send_timeout_s else "unsent_backlog")
             await self.body_iterator.aclose()  # the generator's finally aborts the job
             if self._transport is not None:
                 self._transport.abort()  # close() would wait to flush to a reader that never reads

@@ -200,9 +200,13 @@ class Metrics:
                              buckets=LATENCY_BUCKETS, registry=None)
         self.e2e = Histogram("llmsys_e2e_request_latency_seconds", "Request arrival to finish.",
                              buckets=LATENCY_BUCKETS, registry=None)
+        self.limit_hits = Counter("llmsys_limit_hits", "Connections and requests cut by a client limit, by limit: "
+                                  "max_connections, max_connections_per_client (refused), body_deadline, body_stall "
+                                  "(408), send_timeout, unsent_backlog (a stream to a client that stopped reading).",
+                                  ["limit"], registry=None)
         self.registry.register(_Instruments([self.requests, self.finished, self.prompt_tokens, self.generation_tokens,
                                              self.evicted_tokens, self.cached_tokens, self.draft_tokens,
-                                             self.accepted_draft_tokens]))
+                                             self.accepted_draft_tokens, self.limit_hits]))
         self.registry.register(_EngineCollector(self))
         self.registry.register(_Instruments([self.ttft, self.itl, self.e2e]))
         ProcessCollector(registry=self.registry)
@@ -211,6 +215,10 @@ class Metrics:
     # -- HTTP handlers (any thread) ------------------------------------------
     def count_request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()
+
+    def count_limit(self, limit: str) -> None:
+        """One connection or request cut by a client limit (see ``llmsys_limit_hits``)."""
+        self.limit_hits.labels(limit).inc()
 
     # -- the engine thread ---------------------------------------------------
     def on_tokens(self, n: int, ttft: float | None, itl: float | None) -> None:

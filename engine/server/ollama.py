@@ -731,7 +731,8 @@ class _Ollama:
             if not await job.start(request.is_disconnected):  # headers wait for the first news
                 return JSONResponse({}, status_code=499)  # the client left; nobody reads this
             return BoundedStream(self.stream(job, req, chat, ids, top, t0, context, plan),
-                                 self.state.settings.send_timeout_s, job.out.qsize, media_type=NDJSON,
+                                 self.state.settings.send_timeout_s, job.out.qsize, self.state.metrics,
+                                 media_type=NDJSON,
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         text, gen, lps, last = [], [], [], None
         try:

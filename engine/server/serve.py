@@ -42,6 +42,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from llmsys.engine.config import EngineConfig
 from llmsys.engine.server.app import create_app
+from llmsys.engine.server.metrics import Metrics
 from llmsys.engine.server.protocol import APIError, redact_paths
 from llmsys.engine.server.state import ConnectionCaps, ServerSettings, ServerState
 
@@ -90,6 +91,7 @@ class ConnectionGate:
     server; the event loop is its only user (no lock)."""
 
     caps: ConnectionCaps
+    metrics: Metrics | None = None
     total: int = 0
     per_client: dict[str, int] = field(default_factory=dict)
     health_only: int = 0
@@ -99,15 +101,17 @@ class ConnectionGate:
     def admit(self, host: str) -> tuple[Admission, str]:
         """Count the connection in; (how, why it is over a cap or "")."""
         if self.total >= self.caps.total:
-            why = f"the server holds its limit of {self.caps.total} connections (--max-connections)"
+            limit, why = "max_connections", f"the server holds its limit of {self.caps.total} connections (--max-connections)"
         elif self.per_client.get(host, 0) >= self.caps.per_client:
-            why = (f"this client address holds its limit of {self.caps.per_client} connections "
-                   "(--max-connections-per-client)")
+            limit, why = "max_connections_per_client", (f"this client address holds its limit of {self.caps.per_client} "
+                                                        "connections (--max-connections-per-client)")
         else:
             self.total += 1
             self.per_client[host] = self.per_client.get(host, 0) + 1
             return Admission.ADMITTED, ""
         self.refused += 1
+        if self.metrics is not None:
+            self.metrics.count_limit(limit)
         now = time.monotonic()
         if now - self._logged_at >= ACCEPT_LOG_INTERVAL_S:
             log.warning("connections over the cap: %d since the last such line (at most one per %g s): %s "
@@ -278,7 +282,7 @@ def _uvicorn_config(state: ServerState, host: str, port: int, log_level: str) ->
         host=host,
         port=port,
         log_level=log_level,
-        http=_protocol(state.settings, ConnectionGate(caps)),
+        http=_protocol(state.settings, ConnectionGate(caps, state.metrics)),
         backlog=_backlog(caps),
         timeout_graceful_shutdown=state.settings.shutdown_timeout_s + BACKSTOP_S,
         access_log=log_level == "debug",
