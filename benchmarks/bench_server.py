@@ -127,7 +127,7 @@ class RawClient:
         try:
             data = json.dumps(body).encode()
             writer.write(
-                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                 b"Connection: close\r\nContent-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data
             )
             status = int((await reader.readline()).split()[1])
@@ -232,6 +232,8 @@ async def run(args: argparse.Namespace, url: str, vocab: int) -> str:
         seq_wall = time.perf_counter() - t0
         seq_tokens = sum(r.completion_tokens or 0 for r in ref)
         single_tps = seq_tokens / seq_wall
+        if not seq_tokens:  # nothing came back: say why rather than divide by zero
+            raise SystemExit(f"the sequential requests generated nothing: {[r.error for r in ref][:3]}")
         # 2. load
         rng = random.Random(args.seed + 1)
         jobs = []
