@@ -26,7 +26,7 @@ from llmsys.kernels.common.errors import ContextOverflowError, InvalidParameterE
 from llmsys.engine.attention import make_backend
 from llmsys.engine.kv_cache import BlockAllocator, KVCacheSpec, make_kv_pool
 from llmsys.engine.loader.common import LoadedModel
-from llmsys.engine.outputs import StreamChunk, Timings, Usage
+from llmsys.engine.outputs import CONSTRAINT_FAILED, REQUEST_FAILED, StreamChunk, Timings, Usage
 from llmsys.engine.runner import ModelRunner
 from llmsys.engine.sampling import Sampler, SamplingBatch, SamplingParams, make_generator
 from llmsys.engine.scheduler import Scheduler, SchedulerOutput, StepResult
@@ -407,7 +407,7 @@ class EngineCore:
                 except Exception as e:
                     broken[seq.request_id] = _constraint_failure(e)
             if seq.request_id in broken:
-                chunks.append(self._end_with_error(seq, broken[seq.request_id]))
+                chunks.append(self._end_with_error(seq, broken[seq.request_id], CONSTRAINT_FAILED))
                 continue
             news: list[StreamChunk] = []
             kept = 0
@@ -499,12 +499,12 @@ class EngineCore:
         why = f"the engine failed on this request: {type(e).__name__}: {e}".splitlines()[0]
         return [self._end_with_error(self.requests[ids[0]], why)]
 
-    def _end_with_error(self, seq: Sequence, why: str) -> StreamChunk:
-        """Finish ``seq`` alone with finish_reason "error" and the one-line ``why``: its final chunk."""
+    def _end_with_error(self, seq: Sequence, why: str, code: str = REQUEST_FAILED) -> StreamChunk:
+        """Finish ``seq`` alone with finish_reason "error", the one-line ``why`` and its ``code``: its final chunk."""
         self.scheduler.finish(seq, "error")
-        return self._failed([(seq.request_id, why)])[0]
+        return self._failed([(seq.request_id, why)], code)[0]
 
-    def _failed(self, failed: list[tuple[str, str]]) -> list[StreamChunk]:
+    def _failed(self, failed: list[tuple[str, str]], code: str = REQUEST_FAILED) -> list[StreamChunk]:
         """Final chunks (finish_reason "error", ``error`` = the scheduler's one line) of the requests
         the scheduler could not go on with; every other request carries on."""
         now = time.perf_counter()
@@ -512,10 +512,11 @@ class EngineCore:
         for rid, why in failed:
             seq = self.requests.pop(rid)
             seq.finish_time = now
-            out.append(self._final_chunk(seq, "", [], error=why))
+            out.append(self._final_chunk(seq, "", [], error=why, error_code=code))
         return out
 
-    def _final_chunk(self, seq: Sequence, delta: str, toks: list[int], lps=None, error: str | None = None) -> StreamChunk:
+    def _final_chunk(self, seq: Sequence, delta: str, toks: list[int], lps=None, error: str | None = None,
+                     error_code: str | None = None) -> StreamChunk:
         st: TextState = seq.state
         start = st.start_time or seq.arrival
         first = seq.first_token_time
@@ -532,7 +533,7 @@ class EngineCore:
             len(seq.prompt_ids), len(seq.output_ids), seq.kv.evicted if seq.kv is not None else 0, seq.num_cached_tokens,
             seq.num_drafted, seq.num_draft_accepted,
         )
-        return StreamChunk(seq.request_id, delta, toks, lps or [], seq.finish_reason, usage, timings, error)
+        return StreamChunk(seq.request_id, delta, toks, lps or [], seq.finish_reason, usage, timings, error, error_code)
 
     # -- accounting ----------------------------------------------------------
     @functools.cached_property

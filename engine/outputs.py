@@ -43,6 +43,12 @@ class Timings:
         return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
 
 
+# StreamChunk.error_code of a request ended with finish_reason "error": the engine could not go on with it
+# (its KV, a failed step), or its output constraint reached a dead end (the request's own format).
+REQUEST_FAILED = "request_failed"
+CONSTRAINT_FAILED = "constraint_failed"
+
+
 @dataclass
 class StreamChunk:
     """One step's news for one request."""
@@ -57,6 +63,9 @@ class StreamChunk:
     # With finish_reason "error": one line saying why this request (and only it) could not go on,
     # e.g. its KV no longer fits once the KV offload tier's disk filled up (engine.scheduler).
     error: str | None = None
+    # With finish_reason "error": "constraint_failed" when the request's output constraint reached a dead end
+    # (the request's own format: not worth a retry), else "request_failed" (engine.core)
+    error_code: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -175,7 +175,7 @@ def test_the_engine_ends_a_dead_end_request_with_finish_reason_error(vocab):
                 final = ch
         if final is not None:
             break
-    assert final is not None and final.finish_reason == "error"
+    assert final is not None and final.finish_reason == "error" and final.error_code == "constraint_failed"
     assert "dead end" in final.error and "\n" not in final.error
 
 
@@ -272,7 +272,9 @@ def test_a_dead_end_through_the_server_is_not_a_normal_stop(srv, vocab):
     fmt = {"type": "grammar", "grammar": 'start: "a" x | "bc"\nx: x', "syntax": "lark"}
     r = httpx.post(srv.url + "/v1/chat/completions", timeout=60, json={
         "model": NAME, "messages": MSGS, "max_tokens": 20, "logit_bias": {str(a): 100}, "response_format": fmt})
-    assert r.status_code != 200 and "dead end" in r.json()["error"]["message"], r.text
+    # 422, not a 5xx: the same request would reach the same dead end, so clients must not retry it
+    assert r.status_code == 422 and "dead end" in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["code"] == "constraint_failed"
     events = []
     with httpx.stream("POST", srv.url + "/v1/chat/completions", timeout=60, json={
             "model": NAME, "messages": MSGS, "max_tokens": 20, "logit_bias": {str(a): 100}, "stream": True,

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Sequence
 from fastapi.responses import StreamingResponse
 
 from llmsys.engine.core import TokenConstraint
-from llmsys.engine.outputs import StreamChunk, Timings
+from llmsys.engine.outputs import CONSTRAINT_FAILED, StreamChunk, Timings
 from llmsys.engine.sampling import SamplingParams
 from llmsys.engine.server.metrics import Metrics
 from llmsys.engine.server.protocol import APIError
@@ -205,10 +205,13 @@ def _as_api_error(item: Exception | Interrupted) -> Exception:
 def ending_error(job: Job, idx: int, ch: StreamChunk) -> APIError | None:
     """Why a finished choice did not end normally: the server ended it (shutdown, an
     engine failure), or the engine could not go on with it alone (finish_reason
-    "error", e.g. its KV fits neither the pool nor a failing offload tier). None otherwise."""
+    "error", e.g. its KV fits neither the pool nor a failing offload tier: 503, worth a retry), or the request's
+    output constraint reached a dead end (422: the same request would end the same way). None otherwise."""
     it = job.interrupted.get(idx)
     if it is not None:
         return APIError(503, it.message, type="server_error", code=it.code)
+    if ch.finish_reason == "error" and ch.error_code == CONSTRAINT_FAILED:  # the request's own format: no retry
+        return APIError(422, ch.error or "the output constraint reached a dead end", code=CONSTRAINT_FAILED)
     if ch.finish_reason == "error":
         return APIError(503, ch.error or "the engine could not continue this request", type="server_error",
                         code="request_failed")
