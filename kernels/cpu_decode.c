@@ -328,13 +328,440 @@ int llmsys_decode_attention(const void *q, const void *k, const void *v, const i
     return attention_rows(q, k, v, slots, NULL, NULL, lens, scale, out, b_count, l_max, hq, hk, d, f32, threads);
 }
 
+#if defined(__AVX512F__)
+/* Prompt rows in blocks (AVX-512). Why: one query head at a time (attention_rows) re-reads and re-widens every
+ * K / V row per query and runs one serial chain per sum; a 2048-token prompt's attention took ~5x SDPA's time.
+ * Here a run of consecutive tokens of one sequence (at most ROWS_Q query heads, ROWS_S floats of scores) and the
+ * G query heads of one KV head form a work item: each K / V row is widened to float32 once per item, in chunks of
+ * ROWS_KC keys. Each query still gets exactly attend_head's bits:
+ *   - scores: K transposed to [D][ROWS_KC]; for 16 keys, accumulator vector j (one lane per key) is dot_row16's
+ *     lane j (elements j, j+16, ... in order, from zero), then the same tree (j + (j+8), j + (j+4), j + (j+2),
+ *     j + (j+1)) as vertical adds, then * scale (scores_tile). For bf16 q and k each multiply-add is one fma
+ *     where no product can round (fma_unsafe): the same bits;
+ *   - m the max of the query's scores (its value: only a zero m's sign could differ, and s - m and
+ *     ops_exp(s - m) do not depend on it);
+ *   - e = exp16 (ops_exp8's operations: ops_exp's bits), z summed in order of l (8 queries' chains side by
+ *     side), p = e / z (correctly rounded);
+ *   - out[e] = sum over l in order of p_l * v_l[e] (multiply, then add) from zero, carried in memory between
+ *     chunks, up to 4 queries with the same keys sharing each loaded row of V.
+ * Keys at a query's 16-key blocks' ends outside its range are scored and never used. */
+#define ROWS_Q 192 /* query heads per work item (tokens x G), at most */
+#define ROWS_S (1 << 21) /* floats of scores per work item, at most (unless one token alone needs more) */
+#define ROWS_KC 128 /* keys per chunk of K / V widened to float32 (a multiple of 16) */
+
+/* r[0 .. 16) rows of 16 floats -> columns (r[c][i] = old r[i][c]) */
+static inline void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+        const __m512d c = _mm512_castps_pd(t[4 * i + 2]), e = _mm512_castps_pd(t[4 * i + 3]);
+        r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+        r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+        r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, e));
+        r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, e));
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+    }
+}
+
+/* up to 16 elements (mask) of a bf16 (f32 = 0) or float32 row from element `at`, as float32, zeros elsewhere */
+static inline __m512 load16m(const void *base, int64_t at, int f32, __mmask16 m) {
+    return f32 ? _mm512_maskz_loadu_ps(m, (const float *)base + at)
+               : _mm512_castsi512_ps(_mm512_slli_epi32(
+                     _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, (const uint16_t *)base + at)), 16));
+}
+
+/* lanes of x (bf16 values widened) whose products with another such value might not be exact in float32: not
+   zero and |x| outside [2^-63, 2^63) (subnormal, tiny, huge, inf, NaN). Why: a product of two bf16 values has at
+   most 16 significant bits, so it is exact unless it underflows or overflows, and then fma(q, k, acc) rounds
+   acc + q * k once, exactly as acc + round(q * k) does: the same bits as the multiply then add, in half the
+   instructions. */
+static inline __mmask16 fma_unsafe(__m512 x) {
+    const __m512i a = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7fffffff));
+    const __mmask16 zero = _mm512_cmpeq_epi32_mask(a, _mm512_setzero_si512());
+    const __mmask16 in = _mm512_cmplt_epu32_mask(_mm512_sub_epi32(a, _mm512_set1_epi32(64 << 23)),
+                                                 _mm512_set1_epi32((190 - 64) << 23));
+    return (__mmask16)~(zero | in);
+}
+
+/* rows[0 .. cn) (element offsets) widened to float32: with v NULL, the keys transposed, kt[i * ROWS_KC + c] =
+   k_c[i] (i < d, c < round16(cn), zero columns past cn), returning whether every value is fma-safe (bf16 only);
+   else the values as rows, vf[c * dp + i] = v_c[i] (zero past d), returning 0. */
+static int rows_widen(const void *k, const void *v, const int64_t *rows, int64_t cn, int64_t d, int64_t dp, int f32,
+                      float *kt, float *vf) {
+    if (v) { /* V rows as they are */
+        for (int64_t c = 0; c < cn; c++)
+            for (int64_t i0 = 0; i0 < d; i0 += 16)
+                _mm512_storeu_ps(vf + c * dp + i0, load16m(v, rows[c] + i0, f32, d - i0 >= 16 ? 0xffff : (__mmask16)((1u << (d - i0)) - 1)));
+        return 0;
+    }
+    __mmask16 unsafe = 0;
+    for (int64_t c0 = 0; c0 < cn; c0 += 16) {
+        for (int64_t i0 = 0; i0 < d; i0 += 16) {
+            const __mmask16 m = d - i0 >= 16 ? 0xffff : (__mmask16)((1u << (d - i0)) - 1);
+            __m512 r[16];
+            for (int c = 0; c < 16; c++) {
+                if (c0 + c >= cn) {
+                    r[c] = _mm512_setzero_ps();
+                    continue;
+                }
+                r[c] = load16m(k, rows[c0 + c] + i0, f32, m);
+                unsafe |= fma_unsafe(r[c]);
+            }
+            transpose16(r);
+            for (int64_t i = 0; i < 16 && i0 + i < d; i++) _mm512_storeu_ps(kt + (i0 + i) * ROWS_KC + c0, r[i]);
+        }
+    }
+    return !f32 && !unsafe;
+}
+
+/* ops_exp8 on 16 floats: the same operations in the same order (so ops_exp's bits), masks for the blends */
+static inline __m512 exp16(__m512 x) {
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    const __mmask16 big = _mm512_cmp_ps_mask(x, _mm512_set1_ps(OPS_EXP_HI), _CMP_GT_OQ);
+    const __mmask16 small = _mm512_cmp_ps_mask(x, _mm512_set1_ps(OPS_EXP_LO), _CMP_LT_OQ);
+    const __m512 xc = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(OPS_EXP_LO)), _mm512_set1_ps(OPS_EXP_HI));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(OPS_LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_sub_ps(_mm512_sub_ps(xc, _mm512_mul_ps(n, _mm512_set1_ps(OPS_C1))), _mm512_mul_ps(n, _mm512_set1_ps(OPS_C2)));
+    __m512 p = _mm512_set1_ps(OPS_P0);
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(OPS_P1));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(OPS_P2));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(OPS_P3));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(OPS_P4));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(OPS_P5));
+    const __m512 y = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(p, _mm512_mul_ps(r, r)), r), _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(126)), 23);
+    __m512 v = _mm512_mul_ps(_mm512_mul_ps(y, _mm512_castsi512_ps(e)), _mm512_set1_ps(2.0f));
+    v = _mm512_mask_blend_ps(small, v, _mm512_setzero_ps());
+    v = _mm512_mask_blend_ps(big, v, _mm512_set1_ps(INFINITY));
+    return _mm512_mask_blend_ps(nan, v, x);
+}
+
+/* z_i = sum over l in [a_i, e_i) of s_i[l] in order of l (from zero), for q <= 8 queries at once: the common
+   range in lockstep (q independent chains), the ends one query at a time. */
+static void z_sums(float *const *s, const int64_t *a, const int64_t *e, int q, float *z) {
+    float zz[8];
+    int64_t lo = a[0], hi = e[0];
+    for (int i = 0; i < q; i++) {
+        zz[i] = 0.0f;
+        lo = a[i] > lo ? a[i] : lo;
+        hi = e[i] < hi ? e[i] : hi;
+    }
+    if (lo >= hi) { /* no common range */
+        for (int i = 0; i < q; i++)
+            for (int64_t l = a[i]; l < e[i]; l++) zz[i] = zz[i] + s[i][l];
+    } else {
+        for (int i = 0; i < q; i++)
+            for (int64_t l = a[i]; l < lo; l++) zz[i] = zz[i] + s[i][l];
+        if (q == 8) {
+            float z0 = zz[0], z1 = zz[1], z2 = zz[2], z3 = zz[3], z4 = zz[4], z5 = zz[5], z6 = zz[6], z7 = zz[7];
+            for (int64_t l = lo; l < hi; l++) {
+                z0 = z0 + s[0][l]; z1 = z1 + s[1][l]; z2 = z2 + s[2][l]; z3 = z3 + s[3][l];
+                z4 = z4 + s[4][l]; z5 = z5 + s[5][l]; z6 = z6 + s[6][l]; z7 = z7 + s[7][l];
+            }
+            zz[0] = z0; zz[1] = z1; zz[2] = z2; zz[3] = z3; zz[4] = z4; zz[5] = z5; zz[6] = z6; zz[7] = z7;
+        } else {
+            for (int64_t l = lo; l < hi; l++)
+                for (int i = 0; i < q; i++) zz[i] = zz[i] + s[i][l];
+        }
+        for (int i = 0; i < q; i++)
+            for (int64_t l = hi; l < e[i]; l++) zz[i] = zz[i] + s[i][l];
+    }
+    for (int i = 0; i < q; i++) z[i] = zz[i];
+}
+
+/* acc + x * y: multiply then add, or (fma: only where x * y is exact, fma_unsafe) one fused operation: the same bits */
+static inline __m512 mac(__m512 acc, __m512 x, __m512 y, const int fma) {
+    return fma ? _mm512_fmadd_ps(x, y, acc) : _mm512_add_ps(acc, _mm512_mul_ps(x, y));
+}
+
+/* Scores of Q queries (qf[q]) x KB blocks of 16 keys (kt columns + 16 kb): out[q][16 kb + c] = dot_row16(q, key c)
+ * * scale. Lane j of dot_row16 is a chain over elements j, j+16, ... in order: four chains at a time for every
+ * query and block (Q x KB x 4 accumulators in registers, each loaded key vector and query value used KB or Q
+ * times), parked, then the tree j + (j+8), j + (j+4), j + (j+2), j + (j+1) as vertical adds. */
+static inline __attribute__((always_inline)) void scores_tile(const float *const *qf, const float *kt, int64_t d,
+                                                              __m512 scale, float *const *out, const int Q,
+                                                              const int KB, const int fma) {
+    __m512 part[3][2][16];
+    for (int j0 = 0; j0 < 16; j0 += 4) {
+        __m512 a[3][2][4];
+        for (int q = 0; q < Q; q++)
+            for (int b = 0; b < KB; b++)
+                for (int c = 0; c < 4; c++) a[q][b][c] = _mm512_setzero_ps();
+        int64_t i = j0;
+        for (; i + 4 <= d; i += 16)
+            for (int c = 0; c < 4; c++) {
+                __m512 kv[2];
+                for (int b = 0; b < KB; b++) {
+                    kv[b] = _mm512_loadu_ps(kt + (i + c) * ROWS_KC + 16 * b);
+                    __asm__("" : "+v"(kv[b])); /* one load, in a register, for the Q queries (not one per use) */
+                }
+                for (int q = 0; q < Q; q++) {
+                    const __m512 qv = _mm512_set1_ps(qf[q][i + c]);
+                    for (int b = 0; b < KB; b++) a[q][b][c] = mac(a[q][b][c], qv, kv[b], fma);
+                }
+            }
+        for (int c = 0; c < 4 && i + c < d; c++) /* d % 16: the chains' last elements */
+            for (int q = 0; q < Q; q++)
+                for (int b = 0; b < KB; b++)
+                    a[q][b][c] = mac(a[q][b][c], _mm512_set1_ps(qf[q][i + c]), _mm512_loadu_ps(kt + (i + c) * ROWS_KC + 16 * b), fma);
+        for (int q = 0; q < Q; q++)
+            for (int b = 0; b < KB; b++)
+                for (int c = 0; c < 4; c++) part[q][b][j0 + c] = a[q][b][c];
+    }
+    for (int q = 0; q < Q; q++)
+        for (int b = 0; b < KB; b++) {
+            __m512 *t = part[q][b];
+#pragma GCC unroll 8
+            for (int c = 0; c < 8; c++) t[c] = _mm512_add_ps(t[c], t[c + 8]);
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; c++) t[c] = _mm512_add_ps(t[c], t[c + 4]);
+            t[0] = _mm512_add_ps(t[0], t[2]);
+            t[1] = _mm512_add_ps(t[1], t[3]);
+            _mm512_storeu_ps(out[q] + 16 * b, _mm512_mul_ps(_mm512_add_ps(t[0], t[1]), scale));
+        }
+}
+
+#define SC_TILE(Q, KB) \
+    (fma ? scores_tile(qf, kt, d, scale, out, Q, KB, 1) : scores_tile(qf, kt, d, scale, out, Q, KB, 0))
+
+/* scores_tile for q = 1 .. 3 queries and kb = 1 or 2 blocks */
+static void scores_rows(const float *const *qf, const float *kt, int64_t d, __m512 scale, float *const *out, int q,
+                        int kb, int fma) {
+    switch (q * 2 + kb) {
+    case 3: SC_TILE(1, 1); break;
+    case 4: SC_TILE(1, 2); break;
+    case 5: SC_TILE(2, 1); break;
+    case 6: SC_TILE(2, 2); break;
+    case 7: SC_TILE(3, 1); break;
+    default: SC_TILE(3, 2); break;
+    }
+}
+#undef SC_TILE
+
+/* for Q queries over the same keys: acc_q[0 .. 16 W) += p_q[l] * vf_l[0 .. 16 W) for l < n in order (vf rows dp
+   apart); Q x W independent chains share each loaded v row. */
+static inline __attribute__((always_inline)) void pv_block(float *const *p, const float *vf, int64_t dp, int64_t n,
+                                                           float *const *acc, const int Q, const int W) {
+    __m512 a[4][4];
+    for (int q = 0; q < Q; q++)
+        for (int w = 0; w < W; w++) a[q][w] = _mm512_loadu_ps(acc[q] + 16 * w);
+    for (int64_t l = 0; l < n; l++) {
+        __m512 vr[4];
+        for (int w = 0; w < W; w++) vr[w] = _mm512_loadu_ps(vf + l * dp + 16 * w);
+        for (int q = 0; q < Q; q++) {
+            const __m512 pv = _mm512_set1_ps(p[q][l]);
+            for (int w = 0; w < W; w++) a[q][w] = _mm512_add_ps(a[q][w], _mm512_mul_ps(pv, vr[w]));
+        }
+    }
+    for (int q = 0; q < Q; q++)
+        for (int w = 0; w < W; w++) _mm512_storeu_ps(acc[q] + 16 * w, a[q][w]);
+}
+
+#define PV_W(Q)                                                                                                      \
+    switch (w) {                                                                                                     \
+    case 1: pv_block(p, vf + c, dp, n, ac, Q, 1); break;                                                            \
+    case 2: pv_block(p, vf + c, dp, n, ac, Q, 2); break;                                                            \
+    case 3: pv_block(p, vf + c, dp, n, ac, Q, 3); break;                                                            \
+    default: pv_block(p, vf + c, dp, n, ac, Q, 4); break;                                                           \
+    }
+
+/* pv_block for q = 1 .. 4 queries (p[i], acc[i]) over every 64-column block of the dp columns */
+static void pv_rows(float *const *p, const float *vf, int64_t dp, int64_t n, float *const *acc, int q) {
+    for (int64_t c = 0; c < dp; c += 64) {
+        const int w = (dp - c) >= 64 ? 4 : (int)((dp - c) / 16);
+        float *ac[4];
+        for (int i = 0; i < q; i++) ac[i] = acc[i] + c;
+        switch (q) {
+        case 1: PV_W(1) break;
+        case 2: PV_W(2) break;
+        case 3: PV_W(3) break;
+        default: PV_W(4) break;
+        }
+    }
+}
+#undef PV_W
+
+/* the keys [lo, hi) of token t in the chunk of keys c0 .. c0 + cn - 1 (lo >= hi: none) */
+static inline void chunk_range(const int64_t *first, const int64_t *lens, int64_t t, int64_t c0, int64_t cn,
+                               int64_t *lo, int64_t *hi) {
+    const int64_t f = first ? first[t] : 0, n = lens[t];
+    *lo = f > c0 ? f : c0;
+    *hi = n < c0 + cn ? n : c0 + cn;
+}
+
+/* One work item: tokens t0 .. t1 - 1 (all of sequence sb) x the G query heads of KV head j. 0, or 3 (no memory). */
+static int rows_item(const void *q, const void *k, const void *v, const int64_t *slots, int64_t sb, const int64_t *first,
+                     const int64_t *lens, float scale, void *out, int64_t t0, int64_t t1, int64_t l_max, int64_t hq,
+                     int64_t hk, int64_t j, int64_t d, int f32) {
+    const int64_t g = hq / hk, nq = (t1 - t0) * g, dp = (d + 15) / 16 * 16;
+    int64_t u0 = INT64_MAX, u1 = 0;
+    for (int64_t t = t0; t < t1; t++) {
+        const int64_t f = first ? first[t] : 0;
+        u0 = f < u0 ? f : u0;
+        u1 = lens[t] > u1 ? lens[t] : u1;
+    }
+    /* query qi = (t - t0) * g + hh: keys [f, n); its scores s + soff[qi] hold keys from sbeg[qi] (16-aligned from u0) */
+    int64_t stotal = 0;
+    for (int64_t t = t0; t < t1; t++) {
+        const int64_t f = first ? first[t] : 0, beg = u0 + (f - u0) / 16 * 16;
+        stotal += g * ((lens[t] - beg + 15) / 16 * 16);
+    }
+    const size_t floats = (size_t)(nq * d + nq * dp + stotal + d * ROWS_KC + ROWS_KC * dp);
+    float *buf = aligned_alloc(64, (sizeof(float) * floats + 2 * sizeof(int64_t) * (size_t)nq +
+                                    sizeof(int64_t) * ROWS_KC + 63) / 64 * 64);
+    if (!buf) return 3;
+    float *qf = buf, *acc = qf + nq * d, *s = acc + nq * dp, *kt = s + stotal, *vf = kt + d * ROWS_KC;
+    int64_t *soff = (int64_t *)(vf + ROWS_KC * dp), *sbeg = soff + nq, *rows = sbeg + nq;
+    int64_t off = 0;
+    for (int64_t qi = 0; qi < nq; qi++) {
+        const int64_t t = t0 + qi / g, f = first ? first[t] : 0;
+        sbeg[qi] = u0 + (f - u0) / 16 * 16;
+        soff[qi] = off;
+        off += (lens[t] - sbeg[qi] + 15) / 16 * 16;
+        load_row(q, (t * hq + j * g + qi % g) * d, f32, qf + qi * d, d);
+    }
+    int q_safe = !f32; /* every query value fma-safe (fma_unsafe) */
+    for (int64_t i = 0; q_safe && i < nq * d; i += 16)
+        q_safe = !fma_unsafe(_mm512_maskz_loadu_ps(nq * d - i >= 16 ? 0xffff : (__mmask16)((1u << (nq * d - i)) - 1), qf + i));
+    memset(acc, 0, sizeof(float) * (size_t)(nq * dp));
+    const __m512 scv = _mm512_set1_ps(scale);
+    for (int pass = 0; pass < 2; pass++) { /* 0: scores, 1: p @ V */
+        for (int64_t c0 = u0; c0 < u1; c0 += ROWS_KC) {
+            const int64_t cn = u1 - c0 < ROWS_KC ? u1 - c0 : ROWS_KC;
+            for (int64_t c = 0; c < cn; c++)
+                rows[c] = ((slots ? slots[sb * l_max + c0 + c] : sb * l_max + c0 + c) * hk + j) * d;
+            const int fma = rows_widen(k, pass ? v : NULL, rows, cn, d, dp, f32, kt, vf) && q_safe;
+            for (int64_t qi = 0; qi < nq;) {
+                int64_t lo, hi, qe = qi;
+                chunk_range(first, lens, t0 + qi / g, c0, cn, &lo, &hi);
+                if (lo >= hi) {
+                    qi++;
+                    continue;
+                }
+                if (pass == 0) { /* up to 3 heads of this token (the same keys) together, 2 blocks of 16 keys at a time */
+                    const float *qq[3];
+                    for (; qe < nq && qe - qi < 3 && qe / g == qi / g; qe++) qq[qe - qi] = qf + qe * d;
+                    for (int64_t kb = sbeg[qi] > c0 ? sbeg[qi] : c0; kb < hi; kb += 32) {
+                        float *so[3];
+                        for (int64_t x = qi; x < qe; x++) so[x - qi] = s + soff[x] + (kb - sbeg[x]);
+                        scores_rows(qq, kt + (kb - c0), d, scv, so, (int)(qe - qi), kb + 16 < hi ? 2 : 1, fma);
+                    }
+                    qi = qe;
+                    continue;
+                }
+                /* p @ V: up to 4 queries with this chunk's same keys together */
+                float *pq[4], *aq[4];
+                for (; qe < nq && qe - qi < 4; qe++) {
+                    int64_t lo2, hi2;
+                    chunk_range(first, lens, t0 + qe / g, c0, cn, &lo2, &hi2);
+                    if (lo2 != lo || hi2 != hi) break;
+                    pq[qe - qi] = s + soff[qe] + (lo - sbeg[qe]);
+                    aq[qe - qi] = acc + qe * dp;
+                }
+                pv_rows(pq, vf + (lo - c0) * dp, dp, hi - lo, aq, (int)(qe - qi));
+                qi = qe;
+            }
+        }
+        if (pass == 1) break;
+        for (int64_t q0 = 0; q0 < nq; q0 += 8) { /* softmax: p over each query's keys, 8 queries at a time */
+            const int qn = nq - q0 < 8 ? (int)(nq - q0) : 8;
+            float *sq[8], z[8];
+            int64_t a[8], e[8];
+            for (int i = 0; i < qn; i++) {
+                const int64_t qi = q0 + i, t = t0 + qi / g;
+                sq[i] = s + soff[qi];
+                a[i] = (first ? first[t] : 0) - sbeg[qi];
+                e[i] = lens[t] - sbeg[qi];
+                const int64_t ep = (e[i] + 15) / 16 * 16;
+                __m512 mv = _mm512_set1_ps(-INFINITY);
+                for (int64_t l = 0; l < ep; l += 16) {
+                    const uint32_t lom = l >= a[i] ? 0xffffu : (0xffffu << (a[i] - l)) & 0xffffu;
+                    const uint32_t him = e[i] - l >= 16 ? 0xffffu : (1u << (e[i] - l)) - 1u;
+                    mv = _mm512_max_ps(_mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), (__mmask16)(lom & him), sq[i] + l), mv);
+                }
+                const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+                for (int64_t l = 0; l < ep; l += 16) _mm512_storeu_ps(sq[i] + l, exp16(_mm512_sub_ps(_mm512_loadu_ps(sq[i] + l), m)));
+            }
+            z_sums(sq, a, e, qn, z);
+            for (int i = 0; i < qn; i++) {
+                const __m512 zv = _mm512_set1_ps(z[i]);
+                for (int64_t l = 0; l < (e[i] + 15) / 16 * 16; l += 16)
+                    _mm512_storeu_ps(sq[i] + l, _mm512_div_ps(_mm512_loadu_ps(sq[i] + l), zv));
+            }
+        }
+    }
+    for (int64_t qi = 0; qi < nq; qi++) {
+        const int64_t o = ((t0 + qi / g) * hq + j * g + qi % g) * d;
+        if (f32) {
+            memcpy((float *)out + o, acc + qi * dp, sizeof(float) * (size_t)d);
+        } else {
+            for (int64_t i = 0; i < d; i++) ((uint16_t *)out)[o + i] = rne(acc[qi * dp + i]);
+        }
+    }
+    free(buf);
+    return 0;
+}
+
+/* llmsys_rows_attention by work items (rows_item): runs of consecutive tokens of one sequence x the KV heads,
+   spread over the threads (each query's arithmetic is its own: the split changes no bit). */
+static int rows_blocked(const void *q, const void *k, const void *v, const int64_t *slots, const int64_t *seq,
+                        const int64_t *first, const int64_t *lens, float scale, void *out, int64_t t_count,
+                        int64_t l_max, int64_t hq, int64_t hk, int64_t d, int f32, int threads) {
+    if (hk <= 0 || hq % hk || d <= 0 || d > 1024) return 1;
+    int64_t work = 0;
+    for (int64_t t = 0; t < t_count; t++) {
+        const int64_t f = first ? first[t] : 0;
+        if (lens[t] < 1 || lens[t] > l_max || f < 0 || f >= lens[t] || seq[t] < 0) return 2;
+        work += lens[t] - f;
+    }
+    /* runs of at most `tok` consecutive tokens of one sequence: ROWS_Q query heads, ROWS_S floats of scores */
+    const int64_t g = hq / hk, by_s = ROWS_S / (g * (l_max + 32));
+    int64_t tok = ROWS_Q / g < by_s ? ROWS_Q / g : by_s, runs = 0;
+    tok = tok < 1 ? 1 : tok;
+    int64_t *start = malloc(sizeof(int64_t) * (size_t)(t_count + 1));
+    if (!start) return 3;
+    for (int64_t t = 0; t < t_count; t++)
+        if (t == 0 || seq[t] != seq[t - 1] || t - start[runs - 1] == tok) start[runs++] = t;
+    start[runs] = t_count;
+    int failed = 0;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (runs * hk > 1 && work * hq * d >= (1 << 14))
+    for (int64_t item = 0; item < runs * hk; item++) {
+        const int64_t r = item / hk, j = item % hk;
+        if (rows_item(q, k, v, slots, seq[start[r]], first, lens, scale, out, start[r], start[r + 1], l_max, hq, hk,
+                      j, d, f32)) {
+#pragma omp atomic write
+            failed = 1;
+        }
+    }
+    free(start);
+    return failed ? 3 : 0;
+}
+#endif
+
 /* Any tokens of any sequences (prompt chunks): token t is a decode step of sequence seq[t] over its keys
    first[t] .. lens[t] - 1 (a sliding window's band; first may be NULL). */
 int llmsys_rows_attention(const void *q, const void *k, const void *v, const int64_t *slots, const int64_t *seq,
                           const int64_t *first, const int64_t *lens, float scale, void *out, int64_t t_count,
                           int64_t l_max, int64_t hq, int64_t hk, int64_t d, int f32, int threads) {
     if (!seq) return 1;
+#if defined(__AVX512F__)
+    return rows_blocked(q, k, v, slots, seq, first, lens, scale, out, t_count, l_max, hq, hk, d, f32, threads);
+#else
     return attention_rows(q, k, v, slots, seq, first, lens, scale, out, t_count, l_max, hq, hk, d, f32, threads);
+#endif
 }
 
 /* A decode step's attention from the q|k|v projection in one call: qkv [T, (Hq + 2 Hk) D] rows (stride ld)
