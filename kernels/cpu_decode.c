@@ -328,26 +328,111 @@ int llmsys_decode_attention(const void *q, const void *k, const void *v, const i
     return attention_rows(q, k, v, slots, NULL, NULL, lens, scale, out, b_count, l_max, hq, hk, d, f32, threads);
 }
 
-#if defined(__AVX512F__)
-/* Prompt rows in blocks (AVX-512). Why: one query head at a time (attention_rows) re-reads and re-widens every
- * K / V row per query and runs one serial chain per sum; a 2048-token prompt's attention took ~5x SDPA's time.
- * Here a run of consecutive tokens of one sequence (at most ROWS_Q query heads, ROWS_S floats of scores) and the
- * G query heads of one KV head form a work item: each K / V row is widened to float32 once per item, in chunks of
- * ROWS_KC keys. Each query still gets exactly attend_head's bits:
+#if defined(__AVX2__)
+/* Prompt rows in blocks (AVX-512 and AVX2). Why: one query head at a time (attention_rows) re-reads and
+ * re-widens every K / V row per query and runs one serial chain per sum; a 2048-token prompt's attention took
+ * ~5x SDPA's time. Here a run of consecutive tokens of one sequence (at most ROWS_Q query heads, ROWS_S floats
+ * of scores) and the G query heads of one KV head form a work item: each K / V row is widened to float32 once
+ * per item, in chunks of ROWS_KC keys. Each query still gets exactly attend_head's bits:
  *   - scores: K transposed to [D][ROWS_KC]; for 16 keys, accumulator vector j (one lane per key) is dot_row16's
  *     lane j (elements j, j+16, ... in order, from zero), then the same tree (j + (j+8), j + (j+4), j + (j+2),
  *     j + (j+1)) as vertical adds, then * scale (scores_tile). For bf16 q and k each multiply-add is one fma
  *     where no product can round (fma_unsafe): the same bits;
  *   - m the max of the query's scores (its value: only a zero m's sign could differ, and s - m and
  *     ops_exp(s - m) do not depend on it);
- *   - e = exp16 (ops_exp8's operations: ops_exp's bits), z summed in order of l (8 queries' chains side by
- *     side), p = e / z (correctly rounded);
+ *   - e = ops_exp8's operations 16 lanes at a time (ops_exp's bits), z summed in order of l (8 queries'
+ *     chains side by side), p = e / z (correctly rounded);
  *   - out[e] = sum over l in order of p_l * v_l[e] (multiply, then add) from zero, carried in memory between
- *     chunks, up to 4 queries with the same keys sharing each loaded row of V.
- * Keys at a query's 16-key blocks' ends outside its range are scored and never used. */
+ *     chunks, up to ROWS_PV_Q queries with the same keys sharing each loaded row of V.
+ * Keys at a query's 16-key blocks' ends outside its range are scored and never used. The two ISAs differ only
+ * in v16 (one 512-bit register or two 256-bit ones), the register tiles' sizes and the widening. */
 #define ROWS_Q 192 /* query heads per work item (tokens x G), at most */
 #define ROWS_S (1 << 21) /* floats of scores per work item, at most (unless one token alone needs more) */
 #define ROWS_KC 128 /* keys per chunk of K / V widened to float32 (a multiple of 16) */
+
+/* 16 float32 lanes and the operations the blocked rows use */
+#if defined(__AVX512F__)
+typedef __m512 v16;
+#define ROWS_SC_C 4 /* score chains per pass of scores_tile (x 3 queries x ROWS_SC_KB blocks in registers) */
+#define ROWS_SC_KB 2 /* 16-key blocks per scores_tile */
+#define ROWS_PV_Q 4 /* queries per p @ V tile */
+#define ROWS_PV_W 4 /* v16 columns per p @ V tile */
+static inline v16 v16_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline void v16_store(float *p, v16 x) { _mm512_storeu_ps(p, x); }
+static inline v16 v16_set1(float x) { return _mm512_set1_ps(x); }
+static inline v16 v16_zero(void) { return _mm512_setzero_ps(); }
+static inline v16 v16_add(v16 a, v16 b) { return _mm512_add_ps(a, b); }
+static inline v16 v16_sub(v16 a, v16 b) { return _mm512_sub_ps(a, b); }
+static inline v16 v16_mul(v16 a, v16 b) { return _mm512_mul_ps(a, b); }
+static inline v16 v16_div(v16 a, v16 b) { return _mm512_div_ps(a, b); }
+static inline v16 v16_fma(v16 a, v16 b, v16 c) { return _mm512_fmadd_ps(a, b, c); }
+static inline v16 v16_max(v16 a, v16 b) { return _mm512_max_ps(a, b); } /* a > b ? a : b per lane */
+#define V16_PIN(x) __asm__("" : "+v"(x)) /* keep x in a register (one load shared, not one per use) */
+static inline __m512 exp16(__m512 x) {
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    const __mmask16 big = _mm512_cmp_ps_mask(x, _mm512_set1_ps(OPS_EXP_HI), _CMP_GT_OQ);
+    const __mmask16 small = _mm512_cmp_ps_mask(x, _mm512_set1_ps(OPS_EXP_LO), _CMP_LT_OQ);
+    const __m512 xc = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(OPS_EXP_LO)), _mm512_set1_ps(OPS_EXP_HI));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(OPS_LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_sub_ps(_mm512_sub_ps(xc, _mm512_mul_ps(n, _mm512_set1_ps(OPS_C1))), _mm512_mul_ps(n, _mm512_set1_ps(OPS_C2)));
+    __m512 p = _mm512_set1_ps(OPS_P0);
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(OPS_P1));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(OPS_P2));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(OPS_P3));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(OPS_P4));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(OPS_P5));
+    const __m512 y = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(p, _mm512_mul_ps(r, r)), r), _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(126)), 23);
+    __m512 v = _mm512_mul_ps(_mm512_mul_ps(y, _mm512_castsi512_ps(e)), _mm512_set1_ps(2.0f));
+    v = _mm512_mask_blend_ps(small, v, _mm512_setzero_ps());
+    v = _mm512_mask_blend_ps(big, v, _mm512_set1_ps(INFINITY));
+    return _mm512_mask_blend_ps(nan, v, x);
+}
+static inline v16 v16_exp(v16 x) { return exp16(x); }
+#else
+typedef struct {
+    __m256 lo, hi;
+} v16;
+#define ROWS_SC_C 2
+#define ROWS_SC_KB 1
+#define ROWS_PV_Q 2
+#define ROWS_PV_W 2
+static inline v16 v16_load(const float *p) { return (v16){_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+static inline void v16_store(float *p, v16 x) {
+    _mm256_storeu_ps(p, x.lo);
+    _mm256_storeu_ps(p + 8, x.hi);
+}
+static inline v16 v16_set1(float x) { return (v16){_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+static inline v16 v16_zero(void) { return (v16){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+static inline v16 v16_add(v16 a, v16 b) { return (v16){_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+static inline v16 v16_sub(v16 a, v16 b) { return (v16){_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+static inline v16 v16_mul(v16 a, v16 b) { return (v16){_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+static inline v16 v16_div(v16 a, v16 b) { return (v16){_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
+static inline v16 v16_fma(v16 a, v16 b, v16 c) {
+    return (v16){_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+static inline v16 v16_max(v16 a, v16 b) { return (v16){_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+#define V16_PIN(x) __asm__("" : "+x"((x).lo), "+x"((x).hi))
+static inline v16 v16_exp(v16 x) { return (v16){ops_exp8(x.lo), ops_exp8(x.hi)}; }
+#endif
+
+/* acc + x * y: multiply then add, or (fma: only where x * y is exact, fma_unsafe) one fused operation: the same bits */
+static inline v16 mac(v16 acc, v16 x, v16 y, const int fma) {
+    return fma ? v16_fma(x, y, acc) : v16_add(acc, v16_mul(x, y));
+}
+
+/* Is the float x (a bf16 value widened) fma-safe: zero, or |x| in [2^-63, 2^63)? Why: a product of two bf16
+   values has at most 16 significant bits, so it is exact unless it underflows or overflows, and then
+   fma(q, k, acc) rounds acc + q * k once, exactly as acc + round(q * k) does: the same bits as the multiply then
+   add, in half the instructions. Subnormal, tiny, huge, inf and NaN values are not safe. */
+static inline int fma_safe(float x) {
+    uint32_t a;
+    memcpy(&a, &x, 4);
+    a &= 0x7fffffffu;
+    return a == 0 || a - (64u << 23) < ((190u - 64u) << 23);
+}
+
+#if defined(__AVX512F__)
 
 /* r[0 .. 16) rows of 16 floats -> columns (r[c][i] = old r[i][c]) */
 static inline void transpose16(__m512 r[16]) {
@@ -383,11 +468,7 @@ static inline __m512 load16m(const void *base, int64_t at, int f32, __mmask16 m)
                      _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, (const uint16_t *)base + at)), 16));
 }
 
-/* lanes of x (bf16 values widened) whose products with another such value might not be exact in float32: not
-   zero and |x| outside [2^-63, 2^63) (subnormal, tiny, huge, inf, NaN). Why: a product of two bf16 values has at
-   most 16 significant bits, so it is exact unless it underflows or overflows, and then fma(q, k, acc) rounds
-   acc + q * k once, exactly as acc + round(q * k) does: the same bits as the multiply then add, in half the
-   instructions. */
+/* lanes of x that are not fma_safe */
 static inline __mmask16 fma_unsafe(__m512 x) {
     const __m512i a = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7fffffff));
     const __mmask16 zero = _mm512_cmpeq_epi32_mask(a, _mm512_setzero_si512());
@@ -427,27 +508,30 @@ static int rows_widen(const void *k, const void *v, const int64_t *rows, int64_t
     return !f32 && !unsafe;
 }
 
-/* ops_exp8 on 16 floats: the same operations in the same order (so ops_exp's bits), masks for the blends */
-static inline __m512 exp16(__m512 x) {
-    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    const __mmask16 big = _mm512_cmp_ps_mask(x, _mm512_set1_ps(OPS_EXP_HI), _CMP_GT_OQ);
-    const __mmask16 small = _mm512_cmp_ps_mask(x, _mm512_set1_ps(OPS_EXP_LO), _CMP_LT_OQ);
-    const __m512 xc = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(OPS_EXP_LO)), _mm512_set1_ps(OPS_EXP_HI));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(OPS_LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 r = _mm512_sub_ps(_mm512_sub_ps(xc, _mm512_mul_ps(n, _mm512_set1_ps(OPS_C1))), _mm512_mul_ps(n, _mm512_set1_ps(OPS_C2)));
-    __m512 p = _mm512_set1_ps(OPS_P0);
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(OPS_P1));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(OPS_P2));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(OPS_P3));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(OPS_P4));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(OPS_P5));
-    const __m512 y = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(p, _mm512_mul_ps(r, r)), r), _mm512_set1_ps(1.0f));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(126)), 23);
-    __m512 v = _mm512_mul_ps(_mm512_mul_ps(y, _mm512_castsi512_ps(e)), _mm512_set1_ps(2.0f));
-    v = _mm512_mask_blend_ps(small, v, _mm512_setzero_ps());
-    v = _mm512_mask_blend_ps(big, v, _mm512_set1_ps(INFINITY));
-    return _mm512_mask_blend_ps(nan, v, x);
+#else
+/* rows[0 .. cn) (element offsets) widened to float32: with v NULL, the keys transposed, kt[i * ROWS_KC + c] =
+   k_c[i] (i < d, c < round16(cn), zero columns past cn), returning whether every value is fma-safe (bf16 only);
+   else the values as rows, vf[c * dp + i] = v_c[i] (zero past d), returning 0. */
+static int rows_widen(const void *k, const void *v, const int64_t *rows, int64_t cn, int64_t d, int64_t dp, int f32,
+                      float *kt, float *vf) {
+    if (v) {
+        for (int64_t c = 0; c < cn; c++) {
+            load_row(v, rows[c], f32, vf + c * dp, d);
+            for (int64_t i = d; i < dp; i++) vf[c * dp + i] = 0.0f;
+        }
+        return 0;
+    }
+    int safe = !f32;
+    const int64_t cp = (cn + 15) / 16 * 16;
+    for (int64_t c = 0; c < cp; c++)
+        for (int64_t i = 0; i < d; i++) {
+            const float x = c < cn ? ld_el(k, rows[c] + i, f32) : 0.0f;
+            kt[i * ROWS_KC + c] = x;
+            safe &= fma_safe(x);
+        }
+    return safe;
 }
+#endif
 
 /* z_i = sum over l in [a_i, e_i) of s_i[l] in order of l (from zero), for q <= 8 queries at once: the common
    range in lockstep (q independent chains), the ends one query at a time. */
@@ -482,64 +566,60 @@ static void z_sums(float *const *s, const int64_t *a, const int64_t *e, int q, f
     for (int i = 0; i < q; i++) z[i] = zz[i];
 }
 
-/* acc + x * y: multiply then add, or (fma: only where x * y is exact, fma_unsafe) one fused operation: the same bits */
-static inline __m512 mac(__m512 acc, __m512 x, __m512 y, const int fma) {
-    return fma ? _mm512_fmadd_ps(x, y, acc) : _mm512_add_ps(acc, _mm512_mul_ps(x, y));
-}
-
 /* Scores of Q queries (qf[q]) x KB blocks of 16 keys (kt columns + 16 kb): out[q][16 kb + c] = dot_row16(q, key c)
- * * scale. Lane j of dot_row16 is a chain over elements j, j+16, ... in order: four chains at a time for every
- * query and block (Q x KB x 4 accumulators in registers, each loaded key vector and query value used KB or Q
+ * * scale. Lane j of dot_row16 is a chain over elements j, j+16, ... in order: ROWS_SC_C chains at a time for
+ * every query and block (Q x KB x ROWS_SC_C accumulators in registers, each loaded key vector and query value used KB or Q
  * times), parked, then the tree j + (j+8), j + (j+4), j + (j+2), j + (j+1) as vertical adds. */
 static inline __attribute__((always_inline)) void scores_tile(const float *const *qf, const float *kt, int64_t d,
-                                                              __m512 scale, float *const *out, const int Q,
+                                                              v16 scale, float *const *out, const int Q,
                                                               const int KB, const int fma) {
-    __m512 part[3][2][16];
-    for (int j0 = 0; j0 < 16; j0 += 4) {
-        __m512 a[3][2][4];
+    v16 part[3][ROWS_SC_KB][16];
+    for (int j0 = 0; j0 < 16; j0 += ROWS_SC_C) {
+        v16 a[3][ROWS_SC_KB][ROWS_SC_C];
         for (int q = 0; q < Q; q++)
             for (int b = 0; b < KB; b++)
-                for (int c = 0; c < 4; c++) a[q][b][c] = _mm512_setzero_ps();
+                for (int c = 0; c < ROWS_SC_C; c++) a[q][b][c] = v16_zero();
         int64_t i = j0;
-        for (; i + 4 <= d; i += 16)
-            for (int c = 0; c < 4; c++) {
-                __m512 kv[2];
+        for (; i + ROWS_SC_C <= d; i += 16)
+            for (int c = 0; c < ROWS_SC_C; c++) {
+                v16 kv[ROWS_SC_KB];
                 for (int b = 0; b < KB; b++) {
-                    kv[b] = _mm512_loadu_ps(kt + (i + c) * ROWS_KC + 16 * b);
-                    __asm__("" : "+v"(kv[b])); /* one load, in a register, for the Q queries (not one per use) */
+                    kv[b] = v16_load(kt + (i + c) * ROWS_KC + 16 * b);
+                    V16_PIN(kv[b]); /* one load for the Q queries (not one per use) */
                 }
                 for (int q = 0; q < Q; q++) {
-                    const __m512 qv = _mm512_set1_ps(qf[q][i + c]);
+                    const v16 qv = v16_set1(qf[q][i + c]);
                     for (int b = 0; b < KB; b++) a[q][b][c] = mac(a[q][b][c], qv, kv[b], fma);
                 }
             }
-        for (int c = 0; c < 4 && i + c < d; c++) /* d % 16: the chains' last elements */
+        for (int c = 0; c < ROWS_SC_C && i + c < d; c++) /* d % 16: the chains' last elements */
             for (int q = 0; q < Q; q++)
                 for (int b = 0; b < KB; b++)
-                    a[q][b][c] = mac(a[q][b][c], _mm512_set1_ps(qf[q][i + c]), _mm512_loadu_ps(kt + (i + c) * ROWS_KC + 16 * b), fma);
+                    a[q][b][c] = mac(a[q][b][c], v16_set1(qf[q][i + c]), v16_load(kt + (i + c) * ROWS_KC + 16 * b), fma);
         for (int q = 0; q < Q; q++)
             for (int b = 0; b < KB; b++)
-                for (int c = 0; c < 4; c++) part[q][b][j0 + c] = a[q][b][c];
+                for (int c = 0; c < ROWS_SC_C; c++) part[q][b][j0 + c] = a[q][b][c];
     }
     for (int q = 0; q < Q; q++)
         for (int b = 0; b < KB; b++) {
-            __m512 *t = part[q][b];
+            v16 *t = part[q][b];
 #pragma GCC unroll 8
-            for (int c = 0; c < 8; c++) t[c] = _mm512_add_ps(t[c], t[c + 8]);
+            for (int c = 0; c < 8; c++) t[c] = v16_add(t[c], t[c + 8]);
 #pragma GCC unroll 4
-            for (int c = 0; c < 4; c++) t[c] = _mm512_add_ps(t[c], t[c + 4]);
-            t[0] = _mm512_add_ps(t[0], t[2]);
-            t[1] = _mm512_add_ps(t[1], t[3]);
-            _mm512_storeu_ps(out[q] + 16 * b, _mm512_mul_ps(_mm512_add_ps(t[0], t[1]), scale));
+            for (int c = 0; c < 4; c++) t[c] = v16_add(t[c], t[c + 4]);
+            t[0] = v16_add(t[0], t[2]);
+            t[1] = v16_add(t[1], t[3]);
+            v16_store(out[q] + 16 * b, v16_mul(v16_add(t[0], t[1]), scale));
         }
 }
 
 #define SC_TILE(Q, KB) \
     (fma ? scores_tile(qf, kt, d, scale, out, Q, KB, 1) : scores_tile(qf, kt, d, scale, out, Q, KB, 0))
 
-/* scores_tile for q = 1 .. 3 queries and kb = 1 or 2 blocks */
-static void scores_rows(const float *const *qf, const float *kt, int64_t d, __m512 scale, float *const *out, int q,
+/* scores_tile for q = 1 .. 3 queries and kb = 1 .. ROWS_SC_KB blocks */
+static void scores_rows(const float *const *qf, const float *kt, int64_t d, v16 scale, float *const *out, int q,
                         int kb, int fma) {
+#if ROWS_SC_KB == 2
     switch (q * 2 + kb) {
     case 3: SC_TILE(1, 1); break;
     case 4: SC_TILE(1, 2); break;
@@ -548,28 +628,44 @@ static void scores_rows(const float *const *qf, const float *kt, int64_t d, __m5
     case 7: SC_TILE(3, 1); break;
     default: SC_TILE(3, 2); break;
     }
+#else
+    (void)kb;
+    switch (q) {
+    case 1: SC_TILE(1, 1); break;
+    case 2: SC_TILE(2, 1); break;
+    default: SC_TILE(3, 1); break;
+    }
+#endif
 }
+
 #undef SC_TILE
 
 /* for Q queries over the same keys: acc_q[0 .. 16 W) += p_q[l] * vf_l[0 .. 16 W) for l < n in order (vf rows dp
    apart); Q x W independent chains share each loaded v row. */
 static inline __attribute__((always_inline)) void pv_block(float *const *p, const float *vf, int64_t dp, int64_t n,
                                                            float *const *acc, const int Q, const int W) {
-    __m512 a[4][4];
+    v16 a[ROWS_PV_Q][ROWS_PV_W];
     for (int q = 0; q < Q; q++)
-        for (int w = 0; w < W; w++) a[q][w] = _mm512_loadu_ps(acc[q] + 16 * w);
+        for (int w = 0; w < W; w++) a[q][w] = v16_load(acc[q] + 16 * w);
     for (int64_t l = 0; l < n; l++) {
-        __m512 vr[4];
-        for (int w = 0; w < W; w++) vr[w] = _mm512_loadu_ps(vf + l * dp + 16 * w);
+        v16 vr[ROWS_PV_W];
+        for (int w = 0; w < W; w++) vr[w] = v16_load(vf + l * dp + 16 * w);
         for (int q = 0; q < Q; q++) {
-            const __m512 pv = _mm512_set1_ps(p[q][l]);
-            for (int w = 0; w < W; w++) a[q][w] = _mm512_add_ps(a[q][w], _mm512_mul_ps(pv, vr[w]));
+            const v16 pv = v16_set1(p[q][l]);
+            for (int w = 0; w < W; w++) a[q][w] = v16_add(a[q][w], v16_mul(pv, vr[w]));
         }
     }
     for (int q = 0; q < Q; q++)
-        for (int w = 0; w < W; w++) _mm512_storeu_ps(acc[q] + 16 * w, a[q][w]);
+        for (int w = 0; w < W; w++) v16_store(acc[q] + 16 * w, a[q][w]);
 }
 
+#define PV_W(Q)                                                                                                      \
+    switch (w) {                                                                                                     \
+    case 1: pv_block(p, vf + c, dp, n, ac, Q, 1); break;                                                            \
+    default: pv_block(p, vf + c, dp, n, ac, Q, ROWS_PV_W); break;                                                   \
+    }
+#if ROWS_PV_W == 4
+#undef PV_W
 #define PV_W(Q)                                                                                                      \
     switch (w) {                                                                                                     \
     case 1: pv_block(p, vf + c, dp, n, ac, Q, 1); break;                                                            \
@@ -578,20 +674,27 @@ static inline __attribute__((always_inline)) void pv_block(float *const *p, cons
     default: pv_block(p, vf + c, dp, n, ac, Q, 4); break;                                                           \
     }
 
-/* pv_block for q = 1 .. 4 queries (p[i], acc[i]) over every 64-column block of the dp columns */
+#endif
+
+/* pv_block for q = 1 .. ROWS_PV_Q queries (p[i], acc[i]) over every block of 16 ROWS_PV_W columns of the dp columns */
 static void pv_rows(float *const *p, const float *vf, int64_t dp, int64_t n, float *const *acc, int q) {
-    for (int64_t c = 0; c < dp; c += 64) {
-        const int w = (dp - c) >= 64 ? 4 : (int)((dp - c) / 16);
-        float *ac[4];
+    for (int64_t c = 0; c < dp; c += 16 * ROWS_PV_W) {
+        const int w = (dp - c) >= 16 * ROWS_PV_W ? ROWS_PV_W : (int)((dp - c) / 16);
+        float *ac[ROWS_PV_Q] = {0};
         for (int i = 0; i < q; i++) ac[i] = acc[i] + c;
         switch (q) {
         case 1: PV_W(1) break;
+#if ROWS_PV_Q == 4
         case 2: PV_W(2) break;
         case 3: PV_W(3) break;
         default: PV_W(4) break;
+#else
+        default: PV_W(2) break;
+#endif
         }
     }
 }
+
 #undef PV_W
 
 /* the keys [lo, hi) of token t in the chunk of keys c0 .. c0 + cn - 1 (lo >= hi: none) */
@@ -633,11 +736,10 @@ static int rows_item(const void *q, const void *k, const void *v, const int64_t 
         off += (lens[t] - sbeg[qi] + 15) / 16 * 16;
         load_row(q, (t * hq + j * g + qi % g) * d, f32, qf + qi * d, d);
     }
-    int q_safe = !f32; /* every query value fma-safe (fma_unsafe) */
-    for (int64_t i = 0; q_safe && i < nq * d; i += 16)
-        q_safe = !fma_unsafe(_mm512_maskz_loadu_ps(nq * d - i >= 16 ? 0xffff : (__mmask16)((1u << (nq * d - i)) - 1), qf + i));
+    int q_safe = !f32; /* every query value fma_safe */
+    for (int64_t i = 0; i < nq * d; i++) q_safe &= fma_safe(qf[i]);
     memset(acc, 0, sizeof(float) * (size_t)(nq * dp));
-    const __m512 scv = _mm512_set1_ps(scale);
+    const v16 scv = v16_set1(scale);
     for (int pass = 0; pass < 2; pass++) { /* 0: scores, 1: p @ V */
         for (int64_t c0 = u0; c0 < u1; c0 += ROWS_KC) {
             const int64_t cn = u1 - c0 < ROWS_KC ? u1 - c0 : ROWS_KC;
@@ -654,17 +756,18 @@ static int rows_item(const void *q, const void *k, const void *v, const int64_t 
                 if (pass == 0) { /* up to 3 heads of this token (the same keys) together, 2 blocks of 16 keys at a time */
                     const float *qq[3];
                     for (; qe < nq && qe - qi < 3 && qe / g == qi / g; qe++) qq[qe - qi] = qf + qe * d;
-                    for (int64_t kb = sbeg[qi] > c0 ? sbeg[qi] : c0; kb < hi; kb += 32) {
+                    for (int64_t kb = sbeg[qi] > c0 ? sbeg[qi] : c0; kb < hi; kb += 16 * ROWS_SC_KB) {
                         float *so[3];
                         for (int64_t x = qi; x < qe; x++) so[x - qi] = s + soff[x] + (kb - sbeg[x]);
-                        scores_rows(qq, kt + (kb - c0), d, scv, so, (int)(qe - qi), kb + 16 < hi ? 2 : 1, fma);
+                        scores_rows(qq, kt + (kb - c0), d, scv, so, (int)(qe - qi),
+                                    ROWS_SC_KB == 2 && kb + 16 < hi ? 2 : 1, fma);
                     }
                     qi = qe;
                     continue;
                 }
-                /* p @ V: up to 4 queries with this chunk's same keys together */
-                float *pq[4], *aq[4];
-                for (; qe < nq && qe - qi < 4; qe++) {
+                /* p @ V: up to ROWS_PV_Q queries with this chunk's same keys together */
+                float *pq[ROWS_PV_Q] = {0}, *aq[ROWS_PV_Q] = {0};
+                for (; qe < nq && qe - qi < ROWS_PV_Q; qe++) {
                     int64_t lo2, hi2;
                     chunk_range(first, lens, t0 + qe / g, c0, cn, &lo2, &hi2);
                     if (lo2 != lo || hi2 != hi) break;
@@ -686,20 +789,21 @@ static int rows_item(const void *q, const void *k, const void *v, const int64_t 
                 a[i] = (first ? first[t] : 0) - sbeg[qi];
                 e[i] = lens[t] - sbeg[qi];
                 const int64_t ep = (e[i] + 15) / 16 * 16;
-                __m512 mv = _mm512_set1_ps(-INFINITY);
-                for (int64_t l = 0; l < ep; l += 16) {
-                    const uint32_t lom = l >= a[i] ? 0xffffu : (0xffffu << (a[i] - l)) & 0xffffu;
-                    const uint32_t him = e[i] - l >= 16 ? 0xffffu : (1u << (e[i] - l)) - 1u;
-                    mv = _mm512_max_ps(_mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), (__mmask16)(lom & him), sq[i] + l), mv);
-                }
-                const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
-                for (int64_t l = 0; l < ep; l += 16) _mm512_storeu_ps(sq[i] + l, exp16(_mm512_sub_ps(_mm512_loadu_ps(sq[i] + l), m)));
+                float m = -INFINITY, mm[16];
+                int64_t l = a[i];
+                for (; l < e[i] && l % 16; l++) m = sq[i][l] > m ? sq[i][l] : m;
+                v16 mv = v16_set1(-INFINITY);
+                for (; l + 16 <= e[i]; l += 16) mv = v16_max(v16_load(sq[i] + l), mv); /* skips NaN as > does */
+                for (; l < e[i]; l++) m = sq[i][l] > m ? sq[i][l] : m;
+                v16_store(mm, mv);
+                for (int c = 0; c < 16; c++) m = mm[c] > m ? mm[c] : m;
+                const v16 m16 = v16_set1(m);
+                for (l = 0; l < ep; l += 16) v16_store(sq[i] + l, v16_exp(v16_sub(v16_load(sq[i] + l), m16)));
             }
             z_sums(sq, a, e, qn, z);
             for (int i = 0; i < qn; i++) {
-                const __m512 zv = _mm512_set1_ps(z[i]);
-                for (int64_t l = 0; l < (e[i] + 15) / 16 * 16; l += 16)
-                    _mm512_storeu_ps(sq[i] + l, _mm512_div_ps(_mm512_loadu_ps(sq[i] + l), zv));
+                const v16 zv = v16_set1(z[i]);
+                for (int64_t l = 0; l < (e[i] + 15) / 16 * 16; l += 16) v16_store(sq[i] + l, v16_div(v16_load(sq[i] + l), zv));
             }
         }
     }
@@ -749,6 +853,7 @@ static int rows_blocked(const void *q, const void *k, const void *v, const int64
     free(start);
     return failed ? 3 : 0;
 }
+
 #endif
 
 /* Any tokens of any sequences (prompt chunks): token t is a decode step of sequence seq[t] over its keys
@@ -757,7 +862,7 @@ int llmsys_rows_attention(const void *q, const void *k, const void *v, const int
                           const int64_t *first, const int64_t *lens, float scale, void *out, int64_t t_count,
                           int64_t l_max, int64_t hq, int64_t hk, int64_t d, int f32, int threads) {
     if (!seq) return 1;
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
     return rows_blocked(q, k, v, slots, seq, first, lens, scale, out, t_count, l_max, hq, hk, d, f32, threads);
 #else
     return attention_rows(q, k, v, slots, seq, first, lens, scale, out, t_count, l_max, hq, hk, d, f32, threads);

@@ -192,16 +192,11 @@ def _alone(q, k, v, seq, lens, first, t):
                                        v[s : s + 1, f:n].contiguous(), torch.tensor([n - f]), 0.125)[0]
 
 
-@needs_kernel
-@pytest.mark.parametrize("d", [64, 128, 80, 40])
-@pytest.mark.parametrize("hq,hk", [(9, 3), (4, 1), (2, 2)])
-@pytest.mark.parametrize("dtype", [BF, torch.float32])
-def test_rows_attention_long_prompts_are_decode_steps(dtype, hq, hk, d):
-    """A long prompt by rows (the AVX-512 build takes runs of tokens x the heads of a KV head as one work item,
-    keys in chunks of 128, scores 16 keys at a time): every token of a 230-token prompt after a 37-token prefix,
-    a second sequence's scattered tokens with sliding windows, by slot, on 1 and 2 threads, gives the bits
-    decode_attention gives it alone. Inputs with extreme values too: large scores (exps that underflow to 0),
-    -0 queries (all-zero scores), tiny and huge bf16 keys (products that could round: no fused multiply-add)."""
+def _long_prompt(dtype, hq, hk, d):
+    """q, k [S, L, Hk, D], v, seq, lens, first: a 230-token prompt after a 37-token prefix (sequence 0) and a
+    second sequence's scattered tokens with sliding windows; with extreme values: large scores (exps that
+    underflow to 0), -0 queries (all-zero scores), tiny and huge bf16 keys, and a token whose products round
+    (lane 0 of token 7, head 0, key 20: -2.9e38 + 2^128 is finite, but 2^128 rounds to inf first)."""
     g = torch.Generator().manual_seed(11 + d + hq)
     S, L = 2, 300
     k, v = (torch.randn(S, L, hk, d, generator=g).to(dtype) for _ in range(2))
@@ -210,15 +205,29 @@ def test_rows_attention_long_prompts_are_decode_steps(dtype, hq, hk, d):
     lens = torch.cat([torch.arange(38, 38 + n0), torch.tensor([1, 300, 129, 128, 16, 17, 250, 251, 299])])
     first = torch.cat([torch.zeros(n0, dtype=torch.int64), torch.tensor([0, 0, 1, 100, 15, 0, 120, 250, 283])])
     q = torch.randn(len(seq), hq, d, generator=g).to(dtype)
-    q[5] *= 40  # scores far apart: most exps underflow to zero
-    q[6] = -0.0  # every product -0: scores of zero
-    k[0, 3, 0, :3] = torch.tensor([1e-30, -3e-25, 2e30])  # products that are not exact in float32
-    if d >= 32:  # token 7, head 0, key 20: lane 0's -2.9e38 + 2^128 is finite, but 2^128 rounds to inf first
+    q[5] *= 40
+    q[6] = -0.0
+    k[0, 3, 0, :3] = torch.tensor([1e-30, -3e-25, 2e30])
+    if d >= 32:
         q[7, 0, 0], q[7, 0, 16], k[0, 20, 0, 0], k[0, 20, 0, 16] = -1.7e19, 2.0**64, 1.7e19, 2.0**64
+    return q, k, v, seq, lens, first
+
+
+@needs_kernel
+@pytest.mark.parametrize("d", [64, 128, 80, 40])
+@pytest.mark.parametrize("hq,hk", [(9, 3), (4, 1), (2, 2)])
+@pytest.mark.parametrize("dtype", [BF, torch.float32])
+def test_rows_attention_long_prompts_are_decode_steps(dtype, hq, hk, d):
+    """A long prompt by rows (the AVX-512 and AVX2 builds take runs of tokens x the heads of a KV head as one
+    work item, keys in chunks of 128, scores 16 keys at a time, fused multiply-adds where no product rounds):
+    every token (_long_prompt: extreme values too), by slot, on 1 and 2 threads, in any chunking or order, gives
+    the bits decode_attention gives it alone."""
+    q, k, v, seq, lens, first = _long_prompt(dtype, hq, hk, d)
+    S, L = k.shape[:2]
     got = cpu_decode.rows_attention(q, k, v, seq, lens, 0.125, first)
     for t in range(len(seq)):
         assert torch.equal(_bits(got[t]), _bits(_alone(q, k, v, seq, lens, first, t))), t
-    perm = torch.randperm(S * L, generator=g)
+    perm = torch.randperm(S * L, generator=torch.Generator().manual_seed(1))
     kp, vp = torch.empty(S * L, hk, d, dtype=dtype), torch.empty(S * L, hk, d, dtype=dtype)
     kp[perm], vp[perm] = k.reshape(-1, hk, d), v.reshape(-1, hk, d)
     threads = torch.get_num_threads()
@@ -290,17 +299,15 @@ def test_other_isas_give_the_same_bits(level, tmp_path):
         assert lib.llmsys_decode_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), None, lens.data_ptr(), 0.125,
                                            o.data_ptr(), 3, 40, 9, 3, 64, int(dtype == torch.float32), 2) == 0
         assert torch.equal(o, cpu_decode.decode_attention(q, k, v, lens, 0.125))
-        # prompt rows (the AVX-512 build's blocked path, the others' per query) against this CPU's build
-        g = torch.Generator().manual_seed(2)
-        kl, vl = (torch.randn(1, 200, 3, 80, generator=g).to(dtype) for _ in range(2))
-        ql = torch.randn(150, 9, 80, generator=g).to(dtype)
-        lens_l, seq_l = torch.arange(51, 201), torch.zeros(150, dtype=torch.int64)
-        first_l = (lens_l - 70).clamp(min=0)
-        o = torch.empty_like(ql)
-        assert lib.llmsys_rows_attention(ql.data_ptr(), kl.data_ptr(), vl.data_ptr(), None, seq_l.data_ptr(),
-                                         first_l.data_ptr(), lens_l.data_ptr(), 0.125, o.data_ptr(), 150, 200, 9, 3,
-                                         80, int(dtype == torch.float32), 2) == 0
-        assert torch.equal(_bits(o), _bits(cpu_decode.rows_attention(ql, kl, vl, seq_l, lens_l, 0.125, first_l)))
+        # prompt rows (blocked on AVX-512 and AVX2, per query below) against this CPU's build
+        for hq, hk, d in ((9, 3, 80), (4, 1, 64)):
+            ql, kl, vl, seq_l, lens_l, first_l = _long_prompt(dtype, hq, hk, d)
+            o = torch.empty_like(ql)
+            assert lib.llmsys_rows_attention(ql.data_ptr(), kl.data_ptr(), vl.data_ptr(), None, seq_l.data_ptr(),
+                                             first_l.data_ptr(), lens_l.data_ptr(), 0.125, o.data_ptr(), len(seq_l),
+                                             kl.shape[1], hq, hk, d, int(dtype == torch.float32), 2) == 0
+            want = cpu_decode.rows_attention(ql, kl, vl, seq_l, lens_l, 0.125, first_l)
+            assert torch.equal(_bits(o), _bits(want)), (hq, hk, d)
 
 
 def test_without_the_kernel_the_torch_paths_run(tmp_path):
