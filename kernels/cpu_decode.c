@@ -337,7 +337,7 @@ int llmsys_decode_attention(const void *q, const void *k, const void *v, const i
  *   - scores: K transposed to [D][ROWS_KC]; for 16 keys, accumulator vector j (one lane per key) is dot_row16's
  *     lane j (elements j, j+16, ... in order, from zero), then the same tree (j + (j+8), j + (j+4), j + (j+2),
  *     j + (j+1)) as vertical adds, then * scale (scores_tile). For bf16 q and k each multiply-add is one fma
- *     where no product can round (fma_unsafe): the same bits;
+ *     where no product can round (fma_safe): the same bits;
  *   - m the max of the query's scores (its value: only a zero m's sign could differ, and s - m and
  *     ops_exp(s - m) do not depend on it);
  *   - e = ops_exp8's operations 16 lanes at a time (ops_exp's bits), z summed in order of l (8 queries'
@@ -368,6 +368,8 @@ static inline v16 v16_div(v16 a, v16 b) { return _mm512_div_ps(a, b); }
 static inline v16 v16_fma(v16 a, v16 b, v16 c) { return _mm512_fmadd_ps(a, b, c); }
 static inline v16 v16_max(v16 a, v16 b) { return _mm512_max_ps(a, b); } /* a > b ? a : b per lane */
 #define V16_PIN(x) __asm__("" : "+v"(x)) /* keep x in a register (one load shared, not one per use) */
+/* ops_exp8 on 16 floats: the same operations in the same order, masks for the blends (the bits of ops_exp8,
+   compared on all 2^32 inputs when written) */
 static inline __m512 exp16(__m512 x) {
     const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
     const __mmask16 big = _mm512_cmp_ps_mask(x, _mm512_set1_ps(OPS_EXP_HI), _CMP_GT_OQ);
@@ -416,7 +418,7 @@ static inline v16 v16_max(v16 a, v16 b) { return (v16){_mm256_max_ps(a.lo, b.lo)
 static inline v16 v16_exp(v16 x) { return (v16){ops_exp8(x.lo), ops_exp8(x.hi)}; }
 #endif
 
-/* acc + x * y: multiply then add, or (fma: only where x * y is exact, fma_unsafe) one fused operation: the same bits */
+/* acc + x * y: multiply then add, or (fma: only where x * y is exact, fma_safe) one fused operation: the same bits */
 static inline v16 mac(v16 acc, v16 x, v16 y, const int fma) {
     return fma ? v16_fma(x, y, acc) : v16_add(acc, v16_mul(x, y));
 }
@@ -509,9 +511,7 @@ static int rows_widen(const void *k, const void *v, const int64_t *rows, int64_t
 }
 
 #else
-/* rows[0 .. cn) (element offsets) widened to float32: with v NULL, the keys transposed, kt[i * ROWS_KC + c] =
-   k_c[i] (i < d, c < round16(cn), zero columns past cn), returning whether every value is fma-safe (bf16 only);
-   else the values as rows, vf[c * dp + i] = v_c[i] (zero past d), returning 0. */
+/* rows_widen without AVX-512: the same layout and answer, element by element */
 static int rows_widen(const void *k, const void *v, const int64_t *rows, int64_t cn, int64_t d, int64_t dp, int f32,
                       float *kt, float *vf) {
     if (v) {
