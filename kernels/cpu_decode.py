@@ -284,6 +284,8 @@ def rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: torch
     rc = lib.llmsys_rows_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), _ptr(slots), seq.data_ptr(),
                                    first.data_ptr(), lens.data_ptr(), scale, out.data_ptr(), T, L, hq, hk, d,
                                    int(q.dtype == torch.float32), torch.get_num_threads())
+    if rc == 3:
+        raise MemoryError(f"rows_attention: no memory for the scratch of {T} tokens over up to {L} keys")
     if rc:
         raise ValueError(f"rows_attention: bad shapes (Hq={hq}, Hk={hk}, D={d}) or key ranges outside 0..{L}")
     return out
