@@ -277,6 +277,20 @@ static void attend_head(const float *qf, const void *k, const void *v, const int
     }
 }
 
+/* The rows' shapes and key ranges checked (1: shapes, 2: a row's keys outside 0 .. l_max or a negative
+   sequence), and *work = the keys all rows attend (for the threading threshold). */
+static int rows_checked(const int64_t *seq, const int64_t *first, const int64_t *lens, int64_t rows, int64_t l_max,
+                        int64_t hq, int64_t hk, int64_t d, int64_t *work) {
+    if (hk <= 0 || hq % hk || d <= 0 || d > 1024) return 1;
+    *work = 0;
+    for (int64_t b = 0; b < rows; b++) {
+        const int64_t f = first ? first[b] : 0;
+        if (lens[b] < 1 || lens[b] > l_max || f < 0 || f >= lens[b] || (seq && seq[b] < 0)) return 2;
+        *work += lens[b] - f;
+    }
+    return 0;
+}
+
 /* q [B, Hq, D]; k, v: rows of [Hk, D]: with slots [S, L], row slots[seq[b], l] of the pool, else row seq[b] * L + l
  * (gathered); seq [B] (NULL: seq[b] = b); row b attends keys first[b] .. lens[b] - 1 (first NULL: from 0); out
  * [B, Hq, D]. All bf16 (f32 = 0) or all float32 (f32 = 1). One query head per work item (each head's arithmetic
@@ -286,13 +300,9 @@ static void attend_head(const float *qf, const void *k, const void *v, const int
 static int attention_rows(const void *q, const void *k, const void *v, const int64_t *slots, const int64_t *seq,
                           const int64_t *first, const int64_t *lens, float scale, void *out, int64_t b_count,
                           int64_t l_max, int64_t hq, int64_t hk, int64_t d, int f32, int threads) {
-    if (hk <= 0 || hq % hk || d <= 0 || d > 1024) return 1;
     int64_t work = 0;
-    for (int64_t b = 0; b < b_count; b++) {
-        const int64_t f = first ? first[b] : 0;
-        if (lens[b] < 1 || lens[b] > l_max || f < 0 || f >= lens[b] || (seq && seq[b] < 0)) return 2;
-        work += lens[b] - f;
-    }
+    const int rc = rows_checked(seq, first, lens, b_count, l_max, hq, hk, d, &work);
+    if (rc) return rc;
     const int64_t g = hq / hk;
     int failed = 0;
 #pragma omp parallel for num_threads(threads) schedule(static) if (b_count * hq > 1 && work * hq * d >= (1 << 14))
@@ -824,13 +834,9 @@ static int rows_item(const void *q, const void *k, const void *v, const int64_t 
 static int rows_blocked(const void *q, const void *k, const void *v, const int64_t *slots, const int64_t *seq,
                         const int64_t *first, const int64_t *lens, float scale, void *out, int64_t t_count,
                         int64_t l_max, int64_t hq, int64_t hk, int64_t d, int f32, int threads) {
-    if (hk <= 0 || hq % hk || d <= 0 || d > 1024) return 1;
     int64_t work = 0;
-    for (int64_t t = 0; t < t_count; t++) {
-        const int64_t f = first ? first[t] : 0;
-        if (lens[t] < 1 || lens[t] > l_max || f < 0 || f >= lens[t] || seq[t] < 0) return 2;
-        work += lens[t] - f;
-    }
+    const int rc = rows_checked(seq, first, lens, t_count, l_max, hq, hk, d, &work);
+    if (rc) return rc;
     /* runs of at most `tok` consecutive tokens of one sequence: ROWS_Q query heads, ROWS_S floats of scores */
     const int64_t g = hq / hk, by_s = ROWS_S / (g * (l_max + 32));
     int64_t tok = ROWS_Q / g < by_s ? ROWS_Q / g : by_s, runs = 0;

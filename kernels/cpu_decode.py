@@ -220,6 +220,15 @@ def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: tor
     return qo
 
 
+def _by_slot(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pools ``[num_slots, Hk, D]`` gathered by ``slots [S, L]`` into ``[S, L, Hk, D]`` (the definitions'
+    layout); ``k, v`` as they are when ``slots`` is None."""
+    if slots is None:
+        return k, v
+    return tuple(c.view(-1, c.shape[-2], c.shape[-1])[slots.view(-1)].view(*slots.shape, *c.shape[-2:])
+                 for c in (k, v))
+
+
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor,
                      scale: float, slots: torch.Tensor | None = None) -> torch.Tensor:
     """One query per sequence over its context: ``q [B, Hq, D]``; ``k, v [B, L, Hk, D]`` gathered rows,
@@ -228,9 +237,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: to
     (as :func:`decode_attention_def`)."""
     lib = _KERNEL.lib()
     if lib is None:
-        if slots is not None:
-            k, v = (c.view(-1, c.shape[-2], c.shape[-1])[slots.view(-1)].view(*slots.shape, *c.shape[-2:])
-                    for c in (k, v))
+        k, v = _by_slot(k, v, slots)
         return decode_attention_def(q, k, v, lens, scale)
     B, hq, d = q.shape
     L = k.shape[1] if slots is None else slots.shape[1]
@@ -271,9 +278,7 @@ def rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: torch
     first = torch.zeros_like(lens) if first is None else first
     lib = _KERNEL.lib()
     if lib is None:
-        if slots is not None:
-            k, v = (c.view(-1, c.shape[-2], c.shape[-1])[slots.view(-1)].view(*slots.shape, *c.shape[-2:])
-                    for c in (k, v))
+        k, v = _by_slot(k, v, slots)
         return rows_attention_def(q, k, v, seq, first, lens, scale)
     T, hq, d = q.shape
     L = k.shape[1] if slots is None else slots.shape[1]
