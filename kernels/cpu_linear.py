@@ -162,8 +162,10 @@ def linear(
         if x.numel() >= BF16_UPCAST_MIN_ROWS * x.shape[-1]:
             # no C kernel (or a float32 bias): oneDNN's bf16 GEMM where it has one, else the upcast sgemm
             return F.linear(x, weight, bias) if _ONEDNN_BF16 else _bf16_upcast(x, weight, bias)
-    if x.dtype == torch.float32 and rows_of is None and not torch.is_grad_enabled() and f32_gemv_applies(weight, bias):
-        return _gemv(cpu_qgemv.f32_gemv, x, weight, bias)  # (a weight too small to pack: the fused layers' bits)
+    if (x.dtype == torch.float32 and not torch.is_grad_enabled() and f32_gemv_applies(weight, bias)
+            and (rows_of is None or rows_of * weight.shape[1] < _ONEDNN_MIN_WEIGHT)):
+        # a weight too small to pack (a streamed chunk: the whole matrix is): the fused layers' bits, by rows
+        return _gemv(cpu_qgemv.f32_gemv, x, weight, bias)
     return F.linear(x, weight, bias)
 
 

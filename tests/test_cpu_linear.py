@@ -57,6 +57,9 @@ def test_small_float32_weights_take_the_c_gemv_at_every_batch(m):
     if cpu_linear.f32_gemv_applies(w, b):
         assert torch.equal(got, cpu_qgemv.f32_gemv_def(x, w) + b)
         assert torch.equal(got, alone)
+        with torch.inference_mode():  # row chunks of it (a streamed head) give the whole matrix's bits
+            parts = torch.cat([kernels.linear(x, w[r : r + 50], b[r : r + 50], rows_of=200) for r in (0, 50, 100, 150)], 1)
+        assert torch.equal(parts, got)
     else:
         assert torch.equal(got, F.linear(x, w, b))
     ref = F.linear(x.double(), w.double(), b.double())
