@@ -627,3 +627,32 @@ def test_longrope_cache_matches_hf(partial):
         cos, sin = emb(x, pos[None])  # [1, T, dim]
         assert torch.equal(cache[pos, : dim // 2], cos[0, :, : dim // 2])
         assert torch.equal(cache[pos, dim // 2 :], sin[0, :, : dim // 2])
+
+
+def test_cpu_prompt_attention_out_of_memory_is_one_line(tmp_path):
+    """The C prompt attention's scratch that cannot be allocated is a MemoryError saying what it was for (not
+    'bad shapes'): a child process with its address space capped just above what the call's output needs."""
+    from llmsys.kernels import cpu_decode
+
+    if not cpu_decode.available():
+        pytest.skip(f"the C decode kernels are not loaded: {cpu_decode.kernel_status()}")
+    script = tmp_path / "oom.py"
+    script.write_text(
+        "import resource, torch\n"
+        "from llmsys.kernels import cpu_decode\n"
+        "torch.set_num_threads(1)\n"
+        "hq, hk, d, n = 9, 3, 64, 8192\n"
+        "k, v = (torch.randn(1, n, hk, d).bfloat16() for _ in range(2))\n"
+        "q = torch.randn(n, hq, d).bfloat16()\n"
+        "seq, lens = torch.zeros(n, dtype=torch.int64), torch.arange(1, n + 1)\n"
+        "cpu_decode.rows_attention(q[:4], k, v, seq[:4], lens[:4], 0.125)\n"
+        "vm = int([l for l in open('/proc/self/status') if l.startswith('VmSize')][0].split()[1]) * 1024\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (vm + n * hq * d * 2 + (2 << 20), resource.RLIM_INFINITY))\n"
+        "try:\n"
+        "    cpu_decode.rows_attention(q, k, v, seq, lens, 0.125)\n"
+        "    print('no error')\n"
+        "except MemoryError as e:\n"
+        "    print('MemoryError:', e)\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == ("MemoryError: rows_attention: no memory for the scratch of 8192 tokens over up "
+                                  "to 8192 keys"), out.stdout + out.stderr
