@@ -61,11 +61,19 @@ def test_wheel_carries_every_level_and_runs_without_a_compiler(tmp_path, stories
     want = {_cbuild.artifact_name(src, lv) for src, lv in _cbuild.install_builds()}
     assert len(want) == 3 * len(_cbuild.arch_levels()) + 1 and names == want
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=120)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     py = venv / "bin" / "python"
-    res = subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--ignore-installed", str(wheel)],
+    res = subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)],
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
+    # The wheel's dependencies (torch, ...) from wherever this interpreter has them: its own venv's
+    # site-packages (the README's setup) or the system's. `venv --system-site-packages` would see only
+    # the base interpreter's, which lack torch when torch lives in a venv. Listed after the new venv's
+    # own site-packages, so its llmsys is the wheel's.
+    site_dir = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                              capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+    deps = [p for p in sys.path if Path(p).name in ("site-packages", "dist-packages") and Path(p).is_dir()]
+    (Path(site_dir) / "_llmsys_test_deps.pth").write_text("\n".join(deps) + "\n")
     assert not any((venv / "bin" / cc).exists() for cc in ("gcc", "cc"))
     env = {**os.environ, "PATH": str(venv / "bin"), "LLMSYS_HOME": str(tmp_path / "home"), "LLMSYS_DEBUG": "1"}
     env.pop("CC", None)  # no compiler anywhere on PATH
