@@ -5,8 +5,9 @@ status line at the bottom. The layout follows the terminal's width through
 Textual's breakpoints (classes on the screen, rules in chat.tcss): the panel
 narrows below ``WIDE_AT`` columns and hides below ``NARROW_AT``; Ctrl+B hides
 or shows it at any width. All engine work happens on :class:`EngineWorker`'s
-thread; this module only reacts to its messages, so a slow step never freezes
-the screen and a failed load or a full context becomes a notice, not a crash.
+thread (the engine client the server uses too); this module only reacts to its
+messages, so a slow step never freezes the screen and a failed load or a full
+context becomes a notice, not a crash.
 """
 
 from __future__ import annotations
@@ -247,7 +248,7 @@ class ChatApp(App):
         else:
             job = Generate(self.generating, self.sampling, text=self.conversation.completion_text())
         self._show_status("generating")
-        self.worker.submit(job)
+        self.worker.ask(job)
 
     async def run_command(self, cmd: SlashCommand) -> None:
         busy = self.generating is not None
@@ -272,7 +273,7 @@ class ChatApp(App):
             self.conversation.reset()
             await self.transcript.clear()
             if self.worker is not None and self.info is not None:
-                self.worker.submit(Refresh(forget_context=True))
+                self.worker.ask(Refresh(forget_context=True))
             self.notify("conversation cleared")
         elif cmd.name == "save":
             p = self.conversation.save(cmd.args[0], self.sampling, self.model_name)
@@ -309,7 +310,7 @@ class ChatApp(App):
     # -- actions -------------------------------------------------------------
     def action_stop(self) -> None:
         if self.generating is not None and self.worker is not None:
-            self.worker.submit(Abort(self.generating))
+            self.worker.ask(Abort(self.generating))
 
     def action_toggle_panel(self) -> None:
         """Hide or show the memory panel; the choice holds across resizes.

@@ -1,24 +1,25 @@
-"""The engine thread: the only code that touches ``llm.core``.
+"""The chat's engine thread: :class:`~llmsys.engine.client.EngineClient` posting Textual messages.
 
-The engine core is not thread-safe and a decode step can take a while, so the
-UI never calls it. The app puts jobs (generate, abort, stop) on a queue; this
-thread loads the model, runs the steps, and posts results back as Textual
-messages (``post_message`` is thread-safe). While generating it also builds a
-:class:`TierSnapshot` a few times per second, timing itself so the cost of the
-live panel can be checked against the decode speed.
+The client (the same one the server uses) owns the thread, the core, admission, aborts and
+errors; this module turns the app's jobs into its calls and its outcomes into Textual messages
+(``post_message`` is thread-safe). It loads the model on the engine thread (a failure becomes
+a notice), allows one reply at a time, posts text at most ``text_hz`` times a second, and while
+generating builds a :class:`TierSnapshot` a few times per second, timing itself so the cost of
+the live panel can be checked against the decode speed.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from llmsys.kernels.common.errors import LLMSysError
+from llmsys.engine.client import EngineClient, Interrupted, Outcome, Submission
+from llmsys.engine.core import EngineCore
+from llmsys.engine.outputs import StreamChunk
 from llmsys.engine.sampling import SamplingParams
+from llmsys.kernels.common.errors import LLMSysError
 from llmsys.tui.info import weight_format
 from llmsys.tui.messages import (
     EngineFailed,
@@ -55,11 +56,6 @@ class Refresh:
     """
 
     forget_context: bool = False
-
-
-@dataclass(frozen=True)
-class _Stop:
-    pass
 
 
 @dataclass
@@ -104,8 +100,26 @@ def model_info(llm: Any) -> ModelInfo:
     )
 
 
-class EngineWorker:
-    """Owns the LLM on a daemon thread; ``post`` receives every message it emits."""
+@dataclass
+class _Reply:
+    """The reply in flight (touched on the engine thread only)."""
+
+    gen_id: int
+    request_id: str
+    n_prompt: int
+    t_submit: float
+    last_snap: float
+    last_text: float = 0.0
+    pending_text: list[str] = field(default_factory=list)
+    pending_n: int = 0
+    window_tokens: int = 0
+    n_out: int = 0
+
+
+class EngineWorker(EngineClient):
+    """Owns the LLM on the engine client's thread; ``post`` receives every message it emits."""
+
+    owner = "the chat"
 
     def __init__(
         self,
@@ -115,14 +129,13 @@ class EngineWorker:
         history: int = 48,
         text_hz: float = 20.0,
     ):
-        self._load = load
+        super().__init__(load=self._load_engine, max_concurrency=1, max_queue=0)  # one reply at a time
+        self._load_llm = load
         self._post = post
         self._interval = 1.0 / refresh_hz if refresh_hz > 0 else float("inf")
         # Text is posted at most text_hz times a second: every post wakes the UI
         # thread, and a busy UI thread holds the GIL the decode loop needs.
         self._text_interval = 1.0 / text_hz if text_hz > 0 else 0.0
-        self._jobs: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="llmsys-engine", daemon=True)
         self._history: deque[float] = deque(maxlen=history)
         self._ttft: float | None = None
         # The speed the panel shows: the live window while a reply streams, then
@@ -130,28 +143,38 @@ class EngineWorker:
         self._tok_s: float | None = None
         self._context: int | None = None
         self._evicted = 0
+        self._reply: _Reply | None = None
+        self._info: ModelInfo | None = None
         self.llm: Any = None
         self.budgets: dict[str, int | None] = {}
         self.costs = WorkerCosts()
 
     # -- called from the UI thread ------------------------------------------
-    def start(self) -> None:
-        self._thread.start()
-
-    def submit(self, job: Generate | Abort | Refresh) -> None:
-        self._jobs.put(job)
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """Abort what is running, leave the core clean, end the thread."""
-        self._jobs.put(_Stop())
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
+    def ask(self, job: Generate | Abort | Refresh) -> None:
+        if isinstance(job, Abort):
+            self.abort(_request_id(job.gen_id))
+        elif isinstance(job, Generate):
+            self.call(lambda: self._start(job))
+        else:
+            self.call(lambda: self._refresh(job))
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self.is_alive()
 
     # -- the engine thread ---------------------------------------------------
+    def _load_engine(self) -> EngineCore:
+        self.llm = self._load_llm()
+        self.budgets = default_budgets(self.llm.config, self.llm.loaded.device)
+        self._info = model_info(self.llm)
+        return self.llm.core
+
+    def on_ready(self) -> None:
+        self._post(EngineReady(self._info, self._snapshot(False)))
+
+    def on_load_failed(self, e: Exception) -> None:
+        self._post(EngineFailed(error_line(e)))  # shown as a notice; the app stays usable
+
     def _snapshot(self, generating: bool) -> TierSnapshot:
         t0 = time.perf_counter()
         perf = PerfStats(
@@ -167,31 +190,10 @@ class EngineWorker:
         self.costs.snapshots += 1
         return snap
 
-    def _run(self) -> None:
-        try:
-            self.llm = self._load()
-            self.budgets = default_budgets(self.llm.config, self.llm.loaded.device)
-            info = model_info(self.llm)
-        except Exception as e:  # noqa: BLE001 - shown as a notice; the app stays usable
-            self._post(EngineFailed(error_line(e)))
-            self._drain_until_stop()
-            return
-        self._post(EngineReady(info, self._snapshot(False)))
-        while True:
-            job = self._jobs.get()
-            if isinstance(job, _Stop):
-                return
-            if isinstance(job, Refresh):
-                if job.forget_context:
-                    self._context = 0
-                self._post(SnapshotUpdated(self._snapshot(False)))
-            elif isinstance(job, Generate):
-                if not self._generate(job):
-                    return
-
-    def _drain_until_stop(self) -> None:
-        while not isinstance(self._jobs.get(), _Stop):
-            pass
+    def _refresh(self, job: Refresh) -> None:
+        if job.forget_context:
+            self._context = 0
+        self._post(SnapshotUpdated(self._snapshot(self._reply is not None)))
 
     def _encode(self, job: Generate) -> list[int]:
         tok = self.llm.tokenizer
@@ -199,88 +201,82 @@ class EngineWorker:
             return tok.encode_chat(job.messages)
         return self.llm.encode(job.text or "")
 
-    def _generate(self, job: Generate) -> bool:
-        """Run one request to its end; False when a stop was requested meanwhile."""
-        core = self.llm.core
+    def _start(self, job: Generate) -> None:
+        if self._reply is not None:  # one at a time: refuse politely
+            self._post(GenerationFailed(job.gen_id, "a reply is still being generated; press Esc to stop it first"))
+            return
         try:
             ids = self._encode(job)
-            rid = core.add_request(ids, job.params)
-        except Exception as e:  # noqa: BLE001 - context full, bad params: a notice
+            sub = Submission(_request_id(job.gen_id), job.gen_id, ids, job.params, self._deliver)
+            now = time.perf_counter()
+            self._reply = _Reply(job.gen_id, sub.request_id, len(ids), now, now)
+            self.submit([sub])
+        except Exception as e:  # noqa: BLE001 - context full, bad params, the thread gone: a notice
+            self._reply = None
             self._post(GenerationFailed(job.gen_id, error_line(e)))
-            return True
-        n_prompt = len(ids)
-        self._context = n_prompt
+            return
+        self._context = len(ids)
         self._ttft = None
         self._tok_s = None
-        t_submit = time.perf_counter()
-        last_snap = t_submit
-        last_text = 0.0
-        pending_text: list[str] = []
-        pending_n = 0
-        window_tokens = 0
-        n_out = 0
-        keep_running = True
-        final = None
-        try:
-            while final is None:
-                while True:  # apply every pending job before the next step
-                    try:
-                        j = self._jobs.get_nowait()
-                    except queue.Empty:
-                        break
-                    if isinstance(j, _Stop):
-                        keep_running = False
-                        core.abort(rid)
-                    elif isinstance(j, Abort) and j.gen_id == job.gen_id:
-                        core.abort(rid)
-                    elif isinstance(j, Generate):  # one at a time: refuse politely
-                        self._post(GenerationFailed(j.gen_id, "a reply is still being generated; press Esc to stop it first"))
-                t0 = time.perf_counter()
-                chunks = core.step()
-                t1 = time.perf_counter()
-                self.costs.decode_s += t1 - t0
-                for ch in chunks:
-                    if ch.request_id != rid:
-                        continue
-                    if ch.token_ids and self._ttft is None:
-                        self._ttft = t1 - t_submit
-                    n = len(ch.token_ids)
-                    n_out += n
-                    window_tokens += n
-                    self._context = n_prompt + n_out
-                    pending_text.append(ch.text)
-                    pending_n += n
-                    if ch.finished:
-                        final = ch
-                if pending_n and (final is not None or t1 - last_text >= self._text_interval):
-                    self._post(TokensReceived(job.gen_id, "".join(pending_text), pending_n))
-                    pending_text, pending_n, last_text = [], 0, t1
-                if final is None and t1 - last_snap >= self._interval:  # (a finished request's blocks are already freed)
-                    self._tok_s = window_tokens / (t1 - last_snap)
-                    self._history.append(self._tok_s)
-                    window_tokens = 0
-                    last_snap = t1
-                    self._post(SnapshotUpdated(self._snapshot(True)))
-        except Exception as e:  # noqa: BLE001 - e.g. out of memory mid-step
-            core.abort(rid)
-            core.step()
-            self._post(GenerationFailed(job.gen_id, error_line(e)))
+
+    def on_step(self, seconds: float) -> None:
+        if self._reply is not None:
+            self.costs.decode_s += seconds
+
+    def on_tick(self) -> None:
+        r = self._reply
+        now = time.perf_counter()
+        if r is not None and now - r.last_snap >= self._interval:
+            self._tok_s = r.window_tokens / (now - r.last_snap)
+            self._history.append(self._tok_s)
+            r.window_tokens = 0
+            r.last_snap = now
+            self._post(SnapshotUpdated(self._snapshot(True)))
+
+    def _deliver(self, gen_id: int, item: Outcome) -> None:
+        r = self._reply
+        if r is None or r.gen_id != gen_id:
+            return
+        if not isinstance(item, StreamChunk):  # refused at admission (context full), or ended by the client
+            self._reply = None
+            why = item.message if isinstance(item, Interrupted) else error_line(item)
+            self._post(GenerationFailed(gen_id, why))
             self._post(SnapshotUpdated(self._snapshot(False)))
-            return keep_running
-        self.costs.tokens += n_out
+            return
+        now = time.perf_counter()
+        n = len(item.token_ids)
+        if n and self._ttft is None:
+            self._ttft = now - r.t_submit
+        r.n_out += n
+        r.window_tokens += n
+        self._context = r.n_prompt + r.n_out
+        r.pending_text.append(item.text)
+        r.pending_n += n
+        if r.pending_n and (item.finished or now - r.last_text >= self._text_interval):
+            self._post(TokensReceived(gen_id, "".join(r.pending_text), r.pending_n))
+            r.pending_text, r.pending_n, r.last_text = [], 0, now
+        if item.finished:
+            self._done(r, item)
+
+    def _done(self, r: _Reply, final: StreamChunk) -> None:
+        self._reply = None
+        self.costs.tokens += r.n_out
         usage, timings = final.usage, final.timings
         if usage is not None:
             self._evicted += usage.evicted_tokens
-        self._tok_s = reply_speed(timings, n_out, time.perf_counter() - t_submit)
+        self._tok_s = reply_speed(timings, r.n_out, time.perf_counter() - r.t_submit)
         self._post(SnapshotUpdated(self._snapshot(False)))
         self._post(
             GenerationDone(
-                gen_id=job.gen_id,
+                gen_id=r.gen_id,
                 finish_reason=final.finish_reason or "stop",
-                prompt_tokens=n_prompt,
-                completion_tokens=n_out,
+                prompt_tokens=r.n_prompt,
+                completion_tokens=r.n_out,
                 ttft_s=self._ttft,
                 decode_tok_s=timings.decode_tok_s if timings is not None else None,
             )
         )
-        return keep_running
+
+
+def _request_id(gen_id: int) -> str:
+    return f"chat-{gen_id}"

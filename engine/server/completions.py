@@ -27,7 +27,7 @@ from llmsys.engine.server.metrics import Metrics
 from llmsys.engine.server.protocol import APIError
 from llmsys.engine.server.state import ServerState
 from llmsys.engine.server.tools import ToolCall, ToolPlan, ToolStream
-from llmsys.engine.server.worker import Interrupted, QueueFullError, ServiceUnavailableError, Submission
+from llmsys.engine.server.worker import Interrupted, QueueFullError, ServiceUnavailableError, Submission, asyncio_sink
 from llmsys.kernels.common.errors import InvalidParameterError
 
 if TYPE_CHECKING:
@@ -83,7 +83,7 @@ class Job:
         self.prompts = prompts
         self.n = n = params.n
         self.out: asyncio.Queue = asyncio.Queue()
-        loop = asyncio.get_running_loop()
+        sink = asyncio_sink(asyncio.get_running_loop(), self.out)
         # An evicting KV policy (the request's, else the server's) slides past the context.
         self.evicts = state.llm.core.kv_policy.resolve(params.kv_policy).evicts
         self.subs: list[Submission] = []
@@ -91,8 +91,7 @@ class Job:
             for j in range(n):
                 k = len(self.subs)
                 constraint = constraints[k] if constraints is not None else None  # follows one token stream
-                self.subs.append(Submission(f"{resp_id}-{k}", k, ids, params, loop, self.out, constraint,
-                                             sample_index=j))
+                self.subs.append(Submission(f"{resp_id}-{k}", k, ids, params, sink, constraint, sample_index=j))
         try:
             state.worker.submit(self.subs)
         except QueueFullError as e:
