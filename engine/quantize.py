@@ -479,21 +479,14 @@ class _BatchMeta:
 
 class _BatchedAttention:
     """A training / calibration-only attention backend: ``b`` sequences of equal length side by side,
-    their K/V in plain ``[b, Hk, L, D]`` tensors, attention one batched ``scaled_dot_product_attention``
-    per layer.
+    their K/V in plain ``[b, Hk, L, D]`` tensors, one batched attention per layer.
 
-    Why it may differ from the engine's: the engine's paged pool (``model_hidden``) attends one prompt at
-    a time, unpadded, so a sequence's bits never depend on the rest of its step; that matters for
-    inference, not for a training objective or calibration statistics. On stories260k (8 heads of
-    head_dim 8, 8 x 128 tokens, Zen 3) the per-sequence path through the pool (a gather plan, a slot
-    write, an SDPA call per sequence per layer, autograd through all of them) made a refinement step
-    ~200 ms; this one is a few ms per layer. Every other op is the model's own
-    (``DecoderModel.forward``: norms, projections, RoPE through ``kernels.rope``, q/k norms, MLP), so the
-    results agree with the engine's forward to float rounding; ``refine_quantized`` checks that on its
-    first batch and falls back to ``model_hidden`` if they do not (tests/test_quant_engine.py).
-
-    ``cache``: the generation mode (``self_generated_calibration``): K/V kept in preallocated
-    ``[b, Hk, cache, D]`` tensors, one token per sequence per step.
+    Why not the engine's backend (``engine/attention.py``): its paged pool attends one prompt at a time so a
+    sequence's bits never depend on its batch, and autograd through that per-sequence gather made a
+    stories260k refinement step ~200 ms; a training objective needs no batch invariance (a few ms a layer here).
+    Every other op is the model's own, and ``refine_quantized`` checks the two forwards agree on its first
+    batch (falling back to ``model_hidden`` if not). ``cache``: the generation mode
+    (``self_generated_calibration``): K/V kept in ``[b, Hk, cache, D]`` tensors, one token per row per step.
     """
 
     def __init__(self, b: int, cache: int = 0) -> None:
@@ -603,30 +596,10 @@ def refine_quantized(model: nn.Module, float_weights: dict[str, torch.Tensor], s
     (stored in float anyway). Formats and bytes are unchanged.
 
     The training forward is the model's own with a batched attention (:func:`train_hidden`,
-    :class:`_BatchedAttention`: a training objective, not inference, so a sequence's bits may depend on
-    its batch), checked against the engine's forward on the first batch. Defaults (issue #22: ``llmsys
-    quantize`` fast on 2 Zen 3 cores within +4% perplexity; stories260k, int4 g64, 512 x 128
-    self-generated tokens, tinystories-valid's first 30,000 tokens, ``--ctx 256``, float 4.6402, bound
-    4.8258; 2026-12-03): :data:`DEFAULT_TUNE_STEPS` 500 steps of 8 sequences, Adam ``lr`` 4e-3 on the
-    scales and norms, ``round_lr`` 0.015 for the code offsets: +3.31% / +3.36% for calibration seeds 0 / 1
-    (+3.31% / +3.45% through ``llmsys quantize``, whose GPTQ ran on 2 threads: another summation order)
-    (+3.80% / +3.37% before GPTQ's rerun through dequantized float weights, which moves its results by
-    float rounding only). Fewer steps do not hold the bound for both seeds: the result of one setting moves
-    by up to 1.2 points with a float-rounding change upstream (a code flips or not), so single runs mislead.
-    At the ~300 steps a 60 s command leaves room for, 8 x 128 tokens at ``round_lr`` 0.02 gave +3.80 /
-    +4.17 / +4.53 / +4.25% (seeds 0 / 1, GPTQ before / after that change; mean +4.19%), the first 64 tokens
-    of 16 sequences a step (attention ~half the cost) +3.84 / +4.00 / +5.05 / +3.50% (mean +4.10%); 400
-    steps +4.36% (seed 0); sequences drawn epoch by epoch instead of at random, momentum on the code steps
-    (+19.9%: sign steps of a smoothed noisy gradient walk further), or no code moves at all (scales and
-    norms only, +6.2% / +6.5%) were no better. Earlier, at 300 steps (seed 0): ``round_lr`` 0.01 +4.36%;
-    lr 8e-3 / round_lr 0.02 +5.23%; 8e-3 / 0.005 +5.65%; 3e-3 / 0.03 +4.66%; 6e-3 / 0.02 with 12
-    sequences a step +4.28%; 250 steps at 0.025 +4.40%. A higher Adam lr lowers the calibration KL and
-    raises held-out perplexity (it fits the calibration text). A step (forward and backward of 8 x 128
-    tokens) costs ~150-160 ms on one Zen 3 core: ~40% attention (stories260k's head_dim is 8: 128 x 128
-    score matrices per head; batched SDPA, masked matmuls and halves of the causal square all cost 11-14
-    ms a layer), ~25% matmuls, the rest elementwise ops and Python. The old 1000 steps (lr 4e-3, round_lr
-    0.01) reached +3.57% / +3.83% (Zen 4) in ~3 min; ``--tune-steps 1000`` still runs them (at
-    ``round_lr`` 0.015). docs/benchmarks.md, "Script quantize-cost".
+    :class:`_BatchedAttention`), checked against the engine's forward on the first batch. The defaults
+    (:data:`DEFAULT_TUNE_STEPS` 500 steps of 8 sequences, Adam ``lr`` 4e-3 on the scales and norms,
+    ``round_lr`` 0.015 for the code offsets) are the ones that held stories260k int4 g64 within +4%
+    perplexity for two calibration seeds; the sweep behind them is in docs/benchmarks.md ("quantize-cost").
     ``float_weights``: the float state dict taken *before* quantizing (the teacher).
     ``teacher_cache_bytes``: keep the teacher's log-probabilities of all of ``seqs`` up to this size,
     else run the teacher per batch; ``logit_chunk_bytes``: the loss's logits per chunk (both change
@@ -786,11 +759,11 @@ def _refine_loop(full_kl, batch_kl, tun, norms, data, steps, lr, round_lr, batch
 
 
 class _Adam:
-    """Adam over a list of tensors, torch.optim.Adam(fused=True)'s update (betas 0.9 / 0.999, eps 1e-8, the
+    """Adam over a list of tensors: torch.optim.Adam(fused=True)'s update (betas 0.9 / 0.999, eps 1e-8, the
     same aten kernel), taking the learning rate per step; gradients are cleared after each step.
 
-    Why not torch.optim: building an optimizer imports torch._dynamo, 2.4 s on Zen 3 (5.9 s with the other
-    core busy), a tenth of what ``llmsys quantize`` may take on stories260k.
+    Why not torch.optim.Adam: building one imports torch._dynamo (seconds), longer than a small model's
+    whole refinement.
     """
 
     def __init__(self, params: list[torch.Tensor]) -> None:
@@ -823,14 +796,11 @@ def self_generated_calibration(llm, n: int, length: int, seed: int = 0, progress
     Why: in-distribution for the model, and by construction disjoint from any
     evaluation text (the tinystories-valid.txt perplexity rows).
 
-    How: every sequence side by side through the model's own forward with the batched attention of
-    :class:`_BatchedAttention` (its K/V in plain tensors) and one multinomial draw per step for all rows
-    from one generator seeded by ``seed`` (:func:`_sample_batched`). Through the engine (``llm.generate``,
-    each sequence with its own seeded sampler, scheduled, detokenized) the 512 x 128 tokens of
-    ``llmsys quantize``'s defaults took 27.7 s on stories260k (Zen 3, 2 cores), ~0.4 ms of per-sequence
-    bookkeeping per token; batched they take ~1 s. The text is a different draw from the same
-    distribution, not the engine's text for these seeds. A model whose layers stream from disk
-    (an offload plan) still goes through the engine.
+    How: every sequence side by side through the model's own forward with :class:`_BatchedAttention`
+    and one draw per step for all rows from one generator seeded by ``seed`` (:func:`_sample_batched`).
+    Why not ``llm.generate``: its per-sequence scheduling, sampler and detokenizing cost ~28x more for
+    hundreds of equal-length rows that need none of it; the text is a different draw from the same
+    distribution. A model whose layers stream from disk (an offload plan) still goes through the engine.
     """
     from llmsys.engine.sampling import SamplingParams
 
