@@ -203,15 +203,15 @@ def place(r: Resolved, ck: Checkpoint) -> Placement:
     """Plan placement on the meta model (budgets -> plan) before any weight is read."""
     from llmsys.offload.budgets import resolve_budgets
     from llmsys.offload.plan import Workload
-    from llmsys.offload.prepare import kv_bytes_per_token_layer, kv_tokens_within, make_runtime, plan_for, runtime_needed
+    from llmsys.offload.prepare import kv_tokens_within, make_runtime, plan_for, runtime_needed
 
     c = r.config
     a = ck.model.args
     max_len = context_limit(a, c)
     check_kv_room(a, c, r.device, r.dtype)
     budgets = resolve_budgets(c.gpu_mem, c.cpu_mem, c.offload_dir, r.device)
-    per_layer = kv_bytes_per_token_layer(a, r.dtype)
-    per_tok = per_layer * a.num_hidden_layers
+    probe = kv_probe(a, c, r.dtype)  # the pool's own bytes per token, in --kv-dtype
+    per_layer, per_tok = probe.layer_bytes_per_token, probe.bytes_per_token
     cost = kv_cost_of(a, c, max_len, per_layer)
     tokens, fitted = c.kv_cache_tokens, None
     if tokens is None and (budgets.cpu_explicit or budgets.gpu_explicit):
@@ -223,7 +223,7 @@ def place(r: Resolved, ck: Checkpoint) -> Placement:
     # compute/transfer overlap is for that many rows (the weights are still read once per step).
     rows = c.plan_batch * (1 + c.spec_tokens if c.spec is not None else 1)
     # The planner counts KV as tokens x every layer: the ring layers' smaller share as that many tokens.
-    kv_tokens = -(-cost.nbytes(tokens + c.block_size) // per_tok)
+    kv_tokens = int(-(-cost.nbytes(tokens + c.block_size) // per_tok))
     work = Workload(batch=rows, kv_tokens=kv_tokens,
                     max_batched_tokens=c.max_num_batched_tokens, kv_cold_tokens=c.offload_tokens(per_tok))
     # A GGUF loaded as stored mixes kept codes (int4, int8) and dequantized matrices: the planner gets their mix.
@@ -232,7 +232,7 @@ def place(r: Resolved, ck: Checkpoint) -> Placement:
         raise InvalidParameterError(f"--n-cpu-moe {c.cpu_moe}: this model has no mixture-of-experts layers; "
                                     "drop --cpu-moe / --n-cpu-moe")
     plan, _ = plan_for(ck.model, r.dtype, budgets, work, c.quant.method, max_seqs=c.max_num_seqs, force=c.placement,
-                       bytes_per_weight=bpw, cpu_moe=c.cpu_moe)
+                       bytes_per_weight=bpw, cpu_moe=c.cpu_moe, kv_dtype=c.kv_dtype, block_size=c.block_size)
     runtime = None
     if runtime_needed(plan, r.device):
         runtime = make_runtime(ck.model, ck.locate, r.dtype, r.device, plan, c.quant.method,

@@ -59,14 +59,9 @@ class KVCacheSpec:
     @property
     def layer_bytes_per_token(self) -> float:
         """K+V bytes per token of one layer (quantized pools: codes + scales; int4's stats make it fractional)."""
-        if self.kv_dtype == "int8":
-            return 2 * self.num_kv_heads * (self.head_dim + 4)  # int8 codes + one f32 scale per (token, head)
-        if self.kv_dtype == "int4":
-            from llmsys.quant.kv_paged import int4_bytes_per_token
+        from llmsys.quant.kv_paged import kv_layer_bytes_per_token
 
-            return int4_bytes_per_token(self.num_kv_heads, self.head_dim, self.block_size)
-        itemsize = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * self.num_kv_heads * self.head_dim * itemsize
+        return kv_layer_bytes_per_token(self.num_kv_heads, self.head_dim, self.dtype, self.kv_dtype, self.block_size)
 
     @property
     def bytes_per_token(self) -> int:

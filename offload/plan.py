@@ -106,7 +106,7 @@ class ModelShape:
     hidden: int
     intermediate: int
     vocab: int
-    kv_bytes_per_token_layer: int  # K + V bytes of one token in one layer
+    kv_bytes_per_token_layer: float  # K + V bytes of one token in one layer (int4 KV's stats: fractional)
     dtype: torch.dtype
 
     @property
@@ -429,7 +429,7 @@ def plan_placement(shape: ModelShape, budgets: Budgets, bw: Bandwidths, workload
                       default=0)
     rows = head_chunk_rows(shape)
     chunk_bytes = rows * max(shape.head.nbytes // max(shape.vocab, 1), 1)
-    kv_bytes = workload.kv_tokens * shape.kv_bytes_per_token_layer * n
+    kv_bytes = math.ceil(workload.kv_tokens * shape.kv_bytes_per_token_layer * n)
     act = activation_bytes(shape, workload.max_batched_tokens, max_seqs or workload.batch)
     ctx = workload.prompt_len + workload.output_len // 2
     layer_kinds = ("gpu", "cpu", "cpu->gpu", "disk") if gpu else ("cpu", "disk")
@@ -653,7 +653,7 @@ def model_shape(
     head: torch.nn.Module,
     tied: bool,
     dtype: torch.dtype,
-    kv_bytes_per_token_layer: int,
+    kv_bytes_per_token_layer: float,
     bytes_per_weight: float | WeightBytes | None = None,
 ) -> ModelShape:
     """Describe a (meta-device) model for the planner.

@@ -17,25 +17,28 @@ from llmsys.offload.bandwidth import Bandwidths, measure_bandwidths
 from llmsys.offload.budgets import Budgets
 from llmsys.offload.plan import ModelShape, Plan, WeightBytes, Workload, model_shape, plan_placement
 from llmsys.offload.runtime import Locate, OffloadRuntime
+from llmsys.quant.kv_paged import kv_layer_bytes_per_token
 
 # Approximate stored bytes per weight of each quantized format (scales included),
 # used to plan before the layers are quantized. Actual bytes are measured after.
 QUANT_BYTES_PER_WEIGHT: dict[str, float] = {"int8": 1.03, "fp8": 1.03, "int4": 0.5625, "nf4": 0.5625, "awq": 0.5625, "gptq": 0.5625}
 
 
-def kv_bytes_per_token_layer(args: Any, dtype: torch.dtype) -> int:
-    elt = torch.tensor([], dtype=dtype).element_size()
-    return 2 * args.num_key_value_heads * args.head_dim * elt
+def kv_bytes_per_token_layer(args: Any, dtype: torch.dtype, kv_dtype: str = "auto", block_size: int = 16) -> float:
+    """K+V bytes of one token in one layer of the pool ``--kv-dtype`` makes (the engine's own formula)."""
+    return kv_layer_bytes_per_token(args.num_key_value_heads, args.head_dim, dtype, kv_dtype, block_size)
 
 
 def shape_of(model: nn.Module, dtype: torch.dtype, quant: str = "none",
-             bytes_per_weight: WeightBytes | None = None) -> ModelShape:
+             bytes_per_weight: WeightBytes | None = None, kv_dtype: str = "auto", block_size: int = 16) -> ModelShape:
     """The planner's view of a meta model; ``bytes_per_weight`` (a matrix's run-time bytes per weight, e.g. a
-    GGUF's mix of kept and dequantized formats) overrides the ``quant`` method's typical figure."""
+    GGUF's mix of kept and dequantized formats) overrides the ``quant`` method's typical figure; ``kv_dtype``
+    and ``block_size`` are the KV pool's (``--kv-dtype``, ``--block-size``)."""
     a = model.args
     return model_shape(
         list(model.model.layers), model.model.embed_tokens, model.lm_head, bool(a.tie_word_embeddings), dtype,
-        kv_bytes_per_token_layer(a, dtype), bytes_per_weight or QUANT_BYTES_PER_WEIGHT.get(quant),
+        kv_bytes_per_token_layer(a, dtype, kv_dtype, block_size),
+        bytes_per_weight or QUANT_BYTES_PER_WEIGHT.get(quant),
     )
 
 
@@ -49,8 +52,8 @@ def kv_tokens_within(budget: int, tokens_for: Callable[[int], int], wanted: int,
 def plan_for(model: nn.Module, dtype: torch.dtype, budgets: Budgets, workload: Workload, quant: str = "none",
              bandwidths: Bandwidths | None = None, max_seqs: int | None = None,
              force: dict[str, int] | None = None, bytes_per_weight: WeightBytes | None = None,
-             cpu_moe: int = 0) -> tuple[Plan, ModelShape]:
-    shape = shape_of(model, dtype, quant, bytes_per_weight)
+             cpu_moe: int = 0, kv_dtype: str = "auto", block_size: int = 16) -> tuple[Plan, ModelShape]:
+    shape = shape_of(model, dtype, quant, bytes_per_weight, kv_dtype, block_size)
     bw = bandwidths or measure_bandwidths(probe_dir=budgets.offload_dir)
     return plan_placement(shape, budgets, bw, workload, max_seqs=max_seqs, force=force, cpu_moe=cpu_moe), shape
 

@@ -302,3 +302,16 @@ def int4_bytes_per_token(n_kv: int, head_dim: int, block_size: int, value_group:
     key_stats = 2 * 2 * n_kv * head_dim / block_size
     value_stats = 2 * 2 * n_kv * (head_dim // g)
     return codes + key_stats + value_stats
+
+
+def kv_layer_bytes_per_token(n_kv: int, head_dim: int, dtype: torch.dtype, kv_dtype: str = "auto",
+                             block_size: int = 16) -> float:
+    """K+V bytes of one token in one layer, in the pool ``kv_dtype`` names: the one formula the engine's
+    pool (``KVCacheSpec``) and the offload planner both use, so a plan sizes the pool the engine makes.
+    ``"auto"``: ``dtype`` elements; ``"int8"``: codes + one f32 scale per (token, head); ``"int4"``: KIVI
+    codes + fp16 stats (fractional)."""
+    if kv_dtype == "int8":
+        return 2 * n_kv * (head_dim + 4)
+    if kv_dtype == "int4":
+        return int4_bytes_per_token(n_kv, head_dim, block_size)
+    return 2 * n_kv * head_dim * torch.tensor([], dtype=dtype).element_size()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+
+import pytest
 import torch
 
 from llmsys.engine.kv_cache import KVCacheSpec, make_kv_pool
@@ -36,3 +39,32 @@ def test_pool_resident_memory_follows_blocks_in_use():
         grown = _rss_bytes() - before
         assert grown < 32 << 20, f"{kv_dtype}: {grown >> 20} MiB resident for 2 blocks of a {pool.nbytes() >> 20} MiB pool"
         del pool
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8", "int4"])
+def test_the_planners_kv_bytes_per_token_are_the_pools(kv_dtype):
+    """The offload planner sizes KV with the pool's own formula, ``--kv-dtype`` included (it once
+    counted every pool at the model's dtype: an int8 pool planned at twice its size)."""
+    from llmsys.engine.builder import kv_probe
+    from llmsys.engine.cli.plan_cmd import meta_model
+    from llmsys.engine.config import EngineConfig
+    from llmsys.offload.bandwidth import Bandwidths
+    from llmsys.offload.budgets import Budgets
+    from llmsys.offload.plan import Workload
+    from llmsys.offload.prepare import plan_for
+
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
+           "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000,
+           "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
+    meta = meta_model(cfg)
+    config = EngineConfig(model="unused", kv_dtype=kv_dtype, block_size=16)
+    spec = kv_probe(meta.args, config, torch.bfloat16)  # the spec the engine's pool is built from
+    bw = Bandwidths(mem_gbps=10.0, disk_read_gbps=1.0, cpu_gflops={"bfloat16": 50.0})
+    plan, shape = plan_for(meta, torch.bfloat16, Budgets(1 << 30, None, None, True), Workload(kv_tokens=1000),
+                           bandwidths=bw, kv_dtype=kv_dtype, block_size=16)
+    want = {"auto": 2 * 2 * 64 * 2, "int8": 2 * 2 * (64 + 4), "int4": 2 * 2 * 64 // 2 + 4 * 2 * 64 / 16 + 4 * 2}[kv_dtype]
+    assert shape.kv_bytes_per_token_layer == spec.layer_bytes_per_token == want
+    assert plan.kv_bytes == math.ceil(1000 * want * 3)
+    if kv_dtype != "int4":  # (the int4 pool also keeps a full-precision window of the open block)
+        pool = make_kv_pool(KVCacheSpec(3, 8, 16, 2, 64, torch.bfloat16, kv_dtype), torch.device("cpu"))
+        assert pool.nbytes() == want * 8 * 16 * 3

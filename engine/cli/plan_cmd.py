@@ -74,13 +74,13 @@ def plan_command(
     *,
     engine_flags: dict[str, Any],
 ) -> int:
-    from llmsys.engine.builder import kv_cost_of
+    from llmsys.engine.builder import kv_cost_of, kv_probe
     from llmsys.engine.loader import gguf_io
     from llmsys.engine.loader.common import resolve_device, resolve_dtype
     from llmsys.offload.bandwidth import measure_bandwidths
     from llmsys.offload.budgets import Budgets, resolve_budgets
     from llmsys.offload.plan import Workload
-    from llmsys.offload.prepare import kv_bytes_per_token_layer, kv_tokens_within, plan_for
+    from llmsys.offload.prepare import kv_tokens_within, plan_for
     from llmsys.offload.report import format_plan
 
     config = build_engine_config(model, engine_flags)
@@ -94,22 +94,23 @@ def plan_command(
     if hypothetical:  # plan for a GPU this machine does not have (what-if)
         budgets = Budgets(budgets.cpu, config.gpu_mem, budgets.offload_dir, budgets.cpu_explicit, True)
     max_len = min(config.max_model_len or a.max_position_embeddings, prompt_len + output_len)
-    per_layer = kv_bytes_per_token_layer(a, dt)
-    per_tok = per_layer * a.num_hidden_layers
+    probe = kv_probe(a, config, dt)  # the pool's own bytes per token, in --kv-dtype
+    per_layer, per_tok = probe.layer_bytes_per_token, probe.bytes_per_token
     cost = kv_cost_of(a, config, max_len, per_layer)  # sliding layers kept in rings cost less per token
     tokens = config.kv_cache_tokens or max_len * batch
     if config.kv_cache_tokens is None and (budgets.cpu_explicit or budgets.gpu_explicit):
         budget = budgets.gpu if budgets.gpu is not None else budgets.cpu
         tokens = kv_tokens_within(budget, cost.tokens_within, tokens, min(max_len, 512))
-    kv_tokens = -(-cost.nbytes(tokens) // per_tok)  # the planner counts every layer per token: rings as fewer
+    kv_tokens = int(-(-cost.nbytes(tokens) // per_tok))  # the planner counts every layer per token: rings as fewer
     work = Workload(batch=batch, prompt_len=prompt_len, output_len=output_len, kv_tokens=kv_tokens,
                     max_batched_tokens=config.max_num_batched_tokens, kv_cold_tokens=config.offload_tokens(per_tok))
     bpw = None  # a GGUF as stored: its mix of kept int4 codes and dequantized matrices
     if config.quant.method == "none" and Path(source).is_file() and gguf_io.is_gguf(Path(source)):
         bpw = gguf_io.open_index(Path(source)).weight_bytes(dt)
     bw = measure_bandwidths(cache=not remeasure, probe_dir=budgets.offload_dir)
+    kv_kw = {"kv_dtype": config.kv_dtype, "block_size": config.block_size}  # the pool's KV format
     plan, _ = plan_for(meta, dt, budgets, work, config.quant.method, bandwidths=bw, max_seqs=batch, bytes_per_weight=bpw,
-                       cpu_moe=config.cpu_moe)
+                       cpu_moe=config.cpu_moe, **kv_kw)
     if as_json:
         print(json.dumps(plan_to_dict(plan), indent=1))
         return 0
@@ -122,7 +123,7 @@ def plan_command(
             raise InvalidParameterError(f"--accept {accept} must be in 1..{k + 1} (--spec-tokens {k} + 1)")
         vwork = dataclasses.replace(work, batch=batch * (k + 1))
         vplan, _ = plan_for(meta, dt, budgets, vwork, config.quant.method, bandwidths=bw, max_seqs=batch * (k + 1),
-                            bytes_per_weight=bpw)
+                            bytes_per_weight=bpw, **kv_kw)
         per_tok = vplan.decode_ms / accept
         print(f"speculative decoding ({config.spec.kind}, --spec-tokens {k}): a verification step of {batch} x {k + 1} "
               f"tokens {vplan.decode_ms:.1f} ms ({vplan.decode_ms / plan.decode_ms:.2f}x a decode step); at mean "
