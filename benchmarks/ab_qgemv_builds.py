@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""A/B two builds of ``kernels/cpu_qgemv.c``: a git revision's against the working tree's, side by side.
+"""A/B two builds of the C kernels (``kernels/*.c``): a git revision's against the working tree's, side by side.
 
 Why: a kernel change must give the same bits and should be faster, and on these VMs two runs of one
 build differ by 10-30% from minute to minute. So both builds are compiled here for the same ISA level,
@@ -32,15 +32,22 @@ SHAPES = [(9728, 896), (896, 4864), (1728, 576), (49152, 576)]
 KINDS = ("int4", "int8", "q8_0", "q6_k", "q5_k")
 
 
-def _build(source_text: str, level, out: Path):
-    """Compile one version of cpu_qgemv.c (beside the working tree's headers) and load it."""
+def _kernel_dir(rev: str | None, into: Path) -> Path:
+    """The ``kernels/`` folder of git revision ``rev`` extracted under ``into`` (None: the working tree's)."""
+    if rev is None:
+        return ROOT / "kernels"
+    tar = subprocess.run(["git", "archive", rev, "kernels"], cwd=ROOT, check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=tar, check=True)
+    return into / "kernels"
+
+
+def _build(kernels: Path, level, out: Path):
+    """Compile one version's kernel sources (every ``*.c`` but the CPU probe) into one library and load it."""
     from llmsys.kernels import _cbuild, cpu_qgemv
 
-    src = out.with_suffix(".c")
-    src.write_text(source_text)
-    headers = Path(cpu_qgemv._SOURCE).parent
-    cmd = [_cbuild.compiler() or "gcc", *_cbuild.COMMON_FLAGS, *level.flags, "-I", str(headers), "-o", str(out),
-           str(src)]
+    sources = [str(p) for p in sorted(kernels.glob("*.c")) if p.name != "cpu_features.c"]
+    cmd = [_cbuild.compiler() or "gcc", *_cbuild.COMMON_FLAGS, *level.flags, "-I", str(kernels), "-o", str(out),
+           *sources]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     return _cbuild.load(out, cpu_qgemv._SIGNATURES)
 
@@ -67,12 +74,9 @@ def main() -> None:
     level = _cbuild.level_named(a.level) if a.level else _cbuild.selected_level()[0]
     if level is None or not _cbuild.supports(level):
         sys.exit(f"ISA level {a.level or 'of this CPU'} cannot run here")
-    rel = Path(cpu_qgemv._SOURCE).resolve().relative_to(ROOT)
-    old = subprocess.run(["git", "show", f"{a.rev}:{rel}"], cwd=ROOT, check=True, capture_output=True,
-                         text=True).stdout
     with tempfile.TemporaryDirectory() as tmp:
-        libs = [_build(old, level, Path(tmp) / "a.so"), _build(Path(cpu_qgemv._SOURCE).read_text(), level,
-                                                             Path(tmp) / "b.so")]
+        libs = [_build(_kernel_dir(a.rev, Path(tmp)), level, Path(tmp) / "a.so"),
+                _build(_kernel_dir(None, Path(tmp)), level, Path(tmp) / "b.so")]
         where = f"weights from RAM ({a.dram:g} MB of copies a pass)" if a.dram else "one matrix (cache-warm)"
         print(f"A = {a.rev}, B = working tree; {level.name}, {a.threads} threads, {where}; ms per call, median "
               f"of {a.rounds} interleaved rounds of {a.reps}; B's bits checked equal to A's\n")

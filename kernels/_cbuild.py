@@ -15,8 +15,9 @@ Where a build comes from, in order: the package's ``_built/`` folder (compiled
 at install time by ``kernels/_install.py``, so a wheel needs no compiler), the
 cache ``$LLMSYS_HOME/kernels`` (default ``~/.cache/llmsys/kernels``), else a
 compile into that cache, under a file lock so two processes do not both build.
-A file's name carries its level and a hash of the source, the headers and the
-flags, so a changed source or level never loads a stale build.
+A library is built from one or more sources (:class:`Library`); a file's name carries
+the library, its level and a hash of its sources, the headers and the flags, so a
+changed source or level never loads a stale build.
 
 Flags: ``-O3 -fopenmp -ffp-contract=off``: no fused multiply-adds unless a
 kernel writes them, so every product and sum rounds once as the kernels' torch
@@ -43,8 +44,23 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 COMMON_FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared")
-SOURCES = ("cpu_features.c", "cpu_decode.c", "cpu_int4.c", "cpu_qgemv.c")  # what the install hook builds
 PREBUILT = HERE / "_built"
+
+
+@dataclass(frozen=True)
+class Library:
+    """One shared library: its name (the file's stem) and the C sources compiled and linked into it."""
+
+    name: str
+    sources: tuple[Path, ...]
+
+
+FEATURES = Library("cpu_features", (HERE / "cpu_features.c",))
+DECODE = Library("cpu_decode", (HERE / "cpu_decode.c",))
+INT4 = Library("cpu_int4", (HERE / "cpu_int4.c",))
+QGEMV = Library("cpu_qgemv", tuple(HERE / f for f in ("a8_gemv.c", "dense_gemv.c", "fused_layer.c", "decode_stack.c")))
+LIBRARIES = (FEATURES, DECODE, INT4, QGEMV)  # what the install hook builds
+KERNEL_SOURCES = DECODE.sources + INT4.sources + QGEMV.sources  # every kernel source (not the CPU probe)
 
 
 @dataclass(frozen=True)
@@ -114,31 +130,33 @@ def disabled() -> bool:
     return os.environ.get("LLMSYS_NO_CKERNELS", "0") not in ("", "0")
 
 
-def artifact_name(source: Path, level: IsaLevel) -> str:
-    """``<stem>-<level>-<hash of source, headers, flags>.so``: the same name at install and at run time."""
-    headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]  # what the sources include
+def artifact_name(lib: Library, level: IsaLevel) -> str:
+    """``<name>-<level>-<hash of sources, headers, flags>.so``: the same name at install and at run time."""
+    headers = [h.read_bytes() for h in sorted(HERE.glob("*.h"))]  # what the sources include
     flags = " ".join(COMMON_FLAGS + level.flags).encode()
-    key = hashlib.sha256(b"\0".join([source.read_bytes(), *headers, flags])).hexdigest()[:16]
-    return f"{source.stem}-{level.name}-{key}.so"
+    key = hashlib.sha256(b"\0".join([*(s.read_bytes() for s in lib.sources), *headers, flags])).hexdigest()[:16]
+    return f"{lib.name}-{level.name}-{key}.so"
 
 
-def install_builds(arch: str | None = None) -> list[tuple[Path, IsaLevel]]:
-    """Every (source, level) an install compiles: each kernel at every level of ``arch``, the CPU probe
-    at the baseline only (it must run on any CPU of the architecture, and is only loaded there)."""
+def install_builds(arch: str | None = None) -> list[tuple[Library, IsaLevel]]:
+    """Every (library, level) an install compiles: each kernel library at every level of ``arch``, the CPU
+    probe at the baseline only (it must run on any CPU of the architecture, and is only loaded there)."""
     levels = arch_levels(arch)
-    return [(HERE / name, lv) for name in SOURCES for lv in (levels[:1] if name == "cpu_features.c" else levels)]
+    return [(lib, lv) for lib in LIBRARIES for lv in (levels[:1] if lib is FEATURES else levels)]
 
 
 def compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
 
 
-def compile_source(cc: str, source: Path, target: Path, level_flags: tuple[str, ...]) -> str | None:
-    """Compile ``source`` to ``target`` with ``level_flags`` (atomically); returns an error line, or None."""
+def compile_source(cc: str, source: Library | Path, target: Path, level_flags: tuple[str, ...]) -> str | None:
+    """Compile a library's sources (or one source file) into the shared library ``target`` with
+    ``level_flags`` (atomically); returns an error line, or None."""
+    sources = source.sources if isinstance(source, Library) else (source,)
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         tmp_so = Path(tmp) / target.name
-        res = subprocess.run([cc, *COMMON_FLAGS, *level_flags, "-o", str(tmp_so), str(source)],
+        res = subprocess.run([cc, *COMMON_FLAGS, *level_flags, "-o", str(tmp_so), *map(str, sources)],
                              capture_output=True, text=True, timeout=300)
         if res.returncode != 0:
             return f"{cc} failed: {(res.stderr or res.stdout).strip().splitlines()[-1:]}"
@@ -146,9 +164,9 @@ def compile_source(cc: str, source: Path, target: Path, level_flags: tuple[str, 
     return None
 
 
-def find_or_build(source: Path, level: IsaLevel) -> tuple[Path | None, str]:
-    """The build of ``source`` for ``level``: ``(path or None, how: "prebuilt" / "cached" / "built" / why not)``."""
-    name = artifact_name(source, level)
+def find_or_build(lib: Library, level: IsaLevel) -> tuple[Path | None, str]:
+    """The build of ``lib`` for ``level``: ``(path or None, how: "prebuilt" / "cached" / "built" / why not)``."""
+    name = artifact_name(lib, level)
     if (PREBUILT / name).exists():
         return PREBUILT / name, "prebuilt"
     target = cache_dir() / name
@@ -163,7 +181,7 @@ def find_or_build(source: Path, level: IsaLevel) -> tuple[Path | None, str]:
         fcntl.flock(fd, fcntl.LOCK_EX)  # another process building into this cache: wait, then reuse its build
         if target.exists():
             return target, "cached"
-        error = compile_source(cc, source, target, level.flags)
+        error = compile_source(cc, lib, target, level.flags)
     finally:
         os.close(fd)  # releases the lock
     return (None, error) if error else (target, "built")
@@ -188,7 +206,7 @@ def cpu_features() -> tuple[frozenset[str] | None, str]:
     if disabled():
         return None, "disabled by LLMSYS_NO_CKERNELS"
     try:
-        path, how = find_or_build(HERE / "cpu_features.c", levels[0])
+        path, how = find_or_build(FEATURES, levels[0])
         if path is None:
             return None, how
         bits = load(path, {"llmsys_cpu_features": []}).llmsys_cpu_features()
@@ -226,15 +244,15 @@ def supports(level: IsaLevel) -> bool:
 
 
 class Kernel:
-    """One C source, loaded on first use at :func:`selected_level` and then kept for the process.
+    """One C library, loaded on first use at :func:`selected_level` and then kept for the process.
 
     The outcome (a library, or the reason there is none) is a fact about this
-    machine and source, so it is computed once. A kernel module holds one and
+    machine and its sources, so it is computed once. A kernel module holds one and
     re-exports :meth:`available` and :meth:`status`.
     """
 
-    def __init__(self, source: Path, signatures: dict[str, list]):
-        self.source = source
+    def __init__(self, library: Library, signatures: dict[str, list]):
+        self.library = library
         self.signatures = signatures
 
     @functools.cached_property
@@ -245,7 +263,7 @@ class Kernel:
         if level is None:
             return None, why
         try:
-            path, how = find_or_build(self.source, level)
+            path, how = find_or_build(self.library, level)
             if path is None:
                 return None, how
             return load(path, self.signatures), f"ok: {level.name} ({how}) {path}"

@@ -8,7 +8,7 @@ package's ``kernels/_built/``, where ``_cbuild.find_or_build`` looks first:
 the installed package then runs on any CPU of that architecture with no
 compiler. An editable install (``pip install -e .``) builds nothing here; its
 kernels are compiled at run time into ``$LLMSYS_HOME/kernels`` (under a lock),
-once per level and source. A level the compiler cannot build is left to that
+once per level and library. A level the compiler cannot build is left to that
 run-time fallback, with a warning.
 
 setuptools loads this file by path before llmsys is importable, so it loads
@@ -42,19 +42,19 @@ def _load_cbuild():
 
 
 def build_all(out_dir: Path) -> list[str]:
-    """Compile every kernel source for every level of this architecture into ``out_dir``; returns
+    """Compile every kernel library for every level of this architecture into ``out_dir``; returns
     one line per build that failed (``_cbuild.install_builds``)."""
     cb = _load_cbuild()
     levels = cb.arch_levels()
     cc = cb.compiler()
     if not levels or not cc:
         return [f"no C compiler or no ISA levels for {cb.machine_arch()}: kernels are built at run time"]
-    jobs = [(src, level, out_dir / cb.artifact_name(src, level)) for src, level in cb.install_builds()]
+    jobs = [(lib, level, out_dir / cb.artifact_name(lib, level)) for lib, level in cb.install_builds()]
 
     def one(job) -> str | None:
-        src, level, target = job
-        err = cb.compile_source(cc, src, target, level.flags)
-        return None if err is None else f"{src.name} at {level.name}: {err}"
+        lib, level, target = job
+        err = cb.compile_source(cc, lib, target, level.flags)
+        return None if err is None else f"{lib.name} at {level.name}: {err}"
 
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         return [e for e in pool.map(one, jobs) if e]

@@ -1,4 +1,4 @@
-/* bfloat16 <-> float32 for the CPU C kernels (cpu_decode.c, cpu_qgemv.c, cpu_int4.c).
+/* bfloat16 <-> float32 for the CPU C kernels (cpu_decode.c, cpu_int4.c, a8_gemv.c, dense_gemv.c, fused_layer.c).
  * bf16 -> f32 is exact; f32 -> bf16 rounds to nearest even, NaN -> 0x7fc0 (torch's c10::BFloat16). */
 #ifndef LLMSYS_CPU_BF16_H
 #define LLMSYS_CPU_BF16_H

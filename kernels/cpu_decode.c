@@ -22,7 +22,7 @@
  *            ms = sumsq(h) / D;  r = 1 / sqrt(ms + eps)
  *            out = bf16(w * bf16(h * r))      (HF LlamaRMSNorm's roundings)
  * silu_mul:  out = bf16(bf16(g / (1 + expf(-g))) * u)
- *            (the RMSNorm and silu_mul rows live in cpu_ops.h: the fused a8 layers of cpu_qgemv.c
+ *            (the RMSNorm and silu_mul rows live in cpu_ops.h: the fused a8 layers of fused_layer.c
  *            run the same code)
  * rope:      out = bf16(x * [cos, cos] + [x2, x1] * [-sin, sin])  (kernels.rope's reference, exactly)
  * attention: per sequence b, query head h (KV head h / G):
@@ -900,7 +900,7 @@ static int rope_store_attend(const void *qkv, int64_t ld, void *k_pool, void *v_
 }
 
 /* rope_store_attend on bf16 and on float32 activations and pools: one signature (the decode stack of
-   cpu_qgemv.c calls either through a function pointer). */
+   decode_stack.c calls either through a function pointer). */
 int llmsys_rope_store_attend_bf16(const void *qkv, int64_t ld, void *k_pool, void *v_pool, const int64_t *slot_mapping,
                                   int64_t n_slots, const int64_t *pos, const float *cache, int64_t max_pos,
                                   int64_t t_count, int64_t hq, int64_t hk, int64_t d, const int64_t *gather_slots,

@@ -8,7 +8,7 @@ gathered K/V with one call each.
 
 Every CPU bfloat16 and float32 computation of these ops in the engine goes
 through here (``kernels.rms_norm``, ``kernels.rope``, the decoder's norms and
-MLP, the CPU attention backend), and the fused decode layers of ``cpu_qgemv.c``
+MLP, the CPU attention backend), and the fused decode layers of ``fused_layer.c``
 run the same row code, so resident, streamed and fused paths give the same bits. The arithmetic is spelled out in ``cpu_decode.c``; the ``*_def``
 functions below are its torch definitions: RMSNorm and RoPE bit for bit, silu * mul
 and the attention up to the C exp (``cpu_ops.h``, the same bits on every ISA build)
@@ -20,14 +20,13 @@ run instead.
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 
 import torch
 
 from llmsys.kernels import _cbuild
 
 LANES = 16  # float32 accumulator lanes of the C reductions
-_SOURCE = Path(__file__).with_name("cpu_decode.c")
+_SOURCE = _cbuild.DECODE  # the library these kernels are in
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "llmsys_rms_norm": [_P, _P, _P, _P, _P, _I, _I, _F, ctypes.c_int, ctypes.c_int],

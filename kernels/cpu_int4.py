@@ -22,14 +22,13 @@ at column k.
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 
 import torch
 
 from llmsys.kernels import _cbuild
 
 CPU_BLOCK_N = 64  # the CPU int4 layout tiles rows in blocks of 64
-_SOURCE = Path(__file__).with_name("cpu_int4.c")
+_SOURCE = _cbuild.INT4  # the library these kernels are in
 _ARGTYPES = [
     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,  # packed, scales, strides, f32?
     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,  # zeros, out, ldo

@@ -1,4 +1,4 @@
-/* Row kernels shared by cpu_decode.c (the module path's RMSNorm and SwiGLU) and cpu_qgemv.c (the fused
+/* Row kernels shared by cpu_decode.c (the module path's RMSNorm and SwiGLU) and fused_layer.c (the fused
  * a8 decode layers), so a layer computed either way gives the same bits.
  *
  * Arithmetic (kernels/cpu_decode.py rms_norm_def / silu_mul_def):

@@ -1,59 +1,35 @@
-"""CPU GEMV (decode) and GEMM (prefill) on int8 (per-row) and int4 (per-group) weights, the bf16 decode GEMV
-and the fused decode layers (``cpu_qgemv.c``).
+"""CPU GEMVs on quantized weights with x quantized to int8 ("a8"), the bf16 / float32 GEMVs and the bf16
+GEMM, and the fused decode layers and stack (``a8_gemv.c``, ``dense_gemv.c``, ``fused_layer.c``,
+``decode_stack.c``).
 
-Why: at M = 1 torch's ``_weight_int8pack_mm`` and
-``_weight_int4pack_mm_for_cpu`` read their weights from DRAM at ~13 and
-~18 GB/s on this project's Zen 4 VM (2 threads, the 151936 x 896 LM head),
-below the bf16 prepacked oneDNN GEMV's ~22 GB/s, so int8 and int4 decode
-gained far less than their 2x and 4x fewer bytes. The C kernels here read
-each weight byte once, several rows (int8, prefetched into L2: ~28-33 GB/s)
-or one 64-row block (int4, AVX512-BF16 dot products: ~26 GB/s) at a time,
-and are faster than torch's ops at every M up to 32.
+Why: at M = 1 torch's ``_weight_int8pack_mm`` and ``_weight_int4pack_mm_for_cpu`` read their weights far
+below the memory's speed, so int8 and int4 decode gained far less than their 2x and 4x fewer bytes; the C
+kernels read each weight byte once at memory speed.
 
-Arithmetic (the ``*_def`` functions below are its torch definitions, equal
-to the C kernels bit for bit, tests/test_cpu_qgemv.py):
-
-* int8: ``out[m, n] = bf16(dot(x[m], q[n]) * scale[n])``, the dot product
-  in 16 float32 lanes then a tree (``cpu_decode.lane_sum``'s order);
-* int4: ``out[m, n] = bf16(sum_g a_g * scale[n, g])`` (sum in order of g)
-  with ``a_g = sum_k x[m, k] * (q[n, k] - zero[n, g])`` over the group's
-  columns in order, i.e. the canonical ``w = (q - zero) * scale`` with the
-  scale applied once per group.
+Arithmetic (the ``*_def`` functions below are its torch definitions, equal to the C kernels bit for bit,
+tests/test_cpu_qgemv.py):
 
 * a8 (``int8_gemv_a8``, ``int4_gemv_a8``; what the quantized layers run for every row of x,
   prompt and decode, so a row's bits never depend on its batch): x quantized
   to int8 per 32 columns (:func:`quantize_a8`), exact integer dot products per
   block, then ``f += float(S_b) * d_b`` (int8, ``bf16(f * scale)`` at the end) or
   ``f += float(S_b - zero * sum(codes_b)) * (scale * d_b)`` (int4) in block order
-  (:func:`int8_a8_def`, :func:`int4_a8_def`). Why: on AVX2 the float paths spend
-  most of their time turning codes into floats (int4 ~5 GB/s, compute-bound);
-  with both operands integer, ``vpmaddubsw`` does 32 multiply-adds at once and
-  int4 decode GEMVs run 1.9-3.6x faster (bench_qmatmul.py, Zen 3), as llama.cpp's q8_0 activations do. The cost is
-  x's int8 rounding (+0.17% / -0.08% perplexity, benchmarks/bench_a8_quality.py). On AVX512-VNNI
-  (the x86-64-v4-bf16 build) 2+ rows of x take ``vpdpbusd`` on weights decoded once for several rows
-  (the same bits; 1.2-2.7x the AVX2 code on Zen 4, benchmarks/ab_qgemv_builds.py).
+  (:func:`int8_a8_def`, :func:`int4_a8_def`). Why: with both operands integer, ``vpmaddubsw`` does 32
+  multiply-adds at once, as llama.cpp's q8_0 activations do, where float GEMVs spend most of their time
+  turning codes into floats. The cost is x's int8 rounding (benchmarks/bench_a8_quality.py). On
+  AVX512-VNNI (the x86-64-v4-bf16 build) 2+ rows of x take ``vpdpbusd`` on weights decoded once for
+  several rows (the same bits).
+* bf16 / float32: each dot in 16 float32 lanes in order, then the lanes' tree (``cpu_decode.lane_sum``).
 
 Each output depends only on its row of x and its weight row, so the kernels
-are batch-invariant (any M, N, thread count).
-
-The exact (bf16 x) kernels below are no longer on the layers' path (kept as the measured
-alternative, benchmarks/bench_qmatmul.py): the int4 GEMV decodes a weight block afresh for every 4 rows of x,
-which dominates at large M; :func:`int4_gemm` decodes each 64-row block once
-into bf16 pairs and runs all rows of x against it (0.85-0.97x a prepacked bf16
-GEMM at M = 128, where dequantize + GEMM gave 0.65-0.82x), forming the GEMV's
-sums in the GEMV's order: the same bits. The int8 GEMV itself, from 5 rows of x, converts each
-weight row once into bf16 "lane pairs" that vdpbf16ps adds in its FMA lanes'
-order (the same bits; 0.81-0.90x at M = 128). Both need AVX512-BF16
-(:func:`gemm_native`) to be fast at prefill sizes. Without the C kernel
-(no compiler, ``LLMSYS_NO_CKERNELS=1``) :func:`available` is False and the
-quantized layers keep torch's packed ops.
+are batch-invariant (any M, N, thread count). Without the C kernels (no compiler,
+``LLMSYS_NO_CKERNELS=1``) :func:`available` is False and the quantized layers keep torch's ops.
 """
 
 from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -61,13 +37,9 @@ from llmsys.kernels import _cbuild
 from llmsys.kernels.cpu_decode import lane_sum, rope_store_attend_address
 from llmsys.kernels.cpu_int4 import CPU_BLOCK_N, check_int4_layout, unpack_cpu_int4
 
-_SOURCE = Path(__file__).with_name("cpu_qgemv.c")
+_SOURCE = _cbuild.QGEMV  # the library these kernels are in
 _P, _I, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
-    "llmsys_qgemv_int8": [_P, _I, _P, _P, _P, _I, _I, _I, _I, _C],
-    "llmsys_qgemv_int4": [_P, _I, _P, _P, _I, _I, _C, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _C],
-    "llmsys_qgemm_int4": [_P, _I, _P, _P, _I, _I, _C, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _C],
-    "llmsys_qgemm_native": [],
     "llmsys_qgemv_int8_a8": [_P, _I, _P, _P, _P, _I, _I, _I, _I, _C],
     "llmsys_qgemv_int8g_a8": [_P, _I, _P, _P, _P, _I, _I, _I, _I, _C],
     "llmsys_qgemv_int8h_a8": [_P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _C],
@@ -93,7 +65,7 @@ _SIGNATURES = {
     "llmsys_decode_stack": [_P, _P, _P, _P, _I, _C],
 }
 A8_BLOCK = 32  # columns of x per int8 block in the a8 GEMVs
-_IO_X_F32, _IO_OUT_F32 = 1, 2  # cpu_qgemv.c's io flags
+_IO_X_F32, _IO_OUT_F32 = 1, 2  # gemv_common.h's io flags
 _OUT_DTYPES = (torch.bfloat16, torch.float32)
 
 
@@ -116,47 +88,7 @@ kernel_status = _KERNEL.status  # "ok: <path>" when the C kernel is loaded, else
 available = _KERNEL.available
 
 
-def gemm_native(lib=None) -> bool:
-    """Whether the kernel is built with AVX512-BF16, where :func:`int4_gemm` runs its own loop and
-    :func:`int8_gemv` converts each weight row once for batches of 5 or more rows: both fast at prefill
-    sizes. Elsewhere int4_gemm runs the GEMV's loop (same bits, slower) and the int8 GEMV re-converts
-    per 4 rows, so the layers keep their dense bf16 GEMM for prefill."""
-    lib = lib or _KERNEL.lib()
-    return lib is not None and bool(lib.llmsys_qgemm_native())
-
-
 # ------------------------------------------------------------------ definitions
-
-
-def int8_gemv_def(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``x [M, K]`` bf16, ``qweight int8 [N, K]``, ``scales [N]`` bf16 ``-> [M, N]`` bf16, the C kernel's bits."""
-    acc = lane_sum(x.float()[:, None, :], qweight.float()[None, :, :])  # [M, N]
-    return (acc * scales.float()).to(torch.bfloat16)
-
-
-def int4_gemv_def(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                  group_size: int) -> torch.Tensor:
-    """``x [M, K]`` bf16 and an int4 weight in the CPU int4 tiling (``cpu_int4.pack_cpu_int4``) ``-> [M, N]`` bf16, the C kernel's bits.
-
-    ``packed`` uint8 (``[Np/64, Kp, 32]`` bytes), ``scales [N, G]`` (any float
-    dtype; or torch's ``scales_zeros [G, Np, 2]``, scale at ``[g, n, 0]``),
-    ``zeros uint8 [N, G]``; ``Kp = G * group_size``.
-    """
-    n, n_groups = zeros.shape
-    kp = n_groups * group_size
-    np_ = -(-n // CPU_BLOCK_N) * CPU_BLOCK_N
-    scales = _scales_2d(scales, n)
-    q = unpack_cpu_int4(packed, np_, kp)[:n].float().view(n, n_groups, group_size)
-    d = q - zeros.float()[..., None]  # [N, G, gs] q - zero, exact
-    xg = torch.nn.functional.pad(x.float(), (0, kp - x.shape[1])).view(-1, 1, n_groups, group_size)  # [M, 1, G, gs]
-    a = torch.zeros(x.shape[0], n, n_groups)
-    for c in range(group_size):  # in order of k within each group
-        a = a + xg[..., c] * d[None, ..., c]
-    s = scales.float()
-    acc = torch.zeros(x.shape[0], n)
-    for g in range(n_groups):
-        acc = acc + a[..., g] * s[:, g]
-    return acc.to(torch.bfloat16)
 
 
 def quantize_a8(x: torch.Tensor, kp: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -164,7 +96,7 @@ def quantize_a8(x: torch.Tensor, kp: int | None = None) -> tuple[torch.Tensor, t
     code sums ``[M, nb]`` int64, over ``kp`` columns (default K rounded up to 32; zero past K).
 
     Per block: ``d = amax|x| / 127``, ``codes = round-half-even(x * (1 / d))`` (0 where d is 0; NaN x
-    count as 0 in amax and give code 0), as ``cpu_qgemv.c``'s ``a8_quantize``.
+    count as 0 in amax and give code 0), as ``a8_gemv.c``'s ``a8_quantize``.
     """
     m, k = x.shape
     kp = kp or -(-k // A8_BLOCK) * A8_BLOCK
@@ -243,7 +175,10 @@ def int8g_a8_def(x: torch.Tensor, qweight: torch.Tensor, block_scales: torch.Ten
 def int4_a8_def(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                 group_size: int, offsets: torch.Tensor | None = None,
                 out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """:func:`int4_gemv_def`'s arguments ``-> [M, N]`` bf16, :func:`int4_gemv_a8`'s bits.
+    """``x [M, K]`` bf16 (or float32) and an int4 weight in the CPU int4 tiling (``cpu_int4.pack_cpu_int4``:
+    ``packed`` uint8 ``[Np/64, Kp, 32]`` bytes, ``scales [N, G]`` of any float dtype or torch's
+    ``scales_zeros [G, Np, 2]``, ``zeros uint8 [N, G]``, ``Kp = G * group_size``) ``-> [M, N]`` bf16,
+    :func:`int4_gemv_a8`'s bits.
 
     ``out = bf16(f)``, ``f`` summing ``float(S_b - zero_g * sum(codes_b)) * (scale_g * d_b)`` over x's
     32-column blocks in order (``S_b`` exact; ``g`` the block's group). With ``offsets`` (float32
@@ -304,24 +239,11 @@ def _check_x(op: str, x: torch.Tensor, k: int, f32: bool = False) -> None:
                          f"got {x.dtype} {tuple(x.shape)} strides {x.stride()}")
 
 
-def int8_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *, check: bool = True,
-              lib=None) -> torch.Tensor:
-    """``x [M, K]`` bf16 times the int8 weight ``qweight [N, K] * scales [N, None]`` ``-> [M, N]`` bf16.
-
-    The bits of :func:`int8_gemv_def`; qweight int8 and scales bf16, contiguous.
-
-    Needs the C kernel (callers check :func:`available`). ``check=False`` skips
-    the checks for callers that validated their tensors once (a layer's own
-    buffers: ~5 us a call on the decode path); ``lib``: another build, for tests.
-    """
-    return _int8("llmsys_qgemv_int8", x, qweight, scales, check, lib)
-
-
 def bf16_gemv(x: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch.dtype = torch.bfloat16, check: bool = True,
               lib=None) -> torch.Tensor:
     """``x [M, K]`` bf16 times a plain bf16 ``weight [N, K]`` (unit column stride) ``-> [M, N]`` bf16, as
     :func:`bf16_gemv_def`: the decode GEMV of bf16 layers (``cpu_linear``); ``out_dtype`` float32: the sums
-    unrounded (a bf16 LM head's logits, any M). ``check`` and ``lib`` as :func:`int8_gemv`."""
+    unrounded (a bf16 LM head's logits, any M). ``check`` and ``lib`` as :func:`int8_gemv_a8`."""
     if out_dtype == torch.bfloat16:
         return _plain_gemv("bf16_gemv", "llmsys_gemv_bf16", torch.bfloat16, x, weight, check, lib)
     io = _io_flags("bf16_gemv", x, out_dtype, x_f32=False)
@@ -361,9 +283,9 @@ def bf16_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
               lib=None) -> torch.Tensor:
     """``x [M, K]`` bf16 times a plain bf16 ``weight [N, K]`` (+ ``bias [N]`` bf16), both with unit column
     stride, ``-> [M, N]`` bf16: each output one float32 FMA chain over k in order, plus the bias, rounded
-    once (cpu_qgemv.c). A row's bits do not depend on the other rows, the threads or a row chunk of the
+    once (dense_gemv.c). A row's bits do not depend on the other rows, the threads or a row chunk of the
     weight. The prompt GEMM of bf16 layers where oneDNN has no bf16 (``cpu_linear``); needs
-    :func:`bf16_gemm_native`. ``check`` and ``lib`` as :func:`int8_gemv`."""
+    :func:`bf16_gemm_native`. ``check`` and ``lib`` as :func:`int8_gemv_a8`."""
     n, k = weight.shape
     if check:
         _check_plain("bf16_gemm", torch.bfloat16, "bfloat16", x, weight)
@@ -384,7 +306,7 @@ def bf16_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
 def f32_gemv(x: torch.Tensor, weight: torch.Tensor, *, check: bool = True, lib=None) -> torch.Tensor:
     """``x [M, K]`` float32 (unit column stride) times a plain float32 ``weight [N, K]`` (unit column stride)
     ``-> [M, N]`` float32, as :func:`f32_gemv_def`: the decode GEMV of small float32 layers (``cpu_linear``).
-    ``check`` and ``lib`` as :func:`int8_gemv`."""
+    ``check`` and ``lib`` as :func:`int8_gemv_a8`."""
     return _plain_gemv("f32_gemv", "llmsys_gemv_f32", torch.float32, x, weight, check, lib)
 
 
@@ -415,10 +337,31 @@ def _plain_gemv(op: str, symbol: str, dtype: torch.dtype, x: torch.Tensor, weigh
 
 def int8_gemv_a8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *,
                  out_dtype: torch.dtype = torch.bfloat16, check: bool = True, lib=None) -> torch.Tensor:
-    """:func:`int8_gemv`'s product with x quantized to int8 per 32 columns (:func:`int8_a8_def`'s bits):
-    the decode GEMV of int8 layers. Same arguments and checks as :func:`int8_gemv`, but x may be float32
-    (quantized as it is) and ``out_dtype`` float32 leaves the sums unrounded (the LM head's logits)."""
-    return _int8("llmsys_qgemv_int8_a8", x, qweight, scales, check, lib, out_dtype)
+    """``x [M, K]`` bf16 or float32 (quantized as it is; unit column stride) times the int8 weight
+    ``qweight [N, K] * scales [N, None]`` (int8 and bf16, contiguous) with x quantized to int8 per 32 columns
+    ``-> [M, N]`` bf16 (:func:`int8_a8_def`'s bits): the GEMV of int8 layers; ``out_dtype`` float32 leaves
+    the sums unrounded (the LM head's logits).
+
+    Needs the C kernel (callers check :func:`available`). ``check=False`` skips the checks for callers that
+    validated their tensors once (a layer's own buffers); ``lib``: another build, for tests.
+    """
+    op = "int8_gemv_a8"
+    n, k = qweight.shape
+    io = _io_flags(op, x, out_dtype)
+    if check:
+        _check_x(op, x, k, f32=True)
+        if qweight.dtype != torch.int8 or not qweight.is_contiguous() or scales.dtype != torch.bfloat16 \
+                or tuple(scales.shape) != (n,) or not scales.is_contiguous():
+            raise ValueError(f"{op}: qweight must be contiguous int8 [N, K] and scales contiguous bf16 [N], "
+                             f"got {qweight.dtype} {tuple(qweight.shape)}, {scales.dtype} {tuple(scales.shape)}")
+    m = x.shape[0]
+    out = torch.empty(m, n, dtype=out_dtype)
+    rc = (lib or _KERNEL.lib()).llmsys_qgemv_int8_a8_io(x.data_ptr(), x.stride(0), qweight.data_ptr(),
+                                                        scales.data_ptr(), out.data_ptr(), n, m, n, k,
+                                                        torch.get_num_threads(), io)
+    if rc:
+        raise RuntimeError(f"{op}: the C kernel failed (code {rc}) on M={m} N={n} K={k}")
+    return out
 
 
 def int8g_gemv_a8(x: torch.Tensor, qweight: torch.Tensor, block_scales: torch.Tensor, *,
@@ -431,7 +374,7 @@ def int8g_gemv_a8(x: torch.Tensor, qweight: torch.Tensor, block_scales: torch.Te
     ``block_scales [K / 16, N]`` and fp16 ``super_scales [K / 256, N]`` contiguous, K a multiple of 256. Or float32 scales and
     ``offsets`` per 32 columns, ``[K / 32, N]`` contiguous, K a multiple of 32 (GGUF Q5_K's 5-bit codes, ``d * sc``
     and ``-(dmin * m)``). x bf16 or float32, ``out_dtype`` as :func:`int8_gemv_a8`; ``check`` and ``lib`` as
-    :func:`int8_gemv`."""
+    :func:`int8_gemv_a8`."""
     n, k = qweight.shape
     io = _io_flags("int8g_gemv_a8", x, out_dtype)
     if offsets is not None:
@@ -481,35 +424,9 @@ def int8g_gemv_a8(x: torch.Tensor, qweight: torch.Tensor, block_scales: torch.Te
     return out
 
 
-_INT8_OPS = {"llmsys_qgemv_int8": "int8_gemv", "llmsys_qgemv_int8_a8": "int8_gemv_a8"}
-
-
-def _int8(symbol: str, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, check: bool,
-          lib, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    op = _INT8_OPS[symbol]
-    a8 = symbol.endswith("_a8")
-    n, k = qweight.shape
-    io = _io_flags(op, x, out_dtype) if a8 else 0
-    if check:
-        _check_x(op, x, k, f32=a8)
-        if qweight.dtype != torch.int8 or not qweight.is_contiguous() or scales.dtype != torch.bfloat16 \
-                or tuple(scales.shape) != (n,) or not scales.is_contiguous():
-            raise ValueError(f"{op}: qweight must be contiguous int8 [N, K] and scales contiguous bf16 [N], "
-                             f"got {qweight.dtype} {tuple(qweight.shape)}, {scales.dtype} {tuple(scales.shape)}")
-    m = x.shape[0]
-    out = torch.empty(m, n, dtype=out_dtype)
-    args = (x.data_ptr(), x.stride(0), qweight.data_ptr(), scales.data_ptr(), out.data_ptr(), n, m, n, k,
-            torch.get_num_threads())
-    lib = lib or _KERNEL.lib()
-    rc = lib.llmsys_qgemv_int8_a8_io(*args, io) if a8 else getattr(lib, symbol)(*args)
-    if rc:
-        raise RuntimeError(f"{op}: the C kernel failed (code {rc}) on M={m} N={n} K={k}")
-    return out
-
-
 def check_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-               group_size: int, op: str = "int4_gemv", x_f32: bool = False) -> None:
-    """Raise ``ValueError`` (naming ``op``) unless the arguments fit :func:`int4_gemv`."""
+               group_size: int, op: str = "int4_gemv_a8", x_f32: bool = True) -> None:
+    """Raise ``ValueError`` (naming ``op``) unless the arguments fit :func:`int4_gemv_a8`."""
     if zeros.dim() != 2 or zeros.dtype != torch.uint8:
         raise ValueError(f"{op}: zeros must be a uint8 [N, G] tensor, got {zeros.dtype} {tuple(zeros.shape)}")
     n, n_groups = zeros.shape
@@ -521,29 +438,18 @@ def check_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zero
     check_int4_layout(op, packed, _scales_2d(scales, n), n, n_groups, k, group_size)
 
 
-def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-              group_size: int, *, check: bool = True, lib=None) -> torch.Tensor:
-    """``x [M, K]`` bf16 times an int4 weight in the CPU int4 tiling ``-> [M, N]`` bf16 (as :func:`int4_gemv_def`).
-
-    ``scales [N, G]`` of any strides, any float dtype (bf16, fp16, fp32 read as
-    they are), or torch's ``scales_zeros [G, Np, 2]`` itself (the scale at
-    ``[g, n, 0]``, read in place: no view to build); ``zeros`` uint8 ``[N, G]``
-    of any strides (group-major, ``zeros_gm.t()``, is the fast one); K within the
-    last group of ``Kp = G * group_size`` (x is zero-padded to Kp inside).
-    Needs the C kernel (callers check :func:`available`). ``check=False`` skips
-    :func:`check_int4` for callers that validated their tensors once; ``lib``:
-    another build, for tests.
-    """
-    return _int4("llmsys_qgemv_int4", x, packed, scales, zeros, group_size, check, lib)
-
-
 def int4_gemv_a8(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                  group_size: int, *, offsets: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
                  check: bool = True, lib=None) -> torch.Tensor:
-    """:func:`int4_gemv`'s product with x quantized to int8 per 32 columns (:func:`int4_a8_def`'s bits):
-    the GEMV of int4 layers. Same arguments as :func:`int4_gemv`, plus ``offsets``: float32 ``[N, G]``
-    of any strides (group-major is the fast one), ``w = scale * q + offset`` with the zeros not read;
-    x bf16 or float32 and ``out_dtype`` as :func:`int8_gemv_a8`."""
+    """``x [M, K]`` times an int4 weight in the CPU int4 tiling ``-> [M, N]`` with x quantized to int8 per 32
+    columns (:func:`int4_a8_def`'s bits): the GEMV of int4 layers.
+
+    ``scales [N, G]`` of any strides, any float dtype (bf16, fp16, fp32 read as they are), or torch's
+    ``scales_zeros [G, Np, 2]`` itself (the scale at ``[g, n, 0]``, read in place); ``zeros`` uint8 ``[N, G]``
+    of any strides (group-major, ``zeros_gm.t()``, is the fast one); K within the last group of
+    ``Kp = G * group_size``; ``offsets``: float32 ``[N, G]`` of any strides (group-major is the fast one),
+    ``w = scale * q + offset`` with the zeros not read. x bf16 or float32, ``out_dtype``, ``check`` and
+    ``lib`` as :func:`int8_gemv_a8`."""
     if offsets is None:
         return _int4("llmsys_qgemv_int4_a8", x, packed, scales, zeros, group_size, check, lib, out_dtype=out_dtype)
     if check and (offsets.dtype != torch.float32 or tuple(offsets.shape) != tuple(zeros.shape)):
@@ -552,26 +458,13 @@ def int4_gemv_a8(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ze
     return _int4("llmsys_qgemv_int4o_a8", x, packed, scales, zeros, group_size, check, lib, offsets, out_dtype)
 
 
-def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-              group_size: int, *, check: bool = True, lib=None) -> torch.Tensor:
-    """:func:`int4_gemv`'s product and bits (same arguments) in the prefill loop order: each block of
-    the weight is decoded once for all rows of x, so it is fast for large M (needs :func:`gemm_native`
-    to be fast; without it the GEMV's loop runs)."""
-    return _int4("llmsys_qgemm_int4", x, packed, scales, zeros, group_size, check, lib)
-
-
-_INT4_OPS = {"llmsys_qgemv_int4": "int4_gemv", "llmsys_qgemm_int4": "int4_gemm", "llmsys_qgemv_int4_a8": "int4_gemv_a8",
-             "llmsys_qgemv_int4o_a8": "int4_gemv_a8"}
-
-
 def _int4(symbol: str, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
           group_size: int, check: bool, lib, offsets: torch.Tensor | None = None,
           out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    op = _INT4_OPS[symbol]
-    a8 = symbol.endswith("_a8")
-    io = _io_flags(op, x, out_dtype) if a8 else 0
+    op = "int4_gemv_a8"
+    io = _io_flags(op, x, out_dtype)
     if check:
-        check_int4(x, packed, scales, zeros, group_size, op=op, x_f32=a8)  # group sizes 32/64/128: whole a8 blocks
+        check_int4(x, packed, scales, zeros, group_size, op=op)  # group sizes 32/64/128: whole a8 blocks
     if scales.dtype not in _SCALE_KINDS:
         scales = _scales_2d(scales, zeros.shape[0]).float()  # as the definition reads them
     n, n_groups = zeros.shape
@@ -582,7 +475,7 @@ def _int4(symbol: str, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
     args = (x.data_ptr(), x.stride(0), packed.data_ptr(), scales.data_ptr(), s_n, s_g, _SCALE_KINDS[scales.dtype],
             zeros.data_ptr(), zeros.stride(0), zeros.stride(1), *offs, out.data_ptr(), n,
             m, n, n_groups * group_size, k, group_size, torch.get_num_threads())
-    rc = getattr(lib or _KERNEL.lib(), symbol + "_io" if a8 else symbol)(*args, *((io,) if a8 else ()))
+    rc = getattr(lib or _KERNEL.lib(), symbol + "_io")(*args, io)
     if rc:
         raise RuntimeError(f"{op}: the C kernel failed (code {rc}) on M={m} N={n} K={k} group={group_size}")
     return out
@@ -592,7 +485,7 @@ def _int4(symbol: str, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
 
 
 class DecodeWeight(ctypes.Structure):
-    """One weight as the fused layer kernels read it (``llmsys_qw`` in cpu_qgemv.c): raw pointers
+    """One weight as the fused layer kernels read it (``llmsys_qw`` in fused_layer.h): raw pointers
     into the layer's buffers, which the caller keeps alive for the call. Built by the quantized
     layers (``Int8Linear.decode_weight``, ``Int4Linear.decode_weight``) through :func:`int8_decode_weight` /
     :func:`int4_decode_weight`, and for plain bf16 / float32 weights by ``cpu_linear.decode_weight``."""
@@ -709,7 +602,7 @@ def int4k_decode_weight(packed: torch.Tensor, ks: KScales, k: int, bias: torch.T
 
 
 class _LayerArgs(ctypes.Structure):
-    """``llmsys_layer`` in cpu_qgemv.c."""
+    """``llmsys_layer`` in fused_layer.h."""
 
     _fields_ = [("ln1", _P), ("ln2", _P), ("eps1", ctypes.c_float), ("eps2", ctypes.c_float), ("d", _I),
                 ("k_o", _I), ("qkv", _P), ("n_qkv", _I), ("o", _P), ("gu", _P), ("n_gu", _I), ("down", _P),
@@ -817,14 +710,14 @@ def layer_mlp(layer: DecodeLayer, o: torch.Tensor, residual: torch.Tensor, *,
 
 
 class _StackLayer(ctypes.Structure):
-    """``llmsys_stack_layer`` in cpu_qgemv.c."""
+    """``llmsys_stack_layer`` in decode_stack.c."""
 
     _fields_ = [("layer", _P), ("k_pool", _P), ("v_pool", _P), ("table", _I), ("tables", _I), ("hq", _I), ("hk", _I),
                 ("hd", _I), ("scale", ctypes.c_float)]
 
 
 class _Stack(ctypes.Structure):
-    """``llmsys_stack`` in cpu_qgemv.c."""
+    """``llmsys_stack`` in decode_stack.c."""
 
     _fields_ = [("layers", _P), ("n_layers", _I), ("rope_attend", _P), ("positions", _P), ("slot_mapping", _P),
                 ("n_slots", _I),

@@ -49,17 +49,15 @@ def cpu_kernels() -> CpuKernels:
 
 @dataclass(frozen=True)
 class QuantMatmulSupport:
-    """What the quantized layers' CPU matmuls can run in this process (``cpu_qgemv.c``).
+    """What the quantized layers' CPU matmuls can run in this process (``a8_gemv.c``).
 
     Read once per layer when it is built (``llmsys.quant``: each layer picks its kernel family
     from this, its device and its format, and keeps it). ``level``: the ISA level the C kernel
     is loaded at, None when it is not (no compiler, ``LLMSYS_NO_CKERNELS=1``, another CPU
-    architecture without a build). ``gemm_native``: built with AVX512-BF16, where the int4 GEMM
-    and the int8 GEMV's lane-pair path are fast at prefill sizes too.
+    architecture without a build).
     """
 
     level: str | None
-    gemm_native: bool
 
     @property
     def available(self) -> bool:
@@ -69,6 +67,6 @@ class QuantMatmulSupport:
 def quant_matmul_support() -> QuantMatmulSupport:
     """The C quantized-matmul kernel's level and build (loads it on first call; a fact of the process)."""
     if not cpu_qgemv.available():
-        return QuantMatmulSupport(None, False)
+        return QuantMatmulSupport(None)
     level, _ = _cbuild.selected_level()
-    return QuantMatmulSupport(level.name if level else "unknown", cpu_qgemv.gemm_native())
+    return QuantMatmulSupport(level.name if level else "unknown")

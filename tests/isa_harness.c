@@ -2,10 +2,11 @@
  * this with the kernel sources for each ISA level (x86-64 natively, aarch64 with the cross compiler,
  * run under qemu-aarch64) and compares the bits, without a Python or torch for the other
  * architecture. The kernels define their arithmetic independently of the ISA (fixed summation
- * order, no contraction: kernels/cpu_qgemv.c), so every build must print the same lines; only
+ * order, no contraction: kernels/a8_gemv.c), so every build must print the same lines; only
  * the attention's expf may round differently in another libm (compared within a tolerance).
  *
- *     gcc -O3 -fopenmp -ffp-contract=off tests/isa_harness.c kernels/cpu_{decode,int4,qgemv}.c -lm
+ *     gcc -O3 -fopenmp -ffp-contract=off tests/isa_harness.c kernels/cpu_{decode,int4}.c \
+ *         kernels/{a8_gemv,dense_gemv,fused_layer,decode_stack}.c -lm
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -24,14 +25,6 @@ int llmsys_gemv_f32(const float *x, int64_t ldx, const float *w, int64_t ldw, fl
 int llmsys_decode_attention(const void *q, const void *k, const void *v, const int64_t *slots, const int64_t *lens,
                             float scale, void *out, int64_t b_count, int64_t l_max, int64_t hq, int64_t hk, int64_t d,
                             int f32, int threads);
-int llmsys_qgemv_int8(const uint16_t *x, int64_t ldx, const int8_t *q, const uint16_t *scales, uint16_t *out,
-                      int64_t ldo, int64_t m_count, int64_t n, int64_t k, int threads);
-int llmsys_qgemv_int4(const uint16_t *x, int64_t ldx, const uint8_t *packed, const void *scales, int64_t s_n,
-                      int64_t s_g, int scale_kind, const uint8_t *zeros, int64_t z_n, int64_t z_g, uint16_t *out,
-                      int64_t ldo, int64_t m_count, int64_t n, int64_t kp, int64_t k, int64_t gs, int threads);
-int llmsys_qgemm_int4(const uint16_t *x, int64_t ldx, const uint8_t *packed, const void *scales, int64_t s_n,
-                      int64_t s_g, int scale_kind, const uint8_t *zeros, int64_t z_n, int64_t z_g, uint16_t *out,
-                      int64_t ldo, int64_t m_count, int64_t n, int64_t kp, int64_t k, int64_t gs, int threads);
 int llmsys_qgemv_int8_a8(const uint16_t *x, int64_t ldx, const int8_t *q, const uint16_t *scales, uint16_t *out,
                          int64_t ldo, int64_t m_count, int64_t n, int64_t k, int threads);
 int llmsys_qgemv_int8g_a8(const uint16_t *x, int64_t ldx, const int8_t *q, const uint16_t *block_scales,
@@ -130,11 +123,6 @@ int main(void) {
     uint16_t *gx = bf16_array(M * K8, -2, 2), *s8 = bf16_array(N8, 0.001f, 0.02f), o8[M * N8];
     int8_t *q8 = malloc(N8 * K8);
     for (int i = 0; i < N8 * K8; i++) q8[i] = (int8_t)((int)(next() % 255) - 127);
-    for (int m = 1; m <= M; m += M - 1) {
-        char name[32];
-        snprintf(name, sizeof name, "int8_gemv_m%d", m);
-        dump(name, llmsys_qgemv_int8(gx, K8, q8, s8, o8, N8, m, N8, K8, 2), o8, 2 * m * N8);
-    }
     for (int m = 1; m <= M; m += 4) {
         char name[32];
         snprintf(name, sizeof name, "int8_a8_m%d", m);
@@ -170,15 +158,6 @@ int main(void) {
     for (int i = 0; i < N4 * KP / 2; i++) packed[i] = (uint8_t)next();
     for (int i = 0; i < N4 * G; i++) zeros[i] = (uint8_t)(next() % 16);
     uint16_t *s4 = bf16_array(N4 * G, 0.001f, 0.05f), o4[M * N4], dq[N4 * K4];
-    for (int m = 1; m <= M; m += M - 1) {
-        char name[32];
-        snprintf(name, sizeof name, "int4_gemv_m%d", m);
-        dump(name, llmsys_qgemv_int4(gx, K8, packed, s4, G, 1, 0, zeros, G, 1, o4, N4, m, N4, KP, K4, GS, 2), o4,
-             2 * m * N4);
-        snprintf(name, sizeof name, "int4_gemm_m%d", m);
-        dump(name, llmsys_qgemm_int4(gx, K8, packed, s4, G, 1, 0, zeros, G, 1, o4, N4, m, N4, KP, K4, GS, 2), o4,
-             2 * m * N4);
-    }
     for (int m = 1; m <= M; m += 4) {
         char name[32];
         snprintf(name, sizeof name, "int4_a8_m%d", m);

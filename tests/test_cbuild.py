@@ -101,8 +101,8 @@ def test_no_compiler_still_runs_and_says_so_once(tmp_path, stories_c):
 
 def test_no_compiler_on_path_and_no_prebuilt_build_says_how_to_get_one(tmp_path):
     """CC unset and no gcc/cc on PATH, an empty cache, a source with no prebuilt build: the status names the fix."""
-    code = ("from llmsys.kernels import _cbuild; import pathlib;"
-            "print(_cbuild.find_or_build(pathlib.Path(_cbuild.HERE / 'cpu_decode.c'), _cbuild.arch_levels()[0])[1])")
+    code = ("from llmsys.kernels import _cbuild;"
+            "print(_cbuild.find_or_build(_cbuild.DECODE, _cbuild.arch_levels()[0])[1])")
     env = {k: v for k, v in os.environ.items() if k != "CC"}
     env.update(PATH=str(tmp_path), LLMSYS_HOME=str(tmp_path / "home"))
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)

@@ -1,11 +1,10 @@
-"""The CPU int8/int4 GEMV kernels (kernels/cpu_qgemv.c) against their torch definitions.
+"""The CPU GEMV kernels (kernels/a8_gemv.c, kernels/dense_gemv.c) against their torch definitions.
 
 The kernels' arithmetic is fixed (kernels/cpu_qgemv.py), so they must match
 the definitions bit for bit at any M, N, K, group size and thread count (the
-exact GEMVs on bf16 x, and the a8 GEMVs on x quantized per 32 columns),
-give row m of an M-row call the bits of the 1-row call on that row, stay close
-to the float matmul on the dequantized weight, and give the same bits when
-built without AVX-512. The quantized layers use them for decode-sized inputs.
+a8 GEMVs on x quantized per 32 columns, the bf16 and float32 GEMVs), give row m
+of an M-row call the bits of the 1-row call on that row, stay close to the float
+matmul on the dequantized weight, and give the same bits at every ISA level.
 """
 
 from __future__ import annotations
@@ -58,45 +57,6 @@ def _threads(n: int):
             torch.set_num_threads(self.before)
 
     return _Ctx()
-
-
-@needs_kernel
-@pytest.mark.parametrize("n,k", [(200, 172), (64, 33), (130, 1000), (7, 16), (896, 896)])
-@pytest.mark.parametrize("threads", [1, 2])
-def test_int8_bit_exact(n, k, threads):
-    """Up to 4 rows the FMA tiles run, from 5 rows the AVX512-BF16 lane pairs (where built): the same bits."""
-    q, s = _int8(n, k)
-    torch.manual_seed(1)
-    x = torch.randn(32, k).bfloat16()
-    with _threads(threads):
-        for m in (1, 2, 3, 4, 5, 6, 7, 9, 13, 32):
-            y = cpu_qgemv.int8_gemv(x[:m], q, s)
-            assert torch.equal(_bits(y), _bits(cpu_qgemv.int8_gemv_def(x[:m], q, s))), (n, k, m)
-            ref = x[:m].float() @ (q.float() * s.float()[:, None]).t()
-            assert (y.float() - ref).norm() / ref.norm() < 5e-3
-        full = cpu_qgemv.int8_gemv(x, q, s)
-        for m in range(32):  # batch invariance: each row as if alone
-            assert torch.equal(_bits(full[m : m + 1]), _bits(cpu_qgemv.int8_gemv(x[m : m + 1], q, s)))
-
-
-@needs_kernel
-@pytest.mark.parametrize("n,k,g", [(200, 172, 64), (64, 64, 32), (130, 1000, 32), (96, 256, 128), (4864, 96, 64)])
-@pytest.mark.parametrize("threads", [1, 2])
-def test_int4_bit_exact(n, k, g, threads):
-    lin = _int4(n, k, g)
-    args = _int4_args(lin)
-    torch.manual_seed(2)
-    x = torch.randn(16, k).bfloat16()
-    w = lin.dequantize()
-    with _threads(threads):
-        for m in (1, 2, 3, 4, 5, 9, 16):
-            y = cpu_qgemv.int4_gemv(x[:m], *args)
-            assert torch.equal(_bits(y), _bits(cpu_qgemv.int4_gemv_def(x[:m], *args))), (n, k, g, m)
-            ref = x[:m].float() @ w.t()
-            assert (y.float() - ref).norm() / ref.norm() < 5e-3
-        full = cpu_qgemv.int4_gemv(x, *args)
-        for m in range(16):
-            assert torch.equal(_bits(full[m : m + 1]), _bits(cpu_qgemv.int4_gemv(x[m : m + 1], *args)))
 
 
 @needs_kernel
@@ -299,36 +259,17 @@ def test_a8_quantization():
 
 
 @needs_kernel
-def test_a8_close_to_exact():
-    """The a8 GEMVs approximate the exact (bf16 x) ones: the error of x's int8 rounding, well under 1% of
-    the output's scale on Gaussian activations of a real hidden size."""
+def test_a8_close_to_float_matmul():
+    """The a8 GEMVs approximate the float matmul on the dequantized weight: the error of x's int8 rounding,
+    well under 1% of the output's scale on Gaussian activations of a real hidden size."""
     torch.manual_seed(8)
     x = torch.randn(4, 896).bfloat16()
     q, s = _int8(512, 896, seed=2)
-    exact, a8 = cpu_qgemv.int8_gemv_def(x, q, s).float(), cpu_qgemv.int8_gemv_a8(x, q, s).float()
+    exact, a8 = x.float() @ (q.float() * s.float()[:, None]).t(), cpu_qgemv.int8_gemv_a8(x, q, s).float()
     assert (a8 - exact).abs().max() / exact.abs().max() < 0.01
-    args = _int4_args(_int4(512, 896, 64, seed=2))
-    exact, a8 = cpu_qgemv.int4_gemv_def(x, *args).float(), cpu_qgemv.int4_gemv_a8(x, *args).float()
+    lin = _int4(512, 896, 64, seed=2)
+    exact, a8 = x.float() @ lin.dequantize().float().t(), cpu_qgemv.int4_gemv_a8(x, *_int4_args(lin)).float()
     assert (a8 - exact).abs().max() / exact.abs().max() < 0.01
-
-
-@needs_kernel
-@pytest.mark.parametrize("n,k,g", [(200, 172, 64), (130, 1000, 32), (96, 256, 128), (70, 64, 64)])
-@pytest.mark.parametrize("threads", [1, 2])
-def test_int4_gemm_is_the_gemv(n, k, g, threads):
-    """The prefill GEMM gives the GEMV's bits (the definition's) at every M, including the tails of its
-    6-row tiles and its 128-row blocks; so prefill, decode and any batch agree bit for bit."""
-    lin = _int4(n, k, g, seed=8)
-    args = _int4_args(lin)
-    torch.manual_seed(9)
-    x = torch.randn(140, k).bfloat16()
-    with _threads(threads):
-        full = cpu_qgemv.int4_gemm(x, *args)
-        assert torch.equal(_bits(full), _bits(cpu_qgemv.int4_gemv_def(x, *args))), (n, k, g)
-        for m in (1, 5, 6, 7, 13):
-            assert torch.equal(_bits(cpu_qgemv.int4_gemm(x[:m], *args)), _bits(full[:m])), (n, k, g, m)
-        for m in (0, 77, 139):
-            assert torch.equal(_bits(cpu_qgemv.int4_gemv(x[m : m + 1], *args)), _bits(full[m : m + 1]))
 
 
 @needs_kernel
@@ -338,12 +279,12 @@ def test_int4_other_scale_dtypes(scale_dtype):
     args = _int4_args(lin)
     assert args[1].dtype == scale_dtype
     x = torch.randn(3, 320).bfloat16()
-    y = cpu_qgemv.int4_gemv(x, *args)
-    assert torch.equal(_bits(y), _bits(cpu_qgemv.int4_gemv_def(x, *args)))
+    y = cpu_qgemv.int4_gemv_a8(x, *args)
+    assert torch.equal(_bits(y), _bits(cpu_qgemv.int4_a8_def(x, *args)))
     # fp16 subnormal and odd scales read exactly
     scales = (torch.rand(192, 5) * torch.logspace(-7, 2, 192)[:, None]).to(scale_dtype)
-    y = cpu_qgemv.int4_gemv(x, args[0], scales, args[2], 64)
-    assert torch.equal(_bits(y), _bits(cpu_qgemv.int4_gemv_def(x, args[0], scales, args[2], 64)))
+    y = cpu_qgemv.int4_gemv_a8(x, args[0], scales, args[2], 64)
+    assert torch.equal(_bits(y), _bits(cpu_qgemv.int4_a8_def(x, args[0], scales, args[2], 64)))
 
 
 @needs_kernel
@@ -359,17 +300,8 @@ def test_other_code_paths_bit_exact(level, tmp_path):
                            cpu_qgemv.f32_gemv_def(xf, wf).view(torch.int32))
     torch.manual_seed(4)
     x = torch.randn(5, 300).bfloat16()
-    for n, k in [(130, 300), (9, 37)]:
-        q, s = _int8(n, k)
-        for m in (1, 5):
-            assert torch.equal(_bits(cpu_qgemv.int8_gemv(x[:m, :k], q, s, lib=lib)),
-                               _bits(cpu_qgemv.int8_gemv(x[:m, :k], q, s))), (level, n, k, m)
     for n, k, g in [(130, 300, 32), (70, 250, 128)]:
         args = _int4_args(_int4(n, k, g))
-        for m in (1, 5):
-            want = _bits(cpu_qgemv.int4_gemv_def(x[:m, :k], *args))
-            assert torch.equal(_bits(cpu_qgemv.int4_gemv(x[:m, :k], *args, lib=lib)), want), (level, n, k, g, m)
-            assert torch.equal(_bits(cpu_qgemv.int4_gemm(x[:m, :k], *args, lib=lib)), want), (level, n, k, g, m)
         for m in (1, 5):
             assert torch.equal(_bits(cpu_qgemv.int4_gemv_a8(x[:m, :k], *args, lib=lib)),
                                _bits(cpu_qgemv.int4_a8_def(x[:m, :k], *args))), (level, n, k, g, m)
@@ -410,30 +342,11 @@ def test_other_code_paths_bit_exact(level, tmp_path):
                                _bits(cpu_qgemv.int8g_a8_def(x[:m, :k], q, sc, super_scales=d))), (level, n, m)
             assert torch.equal(_bits(cpu_qgemv.int8g_gemv_a8(x[:m, :k], q, fs, offsets=fo, lib=lib)),
                                _bits(cpu_qgemv.int8g_a8_def(x[:m, :k], q, fs, offsets=fo))), (level, n, m)
-    # Only the AVX512-BF16 build has the native prefill GEMM; elsewhere the layers keep their dense GEMM.
-    assert cpu_qgemv.gemm_native(lib) == (level == "x86-64-v4-bf16")
-
-
-@needs_kernel
-def test_argument_checks():
-    q, s = _int8(64, 64)
-    with pytest.raises(ValueError, match="x must"):
-        cpu_qgemv.int8_gemv(torch.randn(1, 64), q, s)  # float32 x
-    with pytest.raises(ValueError, match="scales"):
-        cpu_qgemv.int8_gemv(torch.randn(1, 64).bfloat16(), q, s.float())
-    packed, scales, zeros, g = _int4_args(_int4(64, 64, 32))
-    x = torch.randn(1, 64).bfloat16()
-    with pytest.raises(ValueError, match="packed"):
-        cpu_qgemv.int4_gemv(x, packed[:-1], scales, zeros, g)
-    with pytest.raises(ValueError, match="K=20"):
-        cpu_qgemv.int4_gemv(x[:, :20], packed, scales, zeros, g)
-    with pytest.raises(ValueError, match="int4_gemm: packed"):
-        cpu_qgemv.int4_gemm(x, packed[:-1], scales, zeros, g)
 
 
 @needs_kernel
 def test_a8_argument_checks():
-    """The a8 GEMVs check as the exact ones do and name themselves; unchecked, what the kernel refuses
+    """The a8 GEMVs check their arguments and name themselves; unchecked, what the kernel refuses
     (a row stride below K, a group that is not whole activation blocks) is a RuntimeError naming it."""
     q, s = _int8(64, 64)
     with pytest.raises(ValueError, match="int8_gemv_a8: x must be a CPU bf16 or float32"):
@@ -447,6 +360,8 @@ def test_a8_argument_checks():
     x = torch.randn(1, 64).bfloat16()
     with pytest.raises(ValueError, match="int4_gemv_a8: packed"):
         cpu_qgemv.int4_gemv_a8(x, packed[:-1], scales, zeros, g)
+    with pytest.raises(ValueError, match="K=20"):
+        cpu_qgemv.int4_gemv_a8(x[:, :20], packed, scales, zeros, g)
     # the same bytes read as 4 groups of 16 columns: a valid int4 layout, but half an activation block per group
     z16, s16 = zeros.repeat_interleave(2, 1), scales.repeat_interleave(2, 1)
     with pytest.raises(ValueError, match=r"int4_gemv_a8: group_size 16 \(32, 64 or 128\)"):
@@ -499,12 +414,12 @@ def test_int4_scales_zeros_in_place():
     lin = _int4(100, 200, 32, seed=6)
     packed, scales, zeros, g = _int4_args(lin)
     x = torch.randn(2, 200).bfloat16()
-    ref = cpu_qgemv.int4_gemv_def(x, packed, scales, zeros, g)
-    assert torch.equal(_bits(cpu_qgemv.int4_gemv_def(x, packed, lin.scales_zeros, zeros, g)), _bits(ref))
-    assert torch.equal(_bits(cpu_qgemv.int4_gemv(x, packed, lin.scales_zeros, zeros, g)), _bits(ref))
-    assert torch.equal(_bits(cpu_qgemv.int4_gemv(x, packed, lin.scales_zeros, lin.zeros_gm.t(), g)), _bits(ref))
+    ref = cpu_qgemv.int4_a8_def(x, packed, scales, zeros, g)
+    assert torch.equal(_bits(cpu_qgemv.int4_a8_def(x, packed, lin.scales_zeros, zeros, g)), _bits(ref))
+    assert torch.equal(_bits(cpu_qgemv.int4_gemv_a8(x, packed, lin.scales_zeros, zeros, g)), _bits(ref))
+    assert torch.equal(_bits(cpu_qgemv.int4_gemv_a8(x, packed, lin.scales_zeros, lin.zeros_gm.t(), g)), _bits(ref))
     with pytest.raises(ValueError, match="scales_zeros"):
-        cpu_qgemv.int4_gemv(x, packed, lin.scales_zeros[:1], zeros, g)
+        cpu_qgemv.int4_gemv_a8(x, packed, lin.scales_zeros[:1], zeros, g)
 
 
 def test_int8_layer_prefill_path(monkeypatch):
