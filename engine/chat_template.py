@@ -1,24 +1,11 @@
-"""Render Hugging Face chat templates exactly like ``transformers`` does.
+"""Render Hugging Face chat templates byte-identically to ``transformers.apply_chat_template``.
 
-A chat template is untrusted Jinja shipped with the model (``tokenizer_config.json``
-``chat_template`` or ``chat_template.jinja``). The prompt the model sees must be
-byte-identical to what ``transformers.apply_chat_template`` renders, because the
-model was fine-tuned on that exact text; a stray newline or a ``tojson`` that
-escapes non-ASCII measurably changes generations. So this module copies the
-transformers environment: an ``ImmutableSandboxedEnvironment`` (templates cannot
-mutate inputs or reach Python internals) with ``trim_blocks``/``lstrip_blocks``,
-the ``loopcontrols`` extension, a no-op ``{% generation %}`` block, and the same
-``tojson`` / ``raise_exception`` / ``strftime_now`` helpers.
-
-Rendering is bounded (:class:`RenderBudget`): a template is code from a
-download, and ``{% for i in range(100000) %}{% for j in range(100000) %}`` or
-``{{ 'x' * 10**10 }}`` would otherwise hold a core for minutes or exhaust RAM.
-Every call, ``range`` item, ``*``/``**``/``+`` and output piece counts as a
-step; steps, wall time and output size each have a limit, and going past one is
-a one-line :class:`TokenizerError` naming the template and the limit.
-
-The compiled template lives on a :class:`ChatTemplate` instance (no module-level
-cache), which the tokenizer holds for its lifetime.
+The model was fine-tuned on that exact text (a stray newline or an ASCII-escaping ``tojson`` changes
+generations), so this copies transformers' environment: ``ImmutableSandboxedEnvironment``,
+``trim_blocks``/``lstrip_blocks``, ``loopcontrols``, a no-op ``{% generation %}`` and the same
+``tojson`` / ``raise_exception`` / ``strftime_now``. A template is untrusted code, so rendering is
+bounded (:class:`RenderBudget`: steps, wall time, output size; past one is a one-line
+:class:`TokenizerError`). The compiled template lives on a :class:`ChatTemplate`, not a module cache.
 """
 
 from __future__ import annotations

@@ -1,32 +1,12 @@
-"""Models already pulled by Ollama, run in place: ``llmsys run ollama:qwen2.5:0.5b``.
+"""Models already pulled by Ollama, run in place (``llmsys run ollama:qwen2.5:0.5b``): no second download.
 
-Why: many users already have gigabytes of GGUF weights in Ollama's store;
-downloading them again (or exporting them by hand) is waste. The store is
-content-addressed, so a model is found through its manifest, never by
-guessing file names:
-
-* ``<store>/manifests/<host>/<namespace>/<name>/<tag>``: a JSON manifest
-  (Docker distribution schema 2 style) whose ``layers`` each carry a
-  ``mediaType``, a ``digest`` (``sha256:<hex>``) and a ``size``;
-* ``<store>/blobs/sha256-<hex>``: each layer's bytes.
-
-The ``application/vnd.ollama.image.model`` layer is the GGUF weights file;
-``...image.params`` (JSON: stop strings, temperature, num_ctx ...),
-``...image.template`` (a Go template) and ``...image.system`` (text) are
-read too, since they are small and say how the model expects to be
-prompted. A run (:func:`run_settings`) applies the params' stop strings and
-the system message, and names the other params rather than guess whether a
-flag left at its default meant them; the Go template is not run: ``--chat``
-uses the GGUF's own Jinja ``tokenizer.chat_template``. The store is
-``$OLLAMA_MODELS``, else ``~/.ollama/models`` (what Ollama itself uses),
-read at call time so nothing here caches state.
-
-A name is ``[host/][namespace/]name[:tag]`` as Ollama writes it; the
-defaults are ``registry.ollama.ai``, ``library`` and ``latest``, and the
-``ollama:`` prefix is optional in :func:`parse_name`. Blobs are checked for
-presence, for the size the manifest records and for the GGUF magic, which
-catches a missing, truncated or still-downloading file in microseconds;
-the sha256 is not recomputed (that would read gigabytes).
+The store (``$OLLAMA_MODELS``, else ``~/.ollama/models``, read at call time) is content-addressed, so a
+model is found through ``manifests/<host>/<namespace>/<name>/<tag>`` (JSON layers: ``mediaType``,
+``digest``, ``size``) and ``blobs/sha256-<hex>``, never by guessing names. The ``...image.model`` layer
+is the GGUF; params (stop strings, system message applied; other params named, not guessed), template
+(not run: ``--chat`` uses the GGUF's Jinja template) and system layers are read too. Names are
+``[host/][namespace/]name[:tag]`` (defaults ``registry.ollama.ai``, ``library``, ``latest``). Blobs are
+checked for presence, recorded size and GGUF magic, not re-hashed (that would read gigabytes).
 """
 
 from __future__ import annotations

@@ -1,28 +1,12 @@
-"""Automatic prefix caching: reuse the KV blocks of a prompt prefix seen before.
+"""Automatic prefix caching: a request reuses the KV blocks of a prompt prefix already in the pool.
 
-Chat clients resend the whole conversation every turn, agents resend the same
-system prompt, a benchmark repeats its prompts: their KV is already in the
-pool, block for block. Each *full* block of a sequence gets a key chained
-from the key of the block before it and the block's token ids (so a key names
-the whole prefix up to that block, as in vLLM's automatic prefix caching).
-After the forward pass that completed a block, the block is registered under
-its key (:meth:`BlockAllocator.register`); a new request looks its prompt's
-keys up and starts with the longest hit: those blocks join its block table
-with one more reference and their tokens count as computed.
-
-Why this is exact: a shared block is never written again. Hits are only full
-blocks, at most ``(prompt_len - 1) // block_size`` of them, so every request
-still computes at least its last prompt token (the logits it samples from),
-and writes only land in blocks it allocated itself. The KV a hit reuses is the
-KV the same tokens at the same positions produce, computed by the same model
-in the same pool format.
-
-Sequences under an evicting KV policy (``seq.kv`` set) neither look up nor
-register: eviction moves tokens between their blocks.
-
-Sliding layers kept in rings (``llmsys.engine.sliding_kv``): their ring blocks
-are registered and found under the same keys, and a hit is only as long as the
-ring blocks of its last window are still there (``RingTables.reuse``).
+Each full block gets a key chained from the previous block's key and its token ids (so a key names the
+whole prefix, as in vLLM), registered after the pass that filled it (:meth:`BlockAllocator.register`);
+a request starts from its longest run of hits. Exact because a shared block is never written again:
+at most ``(prompt_len - 1) // block_size`` full blocks hit, so every request computes its last prompt
+token and writes only blocks it allocated. Sequences under an evicting KV policy (``seq.kv``) neither
+look up nor register; sliding layers' ring blocks hit only while their last window remains
+(``RingTables.reuse``).
 """
 
 from __future__ import annotations

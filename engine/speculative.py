@@ -1,37 +1,14 @@
 """Speculative decoding: proposers of draft tokens that the target model verifies in one step.
 
-A decode step of the target reads every weight once whatever the number of
-tokens it carries, so feeding a sequence's last token plus ``k`` guessed ones
-costs little more than feeding one (on a CPU the GEMVs become small GEMMs; with
-layers streamed from disk or over PCIe the weights are read once for all
-``k + 1`` positions). The verification keeps the output the target's own
-(``Sampler.sample`` with drafts: greedy tokens identical to plain decoding, a
-sampled token distributed exactly as the target's). How the step is laid out:
-``Scheduler.schedule(drafts)`` feeds the drafts after the known token,
-``ModelRunner.prepare`` runs them as decode rows, ``EngineCore.step`` accepts
-a prefix and rolls the rest back (``Scheduler.accept_draft`` /
-``trim_drafts``: rejected KV is never counted, registered or kept in a block).
-
-Proposers (one interface, :class:`Proposer`), all deterministic (each draft a
-point mass, which is what the acceptance rule assumes):
-
-* :class:`NgramProposer` (``--spec ngram``): prompt lookup. The longest
-  suffix of the sequence (``max_n`` .. ``min_n`` tokens) that occurred before
-  proposes the tokens that followed its latest occurrence. No second model;
-  strong where the output copies its input (editing, summaries, code).
-* :class:`DraftProposer` (``--draft MODEL``, ``--spec self:int4``): a small
-  model with the same vocabulary, resident beside a target that may be
-  offloaded, decoding ``k`` greedy tokens per step over its own paged KV pool.
-  ``self:QUANT`` is the target's own checkpoint at that quantization (int4 by
-  default): no second download, and it agrees with the target far more often
-  than an unrelated small model.
-* :func:`predicted_continuation`: a request's own predicted output (OpenAI's
-  ``prediction``, ``SamplingParams.prediction``) on any engine, tried before
-  the engine's proposer.
-
-Why written here and not taken from a library: proposing and verifying are the
-engine's step (its scheduler, KV pool and sampler); vLLM's and transformers'
-versions are welded to their own.
+A target step reads every weight once however many tokens it carries, so ``k`` drafts cost little
+more than one token; verification (``Sampler.sample`` with drafts) keeps greedy output identical to
+plain decoding and sampled tokens distributed exactly as the target's. The step: ``Scheduler.schedule``
+feeds the drafts, ``EngineCore.step`` accepts a prefix and rolls the rest back
+(``Scheduler.accept_draft`` / ``trim_drafts``: rejected KV is never kept). Proposers are deterministic
+(:class:`Proposer`): :class:`NgramProposer` (``--spec ngram``), :class:`DraftProposer` (``--draft MODEL``;
+``--spec self:int4``: the target's own checkpoint quantized, no second download) and
+:func:`predicted_continuation` (OpenAI ``prediction``). Written here because vLLM's and transformers'
+versions are welded to their own scheduler and KV pool.
 """
 
 from __future__ import annotations

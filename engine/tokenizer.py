@@ -1,21 +1,11 @@
-"""Text <-> token ids for both checkpoint families llmsys loads.
+"""Text <-> token ids for every checkpoint kind llmsys loads, behind one :class:`Tokenizer`.
 
-* Hugging Face directories: ``tokenizer.json`` run by the Rust ``tokenizers``
-  library, plus the metadata transformers reads from ``tokenizer_config.json``
-  (special tokens, ``add_bos_token``, chat template) and
-  ``generation_config.json`` (extra EOS ids, e.g. Llama-3's ``<|eot_id|>``).
-  The ids must equal ``transformers.AutoTokenizer``'s, because that is what
-  the model was evaluated with; see :func:`_transformers_llama_pipeline` for
-  the one place transformers deliberately departs from ``tokenizer.json``.
-* llama2.c checkpoints: ``tok*.bin`` (scores + pieces), encoded with the exact
-  greedy highest-score merge loop of llama2.c's ``run.c``.
-* GGUF files: the ``tokenizer.ggml.*`` metadata rebuilt into an in-memory
-  ``tokenizers.Tokenizer`` plus a ``tokenizer_config.json``-like mapping
-  (:mod:`llmsys.engine.gguf_tokenizer`), then run through the same HF backend,
-  so a ``.gguf`` encodes exactly like the directory it was converted from.
-
-Both are wrapped in one :class:`Tokenizer` so the engine never branches on the
-checkpoint format.
+* Hugging Face directories: ``tokenizer.json`` run by the Rust ``tokenizers`` library plus
+  ``tokenizer_config.json`` / ``generation_config.json`` metadata; ids equal
+  ``transformers.AutoTokenizer``'s (the one deliberate departure: :func:`_transformers_llama_pipeline`).
+* llama2.c ``tok*.bin``: llama2.c ``run.c``'s greedy highest-score merge loop, exactly.
+* GGUF: ``tokenizer.ggml.*`` rebuilt into a ``tokenizers.Tokenizer`` (:mod:`llmsys.engine.gguf_tokenizer`)
+  and run by the same HF backend, so a ``.gguf`` encodes like the directory it came from.
 """
 
 from __future__ import annotations
