@@ -1,38 +1,13 @@
 """A ``tokenizers.Tokenizer`` rebuilt from a GGUF file's ``tokenizer.ggml.*`` metadata.
 
-A GGUF carries no ``tokenizer.json``: llama.cpp's converter flattens the
-vocabulary into arrays (pieces, scores, token types, merges) plus a few keys
-(special ids, ``add_bos_token``, the chat template, and ``tokenizer.ggml.pre``
-naming the split regex of a byte-level vocabulary). To run a ``.gguf`` with the
-same ids the model was evaluated with, this module turns those back into what a
-Hugging Face directory would have held:
-
-* a ``tokenizers.Tokenizer`` shaped like the model's original ``tokenizer.json``
-  (model, normalizer, pre-tokenizer, decoder, added tokens), and
-* the mapping ``tokenizer_config.json`` would have held (special token strings,
-  ``add_bos_token``/``add_eos_token``, ``tokenizer_class``, chat template),
-
-so :mod:`llmsys.engine.tokenizer` runs it through exactly the code it runs a
-directory through (including its transformers fix-ups). Two vocabulary kinds
-are read (``tokenizer.ggml.model``):
-
-``llama``
-    SentencePiece-style BPE with byte fallback (Llama 1/2, Mistral, TinyLlama,
-    stories260k). GGUF stores no merges for it, only a score per piece; the
-    merges are recovered the way the SentencePiece -> HF conversion makes them:
-    every split ``a + b`` of a piece into two pieces is a merge, ranked by the
-    piece's score (higher first). That reproduces the merge list of a
-    converted ``tokenizer.json`` exactly, both for llama.cpp files (scores are
-    SentencePiece's) and for :mod:`llmsys.engine.bench.gguf_export` files
-    (scores are minus the merge rank).
-``gpt2``
-    Byte-level BPE (GPT-2, Llama 3, Qwen2, SmolLM, StarCoder): pieces and merges
-    are stored as they are; what is lost is the pre-tokenizer, which
-    ``tokenizer.ggml.pre`` names. The split regexes below are those of the
-    original tokenizers (see :data:`_PRE_TOKENIZERS`).
-
-The file's header is parsed by ``engine.loader.gguf_header`` (the key/value
-list and the tensor table; no tensor data is read).
+A GGUF has no ``tokenizer.json``, only flattened arrays (pieces, scores, types, merges) and a few keys;
+this rebuilds the ``tokenizer.json``-shaped tokenizer and the ``tokenizer_config.json`` mapping, so
+:mod:`llmsys.engine.tokenizer` runs a ``.gguf`` through exactly the code it runs a directory through.
+``llama`` (SentencePiece BPE, byte fallback) stores no merges: every split ``a + b`` of a piece is a merge
+ranked by the piece's score, which reproduces a converted ``tokenizer.json``'s merges exactly (llama.cpp
+and :mod:`llmsys.engine.bench.gguf_export` files alike). ``gpt2`` (byte-level BPE): pieces and merges as
+stored, the split regex named by ``tokenizer.ggml.pre`` (:data:`_PRE_TOKENIZERS`). The header is parsed
+by ``engine.loader.gguf_header`` (no tensor data read).
 """
 
 from __future__ import annotations

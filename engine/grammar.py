@@ -1,36 +1,13 @@
 """Grammar-constrained decoding: JSON schemas, regexes and Lark grammars through llguidance.
 
-Why llguidance (and not xgrammar, or the hand-written JSON automaton this
-replaces): it needs no torch or compiler at run time (one Rust extension,
-a few MB), computes a token mask in tens of microseconds on a CPU without a
-precompilation step per schema (xgrammar compiles each grammar up front, and
-pulls a torch-versioned build), accepts JSON Schema, regexes, Lark and GBNF
-(via its converter) with one matcher type, and is what llama.cpp and vLLM
-ship for the same job, so its coverage of real schemas is well exercised.
-
-One :class:`GrammarVocab` per model (building the token trie is the costly
-part: about a second for a 150k-token vocabulary); one
-:class:`GrammarConstraint` per request, implementing the engine's
-``TokenConstraint`` (``allowed`` -> a [V] bool mask, ``advance`` after each
-sampled token).
-
-The token budget is part of the contract ("the output parses"): a matcher
-knows which tokens may come next, not how many it takes to finish. So near
-the end of the budget the constraint computes a short way to close the
-document on a copy of the matcher (forced tokens first, then single-character
-closers: a quote, a brace, a bracket, a digit...) and, once that path is
-about as long as the tokens left, allows only its next token. For JSON this
-closes every open string and container in few tokens; a regex or Lark grammar
-the closer cannot finish ends at the budget like any other request.
-
-A format that cannot be honoured is refused before it runs (a 400 through the
-server, never an empty "stop"): the same search, on the fresh matcher, must
-find a way to a complete output within the budget. It tells apart a language
-with no string at all (``start: start``), a shortest output longer than the
-budget (``a{99999999}``, ``minItems: 1e9``) and one the engine cannot run
-within its limits (llguidance's lexer and Earley limits). A matcher that
-errors or allows nothing mid-generation raises, so the engine ends that
-request with finish_reason "error" rather than a normal stop.
+Why llguidance: one Rust extension (no torch or compiler at run time), a CPU token mask with no
+per-schema compile step (xgrammar needs both), JSON Schema / regex / Lark / GBNF in one matcher, and
+what llama.cpp and vLLM ship. One :class:`GrammarVocab` per model (its token trie is the costly part),
+one :class:`GrammarConstraint` per request (the engine's ``TokenConstraint``). The token budget is part
+of the contract: near its end only a shortest way to close the document is allowed (forced tokens, then
+one-character closers). A format that cannot finish within the budget or llguidance's limits is refused
+before it runs (a 400); a matcher that errors or allows nothing mid-run ends the request with
+finish_reason "error". Timings: docs/benchmarks.md.
 """
 
 from __future__ import annotations

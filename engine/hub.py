@@ -1,19 +1,10 @@
-"""Downloads from the Hugging Face Hub: one way for catalog models and any ``org/repo``.
+"""Downloads from the Hugging Face Hub: catalog models and any ``org/repo``, one way.
 
-Why one module: a catalog pull (models.toml names the exact files) and a pull
-of an arbitrary repo (``llmsys pull org/repo@rev``: llmsys picks the files)
-differ only in which files they fetch. Both list the repo first, through the
-Hub API, so a missing repo, a gated licence, a bad revision or a missing file
-is one clear line *before* any byte is written; then
-``huggingface_hub.snapshot_download`` fetches the chosen files (in parallel,
-with its progress bars on a TTY).
-
-Downloads are atomic and resumable: files land in ``.pull-NAME`` next to the
-final directory, which is renamed into place only when every file is
-complete, so a failed pull never leaves a half-populated model directory that
-``llmsys run NAME`` would mistake for a checkpoint; an interrupted pull keeps
-``.pull-NAME`` (hf's partial ``.incomplete`` files inside), and rerunning the
-same command resumes it.
+A catalog pull (models.toml names the files) and ``llmsys pull org/repo@rev`` differ only in which
+files they fetch. Both list the repo through the Hub API first, so a missing repo, gated licence, bad
+revision or missing file is one line before any byte is written; ``huggingface_hub.snapshot_download``
+then fetches. Atomic and resumable: files land in ``.pull-NAME`` beside the target and are renamed into
+place only when complete (never a half directory ``llmsys run`` would take for a model); rerun resumes.
 """
 
 from __future__ import annotations

@@ -1,35 +1,13 @@
-"""Continuous batching with chunked prefill over a paged KV pool.
+"""Continuous batching with chunked prefill over a paged KV pool; the scheduler decides, the runner copies.
 
-Every step the scheduler decides which sequences run and how many of their
-tokens: running decodes first (one token each, so latency stays steady), then
-prompt chunks from waiting requests up to the step's token budget. Requests
-join and leave between steps. When the pool runs out of blocks the newest
-running sequence is preempted, which keeps older requests moving: its blocks
-either move to the swap space (``llmsys.offload.kv_swap``; copied back when it
-is readmitted) or are dropped and its context re-prefilled later (recompute),
-whichever the swap space estimates is cheaper. The scheduler only decides;
-``SchedulerOutput.swap_out``/``swap_in`` tell the runner which blocks to copy.
-
-With a cold KV tier (``llmsys.offload.kv_tier``, ``--kv-offload-tokens``) the
-pool's blocks are the hot ones: when it runs out, full blocks of running
-sequences move to cold ids first (oldest positions first; never the open
-block new tokens go to, a shared block, or a block of a sequence under an
-evicting policy), listed in ``SchedulerOutput.demote``; only when the cold
-tier is full too is anything preempted. New tokens always land in hot
-blocks, so a prompt chunk is capped to what the hot pool can hold.
-
-Offload I/O failures cost speed, not requests (the module docs of
-``offload/kv_swap.py`` and ``offload/kv_tier.py``): a sequence whose swap-out
-could not be written is re-prefilled when readmitted, and once the cold tier
-stopped taking demotions the scheduler preempts instead. A request that can
-then never be admitted (nothing runs and its KV still does not fit the hot
-pool) is finished with reason ``"error"`` and listed in
-``SchedulerOutput.failed`` with a one-line message, instead of waiting forever.
-Blocks that cannot be read back (``KVReadError``, raised from the step) cost
-only their holders: :meth:`Scheduler.drop_unreadable` re-queues them for
-re-prefill. A step that raises for another reason puts its sequences in
-isolation (:meth:`Scheduler.isolate`: one per step until each ran alone), so
-the engine core can end only the request whose step fails alone.
+Each step: running decodes first (one token each, steady latency), then prompt chunks up to the token
+budget. Out of blocks, the newest running sequence is preempted: swapped out (``offload/kv_swap.py``) or
+dropped and re-prefilled, whichever is estimated cheaper (``SchedulerOutput.swap_out``/``swap_in``). With
+a cold KV tier, full blocks of running sequences are demoted first (``SchedulerOutput.demote``; never the
+open block, a shared one or an evicting sequence's) and new tokens always land in hot blocks. Offload
+I/O failures cost speed, not requests; a request that can never fit ends with ``"error"``
+(``SchedulerOutput.failed``); unreadable blocks re-queue their holders (:meth:`Scheduler.drop_unreadable`)
+and a step that raises otherwise isolates its sequences (:meth:`Scheduler.isolate`).
 """
 
 from __future__ import annotations

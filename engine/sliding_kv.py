@@ -1,43 +1,13 @@
 """Sliding-window layers keep only their window of KV: a per-sequence ring of blocks.
 
-A sliding layer (Gemma 2/3's local layers, Phi-3 with a window, gpt-oss's banded layers) attends
-only to keys less than ``window`` positions behind each query, so once a sequence is longer than
-the window, the rest of its KV in those layers is never read again. Here those layers' K/V live
-in a pool of their own (the same :class:`~llmsys.engine.kv_cache.KVPool`, whose ring layers'
-tensors have :attr:`SlidingKVSpec.num_blocks` blocks instead of the block tables' count), and a
-sequence holds at most ``R`` (:attr:`SlidingKVSpec.ring_blocks`) of its blocks, a ring.
-
-Why a ring addressed by a *virtual* block table: logical block ``i`` of a sequence maps to ring
-slot ``i % R``, so the sliding layers' table has the full table's shape and every existing gather
-plan, kernel and window mask runs on it unchanged (``engine/attention.py`` picks that table's
-metadata for a ring layer, in one place). Positions older than the window alias newer data (or
-the scratch block 0), but every path that reads a window masks by position: the windowed gather
-plans (``kernels.windowed``: decode rows gather only the last ``window`` positions; prompt chunks
-AND the band into their mask), and the CUDA reference attention's ``window``. A masked key gets
-probability exactly 0, so the outputs are the bits of the full-KV run.
-
-``R = ceil((window + max chunk) / block_size) + 1``: a step writes up to ``max_num_batched_tokens``
-positions of a sequence (speculative drafts included: they count against the same budget) while
-its first query reads ``window - 1`` positions before them; those span at most ``R`` blocks, so
-no position a step reads is overwritten by the same step. A rejected draft's slot is simply
-written again later.
-
-Blocks come from a second :class:`~llmsys.engine.kv_cache.BlockAllocator` (:class:`RingTables`),
-lazily (a short sequence holds as many ring blocks as full ones, a long one ``R``), freed with
-the sequence. Prefix caching: a ring block that holds a full block's KV is registered under that
-block's prefix key, as the full block is; a registered block is never written again (the ring
-slot gets a fresh block when it wraps, the old one waits in the allocator's cached list), so a
-later prompt that shares the prefix (a chat's next turn) finds both the full layers' blocks and
-the ring blocks of the prefix's last window, which is all its queries read. A hit whose window
-is no longer in the ring pool is shortened to the longest one whose window is.
-
-What keeps full KV per layer (:func:`plan_sliding_kv`, decided once at engine build; ``auto``
-falls back with one log line, ``ring`` refuses with that line): a cold KV tier or an explicit
-swap space (both copy one block id across every layer), a window no context reaches past (the
-ring would save nothing), and engines whose sequences run outside the scheduler (the speculative
-draft model's, perplexity scoring). KV policies other than ``full`` are refused for sliding
-models anyway (``DecoderModel.kv_policy_blocker``). With a ring and the default swap space,
-a preempted sequence recomputes.
+A sliding layer (Gemma 2/3 local, Phi-3 windowed, gpt-oss banded) never reads KV more than ``window``
+positions back, so its K/V live in a ring pool of their own (a :class:`~llmsys.engine.kv_cache.KVPool`
+of :attr:`SlidingKVSpec.num_blocks` blocks) and a sequence holds at most ``R`` (:func:`ring_blocks`).
+Logical block ``i`` maps to ring slot ``i % R``, so the virtual table has the full table's shape and
+every gather plan, kernel and window mask runs unchanged (``engine/attention.py`` picks the table).
+Older positions alias newer data, but every window read masks by position (probability exactly 0), so
+outputs are the bits of the full-KV run. Ring blocks join prefix caching under the full blocks' keys
+(:class:`RingTables`); :func:`plan_sliding_kv` decides at engine build which layers ring.
 """
 
 from __future__ import annotations
@@ -103,7 +73,10 @@ def sliding_layers(args: Any) -> frozenset[int]:
 
 
 def ring_blocks(window: int, max_chunk: int, block_size: int) -> int:
-    """R: the blocks a step's reads and writes of one sequence span at most (module doc)."""
+    """R = ceil((window + max chunk) / block_size) + 1: the blocks a step's writes of a sequence (drafts
+    included) plus the ``window - 1`` positions its first query reads span at most, so no position a
+    step reads is overwritten by that step.
+    """
     return blocks_needed(window + max_chunk, block_size) + 1
 
 
@@ -112,7 +85,11 @@ def plan_sliding_kv(args: Any, config: EngineConfig, max_len: int, say: bool = F
 
     ``config.sliding_kv``: ``full`` never rings; ``auto`` rings unless something below stands in
     the way, then says why in one log line (``say``: the engine build's call; the estimates before
-    it stay quiet); ``ring`` raises that line instead."""
+    it stay quiet); ``ring`` raises that line instead. A cold KV tier or an explicit swap space
+    keeps full KV (both copy one block id across every layer); with a ring and the default swap
+    space a preempted sequence recomputes. Engines that run outside the scheduler (the draft model,
+    perplexity) pass ``sliding_kv="full"``.
+    """
     if config.sliding_kv == "full":
         return None
     layers = sliding_layers(args)
