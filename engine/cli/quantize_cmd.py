@@ -1,20 +1,11 @@
-"""``llmsys quantize MODEL --quant int4 -o DIR``: write a quantized checkpoint.
+"""``llmsys quantize MODEL --quant int4 -o DIR``: write a quantized checkpoint that ``llmsys run DIR`` loads.
 
-The output directory (``model.safetensors`` + ``config.json`` with a
-``quantization_config`` + tokenizer files) loads with ``llmsys run DIR``
-directly: quantized layers are rebuilt from the stored tensors, never
-re-quantized and never expanded to full precision.
-
-``--method rtn`` quantizes while loading (round to nearest, the same as
-``--quant`` on any command, so ``quantize`` -> ``run`` gives the tokens of
-quantizing on the fly). ``--method gptq`` and ``--method awq`` (int4 only)
-load the float model, run calibration sequences through it and quantize layer
-by layer, with GPTQ error compensation or with AWQ activation-aware
-per-input-channel scales (``engine.quantize.awq_calibrate``), then refine the
-result by distilling the float model on the same sequences (``--tune-steps``:
-learned scales, one-step code moves, RMSNorm weights; see
-``engine.quantize.refine_quantized``); calibration text defaults to sequences
-the model generates itself, so it never overlaps an evaluation file.
+The directory (``model.safetensors``, ``config.json`` with ``quantization_config``, tokenizer files)
+is rebuilt from the stored tensors, never re-quantized or expanded. ``--method rtn`` is ``--quant`` at
+load (so ``quantize`` -> ``run`` gives the tokens of quantizing on the fly); ``gptq`` and ``awq`` (int4)
+calibrate layer by layer (``engine.quantize.awq_calibrate``) and then distil from the float model
+(``--tune-steps``, ``engine.quantize.refine_quantized``), by default on text the model generates
+itself, so calibration never overlaps an evaluation file.
 """
 
 from __future__ import annotations

@@ -1,20 +1,12 @@
 """gpt-oss (``GptOssForCausalLM``: openai/gpt-oss-20b, gpt-oss-120b) on the shared decoder.
 
-Attention: q/k/v/o biases, ``head_dim`` (64) apart from the hidden size, attention sinks (one learned
-logit per query head in each softmax's denominator, ``self_attn.sinks``), every other layer a sliding
-window (128; ``layer_types``, the even layers by default as transformers derives them), YaRN RoPE.
-Every layer's MLP is a mixture of ``num_local_experts`` experts: the router is a linear layer with a
-bias whose top ``num_experts_per_tok`` logits are softmaxed (``moe.route``'s ``topk_first``); each
-expert is a clamped SwiGLU (``swiglu_limit``, ``swiglu_alpha``: ``base.clamped_swiglu``) with biases on
-its three projections. Norms are Llama's (transformers keeps their weights in float32; the same in a
-float32 engine).
-
-Checkpoints store the experts fused, ``mlp.experts.gate_up_proj`` ``[E, hidden, 2 I]`` (``x @ W``, gate
-and up interleaved column by column) and ``down_proj`` ``[E, I, hidden]``, in bf16, or as MXFP4 blocks and
-scales (openai's release, ``quantization_config.quant_method`` ``mxfp4``). The loader reads them as the
-engine's per-expert ``[I, hidden]`` / ``[hidden, I]`` matrices (``engine/loader/experts.py``; MXFP4
-dequantized at load by ``quant/mxfp4.py``), so ``--quant`` then applies to experts as to any projection.
-Defaults are transformers' ``GptOssConfig``'s, for a config that leaves a field out.
+Attention: q/k/v/o biases, ``head_dim`` 64, attention sinks (``self_attn.sinks``: a learned logit per
+query head in the softmax denominator), a 128-token sliding window on every other layer (``layer_types``),
+YaRN RoPE. Every MLP is a mixture of experts: a biased router whose top ``num_experts_per_tok`` logits
+are softmaxed (``moe.route``'s ``topk_first``), each expert a clamped SwiGLU with biases
+(``base.clamped_swiglu``). Fused ``gate_up_proj`` ``[E, hidden, 2 I]`` (gate/up interleaved by column) and
+``down_proj`` ``[E, I, hidden]``, bf16 or MXFP4, load as per-expert matrices (``engine/loader/experts.py``,
+``quant/mxfp4.py``), so ``--quant`` applies to them. Missing config fields take ``GptOssConfig``'s defaults.
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """The server's Prometheus metrics, through ``prometheus_client``.
 
-Each :class:`Metrics` owns its :class:`CollectorRegistry` (never the library's
-global one), so two servers in one process (the tests run several) never share
-a count. On it:
-
-- the library's counters and histograms, updated by the HTTP handlers and the
-  engine thread (they take their own locks); their ``_created`` samples are
-  left out, so the exposition keeps the names it always had;
-- a collector of the engine's state (queue, KV blocks, swap, bytes per memory
-  tier, budgets, layer placement): the engine thread replaces an immutable
-  snapshot after each step (:meth:`Metrics.set_gauges`, :meth:`Metrics.set_memory`)
-  and a scrape reads the latest one; the engine core itself is never touched
-  from an HTTP thread;
-- the library's process and platform collectors (``process_*``, ``python_info``).
-
-:func:`parse_metrics` reads the text back with the library's parser.
+Each :class:`Metrics` owns its :class:`CollectorRegistry` (never the global one), so two servers in one
+process never share a count. On it: the library's counters and histograms (updated by the HTTP handlers
+and the engine thread; ``_created`` samples left out so names stay as they were); a collector of the
+engine's state that reads the immutable snapshot the engine thread replaces after each step
+(:meth:`Metrics.set_gauges`, :meth:`Metrics.set_memory`), so no HTTP thread touches the engine core;
+and the process and platform collectors. :func:`parse_metrics` reads the text back.
 """
 
 from __future__ import annotations

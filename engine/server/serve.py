@@ -1,27 +1,12 @@
 """Running the app: the blocking CLI entry and an in-process thread runner.
 
-``serve`` binds the socket first and loads the model on a background thread,
-so ``/health`` answers 503 while weights load. On SIGINT/SIGTERM the engine
-worker refuses new requests and answers the queued ones 503 at once, running
-requests get ``shutdown_timeout_s`` to finish, and then each is ended by the
-worker with a final chunk (``finish_reason`` "abort" and an ``error`` object
-saying why) -- uvicorn's own cancel, which cuts streams mid-body, comes a few
-seconds after that only as a backstop. The lifespan hook then stops the engine
-thread; the process exits 0. uvicorn re-raises the caught signal after a
-graceful stop by default (exit 130 / killed by SIGTERM), which would make a
-clean shutdown look like a crash, so :class:`_Server` does not.
-
-:class:`_Protocol` is uvicorn's h11 protocol with what a public-facing server
-needs: a connection must send its request head within ``head_timeout_s``
-(uvicorn waits forever, so half-sent requests pile up); connections over
-``--max-connections`` or ``--max-connections-per-client`` get a 503 and are
-closed at once, except that a few spare places still answer ``/health``
-(:class:`ConnectionGate`; the default cap sits below the open-file limit, so
-``accept()`` does not run out of descriptors); a bounded
-send buffer, so a client that stops reading is noticed (see ``BoundedStream``);
-and the 400 for a malformed request is OpenAI-shaped JSON, not plain text.
-Should ``accept()`` fail anyway, :class:`AcceptErrorLog` logs one line per
-interval instead of asyncio's traceback per failure.
+``serve`` binds first and loads the model on a thread (``/health`` answers 503 meanwhile). On
+SIGINT/SIGTERM queued requests get 503 at once, running ones ``shutdown_timeout_s`` and then a final
+chunk (``finish_reason`` "abort" with an ``error``; uvicorn's cancel is only a backstop); the process
+exits 0 (:class:`_Server` does not re-raise the signal as uvicorn does). :class:`_Protocol` is uvicorn's
+h11 protocol hardened for a public server: a ``head_timeout_s`` for the request head, connection caps
+with spare ``/health`` places (:class:`ConnectionGate`, below the open-file limit), a bounded send
+buffer (``BoundedStream``) and OpenAI-shaped 400s; :class:`AcceptErrorLog` rate-limits ``accept()`` errors.
 """
 
 from __future__ import annotations

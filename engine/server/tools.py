@@ -1,22 +1,12 @@
-"""Tool calling: how each chat-template family writes a tool call, as a grammar and a parser.
+"""Tool calling: each chat-template family's tool-call format, as a grammar and a parser.
 
-A model is tuned to call tools in its family's own text format; the chat
-template shows which (the markers it renders for earlier calls), so the
-format is detected from the template source, not from the model's name:
-
-* ``hermes`` (Qwen2.5, Qwen3, Hermes, and most templates with ``<tool_call>``):
-  ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, one block per call;
-* ``llama3`` (Llama 3.1 / 3.2 / 3.3 JSON tool calling): ``{"name": ..., "parameters": {...}}``,
-  after ``<|python_tag|>`` when the template uses it, several separated by ``;``;
-* ``mistral``: ``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]``.
-
-``tool_choice: auto`` lets the model write what it likes and parses calls out
-of the text; ``required`` and a named function compile the family's format,
-with each tool's parameter schema, into an llguidance Lark grammar
-(``%json`` embeds a schema), so the output always parses into valid calls.
-Streaming holds text back from the first character a call could start with,
-and emits each call as one ``delta.tool_calls`` entry (id, name, arguments)
-once its text is complete.
+The format is detected from the template source (the markers it renders), not the model's name:
+``hermes`` (``<tool_call>\\n{"name", "arguments"}\\n</tool_call>`` per call; Qwen2.5/3, Hermes),
+``llama3`` (``{"name", "parameters"}``, after ``<|python_tag|>`` if used, ``;``-separated) and
+``mistral`` (``[TOOL_CALLS] [{"name", "arguments"}, ...]``). ``tool_choice: auto`` parses calls out of
+free text; ``required`` or a named function compiles the format, with each tool's schema, into an
+llguidance Lark grammar, so the output always parses. Streaming holds text back from the first
+character a call could start with and emits each complete call as one ``delta.tool_calls`` entry.
 """
 
 from __future__ import annotations
