@@ -1,24 +1,12 @@
 """Triton paged decode attention (split-K flash-decoding).
 
-Decode has one query token per sequence, so a kernel parallel only over
-(sequence, head) leaves most of the GPU idle on long contexts. We split each
-sequence's context into fixed partitions (grid = B x Hk x partitions): every
-program runs an online softmax over its partition and writes an unnormalised
-partial (acc, running max m, running sum l); a second kernel combines the
-partials with the usual log-sum-exp rescaling. Partitions past a sequence's
-length do no work, so sequences of different lengths share one launch.
-
-GQA: one program serves all ``Hq / Hk`` query heads of a KV head, so each K/V
-tile is loaded once per group and the scores are a [heads, tokens] tl.dot
-(heads padded to 16 rows, head_dim padded to >= 16 with masked zeros).
-
-int8 KV (see README): codes [num_blocks, block_size, Hk, D] with one float32
-scale per (block, slot, head). K scales multiply the score columns, V scales
-multiply the probabilities, so codes go into tl.dot unscaled.
-
-When scores are requested the partition kernel also writes the scaled logits
-[B, Hq, max_blocks*block_size]; ``ops.py`` turns them into probabilities with
-the log-sum-exp the reduce kernel returns.
+One query token per sequence leaves a GPU idle on long contexts, so each context is split into fixed
+partitions (grid B x Hk x partitions), each writing an unnormalised partial (acc, max m, sum l) that a
+second kernel combines by log-sum-exp; empty partitions do no work. One program serves a KV head's
+``Hq / Hk`` query heads (scores a [heads, tokens] tl.dot, heads padded to 16, head_dim to >= 16). int8 KV:
+codes [num_blocks, block_size, Hk, D], one float32 scale per (block, slot, head), K scales applied to
+score columns and V scales to probabilities, so codes enter tl.dot unscaled. Requested scores are the
+scaled logits [B, Hq, max_blocks*block_size]; ``ops.py`` normalises them with the returned log-sum-exp.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
-"""Triton weight-only quantized matmuls (int8 and int4 weights, float activations).
+"""Triton weight-only quantized matmuls (int8 and int4 weights, float activations, float32 accumulation).
 
-Why two kernels per format: decode runs with a handful of rows (M <= 8), where
-the matmul is a memory-bound GEMV and tensor cores cannot be used (tl.dot needs
-16 rows), so a GEMV program streams a strip of weight rows, dequantizes in
-registers and reduces with elementwise multiply-sum; one program per (row m,
-N strip), with m the fastest grid axis so the M programs reading the same
-weight strip run together and share it through L2. Prefill (M > 8) uses a
-tiled tl.dot GEMM that dequantizes each [BLOCK_K, BLOCK_N] weight tile to the
-activation dtype before the dot. Accumulation is always float32.
-
-int4 layout (shared with llmsys.quant): qweight uint8 [N, Kp/2], two codes per
-byte, low nibble = even k, high nibble = odd k; Kp = G * group_size;
-w[n, k] = (q - zeros[n, k // gs]) * scales[n, k // gs]. Activations with
-K < Kp are treated as zero-padded (masked loads, no copy).
+Decode (M <= 8) is a memory-bound GEMV where tl.dot (16 rows) cannot help: one program per (row m, N
+strip), m fastest so programs sharing a weight strip meet in L2, dequantizing in registers. Prefill
+(M > 8) is a tiled tl.dot GEMM dequantizing each [BLOCK_K, BLOCK_N] tile to the activation dtype.
+int4 layout (shared with llmsys.quant): qweight uint8 [N, Kp/2], low nibble even k, high nibble odd k,
+Kp = G * group_size, w[n, k] = (q - zeros[n, k // gs]) * scales[n, k // gs]; K < Kp reads as zero-padded.
 """
 
 from __future__ import annotations

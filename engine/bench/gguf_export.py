@@ -1,37 +1,13 @@
-"""GGUF files of a Hugging Face safetensors folder, for the ``--vs llama.cpp`` baseline.
+"""GGUF files of a Hugging Face safetensors folder, so ``--vs llama.cpp`` runs llama.cpp on the same weights.
 
-llama.cpp reads only GGUF, so the baseline needs the *same weights* llmsys
-loads, in llama.cpp's container and tensor names. The float formats (f32,
-f16) are written here with the ``gguf`` package; the quantized ones (q8_0,
-q4_0, q4_K_M) are made from the float file by llama.cpp's own quantizer
-(``llama_cpp.llama_model_quantize``), so the baseline runs llama.cpp's real
-formats, not an imitation of them.
-
-What is exported: the families sharing the Llama tensor layout - ``llama``
-(and SmolLM2, Llama 3.x with its rope scaling) and ``mistral`` as llama.cpp's
-``llama`` architecture, ``qwen2`` (q/k/v biases) as ``qwen2``, ``qwen3`` (q/k norms) as ``qwen3``, ``qwen3_moe`` as ``qwen3moe``
-(each layer's experts stacked into llama.cpp's ``ffn_{gate,up,down}_exps`` tensors). Tied
-embeddings are written once (llama.cpp reuses ``token_embd`` as the head when
-``output`` is absent). Two layout facts matter:
-
-* llama.cpp's ``llama`` architecture rotates *adjacent* pairs of each head
-  (interleaved RoPE), while HF Llama checkpoints are stored for the
-  rotate-half convention; so each head's q/k rows (and biases) are reordered
-  here from ``[x_0..x_{d/2-1}, y_0..y_{d/2-1}]`` to ``[x_0, y_0, x_1, y_1, ...]``
-  (:func:`hf_to_interleaved`). ``qwen2`` uses NEOX (rotate-half) RoPE in
-  llama.cpp, so its rows are written as they are.
-* A vocabulary must be present for llama.cpp to load a model. A
-  SentencePiece-style BPE ``tokenizer.json`` (byte fallback, ``▁`` prefix,
-  e.g. stories260k, Llama 2) is written as the real "llama" (SPM) vocabulary:
-  its pieces, scores from the merge ranks, byte / control types. Anything else
-  gets a "llama" vocabulary of placeholder pieces ``<tok_N>`` of the model's
-  size, with bos/eos/unk ids from config.json: benchmarks feed token ids,
-  never text, so only the size and the special ids matter there.
-
-Files are cached under ``$LLMSYS_HOME/gguf/<folder>-<key>/<format>.gguf``, the
-key hashing the folder's path, config.json, tokenizer.json and each safetensors
-file's name, size and mtime, so repeated benches reuse them and a changed checkpoint gets
-new ones.
+f32/f16 are written here with the ``gguf`` package; q8_0, q4_0 and q4_K_M come from that file through
+llama.cpp's own quantizer (``llama_cpp.llama_model_quantize``), so the baseline runs its real formats.
+Exported: ``llama`` (SmolLM2, Llama 3.x) and ``mistral`` as ``llama``, ``qwen2``, ``qwen3``, ``qwen3_moe``
+as ``qwen3moe`` (experts stacked into ``ffn_{gate,up,down}_exps``); tied embeddings once. llama.cpp's
+``llama`` rotates adjacent pairs, so q/k rows are reordered from rotate-half (:func:`hf_to_interleaved`;
+``qwen2`` stays NEOX). A SentencePiece-style ``tokenizer.json`` becomes a real SPM vocabulary; any other
+gets ``<tok_N>`` placeholders (benches feed ids). Cached under ``$LLMSYS_HOME/gguf/<folder>-<key>/``,
+the key hashing the folder's path, config, tokenizer and each shard's name, size and mtime.
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """The llama.cpp baseline (``--vs llama.cpp``): llama.cpp's CPU eval of the same weights.
 
-The row's checkpoint is exported to GGUF (:mod:`llmsys.engine.bench.gguf_export`,
-cached) in the format of the same bit width as the row's weights - float32
--> f32, bfloat16 / float16 -> f16, ``--quant int8`` -> q8_0, ``--quant int4``
--> q4_0 - or the one named as ``--vs llama.cpp:FORMAT`` (f32, f16, q8_0,
-q4_0, q4_K_M). llama-cpp-python's ``Llama`` then runs the tests the way
-:class:`~llmsys.engine.bench.baseline.HFBaseline` does: the KV cleared, a
-timed prompt eval of random ids (same generator, same ``_random_ids``), then
-``n_gen`` timed one-token evals, the greedy argmax of the last logits taken
-outside the timer. The threads are the row's (``torch.get_num_threads()``,
-for prompt and decode alike); nothing is offloaded to a GPU (``n_gpu_layers=0``).
-The timed calls include llama-cpp-python's thin per-call Python layer (tens of
-microseconds), as ours include our scheduler step.
-
-One sequence only: llama.cpp's parallel sequences would need the low-level
-batch API, so a row with ``-b`` above 1 carries an error instead.
+The row's checkpoint is exported to GGUF (:mod:`llmsys.engine.bench.gguf_export`, cached) at the row's
+bit width (float32 -> f32, bf16/f16 -> f16, int8 -> q8_0, int4 -> q4_0) or as ``--vs llama.cpp:FORMAT``.
+llama-cpp-python's ``Llama`` then runs what :class:`~llmsys.engine.bench.baseline.HFBaseline` runs: KV
+cleared, a timed prompt eval of the same random ids, ``n_gen`` timed one-token evals (argmax outside the
+timer), the row's threads, ``n_gpu_layers=0``; its thin per-call Python layer is timed, as our scheduler
+step is. One sequence only (parallel ones need the low-level batch API): a row with ``-b`` > 1 errors.
 """
 
 from __future__ import annotations

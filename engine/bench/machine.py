@@ -1,17 +1,10 @@
 """What machine a benchmark ran on, and its measured physical limits.
 
-A tok/s figure means little without the hardware next to it, and decode speed
-is bounded by how fast weights can be streamed: from RAM (or GPU memory), over
-PCIe (host -> device) or from disk when weights are offloaded. Those
-bandwidths are *measured* by the one machine probe, ``llmsys.offload.bandwidth``
-(once per machine, cached in ``$LLMSYS_HOME/machine.json``: the record
-``llmsys plan`` and the offload planner read too), so every bench row can show
-a ``%roof`` column and bench and plan show the same figures.
-
-Public API::
-
-    measure_bandwidths(cache=True, probe_dir=None) -> Bandwidths   (llmsys.offload.bandwidth's)
-    machine_info(cache=True, probe_dir=None) -> MachineInfo
+Decode speed is bounded by how fast weights stream (RAM or GPU memory, PCIe, disk), so every bench
+row carries a ``%roof`` column from the bandwidths the one machine probe measures
+(``llmsys.offload.bandwidth``, cached per machine in ``$LLMSYS_HOME/machine.json``, which ``llmsys plan``
+and the offload planner read too). API: ``measure_bandwidths(cache=True, probe_dir=None) -> Bandwidths``,
+``machine_info(cache=True, probe_dir=None) -> MachineInfo``.
 """
 
 from __future__ import annotations

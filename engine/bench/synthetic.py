@@ -1,18 +1,11 @@
 """Random-weight checkpoints of standard shapes, so a bare machine can be benchmarked.
 
-Speed depends on the shape and dtype, not on what the weights say, so
-``llmsys bench --synthetic llama-8b`` measures an 8B model with nothing
-downloaded. The skeleton is our own decoder on the meta device (it costs no
-memory and names every tensor exactly as a Hugging Face checkpoint does);
-each tensor is drawn from a seeded generator and written to safetensors
-shards, together with the shape's config.json and a word-level tokenizer of
-the same vocabulary size. Writing a real checkpoint (instead of filling an
-in-memory model) keeps every engine path honest: quantization and offload
-load it like any download, and the transformers baseline reads the *same*
-weights from the same folder.
-
-The folder is cached under ``$LLMSYS_HOME/synthetic/<name>-seed<seed>``; the
-same name and seed always give the same bytes.
+Speed depends on shape and dtype, not on the weights, so ``llmsys bench --synthetic llama-8b`` needs no
+download. Our decoder on the meta device names every tensor as an HF checkpoint does; each is drawn from
+a seeded generator into safetensors shards with the shape's config.json and a word-level tokenizer of
+the same vocabulary size. A real folder (not an in-memory model) keeps quantization, offload and the
+transformers baseline on their ordinary load path. Cached under ``$LLMSYS_HOME/synthetic/<name>-seed<seed>``;
+the same name and seed give the same bytes.
 """
 
 from __future__ import annotations
