@@ -1,41 +1,13 @@
-"""The one machine probe: RAM, disk, host-GPU speeds, measured once and cached in one place.
+"""The one machine probe: RAM, disk and host-GPU speeds, measured once per machine and cached in one place.
 
-Why measure: the best placement flips with the numbers (a layer in CPU RAM
-computed on the CPU beats streaming it to the GPU only while the CPU's memory
-bandwidth beats PCIe; disk streaming is only worth planning around with the
-disk's real read speed), and a bench's tok/s means little without the roof
-next to it. Each probe takes well under a second and runs once per machine.
-
-:class:`Bandwidths` is the one type for measured machine speeds and
-:func:`measure_bandwidths` the one measurement: the planner's cost model,
-``llmsys plan`` and ``llmsys bench`` (``engine.bench.machine``) all read the
-same record in ``$LLMSYS_HOME/machine.json``, so one machine shows one set of
-figures everywhere; ``--remeasure`` (bench and plan) replaces it for all.
-
-Why two commands used to disagree, and what keeps them together now:
-
-- the RAM probe ran on however many torch threads the calling process had set
-  (``llmsys run -t 1`` plans, hence probes, after applying ``-t``), so the first
-  caller's thread count fixed the figure; it now always runs on
-  :meth:`ProbeSettings.thread_count` threads (default: one per physical core)
-  and the record says how many;
-- the disk figure was measured wherever the first caller pointed (an
-  ``--offload-dir`` or ``$LLMSYS_HOME``) and the record did not say where; the
-  record now keeps one disk figure per filesystem (mount point) with the folder
-  it was measured in, and a folder on another filesystem gets its own probe;
-- the scratch file was all ones, which a compressing filesystem stores (and
-  reads back) in a fraction of its size; it is random bytes now, and a
-  filesystem that lives in RAM (tmpfs) is flagged ``disk_cached``.
-
-The disk probe never stops a start: its file is sized to a quarter of the
-folder's free space (``shutil.disk_usage``); with too little free, or a write
-that fails anyway, it prints one notice naming the folder and ``--offload-dir``
-and assumes :data:`ASSUMED_DISK_GBPS` (not cached: a later start with room
-measures). Its scratch file is unlinked as soon as it is open, so a run
-killed mid-probe leaves nothing behind; the ``.llmsys_bw_*`` files earlier
-versions could leave (or a run killed in the instant before the unlink) are
-removed at the next start once their process is gone (the PID in the name)
-or, without a PID, once they are older than :data:`STALE_PROBE_S`.
+The best placement flips with these numbers and a tok/s means little without its roof, so
+:func:`measure_bandwidths` fills one :class:`Bandwidths` record in ``$LLMSYS_HOME/machine.json`` that the
+planner, ``llmsys plan`` and ``llmsys bench`` all read (``--remeasure`` replaces it). The RAM probe runs on
+:meth:`ProbeSettings.thread_count` threads, not the caller's; disk figures are kept per filesystem with
+their folder, read from random bytes (no compressing-filesystem flattery), tmpfs flagged ``disk_cached``.
+The disk probe never stops a start: sized to a quarter of the free space, else one notice and
+:data:`ASSUMED_DISK_GBPS` (not cached); its file is unlinked once open, and stale ``.llmsys_bw_*`` files
+are removed (dead PID, else older than :data:`STALE_PROBE_S`).
 """
 
 from __future__ import annotations

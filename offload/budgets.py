@@ -1,17 +1,10 @@
 """Memory budgets per tier: GPU memory, CPU RAM, disk (the offload folder).
 
-A budget is what llmsys may allocate for weights, the KV pool, staging
-buffers and activations on that tier. The interpreter and the libraries it
-loads (python + torch: ~0.2 GiB of RSS) are the stated overhead on top and are
-not part of ``--cpu-mem``. Unset budgets default to what the machine has free
-now minus a safety margin, so the default plan never asks for memory that is
-not there.
-
-Sizes the user states (``--kv-cache-tokens``, ``--kv-offload-tokens``,
-``--swap-space``) are checked against what their tier has free at start-up,
-before anything is allocated (:func:`check_room`): a KV tier or swap file
-larger than its disk, or staging buffers larger than the RAM, would otherwise
-fail only mid-run (a write hitting a full disk) or as an allocator traceback.
+A budget is what llmsys may allocate on a tier for weights, the KV pool, staging buffers and
+activations; the interpreter and its libraries (python + torch RSS) are overhead on top, not part of
+``--cpu-mem``. Unset budgets are what is free now minus a margin. Stated sizes (``--kv-cache-tokens``,
+``--kv-offload-tokens``, ``--swap-space``) are checked against their tier's free space before anything
+is allocated (:func:`check_room`), so they fail at start-up in one line, not mid-run.
 """
 
 from __future__ import annotations

@@ -1,31 +1,14 @@
-"""Experts of sparse (MoE) layers kept off the layer's device: on disk, read on demand into a RAM cache, or
+"""Experts of sparse (MoE) layers off the layer's device: on disk, read on demand into a RAM cache, or
 resident in CPU RAM beside a GPU layer (``--cpu-moe``).
 
-Why on demand: a token of an MoE model uses ``k`` of ``E`` experts per layer (Qwen3-30B-A3B: 8 of 128),
-so streaming a sparse layer whole reads ``E / k`` times the bytes the step computes. The non-expert
-weights (attention, norms, router, shared expert) stay resident; the router runs first, and only the
-experts its tokens chose are read (:class:`DiskExperts`), with ``preadv`` into fixed slots of an
-:class:`ExpertCache` (no mmap: pages read do not stay resident, the read pages are dropped from the page
-cache, so RSS is the budget's resident weights plus the cache's slots).
-
-Why frequency-based (``"lfu"``, the default) and not LRU: a decode step sweeps every sparse layer in
-order, so an expert used at one step is reused at the earliest one step later, after a whole step's
-``layers x k`` other experts. Once that exceeds the cache, LRU has evicted it every time (a loop larger
-than the cache: 0 hits where LFU got 24%, tests/test_moe.py's tiny model at a fifth of its experts
-cached). Evicting the expert routed to least often so far keeps a stable set: with uniform routing about
-``capacity / expert bytes`` of uses hit (the planner's estimate, ``offload.plan.ExpertPlan``), with a
-skewed router the popular experts stay. Measured (docs/benchmarks.md, script ``moe``: 6 Qwen3-30B-A3B
-layers, a 25% cache): uniform routing 23.2% LFU vs 23.0% LRU, a Zipf-like router 69% vs 53%; LRU wins
-where popularity drifts (98% vs 89% when the greedy phase counted other experts than the sampled one
-uses). So the counts age: every ``AGE_USES_PER_SLOT`` routing uses per cache slot they are all halved,
-so an expert popular long ago yields its slot to one popular now within about that many uses, while a
-stable popularity keeps its order (halving every count keeps their ranks up to rounding).
-``placement={"expert_policy": "lru"}`` picks LRU.
-
-Overlap: the experts already cached run first while reader threads read the missing ones, up to
-``READ_DEPTH`` at a time, each into its own slot; each read overlaps the compute of the experts before
-it. The order experts run in does not change any bit: each ``(token, slot)`` row is written once and a
-token's rows are summed in slot order (``engine/models/moe.py``).
+A token uses ``k`` of ``E`` experts a layer, so streaming a layer whole reads ``E / k`` times what it
+computes: the router runs first and :class:`DiskExperts` reads only the chosen experts with ``preadv``
+into :class:`ExpertCache` slots (no mmap, read pages dropped: RSS is the resident weights plus the slots).
+Eviction is LFU by default: a decode step sweeps every layer, so LRU evicts everything once a step's
+experts exceed the cache; counts halve every ``AGE_USES_PER_SLOT`` uses per slot, so drifting popularity
+wins slots back (``placement={"expert_policy": "lru"}`` picks LRU; hit rates: docs/benchmarks.md, ``moe``).
+Cached experts run while up to ``READ_DEPTH`` reads fetch the rest; the order changes no bit (each
+``(token, slot)`` row is written once and summed in slot order: ``engine/models/moe.py``).
 """
 
 from __future__ import annotations

@@ -1,40 +1,13 @@
-"""Swap space for preempted sequences: move their KV blocks out, not away.
+"""Swap space for preempted sequences: their KV blocks move out, not away.
 
-When the paged pool runs out of blocks the scheduler preempts the newest
-sequence. Without swap space its blocks are simply freed and its whole
-context is re-prefilled later (recompute). With swap space the blocks are
-copied to a slower tier first -- pinned CPU RAM when the pool lives on a GPU,
-a file in the offload folder when the pool lives in CPU RAM -- and copied back
-into fresh blocks when the sequence is readmitted, so none of its tokens are
-computed twice.
-
-Which is cheaper depends on the machine and the context length: swapping
-costs ``2 x bytes / bandwidth`` (out and back in), recomputing costs a prefill
-of every cached token. :class:`KVSwapSpace` keeps both estimates from what
-it measures (its own copy speed, and the engine's prefill time per token fed
-back by the core) and :meth:`KVSwapSpace.prefer_swap` compares them.
-
-The scheduler only decides (``SchedulerOutput.swap_out`` / ``swap_in`` block
-pairs); the runner moves the bytes before the step's forward pass, swap-outs
-first, so a block freed by a swap-out can be refilled in the same step.
-
-A swap-out whose write fails (the offload folder's disk filled up) loses
-nothing that cannot be rebuilt: the blocks it could not write are marked lost
-(:meth:`KVSwapSpace.lost`), the scheduler re-prefills their sequence instead
-of copying them back (recompute, the same tokens), and the swap space takes no
-more swap-outs (:attr:`KVSwapSpace.write_error`) until it recovers: every
-later preemption recomputes. It retries after a backoff
-(``llmsys.offload.recovery``: 1 s doubling to 60 s; the engine core calls
-:meth:`KVSwapSpace.retry` before a step) with one probe block written past
-the file's end; when that goes through it swaps again. One full disk costs
-speed for a while, never a request; the fallback is logged once per episode.
-
-A swap-in whose read fails (an I/O error, a short read) is the same loss found
-later: the blocks that were read are copied in, then :meth:`KVSwapSpace.copy_in`
-raises :class:`~llmsys.kernels.common.errors.KVReadError` naming the pool
-blocks left without their data; the engine re-prefills the sequences holding
-them (``Scheduler.drop_unreadable``) and the swap space takes no more
-swap-outs (:attr:`KVSwapSpace.read_error`) until a retry brings it back.
+Without it a preempted sequence's blocks are freed and its context re-prefilled; with it they are copied
+to pinned CPU RAM (GPU pool) or a file in the offload folder (CPU pool) and back into fresh blocks on
+readmission. :meth:`KVSwapSpace.prefer_swap` picks the cheaper from measured figures (``2 x bytes /
+bandwidth`` vs a prefill of every cached token). The scheduler decides (``swap_out``/``swap_in``); the
+runner copies before the forward, swap-outs first. A failed write marks its blocks lost
+(:meth:`KVSwapSpace.lost`: the sequence recomputes); a failed read copies what it can and raises
+``KVReadError`` (``Scheduler.drop_unreadable``). Either way swap-outs stop (``write_error`` /
+``read_error``, logged once) until :meth:`KVSwapSpace.retry` (``offload.recovery``) succeeds.
 """
 
 from __future__ import annotations

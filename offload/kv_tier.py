@@ -1,62 +1,15 @@
-"""Live KV offload: a cold tier for the KV blocks of running sequences.
+"""Live KV offload (``--kv-offload-tokens N``): a cold tier for the KV blocks of running sequences.
 
-The paged pool (``engine/kv_cache.py``) holds the *hot* blocks. With
-``--kv-offload-tokens N`` the engine also has ``C = ceil(N / block_size)``
-*cold* blocks, with ids ``first .. first + C - 1`` (``first`` = the pool's
-block count) in the same block tables. When the scheduler needs hot blocks and
-none are free it demotes full hot blocks of running sequences (oldest
-positions first) to cold ids before it preempts anything; the runner copies
-them here (every layer) before the forward pass. New tokens are always written
-to hot blocks, so a cold block is written once and then only read.
-
-Where cold blocks live: for a pool in CPU RAM, one file in the offload folder
-(sparse, unlinked right after it is created, like the swap space's file), laid
-out ``[layer][K|V][cold block][block_size, Hk, D]`` so one layer's run of
-consecutive cold blocks is two ``preadv`` (its keys, its values); for a pool
-on a GPU, pinned CPU RAM ``[layer, 2, C, block_size, Hk, D]``.
-
-Attention reads cold blocks one layer ahead: :meth:`KVTier.cold_blocks` fixes
-a step's cold ids (sorted; staged block ``j`` holds ``ids[j]``) and
-:meth:`KVTier.begin_step` starts reading layer 0 into one of two preallocated
-staging buffers ``[2, C, block_size, Hk, D]`` on the pool's device (keys of
-staged block ``j`` at rows ``j * block_size ..`` of the first half, values of
-the second, so a sequence's cold blocks demoted in order are one run of rows
-the gather copies with one slice). When layer
-``i``'s attention asks for its rows (:meth:`KVTier.rows`, called by the gather
-plan, ``kernels.cpu_attention.gather_rows``) it waits for layer ``i`` and
-starts layer ``i + 1`` into the other buffer, so the read overlaps layer
-``i``'s compute (``preadv`` releases the GIL; on a GPU the copy runs on a side
-stream). A layer's read under ``INLINE_READ_BYTES`` is done inline when asked
-for: the hand-off to the thread and back costs more than such a copy. The gather takes pool rows for hot positions and copies the staged
-rows over the cold ones: attention gets exactly the K/V an all-hot pool holds.
-Quest decode reads only the pages it selects (:meth:`KVTier.read`,
-synchronous, since the selection needs the layer's query).
-
-The staging buffers are sized for every cold block at once (a step may attend
-over all of them): ``2 / num_layers`` of the cold tier's bytes, allocated
-once (untouched pages cost nothing until a step reads that many blocks).
-
-A demotion whose write fails (the offload folder's disk filled up) must not
-cost the sequences their KV: the scheduler has already given their hot blocks
-to others, but the data is still in the pool when the runner copies, so the
-blocks of that demotion are kept in RAM instead (``_spill``, one step's
-demotions at most) and reads take them from there. The tier then takes no
-more demotions (:attr:`KVTier.accepts_demotions`) until it recovers: the
-scheduler preempts (recompute) instead, and fails with a clean error only a
-request whose KV no longer fits the hot pool alone. The tier retries after a
-backoff (``llmsys.offload.recovery``: 1 s doubling to 60 s; the engine core
-calls :meth:`KVTier.retry` before a step): the retry writes the blocks kept in
-RAM to the file (or, with none, one probe block past the file's end) and, when
-that goes through, takes demotions again. A disk freed while the server runs
-serves requests that need the tier again, without a restart.
-
-A read that fails (an I/O error, a short read) loses the blocks of that run:
-the read raises :class:`~llmsys.kernels.common.errors.KVReadError` with their
-cold ids, the step is dropped, the engine re-prefills only the sequences
-holding them (``Scheduler.drop_unreadable``), and the tier takes no more
-demotions, as after a failed write: a disk that fails reads would otherwise
-make the same sequence demote, fail and recompute forever (it retries as
-after a failed write, so a sequence fails at most once per backoff).
+The pool's blocks are hot; ``C = ceil(N / block_size)`` cold ids ``first .. first + C - 1`` (``first`` =
+the pool's block count) share the block tables. Out of hot blocks, the scheduler demotes full hot blocks
+(oldest first) before preempting and the runner copies them here; new tokens always land hot, so a cold
+block is written once. Cold blocks live in an unlinked sparse file, ``[layer][K|V][cold block][block_size,
+Hk, D]`` (a run is two ``preadv``), or in pinned RAM for a GPU pool. A step's cold blocks are read one
+layer ahead into two staging buffers (:meth:`KVTier.rows`; under ``INLINE_READ_BYTES`` inline) and the
+gather copies them over the cold positions: attention gets exactly an all-hot pool's K/V. A failed write
+keeps its blocks in RAM (``_spill``); a failed read raises ``KVReadError`` and only their holders
+re-prefill. Either way demotions stop (:attr:`KVTier.accepts_demotions`: the scheduler preempts) until
+:meth:`KVTier.retry` succeeds (``offload.recovery``), so a freed disk serves again without a restart.
 """
 
 from __future__ import annotations
@@ -185,7 +138,9 @@ class KVTier:
         return self.num_cold * self.block_bytes
 
     def staging_bytes(self) -> int:
-        """Staging buffers, plus blocks kept in RAM after a failed write."""
+        """Staging buffers (every cold block, two layers' worth: ``2 / num_layers`` of the tier, allocated once,
+        untouched pages free), plus blocks kept in RAM after a failed write.
+        """
         spill = sum(t.numel() * t.element_size() for t in self._spill.values())
         return sum(b.numel() * b.element_size() for b in self._stage + self._bounce) + spill
 

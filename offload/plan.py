@@ -1,36 +1,13 @@
 """The placement planner: where each layer lives and where it is computed.
 
-Placement kinds (``Placement.kind``):
-
-- ``gpu``: resident in GPU memory, computed there.
-- ``cpu``: resident in CPU RAM and computed by the CPU (llama.cpp ``-ngl``
-  style; on a CPU-only machine every resident layer is this).
-- ``cpu->gpu``: resident in CPU RAM (pinned), copied to the GPU every step
-  (FlexGen / Accelerate style).
-- ``disk``: on disk, read every step by a reader thread into a ring of
-  preallocated buffers (then computed on the CPU, or copied on to the GPU).
-
-Experts (sparse MoE layers): a layer's routed experts may live apart from the
-rest of it (``Placement.experts``): ``disk`` (read on demand, only the experts
-a step's tokens chose, into a RAM cache sized by the budget left after every
-other weight: :class:`ExpertPlan`, ``offload/experts.py``) or ``cpu``
-(``--cpu-moe``: resident in CPU RAM and computed there beside a GPU layer). A
-token computes ``k / E`` of a sparse layer's expert bytes, so compute costs
-count those (:meth:`UnitShape.compute_bytes`), and streaming a sparse layer whole
-reads ``E / k`` times what it computes: the planner weighs that against
-experts on disk with a cache.
-
-Cost model. With prefetch the resources work in parallel: the disk reads
-layer i+1 while the host-to-device link copies layer i and the compute device
-runs layer i-1. Compute is sequential across layers (each needs the previous
-output), so one decode step takes about
-``max(sum(compute), sum(disk reads), sum(h2d copies))``; the argmax is the
-*bound* resource. Compute of a layer is ``max(bytes / memory bandwidth,
-flops / peak)`` on its device. The planner enumerates how many layers go to
-each kind (layers of a model are the same size, so counts are enough), picks
-the fastest plan that fits every budget, and spreads the kinds evenly over
-the layer indices so resident layers' compute overlaps the reads of the
-streamed ones.
+``Placement.kind``: ``gpu`` (resident, computed there), ``cpu`` (in RAM, computed by the CPU; every
+resident layer on a CPU-only machine), ``cpu->gpu`` (pinned RAM, copied to the GPU every step), ``disk``
+(read every step into a ring of buffers). A sparse layer's experts may live apart (``Placement.experts``:
+``disk`` with a RAM cache, :class:`ExpertPlan`; ``cpu`` for ``--cpu-moe``); a token computes ``k / E`` of
+their bytes (:meth:`UnitShape.compute_bytes`). With prefetch a step takes about ``max(sum(compute),
+sum(disk reads), sum(h2d copies))``, a layer's compute ``max(bytes / memory bandwidth, flops / peak)``.
+The planner counts layers per kind, picks the fastest plan within every budget, and spreads the kinds
+evenly so resident layers' compute overlaps the streamed ones' reads.
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
 """Offload I/O that failed comes back: a retry schedule, one log line per episode, and what ``/health`` says.
 
-A full offload disk used to switch the KV cold tier or the swap space off for
-the life of the process: once the disk was freed, requests that needed the
-tier still failed while ``/health`` said all was well. :class:`Recovery` is
-the shared state of such a part: after a failure it is *off* (the engine
-falls back: preempt and recompute instead of demote or swap), and it retries
-after a backoff (``RetryPolicy``: 1 s, doubling to 60 s) with a small probe
-write (the owner's ``retry``, run by the engine core before a step); a probe
-that succeeds turns it back on. While it is off, :meth:`Recovery.describe` is
-the line ``/health`` lists under ``degraded``.
-
-Logging: the first failure of each kind (``write`` / ``read``) in an episode
-is one warning naming the file, the flag and the fallback; later failures of
-the episode (every retry that fails, every preemption that recomputes) are
-not logged again, and the end of the episode is one info line. An episode
-ends at the first probe that succeeds.
-
-The clock is injectable (tests drive the backoff without sleeping).
+A :class:`Recovery` is the shared state of a KV cold tier or swap space: after a failure it is off (the
+engine preempts and recomputes instead) and retries after a backoff (``RetryPolicy``: 1 s doubling to
+60 s) with a small probe write (the owner's ``retry``, run before a step); success turns it on again, so
+a freed disk serves again without a restart. While off, :meth:`Recovery.describe` is ``/health``'s
+``degraded`` line. An episode logs one warning per kind (``write``/``read``) and one info line at its
+end. The clock is injectable (tests drive the backoff without sleeping).
 """
 
 from __future__ import annotations

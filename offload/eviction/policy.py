@@ -1,27 +1,15 @@
 """KV eviction policies: what to keep when a sequence's KV exceeds its budget.
 
-A policy is pure decision logic over one sequence's *cache bookkeeping*: the
-original stream position of every cached token (``orig [L]``), optionally its
-accumulated attention mass (``score [L]``, H2O) or the attention rows of the
-last few queries (``obs [W, L]``, SnapKV). It returns the sorted cache indices
-to keep; the mechanics (moving K/V, re-rotating keys, freeing blocks) live in
-:mod:`llmsys.offload.eviction.compact` so every policy shares one tested path.
+A policy decides over one sequence's bookkeeping (``orig [L]`` stream positions; ``score [L]`` for H2O,
+``obs [W, L]`` for SnapKV) and returns the sorted cache indices to keep; moving K/V, re-rotating keys and
+freeing blocks is :mod:`llmsys.offload.eviction.compact`, one path for all. Syntax (``--kv-policy``,
+``LLM(kv_policy=)``, ``SamplingParams(kv_policy=)``, the server's ``kv_policy``):
 
-Text syntax (``--kv-policy``, ``LLM(kv_policy=...)``, per request
-``SamplingParams(kv_policy=...)`` and the server's ``kv_policy`` field):
-
-* ``full``                        no eviction (context full -> finish "length")
-* ``window:N``                    the last N tokens
-* ``sink:S,window:N``             S attention sinks + the last N (StreamingLLM)
-* ``h2o:H,recent:R``              H heavy hitters + the R most recent (H2O)
-* ``snapkv:N[,obs:W][,pool:P]``   prompt compressed to N at the end of prefill
-* ``quest:K``                     keep every page, attend over the top-K pages
-* ``recompute:N``                 scoring oracle (``llmsys perplexity --stream`` only)
-
-Any policy also takes ``chunk:C`` (evict C tokens at once so compaction is
-amortised; default: the block size in the engine, 1 in stream scoring).
-Budgets are token counts, or byte sizes (``window:64KiB``) turned into tokens
-with the model's KV bytes per token (:meth:`KVPolicy.resolve`).
+* ``full`` (no eviction: a full context finishes "length"), ``window:N``, ``sink:S,window:N`` (StreamingLLM)
+* ``h2o:H,recent:R``, ``snapkv:N[,obs:W][,pool:P]`` (the prompt compressed to N at the end of prefill)
+* ``quest:K`` (every page kept, attention over the top-K pages), ``recompute:N`` (``perplexity --stream`` only)
+* any + ``chunk:C``: evict C at once (default the block size; 1 in stream scoring). Budgets are tokens
+  or bytes (``window:64KiB``, :meth:`KVPolicy.resolve`).
 """
 
 from __future__ import annotations

@@ -1,30 +1,13 @@
 """Applying :class:`KVPolicy` objects to running sequences.
 
-Each sequence carries its own policy (``SeqKVState.policy``): the engine's
-``--kv-policy`` is only the default, and a request may choose another
-(``SamplingParams.kv_policy``), so sequences under ``full``, ``sink`` and
-``h2o`` run in one batch. A :class:`PolicyRuntime` is the engine-wide part:
-the pool, the model's RoPE table, Quest's page summaries (Quest selects pages
-for every sequence of a batch, so it is an engine-wide choice only), and
-:meth:`PolicyRuntime.resolve`, which checks a request's policy against this
-engine. The engine calls three hooks; a sequence without state (``full``)
-costs no per-token work:
-
-* ``before_step(seq, n)`` from the scheduler, before it grows the block
-  table: caps a prefill chunk and evicts so ``cache_len + n`` fits the budget
-  (freed blocks go back to the allocator at once);
-* ``score_from(scheduled)`` from the runner: which sequences' attention rows
-  the step's metadata asks the engine's ``ScoringBackend`` for (H2O, SnapKV:
-  only those sequences' rows; the others attend as they would alone); Quest's
-  page selection is the engine's ``QuestBackend``, built with :attr:`quest`;
-* ``after_forward(chunks, meta)`` from the scheduler once the step ran: appends the new tokens
-  to each sequence's bookkeeping, folds in the scores, and compresses a
-  SnapKV prompt at the end of its prefill.
-
-A sequence's tokens live at cache indices ``0..cache_len-1`` (compact), and
-the runner gives new tokens the positions ``cache_len..``: positions are
-indices within the cache (StreamingLLM), so generation continues far past the
-trained context.
+Each sequence carries its own policy (``SeqKVState.policy``; ``--kv-policy`` is only the default), so
+``full``, ``sink`` and ``h2o`` sequences share a batch. :class:`PolicyRuntime` is the engine-wide part
+(pool, RoPE table, Quest's page summaries; :meth:`PolicyRuntime.resolve` checks a request's policy).
+Hooks: ``before_step(seq, n)`` (scheduler: caps a chunk, evicts so ``cache_len + n`` fits),
+``score_from(scheduled)`` (runner: whose attention rows the ``ScoringBackend`` returns) and
+``after_forward(chunks, meta)`` (bookkeeping, scores, SnapKV compression); ``full`` costs nothing per
+token. Tokens sit at compact cache indices ``0..cache_len-1`` and positions are those indices
+(StreamingLLM), so generation runs past the trained context.
 """
 
 from __future__ import annotations
