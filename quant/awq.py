@@ -1,27 +1,13 @@
-"""AWQ calibration for int4 weights: activation-aware per-input-channel scaling.
+"""AWQ calibration for int4 weights: activation-aware per-input-channel scaling (Lin et al., 2023).
 
-AWQ (Lin et al., 2023) observes that the few input channels carrying large
-activations matter most: scaling column k of ``W [N, K]`` up by ``s_k`` before
-round-to-nearest (and the input down by ``1/s_k``) gives that column a finer
-grid relative to its values, at the cost of the other columns of its group.
-The scale is searched per layer group (the linears that read one input) over
-``s = mean|x|^alpha`` for ``alpha`` in a grid, normalized so
-``sqrt(max(s) * min(s)) = 1``; the ``alpha`` kept is the one that minimizes the
-group's output error ``sum_i ||X W_i^T - (X / s) Q(W_i s)^T||^2`` on
-calibration inputs. ``alpha = 0`` is plain round-to-nearest, so the search
-never loses to RTN on that measure. Then (AWQ's second step) each group of
-each row may clip its range to a fraction of [min, max] where that lowers the
-output error (``clip``).
-
-The output error of a weight error ``D [N, K]`` is computed from the inputs'
-second-moment matrix ``H = X^T X / n`` as ``sum((D @ H) * D)``: exact over every
-calibration token, and independent of how many there are.
-
-The ``1/s`` goes into the operation that produces the input (an RMSNorm weight,
-or the output rows of the preceding linear) where one exists; otherwise the
-layer keeps it as ``input_scale`` (:class:`~llmsys.quant.int4.Int4Linear`).
-That wiring lives with the model (``llmsys.engine.quantize.awq_calibrate``);
-this module works on tensors.
+Scaling column k of ``W [N, K]`` up by ``s_k`` (and the input down by ``1/s_k``) gives channels with large
+activations a finer grid. Per layer group (the linears reading one input) ``s = mean|x|^alpha``
+(normalised so ``sqrt(max(s) * min(s)) = 1``) is searched over an ``alpha`` grid for the least output error
+``sum_i ||X W_i^T - (X / s) Q(W_i s)^T||^2``; ``alpha = 0`` is RTN, so the search never loses to it. Each
+row's groups may then clip their range (``clip``). Output error of a weight error ``D`` is
+``sum((D @ H) * D)`` with ``H = X^T X / n``: exact over every calibration token. The ``1/s`` goes into
+the op producing the input where one exists, else ``Int4Linear.input_scale``; that wiring is
+``llmsys.engine.quantize.awq_calibrate``, this module works on tensors.
 """
 
 from __future__ import annotations

@@ -1,30 +1,13 @@
 """Convert pre-quantized AWQ / GPTQ int4 checkpoints into the canonical int4 layout.
 
-Both formats store 4-bit q, 4-bit zero points and fp16 scales with
-``w = (q - zero) * scale``; they differ only in how nibbles are packed into
-int32 words, which axis is packed, and (GPTQ v1) a zero-point offset.
-
-AWQ "GEMM" (AutoAWQ ``WQLinear_GEMM``), for ``W [N, K]`` and group g:
-  ``qweight int32 [K, N/8]``: word (k, c) holds columns n = 8c + AWQ_ORDER[i]
-  at bits 4i..4i+3, ``AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]``;
-  ``qzeros int32 [K/g, N/8]`` packed the same way; ``scales fp16 [K/g, N]``.
-
-GPTQ (AutoGPTQ / optimum, ``checkpoint_format`` "gptq" = v1):
-  ``qweight int32 [K/8, N]``: word (r, n) holds k = 8r + i at bits 4i..;
-  ``qzeros int32 [K/g, N/8]``: word (G, c) holds n = 8c + i at bits 4i..,
-  storing ``zero - 1`` (v1; the loader adds 1 back, without wrapping, exactly
-  like the reference kernels — so a stored 15 means zero 16). ``gptq_v2``
-  stores the zero as is (``zero_offset=0``). ``sym=True`` checkpoints simply
-  have every zero = 8 (stored 7 in v1): no special case is needed.
-  ``scales fp16 [K/g, N]``; ``g_idx int32 [K]`` gives each input row's group.
-
-Act-order (``desc_act``) GPTQ has a non-monotonic ``g_idx``. We choose to
-*permute input features*: ``perm = argsort(g_idx, stable)`` makes every group
-contiguous, the weight columns are stored in that order, and
-:class:`~llmsys.quant.int4.Int4Linear` gathers ``x[..., perm]`` before the
-matmul (``K`` int32 indices and one gather per call, instead of
-dequantizing to float). This needs every group to hold exactly g rows, which
-GPTQ's act-order quantizer guarantees.
+Both store 4-bit q and zeros and fp16 ``scales [K/g, N]`` with ``w = (q - zero) * scale``; only packing differs.
+AWQ GEMM: ``qweight int32 [K, N/8]``, word (k, c) holds n = 8c + AWQ_ORDER[i] at bits 4i..4i+3
+(``AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]``); ``qzeros int32 [K/g, N/8]`` the same.
+GPTQ: ``qweight int32 [K/8, N]``, word (r, n) holds k = 8r + i at bits 4i..; ``qzeros int32 [K/g, N/8]``
+holds n = 8c + i, storing ``zero - 1`` in v1 (added back without wrapping, as the reference kernels do:
+a stored 15 is zero 16; ``gptq_v2``: ``zero_offset=0``); ``g_idx int32 [K]`` maps input rows to groups.
+Act-order (non-monotonic ``g_idx``): inputs are permuted (``perm = argsort(g_idx, stable)``, every group
+contiguous, exactly g rows each) and :class:`~llmsys.quant.int4.Int4Linear` gathers ``x[..., perm]``.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
-"""GPTQ calibration for one linear layer, into the canonical int4 layout.
+"""GPTQ calibration for one linear layer, into the canonical int4 layout (Frantar et al., 2022).
 
-GPTQ (Frantar et al., 2022) quantizes the columns of ``W [N, K]`` one at a
-time and spreads each column's rounding error over the not-yet-quantized
-columns, weighted by the inverse Hessian of the layer's squared output error
-``H = 2 X^T X / n``. Inputs that are correlated let later columns absorb the
-error of earlier ones, so ``||X W^T - X Wq^T||`` drops well below
-round-to-nearest at the same bit width. Updates are applied lazily in blocks
-of columns (GPTQ's "lazy batch" trick) so most work is a GEMM.
-
-Differences from the reference implementation: group statistics are taken
-from the *error-updated* columns of the current block (the reference reads
-stale values for a group that starts mid-block), and the scale is rounded to
-bf16 before quantizing so the stored tensors reproduce the grid exactly.
+Columns of ``W [N, K]`` are quantized one at a time, each rounding error spread over the columns left,
+weighted by the inverse Hessian ``H = 2 X^T X / n``, in lazy blocks so most work is a GEMM. Departures
+from the reference: group statistics come from the error-updated columns of the current block (the
+reference reads stale ones for a group starting mid-block), and the scale is rounded to bf16 before
+quantizing, so the stored tensors reproduce the grid exactly.
 """
 
 from __future__ import annotations

@@ -1,27 +1,12 @@
-"""KIVI-style KV-cache quantization (int8 / int4), one cache block at a time.
+"""KIVI-style KV-cache quantization (int8 / int4), one cache block at a time (Liu et al., 2024).
 
-KIVI (Liu et al., 2024) observed that keys have a few outlier *channels*
-(fixed across tokens) while values have no channel structure; so keys are
-quantized **per channel**, with statistics taken over the tokens of a block,
-and values **per token** (optionally in groups along head_dim). Both are
-asymmetric: ``x = q * scale + minimum``.
-
-Because per-channel key statistics need the whole block, the engine should
-quantize a block once it is full and keep the partially filled tail block in
-float (KIVI's "residual" window).
-
-Layouts for a block ``x [..., T, H, D]`` (leading dims: any batch of blocks,
-T = block_size tokens, H = kv heads, D = head_dim):
-
-* ``data``: bits=8 -> ``uint8 [..., T, H, D]``; bits=4 -> ``uint8 [..., T, H, D/2]``
-  with d = 2j in the low nibble, 2j+1 in the high nibble;
-* keys: ``scale``, ``minimum`` fp16 ``[..., 1, H, D]`` (one per channel per block);
-* values: ``scale``, ``minimum`` fp16 ``[..., T, H, D/group_size]`` (group_size
-  defaults to D: one pair per token per head).
-
-Error bound: every element is within ``0.5 * scale`` of its group's scale
-(plus fp16 rounding of the stats, < 0.1% of the group range), where
-``scale = (max - min) / (2**bits - 1)``.
+Keys have fixed outlier channels, so they are quantized per channel over a block's tokens; values per
+token (optionally in groups along head_dim); both asymmetric, ``x = q * scale + minimum``. Per-channel
+stats need a full block, so quantize a block once full and keep the tail in float. For ``x [..., T, H, D]``:
+``data`` uint8 ``[..., T, H, D]`` (bits=8) or ``[..., T, H, D/2]`` (bits=4, d = 2j low nibble, 2j+1 high);
+key ``scale``/``minimum`` fp16 ``[..., 1, H, D]``; value ones fp16 ``[..., T, H, D/group_size]`` (default
+one per token and head). Every element is within ``0.5 * scale`` (``scale = (max - min) / (2**bits - 1)``)
+plus fp16 rounding of the stats (< 0.1% of the group range).
 """
 
 from __future__ import annotations

@@ -1,35 +1,13 @@
-"""Quantized paged KV pools: the per-layer K and V "sides" the engine stores into.
+"""Quantized paged KV pools (:class:`Int8KVPool`, :class:`Int4KVPool`): per layer, a K and a V "side".
 
-A float KV pool is a tensor ``[num_blocks, block_size, Hk, D]`` per layer
-(``engine/kv_cache.py``); a quantized pool (:class:`Int8KVPool`,
-:class:`Int4KVPool`, the engine's ``KVPool`` protocol) holds per layer one of
-these side objects per kind (K or V), each with
-``store(x [T, Hk, D], slot_mapping [T])``, ``gather(slots [B, L]) -> [B, L, Hk, D]``
-and ``nbytes()``. Token *slots* are the same as for the float pool
-(``block * block_size + offset``), so block tables, the allocator and the
-scheduler do not change.
-
-* :class:`Int8Side` — the kernels' layout (``llmsys.kernels`` README): int8
-  codes ``[NB, BS, Hk, D]`` + float32 scales ``[NB, BS, Hk]``, symmetric per
-  (token, head). ``kernels.kv_store`` quantizes on write and the attention
-  kernels (Triton on CUDA, gather + SDPA on CPU) dequantize inside.
-  Per-token keys are good enough at 8 bits (+0.0x% perplexity, see
-  docs/benchmarks.md), and this layout has GPU kernels.
-* :class:`Int4Side` — KIVI (Liu et al., 2024) in torch: keys per *channel*
-  (one fp16 scale/min per block, channel and head: key outliers live in fixed
-  channels), values per *token* (fp16 scale/min per token, head and group of
-  ``value_group`` channels). Per-channel stats need the whole block, so a block
-  is buffered in the model dtype while it fills (the full-precision window of
-  recent tokens: at most ``block_size - 1`` per sequence) and quantized when
-  its last slot is written. Values are quantized at once unless ``window`` is
-  set for them too. Dequantized in the attention gather (the int4 attention
-  backend, ``engine/attention.py``).
-
-The open-block buffer is indexed by block id, so it needs no sequence
-bookkeeping: a write at offset 0 starts a new block (its owner just allocated
-it), a write into a block that is already quantized reopens it
-(dequantize -> buffer), and a block whose owner finished early (partially
-filled) keeps its buffer row until the block id is written again.
+Each side has ``store(x [T, Hk, D], slot_mapping [T])``, ``gather(slots [B, L]) -> [B, L, Hk, D]`` and
+``nbytes()``; slots are the float pool's (``block * block_size + offset``), so block tables, allocator
+and scheduler do not change. :class:`Int8Side`: the kernels' layout, int8 ``[NB, BS, Hk, D]`` + float32
+scales ``[NB, BS, Hk]`` per (token, head), quantized by ``kernels.kv_store`` and dequantized inside the
+attention kernels (perplexity: docs/benchmarks.md). :class:`Int4Side`: KIVI in torch, keys per channel
+per block, values per token and ``value_group``; a block is buffered in the model dtype while it fills
+(at most ``block_size - 1`` tokens a sequence) and quantized at its last slot. The buffer is indexed by
+block id: a write at offset 0 starts a block, a write into a quantized block reopens it.
 """
 
 from __future__ import annotations

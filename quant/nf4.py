@@ -1,26 +1,12 @@
 """NF4 (QLoRA NormalFloat4) weights, bitsandbytes-compatible, in plain torch.
 
-Why our own implementation: bitsandbytes (0.50) imports on CPU but its CPU
-4-bit GEMM tries to fetch a kernel from the Hugging Face hub and otherwise
-falls back to a path no faster than ours; a plain-torch NF4 keeps the format
-usable on every device with no optional dependency. The layout and
-arithmetic follow bitsandbytes exactly, so ``tests/test_quant_nf4.py`` checks
-our codes and absmax against ``bitsandbytes.functional.quantize_4bit`` when it
-is installed. On CUDA, when bitsandbytes is installed, the layer hands its
-tensors to ``bitsandbytes.matmul_4bit`` as they are (its fused 4-bit GEMV at
-one token, its dequantization kernel otherwise); the tests check that call
-against the plain path on CPU.
-
-Layout for a weight ``[N, K]`` (row-major flattened, ``numel = N*K``), block 64:
-
-* ``qweight uint8 [ceil(numel/2)]``: element 2i in the *high* nibble, 2i+1 in
-  the low nibble (bitsandbytes order); each nibble indexes :data:`NF4_CODE`;
-* ``absmax fp32 [nblocks]`` (``nblocks = ceil(numel/64)``), the last block may
-  be partial; ``w = NF4_CODE[q] * absmax[i // 64]``;
-* with double quantization: ``absmax_q uint8 [nblocks]`` indexes the signed
-  8-bit dynamic map (:func:`dynamic_map`), ``absmax2 fp32 [ceil(nblocks/256)]``
-  and ``absmax_offset fp32 []``:
-  ``absmax[i] = DYN[absmax_q[i]] * absmax2[i // 256] + absmax_offset``.
+Ours because bitsandbytes' CPU 4-bit GEMM fetches a kernel from the Hub or falls back to a path no
+faster; layout and arithmetic follow bitsandbytes exactly (``tests/test_quant_nf4.py`` compares against
+``quantize_4bit`` when installed, and on CUDA the layer calls ``bitsandbytes.matmul_4bit`` as is). For
+``[N, K]`` flattened, block 64: ``qweight uint8 [ceil(numel/2)]`` (element 2i high nibble, 2i+1 low,
+indexing :data:`NF4_CODE`), ``absmax fp32 [ceil(numel/64)]``, ``w = NF4_CODE[q] * absmax[i // 64]``.
+Double quantization: ``absmax[i] = DYN[absmax_q[i]] * absmax2[i // 256] + absmax_offset``
+(``absmax_q uint8``, :func:`dynamic_map`; ``absmax2 fp32 [ceil(nblocks/256)]``, ``absmax_offset fp32 []``).
 """
 
 from __future__ import annotations
