@@ -38,7 +38,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from types import MappingProxyType
+from typing import Mapping, Sequence
 
 import torch
 
@@ -55,6 +56,45 @@ TokenHistory = Sequence[int] | torch.Tensor  # 1-D token ids
 
 def _bad(name: str, value: object, valid: str) -> InvalidParameterError:
     return InvalidParameterError(f"sampling parameter {name}={value!r} is invalid: {valid}")
+
+
+@dataclass(frozen=True)
+class Limit:
+    """The valid range of one numeric sampling knob, and the words that say it."""
+
+    lo: float
+    hi: float
+    lo_open: bool  # lo itself is refused
+    what: str
+    integer: bool = False
+
+
+# The one table of sampling limits: SamplingParams checks them, and the servers' request models call
+# check_sampling with the same names, so the CLI, the HTTP APIs and LLM.generate refuse alike.
+SAMPLING_LIMITS: Mapping[str, Limit] = MappingProxyType({
+    "temperature": Limit(0.0, math.inf, False, "must be a number >= 0 (0 = greedy)"),
+    "top_p": Limit(0.0, 1.0, True, "must be in (0, 1] (1 = off)"),
+    "min_p": Limit(0.0, 1.0, False, "must be in [0, 1] (0 = off)"),
+    "repetition_penalty": Limit(0.0, math.inf, True, "must be a number > 0 (1 = off)"),
+    "presence_penalty": Limit(-2.0, 2.0, False, "must be in [-2, 2] (0 = off)"),
+    "frequency_penalty": Limit(-2.0, 2.0, False, "must be in [-2, 2] (0 = off)"),
+    "top_k": Limit(-1, math.inf, False, "must be an integer >= 1, or 0 / -1 for off", integer=True),
+})
+
+
+def check_sampling(name: str, value: object) -> float | int:
+    """``value`` of the knob ``name`` (a key of :data:`SAMPLING_LIMITS`), as a float (an int for
+    ``top_k``), or :class:`InvalidParameterError` with the one-line message every front end shows."""
+    lim = SAMPLING_LIMITS[name]
+    if lim.integer:
+        if not _is_int(value) or value < lim.lo or value > lim.hi:
+            raise _bad(name, value, lim.what)
+        return int(value)
+    if not _is_number(value) or math.isnan(value) or math.isinf(value):
+        raise _bad(name, value, lim.what)
+    if value < lim.lo or value > lim.hi or (lim.lo_open and value == lim.lo):
+        raise _bad(name, value, lim.what)
+    return float(value)
 
 
 def _is_int(v: object) -> bool:
@@ -116,23 +156,8 @@ class SamplingParams:
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise _bad("max_tokens", self.max_tokens, "must be an integer >= 1, or None for up to the context")
 
-        for name, lo, hi, lo_open, what in (
-            ("temperature", 0.0, math.inf, False, "must be a number >= 0 (0 = greedy)"),
-            ("top_p", 0.0, 1.0, True, "must be in (0, 1] (1 = off)"),
-            ("min_p", 0.0, 1.0, False, "must be in [0, 1] (0 = off)"),
-            ("repetition_penalty", 0.0, math.inf, True, "must be a number > 0 (1 = off)"),
-            ("presence_penalty", -2.0, 2.0, False, "must be in [-2, 2] (0 = off)"),
-            ("frequency_penalty", -2.0, 2.0, False, "must be in [-2, 2] (0 = off)"),
-        ):
-            v = getattr(self, name)
-            if not _is_number(v) or math.isnan(v) or math.isinf(v):
-                raise _bad(name, v, what)
-            if v < lo or v > hi or (lo_open and v == lo):
-                raise _bad(name, v, what)
-            set_(self, name, float(v))
-
-        if not _is_int(self.top_k) or self.top_k < -1:
-            raise _bad("top_k", self.top_k, "must be an integer >= 1, or 0 / -1 for off")
+        for name in SAMPLING_LIMITS:
+            set_(self, name, check_sampling(name, getattr(self, name)))
         if self.seed is not None and not _is_int(self.seed):
             raise _bad("seed", self.seed, "must be an integer or None")
 

@@ -492,3 +492,33 @@ def test_history_may_be_tensors():
         x, _batch([p, p], [torch.tensor([1, 2]), torch.tensor([3])], [torch.tensor([4]), torch.tensor([], dtype=torch.long)])
     )
     assert as_lists.token_ids == as_tensors.token_ids
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 1.5),
+    ("repetition_penalty", 0.0), ("presence_penalty", 2.5), ("frequency_penalty", -3.0),
+])
+def test_every_front_end_refuses_a_sampling_limit_with_the_same_line(field, value):
+    """One table of limits (``SAMPLING_LIMITS``): ``LLM.generate``'s SamplingParams, the CLI's flags and the
+    OpenAI and Ollama request bodies refuse the same value with the same one-line message."""
+    from pydantic import ValidationError
+
+    from llmsys.engine.cli.options import build_sampling
+    from llmsys.engine.server.ollama import OllamaOptions
+    from llmsys.engine.server.protocol import CompletionRequest, validation_message
+
+    with pytest.raises(InvalidParameterError) as api:
+        SamplingParams(**{field: value})
+    line = str(api.value)
+    assert line.startswith(f"sampling parameter {field}={value!r} is invalid: must be") and "\n" not in line
+    with pytest.raises(InvalidParameterError) as cli:
+        build_sampling({field: value})
+    assert str(cli.value) == line
+    with pytest.raises(ValidationError) as openai:
+        CompletionRequest.model_validate({"prompt": "x", field: value})
+    assert validation_message(openai.value.errors()) == (f"invalid value for '{field}': {line}", field)
+    ollama_name = {"repetition_penalty": "repeat_penalty"}.get(field, field)
+    if (field, value) != ("top_p", 0.0):  # Ollama's top_p 0 is llama.cpp's "the most likely token"
+        with pytest.raises(ValidationError) as ollama:
+            OllamaOptions.model_validate({ollama_name: value})
+        assert validation_message(ollama.value.errors()) == (f"invalid value for '{ollama_name}': {line}", ollama_name)

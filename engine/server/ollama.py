@@ -101,7 +101,9 @@ from llmsys.engine.server.protocol import (
     APIError,
     OffLoopRoute,
     Tool,
+    sampling_field,
     redact_paths,
+    sampling_check,
     validation_message,
 )
 from llmsys.engine.server.state import ServerState
@@ -148,6 +150,15 @@ class _Model(BaseModel):
         return data
 
 
+# Request fields that hold sampling knobs: the engine's one check (engine.sampling.SAMPLING_LIMITS).
+_TopK = sampling_field("top_k", int | None)
+_MinP = sampling_field("min_p", float | None)
+_Temperature = sampling_field("temperature", float | None)
+_RepeatPenalty = sampling_field("repeat_penalty", float | None, "repetition_penalty")
+_PresencePenalty = sampling_field("presence_penalty", float | None)
+_FrequencyPenalty = sampling_field("frequency_penalty", float | None)
+
+
 class OllamaOptions(_Model):
     """Ollama's ``options`` (Modelfile parameters). An option Ollama does not know is a 400,
     as is a value llmsys cannot honour (see the module docstring's table)."""
@@ -174,16 +185,18 @@ class OllamaOptions(_Model):
     num_keep: int | None = Field(None, ge=-1, le=2**31 - 1)
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     num_predict: int | None = Field(None, ge=-2, le=SEED_MAX)
-    top_k: int | None = Field(None, ge=-1, le=2**31 - 1)
-    top_p: float | None = Field(None, ge=0.0, le=1.0)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    top_k: _TopK = None
+    # 0 is llama.cpp's "the most likely token" (sent to the engine as top_k 1), else the engine's range
+    top_p: Annotated[float | None, sampling_check("top_p", allow=(0.0,)),
+                     Field(json_schema_extra={"minimum": 0.0, "maximum": 1.0})] = None
+    min_p: _MinP = None
     typical_p: float | None = Field(None, ge=0.0, le=1.0)
     tfs_z: float | None = Field(None, ge=0.0, allow_inf_nan=False)
     repeat_last_n: int | None = Field(None, ge=-1, le=2**31 - 1)
-    temperature: float | None = Field(None, ge=0.0, allow_inf_nan=False)
-    repeat_penalty: float | None = Field(None, gt=0.0, allow_inf_nan=False)
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    temperature: _Temperature = None
+    repeat_penalty: _RepeatPenalty = None
+    presence_penalty: _PresencePenalty = None
+    frequency_penalty: _FrequencyPenalty = None
     mirostat: int | None = Field(None, ge=0, le=2)
     mirostat_tau: float | None = Field(None, allow_inf_nan=False)  # used by mirostat only: any value with it off
     mirostat_eta: float | None = Field(None, allow_inf_nan=False)

@@ -23,9 +23,11 @@ import numpy as np
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, model_validator
+from pydantic_core import PydanticCustomError
 
-from llmsys.engine.sampling import MAX_LOGPROBS
+from llmsys.engine.sampling import MAX_LOGPROBS, SAMPLING_LIMITS, check_sampling
+from llmsys.kernels.common.errors import LLMSysError
 
 MAX_N = 16  # choices per request
 MAX_STOP = 4  # stop sequences per request (OpenAI's limit)
@@ -257,6 +259,48 @@ _LogitBias = Annotated[dict[_BiasKey, _Bias], WithJsonSchema({
     "patternProperties": {r"^[0-9]{1,9}$": {"type": "number", "minimum": -100.0, "maximum": 100.0}}})]
 
 
+def sampling_check(name: str, as_name: str | None = None, allow: tuple[Any, ...] = ()) -> AfterValidator:
+    """The engine's own check of sampling knob ``name`` (``engine.sampling.check_sampling``) on a request
+    field, so a server refuses a value with the words the CLI and ``LLM.generate`` use (one table of limits,
+    not a second set of pydantic bounds). ``as_name``: the engine's name where the API's differs;
+    ``allow``: values the API itself translates before the engine sees them."""
+
+    def check(v: Any) -> Any:
+        if v is None or v in allow:
+            return v
+        try:
+            return check_sampling(as_name or name, v)
+        except LLMSysError as e:
+            raise PydanticCustomError("sampling_limit", str(e).replace("{", "{{").replace("}", "}}")) from None
+
+    return AfterValidator(check)
+
+
+def sampling_schema(name: str) -> dict[str, Any]:
+    """The JSON-schema bounds of sampling knob ``name`` (for /docs), from the same table."""
+    lim = SAMPLING_LIMITS[name]
+    out: dict[str, Any] = {"exclusiveMinimum" if lim.lo_open else "minimum": lim.lo}
+    if lim.hi != float("inf"):
+        out["maximum"] = lim.hi
+    return out
+
+
+def sampling_field(name: str, kind: Any, as_name: str | None = None) -> Any:
+    """A request field holding sampling knob ``name`` (the engine's ``as_name``): its type, the engine's
+    check, its schema bounds."""
+    return Annotated[kind, sampling_check(name, as_name), Field(json_schema_extra=sampling_schema(as_name or name))]
+
+
+# Request fields that hold sampling knobs: the engine's one check (engine.sampling.SAMPLING_LIMITS).
+_Temperature = sampling_field("temperature", float | None)
+_TopP = sampling_field("top_p", float | None)
+_PresencePenalty = sampling_field("presence_penalty", float)
+_FrequencyPenalty = sampling_field("frequency_penalty", float)
+_TopK = sampling_field("top_k", int | None)
+_MinP = sampling_field("min_p", float | None)
+_RepetitionPenalty = sampling_field("repetition_penalty", float | None)
+
+
 class _Common(BaseModel):
     """Fields both completion endpoints share (OpenAI names, plus a few
     vLLM-style extensions: top_k, min_p, repetition_penalty, ignore_eos, min_tokens,
@@ -273,16 +317,16 @@ class _Common(BaseModel):
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1, description="tokens to generate at most")
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    temperature: _Temperature = None
+    top_p: _TopP = None
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: Union[Annotated[str, Field(min_length=1)], Annotated[list[Annotated[str, Field(min_length=1)]],
                                                                 Field(max_length=MAX_STOP)], None] = Field(None)
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: _PresencePenalty = 0.0
+    frequency_penalty: _FrequencyPenalty = 0.0
     user: str | None = Field(None, max_length=256, description="an end-user id; OpenAI uses it for abuse monitoring, it "
                                                                "changes no output (llmsys logs it with the request)")
     safety_identifier: str | None = Field(None, max_length=256, description="OpenAI's newer name for user; logged")
@@ -296,9 +340,9 @@ class _Common(BaseModel):
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
-    top_k: int | None = Field(None, ge=-1)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    top_k: _TopK = None
+    min_p: _MinP = None
+    repetition_penalty: _RepetitionPenalty = None
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     spec_tokens: int | None = Field(
