@@ -212,12 +212,10 @@ class _TunableWeight(torch.autograd.Function):
 
     The same gradients as autograd through the formula with a straight-through round (the clamp's
     gradient passes where the rounded code is in [0, 15]; :meth:`TunableInt4.codes`), up to float
-    summation order. Why by hand: autograd recorded ~10 ops per layer and the column permutation's
-    scatter (``IndexPutBackward``, ~0.8 ms a layer), and kept the code and scale temporaries unless
-    the weight was recomputed under ``torch.utils.checkpoint``; on stories260k that bookkeeping was
-    ~40% of a refinement step. Here the forward keeps nothing but its inputs, the backward
-    recomputes the codes (one elementwise pass): the memory of the checkpointed version, a third of
-    the ops.
+    summation order. By hand because autograd recorded ~10 ops a layer plus the column permutation's
+    scatter and kept the code and scale temporaries (a large share of a refinement step:
+    docs/benchmarks.md); here the forward keeps only its inputs and the backward recomputes the codes:
+    the checkpointed version's memory, a third of its ops.
     """
 
     @staticmethod

@@ -1,14 +1,10 @@
 """How many CPU threads the engine computes with, when the user does not say.
 
-Why not torch's default (one thread per logical CPU): every parallel region of
-a decode step (torch's and our OpenMP kernels') ends at a barrier, so its time
-is its *slowest* thread's. A second hardware thread of one core adds little
-bandwidth, and a core busy with another program (a browser, a build, a second
-model) preempts our thread on it for a whole scheduler slice at every barrier:
-measured on a 2-core VM with one core busy, 2 threads decoded at 25 tok/s where
-1 thread ran at 607-689 (stories260k float32). So the default is the physical
-cores this process may run on (llama.cpp's default too), minus the ones that are
-busy right now, sampled for a moment at start-up; ``--threads`` overrides it.
+Not torch's one per logical CPU: every parallel region of a decode step ends at a barrier, so it takes
+its slowest thread's time; a second hardware thread of a core adds little bandwidth, and a core busy
+with another program stalls our thread for a scheduler slice at every barrier (docs/benchmarks.md). So
+the default is the physical cores this process may run on (llama.cpp's default too) minus those busy
+at start-up; ``--threads`` overrides it.
 """
 
 from __future__ import annotations

@@ -38,10 +38,9 @@ def zeros_on_demand(shape: tuple[int, ...], dtype: torch.dtype, device: torch.de
 def release_free_heap() -> bool:
     """Return the C heap's free pages to the system (glibc ``malloc_trim(0)``); False where there is none.
 
-    Why: loading frees many temporaries of up to tens of MB (unpacked codes, dequantized pieces, fused
-    copies), and glibc raises its mmap threshold as large blocks are freed, so later ones of that size
-    come from the heap and stay resident after ``free``: a Llama-3.2-1B-shaped Q4_K_M GGUF left 2.1 GiB
-    of RSS for 1.05 GiB of weights until trimmed (1.4 GiB after; Zen 3). Called once a model is built.
+    Loading frees many temporaries of up to tens of MB, and glibc raises its mmap threshold as large
+    blocks are freed, so later ones come from the heap and stay resident after ``free`` (a GGUF load's RSS
+    stayed near twice its weights until trimmed: docs/benchmarks.md). Called once a model is built.
     """
     trim = _malloc_trim()
     return trim is not None and bool(trim(0))
