@@ -23,7 +23,7 @@ from llmsys.engine.core import EngineCore, MemoryReport
 from llmsys.kernels.common.errors import InvalidParameterError
 from llmsys.kernels.common.memory import release_free_heap
 from llmsys.engine.loader.common import materialize_checkpoint, open_checkpoint
-from llmsys.engine.loader.llama2c import is_llama2c
+from llmsys.engine.loader.detect import ModelFormat, detect_model
 from llmsys.engine.loader.llama2c import load as llama2c_load
 from llmsys.engine.outputs import RequestOutput, StreamChunk, Timings, Usage
 from llmsys.engine.quantize import loader_quantizer
@@ -54,13 +54,12 @@ class LLM:
         # The steps of llmsys.engine.builder, in order (each a value the next one takes).
         r = resolve(config)
         make_linear = loader_quantizer(config)
-        gguf_header = None  # a GGUF's header, parsed once for the model and the tokenizer
-        if is_llama2c(r.path):
+        src = detect_model(r.path)  # the format, once; a GGUF's header parsed once for the model and the tokenizer
+        if src.format is ModelFormat.LLAMA2C:
             self.loaded = llama2c_load(r.path, r.dtype, r.device, make_linear, config.progress)
             placement = Placement(None, None, None)
         else:
-            ck = open_checkpoint(r.path, r.dtype, r.device)
-            gguf_header = ck.gguf_header
+            ck = open_checkpoint(src, r.dtype, r.device)
             # Offloading (llmsys.offload): budgets -> plan -> runtime, on the meta model before any
             # weight is read. Stored-quantized checkpoints are always resident (no plan).
             placement = Placement(None, None, None) if ck.prequantized else place(r, ck)
@@ -92,7 +91,7 @@ class LLM:
         if placement.kv_cache_tokens is not None:  # the pool size the explicit budget allows
             config = config.with_(kv_cache_tokens=placement.kv_cache_tokens)
         self.config = config
-        self.tokenizer = Tokenizer.load(self.loaded.tokenizer_path, gguf_header=gguf_header)
+        self.tokenizer = Tokenizer.load(self.loaded.tokenizer_path, gguf_header=src.gguf_header)
         spec, max_len = size_kv_pool(self.loaded, config)
         # The draft model of speculative decoding: an engine of its own, resident (None: no draft model).
         self.draft: LLM | None = self._draft(config, spec, max_len)

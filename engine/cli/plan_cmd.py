@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import torch
 import typer
@@ -24,29 +24,35 @@ import typer
 from llmsys.engine.cli.options import build_engine_config, engine_command
 from llmsys.kernels.common.errors import CheckpointError, InvalidParameterError
 
+if TYPE_CHECKING:
+    from llmsys.engine.loader.detect import ModelSource
 
-def _config_for(model: str) -> tuple[dict[str, Any], str]:
+
+def _config_for(model: str) -> tuple[dict[str, Any], str, ModelSource | None]:
+    """``(config, where it came from, the GGUF's ModelSource or None)``: a GGUF's header is parsed once,
+    here, and its tensor index is built from the same parse."""
     p = Path(model).expanduser()
     if model.startswith("ollama:") or (p.is_file() and p.suffix != ".json"):
         from llmsys.engine.catalog import resolve_model
         from llmsys.engine.loader import gguf_io
+        from llmsys.engine.loader.detect import ModelFormat, detect_model
 
-        g = resolve_model(model) if model.startswith("ollama:") else p
-        if gguf_io.is_gguf(g):
-            return gguf_io.hf_config(g), str(g)
+        src = detect_model(resolve_model(model) if model.startswith("ollama:") else p)
+        if src.format is ModelFormat.GGUF:
+            return gguf_io.hf_config(src.path, src.gguf_header), str(src.path), src
     if p.is_dir() and (p / "config.json").exists():
-        return json.loads((p / "config.json").read_text()), str(p)
+        return json.loads((p / "config.json").read_text()), str(p), None
     if p.is_file() and p.suffix == ".json":
-        return json.loads(p.read_text()), str(p)
+        return json.loads(p.read_text()), str(p), None
     from llmsys.engine.catalog import resolve_model, synthetic_configs
 
     synth = {k.lower(): v for k, v in synthetic_configs().items()}
     if model.lower() in synth:
-        return dict(synth[model.lower()]), f"synthetic:{model}"
+        return dict(synth[model.lower()]), f"synthetic:{model}", None
     path = resolve_model(model)
     if not (path / "config.json").exists():
         raise CheckpointError(f"{path}: no config.json; `llmsys plan` needs a Hugging Face model directory or a GGUF file")
-    return json.loads((path / "config.json").read_text()), str(path)
+    return json.loads((path / "config.json").read_text()), str(path), None
 
 
 def meta_model(cfg: dict[str, Any], source: str = "config.json"):
@@ -84,7 +90,7 @@ def plan_command(
     from llmsys.offload.report import format_plan
 
     config = build_engine_config(model, engine_flags)
-    cfg, source = _config_for(model)
+    cfg, source, gguf = _config_for(model)
     meta = meta_model(cfg, source)
     a = meta.args
     hypothetical = config.gpu_mem is not None and not torch.cuda.is_available()
@@ -105,8 +111,8 @@ def plan_command(
     work = Workload(batch=batch, prompt_len=prompt_len, output_len=output_len, kv_tokens=kv_tokens,
                     max_batched_tokens=config.max_num_batched_tokens, kv_cold_tokens=config.offload_tokens(per_tok))
     bpw = None  # a GGUF as stored: its mix of kept int4 codes and dequantized matrices
-    if config.quant.method == "none" and Path(source).is_file() and gguf_io.is_gguf(Path(source)):
-        bpw = gguf_io.open_index(Path(source)).weight_bytes(dt)
+    if config.quant.method == "none" and gguf is not None:
+        bpw = gguf_io.GGUFIndex(gguf.path, gguf.gguf_header, cfg).weight_bytes(dt)
     bw = measure_bandwidths(cache=not remeasure, probe_dir=budgets.offload_dir)
     kv_kw = {"kv_dtype": config.kv_dtype, "block_size": config.block_size}  # the pool's KV format
     plan, _ = plan_for(meta, dt, budgets, work, config.quant.method, bandwidths=bw, max_seqs=batch, bytes_per_weight=bpw,

@@ -20,6 +20,7 @@ from torch import nn
 from llmsys.kernels.common.errors import CheckpointError, ModelNotFoundError, UnsupportedModelError
 from llmsys.kernels.common.memory import release_free_heap
 from llmsys.engine.loader import validate
+from llmsys.engine.loader.detect import ModelFormat, ModelSource, detect_model
 from llmsys.engine.models import family_for, is_multimodal, text_config
 from llmsys.engine.models.base import DecoderModel, TransformerArgs, rope_cache
 
@@ -287,15 +288,12 @@ class Checkpoint:
     index: Any  # safetensors_io.CheckpointIndex, or gguf_io.GGUFIndex for a GGUF file
     dtype: torch.dtype
     device: torch.device
-    kind: str = "hf"  # "hf" (a directory of safetensors) or "gguf" (one GGUF file)
+    format: ModelFormat = ModelFormat.HF  # HF (a directory of safetensors) or GGUF (one GGUF file)
     notices: tuple[str, ...] = ()  # LoadedModel.notices
-    # A GGUF's parsed header (gguf_header.GGUFHeader), kept for the tokenizer: the file's header is parsed
-    # once per load (its vocabulary is most of it). None for other checkpoints.
-    gguf_header: Any = None
 
     @property
     def is_gguf(self) -> bool:
-        return self.kind == "gguf"
+        return self.format is ModelFormat.GGUF
 
     @property
     def prequantized(self) -> bool:
@@ -324,39 +322,28 @@ def load_model(
     (:func:`open_checkpoint`, then :func:`materialize_checkpoint` with an
     offload runtime planned in between).
     """
-    p = _existing(path)
+    src = detect_model(path)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    from llmsys.engine.loader import llama2c
+    if src.format is ModelFormat.LLAMA2C:
+        from llmsys.engine.loader import llama2c
 
-    if llama2c.is_llama2c(p):
-        return llama2c.load(p, dt, dev, make_linear, progress, check_finite)
-    return materialize_checkpoint(open_checkpoint(p, dt, dev), make_linear, progress, check_finite=check_finite)
-
-
-def _existing(path: str | Path) -> Path:
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise ModelNotFoundError(f"no such file or directory: {p}")
-    return p
+        return llama2c.load(src.path, dt, dev, make_linear, progress, check_finite)
+    return materialize_checkpoint(open_checkpoint(src, dt, dev), make_linear, progress, check_finite=check_finite)
 
 
-def open_checkpoint(path: str | Path, dt: torch.dtype, dev: torch.device) -> Checkpoint:
-    """Read a Hugging Face directory's config and tensor index; build the meta model."""
+def open_checkpoint(path: str | Path | ModelSource, dt: torch.dtype, dev: torch.device) -> Checkpoint:
+    """Read a Hugging Face directory's (or a GGUF file's) config and tensor index; build the meta model.
+    ``path``: a :class:`ModelSource` from :func:`detect_model` (its GGUF header is used, not parsed again)."""
     from llmsys.engine.loader.safetensors_io import CheckpointIndex
 
-    p = _existing(path)
-    if p.is_file():
-        from llmsys.engine.loader import gguf_io
-
-        if gguf_io.is_gguf(p):
-            return _open_gguf(p, dt, dev)
-        raise CheckpointError(
-            f"{p}: expected a model directory (with config.json), a GGUF file or a llama2.c .bin checkpoint"
-        )
+    src = detect_model(path)
+    p = src.path
+    if src.format is ModelFormat.GGUF:
+        return _open_gguf(src, dt, dev)
+    if src.format is ModelFormat.LLAMA2C:
+        raise CheckpointError(f"{p}: a llama2.c checkpoint has no tensor index to open; load it with load_model")
     cfg_path = p / "config.json"
-    if not cfg_path.exists():
-        raise CheckpointError(f"{p}: no config.json; point at a Hugging Face model directory")
     raw = validate.config_object(read_json(cfg_path), cfg_path)
     cfg = text_config(raw, str(cfg_path))  # a multimodal checkpoint's language model
     family = family_for(cfg, str(cfg_path))
@@ -410,12 +397,11 @@ def _decoded_formats(ck: Checkpoint, dt: torch.dtype, make_linear: MakeLinear | 
     return {f"{method.upper()} ({n})": what}
 
 
-def _open_gguf(p: Path, dt: torch.dtype, dev: torch.device) -> Checkpoint:
+def _open_gguf(src: ModelSource, dt: torch.dtype, dev: torch.device) -> Checkpoint:
     """A GGUF file's meta model (its config from the GGUF metadata, ``gguf_io.hf_config``)."""
     from llmsys.engine.loader import gguf_io
-    from llmsys.engine.loader.gguf_header import read_header
 
-    header = read_header(p)
+    p, header = src.path, src.gguf_header
     index = gguf_io.GGUFIndex(p, header, gguf_io.hf_config(p, header))  # gguf_io.open_index, header kept
     family = family_for(index.config, str(p))
     names = [t.name for t in header.tensors]  # llama.cpp's names: a tensor past block_count is named as stored
@@ -426,8 +412,7 @@ def _open_gguf(p: Path, dt: torch.dtype, dev: torch.device) -> Checkpoint:
     gguf_io.check_complete(p, index, model)
     validate.check_tensors(model, lambda n: index.info(n) if n in index else None, p,
                            lambda n: f"{index.info(n).gguf_name} ({n})")
-    return Checkpoint(p, model, family.__name__.rsplit(".", 1)[1], index.config, index, dt, dev, "gguf",
-                      gguf_header=header)
+    return Checkpoint(p, model, family.__name__.rsplit(".", 1)[1], index.config, index, dt, dev, ModelFormat.GGUF)
 
 
 def materialize_checkpoint(ck: Checkpoint, make_linear: MakeLinear | None = None, progress: bool = True,

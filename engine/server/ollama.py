@@ -422,14 +422,10 @@ def _quant_level(llm: Any) -> str:
 
 
 def _model_format(path: Any) -> str:
-    from llmsys.engine.loader.gguf_io import is_gguf
-    from llmsys.engine.loader.llama2c import is_llama2c
+    from llmsys.engine.loader.detect import ModelFormat, detect_model
 
-    if is_gguf(path):
-        return "gguf"
-    if is_llama2c(path):
-        return "llama2c"
-    return "safetensors"
+    fmt = detect_model(path).format
+    return "safetensors" if fmt is ModelFormat.HF else fmt.value
 
 
 def _defaults(generation_config: dict[str, Any]) -> dict[str, float]:
