@@ -1,26 +1,16 @@
-"""Building an engine from an :class:`EngineConfig`, in named steps.
+"""Building an engine from an :class:`EngineConfig`, in named steps: each takes what the previous ones
+returned and sets nothing on objects built earlier.
 
-Each step takes what the previous ones produced and returns a value; none
-calls back into a caller or sets fields on objects built earlier:
-
-1. :func:`resolve`: the model path, device and dtype, each resolved once; the
-   memory budgets checked against the machine (:func:`check_budgets`).
+1. :func:`resolve`: model path, device and dtype, each once; budgets checked (:func:`check_budgets`).
 2. ``open_checkpoint`` (loader): the model's skeleton on the meta device.
-3. :func:`place`: the offload plan for that skeleton and the runtime that
-   carries it out (``None`` when everything is resident), plus the KV pool
-   size an explicit memory budget allows. The model's limits are known from
-   here on: ``--max-model-len`` past the model's positions and KV sizes past
-   what their tier has free are refused (:func:`context_limit`,
-   :func:`check_kv_room`) before any weight is read.
+3. :func:`place`: the offload plan and runtime (``None``: all resident), the KV size a budget allows;
+   ``--max-model-len`` and KV sizes past the model or their tier are refused here (:func:`context_limit`,
+   :func:`check_kv_room`), before any weight is read.
 4. ``materialize_checkpoint`` (loader): the weights, placed as planned.
-5. :func:`prepare`: the model passes, in order: offload hooks, then on the
-   CPU prepacking linears (with the tied embedding served from the file), or ``never_pack`` for tools that
-   rewrite weights.
-6. :func:`size_kv_pool`: the KV pool spec and the per-request context limit
-   (the same checks again: llama2.c files come here without step 3).
+5. :func:`prepare`: offload hooks, then CPU prepacking (a tied embedding served from the file) or ``never_pack``.
+6. :func:`size_kv_pool`: the pool spec and per-request context limit (checked again: llama2.c files
+   load in one go, always resident, and skip steps 2-4).
 7. ``EngineCore``, given all of the above.
-
-llama2.c files skip steps 2-4 (they load in one go and are always resident).
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """The engine client: the one thread that touches an :class:`EngineCore`, for every front end.
 
-The core is not thread-safe and a step can take a while, so front ends (the HTTP server, the
-chat TUI) never call it. They hand :class:`Submission` objects to :meth:`EngineClient.submit`;
-aborts, shutdown and :meth:`EngineClient.call` (run a function between steps) travel through
-the same thread-safe inbox. The thread drains the inbox between steps, admits waiting
-submissions while fewer than ``max_concurrency`` run, calls ``core.step()`` (continuous
-batching) and hands each chunk to its submission's ``sink``. Admission control lives here so it
-is atomic with the engine's view: a submission is refused (:class:`QueueFullError`) when running
-+ queued would exceed ``max_concurrency + max_queue``.
-
-Every path is guarded: a failed step ends the running requests (each sink gets an
-:class:`Interrupted` saying why) and the thread goes on; an error outside the step is logged and
-every request still waiting is told before the thread ends, so no front end waits on a sink
-nobody fills. Front ends add their own bookkeeping (metrics, a live panel) by overriding the
-``on_*`` hooks, which run on the engine thread.
+The core is not thread-safe, so the server and the TUI hand :class:`Submission` objects to
+:meth:`EngineClient.submit`; aborts, shutdown and :meth:`EngineClient.call` share that inbox. Between
+steps the thread drains it, admits while fewer than ``max_concurrency`` run (:class:`QueueFullError` past
+``max_concurrency + max_queue``, atomic with the engine's view), steps, and hands chunks to each ``sink``.
+A failed step ends the running requests (:class:`Interrupted`) and the thread goes on; an error outside a
+step tells every waiting request before the thread ends. Front ends override the ``on_*`` hooks (run on
+the engine thread) for their own bookkeeping.
 """
 
 from __future__ import annotations

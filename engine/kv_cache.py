@@ -129,26 +129,12 @@ def make_kv_pool(spec: KVCacheSpec, device: torch.device) -> KVPool:
 class BlockAllocator:
     """Hands out block ids; counts references; keeps freed prefix blocks findable.
 
-    Block 0 is reserved as a scratch block: padded gather indices point at it,
-    so it must never hold a live token.
-
-    A block may be shared by several sequences (prefix caching,
-    :mod:`llmsys.engine.prefix_cache`): ``lookup`` adds a reference to each
-    block it finds, ``free`` drops one, and the block is free again only at
-    zero. A full block whose
-    contents were registered under a prefix hash (``register``) is not wiped
-    when its last reference goes: it waits in a least-recently-freed list and
-    can be found again by ``lookup`` until ``allocate`` needs it for new data
-    (plain free blocks go first). Such blocks count as free: they hold no live
-    request's tokens.
-
-    Cold blocks (``num_cold`` > 0, a KV tier beyond the pool,
-    :mod:`llmsys.offload.kv_tier`): ids ``num_blocks .. num_blocks + num_cold
-    - 1``. They are never handed out for new data; :meth:`demote` moves a
-    referenced pool block's reference (and its prefix registration) to a cold
-    id, and the pool block is free again. Freed registered cold blocks wait in
-    their own least-recently-freed list, so a later prompt finds its prefix in
-    the cold tier. ``num_free`` / ``num_used`` count pool blocks only.
+    Block 0 is scratch (padded gathers point at it; it never holds a live token). Shared blocks (prefix
+    caching): ``lookup`` adds a reference, ``free`` drops one, the block is free at zero; a registered full
+    block then waits, least-recently-freed, findable until ``allocate`` needs it (plain free blocks go first),
+    and counts as free. Cold ids ``num_blocks .. num_blocks + num_cold - 1`` (:mod:`llmsys.offload.kv_tier`)
+    are never handed out: :meth:`demote` moves a pool block's reference and registration to one and frees the
+    pool block; freed registered cold blocks wait in their own list. ``num_free`` / ``num_used``: pool blocks.
     """
 
     def __init__(self, num_blocks: int, num_cold: int = 0):

@@ -1,37 +1,13 @@
-"""Sampling: turn one step of logits into one token per sequence.
+"""Sampling: :class:`SamplingParams` (one request's validated, immutable knobs, built by every front end)
+and :class:`Sampler` (the batched kernel the engine calls once per step).
 
-Two halves:
-
-* :class:`SamplingParams` -- the user-facing, validated, immutable knobs of one
-  request (what the OpenAI server, the CLI and ``LLM.generate`` all build).
-* :class:`Sampler` -- the batched kernel the engine calls once per decode step.
-
-Why it is shaped this way:
-
-* Every transformation is a batched tensor op driven by per-row parameter
-  tensors, so a batch of 32 sequences with 32 different settings costs about
-  as much as one; there is no per-row Python loop over the vocabulary.
-* A row's result must not depend on who else is in the batch (continuous
-  batching reshuffles batches every step). So rows whose knob is "off" go
-  through exact no-ops (``x / 1.0``, ``x - 0.0``, explicit row masks) and the
-  random draw for a seeded row uses only that row's own ``torch.Generator``,
-  consuming exactly ``V`` uniform draws per sampled step. Same seed + same
-  params + same logits -> same tokens, alone or in any batch.
-* The draw is the exponential race (``argmax(p / E)``, ``E ~ Exp(1)``), which
-  samples exactly from ``p`` and needs only an argmax, no CDF search.
-
-Order of operations (the same as Hugging Face's ``generate``, so the processed
-distribution can be checked against transformers' logits processors):
-
-1. ``min_tokens``: EOS / stop token ids -> ``-inf`` while the output is short.
-2. repetition penalty (HF/CTRL) over prompt + output tokens, then presence /
-   frequency penalties (OpenAI) over output tokens.
-3. greedy rows (temperature 0) take the argmax here.
-4. temperature, top-k, top-p, min-p, then the random draw.
-
-Reported logprobs come from the raw ``log_softmax`` of the model's logits,
-before any of the above (vLLM's default), so they describe the model, not the
-sampling settings.
+Every transform is a batched tensor op on per-row parameter tensors, so 32 settings cost about one. A
+row's result never depends on its batch: "off" knobs are exact no-ops and a seeded row draws only from
+its own ``torch.Generator``, ``V`` uniforms per sampled step, by the exponential race (``argmax(p / E)``,
+``E ~ Exp(1)``: exact, no CDF search). Order, as HF ``generate``: ``min_tokens`` masks EOS/stop ids;
+repetition penalty (prompt + output), then presence/frequency (output); greedy rows take the argmax;
+temperature, top-k, top-p, min-p, the draw. Reported logprobs are the raw ``log_softmax`` (vLLM's
+default): they describe the model, not the settings.
 """
 
 from __future__ import annotations
@@ -109,20 +85,12 @@ def _is_number(v: object) -> bool:
 class SamplingParams:
     """How to pick tokens for one request. Validated on construction.
 
-    ``max_tokens=None`` generates up to the context limit; ``temperature=0`` is
-    greedy; ``top_k`` of 0 or -1 disables top-k; ``logprobs=k`` returns the
-    chosen token's logprob plus the top-k alternatives (``None`` = off).
-
-    ``kv_policy``: this request's KV eviction policy (``--kv-policy`` syntax,
-    e.g. ``"sink:4,window:252"``, parsed here; ``None`` = the engine's). It is
-    not a sampling knob but rides along because every front end builds one of
-    these per request; the engine checks it fits (``PolicyRuntime.resolve``).
-
-    ``n``: completions per prompt. Each is its own engine request (its own KV
-    and generator); ``EngineCore.add_request(..., sample_index=i)`` adds
-    completion ``i``, whose generator is ``make_generator(seed, index=i)``, so
-    seeded completions differ from each other yet repeat run to run, and
-    completion 0 equals the ``n=1`` request.
+    ``max_tokens=None``: up to the context limit; ``temperature=0``: greedy; ``top_k`` 0 or -1: off;
+    ``logprobs=k``: the chosen token's logprob plus the top-k alternatives (``None``: off). ``kv_policy``:
+    this request's KV eviction policy (``--kv-policy`` syntax; ``None``: the engine's), carried here because
+    every front end builds one of these; the engine checks it (``PolicyRuntime.resolve``). ``n``: completions,
+    each its own request (``EngineCore.add_request(..., sample_index=i)``, generator ``make_generator(seed,
+    index=i)``): seeded completions differ yet repeat run to run, and completion 0 equals ``n=1``.
     """
 
     max_tokens: int | None = 16

@@ -1,24 +1,13 @@
-"""The engine's MoE tensor names found under the other names checkpoints store them by.
+"""The engine's MoE tensor names, found under the other names checkpoints store them by.
 
-The engine names an expert's weights as Qwen's Hub checkpoints do (``model.layers.N.mlp.experts.E.gate_proj.weight``,
-and what transformers' ``save_pretrained`` writes for every MoE family), one ``[I, H]`` matrix each, so each
-expert is a ``Linear`` that quantizes and streams like any projection. Two other layouts are met:
-
-* Mixtral's Hub checkpoints: ``block_sparse_moe.gate`` and ``block_sparse_moe.experts.E.w1/w3/w2`` (gate/up/down);
-* transformers' in-memory layout (a checkpoint saved without its conversion back): ``mlp.experts.gate_up_proj``
-  ``[E, 2 I, H]`` (gate rows first) and ``mlp.experts.down_proj`` ``[E, H, I]``;
-* gpt-oss's (``TransformerArgs.experts_layout`` ``"gpt_oss"``): the router is ``mlp.router`` (weight and
-  bias), ``mlp.experts.gate_up_proj`` ``[E, H, 2 I]`` multiplies from the right (``x @ W``) with gate and up
-  interleaved column by column, ``down_proj`` ``[E, I, H]``, biases ``gate_up_proj_bias [E, 2 I]`` and
-  ``down_proj_bias [E, H]``; or, in openai's release, the two matrices as MXFP4 ``*_blocks`` / ``*_scales``
-  with one row per output (``quant/mxfp4.py``).
-
-Each engine name is added to the index as a view of the stored bytes (``CheckpointIndex.add_view``): an
-expert's gate rows, up rows and down matrix are each one contiguous range of the fused tensors, so nothing
-is copied, and the offload runtime streams a view like any stored tensor. gpt-oss's matrices are strided
-(every other column) or packed, so each is derived instead (``CheckpointIndex.add_derived``): its expert's
-piece read alone and rearranged (or dequantized) when the loader asks for it; an offloaded one streams from
-the offload file, written once it is made.
+The engine names experts as Qwen's Hub checkpoints do (``model.layers.N.mlp.experts.E.gate_proj.weight``),
+one ``[I, H]`` ``Linear`` each, so experts quantize and stream like any projection. Also read: Mixtral's
+``block_sparse_moe.gate`` / ``experts.E.w1,w3,w2``; transformers' in-memory ``gate_up_proj [E, 2 I, H]``
+(gate rows first) and ``down_proj [E, H, I]``; gpt-oss's ``mlp.router`` (with bias), ``gate_up_proj [E, H,
+2 I]`` (``x @ W``, gate/up interleaved by column), ``down_proj [E, I, H]``, their biases, or MXFP4
+``*_blocks`` / ``*_scales`` (``quant/mxfp4.py``). Contiguous pieces become views of the stored bytes
+(``CheckpointIndex.add_view``: no copy, streamable); gpt-oss's strided or packed ones are derived when
+asked (``CheckpointIndex.add_derived``), offloaded ones written to the offload file once.
 """
 
 from __future__ import annotations

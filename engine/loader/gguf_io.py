@@ -1,51 +1,17 @@
-"""GGUF files (llama.cpp, LM Studio, the Ollama store) opened as llmsys checkpoints.
+"""GGUF files (llama.cpp, LM Studio, the Ollama store) opened as llmsys checkpoints: no second download.
 
-Why read GGUF at all: it is the format people already hold their models in;
-without it a new user downloads every model again before trying llmsys.
+Header: :mod:`gguf_header`; tensors are read with ``preadv`` into fresh buffers one at a time (peak = the
+model plus one tensor; nothing mapped after load); ``gguf`` supplies the type tables and decoders.
 
-What a GGUF becomes here (the header is parsed by :mod:`gguf_header`, and tensors are read
-with ``preadv`` piece by piece, so peak memory is the model plus one tensor, as for
-safetensors; the ``gguf`` package supplies the type tables and the K-quant decoders):
-
-* **The config**: ``general.architecture`` and its ``<arch>.*`` keys are turned
-  into the Hugging Face ``config.json`` fields the model families read
-  (:func:`hf_config`, :func:`_family_fields`), so the same family code builds the model. Handled:
-  ``llama`` (also Mistral and SmolLM; with ``expert_count``, Mixtral), ``qwen2``, ``qwen3``,
-  ``gemma2``, ``gemma3``, ``phi3``, ``qwen2moe``, ``qwen3moe``, ``gpt-oss``, read with llama.cpp's
-  defaults where a key is absent (Gemma's attention scale, Gemma 3's 5:1 sliding pattern).
-* **Tensor names** ``blk.N.attn_q.weight`` ... map back to HF names
-  (``model.layers.N.self_attn.q_proj.weight`` ...; per-family ones in :data:`ARCH_LAYER_NAMES`).
-  llama.cpp's ``llama`` architecture rotates adjacent pairs (interleaved RoPE), so its q/k rows were
-  reordered when the file was written; they are put back into the rotate-half
-  order here (``interleaved_to_hf``). The other architectures use llama.cpp's
-  NEOX RoPE: rows as they are. Gemma's norm weights were stored as ``1 + w`` and
-  are read back as ``w``. An MoE layer's experts are stacked in one tensor per
-  projection (``ffn_gate_exps`` ...): each expert is read as its own matrix at its
-  own offset (:func:`expert_slice`), codes kept as stored like any matrix.
-* **Tensor types**: where a GGUF block format is exactly an llmsys layout the
-  codes are kept as they are: **Q4_0** (32 codes, ``w = (q - 8) * d``, d fp16)
-  *is* canonical int4 with group 32, zero 8 and fp16 scales, so such layers
-  become :class:`~llmsys.quant.Int4Linear` (the C a8 kernels read the fp16
-  scales in place); **Q8_0** (``w = q * d`` per 32) and **Q5_0** (``w = (q - 16) * d``, 5-bit q)
-  become :class:`~llmsys.quant.Int8BlockLinear`; all with the file's weights bit for
-  bit, and the embedding too (``QuantEmbedding``, also the tied head). **Q4_1**
-  (``w = d * q + m`` per 32) and **Q4_K** (super-blocks of 256: sub-block j of 32
-  has ``w = (d * sc_j) * q - dmin * m_j`` with 6-bit sc_j, m_j) are int4 with
-  group 32 whose minimum is a float, not a multiple of the scale: they become
-  ``Int4Linear`` with ``w = q * scale + offset`` (the float32 products llama.cpp's own
-  dequantization computes; Q4_K's 6-bit scales and minimums and fp16 ``d``, ``dmin``
-  kept as stored and multiplied in the kernel, Q4_1's as float32). Every
-  other type (F32/F16/BF16 and the other block formats gguf can decode:
-  Q5_1, Q2_K, Q3_K, the IQ types, ...) is dequantized at load to the engine dtype, or
-  re-quantized to the ``--quant`` format when one is given; :func:`conversions`
-  says which happened to which tensors (``memory_report()``, the load notice).
-  **Q6_K** (6-bit codes, ``w = d * sc * (q - 32)`` with an int8 ``sc`` per 16)
-  becomes ``Int8BlockLinear`` with its codes minus 32 and its ``sc`` and ``d`` as
-  stored; **Q5_K** (5-bit codes with Q4_K's scales and minimums) becomes
-  ``Int8BlockLinear`` with float32 scales and offsets per 32 columns.
-
-Tensor bytes are read into fresh buffers (no mapping), so nothing keeps the
-file open or its pages in the process's RSS after loading.
+* Config: ``<arch>.*`` keys become HF ``config.json`` fields (:func:`hf_config`) for ``llama`` (Mistral,
+  SmolLM, Mixtral), ``qwen2``, ``qwen3``, ``gemma2``, ``gemma3``, ``phi3``, ``qwen2moe``, ``qwen3moe``,
+  ``gpt-oss``, with llama.cpp's defaults where a key is absent.
+* Names: ``blk.N.attn_q.weight`` -> HF names (:data:`ARCH_LAYER_NAMES`); ``llama``'s interleaved q/k rows go
+  back to rotate-half (``interleaved_to_hf``; the others are NEOX, as stored); Gemma's ``1 + w`` norms read
+  as ``w``; stacked experts are read per expert at their offsets (:func:`expert_slice`).
+* Kept as stored, bit for bit: Q4_0 (canonical int4, group 32, zero 8), Q4_1 and Q4_K (with float offsets)
+  -> ``Int4Linear``; Q8_0, Q5_0, Q6_K, Q5_K -> ``Int8BlockLinear``; the embedding too (``QuantEmbedding``).
+  Other types are dequantized to the engine dtype or re-quantized to ``--quant`` (:func:`conversions`).
 """
 
 from __future__ import annotations

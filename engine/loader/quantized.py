@@ -1,24 +1,11 @@
-"""Quantized checkpoints: ``llmsys quantize`` output, AWQ and GPTQ directories.
+"""Quantized checkpoints (``llmsys quantize`` output, AWQ and GPTQ directories), rebuilt from stored tensors.
 
-A directory whose ``config.json`` has a ``quantization_config`` is loaded
-here instead of through float materialization: every quantized linear is
-rebuilt from its stored tensors (``from_quantized``: no re-quantization and
-no full-precision copy at any point), tensor by tensor, with each tensor's
-shape checked against the model so a corrupt or mismatched file fails with
-the tensor's name.
-
-Formats (``quantization_config.quant_method``):
-
-* ``llmsys`` — written by :func:`save_quantized`. Per quantized module
-  ``{name}.qweight`` plus the layer's other ``state_dict`` tensors
-  (``quant/README.md`` layouts), ``format`` = the ``--quant`` name. A quantized
-  token embedding is stored as ``model.embed_tokens.{qweight,...}`` and, for tied
-  models, is also the LM head.
-* ``awq`` — AutoAWQ GEMM (``qweight int32 [K, N/8]``, ``qzeros``, ``scales``),
-  4 bits; converted by ``llmsys.quant.awq_gptq.awq_to_canonical``.
-* ``gptq`` — AutoGPTQ/optimum (``qweight int32 [K/8, N]``, ``qzeros``,
-  ``scales``, ``g_idx``; act-order supported), 4 bits; ``checkpoint_format``
-  ``gptq`` (v1, zero + 1) or ``gptq_v2``.
+A ``config.json`` with a ``quantization_config`` loads here: each quantized linear comes from its
+tensors (``from_quantized``: no re-quantization, no full-precision copy), each shape checked so a bad
+file fails naming the tensor. ``quant_method``: ``llmsys`` (:func:`save_quantized`: ``{name}.qweight``
+plus the layer's state_dict, ``quant/README.md`` layouts; a quantized embedding is also the tied head),
+``awq`` (AutoAWQ GEMM, 4 bits, ``awq_to_canonical``), ``gptq`` (AutoGPTQ/optimum, 4 bits, act-order;
+``checkpoint_format`` ``gptq`` v1 or ``gptq_v2``).
 """
 
 from __future__ import annotations

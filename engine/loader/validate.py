@@ -1,21 +1,11 @@
 """The checks every checkpoint passes before anything big is allocated.
 
-Why one module: each format becomes the same two things before its weights are
-read -- a Hugging Face config dict (``config.json`` itself, a GGUF's metadata
-through ``gguf_io.hf_config``, a llama2.c header in ``llama2c.load``) and a meta
-skeleton with the stored tensors' shapes beside it -- so one set of rules covers
-them all. Without them a bad value surfaces far from its cause: ``hidden_size`` 0
-as a ZeroDivisionError, ``num_hidden_layers: 1000000`` as a skeleton that grows
-~40 MB/s and never fails, ``max_position_embeddings`` 10^12 as an 8 TB RoPE
-table, ``rope_theta`` 0 as empty output with exit 0, a tensor of the wrong shape
-as an IndexError in the first forward. Each failure here is one line
-(:mod:`llmsys.kernels.common.errors`) naming the file, the field or tensor, the
-value, the limit and the fix.
-
-The upper limits are far above every model of the supported families (Llama 3.1
-405B: hidden 16384, intermediate 53248, 126 layers, 128 heads; Qwen2.5-1M: 1,010,000
-positions; Gemma-sized vocabularies: 262,144): they only stop values no real
-model has, which would otherwise allocate without bound.
+Every format becomes an HF config dict and a meta skeleton beside the stored shapes before its weights
+are read, so one set of rules covers them all; unchecked, a bad value surfaces far from its cause
+(``hidden_size`` 0 as a ZeroDivisionError, ``max_position_embeddings`` 10^12 as an 8 TB RoPE table). Each
+failure is one line (:mod:`llmsys.kernels.common.errors`) naming file, field or tensor, value, limit and
+fix. The limits sit far above every supported model (Llama 3.1 405B's sizes, Qwen2.5-1M's 1,010,000
+positions, 262,144-token vocabularies): they stop only values that would allocate without bound.
 """
 
 from __future__ import annotations

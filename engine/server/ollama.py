@@ -1,72 +1,15 @@
-"""Ollama's API (``/api/...``) on the llmsys server, beside the OpenAI one.
+"""Ollama's API (``/api/...``) beside the OpenAI one, so the ``ollama`` client and the apps on it work.
 
-So the official ``ollama`` client and the apps built on it (Open WebUI, editor
-plugins) can use llmsys: ``POST /api/chat`` and ``POST /api/generate`` (NDJSON
-streams by default, ``"stream": false`` for one object), ``GET /api/tags``,
-``POST /api/show``, ``GET /api/ps``, ``GET /api/version``, and ``GET``/``HEAD
-/`` ("Ollama is running", which clients probe). ``/api/embed`` and
-``/api/embeddings`` answer 501 (llmsys serves no embedding model), as do the
-model-management routes (``/api/pull``, ``push``, ``create``, ``copy``, ``delete``:
-a server serves the one model it was started with; ``llmsys pull`` downloads).
-
-Requests run on the same machinery as ``/v1``: :class:`Preparer` for readiness,
-prompt checks and chat rendering, :class:`Job` for the engine thread (so Ollama
-and OpenAI clients batch together). What differs is the wire format:
-
-* errors are Ollama's ``{"error": "message"}`` (plus ``"code"`` where the 400 is
-  one of the model-dependent :data:`SEMANTIC_CODES`), whatever raised them: the
-  route class below reshapes validation errors and :class:`APIError` s. Errors
-  the guard middleware answers before a route runs (401, 403, 408, 413) keep
-  the OpenAI shape; the ``ollama`` client reads both.
-* a body is JSON whatever its ``Content-Type`` (``curl -d``, as in Ollama's own
-  docs, sends ``application/x-www-form-urlencoded``).
-* sampling defaults are Ollama's (temperature 0.8, top_k 40, top_p 0.9), or the
-  checkpoint's ``generation_config.json`` when it samples (``do_sample``): that
-  file is what a Modelfile's ``PARAMETER`` lines are to Ollama.
-
-Every Ollama option is either honoured or refused with a 400 naming it
-(code ``unsupported_parameter``), never ignored:
-
-=====================  =================================================================
-option                 here
-=====================  =================================================================
-temperature, top_k,    sampling parameters (top_p 0 = the most likely token, as
-top_p, min_p           llama.cpp does it)
-seed                   the request's generator (-1 = random, as llama.cpp)
-num_predict            max_tokens; -1 or 0 = until EOS or the context is full (under a
-                       sliding --kv-policy: until EOS), -2 = until the context is full
-stop                   stop strings
-repeat_penalty         repetition_penalty, over prompt + output (the whole context)
-presence_penalty,      OpenAI's penalties, over the output
-frequency_penalty
-repeat_last_n          -1, 0 (penalties off) or >= the context: honoured; any other
-                       window: 400 unless no penalty is on
-num_ctx                a per-request context bound (the prompt must fit, generation stops
-                       at it); larger than the server's context: 400
-num_keep               accepted while the server's KV policy never evicts (every token is
-                       kept); under a sliding policy: 400
-typical_p, tfs_z       only 1 (off); mirostat only 0 (mirostat_tau/_eta then unused)
-penalize_newline       true (newlines are penalised like any token); false: 400 unless
-                       no penalty is on
-num_gpu, main_gpu,     load-time settings: accepted when equal to what is loaded
-num_thread, num_batch, (num_gpu -1 / num_thread 0 = "as loaded"), else 400
-f16_kv, use_mmap
-numa, low_vram,        only false
-logits_all, vocab_only,
-embedding_only,
-use_mlock
-=====================  =================================================================
-
-Request fields: ``system``, ``raw``, ``context`` (the token ids a templated
-``/api/generate`` returns, accepted as the prompt's prefix), ``logprobs`` /
-``top_logprobs`` and ``keep_alive`` (accepted; the served model stays loaded
-for the server's life) are implemented; ``suffix``, ``template``, ``images`` and
-``think`` (other than false) are 400s. ``format`` ("json" or a JSON schema) and
-``tools`` (parsed out of the output as OpenAI's ``tool_choice: auto``; Ollama has
-no tool_choice) go through the same grammar and tool-call machinery as ``/v1``
-(llmsys.engine.grammar, engine/server/tools.py). An empty prompt (``/api/generate``) or no
-messages (``/api/chat``) is Ollama's "load the model" ping: answered at once
-with ``done_reason`` "load".
+Chat and generate (NDJSON streams; ``"stream": false``: one object), tags, show, ps, version and ``/``;
+embeddings and model management answer 501. Requests share ``/v1``'s :class:`Preparer` and :class:`Job`
+(both APIs batch together); only the wire differs: errors are ``{"error": ...}`` (``"code"`` for
+:data:`SEMANTIC_CODES`; the guard middleware's 401/403/408/413 keep OpenAI's shape), a body is JSON
+whatever its ``Content-Type``, and sampling defaults are Ollama's (temperature 0.8, top_k 40, top_p 0.9)
+unless ``generation_config.json`` samples. Every option and field is honoured or refused with a 400
+naming it (``unsupported_parameter``), never ignored: the table is docs/usage.md's "Ollama API". Beyond
+it: ``num_predict`` -1 / 0 runs until EOS or a full context (EOS only under a sliding ``--kv-policy``),
+``num_ctx`` bounds the request, ``repeat_penalty`` covers prompt + output, and an empty prompt or no
+messages is Ollama's load ping (``done_reason`` "load").
 """
 
 from __future__ import annotations
@@ -161,7 +104,7 @@ _FrequencyPenalty = sampling_field("frequency_penalty", float | None)
 
 class OllamaOptions(_Model):
     """Ollama's ``options`` (Modelfile parameters). An option Ollama does not know is a 400,
-    as is a value llmsys cannot honour (see the module docstring's table)."""
+    as is a value llmsys cannot honour (the table: docs/usage.md, "Ollama API")."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     INT_FIELDS: ClassVar[tuple[str, ...]] = ("num_ctx", "num_batch", "num_gpu", "main_gpu", "num_thread", "num_keep",
