@@ -1,22 +1,11 @@
 """Load-time weight quantization: the ``make_linear`` hook the loader calls.
 
-The loader (``engine/loader/common.materialize``) reads one checkpoint tensor
-at a time and hands every linear weight (and the token embedding) to this
-hook, which returns the quantized module; the float tensor is dropped right
-after, so peak memory is the quantized model plus one float tensor (and the
-quantizers' float32 temporaries, bounded by quantizing in row chunks:
-``quant.base.quantize_rows``), never the full-precision model.
-
-What gets quantized (the ``--quant`` format applies to all of them):
-
-* every ``nn.Linear`` of the decoder layers;
-* the token embedding (a :class:`~llmsys.quant.embedding.QuantEmbedding`
-  that dequantizes only the looked-up rows) and the LM head. With tied
-  embeddings the one quantized table serves both. Why: on the Qwen2.5-0.5B
-  shape the 151936 x 896 table is 28% of the weights; keeping it in bf16 would
-  leave int4 at ~0.48x of bf16 (target <= 0.30x) and the LM head — the
-  biggest single matmul of a decode step — on the slow dense path.
-  ``keep_float=("lm_head", "model.embed_tokens")`` opts out.
+The loader (``engine/loader/common.materialize``) hands each linear weight and the token embedding here
+one tensor at a time and drops the float tensor after, so peak memory is the quantized model plus one
+float tensor (quantizers' temporaries bounded by ``quant.base.quantize_rows``). ``--quant`` applies to
+every decoder ``nn.Linear``, the token embedding (:class:`~llmsys.quant.embedding.QuantEmbedding`,
+dequantizing only looked-up rows) and the LM head (one table when tied): on small models the embedding
+is a large share of the bytes (docs/benchmarks.md). ``keep_float=("lm_head", "model.embed_tokens")`` opts out.
 """
 
 from __future__ import annotations
@@ -284,19 +273,13 @@ def awq_calibrate(model: nn.Module, seqs: list[list[int]], spec: QuantSpec, prog
                   clip: bool = True) -> int:
     """Quantize a float ``model`` in place with AWQ (``llmsys.quant.awq``); returns layers quantized.
 
-    Per decoder layer, one float pass collects the inputs' ``X^T X`` and
-    ``mean|x|`` of each group of linears that read one input; each group's
-    per-input-channel scale ``s`` is searched (``quant.awq.search_scale``),
-    multiplied into the readers' columns and divided out of the op that
-    produces the input: ``input_layernorm`` (q, k, v), ``post_attention_layernorm``
-    (gate, up), ``up_proj``'s output rows (down), ``v_proj``'s output rows (o,
-    only without grouped-query attention; with it o_proj keeps ``1/s`` as its
-    ``input_scale``). Then every linear is rounded to int4 with AWQ's clip
-    search (``clip``; not on q/k, whose errors attention amplifies). As in AWQ,
-    the next layer is calibrated on the float layer's outputs. The LM head is
-    scaled into the final norm when untied; a head tied to the embedding is
-    only clip-searched (a scale would change the embedding rows), and an untied
-    embedding is round-to-nearest.
+    Per decoder layer, one float pass collects ``X^T X`` and ``mean|x|`` per group of linears reading one
+    input; each group's scale ``s`` (``quant.awq.search_scale``) multiplies the readers' columns and is
+    divided out of the producer: ``input_layernorm`` (q, k, v), ``post_attention_layernorm`` (gate, up),
+    ``up_proj``'s rows (down), ``v_proj``'s rows (o, without GQA; with it o_proj keeps ``input_scale``). Then
+    every linear is rounded to int4 with AWQ's clip search (not q/k, whose errors attention amplifies); the
+    next layer calibrates on the float layer's outputs. The LM head is scaled into the final norm when
+    untied, only clip-searched when tied; an untied embedding is round-to-nearest.
     """
     from llmsys.quant.awq import quantize_int4_clipped, search_clip, search_scale
     from llmsys.quant.int4 import Int4Linear
@@ -589,21 +572,13 @@ def refine_quantized(model: nn.Module, float_weights: dict[str, torch.Tensor], s
                      logit_chunk_bytes: int = LOGIT_CHUNK_BYTES, report_seqs: int | None = None) -> TuneReport:
     """Refine a GPTQ-quantized ``model`` in place by distilling the float model on ``seqs``.
 
-    GPTQ minimizes each layer's own output error; what matters is the model's
-    next-token distribution. This learns, against KL(float || quantized) on the
-    calibration sequences: every int4 layer's scales and one-step code moves
-    (:class:`~llmsys.quant.calibrate.TunableInt4`), and the RMSNorm weights
-    (stored in float anyway). Formats and bytes are unchanged.
-
-    The training forward is the model's own with a batched attention (:func:`train_hidden`,
-    :class:`_BatchedAttention`), checked against the engine's forward on the first batch. The defaults
-    (:data:`DEFAULT_TUNE_STEPS` 500 steps of 8 sequences, Adam ``lr`` 4e-3 on the scales and norms,
-    ``round_lr`` 0.015 for the code offsets) are the ones that held stories260k int4 g64 within +4%
-    perplexity for two calibration seeds; the sweep behind them is in docs/benchmarks.md ("quantize-cost").
-    ``float_weights``: the float state dict taken *before* quantizing (the teacher).
-    ``teacher_cache_bytes``: keep the teacher's log-probabilities of all of ``seqs`` up to this size,
-    else run the teacher per batch; ``logit_chunk_bytes``: the loss's logits per chunk (both change
-    memory and time, not the result beyond float summation order).
+    Learns, against KL(float || quantized), every int4 layer's scales and one-step code moves
+    (:class:`~llmsys.quant.calibrate.TunableInt4`) and the RMSNorm weights; formats and bytes are unchanged.
+    The training forward is the model's own with a batched attention (:func:`train_hidden`), checked against
+    the engine's forward on the first batch. Defaults (:data:`DEFAULT_TUNE_STEPS` steps of 8 sequences, Adam
+    ``lr`` 4e-3, ``round_lr`` 0.015) come from the "quantize-cost" sweep (docs/benchmarks.md).
+    ``float_weights``: the teacher's state dict, taken before quantizing. ``teacher_cache_bytes`` and
+    ``logit_chunk_bytes`` trade memory for time, never the result beyond float summation order.
     """
     from llmsys.quant.calibrate import TunableInt4
     from llmsys.quant.int4 import Int4Linear
