@@ -3,9 +3,8 @@
 Header: :mod:`gguf_header`; tensors are read with ``preadv`` into fresh buffers one at a time (peak = the
 model plus one tensor; nothing mapped after load); ``gguf`` supplies the type tables and decoders.
 
-* Config: ``<arch>.*`` keys become HF ``config.json`` fields (:func:`hf_config`) for ``llama`` (Mistral,
-  SmolLM, Mixtral), ``qwen2``, ``qwen3``, ``gemma2``, ``gemma3``, ``phi3``, ``qwen2moe``, ``qwen3moe``,
-  ``gpt-oss``, with llama.cpp's defaults where a key is absent.
+* Config: ``<arch>.*`` keys become HF ``config.json`` fields (:func:`hf_config`, llama.cpp's defaults for
+  absent keys) for ``llama``, ``qwen2``, ``qwen3``, ``gemma2``, ``gemma3``, ``phi3``, ``qwen2moe``, ``qwen3moe``, ``gpt-oss``.
 * Names: ``blk.N.attn_q.weight`` -> HF names (:data:`ARCH_LAYER_NAMES`); ``llama``'s interleaved q/k rows go
   back to rotate-half (``interleaved_to_hf``; the others are NEOX, as stored); Gemma's ``1 + w`` norms read
   as ``w``; stacked experts are read per expert at their offsets (:func:`expert_slice`).
