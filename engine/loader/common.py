@@ -86,8 +86,7 @@ def resolve_device(device: str) -> torch.device:
 def _cpu_has_fast_bf16() -> bool:
     """Does bf16 beat float32 here? With AVX512-BF16 / AMX (native bf16 matmuls), and with AVX2 too:
     bf16 weights stream at half the bytes (decode) and prefill runs float32 sgemm on upcast chunks
-    (``kernels.cpu_linear``). Zen 3, 2 threads, bf16 vs float32: Qwen2.5-0.5B shape pp128 183 vs 181
-    tok/s, tg 16.9 vs 13.5, peak RSS 1.6 vs 2.7 GiB; SmolLM2-135M pp 484 vs 469, tg 42.9 vs 29.3.
+    (``kernels.cpu_linear``), as fast as float32 at half the memory (docs/benchmarks.md).
     Older CPUs (no AVX2) keep float32. By cpuid (torch's cpuinfo), not /proc/cpuinfo text."""
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
                 or torch.cpu._is_avx2_supported())
@@ -168,8 +167,8 @@ def materialize(
     ``offload`` (an ``llmsys.offload.runtime.OffloadRuntime``) may leave a
     tensor on disk (``skip``), place it in CPU RAM (``device_for``) and is told
     when one is placed (``loaded``), so a streamed layer never becomes resident.
-    ``check_finite=False`` skips the NaN/inf check of each tensor read (one pass over it at memory speed:
-    +0.1-0.3 ms on stories260k's ~4 ms load, ~+10-15 ms per 135 MiB of float32 read from the page cache).
+    ``check_finite=False`` skips the NaN/inf check of each tensor read (one pass over it at memory
+    speed, small next to the read: docs/benchmarks.md).
     """
     names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
     tied = model.args.tie_word_embeddings

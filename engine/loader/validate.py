@@ -298,10 +298,9 @@ def check_finite(name: str, t: torch.Tensor, path: Path | str) -> None:
     """A float tensor as read must hold no NaN or infinity: one would spread through every later activation
     and come out as garbage text, with nothing naming its cause.
 
-    Why a sum first: any NaN or infinity makes the sum non-finite, and the sum is one pass with no temporary
-    (~0.04 ns per element); ``torch.isfinite(t).all()`` allocated a float and a bool copy (+39 MiB of peak RSS
-    on a 16 MiB table, 30x slower). Only a non-finite sum (a bad tensor, or finite values so large that their
-    sum overflows) pays for the exact count."""
+    Why a sum first: any NaN or infinity makes the sum non-finite, and the sum is one pass with no temporary,
+    where ``torch.isfinite(t).all()`` allocated a float and a bool copy (docs/benchmarks.md). Only a
+    non-finite sum (a bad tensor, or finite values so large that their sum overflows) pays for the exact count."""
     if not t.is_floating_point() or t.device.type == "meta" or not t.numel():
         return
     if t.element_size() == 1:  # float8: no sum kernel; fp16 holds every e4m3 / e5m2 value (and e5m2's inf)
