@@ -245,9 +245,8 @@ class _FixedLinear(nn.Module):
     """``F.linear(x, weight, bias)`` with a fixed dense weight in the activations' dtype: a quantized layer's
     dequantized weight, while calibration runs a layer over every calibration token.
 
-    Why: the int4 kernel's many-row path costs about twice a float GEMM; on stories260k's 512 x 128 tokens it
-    was 2.3 of GPTQ's 11.8 s (Zen 3, the other core busy). The outputs agree with the int4 layer's to float
-    rounding.
+    Why: the int4 kernel's many-row path costs about twice a float GEMM, a large share of GPTQ's time
+    (docs/benchmarks.md). The outputs agree with the int4 layer's to float rounding.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -465,8 +464,8 @@ class _BatchedAttention:
     their K/V in plain ``[b, Hk, L, D]`` tensors, one batched attention per layer.
 
     Why not the engine's backend (``engine/attention.py``): its paged pool attends one prompt at a time so a
-    sequence's bits never depend on its batch, and autograd through that per-sequence gather made a
-    stories260k refinement step ~200 ms; a training objective needs no batch invariance (a few ms a layer here).
+    sequence's bits never depend on its batch, and autograd through that per-sequence gather made refinement
+    steps many times slower (docs/benchmarks.md); a training objective needs no batch invariance.
     Every other op is the model's own, and ``refine_quantized`` checks the two forwards agree on its first
     batch (falling back to ``model_hidden`` if not). ``cache``: the generation mode
     (``self_generated_calibration``): K/V kept in ``[b, Hk, cache, D]`` tensors, one token per row per step.
