@@ -265,26 +265,8 @@ int a8_quantize(const void *x, int64_t ldx, int xf32, int64_t m_count, int64_t k
     return 0;
 }
 
-/* exact int32 dot of one full block of codes (scalar; tails and the portable build) */
-static inline int32_t dot_block_i8(const int8_t *qx, const int8_t *w, int64_t len) {
-    int32_t s = 0;
-    int64_t i = 0;
-#ifdef QA8_SSSE3
-    /* 16 bytes at a time, as the AVX2 code's dot32_i8: |x| times w with x's sign, pairs of int16 products
-       summed to int32 (codes within +-127, so no saturation), the sum exact in any order */
-    __m128i acc = _mm_setzero_si128();
-    for (; i + 16 <= len; i += 16) {
-        const __m128i xv = _mm_loadu_si128((const __m128i *)(qx + i)), wv = _mm_loadu_si128((const __m128i *)(w + i));
-        acc = _mm_add_epi32(acc, _mm_madd_epi16(_mm_maddubs_epi16(_mm_sign_epi8(xv, xv), _mm_sign_epi8(wv, xv)),
-                                                _mm_set1_epi16(1)));
-    }
-    acc = _mm_add_epi32(acc, _mm_srli_si128(acc, 8));
-    acc = _mm_add_epi32(acc, _mm_srli_si128(acc, 4));
-    s = _mm_cvtsi128_si32(acc);
-#endif
-    for (; i < len; i++) s += (int32_t)qx[i] * (int32_t)w[i];
-    return s;
-}
+/* exact int32 dot of a block of codes (isa.h: tails, and the builds without the AVX2 tiles) */
+static inline int32_t dot_block_i8(const int8_t *qx, const int8_t *w, int64_t len) { return isa_dot_i8(qx, w, len); }
 
 #ifdef QA8_AVX2
 static inline __m256i dot32_i8(__m256i ax, __m256i sx, const int8_t *w) {
@@ -347,6 +329,24 @@ static void int8_a8_rows(const a8_x *a, int64_t m, const int8_t *q, int64_t k, c
         _mm256_storeu_ps(fr, f);
         for (int r = 0; r < 8; r++) {
             float v = fr[r];
+            if (full < nb) v = v + (float)dot_block_i8(qx + full * A8, q + (n + r) * k + full * A8, k - full * A8)
+                                       * (bs ? half_to_f32(bs[full * bs_ld + n + r]) * dx[full] : dx[full]);
+            put1(out, m, n + r, bs ? v : v * bf(scales[n + r]));
+        }
+    }
+#else
+    for (; n + 8 <= n1; n += 8) { /* the 8 rows' exact block sums from isa.h, then the float steps row by row */
+        float f[8] = {0};
+        for (int64_t b = 0; b < full; b++) {
+            int32_t s[8];
+            float db[8];
+            for (int l = 0; l < 4; l++) __builtin_prefetch(q + (n + I8_AHEAD) * k + b * 8 * A8 + 64 * l, 0, PF_LOC);
+            isa_dot32_i8_x8(qx + b * A8, q + n * k + b * A8, k, s);
+            for (int r = 0; r < 8; r++) db[r] = bs ? half_to_f32(bs[b * bs_ld + n + r]) * dx[b] : dx[b];
+            for (int r = 0; r < 8; r++) f[r] = f[r] + (float)s[r] * db[r];
+        }
+        for (int r = 0; r < 8; r++) {
+            float v = f[r];
             if (full < nb) v = v + (float)dot_block_i8(qx + full * A8, q + (n + r) * k + full * A8, k - full * A8)
                                        * (bs ? half_to_f32(bs[full * bs_ld + n + r]) * dx[full] : dx[full]);
             put1(out, m, n + r, bs ? v : v * bf(scales[n + r]));
@@ -803,49 +803,7 @@ static void int4_a8_block(const a8_x *a, int64_t m0, int64_t m1, const uint8_t *
                     }
 #else
                     int32_t S[64] __attribute__((aligned(16)));
-#ifdef QA8_SSSE3
-                    /* the AVX2 code's pairs 128 bits at a time: u[i] interleaves two columns' bytes of rows
-                       8i .. 8i + 7 (low nibbles; high nibbles: rows + 32), int16 sums of 8 column pairs */
-                    const __m128i low4 = _mm_set1_epi8(15);
-                    __m128i s32[16];
-                    for (int v = 0; v < 16; v++) s32[v] = _mm_setzero_si128();
-                    for (int h16 = 0; h16 < 2; h16++) {
-                        __m128i a16[8];
-                        for (int v = 0; v < 8; v++) a16[v] = _mm_setzero_si128();
-                        const uint8_t *pc = p + h16 * 16 * 32;
-                        const int8_t *xc = qx + h16 * 16;
-                        for (int pr = 0; pr < 8; pr++) {
-                            const uint8_t *c0 = pc + 64 * pr;
-                            const __m128i v0l = _mm_loadu_si128((const __m128i *)c0), v0h = _mm_loadu_si128((const __m128i *)(c0 + 16));
-                            const __m128i v1l = _mm_loadu_si128((const __m128i *)(c0 + 32)), v1h = _mm_loadu_si128((const __m128i *)(c0 + 48));
-                            int16_t pw; /* the pair (qx[c], qx[c + 1]) as one little-endian word */
-                            memcpy(&pw, xc + 2 * pr, 2);
-                            const __m128i xp = _mm_set1_epi16(pw);
-                            const __m128i u[4] = {_mm_unpacklo_epi8(v0l, v1l), _mm_unpackhi_epi8(v0l, v1l),
-                                                  _mm_unpacklo_epi8(v0h, v1h), _mm_unpackhi_epi8(v0h, v1h)};
-                            for (int i = 0; i < 4; i++) {
-                                a16[i] = _mm_add_epi16(a16[i], _mm_maddubs_epi16(_mm_and_si128(u[i], low4), xp));
-                                a16[i + 4] = _mm_add_epi16(a16[i + 4], _mm_maddubs_epi16(
-                                    _mm_and_si128(_mm_srli_epi16(u[i], 4), low4), xp));
-                            }
-                        }
-                        for (int v = 0; v < 8; v++) { /* rows 8v .. 8v + 7 as int32 */
-                            s32[2 * v] = _mm_add_epi32(s32[2 * v], _mm_cvtepi16_epi32(a16[v]));
-                            s32[2 * v + 1] = _mm_add_epi32(s32[2 * v + 1], _mm_cvtepi16_epi32(_mm_srli_si128(a16[v], 8)));
-                        }
-                    }
-                    for (int v = 0; v < 16; v++) _mm_store_si128((__m128i *)(S + 4 * v), s32[v]);
-#else
-                    for (int j = 0; j < 64; j++) S[j] = 0;
-                    for (int c = 0; c < A8; c++) {
-                        const int32_t xv = qx[c];
-                        const uint8_t *pc = p + c * 32;
-                        for (int j = 0; j < 32; j++) {
-                            S[j] += xv * (int32_t)(pc[j] & 15);
-                            S[j + 32] += xv * (int32_t)(pc[j] >> 4);
-                        }
-                    }
-#endif
+                    isa_i4_dot64(p, qx, S); /* isa.h: the 64 rows' exact sums, in natural order (a8_row) */
                     for (int s = 0; s < 64; s++) {
                         if (has_offsets(md)) {
                             acc[m][s] = acc[m][s] + ((float)S[s] * (ss[s] * dxb) + (float)sxb * (os[s] * dxb));

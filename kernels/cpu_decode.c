@@ -36,6 +36,7 @@
 #include <string.h>
 
 #include "cpu_ops.h"
+#include "isa.h"
 
 int llmsys_rms_norm(const void *x, const void *res, const void *w, void *out, void *new_res, int64_t rows,
                     int64_t d, float eps, int f32, int threads) {
@@ -238,8 +239,8 @@ static void attend_head(const float *qf, const void *k, const void *v, const int
             continue;
         }
 #endif
-        load_row(k, rows[l], f32, row, d);
-        s[l] = ops_dot_f32(qf, row, d) * scale;
+        s[l] = (f32 ? isa_dot_f32(qf, (const float *)k + rows[l], d) : isa_dot_f32_bf16(qf, (const uint16_t *)k + rows[l], d))
+               * scale; /* NEON / SSE / C: ops_dot_f32's order */
     }
     float m = -INFINITY, z = 0.0f;
     for (int64_t l = 0; l < len; l++) m = s[l] > m ? s[l] : m;
@@ -248,7 +249,7 @@ static void attend_head(const float *qf, const void *k, const void *v, const int
     const __m256 mv = _mm256_set1_ps(m);
     for (; l + 8 <= len; l += 8) _mm256_storeu_ps(s + l, ops_exp8(_mm256_sub_ps(_mm256_loadu_ps(s + l), mv)));
 #endif
-    for (; l < len; l++) s[l] = ops_exp(s[l] - m);
+    isa_exp_sub(s + l, len - l, m);
     for (l = 0; l < len; l++) z = z + s[l]; /* in order */
     l = 0;
 #ifdef ATT_VEC
@@ -270,10 +271,11 @@ static void attend_head(const float *qf, const void *k, const void *v, const int
         for (; e + 8 <= d; e += 8)
             _mm256_storeu_ps(acc + e, _mm256_add_ps(_mm256_loadu_ps(acc + e), _mm256_mul_ps(pv, load8(v, rows[l] + e, f32))));
         if (e < d) load_row(v, rows[l], f32, row, d);
-#else
-        load_row(v, rows[l], f32, row, d);
-#endif
         for (; e < d; e++) acc[e] = acc[e] + p * row[e];
+#else
+        isa_axpy(acc + e, p, f32 ? (const void *)((const float *)v + rows[l] + e) : (const void *)((const uint16_t *)v + rows[l] + e),
+                 f32, d - e);
+#endif
     }
 }
 

@@ -215,13 +215,7 @@ void bf16_rows(const uint16_t *xb, int64_t ldx, int64_t m_count, int64_t k, cons
             }
         }
 #endif
-        for (; n < n1; n++) {
-            const uint16_t *wr = w + n * ldw;
-            float a[16] = {0};
-            for (int64_t i = 0; i < full; i += 16)
-                for (int j = 0; j < 16; j++) a[j] = a[j] + bf(x[i + j]) * bf(wr[i + j]);
-            put1(out, m, n, bf16_row_tail(a, x, wr, full, k));
-        }
+        for (; n < n1; n++) put1(out, m, n, isa_dot_bf16(x, w + n * ldw, k)); /* the rows left, NEON / SSE / C */
     }
 }
 
@@ -600,9 +594,8 @@ void f32_rows(const float *x, int64_t ldx, int64_t m_count, int64_t k, const flo
                                          _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, xr + full), _mm512_maskz_loadu_ps(mk, wr + full)));
             }
             out[m * ldo + n] = tree512(acc);
-#else
+#elif defined(__AVX2__)
             float a[16] = {0};
-#if defined(__AVX2__)
             __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
             for (int64_t i = 0; i < full; i += 16) {
                 lo = _mm256_add_ps(lo, _mm256_mul_ps(_mm256_loadu_ps(xr + i), _mm256_loadu_ps(wr + i)));
@@ -610,12 +603,10 @@ void f32_rows(const float *x, int64_t ldx, int64_t m_count, int64_t k, const flo
             }
             _mm256_storeu_ps(a, lo);
             _mm256_storeu_ps(a + 8, hi);
-#else
-            for (int64_t i = 0; i < full; i += 16)
-                for (int j = 0; j < 16; j++) a[j] = a[j] + xr[i + j] * wr[i + j];
-#endif
             for (int64_t j = 0; full + j < k; j++) a[j] = a[j] + xr[full + j] * wr[full + j];
             out[m * ldo + n] = ops_tree(a);
+#else
+            out[m * ldo + n] = isa_dot_f32(xr, wr, k); /* NEON / SSE / C */
 #endif
         }
     }

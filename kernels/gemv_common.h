@@ -11,7 +11,7 @@
 #include <string.h>
 
 #include "cpu_ops.h"
-#include "cpu_ops.h"
+#include "isa.h" /* the ISA primitives: the kernels' paths outside the x86 AVX2 / AVX-512 tiles */
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define QG_AVX512 1
@@ -91,9 +91,6 @@ typedef struct {
 #if defined(__AVX2__)
 #define QA8_AVX2 1
 #include <immintrin.h>
-#elif defined(__SSSE3__) && defined(__SSE4_1__)
-#define QA8_SSSE3 1 /* the x86-64-v2 build (no AVX): int4's byte dot products with 128-bit pmaddubsw */
-#include <smmintrin.h>
 #endif
 #if defined(QG_AVX512) && defined(__AVX512VNNI__)
 #define QA8_VNNI 1 /* AVX512-VNNI (the x86-64-v4-bf16 build): vpdpbusd sums 4 byte products into an int32 lane */

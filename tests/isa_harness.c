@@ -22,6 +22,8 @@ int llmsys_rope(const void *q, int64_t q_stride, const void *k, int64_t k_stride
                 int64_t d, int f32);
 int llmsys_gemv_f32(const float *x, int64_t ldx, const float *w, int64_t ldw, float *out, int64_t ldo,
                     int64_t m_count, int64_t n, int64_t k, int threads);
+int llmsys_gemv_bf16_io(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw, void *out, int64_t ldo,
+                        int64_t m_count, int64_t n, int64_t k, int threads, int io);
 int llmsys_decode_attention(const void *q, const void *k, const void *v, const int64_t *slots, const int64_t *lens,
                             float scale, void *out, int64_t b_count, int64_t l_max, int64_t hq, int64_t hk, int64_t d,
                             int f32, int threads);
@@ -94,6 +96,13 @@ int main(void) {
         char name[32];
         snprintf(name, sizeof name, "gemv_f32_m%d", m);
         dump(name, llmsys_gemv_f32(xf, D, gw, D - 3, gout, NF, m, NF, D - 3, 2), gout, 4 * m * NF);
+    }
+    /* the bf16 GEMV's float32 sums (IO_OUT_F32: not rounded to bf16, so a lane-order slip shows), K tail */
+    uint16_t *bw = bf16_array(NF * (D - 3), -1, 1);
+    for (int m = 1; m <= ROWS; m += 3) {
+        char name[32];
+        snprintf(name, sizeof name, "gemv_bf16_f32out_m%d", m);
+        dump(name, llmsys_gemv_bf16_io(x, D, bw, D - 3, gout, NF, m, NF, D - 3, 2, 2), gout, 4 * m * NF);
     }
 
     enum { T = 3, HQ = 8, HK = 2, HD = 64, MAXPOS = 32 };

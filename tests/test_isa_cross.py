@@ -172,4 +172,4 @@ def test_aarch64_builds_and_gives_the_baseline_bits(level, baseline, tmp_path, r
         pytest.skip("qemu-aarch64 or the aarch64 libraries are missing: built, not run")
     assert _same(baseline, _run([QEMU_ARM, "-L", str(SYSROOT), str(exe)])) == []
     request.config.stash[ISA_RUNS].setdefault(level, []).append(
-        "cross-built; qemu-aarch64: the C kernels give the x86-64 bits (tests/isa_harness.c)")
+        "cross-built; qemu-aarch64: the C kernels (NEON: kernels/isa_neon.h) give the x86-64 bits (tests/isa_harness.c)")
