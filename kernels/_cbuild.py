@@ -2,12 +2,14 @@
 
 Why levels and not ``-march=native``: a native build runs only on the CPU that
 built it, so a kernel cache, a container image or a wheel moved to another
-machine died with SIGILL. Each source is compiled for explicit levels
-(:data:`LEVELS`: baseline x86-64 / SSE2, x86-64-v2 / SSSE3+SSE4.2, x86-64-v3 / AVX2+FMA+F16C,
+machine died with SIGILL. Every kernel source is compiled and linked into one
+library per explicit level (:data:`KERNELS`, one ``.so`` per level, opened once per
+process and shared by the kernel modules; :data:`LEVELS`: baseline x86-64 / SSE2, x86-64-v2 / SSSE3+SSE4.2, x86-64-v3 / AVX2+FMA+F16C,
 x86-64-v4 / AVX-512, and AVX-512 with BF16; armv8-a / NEON and armv8.2-a with
 dot products and fp16), and the best level the CPU supports is loaded. What the
-CPU supports comes from ``cpu_features.c`` (cpuid / hwcaps), itself built at
-the baseline level, never from ``/proc/cpuinfo`` text.
+CPU supports comes from ``cpu_features.c`` (cpuid / hwcaps), never from
+``/proc/cpuinfo`` text.
+``cpu_features.c`` stays its own library, built at the baseline only: it runs before a level is chosen, on any CPU.
 ``LLMSYS_CPU_ISA=<level>`` forces a lower level; ``LLMSYS_NO_CKERNELS=1`` turns
 the C kernels off (the torch paths run).
 
@@ -15,9 +17,9 @@ Where a build comes from, in order: the package's ``_built/`` folder (compiled
 at install time by ``kernels/_install.py``, so a wheel needs no compiler), the
 cache ``$LLMSYS_HOME/kernels`` (default ``~/.cache/llmsys/kernels``), else a
 compile into that cache, under a file lock so two processes do not both build.
-A library is built from one or more sources (:class:`Library`); a file's name carries
-the library, its level and a hash of its sources, the headers and the flags, so a
-changed source or level never loads a stale build.
+A file's name carries the library (:class:`Library`), its level and a hash of its
+sources, the headers and the flags, so a changed source or level never loads a
+stale build.
 
 Flags: ``-O3 -fopenmp -ffp-contract=off``: no fused multiply-adds unless a
 kernel writes them, so every product and sum rounds once as the kernels' torch
@@ -55,12 +57,12 @@ class Library:
     sources: tuple[Path, ...]
 
 
-FEATURES = Library("cpu_features", (HERE / "cpu_features.c",))
-DECODE = Library("cpu_decode", (HERE / "cpu_decode.c",))
-INT4 = Library("cpu_int4", (HERE / "cpu_int4.c",))
-QGEMV = Library("cpu_qgemv", tuple(HERE / f for f in ("a8_gemv.c", "dense_gemv.c", "fused_layer.c", "decode_stack.c")))
-LIBRARIES = (FEATURES, DECODE, INT4, QGEMV)  # what the install hook builds
-KERNEL_SOURCES = DECODE.sources + INT4.sources + QGEMV.sources  # every kernel source (not the CPU probe)
+FEATURES = Library("cpu_features", (HERE / "cpu_features.c",))  # the CPU probe, baseline level only
+# every kernel, one library per level: row ops and attention, the int4 layout, the GEMVs, the fused layers
+KERNELS = Library("llmsys_kernels", tuple(HERE / f for f in (
+    "cpu_decode.c", "cpu_int4.c", "a8_gemv.c", "dense_gemv.c", "fused_layer.c", "decode_stack.c")))
+LIBRARIES = (FEATURES, KERNELS)  # what the install hook builds
+KERNEL_SOURCES = KERNELS.sources
 
 
 @dataclass(frozen=True)
@@ -187,13 +189,18 @@ def find_or_build(lib: Library, level: IsaLevel) -> tuple[Path | None, str]:
     return (None, error) if error else (target, "built")
 
 
-def load(path: Path, signatures: dict[str, list]) -> ctypes.CDLL:
-    """Load a compiled kernel; each named function returns int and takes ``signatures[name]``."""
-    lib = ctypes.CDLL(str(path))
+def declare(lib: ctypes.CDLL, signatures: dict[str, list]) -> None:
+    """Each function named in ``signatures`` returns int and takes ``signatures[name]`` (AttributeError: missing)."""
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int
         fn.argtypes = argtypes
+
+
+def load(path: Path, signatures: dict[str, list]) -> ctypes.CDLL:
+    """Load a compiled library (another build than :func:`open_library`'s: tests, benchmarks) with ``signatures``."""
+    lib = ctypes.CDLL(str(path))
+    declare(lib, signatures)
     return lib
 
 
@@ -243,12 +250,28 @@ def supports(level: IsaLevel) -> bool:
     return features is not None and level.arch == machine_arch() and level.needs <= features
 
 
-class Kernel:
-    """One C library, loaded on first use at :func:`selected_level` and then kept for the process.
+@functools.lru_cache(maxsize=None)  # a fact about this machine and the sources: built and opened once
+def open_library(library: Library) -> tuple[ctypes.CDLL | None, str]:
+    """``library`` at :func:`selected_level`, opened: ``(CDLL or None, "ok: <level> (<how>) <path>" or why not)``."""
+    if disabled():
+        return None, "disabled by LLMSYS_NO_CKERNELS"
+    level, why = selected_level()
+    if level is None:
+        return None, why
+    try:
+        path, how = find_or_build(library, level)
+        if path is None:
+            return None, how
+        return ctypes.CDLL(str(path)), f"ok: {level.name} ({how}) {path}"
+    except (OSError, subprocess.SubprocessError) as exc:
+        return None, f"build or load failed: {exc}"
 
-    The outcome (a library, or the reason there is none) is a fact about this
-    machine and its sources, so it is computed once. A kernel module holds one and
-    re-exports :meth:`available` and :meth:`status`.
+
+class Kernel:
+    """A kernel module's view of a C library (:func:`open_library`: one per process): the library with the
+    module's functions' signatures set, or the reason there is none.
+
+    A kernel module holds one and re-exports :meth:`available` and :meth:`status`.
     """
 
     def __init__(self, library: Library, signatures: dict[str, list]):
@@ -257,18 +280,14 @@ class Kernel:
 
     @functools.cached_property
     def _loaded(self) -> tuple[ctypes.CDLL | None, str]:
-        if disabled():
-            return None, "disabled by LLMSYS_NO_CKERNELS"
-        level, why = selected_level()
-        if level is None:
-            return None, why
+        lib, status = open_library(self.library)
+        if lib is None:
+            return None, status
         try:
-            path, how = find_or_build(self.library, level)
-            if path is None:
-                return None, how
-            return load(path, self.signatures), f"ok: {level.name} ({how}) {path}"
-        except (OSError, AttributeError, subprocess.SubprocessError) as exc:
+            declare(lib, self.signatures)
+        except AttributeError as exc:  # a function the build lacks
             return None, f"build or load failed: {exc}"
+        return lib, status
 
     def lib(self) -> ctypes.CDLL | None:
         """The loaded library, or None (then the callers' torch path runs)."""

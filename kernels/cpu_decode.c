@@ -35,6 +35,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_decode.h"
 #include "cpu_ops.h"
 #include "isa.h"
 
@@ -901,8 +902,8 @@ static int rope_store_attend(const void *qkv, int64_t ld, void *k_pool, void *v_
     return rc;
 }
 
-/* rope_store_attend on bf16 and on float32 activations and pools: one signature (the decode stack of
-   decode_stack.c calls either through a function pointer). */
+/* rope_store_attend on bf16 and on float32 activations and pools (cpu_decode.h: the decode stack of
+   decode_stack.c calls them). */
 int llmsys_rope_store_attend_bf16(const void *qkv, int64_t ld, void *k_pool, void *v_pool, const int64_t *slot_mapping,
                                   int64_t n_slots, const int64_t *pos, const float *cache, int64_t max_pos,
                                   int64_t t_count, int64_t hq, int64_t hk, int64_t d, const int64_t *gather_slots,

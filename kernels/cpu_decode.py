@@ -26,7 +26,7 @@ import torch
 from llmsys.kernels import _cbuild
 
 LANES = 16  # float32 accumulator lanes of the C reductions
-_SOURCE = _cbuild.DECODE  # the library these kernels are in
+_SOURCE = _cbuild.KERNELS  # the one kernel library (every module's functions)
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "llmsys_rms_norm": [_P, _P, _P, _P, _P, _I, _I, _F, ctypes.c_int, ctypes.c_int],
@@ -293,15 +293,6 @@ def rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: torch
     if rc:
         raise ValueError(f"rows_attention: bad shapes (Hq={hq}, Hk={hk}, D={d}) or key ranges outside 0..{L}")
     return out
-
-
-def rope_store_attend_address(dtype: torch.dtype) -> int:
-    """The C address of :func:`rope_store_attend`'s kernel for ``dtype`` activations and pools (bf16 or
-    float32), for C code that calls it per layer (``cpu_qgemv.decode_stack``). Needs the C kernel (callers
-    check :func:`available`)."""
-    lib = _KERNEL.lib()
-    fn = lib.llmsys_rope_store_attend_f32 if dtype == torch.float32 else lib.llmsys_rope_store_attend_bf16
-    return ctypes.cast(fn, ctypes.c_void_p).value
 
 
 def rope_store_attend(qkv: torch.Tensor, hq: int, hk: int, positions: torch.Tensor, cos_sin_cache: torch.Tensor,

@@ -28,7 +28,7 @@ import torch
 from llmsys.kernels import _cbuild
 
 CPU_BLOCK_N = 64  # the CPU int4 layout tiles rows in blocks of 64
-_SOURCE = _cbuild.INT4  # the library these kernels are in
+_SOURCE = _cbuild.KERNELS  # the one kernel library (every module's functions)
 _ARGTYPES = [
     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,  # packed, scales, strides, f32?
     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,  # zeros, out, ldo

@@ -34,10 +34,10 @@ from dataclasses import dataclass
 import torch
 
 from llmsys.kernels import _cbuild
-from llmsys.kernels.cpu_decode import lane_sum, rope_store_attend_address
+from llmsys.kernels.cpu_decode import lane_sum
 from llmsys.kernels.cpu_int4 import CPU_BLOCK_N, check_int4_layout, unpack_cpu_int4
 
-_SOURCE = _cbuild.QGEMV  # the library these kernels are in
+_SOURCE = _cbuild.KERNELS  # the one kernel library (every module's functions)
 _P, _I, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
     "llmsys_qgemv_int8_a8": [_P, _I, _P, _P, _P, _I, _I, _I, _I, _C],
@@ -719,8 +719,7 @@ class _StackLayer(ctypes.Structure):
 class _Stack(ctypes.Structure):
     """``llmsys_stack`` in decode_stack.c."""
 
-    _fields_ = [("layers", _P), ("n_layers", _I), ("rope_attend", _P), ("positions", _P), ("slot_mapping", _P),
-                ("n_slots", _I),
+    _fields_ = [("layers", _P), ("n_layers", _I), ("positions", _P), ("slot_mapping", _P), ("n_slots", _I),
                 ("cache", _P), ("max_pos", _I), ("gather_slots", _P), ("lens", _P), ("l_max", _I)]
 
 
@@ -748,7 +747,6 @@ class DecodeStack:
 
     layers: tuple[StackLayer, ...]
     array: ctypes.Array  # the llmsys_stack_layer array
-    rope_attend: int  # the address of cpu_decode's llmsys_rope_store_attend_bf16 / _f32
     dtype: torch.dtype  # of the activations and pools
 
 
@@ -770,7 +768,7 @@ def decode_stack_args(layers: list[StackLayer]) -> DecodeStack:
     array = (_StackLayer * len(layers))(*(
         _StackLayer(ctypes.addressof(s.layer.args), s.k_pool.data_ptr(), s.v_pool.data_ptr(), s.table, s.tables, s.hq,
                     s.hk, s.hd, s.scale) for s in layers))
-    return DecodeStack(tuple(layers), array, rope_store_attend_address(dtype), dtype)
+    return DecodeStack(tuple(layers), array, dtype)
 
 
 def decode_stack(stack: DecodeStack, h: torch.Tensor, positions: torch.Tensor, rope_cache: torch.Tensor,
@@ -784,7 +782,7 @@ def decode_stack(stack: DecodeStack, h: torch.Tensor, positions: torch.Tensor, r
     ``lens [M]`` the step's decode plan, int64). The caller's own validated tensors, as for
     ``rope_store_attend``; ``h`` contiguous."""
     m, d = h.shape
-    args = _Stack(ctypes.addressof(stack.array), len(stack.layers), stack.rope_attend, positions.data_ptr(),
+    args = _Stack(ctypes.addressof(stack.array), len(stack.layers), positions.data_ptr(),
                   slot_mapping.data_ptr(), stack.layers[0].k_pool.shape[0], rope_cache.data_ptr(), rope_cache.shape[0],
                   gather_slots.data_ptr(), lens.data_ptr(), gather_slots.shape[1])
     out, res = torch.empty(m, d, dtype=stack.dtype), torch.empty(m, d, dtype=stack.dtype)

@@ -1,20 +1,15 @@
 /* The decode stack.
  *
  * A decode step's decoder layers in one call: per layer llmsys_layer_attn_in, then RoPE + the K/V store +
- * decode attention (cpu_decode.c's llmsys_rope_store_attend_bf16, reached through a function pointer: the
- * two kernels are separate libraries), then llmsys_layer_mlp. The same calls in the same order on the same
+ * decode attention (cpu_decode.c's llmsys_rope_store_attend_bf16 / _f32, called directly: one library),
+ * then llmsys_layer_mlp. The same calls in the same order on the same
  * arguments as the Python loop over DecoderLayer._forward_fused, so the same bits (tests/test_fused_decode.py
  * checks both against the op-by-op decoder). Why: that loop spent ~50 us of Python and ctypes per layer
  * around ~150 us of kernels (SmolLM2-135M int4, 30 layers: ~1.5 ms of a ~7 ms step, profile_decode.py). */
 #include <stdlib.h>
 
+#include "cpu_decode.h"
 #include "fused_layer.h"
-
-typedef int (*llmsys_rope_attend_fn)(const void *qkv, int64_t ld, void *k_pool, void *v_pool,
-                                     const int64_t *slot_mapping, int64_t n_slots, const int64_t *pos,
-                                     const float *cache, int64_t max_pos, int64_t t_count, int64_t hq, int64_t hk,
-                                     int64_t d, const int64_t *gather_slots, const int64_t *lens, int64_t l_max,
-                                     float scale, void *out, int threads);
 
 typedef struct {
     const llmsys_layer *layer; /* the layer's fused decode arguments */
@@ -27,7 +22,6 @@ typedef struct {
 typedef struct {
     const llmsys_stack_layer *layers;
     int64_t n_layers;
-    const void *rope_attend;       /* llmsys_rope_attend_fn (cpu_decode.c's, for the activations' dtype) */
     const int64_t *positions;      /* [M] RoPE rows of the step's tokens in the first table */
     const int64_t *slot_mapping;   /* [M] pool slot of each new token */
     int64_t n_slots;
@@ -42,8 +36,7 @@ typedef struct {
  * hidden state is out + res, normed by the caller); bf16, or float32 when the layers are (f32). 0; 1 bad
  * arguments; 2 no memory; 100 * (layer + 1) + the attention's code when it rejects a layer's step. */
 int llmsys_decode_stack(const llmsys_stack *S, const void *h, void *out, void *res, int64_t m_count, int threads) {
-    if (!S || S->n_layers < 1 || m_count <= 0 || !S->rope_attend) return 1;
-    const llmsys_rope_attend_fn attend = (llmsys_rope_attend_fn)S->rope_attend;
+    if (!S || S->n_layers < 1 || m_count <= 0) return 1;
     const int64_t d = S->layers[0].layer->d, f32 = S->layers[0].layer->f32;
     const size_t es = f32 ? 4 : 2;
     int64_t qkv_max = 0, o_max = 0;
@@ -80,9 +73,13 @@ int llmsys_decode_stack(const llmsys_stack *S, const void *h, void *out, void *r
             for (int64_t t = 0; t < m_count; t++) pos[t] = S->positions[t] + s->table * (S->max_pos / s->tables);
             pos_table = s->table;
         }
-        rc = attend(qkv, rows, s->k_pool, s->v_pool, S->slot_mapping, S->n_slots, s->table ? pos : S->positions,
-                    S->cache, S->max_pos,
-                    m_count, s->hq, s->hk, s->hd, S->gather_slots, S->lens, S->l_max, s->scale, o, threads);
+        const int64_t *p = s->table ? pos : S->positions;
+        rc = f32 ? llmsys_rope_store_attend_f32(qkv, rows, s->k_pool, s->v_pool, S->slot_mapping, S->n_slots, p, S->cache,
+                                                S->max_pos, m_count, s->hq, s->hk, s->hd, S->gather_slots, S->lens,
+                                                S->l_max, s->scale, o, threads)
+                 : llmsys_rope_store_attend_bf16(qkv, rows, s->k_pool, s->v_pool, S->slot_mapping, S->n_slots, p,
+                                                 S->cache, S->max_pos, m_count, s->hq, s->hk, s->hd, S->gather_slots,
+                                                 S->lens, S->l_max, s->scale, o, threads);
         if (rc) { rc += 100 * (int)(i + 1); break; }
         rc = llmsys_layer_mlp(s->layer, o, r, h_out, r_out, m_count, threads);
         if (rc) break;

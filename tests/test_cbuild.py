@@ -59,9 +59,25 @@ def test_forced_lower_level_builds_its_own_file_beside_the_native_one(tmp_path):
     low = _cbuild.arch_levels()[0].name
     level, status = _report(tmp_path, LLMSYS_CPU_ISA=low)
     assert level == low and status.startswith(f"ok: {low} (built)")
-    built = sorted(p.name.split("-", 1)[1].rsplit("-", 1)[0] for p in tmp_path.glob("kernels/cpu_qgemv-*.so"))
+    built = sorted(p.name.split("-", 1)[1].rsplit("-", 1)[0] for p in tmp_path.glob(f"kernels/{_cbuild.KERNELS.name}-*.so"))
     assert built == sorted({native, low})  # one file per level: a cache shared by two CPUs never mixes them
     assert _report(tmp_path, LLMSYS_CPU_ISA=low)[1].startswith(f"ok: {low} (cached)")
+
+
+def test_one_library_per_level_holds_every_kernel():
+    """Every kernel module's functions come from one library, opened once: the install builds it once per
+    level (and the CPU probe once, at the baseline), and the decode stack needs no address from Python."""
+    from llmsys.kernels import cpu_decode, cpu_int4, cpu_qgemv
+
+    builds = _cbuild.install_builds()
+    levels = _cbuild.arch_levels()
+    assert sorted((lib.name, lv.name) for lib, lv in builds) == sorted(
+        [(_cbuild.KERNELS.name, lv.name) for lv in levels] + [(_cbuild.FEATURES.name, levels[0].name)])
+    assert len({_cbuild.artifact_name(lib, lv) for lib, lv in builds}) == len(builds)
+    libs = {id(m._KERNEL.lib()) for m in (cpu_decode, cpu_int4, cpu_qgemv)}
+    assert len(libs) == 1 and cpu_qgemv._KERNEL.lib() is _cbuild.open_library(_cbuild.KERNELS)[0]
+    assert cpu_decode.kernel_status() == cpu_int4.kernel_status() == cpu_qgemv.kernel_status()
+    assert not hasattr(cpu_decode, "rope_store_attend_address")
 
 
 def test_bad_or_unsupported_level_runs_the_torch_paths_and_says_why(tmp_path):
@@ -83,7 +99,7 @@ def test_concurrent_builds_compile_once(tmp_path):
     assert all(o.startswith("ok: ") for o in outs), outs
     hows = sorted(o.split("(")[1].split(")")[0] for o in outs)
     assert hows == ["built", "cached"], outs
-    assert len(list(tmp_path.glob("kernels/cpu_decode-*.so"))) == 1
+    assert len(list(tmp_path.glob(f"kernels/{_cbuild.KERNELS.name}-*.so"))) == 1
 
 
 def test_no_compiler_still_runs_and_says_so_once(tmp_path, stories_c):
@@ -102,7 +118,7 @@ def test_no_compiler_still_runs_and_says_so_once(tmp_path, stories_c):
 def test_no_compiler_on_path_and_no_prebuilt_build_says_how_to_get_one(tmp_path):
     """CC unset and no gcc/cc on PATH, an empty cache, a source with no prebuilt build: the status names the fix."""
     code = ("from llmsys.kernels import _cbuild;"
-            "print(_cbuild.find_or_build(_cbuild.DECODE, _cbuild.arch_levels()[0])[1])")
+            "print(_cbuild.find_or_build(_cbuild.KERNELS, _cbuild.arch_levels()[0])[1])")
     env = {k: v for k, v in os.environ.items() if k != "CC"}
     env.update(PATH=str(tmp_path), LLMSYS_HOME=str(tmp_path / "home"))
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
