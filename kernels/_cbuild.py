@@ -1,32 +1,14 @@
 """C kernels built for named ISA levels, the level chosen by the running CPU, loaded with ctypes.
 
-Why levels and not ``-march=native``: a native build runs only on the CPU that
-built it, so a kernel cache, a container image or a wheel moved to another
-machine died with SIGILL. Every kernel source is compiled and linked into one
-library per explicit level (:data:`KERNELS`, one ``.so`` per level, opened once per
-process and shared by the kernel modules; :data:`LEVELS`: baseline x86-64 / SSE2, x86-64-v2 / SSSE3+SSE4.2, x86-64-v3 / AVX2+FMA+F16C,
-x86-64-v4 / AVX-512, and AVX-512 with BF16; armv8-a / NEON and armv8.2-a with
-dot products and fp16), and the best level the CPU supports is loaded. What the
-CPU supports comes from ``cpu_features.c`` (cpuid / hwcaps), never from
-``/proc/cpuinfo`` text.
-``cpu_features.c`` stays its own library, built at the baseline only: it runs before a level is chosen, on any CPU.
-``LLMSYS_CPU_ISA=<level>`` forces a lower level; ``LLMSYS_NO_CKERNELS=1`` turns
-the C kernels off (the torch paths run).
-
-Where a build comes from, in order: the package's ``_built/`` folder (compiled
-at install time by ``kernels/_install.py``, so a wheel needs no compiler), the
-cache ``$LLMSYS_HOME/kernels`` (default ``~/.cache/llmsys/kernels``), else a
-compile into that cache, under a file lock so two processes do not both build.
-A file's name carries the library (:class:`Library`), its level and a hash of its
-sources, the headers and the flags, so a changed source or level never loads a
-stale build.
-
-Flags: ``-O3 -fopenmp -ffp-contract=off``: no fused multiply-adds unless a
-kernel writes them, so every product and sum rounds once as the kernels' torch
-definitions compute them, and the levels agree bit for bit.
-
-This module imports only the standard library: the install hook loads it by
-path, before llmsys is importable.
+Levels, not ``-march=native``: a native build moved to another CPU (a cache, an image, a wheel) died with
+SIGILL. Every kernel source links into one library per level (:data:`KERNELS`, opened once per process;
+:data:`LEVELS`: x86-64, x86-64-v2, x86-64-v3 AVX2+FMA+F16C, x86-64-v4 AVX-512, v4 + BF16; armv8-a NEON,
+armv8.2-a dotprod + fp16), and the best level the CPU supports is loaded, as ``cpu_features.c`` says
+(cpuid / hwcaps; its own baseline library). ``LLMSYS_CPU_ISA=<level>`` forces a lower level,
+``LLMSYS_NO_CKERNELS=1`` turns the kernels off. A build comes from ``_built/`` (install time), else the
+cache ``$LLMSYS_HOME/kernels``, else a compile there under a file lock; its name carries the library, the
+level and a hash of sources, headers and flags. ``-ffp-contract=off``: no FMA a kernel does not write, so
+every level gives the torch definitions' bits. Standard library only: the install hook loads it by path.
 """
 
 from __future__ import annotations

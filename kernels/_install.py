@@ -1,18 +1,11 @@
 """Install-time build of the C kernels: setuptools hooks named in pyproject.toml.
 
-Why: a kernel compiled on first use needs a compiler on the user's machine
-and costs seconds inside the first command. ``pip install .`` and
-``pip wheel .`` run :class:`BuildPy`, which compiles every kernel for every
-ISA level of the build machine's architecture (``_cbuild.LEVELS``) into the
-package's ``kernels/_built/``, where ``_cbuild.find_or_build`` looks first:
-the installed package then runs on any CPU of that architecture with no
-compiler. An editable install (``pip install -e .``) builds nothing here; its
-kernels are compiled at run time into ``$LLMSYS_HOME/kernels`` (under a lock),
-once per level and library. A level the compiler cannot build is left to that
-run-time fallback, with a warning.
-
-setuptools loads this file by path before llmsys is importable, so it loads
-``_cbuild.py`` the same way.
+Compiling on first use needs a compiler on the user's machine and costs seconds in the first command,
+so ``pip install .`` / ``pip wheel .`` run :class:`BuildPy`: every kernel for every ISA level of the build
+machine's architecture (``_cbuild.LEVELS``) into ``kernels/_built/``, where ``_cbuild.find_or_build`` looks
+first. An editable install builds nothing here (kernels compile at run time into ``$LLMSYS_HOME/kernels``,
+under a lock); a level the compiler cannot build is left to that fallback, with a warning. setuptools
+loads this file by path before llmsys is importable, so it loads ``_cbuild.py`` the same way.
 """
 
 from __future__ import annotations

@@ -1,20 +1,12 @@
 """CPU RMSNorm, silu * mul, RoPE and decode attention on bfloat16 or float32 rows: one C call each (``cpu_decode.c``).
 
-Why: a bfloat16 decode step of SmolLM2-135M spent ~11 ms of its ~27 ms
-outside the GEMVs, in ~40 small torch ops per layer (upcasts, elementwise
-products, softmax, and the dispatch around each). These kernels replace the
-RMSNorm (with its residual add), RoPE over q and k, and decode attention over
-gathered K/V with one call each.
-
-Every CPU bfloat16 and float32 computation of these ops in the engine goes
-through here (``kernels.rms_norm``, ``kernels.rope``, the decoder's norms and
-MLP, the CPU attention backend), and the fused decode layers of ``fused_layer.c``
-run the same row code, so resident, streamed and fused paths give the same bits. The arithmetic is spelled out in ``cpu_decode.c``; the ``*_def``
-functions below are its torch definitions: RMSNorm and RoPE bit for bit, silu * mul
-and the attention up to the C exp (``cpu_ops.h``, the same bits on every ISA build)
-against ``torch.exp`` (tests/test_cpu_decode.py).
-Without the C kernel (no compiler, ``LLMSYS_NO_CKERNELS=1``) the definitions
-run instead.
+Each replaces a handful of small torch ops whose dispatch dominated a decode step outside the GEMVs
+(docs/benchmarks.md). Every CPU bf16 / float32 computation of these ops goes through here
+(``kernels.rms_norm``, ``kernels.rope``, the decoder's norms and MLP, the CPU attention backend) and the
+fused decode layers run the same row code, so resident, streamed and fused paths give the same bits.
+The ``*_def`` functions are the torch definitions: RMSNorm and RoPE bit for bit, silu * mul and the
+attention up to the C exp (``cpu_ops.h``, the same bits on every ISA build) against ``torch.exp``
+(tests/test_cpu_decode.py). Without the C kernel (no compiler, ``LLMSYS_NO_CKERNELS=1``) they run instead.
 """
 
 from __future__ import annotations

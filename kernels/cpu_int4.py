@@ -1,22 +1,11 @@
 """CPU int4: dequantize int4 weights held in the CPU tiling to bfloat16 in one pass.
 
-Why: for prefill-sized batches torch's ``_weight_int4pack_mm_for_cpu`` costs
-about twice a bf16 GEMM per row (M >= 16), and dequantizing the packed
-layout with torch ops takes 16-28 ms per 4864x896 matrix, so neither beat
-bf16. :func:`dequant_cpu_int4` writes the bf16 weight in ~1 ms (C kernel,
-``cpu_int4.c``), after which the prefill GEMM runs at bf16 speed.
-
-The C kernel is built per ISA level and loaded for the running CPU
-(``_cbuild``); it shares torch's OpenMP runtime and runs on
-``torch.get_num_threads()`` threads. Without a compiler, when the build
-fails, or with ``LLMSYS_NO_CKERNELS=1``, :func:`dequant_cpu_int4_ref` (plain
-torch, the definition) runs instead: the results are bit-identical
-(``tests/test_cpu_int4.py``), only slower.
-
-Layout (llmsys's CPU int4 tiling, :func:`pack_cpu_int4`, the same on every CPU;
-N padded to a multiple of 64): bytes ``[Np/64, Kp, 32]``; byte ``(b, k, j)``
-holds row ``64b+j`` in its low nibble and row ``64b+32+j`` in its high nibble,
-at column k.
+For prefill, torch's ``_weight_int4pack_mm_for_cpu`` and a torch-op dequantization both lose to bf16;
+:func:`dequant_cpu_int4` (``cpu_int4.c``) writes the bf16 weight fast enough that the prefill GEMM runs
+at bf16 speed (docs/benchmarks.md). Built per ISA level (``_cbuild``), on torch's OpenMP threads; without
+it :func:`dequant_cpu_int4_ref` (the torch definition) runs, bit-identical (``tests/test_cpu_int4.py``).
+Layout (:func:`pack_cpu_int4`, the same on every CPU; N padded to 64): bytes ``[Np/64, Kp, 32]``, byte
+``(b, k, j)`` holding row ``64b+j`` (low nibble) and row ``64b+32+j`` (high nibble) at column k.
 """
 
 from __future__ import annotations
@@ -137,11 +126,9 @@ def dequant_cpu_int4(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
 class Scratch:
     """A reusable bf16 buffer for dequantized weights, shared by the layers of one model.
 
-    Why: a fresh multi-MiB tensor per prefill GEMM is fresh memory from the OS each
-    time (glibc maps big allocations and unmaps them on free), and the page faults
-    that zero it cost 15-40% of dequantize + GEMM (4864x896: 3.7 vs 3.2 ms; a fused
-    9728x896 gate|up: 10.6 vs 6.6 ms, 2 threads). The buffer grows to the largest
-    request and stays; one engine thread uses it at a time.
+    A fresh multi-MiB tensor per prefill GEMM is fresh memory from the OS each time (glibc maps and unmaps
+    big allocations), and zeroing its pages cost a sizeable share of dequantize + GEMM (docs/benchmarks.md).
+    The buffer grows to the largest request and stays; one engine thread uses it at a time.
     """
 
     def __init__(self) -> None:
@@ -159,7 +146,7 @@ class Scratch:
 
 
 def transpose_bf16(x: torch.Tensor) -> torch.Tensor:
-    """``x.t().contiguous()`` for a contiguous 2-D 16-bit CPU tensor, ~5x faster than torch's copy with the C kernel."""
+    """``x.t().contiguous()`` for a contiguous 2-D 16-bit CPU tensor; with the C kernel, faster than torch's copy."""
     lib = _KERNEL.lib()
     if (lib is None or x.dim() != 2 or x.element_size() != 2 or not x.is_contiguous() or x.device.type != "cpu"
             or x.numel() == 0):
