@@ -1,29 +1,15 @@
-"""CPU GEMVs on quantized weights with x quantized to int8 ("a8"), the bf16 / float32 GEMVs and the bf16
-GEMM, and the fused decode layers and stack (``a8_gemv.c``, ``dense_gemv.c``, ``fused_layer.c``,
-``decode_stack.c``).
+"""CPU GEMVs on quantized weights with x quantized to int8 ("a8"), the bf16 / float32 GEMVs, the bf16 GEMM and
+the fused decode layers and stack (``a8_gemv.c``, ``dense_gemv.c``, ``fused_layer.c``, ``decode_stack.c``).
 
-Why: at M = 1 torch's ``_weight_int8pack_mm`` and ``_weight_int4pack_mm_for_cpu`` read their weights far
-below the memory's speed, so int8 and int4 decode gained far less than their 2x and 4x fewer bytes; the C
-kernels read each weight byte once at memory speed.
-
-Arithmetic (the ``*_def`` functions below are its torch definitions, equal to the C kernels bit for bit,
-tests/test_cpu_qgemv.py):
-
-* a8 (``int8_gemv_a8``, ``int4_gemv_a8``; what the quantized layers run for every row of x,
-  prompt and decode, so a row's bits never depend on its batch): x quantized
-  to int8 per 32 columns (:func:`quantize_a8`), exact integer dot products per
-  block, then ``f += float(S_b) * d_b`` (int8, ``bf16(f * scale)`` at the end) or
-  ``f += float(S_b - zero * sum(codes_b)) * (scale * d_b)`` (int4) in block order
-  (:func:`int8_a8_def`, :func:`int4_a8_def`). Why: with both operands integer, ``vpmaddubsw`` does 32
-  multiply-adds at once, as llama.cpp's q8_0 activations do, where float GEMVs spend most of their time
-  turning codes into floats. The cost is x's int8 rounding (benchmarks/bench_a8_quality.py). On
-  AVX512-VNNI (the x86-64-v4-bf16 build) 2+ rows of x take ``vpdpbusd`` on weights decoded once for
-  several rows (the same bits).
-* bf16 / float32: each dot in 16 float32 lanes in order, then the lanes' tree (``cpu_decode.lane_sum``).
-
-Each output depends only on its row of x and its weight row, so the kernels
-are batch-invariant (any M, N, thread count). Without the C kernels (no compiler,
-``LLMSYS_NO_CKERNELS=1``) :func:`available` is False and the quantized layers keep torch's ops.
+At M = 1 torch's ``_weight_int8pack_mm`` / ``_weight_int4pack_mm_for_cpu`` read weights far below memory
+speed; these read each weight byte once at memory speed. The ``*_def`` functions are the torch definitions,
+equal to the C kernels bit for bit (tests/test_cpu_qgemv.py). a8 (``int8_gemv_a8``, ``int4_gemv_a8``: every
+row of a quantized layer, prompt and decode): x to int8 per 32 columns (:func:`quantize_a8`), exact integer
+dots per block, then ``f += float(S_b) * d_b`` (int8; ``bf16(f * scale)`` at the end) or ``f += float(S_b -
+zero * sum(codes_b)) * (scale * d_b)`` (int4) in block order, like llama.cpp's q8_0 activations (AVX512-VNNI:
+``vpdpbusd``, the same bits), at the price of x's int8 rounding (benchmarks/bench_a8_quality.py). bf16 /
+float32: 16 float32 lanes in order, then the lanes' tree. Each output depends only on its row of x and its
+weight row: batch-invariant at any M, N and thread count. Without the C kernels :func:`available` is False.
 """
 
 from __future__ import annotations
@@ -613,8 +599,8 @@ class _LayerArgs(ctypes.Structure):
 class DecodeLayer:
     """One decoder layer's fixed arguments for the fused a8 kernels (:func:`decode_layer_args`): raw pointers into
     its weights and norm weights, valid while those stay where they are (the caller checks:
-    ``DecoderLayer.decode_layer``). Why one struct: the kernels then take 7 ctypes arguments a call,
-    not 14 plus per-call arrays (~10 us of a ~25 us decode layer's Python)."""
+    ``DecoderLayer.decode_layer``). One struct, so the kernels take 7 ctypes arguments a call, not 14 plus
+    per-call arrays, whose Python was a large share of a decode layer (docs/benchmarks.md)."""
 
     args: _LayerArgs
     arrays: tuple[ctypes.Array, ...]  # the llmsys_qw arrays args points into (kept alive here)
