@@ -7,7 +7,7 @@
   ``BF16_UPCAST_MIN_ROWS`` splits them);
 - decode attention (``cpu_decode.decode_attention`` by slot) at 40 / 160 / 1000 tokens of context;
 - a whole decode step of the SmolLM2-135M shape (synthetic weights), the fused decode layers against the
-  same layers op by op (``DecoderLayer.decode_layer`` answering None), bf16 / int8 / int4.
+  same layers op by op (the engine's decode plan cleared: ``decode_plan.clear_decode_plan``), bf16 / int8 / int4.
 
 Minimum over repetitions for the kernels, median of alternating rounds for the steps.
 
@@ -74,10 +74,9 @@ def main() -> None:
     from llmsys import LLM
     from llmsys.engine.bench.measure import StepDriver, TestSpec
     from llmsys.engine.bench.synthetic import make_synthetic
-    from llmsys.engine.models.base import DecoderLayer
+    from llmsys.engine.models.decode_plan import build_decode_plan, clear_decode_plan
 
     model = make_synthetic("smollm2-135m", seed=0)
-    fused = DecoderLayer.decode_layer
     print("\n| SmolLM2-135M shape decode step (8-token prompt + 64 steps), ms | fused layers | op by op | ratio |")
     print("|---|---|---|---|")
     for quant in ("none", "int8", "int4"):
@@ -86,13 +85,14 @@ def main() -> None:
         d, g = StepDriver(llm.core), torch.Generator().manual_seed(0)
         d.run(TestSpec(8, 64), 1, g)
         res: dict[str, list[float]] = {"fused": [], "op": []}
-        try:
-            for _ in range(a.rounds):
-                for name, f in (("fused", fused), ("op", lambda self, h: None)):
-                    DecoderLayer.decode_layer = f
-                    res[name].append(statistics.median(d.run(TestSpec(8, 64), 1, g).decode_steps))
-        finally:
-            DecoderLayer.decode_layer = fused
+        m, runner = llm.loaded.model, llm.core.runner
+        for _ in range(a.rounds):
+            for name in ("fused", "op"):
+                if name == "fused":
+                    build_decode_plan(m, runner.attn, runner.layers)
+                else:
+                    clear_decode_plan(m)
+                res[name].append(statistics.median(d.run(TestSpec(8, 64), 1, g).decode_steps))
         f_ms, o_ms = (1e3 * statistics.median(res[k]) for k in ("fused", "op"))
         print(f"| {'bf16' if quant == 'none' else quant} | {f_ms:.2f} | {o_ms:.2f} | {o_ms / f_ms:.2f}x |")
 

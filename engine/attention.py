@@ -297,16 +297,12 @@ class CpuBackend(_PagedBackend):
         self._flat = [(k.view(-1, s.num_kv_heads, s.head_dim), v.view(-1, s.num_kv_heads, s.head_dim))
                       for k, v in zip(pool.k, pool.v)]
 
-    def decode_pools(self, meta: AttentionMetadata) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-        """Each layer's flat K/V pools ``[slots, Hk, D]`` when this step's :meth:`rope_attend` is one C call of
-        RoPE, the K/V store and decode attention for every layer without a window, soft cap or sinks (a
-        bf16 or float32 pool, a decode step with nothing cold or split), else None: ``DecoderModel.decode_stack`` then
-        runs those calls for all layers in one (``kernels.decode_stack``, the same bits)."""
-        plan = meta.plan
-        if (self._c_rope and plan is not None and plan.is_decode and plan.cold is None and plan.split is None
-                and plan.lens is not None):
-            return self._flat
-        return None
+    def decode_pools(self) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Each layer's flat K/V pools ``[slots, Hk, D]`` when :meth:`rope_attend` runs a plain decode step
+        (``GatherPlan.one_call``) as one C call of RoPE, the K/V store and decode attention (a bf16 or float32
+        pool with the C kernels), else None. The decode plan (``engine/models/decode_plan.py``) then runs
+        those calls for all layers in one (``kernels.decode_stack``, the same bits)."""
+        return self._flat if self._c_rope else None
 
     def rope_store(self, layer, q, k, v, positions, rope_cache, meta):
         d = q.shape[-1]
@@ -328,8 +324,8 @@ class CpuBackend(_PagedBackend):
     def rope_attend(self, layer, qkv, hq, hk, positions, rope_cache, meta, scale, window=None, softcap=None,
                     sinks=None):
         plan = self._windowed(meta.plan, window)
-        if (self._c_rope and plan.is_decode and plan.cold is None and plan.split is None and plan.lens is not None
-                and softcap is None and sinks is None and qkv.dtype == self.pool.spec.dtype and qkv.stride(1) == 1):
+        if (self._c_rope and plan.one_call and softcap is None and sinks is None and qkv.dtype == self.pool.spec.dtype
+                and qkv.stride(1) == 1):
             # rope_store's and attend's C calls below in one (the same bits)
             kf, vf = self._flat[layer]
             return cpu_fused_rope_store_attend(qkv, hq, hk, positions, rope_cache, kf, vf, meta.slot_mapping,
@@ -338,8 +334,7 @@ class CpuBackend(_PagedBackend):
 
     def attend(self, layer, q, meta, scale, window=None, softcap=None, sinks=None):
         plan = self._windowed(meta.plan, window)
-        if (self._c_decode and plan.is_decode and plan.cold is None and plan.split is None and plan.lens is not None
-                and softcap is None and sinks is None and q.dtype == self.pool.spec.dtype):
+        if self._c_decode and plan.one_call and softcap is None and sinks is None and q.dtype == self.pool.spec.dtype:
             # What paged_attention_gathered runs for this step (the C decode attention reading the
             # pool by slot), without its dispatch: asked per layer, the same answer every layer.
             kf, vf = self._flat[layer]

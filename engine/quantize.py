@@ -201,11 +201,13 @@ def gptq_calibrate(model: nn.Module, seqs: list[list[int]], spec: QuantSpec, dam
     too) is calibrated on the final normed hidden states; an untied embedding
     is round-to-nearest (it has no input to weight the error by).
     """
+    from llmsys.engine.models.decode_plan import clear_decode_plan
     from llmsys.quant.calibrate import gptq_quantize
     from llmsys.quant.int4 import Int4Linear
 
     if spec.method != "int4":
         raise InvalidParameterError(f"--method gptq quantizes int4 weights; got --quant {spec.name} (use --method rtn)")
+    clear_decode_plan(model)  # its modules are replaced: the fused decode kernels would read the old weights
     a = model.args
     if a.num_experts:
         # An expert no calibration token is routed to has no Hessian: it would stay float.
@@ -280,11 +282,13 @@ def awq_calibrate(model: nn.Module, seqs: list[list[int]], spec: QuantSpec, prog
     next layer calibrates on the float layer's outputs. The LM head is scaled into the final norm when
     untied, only clip-searched when tied; an untied embedding is round-to-nearest.
     """
+    from llmsys.engine.models.decode_plan import clear_decode_plan
     from llmsys.quant.awq import quantize_int4_clipped, search_clip, search_scale
     from llmsys.quant.int4 import Int4Linear
 
     if spec.method != "int4":
         raise InvalidParameterError(f"--method awq quantizes int4 weights; got --quant {spec.name} (use --method rtn)")
+    clear_decode_plan(model)  # its modules and norms are replaced: the fused decode kernels would read the old ones
     a = model.args
     _require_llama_layers(a, "--method awq (its scales fold into q/k/v, gate/up and the (w) norm before each)",
                           "use --method gptq or rtn")

@@ -19,6 +19,7 @@ import torch
 
 from llmsys.engine.attention import AttentionBackend, AttentionMetadata
 from llmsys.engine.models.base import DecoderModel
+from llmsys.engine.models.decode_plan import build_decode_plan
 from llmsys.engine.scheduler import SchedulerOutput, StepResult
 
 if TYPE_CHECKING:
@@ -55,6 +56,8 @@ class ModelRunner:
         self.kv_policy = kv_policy  # llmsys.offload.kv_policy.PolicyRuntime, or None
         self.swap = swap  # llmsys.offload.kv_swap.KVSwapSpace, or None (no swap space)
         self.tier = tier  # llmsys.offload.kv_tier.KVTier, or None (every block in the pool)
+        # The CPU decode kernels, decided once here for the engine's life (engine/models/decode_plan.py).
+        self.decode_plan = build_decode_plan(model, attn, layers)
 
     def prepare(self, sched: SchedulerOutput) -> tuple[StepBatch, list[str], list[int] | None]:
         """The step's tensors, the request ids of the sequences that sample (in order) and, when the

@@ -30,8 +30,8 @@ from llmsys.kernels.cpu_decode import silu_mul as cpu_fused_silu_mul
 from llmsys.kernels.cpu_int4 import Scratch as Int4Scratch
 from llmsys.kernels.cpu_int4 import CPU_BLOCK_N as CPU_INT4_BLOCK_N
 from llmsys.kernels.cpu_int4 import dequant_cpu_int4, pack_cpu_int4, transpose_bf16, unpack_cpu_int4
-from llmsys.kernels.cpu_linear import (BF16_UPCAST_MIN_ROWS, decode_weight, fusable, linear, linear_logits, mm_bf16,
-                                     packable, prepack)
+from llmsys.kernels.cpu_linear import (BF16_UPCAST_MIN_ROWS, LinearKernel, decode_weight, fusable, linear,
+                                     linear_kernel, linear_logits, mm_bf16, packable, prepack, run_linear)
 from llmsys.kernels.ops import (
     DEFAULT_PARTITION_SIZE,
     DecodeAttentionResult,
@@ -119,6 +119,9 @@ __all__ = [
     "interpreter_enabled",
     "kv_store",
     "linear",
+    "LinearKernel",
+    "linear_kernel",
+    "run_linear",
     "linear_logits",
     "packable",
     "prepack",

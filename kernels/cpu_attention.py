@@ -29,7 +29,7 @@ K/V an all-resident pool would give.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -83,6 +83,13 @@ class GatherPlan:
     row_seq: torch.Tensor | None = None
     row_lens: torch.Tensor | None = None
     window: int | None = None
+    # A plain decode step the C decode attention runs in one call per layer (one query per sequence, nothing
+    # cold, not split, lengths known): decided once per plan, so layers do not ask again.
+    one_call: bool = field(init=False, repr=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "one_call", self.is_decode and self.cold is None and self.split is None
+                           and self.lens is not None)
 
 
 def make_gather_plan(

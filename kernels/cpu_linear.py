@@ -29,11 +29,13 @@ bf16 linear, or float32 sgemm on upcast weight chunks.
 float32 weights too small to pack (below 64K elements: stories260k's) run every batch through the
 C float32 GEMV (``cpu_qgemv.f32_gemv``), whose
 bits the fused decode layers give: a float32 decode step of such a model is then
-one C call for the whole decoder (``DecoderModel.decode_stack``) instead of ~10
+one C call for the whole decoder (the engine's decode plan) instead of ~10
 torch ops a layer, each costing more in dispatch than in arithmetic.
 """
 
 from __future__ import annotations
+
+import enum
 
 import torch
 import torch.nn.functional as F
@@ -108,6 +110,72 @@ def prepack(weight: torch.Tensor) -> torch.Tensor | None:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_HINT)
 
 
+class LinearKernel(enum.Enum):
+    """What runs a dense layer's matmul, chosen from its weight once (:func:`linear_kernel`)."""
+
+    ONEDNN_PACKED = "oneDNN, prepacked weight"
+    ONEDNN_REPACK = "oneDNN, plain float32 weight packed per call (a streamed layer of a packed model)"
+    ONEDNN_PLAIN = "oneDNN, plain float32 weight (a layer never packed)"
+    BF16_GEMV = "C bf16 GEMV, every batch"
+    BF16_GEMM = "torch bf16 matmul; from 12 rows oneDNN's bf16 GEMM or float32 sgemm on upcast chunks"
+    F32_GEMV = "C float32 GEMV, every batch"
+    TORCH = "F.linear"
+
+
+def linear_kernel(weight: torch.Tensor, bias: torch.Tensor | None = None, *, rows_of: int | None = None,
+                  packed_when_resident: bool = True) -> LinearKernel:
+    """The kernel :func:`run_linear` runs for ``weight [N, K]`` (plain or packed): a fact of the weight, so a
+    resident layer's is decided once (``engine/models/decode_plan.py``).
+
+    ``packed_when_resident``: this layer's weight is prepacked when resident (every packable layer; a head tied
+    to the embedding only when the embedding rows can be read from the checkpoint,
+    ``DecoderModel.prepack_linears``). A plain float32 weight of such a layer -- streamed from disk, or in an
+    engine that does not prepack -- is packed per call, so it gives the same bits as the resident packed
+    layer: the identical-answers-at-any-budget guarantee (the reorder costs a copy of the weight per call,
+    noise next to the disk read it follows). bfloat16 needs none of this (never packed): every batch runs the
+    C bf16 GEMV (module doc).
+
+    ``rows_of``: ``weight`` is a row chunk of a matrix with this many rows (an LM head streamed in chunks);
+    the choice follows the whole matrix, and oneDNN's per-row results do not depend on the chunking (tested).
+    """
+    if weight.is_mkldnn:
+        return LinearKernel.ONEDNN_PACKED
+    if weight.dtype == torch.float32 and packable(weight, rows_of * weight.shape[1] if rows_of else None):
+        return LinearKernel.ONEDNN_REPACK if packed_when_resident else LinearKernel.ONEDNN_PLAIN
+    if weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2:
+        return LinearKernel.BF16_GEMV if bf16_gemv_applies(weight, bias) else LinearKernel.BF16_GEMM
+    if f32_gemv_applies(weight, bias) and (rows_of is None or rows_of * weight.shape[1] < _ONEDNN_MIN_WEIGHT):
+        return LinearKernel.F32_GEMV  # a weight too small to pack (a streamed chunk: the whole matrix is)
+    return LinearKernel.TORCH
+
+
+def run_linear(kernel: LinearKernel, x: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [..., K]`` times ``weight [N, K]`` (plus bias) ``-> [..., N]`` by ``kernel`` (:func:`linear_kernel`'s
+    answer for this weight). Autograd (quantization's refinement trains through the float32 decoder) and an
+    input of another dtype take ``F.linear``: the C kernels record no graph."""
+    if kernel is LinearKernel.ONEDNN_PACKED:  # only oneDNN can read a packed weight
+        x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+        out = _onednn_rows(x2.contiguous(), weight, bias)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
+    if kernel is LinearKernel.TORCH or torch.is_grad_enabled() or x.dtype != weight.dtype:
+        return F.linear(x, weight, bias)
+    if kernel is LinearKernel.BF16_GEMV:  # every row count: a row's bits never depend on its batch (module doc)
+        return _gemv(cpu_qgemv.bf16_gemv, x, weight, bias)
+    if kernel is LinearKernel.F32_GEMV:
+        return _gemv(cpu_qgemv.f32_gemv, x, weight, bias)
+    if kernel is LinearKernel.BF16_GEMM:
+        if x.numel() >= BF16_UPCAST_MIN_ROWS * x.shape[-1]:
+            # no C kernel (or a float32 bias): oneDNN's bf16 GEMM where it has one, else the upcast sgemm
+            return F.linear(x, weight, bias) if _ONEDNN_BF16 else _bf16_upcast(x, weight, bias)
+        return F.linear(x, weight, bias)
+    if x.dim() != 2 or not x.is_contiguous():  # ONEDNN_REPACK / ONEDNN_PLAIN take 2-D contiguous batches
+        return F.linear(x, weight, bias)
+    if kernel is LinearKernel.ONEDNN_REPACK:
+        weight = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_HINT)
+    return _onednn_rows(x, weight, bias)
+
+
 def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -116,57 +184,11 @@ def linear(
     rows_of: int | None = None,
     packed_when_resident: bool = True,
 ) -> torch.Tensor:
-    """``F.linear`` with a faster CPU GEMM choice for float32 batches and packed weights.
-
-    x: [M, K] (or [..., K]); weight: [N, K] (plain or from :func:`prepack`); returns [..., N].
-
-    ``packed_when_resident``: this layer's weight is prepacked when resident (every
-    packable layer; a head tied to the embedding only when the embedding rows can be
-    read from the checkpoint, ``DecoderModel.prepack_linears``). A plain float32 weight of such
-    a layer -- streamed from disk, or in an engine that does not prepack -- is
-    packed on the fly, so it gives the same bits as the resident packed layer: the
-    identical-answers-at-any-budget guarantee. The reorder costs a copy of the
-    weight per call, noise next to the disk read it follows. bfloat16 needs none of
-    this (never packed): every batch runs the C bf16 GEMV (module doc).
-
-    ``rows_of``: ``weight`` is a row chunk of a matrix with this many rows (an LM
-    head streamed in chunks); the GEMM choice follows the whole matrix, and
-    oneDNN's per-row results do not depend on the chunking (tested).
-    """
-    if weight.is_mkldnn:  # prepacked: only oneDNN can read it
-        x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
-        out = _onednn_rows(x2.contiguous(), weight, bias)
-        return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
-    # float32 on packable weights always takes oneDNN (M = 1 too), packed on the fly
-    # unless this layer is never packed (see the docstring).
-    if (
-        x.dtype == torch.float32
-        and weight.dtype == torch.float32
-        and x.dim() == 2
-        and x.is_contiguous()
-        and not torch.is_grad_enabled()
-        and packable(weight, numel=None if rows_of is None else rows_of * weight.shape[1])
-    ):
-        if packed_when_resident:
-            weight = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_HINT)
-        return _onednn_rows(x, weight, bias)
-    if (
-        x.dtype == torch.bfloat16
-        and weight.dtype == torch.bfloat16
-        and x.device.type == "cpu"
-        and weight.dim() == 2
-        and not torch.is_grad_enabled()
-    ):
-        if bf16_gemv_applies(weight, bias):  # every row count: a row's bits never depend on its batch (module doc)
-            return _gemv(cpu_qgemv.bf16_gemv, x, weight, bias)
-        if x.numel() >= BF16_UPCAST_MIN_ROWS * x.shape[-1]:
-            # no C kernel (or a float32 bias): oneDNN's bf16 GEMM where it has one, else the upcast sgemm
-            return F.linear(x, weight, bias) if _ONEDNN_BF16 else _bf16_upcast(x, weight, bias)
-    if (x.dtype == torch.float32 and not torch.is_grad_enabled() and f32_gemv_applies(weight, bias)
-            and (rows_of is None or rows_of * weight.shape[1] < _ONEDNN_MIN_WEIGHT)):
-        # a weight too small to pack (a streamed chunk: the whole matrix is): the fused layers' bits, by rows
-        return _gemv(cpu_qgemv.f32_gemv, x, weight, bias)
-    return F.linear(x, weight, bias)
+    """``F.linear`` with the CPU GEMM :func:`linear_kernel` picks for ``weight``, for callers whose weight changes
+    from call to call (an LM head streamed in chunks); a model's layers pick theirs once
+    (``Linear.kernel``). x: [M, K] (or [..., K]); weight: [N, K] (plain or from :func:`prepack`); returns [..., N]."""
+    kernel = linear_kernel(weight, bias, rows_of=rows_of, packed_when_resident=packed_when_resident)
+    return run_linear(kernel, x, weight, bias)
 
 
 def _onednn_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

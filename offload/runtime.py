@@ -638,6 +638,11 @@ class OffloadRuntime:
             self.stager.wait_copied(k)
         self.ring.release(u)
 
+    def rebinds(self, i: int) -> bool:
+        """``LayerRunner``: layer ``i``'s weights are bound per step (a streamed unit, pinned copies for the GPU,
+        or computed on the CPU beside a GPU)."""
+        return i in self._layer_unit or i in self._resident_cpu or (self.cuda and self.kind.get(i) == "cpu")
+
     def run_layer(self, i: int, layer: nn.Module, h, residual, positions, rope, attn, meta):
         """``LayerRunner``: layer ``i`` with its weights streamed in (or copied / computed across devices)."""
         ex = self._experts.get(i)

@@ -116,10 +116,6 @@ class QuantLinear(nn.Module):
         self._kernel = kernel
         # Bias is tiny; keep it in the model's float dtype.
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
-        # (buffer addresses, DecodeWeight): decode_weight's last answer, reused while the buffers stay where they
-        # are (resident layers: always). Addresses, not tensors: holding a streamed layer's views would
-        # keep their memory alive.
-        self._decode_cache: tuple[tuple[int, ...], DecodeWeight] | None = None
 
     @property
     def kernel(self) -> MatmulKernel:
@@ -150,24 +146,17 @@ class QuantLinear(nn.Module):
     def decode_weight(self) -> DecodeWeight | None:
         """This layer's weight for the fused decode layer kernels (``kernels.layer_attn_in``,
         ``kernels.layer_mlp``) when its own forward on a bf16 input of up to :attr:`DECODE_MAX_ROWS` rows runs
-        the a8 GEMV (and adds a bf16 bias), so the fused call gives its bits; None otherwise (the default)."""
+        the a8 GEMV (and adds a bf16 bias), so the fused call gives its bits; None otherwise (the default).
+        Asked once, when the engine's decode plan is built (``engine/models/decode_plan.py``)."""
         return None
-
-    def _decode_cached(self, tensors: tuple[torch.Tensor | None, ...], build) -> DecodeWeight:
-        """``build()``'s weight, rebuilt only when one of ``tensors`` (what it points into) moved."""
-        key = tuple(0 if t is None else t.data_ptr() for t in tensors)
-        c = self._decode_cache
-        if c is None or c[0] != key:
-            c = self._decode_cache = (key, build())
-        return c[1]
 
     def _int8_decode_weight(self, family: KernelFamily, tensors: tuple[torch.Tensor, ...], build) -> DecodeWeight | None:
         """The int8 formats' ``decode_weight``: ``build(*tensors, bias)`` when this layer's kernel is ``family`` and
-        its bias (if any) is bf16 -- what the fused decode layers add -- else None; cached by address."""
+        its bias (if any) is bf16 -- what the fused decode layers add -- else None."""
         bias = self._buffers["bias"]
         if self._kernel.family is not family or (bias is not None and bias.dtype != torch.bfloat16):
             return None
-        return self._decode_cached((*tensors, bias), lambda: build(*tensors, bias))
+        return build(*tensors, bias)
 
     def _a8_input(self, x2: torch.Tensor) -> torch.Tensor:
         """``x2 [M, K]`` as the C a8 GEMVs take it: bf16 (float32 inputs cast), unit column stride, K checked."""

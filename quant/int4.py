@@ -418,15 +418,13 @@ class Int4Linear(QuantLinear):
             return None
         ks = self.kscales()
         if ks is not None:
-            return self._decode_cached((buf["packed"], ks.sc, bias), lambda: int4k_decode_weight(
-                buf["packed"], ks, self.in_features, bias))
+            return int4k_decode_weight(buf["packed"], ks, self.in_features, bias)
         scales = buf["scales_orig"]
         if scales is None:
             scales = buf["scales_zeros"]
         packed, zeros, offs = buf["packed"], buf["zeros_gm"], buf["offsets_gm"]
         offsets = None if offs is None else offs.t()
-        return self._decode_cached((packed, scales, zeros, bias, offs), lambda: int4_decode_weight(
-            packed, scales, zeros.t(), self.group_size, self.in_features, bias, offsets))
+        return int4_decode_weight(packed, scales, zeros.t(), self.group_size, self.in_features, bias, offsets)
 
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
         k = self.in_features

@@ -4,7 +4,7 @@ What the forward fuses (engine/models/base.py, engine/attention.py): RMSNorm wit
 before it, RoPE + the K/V store in one C call, decode attention reading the pool by slot, for layers whose
 projections run a C GEMV at decode (int8 / int4, bf16, float32 weights too small to pack) the whole layer
 around attention in two C calls (DecoderLayer._forward_fused), and where every layer does, the whole
-decoder in one (DecoderModel.decode_stack). The reference below is the decoder as separate ``kernels`` ops,
+decoder in one (the decode plan's stack, engine/models/decode_plan.py). The reference below is the decoder as separate ``kernels`` ops,
 the way the module path ran them.
 """
 
@@ -54,7 +54,8 @@ def _step_both(llm, lens: list[int], seed: int = 0):
             for run in (lambda: _reference(model, core.kv, meta, ids, pos), lambda: model(ids, pos, core.attn, meta)):
                 h = run()
                 out.append((h, [k.clone() for k in core.kv.k], [v.clone() for v in core.kv.v]))
-            stacked = model.decode_stack(model.embed(ids), core.attn.for_step(meta), meta) is not None
+            dp = model.decode_plan  # the whole decoder in one C call: a plan with a stack, on a plain decode step
+            stacked = dp is not None and dp.stack is not None and meta.plan.one_call
     finally:
         for t in tables:
             core.allocator.free(t)
@@ -86,10 +87,7 @@ def test_fused_decode_is_bit_identical(tmp_path, kind, overrides, dtype, fuses, 
     # The fused decode layers take decode-sized steps whose projections all run a C GEMV (int8 / int4
     # layers, bf16 ones, float32 ones too small to pack); the reference below runs the same layers op by op.
     fuses = fuses and kernels.cpu_fused_available()
-    if kernels.cpu_fused_available():
-        h = torch.zeros(3, overrides.get("hidden_size", 64), dtype=getattr(torch, dtype))  # a decode step of 3 sequences
-        with torch.inference_mode():
-            assert all((layer.decode_layer(h) is not None) == fuses for layer in layers)
+    assert all((layer.decode is not None) == fuses for layer in layers)  # decided once, when the engine was built
     for lens in ([9], [3, 17, 8], [12, 12]):  # one sequence; unequal lengths (masked); equal lengths
         ((h0, k0, v0), (h1, k1, v1)), stacked = _step_both(llm, lens)
         # the whole decoder in one C call (kernels.decode_stack) where every layer fuses and has no q/k norms
@@ -104,18 +102,15 @@ def test_fused_decode_only_where_it_applies(tmp_path):
 
     path = make_hf_model("llama", tmp_path / "m")
     fp16 = LLM(str(path), dtype="float16", progress=False, kv_cache_tokens=256)
-    h16 = torch.zeros(1, 64, dtype=torch.float16)
-    with torch.inference_mode():  # float16 has no C GEMV: its layers run op by op
-        assert all(layer.decode_layer(h16) is None for layer in fp16.loaded.model.model.layers)
+    # float16 has no C GEMV: its layers run op by op
+    assert all(layer.decode is None for layer in fp16.loaded.model.model.layers)
     llm = LLM(str(path), dtype="float32", progress=False, block_size=4, kv_cache_tokens=256)
     model, attn = llm.loaded.model, llm.core.attn
     t = [[1, 2], [3]]
-    h = torch.zeros(2, 64)
-    with torch.inference_mode():  # the whole decoder in one C call for a decode step, not for a prompt chunk
-        meta = attn.metadata([1, 1], [5, 3], t)
-        assert (model.decode_stack(h, attn.for_step(meta), meta) is not None) == kernels.cpu_fused_available()
-        meta = attn.metadata([2, 1], [5, 3], t)
-        assert model.decode_stack(torch.zeros(3, 64), attn.for_step(meta), meta) is None
+    assert (model.decode_plan is not None and model.decode_plan.stack is not None) == kernels.cpu_fused_available()
+    # the whole decoder in one C call for a plain decode step, not for a prompt chunk
+    assert attn.metadata([1, 1], [5, 3], t).plan.one_call
+    assert not attn.metadata([2, 1], [5, 3], t).plan.one_call
     # A KV policy's attention is not bypassed by the fused decode: a scoring step collects its rows.
     blocks = llm.core.allocator.allocate(1)
     try:
@@ -132,18 +127,25 @@ def test_fused_decode_only_where_it_applies(tmp_path):
 def test_stories260k_tokens_and_logprobs_unchanged(monkeypatch):
     """Generation through the one-call decode stack gives the tokens and logprobs of the fused layers one by
     one and of the op-by-op decoder, exactly (stories260k, float32: small plain weights, the C float32 GEMV)."""
+    from dataclasses import replace
+
     from llmsys import LLM, SamplingParams, kernels
-    from llmsys.engine.models.base import DecoderLayer, DecoderModel
+    from llmsys.engine.models.decode_plan import clear_decode_plan
 
     need_shared(STORIES_HF)
     llm = LLM(str(STORIES_HF), dtype="float32", progress=False, kv_cache_tokens=1024)
     sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=0)
     prompts = ["Once upon a time", "The cat", "Lily and Tom went to the park"]
+    model = llm.loaded.model
+    calls = []
+    stack = kernels.decode_stack
+    monkeypatch.setattr(kernels, "decode_stack", lambda *a: calls.append(1) or stack(*a))
     runs = [llm.generate(prompts, sp)]
-    assert (llm.loaded.model._stack is not None) == kernels.cpu_fused_available()  # the stack ran
-    monkeypatch.setattr(DecoderModel, "decode_stack", lambda self, h, attn, meta: None)
+    assert bool(calls) == kernels.cpu_fused_available()  # the stack ran
+    if model.decode_plan is not None:
+        model.decode_plan = replace(model.decode_plan, stack=None)
     runs.append(llm.generate(prompts, sp))  # the fused layers one by one
-    monkeypatch.setattr(DecoderLayer, "decode_layer", lambda self, h: None)
+    clear_decode_plan(model)
     runs.append(llm.generate(prompts, sp))  # op by op
     for other in runs[1:]:
         for a, b in zip(runs[0], other):
@@ -164,36 +166,35 @@ def test_scoring_policy_decodes_through_the_fused_layers(tmp_path, dtype):
     assert all(o.finish_reason == "length" and len(o.token_ids) == 60 for o in out)
 
 
-def test_decode_stack_follows_a_rebound_weight(tmp_path):
-    """The decoder-in-one-call arguments are reused from step to step while every tensor they point into is
-    still bound where it was; a weight rebound in between (a loader or the offload runtime binding another
-    tensor) makes the next step rebuild them and use the new weight: the op-by-op reference's bits again."""
+def test_decode_plan_is_decided_once_and_rebuilt_on_request(tmp_path):
+    """The decode plan is built once with the engine and kept from step to step (no per-step check of what
+    its pointers point into). A weight rebound afterwards is not seen by the old plan, which still holds the
+    old tensor (it reads the old weight, never freed memory); building the plan again takes the new weight and
+    gives the op-by-op reference's bits."""
     from llmsys import LLM, kernels
+    from llmsys.engine.models.decode_plan import build_decode_plan
 
     if not kernels.cpu_fused_available():
         pytest.skip("the C decode kernels are not built on this machine")
     path = make_hf_model("llama", tmp_path / "m")
     llm = LLM(str(path), dtype="float32", progress=False, block_size=4, kv_cache_tokens=256)
     model = llm.loaded.model
+    first = model.decode_plan
     ((h0, _, _), (h1, _, _)), stacked = _step_both(llm, [9])
     assert stacked and torch.equal(h0, h1)
-    first = model._stack
     ((h0, _, _), (h1, _, _)), _ = _step_both(llm, [7])
-    assert model._stack is first and torch.equal(h0, h1)  # reused: nothing was rebound
+    assert model.decode_plan is first and torch.equal(h0, h1)  # the same plan: nothing asked again
     down = model.model.layers[1].mlp.down_proj
     name = "weight" if "weight" in down._parameters else next(iter(down._buffers))
     table = down._parameters if name in down._parameters else down._buffers
     old = table[name]
     new = old.detach().clone() * 2  # another tensor: the old pointer would read the old values
     table[name] = torch.nn.Parameter(new, requires_grad=False) if isinstance(old, torch.nn.Parameter) else new
+    del old
+    ((h0, _, _), (h1, _, _)), _ = _step_both(llm, [9])
+    assert not torch.equal(h0, h1)  # the reference reads the new weight; the old plan the old one, still alive
+    build_decode_plan(model, llm.core.attn)
     ((h0, _, _), (h1, _, _)), stacked = _step_both(llm, [9])
-    assert stacked and model._stack is not first
-    assert torch.equal(h0, h1)  # the reference reads the new weight, and so does the rebuilt stack
-    assert not torch.equal(h0, _step_both_with(old, table, name, llm)), "the doubled weight changes the output"
+    assert stacked and model.decode_plan is not first and torch.equal(h0, h1)
 
 
-def _step_both_with(old, table, name, llm) -> torch.Tensor:
-    """The reference hidden state of the same step with ``old`` bound back at ``table[name]``."""
-    table[name] = old
-    ((h0, _, _), _), _ = _step_both(llm, [9])
-    return h0

@@ -121,45 +121,36 @@ def test_a8_weight_only_where_the_layer_runs_the_a8_gemv():
     w = torch.randn(64, 192) * 0.05
     f32_bias = Int8Linear.from_float(w, torch.randn(64))  # a float32 bias: the layer adds bf16(bias), not fused
     assert f32_bias.decode_weight() is None
-    w = lin4.decode_weight()
-    assert lin4.decode_weight() is w  # reused while the buffers stay in place
     lin4._buffers["packed"] = lin4._buffers["packed"].clone()  # bound elsewhere, as offload binds streamed views
-    w2 = lin4.decode_weight()
-    assert w2 is not w and w2.q == lin4._buffers["packed"].data_ptr()
+    assert lin4.decode_weight().q == lin4._buffers["packed"].data_ptr()  # built from what is bound when asked
 
 
 @needs_kernel
-def test_decoder_layer_keeps_its_a8_layer_while_bound(tmp_path):
-    """DecoderLayer.decode_layer builds the C arguments once, rebuilds them when a weight is bound elsewhere
-    (a streamed layer) and never hands out pointers into a tensor that was dropped."""
+def test_decoder_layer_plan_is_made_once_and_taken_only_where_it_applies(tmp_path):
+    """The engine plans each layer's fused a8 kernels once (engine/models/decode_plan.py); a step takes them only
+    with autograd off, within the formats' rows and in the plan's dtype, and otherwise runs op by op with the
+    same bits. The plan keeps what it points into alive."""
+    import gc
+
     from llmsys import LLM
+    from llmsys.engine.models.decode_plan import layer_plan
     from tiny_models import make_hf_model
 
     path = make_hf_model("llama", tmp_path / "m", hidden_size=128, intermediate_size=320)
     llm = LLM(str(path), dtype="bfloat16", progress=False, kv_cache_tokens=64, quant="int4")
     layer = llm.loaded.model.model.layers[0]
-    h = torch.zeros(2, 128, dtype=BF)
-    assert layer.decode_layer(h) is None  # autograd on: the op-by-op layer (the C kernels record no graph)
-    torch.set_grad_enabled(False)
-    try:
-        _keeps_its_layer(layer, h)
-    finally:
-        torch.set_grad_enabled(True)
-
-
-def _keeps_its_layer(layer, h):
-    a = layer.decode_layer(h)
-    assert a is not None and layer.decode_layer(h) is a
-    assert layer.decode_layer(torch.zeros(29, 128, dtype=BF)) is None  # past int4's 28 rows: the op-by-op path
-    assert layer.decode_layer(h.float()) is None
+    lp = layer.decode
+    assert lp is not None and lp.max_rows == 28 and lp.dtype == BF  # int4's PACKED_MAX_ROWS
     down = layer.mlp.down_proj
-    down._buffers["packed"] = down._buffers["packed"].clone()
-    b = layer.decode_layer(h)
-    assert b is not a and b.arrays[3][0].q == down._buffers["packed"].data_ptr()
-    ln = layer.input_layernorm
-    ln.weight = torch.nn.Parameter(ln.weight.detach().clone(), requires_grad=False)
-    c = layer.decode_layer(h)
-    assert c is not b and c.args.ln1 == ln.weight.data_ptr()
+    held = down._buffers["packed"]
+    assert lp.fused.arrays[3][0].q == held.data_ptr() and any(t is held for t in lp.holds)
+    down._buffers["packed"] = held.clone()  # rebound: the plan still reads (and holds) the old tensor
+    del held
+    gc.collect()
+    assert any(t.data_ptr() == lp.fused.arrays[3][0].q for t in lp.holds)
+    fresh = layer_plan(layer, BF)  # what building the plan again gives: the new tensor
+    assert fresh.fused.arrays[3][0].q == down._buffers["packed"].data_ptr()
+    assert layer_plan(layer, torch.float32) is None  # float32 activations read float32 weights only
 
 
 @needs_kernel

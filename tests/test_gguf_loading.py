@@ -498,10 +498,8 @@ def test_fused_decode_layers_take_kept_gguf_layers_bit_for_bit(tmp_path, matrice
     if matrices == "Q4_K":  # its 6-bit scales and minimums kept as stored, also through the fused q|k|v
         layer = llm.loaded.model.model.layers[0]
         assert layer.mlp.down_proj.kscales() is not None and layer.self_attn.qkv_proj.kscales() is not None
-    if kernels.cpu_fused_available():
-        h = torch.zeros(3, d, dtype=torch.bfloat16)
-        with torch.inference_mode():
-            assert all(layer.decode_layer(h) is not None for layer in llm.loaded.model.model.layers)
+    if kernels.cpu_fused_available():  # every layer's fused decode kernels planned once, with the engine
+        assert all(layer.decode is not None for layer in llm.loaded.model.model.layers)
     for lens in ([9], [3, 17, 8]):
         ((h0, k0, v0), (h1, k1, v1)), stacked = _step_both(llm, lens)
         assert stacked == kernels.cpu_fused_available()  # the whole decoder in one C call

@@ -16,20 +16,22 @@ config onto :class:`TransformerArgs`. Tokens of a batch are packed into one
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from llmsys import kernels
-from llmsys.engine.attention import AttentionBackend, AttentionMetadata, CpuBackend
+from llmsys.engine.attention import AttentionBackend, AttentionMetadata
 from llmsys.engine.models.moe import MoE
 from llmsys.kernels.common.errors import UnsupportedModelError
 from llmsys.kernels.common.protocols import ExpertSource, LayerRunner
 from llmsys.quant.base import QuantLinear
+
+if TYPE_CHECKING:
+    from llmsys.engine.models.decode_plan import DecodePlan, LayerPlan
 
 
 @dataclass
@@ -192,6 +194,9 @@ class Linear(nn.Linear):
     packed_when_resident = True
     # Batches that kernels.linear runs through the C bf16 GEMV (below the size that takes a GEMM).
     DECODE_MAX_ROWS = kernels.BF16_UPCAST_MIN_ROWS - 1
+    # The matmul's kernel, decided once from the weight by the engine's decode plan (decode_plan.plan_kernels);
+    # None (a model outside an engine): kernels.linear decides per call.
+    kernel: kernels.LinearKernel | None = None
 
     def decode_weight(self) -> kernels.DecodeWeight | None:
         """The fused decode layers' weight when ``kernels.linear`` runs this layer's decode-sized batches
@@ -200,7 +205,9 @@ class Linear(nn.Linear):
         return kernels.decode_weight(self.weight, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.linear(x, self.weight, self.bias, packed_when_resident=self.packed_when_resident)
+        if self.kernel is None:
+            return kernels.linear(x, self.weight, self.bias, packed_when_resident=self.packed_when_resident)
+        return kernels.run_linear(self.kernel, x, self.weight, self.bias)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden] float32 -> [N, V] float32
         """This layer as the LM head: float32 logits, never rounded to the weight's dtype (``kernels.linear_logits``)."""
@@ -215,23 +222,24 @@ class RMSNorm(nn.Module):
         # Gemma: the stored weight is w and the norm scales by (1 + w), all in float32 before the one
         # rounding to the input's dtype (HF GemmaRMSNorm), where Llama rounds first, then multiplies.
         self.offset = offset
+        # The C row kernel (``kernels.cpu_fused_rms_norm``, the fused decode layers' row code) for this weight,
+        # decided once by the engine's decode plan (decode_plan.plan_kernels); False: ``kernels.rms_norm``.
+        self.c_rows = False
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """HF LlamaRMSNorm numerics (GemmaRMSNorm's with ``offset``); with ``residual`` the add is fused and
         ``(normed, x + residual)`` is returned.
 
-        On the CPU the two dtypes the engine decodes in (bfloat16, float32) go straight to
-        the C kernel ``kernels.rms_norm`` would pick for them (the fused decode layers' row
-        code): the same bits without the wrapper's checks, which cost as much as the op at
-        decode (the inputs are the decoder's own contiguous activations).
+        With ``c_rows`` (planned once), the C kernel ``kernels.rms_norm`` would pick, without the
+        wrapper's checks, which cost as much as the op at decode: the same bits. Autograd (quantization's
+        refinement) and other inputs take ``kernels.rms_norm``.
         """
         w = self.weight
         if self.offset:
             h = x if residual is None else x + residual
             out = (F.rms_norm(h.float(), (h.shape[-1],), None, self.eps) * (1.0 + w.float())).to(h.dtype)
             return out if residual is None else (out, h)
-        if (x.dtype == w.dtype and kernels.cpu_fused_applies(x, w, residual) and kernels.cpu_fused_available()
-                and x.is_contiguous()):
+        if self.c_rows and x.dtype is w.dtype and x.is_contiguous() and not torch.is_grad_enabled():
             return kernels.cpu_fused_rms_norm(x, w, self.eps, residual)
         return kernels.rms_norm(x, w, self.eps, residual)
 
@@ -371,14 +379,16 @@ class MLP(nn.Module):
         self.down_proj = Linear(inter, a.hidden_size, bias=bias)
         # SwiGLU (the C row kernels' silu * mul; not gpt-oss's clamped one)
         self.silu = a.hidden_act in ("silu", "swish") and a.swiglu_limit is None
+        # SwiGLU by the C row code (kernels.cpu_fused_silu_mul), decided once by the engine's decode plan
+        self.c_silu = False
         self.act_fn = GATE_ACTIVATIONS[a.hidden_act]
         self.swiglu = (a.swiglu_alpha, a.swiglu_limit) if a.swiglu_limit is not None else None  # gpt-oss
 
     def act(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, I]
         """``silu(gate(x)) * up(x)`` (GeGLU: ``gelu_tanh(gate(x)) * up(x)``), the input of ``down_proj``.
 
-        CPU bfloat16 and float32: the C row code (``kernels.cpu_fused_silu_mul``) that the fused decode
-        layers run too (:meth:`DecoderLayer.decode_layer`), so both give the same bits.
+        With ``c_silu`` (planned once for CPU bfloat16 and float32): the C row code
+        (``kernels.cpu_fused_silu_mul``) that the fused decode layers run too, so both give the same bits.
         """
         if self.gate_up_proj is None:
             g, u = self.gate_proj(x), self.up_proj(x)
@@ -386,7 +396,7 @@ class MLP(nn.Module):
             gu = self.gate_up_proj(x)  # [T, 2 I]
             inter = gu.shape[-1] // 2
             g, u = gu[..., :inter], gu[..., inter:]
-        if self.silu and g.dim() == 2 and kernels.cpu_fused_applies(g, u) and kernels.cpu_fused_available():
+        if self.c_silu and g.dim() == 2 and not g.requires_grad:  # (a graph to record: torch's ops)
             return kernels.cpu_fused_silu_mul(g, u)
         return self.glu(g, u)
 
@@ -419,7 +429,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(a.hidden_size, eps, off)
         self.pre_feedforward_layernorm = RMSNorm(a.hidden_size, eps, off) if a.sandwich_norms else None
         self.post_feedforward_layernorm = RMSNorm(a.hidden_size, eps, off) if a.sandwich_norms else None
-        self._fused: FusedBinding | None = None  # decode_layer's last answer
+        self.decode: LayerPlan | None = None  # its fused decode kernels, set once by decode_plan.build_decode_plan
 
     def forward(self, h, residual, positions, rope_cache, attn: AttentionBackend, meta: AttentionMetadata,
                 experts: ExpertSource | None = None):
@@ -433,10 +443,10 @@ class DecoderLayer(nn.Module):
         hooks them). ``experts``: a sparse layer's experts kept elsewhere (``llmsys.offload.experts``; the
         offload runtime's ``run_layer`` hands it in), passed to the MoE block.
         """
-        if experts is None:
-            fused = self.decode_layer(h)
-            if fused is not None:
-                return self._forward_fused(fused, h, residual, positions, rope_cache, attn, meta)
+        lp = self.decode
+        if (lp is not None and experts is None and h.shape[0] <= lp.max_rows and h.dtype is lp.dtype
+                and not torch.is_grad_enabled()):  # (the C kernels record no autograd)
+            return self._forward_fused(lp.fused, h, residual, positions, rope_cache, attn, meta)
         if residual is None:
             x, residual = self.input_layernorm.forward(h), h
         else:
@@ -455,48 +465,6 @@ class DecoderLayer(nn.Module):
             return self.mlp.forward(x, decode)
         return self.mlp.forward(x, decode, experts)  # an MoE block (only sparse layers get a source)
 
-    def decode_layer(self, h: torch.Tensor) -> kernels.DecodeLayer | None:
-        """The layer's arguments for the fused decode kernels when every projection of it would run its
-        decode GEMV on ``h``'s rows (int8 / int4 a8 GEMVs, the C bf16 GEMV: a decode-sized bf16 CPU
-        batch; the C float32 GEMV: a decode-sized float32 batch on small plain weights; each projection's
-        ``decode_weight``), else None.
-
-        Built once and kept while every tensor it points into is still bound where it was (weak
-        references: a resident layer's never move; a streamed layer's are bound afresh per step, so it
-        is rebuilt then, without holding the old views alive).
-        """
-        if (h.dtype not in (torch.bfloat16, torch.float32) or h.is_cuda or torch.is_grad_enabled()
-                or not h.is_contiguous()):
-            return None  # (the C kernels record no autograd)
-        c = self._fused
-        if c is not None and h.shape[0] <= c.max_rows and c.bound():
-            return c.layer if c.layer.dtype == h.dtype else None
-        at, mlp = self.self_attn, self.mlp
-        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
-        if type(mlp) is not MLP:
-            return None  # an MoE block routes each token to its own experts; the C layer runs one SwiGLU MLP
-        if self.pre_feedforward_layernorm is not None or ln1.offset or not mlp.silu:
-            return None  # the C layer is Llama's: one norm before attention and MLP each, (w) norms, SwiGLU
-        if ln1.weight.dtype != h.dtype or ln2.weight.dtype != h.dtype:
-            return None
-        qkv = [at.qkv_proj] if at.qkv_proj is not None else [at.q_proj, at.k_proj, at.v_proj]
-        gu = [mlp.gate_up_proj] if mlp.gate_up_proj is not None else [mlp.gate_proj, mlp.up_proj]
-        mods = [*qkv, at.o_proj, *gu, mlp.down_proj]
-        if not all(isinstance(m, (QuantLinear, Linear)) for m in mods):
-            return None
-        max_rows = min(m.DECODE_MAX_ROWS for m in mods)
-        if h.shape[0] > max_rows or not ln1.weight.is_contiguous() or not ln2.weight.is_contiguous():
-            return None
-        ws = [m.decode_weight() for m in mods]
-        if any(w is None for w in ws) or any((w.kind == 6) != (h.dtype == torch.float32) for w in ws):
-            return None  # (float32 activations read float32 weights only; bf16 ones the rest)
-        n = len(qkv)
-        layer = kernels.decode_layer_args(ws[:n], ws[n], ws[n + 1 : -1], ws[-1], ln1.weight, ln1.eps, ln2.weight,
-                                          ln2.eps)
-        watch = [(d, name) for m in (*mods, ln1, ln2) for d in (m._parameters, m._buffers) for name in d]
-        self._fused = FusedBinding(layer, max_rows, tuple((d, name, _ref(d[name])) for d, name in watch))
-        return layer
-
     def _forward_fused(self, fused: kernels.DecodeLayer, h, residual, positions, rope_cache,
                        attn: AttentionBackend, meta: AttentionMetadata):
         """:meth:`forward` in two C calls around attention (``kernels.layer_attn_in``: input norm and q|k|v;
@@ -508,7 +476,7 @@ class DecoderLayer(nn.Module):
         resident layers, and any batch size, agree.
         """
         at = self.self_attn
-        # check=False: the decoder's own contiguous bf16 [T, D] activations (decode_layer checked the dtype;
+        # check=False: the decoder's own contiguous bf16 [T, D] activations (forward checked the dtype;
         # the embeddings and the kernels' outputs are contiguous)
         qkv, residual = kernels.layer_attn_in(fused, h, residual, check=False)  # [T, (Hq + 2 Hk) D]
         if at.q_norm is None and at.rotary_dim == at.head_dim:
@@ -523,63 +491,6 @@ class DecoderLayer(nn.Module):
                 q, k = at.q_norm(q.contiguous()), at.k_norm(k.contiguous())
             o = at.attend(at.rope_store(q, k, v, positions, rope_cache, attn, meta), attn, meta)  # [T, Hq * D]
         return kernels.layer_mlp(fused, o.contiguous(), residual, check=False)
-
-
-@dataclass(frozen=True)
-class FusedBinding:
-    """A layer's :class:`kernels.DecodeLayer` with what it points into: each ``(dict, name, weak ref)`` of its
-    projections' and norms' parameters and buffers, and the most rows its projections run through their
-    decode GEMVs."""
-
-    layer: kernels.DecodeLayer
-    max_rows: int
-    watch: tuple[tuple[dict, str, Any], ...]
-
-    def bound(self) -> bool:
-        """Is every tensor still the one the layer's pointers were taken from?"""
-        for d, name, ref in self.watch:
-            t = d[name]
-            if ref is None:
-                if t is not None:
-                    return False
-            elif t is None or t is not ref():  # rebound, or dropped (a dead reference answers None)
-                return False
-        return True
-
-
-@dataclass(frozen=True)
-class StackBinding:
-    """A model's :class:`kernels.DecodeStack` with the per-layer fused arguments and the pools it was built from,
-    and what its layers' :class:`FusedBinding` checks each step, in one place (``binding``: every layer's watch,
-    the fewest rows any of them takes, the activations' dtype)."""
-
-    stack: kernels.DecodeStack
-    fused: tuple[kernels.DecodeLayer, ...]
-    pools: list[tuple[torch.Tensor, torch.Tensor]]
-    dtype: torch.dtype  # the activations' (every layer's DecodeLayer.dtype)
-    max_rows: int  # the fewest rows any layer's binding takes
-    # every layer's watched (dict, name) with the tensor (or None) bound there: held, not weakly referenced,
-    # so a check reads no tensor object (resident layers' tensors are alive anyway; the model drops the
-    # stack on any step with streamed layers, so it never holds a streamed copy)
-    watch: tuple[tuple[dict, str, torch.Tensor | None], ...]
-
-    def reusable(self, h: torch.Tensor, pools: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
-        """Would every layer's :meth:`DecoderLayer.decode_layer` give this stack's layers again for ``h``?
-
-        Why: asking each layer cost ~8 us of Python a layer (~0.23 ms a SmolLM2-135M decode step, ~6% of
-        it), and the weak references' check ~0.09 ms (the step's weights streamed through the caches
-        in between: ~3 cache misses an entry); identity against held tensors touches only the dicts."""
-        if not (pools is self.pools and h.dtype == self.dtype and h.shape[0] <= self.max_rows and not h.is_cuda
-                and h.is_contiguous() and not torch.is_grad_enabled()):
-            return False
-        for d, name, t in self.watch:
-            if d[name] is not t:
-                return False
-        return True
-
-
-def _ref(t: torch.Tensor | None):
-    return None if t is None else weakref.ref(t)
 
 
 class DecoderModel(nn.Module):
@@ -609,7 +520,8 @@ class DecoderModel(nn.Module):
         # serves embedding rows from the file so the tied head can be packed.
         self.embed_file = embed_file
         self.embed_file_bytes = 0  # bytes of the embedding table served from the file (memory_report: "disk")
-        self._stack: StackBinding | None = None  # decode_stack's last answer
+        # The decode kernels, decided once by the engine's runner (decode_plan.build_decode_plan); None: op by op.
+        self.decode_plan: DecodePlan | None = None
 
     def tie_weights(self) -> None:
         if self.args.tie_word_embeddings:
@@ -638,12 +550,14 @@ class DecoderModel(nn.Module):
         positions = self.rope_positions(positions, meta)
         attn = attn.for_step(meta)  # e.g. the scoring decorator steps aside when no sequence scores
         h, res = self.embed(input_ids), None
-        if layers is not None:
-            self._stack = None  # (it holds the resident tensors it points into: not a streamed layer's old copy)
-        stack = self.decode_stack(h, attn, meta) if layers is None else None
-        if stack is not None:  # every layer's fused decode calls in one C call (the same bits as the loop)
+        dp = self.decode_plan
+        if (dp is not None and dp.stack is not None and layers is None and attn is dp.backend
+                and meta.plan is not None and meta.plan.one_call and h.shape[0] <= dp.max_rows and h.dtype is dp.dtype
+                and not torch.is_grad_enabled()):
+            # every layer's fused decode calls in one C call (the same bits as the loop)
             plan = meta.plan
-            h, res = kernels.decode_stack(stack, h, positions, rope, meta.slot_mapping, plan.gather_slots, plan.lens)
+            h, res = kernels.decode_stack(dp.stack, h, positions, rope, meta.slot_mapping, plan.gather_slots,
+                                          plan.lens)
         else:
             for i, layer in enumerate(self.model.layers):
                 if layers is None:
@@ -651,45 +565,6 @@ class DecoderModel(nn.Module):
                 else:
                     h, res = layers.run_layer(i, layer, h, res, positions, rope, attn, meta)
         return self.model.norm.forward_f32(h, res)  # [T, hidden] float32
-
-    def decode_stack(self, h: torch.Tensor, attn: AttentionBackend, meta: AttentionMetadata
-                     ) -> kernels.DecodeStack | None:
-        """The whole decoder's arguments for one C call per decode step (``kernels.decode_stack``) when every
-        layer would run :meth:`DecoderLayer._forward_fused` with its attention as the CPU backend's one C
-        call (``CpuBackend.decode_pools``: RoPE over whole heads, no q/k norms, window, soft cap or sinks),
-        else None (the per-layer loop runs).
-
-        Why: the loop's Python and ctypes cost ~50 us a layer around ~150 us of kernels (SmolLM2-135M int4;
-        profile_decode.py); the stack makes the same calls in C. Kept while every layer's fused arguments
-        and the pools are the ones it was built from (resident layers: for the engine's life).
-        """
-        pools = attn.decode_pools(meta) if isinstance(attn, CpuBackend) else None
-        if pools is None:
-            return None
-        st = self._stack
-        if st is not None and st.reusable(h, pools):
-            return st.stack
-        fused = []
-        for layer in self.model.layers:
-            at = layer.self_attn
-            if (at.q_norm is not None or at.rotary_dim != at.head_dim or at.window is not None
-                    or at.softcap is not None or at.sinks is not None):
-                return None
-            f = layer.decode_layer(h)
-            if f is None:
-                return None
-            fused.append(f)
-        st = self._stack
-        if st is None or st.pools is not pools or any(a is not b for a, b in zip(st.fused, fused)):
-            stack = kernels.decode_stack_args([
-                kernels.StackLayer(f, *pools[layer.self_attn.index], layer.self_attn.n_heads, layer.self_attn.n_kv,
-                                   layer.self_attn.head_dim, layer.self_attn.scale, layer.self_attn.rope_table,
-                                   layer.self_attn.rope_tables)
-                for f, layer in zip(fused, self.model.layers)])
-            binds = [layer._fused for layer in self.model.layers]  # (decode_layer just set or checked each)
-            st = self._stack = StackBinding(stack, tuple(fused), pools, h.dtype, min(b.max_rows for b in binds),
-                                            tuple((d, name, d[name]) for b in binds for d, name, _ in b.watch))
-        return st.stack
 
     def ensure_rope_positions(self, n_positions: int) -> None:
         """Grow ``rope_cache`` so each of its tables covers ``n_positions`` (a context or a KV policy's

@@ -80,6 +80,11 @@ class LayerRunner(Protocol):
         """Layer ``i``'s ``layer(h, residual, positions, rope, attn, meta)`` with its weights made resident."""
         ...
 
+    def rebinds(self, i: int) -> bool:
+        """Are layer ``i``'s weights bound afresh for each step (streamed or copied in), so no kernel argument
+        may be built from them ahead of the step (``engine/models/decode_plan.py``)?"""
+        ...
+
 
 class ExpertSource(Protocol):
     """A sparse layer's experts whose weights are not all resident where the layer runs

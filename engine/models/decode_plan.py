@@ -1,0 +1,154 @@
+"""The CPU decode plan: which kernel each projection, norm, MLP and layer of the model runs, decided once when
+the engine is built.
+
+Why once: a decode step of a small model is ~30 layers of tens of microseconds each, and asking per call which
+kernel applies (dtype, format, strides, pools, whether a weight moved) cost as much Python as the kernels take.
+The engine's runner builds the plan after loading, packing and fusing (:func:`build_decode_plan`) from what does
+not change while the engine lives; a step then asks only what is its own: how many rows, whether autograd
+records, whether its attention layout is a plain decode (``GatherPlan.one_call``, decided once per step).
+
+::
+
+    per module     Linear.kernel: LinearKernel    RMSNorm.c_rows    MLP.c_silu     (plan_kernels)
+    per layer      DecoderLayer.decode: LayerPlan | None -> kernels.DecodeLayer: 2 C calls around attention
+    per model      DecoderModel.decode_plan: DecodePlan -> stack: kernels.DecodeStack | None: 1 C call a step
+
+A layer has no fused plan (op by op, the same bits) when one of its projections has no C decode GEMV, its MLP
+is a mixture of experts or Gemma's, or its weights are bound afresh per step (streamed by the offload runtime,
+``LayerRunner.rebinds``; its projections and norms then pick their kernels per call, as their weights are
+bound per step). Code that replaces a planned layer's weights or modules afterwards clears the plan
+(:func:`clear_decode_plan`) or builds it again; the plan holds the tensors it points into, so a stale plan
+reads old weights, never freed memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from llmsys import kernels
+from llmsys.engine.attention import AttentionBackend, BackendDecorator, CpuBackend
+from llmsys.engine.models.base import MLP, DecoderLayer, DecoderModel, Linear, RMSNorm
+from llmsys.kernels.common.protocols import LayerRunner
+from llmsys.quant.base import QuantLinear
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """One decoder layer's fused decode kernels (``kernels.layer_attn_in`` / ``kernels.layer_mlp``)."""
+
+    fused: kernels.DecodeLayer
+    max_rows: int  # the most rows every projection's C GEMV takes (the formats' PACKED_MAX_ROWS)
+    dtype: torch.dtype  # the activations' (bf16, or float32 for float32 weights)
+    holds: tuple[torch.Tensor, ...]  # every tensor ``fused`` points into, kept alive with the plan
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """The model's decode kernels: per layer (None: op by op) and, when every layer fuses with the CPU
+    backend's one-call attention, the whole decoder as one C call (``stack``) over ``backend``'s pools."""
+
+    layers: tuple[LayerPlan | None, ...]
+    stack: kernels.DecodeStack | None
+    backend: AttentionBackend  # the backend whose pools the stack writes
+    dtype: torch.dtype | None  # the stack's activations
+    max_rows: int  # the stack's most rows
+
+
+def layer_plan(layer: DecoderLayer, dtype: torch.dtype) -> LayerPlan | None:
+    """``layer``'s fused decode arguments for ``dtype`` activations when every projection runs a C decode GEMV
+    (int8 / int4 a8, the C bf16 GEMV, the C float32 GEMV on small plain weights; each ``decode_weight``) and the
+    layer is Llama's shape (one norm before attention and the MLP each, SwiGLU), else None."""
+    if dtype not in (torch.bfloat16, torch.float32):
+        return None
+    at, mlp = layer.self_attn, layer.mlp
+    ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
+    if type(mlp) is not MLP:
+        return None  # an MoE block routes each token to its own experts; the C layer runs one SwiGLU MLP
+    if layer.pre_feedforward_layernorm is not None or ln1.offset or not mlp.silu:
+        return None
+    if ln1.weight.dtype != dtype or ln2.weight.dtype != dtype or ln1.weight.device.type != "cpu":
+        return None
+    if not ln1.weight.is_contiguous() or not ln2.weight.is_contiguous():
+        return None
+    qkv = [at.qkv_proj] if at.qkv_proj is not None else [at.q_proj, at.k_proj, at.v_proj]
+    gu = [mlp.gate_up_proj] if mlp.gate_up_proj is not None else [mlp.gate_proj, mlp.up_proj]
+    mods = [*qkv, at.o_proj, *gu, mlp.down_proj]
+    if not all(isinstance(m, (QuantLinear, Linear)) for m in mods):
+        return None
+    ws = [m.decode_weight() for m in mods]
+    if any(w is None for w in ws) or any((w.kind == 6) != (dtype == torch.float32) for w in ws):
+        return None  # (float32 activations read float32 weights only; bf16 ones the rest)
+    n = len(qkv)
+    fused = kernels.decode_layer_args(ws[:n], ws[n], ws[n + 1 : -1], ws[-1], ln1.weight, ln1.eps, ln2.weight, ln2.eps)
+    holds = tuple(t for m in (*mods, ln1, ln2) for t in (*m._parameters.values(), *m._buffers.values())
+                  if t is not None)
+    return LayerPlan(fused, min(m.DECODE_MAX_ROWS for m in mods), dtype, holds)
+
+
+def build_decode_plan(model: DecoderModel, attn: AttentionBackend, layers: LayerRunner | None = None
+                      ) -> DecodePlan | None:
+    """The plan of ``model`` over ``attn``'s pool, set on the model and its layers (and returned); None (and the
+    op-by-op forward everywhere) off the CPU or without the C kernels. ``layers``: the offload runtime, whose
+    streamed layers get no plan."""
+    clear_decode_plan(model)
+    dtype = model.model.norm.weight.dtype
+    if model.model.norm.weight.device.type != "cpu" or not kernels.cpu_fused_available():
+        return None
+    plan_kernels(model, dtype)
+    plans: list[LayerPlan | None] = []
+    for i, layer in enumerate(model.model.layers):
+        lp = None if layers is not None and layers.rebinds(i) else layer_plan(layer, dtype)
+        layer.decode = lp
+        plans.append(lp)
+    while isinstance(attn, BackendDecorator):  # a KV policy's: the stack runs on steps it steps aside from
+        attn = attn.inner
+    stack, pools = None, attn.decode_pools() if isinstance(attn, CpuBackend) else None
+    if layers is None and pools is not None and pools[0][0].dtype == dtype and all(p is not None for p in plans) and all(
+            _one_call_attention(layer) for layer in model.model.layers):
+        stack = kernels.decode_stack_args([
+            kernels.StackLayer(p.fused, *pools[layer.self_attn.index], layer.self_attn.n_heads, layer.self_attn.n_kv,
+                               layer.self_attn.head_dim, layer.self_attn.scale, layer.self_attn.rope_table,
+                               layer.self_attn.rope_tables)
+            for p, layer in zip(plans, model.model.layers)])
+    rows = min((p.max_rows for p in plans if p is not None), default=0)
+    plan = DecodePlan(tuple(plans), stack, attn, dtype if stack is not None else None, rows)
+    model.decode_plan = plan
+    return plan
+
+
+def plan_kernels(model: DecoderModel, dtype: torch.dtype) -> None:
+    """Each resident dense projection's matmul kernel (``Linear.kernel``), and whether each resident norm and each
+    SwiGLU (on ``dtype`` activations) runs the C row code. The offload runtime's streamed weights are meta
+    placeholders here, bound per step in a dtype the runtime converts to: their ops keep choosing per call."""
+    rows = (torch.bfloat16, torch.float32)
+    for mod in model.modules():
+        if type(mod) is Linear and mod.weight is not None and mod.weight.device.type == "cpu":
+            mod.kernel = kernels.linear_kernel(mod.weight, mod.bias, packed_when_resident=mod.packed_when_resident)
+        elif type(mod) is RMSNorm:
+            w = mod.weight
+            mod.c_rows = not mod.offset and w.dtype in rows and w.device.type == "cpu" and w.is_contiguous()
+        elif type(mod) is MLP:
+            mod.c_silu = mod.silu and dtype in rows and _on_cpu(mod)
+
+
+def clear_decode_plan(model: DecoderModel) -> None:
+    """Drop the fused layers and the stack (every layer op by op, each op by its planned kernel: the same bits):
+    before a planned layer's weights or modules are replaced (quantization's calibration swaps them)."""
+    model.decode_plan = None
+    for layer in model.model.layers:
+        layer.decode = None
+
+
+def _on_cpu(mod: torch.nn.Module) -> bool:
+    t = next((t for t in (*mod.parameters(), *mod.buffers())), None)
+    return t is not None and t.device.type in ("cpu", "meta")
+
+
+def _one_call_attention(layer: DecoderLayer) -> bool:
+    """Does the layer's attention run as the CPU backend's one C call (RoPE over whole heads, the K/V store,
+    plain decode attention: no q/k norms, window, soft cap or sinks)?"""
+    at = layer.self_attn
+    return (at.q_norm is None and at.rotary_dim == at.head_dim and at.window is None and at.softcap is None
+            and at.sinks is None)
