@@ -7,8 +7,8 @@
  *   - int4 dots: two columns' bytes interleaved (punpck{l,h}bw) hold each row's (code c, code c + 1) pair,
  *     pmaddubsw against the broadcast activation pair sums both products, int16 sums of 8 column pairs
  *     (8 * 2 * 15 * 127 < 2^15), then widened. Exact.
- *   - float dots: 16 lanes in 4 SSE registers (2 AVX2 ones), multiply then add, the tail and the tree as
- *     the definition.
+ *   - float dots: 16 lanes in one AVX-512 register, two AVX2 or four SSE ones, multiply then add, the tail
+ *     and the tree as the definition.
  * The kernels' AVX2 / AVX-512 tiles that keep many rows' sums in registers across blocks stay in the kernels:
  * they are wider than one primitive call.
  */
@@ -89,18 +89,74 @@ static inline __m128 isa_x86_bf4(const uint16_t *p) {
     return _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(_mm_loadl_epi64((const __m128i *)p)), 16));
 }
 
-/* x (float32 or, xb set, bf16) times y (float32 or, w set, bf16): the 16 lanes, the tail, the tree */
-static inline float isa_x86_dot(const float *x, const uint16_t *xb, const float *y, const uint16_t *w, int64_t n) {
-    __m128 a[4] = {_mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps()};
+/* 16 elements at p (float32, or bf16 when b is set) as float32 lanes, in the widest registers the build has */
+#if defined(__AVX512F__)
+typedef __m512 isa_x86_v16;
+static inline isa_x86_v16 isa_x86_ld16(const void *p, int b) {
+    return b ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16))
+             : _mm512_loadu_ps((const float *)p);
+}
+static inline isa_x86_v16 isa_x86_zero16(void) { return _mm512_setzero_ps(); }
+static inline isa_x86_v16 isa_x86_mac16(isa_x86_v16 a, isa_x86_v16 x, isa_x86_v16 y) { return _mm512_add_ps(a, _mm512_mul_ps(x, y)); }
+static inline void isa_x86_st16(float *p, isa_x86_v16 v) { _mm512_storeu_ps(p, v); }
+static inline __m128 isa_x86_fold4(isa_x86_v16 v) { /* lanes i + (i+8), then i + (i+4) */
+    const __m256 t8 = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    return _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps(t8, 1));
+}
+#elif defined(__AVX2__)
+typedef struct {
+    __m256 lo, hi;
+} isa_x86_v16;
+static inline __m256 isa_x86_ld8(const void *p, int b) {
+    return b ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16))
+             : _mm256_loadu_ps((const float *)p);
+}
+static inline isa_x86_v16 isa_x86_ld16(const void *p, int b) {
+    return (isa_x86_v16){isa_x86_ld8(p, b), isa_x86_ld8((const char *)p + (b ? 16 : 32), b)};
+}
+static inline isa_x86_v16 isa_x86_zero16(void) { return (isa_x86_v16){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+static inline isa_x86_v16 isa_x86_mac16(isa_x86_v16 a, isa_x86_v16 x, isa_x86_v16 y) {
+    return (isa_x86_v16){_mm256_add_ps(a.lo, _mm256_mul_ps(x.lo, y.lo)), _mm256_add_ps(a.hi, _mm256_mul_ps(x.hi, y.hi))};
+}
+static inline void isa_x86_st16(float *p, isa_x86_v16 v) { _mm256_storeu_ps(p, v.lo), _mm256_storeu_ps(p + 8, v.hi); }
+static inline __m128 isa_x86_fold4(isa_x86_v16 v) {
+    const __m256 t8 = _mm256_add_ps(v.lo, v.hi);
+    return _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps(t8, 1));
+}
+#else
+typedef struct {
+    __m128 v[4];
+} isa_x86_v16;
+static inline isa_x86_v16 isa_x86_ld16(const void *p, int b) {
+    isa_x86_v16 r;
+    for (int i = 0; i < 4; i++) r.v[i] = b ? isa_x86_bf4((const uint16_t *)p + 4 * i) : _mm_loadu_ps((const float *)p + 4 * i);
+    return r;
+}
+static inline isa_x86_v16 isa_x86_zero16(void) { return (isa_x86_v16){{_mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps()}}; }
+static inline isa_x86_v16 isa_x86_mac16(isa_x86_v16 a, isa_x86_v16 x, isa_x86_v16 y) {
+    for (int i = 0; i < 4; i++) a.v[i] = _mm_add_ps(a.v[i], _mm_mul_ps(x.v[i], y.v[i]));
+    return a;
+}
+static inline void isa_x86_st16(float *p, isa_x86_v16 v) {
+    for (int i = 0; i < 4; i++) _mm_storeu_ps(p + 4 * i, v.v[i]);
+}
+static inline __m128 isa_x86_fold4(isa_x86_v16 v) { return _mm_add_ps(_mm_add_ps(v.v[0], v.v[2]), _mm_add_ps(v.v[1], v.v[3])); }
+#endif
+
+/* x (float32 or, xb set, bf16) times y (float32 or, w set, bf16): the 16 lanes, the tail, the tree (in registers
+   when there is no tail: i + (i+8), i + (i+4), i + (i+2), i + (i+1)) */
+static inline __attribute__((always_inline)) float isa_x86_dot(const float *x, const uint16_t *xb, const float *y, const uint16_t *w, int64_t n) {
+    isa_x86_v16 a = isa_x86_zero16();
     int64_t i = 0;
     for (; i + ISA_LANES <= n; i += ISA_LANES)
-        for (int v = 0; v < 4; v++) {
-            const __m128 xv = xb ? isa_x86_bf4(xb + i + 4 * v) : _mm_loadu_ps(x + i + 4 * v);
-            const __m128 yv = w ? isa_x86_bf4(w + i + 4 * v) : _mm_loadu_ps(y + i + 4 * v);
-            a[v] = _mm_add_ps(a[v], _mm_mul_ps(xv, yv));
-        }
+        a = isa_x86_mac16(a, isa_x86_ld16(xb ? (const void *)(xb + i) : (const void *)(x + i), xb != NULL),
+                          isa_x86_ld16(w ? (const void *)(w + i) : (const void *)(y + i), w != NULL));
+    if (i == n) {
+        const __m128 t4 = isa_x86_fold4(a), t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
+        return _mm_cvtss_f32(_mm_add_ss(t2, _mm_shuffle_ps(t2, t2, 1)));
+    }
     float l[ISA_LANES];
-    for (int v = 0; v < 4; v++) _mm_storeu_ps(l + 4 * v, a[v]);
+    isa_x86_st16(l, a);
     for (int j = 0; i + j < n; j++) l[j] = l[j] + (xb ? bf(xb[i + j]) : x[i + j]) * (w ? bf(w[i + j]) : y[i + j]);
     return ops_tree(l);
 }
@@ -112,6 +168,14 @@ static inline float isa_dot_bf16(const uint16_t *x, const uint16_t *w, int64_t n
 static inline void isa_axpy(float *acc, float p, const void *v, int f32, int64_t n) {
     const __m128 pv = _mm_set1_ps(p);
     int64_t e = 0;
+#if defined(__AVX2__)
+    const __m256 pv8 = _mm256_set1_ps(p);
+    for (; e + 8 <= n; e += 8) {
+        const __m256 vv = f32 ? _mm256_loadu_ps((const float *)v + e)
+                              : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)v + e))), 16));
+        _mm256_storeu_ps(acc + e, _mm256_add_ps(_mm256_loadu_ps(acc + e), _mm256_mul_ps(pv8, vv)));
+    }
+#endif
     for (; e + 4 <= n; e += 4) {
         const __m128 vv = f32 ? _mm_loadu_ps((const float *)v + e) : isa_x86_bf4((const uint16_t *)v + e);
         _mm_storeu_ps(acc + e, _mm_add_ps(_mm_loadu_ps(acc + e), _mm_mul_ps(pv, vv)));
