@@ -50,10 +50,10 @@ static inline float half_to_f32(uint16_t h) {
     return f;
 }
 
-/* scale_kind: 0 bf16, 1 float32, 2 float16 */
+/* a scale of enum scale_kind `kind` as float32 (exact) */
 static inline float load_scale(const void *s, int64_t at, int kind) {
-    if (kind == 1) return ((const float *)s)[at];
-    if (kind == 2) return half_to_f32(((const uint16_t *)s)[at]);
+    if (kind == SCALE_F32) return ((const float *)s)[at];
+    if (kind == SCALE_F16) return half_to_f32(((const uint16_t *)s)[at]);
     return bf(((const uint16_t *)s)[at]);
 }
 
@@ -119,7 +119,7 @@ static inline void meta_prefetch(const int4_meta *md, int64_t row0, int64_t g) {
         return;
     }
     if (md->z_n == 1 && !md->offs) pf_span(md->zeros, g * md->z_g + row0, 64);
-    const int64_t es = md->kind == 1 ? 4 : 2;
+    const int64_t es = md->kind == SCALE_F32 ? 4 : 2;
     if (md->s_n <= 2) pf_span(md->scales, es * (g * md->s_g + row0 * md->s_n), 64 * es * md->s_n);
     if (md->offs && md->o_n == 1) pf_span(md->offs, 4 * (g * md->o_g + row0), 256);
 }
@@ -137,7 +137,7 @@ static void meta_scalar(const int4_meta *md, int64_t row0, int64_t rows, int64_t
    of a group lie contiguously (zeros with z_n = 1, Int4Linear's group-major copy; bf16 scales with
    s_n = 2, a view into its scales_zeros [G, Np, 2]; or s_n = 1), else the scalar gather. */
 static inline void meta_vec(const int4_meta *md, int64_t row0, int64_t rows, int64_t g, __m512i *z, __m512 *s) {
-    const int vz = md->z_n == 1, vs = (md->kind == 0 && (md->s_n == 2 || md->s_n == 1)) || (md->kind != 0 && md->s_n == 1);
+    const int vz = md->z_n == 1, vs = (md->kind == SCALE_BF16 && (md->s_n == 2 || md->s_n == 1)) || (md->kind != SCALE_BF16 && md->s_n == 1);
     float zf[64], sf[64];
     if (!vz || !vs) meta_scalar(md, row0, rows, g, zf, sf);
     for (int v = 0; v < 4; v++) {
@@ -150,9 +150,9 @@ static inline void meta_vec(const int4_meta *md, int64_t row0, int64_t rows, int
             z[v] = _mm512_cvtps_epi32(_mm512_loadu_ps(zf + 16 * v));
         if (!vs) {
             s[v] = _mm512_loadu_ps(sf + 16 * v);
-        } else if (md->kind == 1) {
+        } else if (md->kind == SCALE_F32) {
             s[v] = _mm512_maskz_loadu_ps(m, (const float *)md->scales + r + g * md->s_g);
-        } else if (md->kind == 2) { /* fp16, group-major (GGUF Q4_0's scales): exact conversion */
+        } else if (md->kind == SCALE_F16) { /* fp16, group-major (GGUF Q4_0's scales): exact conversion */
             s[v] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, (const uint16_t *)md->scales + r + g * md->s_g));
         } else if (md->s_n == 2) { /* dwords (scale, other): the scale is the low half */
             const __m512i d = _mm512_maskz_loadu_epi32(m, (const uint16_t *)md->scales + 2 * r + g * md->s_g);
@@ -701,17 +701,17 @@ static void a8_meta(const int4_meta *md, int64_t row0, int64_t rows, int64_t g, 
         return;
     }
 #ifdef QA8_AVX2
-    if (rows == 64 && (md->z_n == 1 || md->offs) && ((md->kind == 0 && (md->s_n == 2 || md->s_n == 1)) || (md->kind != 0 && md->s_n == 1))) {
+    if (rows == 64 && (md->z_n == 1 || md->offs) && ((md->kind == SCALE_BF16 && (md->s_n == 2 || md->s_n == 1)) || (md->kind != SCALE_BF16 && md->s_n == 1))) {
         for (int v = 0; v < 8; v++) {
             const int64_t r = row0 + a8_row(8 * v);
             _mm256_store_si256((__m256i *)(zs + 8 * v), md->offs ? _mm256_setzero_si256() :
                                _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(md->zeros + r + g * md->z_g))));
-            if (md->kind == 1) { /* float32, group-major */
+            if (md->kind == SCALE_F32) { /* float32, group-major */
                 _mm256_store_ps(ss + 8 * v, _mm256_loadu_ps((const float *)md->scales + r + g * md->s_g));
                 continue;
             }
             const uint16_t *sp = (const uint16_t *)md->scales + r * md->s_n + g * md->s_g;
-            if (md->kind == 2) { /* fp16, group-major (GGUF Q4_0's scales): exact conversion */
+            if (md->kind == SCALE_F16) { /* fp16, group-major (GGUF Q4_0's scales): exact conversion */
                 _mm256_store_ps(ss + 8 * v, bs8(sp));
                 continue;
             }
@@ -963,7 +963,7 @@ static int int4_a8_run(const void *x, int64_t ldx, const uint8_t *packed, const 
 
 /* x [M, K] (row stride ldx; bf16, float32 with IO_X_F32) against the CPU int4 tiling of [Np, Kp] (packed:
    bytes [Np/64, Kp, 32], kernels/cpu_int4.py), zero points zeros[n * z_n + g * z_g] and scales of scale_kind
-   (0 bf16, 1 float32, 2 float16) at scales[n * s_n + g * s_g], groups of gs columns (Kp = G * gs), x quantized
+   (enum scale_kind) at scales[n * s_n + g * s_g], groups of gs columns (Kp = G * gs), x quantized
    per 32 columns (the a8 arithmetic above) -> out [M, N] (row stride ldo); offs: float32 offsets
    [n * o_n + g * o_g] (w = scale * q + offset, zeros not read), or NULL. */
 int llmsys_qgemv_int4o_a8_io(const void *x, int64_t ldx, const uint8_t *packed, const void *scales, int64_t s_n,

@@ -15,6 +15,7 @@ weight row: batch-invariant at any M, N and thread count. Without the C kernels 
 from __future__ import annotations
 
 import ctypes
+import enum
 from dataclasses import dataclass
 
 import torch
@@ -66,7 +67,15 @@ def _io_flags(op: str, x: torch.Tensor, out_dtype: torch.dtype, x_f32: bool = Tr
 def _out(f: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """A definition's float32 sums as the kernel leaves them: rounded once to bf16, or float32 as summed."""
     return f if out_dtype == torch.float32 else f.to(torch.bfloat16)
-_SCALE_KINDS = {torch.bfloat16: 0, torch.float32: 1, torch.float16: 2}
+class ScaleKind(enum.IntEnum):
+    """How int4 group scales are stored (``enum scale_kind`` in gemv_common.h): read in place, never copied."""
+
+    BF16 = 0
+    F32 = 1
+    F16 = 2
+
+
+_SCALE_KINDS = {torch.bfloat16: ScaleKind.BF16, torch.float32: ScaleKind.F32, torch.float16: ScaleKind.F16}
 
 
 _KERNEL = _cbuild.Kernel(_SOURCE, _SIGNATURES)  # loaded (built if need be) at the CPU's ISA level, once per process
@@ -470,11 +479,25 @@ def _int4(symbol: str, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
 # ------------------------------------------------------------------ fused a8 decode layers
 
 
+class WeightKind(enum.IntEnum):
+    """The weight formats the fused layer kernels read (``enum weight_kind`` in fused_layer.h)."""
+
+    INT8 = 0  # int8 codes [N, K], bf16 row scales [N]
+    INT4 = 1  # int4 codes in the CPU tiling, group scales and zeros (or offsets, or Q4_K's stored scales)
+    BF16 = 2  # plain bf16 [N, K]
+    INT8_BLOCK = 3  # int8 codes, fp16 scales per 32 columns (GGUF Q8_0)
+    INT8_Q6K = 4  # int8 codes, GGUF Q6_K's stored scales (int8 per 16 columns times fp16 per 256)
+    INT8_Q5K = 5  # int8 codes, float32 scales and offsets per 32 columns (GGUF Q5_K)
+    F32 = 6  # plain float32 [N, K] (float32 activations)
+
+
 class DecodeWeight(ctypes.Structure):
     """One weight as the fused layer kernels read it (``llmsys_qw`` in fused_layer.h): raw pointers
     into the layer's buffers, which the caller keeps alive for the call. Built by the quantized
     layers (``Int8Linear.decode_weight``, ``Int4Linear.decode_weight``) through :func:`int8_decode_weight` /
-    :func:`int4_decode_weight`, and for plain bf16 / float32 weights by ``cpu_linear.decode_weight``."""
+    :func:`int4_decode_weight`, and for plain bf16 / float32 weights by ``cpu_linear.decode_weight``.
+    ``kind`` is a :class:`WeightKind`, ``scale_kind`` a :class:`ScaleKind` (ctypes keeps them as integers:
+    compare with the enums); fields not named at construction are 0 / NULL."""
 
     _fields_ = [("kind", _I), ("n", _I), ("k", _I), ("kp", _I), ("gs", _I), ("q", _P), ("scales", _P),
                 ("s_n", _I), ("s_g", _I), ("scale_kind", _I), ("zeros", _P), ("z_n", _I), ("z_g", _I),
@@ -485,8 +508,8 @@ class DecodeWeight(ctypes.Structure):
 def int8_decode_weight(qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> DecodeWeight:
     """:func:`int8_gemv_a8`'s weight (contiguous int8 ``[N, K]``, bf16 ``[N]``) plus a bf16 ``bias [N]`` or None."""
     n, k = qweight.shape
-    return DecodeWeight(0, n, k, k, 0, qweight.data_ptr(), scales.data_ptr(), 0, 0, 0, None, 0, 0,
-              None if bias is None else bias.data_ptr())
+    return DecodeWeight(kind=WeightKind.INT8, n=n, k=k, kp=k, q=qweight.data_ptr(), scales=scales.data_ptr(),
+                        bias=None if bias is None else bias.data_ptr())
 
 
 def int8g_decode_weight(qweight: torch.Tensor, block_scales: torch.Tensor, bias: torch.Tensor | None,
@@ -496,28 +519,28 @@ def int8g_decode_weight(qweight: torch.Tensor, block_scales: torch.Tensor, bias:
     ``bias [N]`` or None."""
     n, k = qweight.shape
     b = None if bias is None else bias.data_ptr()
-    if super_scales is not None:  # kind 4: Q6_K's stored scales in the ksc / kd fields
-        return DecodeWeight(4, n, k, k, 0, qweight.data_ptr(), None, 0, block_scales.stride(0), 0, None, 0, 0, b,
-                            None, 0, 0, block_scales.data_ptr(), None, super_scales.data_ptr(), None, 0)
-    if offsets is not None:  # kind 5
-        return DecodeWeight(5, n, k, k, 0, qweight.data_ptr(), block_scales.data_ptr(), 0, block_scales.stride(0), 1,
-                            None, 0, 0, b, offsets.data_ptr(), 0, offsets.stride(0))
-    return DecodeWeight(3, n, k, k, 0, qweight.data_ptr(), block_scales.data_ptr(), 0, block_scales.stride(0), 2,
-                        None, 0, 0, b)
+    common = dict(n=n, k=k, kp=k, q=qweight.data_ptr(), s_g=block_scales.stride(0), bias=b)
+    if super_scales is not None:  # Q6_K's stored scales in the ksc / kd fields
+        return DecodeWeight(kind=WeightKind.INT8_Q6K, ksc=block_scales.data_ptr(), kd=super_scales.data_ptr(),
+                            **common)
+    if offsets is not None:
+        return DecodeWeight(kind=WeightKind.INT8_Q5K, scales=block_scales.data_ptr(), scale_kind=ScaleKind.F32,
+                            offs=offsets.data_ptr(), o_g=offsets.stride(0), **common)
+    return DecodeWeight(kind=WeightKind.INT8_BLOCK, scales=block_scales.data_ptr(), scale_kind=ScaleKind.F16, **common)
 
 
 def bf16_decode_weight(weight: torch.Tensor, bias: torch.Tensor | None) -> DecodeWeight:
     """:func:`bf16_gemv`'s weight (bf16 ``[N, K]``, unit column stride) plus a bf16 ``bias [N]`` or None."""
     n, k = weight.shape
-    return DecodeWeight(2, n, k, weight.stride(0), 0, weight.data_ptr(), None, 0, 0, 0, None, 0, 0,
-              None if bias is None else bias.data_ptr())
+    return DecodeWeight(kind=WeightKind.BF16, n=n, k=k, kp=weight.stride(0), q=weight.data_ptr(),
+                        bias=None if bias is None else bias.data_ptr())
 
 
 def f32_decode_weight(weight: torch.Tensor, bias: torch.Tensor | None) -> DecodeWeight:
     """:func:`f32_gemv`'s weight (float32 ``[N, K]``, unit column stride) plus a float32 ``bias [N]`` or None."""
     n, k = weight.shape
-    return DecodeWeight(6, n, k, weight.stride(0), 0, weight.data_ptr(), None, 0, 0, 0, None, 0, 0,
-                        None if bias is None else bias.data_ptr())
+    return DecodeWeight(kind=WeightKind.F32, n=n, k=k, kp=weight.stride(0), q=weight.data_ptr(),
+                        bias=None if bias is None else bias.data_ptr())
 
 
 @dataclass(frozen=True)
@@ -574,17 +597,19 @@ def int4_decode_weight(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.
         return None
     n, n_groups = zeros.shape
     s_n, s_g = (scales.stride(1), scales.stride(0)) if scales.dim() == 3 else scales.stride()
-    o = (None, 0, 0) if offsets is None else (offsets.data_ptr(), offsets.stride(0), offsets.stride(1))
-    return DecodeWeight(1, n, k, n_groups * group_size, group_size, packed.data_ptr(), scales.data_ptr(), s_n, s_g,
-              _SCALE_KINDS[scales.dtype], zeros.data_ptr(), zeros.stride(0), zeros.stride(1),
-              None if bias is None else bias.data_ptr(), *o)
+    o = {} if offsets is None else dict(offs=offsets.data_ptr(), o_n=offsets.stride(0), o_g=offsets.stride(1))
+    return DecodeWeight(kind=WeightKind.INT4, n=n, k=k, kp=n_groups * group_size, gs=group_size, q=packed.data_ptr(),
+                        scales=scales.data_ptr(), s_n=s_n, s_g=s_g, scale_kind=_SCALE_KINDS[scales.dtype],
+                        zeros=zeros.data_ptr(), z_n=zeros.stride(0), z_g=zeros.stride(1),
+                        bias=None if bias is None else bias.data_ptr(), **o)
 
 
 def int4k_decode_weight(packed: torch.Tensor, ks: KScales, k: int, bias: torch.Tensor | None) -> DecodeWeight:
     """:func:`int4k_gemv_a8`'s weight plus a bf16 ``bias [N]`` or None."""
     n, kp = ks.sc.shape[1], ks.sc.shape[0] * 32
-    return DecodeWeight(1, n, k, kp, 32, packed.data_ptr(), None, 0, 0, 0, None, 0, 0,
-                        None if bias is None else bias.data_ptr(), None, 0, 0, *ks.pointers())
+    sc, m, d, dmin, k_n = ks.pointers()
+    return DecodeWeight(kind=WeightKind.INT4, n=n, k=k, kp=kp, gs=32, q=packed.data_ptr(),
+                        bias=None if bias is None else bias.data_ptr(), ksc=sc, km=m, kd=d, kdm=dmin, k_n=k_n)
 
 
 class _LayerArgs(ctypes.Structure):
@@ -625,8 +650,8 @@ def decode_layer_args(qkv: list[DecodeWeight], o_proj: DecodeWeight, gate_up: li
         raise ValueError(f"decode_layer_args: q|k|v and gate|up take 1-4 weights each, got {len(qkv)} and {len(gate_up)}")
     d = qkv[0].k
     ws = [*qkv, o_proj, *gate_up, down]
-    f32 = ws[0].kind == 6
-    if any((w.kind == 6) != f32 for w in ws):
+    f32 = ws[0].kind == WeightKind.F32
+    if any((w.kind == WeightKind.F32) != f32 for w in ws):
         raise ValueError("decode_layer_args: float32 weights cannot be mixed with bf16 or quantized ones in a layer")
     dtype = torch.float32 if f32 else torch.bfloat16
     for name, t in (("ln1", ln1), ("ln2", ln2)):

@@ -12,17 +12,17 @@
  * A projection is 1-4 weights (llmsys_qw) whose outputs lie side by side (q | k | v, gate | up: fused
  * into one weight or not, the same bits: each output row depends on its own weight row only).
  *
- * A float32 model's layer (llmsys_layer.f32) runs the same calls on float32 rows: float32 weights (kind 6,
+ * A float32 model's layer (llmsys_layer.f32) runs the same calls on float32 rows: float32 weights (WEIGHT_F32,
  * f32_rows), biases and norm weights, cpu_ops.h's float32 RMSNorm and silu * mul rows.
  */
 #include "gemv_common.h"
 #include "fused_layer.h"
 
 
-static int64_t qw_nb(const llmsys_qw *w) { return w->kind == 1 ? w->kp / A8 : (w->k + A8 - 1) / A8; }
+static int64_t qw_nb(const llmsys_qw *w) { return w->kind == WEIGHT_INT4 ? w->kp / A8 : (w->k + A8 - 1) / A8; }
 
 /* weights that read x as it is (bf16 or float32), not as a8 blocks */
-static int qw_plain(const llmsys_qw *w) { return w->kind == 2 || w->kind == 6; }
+static int qw_plain(const llmsys_qw *w) { return w->kind == WEIGHT_BF16 || w->kind == WEIGHT_F32; }
 
 /* Rows of a work item: 32 for weights read a row at a time (bf16, float32), so a 576-row matrix splits 9 / 9
    between 2 threads, not 5 / 4 items of 64 (one thread idle a ninth of each o_proj and down_proj: measured as
@@ -33,17 +33,17 @@ static int64_t qw_step(const llmsys_qw *w) { return qw_plain(w) ? 32 : 64; }
 /* 0 when w is a weight of k columns the a8 GEMVs take (their own argument checks), else 1 */
 static int qw_check(const llmsys_qw *w, int64_t k) {
     if (w->n <= 0 || w->k != k || !w->q) return 1;
-    if (w->kind == 2 || w->kind == 6) return w->kp < k;
-    if (w->kind == 1 && w->ksc) /* Q4_K's scales as stored: group 32, whole super-blocks */
+    if (w->kind == WEIGHT_BF16 || w->kind == WEIGHT_F32) return w->kp < k;
+    if (w->kind == WEIGHT_INT4 && w->ksc) /* Q4_K's scales as stored: group 32, whole super-blocks */
         return !w->km || !w->kd || !w->kdm || w->gs != A8 || w->kp % 256 || k <= w->kp - w->gs || k > w->kp
                || w->k_n < w->n;
-    if (w->kind == 4) return w->s_g < w->n || k % 256 || !w->ksc || !w->kd; /* Q6_K's stored scales */
+    if (w->kind == WEIGHT_INT8_Q6K) return w->s_g < w->n || k % 256 || !w->ksc || !w->kd; /* Q6_K's stored scales */
     if (!w->scales) return 1;
-    if (w->kind == 0) return 0;
-    if (w->kind == 3) return w->s_g < w->n;
-    if (w->kind == 5) return w->s_g < w->n || k % A8 || !w->offs || !w->scales;
-    if (w->kind != 1 || w->gs <= 0 || w->gs % A8 || w->gs > 256 || w->kp % w->gs || k <= w->kp - w->gs || k > w->kp
-        || !w->zeros || w->scale_kind < 0 || w->scale_kind > 2)
+    if (w->kind == WEIGHT_INT8) return 0;
+    if (w->kind == WEIGHT_INT8_BLOCK) return w->s_g < w->n;
+    if (w->kind == WEIGHT_INT8_Q5K) return w->s_g < w->n || k % A8 || !w->offs || !w->scales;
+    if (w->kind != WEIGHT_INT4 || w->gs <= 0 || w->gs % A8 || w->gs > 256 || w->kp % w->gs || k <= w->kp - w->gs || k > w->kp
+        || !w->zeros || w->scale_kind < SCALE_BF16 || w->scale_kind > SCALE_F16)
         return 1;
     return 0;
 }
@@ -53,7 +53,7 @@ static int qw_check(const llmsys_qw *w, int64_t k) {
 static void qw_item(const llmsys_qw *w, const a8_x *a, const void *xv, const uint32_t *xs, int64_t m_count,
                     int64_t it, void *outv, int64_t ldo) {
     const int64_t step = qw_step(w), n0 = it * step, n1 = n0 + step < w->n ? n0 + step : w->n;
-    if (w->kind == 6) {
+    if (w->kind == WEIGHT_F32) {
         float *out = outv;
         f32_rows(xv, w->k, m_count, w->k, (const float *)w->q, w->kp, out, ldo, n0, n1);
         if (w->bias)
@@ -64,7 +64,7 @@ static void qw_item(const llmsys_qw *w, const a8_x *a, const void *xv, const uin
     const uint16_t *x = xv;
     uint16_t *out = outv;
     const qout o = {outv, ldo, 0}; /* the layers' activations: bf16 */
-    if (w->kind == 2) {
+    if (w->kind == WEIGHT_BF16) {
 #if defined(QG_AVX512) && defined(__AVX512BF16__)
         (void)x;
         bf16_rows_lanes(xs, (w->k + 31) / 32, m_count, w->k, (const uint16_t *)w->q, w->kp, o, n0, n1);
@@ -72,12 +72,12 @@ static void qw_item(const llmsys_qw *w, const a8_x *a, const void *xv, const uin
         (void)xs;
         bf16_rows(x, w->k, m_count, w->k, (const uint16_t *)w->q, w->kp, o, n0, n1);
 #endif
-    } else if (w->kind == 0) {
+    } else if (w->kind == WEIGHT_INT8) {
         int8_a8_many(a, m_count, (const int8_t *)w->q, w->k, (const uint16_t *)w->scales, NULL, 0, o, n0, n1);
-    } else if (w->kind == 3) {
+    } else if (w->kind == WEIGHT_INT8_BLOCK) {
         int8_a8_many(a, m_count, (const int8_t *)w->q, w->k, NULL, (const uint16_t *)w->scales, w->s_g, o, n0, n1);
-    } else if (w->kind == 4 || w->kind == 5) { /* Q6_K: its stored scales (ksc, kd); Q5_K: scales and offsets */
-        const int q6 = w->kind == 4;
+    } else if (w->kind == WEIGHT_INT8_Q6K || w->kind == WEIGHT_INT8_Q5K) { /* Q6_K: its stored scales (ksc, kd); Q5_K: scales and offsets */
+        const int q6 = w->kind == WEIGHT_INT8_Q6K;
         for (int64_t m = 0; m < m_count; m++)
             int8k_a8_rows(a, m, (const int8_t *)w->q, w->k, (const float *)w->scales, w->offs,
                           q6 ? (const int8_t *)w->ksc : NULL, q6 ? w->kd : NULL, w->s_g, o, n0, n1);
@@ -104,10 +104,10 @@ static int proj_run(const llmsys_qw *ws, int64_t nw, const void *x, int64_t m_co
     uint32_t *xs = NULL; /* x as lane pairs, for bf16 weights in the AVX512-BF16 build */
     first[0] = 0;
     for (int64_t j = 0; j < nw; j++) {
-        if (qw_check(&ws[j], k) || (ws[j].kind == 6) != f32) { rc = 1; break; }
+        if (qw_check(&ws[j], k) || (ws[j].kind == WEIGHT_F32) != f32) { rc = 1; break; }
         use[j] = NULL;
 #if defined(QG_AVX512) && defined(__AVX512BF16__)
-        if (ws[j].kind == 2 && !xs && !(xs = lane_pairs(x, k, m_count, k, (k + 31) / 32))) { rc = 2; break; }
+        if (ws[j].kind == WEIGHT_BF16 && !xs && !(xs = lane_pairs(x, k, m_count, k, (k + 31) / 32))) { rc = 2; break; }
 #endif
         if (!qw_plain(&ws[j])) {
             for (int64_t i = 0; i < j; i++) /* x's blocks are shared by weights with the same block count */
@@ -120,7 +120,7 @@ static int proj_run(const llmsys_qw *ws, int64_t nw, const void *x, int64_t m_co
         col[j] = ldo;
         ldo += ws[j].n;
         first[j + 1] = first[j] + (ws[j].n + qw_step(&ws[j]) - 1) / qw_step(&ws[j]);
-        work += ws[j].n * (ws[j].kind == 1 ? ws[j].kp : ws[j].k);
+        work += ws[j].n * (ws[j].kind == WEIGHT_INT4 ? ws[j].kp : ws[j].k);
     }
     if (!rc) {
         const int64_t items = first[nw];

@@ -61,6 +61,9 @@ static inline void put8(qout o, int64_t m, int64_t n, __m256 v) { /* 8 outputs a
 }
 #endif
 
+/* How int4 group scales are stored (kernels/cpu_qgemv.py ScaleKind): read in place as float32. */
+enum scale_kind { SCALE_BF16 = 0, SCALE_F32 = 1, SCALE_F16 = 2 };
+
 /* One group's zero points and scales for the rows [row0, row0 + rows) of a block, rows past `rows`
    (padding) getting zero 0 and scale 0 (their sums are never written). zeros at z[n * z_n + g * z_g],
    scales at s[n * s_n + g * s_g]. */
@@ -69,7 +72,7 @@ typedef struct {
     int64_t z_n, z_g;
     const void *scales;
     int64_t s_n, s_g;
-    int kind;  /* scales: 0 bf16, 1 float32, 2 float16 */
+    int kind;  /* scales: enum scale_kind */
     /* float32 offsets at [n * o_n + g * o_g], w = scale * q + offset (GGUF Q4_K / Q4_1: a float minimum per
        group), or NULL: integer zero points, w = scale * (q - zero). Only the a8 GEMV reads them. */
     const float *offs;

@@ -605,3 +605,35 @@ def test_k_quant_layout_argument_errors_name_what_is_wrong():
         Int8BlockLinear(q, sc, None, super_scales=d[:, :32])
     with pytest.raises(CheckpointError, match=r"\(float32 scales and offsets, one per 32 columns"):
         Int8BlockLinear(q, torch.rand(8, 64), None, offsets=torch.rand(8, 32))
+
+
+def test_weight_and_scale_kinds_are_the_c_enums():
+    """WeightKind / ScaleKind hold the values of fused_layer.h's enum weight_kind and gemv_common.h's enum
+    scale_kind, name for name (the fused kernels read DecodeWeight.kind and .scale_kind as those)."""
+    import re
+
+    here = cpu_qgemv._SOURCE.sources[0].parent
+    for enum_cls, header, prefix in ((cpu_qgemv.WeightKind, "fused_layer.h", "WEIGHT_"),
+                                     (cpu_qgemv.ScaleKind, "gemv_common.h", "SCALE_")):
+        c = {name: int(v) for name, v in re.findall(prefix + r"(\w+) = (\d+)", (here / header).read_text())}
+        assert c == {m.name: m.value for m in enum_cls}, header
+
+
+def test_decode_weights_carry_their_kind():
+    """Each decode-weight builder names its format and its scales' storage with the enums."""
+    q, s = _int8(64, 96)
+    w = cpu_qgemv.int8_decode_weight(q, s, None)
+    assert (w.kind, w.n, w.k, w.kp, w.q, w.scales, w.bias) == (cpu_qgemv.WeightKind.INT8, 64, 96, 96, q.data_ptr(),
+                                                                s.data_ptr(), None)
+    bs = torch.rand(3, 64).half()
+    assert cpu_qgemv.int8g_decode_weight(q, bs, None).scale_kind == cpu_qgemv.ScaleKind.F16
+    assert cpu_qgemv.int8g_decode_weight(q, bs, None).kind == cpu_qgemv.WeightKind.INT8_BLOCK
+    assert cpu_qgemv.int8g_decode_weight(q, bs.float(), None, offsets=bs.float()).kind == cpu_qgemv.WeightKind.INT8_Q5K
+    lin = _int4(64, 96, 32)
+    packed, scales, zeros, g = _int4_args(lin)
+    w4 = cpu_qgemv.int4_decode_weight(packed, scales, zeros, g, 96, None)
+    assert (w4.kind, w4.scale_kind, w4.gs, w4.kp) == (cpu_qgemv.WeightKind.INT4, cpu_qgemv.ScaleKind.BF16, 32, 96)
+    assert cpu_qgemv.int4_decode_weight(packed, scales.double(), zeros, g, 96, None) is None  # not read in place
+    wb = torch.randn(8, 96).bfloat16()
+    assert cpu_qgemv.bf16_decode_weight(wb, None).kind == cpu_qgemv.WeightKind.BF16
+    assert cpu_qgemv.f32_decode_weight(wb.float(), None).kind == cpu_qgemv.WeightKind.F32
