@@ -4,7 +4,8 @@ Levels, not ``-march=native``: a native build moved to another CPU (a cache, an 
 SIGILL. Every kernel source links into one library per level (:data:`KERNELS`, opened once per process;
 :data:`LEVELS`: x86-64, x86-64-v2, x86-64-v3 AVX2+FMA+F16C, x86-64-v4 AVX-512, v4 + BF16; armv8-a NEON,
 armv8.2-a dotprod + fp16), and the best level the CPU supports is loaded, as ``cpu_features.c`` says
-(cpuid / hwcaps; its own baseline library). ``LLMSYS_CPU_ISA=<level>`` forces a lower level,
+(cpuid / hwcaps). The probe stays its own library, built at the baseline: it runs before a level is chosen.
+``LLMSYS_CPU_ISA=<level>`` forces a lower level,
 ``LLMSYS_NO_CKERNELS=1`` turns the kernels off. A build comes from ``_built/`` (install time), else the
 cache ``$LLMSYS_HOME/kernels``, else a compile there under a file lock; its name carries the library, the
 level and a hash of sources, headers and flags. ``-ffp-contract=off``: no FMA a kernel does not write, so
