@@ -108,8 +108,8 @@ def test_primitives_check_sees_a_fused_multiply_add(prims_baseline, tmp_path):
     assert not any(name.startswith(("dot_i8", "dot32_i8", "i4_dot64")) for name in changed)
 
 
-def _build_harness(cc: str, level: _cbuild.IsaLevel, out: Path) -> Path:
-    res = subprocess.run([cc, *_cbuild.COMMON_FLAGS[:-2], *level.flags, "-o", str(out), "tests/isa_harness.c",
+def _build_harness(cc: str, level: _cbuild.IsaLevel, out: Path, extra: tuple[str, ...] = ()) -> Path:
+    res = subprocess.run([cc, *_cbuild.COMMON_FLAGS[:-2], *level.flags, *extra, "-o", str(out), "tests/isa_harness.c",
                           *KERNELS, "-lm"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert res.returncode == 0, f"{cc} at {level.name}: {res.stderr[-2000:]}"
     return out
@@ -173,3 +173,11 @@ def test_aarch64_builds_and_gives_the_baseline_bits(level, baseline, tmp_path, r
     assert _same(baseline, _run([QEMU_ARM, "-L", str(SYSROOT), str(exe)])) == []
     request.config.stash[ISA_RUNS].setdefault(level, []).append(
         "cross-built; qemu-aarch64: the C kernels (NEON: kernels/isa_neon.h) give the x86-64 bits (tests/isa_harness.c)")
+
+
+def test_aarch64_scalar_build_gives_the_baseline_bits(baseline, tmp_path):
+    """-DLLMSYS_NO_NEON: the kernels over isa.h's scalar family on aarch64 (the build the NEON one is timed
+    against, benchmarks/isa_decode_step.c) give the same bits too."""
+    _needs_qemu()
+    exe = _build_harness(CROSS, _cbuild.level_named("armv8-a"), tmp_path / "h-arm-scalar", ("-DLLMSYS_NO_NEON",))
+    assert _same(baseline, _run([QEMU_ARM, "-L", str(SYSROOT), str(exe)])) == []
