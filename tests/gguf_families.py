@@ -215,7 +215,8 @@ def compare_with_llama_cpp(name: str, fmt: str, threads: int = 2) -> Agreement:
 
     path = converted(name, fmt)
     llm = LLM(str(path), device="cpu", dtype="float32", progress=False, max_model_len=256, threads=threads)
-    cpp = llama_cpp.Llama(str(path), n_ctx=256, n_batch=256, logits_all=True, verbose=False, n_threads=threads)
+    cpp = llama_cpp.Llama(str(path), n_ctx=256, n_batch=256, logits_all=True, verbose=False, n_threads=threads,
+                          n_threads_batch=threads)
     try:
         outs = llm.generate([list(p) for p in PROMPTS], SamplingParams(max_tokens=STEPS, temperature=0, ignore_eos=True))
         equal, divergences = [], []
