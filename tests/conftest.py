@@ -14,10 +14,33 @@ STORIES_HF = SHARED / "models" / "stories260k-hf"
 STORIES_C = SHARED / "models" / "stories260k"
 CORPUS = SHARED / "corpus"
 ISA_RUNS = pytest.StashKey[dict]()  # ISA level -> what ran it emulated (tests/test_isa_matrix.py)
+SLOW_LEFT_OUT = pytest.StashKey[int]()  # slow-tier tests a whole-suite run without -m left out
+
+# The slower tier (marker ``slow``): test files whose cost is out of proportion to what only they check.
+# ``python -m pytest -q`` (the whole suite, no -m) leaves them out and says so; ``python -m pytest -q -m slow``
+# runs only them; .ci/run runs both. A file or test named on the command line runs as asked.
+SLOW_FILES = {
+    "test_isa_matrix.py": "the kernel, quant and model tests again under qemu-x86_64 as Haswell and Nehalem: "
+                          "~10 of a 2-core machine's minutes; natively every level the CPU has is tested anyway",
+}
 
 
 def pytest_configure(config):
     config.stash[ISA_RUNS] = {}
+    config.stash[SLOW_LEFT_OUT] = 0
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in SLOW_FILES:
+            item.add_marker(pytest.mark.slow)
+    if config.option.markexpr or config.args_source != pytest.Config.ArgsSource.TESTPATHS:
+        return  # -m chose, or paths were named: run what was asked
+    slow = [it for it in items if it.get_closest_marker("slow")]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [it for it in items if not it.get_closest_marker("slow")]
+        config.stash[SLOW_LEFT_OUT] = len(slow)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
@@ -42,6 +65,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     terminalreporter.write_sep("-", f"ISA levels (kernels at {native.name if native else 'none'}: {why})")
     for ln in lines:
         terminalreporter.write_line(ln)
+    if config.stash[SLOW_LEFT_OUT]:
+        terminalreporter.write_line(f"slow tier: {config.stash[SLOW_LEFT_OUT]} tests left out of this run "
+                                    "(python -m pytest -q -m slow runs them; .ci/run runs both tiers)")
 
 
 def need_shared(path: Path = SHARED) -> Path:
