@@ -1,4 +1,4 @@
-"""The fused a8 decode layer kernels (``kernels.layer_attn_in``, ``kernels.layer_mlp``; cpu_qgemv.c) against
+"""The fused a8 decode layer kernels (``kernels.layer_attn_in``, ``kernels.layer_mlp``; fused_layer.c) against
 the same layer run op by op: the C RMSNorm, each quantized layer's own a8 GEMV, its bias, the C
 silu * mul. Bit for bit, on every x86 ISA level this CPU runs; weights fused into one or apart."""
 

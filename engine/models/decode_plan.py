@@ -78,7 +78,7 @@ def layer_plan(layer: DecoderLayer, dtype: torch.dtype) -> LayerPlan | None:
     if not all(isinstance(m, (QuantLinear, Linear)) for m in mods):
         return None
     ws = [m.decode_weight() for m in mods]
-    if any(w is None for w in ws) or any((w.kind == 6) != (dtype == torch.float32) for w in ws):
+    if any(w is None for w in ws) or any((w.kind == kernels.WeightKind.F32) != (dtype == torch.float32) for w in ws):
         return None  # (float32 activations read float32 weights only; bf16 ones the rest)
     n = len(qkv)
     fused = kernels.decode_layer_args(ws[:n], ws[n], ws[n + 1 : -1], ws[-1], ln1.weight, ln1.eps, ln2.weight, ln2.eps)
