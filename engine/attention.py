@@ -1,43 +1,16 @@
 """Attention over the paged KV pool: one backend per engine, chosen once.
 
-The model never sees a global context: every forward pass receives an
-:class:`AttentionMetadata` describing the packed batch (which tokens belong to
-which sequence, where their K/V go, which blocks hold each sequence's
-history). Tokens of all sequences are packed into one ``[T, ...]`` tensor so
-the linear layers run once for the whole batch; only attention needs to know
-the sequence boundaries.
-
-An :class:`AttentionBackend` owns a step's attention end to end: the
-per-step metadata builder, RoPE + the K/V store into its pool, ``attend`` and
-``attend_with_scores``. :func:`make_backend` is the one place a backend is
-chosen, when the engine is built, from the device and the pool's kind
-(``engine/kv_cache.py`` ``KVPool``); no attention code asks at a call what kind
-of pool or device it runs on. The implementations:
-
-* :class:`CpuBackend` -- plain pool on the CPU: one gather plan per step
-  (``kernels.cpu_attention``), the C decode attention reading the pool by slot,
-  unpadded per-sequence prompt attention; bfloat16 and float32 RoPE write K/V in the same
-  C call (``kernels.cpu_fused_rope_store``) when the C kernels are built.
-* :class:`CpuInt8Backend` -- int8 pool on the CPU: the same plan, dequantized in the gather.
-* :class:`Int4Backend` -- KIVI int4 pool (any device): the pool's dequantizing
-  gather, then the same per-sequence prompt attention as the others.
-* :class:`CudaBackend` / :class:`CudaInt8Backend` -- Triton paged kernels (the
-  gather plan only when a step reads cold blocks).
-
-Per layer, ``attend`` takes the layer's ``window`` (sliding-window layers: Gemma 2/3,
-Phi-3), ``softcap`` (tanh soft-capped logits: Gemma 2) and ``sinks`` (``[Hq]`` attention
-sinks, one more logit per head in the softmax's denominator: gpt-oss) beside its ``scale``;
-each backend applies them itself (on the CPU: ``kernels.windowed`` plans, explicit float32
-logits for caps and sinks; on CUDA the torch reference attention for caps and sinks), and a
-window no context of the step exceeds changes nothing, so the fast paths still run those
-steps. Quest's page selection applies no window, cap or sink: the engine refuses it for such
-models (``DecoderModel.kv_policy_blocker``).
-
-Decorators, given the backend they wrap at construction: :class:`ScoringBackend`
-(attention rows for H2O / SnapKV, only for the sequences that need them),
-:class:`QuestBackend` (per-query page selection, ``llmsys.offload.eviction.quest``) and
-:class:`RingBackend` (sliding layers that keep only their window, in per-sequence rings:
-``engine/sliding_kv.py``; it hands those layers the step's ring metadata).
+Tokens of all sequences are packed into one ``[T, ...]`` tensor so the linears run once per batch; only
+attention needs the boundaries, from each step's :class:`AttentionMetadata` (which tokens belong to which
+sequence, where their K/V go, which blocks hold each history). An :class:`AttentionBackend` owns a step's
+attention (metadata builder, RoPE + K/V store, ``attend``, ``attend_with_scores``); :func:`make_backend`
+picks it once from the device and the pool's kind, so no call asks. :class:`CpuBackend` (plain CPU pool:
+one gather plan a step, the C decode attention by slot, per-sequence prompts, RoPE + K/V store in one C
+call), :class:`CpuInt8Backend`, :class:`Int4Backend` (KIVI, any device), :class:`CudaBackend` /
+:class:`CudaInt8Backend` (Triton). Each applies a layer's ``window``, ``softcap`` and ``sinks`` itself (a
+window no context exceeds changes nothing); Quest applies none, so it is refused for such models
+(``DecoderModel.kv_policy_blocker``). Decorators: :class:`ScoringBackend` (H2O / SnapKV rows),
+:class:`QuestBackend`, :class:`RingBackend` (sliding layers in rings, ``engine/sliding_kv.py``).
 """
 
 from __future__ import annotations

@@ -1,30 +1,15 @@
 """The CPU fast path of paged attention: one gather plan per step, batched decode, per-sequence prompts.
 
-The reference (``reference.py``) loops over sequences for obviousness; on a
-CPU, where decode is bound by Python overhead as much as by bytes, that loop
-costs more than the math. Here a :class:`GatherPlan` is built once per engine
-step (it depends only on the batch layout, not the layer). Decode rows run the
-C decode kernel reading the pool by slot (or one grouped matmul over the
-gathered rows). Prompt tokens run the same C arithmetic, each as a decode step
-at its own position (``cpu_decode.rows_attention``), so a token's bits depend on
-its query and its keys only: not on its chunk, a prefix-cache hit, the batch,
-or whether it is recomputed after preemption. (``scaled_dot_product_attention``
-per sequence, which ran before, blocks its sums by the chunk's and the
-context's sizes.) It costs prompt speed at long contexts (docs/benchmarks.md);
-soft-capped logits and attention sinks, and prompts without the C kernel, still
-take SDPA / explicit logits per sequence, unpadded.
-
-Sliding-window layers (Gemma 2/3, Phi-3) attend through :func:`windowed`, the step's plan
-restricted to each query's window; soft-capped logits (Gemma 2) take explicit float32 logits
-(``softcap``), as transformers' eager attention computes them (SDPA has no soft-capping); so do
-attention sinks (gpt-oss: ``sinks``, one more logit per head in each softmax's denominator,
-``reference.softmax_with_sinks``), which neither SDPA nor the C decode attention take.
-
-Cold blocks (a KV tier beyond the pool, ``llmsys.offload.kv_tier``): block ids
-``>= ColdBlocks.first`` are not in the pool tensors. The plan gathers their
-positions from scratch slot 0 and then copies the rows the tier staged for the
-layer over them (``cold_dst`` <- ``cold_src``), so attention sees exactly the
-K/V an all-resident pool would give.
+The reference (``reference.py``) loops over sequences; on a CPU that loop costs more than the math, so a
+:class:`GatherPlan` is built once per step (from the batch layout, not the layer). Decode rows run the C
+decode kernel reading the pool by slot (or one grouped matmul over gathered rows); prompt tokens run the
+same C arithmetic, each as a decode step at its position (``cpu_decode.rows_attention``), so a token's
+bits depend only on its query and keys, not its chunk, a prefix-cache hit, the batch or a recompute (at
+some prompt speed on long contexts: docs/benchmarks.md). Soft-capped logits and sinks (explicit float32
+logits, ``reference.softmax_with_sinks``) and prompts without the C kernel take SDPA / logits per
+sequence, unpadded; sliding windows go through :func:`windowed`. Cold blocks (``>= ColdBlocks.first``,
+``llmsys.offload.kv_tier``) gather from scratch slot 0, then the tier's staged rows are copied over them
+(``cold_dst`` <- ``cold_src``): exactly an all-resident pool's K/V.
 """
 
 from __future__ import annotations
@@ -244,10 +229,10 @@ def _gather_heads_first(
     Why: the decode matmuls batch over (head, sequence). Gathered as
     ``[B, L, Hk, D]`` those two batch dims cannot be merged, so ``matmul``
     first copies K^T and V into ``[B, Hk, ...]`` -- strided copies that cost
-    more than the attention math (~0.5 ms per layer at batch 16, measured).
-    One contiguous permute of the small gathered tensor into ``[Hk, B, L, D]``
-    (whose batch dims merge for free) costs half of what gathering from a
-    head-major view does, and a quarter of the copies matmul makes.
+    more than the attention math (docs/benchmarks.md). One contiguous permute
+    of the small gathered tensor into ``[Hk, B, L, D]`` (whose batch dims merge
+    for free) costs half of what gathering from a head-major view does, and a
+    quarter of the copies matmul makes.
     """
     return _gather(cache, scale, plan, dtype).permute(2, 0, 1, 3).contiguous()  # [Hk, B, Lmax, D]
 
@@ -265,16 +250,10 @@ def _decode_grouped(
     logits ``cap * tanh(logits / cap)`` before the mask (Gemma 2); ``sinks``: one more logit per
     query head in the softmax's denominator (gpt-oss).
 
-    float32 even for bfloat16 pools: the bf16 batched matmul picks its blocking
-    by batch shape, so the same sequence decoded alone or beside others got
-    different roundings (11 of 16 greedy continuations equal on a random
-    SmolLM2-135M-shaped model, 14 of 16 in float32, and the batch-16 step is no
-    slower: 48 vs 52 ms, measured).
-
-    Why not SDPA: for one query row, torch's CPU SDPA in bfloat16 costs ~7x
-    this (1.5 ms vs 0.2 ms at batch 8, 9/3 heads, 192 keys, measured); the
-    query heads sharing a KV head are stacked as rows of one matmul instead of
-    repeating K/V.
+    float32 even for bf16 pools: the bf16 batched matmul picks its blocking by batch shape, so a
+    sequence decoded alone or beside others rounded differently, and float32 is no slower. Not SDPA:
+    torch's CPU bf16 SDPA costs several times this for one query row; the query heads sharing a KV
+    head are stacked as rows of one matmul instead of repeating K/V. Figures: docs/benchmarks.md.
     """
     B, Hq, D = q.shape
     Hk = k.shape[0]

@@ -1,36 +1,14 @@
 """Dense linear layers on CPU: pick the GEMM library by shape.
 
-Measured on this project's CI CPU (AMD EPYC, torch 2.13, 1 thread): for
-float32 with more than one row, MKL's sgemm (what ``F.linear`` calls) takes a
-slow path (a 49152x576 LM head costs 2.5x more at M=2..8 than at M=1), while
-oneDNN's matmul stays near the M=1 cost. At M=1 the two are within 5% on
-large weights, but oneDNN's fixed cost per call (~30 us) dominates on tiny
-ones (stories260k's 64x64 projections). So float32 on weights of at least 64K
-elements goes through oneDNN (at M = 1 too); everything else, and other dtypes
-and devices, use ``F.linear``.
-
-Prepacked weights (:func:`prepack`): oneDNN can reorder a weight once into
-its blocked layout, after which a matmul streams it 1.2-1.9x faster than
-``F.linear`` at M = 1 and 1.5-1.9x at M = 16 (the SmolLM2-135M layer
-matrices, 2 threads; ``python benchmarks/bench_gemv.py``). The engine packs
-resident CPU weights once after loading; ``linear`` keeps a packed resident
-layer and the same layer streamed from disk (plain) bit-identical.
-
-bfloat16 weights are never prepacked, and every batch of every size runs the C bf16 GEMV
-(``cpu_qgemv.bf16_gemv``: 16 float32 lanes per output, then a tree), whose bits the fused decode layers
-give: a row's result never depends on how many rows came with it, so a request's answer is the same alone,
-batched, chunked or after a prefix-cache hit (``tests/test_batch_invariance.py``). Prompts run the GEMV's
-batch tiles (AVX2: 3 rows of x by 2 weight rows on a widened weight block; AVX512-BF16: ``vdpbf16ps`` lane
-tiles). Before, batches of 12 rows and more took oneDNN's bf16 GEMM (AMX where the CPU has it) or the C bf16
-GEMM, which sum in other orders: a request's tokens changed with the batch. The price is prompt speed where
-oneDNN has AMX (docs/benchmarks.md). Without the C kernel, and for weights the GEMV does not take, torch's
-bf16 linear, or float32 sgemm on upcast weight chunks.
-
-float32 weights too small to pack (below 64K elements: stories260k's) run every batch through the
-C float32 GEMV (``cpu_qgemv.f32_gemv``), whose
-bits the fused decode layers give: a float32 decode step of such a model is then
-one C call for the whole decoder (the engine's decode plan) instead of ~10
-torch ops a layer, each costing more in dispatch than in arithmetic.
+float32 weights of at least 64K elements go through oneDNN (MKL's sgemm, ``F.linear``'s, takes a slow path
+at M = 2..8; oneDNN's fixed per-call cost only hurts tiny weights), prepacked once into its blocked layout
+when resident (:func:`prepack`, faster at every M); a packed resident layer and the same layer streamed
+plain give the same bits. Smaller float32 weights and every bf16 weight (never packed) run the C GEMVs
+(``cpu_qgemv.f32_gemv`` / ``bf16_gemv``: 16 float32 lanes per output, then a tree; prompts in batch
+tiles), whose bits the fused decode layers give, so a row never depends on its batch, chunk or a
+prefix-cache hit (``tests/test_batch_invariance.py``); the price is prompt speed where oneDNN has AMX.
+Without the C kernel, and for weights the GEMV does not take: torch's bf16 linear, or float32 sgemm on
+upcast chunks. Other dtypes and devices use ``F.linear``. Figures: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -295,7 +273,7 @@ def decode_weight(weight: torch.Tensor, bias: torch.Tensor | None) -> cpu_qgemv.
 def mm_bf16(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``a [N, K] @ b [K, M]`` for bf16 CPU tensors ``-> [N, M]`` bf16 (into ``out`` if given): torch's
     bf16 GEMM where oneDNN runs bf16, else the C bf16 GEMM (``b``'s transpose with unit column stride:
-    the quantized layers' ``x^T``), else float32 sgemm rounded once (5x faster than torch's, module doc)."""
+    the quantized layers' ``x^T``), else float32 sgemm rounded once (faster than torch's: docs/benchmarks.md)."""
     if _ONEDNN_BF16:
         return torch.mm(a, b, out=out)
     if b.stride(0) == 1 and bf16_gemm_applies(a, None):
@@ -309,9 +287,8 @@ def mm_bf16(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -
 
 def _mm_upcast(a: torch.Tensor, bf: torch.Tensor) -> torch.Tensor:
     """``a [N, K]`` bf16 times ``bf [K, M]`` float32 ``-> [N, M]`` float32, ``a`` upcast a few hundred rows at
-    a time (the float32 chunk stays in L2; a whole-matrix upcast paid page faults for a fresh buffer: 13 ms
-    for a 9728x896 weight). The weight goes first: M = 128 against 9728x896 takes 14.8 ms this way, 23 ms
-    as ``F.linear(x, w_chunk)`` pieces joined by ``cat`` (Zen 3, 2 threads)."""
+    a time (the float32 chunk stays in L2; a whole-matrix upcast paid page faults for a fresh buffer). The
+    weight goes first: faster than ``F.linear(x, w_chunk)`` pieces joined by ``cat`` (docs/benchmarks.md)."""
     n, k = a.shape
     step = max(64, _UPCAST_CHUNK_BYTES // (4 * k))
     out = torch.empty(n, bf.shape[1], dtype=torch.float32)

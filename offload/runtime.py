@@ -1,24 +1,15 @@
-"""Carrying out a plan: what the loader skips, and the per-layer hook at run time.
+"""Carrying out a plan: what the loader skips, and the per-layer hook at run time (offload never imports the engine).
 
-Life cycle (the engine drives it; offload never imports the engine):
-
-1. ``OffloadRuntime(plan, ...)`` before loading. The loader asks it, per
-   checkpoint tensor, ``skip(name)`` (leave it on disk: it will be streamed
-   straight from the checkpoint), ``device_for(name, default)`` (CPU RAM for
-   layers that live on the CPU of a GPU machine) and calls ``loaded(name,
-   model)`` after placing one (a streamed layer that had to be converted or
-   quantized in memory is written to the offload file as soon as its last
-   tensor arrives, then dropped: peak memory is one layer, not the model).
-2. ``install(model)`` after loading: streamed layers get their tensors'
-   disk locations and a reader ring; when :attr:`OffloadRuntime.runs_layers`,
-   the engine hands the runtime to the model's forward as its
-   ``LayerRunner`` (:meth:`OffloadRuntime.run_layer`): layer i's tensors are bound to buffer views (no copy) just before it runs
-   and released after; an on-disk embedding / LM head is swapped for modules
-   that read rows / stream chunks.
-3. ``close()`` stops the reader thread and removes scratch files.
-
-Streamed tensors are whatever parameters and buffers a layer module owns, so
-quantized layers (their packed weights are buffers) stream quantized.
+1. ``OffloadRuntime(plan, ...)`` before loading: per tensor the loader asks ``skip(name)`` (streamed
+   straight from the checkpoint) and ``device_for(name, default)`` (CPU RAM for CPU layers of a GPU
+   machine), and calls ``loaded(name, model)`` after placing one (a streamed layer converted in memory is
+   written to the offload file once complete, then dropped: peak memory is one layer, not the model).
+2. ``install(model)`` after loading: streamed layers get disk locations and a reader ring; when
+   :attr:`OffloadRuntime.runs_layers` the forward runs layers through :meth:`OffloadRuntime.run_layer`
+   (tensors bound to buffer views, no copy, released after); an on-disk embedding / LM head becomes
+   modules that read rows / stream chunks.
+3. ``close()`` stops the reader and removes scratch files. Streamed tensors are a layer module's
+   parameters and buffers, so quantized layers stream quantized.
 """
 
 from __future__ import annotations

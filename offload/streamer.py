@@ -1,19 +1,12 @@
 """Streaming weights from disk: a reader thread filling a ring of buffers.
 
-Why a ring and a thread: a step needs every streamed layer once, in order, so
-the reader can run one layer ahead of compute without being told. It owns
-``RING_SLOTS`` preallocated buffers (pinned when a GPU is present) and reads
-each unit's tensors straight from the checkpoint's safetensors file (or an
-offload file written in the run dtype) with ``os.preadv`` at the tensors'
-offsets: no per-step allocation, no mmap, no copy after the read. Read pages
-are dropped from the page cache (``POSIX_FADV_DONTNEED``) so streaming a file
-larger than RAM does not quietly turn into caching it. An engine that keeps
-the page cache on the CPU maps the files instead (:class:`MappedUnits`): the
-cached pages are then read in place, with no copy at all.
-
-``preadv`` releases the GIL, so the read of layer i+1 overlaps the compute of
-layer i on the main thread. The order is cyclic: after the last unit of a
-step the reader starts on the first unit of the next step.
+A step needs every streamed layer once, in order, so the reader runs one layer ahead unasked: it owns
+``RING_SLOTS`` preallocated buffers (pinned with a GPU) and reads each unit's tensors from the checkpoint's
+safetensors file (or an offload file in the run dtype) with ``os.preadv`` at their offsets: no per-step
+allocation, no mmap, no copy after the read; read pages are dropped (``POSIX_FADV_DONTNEED``) so a file
+larger than RAM is not quietly cached. An engine that keeps the page cache on the CPU maps the files
+instead (:class:`MappedUnits`: cached pages read in place). ``preadv`` releases the GIL, so layer i+1's
+read overlaps layer i's compute; the order is cyclic across steps.
 """
 
 from __future__ import annotations

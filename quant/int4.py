@@ -1,35 +1,15 @@
 """Asymmetric group-wise int4 (W4A16) in the canonical llmsys layout.
 
-Canonical stored layout (shared with ``llmsys.kernels`` and the AWQ/GPTQ
-converters), for a weight ``[N, K]`` and group size ``g`` in {32, 64, 128}:
-
-* K is zero-padded up to ``Kp = G * g`` with ``G = ceil(K / g)``;
-* ``qweight uint8 [N, Kp/2]``: byte j of row n holds k = 2j in the low nibble
-  and k = 2j+1 in the high nibble, q in 0..15;
-* ``scales [N, G]`` and ``zeros [N, G]`` float (bf16 from our quantizers,
-  fp16 from AWQ/GPTQ checkpoints); zeros are integer-valued in practice;
-* dequantization: ``w[n, k] = (q[n, k] - zeros[n, k // g]) * scales[n, k // g]``;
-* optionally ``offsets float32 [N, G]`` with float32 scales and zeros 0:
-  ``w[n, k] = q[n, k] * scales[n, k // g] + offsets[n, k // g]``. GGUF's Q4_K and
-  Q4_1 blocks hold a float minimum per 32 columns that is no multiple of the
-  scale, so no integer zero point states them; with offsets their codes, scales
-  and minimums are kept exactly (``engine/loader/gguf_io.py``).
-
-CPU runtime: the layer holds the codes in llmsys's CPU int4 tiling
-(``kernels.cpu_int4.pack_cpu_int4``: 64-row tiles, the same bytes on every
-CPU; torch's ``_convert_weight_to_int4pack_for_cpu`` tiles by torch's own ISA
-dispatch, so its bytes meant other codes on AVX2 than on AVX-512) plus bf16
-scales and uint8 zeros, and converts back to the canonical layout in
-``state_dict()`` -- the tiling is a pure nibble permutation
-(:func:`unpack_cpu_int4`), so the round trip is exact and a checkpoint made on
-one CPU loads right on any other. The C kernels of ``kernels.cpu_qgemv``
-multiply on that buffer: every row of x, prompt and decode, takes the a8 GEMV
-(``int4_gemv_a8``: x quantized to int8 per 32 columns, as llama.cpp's q8_0
-activations, and integer dot products: 1.9-3.6x the exact float GEMV's speed on
-AVX2 (benchmarks/bench_qmatmul.py), where that one was compute-bound at ~5 GB/s),
-so every row gets the same bits whatever its batch, chunk or step (``KernelFamily``);
-without the C kernels every batch dequantizes to bf16 and GEMMs, in torch ops (correct,
-slower: the engine's notice line says so).
+Canonical layout (shared with ``llmsys.kernels`` and the AWQ/GPTQ converters) of ``W [N, K]``, group ``g``
+in {32, 64, 128}, K zero-padded to ``Kp = G * g``: ``qweight uint8 [N, Kp/2]`` (byte j of row n: k = 2j in
+the low nibble, 2j+1 in the high), ``scales`` / ``zeros [N, G]`` (bf16 ours, fp16 AWQ/GPTQ; zeros
+integer-valued), ``w[n, k] = (q - zeros[n, k // g]) * scales[n, k // g]``; or float32 ``offsets [N, G]``
+with float32 scales and zeros 0, ``w = q * scale + offset``, keeping GGUF Q4_K / Q4_1 exact. On the CPU
+the codes sit in llmsys's 64-row tiling (``kernels.cpu_int4.pack_cpu_int4``: the same bytes on every
+CPU, unlike torch's int4pack), a nibble permutation, so ``state_dict()`` round-trips exactly. Every row of
+x takes the C a8 GEMV (``int4_gemv_a8``: x to int8 per 32 columns, integer dots; docs/benchmarks.md), so
+a row's bits never depend on its batch, chunk or step (``KernelFamily``); without the C kernels every
+batch dequantizes to bf16 and GEMMs in torch (slower; the engine's notice says so).
 """
 
 from __future__ import annotations
@@ -145,29 +125,17 @@ def int4_kernel(packed_cpu: bool, device: torch.device, offsets: bool = False) -
 class Int4Linear(QuantLinear):
     """W4A16 linear in the canonical int4 layout (see module docstring).
 
-    Two run-time modes, chosen at construction from the tensors' device (and with them the
-    kernel family, :func:`int4_kernel`, kept in ``kernel``):
-
-    * ``packed_cpu`` (CPU): holds ``packed uint8`` (the CPU int4 tiling, rows
-      padded to a multiple of 64), ``scales_zeros bf16 [G, Np, 2]`` =
-      (scale, (8 - zero) * scale) for bf16 scales (other dtypes: ``scales_orig [N, G]`` only), ``zeros_u8 [N, G]`` and, with the C GEMV,
-      its group-major copy ``zeros_gm [G, N]``. Matmul always runs in bf16;
-      fp32 inputs are cast to bf16 and the output cast back. Every row, prompt
-      or decode, runs the C a8 GEMV ``cpu_qgemv.int4_gemv_a8`` where built (a row's
-      bits never depend on its batch: ``KernelFamily``); without the C kernels every
-      batch takes the bf16 weight from ``dequant_cpu_int4`` (exactly
-      ``dequantize(torch.bfloat16)``) and a dense bf16 GEMM.
-    * ``canonical`` (GPU, or ``prefer_packed=False``): holds ``qweight``/``scales``/``zeros`` and
-      dequantizes + GEMMs in the input dtype.
-
-    With ``kscales`` (GGUF Q4_K's stored scales, :class:`~llmsys.kernels.KScales`) the scales and offsets
-    are made from them (``scales`` may be None) and the packed mode holds only those (``k_sc`` .. buffers).
-    With ``offsets`` (float32 ``[N, G]``, float32 scales, zeros 0: ``w = q * scale + offset``, GGUF Q4_K /
-    Q4_1) the packed mode keeps them group-major (``offsets_gm [G, N]``) beside ``scales_orig``, its zero
-    points are a stride-0 view of one 0 (no bytes), and the a8 GEMV reads the offsets instead.
-
-    ``state_dict()`` always yields the canonical tensors
-    (``qweight``, ``scales``, ``zeros``, ``offsets`` when present, ``bias``).
+    Two modes, chosen at construction from the tensors' device (with the kernel family, :func:`int4_kernel`,
+    kept in ``kernel``). ``packed_cpu``: ``packed uint8`` (the CPU tiling, rows padded to 64),
+    ``scales_zeros bf16 [G, Np, 2]`` = (scale, (8 - zero) * scale) for bf16 scales (else ``scales_orig [N, G]``
+    only), ``zeros_u8 [N, G]`` and, with the C GEMV, ``zeros_gm [G, N]``; it computes in bf16 (float32 cast in
+    and out): every row the C a8 GEMV where built, else ``dequant_cpu_int4`` (exactly
+    ``dequantize(torch.bfloat16)``) and a bf16 GEMM. ``canonical`` (GPU, or ``prefer_packed=False``):
+    ``qweight``/``scales``/``zeros``, dequantize + GEMM in the input dtype. ``kscales`` (GGUF Q4_K,
+    :class:`~llmsys.kernels.KScales`): scales and offsets made from them; the packed mode holds only those
+    (``k_sc`` ...). ``offsets`` (GGUF Q4_K / Q4_1): kept group-major (``offsets_gm [G, N]``) beside
+    ``scales_orig``, the zero points a stride-0 view of one 0. ``state_dict()`` always yields the canonical
+    tensors (``qweight``, ``scales``, ``zeros``, ``offsets`` when present, ``bias``).
     """
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor | None, zeros: torch.Tensor,

@@ -1,27 +1,14 @@
-"""Int8 weights with a scale per 32 input columns: GGUF Q8_0, kept as stored.
+"""Int8 weights with a scale per block of input columns: GGUF Q8_0, Q6_K and Q5_K, kept as stored.
 
-Why a second int8 layout beside ``Int8Linear``'s one scale per row: Q8_0 files (and the Q8_0 token
-embeddings of most Q4_0 / Q4_K_M files) store ``w = q * d`` with one fp16 ``d`` per 32 weights.
-A per-row scale cannot represent that; dequantizing to bf16 doubles the memory. Kept as stored the
-codes cost 1 byte per weight plus 2 bytes per 32, exactly the file's bytes, and the C a8 GEMV
-(``kernels.cpu_qgemv.int8g_gemv_a8``: x quantized to int8 per 32 columns, an exact integer dot per
-block, ``f += S_b * (d_w * d_x)``) runs the arithmetic of llama.cpp's own q8_0 x q8_0 dot product.
-
-Layout (what ``state_dict()`` holds; ``W`` is ``[N, K]``): ``qweight int8 [N, K]``,
-``block_scales fp16 [ceil(K / 32), N]``, group-major (a block's scales for a run of rows are one
-vector load in the kernel), ``w[n, k] = qweight[n, k] * block_scales[k // 32, n]``.
-
-GGUF Q6_K (6-bit codes with an int8 scale per 16 weights times an fp16 ``d`` per 256: the type
-llama.cpp's Q4_K_M files hold their output head, often the embedding, and half the ``attn_v`` /
-``ffn_down`` matrices in) is the same layout with a scale per 16 columns, kept as the file stores it:
-codes ``q - 32``, ``block_scales int8 [K / 16, N]`` (the ``sc``) and ``super_scales fp16 [K / 256, N]``
-(the ``d``), ``w[n, k] = qweight[n, k] * (d * sc)`` with ``d * sc`` the float32 product llama.cpp's
-dequantization rounds: 1.07 bytes a weight (the file's 0.82, bf16's 2), the a8 GEMV forming ``d * sc``
-and taking each block of x's two halves' dots apart.
-
-GGUF Q5_K (5-bit codes, per 32 weights a scale ``d * sc`` and a minimum ``dmin * m``, like Q4_K) is the
-layout with float32 ``block_scales`` and ``offsets [K / 32, N]``: ``w = qweight * scale + offset``
-(1.25 bytes a weight; the file's 0.69).
+``Int8Linear``'s one scale per row cannot state Q8_0's ``w = q * d`` (one fp16 ``d`` per 32 weights) and
+bf16 doubles the memory; kept as stored the codes cost the file's bytes and the C a8 GEMV
+(``kernels.cpu_qgemv.int8g_gemv_a8``: ``f += S_b * (d_w * d_x)``) runs llama.cpp's q8_0 x q8_0 arithmetic.
+Layout (``W [N, K]``): ``qweight int8 [N, K]``, ``block_scales fp16 [ceil(K / 32), N]`` group-major (one
+vector load a block), ``w[n, k] = qweight[n, k] * block_scales[k // 32, n]``. Q6_K: codes ``q - 32``,
+``block_scales int8 [K / 16, N]`` (``sc``), ``super_scales fp16 [K / 256, N]`` (``d``), ``w = qweight *
+(d * sc)`` with ``d * sc`` the float32 product llama.cpp rounds (1.07 bytes a weight; the file 0.82).
+Q5_K: float32 ``block_scales`` and ``offsets [K / 32, N]``, ``w = qweight * scale + offset`` (1.25 bytes;
+the file 0.69).
 """
 
 from __future__ import annotations

@@ -98,17 +98,12 @@ def int8_kernel(device: torch.device) -> MatmulKernel:
 class Int8Linear(_PerRowLinear):
     """W8A16 linear: ``qweight int8 [N, K]``, ``scales bf16 [N]``; w = q * scale.
 
-    CPU: every row of a bf16 or float32 input, prompt or decode, goes through the C a8 GEMV
-    ``kernels.cpu_qgemv.int8_gemv_a8`` (x quantized to int8 per 32 columns, exact
-    integer dot products; ~2x the weight bandwidth of ``torch._weight_int8pack_mm``
-    at M = 1), so a row's bits never depend on its batch (``KernelFamily``). It needs
-    bf16 activations, so float32 inputs are cast to bf16 and the result cast back.
-    Without the C kernel, up to PACKED_MAX_ROWS rows run ``torch._weight_int8pack_mm``
-    and more convert q to the input dtype and GEMM (bf16: the weight as oneDNN's first
-    operand, see ``_dequant_matmul``). torch's packed op crashes
-    (SIGSEGV, torch 2.13 CPU) on bf16 inputs when K % 16 != 0, so float32
-    inputs of such layers (e.g. stories260k's FFN, K=172) keep the exact
-    dequant path; bf16 inputs take the C kernel at any K. The family is chosen once
+    CPU: every row of a bf16 or float32 input, prompt or decode, runs the C a8 GEMV
+    ``kernels.cpu_qgemv.int8_gemv_a8`` (x to int8 per 32 columns, exact integer dots), so a row's bits never
+    depend on its batch (``KernelFamily``); float32 inputs go through bf16 and back. Without the C kernel, up
+    to PACKED_MAX_ROWS rows run ``torch._weight_int8pack_mm`` and more dequantize and GEMM
+    (``_dequant_matmul``), except that torch's packed op crashes (SIGSEGV, torch 2.13 CPU) on bf16 inputs when
+    K % 16 != 0, so float32 inputs of such layers keep the dequant path. The family is chosen once
     (:func:`int8_kernel`, kept in ``kernel``); the rows and dtype of x pick within it.
     """
 

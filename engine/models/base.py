@@ -1,17 +1,12 @@
 """The decoder shared by every supported architecture.
 
-Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3 and the MoE families (Qwen2-MoE,
-Qwen3-MoE, Mixtral, gpt-oss) differ only in switches
-(q/k/v bias, per-head q/k RMSNorm, explicit head_dim, RoPE scaling, partial
-rotary, tied embeddings, fused q|k|v and gate|up checkpoints, Gemma's ``1 + w``
-norms around both attention and MLP, GeGLU, scaled embeddings, soft-capped
-logits, sliding-window layers, a second RoPE table for the local layers, a
-mixture of experts in place of the MLP; gpt-oss's attention sinks, o_proj and
-MLP biases and clamped SwiGLU), so
-one decoder implements them and each family module only maps its Hugging Face
-config onto :class:`TransformerArgs`. Tokens of a batch are packed into one
-``[T, ...]`` tensor; attention gets the per-sequence layout from
-:class:`~llmsys.engine.attention.AttentionMetadata`.
+Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2/3 and the MoE families (Qwen2-MoE, Qwen3-MoE, Mixtral,
+gpt-oss) differ only in switches (biases, q/k norms, head_dim, RoPE scaling and partial rotary, tied
+embeddings, fused q|k|v and gate|up checkpoints, Gemma's ``1 + w`` norms, GeGLU, scaled embeddings,
+soft-capped logits, sliding windows with their own RoPE table, experts in place of the MLP, gpt-oss's
+sinks, biases and clamped SwiGLU), so one decoder implements them and each family module maps its HF
+config onto :class:`TransformerArgs`. A batch's tokens are packed into one ``[T, ...]`` tensor; attention
+gets the per-sequence layout from :class:`~llmsys.engine.attention.AttentionMetadata`.
 """
 
 from __future__ import annotations
@@ -641,15 +636,13 @@ class DecoderModel(nn.Module):
     def prepack_linears(self) -> int:
         """Replace resident CPU ``Linear`` weights by oneDNN's prepacked copies; returns how many.
 
-        Why: a prepacked weight streams ~1.4-1.9x faster through the GEMV that
-        dominates decode (see ``kernels.cpu_linear``), with bit-identical
-        results. Each weight is replaced, not copied, so memory does not grow.
-        A head tied to the embedding is packed too when the loader recorded
-        where the checkpoint keeps the table (see :meth:`_embed_from_file`);
-        else it stays plain, as the embedding's row lookup needs the plain
-        layout and a second copy would cost memory. Only for inference engines:
-        code that reads or writes ``.weight`` afterwards (quantization,
-        calibration) must not call this.
+        Why: a prepacked weight streams faster through the GEMV that dominates decode
+        (``kernels.cpu_linear``; docs/benchmarks.md), with bit-identical results. Each weight
+        is replaced, not copied, so memory does not grow. A head tied to the embedding is packed
+        too when the loader recorded where the checkpoint keeps the table (see
+        :meth:`_embed_from_file`); else it stays plain, as the embedding's row lookup needs the
+        plain layout and a second copy would cost memory. Only for inference engines: code that
+        reads or writes ``.weight`` afterwards (quantization, calibration) must not call this.
         """
         self._embed_from_file()
         self.fuse_projections()
@@ -667,15 +660,13 @@ class DecoderModel(nn.Module):
     def fuse_projections(self) -> int:
         """Concatenate each layer's q/k/v and gate/up weights into one GEMM each; returns how many.
 
-        Why: at decode a layer's GEMVs are 7 calls of oneDNN's ~15 us fixed cost on
-        small matrices (a 576x192 k_proj streams at ~8 GB/s, a 960-row q|k|v at ~17);
-        fused, a bfloat16 SmolLM2-135M token takes ~1.6 ms less. Exact: each output
-        of the fused GEMM equals the separate GEMM's bit for bit (oneDNN and MKL
-        reduce every output over K the same way whatever N is;
-        tests/test_fused_decode.py), so resident fused layers and streamed unfused
-        ones agree. The separate modules are dropped (set to None), so memory does
-        not grow. Only for resident CPU ``Linear`` weights that would be prepacked
-        (inference engines, see :meth:`prepack_linears`); the rest stay as they are.
+        Why: at decode a layer's GEMVs were 7 calls paying oneDNN's fixed per-call cost on small
+        matrices, which stream far below memory speed; fused, a decode step is faster
+        (docs/benchmarks.md). Exact: each output of the fused GEMM equals the separate GEMM's bit for
+        bit (oneDNN and MKL reduce every output over K the same way whatever N is;
+        tests/test_fused_decode.py), so resident fused layers and streamed unfused ones agree. The
+        separate modules are dropped (set to None), so memory does not grow. Only for resident CPU
+        ``Linear`` weights that would be prepacked (inference engines, see :meth:`prepack_linears`).
         """
         n = 0
         for layer in self.model.layers:

@@ -1,24 +1,16 @@
-"""The CPU decode plan: which kernel each projection, norm, MLP and layer of the model runs, decided once when
-the engine is built.
+"""The CPU decode plan: which kernel each projection, norm, MLP and layer runs, decided once at engine build.
 
-Why once: a decode step of a small model is ~30 layers of tens of microseconds each, and asking per call which
-kernel applies (dtype, format, strides, pools, whether a weight moved) cost as much Python as the kernels take.
-The engine's runner builds the plan after loading, packing and fusing (:func:`build_decode_plan`) from what does
-not change while the engine lives; a step then asks only what is its own: how many rows, whether autograd
-records, whether its attention layout is a plain decode (``GatherPlan.one_call``, decided once per step).
-
-::
+A small model's decode step is ~30 layers of tens of microseconds, and asking per call which kernel applies
+cost as much Python as the kernels take. :func:`build_decode_plan` (after loading, packing and fusing) plans
+from what never changes; a step asks only its own facts (rows, autograd, ``GatherPlan.one_call``)::
 
     per module     Linear.kernel: LinearKernel    RMSNorm.c_rows    MLP.c_silu     (plan_kernels)
     per layer      DecoderLayer.decode: LayerPlan | None -> kernels.DecodeLayer: 2 C calls around attention
     per model      DecoderModel.decode_plan: DecodePlan -> stack: kernels.DecodeStack | None: 1 C call a step
 
-A layer has no fused plan (op by op, the same bits) when one of its projections has no C decode GEMV, its MLP
-is a mixture of experts or Gemma's, or its weights are bound afresh per step (streamed by the offload runtime,
-``LayerRunner.rebinds``; its projections and norms then pick their kernels per call, as their weights are
-bound per step). Code that replaces a planned layer's weights or modules afterwards clears the plan
-(:func:`clear_decode_plan`) or builds it again; the plan holds the tensors it points into, so a stale plan
-reads old weights, never freed memory.
+No fused plan (op by op, the same bits) for a projection without a C decode GEMV, an MoE or Gemma MLP, or
+weights bound per step (``LayerRunner.rebinds``). Replacing a planned layer's weights or modules needs
+:func:`clear_decode_plan` or a rebuild (a stale plan holds its tensors: old weights, never freed memory).
 """
 
 from __future__ import annotations

@@ -1,23 +1,15 @@
 """The mixture-of-experts block a sparse layer runs in place of its MLP (Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss).
 
-A router (``gate``) scores every expert per token; each token runs through its top ``k`` experts
-(SwiGLU MLPs) and their outputs are summed, weighted by the routing probabilities; Qwen2-MoE adds a
-shared expert every token runs, scaled by a sigmoid gate. Routing follows transformers exactly
-(:func:`route`): a softmax over all experts in float32, ``topk``, optional renormalisation, and the
-weights rounded to the model dtype (Qwen) or kept in float32 (Mixtral); gpt-oss's router has a bias
-and takes the top ``k`` logits first, then a softmax over those.
-
-Why grouped by expert: a step's tokens are sorted by the expert they chose and each active expert
-runs one GEMM over its rows (``index_select``), so a prefill costs one GEMM per expert used, and a
-decode step computes only the experts its tokens selected. Each ``(token, slot)`` result lands in
-its own row (``index_copy_``) and a token's ``k`` rows are summed at the end, as transformers'
-default ``grouped_mm`` experts implementation sums them (``.view(T, k, H).sum(1)``).
-
-The experts are the engine's ``MLP`` modules (``Linear`` layers, named as Hugging Face's per-expert
-checkpoints: ``mlp.experts.{e}.gate_proj``), so load-time quantization and prepacking treat them as
-any projection. The router and the shared expert's gate are :class:`FloatLinear`: not ``nn.Linear``,
-so quantization passes them by (routing is a discrete choice; an int4 router would pick other experts).
-This module does not import ``base`` (which builds the experts and hands them in): no import cycle.
+A router (``gate``) scores the experts; each token runs its top ``k`` SwiGLU experts, summed with the
+routing weights (Qwen2-MoE adds a sigmoid-gated shared expert). :func:`route` follows transformers
+exactly: a float32 softmax over all experts, ``topk``, optional renormalisation, weights rounded to the
+model dtype (Qwen) or kept in float32 (Mixtral); gpt-oss's biased router takes the top ``k`` logits first,
+then a softmax over those. Tokens are grouped by expert (one GEMM per active expert, ``index_select``);
+each ``(token, slot)`` row is written once (``index_copy_``) and a token's ``k`` rows are summed at the
+end, as transformers' ``grouped_mm`` path sums them. Experts are the engine's ``MLP`` modules (quantized
+and prepacked like any projection); the router and the shared expert's gate are :class:`FloatLinear`,
+which quantization passes by (an int4 router would pick other experts). ``base`` builds the experts and
+hands them in, so this module does not import it.
 """
 
 from __future__ import annotations
