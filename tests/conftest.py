@@ -88,10 +88,15 @@ def other_isa_build(source: Path, signatures: dict, level_name: str, tmp_path: P
         pytest.skip(f"ISA level {level_name} not run: this CPU ({_cbuild.machine_arch()}) lacks "
                     f"{sorted(level.needs - (_cbuild.cpu_features()[0] or frozenset()))}")
     cc = _cbuild.compiler() or "gcc"
-    err = _cbuild.compile_source(cc, source, tmp_path / "k.so", level.flags)
+    # Built once per session and level: the file is named by the hash of the sources, headers and flags
+    # (as the run-time cache names it), kept in the session's base temp folder (tmp_path's parent). Each
+    # of ~45 tests compiled the whole library again (3-7 s each on 2 cores).
+    lib = source if isinstance(source, _cbuild.Library) else _cbuild.Library(source.stem, (source,))
+    target = tmp_path.parent / "isa-builds" / _cbuild.artifact_name(lib, level)
+    err = None if target.exists() else _cbuild.compile_source(cc, source, target, level.flags)
     if err:
         pytest.skip(f"{cc} cannot build level {level_name}: {err}")
-    return _cbuild.load(tmp_path / "k.so", signatures)
+    return _cbuild.load(target, signatures)
 
 
 # Relative error (norm of the difference over the norm) a quantized CPU layer's output may have against
