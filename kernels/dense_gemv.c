@@ -165,6 +165,7 @@ static inline float bf16_row_tail(float *a, const uint16_t *x, const uint16_t *w
 void bf16_rows(const uint16_t *xb, int64_t ldx, int64_t m_count, int64_t k, const uint16_t *w, int64_t ldw,
                       qout out, int64_t n0, int64_t n1) {
     const int64_t full = k / 16 * 16;
+    (void)full;  /* (the x86 tiles' bound; NEON and scalar run the primitives over all of k) */
     for (int64_t m = 0; m < m_count; m++) {
         const uint16_t *x = xb + m * ldx;
         int64_t n = n0;
@@ -577,6 +578,7 @@ int llmsys_gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t 
 void f32_rows(const float *x, int64_t ldx, int64_t m_count, int64_t k, const float *w, int64_t ldw,
                      float *out, int64_t ldo, int64_t n0, int64_t n1) {
     const int64_t full = k / 16 * 16;
+    (void)full;  /* (the x86 tiles' bound) */
     for (int64_t n = n0; n < n1; n++) {
         const float *wr = w + n * ldw;
 #if defined(QG_AVX512)
