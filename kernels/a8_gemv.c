@@ -22,8 +22,9 @@
  * float(T_b) is exact (|T_b| < 2^24). The error against the float GEMVs is that of x's int8 rounding,
  * at most d / 2 per element (the perplexity figures in docs/benchmarks.md).
  *
- * How (AVX2, also in the AVX-512 builds): int8 takes 8 weight rows per block: |qx| times q with qx's
- * signs (vpsignb) in vpmaddubsw, vpmaddwd with ones to int32, the 8 rows' sums reduced by vphaddd.
+ * How (AVX2, also in the AVX-512 builds): int8 takes 8 weight rows per block: |q| (vpabsb) times qx with
+ * q's signs (vpsignb) in vpmaddubsw -- a weight code of -128 is never negated --, vpmaddwd with ones to
+ * int32, the 8 rows' sums reduced by vphaddd.
  * int4 reads the CPU int4 tiling (32 bytes per column give 64 rows' codes) two columns at a time:
  * both columns' bytes interleaved by vpunpck{l,h}bw hold each row's (code k, code k+1) pair in their low
  * nibbles (row + 32's in the high ones), and
@@ -269,9 +270,10 @@ int a8_quantize(const void *x, int64_t ldx, int xf32, int64_t m_count, int64_t k
 static inline int32_t dot_block_i8(const int8_t *qx, const int8_t *w, int64_t len) { return isa_dot_i8(qx, w, len); }
 
 #ifdef QA8_AVX2
-static inline __m256i dot32_i8(__m256i ax, __m256i sx, const int8_t *w) {
+/* |w| unsigned times x signed by w (isa_x86.h: a weight code of -128 reads as 128; x stays within +-127) */
+static inline __m256i dot32_i8(__m256i xv, const int8_t *w) {
     const __m256i wv = _mm256_loadu_si256((const __m256i *)w);
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(wv, sx)), _mm256_set1_epi16(1));
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(wv), _mm256_sign_epi8(xv, wv)), _mm256_set1_epi16(1));
 }
 
 /* 8 int32 vectors -> their 8 horizontal sums in order (exact) */
@@ -309,13 +311,12 @@ static void int8_a8_rows(const a8_x *a, int64_t m, const int8_t *q, int64_t k, c
         __m256 f = _mm256_setzero_ps();
         for (int64_t b = 0; b < full; b++) {
             const __m256i xv = _mm256_load_si256((const __m256i *)(qx + b * A8));
-            const __m256i ax = _mm256_sign_epi8(xv, xv);
             __m256i p[8];
             /* the 8 rows I8_AHEAD ahead are 8 k contiguous bytes: 256 of them a block, in address order */
             for (int l = 0; l < 4; l++) __builtin_prefetch(q + (n + I8_AHEAD) * k + b * 8 * A8 + 64 * l, 0, PF_LOC);
             if (bs) /* and their block's scales: a line of a group-major row, 32 rows, a miss to RAM each group */
                 __builtin_prefetch(bs + b * bs_ld + n + I8_AHEAD, 0, PF_LOC);
-            for (int r = 0; r < 8; r++) p[r] = dot32_i8(ax, xv, q + (n + r) * k + b * A8);
+            for (int r = 0; r < 8; r++) p[r] = dot32_i8(xv, q + (n + r) * k + b * A8);
             const __m256 sb = _mm256_cvtepi32_ps(hsum8_epi32(p));
             const __m256 db = bs ? _mm256_mul_ps(bs8(bs + b * bs_ld + n), _mm256_set1_ps(dx[b])) : _mm256_set1_ps(dx[b]);
             f = _mm256_add_ps(f, _mm256_mul_ps(sb, db));
@@ -538,7 +539,6 @@ void int8k_a8_rows(const a8_x *a, int64_t m, const int8_t *q, int64_t k, const f
         __m256 f = _mm256_setzero_ps();
         for (int64_t b = 0; b < nb; b++) {
             const __m256i xv = _mm256_load_si256((const __m256i *)(qx + b * A8));
-            const __m256i ax = _mm256_sign_epi8(xv, xv);
             __m256i p[8];
             /* the 8 rows I8_AHEAD ahead in address order (int8_a8_rows' why), and their group-major scales */
             for (int l = 0; l < 4; l++) __builtin_prefetch(q + (n + I8_AHEAD) * k + b * 8 * A8 + 64 * l, 0, PF_LOC);
@@ -550,7 +550,7 @@ void int8k_a8_rows(const a8_x *a, int64_t m, const int8_t *q, int64_t k, const f
                 __builtin_prefetch(ksc + (2 * b + 1) * f_ld + n + I8_AHEAD, 0, PF_LOC);
                 if (!(b & 7)) __builtin_prefetch(kd + (b / 8) * f_ld + n + I8_AHEAD, 0, PF_LOC);
             }
-            for (int r = 0; r < 8; r++) p[r] = dot32_i8(ax, xv, q + (n + r) * k + b * A8);
+            for (int r = 0; r < 8; r++) p[r] = dot32_i8(xv, q + (n + r) * k + b * A8);
             const __m256 dv = _mm256_set1_ps(dx[b]);
             if (!ksc) {
                 const __m256 sb = _mm256_cvtepi32_ps(hsum8_epi32(p));

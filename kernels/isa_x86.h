@@ -2,8 +2,9 @@
  * ISA_X86): the bits of isa_scalar.h's definitions.
  *
  * How:
- *   - int8 dots: |x| times w with x's signs (pmaddubsw on psignb'd bytes: codes within +-127, so no
- *     saturation), pairs of int16 products summed to int32 by pmaddwd with ones. Exact.
+ *   - int8 dots: |w| (pabsb: -128 reads as unsigned 128) times x with w's signs (psignb: activation codes
+ *     stay within +-127, so negating one never overflows; negating a weight code of -128 would), pairs of
+ *     int16 products summed to int32 by pmaddwd with ones (2 * 128 * 127 < 2^15). Exact.
  *   - int4 dots: two columns' bytes interleaved (punpck{l,h}bw) hold each row's (code c, code c + 1) pair,
  *     pmaddubsw against the broadcast activation pair sums both products, int16 sums of 8 column pairs
  *     (8 * 2 * 15 * 127 < 2^15), then widened. Exact.
@@ -27,7 +28,7 @@ static inline int32_t isa_dot_i8(const int8_t *x, const int8_t *w, int64_t len) 
     int64_t i = 0;
     for (; i + 16 <= len; i += 16) {
         const __m128i xv = _mm_loadu_si128((const __m128i *)(x + i)), wv = _mm_loadu_si128((const __m128i *)(w + i));
-        acc = _mm_add_epi32(acc, _mm_madd_epi16(_mm_maddubs_epi16(_mm_sign_epi8(xv, xv), _mm_sign_epi8(wv, xv)),
+        acc = _mm_add_epi32(acc, _mm_madd_epi16(_mm_maddubs_epi16(_mm_abs_epi8(wv), _mm_sign_epi8(xv, wv)),
                                                 _mm_set1_epi16(1)));
     }
     acc = _mm_add_epi32(acc, _mm_srli_si128(acc, 8));
@@ -39,11 +40,13 @@ static inline int32_t isa_dot_i8(const int8_t *x, const int8_t *w, int64_t len) 
 
 static inline void isa_dot32_i8_x8(const int8_t *qx, const int8_t *q, int64_t ldq, int32_t s[8]) {
 #if defined(__AVX2__)
-    const __m256i xv = _mm256_loadu_si256((const __m256i *)qx), ax = _mm256_sign_epi8(xv, xv);
+    const __m256i xv = _mm256_loadu_si256((const __m256i *)qx);
     __m256i p[8];
-    for (int r = 0; r < 8; r++)
-        p[r] = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(q + r * ldq)), xv)),
+    for (int r = 0; r < 8; r++) {
+        const __m256i wv = _mm256_loadu_si256((const __m256i *)(q + r * ldq));
+        p[r] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(wv), _mm256_sign_epi8(xv, wv)),
                                  _mm256_set1_epi16(1));
+    }
     const __m256i h01 = _mm256_hadd_epi32(p[0], p[1]), h23 = _mm256_hadd_epi32(p[2], p[3]);
     const __m256i h45 = _mm256_hadd_epi32(p[4], p[5]), h67 = _mm256_hadd_epi32(p[6], p[7]);
     const __m256i a = _mm256_hadd_epi32(h01, h23), b = _mm256_hadd_epi32(h45, h67);

@@ -637,3 +637,25 @@ def test_decode_weights_carry_their_kind():
     wb = torch.randn(8, 96).bfloat16()
     assert cpu_qgemv.bf16_decode_weight(wb, None).kind == cpu_qgemv.WeightKind.BF16
     assert cpu_qgemv.f32_decode_weight(wb.float(), None).kind == cpu_qgemv.WeightKind.F32
+
+
+@needs_kernel
+@pytest.mark.parametrize("level", x86_levels())
+def test_int8_code_minus_128_at_every_level(level, tmp_path):
+    """A weight code of -128 (which a GGUF Q8_0 file may hold; llama.cpp's quantizer writes none) against
+    negative activations: every level's int8 dots give the definition's bits. The byte dots take |w| as the
+    unsigned operand and the activation signed by w (activation codes stay within +-127), so no negation of
+    -128 overflows."""
+    lib = other_isa_build(cpu_qgemv._SOURCE, cpu_qgemv._SIGNATURES, level, tmp_path)
+    g = torch.Generator().manual_seed(128)
+    for n, k in [(64, 256), (9, 37)]:
+        q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+        q[:, ::3] = -128
+        s = (torch.rand(n, generator=g) * 0.01 + 0.001).bfloat16()
+        x = -torch.rand(5, k, generator=g).bfloat16()  # all negative: every -128 code meets a negative x
+        bs = (torch.rand(-(-k // 32), n, generator=g) * 0.01).half()
+        for m in (1, 5):
+            assert torch.equal(_bits(cpu_qgemv.int8_gemv_a8(x[:m], q, s, lib=lib)),
+                               _bits(cpu_qgemv.int8_a8_def(x[:m], q, s))), (level, n, k, m)
+            assert torch.equal(_bits(cpu_qgemv.int8g_gemv_a8(x[:m], q, bs, lib=lib)),
+                               _bits(cpu_qgemv.int8g_a8_def(x[:m], q, bs))), (level, n, k, m)
