@@ -9,12 +9,14 @@ licences before anything is downloaded.
 
 The download itself (atomic, resumable, the same for a catalog name and an
 arbitrary ``org/repo``) lives in :mod:`llmsys.engine.hub`; this module says
-what a name means: which repo, which files, which local directory.
+what an entry holds: which repo, which files, which local directory, which
+other names (aliases) mean it. What any name a user types means (a path, an
+alias, a repo, the Ollama store) is :mod:`llmsys.engine.names`'s one rule.
 """
 
 from __future__ import annotations
 
-import difflib
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,8 +26,7 @@ try:  # Python >= 3.11
 except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-from llmsys.engine import hub, ollama_store
-from llmsys.kernels.common.units import format_bytes
+from llmsys.engine import hub
 from llmsys.kernels.common.errors import LLMSysError, ModelNotFoundError
 from llmsys.kernels.common.paths import llmsys_home
 
@@ -40,8 +41,11 @@ _REQUIRED = {
     "chat": bool,
     "description": str,
 }
-_OPTIONAL = {"format": str, "subfolder": str, "gated": bool, "revision": str, "files": list}
+_OPTIONAL = {
+    "format": str, "subfolder": str, "gated": bool, "revision": str, "files": list, "aliases": list, "shape": str,
+}
 _FORMATS = ("hf", "llama2c")
+_ALIAS = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(:[A-Za-z0-9_][A-Za-z0-9._-]*)?$")
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,11 @@ class CatalogEntry:
     subfolder: str | None = None  # repo folder holding `files`
     gated: bool = False  # licence must be accepted on the Hub first
     revision: str = "main"
+    # Other names for the same model, Ollama style (``qwen2.5:0.5b``): `llmsys.engine.names` also takes
+    # each with ``-`` for ``:`` (``qwen2.5-0.5b``) and a ``NAME:latest`` as plain ``NAME``.
+    aliases: tuple[str, ...] = ()
+    # The [synthetic.NAME] table with this model's shape: `llmsys plan` plans from it before a download.
+    shape: str | None = None
 
 
 # --------------------------------------------------------------------------
@@ -119,6 +128,9 @@ def _entry_from_table(name: str, table: dict[str, Any], path: Path | None) -> Ca
     files = table.get("files")
     if files is not None and (not files or not all(isinstance(f, str) and f for f in files)):
         raise LLMSysError(f"{where}: 'files' must be a non-empty list of file names (or left out)")
+    aliases = table.get("aliases", [])
+    if not all(isinstance(a, str) and _ALIAS.match(a) for a in aliases):
+        raise LLMSysError(f"{where}: 'aliases' must be names like qwen2.5:0.5b (letters, digits, '.', '_', '-', one ':')")
     fmt = table.get("format", "hf")
     if fmt not in _FORMATS:
         raise LLMSysError(f"{where}: format must be one of {_FORMATS}, not {fmt!r}")
@@ -137,6 +149,8 @@ def _entry_from_table(name: str, table: dict[str, Any], path: Path | None) -> Ca
         subfolder=table.get("subfolder"),
         gated=table.get("gated", False),
         revision=table.get("revision", "main"),
+        aliases=tuple(aliases),
+        shape=table.get("shape"),
     )
 
 
@@ -147,11 +161,39 @@ def load_catalog(path: Path | None = None) -> dict[str, CatalogEntry]:
     cache can go stale.
     """
     data = _read_toml(path)
-    return {
+    catalog = {
         name: _entry_from_table(name, table, path)
         for name, table in data.items()
         if name != "synthetic"
     }
+    _check_names(catalog, data.get("synthetic", {}), path or catalog_path())
+    return catalog
+
+
+def names_of(entry: CatalogEntry) -> tuple[str, ...]:
+    """Every name that means ``entry``, its own first: each alias as written, with ``-`` for its ``:``
+    (``qwen2.5-0.5b``, the spelling a shell user or a file name uses), and ``NAME:latest`` as ``NAME``
+    (Ollama's default tag)."""
+    out = [entry.name]
+    for alias in entry.aliases:
+        base, _, tag = alias.partition(":")
+        out += [alias, base if tag == "latest" else f"{base}-{tag}" if tag else alias]
+    return tuple(dict.fromkeys(out))
+
+
+def _check_names(catalog: dict[str, CatalogEntry], shapes: dict[str, Any], path: Path) -> None:
+    """One name, one model: a name or alias (any case, any derived spelling) may mean one entry only, and
+    a ``shape`` must name a [synthetic.*] table."""
+    owner: dict[str, str] = {}
+    for entry in catalog.values():
+        for name in names_of(entry):
+            other = owner.setdefault(name.lower(), entry.name)
+            if other != entry.name:
+                raise LLMSysError(f"{path}: the name {name!r} means both [{other}] and [{entry.name}]; "
+                                  "give each alias to one entry")
+        if entry.shape is not None and entry.shape not in shapes:
+            raise LLMSysError(f"{path} entry [{entry.name}]: shape {entry.shape!r} is not a [synthetic.*] table "
+                              f"(there are: {', '.join(shapes) or 'none'})")
 
 
 def synthetic_configs(path: Path | None = None) -> dict[str, dict]:
@@ -184,42 +226,12 @@ def is_downloaded(entry: CatalogEntry) -> bool:
 
 
 def resolve_model(spec: str) -> Path:
-    """Turn what the user typed into a local path (file or directory).
+    """Turn what the user typed into a local path (file or directory), or a one-line error saying how
+    to get it: :func:`llmsys.engine.names.resolve` decides what the name means (imported here, not at
+    the top: names builds on this module)."""
+    from llmsys.engine import names
 
-    An existing path wins over a catalog name, so a local directory that
-    happens to share a model's name is still loadable. ``ollama:NAME[:TAG]``
-    is a model Ollama has pulled: its GGUF weights blob in the Ollama store
-    (a file named by its digest, with no ``.gguf`` suffix).
-    """
-    path = Path(spec).expanduser()
-    if path.exists():
-        return path
-    if spec.startswith(ollama_store.PREFIX):
-        return ollama_store.resolve(spec).blob
-    catalog = load_catalog()
-    entry = find_entry(spec, catalog)
-    if entry is not None:
-        if is_downloaded(entry):
-            return local_path(entry)
-        raise ModelNotFoundError(
-            f"model {entry.name} is not downloaded yet; run `llmsys pull {entry.name}` "
-            f"(~{format_bytes(entry.size_bytes)} from {entry.repo} into {local_path(entry)})"
-        )
-    ref = hub.RepoRef.parse(spec)
-    if ref is not None:
-        if hub.is_complete(ref.local_path()):
-            return ref.local_path()
-        raise ModelNotFoundError(
-            f"{spec} is not downloaded yet; run `llmsys pull {ref.spec}` "
-            f"(from the Hugging Face Hub into {ref.local_path()})"
-        )
-    folded = {key.lower(): key for key in catalog}
-    close = difflib.get_close_matches(spec.lower(), list(folded), n=1, cutoff=0.6)
-    hint = f"; did you mean {folded[close[0]]}?" if close else ""
-    raise ModelNotFoundError(
-        f"no such file or directory: {spec}, and {spec} is not a model name in "
-        f"models.toml (llmsys models lists them){hint}"
-    )
+    return names.resolve(spec).local()
 
 
 # --------------------------------------------------------------------------
@@ -227,32 +239,29 @@ def resolve_model(spec: str) -> Path:
 # --------------------------------------------------------------------------
 
 
-def download_for(model: str | CatalogEntry) -> hub.Download:
+def download_for(model: str | CatalogEntry, name: str | None = None) -> hub.Download:
     """What pulling ``model`` fetches: a catalog entry's files, or an ``org/repo[@rev]``'s.
 
-    A catalog name wins over a repo id of the same shape (catalog names hold no
-    ``/``, so the two never collide in practice).
+    A string is any name :func:`llmsys.engine.names.resolve` takes (``qwen2.5:0.5b``, a catalog name, a
+    repo id); one with nothing to download (a path, a model in the Ollama store, a shape) is a one-line
+    error. ``name``: what the messages and the rerun hint call it (default: the entry's name).
     """
     if isinstance(model, CatalogEntry):
-        entry: CatalogEntry | None = model
-    else:
-        entry = find_entry(model)
-    if entry is not None:
         return hub.Download(
-            name=entry.name, repo=entry.repo, revision=entry.revision, dest=local_path(entry),
-            files=entry.files, subfolder=entry.subfolder,
+            name=name or model.name, repo=model.repo, revision=model.revision, dest=local_path(model),
+            files=model.files, subfolder=model.subfolder,
         )
-    ref = hub.RepoRef.parse(str(model))
-    if ref is None:
-        raise ModelNotFoundError(
-            f"{model} is neither a model name in models.toml (`llmsys models` lists them) "
-            "nor a Hugging Face repo id like org/name[@revision]"
-        )
-    return hub.Download(name=ref.spec, repo=ref.repo, revision=ref.revision, dest=ref.local_path())
+    from llmsys.engine import names
+
+    found = names.resolve(model)
+    d = found.download()
+    if d is None:
+        raise ModelNotFoundError(f"{model} has nothing to download: it is {found.describe().partition(': ')[2]}")
+    return d
 
 
 def is_pulled(model: str) -> bool:
-    """``model`` (catalog name or repo id) is downloaded completely."""
+    """``model`` (catalog name, alias or repo id) is downloaded completely."""
     d = download_for(model)
     return hub.is_complete(d.dest, d.files)
 
@@ -265,8 +274,8 @@ def pull(
 ) -> Path:
     """Download a catalog model or a Hugging Face repo; return its local directory.
 
-    ``model`` is a catalog name, an ``org/repo[@revision]`` of any repo with a
-    supported architecture, or an explicit :class:`CatalogEntry` (tests and
+    ``model`` is a catalog name or alias, an ``org/repo[@revision]`` of any repo
+    with a supported architecture, or an explicit :class:`CatalogEntry` (tests and
     custom catalogs). A model already complete on disk is not fetched again.
     """
     d = download_for(model)

@@ -318,15 +318,11 @@ def resolve(name: str) -> OllamaModel:
     """
     wanted = parse_name(name)
     store = _require_store()
+    found = lookup(name)
+    if found is not None:
+        return found
     manifest = wanted.manifest_path(store)
-    if manifest.is_file():
-        return _load(store, manifest, wanted)
-    files = _manifest_files(store)
-    folded = str(wanted.manifest_path(Path())).lower()
-    for path in files:
-        if str(path.relative_to(store)).lower() == folded:
-            return _load(store, path, _name_of(store, path))
-    names = [_name_of(store, p).pull_name for p in files]
+    names = stored_names()
     present = ", ".join(names[:_MAX_LISTED]) + (f" and {len(names) - _MAX_LISTED} more" if len(names) > _MAX_LISTED else "")
     near = _near_misses(wanted, names)
     hint = f"did you mean {' or '.join(PREFIX + n for n in near)}? else " if near else ""
@@ -334,6 +330,35 @@ def resolve(name: str) -> OllamaModel:
         f"{wanted.spec} is not in the Ollama store {store} (no manifest {manifest}; models there: {present or 'none'}); "
         f"{hint}fetch it with `ollama pull {wanted.pull_name}`"
     )
+
+
+def lookup(name: str) -> OllamaModel | None:
+    """The store's model called ``name`` (a plain ``NAME[:TAG]`` a user typed, no prefix needed), or None when
+    there is no store, ``name`` is no Ollama name, or the store does not hold it. A model it holds but cannot
+    run (a missing or truncated blob) still raises, naming the fix: the user asked for that model."""
+    try:
+        wanted = parse_name(name)
+    except InvalidParameterError:
+        return None
+    store = store_dir()
+    if not (store / "manifests").is_dir():
+        return None
+    manifest = wanted.manifest_path(store)
+    if manifest.is_file():
+        return _load(store, manifest, wanted)
+    folded = str(wanted.manifest_path(Path())).lower()
+    for path in _manifest_files(store):
+        if str(path.relative_to(store)).lower() == folded:
+            return _load(store, path, _name_of(store, path))
+    return None
+
+
+def stored_names() -> list[str]:
+    """Every ``NAME:TAG`` the store holds (from the manifests' paths alone: nothing is read), for near-miss hints."""
+    store = store_dir()
+    if not (store / "manifests").is_dir():
+        return []
+    return [_name_of(store, p).pull_name for p in _manifest_files(store)]
 
 
 def _near_misses(wanted: OllamaName, names: list[str]) -> list[str]:

@@ -325,10 +325,12 @@ def test_resolve_unknown(home, tmp_path):
     missing = str(tmp_path / "nope")
     with pytest.raises(ModelNotFoundError) as info:
         resolve_model(missing)
-    assert str(info.value).startswith(
-        f"no such file or directory: {missing}, and {missing} is not a model name in "
-        "models.toml (llmsys models lists them)"
-    )
+    assert str(info.value) == f"no such file or directory: {missing}"  # a path: no catalog name was meant
+    (tmp_path / "nape").mkdir()
+    with pytest.raises(ModelNotFoundError, match=r"did you mean nape \(in .*\)\?$"):
+        resolve_model(missing)
+    with pytest.raises(ModelNotFoundError, match=r"^no model named nope: not a file or directory, a models.toml name"):
+        resolve_model("nope")
 
 
 def test_is_downloaded_catches_truncation(home, tiny_files):

@@ -23,17 +23,9 @@ from typing import Any, Mapping, Optional
 
 import typer
 
-from llmsys.engine import ollama_store
-from llmsys.engine.catalog import (
-    CatalogEntry,
-    download_for,
-    find_entry,
-    is_downloaded,
-    load_catalog,
-    local_path,
-    pull,
-)
-from llmsys.engine.hub import RepoRef, is_complete, plan_download, pulled_repos
+from llmsys.engine import hub, names, ollama_store
+from llmsys.engine.catalog import CatalogEntry, is_downloaded, load_catalog, local_path
+from llmsys.engine.hub import is_complete, plan_download, pulled_repos
 from llmsys.kernels.common.paths import llmsys_home
 from llmsys.kernels.common.units import format_bytes
 from llmsys.kernels.common.errors import CheckpointError, LLMSysError, ModelNotFoundError
@@ -189,8 +181,14 @@ def format_table(rows: list[tuple[str, ...]]) -> str:
     return "\n".join(lines)
 
 
-def models_command() -> None:
-    """List the models in the catalog and whether each is downloaded."""
+def models_command(
+    name: Optional[str] = typer.Argument(None, help="say what this one name means (path, catalog name or alias, "
+                                         "NAME:TAG, org/repo) instead of listing"),
+) -> None:
+    """List the models in the catalog and whether each is downloaded (or, given NAME, what it resolves to)."""
+    if name is not None:
+        typer.echo(names.resolve(name).describe())
+        return
     entries = list(load_catalog().values())
     broken: list[LLMSysError] = []
     pulled = ollama_store.list_models(on_error=broken.append)  # [] without a store
@@ -218,42 +216,48 @@ def models_command() -> None:
 
 
 def pull_command(
-    name: str = typer.Argument(..., help="catalog name (llmsys models) or any Hugging Face repo: org/name[@revision]"),
+    name: str = typer.Argument(..., help="catalog name or alias (qwen2.5:0.5b; llmsys models lists them) or any "
+                               "Hugging Face repo: org/name[@revision]"),
     endpoint: Optional[str] = typer.Option(
         None, "--endpoint", help="Hub URL (default: $HF_ENDPOINT or https://huggingface.co)."
     ),
 ) -> None:
     """Download a catalog model, or any Hugging Face repo llmsys can run, into $LLMSYS_HOME/models."""
-    d = download_for(name)
+    found = names.resolve(name)
+    d = found.download()
+    if d is None:  # a path, a model in the Ollama store: already here; a shape: nothing to fetch
+        if found.kind is names.NameKind.SHAPE:
+            found.local()  # raises: what a shape is and which model has it
+        typer.echo(f"nothing to pull: {found.describe()}")
+        return
     if is_complete(d.dest, d.files):
         typer.echo(f"{d.name} is already downloaded: {d.dest}")
         return
-    entry = find_entry(name)
-    if entry is not None:
+    if found.entry is not None:
+        entry = found.entry
         typer.echo(
             f"pulling {entry.name} ({entry.params} params, ~{format_bytes(entry.size_bytes)}, "
             f"licence {entry.licence}) from {entry.repo}",
             err=True,
         )
-    path = pull(name, endpoint=endpoint)
+    path = hub.download(d, endpoint=endpoint)
     typer.echo(f"{d.name} downloaded to {path}")
 
 
-def ensure_pulled(model: str, allowed: bool, endpoint: str | None = None) -> None:
-    """Pull ``model`` first when it names a catalog model or a Hub repo not yet downloaded.
+def ensure_pulled(model: str, allowed: bool, endpoint: str | None = None) -> names.ModelName:
+    """Resolve ``model`` (:func:`llmsys.engine.names.resolve`) and pull it first when it is a catalog model
+    or a Hub repo not yet downloaded; return what it resolved to.
 
     Why here and not in the loader: asking before a multi-GB download is the
     CLI's job (a confirmation on a TTY, none in a pipe, ``--no-pull`` to
-    refuse); ``LLM(...)`` itself never touches the network.
+    refuse); ``LLM(...)`` itself never touches the network. A name that means
+    nothing fails here, in one line with its near misses, before anything loads.
     """
-    if Path(model).expanduser().exists() or model.startswith(ollama_store.PREFIX):
-        return
-    entry = find_entry(model)
-    if entry is None and RepoRef.parse(model) is None:
-        return  # not a downloadable name: resolve_model says what it is
-    d = download_for(model)
-    if is_complete(d.dest, d.files):
-        return
+    found = names.resolve(model)
+    if not found.needs_pull:
+        return found
+    d = found.download()
+    assert d is not None
     if not allowed:
         raise ModelNotFoundError(
             f"{d.name} is not downloaded and --no-pull was given; run `llmsys pull {d.name}` first"
@@ -265,4 +269,5 @@ def ensure_pulled(model: str, allowed: bool, endpoint: str | None = None) -> Non
             raise ModelNotFoundError(f"{d.name} is not downloaded; run `llmsys pull {d.name}` when you want it")
     else:
         typer.echo(f"{d.name} is not downloaded: pulling it from {d.repo} (--no-pull refuses)", err=True)
-    pull(model, endpoint=endpoint)
+    hub.download(d, endpoint=endpoint)
+    return names.resolve(model)
