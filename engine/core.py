@@ -22,6 +22,7 @@ import torch
 
 from llmsys.engine.config import EngineConfig
 from llmsys.engine.detokenizer import IncrementalDetokenizer, StopChecker
+from llmsys.engine.embedding import Pooler, Pooling
 from llmsys.kernels.common.errors import ContextOverflowError, InvalidParameterError, KVReadError
 from llmsys.engine.attention import make_backend
 from llmsys.engine.kv_cache import BlockAllocator, KVCacheSpec, make_kv_pool
@@ -66,6 +67,7 @@ class TextState:
     start_time: float | None = None
     logprobs: list = field(default_factory=list)
     constraint: TokenConstraint | None = None  # None: every token allowed
+    pooler: Pooler | None = None  # an embedding request (llmsys.engine.embedding): it pools, samples nothing
 
 
 @dataclass(frozen=True)
@@ -210,13 +212,17 @@ class EngineCore:
     # -- requests ------------------------------------------------------------
     def add_request(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None, constraint: TokenConstraint | None = None,
-        sample_index: int = 0,
+        sample_index: int = 0, pooling: Pooling | None = None,
     ) -> str:
         """Queue one completion; ``sample_index`` (0..params.n-1) says which of the prompt's ``n``.
 
         The front end adds all ``n`` (each gets its own id, KV and chunks); the
         index only chooses the generator, derived from the seed by
         :func:`make_generator`, the one place the derivation lives.
+
+        With ``pooling`` it is an embedding request instead: the prompt is prefilled like any other
+        (batched, chunked, under the full KV policy) and its final chunk carries the pooled vector
+        (``StreamChunk.embedding``); it samples nothing and its KV is freed at once.
         """
         if not 0 <= sample_index < params.n:
             raise InvalidParameterError(f"sample_index {sample_index} is outside 0..{params.n - 1} (n={params.n})")
@@ -230,7 +236,13 @@ class EngineCore:
         if bad is not None:
             raise InvalidParameterError(f"prediction token id {bad} is outside the vocabulary (0..{vocab - 1})")
         policy = self.kv_policy.resolve(params.kv_policy)  # the request's, else the engine's
-        if len(prompt_ids) >= self.max_len and not policy.allows_long_prompts:
+        if pooling is not None and policy.evicts:  # an embedding sees every token of its input
+            policy = self.kv_policy.resolve("full")
+        if pooling is not None:
+            pooling.check()
+            if len(prompt_ids) > self.max_len:  # nothing is generated: the whole context may be prompt
+                raise ContextOverflowError(len(prompt_ids), self.max_len)
+        elif len(prompt_ids) >= self.max_len and not policy.allows_long_prompts:
             raise ContextOverflowError(len(prompt_ids), self.max_len)
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.requests:
@@ -243,10 +255,12 @@ class EngineCore:
         ids = list(prompt_ids)
         state = TextState(
             IncrementalDetokenizer(self.tokenizer, ids), StopChecker(params.stop) if params.stop else None,
-            constraint=constraint,
+            constraint=constraint, pooler=Pooler(pooling, len(ids)) if pooling is not None else None,
         )
         seq = Sequence(rid, ids, params, limit, generator=make_generator(params.seed, self.loaded.device, sample_index),
                        state=state, kv=self.kv_policy.new_state(policy))
+        if pooling is not None:
+            seq.prefix_reuse = state.pooler.reuses_prefix
         self.requests[rid] = seq
         self.scheduler.add(seq)
         return rid
@@ -268,7 +282,9 @@ class EngineCore:
         """Run one scheduled step (KV copies, the model, logits of the sampling rows) and record
         what it computed in the scheduler. The one way a step runs: :meth:`step` and the
         benchmarks call it; sampling and text are the caller's."""
-        result = self.runner.execute(sched)
+        pooled = {s.request_id for s in sched.scheduled
+                  if (q := self.requests.get(s.request_id)) is not None and q.state.pooler is not None}
+        result = self.runner.execute(sched, pooled)
         self.scheduler.update_from_output(sched, result)  # before sampling: a request that stops now frees its blocks
         return result
 
@@ -291,7 +307,8 @@ class EngineCore:
         reqs = []
         for s in running:
             p = s.params
-            if s.num_computed != s.num_tokens - 1 or s.state.constraint is not None or p.spec_tokens == 0:
+            if (s.num_computed != s.num_tokens - 1 or s.state.constraint is not None or p.spec_tokens == 0
+                    or s.state.pooler is not None):
                 continue
             if self.proposer is None and not p.prediction:
                 continue
@@ -362,6 +379,8 @@ class EngineCore:
         if self.swap is not None and sched.num_tokens > len(sched.scheduled):
             # A step with prefill chunks: what recomputing a token costs here (swap vs recompute).
             self.swap.observe_prefill(time.perf_counter() - now, sched.num_tokens)
+        if result.hidden:
+            chunks.extend(self._pool(sched, result))
         if not result.sample_ids:
             return chunks
         seqs = [self.requests[rid] for rid in result.sample_ids]
@@ -430,6 +449,28 @@ class EngineCore:
             if news:
                 chunks.append(_merge(news))
         return chunks
+
+    def _pool(self, sched: SchedulerOutput, result: StepResult) -> list[StreamChunk]:
+        """Embedding requests: each fed chunk's hidden states go into its pooler; a request whose whole
+        prompt is in ends here, its vector on its final chunk (finish_reason "stop")."""
+        now = time.perf_counter()
+        out = []
+        for s in sched.scheduled:
+            rows = result.hidden.get(s.request_id)
+            if rows is None:
+                continue
+            seq = self.requests[s.request_id]
+            pooler = seq.state.pooler
+            pooler.add(s.start, rows)
+            if s.start + s.num_new_tokens < seq.num_tokens:
+                continue
+            self.scheduler.finish(seq, "stop")
+            seq.first_token_time = seq.finish_time = now
+            self.requests.pop(seq.request_id, None)
+            chunk = self._final_chunk(seq, "", [])
+            chunk.embedding = pooler.result()
+            out.append(chunk)
+        return out
 
     def _spec_cap(self, p: SamplingParams) -> int:
         """Drafts per step at most for a request: its ``spec_tokens``, else ``--spec-tokens``, else for a

@@ -13,6 +13,7 @@ import gc
 import os
 import sys
 import weakref
+from dataclasses import replace
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -20,7 +21,8 @@ import torch
 from llmsys.engine.builder import Placement, place, prepare, resolve, size_kv_pool
 from llmsys.engine.config import EngineConfig
 from llmsys.engine.core import EngineCore, MemoryReport
-from llmsys.kernels.common.errors import InvalidParameterError
+from llmsys.engine.embedding import EmbeddingOutput, Pooling, fit_context, read_pooling
+from llmsys.kernels.common.errors import InvalidParameterError, LLMSysError
 from llmsys.kernels.common.memory import release_free_heap
 from llmsys.engine.loader.common import materialize_checkpoint, open_checkpoint
 from llmsys.engine.loader.detect import ModelFormat, detect_model
@@ -92,6 +94,8 @@ class LLM:
             config = config.with_(kv_cache_tokens=placement.kv_cache_tokens)
         self.config = config
         self.tokenizer = Tokenizer.load(self.loaded.tokenizer_path, gguf_header=src.gguf_header)
+        # How an embedding pools the final hidden states, as the model's files say (llmsys.engine.embedding).
+        self.pooling: Pooling = read_pooling(self.loaded.path, src.gguf_header.fields if src.gguf_header else None)
         spec, max_len = size_kv_pool(self.loaded, config)
         # The draft model of speculative decoding: an engine of its own, resident (None: no draft model).
         self.draft: LLM | None = self._draft(config, spec, max_len)
@@ -248,6 +252,47 @@ class LLM:
 
     def chat_prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
         return self.tokenizer.encode_chat(messages)
+
+    # -- embeddings ----------------------------------------------------------
+    def embed(self, inputs: Prompt | Sequence[Prompt], truncate: bool = False,
+              normalize: bool | None = None) -> list[EmbeddingOutput]:
+        """One embedding per input (a text or token ids), in input order, all batched through the engine.
+
+        Each input is prefilled without the LM head and its final hidden states pooled as the model says
+        (:attr:`pooling`: last token for Qwen3-Embedding-style models, mean otherwise). ``normalize``: L2
+        unit vectors (None: as the model says). An input longer than the context is refused (one
+        line naming both lengths) unless ``truncate``, which keeps its first tokens.
+        """
+        single = isinstance(inputs, str) or (isinstance(inputs, list) and inputs and isinstance(inputs[0], int))
+        items: list[Prompt] = [inputs] if single else list(inputs)  # type: ignore[list-item]
+        if not items:
+            raise InvalidParameterError("embed() needs at least one input")
+        pooling = self.pooling if normalize is None else replace(self.pooling, normalize=normalize)
+        pooling.check()
+        encoded = [self.encode(x) for x in items]
+        fitted = [fit_context(ids, self.max_model_len, truncate) for ids in encoded]
+        ids: list[str] = []
+        done: dict[str, StreamChunk] = {}
+        try:
+            for toks in fitted:
+                ids.append(self.core.add_request(toks, SamplingParams(max_tokens=1), pooling=pooling))
+            while len(done) < len(ids):
+                for ch in self.core.step():
+                    if ch.finished:
+                        done[ch.request_id] = ch
+        except BaseException:
+            for rid in ids:
+                if rid not in done:
+                    self.core.abort(rid)
+            self.core.step()
+            raise
+        outs = []
+        for rid, toks, full in zip(ids, fitted, encoded):
+            ch = done[rid]
+            if ch.embedding is None:
+                raise LLMSysError(f"embedding input {len(outs)} failed: {ch.error or ch.finish_reason}")
+            outs.append(EmbeddingOutput(ch.embedding, len(toks), truncated=len(toks) < len(full)))
+        return outs
 
 
 def _report_cpu_kernels() -> None:

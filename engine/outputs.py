@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from llmsys.engine.sampling import TokenLogprobs
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -66,6 +70,8 @@ class StreamChunk:
     # With finish_reason "error": "constraint_failed" when the request's output constraint reached a dead end
     # (the request's own format: not worth a retry), else "request_failed" (engine.core)
     error_code: str | None = None
+    # An embedding request's final chunk (llmsys.engine.embedding): the pooled vector [hidden] float32
+    embedding: torch.Tensor | None = None
 
     @property
     def finished(self) -> bool:

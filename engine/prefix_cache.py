@@ -41,7 +41,7 @@ def match_prefix(seq: Sequence, allocator: BlockAllocator, block_size: int, ring
     Leaves at least one token to compute. The caller releases the blocks
     (``allocator.free(seq.block_table)``, and its ring's) if it cannot schedule the sequence.
     """
-    if seq.kv is not None or seq.num_computed or seq.block_table:
+    if seq.kv is not None or not seq.prefix_reuse or seq.num_computed or seq.block_table:
         return 0
     usable = (seq.num_tokens - 1) // block_size
     if usable == 0:

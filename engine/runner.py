@@ -12,8 +12,8 @@ perplexity) goes through it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Container
 
 import torch
 
@@ -37,6 +37,8 @@ class StepBatch:
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
     logits_index: torch.Tensor | None  # [S] packed rows whose logits are returned; None: every row
+    # Embedding requests: request id -> (first, end) packed rows whose final hidden states are returned
+    pool_rows: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -59,9 +61,10 @@ class ModelRunner:
         # The CPU decode kernels, decided once here for the engine's life (engine/models/decode_plan.py).
         self.decode_plan = build_decode_plan(model, attn, layers)
 
-    def prepare(self, sched: SchedulerOutput) -> tuple[StepBatch, list[str], list[int] | None]:
+    def prepare(self, sched: SchedulerOutput, pooled: Container[str] = ()) -> tuple[StepBatch, list[str], list[int] | None]:
         """The step's tensors, the request ids of the sequences that sample (in order) and, when the
-        step verifies drafts, each one's number of logits rows (None: one row each).
+        step verifies drafts, each one's number of logits rows (None: one row each). The sequences of
+        ``pooled`` (embedding requests) sample nothing: the step returns their rows' hidden states.
 
         A sequence's verification (its known token then ``num_draft`` drafts, speculative
         decoding) is laid out as that many decode rows of one token each, row ``j`` seeing the
@@ -80,6 +83,7 @@ class ModelRunner:
         sample_ids: list[str] = []
         sample_rows: list[int] = []
         prompt: list[bool] = []  # the step feeds sequence b prompt tokens
+        pool_rows: dict[str, tuple[int, int]] = {}
         for s in sched.scheduled:
             n, base = s.num_new_tokens, s.position  # positions = cache indices
             ids.extend(s.token_ids)
@@ -98,7 +102,9 @@ class ModelRunner:
                 prompt.append(s.is_prompt)
                 tables.append(s.block_table)
                 rings.append(s.ring_table)
-            if s.samples:
+            if s.request_id in pooled:
+                pool_rows[s.request_id] = (len(ids) - n, len(ids))
+            elif s.samples:
                 rows = 1 + s.num_draft
                 sample_index.extend(range(len(ids) - rows, len(ids)))
                 sample_ids.append(s.request_id)
@@ -122,26 +128,34 @@ class ModelRunner:
             positions=torch.as_tensor(pos, dtype=torch.int64, device=self.device),
             meta=meta,
             logits_index=torch.as_tensor(sample_index, dtype=torch.int64, device=self.device),
+            pool_rows=pool_rows,
         )
         return batch, sample_ids, sample_rows if len(sample_rows) != len(sample_index) else None
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> torch.Tensor:
         """The model over the pool: logits ``[S, V]`` (float32) of ``batch.logits_index``'s rows."""
+        return self.forward_pooled(batch)[0]
+
+    @torch.inference_mode()
+    def forward_pooled(self, batch: StepBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """:meth:`forward`'s logits, and the final norm's rows of ``batch.pool_rows`` (embedding requests)."""
         try:
             hidden = self.model(batch.input_ids, batch.positions, self.attn, batch.meta, self.layers)  # [T, hidden]
         finally:
             if batch.meta.cold is not None:
                 self.tier.end_step()
+        pooled = {rid: hidden[a:b] for rid, (a, b) in batch.pool_rows.items()}
         if batch.logits_index is not None:
             if not batch.logits_index.numel():
-                return hidden.new_empty((0, self.model.args.vocab_size), dtype=torch.float32)
+                return hidden.new_empty((0, self.model.args.vocab_size), dtype=torch.float32), pooled
             hidden = hidden.index_select(0, batch.logits_index)  # [S, hidden]
-        return self.model.compute_logits(hidden).float()
+        return self.model.compute_logits(hidden).float(), pooled
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> StepResult:
-        """Copy the step's KV blocks, then run it; no sequence changes here."""
+    def execute(self, sched: SchedulerOutput, pooled: Container[str] = ()) -> StepResult:
+        """Copy the step's KV blocks, then run it; no sequence changes here. ``pooled``: the request ids of
+        embedding requests (their hidden states come back instead of logits)."""
         # Outs first: a block freed by a swap-out or a demotion may be the target of a swap-in this step.
         if sched.swap_out:
             self.swap.copy_out(sched.swap_out)
@@ -150,5 +164,6 @@ class ModelRunner:
             self.attn.on_demote(sched.demote)
         if sched.swap_in:
             self.swap.copy_in(sched.swap_in)
-        batch, sample_ids, sample_rows = self.prepare(sched)
-        return StepResult(self.forward(batch), sample_ids, batch.meta, sample_rows)
+        batch, sample_ids, sample_rows = self.prepare(sched, pooled)
+        logits, hidden = self.forward_pooled(batch)
+        return StepResult(logits, sample_ids, batch.meta, sample_rows, hidden)

@@ -96,6 +96,9 @@ class StepResult:
     meta: AttentionMetadata | None = None  # the step's attention metadata (a KV policy reads the scores its attention recorded)
     # Logits rows of each sampling sequence (1 + its drafts), in sample_ids order; None: one row each.
     sample_rows: list[int] | None = None
+    # Embedding requests (llmsys.engine.embedding): request id -> the final norm's rows [n, hidden] (float32)
+    # of the tokens the step fed it; they sample nothing.
+    hidden: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def _scheduled(seq: Sequence, n: int, draft: list[int], ring: RingTables | None) -> ScheduledSeq:

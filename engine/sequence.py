@@ -61,6 +61,9 @@ class Sequence:
     num_drafted: int = 0
     num_draft_accepted: int = 0
     spec_k: int | None = None  # drafts to ask for next (EngineCore adapts it; None: --spec-tokens)
+    # False: its prompt never starts from cached prefix blocks (an embedding that pools every prompt row
+    # must compute each one: llmsys.engine.embedding).
+    prefix_reuse: bool = True
 
     @property
     def tokens(self) -> list[int]:
