@@ -30,29 +30,30 @@ if TYPE_CHECKING:
 
 def _config_for(model: str) -> tuple[dict[str, Any], str, ModelSource | None]:
     """``(config, where it came from, the GGUF's ModelSource or None)``: a GGUF's header is parsed once,
-    here, and its tensor index is built from the same parse."""
+    here, and its tensor index is built from the same parse. MODEL is any name ``llmsys.engine.names``
+    takes, or a config.json; a catalog model not downloaded yet plans from its models.toml shape, so a
+    plan needs no weights."""
     p = Path(model).expanduser()
-    if model.startswith("ollama:") or (p.is_file() and p.suffix != ".json"):
-        from llmsys.engine.catalog import resolve_model
-        from llmsys.engine.loader import gguf_io
-        from llmsys.engine.loader.detect import ModelFormat, detect_model
-
-        src = detect_model(resolve_model(model) if model.startswith("ollama:") else p)
-        if src.format is ModelFormat.GGUF:
-            return gguf_io.hf_config(src.path, src.gguf_header), str(src.path), src
-    if p.is_dir() and (p / "config.json").exists():
-        return json.loads((p / "config.json").read_text()), str(p), None
     if p.is_file() and p.suffix == ".json":
         return json.loads(p.read_text()), str(p), None
-    from llmsys.engine.catalog import resolve_model, synthetic_configs
+    from llmsys.engine import names
+    from llmsys.engine.catalog import synthetic_configs
+    from llmsys.engine.loader import gguf_io
+    from llmsys.engine.loader.detect import ModelFormat
 
-    synth = {k.lower(): v for k, v in synthetic_configs().items()}
-    if model.lower() in synth:
-        return dict(synth[model.lower()]), f"synthetic:{model}", None
-    path = resolve_model(model)
-    if not (path / "config.json").exists():
-        raise CheckpointError(f"{path}: no config.json; `llmsys plan` needs a Hugging Face model directory or a GGUF file")
-    return json.loads((path / "config.json").read_text()), str(path), None
+    found = names.resolve(model)
+    if found.kind is names.NameKind.SHAPE:
+        return dict(synthetic_configs()[found.shape]), f"synthetic:{found.shape}", None
+    if found.needs_pull and found.shape is not None:
+        return (dict(synthetic_configs()[found.shape]),
+                f"{found.name} (not downloaded: its shape, models.toml [synthetic.{found.shape}])", None)
+    src = found.source()  # not downloaded and no shape: the one-line `llmsys pull` hint
+    if src.format is ModelFormat.GGUF:
+        return gguf_io.hf_config(src.path, src.gguf_header), str(src.path), src
+    if src.format is ModelFormat.LLAMA2C:
+        raise CheckpointError(f"{src.path}: a llama2.c checkpoint; `llmsys plan` needs a Hugging Face model directory, "
+                              "a GGUF file or a catalog name")
+    return json.loads((src.path / "config.json").read_text()), str(src.path), None
 
 
 def meta_model(cfg: dict[str, Any], source: str = "config.json"):
