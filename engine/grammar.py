@@ -74,6 +74,10 @@ class GrammarSpec:
 
     kind: GrammarKind
     source: str
+    # Free text beside the documents (:class:`GrammarOrText`; tool calls in a format without markers):
+    # "never" (the output is a document), "or" (a document or free text that does not begin like one,
+    # as the first token decides), "only" (free text that does not begin like a document).
+    free_text: Literal["never", "or", "only"] = "never"
 
     @staticmethod
     def json(schema: dict[str, Any] | None = None) -> GrammarSpec:
@@ -154,11 +158,42 @@ class GrammarVocab:
             if len(b) == 1 and b[0] in _CLOSERS and b[0] not in single and not self.lltok.is_special_token(tid):
                 single[b[0]] = tid
         self.closers = [single[c] for c in _CLOSERS if c in single]  # token ids in closing order
+        self._free_starts: dict[bytes, torch.Tensor] = {}  # free_start()'s masks, by the excluded first bytes
 
     def special_token(self, text: str) -> int | None:
         """The id of ``text`` when the vocabulary has it as one special token (grammar syntax ``<[id]>``)."""
         ids = self.lltok.tokenize_str(text, parse_special=True)
         return ids[0] if len(ids) == 1 and self.lltok.is_special_token(ids[0]) else None
+
+    def free_start(self, excluded: bytes) -> torch.Tensor:
+        """[vocab_size] bool: the tokens that can begin free text which is not a document of a grammar
+        whose documents begin with one of ``excluded``'s bytes: not special, not blank, and the first
+        non-blank byte none of ``excluded`` (a blank token first would let a document begin unchecked
+        right after it). Computed once per ``excluded`` (one pass over the vocabulary)."""
+        with self._lock:
+            got = self._free_starts.get(excluded)
+            if got is not None:
+                return got
+            free = [False] * self.vocab_size
+            for tid in range(min(self.lltok.vocab_size, self.vocab_size)):
+                if tid in self.eos or self.lltok.is_special_token(tid):
+                    continue
+                head = self.lltok.decode_bytes([tid]).lstrip(b" \t\r\n")
+                free[tid] = bool(head) and head[0] not in excluded
+            out = torch.tensor(free, dtype=torch.bool)
+            self._free_starts[excluded] = out
+            return out
+
+    def first_bytes(self, mask: torch.Tensor) -> bytes:
+        """The first non-blank bytes of the tokens ``mask`` allows (what a document can begin with)."""
+        out = set()
+        for tid in torch.nonzero(mask[:self.lltok.vocab_size]).flatten().tolist():
+            if tid in self.eos or self.lltok.is_special_token(tid):
+                continue
+            head = self.lltok.decode_bytes([tid]).lstrip(b" \t\r\n")
+            if head:
+                out.add(head[0])
+        return bytes(sorted(out))
 
     def matcher(self, spec: GrammarSpec) -> Any:
         """A fresh llguidance matcher for ``spec``; a grammar it rejects is a one-line
@@ -397,6 +432,57 @@ class GrammarConstraint:
             raise ValueError("the output ended before it was complete under the grammar")
         if not self.m.consume_token(token_id):
             raise ValueError(f"token {token_id} does not fit the grammar: {_first_line(self.m.get_error())}")
+
+
+class GrammarOrText:
+    """Either a document of the grammar or free text, decided by the first token (the engine's
+    ``TokenConstraint``): a tool call in a format without marker tokens, under ``tool_choice: auto``;
+    with ``spec.free_text == "only"``, the free text alone (``tool_choice: none``).
+
+    The first token is one the grammar allows, or one that cannot begin a document (its first
+    non-blank byte is none that the grammar's documents begin with, :meth:`GrammarVocab.free_start`),
+    so an output that opens like a document must be one. After a free first token nothing is
+    constrained: a plain answer ends where the model ends it, not where the grammar's budget would.
+    A grammar whose shortest document does not fit the budget leaves only the free text; a grammar
+    that cannot be used at all is the request's error (:class:`InvalidParameterError`)."""
+
+    def __init__(self, vocab: GrammarVocab, spec: GrammarSpec, budget: int):
+        self.vocab = vocab
+        self.inner: GrammarConstraint | None = None
+        try:
+            if spec.free_text != "only":
+                self.inner = GrammarConstraint(vocab, spec, budget)
+        except InvalidParameterError:
+            pass  # the budget, not the grammar, if a fresh matcher accepts it (else the next line raises)
+        opens = self.inner.allowed(vocab.vocab_size) if self.inner is not None else vocab.mask(vocab.matcher(spec))
+        self._opens = opens  # [vocab.vocab_size] bool: the first tokens of a document
+        free = vocab.free_start(vocab.first_bytes(opens))
+        self._first = free | opens if self.inner is not None else free  # [vocab.vocab_size] bool
+        self.mode: Literal["first", "grammar", "free"] = "first"
+
+    def prefetch(self) -> None:
+        if self.mode == "grammar" and self.inner is not None:
+            self.inner.prefetch()
+
+    def allowed(self, vocab_size: int) -> torch.Tensor:
+        if self.mode == "grammar" and self.inner is not None:
+            return self.inner.allowed(vocab_size)
+        if self.mode == "free":
+            return torch.ones(vocab_size, dtype=torch.bool)
+        out = torch.zeros(vocab_size, dtype=torch.bool)
+        n = min(vocab_size, self._first.shape[0])
+        out[:n] = self._first[:n]
+        return out
+
+    def advance(self, token_id: int) -> None:
+        if self.mode == "first":
+            opens = self.inner is not None and token_id < self._opens.shape[0] and bool(self._opens[token_id])
+            self.mode = "grammar" if opens else "free"
+            if not opens:
+                self.inner = None
+                return
+        if self.mode == "grammar" and self.inner is not None:
+            self.inner.advance(token_id)
 
 
 def _dead_end(m: Any) -> bool:

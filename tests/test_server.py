@@ -565,10 +565,11 @@ def test_kv_policy_is_in_the_openapi_schema(env):
         assert "sink:S,window:N" in field["description"]
 
 
-def test_tools_on_a_template_without_a_call_format_are_400(env):
-    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-    with pytest.raises(openai.BadRequestError) as e:
-        _client(env["a"]).chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}],
-                                                  tools=[tool], max_tokens=2)
-    assert e.value.body["code"] == "invalid_tools" and e.value.body["param"] == "tools"
-    assert "no tool-call format" in e.value.body["message"]
+def test_tools_on_a_template_without_a_call_format_use_the_generic_one(env):
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"]}}}
+    r = _client(env["a"]).chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}],
+                                                  tools=[tool], tool_choice="required", max_tokens=40)
+    (call,) = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "f"
+    assert set(json.loads(call.function.arguments)) == {"n"} and 0 <= json.loads(call.function.arguments)["n"] <= 9

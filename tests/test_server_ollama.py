@@ -250,7 +250,7 @@ def test_tags_show_ps_version(env):
     s = c.show("stories-chat")
     assert s.template == env["ref"].tokenizer.chat_template and "num_ctx" in s.parameters
     assert s.modelinfo["llama.context_length"] == 512 and s.modelinfo["general.parameter_count"] == 260032
-    assert s.capabilities == ["completion"] and s.details.family == "llama"
+    assert s.capabilities == ["completion", "tools"] and s.details.family == "llama"  # tools: the generic format
     (p,) = c.ps().models
     assert p.model == "stories-chat:latest" and p.size_vram == 0 and p.size >= m.size
     assert p.expires_at.year > 2100 and p.context_length == 512

@@ -58,7 +58,7 @@ from llmsys.engine.server.protocol import (
     unsupported_field,
     validation_message,
 )
-from llmsys.engine.server.tools import ToolChoiceError, ToolPlan, plan_tools, template_messages
+from llmsys.engine.server.tools import ToolChoiceError, ToolPlan, chat_messages, plan_tools, template_messages
 from llmsys.engine.server.state import ServerState
 
 log = logging.getLogger("llmsys.server")
@@ -446,14 +446,16 @@ def create_app(state: ServerState) -> ServerAPI:
             raise APIError(400, "tool_choice asks for a tool call but the request has no tools", param="tool_choice",
                            code="invalid_tools")
         spec = response_grammar(req)
-        if plan is not None and plan.grammar is not None:
+        if plan is not None and plan.grammar is not None and (spec is None or plan.grammar.free_text == "never"):
             if spec is not None:
                 raise APIError(400, "response_format and a required or named tool_choice both decide the output's "
                                     "form; send one of them", param="response_format", code="conflicting_parameters")
             spec = plan.grammar
-        messages = template_messages(req.messages)
         template_tools = [{"type": "function", "function": {k: v for k, v in t.items() if v is not None}}
                           for t in tools] or None
+        messages, template_tools = await state.off_loop(chat_messages, state.llm.tokenizer,  # tools in the template
+                                                        template_messages(req.messages), template_tools,
+                                                        req.parallel_tool_calls)  # or in the generic format
         ids = await state.off_loop(prep.chat_ids, messages, "messages", policy, template_tools)
         predicted = None
         if req.prediction is not None:  # tokenized on the preparation thread, as the prompt
@@ -463,7 +465,9 @@ def create_app(state: ServerState) -> ServerAPI:
             top = req.top_logprobs or 0
         max_tokens = req.max_completion_tokens or req.max_tokens
         params = sampling(req, max_tokens, top, policy, predicted)
-        field = "tool_choice" if plan is not None and plan.grammar is not None else "response_format"
+        field = "response_format"
+        if plan is not None and spec is not None and spec is plan.grammar:
+            field = "tool_choice" if spec.free_text == "never" else "tools"
         cons = await constraints([ids], params, spec, field)
         return await run(request, req, True, [ids], params, top, cons, plan if plan and plan.fmt else None)
 

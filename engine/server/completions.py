@@ -31,7 +31,7 @@ from llmsys.engine.server.worker import Interrupted, QueueFullError, ServiceUnav
 from llmsys.kernels.common.errors import InvalidParameterError
 
 if TYPE_CHECKING:
-    from llmsys.engine.grammar import GrammarConstraint, GrammarSpec
+    from llmsys.engine.grammar import GrammarConstraint, GrammarOrText, GrammarSpec
 
 log = logging.getLogger("llmsys.server")
 LIVENESS_POLL_S = 0.5  # how often a waiting handler checks that its client and the engine thread are there
@@ -42,15 +42,18 @@ def new_id(prefix: str) -> str:
 
 
 def grammar_constraints(state: ServerState, prompts: list[list[int]], params: SamplingParams,
-                        spec: GrammarSpec | None, field: str = "response_format") -> list[GrammarConstraint] | None:
+                        spec: GrammarSpec | None, field: str = "response_format"
+                        ) -> list[GrammarConstraint | GrammarOrText] | None:
     """One constraint per completion (prompt-major, as :class:`Job` numbers them), each with
     the token budget it must close its document in: ``max_tokens``, else the context room.
     CPU work (compiling the grammar): run it on the preparation thread. A grammar llguidance
-    rejects, or a budget below the format's shortest output, is a 400 naming the field."""
+    rejects, or a budget below the format's shortest output, is a 400 naming the field (a grammar
+    beside free text, ``spec.free_text``, only the first: the budget leaves the free text)."""
     if spec is None:
         return None
-    from llmsys.engine.grammar import GrammarConstraint
+    from llmsys.engine.grammar import GrammarConstraint, GrammarOrText
 
+    make = GrammarConstraint if spec.free_text == "never" else GrammarOrText  # beside a plain answer
     vocab = state.grammar_vocab()
     max_len = state.llm.max_model_len
     evicts = state.llm.core.kv_policy.resolve(params.kv_policy).evicts
@@ -60,7 +63,7 @@ def grammar_constraints(state: ServerState, prompts: list[list[int]], params: Sa
         budget = min(room, params.max_tokens) if params.max_tokens is not None else room
         for _ in range(params.n):
             try:
-                out.append(GrammarConstraint(vocab, spec, budget))
+                out.append(make(vocab, spec, budget))
             except InvalidParameterError as e:
                 why = str(e)
                 if params.max_tokens is None or room < params.max_tokens:

@@ -34,7 +34,7 @@ from llmsys.engine.outputs import StreamChunk, Timings
 from llmsys.engine.sampling import MAX_LOGPROBS, SamplingParams
 from llmsys.engine.grammar import GrammarSpec
 from llmsys.engine.server.completions import BoundedStream, Job, ending_error, grammar_constraints, new_id
-from llmsys.engine.server.tools import ToolCall, ToolChoiceError, ToolPlan, ToolStream, detect_format, plan_tools
+from llmsys.engine.server.tools import ToolCall, ToolChoiceError, ToolPlan, ToolStream, chat_messages, plan_tools
 from llmsys.engine.server.prepare import Preparer
 from llmsys.engine.server.protocol import (
     MAX_MESSAGES,
@@ -592,6 +592,7 @@ class _Ollama:
                 d["name"] = m.tool_name
             messages.append(d)
         tools = [t.model_dump(exclude_none=True) for t in req.tools or []] or None
+        messages, tools = chat_messages(self.state.llm.tokenizer, messages, tools, True)  # or the generic format
         return self.prep.chat_ids(messages, "messages", None, tools)
 
     def generate_ids(self, req: OllamaGenerateRequest) -> list[int]:
@@ -677,7 +678,10 @@ class _Ollama:
         spec = _format_grammar(req.format)
         if spec is not None and params.min_tokens:
             raise _unsupported("format", "min_tokens cannot be combined with a format")
-        cons = await self.state.off_loop(grammar_constraints, self.state, [ids], params, spec, "format")
+        field = "format"
+        if spec is None and plan is not None and plan.grammar is not None:  # a call in the generic format
+            spec, field = plan.grammar, "tools"
+        cons = await self.state.off_loop(grammar_constraints, self.state, [ids], params, spec, field)
         job = Job(self.state, new_id("ollama"), [ids], params, cons)
         if req.stream is not False:
             if not await job.start(request.is_disconnected):  # headers wait for the first news
@@ -863,9 +867,8 @@ def add_ollama_routes(app: FastAPI, state: ServerState, prep: Preparer | None = 
             "template": template,
             "details": facts["details"],
             "model_info": info,
-            # Ollama's capability names: "tools" when the chat template has a call format llmsys parses
-            "capabilities": ["completion"] + (["tools"] if detect_format(tok.chat_template_source(tools=True))
-                                              else []),
+            # Ollama's capability names: "tools" with any chat template (its own call format or the generic one)
+            "capabilities": ["completion"] + (["tools"] if tok.chat_template_source(tools=True) else []),
             "modified_at": facts["modified_at"],
         }
 

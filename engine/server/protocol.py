@@ -56,7 +56,7 @@ SEMANTIC_CODES = (
     "invalid_kv_policy",  # a well-formed kv_policy this engine cannot run (its pool, its block size)
     "invalid_prompt",  # text that encodes to no tokens, or token ids outside the vocabulary
     "invalid_grammar",  # a response_format / tool schema the grammar engine cannot use, or too long for max_tokens
-    "invalid_tools",  # tools this model's chat template has no call format for, or a tool_choice naming none of them
+    "invalid_tools",  # a tool_choice naming none of the tools, or asking for a call with no tools
     "invalid_logit_bias",  # a logit_bias token id outside this model's vocabulary
     "unsupported_parameter",  # an OpenAI field this server does not implement, set to a value that needs it
 )

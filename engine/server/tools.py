@@ -7,6 +7,13 @@ The format is detected from the template source (the markers it renders), not th
 free text; ``required`` or a named function compiles the format, with each tool's schema, into an
 llguidance Lark grammar, so the output always parses. Streaming holds text back from the first
 character a call could start with and emits each complete call as one ``delta.tool_calls`` entry.
+
+A template with none of those (most small and community models) gets the ``generic`` format, as
+llama.cpp has one: the tools are described in the system message (:func:`chat_messages`), a call is
+the whole output, ``{"name", "arguments"}`` (a list of them for parallel calls), and the grammar binds
+the output under every choice; under ``auto`` it may instead be a plain answer, decided by its first
+token (:class:`~llmsys.engine.grammar.GrammarOrText`). Past calls and tool results are rewritten into
+that text (results as a user turn), so a template with no tool roles renders a whole round trip.
 """
 
 from __future__ import annotations
@@ -15,11 +22,15 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Any, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Sequence
 
 from llmsys.engine.grammar import JSON_OPTIONS, GrammarSpec
+from llmsys.kernels.common.errors import TokenizerError
 
-FormatName = Literal["hermes", "llama3", "mistral"]
+if TYPE_CHECKING:
+    from llmsys.engine.tokenizer import Tokenizer
+
+FormatName = Literal["hermes", "llama3", "mistral", "generic"]
 
 
 @dataclass(frozen=True)
@@ -41,7 +52,8 @@ def new_call_id() -> str:
 
 
 def detect_format(template: str | None) -> FormatName | None:
-    """Which family's tool-call format a chat template speaks, or None (no tool support)."""
+    """Which family's tool-call format a chat template speaks, or None (none llmsys knows: the
+    generic format serves it)."""
     if not template:
         return None
     if "<tool_call>" in template:
@@ -65,37 +77,41 @@ class ToolFormat:
     @property
     def opener(self) -> str:
         """Where a call's text begins (streaming holds text back from here)."""
-        return {"hermes": "<tool_call>", "llama3": "{", "mistral": "[TOOL_CALLS]"}[self.name]
+        return {"hermes": "<tool_call>", "llama3": "{", "mistral": "[TOOL_CALLS]", "generic": "{"}[self.name]
 
     def _lit(self, text: str) -> str:
         tid = self.marker_ids.get(text)
         return f"<[{tid}]>" if tid is not None else json.dumps(text)
 
-    def grammar(self, tools: Sequence[dict[str, Any]], forced: str | None, parallel: bool) -> GrammarSpec:
+    def grammar(self, tools: Sequence[dict[str, Any]], forced: str | None, parallel: bool,
+                free_text: Literal["never", "or", "only"] = "never") -> GrammarSpec:
         """A Lark grammar whose sentences are calls of ``tools`` (only ``forced`` when given),
-        one call, or one or more when ``parallel``."""
+        one call, or one or more when ``parallel``; ``free_text``: a plain answer beside them
+        (``GrammarSpec.free_text``)."""
         chosen = [t for t in tools if forced is None or t["name"] == forced]
         args_key = "parameters" if self.name == "llama3" else "arguments"
         rules = []
         for i, t in enumerate(chosen):
             schema = {
                 "type": "object",
-                "properties": {"name": {"const": t["name"]}, args_key: t.get("parameters") or {"type": "object"}},
+                "properties": {"name": {"const": t["name"]}, args_key: closed(t.get("parameters") or {"type": "object"})},
                 "required": ["name", args_key],
                 "additionalProperties": False,
                 "x-guidance": JSON_OPTIONS,  # %json in Lark takes its options from the schema
             }
             rules.append(f"call{i}: %json {json.dumps(schema)}")
         call = "call: " + " | ".join(f"call{i}" for i in range(len(chosen)))
-        many = "call (" + {"hermes": '"\\n"', "llama3": '"; "', "mistral": '", "'}[self.name] + " call)*"
+        many = "call (" + {"hermes": '"\\n"', "llama3": '"; "', "mistral": '", "', "generic": '", "'}[self.name] + " call)*"
         body = many if parallel else "call"
         if self.name == "hermes":
             start = f'start: block{"+" if parallel else ""}\nblock: {self._lit("<tool_call>")} "\\n" call "\\n" {self._lit("</tool_call>")} "\\n"?'
         elif self.name == "llama3":
             start = f"start: {body}"
+        elif self.name == "generic":  # one call as an object; several (when parallel) as a list
+            start = "start: call" + (f' | "[" {many} "]"' if parallel else "")
         else:
             start = f'start: {self._lit("[TOOL_CALLS]")} " "? "[" {body} "]"'
-        return GrammarSpec("lark", "\n".join([start, call, *rules]))
+        return GrammarSpec("lark", "\n".join([start, call, *rules]), free_text=free_text)
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         """(content outside the calls, calls) of a finished output; text that does not parse as
@@ -111,6 +127,17 @@ class ToolFormat:
                 calls.append(call)
             content.append(text[pos:])
             return "".join(content).strip() if calls else text, calls
+        if self.name == "generic":  # the whole output is the call(s), or it is content
+            body = text.strip()
+            if body[:1] not in ("{", "["):
+                return text, []
+            try:
+                obj = json.loads(body)
+            except ValueError:
+                return text, []
+            items = obj if isinstance(obj, list) else [obj]
+            calls = [c for c in (_call(json.dumps(x), "arguments") for x in items) if c is not None]
+            return ("", calls) if items and len(calls) == len(items) else (text, [])
         if self.name == "mistral":
             body = text.split("[TOOL_CALLS]", 1)[1] if "[TOOL_CALLS]" in text else text
             try:
@@ -126,6 +153,33 @@ class ToolFormat:
         if parts and len(calls) == len(parts):
             return "", calls
         return text, []
+
+
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")  # not allOf (its parts would exclude each other's keys)
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+
+
+def closed(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` on each object that lists its properties and
+    says nothing of others (as llama.cpp's grammars and OpenAI's strict mode read a tool's schema):
+    a small model left free to add keys fills its arguments with them. Every object this allows
+    the original allows too."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: closed(v) for k, v in out[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed(v) for v in out[key]]
+    for key in ("items", "additionalProperties", "then", "else"):  # not under "not" or "if": that would widen it
+        if isinstance(out.get(key), dict):
+            out[key] = closed(out[key])
+    if isinstance(out.get("properties"), dict) and not {"additionalProperties", "patternProperties",
+                                                          "unevaluatedProperties", "allOf"} & set(out):
+        out["additionalProperties"] = False
+    return out
 
 
 def _call(text: str, args_key: str) -> ToolCall | None:
@@ -204,8 +258,8 @@ class ToolStream:
     Text is passed through until the output could be starting a call (the
     format's opener, or a prefix of it at the end of what came so far); from
     there it is held, and :meth:`finish` parses it. For ``hermes`` each
-    ``</tool_call>`` completes a call as soon as it arrives. A Llama 3 call is
-    the whole output, so the first non-blank character decides.
+    ``</tool_call>`` completes a call as soon as it arrives. A Llama 3 or
+    generic call is the whole output, so the first non-blank character decides.
     """
 
     _TAG = "<|python_tag|>"
@@ -222,12 +276,13 @@ class ToolStream:
         if self.mode == "text":
             out, self.held = self.held, ""
             return out, []
-        if self.fmt.name == "llama3":
+        if self.fmt.name in ("llama3", "generic"):
             if self.mode == "scan":
                 s = self.held.lstrip()
-                if s.startswith("{") or s.startswith(self._TAG):
+                tag = self._TAG if self.fmt.name == "llama3" else "["
+                if s.startswith("{") or s.startswith(tag):
                     self.mode = "call"
-                elif s and not self._TAG.startswith(s):
+                elif s and not tag.startswith(s):
                     self.mode = "text"
                     out, self.held = self.held, ""
                     return out, []
@@ -277,8 +332,9 @@ def _partial_suffix(text: str, marker: str) -> int:
 @dataclass(frozen=True)
 class ToolPlan:
     """How one request treats tools: the format to parse calls with (None: calls are not
-    parsed, ``tool_choice: none``), the grammar that forces calls (``required`` / named), and
-    whether more than one call may come back."""
+    parsed, ``tool_choice: none``), the grammar that forces calls (``required`` / named) or, in
+    the generic format under ``auto`` checks a call the output opens, or under ``none`` keeps it
+    from opening one (``grammar.free_text``), and whether more than one call may come back."""
 
     fmt: ToolFormat | None
     grammar: GrammarSpec | None
@@ -299,20 +355,130 @@ def plan_tools(template: str | None, tools: Sequence[dict[str, Any]], choice: st
     """``tools``: ``{"name", "description", "parameters"}`` each; ``choice``: ``none``, ``auto``,
     ``required`` or a function name; ``special_token``: text -> its id when the vocabulary has it
     as one special token (``GrammarVocab.special_token``), else None."""
-    if choice == "none":
-        return ToolPlan(None, None, parallel)
-    name = detect_format(template)
-    if name is None:
-        raise ToolChoiceError("the model's chat template has no tool-call format llmsys knows (Hermes/Qwen "
-                              "<tool_call>, Llama 3 JSON, Mistral [TOOL_CALLS]); send the request without tools",
-                              "tools")
-    markers = {"hermes": ("<tool_call>", "</tool_call>"), "llama3": ("<|python_tag|>",),
-                          "mistral": ("[TOOL_CALLS]",)}[name]
-    fmt = ToolFormat(name, {m: t for m in markers if (t := special_token(m)) is not None})
-    if choice == "auto":
-        return ToolPlan(fmt, None, parallel)
-    forced = None if choice == "required" else choice
+    generic = detect_format(template) is None
+    if choice == "none":  # a generic call would be JSON text: the output may not begin like one
+        return ToolPlan(None, ToolFormat("generic", {}).grammar(tools, None, parallel, "only") if generic else None,
+                        parallel)
+    forced = None if choice in ("auto", "required") else choice
     if forced is not None and forced not in {t["name"] for t in tools}:
         raise ToolChoiceError(f"tool_choice names the function '{forced}' but tools has no function of that name",
                               "tool_choice")
+    name = detect_format(template) or "generic"
+    markers = {"hermes": ("<tool_call>", "</tool_call>"), "llama3": ("<|python_tag|>",),
+               "mistral": ("[TOOL_CALLS]",), "generic": ()}[name]
+    fmt = ToolFormat(name, {m: t for m in markers if (t := special_token(m)) is not None})
+    if choice == "auto":
+        # A marker-less call is the whole output: checked by the grammar once the output opens one.
+        return ToolPlan(fmt, fmt.grammar(tools, None, parallel, "or") if generic else None, parallel)
     return ToolPlan(fmt, fmt.grammar(tools, forced, parallel and forced is None), parallel)
+
+
+# -- the generic format's prompt ---------------------------------------------------------------
+
+_PROBE = "llmsys-system-probe-7f3a"
+
+
+def _takes_system(tok: Tokenizer) -> bool:
+    """Whether the chat template renders a system message (some reject one, some drop it)."""
+    try:
+        text = tok.apply_chat_template([{"role": "system", "content": _PROBE}, {"role": "user", "content": "x"}])
+    except TokenizerError:
+        return False
+    return _PROBE in text
+
+
+def generic_instructions(tools: Sequence[dict[str, Any]], parallel: bool) -> str:
+    """The system text that describes ``tools`` (OpenAI's ``{"type": "function", "function"}``
+    shape) and the generic call format. The same whatever the ``tool_choice`` (the grammar
+    enforces it), so a conversation's prefix stays cached from one request to the next."""
+    lines = ["You can call these tools (one per line: its name, what it does and the JSON schema of its "
+             "arguments):"]
+    for t in tools:
+        f = t.get("function", t)
+        lines.append(json.dumps({k: f[k] for k in ("name", "description", "parameters") if f.get(k) is not None},
+                                ensure_ascii=False))
+    several = " (or a JSON list of such objects to call several tools at once)" if parallel else ""
+    lines += ["", f'To call a tool, answer with only a JSON object {{"name": <tool name>, "arguments": <its '
+                  f'arguments>}}{several}. To answer without a tool, write plain text.',
+              'A call\'s result comes back as {"tool_response": {"name": <tool name>, "content": <result>}}.']
+    return "\n".join(lines)
+
+
+def _call_text(calls: Sequence[dict[str, Any]]) -> str:
+    """Past calls as the generic format writes them (what the model is asked to write)."""
+    items = []
+    for c in calls:
+        f = c.get("function", c)
+        args = f.get("arguments")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                pass
+        items.append({"name": f.get("name"), "arguments": args if args is not None else {}})
+    return json.dumps(items[0] if len(items) == 1 else items, ensure_ascii=False)
+
+
+def _result_text(name: str | None, content: Any) -> str:
+    """A tool result as the generic format writes it (the content as JSON when it is JSON text)."""
+    if isinstance(content, str):
+        try:
+            content = json.loads(content)
+        except ValueError:
+            pass
+    body = {"name": name, "content": content} if name else {"content": content}
+    return json.dumps({"tool_response": body}, ensure_ascii=False)
+
+
+def chat_messages(tok: Tokenizer, messages: list[dict[str, Any]], tools: Sequence[dict[str, Any]] | None,
+                  parallel: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """The conversation and the tools to hand the chat template (``messages`` in
+    :func:`template_messages`' shape, ``tools`` in OpenAI's). A template with a tool format of its
+    own gets both as they are. Any other gets the generic format: the tools described in the system
+    message (merged with the conversation's own, or put in the first user turn when the template
+    takes no system message), each past call written as the JSON the model writes, and the tool
+    results (``role: tool``) as one user turn of ``{"tool_response"}`` lines (with a user message
+    that follows them), so templates that know only user and assistant turns render it."""
+    template = tok.chat_template_source(tools=True)
+    if template is None or detect_format(template) is not None:
+        return messages, (list(tools) if tools else None)
+    if not tools and not any(m.get("role") == "tool" or m.get("tool_calls") for m in messages):
+        return messages, None
+    names: dict[str, str] = {}  # call id -> the function's name, for results that give only the id
+    out: list[dict[str, Any]] = []
+    results: list[str] = []
+    for m in messages:
+        if m.get("role") == "tool":
+            name = m.get("name") or names.get(m.get("tool_call_id") or "")
+            results.append(_result_text(name, m.get("content")))
+            continue
+        d = dict(m)
+        if results:
+            if d.get("role") == "user":  # results and the user's next words: one turn
+                d["content"] = "\n".join(results) + ("\n\n" + d["content"] if d.get("content") else "")
+            else:
+                out.append({"role": "user", "content": "\n".join(results)})
+            results = []
+        if d.get("tool_calls"):
+            calls = d.pop("tool_calls")
+            for c in calls:
+                if c.get("id"):
+                    names[c["id"]] = c.get("function", c).get("name")
+            d["content"] = ((d.get("content") or "").strip() + "\n" if d.get("content") else "") + _call_text(calls)
+        out.append(d)
+    if results:
+        out.append({"role": "user", "content": "\n".join(results)})
+    if tools:
+        text = generic_instructions(tools, parallel)
+        if out and out[0].get("role") in ("system", "developer"):
+            own = out.pop(0).get("content")
+            text = f"{own}\n\n{text}" if own else text
+        if _takes_system(tok):
+            out.insert(0, {"role": "system", "content": text})
+        else:  # first in the first user turn
+            i = next((i for i, m in enumerate(out) if m.get("role") == "user"), None)
+            if i is None:
+                out.insert(0, {"role": "user", "content": text})
+            else:
+                out[i] = {**out[i], "content": f"{text}\n\n{out[i].get('content') or ''}".rstrip()}
+    return out, None
