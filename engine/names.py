@@ -169,10 +169,12 @@ def served_names(spec: str) -> tuple[str, tuple[str, ...]]:
 
 def _path_name(text: str, path: Path) -> ModelName:
     """A path's id is its stem (``SmolLM2-135M-Instruct.Q4_1`` for ``.../SmolLM2-135M-Instruct.Q4_1.gguf``);
-    the file name and the path as typed stay aliases, so clients that sent them before still match."""
-    stem = path.name if path.is_dir() or path.suffix not in _FILE_SUFFIXES else path.stem
+    the file name stays an alias, so clients that sent it before still match. The folders above it are
+    never a name: the server shows its names to clients, who have no business knowing local paths."""
+    resolved = path.resolve()
+    stem = resolved.name if path.is_dir() or path.suffix not in _FILE_SUFFIXES else resolved.stem
     stem = stem or str(path)
-    aliases = tuple(a for a in dict.fromkeys((path.name, text)) if a and a != stem)
+    aliases = (resolved.name,) if resolved.name != stem else ()
     return ModelName(text, NameKind.PATH, stem, path, aliases=aliases)
 
 

@@ -53,7 +53,7 @@ def _pg(values: list[str] | None) -> list[tuple[int, int]]:
 
 @_bench_flags
 def bench_command(
-    model: Annotated[Optional[str], typer.Argument(help=f"model folder, llama2.c .bin, GGUF or catalog name (default: synthetic {DEFAULT_SYNTHETIC} with -p {QUICK['n_prompt']} -n {QUICK['n_gen']} -r {QUICK['repetitions']})")] = None,
+    model: Annotated[Optional[str], typer.Argument(help=f"model folder, llama2.c .bin, GGUF, catalog name or alias (NAME:TAG), org/repo, ollama:NAME or a synthetic shape (default: synthetic {DEFAULT_SYNTHETIC} with -p {QUICK['n_prompt']} -n {QUICK['n_gen']} -r {QUICK['repetitions']})")] = None,
     synthetic: Annotated[Optional[str], typer.Option("--synthetic", help=f"random-weight shape from models.toml [synthetic.*], e.g. smollm2-135m, qwen2.5-0.5b, llama-8b, qwen3-30b-a3b (runs -p {FULL['n_prompt']} -n {FULL['n_gen']} -r {FULL['repetitions']} unless given)")] = None,
     layers: Annotated[Optional[int], typer.Option("--layers", help="with --synthetic: keep the first N layers at full width (a big shape in this machine's RAM; rows say N of the total)")] = None,
     n_prompt: Annotated[Optional[str], typer.Option("--n-prompt", "-p", help=f"prompt tokens for pp tests, comma list ({_default('n_prompt')}; 0 with --pg; 0 = none)")] = None,
@@ -89,6 +89,13 @@ def bench_command(
 
     if output not in report.FORMATS:
         raise InvalidParameterError(f"--output {output!r}: choose one of {', '.join(report.FORMATS)}")
+    found = None
+    if model is not None:  # any name engine/names.py takes; a synthetic shape's name is --synthetic NAME
+        from llmsys.engine import names
+
+        found = names.resolve(model)
+        if found.kind is names.NameKind.SHAPE and synthetic is None:
+            model, synthetic = None, found.shape
     quick = model is None and synthetic is None
     defaults = QUICK if quick else FULL
     if model is not None and synthetic is not None:
@@ -117,6 +124,10 @@ def bench_command(
         shape = synthetic_config(synthetic)
         if layers is not None:
             shape = cut_layers(shape, layers, f"--synthetic {synthetic}")
+    if found is not None and found.needs_pull:  # a catalog model or repo not here yet: pulled as `run` does
+        from llmsys.engine.cli.models_cmd import ensure_pulled
+
+        ensure_pulled(model, True)
     # Before any weight is written or read: every test must fit the context.
     check_context(tests, configs, engine_flags.get("max_model_len"), shape if model is None else model)
     if model is None:

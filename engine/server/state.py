@@ -11,7 +11,6 @@ import functools
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
@@ -98,6 +97,7 @@ class ServerState:
         self.llm: LLM | None = None
         self.worker: EngineWorker | None = None
         self.model_name = settings.model_name or "model"
+        self.name_aliases: tuple[str, ...] = ()  # what else the model is called (engine/names.py)
         self.load_error: str | None = None
         self.created = int(time.time())
         self._vocab_lock = threading.Lock()
@@ -117,15 +117,23 @@ class ServerState:
         """Load the model and start the engine thread (blocking; run it in a thread)."""
         from llmsys.engine.llm import LLM
 
-        llm = LLM(config)
-        self.attach(llm, self.settings.model_name or Path(config.model).name or config.model)
+        from llmsys.engine import names
 
-    def attach(self, llm: LLM, name: str) -> None:
-        """Serve an already loaded :class:`LLM` (tests, the benchmark)."""
+        # The id is the name the user gave (catalog name, NAME:TAG, a path's stem), never a blob's file
+        # name; the names that mean the same model are accepted too (engine/names.py decides both).
+        name, aliases = names.served_names(config.model)
+        llm = LLM(config)
+        given = self.settings.model_name
+        self.attach(llm, given or name, aliases=aliases + ((name,) if given and given != name else ()))
+
+    def attach(self, llm: LLM, name: str, aliases: tuple[str, ...] = ()) -> None:
+        """Serve an already loaded :class:`LLM` (tests, the benchmark); ``aliases``: other names requests
+        may use for it (besides --model-alias)."""
         from llmsys.engine.server.worker import EngineWorker
 
         self.llm = llm
         self.model_name = name
+        self.name_aliases = aliases
         s = self.settings
         worker = EngineWorker(llm.core, self.metrics, s.max_concurrency or llm.config.max_num_seqs, s.max_queue)
         worker.start()
@@ -139,8 +147,8 @@ class ServerState:
 
     def model_names(self) -> set[str]:
         """Every name a request's ``model`` may use: the served name, ``name:latest`` (Ollama
-        clients add the tag), and the aliases."""
-        return {self.model_name, f"{self.model_name}:latest", *self.settings.model_aliases}
+        clients add the tag), the names that mean the same model, and the --model-alias names."""
+        return {self.model_name, f"{self.model_name}:latest", *self.name_aliases, *self.settings.model_aliases}
 
     async def off_loop(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run ``fn`` on the request-preparation thread and await its result (exceptions included)."""
