@@ -383,3 +383,17 @@ def test_server_id_of_a_path_is_its_stem(home, tmp_path):
     state.load(config)
     state.close()
     assert state.model_names() == {"mine", "mine:latest", "stories260k-hf", "gpt-4o-mini"}
+
+
+def test_bare_name_tag_runs_from_the_ollama_store_as_ollama_prefix_does(home, store, tmp_path, capsys):
+    """A NAME:TAG only Ollama has runs in place, with its manifest's stop strings, exactly as ollama:NAME:TAG."""
+    from llmsys.engine.bench.gguf_export import export_float
+
+    exported = export_float(need_shared(STORIES_HF), tmp_path / "stories.gguf", "f32")
+    add_model(store, "stories:260k", Path(exported).read_bytes(), params={"stop": [" girl"]})
+    gen = ["Once upon a time", "-n", "16", "--temperature", "0", "--dtype", "float32", "--threads", "1"]
+    rc, prefixed, err = _main(["run", "ollama:stories:260k", *gen], capsys)
+    assert rc == 0, err
+    rc, bare, err = _main(["run", "stories:260k", *gen], capsys)
+    assert rc == 0 and bare == prefixed, err
+    assert bare.startswith(", there was a little") and "girl" not in bare  # the params layer's stop string applied

@@ -30,8 +30,8 @@ def run_command(
     from llmsys.engine.cli.models_cmd import ensure_pulled
     from llmsys.engine.llm import LLM
 
-    ensure_pulled(model, auto_pull)
-    if model.startswith(ollama_store.PREFIX):  # the manifest's stop strings and system message; the rest named
+    named = ensure_pulled(model, auto_pull)
+    if named.ollama is not None:  # in Ollama's store (ollama:NAME, or a NAME:TAG it holds): its stop strings and system
         sampling, system = _ollama_settings(model, sampling, system, chat)
     if prompt == "-":
         prompt = sys.stdin.read()
