@@ -158,42 +158,44 @@ class GrammarVocab:
             if len(b) == 1 and b[0] in _CLOSERS and b[0] not in single and not self.lltok.is_special_token(tid):
                 single[b[0]] = tid
         self.closers = [single[c] for c in _CLOSERS if c in single]  # token ids in closing order
-        self._free_starts: dict[bytes, torch.Tensor] = {}  # free_start()'s masks, by the excluded first bytes
+        self._free_starts: dict[str, torch.Tensor] = {}  # free_start()'s masks, by the excluded first characters
 
     def special_token(self, text: str) -> int | None:
         """The id of ``text`` when the vocabulary has it as one special token (grammar syntax ``<[id]>``)."""
         ids = self.lltok.tokenize_str(text, parse_special=True)
         return ids[0] if len(ids) == 1 and self.lltok.is_special_token(ids[0]) else None
 
-    def free_start(self, excluded: bytes) -> torch.Tensor:
+    def free_start(self, excluded: str) -> torch.Tensor:
         """[vocab_size] bool: the tokens that can begin free text which is not a document of a grammar
-        whose documents begin with one of ``excluded``'s bytes: not special, not blank, and the first
-        non-blank byte none of ``excluded`` (a blank token first would let a document begin unchecked
-        right after it). Computed once per ``excluded`` (one pass over the vocabulary)."""
+        whose documents begin with one of ``excluded``'s characters: not special, not blank, and the
+        first non-blank character (blank as ``str.strip`` reads it: a parser strips that too) none
+        of ``excluded`` (a blank token first would let a document begin unchecked right after it).
+        Computed once per ``excluded`` (one pass over the vocabulary)."""
         with self._lock:
             got = self._free_starts.get(excluded)
             if got is not None:
                 return got
             free = [False] * self.vocab_size
             for tid in range(min(self.lltok.vocab_size, self.vocab_size)):
-                if tid in self.eos or self.lltok.is_special_token(tid):
-                    continue
-                head = self.lltok.decode_bytes([tid]).lstrip(b" \t\r\n")
-                free[tid] = bool(head) and head[0] not in excluded
+                if tid not in self.eos and not self.lltok.is_special_token(tid):
+                    head = self._text(tid).lstrip()
+                    free[tid] = bool(head) and head[0] not in excluded
             out = torch.tensor(free, dtype=torch.bool)
             self._free_starts[excluded] = out
             return out
 
-    def first_bytes(self, mask: torch.Tensor) -> bytes:
-        """The first non-blank bytes of the tokens ``mask`` allows (what a document can begin with)."""
+    def first_chars(self, mask: torch.Tensor) -> str:
+        """The first non-blank characters of the tokens ``mask`` allows (what a document can begin with)."""
         out = set()
         for tid in torch.nonzero(mask[:self.lltok.vocab_size]).flatten().tolist():
-            if tid in self.eos or self.lltok.is_special_token(tid):
-                continue
-            head = self.lltok.decode_bytes([tid]).lstrip(b" \t\r\n")
-            if head:
-                out.add(head[0])
-        return bytes(sorted(out))
+            if tid not in self.eos and not self.lltok.is_special_token(tid):
+                head = self._text(tid).lstrip()
+                if head:
+                    out.add(head[0])
+        return "".join(sorted(out))
+
+    def _text(self, tid: int) -> str:
+        return self.lltok.decode_bytes([tid]).decode("utf-8", errors="replace")  # a partial character: U+FFFD
 
     def matcher(self, spec: GrammarSpec) -> Any:
         """A fresh llguidance matcher for ``spec``; a grammar it rejects is a one-line
@@ -440,7 +442,7 @@ class GrammarOrText:
     with ``spec.free_text == "only"``, the free text alone (``tool_choice: none``).
 
     The first token is one the grammar allows, or one that cannot begin a document (its first
-    non-blank byte is none that the grammar's documents begin with, :meth:`GrammarVocab.free_start`),
+    non-blank character is none that the grammar's documents begin with, :meth:`GrammarVocab.free_start`),
     so an output that opens like a document must be one. After a free first token nothing is
     constrained: a plain answer ends where the model ends it, not where the grammar's budget would.
     A grammar whose shortest document does not fit the budget leaves only the free text; a grammar
@@ -456,7 +458,7 @@ class GrammarOrText:
             pass  # the budget, not the grammar, if a fresh matcher accepts it (else the next line raises)
         opens = self.inner.allowed(vocab.vocab_size) if self.inner is not None else vocab.mask(vocab.matcher(spec))
         self._opens = opens  # [vocab.vocab_size] bool: the first tokens of a document
-        free = vocab.free_start(vocab.first_bytes(opens))
+        free = vocab.free_start(vocab.first_chars(opens))
         self._first = free | opens if self.inner is not None else free  # [vocab.vocab_size] bool
         self.mode: Literal["first", "grammar", "free"] = "first"
 

@@ -209,8 +209,9 @@ def test_errors_in_ollama_shape(env):
     assert e.value.status_code == 404
     with pytest.raises(ollama.ResponseError) as e:
         c.chat("stories-chat", [{"role": "user", "content": "hi"}], tools=[{"type": "function", "function": {
-            "name": "f", "description": "d", "parameters": {"type": "object", "properties": {}}}}])
-    assert e.value.status_code == 400 and "tools" in e.value.error
+            "name": "f", "description": "d", "parameters": {"type": "object", "properties": {}}}}],
+            options={"tool_choice": "g"})  # llmsys's extension: a function that is not in tools
+    assert e.value.status_code == 400 and "'g'" in e.value.error
     bad = _post(env["a"], "/api/chat", {"model": "stories-chat", "messages": [{"role": "wizard", "content": "x"}]})
     assert bad.status_code == 400 and isinstance(bad.json()["error"], str) and "role" in bad.json()["error"]
     ctx = _post(env["a"], "/api/generate", {"model": "stories-chat", "prompt": "x", "context": [1, 99999]})

@@ -145,6 +145,9 @@ class OllamaOptions(_Model):
     mirostat_eta: float | None = Field(None, allow_inf_nan=False)
     penalize_newline: bool | None = None
     stop: list[Annotated[str, Field(min_length=1)]] | None = Field(None, max_length=MAX_STOP)
+    # llmsys extension: Ollama's API has no tool_choice, and its clients pass options through as given
+    tool_choice: str | None = Field(None, min_length=1, max_length=256, description=(
+        "llmsys extension: none, auto (Ollama's behaviour, the default), required, or a function's name (that call)"))
 
 
 class OllamaFunctionCall(BaseModel):
@@ -468,6 +471,9 @@ class _Ollama:
                                         "send false")
         if req.options is not None:
             self.check_options(req.options)
+            if not isinstance(req, OllamaChatRequest) and req.options.tool_choice not in (None, "auto", "none"):
+                raise APIError(400, "options.tool_choice asks for a tool call but only /api/chat takes tools",
+                               param="options.tool_choice", code="invalid_tools")
 
     def check_options(self, o: OllamaOptions) -> None:
         llm = self.state.llm
@@ -661,17 +667,23 @@ class _Ollama:
         return d
 
     def plan(self, req: OllamaChatRequest) -> ToolPlan | None:
-        """Tools as ``tool_choice: auto`` (Ollama has no tool_choice): calls parsed out of the output."""
+        """Tools as ``tool_choice: auto`` (Ollama's behaviour: calls parsed out of the output) unless
+        ``options.tool_choice`` asks for none, any call (``required``) or one function's."""
+        choice = (req.options.tool_choice if req.options is not None else None) or "auto"
         if not req.tools:
+            if choice not in ("auto", "none"):
+                raise APIError(400, "options.tool_choice asks for a tool call but the request has no tools",
+                               param="options.tool_choice", code="invalid_tools")
             return None
         tools = [{"name": t.function.name, "description": t.function.description,
                   "parameters": t.function.parameters} for t in req.tools]
         vocab = self.state.grammar_vocab()
         try:
-            return plan_tools(self.state.llm.tokenizer.chat_template_source(tools=True), tools, "auto", True,
+            return plan_tools(self.state.llm.tokenizer.chat_template_source(tools=True), tools, choice, True,
                               vocab.special_token)
         except ToolChoiceError as e:
-            raise APIError(400, str(e), param=e.param, code="invalid_tools") from None
+            param = "options.tool_choice" if e.param == "tool_choice" else e.param
+            raise APIError(400, str(e), param=param, code="invalid_tools") from None
 
     async def run(self, request: Request, req: Any, chat: bool, ids: list[int], params: SamplingParams,
                   top: int | None, t0: float, context: bool, plan: ToolPlan | None = None) -> Response:
@@ -679,8 +691,12 @@ class _Ollama:
         if spec is not None and params.min_tokens:
             raise _unsupported("format", "min_tokens cannot be combined with a format")
         field = "format"
-        if spec is None and plan is not None and plan.grammar is not None:  # a call in the generic format
-            spec, field = plan.grammar, "tools"
+        if plan is not None and plan.grammar is not None:  # a required or named call, or a generic-format one
+            if spec is None:
+                spec, field = plan.grammar, "options.tool_choice" if plan.grammar.free_text == "never" else "tools"
+            elif plan.grammar.free_text == "never":
+                raise APIError(400, "format and a required or named options.tool_choice both decide the output's "
+                                    "form; send one of them", param="format", code="conflicting_parameters")
         cons = await self.state.off_loop(grammar_constraints, self.state, [ids], params, spec, field)
         job = Job(self.state, new_id("ollama"), [ids], params, cons)
         if req.stream is not False:
