@@ -5,18 +5,23 @@ or catalog name, and call ``generate`` / ``stream`` / ``chat`` with
 :class:`SamplingParams`.
 """
 
-from llmsys.engine.config import EngineConfig
-from llmsys.engine.sampling import SamplingParams
-
 __all__ = ["LLM", "SamplingParams", "EngineConfig"]
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    # LLM pulls in torch and the whole engine; import it on first use so that
-    # `llmsys --help` and light tools stay fast.
+    # Each of these pulls in torch; imported on first use so that `llmsys --help` and light tools
+    # stay fast, and the console script catches a Ctrl-C from its first line (engine/cli/main.py).
     if name == "LLM":
         from llmsys.engine.llm import LLM
 
         return LLM
+    if name == "EngineConfig":
+        from llmsys.engine.config import EngineConfig
+
+        return EngineConfig
+    if name == "SamplingParams":
+        from llmsys.engine.sampling import SamplingParams
+
+        return SamplingParams
     raise AttributeError(name)

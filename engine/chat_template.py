@@ -210,13 +210,18 @@ def normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
 class ChatTemplate:
     """One compiled chat template.
 
-    ``origin`` names the file it came from so render errors point the user at it.
+    ``origin`` names the file it came from so render errors point the user at it; ``name`` is what
+    the CLI's stats line calls it (a family such as ``chatml``, a file name, or None: named by its
+    text, :attr:`label`); ``end_of_turn`` the text closing an assistant turn where it is known.
     """
 
-    def __init__(self, source: str, origin: str = "chat template", budget: RenderBudget = RenderBudget()):
+    def __init__(self, source: str, origin: str = "chat template", budget: RenderBudget = RenderBudget(),
+                 name: str | None = None, end_of_turn: str | None = None):
         self.source = source
         self.origin = origin
         self.budget = budget
+        self.name = name
+        self.end_of_turn = end_of_turn
         env = _MeteredEnvironment(
             trim_blocks=True,
             lstrip_blocks=True,
@@ -232,6 +237,11 @@ class ChatTemplate:
                 f"the chat template in {origin} is not valid Jinja (line {e.lineno}: {e.message}); "
                 "fix or remove it"
             ) from e
+
+    @property
+    def label(self) -> str:
+        """``chatml`` (a family, given or recognised), ``my.jinja`` (a file given), else ``the model's own``."""
+        return self.name or template_family(self.source) or "the model's own"
 
     def render(
         self,
@@ -276,3 +286,120 @@ class ChatTemplate:
             raise TokenizerError(
                 f"the chat template in {self.origin} failed on these messages ({type(e).__name__}: {e})"
             ) from e
+
+
+# --------------------------------------------------------------------------
+# Known template families (``--chat-template NAME``)
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TemplateFamily:
+    """A chat format by name, for models whose file carries no template (or the wrong one).
+
+    ``end_of_turn`` is the text that closes an assistant turn: where the vocabulary has it as one
+    token, the tokenizer stops on it (a base model's EOS is not the family's end of turn).
+    ``marker`` is a string only this family's templates contain, to name a model's own template.
+    """
+
+    name: str
+    source: str
+    end_of_turn: str
+    marker: str
+
+
+_CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+           "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+_LLAMA3 = ("{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + "
+           "'<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
+           "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+# Llama 2 and Mistral fold the system message into the first user turn; both refuse other orders as their own do.
+_LLAMA2 = ("{% if messages[0]['role'] == 'system' %}{% set system = messages[0]['content'] %}"
+           "{% set messages = messages[1:] %}{% else %}{% set system = none %}{% endif %}"
+           "{% for message in messages %}"
+           "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+           "{{ raise_exception('roles must alternate user/assistant after an optional system message') }}{% endif %}"
+           "{% if message['role'] == 'user' %}{{ bos_token + '[INST] ' }}"
+           "{% if loop.first and system %}{{ '<<SYS>>\n' + system + '\n<</SYS>>\n\n' }}{% endif %}"
+           "{{ message['content'] | trim + ' [/INST]' }}"
+           "{% else %}{{ ' ' + message['content'] | trim + ' ' + eos_token }}{% endif %}{% endfor %}")
+_MISTRAL = ("{% if messages[0]['role'] == 'system' %}{% set system = messages[0]['content'] %}"
+            "{% set messages = messages[1:] %}{% else %}{% set system = none %}{% endif %}{{ bos_token }}"
+            "{% for message in messages %}"
+            "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+            "{{ raise_exception('roles must alternate user/assistant after an optional system message') }}{% endif %}"
+            "{% if message['role'] == 'user' %}{{ '[INST] ' }}{% if loop.first and system %}{{ system + '\n\n' }}"
+            "{% endif %}{{ message['content'] + '[/INST]' }}"
+            "{% else %}{{ message['content'] + eos_token }}{% endif %}{% endfor %}")
+_GEMMA = ("{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set system = messages[0]['content'] + '\n\n' %}"
+          "{% set messages = messages[1:] %}{% else %}{% set system = '' %}{% endif %}"
+          "{% for message in messages %}{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+          "{{ '<start_of_turn>' + role + '\n' + (system if loop.first else '') + message['content'] | trim + "
+          "'<end_of_turn>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}")
+_PHI3 = ("{% for message in messages %}{{ '<|' + message['role'] + '|>\n' + message['content'] + '<|end|>\n' }}"
+         "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}")
+_ZEPHYR = ("{% for message in messages %}{{ '<|' + message['role'] + '|>\n' + message['content'] + eos_token + '\n' }}"
+           "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}")
+_VICUNA = ("{% for message in messages %}{% if message['role'] == 'system' %}{{ message['content'] + '\n\n' }}"
+           "{% elif message['role'] == 'user' %}{{ 'USER: ' + message['content'] + '\n' }}"
+           "{% else %}{{ 'ASSISTANT: ' + message['content'] + eos_token + '\n' }}{% endif %}{% endfor %}"
+           "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}")
+_ALPACA = ("{% for message in messages %}{% if message['role'] == 'system' %}{{ message['content'] + '\n\n' }}"
+           "{% elif message['role'] == 'user' %}{{ '### Instruction:\n' + message['content'] + '\n\n' }}"
+           "{% else %}{{ '### Response:\n' + message['content'] + eos_token + '\n\n' }}{% endif %}{% endfor %}"
+           "{% if add_generation_prompt %}{{ '### Response:\n' }}{% endif %}")
+
+# Ordered: a model's own template is named by the first family whose marker it contains.
+TEMPLATE_FAMILIES: tuple[TemplateFamily, ...] = (
+    TemplateFamily("chatml", _CHATML, "<|im_end|>", "<|im_start|>"),
+    TemplateFamily("llama3", _LLAMA3, "<|eot_id|>", "<|start_header_id|>"),
+    TemplateFamily("gemma", _GEMMA, "<end_of_turn>", "<start_of_turn>"),
+    TemplateFamily("phi3", _PHI3, "<|end|>", "<|end|>"),
+    TemplateFamily("zephyr", _ZEPHYR, "</s>", "<|assistant|>"),
+    TemplateFamily("llama2", _LLAMA2, "</s>", "<<SYS>>"),
+    TemplateFamily("mistral", _MISTRAL, "</s>", "[INST]"),
+    TemplateFamily("vicuna", _VICUNA, "</s>", "ASSISTANT:"),
+    TemplateFamily("alpaca", _ALPACA, "</s>", "### Instruction:"),
+)
+
+
+def template_family(source: str | None) -> str | None:
+    """The family a template's text belongs to (``chatml`` for SmolLM2's and Qwen's), None if none matches."""
+    if not source:
+        return None
+    return next((f.name for f in TEMPLATE_FAMILIES if f.marker in source), None)
+
+
+def family_names() -> str:
+    return ", ".join(f.name for f in TEMPLATE_FAMILIES)
+
+
+def resolve_chat_template(spec: str | ChatTemplate) -> ChatTemplate:
+    """``--chat-template FILE|NAME`` as a compiled template: a Jinja file, or a known family's name.
+
+    A path that exists wins over a family of the same name; anything else is a one-line error that
+    lists the known names.
+    """
+    if isinstance(spec, ChatTemplate):
+        return spec
+    from pathlib import Path
+
+    text = str(spec).strip()
+    path = Path(text).expanduser()
+    if text and path.is_file():
+        try:
+            source = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise TokenizerError(f"--chat-template {text}: cannot read it ({type(e).__name__}: {e})") from None
+        if not source.strip():
+            raise TokenizerError(f"--chat-template {text}: the file is empty; write a Jinja chat template in it")
+        return ChatTemplate(source, str(path), name=path.name)
+    family = next((f for f in TEMPLATE_FAMILIES if f.name == text.lower()), None)
+    if family is not None:
+        return ChatTemplate(family.source, f"the {family.name} family template", name=family.name,
+                            end_of_turn=family.end_of_turn)
+    if path.suffix in (".jinja", ".j2", ".txt", ".tmpl") or "/" in text or path.is_dir():
+        why = "is a folder" if path.is_dir() else "does not exist"
+        raise TokenizerError(f"--chat-template {text}: {why}; give a Jinja file or a known name ({family_names()})")
+    raise TokenizerError(f"--chat-template {text!r} is neither a file nor a known template name; known: "
+                         f"{family_names()}")

@@ -7,12 +7,15 @@ CLI flags, ``LLM(**kwargs)`` and server options are all merged into a frozen
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmsys.kernels.common.errors import InvalidParameterError
 from llmsys.kernels.common.units import parse_size
 from llmsys.offload.eviction.policy import KVPolicy, parse_kv_policy
 from llmsys.quant.formats import QuantSpec, parse_quant
+
+if TYPE_CHECKING:
+    from llmsys.engine.chat_template import ChatTemplate
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SLIDING_KV_MODES = ("auto", "ring", "full")  # EngineConfig.sliding_kv (llmsys.engine.sliding_kv)
@@ -186,6 +189,9 @@ class EngineConfig:
     spec: SpecSpec | None = None  # a str is parsed
     draft_model: str | None = None
     spec_tokens: int = 4
+    # --chat-template FILE|NAME: a Jinja file or a known family (llmsys.engine.chat_template), rendered instead of
+    # the model's own by every front end (a str is compiled here, once); None: the model's own template.
+    chat_template: ChatTemplate | None = field(default=None, hash=False)
     kv_offload_bytes: int | None = field(default=None, init=False)  # --kv-offload-tokens given as a size
 
     def __post_init__(self) -> None:
@@ -224,6 +230,10 @@ class EngineConfig:
         set_(self, "kv_policy", parse_kv_policy(self.kv_policy))
         set_(self, "spec", parse_spec(self.spec, self.draft_model))
         spec_tokens_ok(self.spec_tokens)
+        if self.chat_template is not None:
+            from llmsys.engine.chat_template import resolve_chat_template  # jinja2: only when a template is given
+
+            set_(self, "chat_template", resolve_chat_template(self.chat_template))
         if self.spec is not None and self.kv_policy.kind == "quest":
             raise InvalidParameterError("--spec cannot run with --kv-policy quest (its page selection is per "
                                         "decode step); use another policy or no --spec")

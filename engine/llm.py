@@ -93,7 +93,8 @@ class LLM:
         if placement.kv_cache_tokens is not None:  # the pool size the explicit budget allows
             config = config.with_(kv_cache_tokens=placement.kv_cache_tokens)
         self.config = config
-        self.tokenizer = Tokenizer.load(self.loaded.tokenizer_path, gguf_header=src.gguf_header)
+        self.tokenizer = Tokenizer.load(self.loaded.tokenizer_path, gguf_header=src.gguf_header,
+                                        chat_template=config.chat_template)
         # How an embedding pools the final hidden states, as the model's files say (llmsys.engine.embedding).
         self.pooling: Pooling = read_pooling(self.loaded.path, src.gguf_header.fields if src.gguf_header else None)
         spec, max_len = size_kv_pool(self.loaded, config)

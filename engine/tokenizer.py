@@ -396,11 +396,30 @@ class Tokenizer:
 
     # ------------------------------------------------------------- loading
     @classmethod
-    def load(cls, path: str | Path, gguf_header: Any = None) -> Tokenizer:
+    def load(cls, path: str | Path, gguf_header: Any = None, chat_template: ChatTemplate | None = None) -> Tokenizer:
         """Load from an HF model directory, a llama2.c checkpoint dir/``.bin``, or a GGUF file.
 
         ``gguf_header``: the GGUF's parsed header (``gguf_header.read_header``) where the model load has
-        it already, so the file's header is parsed once per load; None reads it here."""
+        it already, so the file's header is parsed once per load; None reads it here.
+        ``chat_template``: ``--chat-template``'s, used instead of the model's own (:meth:`use_chat_template`)."""
+        tok = cls._load(path, gguf_header)
+        if chat_template is not None:
+            tok.use_chat_template(chat_template)
+        return tok
+
+    def use_chat_template(self, template: ChatTemplate) -> None:
+        """Render every conversation with ``template`` (the model's own, tool_use included, are set aside).
+
+        Its end-of-turn text, where the vocabulary holds it as one token, also ends generation: a family
+        template given to a model that was not tuned with it must still stop where its turns end."""
+        self._chat_templates = {"default": template}
+        if template.end_of_turn:
+            tid = self._backend.token_to_id(template.end_of_turn)
+            if tid is not None:
+                self.eos_token_ids = self.eos_token_ids | {tid}
+
+    @classmethod
+    def _load(cls, path: str | Path, gguf_header: Any = None) -> Tokenizer:
         from llmsys.engine.loader.gguf_io import is_gguf
 
         path = Path(path).expanduser()
@@ -539,6 +558,11 @@ class Tokenizer:
     def chat_template(self) -> str | None:
         template = self._chat_templates.get("default")
         return None if template is None else template.source
+
+    @property
+    def default_chat_template(self) -> ChatTemplate | None:
+        """The template a conversation without tools is rendered with (None: a base model)."""
+        return self._chat_templates.get("default")
 
     def chat_template_source(self, tools: bool = False) -> str | None:
         """The template :meth:`apply_chat_template` renders with (``tools``: the ``tool_use`` one when

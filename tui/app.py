@@ -252,7 +252,9 @@ class ChatApp(App):
 
     async def run_command(self, cmd: SlashCommand) -> None:
         busy = self.generating is not None
-        if cmd.name == "help":
+        if cmd.name == "quit":  # /bye, /exit, /quit: as Ctrl+Q
+            await self.action_quit()
+        elif cmd.name == "help":
             await self.transcript.add_message("notice", help_markdown(TUI_KEYS))
         elif cmd.name == "info":
             await self.show_info()

@@ -37,6 +37,7 @@ COMMAND_HELP = (
     CommandHelp("/save FILE", "write the conversation as JSON"),
     CommandHelp("/load FILE", "read a conversation written by /save"),
     CommandHelp("/help", "this text"),
+    CommandHelp("/bye", "quit (also /exit, /quit)"),
 )
 
 TUI_KEYS = (
@@ -54,8 +55,10 @@ PLAIN_KEYS = (
     KeyHelp("Ctrl+D", "quit"),
 )
 
-COMMANDS = ("retry", "copy", "info", "system", "reset", "set", "save", "load", "help")
-NO_ARGS = ("retry", "copy", "info", "reset", "help")
+COMMANDS = ("retry", "copy", "info", "system", "reset", "set", "save", "load", "help", "quit")
+NO_ARGS = ("retry", "copy", "info", "reset", "help", "quit")
+# Other spellings of a command: ``/bye`` is Ollama's, ``/exit`` most REPLs'.
+ALIASES = {"bye": "quit", "exit": "quit"}
 
 
 def help_text(keys: tuple[KeyHelp, ...]) -> str:
@@ -98,6 +101,7 @@ def parse_command(line: str) -> SlashCommand | None:
         return None
     head, _, rest = text[1:].partition(" ")
     name = head.lower()
+    name = ALIASES.get(name, name)
     if name not in COMMANDS:
         raise InvalidParameterError(f"unknown command /{head}; type /help for the list")
     try:

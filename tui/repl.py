@@ -1,8 +1,8 @@
-"""``llmsys chat --plain``: a line-by-line REPL for pipes and dumb terminals.
+"""``llmsys chat --plain`` and ``llmsys run MODEL``: a line-by-line REPL for pipes and plain terminals.
 
 Same conversation model and slash commands as the app, but synchronous: the
 REPL owns the engine on its own thread and streams with ``llm.stream``.
-Ctrl+C stops a reply (keeping the text so far); Ctrl+D or EOF quits.
+Ctrl+C stops a reply (keeping the text so far); /bye, /exit, Ctrl+D or EOF quits.
 """
 
 from __future__ import annotations
@@ -29,11 +29,9 @@ class ReplSession:
     sampling: SamplingParams
     out: IO[str]
     model_name: str
+    is_chat: bool  # turns rendered with the chat template (else the transcript as one completion text)
     context_tokens: int = 0  # prompt + reply tokens of the last request
-
-    @property
-    def is_chat(self) -> bool:
-        return self.llm.tokenizer.chat_template is not None
+    done: bool = False  # /bye, /exit or /quit was typed
 
     def say(self, text: str) -> None:
         self.out.write(text + "\n")
@@ -110,7 +108,9 @@ def _info(s: ReplSession) -> None:
 
 
 def _run_command(s: ReplSession, cmd: SlashCommand) -> None:
-    if cmd.name == "help":
+    if cmd.name == "quit":
+        s.done = True
+    elif cmd.name == "help":
         s.say(help_text(PLAIN_KEYS))
     elif cmd.name == "retry":
         _retry(s)
@@ -156,14 +156,24 @@ def _handle(s: ReplSession, text: str) -> None:
         s.say(f"error: {error_line(e)}")
 
 
-def run_repl(llm: Any, sampling: SamplingParams, system: str | None = None, stdin: IO[str] | None = None, stdout: IO[str] | None = None, model_name: str = "model") -> int:
+def run_repl(llm: Any, sampling: SamplingParams, system: str | None = None, stdin: IO[str] | None = None,
+             stdout: IO[str] | None = None, model_name: str = "model", chat: bool | None = None) -> int:
+    """Read entries until EOF or /bye; ``chat``: render turns with the chat template (None: when the model has one).
+
+    Ctrl-C while a reply streams stops that reply; elsewhere it is the caller's (KeyboardInterrupt)."""
     stdin = stdin or sys.stdin
-    s = ReplSession(llm, Conversation(system=system), sampling, stdout or sys.stdout, model_name)
-    s.say(f"llmsys chat ({'chat' if s.is_chat else 'completion'} mode, context {llm.max_model_len} tokens). /help for commands, Ctrl+D to quit.")
-    while True:
-        text = _read_entry(stdin, s.out, "> ")
+    is_chat = llm.tokenizer.chat_template is not None if chat is None else chat
+    s = ReplSession(llm, Conversation(system=system), sampling, stdout or sys.stdout, model_name, is_chat)
+    mode = "completion mode"
+    if is_chat:
+        template = llm.tokenizer.default_chat_template
+        mode = f"chat template {template.label}" if template is not None else "chat mode"
+    s.say(f"llmsys chat ({mode}, context {llm.max_model_len} tokens). /help for commands, /bye or Ctrl+D to quit.")
+    while not s.done:
+        text = _read_entry(stdin, s.out, "> ")  # Ctrl-C here goes up: `llmsys` says "interrupted", exit 130
         if text is None:
             s.out.write("\n")
             return 0
         if text.strip():
             _handle(s, text)
+    return 0

@@ -7,7 +7,13 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from llmsys.engine.cli.options import build_engine_config, engine_command, pulling_command, sampling_command
+from llmsys.engine.cli.options import (
+    ChatTemplateOption,
+    build_engine_config,
+    engine_command,
+    pulling_command,
+    sampling_command,
+)
 from llmsys.engine.sampling import SamplingParams
 
 DEFAULT_MODEL = "stories260k"
@@ -22,6 +28,7 @@ def chat_command(
     system: Annotated[Optional[str], typer.Option("--system", help="system prompt")] = None,
     theme: Annotated[str, typer.Option("--theme", help="Textual theme, e.g. textual-dark, textual-light")] = "textual-dark",
     refresh_hz: Annotated[float, typer.Option("--refresh-hz", help="memory panel updates per second while generating")] = 4.0,
+    chat_template: ChatTemplateOption = None,
     *,
     sampling: SamplingParams,
     engine_flags: dict[str, Any],
@@ -31,19 +38,18 @@ def chat_command(
     from llmsys.engine.llm import LLM
 
     ensure_pulled(model, auto_pull)  # before the full-screen app: the question and the bars need the terminal
+    config = build_engine_config(model, dict(engine_flags, chat_template=chat_template))
 
     tty = sys.stdin.isatty() and sys.stdout.isatty()
     if plain or not tty:
         from llmsys.tui.repl import run_repl
 
-        config = build_engine_config(model, engine_flags)
         llm = LLM(config)
         return run_repl(llm, sampling, system=system, model_name=model)
 
     from llmsys.tui.app import ChatApp
 
-    flags = dict(engine_flags)
-    config = build_engine_config(model, flags).with_(progress=False)  # a bar would draw under the app
+    config = config.with_(progress=False)  # a bar would draw under the app
     app = ChatApp(lambda: LLM(config), model_name=model, sampling=sampling, system=system, refresh_hz=refresh_hz, theme=theme)
     app.run()
     return 0

@@ -4,23 +4,31 @@ Known failures (:class:`LLMSysError`) become ``error: <message>`` on stderr
 and exit code 2; so do usage errors (a typo'd flag, a bad value, a missing
 argument, an unknown command), followed by one ``Try 'llmsys CMD --help'``
 hint line. A traceback is shown only with ``LLMSYS_DEBUG=1``.
+
+Ctrl-C is one ``interrupted`` line and exit 130 whenever it comes: this module
+imports only the standard library at its top (typer, torch and the engine are
+imported inside :func:`main`'s handler), and the console script leaves with
+SIGINT mapped to a quiet exit, so one during interpreter shutdown (joining
+threads, atexit) prints nothing either.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 import os
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
-import typer
-
-from llmsys.kernels.common.errors import LLMSysError
+if TYPE_CHECKING:
+    import typer
 
 PROG = "llmsys"
+INTERRUPTED_EXIT = 130  # 128 + SIGINT, as shells report it
 
 # typer >= 0.16 bundles its own copy of click as ``typer._click``; older
 # typer uses the standalone ``click`` package. Either (or both) may be
@@ -61,6 +69,8 @@ def _classes(modules: list[Any], name: str, *extra: type[BaseException]) -> tupl
 
 def click_errors() -> ClickErrors:
     """The exception classes of the click(s) typer may raise from."""
+    import typer
+
     modules = _importable(_CLICK_EXCEPTION_MODULES)
     return ClickErrors(
         no_args_help=_classes(modules, "NoArgsIsHelpError"),
@@ -88,21 +98,40 @@ def package_version() -> str:
 
 def _show_version(value: bool) -> None:
     if value:
+        import typer
+
         print(f"{PROG} {package_version()}")
         raise typer.Exit()
 
 
-def _root(
-    version: Annotated[
-        Optional[bool],
-        typer.Option("--version", "-V", is_eager=True, callback=_show_version,
-                     help="Print the llmsys version and exit."),
-    ] = None,
-) -> None:
-    """Run, chat with, benchmark and serve LLMs on constrained hardware."""
+def _root_callback() -> Any:
+    """The app's callback (``--version``); built here, where typer is imported, not at module level."""
+    import typer
+
+    def _root(
+        version: Optional[bool] = typer.Option(None, "--version", "-V", is_eager=True, callback=_show_version,
+                                               help="Print the llmsys version and exit."),
+    ) -> None:
+        """Run, chat with, benchmark and serve LLMs on constrained hardware."""
+
+    return _root
 
 
-def _register(app: typer.Typer) -> None:
+def _interruptible(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A command whose Ctrl-C is the one ``interrupted`` line and 130; typer would turn it into a silent
+    ``Exit(130)``. Signature and hints are ``fn``'s (functools.wraps), which typer reads."""
+
+    @functools.wraps(fn)
+    def command(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except KeyboardInterrupt:
+            return _interrupted()
+
+    return command
+
+
+def _register(app: Any) -> None:
     # Imported here, not at module level: each command module pulls in only
     # what it needs, and `llmsys --help` stays fast.
     from llmsys.engine.cli.bench_cmd import bench_command
@@ -115,21 +144,24 @@ def _register(app: typer.Typer) -> None:
     from llmsys.engine.cli.run_cmd import run_command
     from llmsys.engine.cli.serve_cmd import serve_command
 
-    app.command("run", help="Stream a completion of PROMPT to stdout.")(run_command)
-    app.command("chat", help="Chat with MODEL in a terminal app (--plain: line REPL).")(chat_command)
-    app.command("serve", help="Serve MODEL over an OpenAI-compatible HTTP API.")(serve_command)
-    app.command("bench", help="Benchmark prefill/decode (llama-bench tests), sweeping engine settings.")(bench_command)
-    app.command("plan", help="Show where each layer would live (GPU/CPU/disk) under the memory budgets.")(plan_command)
-    app.command("perplexity", help="Score a text file (llama-perplexity's job).")(perplexity_command)
-    app.command("quantize", help="Write a quantized checkpoint (int8/int4/nf4/fp8; --method rtn|gptq|awq).")(quantize_command)
-    app.command("models", help="List the model catalog and what is downloaded.")(models_command)
-    app.command("pull", help="Download a catalog model into $LLMSYS_HOME.")(pull_command)
-    app.command("monitor", help="Live memory/throughput panel of a running llmsys serve.")(monitor_command)
+    app.command("run", help="Answer PROMPT (through the chat template when the model has one); no PROMPT: chat "
+                            "at the terminal.")(_interruptible(run_command))
+    app.command("chat", help="Chat with MODEL in a terminal app (--plain: line REPL).")(_interruptible(chat_command))
+    app.command("serve", help="Serve MODEL over an OpenAI-compatible HTTP API.")(_interruptible(serve_command))
+    app.command("bench", help="Benchmark prefill/decode (llama-bench tests), sweeping engine settings.")(_interruptible(bench_command))
+    app.command("plan", help="Show where each layer would live (GPU/CPU/disk) under the memory budgets.")(_interruptible(plan_command))
+    app.command("perplexity", help="Score a text file with a model directory or GGUF file (llama-perplexity's job).")(_interruptible(perplexity_command))
+    app.command("quantize", help="Write a quantized checkpoint (int8/int4/nf4/fp8; --method rtn|gptq|awq).")(_interruptible(quantize_command))
+    app.command("models", help="List the model catalog and what is downloaded.")(_interruptible(models_command))
+    app.command("pull", help="Download a catalog model into $LLMSYS_HOME.")(_interruptible(pull_command))
+    app.command("monitor", help="Live memory/throughput panel of a running llmsys serve.")(_interruptible(monitor_command))
 
 
 def build_app() -> typer.Typer:
     """A fresh app with every command registered (fresh per call, so repeated
     ``main()`` calls in one process never register a command twice)."""
+    import typer
+
     app = typer.Typer(
         name=PROG,
         help="Run, chat with, benchmark and serve LLMs on constrained hardware.",
@@ -137,7 +169,7 @@ def build_app() -> typer.Typer:
         add_completion=False,
         pretty_exceptions_enable=False,
     )
-    app.callback()(_root)
+    app.callback()(_root_callback())
     _register(app)
     return app
 
@@ -156,6 +188,42 @@ def usage_error_lines(e: Any) -> tuple[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; ``argv`` None: the console script's own arguments (and its process to leave)."""
+    try:
+        return _run(argv)
+    except KeyboardInterrupt:  # before click runs (importing typer, the engine) or in a handler below
+        return _interrupted()
+    finally:
+        if argv is None:
+            _quiet_sigint()
+
+
+def _interrupted() -> int:
+    """The one line a Ctrl-C gets. On a terminal it starts a line of its own (after the echoed ``^C``)."""
+    print("\ninterrupted" if sys.stderr.isatty() else "interrupted", file=sys.stderr)
+    return INTERRUPTED_EXIT
+
+
+def _exit_interrupted(signum: int, frame: Any) -> None:
+    os.write(2, b"interrupted\n")
+    os._exit(INTERRUPTED_EXIT)
+
+
+def _quiet_sigint() -> None:
+    """From here on a Ctrl-C ends the process at once, quietly: what is left is the interpreter's shutdown
+    (joining the engine's threads, atexit), where a KeyboardInterrupt would print "Exception ignored" and a
+    traceback. Only for the console script: a caller's process keeps its own handler."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        signal.signal(signal.SIGINT, _exit_interrupted)
+    except ValueError:  # not the main thread: nothing to replace
+        pass
+
+
+def _run(argv: list[str] | None) -> int:
+    from llmsys.kernels.common.errors import LLMSysError
+
     debug = os.environ.get("LLMSYS_DEBUG") == "1"
     errors = click_errors()
     try:
@@ -181,13 +249,17 @@ def main(argv: list[str] | None = None) -> int:
         e.show()
         return e.exit_code
     except errors.exit as e:
+        if isinstance(e.__context__, KeyboardInterrupt):  # typer turns a Ctrl-C inside a command into Exit(130)
+            return _interrupted()
         return e.exit_code
-    except errors.abort:
+    except errors.abort as e:
+        # click turns a Ctrl-C inside a command into Abort (after a newline on stderr); a prompt answered
+        # with Ctrl-D is an Abort too, and says so
+        if isinstance(e.__context__, KeyboardInterrupt):
+            print("interrupted", file=sys.stderr)
+            return INTERRUPTED_EXIT
         print("aborted", file=sys.stderr)
-        return 130
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
-        return 130
+        return INTERRUPTED_EXIT
 
 
 if __name__ == "__main__":

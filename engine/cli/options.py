@@ -17,6 +17,7 @@ from typing import Annotated, Any, Callable, Optional
 import typer
 
 from llmsys.engine.config import EngineConfig
+from llmsys.kernels.common.errors import InvalidParameterError
 from llmsys.engine.sampling import SamplingParams
 
 P = inspect.Parameter
@@ -71,7 +72,7 @@ ENGINE_PARAMS = [
 ]
 
 SAMPLING_PARAMS = [
-    _opt("max_tokens", int, 256, "--max-tokens", "-n", help="tokens to generate at most"),
+    _opt("max_tokens", int, 256, "--max-tokens", "-n", help="tokens to generate at most; -1: until EOS or the context is full"),
     _opt("temperature", float, 0.8, "--temperature", "--temp", help="0 = greedy"),
     _opt("top_k", int, 0, "--top-k", help="0 = off"),
     _opt("top_p", float, 1.0, "--top-p", help="nucleus sampling mass, (0, 1]"),
@@ -90,10 +91,29 @@ def build_engine_config(model: str, values: dict[str, Any]) -> EngineConfig:
     return EngineConfig(model=model, **values)
 
 
+def cli_max_tokens(n: int | None) -> int | None:
+    """``-n``: a count >= 1, or -1 (llama.cpp's spelling) for no limit but EOS and the context (None)."""
+    if n is None or n == -1:
+        return None
+    if n < 1:
+        raise InvalidParameterError(f"--max-tokens/-n must be >= 1, or -1 for until EOS or the context is full; got {n}")
+    return n
+
+
 def build_sampling(values: dict[str, Any]) -> SamplingParams:
     kw = dict(values)
     kw["stop"] = tuple(kw.get("stop") or ())
+    if "max_tokens" in kw:
+        kw["max_tokens"] = cli_max_tokens(kw["max_tokens"])
     return SamplingParams(**kw)
+
+
+# `--chat-template` on the commands that render conversations (run, chat, serve): it goes into EngineConfig.
+ChatTemplateOption = Annotated[Optional[str], typer.Option(
+    "--chat-template", metavar="FILE|NAME",
+    help="render conversations with this Jinja file or known template (chatml, llama3, gemma, phi3, zephyr, llama2, "
+         "mistral, vicuna, alpaca) instead of the model's own",
+)]
 
 
 def _extend(fn: Callable, extra: list[inspect.Parameter], build: Callable[[dict[str, Any]], Any], arg: str) -> Callable:
@@ -109,7 +129,8 @@ def _extend(fn: Callable, extra: list[inspect.Parameter], build: Callable[[dict[
         picked = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
         return fn(*args, **kwargs, **{arg: build(picked)})
 
-    params = base + extra
+    # The engine flags' panel goes last: a command's own options and sampling come first in --help.
+    params = sorted(base + extra, key=lambda p: p.name in _ENGINE_NAMES and p.kind == P.KEYWORD_ONLY)
     wrapper.__signature__ = sig.replace(parameters=params, return_annotation=inspect.Signature.empty)  # type: ignore[attr-defined]
     wrapper.__annotations__ = {p.name: p.annotation for p in params}
     del wrapper.__wrapped__

@@ -22,7 +22,8 @@ from llmsys.kernels.common.errors import InvalidParameterError, ModelNotFoundErr
 
 @engine_command
 def perplexity_command(
-    model: Annotated[str, typer.Argument(help="model directory, llama2.c .bin, or catalog name")],
+    model: Annotated[str, typer.Argument(help="model directory, .gguf file (any weight format llmsys reads, e.g. "
+                                        "Q4_K_M), llama2.c .bin, catalog name or org/repo")],
     file: Annotated[Path, typer.Argument(help="UTF-8 text file to score")],
     ctx: Annotated[int, typer.Option("--ctx", help="window length in tokens (each window starts with BOS)")] = 256,
     limit: Annotated[Optional[int], typer.Option("--limit", help="score only the first N tokens of the file")] = None,

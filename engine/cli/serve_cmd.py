@@ -9,7 +9,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from llmsys.engine.cli.options import build_engine_config, engine_command, pulling_command
+from llmsys.engine.cli.options import ChatTemplateOption, build_engine_config, engine_command, pulling_command
 from llmsys.kernels.common.units import parse_size
 from llmsys.kernels.common.errors import InvalidParameterError
 
@@ -71,6 +71,7 @@ def serve_command(
                             "it is aborted and its slot freed")
     ] = 30.0,
     log_level: Annotated[str, typer.Option("--log-level", help="uvicorn log level")] = "info",
+    chat_template: ChatTemplateOption = None,
     *,
     engine_flags: dict[str, Any],
     auto_pull: bool,
@@ -114,8 +115,38 @@ def serve_command(
         max_prompt_tokens=max_prompt_tokens,
         send_timeout_s=send_timeout,
     )
+    check_port(host, port)  # before a download or a load that would only end in uvicorn's bind error
     ensure_pulled(model, auto_pull)
-    return serve(build_engine_config(model, engine_flags), settings, host=host, port=port, log_level=log_level)
+    config = build_engine_config(model, dict(engine_flags, chat_template=chat_template))
+    return serve(config, settings, host=host, port=port, log_level=log_level)
+
+
+def check_port(host: str, port: int) -> None:
+    """Bind ``host:port`` as uvicorn will (SO_REUSEADDR) and let go: a port in use is one line that names
+    it and the fix, where uvicorn logs four. Port 0 (any free one) is not checked."""
+    import errno
+    import socket
+
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise InvalidParameterError(f"--host {host}: not an address this machine can bind ({e.strerror}); "
+                                    "try 127.0.0.1 or 0.0.0.0") from None
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(addr)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise InvalidParameterError(
+                    f"port {port} on {host} is in use (another llmsys serve or server?); pick another with "
+                    f"--port N, or stop the process holding it (ss -ltnp 'sport = :{port}' shows it)") from None
+            if e.errno == errno.EACCES:
+                raise InvalidParameterError(f"port {port} needs privileges to bind; use --port 1024 or above") from None
+            raise InvalidParameterError(f"cannot bind {host}:{port} ({e.strerror}); check --host and --port") from None
 
 
 def _names(text: str | None) -> tuple[str, ...]:
