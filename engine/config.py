@@ -192,6 +192,11 @@ class EngineConfig:
     # --chat-template FILE|NAME: a Jinja file or a known family (llmsys.engine.chat_template), rendered instead of
     # the model's own by every front end (a str is compiled here, once); None: the model's own template.
     chat_template: ChatTemplate | None = field(default=None, hash=False)
+    # The prefix cache's disk tier (llmsys.engine.kv_disk): at most this many bytes of full KV blocks kept
+    # in files under kv_disk_dir (None: $LLMSYS_HOME/kv) and read back by a later process; 0 = off
+    # (`serve` and `chat` default to engine.kv_disk.DEFAULT_KV_DISK). A size such as "4GiB" is parsed.
+    kv_disk: int | str | None = 0
+    kv_disk_dir: str | None = None
     kv_offload_bytes: int | None = field(default=None, init=False)  # --kv-offload-tokens given as a size
 
     def __post_init__(self) -> None:
@@ -224,6 +229,7 @@ class EngineConfig:
                                         "leave it unset to size the pool from free memory")
         for name in ("gpu_mem", "cpu_mem", "swap_space"):
             set_(self, name, _size_flag(name, getattr(self, name)))
+        set_(self, "kv_disk", _size_flag("kv_disk", self.kv_disk) or 0)
         set_(self, "quant", parse_quant_flag(self.quant))
         set_(self, "quant_keep_float", tuple(self.quant_keep_float))
         set_(self, "kv_dtype", parse_kv_dtype(self.kv_dtype))

@@ -26,6 +26,7 @@ from llmsys.engine.embedding import Pooler, Pooling
 from llmsys.kernels.common.errors import ContextOverflowError, InvalidParameterError, KVReadError
 from llmsys.engine.attention import make_backend
 from llmsys.engine.kv_cache import BlockAllocator, KVCacheSpec, make_kv_pool
+from llmsys.engine.kv_disk import KVDiskReport, open_kv_disk
 from llmsys.engine.loader.common import LoadedModel
 from llmsys.engine.outputs import CONSTRAINT_FAILED, REQUEST_FAILED, StreamChunk, Timings, Usage
 from llmsys.engine.runner import ModelRunner
@@ -105,6 +106,7 @@ class MemoryReport:
     stored_formats: dict[str, str] = field(default_factory=dict)
     # Experts kept apart from their layers (MoE on disk with a RAM cache, or --cpu-moe); None: none are.
     experts: ExpertReport | None = None
+    kv_disk: KVDiskReport | None = None  # the prefix cache's disk tier (--kv-disk), None: off
     # KV per kind of layer: "global" (every position kept) and, for a model with sliding-window layers,
     # "sliding" (in rings where the engine keeps only their window: engine/sliding_kv.py). Pool blocks only.
     kv_layers: dict[str, KVLayerReport] = field(default_factory=dict)
@@ -191,10 +193,14 @@ class EngineCore:
         # Swap space for preempted sequences (None: recompute only). It copies one block id across every
         # layer, so an engine with rings recomputes (an explicit --swap-space kept every layer full instead).
         self.swap = make_swap_space(self.kv, 0 if self.ring is not None else config.swap_space, config.offload_dir)
+        # The prefix cache's disk tier (--kv-disk; llmsys.engine.kv_disk): full blocks written as they are
+        # made and read back by a later process; None: off.
+        self.kv_disk = open_kv_disk(config, loaded, self.kv, type(self.attn).__name__, self.quant_kernels,
+                                    self.ring is not None)
         self.scheduler = Scheduler(
             self.allocator, kv_spec.block_size, config.max_num_seqs, config.max_num_batched_tokens,
             prefix_caching=config.prefix_caching, kv_policy=self.kv_policy, swap=self.swap, tier=self.tier,
-            ring=self.ring,
+            ring=self.ring, kv_disk=self.kv_disk,
         )
         self.runner = ModelRunner(loaded.model, self.attn, loaded.device, kv_spec.block_size,
                                   kv_policy=self.kv_policy, swap=self.swap, tier=self.tier,
@@ -621,6 +627,7 @@ class EngineCore:
             kv_cold_blocks_total=tr.num_cold if tr is not None else 0,
             kv_cold_blocks_used=self.allocator.num_cold_used if tr is not None else 0,
             kv_blocks_by_tier=by_tier,
+            kv_disk=self.kv_disk.report() if self.kv_disk is not None else None,
             kernels=dict(self.quant_kernels),
             stored_formats=dict(self.loaded.stored_formats),
             experts=rt.expert_report() if rt is not None else None,

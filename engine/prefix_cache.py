@@ -6,7 +6,8 @@ a request starts from its longest run of hits. Exact because a shared block is n
 at most ``(prompt_len - 1) // block_size`` full blocks hit, so every request computes its last prompt
 token and writes only blocks it allocated. Sequences under an evicting KV policy (``seq.kv``) neither
 look up nor register; sliding layers' ring blocks hit only while their last window remains
-(``RingTables.reuse``).
+(``RingTables.reuse``). With a disk tier (``engine/kv_disk.py``) every registered block is also written to
+a file under its key, and a prompt continues its run of hits from disk past the last block in the pool.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from llmsys.engine.kv_cache import BlockAllocator
 from llmsys.engine.sequence import Sequence
 
 if TYPE_CHECKING:
+    from llmsys.engine.kv_disk import KVDisk
     from llmsys.engine.sliding_kv import RingTables
 
 
@@ -35,10 +37,12 @@ def extend_keys(keys: list[bytes], tokens: list[int], block_size: int, num_block
         keys.append(block_key(keys[-1] if keys else b"", tokens[i * block_size : (i + 1) * block_size]))
 
 
-def match_prefix(seq: Sequence, allocator: BlockAllocator, block_size: int, ring: RingTables | None = None) -> int:
+def match_prefix(seq: Sequence, allocator: BlockAllocator, block_size: int, ring: RingTables | None = None,
+                 disk: KVDisk | None = None) -> int:
     """Give a fresh sequence the cached blocks of its longest known prefix; returns tokens reused.
 
-    Leaves at least one token to compute. The caller releases the blocks
+    Leaves at least one token to compute. Past the pool's hits, ``disk`` reads the next blocks back into
+    fresh pool blocks (as many as are free; none with a ring). The caller releases the blocks
     (``allocator.free(seq.block_table)``, and its ring's) if it cannot schedule the sequence.
     """
     if seq.kv is not None or not seq.prefix_reuse or seq.num_computed or seq.block_table:
@@ -53,6 +57,8 @@ def match_prefix(seq: Sequence, allocator: BlockAllocator, block_size: int, ring
         n = ring.reuse(seq, len(hit))
         allocator.free(hit[n:])
         hit = hit[:n]
+    if disk is not None and ring is None and len(hit) < usable:
+        hit += disk.restore(seq.block_keys[len(hit):usable], allocator, allocator.num_free - 2)  # room to go on
     seq.block_table = hit
     seq.num_registered = len(hit)
     seq.num_computed = len(hit) * block_size
@@ -60,9 +66,9 @@ def match_prefix(seq: Sequence, allocator: BlockAllocator, block_size: int, ring
 
 
 def register_full_blocks(seq: Sequence, allocator: BlockAllocator, block_size: int,
-                         ring: RingTables | None = None) -> None:
+                         ring: RingTables | None = None, disk: KVDisk | None = None) -> None:
     """After a forward pass: register the blocks of ``seq`` that are now full of computed KV (and
-    their ring blocks)."""
+    their ring blocks), and hand the pool's ones to ``disk`` to write."""
     if seq.kv is not None:
         return
     full = min(seq.num_computed // block_size, len(seq.block_table))
@@ -73,6 +79,10 @@ def register_full_blocks(seq: Sequence, allocator: BlockAllocator, block_size: i
         allocator.register(seq.block_table[i], seq.block_keys[i])
     if ring is not None:
         ring.register(seq, seq.num_registered, full)
+    if disk is not None:
+        new = [(b, k) for b, k in zip(seq.block_table[seq.num_registered:full], seq.block_keys[seq.num_registered:full])
+               if not allocator.is_cold(b)]
+        disk.submit([b for b, _ in new], [k for _, k in new])
     seq.num_registered = full
 
 

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     import torch
 
     from llmsys.engine.attention import AttentionMetadata
+    from llmsys.engine.kv_disk import KVDisk
     from llmsys.engine.sliding_kv import RingTables
     from llmsys.offload.eviction.policy import KVPolicy
     from llmsys.offload.kv_policy import PolicyRuntime
@@ -134,7 +135,7 @@ class Scheduler:
     def __init__(
         self, allocator: BlockAllocator, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
         prefix_caching: bool = False, kv_policy: PolicyRuntime | None = None, swap: KVSwapSpace | None = None,
-        tier: KVTier | None = None, ring: RingTables | None = None,
+        tier: KVTier | None = None, ring: RingTables | None = None, kv_disk: KVDisk | None = None,
     ):
         self.allocator = allocator
         self.prefix_caching = prefix_caching  # reuse registered prompt-prefix blocks (llmsys.engine.prefix_cache)
@@ -145,6 +146,7 @@ class Scheduler:
         self.swap = swap
         self.tier = tier
         self.ring = ring
+        self.kv_disk = kv_disk  # the prefix cache's disk tier (llmsys.engine.kv_disk), None: RAM only
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.requests: dict[str, Sequence] = {}  # every unfinished sequence by request id
@@ -369,7 +371,7 @@ class Scheduler:
             if self._outgrew_hot_pool(seq):
                 self._fail_unfit(seq, out)
                 continue
-            reused = match_prefix(seq, self.allocator, self.block_size, self.ring) if self.prefix_caching else 0
+            reused = match_prefix(seq, self.allocator, self.block_size, self.ring, self.kv_disk) if self.prefix_caching else 0
             n = min(seq.num_tokens - seq.num_computed, budget)
             if seq.kv is not None:
                 n = self.kv_policy.before_step(seq, n)
@@ -413,7 +415,7 @@ class Scheduler:
             c.seq.num_computed += c.num_new_tokens
         if self.prefix_caching:
             for c in chunks:
-                register_full_blocks(c.seq, self.allocator, self.block_size, self.ring)
+                register_full_blocks(c.seq, self.allocator, self.block_size, self.ring, self.kv_disk)
         return [self.requests[rid] for rid in result.sample_ids]
 
     def append_tokens(self, seqs: list[Sequence], token_ids: list[int]) -> None:
@@ -426,7 +428,7 @@ class Scheduler:
         step, is now part of the sequence (and its block, once full, findable by later prompts)."""
         seq.num_computed += 1
         if self.prefix_caching:
-            register_full_blocks(seq, self.allocator, self.block_size, self.ring)
+            register_full_blocks(seq, self.allocator, self.block_size, self.ring, self.kv_disk)
 
     def trim_drafts(self, seq: Sequence) -> None:
         """After a verification: the blocks grown for rejected drafts go back to the pool (the open
