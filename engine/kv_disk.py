@@ -385,17 +385,17 @@ class KVDisk:
         """Index every namespace's files, oldest mtime first (the LRU order a previous process left)."""
         found = []
         try:
-            for sub in self.root.iterdir():
-                if not sub.is_dir() or sub.name == "pins":
-                    continue
+            subs = [d for d in self.root.iterdir() if d.is_dir() and d.name != "pins"]
+            for sub in subs:
                 for f in sub.iterdir():
-                    if f.name.endswith(".tmp"):
-                        if time.time() - f.stat().st_mtime > STALE_TMP_S:
-                            f.unlink(missing_ok=True)  # a write a killed process left half done
-                        continue
-                    if f.suffix == SUFFIX:
+                    try:
                         st = f.stat()
-                        found.append((st.st_mtime, f, st.st_size))
+                        if f.name.endswith(".tmp") and time.time() - st.st_mtime > STALE_TMP_S:
+                            f.unlink()  # a write a killed process left half done
+                        elif f.suffix == SUFFIX:
+                            found.append((st.st_mtime, f, st.st_size))
+                    except FileNotFoundError:  # another process evicted it meanwhile
+                        continue
         except FileNotFoundError:
             pass
         except OSError as e:
