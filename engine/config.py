@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SLIDING_KV_MODES = ("auto", "ring", "full")  # EngineConfig.sliding_kv (llmsys.engine.sliding_kv)
 DEVICES = ("auto", "cpu", "cuda")
+DEFAULT_KV_DISK = 4 << 30  # --kv-disk of `serve` and `chat` when unset (llmsys.engine.kv_disk); elsewhere 0 (off)
 
 
 QUANT_NAMES = ("none", "int8", "int8:g32", "int4", "int4:g32", "int4:g64", "int4:g128", "nf4", "nf4:dq", "fp8")
@@ -194,7 +195,7 @@ class EngineConfig:
     chat_template: ChatTemplate | None = field(default=None, hash=False)
     # The prefix cache's disk tier (llmsys.engine.kv_disk): at most this many bytes of full KV blocks kept
     # in files under kv_disk_dir (None: $LLMSYS_HOME/kv) and read back by a later process; 0 = off
-    # (`serve` and `chat` default to engine.kv_disk.DEFAULT_KV_DISK). A size such as "4GiB" is parsed.
+    # (`serve` and `chat` default to DEFAULT_KV_DISK). A size such as "4GiB" is parsed.
     kv_disk: int | str | None = 0
     kv_disk_dir: str | None = None
     kv_offload_bytes: int | None = field(default=None, init=False)  # --kv-offload-tokens given as a size

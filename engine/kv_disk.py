@@ -53,7 +53,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-DEFAULT_KV_DISK = 4 << 30  # `serve` and `chat` keep this much unless --kv-disk says otherwise
 FORMAT_VERSION = 1
 MAGIC = b"LLMSYSKV"
 _HEADER = struct.Struct("<8sI16s16sQ16s")  # magic, version, namespace, key, payload bytes, xxh3-128(payload)

@@ -14,6 +14,7 @@ from llmsys.engine.cli.options import (
     pulling_command,
     sampling_command,
 )
+from llmsys.engine.cli.options import kv_disk_on
 from llmsys.engine.sampling import SamplingParams
 
 DEFAULT_MODEL = "stories260k"
@@ -38,6 +39,7 @@ def chat_command(
     from llmsys.engine.llm import LLM
 
     ensure_pulled(model, auto_pull)  # before the full-screen app: the question and the bars need the terminal
+    engine_flags = kv_disk_on(engine_flags)  # a later chat reads the conversation's KV back from disk
     config = build_engine_config(model, dict(engine_flags, chat_template=chat_template))
 
     tty = sys.stdin.isatty() and sys.stdout.isatty()

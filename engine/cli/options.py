@@ -31,7 +31,7 @@ _ENGINE_NAMES = {
     "device", "dtype", "max_model_len", "block_size", "kv_cache_tokens", "max_num_seqs",
     "max_num_batched_tokens", "threads", "quant", "kv_dtype", "gpu_mem", "cpu_mem", "offload_dir", "kv_policy",
     "swap_space", "prefix_caching", "kv_offload_tokens", "spec", "draft_model", "spec_tokens", "cpu_moe", "n_cpu_moe",
-    "sliding_kv",
+    "sliding_kv", "kv_disk",
 }
 
 ENGINE_PARAMS = [
@@ -54,6 +54,9 @@ ENGINE_PARAMS = [
     _opt("kv_offload_tokens", str, "0", "--kv-offload-tokens",
          help="KV beyond --kv-cache-tokens, kept cold (disk for a CPU pool, RAM for a GPU pool) and read per layer: "
               "tokens or a size, e.g. 32768 or 2GiB; 0 = off"),
+    _opt("kv_disk", Optional[str], None, "--kv-disk",
+         help="keep full prompt KV blocks on disk (in $LLMSYS_HOME/kv) so a restarted process reads them back, at "
+              "most this size, e.g. 4GiB; 0 = off (default: 4GiB for serve and chat, off otherwise)"),
     _opt("prefix_caching", bool, True, "--prefix-caching/--no-prefix-caching",
          help="reuse the KV of prompt prefixes seen before (off: every prompt is computed in full)"),
     _opt("sliding_kv", str, "auto", "--sliding-kv",
@@ -98,6 +101,13 @@ def cli_max_tokens(n: int | None) -> int | None:
     if n < 1:
         raise InvalidParameterError(f"--max-tokens/-n must be >= 1, or -1 for until EOS or the context is full; got {n}")
     return n
+
+
+def kv_disk_on(values: dict[str, Any]) -> dict[str, Any]:
+    """``serve`` and ``chat`` keep prompts' KV on disk across restarts unless ``--kv-disk`` says otherwise."""
+    from llmsys.engine.config import DEFAULT_KV_DISK
+
+    return values if values.get("kv_disk") is not None else dict(values, kv_disk=DEFAULT_KV_DISK)
 
 
 def build_sampling(values: dict[str, Any]) -> SamplingParams:

@@ -10,6 +10,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from llmsys.engine.cli.options import ChatTemplateOption, build_engine_config, engine_command, pulling_command
+from llmsys.engine.cli.options import kv_disk_on
 from llmsys.kernels.common.units import parse_size
 from llmsys.kernels.common.errors import InvalidParameterError
 
@@ -117,6 +118,7 @@ def serve_command(
     )
     check_port(host, port)  # before a download or a load that would only end in uvicorn's bind error
     ensure_pulled(model, auto_pull)
+    engine_flags = kv_disk_on(engine_flags)  # a restarted server reads its prompts' KV back from disk
     config = build_engine_config(model, dict(engine_flags, chat_template=chat_template))
     return serve(config, settings, host=host, port=port, log_level=log_level)
 
