@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -266,3 +267,43 @@ def test_smollm2_gguf_restart_gives_the_same_tokens_and_logprobs(tmp_path):
     bs = second.core.kv.spec.block_size
     assert a.usage.cached_tokens == 0 and b.usage.cached_tokens == (n - 1) // bs * bs
     assert _sig(a) == _sig(b)
+
+
+def test_a_restarted_server_reports_cached_tokens_and_disk_metrics(tmp_path):
+    """Two servers one after the other on one folder: the second answers the same prompt plus a turn with
+    the first one's blocks (``usage.prompt_tokens_details.cached_tokens``) and the same text; ``/metrics``
+    counts the disk tier's bytes and hits."""
+    import httpx
+
+    from llmsys.engine.server.metrics import parse_metrics
+    from llmsys.engine.server.serve import start_server_thread
+    from llmsys.engine.server.state import ServerSettings, ServerState
+
+    path = need_shared(STORIES_HF)
+    body = {"model": "m", "prompt": STORY * 2, "max_tokens": 10, "temperature": 0}
+
+    def serve_once(body: dict) -> tuple[dict, dict[str, float]]:
+        llm = LLM(str(path), dtype="float32", progress=False, kv_disk="64MiB", kv_disk_dir=str(tmp_path))
+        state = ServerState(ServerSettings())
+        state.attach(llm, "m")
+        srv = start_server_thread(state)
+        try:
+            r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            llm.core.kv_disk.flush()
+            time.sleep(0.2)  # the gauges follow the engine's step after the request's last
+            return r.json(), parse_metrics(httpx.get(srv.url + "/metrics").text)
+        finally:
+            srv.stop()
+
+    first, _ = serve_once(body)
+    turn = dict(body, prompt=body["prompt"] + first["choices"][0]["text"] + " And then")
+    again, m = serve_once(turn)
+    plain = LLM(str(path), dtype="float32", progress=False, prefix_caching=False)
+    ref = plain.generate([turn["prompt"]], SamplingParams(temperature=0, max_tokens=10))[0]
+    cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert cached >= first["usage"]["prompt_tokens"] - 16  # the first exchange's blocks, read back
+    assert again["choices"][0]["text"] == ref.text
+    assert m["llmsys_kv_disk_bytes"] > 0 and m["llmsys_kv_disk_enabled"] == 1
+    assert m["llmsys_kv_disk_hit_blocks_total"] == cached // 16

@@ -30,6 +30,7 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from llmsys.engine.core import EngineCore, MemoryReport
+    from llmsys.engine.kv_disk import KVDiskReport
     from llmsys.offload.experts import ExpertReport
 
 # Latency buckets in seconds: sub-millisecond decode steps up to slow prefills.
@@ -58,6 +59,7 @@ class EngineGauges:
     swap_total: dict[str, int] = field(default_factory=dict)
     swap_used: dict[str, int] = field(default_factory=dict)
     experts: ExpertReport | None = None  # MoE experts kept apart from their layers (offload/experts.py)
+    kv_disk: KVDiskReport | None = None  # the prefix cache's disk tier (engine/kv_disk.py); None: off
     # Fixed once the model is loaded (set_placement).
     budgets: dict[str, int] = field(default_factory=dict)  # tier -> bytes llmsys may use there
     layers: tuple[tuple[str, bool], ...] = ()  # per layer: (tier holding its weights, streamed per step)
@@ -158,12 +160,33 @@ class _EngineCollector(Collector):
             yield CounterMetricFamily("llmsys_expert_cache_hits", "Routed experts found in the cache.", value=ex.hits)
             yield CounterMetricFamily("llmsys_expert_cache_misses", "Routed experts read from disk.", value=ex.misses)
             yield CounterMetricFamily("llmsys_expert_read_bytes", "Expert bytes read from disk.", value=ex.bytes_read)
+        if g.kv_disk is not None:
+            yield from _kv_disk_metrics(g.kv_disk)
         if g.layers:
             info = InfoMetricFamily("llmsys_layer", "Where each decoder layer's weights live (streamed: copied to "
                                     "the compute tier each step).", labels=["layer"])
             for i, (tier, streamed) in enumerate(g.layers):
                 info.add_metric([str(i)], {"tier": tier, "streamed": "true" if streamed else "false"})
             yield info
+
+
+def _kv_disk_metrics(d: KVDiskReport) -> Iterator[Metric]:
+    """The prefix cache's disk tier: its bytes, its limit, whether it is on, and its counters (in blocks)."""
+    s = d.stats
+    yield GaugeMetricFamily("llmsys_kv_disk_bytes", "Bytes of KV block files in the disk tier's folder (--kv-disk).",
+                            value=s.bytes_on_disk)
+    yield GaugeMetricFamily("llmsys_kv_disk_limit_bytes", "The disk tier's size limit (--kv-disk).", value=d.limit)
+    yield GaugeMetricFamily("llmsys_kv_disk_enabled", "1 while the disk tier works; 0 after a disk failure turned "
+                            "it off.", value=1 if d.enabled else 0)
+    for name, help_, v in (
+        ("llmsys_kv_disk_hit_blocks", "KV blocks read back from disk instead of computed.", s.hits),
+        ("llmsys_kv_disk_misses", "Prompts that looked on disk past the pool's prefix and found nothing.", s.misses),
+        ("llmsys_kv_disk_corrupt_blocks", "Block files found torn or corrupt (deleted and computed).", s.corrupt),
+        ("llmsys_kv_disk_written_blocks", "KV blocks written to disk.", s.written),
+        ("llmsys_kv_disk_dropped_blocks", "KV blocks not written (the write queue was full).", s.dropped),
+        ("llmsys_kv_disk_evicted_blocks", "Block files deleted to stay within --kv-disk.", s.evicted),
+    ):
+        yield CounterMetricFamily(name, help_, value=v)
 
 
 class Metrics:
@@ -245,6 +268,8 @@ class Metrics:
             self.engine, weights=dict(rep.weights), kv_total=dict(rep.kv_total), kv_used=dict(rep.kv_used),
             staging=dict(rep.staging), swap_total=dict(rep.kv_swap_total), swap_used=dict(rep.kv_swap_used),
             experts=rep.experts)
+        if rep.kv_disk is not None:
+            self.engine = dataclasses.replace(self.engine, kv_disk=rep.kv_disk)
 
     @property
     def has_placement(self) -> bool:
