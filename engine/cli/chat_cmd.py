@@ -24,7 +24,7 @@ DEFAULT_MODEL = "stories260k"
 @sampling_command
 @engine_command
 def chat_command(
-    model: Annotated[str, typer.Argument(help="model directory, .gguf or llama2.c file, catalog name, org/repo or ollama:NAME")] = DEFAULT_MODEL,
+    model: Annotated[str, typer.Argument(help="model folder, .gguf or llama2.c file, catalog name or alias (qwen2.5:0.5b), org/repo or Ollama NAME:TAG")] = DEFAULT_MODEL,
     plain: Annotated[bool, typer.Option("--plain", help="line-by-line REPL instead of the full-screen app")] = False,
     system: Annotated[Optional[str], typer.Option("--system", help="system prompt")] = None,
     theme: Annotated[str, typer.Option("--theme", help="Textual theme, e.g. textual-dark, textual-light")] = "textual-dark",

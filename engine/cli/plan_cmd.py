@@ -70,7 +70,7 @@ def meta_model(cfg: dict[str, Any], source: str = "config.json"):
 
 @engine_command
 def plan_command(
-    model: Annotated[str, typer.Argument(help="model directory, catalog name or synthetic shape (e.g. llama-8b)")],
+    model: Annotated[str, typer.Argument(help="model folder or file, catalog name or alias (qwen2.5:0.5b), org/repo, Ollama NAME:TAG or synthetic shape (llama-8b)")],
     batch: Annotated[int, typer.Option("--batch", help="sequences decoded together")] = 1,
     prompt_len: Annotated[int, typer.Option("--prompt-len", help="prompt tokens per sequence")] = 128,
     output_len: Annotated[int, typer.Option("--output-len", help="generated tokens per sequence")] = 128,

@@ -70,7 +70,7 @@ def choose_prompt(tokenizer: Any, mode: PromptMode, model: str) -> PromptChoice:
 @sampling_command
 @engine_command
 def run_command(
-    model: Annotated[str, typer.Argument(help="model directory, .gguf or llama2.c file, catalog name, org/repo or ollama:NAME")],
+    model: Annotated[str, typer.Argument(help="model folder, .gguf or llama2.c file, catalog name or alias (qwen2.5:0.5b), org/repo or Ollama NAME:TAG")],
     prompt: Annotated[Optional[str], typer.Argument(
         help="the prompt text ('-' reads stdin); none: a conversation at the terminal (as llmsys chat --plain)")] = None,
     raw: Annotated[bool, typer.Option("--raw", help="send PROMPT as it is, without the chat template")] = False,

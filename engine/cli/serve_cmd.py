@@ -18,7 +18,7 @@ from llmsys.kernels.common.errors import InvalidParameterError
 @pulling_command
 @engine_command
 def serve_command(
-    model: Annotated[str, typer.Argument(help="model directory, .gguf or llama2.c file, catalog name, org/repo or ollama:NAME")],
+    model: Annotated[str, typer.Argument(help="model folder, .gguf or llama2.c file, catalog name or alias (qwen2.5:0.5b), org/repo or Ollama NAME:TAG")],
     host: Annotated[str, typer.Option("--host", help="address to bind (loopback by default)")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="TCP port")] = 8000,
     api_key: Annotated[
