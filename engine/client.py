@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from llmsys.engine.core import EngineCore, TokenConstraint
+from llmsys.engine.embedding import Pooling
 from llmsys.engine.outputs import StreamChunk
 from llmsys.engine.sampling import SamplingParams
 from llmsys.kernels.common.errors import LLMSysError
@@ -85,6 +86,16 @@ class Submission:
     last_token: float | None = None
     finished: bool = False
     interrupt: tuple[str, str] | None = None  # (code, message) once the client decided to end it
+    pooling: Pooling | None = None  # an embedding request: its final chunk carries the pooled vector
+    group: _Group | None = None  # the inputs of one embedding call share one running-or-queued place
+
+
+@dataclass
+class _Group:
+    """Submissions that count as one place against ``max_concurrency + max_queue``: an embedding call's
+    inputs (a retriever sends hundreds at once; each is one prefill). The place is freed with the last."""
+
+    left: int
 
 
 class EngineClient(threading.Thread):
@@ -145,6 +156,7 @@ class EngineClient(threading.Thread):
     def submit(self, subs: list[Submission]) -> None:
         """Queue all of ``subs`` or none (raises :class:`QueueFullError` or
         :class:`ServiceUnavailableError`)."""
+        places = len({id(s.group) if s.group is not None else id(s) for s in subs})
         with self._lock:
             if self._fatal is not None or not self.is_alive():
                 raise ServiceUnavailableError(f"the engine thread stopped ({self._fatal or 'exited'}); "
@@ -152,14 +164,25 @@ class EngineClient(threading.Thread):
             if self._stopping.is_set():
                 raise ServiceUnavailableError(f"{self._shutdown_phrase}; retry against another instance or later",
                                               "server_shutdown")
-            if self._in_system + len(subs) > self.max_concurrency + self.max_queue:
+            if self._in_system + places > self.max_concurrency + self.max_queue:
                 raise QueueFullError(
                     f"{self._in_system} requests are running or queued (limit "
                     f"{self.max_concurrency} running + {self.max_queue} queued)"
                 )
-            self._in_system += len(subs)
+            self._in_system += places
         for s in subs:
             self._inbox.put(("add", s))
+
+    def embed(self, request_id: str, prompts: list[list[int]], pooling: Pooling,
+              sink: Callable[[int, Outcome], None]) -> list[Submission]:
+        """Queue one embedding per prompt (ids ``{request_id}-{k}``, sink index ``k``), as one place in the
+        queue; each is batched by the scheduler with everything else and its final chunk carries
+        ``embedding``. Returns the submissions (to abort); raises as :meth:`submit`."""
+        group = _Group(len(prompts))
+        subs = [Submission(f"{request_id}-{k}", k, ids, SamplingParams(max_tokens=1), sink, pooling=pooling,
+                           group=group) for k, ids in enumerate(prompts)]
+        self.submit(subs)
+        return subs
 
     def abort(self, request_id: str) -> None:
         """End a request; its sink still gets a final chunk (``finish_reason`` "abort")."""
@@ -317,7 +340,7 @@ class EngineClient(threading.Thread):
             sub = self._waiting.popleft()
             try:
                 self.core.add_request(sub.prompt_ids, sub.params, sub.request_id, constraint=sub.constraint,
-                                      sample_index=sub.sample_index)
+                                      sample_index=sub.sample_index, pooling=sub.pooling)
             except Exception as e:  # LLMSysError (context full, bad params) or a bug
                 self._finish(sub)
                 self._send(sub, e)
@@ -349,6 +372,10 @@ class EngineClient(threading.Thread):
     def _finish(self, sub: Submission) -> None:
         if not sub.finished:
             sub.finished = True
+            if sub.group is not None:
+                sub.group.left -= 1
+                if sub.group.left:
+                    return
             with self._lock:
                 self._in_system -= 1
 

@@ -216,8 +216,8 @@ def test_errors_in_ollama_shape(env):
     assert bad.status_code == 400 and isinstance(bad.json()["error"], str) and "role" in bad.json()["error"]
     ctx = _post(env["a"], "/api/generate", {"model": "stories-chat", "prompt": "x", "context": [1, 99999]})
     assert ctx.status_code == 400 and ctx.json()["code"] == "invalid_prompt"
-    emb = _post(env["a"], "/api/embed", {"model": "stories-chat", "input": "x"})
-    assert emb.status_code == 501 and "embeddings are not served" in emb.json()["error"]
+    emb = _post(env["a"], "/api/embed", {"model": "stories-chat", "input": "x", "dimensions": 100000})
+    assert emb.status_code == 400 and emb.json()["error"].startswith("dimensions=100000 is outside 1..")
     with pytest.raises(ollama.ResponseError) as e:
         c.pull("llama3.2")
     assert e.value.status_code == 501 and "serves one model" in e.value.error

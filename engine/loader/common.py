@@ -347,7 +347,9 @@ def open_checkpoint(path: str | Path | ModelSource, dt: torch.dtype, dev: torch.
     cfg = text_config(raw, str(cfg_path))  # a multimodal checkpoint's language model
     family = family_for(cfg, str(cfg_path))
     index = CheckpointIndex.open_dir(p)
+    bare = _bare_decoder_views(index, cfg)
     notices, origin = _text_of_multimodal(raw, index, cfg_path)
+    notices += bare
     # The config's values, and its layer count against the tensors held, before the skeleton is built.
     args = validate.model_args(family, cfg, origin, validate.layer_indices(index.where), index.where)
     from llmsys.engine.loader.quantized import decoded_at_load, stored_quantized
@@ -368,6 +370,23 @@ def open_checkpoint(path: str | Path | ModelSource, dt: torch.dtype, dev: torch.
         add_expert_views(index, shapes, shapes, p, args.experts_layout)
     validate.check_tensors(model, lambda n: index.info(n) if n in index else None, p)
     return Checkpoint(p, model, family.__name__.rsplit(".", 1)[1], cfg, index, dt, dev, notices=notices)
+
+
+def _bare_decoder_views(index: Any, cfg: dict[str, Any]) -> tuple[str, ...]:
+    """A checkpoint saved from the bare decoder (transformers' ``*Model``, as sentence-transformers saves
+    Qwen3-Embedding): body tensors without the ``model.`` prefix and no LM head. Each is added to ``index`` under
+    the engine's name (a view: nothing copied). An untied one has no head at all: the embedding matrix stands
+    in, so the model loads for embeddings, and the load's notice says its text would be meaningless."""
+    if "embed_tokens.weight" not in index or EMBED in index:
+        return ()
+    for name in list(index.where):
+        if name.startswith(("embed_tokens.", "layers.", "norm.")):
+            index.add_view("model." + name, name, 0, index.info(name).shape)
+    if "lm_head.weight" in index or cfg.get("tie_word_embeddings", False):
+        return ()
+    index.add_view("lm_head.weight", "embed_tokens.weight", 0, index.info("embed_tokens.weight").shape)
+    return ("no LM head (a bare decoder, as embedding models are saved): the embedding matrix stands in for it, "
+            "so generated text is meaningless; use the model for embeddings",)
 
 
 def _text_of_multimodal(raw: dict[str, Any], index: Any, cfg_path: Path) -> tuple[tuple[str, ...], validate.Origin]:

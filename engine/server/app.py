@@ -45,6 +45,7 @@ from llmsys.engine.server.completions import (
     stream_events,
     timings_dict,
 )
+from llmsys.engine.server.embeddings import check_dimensions, embedding_inputs, encode_vector, run_embeddings
 from llmsys.engine.server.ollama import OLLAMA_ENDPOINTS, add_ollama_routes
 from llmsys.engine.server.openapi import ServerAPI
 from llmsys.engine.server.prepare import Preparer
@@ -53,6 +54,7 @@ from llmsys.engine.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    EmbeddingRequest,
     OffLoopRoute,
     stop_list,
     unsupported_field,
@@ -63,7 +65,8 @@ from llmsys.engine.server.state import ServerState
 
 log = logging.getLogger("llmsys.server")
 
-_ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", *OLLAMA_ENDPOINTS}
+_ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models", "/health", "/metrics",
+              *OLLAMA_ENDPOINTS}
 _KEYED_DOCS = ("/docs", "/redoc", "/openapi.json")  # need the API key too when one is set
 
 
@@ -513,6 +516,29 @@ def create_app(state: ServerState) -> ServerAPI:
         params = sampling(req, max_tokens, req.logprobs, policy)
         cons = await constraints(prompts, params, response_grammar(req), "response_format")
         return await run(request, req, False, prompts, params, req.logprobs, cons, echo=echo)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(req: EmbeddingRequest, request: Request):
+        """One vector per input, pooled as the model says (``LLM.pooling``); an input longer than the
+        context is a 400 naming both lengths (``dimensions`` keeps the first values, normalized again)."""
+        need_ready()
+        check_model(req.model)
+        if req.user is not None:
+            log.info("request identifiers: user=%r", req.user)
+        check_dimensions(state, req.dimensions)
+        x = req.input
+        raw: list = [x] if isinstance(x, str) or (x and isinstance(x[0], int)) else list(x)
+        prompts = await state.off_loop(embedding_inputs, prep, raw, "input", False)
+        out = await run_embeddings(state, prompts, None, req.dimensions, request.is_disconnected)
+        if out is None:
+            return JSONResponse({}, status_code=499)  # the client left; nobody reads this
+        return JSONResponse({
+            "object": "list",
+            "data": [{"object": "embedding", "index": i, "embedding": encode_vector(v, req.encoding_format)}
+                     for i, v in enumerate(out.vectors)],
+            "model": state.model_name,
+            "usage": {"prompt_tokens": out.prompt_tokens, "total_tokens": out.prompt_tokens},
+        })
 
     add_ollama_routes(app, state, prep)  # Ollama's API (/api/...) on the same engine
     return app

@@ -31,6 +31,7 @@ from llmsys.engine.server.worker import Interrupted, QueueFullError, ServiceUnav
 from llmsys.kernels.common.errors import InvalidParameterError
 
 if TYPE_CHECKING:
+    from llmsys.engine.embedding import Pooling
     from llmsys.engine.grammar import GrammarConstraint, GrammarOrText, GrammarSpec
 
 log = logging.getLogger("llmsys.server")
@@ -80,8 +81,10 @@ class Job:
         prompts: list[list[int]],
         params: SamplingParams,
         constraints: Sequence[TokenConstraint] | None = None,
+        pooling: Pooling | None = None,
     ):
-        """``constraints``: one per completion (:func:`grammar_constraints`), or None."""
+        """``constraints``: one per completion (:func:`grammar_constraints`), or None. ``pooling``: an
+        embedding job instead (one embedding per prompt, ``EngineClient.embed``; ``params`` unused)."""
         self.state = state
         self.prompts = prompts
         self.n = n = params.n
@@ -90,13 +93,16 @@ class Job:
         # An evicting KV policy (the request's, else the server's) slides past the context.
         self.evicts = state.llm.core.kv_policy.resolve(params.kv_policy).evicts
         self.subs: list[Submission] = []
-        for ids in prompts:
+        for ids in prompts if pooling is None else ():
             for j in range(n):
                 k = len(self.subs)
                 constraint = constraints[k] if constraints is not None else None  # follows one token stream
                 self.subs.append(Submission(f"{resp_id}-{k}", k, ids, params, sink, constraint, sample_index=j))
         try:
-            state.worker.submit(self.subs)
+            if pooling is not None:
+                self.subs = state.worker.embed(resp_id, prompts, pooling, sink)
+            else:
+                state.worker.submit(self.subs)
         except QueueFullError as e:
             raise APIError(429, f"server busy: {e}; retry later", type="rate_limit_error",
                            code="queue_full", headers={"Retry-After": "1"}) from None

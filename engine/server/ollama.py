@@ -1,7 +1,8 @@
 """Ollama's API (``/api/...``) beside the OpenAI one, so the ``ollama`` client and the apps on it work.
 
 Chat and generate (NDJSON streams; ``"stream": false``: one object), tags, show, ps, version and ``/``;
-embeddings and model management answer 501. Requests share ``/v1``'s :class:`Preparer` and :class:`Job`
+embeddings (``/api/embed``, the legacy ``/api/embeddings``: engine/server/embeddings.py); model management
+answers 501. Requests share ``/v1``'s :class:`Preparer` and :class:`Job`
 (both APIs batch together); only the wire differs: errors are ``{"error": ...}`` (``"code"`` for
 :data:`SEMANTIC_CODES`; the guard middleware's 401/403/408/413 keep OpenAI's shape), a body is JSON
 whatever its ``Content-Type``, and sampling defaults are Ollama's (temperature 0.8, top_k 40, top_p 0.9)
@@ -35,8 +36,10 @@ from llmsys.engine.sampling import MAX_LOGPROBS, SamplingParams
 from llmsys.engine.grammar import GrammarSpec
 from llmsys.engine.server.completions import BoundedStream, Job, ending_error, grammar_constraints, new_id
 from llmsys.engine.server.tools import ToolCall, ToolChoiceError, ToolPlan, ToolStream, chat_messages, plan_tools
+from llmsys.engine.server.embeddings import Embedded, check_dimensions, embedding_inputs, run_embeddings
 from llmsys.engine.server.prepare import Preparer
 from llmsys.engine.server.protocol import (
+    MAX_EMBEDDING_INPUTS,
     MAX_MESSAGES,
     MAX_TOOLS,
     SEED_MAX,
@@ -206,6 +209,30 @@ class OllamaGenerateRequest(_Generating):
                                                                                 "returned: the prompt's prefix")
     raw: bool | None = None
     images: list[str] | None = Field(None, description="only empty: the served models are text-only")
+
+
+class OllamaEmbedRequest(_Model):
+    """``/api/embed``: one vector per input, normalized; ``truncate`` (default true) cuts an input to the context."""
+
+    INT_FIELDS: ClassVar[tuple[str, ...]] = ("dimensions",)
+    model: str = Field(..., min_length=1, max_length=512)
+    input: str | Annotated[list[str], Field(max_length=MAX_EMBEDDING_INPUTS)] = Field(
+        "", description="empty: load the model, answer no embeddings")
+    truncate: bool = Field(True, description="false: an input longer than the context is a 400")
+    dimensions: int | None = Field(None, ge=1, description="keep the first that many values, normalized again")
+    options: OllamaOptions | None = None
+    keep_alive: float | Annotated[str, Field(max_length=64, pattern=_KEEP_ALIVE)] | None = Field(
+        None, description="accepted; the served model stays loaded for the server's life")
+
+
+class OllamaEmbeddingsRequest(_Model):
+    """The legacy ``/api/embeddings``: one prompt, its vector not normalized (as Ollama)."""
+
+    model: str = Field(..., min_length=1, max_length=512)
+    prompt: str = Field("", description="empty: load the model, answer an empty embedding")
+    options: OllamaOptions | None = None
+    keep_alive: float | Annotated[str, Field(max_length=64, pattern=_KEEP_ALIVE)] | None = Field(
+        None, description="accepted; the served model stays loaded for the server's life")
 
 
 class OllamaShowRequest(_Model):
@@ -487,7 +514,7 @@ class _Ollama:
             "low_vram": "there is no low-VRAM mode; the placement is set when the server starts (--gpu-mem)",
             "logits_all": "only the sampled positions' logits are computed",
             "vocab_only": "the server loads the whole model",
-            "embedding_only": "llmsys serves generation, not embeddings",
+            "embedding_only": "the model is loaded for generation and embeddings both",
             "use_mlock": "the weights are not mlock()ed",
             "use_mmap": "the weights are read into memory llmsys owns, not memory-mapped",
         }
@@ -909,11 +936,46 @@ def add_ollama_routes(app: FastAPI, state: ServerState, prep: Preparer | None = 
         """Ollama clients probe this."""
         return PlainTextResponse("Ollama is running")
 
-    @router.post("/api/embed", include_in_schema=False)
-    @router.post("/api/embeddings", include_in_schema=False)
-    async def embed() -> JSONResponse:
-        return _error(501, "embeddings are not served: llmsys serves a generative model, not an embedding model; "
-                           "use an embedding server for /api/embed")
+    emb_errors = _responses(400, 401, 403, 404, 408, 413, 429, 503)
+
+    async def embed_inputs(req: Any, inputs: list[str], truncate: bool, normalize: bool, dimensions: int | None,
+                           request: Request) -> Embedded | None:
+        api.prep.need_ready()
+        api.check_model(req.model)
+        if req.options is not None:
+            api.check_options(req.options)
+        check_dimensions(state, dimensions)
+        num_ctx = req.options.num_ctx if req.options is not None else None
+        prompts = await state.off_loop(embedding_inputs, api.prep, inputs, "input", truncate, num_ctx)
+        return await run_embeddings(state, prompts, normalize, dimensions, request.is_disconnected)
+
+    @router.post("/api/embed", responses=emb_errors)
+    async def embed(req: OllamaEmbedRequest, request: Request):
+        """Embeddings of ``input`` (Ollama's embed API): pooled as the model says, L2-normalized."""
+        t0 = time.perf_counter()
+        inputs = ([req.input] if req.input else []) if isinstance(req.input, str) else list(req.input)  # "": a ping
+        if not inputs:
+            api.prep.need_ready()
+            api.check_model(req.model)
+            return {"model": api.display_name(), "embeddings": []}
+        out = await embed_inputs(req, inputs, req.truncate, True, req.dimensions, request)
+        if out is None:
+            return JSONResponse({}, status_code=499)  # the client left; nobody reads this
+        return {"model": api.display_name(), "embeddings": [v.tolist() for v in out.vectors],
+                "total_duration": int((time.perf_counter() - t0) * 1e9), "load_duration": 0,
+                "prompt_eval_count": out.prompt_tokens}
+
+    @router.post("/api/embeddings", responses=emb_errors)
+    async def embeddings(req: OllamaEmbeddingsRequest, request: Request):
+        """The legacy embeddings API: one prompt's vector, not normalized (as Ollama), cut to the context."""
+        if not req.prompt:
+            api.prep.need_ready()
+            api.check_model(req.model)
+            return {"embedding": []}
+        out = await embed_inputs(req, [req.prompt], True, False, None, request)
+        if out is None:
+            return JSONResponse({}, status_code=499)
+        return {"embedding": out.vectors[0].tolist()}
 
     @router.post("/api/pull", include_in_schema=False)
     @router.post("/api/push", include_in_schema=False)

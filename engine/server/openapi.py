@@ -48,6 +48,7 @@ _WHY = {
     "503": "the model is loading, the server is shutting down, or the engine thread stopped",
 }
 _GENERATING = ("/v1/chat/completions", "/v1/completions")
+_QUEUED = (*_GENERATING, "/v1/embeddings")  # requests that take a queue place and name a model
 
 
 def _error(status: str) -> dict[str, Any]:
@@ -78,10 +79,11 @@ def build_schema(app: FastAPI, state: ServerState) -> dict[str, Any]:
                 statuses += ["400", "408", "413"]
             if path.startswith("/v1"):
                 statuses.append("401")
-            if path in _GENERATING or path.startswith("/v1/models/"):
+            if path in _QUEUED or path.startswith("/v1/models/"):
                 statuses.append("404")  # a model name this server does not serve
-            if path in _GENERATING:
+            if path in _QUEUED:
                 statuses.append("429")
+            if path in _GENERATING:
                 ok = responses.setdefault("200", {"description": "Successful Response"})
                 ok["content"] = {"application/json": {"schema": {}},
                                  "text/event-stream": {"schema": {}}}
@@ -91,7 +93,12 @@ def build_schema(app: FastAPI, state: ServerState) -> dict[str, Any]:
         schemas = schema["components"]["schemas"]
         prompt = schemas.get("CompletionRequest", {}).get("properties", {}).get("prompt")
         _cap_token_ids(prompt, state.llm.loaded.args.vocab_size)
-        for name in ("CompletionRequest", "ChatCompletionRequest"):  # the names this server answers to
+        emb = schemas.get("EmbeddingRequest", {}).get("properties", {})
+        _cap_token_ids(emb.get("input"), state.llm.loaded.args.vocab_size)
+        for branch in emb.get("dimensions", {}).get("anyOf", []):  # at most the model's embedding size
+            if branch.get("type") == "integer":
+                branch["maximum"] = state.llm.loaded.args.hidden_size
+        for name in ("CompletionRequest", "ChatCompletionRequest", "EmbeddingRequest"):  # names this server answers to
             props = schemas.get(name, {}).get("properties", {})
             if "model" in props:
                 props["model"] = {"anyOf": [{"type": "string", "enum": sorted(state.model_names())}, {"type": "null"}],

@@ -59,6 +59,7 @@ SEMANTIC_CODES = (
     "invalid_tools",  # a tool_choice naming none of the tools, or asking for a call with no tools
     "invalid_logit_bias",  # a logit_bias token id outside this model's vocabulary
     "unsupported_parameter",  # an OpenAI field this server does not implement, set to a value that needs it
+    "embeddings_unsupported",  # the model's embedding config asks for a step llmsys does not run (a Dense module)
 )
 # The characters of --kv-policy syntax; which words and numbers make a policy is the
 # parser's (its 400s name the problem, code invalid_kv_policy).
@@ -411,6 +412,34 @@ class CompletionRequest(_Common):
     echo: bool = Field(False, description="put the prompt before the completion in its text")
     suffix: str | None = Field(None, description="text after the completion (insertion); only empty or null here")
     best_of: int | None = Field(None, ge=1, le=MAX_N, description="only equal to n here (no server-side reranking)")
+
+
+MAX_EMBEDDING_INPUTS = 2048  # inputs per embeddings request (OpenAI's limit); they take one queue place
+
+
+class EmbeddingRequest(BaseModel):
+    """OpenAI's ``/v1/embeddings``: a text, texts, token ids or lists of token ids."""
+
+    model_config = _STRICT
+
+    @model_validator(mode="before")
+    @classmethod
+    def _integral_ints(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: _integral(v) if k in ("input", "dimensions") else v for k, v in data.items()}
+        return data
+
+    model: str | None = None
+    input: Union[
+        str,
+        Annotated[list[str], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)],
+        _TokenIds,
+        Annotated[list[_TokenIds], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)],
+    ]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1, description="keep the first that many values (Matryoshka models), "
+                                                             "normalized again")
+    user: str | None = Field(None, max_length=256, description="an end-user id; kept in the server's log")
 
 
 # Fields accepted only at the value that asks for nothing: field -> (is that value?, what to do instead).
