@@ -20,7 +20,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import psutil
 import torch
 
 from llmsys.engine.config import EngineConfig, check_kv_dtype
@@ -29,7 +28,7 @@ from llmsys.engine.kv_cache import KVCacheSpec, blocks_needed
 from llmsys.engine.sliding_kv import KVCost, SlidingKVSpec, kv_cost, plan_sliding_kv
 from llmsys.engine.loader.common import Checkpoint, LoadedModel, resolve_device, resolve_dtype
 from llmsys.kernels.common.units import format_bytes
-from llmsys.offload.budgets import SpaceAsk, check_room, ram_available
+from llmsys.offload.budgets import Budgets, SpaceAsk, check_room, ram_available, resolve_budgets
 
 if TYPE_CHECKING:
     from llmsys.offload.plan import Plan
@@ -181,39 +180,59 @@ def check_kv_room(args: Any, config: EngineConfig, device: torch.device, dtype: 
     check_room(kv_room_asks(args, config, device, dtype))
 
 
-def pool_tokens(max_len: int, max_num_seqs: int, cost: KVCost, free: int) -> int:
-    """KV pool tokens sized from memory: ``max_num_seqs`` full contexts, capped at a quarter of
-    ``free`` bytes (sliding layers in rings counted at their ring size: ``cost``), never under one
-    token. The one formula the plan's estimate (before loading, ``free`` = the budget) and the pool
-    (after loading, ``free`` = what is free then) share."""
-    return min(max_len * max_num_seqs, max(cost.tokens_within(free // 4), 1))
+KV_FULL_CONTEXTS = 4  # full contexts a default pool holds (fewer with --max-num-seqs below it): Ollama's parallel 4
+
+
+def kv_pool_tokens(max_len: int, config: EngineConfig, cost: KVCost, budgets: Budgets) -> int:
+    """The KV pool's tokens: ``--kv-cache-tokens`` when given, else one full context (``max_len``)
+    for each sequence that runs at once, at most :data:`KV_FULL_CONTEXTS` of them, capped by the
+    budget: an eighth of an explicit ``--gpu-mem`` / ``--cpu-mem`` (at least 512 tokens or a
+    context), else a quarter of what is free (``budgets``: free memory less a margin). Sliding
+    layers kept in rings count at their ring size (``cost``).
+
+    Why not ``max_num_seqs`` full contexts: 32 contexts of an 8k model is a quarter of RAM's worth of
+    blocks that a chat never writes, and every view then showed the reservation as the pool; the
+    scheduler admits ``max_num_seqs`` shorter sequences into the same pool and preempts when they
+    outgrow it. The one function the engine (:func:`place`, :func:`size_kv_pool`) and
+    ``llmsys plan`` size the pool with, so the plan shows the pool the engine makes."""
+    if config.kv_cache_tokens is not None:
+        return config.kv_cache_tokens
+    from llmsys.offload.prepare import kv_tokens_within
+
+    wanted = max_len * min(config.max_num_seqs, KV_FULL_CONTEXTS)
+    if budgets.cpu_explicit or budgets.gpu_explicit:
+        budget = budgets.gpu if budgets.gpu_explicit else budgets.cpu
+        return kv_tokens_within(budget, cost.tokens_within, wanted, min(max_len, 512))
+    free = budgets.gpu if budgets.gpu is not None else budgets.cpu
+    return min(wanted, max(cost.tokens_within(free // 4), 1))
+
+
+def planned_kv(args: Any, config: EngineConfig, dtype: torch.dtype, budgets: Budgets) -> tuple[int, int]:
+    """``(pool tokens, the planner's KV tokens)`` for this config: :func:`kv_pool_tokens` of the
+    engine's context (:func:`context_limit`), and the pool's bytes (scratch block included) as the
+    every-layer tokens the offload planner counts (ring layers' smaller share as fewer tokens)."""
+    max_len = context_limit(args, config)
+    probe = kv_probe(args, config, dtype)  # the pool's own bytes per token, in --kv-dtype
+    cost = kv_cost_of(args, config, max_len, probe.layer_bytes_per_token)
+    tokens = kv_pool_tokens(max_len, config, cost, budgets)
+    return tokens, int(-(-cost.nbytes(tokens + config.block_size) // probe.bytes_per_token))
 
 
 def place(r: Resolved, ck: Checkpoint) -> Placement:
     """Plan placement on the meta model (budgets -> plan) before any weight is read."""
-    from llmsys.offload.budgets import resolve_budgets
     from llmsys.offload.plan import Workload
-    from llmsys.offload.prepare import kv_tokens_within, make_runtime, plan_for, runtime_needed
+    from llmsys.offload.prepare import make_runtime, plan_for, runtime_needed
 
     c = r.config
     a = ck.model.args
-    max_len = context_limit(a, c)
     check_kv_room(a, c, r.device, r.dtype)
     budgets = resolve_budgets(c.gpu_mem, c.cpu_mem, c.offload_dir, r.device)
-    probe = kv_probe(a, c, r.dtype)  # the pool's own bytes per token, in --kv-dtype
-    per_layer, per_tok = probe.layer_bytes_per_token, probe.bytes_per_token
-    cost = kv_cost_of(a, c, max_len, per_layer)
-    tokens, fitted = c.kv_cache_tokens, None
-    if tokens is None and (budgets.cpu_explicit or budgets.gpu_explicit):
-        budget = budgets.gpu if budgets.gpu_explicit else budgets.cpu
-        tokens = fitted = kv_tokens_within(budget, cost.tokens_within, max_len * c.max_num_seqs, min(max_len, 512))
-    if tokens is None:
-        tokens = pool_tokens(max_len, c.max_num_seqs, cost, budgets.gpu if budgets.gpu is not None else budgets.cpu)
+    tokens, kv_tokens = planned_kv(a, c, r.dtype, budgets)
+    fitted = tokens if c.kv_cache_tokens is None and (budgets.cpu_explicit or budgets.gpu_explicit) else None
+    per_tok = kv_probe(a, c, r.dtype).bytes_per_token
     # A speculating engine's decode step verifies up to spec_tokens drafts per sequence: the plan's
     # compute/transfer overlap is for that many rows (the weights are still read once per step).
     rows = c.plan_batch * (1 + c.spec_tokens if c.spec is not None else 1)
-    # The planner counts KV as tokens x every layer: the ring layers' smaller share as that many tokens.
-    kv_tokens = int(-(-cost.nbytes(tokens + c.block_size) // per_tok))
     work = Workload(batch=rows, kv_tokens=kv_tokens,
                     max_batched_tokens=c.max_num_batched_tokens, kv_cold_tokens=c.offload_tokens(per_tok))
     # A GGUF loaded as stored mixes kept codes (int4, int8) and dequantized matrices: the planner gets their mix.
@@ -252,8 +271,8 @@ def size_kv_pool(loaded: LoadedModel, config: EngineConfig) -> tuple[KVCacheSpec
     """Choose the KV pool size and the per-request context limit.
 
     The context limit is the model's trained context (or ``max_model_len``).
-    The pool holds ``kv_cache_tokens`` tokens when given; otherwise
-    :func:`pool_tokens` of the memory free now. A cold tier
+    The pool holds :func:`kv_pool_tokens` tokens (``kv_cache_tokens`` when given,
+    else full contexts within the memory free now). A cold tier
     (``kv_offload_tokens``) adds to what one request may hold: the context
     limit is then at most hot plus cold tokens.
     """
@@ -267,14 +286,8 @@ def size_kv_pool(loaded: LoadedModel, config: EngineConfig) -> tuple[KVCacheSpec
     cold = config.offload_tokens(probe.bytes_per_token)
     sliding = plan_sliding_kv(a, config, max_len, say=True)
     cost = kv_cost_of(a, config, max_len, probe.layer_bytes_per_token, sliding)
-    if config.kv_cache_tokens is not None:
-        tokens = config.kv_cache_tokens
-    else:
-        if loaded.device.type == "cuda":
-            free = torch.cuda.mem_get_info(loaded.device)[0]
-        else:
-            free = psutil.virtual_memory().available
-        tokens = pool_tokens(max_len, config.max_num_seqs, cost, free)
+    budgets = resolve_budgets(config.gpu_mem, config.cpu_mem, config.offload_dir, loaded.device)  # free now
+    tokens = kv_pool_tokens(max_len, config, cost, budgets)
     max_len = min(max_len, tokens + cold)
     bs = config.block_size
     num_blocks = blocks_needed(tokens, bs) + 1  # + the reserved scratch block

@@ -85,11 +85,30 @@ class KVLayerReport:
 
 @dataclass(frozen=True)
 class MemoryReport:
-    """Bytes per tier and kind: the engine's own accounting (TUI/bench show it)."""
+    """Bytes per tier and kind: the engine's own accounting, the one source every view shows (the
+    chat panel and ``/info``, ``/metrics``, ``/api/ps``, ``llmsys bench``).
+
+    Three sizes of KV, each per tier, because a pool costs what is written into it, not what it
+    could hold (CPU pool pages are backed when first written: ``kernels.common.memory``):
+
+    * ``kv_total`` (:attr:`kv_reserved`): the pool's bytes, every block, written or not. Address
+      space, not memory, for a CPU pool; what ``cudaMalloc`` took for a GPU pool.
+    * ``kv_resident``: the pool's bytes backed by memory: every page up to the highest block ever
+      handed out (the allocator gives low ids first and reuses freed ones first, and pages are never
+      given back). This, not the reservation, is what the process's RSS holds; a GPU pool (and a small
+      plainly allocated one) is resident whole.
+    * ``kv_used``: bytes of the blocks live requests hold now; ``kv_cached``: free blocks still holding
+      a reusable prompt prefix. :attr:`kv_in_use` is both: ``kv_in_use <= kv_resident <= kv_total``.
+
+    ``weights``: weight bytes per tier as loaded (``disk``: read from the checkpoint or offload file
+    through the page cache, not held by the process). :attr:`resident` adds up what llmsys's own
+    buffers hold per tier; a process's RSS is that (its ``cpu`` entry) plus the runtime (Python, torch,
+    kernels, the tokenizer).
+    """
 
     weights: dict[str, int]  # tier -> bytes
-    kv_total: dict[str, int]  # tier -> bytes reserved for the KV pool
-    kv_used: dict[str, int]  # tier -> bytes of blocks in use
+    kv_total: dict[str, int]  # tier -> bytes reserved for the KV pool (and the cold tier)
+    kv_used: dict[str, int]  # tier -> bytes of blocks live requests hold
     kv_blocks_total: int
     kv_blocks_used: int
     block_size: int
@@ -110,6 +129,31 @@ class MemoryReport:
     # KV per kind of layer: "global" (every position kept) and, for a model with sliding-window layers,
     # "sliding" (in rings where the engine keeps only their window: engine/sliding_kv.py). Pool blocks only.
     kv_layers: dict[str, KVLayerReport] = field(default_factory=dict)
+    kv_resident: dict[str, int] = field(default_factory=dict)  # tier -> pool bytes backed by memory (see above)
+    kv_cached: dict[str, int] = field(default_factory=dict)  # tier -> bytes of free blocks holding a prefix
+    kv_blocks_cached: int = 0
+
+    @property
+    def kv_reserved(self) -> dict[str, int]:
+        """The pool's reservation per tier (``kv_total``'s meaning, by its name)."""
+        return self.kv_total
+
+    @property
+    def kv_in_use(self) -> dict[str, int]:
+        """KV bytes holding something: live requests' blocks and cached prefixes."""
+        tiers = self.kv_used.keys() | self.kv_cached.keys()
+        return {t: self.kv_used.get(t, 0) + self.kv_cached.get(t, 0) for t in sorted(tiers)}
+
+    @property
+    def resident(self) -> dict[str, int]:
+        """Bytes llmsys's own buffers hold per memory tier (not ``disk``): weights, the KV pool's
+        resident pages, staging buffers and a swap space kept in memory."""
+        out: dict[str, int] = {}
+        for part in (self.weights, self.kv_resident, self.staging, self.kv_swap_total):
+            for t, n in part.items():
+                if t != "disk":
+                    out[t] = out.get(t, 0) + n
+        return out
 
 
 def _apply_constraints(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, dict[str, str]]:
@@ -590,26 +634,37 @@ class EngineCore:
         return kernel_counts(self.loaded.model)
 
     def memory_report(self) -> MemoryReport:
+        """What :class:`MemoryReport` says, from the allocators' counts (cheap: no tensor is read)."""
         tier = self.loaded.device.type
         tier = "gpu" if tier == "cuda" else "cpu"
         spec = self.kv.spec
         per_block = spec.bytes_per_token * spec.block_size
-        used = self.allocator.num_used
+        ring_block = spec.ring_bytes_per_token * spec.block_size
+        al, ring = self.allocator, self.ring
+        used = al.num_used
         rt = self.offload  # weights per tier
         weights = rt.weight_bytes(self.loaded.model) if rt is not None else {tier: self.loaded.weight_bytes}
         on_file = self.loaded.model.embed_file_bytes  # a tied embedding served from the checkpoint
         if on_file:
             weights["disk"] = weights.get("disk", 0) + on_file
         sw = self.swap
-        ring_used = self.ring.num_used if self.ring is not None else 0  # sliding layers' ring blocks (sliding_kv)
+        ring_used = ring.allocator.num_used if ring is not None else 0  # sliding layers' ring blocks (sliding_kv)
         kv_total = {tier: spec.nbytes}
-        kv_used = {tier: used * per_block + ring_used * spec.ring_bytes_per_token * spec.block_size}
+        kv_used = {tier: used * per_block + ring_used * ring_block}
+        kv_cached = {tier: al.num_cached * per_block + (ring.allocator.num_cached * ring_block if ring else 0)}
+        touched = al.high_water + 1  # blocks 0 (scratch) .. the highest handed out
+        ring_touched = ring.allocator.high_water + 1 if ring is not None else 0
+        kv_resident = {tier: spec.resident_nbytes(touched, ring_touched, on_demand=tier == "cpu")}
         staging = rt.staging_bytes() if rt is not None else {}
         tr, by_tier = self.tier, None
         if tr is not None:  # cold blocks under their own tier ('disk' for a CPU pool, 'cpu' for a GPU pool)
-            cold = self.allocator.num_cold_used
+            cold = al.num_cold_used
             kv_total[tr.tier] = kv_total.get(tr.tier, 0) + tr.nbytes()
             kv_used[tr.tier] = kv_used.get(tr.tier, 0) + cold * tr.block_bytes
+            kv_cached[tr.tier] = kv_cached.get(tr.tier, 0) + al.num_cold_cached * tr.block_bytes
+            # pinned RAM is allocated whole; a file holds the blocks written to it (at most every one)
+            kv_resident[tr.tier] = kv_resident.get(tr.tier, 0) + (
+                tr.nbytes() if tr.tier != "disk" else (cold + al.num_cold_cached) * tr.block_bytes)
             staging[tier] = staging.get(tier, 0) + tr.staging_bytes()
             by_tier = {tier: (used, spec.num_blocks - 1)}
             u, t = by_tier.get(tr.tier, (0, 0))
@@ -619,13 +674,16 @@ class EngineCore:
             staging=staging,
             kv_total=kv_total,
             kv_used=kv_used,
+            kv_resident=kv_resident,
+            kv_cached=kv_cached,
             kv_blocks_total=spec.num_blocks - 1,
             kv_blocks_used=used,
+            kv_blocks_cached=al.num_cached,
             block_size=spec.block_size,
             kv_swap_total={sw.tier: sw.nbytes()} if sw is not None else {},
             kv_swap_used={sw.tier: sw.used_bytes()} if sw is not None else {},
             kv_cold_blocks_total=tr.num_cold if tr is not None else 0,
-            kv_cold_blocks_used=self.allocator.num_cold_used if tr is not None else 0,
+            kv_cold_blocks_used=al.num_cold_used if tr is not None else 0,
             kv_blocks_by_tier=by_tier,
             kv_disk=self.kv_disk.report() if self.kv_disk is not None else None,
             kernels=dict(self.quant_kernels),

@@ -19,11 +19,14 @@ import torch
 
 from llmsys import kernels
 from llmsys.kernels.common.errors import BudgetError
-from llmsys.kernels.common.memory import zeros_on_demand
+from llmsys.kernels.common.memory import ON_DEMAND_MIN_BYTES, zeros_on_demand
 from llmsys.kernels.common.protocols import KVPool
 
 if TYPE_CHECKING:
     from llmsys.engine.sliding_kv import SlidingKVSpec
+
+
+PAGE = 4096  # bytes the OS backs at a time (the pool's CPU tensors are backed page by page)
 
 
 @dataclass(frozen=True)
@@ -79,7 +82,25 @@ class KVCacheSpec:
 
     @property
     def nbytes(self) -> int:
+        """Bytes reserved: every block of every layer, written or not."""
         return self.bytes_per_token * self.num_slots + self.ring_bytes_per_token * self.ring_slots
+
+    def resident_nbytes(self, blocks: int, ring_blocks: int = 0, on_demand: bool = True) -> int:
+        """Bytes of the pool backed by memory once blocks ``0 .. blocks - 1`` (and ring blocks
+        ``0 .. ring_blocks - 1``) may have been written: each layer's K and V tensor up to the last page
+        those blocks reach. A tensor allocated plainly (under ``ON_DEMAND_MIN_BYTES``, or
+        ``on_demand`` False: a GPU pool) is resident whole. The allocator hands out low ids first
+        and reuses freed ones first, so its high-water mark bounds the pages ever touched."""
+        per_layer = self.layer_bytes_per_token * self.block_size / 2  # one block of one layer's K (or V)
+        out = 0.0
+        for layers, n, touched in ((self.num_layers - len(self.ring_layers), self.num_blocks, blocks),
+                                   (len(self.ring_layers), self.sliding.num_blocks if self.sliding else 0, ring_blocks)):
+            tensor = per_layer * n
+            if not on_demand or tensor < ON_DEMAND_MIN_BYTES:
+                out += 2 * layers * tensor
+            else:
+                out += 2 * layers * min(tensor, -(-per_layer * min(touched, n) // PAGE) * PAGE)
+        return int(out)
 
 
 class PlainKVPool:
@@ -149,6 +170,7 @@ class BlockAllocator:
         self._cached: OrderedDict[int, None] = OrderedDict()  # unreferenced registered blocks, oldest first
         self._cold_free = list(range(num_blocks + num_cold - 1, num_blocks - 1, -1))
         self._cold_cached: OrderedDict[int, None] = OrderedDict()
+        self.high_water = 0  # the highest pool block id ever handed out (0: none): its pages and those below it
 
     @property
     def num_free(self) -> int:
@@ -224,6 +246,8 @@ class BlockAllocator:
             b, _ = cached.popitem(last=False)
             del self._block_of[self._hash_of.pop(b)]
         self._refs[b] = 1
+        if self.high_water < b < self.num_blocks:
+            self.high_water = b
         return b
 
     def free(self, blocks: list[int]) -> None:

@@ -42,7 +42,7 @@ def format_plan(plan: "Plan") -> str:
         extra = f", {plan.head_chunk_rows}-row chunks" if p is plan.head and p.kind in ("disk", "cpu->gpu") else ""
         rows.append((p.name, _KIND_TEXT[p.kind] + extra, format_bytes(p.nbytes), f"{p.ms:.2f}", p.bound))
     rows.append(("KV pool", f"{plan.kv_tier.upper()} RAM" if plan.kv_tier == "cpu" else "GPU", format_bytes(plan.kv_bytes),
-                 "", f"{plan.workload.kv_tokens} tokens"))
+                 "", f"{plan.workload.kv_tokens} tokens reserved"))
     if plan.workload.kv_cold_tokens:
         where = "CPU RAM (pinned), read per layer" if plan.kv_cold_tier == "cpu" else "disk, read per layer"
         rows.append(("KV cold tier", where, format_bytes(plan.kv_cold_bytes), "", f"{plan.workload.kv_cold_tokens} tokens"))
@@ -62,11 +62,24 @@ def format_plan(plan: "Plan") -> str:
     if plan.budgets.gpu is not None:
         budgets += f"; gpu {format_bytes(plan.used('gpu'))} of {format_bytes(plan.budgets.gpu)}"
     lines.append(f"memory: {budgets}; disk read per step {format_bytes(plan.disk_bytes_per_step)}")
+    lines.append(kv_memory_line(plan))
     lines.append(
         f"predicted: {plan.decode_ms:.1f} ms per decode step at batch {w.batch} ({plan.tok_s:.1f} tok/s), "
         f"prefill {plan.prefill_ms:.0f} ms for {w.batch} x {w.prompt_len} tokens; bound by {plan.bound}"
     )
     return "\n".join(lines)
+
+
+def kv_memory_line(plan: "Plan") -> str:
+    """The KV pool as the engine will report it (``MemoryReport``): reserved whole, in use 0 at
+    start. A CPU pool's pages are backed as blocks are first written, so what the process holds at
+    start is the rest of the plan; a GPU pool is allocated whole."""
+    t = plan.kv_tier
+    per_tok = plan.kv_bytes / max(plan.workload.kv_tokens, 1)
+    backed = "backed as tokens are written" if t == "cpu" else "allocated whole"
+    return (f"KV: {format_bytes(plan.kv_bytes)} reserved for {plan.workload.kv_tokens} tokens ({backed}, "
+            f"{format_bytes(per_tok)} per token), 0 B in use at start; resident at start on {t}: "
+            f"{format_bytes(plan.used(t) - (plan.kv_bytes if t == 'cpu' else 0))}")
 
 
 def _expert_lines(plan: "Plan", shape: "ModelShape") -> list[str]:

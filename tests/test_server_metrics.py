@@ -84,6 +84,13 @@ def test_metrics_export_the_engines_bytes_per_tier(servers):
         assert _tiers(m, "llmsys_weight_bytes") == rep.weights, name
         assert _tiers(m, "llmsys_kv_bytes_total") == rep.kv_total, name
         assert _tiers(m, "llmsys_kv_bytes_used") == rep.kv_used, name
+        assert _tiers(m, "llmsys_kv_bytes_reserved") == rep.kv_total == rep.kv_reserved, name
+        assert _tiers(m, "llmsys_kv_bytes_resident") == rep.kv_resident, name
+        assert _tiers(m, "llmsys_kv_bytes_in_use") == rep.kv_in_use, name
+        assert _tiers(m, "llmsys_memory_resident_bytes") == rep.resident, name
+        # a request ran: its blocks were written (resident; this tiny pool's tensors are allocated whole)
+        assert 0 < rep.kv_in_use["cpu"] + rep.kv_resident["cpu"] and rep.kv_in_use["cpu"] <= rep.kv_resident["cpu"]
+        assert rep.kv_resident["cpu"] <= rep.kv_total["cpu"], name
         assert _tiers(m, "llmsys_staging_bytes") == rep.staging, name
         assert _tiers(m, "llmsys_memory_budget_bytes") == {"cpu": llm.config.cpu_mem}, name
         assert m["llmsys_kv_blocks_total"] == rep.kv_blocks_total
@@ -140,6 +147,7 @@ def test_monitor_shows_a_live_servers_bytes(servers):
             snap = app.panel.snapshot
             cpu = snap.tier("cpu")
             assert (cpu.budget, cpu.weights, cpu.kv_reserved) == (llm.config.cpu_mem, rep.weights["cpu"], rep.kv_total["cpu"])
+            assert (cpu.kv_resident, cpu.kv_used) == (rep.kv_resident["cpu"], rep.kv_in_use["cpu"])
             assert cpu.workspace == rep.staging.get("cpu", 0)
             assert snap.tier("disk").weights == rep.weights.get("disk", 0)
             assert snap.layer_tiers == tuple(p.tier for p in llm.plan.layers)
@@ -163,7 +171,7 @@ def test_llmsys_monitor_in_a_terminal_shows_the_bytes(servers):
     env = dict(os.environ, TERM=os.environ.get("TERM") or "xterm-256color")
     subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "120", "-y", "36", "-c", str(ROOT), cmd],
                    check=True, env=env, timeout=20)
-    want = (f"W {format_bytes(rep.weights['cpu'])} · KV {format_bytes(rep.kv_used['cpu'])}/"
+    want = (f"W {format_bytes(rep.weights['cpu'])} · KV {format_bytes(rep.kv_resident['cpu'])} of "
             f"{format_bytes(rep.kv_total['cpu'])}", f"/ {format_bytes(llm.config.cpu_mem)}",
             "all 5 layers resident on CPU")
     screen = ""

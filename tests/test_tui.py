@@ -218,17 +218,22 @@ def test_panel_numbers_equal_engine_accounting(llm):
                 cpu = snap.tier("cpu")
                 # independent accounting: KV blocks hold the computed tokens (the last sampled one is not computed yet)
                 assert cpu.kv_blocks_used == blocks_needed(snap.tokens_in_context - 1, spec.block_size)
-                assert cpu.kv_used == cpu.kv_blocks_used * per_block
+                # in use: the live blocks and any cached prefixes; resident: pages written; reserved: the pool
+                assert cpu.kv_blocks_used * per_block <= cpu.kv_used <= cpu.kv_resident <= cpu.kv_reserved
                 assert cpu.kv_reserved == spec.nbytes and cpu.weights == llm.loaded.weight_bytes
+                assert cpu.used == cpu.weights + cpu.kv_resident + cpu.workspace
                 assert cpu.kv_blocks_total == spec.num_blocks - 1 and snap.context_budget == llm.max_model_len
                 assert f"CPU {cpu.kv_blocks_used}/{cpu.kv_blocks_total}" in figures
                 assert f"context    {snap.tokens_in_context} / {llm.max_model_len} tokens" in figures
-                assert f"W {format_bytes(cpu.weights)}" in bar and f"KV {format_bytes(cpu.kv_used)}/{format_bytes(cpu.kv_reserved)}" in bar
+                assert f"W {format_bytes(cpu.weights)}" in bar and f"KV {format_bytes(cpu.kv_resident)} of {format_bytes(cpu.kv_reserved)}" in bar
+                assert (f"{format_bytes(cpu.kv_used)} in use · {format_bytes(cpu.kv_resident)} resident · "
+                        f"{format_bytes(cpu.kv_reserved)} reserved") in figures
             # idle: the engine thread is parked, so reading the core here is safe
             rep = llm.memory_report()
             final = app.panel.snapshot.tier("cpu")
-            assert (final.weights, final.kv_reserved, final.kv_used, final.kv_blocks_used) == (
-                rep.weights["cpu"], rep.kv_total["cpu"], rep.kv_used["cpu"], rep.kv_blocks_used)
+            assert (final.weights, final.kv_reserved, final.kv_resident, final.kv_used, final.kv_blocks_used) == (
+                rep.weights["cpu"], rep.kv_total["cpu"], rep.kv_resident["cpu"], rep.kv_in_use["cpu"],
+                rep.kv_blocks_used)
             assert app.panel.snapshot.tok_s_history and app.panel.snapshot.ttft_s is not None
             assert "all 5 layers resident on CPU" in str(app.status.render())
 

@@ -42,10 +42,12 @@ def info_rows(info: ModelInfo, snap: TierSnapshot | None) -> list[tuple[str, str
     if snap is None:
         return rows + [("context", f"n/a / {info.max_len} tokens")]
     weights = {t.tier: t.weights for t in snap.tiers}
-    kv = {t.tier: t.kv_reserved for t in snap.tiers}
+    kv = ", ".join(f"{TIER_LABELS.get(t.tier, t.tier)} {format_bytes(t.kv_used)} in use, {format_bytes(t.kv_resident)} "
+                   f"resident, {format_bytes(t.kv_reserved)} reserved" for t in snap.tiers if t.kv_reserved) or "none"
     rows += [
         ("placement", snap.plan_phrase),
-        ("memory", f"weights {_per_tier(weights)} · KV cache {_per_tier(kv)}"),
+        ("memory", f"{_per_tier({t.tier: t.used for t in snap.tiers})} held · weights {_per_tier(weights)} · "
+                   f"KV cache {kv}"),
         ("context", f"{snap.tokens_in_context or 0} / {snap.context_budget or info.max_len} tokens used"),
     ]
     return rows

@@ -11,6 +11,7 @@ from textual.renderables.sparkline import Sparkline as SparklineRenderable
 from textual.containers import VerticalScroll
 from textual.widgets import Sparkline, Static
 
+from llmsys.kernels.common.units import format_bytes
 from llmsys.tui.layer_map import LayerMap
 from llmsys.tui.snapshot import TIER_LABELS, TIERS, TierSnapshot
 from llmsys.tui.tier_bar import TierBar
@@ -44,6 +45,10 @@ def describe(s: TierSnapshot) -> list[str]:
     """The panel's figures as text lines (also what tests compare)."""
     kv = "  ".join(f"{TIER_LABELS[t.tier]} {t.kv_blocks_used}/{t.kv_blocks_total}" for t in s.tiers if t.kv_blocks_total) or "n/a"
     lines = [f"KV blocks  {kv}"]
+    for t in s.tiers:  # the pool's three sizes (MemoryReport): what holds tokens, what memory holds, the reservation
+        if t.kv_reserved:
+            lines.append(f"KV {TIER_LABELS[t.tier]:<7}{format_bytes(t.kv_used)} in use · {format_bytes(t.kv_resident)} "
+                         f"resident · {format_bytes(t.kv_reserved)} reserved")
     if s.context_budget is not None or s.tokens_in_context is not None:
         lines.append(f"context    {_n(s.tokens_in_context)} / {_n(s.context_budget)} tokens")
     lines.append(f"evicted    {_n(s.evicted_tokens)} tokens · policy {_n(s.kv_policy)}")

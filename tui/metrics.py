@@ -112,8 +112,10 @@ class MetricsTracker:
             home = next(iter(used), "gpu" if weights_on_gpu(s) else "cpu")
             total = {home: s.get("llmsys_kv_blocks_total") or 0.0}
         weights = s.by_label("llmsys_weight_bytes", "tier")
-        kv_bytes = s.by_label("llmsys_kv_bytes_total", "tier")
-        kv_used_bytes = s.by_label("llmsys_kv_bytes_used", "tier")
+        kv_bytes = s.by_label("llmsys_kv_bytes_reserved", "tier") or s.by_label("llmsys_kv_bytes_total", "tier")
+        kv_used_bytes = s.by_label("llmsys_kv_bytes_in_use", "tier") or s.by_label("llmsys_kv_bytes_used", "tier")
+        # a server from before the resident gauge: its reservation was all it said
+        kv_resident = s.by_label("llmsys_kv_bytes_resident", "tier") or kv_bytes
         budgets = s.by_label("llmsys_memory_budget_bytes", "tier")
         staging = s.by_label("llmsys_staging_bytes", "tier")
         tiers = tuple(
@@ -126,6 +128,7 @@ class MetricsTracker:
                 workspace=int(staging.get(t, 0)),
                 kv_blocks_used=int(used.get(t, 0)),
                 kv_blocks_total=int(total.get(t, 0)),
+                kv_resident=int(kv_resident.get(t, 0)),
             )
             for t in TIERS
         )

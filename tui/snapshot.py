@@ -29,16 +29,18 @@ class TierUsage:
     tier: str  # "gpu" | "cpu" | "disk"
     budget: int | None  # bytes this tier may use (None: unknown / tier absent)
     weights: int = 0  # model weights resident on this tier
-    kv_reserved: int = 0  # KV pool allocated on this tier
-    kv_used: int = 0  # bytes of KV blocks holding tokens (<= kv_reserved)
+    kv_reserved: int = 0  # KV pool allocated on this tier (address space for a CPU pool: MemoryReport)
+    kv_used: int = 0  # bytes of KV blocks holding tokens: live requests and cached prefixes (<= kv_resident)
     workspace: int = 0  # activations / staging buffers
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
+    kv_resident: int = 0  # bytes of the pool backed by memory (<= kv_reserved)
 
     @property
     def used(self) -> int:
-        """Bytes taken from the budget: the reserved pool counts, used or not."""
-        return self.weights + self.kv_reserved + self.workspace
+        """Bytes this tier holds now: weights, the KV pool's resident pages, workspace (the
+        reservation's untouched pages hold nothing until written)."""
+        return self.weights + self.kv_resident + self.workspace
 
     @property
     def present(self) -> bool:
@@ -216,10 +218,11 @@ def snapshot_from_engine(llm: Any, budgets: dict[str, int | None], perf: PerfSta
                 budget=budgets.get(name),
                 weights=int(rep.weights.get(name, 0)),
                 kv_reserved=int(rep.kv_total.get(name, 0)),
-                kv_used=int(rep.kv_used.get(name, 0)),
+                kv_used=int(rep.kv_in_use.get(name, 0)),
                 workspace=int(workspace.get(name, 0)),
                 kv_blocks_used=int(used_b),
                 kv_blocks_total=int(total_b),
+                kv_resident=int(rep.kv_resident.get(name, 0)),
             )
         )
     n_layers = int(llm.loaded.args.num_hidden_layers)

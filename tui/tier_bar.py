@@ -1,4 +1,7 @@
-"""One memory tier as a bar: weights / KV cache (used, reserved) / workspace vs budget."""
+"""One memory tier as a bar: weights / KV cache (in use, resident but idle) / workspace vs budget.
+
+The bar draws what the tier holds (``TierUsage.used``): the KV pool's resident pages, not its
+reservation, whose untouched pages hold nothing (``MemoryReport``); the words name all three."""
 
 from __future__ import annotations
 
@@ -56,15 +59,15 @@ class TierBar(Widget):
             self.render_s += time.perf_counter() - t0
             return text
         budget = u.budget or max(u.used, 1)
-        kv_free = max(u.kv_reserved - u.kv_used, 0)
-        cells = _cells([u.weights, u.kv_used, kv_free, u.workspace], budget, width)
+        kv_idle = max(u.kv_resident - u.kv_used, 0)  # pages written once, holding nothing now
+        cells = _cells([u.weights, min(u.kv_used, u.kv_resident), kv_idle, u.workspace], budget, width)
         for n, ch, cls in zip(cells, "█▆▒▓", ("weights", "kv", "kvfree", "workspace")):
             text.append(ch * n, style=style(f"tierbar--{cls}"))
         text.append("░" * max(width - sum(cells), 0), style=style("tierbar--free"))
         budget_s = format_bytes(u.budget) if u.budget is not None else "n/a"
         details = (
             f"{format_bytes(u.used)} / {budget_s} · WS {format_bytes(u.workspace)}",
-            f"W {format_bytes(u.weights)} · KV {format_bytes(u.kv_used)}/{format_bytes(u.kv_reserved)}",
+            f"W {format_bytes(u.weights)} · KV {format_bytes(u.kv_resident)} of {format_bytes(u.kv_reserved)}",
         )
         indent = " " * _indent(details, len(label), self.content_size.width)
         for line in details:

@@ -81,13 +81,13 @@ def plan_command(
     *,
     engine_flags: dict[str, Any],
 ) -> int:
-    from llmsys.engine.builder import kv_cost_of, kv_probe
+    from llmsys.engine.builder import kv_probe, planned_kv
     from llmsys.engine.loader import gguf_io
     from llmsys.engine.loader.common import resolve_device, resolve_dtype
     from llmsys.offload.bandwidth import measure_bandwidths
     from llmsys.offload.budgets import Budgets, resolve_budgets
     from llmsys.offload.plan import Workload
-    from llmsys.offload.prepare import kv_tokens_within, plan_for
+    from llmsys.offload.prepare import plan_for
     from llmsys.offload.report import format_plan
 
     config = build_engine_config(model, engine_flags)
@@ -100,15 +100,9 @@ def plan_command(
     budgets = resolve_budgets(config.gpu_mem, config.cpu_mem, config.offload_dir, dev)
     if hypothetical:  # plan for a GPU this machine does not have (what-if)
         budgets = Budgets(budgets.cpu, config.gpu_mem, budgets.offload_dir, budgets.cpu_explicit, True)
-    max_len = min(config.max_model_len or a.max_position_embeddings, prompt_len + output_len)
-    probe = kv_probe(a, config, dt)  # the pool's own bytes per token, in --kv-dtype
-    per_layer, per_tok = probe.layer_bytes_per_token, probe.bytes_per_token
-    cost = kv_cost_of(a, config, max_len, per_layer)  # sliding layers kept in rings cost less per token
-    tokens = config.kv_cache_tokens or max_len * batch
-    if config.kv_cache_tokens is None and (budgets.cpu_explicit or budgets.gpu_explicit):
-        budget = budgets.gpu if budgets.gpu is not None else budgets.cpu
-        tokens = kv_tokens_within(budget, cost.tokens_within, tokens, min(max_len, 512))
-    kv_tokens = int(-(-cost.nbytes(tokens) // per_tok))  # the planner counts every layer per token: rings as fewer
+    # The pool the engine would make with these flags (builder.planned_kv, the function the engine sizes it with).
+    _, kv_tokens = planned_kv(a, config, dt, budgets)
+    per_tok = kv_probe(a, config, dt).bytes_per_token
     work = Workload(batch=batch, prompt_len=prompt_len, output_len=output_len, kv_tokens=kv_tokens,
                     max_batched_tokens=config.max_num_batched_tokens, kv_cold_tokens=config.offload_tokens(per_tok))
     bpw = None  # a GGUF as stored: its mix of kept int4 codes and dequantized matrices

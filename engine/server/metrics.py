@@ -53,8 +53,11 @@ class EngineGauges:
     swap: dict[str, Any] = field(default_factory=dict)  # tier, used, swap_outs, recomputes; {} = swap off
     # Bytes per tier (EngineCore.memory_report()); empty until the first report.
     weights: dict[str, int] = field(default_factory=dict)
-    kv_total: dict[str, int] = field(default_factory=dict)
-    kv_used: dict[str, int] = field(default_factory=dict)
+    kv_total: dict[str, int] = field(default_factory=dict)  # reserved (MemoryReport.kv_total)
+    kv_used: dict[str, int] = field(default_factory=dict)  # live requests' blocks
+    kv_resident: dict[str, int] = field(default_factory=dict)  # the pool's pages backed by memory
+    kv_in_use: dict[str, int] = field(default_factory=dict)  # live + cached prefixes
+    resident: dict[str, int] = field(default_factory=dict)  # MemoryReport.resident: weights + KV + buffers
     staging: dict[str, int] = field(default_factory=dict)
     swap_total: dict[str, int] = field(default_factory=dict)
     swap_used: dict[str, int] = field(default_factory=dict)
@@ -139,8 +142,17 @@ class _EngineCollector(Collector):
         for name, help_, values in (
             ("llmsys_weight_bytes", "Model weight bytes per memory tier (disk: streamed from the offload folder).",
              g.weights),
-            ("llmsys_kv_bytes_total", "Bytes reserved for KV per memory tier (pool and cold tier).", g.kv_total),
-            ("llmsys_kv_bytes_used", "Bytes of KV blocks in use per memory tier.", g.kv_used),
+            ("llmsys_memory_resident_bytes", "Bytes llmsys's own buffers hold per memory tier: weights, the KV "
+             "pool's resident pages, staging and swap buffers (the process's RSS is this plus the runtime).",
+             g.resident),
+            ("llmsys_kv_bytes_reserved", "Bytes reserved for KV per memory tier (pool and cold tier); a CPU pool's "
+             "pages are backed only once written.", g.kv_total),
+            ("llmsys_kv_bytes_resident", "Bytes of the KV pool backed by memory per tier (pages up to the highest "
+             "block ever written).", g.kv_resident),
+            ("llmsys_kv_bytes_in_use", "Bytes of KV blocks holding tokens per memory tier: live requests' and "
+             "cached prompt prefixes'.", g.kv_in_use),
+            ("llmsys_kv_bytes_total", "Same as llmsys_kv_bytes_reserved (the older name).", g.kv_total),
+            ("llmsys_kv_bytes_used", "Bytes of KV blocks live requests hold per memory tier.", g.kv_used),
             ("llmsys_staging_bytes", "Offload ring / staging buffer bytes per memory tier.", g.staging),
             ("llmsys_kv_swap_bytes_total", "Swap space for preempted requests' KV, per memory tier.", g.swap_total),
             ("llmsys_kv_swap_bytes_used", "Bytes of swapped-out KV blocks per memory tier.", g.swap_used),
@@ -266,7 +278,7 @@ class Metrics:
         """Bytes per tier from the engine's own accounting (``EngineCore.memory_report()``)."""
         self.engine = dataclasses.replace(
             self.engine, weights=dict(rep.weights), kv_total=dict(rep.kv_total), kv_used=dict(rep.kv_used),
-            staging=dict(rep.staging), swap_total=dict(rep.kv_swap_total), swap_used=dict(rep.kv_swap_used),
+            kv_resident=dict(rep.kv_resident), kv_in_use=rep.kv_in_use, resident=rep.resident, staging=dict(rep.staging), swap_total=dict(rep.kv_swap_total), swap_used=dict(rep.kv_swap_used),
             experts=rep.experts)
         if rep.kv_disk is not None:
             self.engine = dataclasses.replace(self.engine, kv_disk=rep.kv_disk)

@@ -478,15 +478,15 @@ class _Ollama:
         return self._defaults
 
     def sizes(self) -> tuple[int, int, int]:
-        """(weight bytes, resident bytes: weights + KV pool off disk, bytes on the GPU), from the
-        engine thread's last memory report (/metrics' snapshot), or one taken now before the first."""
+        """(weight bytes, resident bytes, bytes on the GPU): ``MemoryReport.resident`` (weights, the KV
+        pool's pages backed by memory, buffers; not its untouched reservation) from the engine
+        thread's last memory report (/metrics' snapshot), or one taken now before the first."""
         snap = getattr(self.state.metrics, "engine", None)
-        w, kv = (snap.weights, snap.kv_total) if snap is not None and snap.weights else (None, None)
+        w, res = (snap.weights, snap.resident) if snap is not None and snap.weights else (None, None)
         if w is None:
             rep = self.state.llm.core.memory_report()
-            w, kv = rep.weights, rep.kv_total
-        resident = sum(v for t, v in w.items() if t != "disk") + sum(v for t, v in kv.items() if t != "disk")
-        return sum(w.values()), resident, w.get("gpu", 0) + kv.get("gpu", 0)
+            w, res = rep.weights, rep.resident
+        return sum(w.values()), sum(res.values()), res.get("gpu", 0)
 
     # -- the request checks
     def begin(self, req: OllamaChatRequest | OllamaGenerateRequest) -> None:
