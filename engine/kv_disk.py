@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING
 import torch
 import xxhash
 
+from llmsys.engine.prefix_cache import extend_keys
 from llmsys.kernels.common.paths import llmsys_home
 from llmsys.kernels.common.protocols import KVPool
 from llmsys.kernels.common.units import format_bytes
@@ -57,6 +58,7 @@ FORMAT_VERSION = 1
 MAGIC = b"LLMSYSKV"
 _HEADER = struct.Struct("<8sI16s16sQ16s")  # magic, version, namespace, key, payload bytes, xxh3-128(payload)
 SUFFIX = ".kvb"
+PIN_FLUSH_S = 5.0  # /save waits this long at most for the conversation's last blocks to be written
 EXIT_FLUSH_S = 10.0  # at exit, wait this long at most for queued blocks to be written
 QUEUE_BYTES = 256 << 20  # staged blocks waiting for the writer at most; more are dropped
 STALE_TMP_S = 600  # a temporary file this old is a killed process's, not a live writer's
@@ -339,8 +341,9 @@ class KVDisk:
 
     # -- saved conversations -------------------------------------------------------
     def pin(self, name: str, keys: list[bytes]) -> int:
-        """Keep the files of ``keys`` (a saved conversation's blocks) out of LRU eviction, under ``name``
-        (a later pin of the same name replaces it). Returns how many of them are on disk now."""
+        """Keep the files of ``keys`` (a saved conversation's blocks) out of LRU eviction, under ``name`` (the
+        conversation file's path: a later pin of it replaces it for later processes; a pin whose file is
+        gone is dropped when the next process starts). Returns how many of them are on disk now."""
         if not self.enabled:
             return 0
         pin = self.root / "pins" / (hashlib.blake2b(name.encode(), digest_size=8).hexdigest() + ".json")
@@ -354,10 +357,23 @@ class KVDisk:
             self._pinned.update(files)
         return sum(1 for k in keys if self.path_of(k).exists())
 
+    def pin_prompt(self, name: str, token_ids: list[int], block_size: int) -> tuple[int, int]:
+        """:meth:`pin` the full blocks of ``token_ids`` (a saved conversation's prompt) once the queued writes
+        are done; returns (blocks on disk, full blocks of the prompt)."""
+        keys: list[bytes] = []
+        extend_keys(keys, token_ids, block_size, len(token_ids) // block_size)
+        self.flush(PIN_FLUSH_S)
+        return self.pin(name, keys), len(keys)
+
     def _load_pins(self) -> None:
+        """The pins of saved conversations; a pin whose conversation file is gone is deleted."""
         for f in (self.root / "pins").glob("*.json"):
             try:
-                self._pinned.update(json.loads(f.read_text())["files"])
+                pin = json.loads(f.read_text())
+                if not Path(pin["name"]).exists():
+                    f.unlink()
+                    continue
+                self._pinned.update(pin["files"])
             except (OSError, ValueError, KeyError, TypeError):
                 continue
 

@@ -307,3 +307,27 @@ def test_a_restarted_server_reports_cached_tokens_and_disk_metrics(tmp_path):
     assert again["choices"][0]["text"] == ref.text
     assert m["llmsys_kv_disk_bytes"] > 0 and m["llmsys_kv_disk_enabled"] == 1
     assert m["llmsys_kv_disk_hit_blocks_total"] == cached // 16
+
+
+def test_chat_save_keeps_the_conversations_kv_and_load_reads_it_back(tmp_path):
+    """/save pins the conversation's blocks (LRU keeps them); /load in a new process (a new engine here)
+    continues from them: its next turn reads the saved turns' blocks back instead of computing them."""
+    import io
+
+    from llmsys.tui.repl import run_repl
+
+    path = need_shared(SMOLLM2)
+    kw = dict(progress=False, kv_cache_tokens=2048, kv_disk="256MiB", kv_disk_dir=str(tmp_path / "kv"))
+    sp = SamplingParams(temperature=0, max_tokens=24)
+    conv = tmp_path / "talk.json"
+    llm = LLM(str(path), **kw)
+    out = io.StringIO()
+    run_repl(llm, sp, stdin=io.StringIO(f"{STORY} Tell me what happened next.\n/save {conv}\n"), stdout=out)
+    note = next(line for line in out.getvalue().splitlines() if "its KV" in line)
+    kept, total = (int(w) for w in note.split("its KV: ")[1].split(" blocks")[0].split(" of "))
+    assert total > 3 and kept == total
+    pins = list((tmp_path / "kv" / "pins").glob("*.json"))
+    assert len(pins) == 1 and str(conv) in pins[0].read_text()
+    again = LLM(str(path), **kw)
+    run_repl(again, sp, stdin=io.StringIO(f"/load {conv}\nAnd then?\n"), stdout=io.StringIO())
+    assert again.core.kv_disk.stats.hits >= total - 1

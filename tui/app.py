@@ -28,6 +28,7 @@ from llmsys.tui.chat_message import ChatMessage
 from llmsys.tui.commands import TUI_KEYS, SlashCommand, help_markdown, parse_command
 from llmsys.tui.info import info_markdown, info_rows
 from llmsys.tui.conversation import Conversation, apply_settings, sampling_from_dict, sampling_to_dict
+from llmsys.tui.conversation import keep_kv
 from llmsys.tui.memory_panel import MemoryPanel
 from llmsys.tui.messages import (
     EngineFailed,
@@ -280,6 +281,9 @@ class ChatApp(App):
         elif cmd.name == "save":
             p = self.conversation.save(cmd.args[0], self.sampling, self.model_name)
             self.notify(f"saved {len(self.conversation.messages)} messages to {p}")
+            if self.worker is not None and self.info is not None and (
+                    note := keep_kv(self.worker.llm, self.conversation, self.info.is_chat, p)):
+                self.notify(note)
         elif cmd.name == "load":
             conv, sampling = Conversation.load(cmd.args[0])
             if sampling:

@@ -89,6 +89,19 @@ class Conversation:
         return cls(system=system if isinstance(system, str) else None, messages=msgs), d.get("sampling")
 
 
+def keep_kv(llm: Any, conv: Conversation, chat: bool, path: Path) -> str | None:
+    """/save with the prefix cache's disk tier on (``llmsys chat``'s default): the conversation's KV blocks,
+    written to disk as they were made, are pinned under the file's path (kept out of LRU eviction), so a
+    later /load, even in a new process, continues without computing them again. Returns a short note;
+    None without a tier (or a model still loading)."""
+    disk = getattr(getattr(llm, "core", None), "kv_disk", None)
+    if disk is None or not disk.enabled:
+        return None
+    ids = llm.tokenizer.encode_chat(conv.chat_messages()) if chat else llm.encode(conv.completion_text())
+    on_disk, total = disk.pin_prompt(str(Path(path).resolve()), ids, llm.core.kv.spec.block_size)
+    return f"its KV: {on_disk} of {total} blocks kept on disk" if total else None
+
+
 def sampling_to_dict(p: SamplingParams) -> dict[str, Any]:
     out = {}
     for f in dataclasses.fields(p):

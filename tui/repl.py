@@ -15,6 +15,7 @@ from llmsys.kernels.common.errors import LLMSysError
 from llmsys.engine.sampling import SamplingParams
 from llmsys.tui.commands import PLAIN_KEYS, SlashCommand, help_text, osc52, parse_command
 from llmsys.tui.conversation import Conversation, apply_settings, sampling_from_dict
+from llmsys.tui.conversation import keep_kv
 from llmsys.tui.info import info_rows, info_text
 from llmsys.tui.snapshot import PerfStats, default_budgets, snapshot_from_engine
 from llmsys.tui.worker import error_line, model_info
@@ -131,6 +132,8 @@ def _run_command(s: ReplSession, cmd: SlashCommand) -> None:
     elif cmd.name == "save":
         path = s.conv.save(cmd.args[0], s.sampling, s.model_name)
         s.say(f"[saved {len(s.conv.messages)} messages to {path}]")
+        if note := keep_kv(s.llm, s.conv, s.is_chat, path):
+            s.say(f"[{note}]")
     elif cmd.name == "load":
         conv, saved = Conversation.load(cmd.args[0])
         if saved:
