@@ -491,14 +491,17 @@ class KVDisk:
 
 def open_kv_disk(config: EngineConfig, loaded: LoadedModel, kv: KVPool, attention: str, kernels: dict[str, int],
                  has_ring: bool) -> KVDisk | None:
-    """The engine's disk tier, or None: ``--kv-disk 0``, no prefix caching, or a pool this tier cannot keep
-    (int4, or sliding layers' rings, whose blocks are not whole per key: said in the log)."""
+    """The engine's disk tier, or None: ``--kv-disk 0``, no prefix caching, or an engine this tier cannot
+    serve (an int4 pool or sliding layers' rings, whose blocks are not whole per key; Quest's page summaries,
+    made only as keys are stored): said in the log."""
     if not config.kv_disk or not config.prefix_caching:
         return None
     parts = block_parts(kv)
-    if parts is None or has_ring:
-        why = "sliding-window rings" if has_ring else f"--kv-dtype {kv.spec.kv_dtype}"
-        log.info("KV disk tier off: a KV pool with %s is not kept on disk", why)
+    quest = config.kv_policy.kind == "quest"  # per-page key summaries made as keys are stored, not on a read
+    if parts is None or has_ring or quest:
+        why = ("sliding-window rings" if has_ring else "--kv-policy quest" if quest else
+               f"--kv-dtype {kv.spec.kv_dtype}")
+        log.info("KV disk tier off: an engine with %s does not keep KV on disk", why)
         return None
     spec = kv.spec
     fmt = dict(dtype=spec.dtype, kv_dtype=spec.kv_dtype, block_size=spec.block_size, layers=spec.num_layers,

@@ -331,3 +331,12 @@ def test_chat_save_keeps_the_conversations_kv_and_load_reads_it_back(tmp_path):
     again = LLM(str(path), **kw)
     run_repl(again, sp, stdin=io.StringIO(f"/load {conv}\nAnd then?\n"), stdout=io.StringIO())
     assert again.core.kv_disk.stats.hits >= total - 1
+
+
+def test_an_int8_pool_round_trips_and_int4_or_quest_keep_the_tier_off(tmp_path):
+    path = need_shared(STORIES_HF)
+    _, a, second, b = _restart_pair(path, tmp_path, STORY, "float32", block_size=4, kv_dtype="int8")
+    assert b.usage.cached_tokens == (len(second.encode(STORY)) - 1) // 4 * 4 and _sig(a) == _sig(b)
+    for kw in (dict(kv_dtype="int4"), dict(kv_policy="quest:4")):
+        llm = LLM(str(path), progress=False, kv_disk="64MiB", kv_disk_dir=str(tmp_path), **kw)
+        assert llm.core.kv_disk is None, kw
