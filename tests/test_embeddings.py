@@ -314,3 +314,43 @@ def test_ollama_client_embed_and_legacy_embeddings(server, reference_vectors, em
     with pytest.raises(ollama.ResponseError, match="not found") as e:
         client.embed(model="other", input="hi")
     assert e.value.status_code == 404
+
+
+
+def test_preempted_embeddings_are_recomputed_from_the_start(emb_dir, tmp_path):
+    """A KV pool too small for what runs: decoding requests grow into it and the scheduler preempts
+    (recompute) the newest running request, a part-prefilled embedding; it pools its prompt again from
+    the start and matches the roomy engine's vector."""
+    import shutil
+
+    from llmsys import LLM, SamplingParams
+
+    folder = tmp_path / "mean"
+    shutil.copytree(emb_dir, folder)
+    _write_st_config(folder, "pooling_mode_mean_tokens")
+    texts = [f"{i} the quick brown fox jumps over the lazy dog, and the dog sleeps all day long" for i in range(4)]
+    roomy = [o.embedding for o in LLM(str(folder), dtype="float32", max_model_len=64).embed(texts)]
+    tight = LLM(str(folder), dtype="float32", max_model_len=64, block_size=4, kv_cache_tokens=64,
+                max_num_batched_tokens=8, swap_space=0)
+    core = tight.core
+    preempted = []
+    original = core.scheduler._preempt
+
+    def spy(seq, out):
+        preempted.append(seq.request_id)
+        original(seq, out)
+
+    core.scheduler._preempt = spy
+    gen = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    for _ in range(2):
+        core.add_request(tight.encode("Once upon a"), gen)
+    ids = [core.add_request(tight.encode(t), SamplingParams(max_tokens=1), pooling=tight.pooling) for t in texts]
+    vectors = {}
+    while core.has_unfinished():
+        for ch in core.step():
+            if ch.embedding is not None:
+                vectors[ch.request_id] = ch.embedding
+    assert set(preempted) & set(ids), "the pool was meant to preempt an embedding request"
+    for rid, ref in zip(ids, roomy):
+        torch.testing.assert_close(vectors[rid], ref, atol=1e-6, rtol=0)
+    assert core.allocator.num_used == 0
