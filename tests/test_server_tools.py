@@ -203,7 +203,7 @@ def test_tool_errors_name_the_field(srv):
 # -- the other families' formats, on the same vocabulary -------------------------------------
 
 
-@pytest.mark.parametrize("family", ["hermes", "llama3", "mistral"])
+@pytest.mark.parametrize("family", ["hermes", "llama3", "mistral", "generic"])
 def test_each_family_grammar_output_parses_back(family):
     need_shared(STORIES_HF)
     import torch

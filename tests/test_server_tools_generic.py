@@ -11,7 +11,6 @@ on stories260k's vocabulary.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any, Literal
 
 import openai

@@ -94,14 +94,16 @@ class ToolFormat:
         for i, t in enumerate(chosen):
             schema = {
                 "type": "object",
-                "properties": {"name": {"const": t["name"]}, args_key: closed(t.get("parameters") or {"type": "object"})},
+                "properties": {"name": {"const": t["name"]},
+                               args_key: closed(t.get("parameters") or {"type": "object"})},
                 "required": ["name", args_key],
                 "additionalProperties": False,
                 "x-guidance": JSON_OPTIONS,  # %json in Lark takes its options from the schema
             }
             rules.append(f"call{i}: %json {json.dumps(schema)}")
         call = "call: " + " | ".join(f"call{i}" for i in range(len(chosen)))
-        many = "call (" + {"hermes": '"\\n"', "llama3": '"; "', "mistral": '", "', "generic": '", "'}[self.name] + " call)*"
+        sep = {"hermes": '"\\n"', "llama3": '"; "', "mistral": '", "', "generic": '", "'}[self.name]
+        many = f"call ({sep} call)*"
         body = many if parallel else "call"
         if self.name == "hermes":
             start = f'start: block{"+" if parallel else ""}\nblock: {self._lit("<tool_call>")} "\\n" call "\\n" {self._lit("</tool_call>")} "\\n"?'
