@@ -14,15 +14,15 @@ threads, atexit) prints nothing either.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
-import importlib.metadata
 import os
 import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 if TYPE_CHECKING:
     import typer
@@ -87,6 +87,8 @@ def package_version() -> str:
     Not ``llmsys.__version__``: the root package is the public face above every layer and no
     package imports it (tests/test_layering.py).
     """
+    import importlib.metadata
+
     try:
         return importlib.metadata.version("llmsys")
     except importlib.metadata.PackageNotFoundError:
@@ -209,6 +211,22 @@ def _exit_interrupted(signum: int, frame: Any) -> None:
     os._exit(INTERRUPTED_EXIT)
 
 
+@contextlib.contextmanager
+def _exit_on_interrupt() -> Iterator[None]:
+    """Ctrl-C ends the process at once (one line, 130) while the commands' modules import: torch's C start-up
+    swallows a KeyboardInterrupt raised inside its import of numpy and goes on with numpy half made, to a
+    hang or an AttributeError later. Nothing is open yet that an exit would lose."""
+    try:
+        previous = signal.signal(signal.SIGINT, _exit_interrupted)
+    except ValueError:  # not the main thread: the caller's process, its handler
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def _quiet_sigint() -> None:
     """From here on a Ctrl-C ends the process at once, quietly: what is left is the interpreter's shutdown
     (joining the engine's threads, atexit), where a KeyboardInterrupt would print "Exception ignored" and a
@@ -222,12 +240,14 @@ def _quiet_sigint() -> None:
 
 
 def _run(argv: list[str] | None) -> int:
-    from llmsys.kernels.common.errors import LLMSysError
-
     debug = os.environ.get("LLMSYS_DEBUG") == "1"
-    errors = click_errors()
+    with _exit_on_interrupt():
+        from llmsys.kernels.common.errors import LLMSysError  # imports torch
+
+        errors = click_errors()
+        app = build_app()
     try:
-        rv = build_app()(args=argv, prog_name=PROG, standalone_mode=False)
+        rv = app(args=argv, prog_name=PROG, standalone_mode=False)
         return int(rv or 0)
     except LLMSysError as e:
         if debug:

@@ -77,10 +77,6 @@ def serve_command(
     engine_flags: dict[str, Any],
     auto_pull: bool,
 ) -> int:
-    from llmsys.engine.cli.models_cmd import ensure_pulled
-    from llmsys.engine.server.serve import serve
-    from llmsys.engine.server.state import ServerSettings
-
     if not 0 <= port <= 65535:
         raise InvalidParameterError(f"--port must be in 0..65535, got {port}")
     if max_concurrency is not None and max_concurrency < 1:
@@ -100,6 +96,15 @@ def serve_command(
                     ("--max-prompt-tokens", max_prompt_tokens)):
         if v is not None and v < 1:
             raise InvalidParameterError(f"{flag} must be >= 1, got {v}")
+    check_port(host, port)  # before the server's imports, a download or a load: uvicorn would fail only then
+    from llmsys.engine.cli.models_cmd import ensure_pulled
+
+    ensure_pulled(model, auto_pull)
+    engine_flags = kv_disk_on(engine_flags)  # a restarted server reads its prompts' KV back from disk
+    config = build_engine_config(model, dict(engine_flags, chat_template=chat_template))
+    from llmsys.engine.server.serve import serve
+    from llmsys.engine.server.state import ServerSettings
+
     settings = ServerSettings(
         api_key=_api_key(api_key, api_key_file),
         allowed_hosts=_names(allowed_hosts),
@@ -116,10 +121,6 @@ def serve_command(
         max_prompt_tokens=max_prompt_tokens,
         send_timeout_s=send_timeout,
     )
-    check_port(host, port)  # before a download or a load that would only end in uvicorn's bind error
-    ensure_pulled(model, auto_pull)
-    engine_flags = kv_disk_on(engine_flags)  # a restarted server reads its prompts' KV back from disk
-    config = build_engine_config(model, dict(engine_flags, chat_template=chat_template))
     return serve(config, settings, host=host, port=port, log_level=log_level)
 
 
