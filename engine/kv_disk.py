@@ -72,12 +72,13 @@ def default_kv_disk_dir() -> Path:
 
 
 def content_fingerprint(path: str | Path) -> bytes:
-    """16 bytes naming a checkpoint's content, cheaply: per weight file its name, size, first MiB (a GGUF's
-    header and tensor table; a safetensors header), last 64 KiB and 16 evenly spaced 64 KiB samples.
+    """16 bytes naming a checkpoint's content, cheaply: per weight file its size, first MiB (a GGUF's
+    header, a safetensors header), last 64 KiB and 16 evenly spaced 64 KiB samples (a folder's files also
+    by name).
 
-    Content, not mtime: a copied or re-downloaded file keeps its blocks; a re-quantized one changes its
-    tensor table (and size) and so its name. A folder counts its config and weight files (not the
-    tokenizer, which does not change the KV of given token ids)."""
+    Content, not mtime or path: a copied, renamed or re-downloaded file keeps its blocks; a re-quantized
+    or fine-tuned one differs in its header, its size or its samples. A folder counts its config and weight
+    files (not the tokenizer, which does not change the KV of given token ids)."""
     p = Path(path)
     if p.is_dir():
         files = sorted(f for f in p.iterdir() if f.is_file() and (
@@ -87,7 +88,7 @@ def content_fingerprint(path: str | Path) -> bytes:
     h = hashlib.blake2b(digest_size=16)
     for f in files:
         size = f.stat().st_size
-        h.update(f.name.encode() + b"\0" + size.to_bytes(8, "little"))
+        h.update((f.name.encode() if p.is_dir() else b"") + b"\0" + size.to_bytes(8, "little"))
         with open(f, "rb") as fh:
             offsets = [0] + [size * i // (_SAMPLES + 1) for i in range(1, _SAMPLES + 1)] + [max(0, size - _SAMPLE)]
             for i, off in enumerate(offsets):

@@ -89,10 +89,15 @@ def test_content_fingerprint_follows_content_not_mtime(tmp_path):
     fp = content_fingerprint(a)
     os.utime(a, (1, 1))
     assert content_fingerprint(a) == fp
-    data = bytearray(a.read_bytes())
-    data[100] ^= 1  # the header
-    a.write_bytes(bytes(data))
-    assert content_fingerprint(a) != fp
+    assert content_fingerprint(a.rename(tmp_path / "copy.gguf")) == fp  # the path is not the content
+    b = tmp_path / "copy.gguf"
+    for where in (100, (3 << 20) * 8 // 17 + 100):  # the header; inside the 8th of the evenly spaced samples
+        data = bytearray(b.read_bytes())
+        data[where] ^= 1
+        b.write_bytes(bytes(data))
+        assert content_fingerprint(b) != fp
+        data[where] ^= 1
+        b.write_bytes(bytes(data))
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "header"])
