@@ -143,6 +143,17 @@ def test_lru_stays_within_the_size_and_keeps_pins(tmp_path):
     assert not list(tiny.dir.glob("*" + SUFFIX)) and tiny.stats.dropped == 1 and tiny.enabled
 
 
+def test_a_full_write_queue_drops_blocks_instead_of_waiting(tmp_path):
+    src = _parts()
+    probe = _store(tmp_path / "probe", src)
+    disk = KVDisk(tmp_path, 1 << 20, b"n" * 16, src, queue_bytes=2 * probe.block_bytes)
+    keys = _keys(5)
+    disk.submit([1, 2, 3, 4, 5], keys)  # room for two: three are dropped at once
+    disk.flush()
+    assert disk.stats.dropped == 3 and disk.stats.written == 2
+    assert [disk.path_of(k).exists() for k in keys] == [True, True, False, False, False]
+
+
 @pytest.mark.parametrize("err", [errno.ENOSPC, errno.EIO, errno.EROFS])
 def test_a_failing_disk_turns_the_tier_off_with_one_line(tmp_path, monkeypatch, caplog, err):
     disk = _store(tmp_path, _parts())
