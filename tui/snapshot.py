@@ -197,8 +197,10 @@ def snapshot_from_engine(llm: Any, budgets: dict[str, int | None], perf: PerfSta
     rep = llm.memory_report()
     home = device_tier(llm.loaded.device)
     plan = getattr(llm, "plan", None)
-    workspace = dict(getattr(rep, "workspace", None) or {})
-    if not workspace and plan is not None:  # the plan's staging buffers + activation scratch
+    # the engine's own staging buffers (what /metrics and /api/ps count too); the plan's estimate of
+    # staging + activation scratch only for a report that has none to say
+    workspace = dict(getattr(rep, "staging", None) or getattr(rep, "workspace", None) or {})
+    if not hasattr(rep, "staging") and plan is not None:
         for part in (getattr(plan, "staging", None) or {}, getattr(plan, "activations", None) or {}):
             for t, n in part.items():
                 workspace[t] = workspace.get(t, 0) + int(n)
