@@ -7,7 +7,11 @@ planner, ``llmsys plan`` and ``llmsys bench`` all read (``--remeasure`` replaces
 their folder, read from random bytes (no compressing-filesystem flattery), tmpfs flagged ``disk_cached``.
 The disk probe never stops a start: sized to a quarter of the free space, else one notice and
 :data:`ASSUMED_DISK_GBPS` (not cached); its file is unlinked once open, and stale ``.llmsys_bw_*`` files
-are removed (dead PID, else older than :data:`STALE_PROBE_S`).
+are removed (dead PID, else older than :data:`STALE_PROBE_S`). The record also keeps what each stored weight
+format costs on the matmul kernels the engine runs (:class:`KernelCosts`, ``offload.kernel_probe``), under a
+:func:`kernel_key` (ISA level, C kernel build, torch, threads): another level or build probes them again.
+The RAM buffers are sized from the memory this process may still take (:func:`mem_probe_bytes`), so a
+small cgroup runs the probe rather than being killed by it.
 """
 
 from __future__ import annotations
@@ -37,7 +41,9 @@ CACHE_VERSION = 5
 BUSY_PROBE_LOAD = 0.25  # cores' worth of other processes' CPU during the host probe above which it is not cached
 LOAD_MIN_SECONDS = 0.2  # host probes shorter than this report no load (see probe_host)
 CACHE_NAME = "machine.json"  # under $LLMSYS_HOME: one record per machine (see machine_fingerprint)
-MEM_PROBE_BYTES = 256 << 20  # per buffer: well above any last-level cache
+MEM_PROBE_BYTES = 256 << 20  # per buffer: well above most last-level caches
+MIN_MEM_PROBE_BYTES = 16 << 20  # the smallest buffer the RAM probe runs with (a tight cgroup: a rough figure)
+MEM_PROBE_SHARE = 8  # the probe's two buffers take at most 2/8 of the memory this process may still take
 RAM_FILESYSTEMS = ("tmpfs", "ramfs")  # "disk" reads there come from RAM: the figure is no disk's
 PROBE_PREFIX = ".llmsys_bw_"  # the disk probe's scratch file: .llmsys_bw_<pid>_<random>
 PROBE_FREE_SHARE = 4  # the probe file takes at most 1/4 of the folder's free space
@@ -55,11 +61,16 @@ class ProbeSettings:
     is the machine's, not the run's. Tests pass small sizes to keep it cheap.
     """
 
-    mem_bytes: int = MEM_PROBE_BYTES
+    mem_bytes: int = MEM_PROBE_BYTES  # per buffer, at most (mem_probe_bytes: less where memory is short)
     disk_bytes: int = 64 << 20
     gemm_mnk: tuple[int, int, int] = (32, 2048, 2048)
     repeat: int = 5
     threads: int | None = None
+    # The kernel probe (offload.kernel_probe): each format's working set (copies of one matrix, beyond the
+    # core's own caches), its matrix [N, K] and the rows of its prompt-sized call.
+    kernel_bytes: int = 16 << 20
+    kernel_shape: tuple[int, int] = (2048, 1024)
+    kernel_rows: int = 64
 
     def thread_count(self) -> int:
         """``threads``, else one per physical core, at most the CPUs this process may run on."""
@@ -79,6 +90,70 @@ class DiskSpeed:
     fstype: str
     cached: bool  # the page cache could not be bypassed (tmpfs, no posix_fadvise): an upper bound
     measured: bool = True  # False: the probe could not run (too little free space) and gbps is assumed
+
+
+@dataclass(frozen=True)
+class FormatCost:
+    """One stored weight format on this machine's matmul kernels: a call reading ``bytes`` of its weights for
+    ``rows`` rows of x takes ``call_s + s_per_byte * bytes + s_per_flop * 2 * weights * rows`` seconds.
+
+    ``s_per_byte``: the one-row (decode) cost per stored byte, scales included; ``s_per_flop``: what each
+    further row adds (a prompt chunk, a batch); ``call_s``: the fixed cost of a call (Python, dispatch, the
+    input's quantization); ``bytes_per_weight``: the probed layer's (scales included); ``kernel``: what ran.
+    """
+
+    s_per_byte: float
+    s_per_flop: float
+    call_s: float
+    bytes_per_weight: float
+    kernel: str
+
+    def read_s(self, weights: float) -> float:
+        """Seconds the one-row pass over ``weights`` weights of this format takes (their bytes read)."""
+        return weights * self.bytes_per_weight * self.s_per_byte
+
+    def rows_s(self, weights: float, rows: int) -> float:
+        """Seconds ``rows`` rows of x add over ``weights`` weights (2 FLOPs a weight a row)."""
+        return 2.0 * weights * rows * self.s_per_flop
+
+    @property
+    def decode_gbps(self) -> float:
+        """Stored bytes per second at one row (GB/s)."""
+        return 1e-9 / max(self.s_per_byte, 1e-18)
+
+    @property
+    def gflops(self) -> float:
+        """GFLOP/s of the rows after the first."""
+        return 1e-9 / max(self.s_per_flop, 1e-18)
+
+
+@dataclass(frozen=True)
+class KernelCosts:
+    """Each stored weight format's :class:`FormatCost`, probed on the real kernels (``offload.kernel_probe``)
+    under ``key`` (:func:`kernel_key`: reused only where the ISA level, C kernel build, torch and threads
+    are the same)."""
+
+    key: dict[str, Any]
+    formats: dict[str, FormatCost]
+    probe_load: float = 0.0  # cores' worth of other processes' CPU meanwhile (see Bandwidths.probe_load)
+    seconds: float = 0.0  # how long the probe took
+    measured_at: float = 0.0
+
+    def cost(self, fmt: str) -> FormatCost | None:
+        """``fmt``'s figure, or a probed format run by the same kernel family (None: not probed)."""
+        got = self.formats.get(fmt)
+        if got is None and fmt in FORMAT_STAND_INS:
+            got = self.formats.get(FORMAT_STAND_INS[fmt])
+        return got
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "KernelCosts":
+        return cls(raw["key"], {k: FormatCost(**v) for k, v in raw["formats"].items()},
+                   raw.get("probe_load", 0.0), raw.get("seconds", 0.0), raw.get("measured_at", 0.0))
+
+
+# Formats the planner may name that the probe does not time, and the probed one whose kernel they run.
+FORMAT_STAND_INS = {"float16": "bfloat16", "int4:g32": "int4", "int4:g128": "int4", "nf4:dq": "nf4"}
 
 
 @dataclass(frozen=True)
@@ -111,6 +186,9 @@ class Bandwidths:
     # figures are this run's only and are not cached (a probe beside a test suite read RAM at 23.5 GB/s
     # where the quiet machine reads 33.6: every %roof after it would have been 1.4x too high).
     probe_load: float = 0.0
+    # Each weight format's cost on this machine's kernels (None: not probed; the planner then uses the
+    # roofline of mem_gbps and cpu_gflops).
+    kernels: KernelCosts | None = None
 
     def roof_gbps(self, device_type: str) -> float:
         """Bandwidth that bounds decode on ``device_type`` ("cpu" or "cuda")."""
@@ -128,6 +206,23 @@ class Bandwidths:
 
     def with_disk(self, disk: DiskSpeed) -> "Bandwidths":
         return replace(self, disk_read_gbps=disk.gbps, disk_cached=disk.cached, disk_probe_dir=disk.folder)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "Bandwidths":
+        kernels = raw.get("kernels")
+        return cls(**{**raw, "kernels": KernelCosts.from_dict(kernels) if kernels else None})
+
+
+def kernel_key(threads: int) -> dict[str, Any]:
+    """What must match for cached kernel costs to be reused: the ISA level the C kernels run at, their
+    builds (file names hold the level and a hash of sources and flags), torch's version and CPU dispatch,
+    and the threads the probe ran on."""
+    from llmsys.kernels import cpu_kernels
+
+    ck = cpu_kernels()
+    builds = sorted({s.rsplit("/", 1)[-1] for s in ck.kernels.values() if s.startswith("ok:")})
+    return {"isa": ck.level, "builds": builds, "torch": torch.__version__, "torch_cpu": ck.torch_capability,
+            "onednn_bf16": ck.onednn_bf16, "threads": threads}
 
 
 def machine_fingerprint() -> dict:
@@ -186,7 +281,7 @@ def default_probe_dir() -> Path:
 
 
 @contextmanager
-def _torch_threads(n: int) -> Iterator[None]:
+def torch_threads(n: int) -> Iterator[None]:
     """Probe on ``n`` threads and give the caller its own count back."""
     old = torch.get_num_threads()
     torch.set_num_threads(n)
@@ -216,6 +311,19 @@ def _best(fn, repeat: int = 3) -> float:
         fn()
         best = min(best, time.perf_counter() - t)
     return max(best, 1e-9)
+
+
+def mem_probe_bytes(wanted: int = MEM_PROBE_BYTES) -> int:
+    """The RAM probe's buffer size: ``wanted``, less where two buffers would take more than
+    1/:data:`MEM_PROBE_SHARE` of the memory this process may still take (the machine's available RAM, or its
+    cgroup's room when smaller), never below :data:`MIN_MEM_PROBE_BYTES`."""
+    from llmsys.offload.memcap import own_cgroup_room
+
+    room = psutil.virtual_memory().available
+    cap = own_cgroup_room()
+    if cap is not None:
+        room = min(room, cap)
+    return max(min(wanted, MIN_MEM_PROBE_BYTES), min(wanted, room // MEM_PROBE_SHARE)) // 4096 * 4096
 
 
 def probe_mem_gbps(nbytes: int = MEM_PROBE_BYTES, repeat: int = 5) -> float:
@@ -347,9 +455,10 @@ def probe_host(probe: ProbeSettings) -> Bandwidths:
     """RAM, GEMM and (with a GPU) host-GPU speeds; no disk figure (that is per filesystem)."""
     threads = probe.thread_count()
     others, start = others_cpu_seconds(), time.perf_counter()
-    with _torch_threads(threads):
-        mem = probe_mem_gbps(probe.mem_bytes, probe.repeat)
-        copy = probe_mem_copy_gbps(probe.mem_bytes, probe.repeat)
+    size = mem_probe_bytes(probe.mem_bytes)
+    with torch_threads(threads):
+        mem = probe_mem_gbps(size, probe.repeat)
+        copy = probe_mem_copy_gbps(size, probe.repeat)
         m, n, k = probe.gemm_mnk
         flops = {str(dt).removeprefix("torch."): round(probe_cpu_gflops(dt, m, n, k), 1)
                  for dt in (torch.float32, torch.bfloat16)}
@@ -397,16 +506,20 @@ def probe_cuda() -> tuple[float, float, dict[str, float]]:  # pragma: no cover -
 
 @dataclass(frozen=True)
 class MachineRecord:
-    """What ``machine.json`` holds: this machine's host speeds and one disk figure per filesystem."""
+    """What ``machine.json`` holds: this machine's host speeds, one disk figure per filesystem, and the
+    weight formats' kernel costs (under their :func:`kernel_key`; None until a command asks for them)."""
 
     fingerprint: dict[str, Any]
-    host: Bandwidths  # disk fields unset
+    host: Bandwidths  # disk fields and kernels unset
     disks: dict[str, DiskSpeed]  # mount point -> its measured read
     measured_at: float
+    kernels: KernelCosts | None = None
 
     def to_json(self) -> str:
         return json.dumps({"version": CACHE_VERSION, "fingerprint": self.fingerprint, "measured_at": self.measured_at,
-                           "host": asdict(self.host), "disks": {k: asdict(v) for k, v in self.disks.items()}}, indent=1)
+                           "host": asdict(replace(self.host, kernels=None)),
+                           "disks": {k: asdict(v) for k, v in self.disks.items()},
+                           "kernels": asdict(self.kernels) if self.kernels is not None else None}, indent=1)
 
     @classmethod
     def from_json(cls, text: str) -> "MachineRecord":
@@ -414,7 +527,8 @@ class MachineRecord:
         if raw.get("version") != CACHE_VERSION:
             raise ValueError(f"machine.json version {raw.get('version')}, expected {CACHE_VERSION}")
         disks = {k: DiskSpeed(**v) for k, v in raw["disks"].items()}
-        return cls(raw["fingerprint"], Bandwidths(**raw["host"]), disks, raw["measured_at"])
+        kernels = KernelCosts.from_dict(raw["kernels"]) if raw.get("kernels") else None
+        return cls(raw["fingerprint"], Bandwidths.from_dict(raw["host"]), disks, raw["measured_at"], kernels)
 
 
 def read_record() -> MachineRecord | None:
@@ -437,8 +551,15 @@ def _write_record(rec: MachineRecord) -> None:
         pass  # a read-only home only costs a re-measurement next time
 
 
+def current_kernels(rec: MachineRecord | None, threads: int) -> KernelCosts | None:
+    """``rec``'s kernel costs when they were probed under this process's :func:`kernel_key`, else None."""
+    if rec is None or rec.kernels is None:
+        return None
+    return rec.kernels if rec.kernels.key == kernel_key(threads) else None
+
+
 def measure_bandwidths(cache: bool = True, probe_dir: Path | None = None,
-                       probe: ProbeSettings | None = None) -> Bandwidths:
+                       probe: ProbeSettings | None = None, kernels: bool = False) -> Bandwidths:
     """This machine's speeds from the one record, measuring what it lacks (about 2-5 s the first time).
 
     The measurement ``llmsys plan``, ``llmsys bench`` and the planner inside
@@ -447,7 +568,10 @@ def measure_bandwidths(cache: bool = True, probe_dir: Path | None = None,
     ``cache=False`` (``--remeasure``) measures again and replaces it for every
     reader. ``probe_dir`` is the folder whose disk matters (the offload folder;
     default :func:`default_probe_dir`): its filesystem's figure comes from the
-    record when there is one, else it is measured and added.
+    record when there is one, else it is measured and added. ``kernels``: probe the
+    weight formats' kernel costs when the record has none under this :func:`kernel_key`
+    (``llmsys plan`` and ``llmsys bench`` ask; an engine start only reads what is there,
+    so it never waits for the probe).
     """
     probe = probe or DEFAULT_PROBE
     folder = Path(probe_dir) if probe_dir is not None else default_probe_dir()
@@ -455,6 +579,14 @@ def measure_bandwidths(cache: bool = True, probe_dir: Path | None = None,
     fresh = rec is None
     if rec is None:
         rec = MachineRecord(machine_fingerprint(), probe_host(probe), {}, time.time())
+    keep = fresh and rec.host.probe_load <= BUSY_PROBE_LOAD  # a busy machine's figures are not kept
+    costs = current_kernels(rec, probe.thread_count())
+    if kernels and costs is None:
+        from llmsys.offload.kernel_probe import probe_kernels
+
+        costs = replace(probe_kernels(probe), measured_at=time.time())
+        if costs.probe_load <= BUSY_PROBE_LOAD:
+            rec, keep = replace(rec, kernels=costs), keep or not fresh
     remove_stale_probe_files(folder)
     mount, _ = filesystem_of(folder)
     disk = rec.disks.get(mount)
@@ -462,6 +594,7 @@ def measure_bandwidths(cache: bool = True, probe_dir: Path | None = None,
         disk = probe_disk(folder, probe.disk_bytes)
         if disk.measured:  # an assumed figure is this run's only: a later start with room measures
             rec = replace(rec, disks={**rec.disks, disk.mount: disk})
-        if not (fresh and rec.host.probe_load > BUSY_PROBE_LOAD):  # a busy machine's figures are not kept
-            _write_record(rec)
-    return rec.host.with_disk(disk)
+        keep = keep or not fresh
+    if keep:
+        _write_record(rec)
+    return replace(rec.host.with_disk(disk), kernels=costs)

@@ -154,3 +154,30 @@ def tighten_own_limit(limit_bytes: int) -> Path:
         except OSError:
             pass
     return f
+
+
+def own_cgroup_room() -> int | None:
+    """Bytes this process's memory cgroup still allows (its limit less its charge, reclaimable file pages
+    given back), or None where no limit applies (none set, no cgroup, unreadable).
+
+    Why: ``psutil``'s available RAM is the machine's; a process in a cgroup of 512 MiB on a 64 GiB host that
+    sizes a buffer from it is OOM-killed. Probes size their buffers from the smaller of the two.
+    """
+    try:
+        if _v2():
+            cg = next((ROOT / line[3:].lstrip("/") for line in Path("/proc/self/cgroup").read_text().splitlines()
+                       if line.startswith("0::")), None)
+            names = ("memory.max", "memory.current", "inactive_file")
+        else:
+            cg = _v1_memory_root()
+            names = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+        if cg is None:
+            return None
+        raw = (cg / names[0]).read_text().strip()
+        if raw == "max" or int(raw) >= 1 << 60:  # v2's "max", v1's page-rounded 2^63
+            return None
+        stat = dict(line.split() for line in (cg / "memory.stat").read_text().splitlines() if len(line.split()) == 2)
+        used = int((cg / names[1]).read_text()) - int(stat.get(names[2], 0))
+        return max(0, int(raw) - used)
+    except (OSError, ValueError):
+        return None

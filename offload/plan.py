@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llmsys.offload.bandwidth import Bandwidths
+from llmsys.offload.bandwidth import Bandwidths, FormatCost, KernelCosts
 from llmsys.kernels.common.units import format_bytes
 from llmsys.offload.budgets import Budgets
 
@@ -45,6 +45,9 @@ class UnitShape:
     # An embedding kept quantized (a GGUF's codes and scales): no row layout to read its tokens' rows from, so on
     # disk the runtime streams the whole table around each lookup (offload.runtime: _whole_unit).
     whole_reads: bool = False
+    # The stored formats of the unit's matrices, (format, share of ``params``): "bfloat16", "int8", "int4+offset"
+    # ... (offload.kernel_probe.BUILDERS names); () = the model dtype's. What the calibrated costs are keyed by.
+    formats: tuple[tuple[str, float], ...] = ()
 
     def expert_frac(self, tokens: int) -> float:
         """The expected share of the experts a step of ``tokens`` tokens uses (uniform routing): ``1 - (1 - k/E)^T``."""
@@ -319,7 +322,10 @@ def _unit_cost(u: UnitShape, kind: str, tokens: int, ctx: int, shape: ModelShape
         extra = max(ex / (bw.mem_gbps * 1e9), 2.0 * cpu_p / bw.cpu_flops(shape.dtype))
     else:
         extra = 0.0
-    compute = max(used / mem_bw, 2.0 * u.token_params * tokens / flops) + kv_read / mem_bw + extra
+    weights = _kernel_s(u, tokens, used, shape, bw) if compute_dev == "cpu" else None
+    if weights is None:  # no calibrated figure: the roofline of the measured bandwidth and GEMM peak
+        weights = max(used / mem_bw, 2.0 * u.token_params * tokens / flops)
+    compute = weights + kv_read / mem_bw + extra
     if experts == "disk":
         distinct = u.num_experts * u.expert_frac(tokens)
         disk += distinct * u.stored_bytes_per_expert * (1.0 - hit) / (bw.disk_read_gbps * 1e9)
@@ -327,6 +333,57 @@ def _unit_cost(u: UnitShape, kind: str, tokens: int, ctx: int, shape: ModelShape
     if kind in ("disk", "cpu->gpu"):
         compute += STREAM_LATENCY_S
     return compute, disk, h2d
+
+
+def dtype_format(dtype: torch.dtype) -> str:
+    """A dense weight's format name: its dtype's (``"bfloat16"``)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def unit_formats(u: UnitShape, shape: ModelShape) -> tuple[tuple[str, float], ...]:
+    """``u``'s (format, share of its weights), the model dtype's when it names none."""
+    return u.formats or ((dtype_format(shape.dtype), 1.0),)
+
+
+def _kernel_s(u: UnitShape, tokens: int, used: int, shape: ModelShape, bw: Bandwidths) -> float | None:
+    """Seconds the CPU's matmul kernels take over ``u``'s weights for ``tokens`` rows, from the kernel probe's
+    figure for each of its formats (``bw.kernels``): the one-row pass over the bytes ``used`` (never faster
+    than RAM delivers them) plus what the further rows add. None where a format has no figure."""
+    kc = bw.kernels
+    if kc is None or not u.params:
+        return None
+    read_w = u.params * used / max(u.nbytes, 1)  # weights the step reads (a sparse layer: its tokens' experts)
+    read = rows = 0.0
+    for fmt, share in unit_formats(u, shape):
+        c = kc.cost(fmt)
+        if c is None:
+            return None
+        read += c.read_s(share * read_w)
+        rows += c.rows_s(share * u.token_params, tokens)
+    return max(read, used / (bw.mem_gbps * 1e9)) + rows
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Where a plan's CPU compute figures come from: each stored format of the model and its probed kernel
+    cost (``bw.kernels``), or None where the roofline (RAM bandwidth, GEMM peak) stands in."""
+
+    formats: tuple[tuple[str, FormatCost | None], ...]
+    kernels: KernelCosts | None
+
+    @property
+    def calibrated(self) -> bool:
+        return self.kernels is not None and all(c is not None for _, c in self.formats)
+
+
+def calibration_of(shape: ModelShape, bw: Bandwidths) -> Calibration:
+    """The formats of ``shape``'s matrices (layers and LM head) and the figures the planner costs them with."""
+    names: dict[str, None] = {}
+    for u in (*shape.layers, shape.head):
+        for fmt, _ in unit_formats(u, shape):
+            names[fmt] = None
+    kc = bw.kernels
+    return Calibration(tuple((f, kc.cost(f) if kc is not None else None) for f in names), kc)
 
 
 def _step_cost(shape: ModelShape, kinds: list[str], embed_kind: str | None, head_kind: str, tokens: int, ctx: int,
@@ -472,7 +529,8 @@ def plan_placement(shape: ModelShape, budgets: Budgets, bw: Bandwidths, workload
     rep = max(shape.layers, key=lambda u: u.nbytes) if shape.layers else None
     moe_rep = shape.layers[moe_cpu[0]] if moe_cpu else None
     if moe_rep is not None:  # --cpu-moe: a layer's own compute without its experts, plus theirs on the CPU
-        rep = UnitShape(moe_rep.name, "layer", moe_rep.nbytes - moe_rep.expert_bytes, moe_rep.params - moe_rep.expert_params)
+        rep = UnitShape(moe_rep.name, "layer", moe_rep.nbytes - moe_rep.expert_bytes, moe_rep.params - moe_rep.expert_params,
+                        formats=moe_rep.formats)
 
     def fast_cost(counts: dict[str, int], ek: str | None, hk: str, tokens: int, c: int) -> float:
         comp = disk = h2d = 0.0
@@ -622,6 +680,10 @@ class WeightBytes:
     embed: float
     head: float
     experts: tuple[ExpertBytes, ...] = ()
+    # Each part's stored formats, (format, share of its weights) (:attr:`UnitShape.formats`); () = the dtype's.
+    layer_formats: tuple[tuple[str, float], ...] = ()
+    embed_formats: tuple[tuple[str, float], ...] = ()
+    head_formats: tuple[tuple[str, float], ...] = ()
 
 
 def model_shape(
@@ -632,15 +694,20 @@ def model_shape(
     dtype: torch.dtype,
     kv_bytes_per_token_layer: float,
     bytes_per_weight: float | WeightBytes | None = None,
+    weight_format: str | None = None,
 ) -> ModelShape:
     """Describe a (meta-device) model for the planner.
 
     ``bytes_per_weight`` overrides the element size of 2-D weights (a
     quantized format: int4 with scales ~0.56; or per part, :class:`WeightBytes`);
-    1-D tensors keep ``dtype``.
+    1-D tensors keep ``dtype``. ``weight_format``: the stored format of every matrix
+    (a ``--quant`` method's, e.g. ``"int4"``) where ``bytes_per_weight`` names none per part.
     """
     elt = torch.tensor([], dtype=dtype).element_size()
     per = bytes_per_weight if isinstance(bytes_per_weight, WeightBytes) else None
+    every = ((weight_format, 1.0),) if weight_format else ()
+    fmts = {"layers": per.layer_formats or every, "embed": per.embed_formats or every,
+            "head": per.head_formats or every} if per is not None else dict.fromkeys(("layers", "embed", "head"), every)
 
     def size(mod: torch.nn.Module, part: str = "layers") -> tuple[int, int]:
         bpw = getattr(per, part) if per is not None else (bytes_per_weight or elt)
@@ -666,19 +733,19 @@ def model_shape(
                 nb += len(experts) * exact[i].run_bytes - eb
                 eb, stored = len(experts) * exact[i].run_bytes, len(experts) * exact[i].stored_bytes
             lus.append(UnitShape(f"layers.{i}", "layer", nb, p, eb, sum(q for _, q in sizes), len(experts),
-                                 int(moe.top_k), stored))
+                                 int(moe.top_k), stored, formats=fmts["layers"]))
         else:
-            lus.append(UnitShape(f"layers.{i}", "layer", nb, p))
+            lus.append(UnitShape(f"layers.{i}", "layer", nb, p, formats=fmts["layers"]))
     e_nb, _ = size(embed, "embed")
     vocab, hidden = embed.weight.shape
     if tied:
-        head_u = UnitShape("embed+lm_head", "head", e_nb, vocab * hidden)
+        head_u = UnitShape("embed+lm_head", "head", e_nb, vocab * hidden, formats=fmts["embed"])
         embed_u = None
     else:
         h_nb, h_p = size(head, "head")
-        head_u = UnitShape("lm_head", "head", h_nb, h_p)
+        head_u = UnitShape("lm_head", "head", h_nb, h_p, formats=fmts["head"])
         float_table = e_nb == vocab * hidden * torch.tensor([], dtype=dtype).element_size()
-        embed_u = UnitShape("embed", "embed", e_nb, 0, whole_reads=not float_table)
+        embed_u = UnitShape("embed", "embed", e_nb, 0, whole_reads=not float_table, formats=fmts["embed"])
     inter = 0
     for m in layers[0].modules() if layers else ():
         if hasattr(m, "up_proj"):

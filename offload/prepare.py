@@ -22,6 +22,8 @@ from llmsys.quant.kv_paged import kv_layer_bytes_per_token
 # Approximate stored bytes per weight of each quantized format (scales included),
 # used to plan before the layers are quantized. Actual bytes are measured after.
 QUANT_BYTES_PER_WEIGHT: dict[str, float] = {"int8": 1.03, "fp8": 1.03, "int4": 0.5625, "nf4": 0.5625, "awq": 0.5625, "gptq": 0.5625}
+# The stored format each method's layers run (offload.kernel_probe's names: what the calibrated costs are keyed by).
+QUANT_FORMATS: dict[str, str] = {"int8": "int8", "fp8": "fp8", "int4": "int4", "nf4": "nf4", "awq": "int4", "gptq": "int4"}
 
 
 def kv_bytes_per_token_layer(args: Any, dtype: torch.dtype, kv_dtype: str = "auto", block_size: int = 16) -> float:
@@ -38,7 +40,7 @@ def shape_of(model: nn.Module, dtype: torch.dtype, quant: str = "none",
     return model_shape(
         list(model.model.layers), model.model.embed_tokens, model.lm_head, bool(a.tie_word_embeddings), dtype,
         kv_bytes_per_token_layer(a, dtype, kv_dtype, block_size),
-        bytes_per_weight or QUANT_BYTES_PER_WEIGHT.get(quant),
+        bytes_per_weight or QUANT_BYTES_PER_WEIGHT.get(quant), QUANT_FORMATS.get(quant),
     )
 
 

@@ -32,7 +32,8 @@ from llmsys.offload import bandwidth
 from llmsys.offload.bandwidth import Bandwidths, ProbeSettings
 from tiny_models import make_hf_model
 
-TINY_PROBE = ProbeSettings(mem_bytes=2 << 20, disk_bytes=1 << 20, gemm_mnk=(4, 64, 64), repeat=1, threads=1)
+TINY_PROBE = ProbeSettings(mem_bytes=2 << 20, disk_bytes=1 << 20, gemm_mnk=(4, 64, 64), repeat=1, threads=1,
+                           kernel_bytes=64 << 10, kernel_shape=(64, 256), kernel_rows=4)
 
 
 @pytest.fixture(autouse=True)

@@ -43,7 +43,8 @@ PROMPTS = ["Once upon a time", "The cat sat", "Tom and Sue went to", "One day, a
 LONG = "Once upon a time there was a little girl named Lily. She loved to play outside in the sun."
 SP = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
 SP_LONG = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)  # ~320 tokens: past a 128-token hot pool
-TINY_PROBE = ProbeSettings(mem_bytes=2 << 20, disk_bytes=64 << 20, gemm_mnk=(4, 64, 64), repeat=1, threads=1)
+TINY_PROBE = ProbeSettings(mem_bytes=2 << 20, disk_bytes=64 << 20, gemm_mnk=(4, 64, 64), repeat=1, threads=1,
+                           kernel_bytes=64 << 10, kernel_shape=(64, 256), kernel_rows=4)
 
 
 class Clock:

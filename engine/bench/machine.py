@@ -3,7 +3,8 @@
 Decode speed is bounded by how fast weights stream (RAM or GPU memory, PCIe, disk), so every bench
 row carries a ``%roof`` column from the bandwidths the one machine probe measures
 (``llmsys.offload.bandwidth``, cached per machine in ``$LLMSYS_HOME/machine.json``, which ``llmsys plan``
-and the offload planner read too). API: ``measure_bandwidths(cache=True, probe_dir=None) -> Bandwidths``,
+and the offload planner read too), with each weight format's kernel cost the planner predicts from.
+API: ``measure_bandwidths(cache=True, probe_dir=None) -> Bandwidths``,
 ``machine_info(cache=True, probe_dir=None) -> MachineInfo``.
 """
 
@@ -66,6 +67,11 @@ def bandwidth_parts(bw: Bandwidths) -> list[str]:
     if bw.probe_load > BUSY_PROBE_LOAD:
         notes.append(f"other programs used {bw.probe_load:.1f} cores meanwhile: low, not cached")
     parts = [f"RAM read {bw.mem_gbps:.1f} GB/s" + (f" ({'; '.join(notes)})" if notes else "")]
+    if bw.kernels is not None:  # the planner's per-format costs (llmsys plan prints them per format)
+        kc = bw.kernels
+        busy = f"; other programs used {kc.probe_load:.1f} cores meanwhile: not cached" if kc.probe_load > BUSY_PROBE_LOAD else ""
+        parts.append(f"kernel probe {len(kc.formats)} formats ({kc.key.get('isa') or 'no C kernels'}, "
+                     f"{kc.key.get('threads')} threads{busy})")
     if bw.gpu_mem_gbps:
         parts.append(f"GPU mem {bw.gpu_mem_gbps:.0f} GB/s")
     if bw.h2d_gbps:
@@ -104,6 +110,7 @@ def machine_info(cache: bool = True, bandwidths: Bandwidths | None = None, probe
         triton_version=_version("triton"),
         python_version=platform.python_version(),
         os=f"{platform.system()} {platform.release()}",
-        bandwidths=bandwidths if bandwidths is not None else measure_bandwidths(cache=cache, probe_dir=probe_dir),
+        bandwidths=(bandwidths if bandwidths is not None
+                    else measure_bandwidths(cache=cache, probe_dir=probe_dir, kernels=True)),
         cpu_kernels=cpu_kernels().summary(),
     )

@@ -108,16 +108,18 @@ def plan_command(
     bpw = None  # a GGUF as stored: its mix of kept int4 codes and dequantized matrices
     if config.quant.method == "none" and gguf is not None:
         bpw = gguf_io.GGUFIndex(gguf.path, gguf.gguf_header, cfg).weight_bytes(dt)
-    bw = measure_bandwidths(cache=not remeasure, probe_dir=budgets.offload_dir)
+    bw = measure_bandwidths(cache=not remeasure, probe_dir=budgets.offload_dir, kernels=True)
     kv_kw = {"kv_dtype": config.kv_dtype, "block_size": config.block_size}  # the pool's KV format
-    plan, _ = plan_for(meta, dt, budgets, work, config.quant.method, bandwidths=bw, max_seqs=batch, bytes_per_weight=bpw,
-                       cpu_moe=config.cpu_moe, **kv_kw)
+    plan, shape = plan_for(meta, dt, budgets, work, config.quant.method, bandwidths=bw, max_seqs=batch,
+                           bytes_per_weight=bpw, cpu_moe=config.cpu_moe, **kv_kw)
     if as_json:
-        print(json.dumps(plan_to_dict(plan), indent=1))
+        print(json.dumps({**plan_to_dict(plan), **speed_dict(plan, shape)}, indent=1))
         return 0
     print(f"{source}: {a.num_hidden_layers} layers, {str(dt).removeprefix('torch.')}"
           + (" (hypothetical GPU: no CUDA device here, host-to-device 16 GB/s assumed)" if hypothetical else ""))
     print(format_plan(plan))
+    print(speed_line(plan))
+    print(calibration_line(plan, shape))
     if config.spec is not None:
         k = config.spec_tokens
         if not 1.0 <= accept <= k + 1:
@@ -136,6 +138,55 @@ def plan_command(
             print(f"- {line}")
         print(f"- {probe_line(plan.bandwidths)}")
     return 0
+
+
+def prefill_tok_s(plan) -> float:
+    """Prompt tokens per second the plan predicts (every sequence's prompt, chunked as the engine does)."""
+    w = plan.workload
+    return 1000.0 * w.batch * w.prompt_len / max(plan.prefill_ms, 1e-9)
+
+
+def speed_line(plan) -> str:
+    """The predicted speeds in the units ``llmsys bench`` measures (tg and pp t/s), to hold them side by side."""
+    w = plan.workload
+    return (f"speed: decode {plan.tok_s:.1f} tok/s, prefill {prefill_tok_s(plan):.1f} tok/s "
+            f"(batch {w.batch}, {w.prompt_len}-token prompts; llmsys bench -p {w.prompt_len} -n {w.output_len} "
+            "measures the same)")
+
+
+def calibration_line(plan, shape) -> str:
+    """Where the CPU compute figures came from: each stored format's probed kernel cost, the key it was probed
+    under and whether it is the cached record's, or the roofline where a format has no figure."""
+    from datetime import datetime, timezone
+
+    from llmsys.offload.bandwidth import BUSY_PROBE_LOAD, cache_path
+    from llmsys.offload.plan import calibration_of
+
+    cal = calibration_of(shape, plan.bandwidths)
+    bw, kc = plan.bandwidths, cal.kernels
+    if kc is None or not cal.calibrated or plan.layers and plan.layers[0].compute == "gpu":
+        missing = ", ".join(f for f, c in cal.formats if c is None)
+        why = (f"no kernel figure for {missing}" if kc is not None and missing
+               else "GPU compute" if plan.layers and plan.layers[0].compute == "gpu" else "no kernel probe")
+        return (f"calibration: roofline ({why}): RAM {bw.mem_gbps:.1f} GB/s, "
+                + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in bw.cpu_gflops.items()))
+    figures = "; ".join(f"{f} {c.decode_gbps:.1f} GB/s at 1 row, {c.gflops:.0f} GFLOP/s per further row ({c.kernel})"
+                        for f, c in cal.formats)
+    when = datetime.fromtimestamp(kc.measured_at, timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    kept = (f"probed now, not cached: other programs used {kc.probe_load:.1f} cores meanwhile"
+            if kc.probe_load > BUSY_PROBE_LOAD else f"cached in {cache_path()}")
+    return (f"calibration: kernel probe of this machine ({kc.key.get('isa') or 'no C kernels'}, {kc.key.get('threads')} "
+            f"threads, {when}; {kept}; --remeasure refreshes it): {figures}")
+
+
+def speed_dict(plan, shape) -> dict[str, Any]:
+    """The predicted speeds and their calibration, for ``--json``."""
+    from llmsys.offload.plan import calibration_of
+
+    cal = calibration_of(shape, plan.bandwidths)
+    return {"decode_tok_s": plan.tok_s, "prefill_tok_s": prefill_tok_s(plan),
+            "calibration": {"source": "kernel probe" if cal.calibrated else "roofline",
+                            "formats": {f: (dataclasses.asdict(c) if c is not None else None) for f, c in cal.formats}}}
 
 
 def probe_line(bw) -> str:

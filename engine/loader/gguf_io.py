@@ -132,6 +132,9 @@ KEPT = {"Q4_0": "int4:g32", "Q8_0": "int8:g32", "Q5_0": "int8:g32", "Q4_1": "int
 KEPT_BYTES = {"Q4_0": 0.5 + 2 / 32 + 2 / 32, "Q8_0": 1 + 2 / 32, "Q5_0": 1 + 2 / 32,
               "Q4_1": 0.5 + 8 / 32, "Q4_K": 0.5 + 2 / 32 + 4 / 256, "Q6_K": 1 + 1 / 16 + 2 / 256, "Q5_K": 1 + 8 / 32}
 OFFSET_KINDS = ("Q4_1", "Q4_K")  # kept as int4 with float offsets
+# The stored format each kept type runs as (the planner's calibrated costs are per format: offload.kernel_probe).
+KEPT_FORMATS = {"Q4_0": "int4", "Q4_1": "int4+offset", "Q4_K": "int4:k", "Q8_0": "int8:g32", "Q5_0": "int8:g32",
+                "Q6_K": "int8:g16", "Q5_K": "int8:g32+offset"}
 KSCALE_KEYS = ("k_sc", "k_m", "k_d", "k_dmin")  # Q4_K's stored scales, as Int4Linear.from_quantized takes them
 # The float factors of kept block formats, checked finite at load (int8 / uint8 ones cannot be otherwise).
 BLOCK_FACTORS = {"scales": "block scales", "block_scales": "block scales", "offsets": "block minimums",
@@ -595,6 +598,15 @@ class GGUFIndex:
             total = sum(n for n, _ in sized)
             return sum(n * b for n, b in sized) / total if total else float(elt)
 
+        def formats(names: list[str]) -> tuple[tuple[str, float], ...]:  # (format, share of the part's weights)
+            count: dict[str, float] = {}
+            for n in names:
+                if len(self._tensors[n].shape) == 2:
+                    f = KEPT_FORMATS[self.kept(n)] if self.kept(n) else str(dtype).removeprefix("torch.")
+                    count[f] = count.get(f, 0.0) + float(self._tensors[n].n_elements)
+            total = sum(count.values())
+            return tuple((f, c / total) for f, c in sorted(count.items())) if total else ()
+
         # Experts counted exactly per sparse layer: run-time bytes (kept codes, or dequantized / converted to
         # dtype) and the bytes the file stores, which a read of an expert on disk takes (locate's StoredTensor).
         run: dict[tuple[int, int], float] = {}
@@ -614,8 +626,9 @@ class GGUFIndex:
                                          max(stored[(layer, e)], had.stored_bytes if had else 0))
         layers = [n for n in self._tensors if n.startswith("model.layers.") and _EXPERT.match(n) is None]
         embed = ["model.embed_tokens.weight"]
-        return WeightBytes(part(layers), part(embed), part(["lm_head.weight"] if "lm_head.weight" in self else embed),
-                           tuple(experts[i] for i in sorted(experts)))
+        head = ["lm_head.weight"] if "lm_head.weight" in self else embed
+        return WeightBytes(part(layers), part(embed), part(head), tuple(experts[i] for i in sorted(experts)),
+                           formats(layers), formats(embed), formats(head))
 
     def kept(self, name: str) -> str | None:
         """The GGUF type of ``name`` (a matrix) when its codes are kept as they are (:data:`KEPT`), else None."""
