@@ -227,6 +227,21 @@ def _idle(srv) -> dict[str, float]:
         time.sleep(0.05)
 
 
+def test_metrics_and_ps_say_the_memory_before_any_request(served):
+    """A server just started: /metrics has the pool's figures already (not 0 blocks until a first
+    step), and /api/ps the same resident bytes."""
+    from llmsys.engine.server.metrics import parse_metrics
+
+    srv, llm = served
+    m = parse_metrics(httpx.get(srv.url + "/metrics").text)
+    rep = llm.core.memory_report()  # idle
+    assert m["llmsys_kv_blocks_total"] == rep.kv_blocks_total > 0
+    assert m['llmsys_kv_bytes_reserved{tier="cpu"}'] == rep.kv_total["cpu"]
+    assert m['llmsys_memory_resident_bytes{tier="cpu"}'] == rep.resident["cpu"]
+    (ps,) = httpx.get(srv.url + "/api/ps").json()["models"]
+    assert ps["size"] == rep.resident["cpu"]
+
+
 def test_every_view_shows_the_engines_numbers(served):
     from llmsys.engine.server.metrics import parse_metrics
     from llmsys.tui.info import info_rows

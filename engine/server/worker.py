@@ -43,6 +43,7 @@ class EngineWorker(EngineClient):
     def __init__(self, core: EngineCore, metrics: Metrics, max_concurrency: int, max_queue: int):
         super().__init__(core, max_concurrency, max_queue)
         self.metrics = metrics
+        self._update_gauges()  # /metrics says the memory before the first request (the thread is not started yet)
 
     def describe_failure(self, e: BaseException) -> str:
         return redact_paths(super().describe_failure(e))  # /health shows it to clients
