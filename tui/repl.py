@@ -41,13 +41,28 @@ class ReplSession:
         return next((m["content"] for m in reversed(self.conv.messages) if m["role"] == "assistant"), None)
 
 
+def _read_line(stdin: IO[str], out: IO[str], prompt: str) -> str:
+    """One line with its newline, "" at EOF. At a terminal through ``input()`` with readline loaded, so the
+    arrow keys edit the line and Up/Down walk this session's entries, as in ``ollama run``."""
+    if stdin is sys.stdin and out is sys.stdout and stdin.isatty():
+        try:
+            import readline  # noqa: F401  (input() uses it once imported; absent on some platforms)
+        except ImportError:
+            pass
+        try:
+            return input(prompt) + "\n"
+        except EOFError:
+            return ""
+    out.write(prompt)
+    out.flush()
+    return stdin.readline()
+
+
 def _read_entry(stdin: IO[str], out: IO[str], prompt: str) -> str | None:
     """One entry; lines ending in a backslash continue on the next line."""
     lines: list[str] = []
     while True:
-        out.write(prompt if not lines else "... ")
-        out.flush()
-        line = stdin.readline()
+        line = _read_line(stdin, out, prompt if not lines else "... ")
         if not line:
             return "\n".join(lines) if lines else None
         line = line.rstrip("\n")

@@ -200,14 +200,19 @@ def main(argv: list[str] | None = None) -> int:
             _quiet_sigint()
 
 
-def _interrupted() -> int:
+def _interrupted_line() -> str:
     """The one line a Ctrl-C gets. On a terminal it starts a line of its own (after the echoed ``^C``)."""
-    print("\ninterrupted" if sys.stderr.isatty() else "interrupted", file=sys.stderr)
+    return "\ninterrupted\n" if sys.stderr.isatty() else "interrupted\n"
+
+
+def _interrupted() -> int:
+    sys.stderr.write(_interrupted_line())
+    sys.stderr.flush()
     return INTERRUPTED_EXIT
 
 
 def _exit_interrupted(signum: int, frame: Any) -> None:
-    os.write(2, b"interrupted\n")
+    os.write(2, _interrupted_line().encode())
     os._exit(INTERRUPTED_EXIT)
 
 
