@@ -373,3 +373,31 @@ def test_port_in_use_is_one_line():
     line = one_error_line(r)
     assert f"port {port} on 127.0.0.1 is in use" in line and "--port N" in line, line
     assert "ready" not in r.stdout  # refused before the model was loaded
+
+
+@pytest.mark.parametrize("word", ["/bye", "/exit"])
+def test_bye_and_exit_quit_the_chat_app(word):
+    """The Textual app quits on the REPL's words as on Ctrl+Q (its engine thread stopped)."""
+    need_shared(STORIES_HF)
+    import asyncio
+
+    from llmsys import LLM
+    from llmsys.tui.app import ChatApp
+    from llmsys.tui.prompt_input import PromptInput
+
+    llm = LLM(str(STORIES_HF), dtype="float32", kv_cache_tokens=256, progress=False)
+
+    async def go() -> bool:
+        app = ChatApp(lambda: llm)
+        async with app.run_test(size=(100, 30)) as pilot:
+            t0 = time.monotonic()
+            while app.info is None and time.monotonic() - t0 < 30:
+                await pilot.pause(0.05)
+            app.query_one(PromptInput).text = word
+            await pilot.press("enter")
+            t0 = time.monotonic()
+            while app.is_running and time.monotonic() - t0 < 10:
+                await pilot.pause(0.05)
+            return app.is_running
+
+    assert asyncio.run(go()) is False
