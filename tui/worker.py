@@ -4,8 +4,14 @@ The client (the same one the server uses) owns the thread, the core, admission, 
 errors; this module turns the app's jobs into its calls and its outcomes into Textual messages
 (``post_message`` is thread-safe). It loads the model on the engine thread (a failure becomes
 a notice), allows one reply at a time, posts text at most ``text_hz`` times a second, and while
-generating builds a :class:`TierSnapshot` a few times per second, timing itself so the cost of
-the live panel can be checked against the decode speed.
+generating posts a :class:`TierSnapshot` ``refresh_hz`` times a second, timing itself so the cost
+of the live panel can be checked against the decode speed.
+
+The screen shares the process, and the GIL, with the decode loop: each frame Textual draws
+holds the GIL for milliseconds, and every GIL hand-over makes the engine thread wait (on two
+cores with two compute threads it also takes a core from them). So the rates are low, and a
+snapshot carries the text that is waiting, so that the screen draws both in one frame.
+``benchmarks/chat_vs_run.py`` compares the app's decode speed with ``llmsys run``'s.
 """
 
 from __future__ import annotations
@@ -127,7 +133,7 @@ class EngineWorker(EngineClient):
         post: Callable[[Any], Any],
         refresh_hz: float = 4.0,
         history: int = 48,
-        text_hz: float = 20.0,
+        text_hz: float = 8.0,
     ):
         super().__init__(load=self._load_engine, max_concurrency=1, max_queue=0)  # one reply at a time
         self._load_llm = load
@@ -231,7 +237,13 @@ class EngineWorker(EngineClient):
             self._history.append(self._tok_s)
             r.window_tokens = 0
             r.last_snap = now
+            if r.pending_n:  # with the snapshot, so the screen draws both in one frame
+                self._flush_text(r, now)
             self._post(SnapshotUpdated(self._snapshot(True)))
+
+    def _flush_text(self, r: _Reply, now: float) -> None:
+        self._post(TokensReceived(r.gen_id, "".join(r.pending_text), r.pending_n))
+        r.pending_text, r.pending_n, r.last_text = [], 0, now
 
     def _deliver(self, gen_id: int, item: Outcome) -> None:
         r = self._reply
@@ -253,8 +265,7 @@ class EngineWorker(EngineClient):
         r.pending_text.append(item.text)
         r.pending_n += n
         if r.pending_n and (item.finished or now - r.last_text >= self._text_interval):
-            self._post(TokensReceived(gen_id, "".join(r.pending_text), r.pending_n))
-            r.pending_text, r.pending_n, r.last_text = [], 0, now
+            self._flush_text(r, now)
         if item.finished:
             self._done(r, item)
 
