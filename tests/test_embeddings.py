@@ -354,3 +354,40 @@ def test_preempted_embeddings_are_recomputed_from_the_start(emb_dir, tmp_path):
     for rid, ref in zip(ids, roomy):
         torch.testing.assert_close(vectors[rid], ref, atol=1e-6, rtol=0)
     assert core.allocator.num_used == 0
+
+
+def test_gguf_pooling_type_decides(tmp_path):
+    """A GGUF's ``<arch>.pooling_type`` (3: last token) is what the engine pools by, on the GGUF's weights."""
+    gguf = pytest.importorskip("gguf", reason="pip install gguf (test dependency)")
+    import numpy as np
+    from transformers import AutoModel
+
+    from llmsys import LLM
+    from llmsys.engine.bench.gguf_export import export_float
+    from test_gguf_loading import _copy_field
+    from tiny_models import make_hf_model
+
+    folder = make_hf_model("qwen3", tmp_path / "hf")
+    plain = export_float(folder, tmp_path / "plain.gguf", "f32")
+    r = gguf.GGUFReader(str(plain))
+    out = tmp_path / "last.gguf"
+    w = gguf.GGUFWriter(str(out), "qwen3")
+    for key, f in r.fields.items():
+        if not key.startswith("GGUF.") and key != "general.architecture":
+            _copy_field(w, key, f)
+    w.add_uint32("qwen3.pooling_type", 3)
+    for t in r.tensors:
+        w.add_tensor(t.name, np.array(t.data))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert LLM(str(plain), dtype="float32").pooling == DEFAULT_POOLING
+    llm = LLM(str(out), dtype="float32", max_num_batched_tokens=16)
+    assert (llm.pooling.type, llm.pooling.source) == (PoolingType.LAST, "GGUF qwen3.pooling_type")
+    ids = [llm.encode(t) for t in TEXTS]
+    model = AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = [torch.nn.functional.normalize(model(input_ids=torch.tensor([x])).last_hidden_state[0, -1].double(),
+                                             dim=0) for x in ids]
+    assert max_cosine_distance([o.embedding for o in llm.embed(ids)], ref) < 1e-4
