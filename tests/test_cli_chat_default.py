@@ -194,6 +194,36 @@ def test_server_config_carries_the_template():
     assert llm.tokenizer.decode(ids, skip_special_tokens=False).startswith("<|im_start|>user\nhi<|im_end|>")
 
 
+def test_server_renders_with_the_given_template():
+    """What `llmsys serve --chat-template chatml` loads (ServerState.load of the config): a base model answers
+    /v1/chat/completions through chatml, where without it the same request is a 400 (no chat template)."""
+    need_shared(STORIES_HF)
+    import httpx
+
+    from llmsys.engine.config import EngineConfig
+    from llmsys.engine.server.serve import start_server_thread
+    from llmsys.engine.server.state import ServerSettings, ServerState
+
+    body = {"model": "stories260k-hf", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "temperature": 0}
+    servers = []
+    try:
+        for template in ("chatml", None):
+            state = ServerState(ServerSettings(model_name="stories260k-hf"))
+            state.load(EngineConfig(model=str(STORIES_HF), dtype="float32", chat_template=template, progress=False))
+            servers.append(start_server_thread(state))
+        with_template, without = (httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=60)
+                                  for srv in servers)
+        assert without.status_code == 400 and without.json()["error"]["code"] == "no_chat_template", without.text
+        assert with_template.status_code == 200, with_template.text
+        tok = servers[0].state.llm.tokenizer
+        expected = len(tok.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False))
+        assert with_template.json()["usage"]["prompt_tokens"] == expected
+    finally:
+        for srv in servers:
+            srv.stop()
+
+
 # --------------------------------------------------------------------------
 # -n -1
 # --------------------------------------------------------------------------
