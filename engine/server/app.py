@@ -48,6 +48,7 @@ from llmsys.engine.server.completions import (
 from llmsys.engine.server.embeddings import check_dimensions, embedding_inputs, encode_vector, run_embeddings
 from llmsys.engine.server.ollama import OLLAMA_ENDPOINTS, add_ollama_routes
 from llmsys.engine.server.openapi import ServerAPI
+from llmsys.engine.server import request_log
 from llmsys.engine.server.prepare import Preparer
 from llmsys.engine.server.protocol import (
     MAX_PROMPTS,
@@ -116,10 +117,15 @@ class GuardMiddleware:
         path = scope.get("path", "")
         endpoint = path if path in _ENDPOINTS else "other"
         status_box = {"status": 500}
+        record, record_token = request_log.begin(scope)  # the request's log line, written when it ends
 
         async def send_counted(msg: dict) -> None:
             if msg["type"] == "http.response.start":
                 status_box["status"] = msg["status"]
+            elif msg["type"] == "http.response.body":
+                more = msg.get("more_body", False)
+                record.stream = record.stream or more
+                record.complete = not more
             await send(msg)
 
         try:
@@ -168,6 +174,9 @@ class GuardMiddleware:
             await self.app(scope, replay_receive, send_counted)
         finally:
             self.state.metrics.count_request(endpoint, status_box["status"])
+            if record.generated:
+                record.model = self.state.model_name
+            request_log.end(record, record_token, status_box["status"])
 
     def _check(self, scope: dict) -> APIError | None:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}

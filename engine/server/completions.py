@@ -23,6 +23,7 @@ from fastapi.responses import StreamingResponse
 from llmsys.engine.core import TokenConstraint
 from llmsys.engine.outputs import CONSTRAINT_FAILED, StreamChunk, Timings
 from llmsys.engine.sampling import SamplingParams
+from llmsys.engine.server import request_log
 from llmsys.engine.server.metrics import Metrics
 from llmsys.engine.server.protocol import APIError
 from llmsys.engine.server.state import ServerState
@@ -88,6 +89,9 @@ class Job:
         self.state = state
         self.prompts = prompts
         self.n = n = params.n
+        self.record = request_log.current()  # the request's log line counts this job's tokens
+        if self.record is not None:
+            self.record.on_prompts(prompts)
         self.out: asyncio.Queue = asyncio.Queue()
         sink = asyncio_sink(asyncio.get_running_loop(), self.out)
         # An evicting KV policy (the request's, else the server's) slides past the context.
@@ -128,6 +132,8 @@ class Job:
             if now - self._checked >= LIVENESS_POLL_S:
                 self._checked = now
                 if is_disconnected is not None and await is_disconnected():
+                    if self.record is not None:
+                        self.record.disconnected = True
                     self.abort_rest()
                     return None
                 failure = self.state.worker.failure
@@ -178,6 +184,8 @@ class Job:
                     self.evicted_tokens += item.usage.evicted_tokens
                     self.draft_tokens += item.usage.draft_tokens
                     self.accepted_draft_tokens += item.usage.accepted_draft_tokens
+            if self.record is not None:
+                self.record.on_chunk(item, idx % self.n == 0)
             yield idx, item
 
     def abort_rest(self) -> None:

@@ -260,13 +260,35 @@ def _backlog(caps: ConnectionCaps) -> int:
     return max(64, min(2048, soft - caps.total - HEALTH_SLOTS - 16))
 
 
-def _uvicorn_config(state: ServerState, host: str, port: int, log_level: str) -> uvicorn.Config:
+def log_config(log_level: str) -> dict[str, Any]:
+    """uvicorn's logging setup plus this server's loggers (``llmsys.*``: one line per request,
+    warnings, recoveries) on the same stderr handler, with the time, at ``log_level``. Without
+    it they had no handler, and Python's last-resort one shows warnings only."""
+    import copy
+
+    from uvicorn.config import LOGGING_CONFIG
+
+    cfg = copy.deepcopy(LOGGING_CONFIG)
+    cfg["formatters"]["llmsys"] = {"()": "uvicorn.logging.DefaultFormatter", "fmt": "%(levelprefix)s %(asctime)s %(message)s",
+                                   "datefmt": "%Y-%m-%d %H:%M:%S", "use_colors": None}
+    cfg["handlers"]["llmsys"] = {"formatter": "llmsys", "class": "logging.StreamHandler", "stream": "ext://sys.stderr"}
+    level = log_level.upper()
+    cfg["loggers"]["llmsys"] = {"handlers": ["llmsys"], "level": "DEBUG" if level == "TRACE" else level,
+                                "propagate": False}
+    return cfg
+
+
+def _uvicorn_config(state: ServerState, host: str, port: int, log_level: str,
+                    logging_config: dict[str, Any] | None = None) -> uvicorn.Config:
+    """``logging_config``: None keeps uvicorn's (the in-process test server leaves the process's logging alone)."""
     caps = ConnectionCaps.of(state.settings)
+    extra = {} if logging_config is None else {"log_config": logging_config}
     return uvicorn.Config(
         create_app(state),
         host=host,
         port=port,
         log_level=log_level,
+        **extra,
         http=_protocol(state.settings, ConnectionGate(caps, state.metrics)),
         backlog=_backlog(caps),
         timeout_graceful_shutdown=state.settings.shutdown_timeout_s + BACKSTOP_S,
@@ -279,7 +301,7 @@ def serve(config: EngineConfig, settings: ServerSettings, host: str = "127.0.0.1
           log_level: str = "info") -> int:
     """Serve until SIGINT/SIGTERM; 0 on a clean stop, 2 if the model failed to load."""
     state = ServerState(settings)
-    server = _Server(_uvicorn_config(state, host, port, log_level), state)
+    server = _Server(_uvicorn_config(state, host, port, log_level, log_config(log_level)), state)
     if not settings.api_key and not _is_loopback(host):
         log.warning("serving on %s without an API key: anyone who can reach this address can use the model; "
                     "set LLMSYS_API_KEY or --api-key-file", host)
