@@ -215,7 +215,8 @@ def planned_kv(args: Any, config: EngineConfig, dtype: torch.dtype, budgets: Bud
     probe = kv_probe(args, config, dtype)  # the pool's own bytes per token, in --kv-dtype
     cost = kv_cost_of(args, config, max_len, probe.layer_bytes_per_token)
     tokens = kv_pool_tokens(max_len, config, cost, budgets)
-    return tokens, int(-(-cost.nbytes(tokens + config.block_size) // probe.bytes_per_token))
+    slots = (blocks_needed(tokens, config.block_size) + 1) * config.block_size  # whole blocks + the scratch block
+    return tokens, int(-(-cost.nbytes(slots) // probe.bytes_per_token))
 
 
 def place(r: Resolved, ck: Checkpoint) -> Placement:

@@ -77,9 +77,12 @@ def kv_memory_line(plan: "Plan") -> str:
     t = plan.kv_tier
     per_tok = plan.kv_bytes / max(plan.workload.kv_tokens, 1)
     backed = "backed as tokens are written" if t == "cpu" else "allocated whole"
+    # what the engine's memory report will call resident once loaded: weights and buffers, not the
+    # plan's activation estimate (heap the runtime takes as it computes) nor the unwritten pool
+    start = plan.used(t) - plan.activations.get(t, 0) - (plan.kv_bytes if t == "cpu" else 0)
     return (f"KV: {format_bytes(plan.kv_bytes)} reserved for {plan.workload.kv_tokens} tokens ({backed}, "
             f"{format_bytes(per_tok)} per token), 0 B in use at start; resident at start on {t}: "
-            f"{format_bytes(plan.used(t) - (plan.kv_bytes if t == 'cpu' else 0))}")
+            f"{format_bytes(start)}")
 
 
 def _expert_lines(plan: "Plan", shape: "ModelShape") -> list[str]:

@@ -100,14 +100,20 @@ def test_plan_predicts_the_pool_the_engine_makes():
     tokens, planner_tokens = planned_kv(llm.loaded.args, llm.config, llm.loaded.dtype,
                                         Budgets(cpu=64 * GiB, gpu=None, offload_dir=None))
     assert tokens == 4 * 8192 and planner_tokens * spec.bytes_per_token == spec.nbytes
-    out = subprocess.run([sys.executable, "-m", "llmsys.engine.cli.main", "plan", str(path), "--json"],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout)["kv_bytes"] == spec.nbytes
     text = subprocess.run([sys.executable, "-m", "llmsys.engine.cli.main", "plan", str(path)],
                           capture_output=True, text=True, timeout=300, cwd=ROOT).stdout
     assert f"KV: {format_bytes(spec.nbytes)} reserved for {spec.num_slots} tokens" in text
-    assert "0 B in use at start" in text
+    assert f"0 B in use at start; resident at start on cpu: {format_bytes(rep.weights['cpu'])}" in text
+    del llm
+    # the same flags, the same pool: one context, an explicit size, and a budget (an eighth of it, whole blocks)
+    for kw, flags in (({"max_num_seqs": 1}, ["--max-num-seqs", "1"]), ({"kv_cache_tokens": 1000}, ["--kv-cache-tokens", "1000"]),
+                      ({"cpu_mem": "1GiB"}, ["--cpu-mem", "1GiB"])):
+        out = subprocess.run([sys.executable, "-m", "llmsys.engine.cli.main", "plan", str(path), "--json", *flags],
+                             capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert out.returncode == 0, out.stderr
+        engine = LLM(str(path), progress=False, **kw)
+        assert json.loads(out.stdout)["kv_bytes"] == engine.memory_report().kv_total["cpu"], flags
+        del engine
 
 
 # -- resident: what the process holds ------------------------------------------------------------------
