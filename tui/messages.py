@@ -25,6 +25,7 @@ class ModelInfo:
     n_layers: int
     max_len: int
     is_chat: bool  # has a chat template -> chat mode; else plain completion
+    stored_as: str = ""  # what the weights are kept as, e.g. "Q4_1 (int4 + offset)" (status_line.stored_weights)
 
 
 @dataclass

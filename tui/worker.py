@@ -37,6 +37,7 @@ from llmsys.tui.messages import (
     TokensReceived,
 )
 from llmsys.tui.snapshot import PerfStats, TierSnapshot, default_budgets, snapshot_from_engine
+from llmsys.tui.status_line import stored_weights
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,8 @@ def model_info(llm: Any) -> ModelInfo:
         n_layers=int(loaded.args.num_hidden_layers),
         max_len=int(llm.max_model_len),
         is_chat=llm.tokenizer.chat_template is not None,
+        stored_as=stored_weights(getattr(loaded, "stored_formats", None), llm.config.quant.name,
+                                 str(loaded.dtype).replace("torch.", "")),
     )
 
 
