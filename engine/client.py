@@ -25,6 +25,7 @@ from llmsys.engine.embedding import Pooling
 from llmsys.engine.outputs import StreamChunk
 from llmsys.engine.sampling import SamplingParams
 from llmsys.kernels.common.errors import LLMSysError
+from llmsys.kernels.common.memory import release_free_heap
 
 log = logging.getLogger("llmsys.engine.client")
 
@@ -250,6 +251,10 @@ class EngineClient(threading.Thread):
             self._admit()
             if self.core.has_unfinished():
                 self._step()
+                if not self.core.has_unfinished() and not self._waiting:
+                    # idle now: the steps' freed activations go back to the system (glibc keeps them
+                    # otherwise), so RSS is the memory report's resident bytes plus the runtime again
+                    release_free_heap()
             self._guarded("the tick hook", self.on_tick)
         self._shutdown()
 
