@@ -16,6 +16,7 @@ from pathlib import Path
 import dataclasses
 from typing import Any, Callable
 
+from textual import events
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
@@ -47,6 +48,7 @@ from llmsys.tui.worker import Abort, EngineWorker, Generate, Refresh, error_line
 
 NARROW_AT = 90  # below this many columns the memory panel hides (Ctrl+B shows it)
 WIDE_AT = 120  # from here on the panel has its full width
+RESIZE_SETTLE_S = 0.15  # a resize burst (a window being dragged) is over when no new size came for this long
 
 
 class ChatApp(App):
@@ -87,6 +89,8 @@ class ChatApp(App):
         self._replaced: str | None = None  # the reply a /retry in flight replaces (restored if it fails)
         self.last_finish: str | None = None
         self.notices: list[tuple[str, str]] = []  # (severity, text) of every notice shown
+        self._settle: Any = None  # the timer of the redraw after a resize burst
+        self.full_redraws = 0  # those done (tests)
         if theme:
             self.theme = theme
 
@@ -120,6 +124,24 @@ class ChatApp(App):
         self.query_one(PromptInput).focus()
         self.worker = EngineWorker(self._load, self.post_message, refresh_hz=self.refresh_hz)
         self.worker.start()
+
+    def on_resize(self, event: events.Resize) -> None:
+        """Once a resize burst settles, draw the whole screen again.
+
+        Textual redraws on each new size, but while a window is dragged the terminal changes
+        size again under frames drawn for the one before (more so while decoding holds the
+        UI thread back), and a terminal that rewraps its own contents on resize moves cells
+        the app did not write: both leave stray glyphs that a repaint of only what changed
+        keeps. One full repaint at the final size, after the last size event, clears them.
+        """
+        if self._settle is not None:
+            self._settle.stop()
+        self._settle = self.set_timer(RESIZE_SETTLE_S, self._redraw_all)
+
+    def _redraw_all(self) -> None:
+        self._settle = None
+        self.full_redraws += 1
+        self.refresh(repaint=True, layout=True)
 
     def on_unmount(self) -> None:
         if self.worker is not None:
