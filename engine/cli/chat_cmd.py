@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
@@ -15,7 +15,9 @@ from llmsys.engine.cli.options import (
     sampling_command,
 )
 from llmsys.engine.cli.options import kv_disk_on
-from llmsys.engine.sampling import SamplingParams
+
+if TYPE_CHECKING:  # imports torch, which this module (imported for --help) must not
+    from llmsys.engine.sampling import SamplingParams
 
 DEFAULT_MODEL = "stories260k"
 

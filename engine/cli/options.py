@@ -12,13 +12,16 @@ from __future__ import annotations
 import functools
 import inspect
 import typing
-from typing import Annotated, Any, Callable, Optional
+import types
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Optional
 
 import typer
 
-from llmsys.engine.config import EngineConfig
 from llmsys.kernels.common.errors import InvalidParameterError
-from llmsys.engine.sampling import SamplingParams
+
+if TYPE_CHECKING:  # both import torch: a command's module is imported for --help, its config only when it runs
+    from llmsys.engine.config import EngineConfig
+    from llmsys.engine.sampling import SamplingParams
 
 P = inspect.Parameter
 
@@ -91,6 +94,8 @@ SAMPLING_PARAMS = [
 
 def build_engine_config(model: str, values: dict[str, Any]) -> EngineConfig:
     """The engine flags as one config (EngineConfig parses sizes, --quant, --kv-dtype and --kv-policy)."""
+    from llmsys.engine.config import EngineConfig
+
     return EngineConfig(model=model, **values)
 
 
@@ -115,6 +120,8 @@ def build_sampling(values: dict[str, Any]) -> SamplingParams:
     kw["stop"] = tuple(kw.get("stop") or ())
     if "max_tokens" in kw:
         kw["max_tokens"] = cli_max_tokens(kw["max_tokens"])
+    from llmsys.engine.sampling import SamplingParams
+
     return SamplingParams(**kw)
 
 
@@ -126,12 +133,26 @@ ChatTemplateOption = Annotated[Optional[str], typer.Option(
 )]
 
 
+def _hints(fn: Callable) -> dict[str, Any]:
+    """``fn``'s parameter annotations evaluated one by one; one naming a class imported only under TYPE_CHECKING
+    (EngineConfig, SamplingParams: they import torch, which registering a command for --help must not) is left
+    out: it is the parameter a decorator fills (``build``'s result), never an option."""
+    hints: dict[str, Any] = {}
+    for name, annotation in fn.__annotations__.items():
+        one = types.SimpleNamespace(__annotations__={name: annotation}, __globals__=fn.__globals__)
+        try:
+            hints.update(typing.get_type_hints(one, include_extras=True))
+        except NameError:
+            continue
+    return hints
+
+
 def _extend(fn: Callable, extra: list[inspect.Parameter], build: Callable[[dict[str, Any]], Any], arg: str) -> Callable:
     sig = inspect.signature(fn)
     names = {p.name for p in extra}
     # Resolve string annotations (``from __future__ import annotations``) in
     # the command's own module: Typer evaluates hints in the wrapper's.
-    hints = typing.get_type_hints(fn, include_extras=True)
+    hints = _hints(fn)
     base = [p.replace(annotation=hints.get(p.name, p.annotation)) for p in sig.parameters.values() if p.name != arg]
 
     @functools.wraps(fn)

@@ -18,7 +18,6 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
-import torch
 import typer
 
 from llmsys.engine.cli.options import build_engine_config, engine_command
@@ -62,6 +61,8 @@ def meta_model(cfg: dict[str, Any], source: str = "config.json"):
     cfg = text_config(cfg, source)  # a multimodal checkpoint plans its text model (the one loaded)
     family = family_for(cfg, source)
     args = family.ModelArgs.from_hf_config(cfg)
+    import torch
+
     from llmsys.engine.loader.common import skip_init
 
     with torch.device("meta"), skip_init():
@@ -81,6 +82,8 @@ def plan_command(
     *,
     engine_flags: dict[str, Any],
 ) -> int:
+    import torch  # here, not at the top: this module is imported for --help
+
     from llmsys.engine.builder import kv_probe, planned_kv
     from llmsys.engine.loader import gguf_io
     from llmsys.engine.loader.common import resolve_device, resolve_dtype

@@ -11,7 +11,7 @@ import enum
 import sys
 import time
 from dataclasses import dataclass, replace
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
@@ -23,9 +23,11 @@ from llmsys.engine.cli.options import (
     pulling_command,
     sampling_command,
 )
-from llmsys.engine.sampling import SamplingParams
 from llmsys.kernels.common.errors import InvalidParameterError, TokenizerError
 
+
+if TYPE_CHECKING:  # imports torch, which this module (imported for --help) must not
+    from llmsys.engine.sampling import SamplingParams
 
 class PromptMode(enum.Enum):
     """How PROMPT reaches the model: ``AUTO`` the chat template where the model has one, else raw;

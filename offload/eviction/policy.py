@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
-
-import torch
-import torch.nn.functional as F
+from typing import TYPE_CHECKING
 
 from llmsys.kernels.common.errors import InvalidParameterError
 from llmsys.kernels.common.units import parse_size
+
+if TYPE_CHECKING:  # torch is imported where a policy evicts: EngineConfig parses --kv-policy for every CLI command
+    import torch
 
 POLICIES = ("full", "window", "sink", "h2o", "snapkv", "quest", "recompute")
 _SYNTAX = "full, window:N, sink:S,window:N, h2o:H,recent:R, snapkv:N, quest:K, recompute:N"
@@ -142,6 +143,9 @@ class KVPolicy:
         score: torch.Tensor | None = None,  # [L] float32 accumulated attention (h2o)
         obs: torch.Tensor | None = None,  # [W', L] float32 attention rows of the last queries (snapkv)
     ) -> torch.Tensor:  # [target] int64 sorted cache indices to keep
+        import torch
+        import torch.nn.functional as F
+
         L = orig.numel()
         target = max(0, min(target, L))
         idx = torch.arange(L)
@@ -172,6 +176,8 @@ class KVPolicy:
 
 def _top(score: torch.Tensor, k: int) -> torch.Tensor:
     """Sorted indices of the k largest scores (ties: the older token wins)."""
+    import torch
+
     if k <= 0:
         return torch.zeros(0, dtype=torch.int64)
     # stable: sort descending by score, ascending index among equals
