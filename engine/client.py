@@ -235,6 +235,7 @@ class EngineClient(threading.Thread):
                 return
         try:
             self.on_ready()
+            release_free_heap()  # what loading and start-up freed: RSS starts as the memory report plus the runtime
             self._loop()
         except BaseException as e:  # a bug outside the guarded step: tell every request, then end
             log.exception("the engine thread failed")
