@@ -251,21 +251,84 @@ def test_other_non_positive_n_is_one_line(n):
 # --------------------------------------------------------------------------
 
 
+class Terminal:
+    """``llmsys`` with stdin and stdout on a pseudo-terminal (the REPL opens only at a terminal); stderr a pipe."""
+
+    def __init__(self, *args: str):
+        import pty
+
+        self.master, slave = pty.openpty()
+        self.proc = subprocess.Popen([sys.executable, "-m", "llmsys.engine.cli.main", *args], stdin=slave,
+                                     stdout=slave, stderr=subprocess.PIPE, text=True, env=ENV,
+                                     preexec_fn=_sigint_default, close_fds=True)
+        os.close(slave)
+        self.seen = ""
+
+    def read_until(self, marker: str, timeout: float = 120.0) -> str:
+        """Everything shown since the last call, up to and including ``marker``."""
+        import select
+
+        start = len(self.seen)
+        deadline = time.monotonic() + timeout
+        while marker not in self.seen[start:]:
+            ready, _, _ = select.select([self.master], [], [], max(0.0, deadline - time.monotonic()))
+            assert ready, f"no {marker!r} within {timeout} s; shown: {self.seen[start:]!r}"
+            try:
+                chunk = os.read(self.master, 4096)
+            except OSError:  # the process ended: its side closed
+                chunk = b""
+            assert chunk, f"the process ended before {marker!r}; shown: {self.seen[start:]!r}"
+            self.seen += chunk.decode("utf-8", "replace").replace("\r\n", "\n")
+        end = self.seen.index(marker, start) + len(marker)
+        shown, self.seen = self.seen[start:end], self.seen[:end] + self.seen[end:]
+        return shown
+
+    def type(self, line: str) -> None:
+        os.write(self.master, (line + "\n").encode())
+
+    def finish(self, timeout: float = 60.0) -> tuple[int, str]:
+        try:
+            err = self.proc.communicate(timeout=timeout)[1]
+        finally:
+            os.close(self.master)
+        return self.proc.returncode, err
+
+
 def test_run_without_prompt_opens_a_conversation():
+    """At a terminal, `llmsys run FILE` is a conversation: the banner names the template, each entry is a user turn
+    answered in the context of the ones before, /bye ends it (exit 0)."""
     need_shared(SMOLLM2)
-    r = llmsys("run", str(SMOLLM2), "-n", "6", "--temperature", "0", input=f"{QUESTION}\n/bye\nnot read\n")
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith("llmsys chat (chat template chatml, context "), r.stdout
-    turns = r.stdout.split("> ")
-    assert len(turns) == 3 and turns[1].strip(), r.stdout  # banner, one reply, the /bye prompt
-    assert "not read" not in r.stdout
+    t = Terminal("run", str(SMOLLM2), "-n", "6", "--temperature", "0")
+    banner = t.read_until("> ")
+    assert "llmsys chat (chat template chatml, context " in banner and "/bye" in banner, banner
+    t.type(QUESTION)
+    first = t.read_until("> ")
+    t.type("And of Italy?")
+    second = t.read_until("> ")
+    t.type("/bye")
+    rc, err = t.finish()
+    assert rc == 0 and "Traceback" not in err, err
+    for shown, asked in ((first, QUESTION), (second, "And of Italy?")):
+        reply = shown.split(asked, 1)[1].removesuffix("> ").strip()
+        assert reply, shown  # an answer, not the single EOS of raw mode
 
 
 def test_run_without_prompt_raw_is_completion_mode():
     need_shared(STORIES_C)
-    r = llmsys("run", str(STORIES_C), "--raw", "-n", "4", input="Once upon\n/exit\n")
+    t = Terminal("run", str(STORIES_C), "--raw", "-n", "4")
+    assert "llmsys chat (completion mode, " in t.read_until("> ")
+    t.type("/exit")
+    assert t.finish()[0] == 0
+
+
+def test_piped_stdin_is_the_prompt():
+    """As `ollama run`: no PROMPT with stdin piped in answers that text once (no banner, no REPL)."""
+    need_shared(SMOLLM2)
+    r = llmsys("run", str(SMOLLM2), "-n", "4", "--temperature", "0", input=QUESTION + "\n")
     assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith("llmsys chat (completion mode, "), r.stdout
+    n = smollm2_tokens([{"role": "user", "content": QUESTION + "\n"}])
+    assert f"prompt {n} tok" in stats_line(r.stderr) and "llmsys chat" not in r.stdout
+    assert "nothing on stdin" in one_error_line(llmsys("run", str(SMOLLM2), input=""))
 
 
 @pytest.mark.parametrize("word", ["/bye", "/exit", "/quit", "/BYE"])
@@ -295,6 +358,12 @@ def test_bye_takes_no_argument_and_is_in_help():
 # --------------------------------------------------------------------------
 # Ctrl-C
 # --------------------------------------------------------------------------
+
+
+# What a shell reports as 130: exit(130), or the death by SIGINT that CPython's Py_RunMain chooses after
+# finalizing when it counted a KeyboardInterrupt as unhandled (seen now and then for one raised mid-import,
+# though llmsys caught it and said "interrupted"; POSIX's own convention for a Ctrl-C'd process).
+INTERRUPTED = (130, -signal.SIGINT)
 
 
 def _in_torch(pid: int) -> bool:
@@ -339,7 +408,7 @@ def test_ctrl_c_during_start_up_is_one_line(after):
     r = _interrupt(["run", str(SMOLLM2), QUESTION, "-n", "100000", "--ignore-eos", "--kv-policy", "sink:4,window:64",
                     "--max-model-len", "128"], after=after)
     lines = [line for line in r.stderr.splitlines() if line.strip()]
-    assert r.returncode == 130, (after, r.returncode, r.stderr)
+    assert r.returncode in INTERRUPTED, (after, r.returncode, r.stderr)
     assert len(lines) == 1 and "Traceback" not in r.stderr, (after, r.stderr)
     assert lines[0] == "interrupted" or lines[0].startswith("interrupted after "), lines
 
@@ -348,14 +417,35 @@ def test_ctrl_c_during_decode_keeps_the_text():
     need_shared(SMOLLM2)
     r = _interrupt(["run", str(SMOLLM2), QUESTION, "-n", "100000", "--ignore-eos", "--kv-policy", "sink:4,window:64",
                     "--max-model-len", "128", "--temperature", "0"], wait_for=" ")
-    assert r.returncode == 130 and r.stderr.strip().startswith("interrupted after "), r.stderr
+    assert r.returncode in INTERRUPTED and r.stderr.strip().startswith("interrupted after "), r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
 
 
 def test_ctrl_c_at_the_repl_prompt_is_one_line():
     need_shared(STORIES_C)
-    r = _interrupt(["run", str(STORIES_C)], wait_for="> ", stdin="")
-    assert r.returncode == 130 and r.stderr.strip() == "interrupted", r.stderr
+    t = Terminal("run", str(STORIES_C))
+    t.read_until("> ")
+    # readline waits in select() for a key; a signal in the microseconds between the prompt and that wait is only
+    # seen at the next key (CPython's readline), a window no typist hits but a test would: let it start waiting
+    time.sleep(0.3)
+    t.proc.send_signal(signal.SIGINT)
+    rc, err = t.finish()
+    assert rc in INTERRUPTED and err.strip() == "interrupted", err
+
+
+def test_ctrl_c_during_a_repl_reply_stops_only_that_reply():
+    need_shared(STORIES_C)
+    t = Terminal("run", str(STORIES_C), "-n", "100000", "--ignore-eos", "--kv-policy", "sink:4,window:64",
+                 "--max-model-len", "128")
+    t.read_until("> ")
+    t.type("Once upon a time")
+    t.read_until("Once upon a time\n")  # the terminal's echo
+    t.read_until(" ")  # the reply is streaming
+    t.proc.send_signal(signal.SIGINT)
+    assert "[stopped]" in t.read_until("> ")
+    t.type("/bye")
+    rc, err = t.finish()
+    assert rc == 0 and "Traceback" not in err, err
 
 
 def test_ctrl_c_inside_a_command_is_one_line(monkeypatch, capsys):

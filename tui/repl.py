@@ -74,12 +74,15 @@ def _read_entry(stdin: IO[str], out: IO[str], prompt: str) -> str | None:
 
 
 def _reply(s: ReplSession) -> None:
-    """Stream the reply to the conversation as it stands and add it as a turn."""
-    ids = s.llm.tokenizer.encode_chat(s.conv.chat_messages()) if s.is_chat else s.llm.encode(s.conv.completion_text())
+    """Stream the reply to the conversation as it stands and add it as a turn (Ctrl-C, from Enter on: the
+    text so far)."""
     reply: list[str] = []
+    ids: list[int] = []
     n_out = 0
-    it = s.llm.stream(ids, s.sampling)
+    it = None
     try:
+        ids = s.llm.tokenizer.encode_chat(s.conv.chat_messages()) if s.is_chat else s.llm.encode(s.conv.completion_text())
+        it = s.llm.stream(ids, s.sampling)
         for ch in it:
             n_out += len(ch.token_ids)
             if ch.text:
@@ -87,7 +90,8 @@ def _reply(s: ReplSession) -> None:
                 s.out.write(ch.text)
                 s.out.flush()
     except KeyboardInterrupt:
-        it.close()
+        if it is not None:
+            it.close()
         s.out.write(" [stopped]")
     s.out.write("\n")
     s.conv.add("assistant", "".join(reply))

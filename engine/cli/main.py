@@ -119,6 +119,14 @@ def _root_callback() -> Any:
     return _root
 
 
+MODEL_COMMANDS = frozenset({"run", "chat", "serve", "bench", "perplexity", "quantize"})  # they import the engine
+
+
+def _command(argv: list[str] | None) -> str | None:
+    """The command's name: the first argument that is not an option (None: none given)."""
+    return next((a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")), None)
+
+
 def _interruptible(fn: Callable[..., Any]) -> Callable[..., Any]:
     """A command whose Ctrl-C is the one ``interrupted`` line and 130; typer would turn it into a silent
     ``Exit(130)``. Signature and hints are ``fn``'s (functools.wraps), which typer reads."""
@@ -218,9 +226,9 @@ def _exit_interrupted(signum: int, frame: Any) -> None:
 
 @contextlib.contextmanager
 def _exit_on_interrupt() -> Iterator[None]:
-    """Ctrl-C ends the process at once (one line, 130) while the commands' modules import: torch's C start-up
-    swallows a KeyboardInterrupt raised inside its import of numpy and goes on with numpy half made, to a
-    hang or an AttributeError later. Nothing is open yet that an exit would lose."""
+    """Ctrl-C ends the process at once (one line, 130) while the commands' modules and the engine's import:
+    torch's C start-up swallows a KeyboardInterrupt raised inside its import of numpy and goes on with numpy
+    half made, to a hang or an AttributeError later. Nothing is open yet that an exit would lose."""
     try:
         previous = signal.signal(signal.SIGINT, _exit_interrupted)
     except ValueError:  # not the main thread: the caller's process, its handler
@@ -251,6 +259,8 @@ def _run(argv: list[str] | None) -> int:
 
         errors = click_errors()
         app = build_app()
+        if _command(argv) in MODEL_COMMANDS:  # the engine's imports too (numpy's, torch's submodules)
+            importlib.import_module("llmsys.engine.llm")
     try:
         rv = app(args=argv, prog_name=PROG, standalone_mode=False)
         return int(rv or 0)

@@ -1,4 +1,5 @@
-"""``llmsys run MODEL [PROMPT]``: stream one reply, then one stats line; no PROMPT opens the line REPL.
+"""``llmsys run MODEL [PROMPT]``: stream one reply, then one stats line; no PROMPT opens the line REPL
+at a terminal (piped in, stdin is the prompt).
 
 As ``ollama run`` and llama.cpp's CLI do, a model with a chat template gets PROMPT as a user turn
 rendered by that template (an instruct model given the bare text often answers with EOS at once);
@@ -25,9 +26,9 @@ from llmsys.engine.cli.options import (
 )
 from llmsys.kernels.common.errors import InvalidParameterError, TokenizerError
 
-
 if TYPE_CHECKING:  # imports torch, which this module (imported for --help) must not
     from llmsys.engine.sampling import SamplingParams
+
 
 class PromptMode(enum.Enum):
     """How PROMPT reaches the model: ``AUTO`` the chat template where the model has one, else raw;
@@ -74,7 +75,7 @@ def choose_prompt(tokenizer: Any, mode: PromptMode, model: str) -> PromptChoice:
 def run_command(
     model: Annotated[str, typer.Argument(help="model folder, .gguf or llama2.c file, catalog name or alias (qwen2.5:0.5b), org/repo or Ollama NAME:TAG")],
     prompt: Annotated[Optional[str], typer.Argument(
-        help="the prompt text ('-' reads stdin); none: a conversation at the terminal (as llmsys chat --plain)")] = None,
+        help="the prompt text ('-' or piped in: stdin); none at a terminal: a conversation (as llmsys chat --plain)")] = None,
     raw: Annotated[bool, typer.Option("--raw", help="send PROMPT as it is, without the chat template")] = False,
     chat: Annotated[bool, typer.Option(
         "--chat", help="the chat template, or an error if the model has none (the default uses it when there is one)")] = False,
@@ -97,8 +98,11 @@ def run_command(
     user_system = system
     if named.ollama is not None:  # in Ollama's store (ollama:NAME, or a NAME:TAG it holds): its stop strings and system
         sampling, system = _ollama_settings(model, sampling, system, mode is PromptMode.CHAT)
-    if prompt == "-":
+    if prompt == "-" or (prompt is None and not sys.stdin.isatty()):  # piped in: one prompt, as `ollama run` takes it
         prompt = sys.stdin.read()
+        if not prompt.strip():
+            raise InvalidParameterError("no PROMPT and nothing on stdin; give the prompt as an argument, pipe it in, "
+                                        "or run at a terminal for a conversation")
     llm = LLM(config)
     choice = choose_prompt(llm.tokenizer, mode, model)
     if prompt is None:
