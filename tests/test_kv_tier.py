@@ -126,8 +126,8 @@ def _logits_recorder(llm):
     rec = []
     run = llm.core.runner.execute
 
-    def execute(sched):
-        res = run(sched)
+    def execute(sched, pooled=()):
+        res = run(sched, pooled)
         rec.append(res.logits.clone())
         return res
 

@@ -269,7 +269,7 @@ def test_a_step_fault_fails_only_the_request_that_faults_alone(stories_hf, monke
               max_num_batched_tokens=32)
     poison = "The dragon roared"
     bad = llm.encode(poison)  # the fault fires on a step that feeds this prompt
-    runner, real, calls = llm.core.runner, llm.core.runner.forward, []
+    runner, real, calls = llm.core.runner, llm.core.runner.forward_pooled, []
 
     def faulty(batch):
         ids = batch.input_ids.tolist()
@@ -279,7 +279,7 @@ def test_a_step_fault_fails_only_the_request_that_faults_alone(stories_hf, monke
             raise RuntimeError("kernel fault on a poisoned row")
         return real(batch)
 
-    monkeypatch.setattr(runner, "forward", faulty)
+    monkeypatch.setattr(runner, "forward_pooled", faulty)
     got = _drive(llm, [PROMPTS[0], poison, *PROMPTS[1:]], [SP] * 5)
     toks, reason, error = got[1]
     assert reason == "error" and toks == []
@@ -339,7 +339,7 @@ def test_a_lost_block_nobody_holds_is_raised_not_retried_forever(stories_hf, mon
     llm = LLM(str(stories_hf), dtype="float32", progress=False, kv_cache_tokens=256, swap_space=0)
     core = llm.core
 
-    def lost(sched):
+    def lost(sched, pooled=()):
         raise KVReadError("KV offload file x: short read of layer 0 block 99999", [99999])
 
     monkeypatch.setattr(core.runner, "execute", lost)
