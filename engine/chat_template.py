@@ -238,6 +238,15 @@ class ChatTemplate:
                 "fix or remove it"
             ) from e
 
+    def __eq__(self, other: object) -> bool:
+        """By what renders (two configs naming one template are equal configs), not by compiled object."""
+        if not isinstance(other, ChatTemplate):
+            return NotImplemented
+        return (self.source, self.name, self.end_of_turn) == (other.source, other.name, other.end_of_turn)
+
+    def __hash__(self) -> int:
+        return hash((self.source, self.name, self.end_of_turn))
+
     @property
     def label(self) -> str:
         """``chatml`` (a family, given or recognised), ``my.jinja`` (a file given), else ``the model's own``."""

@@ -171,6 +171,15 @@ def test_family_end_of_turn_stops_generation():
     assert own.default_chat_template.source != tok.default_chat_template.source
 
 
+def test_configs_naming_one_template_are_equal():
+    """Each config compiles its own template; configs are still compared by what they render."""
+    from llmsys.engine.config import EngineConfig
+
+    a, b = (EngineConfig(model="m", chat_template="chatml") for _ in range(2))
+    assert a.chat_template is not b.chat_template and a == b
+    assert a != EngineConfig(model="m", chat_template="llama3") and a != EngineConfig(model="m")
+
+
 def test_every_family_renders_a_conversation():
     from llmsys.engine.chat_template import TEMPLATE_FAMILIES, resolve_chat_template, template_family
 
