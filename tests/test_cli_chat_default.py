@@ -204,11 +204,12 @@ def test_server_config_carries_the_template():
 
 
 def test_server_renders_with_the_given_template():
-    """What `llmsys serve --chat-template chatml` loads (ServerState.load of the config): a base model answers
+    """What `llmsys serve --chat-template chatml` loads (an LLM of the config the flags make): a base model answers
     /v1/chat/completions through chatml, where without it the same request is a 400 (no chat template)."""
     need_shared(STORIES_HF)
     import httpx
 
+    from llmsys import LLM
     from llmsys.engine.config import EngineConfig
     from llmsys.engine.server.serve import start_server_thread
     from llmsys.engine.server.state import ServerSettings, ServerState
@@ -218,14 +219,17 @@ def test_server_renders_with_the_given_template():
     servers = []
     try:
         for template in ("chatml", None):
-            state = ServerState(ServerSettings(model_name="stories260k-hf"))
-            state.load(EngineConfig(model=str(STORIES_HF), dtype="float32", chat_template=template, progress=False))
+            state = ServerState(ServerSettings())
+            llm = LLM(EngineConfig(model=str(STORIES_HF), dtype="float32", chat_template=template, progress=False))
+            state.attach(llm, "stories260k-hf")
             servers.append(start_server_thread(state))
         with_template, without = (httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=60)
                                   for srv in servers)
         assert without.status_code == 400 and without.json()["error"]["code"] == "no_chat_template", without.text
         assert with_template.status_code == 200, with_template.text
-        tok = servers[0].state.llm.tokenizer
+        from llmsys.engine.tokenizer import Tokenizer
+
+        tok = Tokenizer.load(STORIES_HF)
         expected = len(tok.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False))
         assert with_template.json()["usage"]["prompt_tokens"] == expected
     finally:
