@@ -433,7 +433,7 @@ class KVDisk:
             path = self.path_of(key)
             if path in self._index:
                 continue
-            if self.file_bytes > self.limit:
+            if not self._evict(room=self.file_bytes):  # larger than SIZE, or pins fill it
                 self.stats.dropped += 1
                 continue
             t0 = time.perf_counter()
@@ -450,18 +450,18 @@ class KVDisk:
                 self.stats.bytes_on_disk += self.file_bytes
                 self.stats.written += 1
                 self.stats.write_s += time.perf_counter() - t0
-            self._evict()
 
-    def _evict(self) -> None:
-        """Delete least recently used unpinned files until the folder is within the limit."""
+    def _evict(self, room: int = 0) -> bool:
+        """Delete least recently used unpinned files until the folder plus ``room`` bytes is within the limit;
+        False if it cannot be (pinned files fill it, or ``room`` alone is larger)."""
         while True:
             with self._lock:
-                if self.stats.bytes_on_disk <= self.limit:
-                    return
+                if self.stats.bytes_on_disk + room <= self.limit:
+                    return True
                 victim = next((f for f in self._index
                                if str(f.relative_to(self.root)) not in self._pinned), None)
                 if victim is None:
-                    return
+                    return False
                 self.stats.bytes_on_disk -= self._index.pop(victim)
                 self.stats.evicted += 1
             try:
@@ -470,7 +470,7 @@ class KVDisk:
                 pass
             except OSError as e:
                 self._fail("cannot delete", victim, e)
-                return
+                return False
 
     @staticmethod
     def _write_atomic(path: Path, *chunks: bytes | memoryview) -> None:

@@ -137,6 +137,10 @@ def test_lru_stays_within_the_size_and_keeps_pins(tmp_path):
     assert disk.path_of(keys[0]).exists()  # pinned: kept though oldest
     assert disk.path_of(keys[5]).exists() and disk.path_of(keys[4]).exists()  # the newest
     assert disk.stats.evicted == 3
+    assert disk.pin("all.json", keys[4:6] + keys[:1]) == 3  # pins now fill the folder: new blocks are dropped
+    disk.submit([7], _keys(1, first=80))
+    disk.flush()
+    assert disk.stats.dropped == 1 and disk.report().stats.bytes_on_disk <= disk.limit
     tiny = _store(tmp_path / "tiny", src, limit=per_file - 1)  # not even one block fits
     tiny.submit([1], keys[:1])
     tiny.flush()
