@@ -291,8 +291,10 @@ def test_loading_commands_refuse_unknown_and_unpulled_names_in_one_line(home, ca
         lines = err.strip().splitlines()
         assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: no model named qwen2.5:0.6b"), (cmd, err)
         assert lines[0].endswith("did you mean qwen2.5:0.5b or qwen2.5:1.5b or qwen3:0.6b?"), (cmd, err)
-    rc, _, err = _main(["run", "qwen2.5:0.5b", "hi", "--no-pull"], capsys)
-    assert rc == 2 and "qwen2.5:0.5b is not downloaded and --no-pull was given; run `llmsys pull qwen2.5:0.5b`" in err
+    for cmd in (["run", "qwen2.5:0.5b", "hi"], ["chat", "qwen2.5:0.5b", "--plain"], ["serve", "qwen2.5:0.5b"],
+                ["bench", "qwen2.5:0.5b"]):
+        rc, _, err = _main([*cmd, "--no-pull"], capsys)
+        assert rc == 2 and "qwen2.5:0.5b is not downloaded and --no-pull was given; run `llmsys pull qwen2.5:0.5b`" in err
     rc, _, err = _main(["run", "llama-8b", "hi"], capsys)
     assert rc == 2 and "llama-8b is a synthetic benchmark shape" in err and len(err.strip().splitlines()) == 1
 

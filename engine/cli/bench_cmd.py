@@ -20,7 +20,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from llmsys.engine.cli.options import ENGINE_PARAMS, _extend, fold_moe_flags
+from llmsys.engine.cli.options import ENGINE_PARAMS, _extend, fold_moe_flags, pulling_command
 from llmsys.kernels.common.errors import InvalidParameterError
 
 # Engine flags that bench sweeps: it declares them itself as comma lists.
@@ -51,6 +51,7 @@ def _pg(values: list[str] | None) -> list[tuple[int, int]]:
     return out
 
 
+@pulling_command
 @_bench_flags
 def bench_command(
     model: Annotated[Optional[str], typer.Argument(help=f"model folder, llama2.c .bin, GGUF, catalog name or alias (NAME:TAG), org/repo, ollama:NAME or a synthetic shape (default: synthetic {DEFAULT_SYNTHETIC} with -p {QUICK['n_prompt']} -n {QUICK['n_gen']} -r {QUICK['repetitions']})")] = None,
@@ -80,6 +81,7 @@ def bench_command(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="print each configuration's matmul kernels (per quantized layer) on stderr")] = False,
     *,
     engine_flags: dict[str, Any],
+    auto_pull: bool,
 ) -> int:
     from llmsys.engine.bench import report
     from llmsys.engine.bench.machine import machine_info
@@ -127,7 +129,7 @@ def bench_command(
     if found is not None and found.needs_pull:  # a catalog model or repo not here yet: pulled as `run` does
         from llmsys.engine.cli.models_cmd import ensure_pulled
 
-        ensure_pulled(model, True)
+        ensure_pulled(model, auto_pull)
     # Before any weight is written or read: every test must fit the context.
     check_context(tests, configs, engine_flags.get("max_model_len"), shape if model is None else model)
     if model is None:
