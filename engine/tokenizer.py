@@ -108,9 +108,14 @@ class _HFBackend:
 
         ``config`` plays ``tokenizer_config.json``'s part, so the same fix-ups
         apply as for a directory; ``source`` names the file in error messages.
-        ``tok`` is taken over (its pipeline may be replaced), not copied.
+        ``tok`` is taken over (its pipeline may be replaced), not copied. The parts of ``tokenizer.json``
+        the fix-ups read are taken from ``tok`` itself: serializing a whole vocabulary and parsing it back
+        took as long as building it.
         """
-        return cls(tok, json.loads(tok.to_str()), config, source, source)
+        raw = {"model": {"type": type(tok.model).__name__},
+               "added_tokens": [{"content": t.content} for t in tok.get_added_tokens_decoder().values()],
+               "decoder": None if tok.decoder is None else json.loads(tok.decoder.__getstate__())}
+        return cls(tok, raw, config, source, source)
 
     def __init__(self, tok: Any, raw: Mapping[str, Any], config: Mapping[str, Any],
                  config_name: str, vocab_name: str) -> None:
