@@ -255,7 +255,7 @@ def _quiet_sigint() -> None:
 def _run(argv: list[str] | None) -> int:
     debug = os.environ.get("LLMSYS_DEBUG") == "1"
     with _exit_on_interrupt():
-        from llmsys.kernels.common.errors import LLMSysError  # imports torch
+        from llmsys.kernels.common.errors import LLMSysError  # no torch: commands import it when they run
 
         errors = click_errors()
         app = build_app()
