@@ -95,7 +95,7 @@ class DiskSpeed:
 @dataclass(frozen=True)
 class FormatCost:
     """One stored weight format on this machine's matmul kernels: a call reading ``bytes`` of its weights for
-    ``rows`` rows of x takes ``call_s + s_per_byte * bytes + s_per_flop * 2 * weights * rows`` seconds.
+    ``rows`` rows of x takes ``call_s + s_per_byte * bytes + s_per_flop * 2 * weights * (rows - 1)`` seconds.
 
     ``s_per_byte``: the one-row (decode) cost per stored byte, scales included; ``s_per_flop``: what each
     further row adds (a prompt chunk, a batch); ``call_s``: the fixed cost of a call (Python, dispatch, the
@@ -113,8 +113,8 @@ class FormatCost:
         return weights * self.bytes_per_weight * self.s_per_byte
 
     def rows_s(self, weights: float, rows: int) -> float:
-        """Seconds ``rows`` rows of x add over ``weights`` weights (2 FLOPs a weight a row)."""
-        return 2.0 * weights * rows * self.s_per_flop
+        """Seconds the rows of x after the first add over ``weights`` weights (2 FLOPs a weight a row)."""
+        return 2.0 * weights * max(rows - 1, 0) * self.s_per_flop
 
     @property
     def decode_gbps(self) -> float:

@@ -7,7 +7,7 @@ layers (``quant``'s ``QuantLinear`` formats, ``kernels.run_linear`` for dense we
 (a decode step), on :attr:`ProbeSettings.kernel_rows` rows (a prompt chunk) and on a tiny matrix (the
 fixed cost of a call), over a working set of :attr:`ProbeSettings.kernel_bytes` copies so the weights
 come from beyond the core's own caches. :func:`probe_kernels` returns the fit
-``seconds = call_s + s_per_byte * bytes + s_per_flop * flops`` per format; ``offload.bandwidth`` keeps it
+``seconds = call_s + s_per_byte * bytes + s_per_flop * flops of the rows after the first`` per format; ``offload.bandwidth`` keeps it
 in the machine record under :func:`kernel_key`.
 """
 
@@ -180,9 +180,10 @@ def probe_format(name: str, probe: ProbeSettings, gen: torch.Generator) -> Forma
         call = _best(lambda: [tiny(xt) for _ in range(16)], probe.repeat) / 16
         one = _best(lambda: [r(x1) for r in runners], probe.repeat) / copies
         many = _best(lambda: [r(xp) for r in runners], max(1, probe.repeat // 2)) / copies
-    flops = 2.0 * n * k
-    s_per_flop = max(0.0, many - one) / (flops * (rows - 1))
-    s_per_byte = max(one - call - s_per_flop * flops, one * 0.05) / nbytes  # (never below 5% of the row)
+    # The first row is priced by the bytes it reads, each further row by its FLOPs: no difference of noisy
+    # timings is subtracted from the one-row figure (a busy machine inflates the long calls most).
+    s_per_flop = max(0.0, many - one) / (2.0 * n * k * (rows - 1))
+    s_per_byte = max(one - call, one / 2) / nbytes  # (a call's fixed cost never more than half the row)
     return FormatCost(s_per_byte=s_per_byte, s_per_flop=s_per_flop, call_s=call,
                       bytes_per_weight=nbytes / (n * k), kernel=kernel)
 
