@@ -3,13 +3,17 @@
 Same conversation model and slash commands as the app, but synchronous: the
 REPL owns the engine on its own thread and streams with ``llm.stream``.
 Ctrl+C stops a reply (keeping the text so far); /bye, /exit, Ctrl+D or EOF quits.
+With a running ``llmsys serve`` (:func:`run_server_repl`) the replies stream from the server instead,
+whose model stays loaded between sessions; /info then shows the server's loaded models.
 """
 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import IO, Any
+
+from llmsys.engine import remote
 
 from llmsys.kernels.common.errors import LLMSysError
 from llmsys.engine.sampling import SamplingParams
@@ -19,6 +23,29 @@ from llmsys.tui.conversation import keep_kv
 from llmsys.tui.info import info_rows, info_text
 from llmsys.tui.snapshot import PerfStats, default_budgets, snapshot_from_engine
 from llmsys.tui.worker import error_line, model_info
+
+
+@dataclass(frozen=True)
+class ServerModel:
+    """A model as a running llmsys server serves it: where, the name to send, and whether turns go through
+    its chat template (``/v1/chat/completions``) or as one completion text (``/v1/completions``)."""
+
+    addr: remote.ServerAddress
+    name: str
+    chat: bool
+    template: str | None = None  # the server's chat template label, once a reply named it
+
+    @classmethod
+    def connect(cls, addr: remote.ServerAddress, name: str, raw: bool = False) -> ServerModel | None:
+        """Ask the server about ``name`` (``/api/show``); None when it does not serve it (404), with one line."""
+        try:
+            show = remote.get_json(addr, "POST", "/api/show", {"model": name})
+        except remote.RemoteError as e:
+            if e.status == 404:
+                remote.say(f"the llmsys server at {addr.url} does not serve {name} ({e}): running in this process")
+                return None
+            raise
+        return cls(addr, name, chat=not raw and bool(show.get("template")))
 
 
 @dataclass
@@ -33,6 +60,7 @@ class ReplSession:
     is_chat: bool  # turns rendered with the chat template (else the transcript as one completion text)
     context_tokens: int = 0  # prompt + reply tokens of the last request
     done: bool = False  # /bye, /exit or /quit was typed
+    server: ServerModel | None = None  # replies come from a running server (``llm`` is None)
 
     def say(self, text: str) -> None:
         self.out.write(text + "\n")
@@ -80,6 +108,9 @@ def _reply(s: ReplSession) -> None:
     ids: list[int] = []
     n_out = 0
     it = None
+    if s.server is not None:
+        _server_reply(s)
+        return
     try:
         ids = s.llm.tokenizer.encode_chat(s.conv.chat_messages()) if s.is_chat else s.llm.encode(s.conv.completion_text())
         it = s.llm.stream(ids, s.sampling)
@@ -96,6 +127,37 @@ def _reply(s: ReplSession) -> None:
     s.out.write("\n")
     s.conv.add("assistant", "".join(reply))
     s.context_tokens = len(ids) + n_out
+
+
+def _server_reply(s: ReplSession) -> None:
+    """:func:`_reply` through the server: the conversation as messages (chat) or as one text."""
+    assert s.server is not None
+    values = {f.name: getattr(s.sampling, f.name) for f in fields(s.sampling)}
+    if s.server.chat:
+        body = remote.request_body(s.server.name, values, messages=s.conv.chat_messages())
+        path = "/v1/chat/completions"
+    else:
+        body = remote.request_body(s.server.name, values, prompt=s.conv.completion_text())
+        path = "/v1/completions"
+    reply: list[str] = []
+    stream = None
+    try:
+        stream = remote.RemoteStream(s.server.addr, path, body)
+        for ch in stream:
+            if ch.text:
+                reply.append(ch.text)
+                s.out.write(ch.text)
+                s.out.flush()
+            if ch.timings is not None:
+                s.context_tokens = ch.timings.prompt_tokens + ch.timings.generated_tokens
+            if ch.error:
+                raise remote.RemoteError(ch.error)
+    except KeyboardInterrupt:
+        if stream is not None:
+            stream.close()  # the server frees the request's slot when the connection goes
+        s.out.write(" [stopped]")
+    s.out.write("\n")
+    s.conv.add("assistant", "".join(reply))
 
 
 def _retry(s: ReplSession) -> None:
@@ -122,6 +184,14 @@ def _copy(s: ReplSession) -> None:
 
 
 def _info(s: ReplSession) -> None:
+    if s.server is not None:
+        ps = remote.get_json(s.server.addr, "GET", "/api/ps")
+        rows = [f"server {s.server.addr.url}, model {s.server.name}, last request {s.context_tokens} tokens"]
+        for m in ps.get("models", []):
+            rows.append(f"  loaded: {m.get('name')}  resident {m.get('size', 0) / 2**20:.0f} MiB  "
+                        f"context {m.get('context_length')}  until {m.get('expires_at')}")
+        s.say("\n".join(rows))
+        return
     budgets = default_budgets(s.llm.config, s.llm.loaded.device)
     snap = snapshot_from_engine(s.llm, budgets, PerfStats(tokens_in_context=s.context_tokens))
     s.say(info_text(info_rows(model_info(s.llm), snap)))
@@ -151,7 +221,7 @@ def _run_command(s: ReplSession, cmd: SlashCommand) -> None:
     elif cmd.name == "save":
         path = s.conv.save(cmd.args[0], s.sampling, s.model_name)
         s.say(f"[saved {len(s.conv.messages)} messages to {path}]")
-        if note := keep_kv(s.llm, s.conv, s.is_chat, path):
+        if s.server is None and (note := keep_kv(s.llm, s.conv, s.is_chat, path)):
             s.say(f"[{note}]")
     elif cmd.name == "load":
         conv, saved = Conversation.load(cmd.args[0])
@@ -172,7 +242,7 @@ def _handle(s: ReplSession, text: str) -> None:
         s.conv.add("user", text)
         added_user = True
         _reply(s)
-    except LLMSysError as e:
+    except LLMSysError as e:  # remote.RemoteError is one too: the server's message, one line
         if added_user and s.conv.messages and s.conv.messages[-1]["role"] == "user":
             s.conv.messages.pop()  # the turn did not happen
         s.say(f"error: {error_line(e)}")
@@ -191,6 +261,10 @@ def run_repl(llm: Any, sampling: SamplingParams, system: str | None = None, stdi
         template = llm.tokenizer.default_chat_template
         mode = f"chat template {template.label}" if template is not None else "chat mode"
     s.say(f"llmsys chat ({mode}, context {llm.max_model_len} tokens). /help for commands, /bye or Ctrl+D to quit.")
+    return _loop(s, stdin)
+
+
+def _loop(s: ReplSession, stdin: IO[str]) -> int:
     while not s.done:
         text = _read_entry(stdin, s.out, "> ")  # Ctrl-C here goes up: `llmsys` says "interrupted", exit 130
         if text is None:
@@ -199,3 +273,13 @@ def run_repl(llm: Any, sampling: SamplingParams, system: str | None = None, stdi
         if text.strip():
             _handle(s, text)
     return 0
+
+
+def run_server_repl(server: ServerModel, sampling: SamplingParams, system: str | None = None,
+                    stdin: IO[str] | None = None, stdout: IO[str] | None = None) -> int:
+    """:func:`run_repl` with the replies from a running llmsys server (``server``)."""
+    s = ReplSession(None, Conversation(system=system), sampling, stdout or sys.stdout, server.name, server.chat,
+                    server=server)
+    mode = "chat template" if server.chat else "completion mode"
+    s.say(f"llmsys chat ({mode}, served by {server.addr.url}). /help for commands, /bye or Ctrl+D to quit.")
+    return _loop(s, stdin or sys.stdin)

@@ -120,6 +120,9 @@ def _root_callback() -> Any:
 
 
 MODEL_COMMANDS = frozenset({"run", "chat", "serve", "bench", "perplexity", "quantize"})  # they import the engine
+# They answer through a running llmsys server when one is up, without the engine: they call import_engine()
+# themselves once they know they run the model in this process.
+SERVER_CLIENTS = frozenset({"run", "chat"})
 
 
 def _command(argv: list[str] | None) -> str | None:
@@ -240,6 +243,13 @@ def _exit_on_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
 
 
+def import_engine() -> None:
+    """The engine's imports, a Ctrl-C during them ending the process at once (:func:`_exit_on_interrupt`): for
+    the commands that import the engine only once they know they run the model in this process."""
+    with _exit_on_interrupt():
+        importlib.import_module("llmsys.engine.llm")
+
+
 def _quiet_sigint() -> None:
     """From here on a Ctrl-C ends the process at once, quietly: what is left is the interpreter's shutdown
     (joining the engine's threads, atexit), where a KeyboardInterrupt would print "Exception ignored" and a
@@ -259,7 +269,7 @@ def _run(argv: list[str] | None) -> int:
 
         errors = click_errors()
         app = build_app()
-        if _command(argv) in MODEL_COMMANDS:  # the engine's imports too (numpy's, torch's submodules)
+        if _command(argv) in MODEL_COMMANDS - SERVER_CLIENTS:  # the engine's imports too (numpy's, torch's submodules)
             importlib.import_module("llmsys.engine.llm")
     try:
         rv = app(args=argv, prog_name=PROG, standalone_mode=False)

@@ -199,3 +199,26 @@ def engine_command(fn: Callable) -> Callable:
 def sampling_command(fn: Callable) -> Callable:
     """Give ``fn(..., sampling: SamplingParams)`` every sampling flag."""
     return _extend(fn, SAMPLING_PARAMS, build_sampling, "sampling")
+
+
+def sampling_values_command(fn: Callable) -> Callable:
+    """Give ``fn(..., sampling_values: dict)`` every sampling flag unparsed: a command that may send them to a
+    server (``run``, ``chat``) builds :class:`SamplingParams`, which imports torch, only when it runs locally."""
+    return _extend(fn, SAMPLING_PARAMS, dict, "sampling_values")
+
+
+# `--host` / `--local` on the commands that use a running server when one answers (run, chat).
+HostOption = Annotated[Optional[str], typer.Option(
+    "--host", metavar="HOST:PORT", help="the llmsys server to use when it answers (default: $LLMSYS_HOST, else "
+                                        "127.0.0.1:8000, where llmsys serve listens)")]
+LocalOption = Annotated[bool, typer.Option("--local", help="load the model in this process even when a server answers")]
+
+
+def changed_engine_flags(values: dict[str, Any]) -> list[str]:
+    """The engine flags given other than their defaults, as typed (``--quant``): a running server was started
+    with its own, so these ask for an engine of this process."""
+    defaults = fold_moe_flags({p.name: p.default for p in ENGINE_PARAMS})
+    # _opt passes the flags positionally, so typer's OptionInfo holds the first as its "default"
+    flags = {p.name: typing.get_args(p.annotation)[1].default for p in ENGINE_PARAMS}
+    flags["cpu_moe"] = "--cpu-moe/--n-cpu-moe"
+    return [flags[k] for k, v in values.items() if k in flags and v != defaults.get(k)]

@@ -485,6 +485,8 @@ async def stream_events(
                     frame["error"] = err.body()["error"]  # the final chunk says why it ended early
                 if ch.finished and len(job.done) == len(job.subs):
                     frame["timings"] = timings_dict(timings)
+                    if chat and (template := state.llm.tokenizer.default_chat_template) is not None:
+                        frame["chat_template"] = template.label  # llmsys extension: `llmsys run`'s stats line
                 yield sse(frame)
         except Exception as e:  # mid-stream: headers are sent, so report in-band
             err = e if isinstance(e, APIError) else APIError(500, str(e), type="server_error")
