@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -25,9 +28,43 @@ SLOW_FILES = {
 }
 
 
+# $LLMSYS_HOME entries a test run links from the real home (built once, read by every run: C kernels,
+# converted GGUF files, synthetic checkpoints, cached tokenizers, the machine record); everything else a run
+# writes as a user's state (pulled models, the KV disk tier's blocks) stays in a home of its own.
+SHARED_CACHES = ("kernels", "gguf", "test-gguf", "synthetic", "tokenizers", "offload")
+SHARED_FILES = ("machine.json",)
+RUN_HOME = pytest.StashKey[Path]()
+
+
+def _run_home() -> Path:
+    """A fresh $LLMSYS_HOME for this run, so a served model never reads KV blocks an earlier run wrote
+    (tests/test_kv_disk.py tests reuse on purpose, in their own folders)."""
+    from llmsys.kernels.common.paths import llmsys_home
+
+    real = llmsys_home()
+    home = Path(tempfile.mkdtemp(prefix="llmsys-test-home-"))
+    for name in SHARED_CACHES:
+        (real / name).mkdir(parents=True, exist_ok=True)
+        (home / name).symlink_to(real / name, target_is_directory=True)
+    for name in SHARED_FILES:
+        (home / name).symlink_to(real / name)
+    for entry in real.iterdir():  # other build caches (llama.cpp's converter source, ...)
+        if entry.name not in ("kv", "models") and not (home / entry.name).exists() and entry.is_dir():
+            (home / entry.name).symlink_to(entry, target_is_directory=True)
+    return home
+
+
 def pytest_configure(config):
     config.stash[ISA_RUNS] = {}
     config.stash[SLOW_LEFT_OUT] = 0
+    config.stash[RUN_HOME] = home = _run_home()
+    os.environ["LLMSYS_HOME"] = str(home)  # subprocesses (llmsys serve, chat) inherit it
+
+
+def pytest_unconfigure(config):
+    home = config.stash.get(RUN_HOME, None)
+    if home is not None:
+        shutil.rmtree(home, ignore_errors=True)  # the links only: rmtree does not follow them
 
 
 def pytest_collection_modifyitems(config, items):
