@@ -126,8 +126,10 @@ SERVER_CLIENTS = frozenset({"run", "chat"})
 
 
 def _command(argv: list[str] | None) -> str | None:
-    """The command's name: the first argument that is not an option (None: none given)."""
-    return next((a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")), None)
+    """The command's name: the first argument that is not an option (None: none given, or ``--help`` asked,
+    which shows the command's options without importing the engine)."""
+    args = sys.argv[1:] if argv is None else argv
+    return None if "--help" in args else next((a for a in args if not a.startswith("-")), None)
 
 
 def _interruptible(fn: Callable[..., Any]) -> Callable[..., Any]:
