@@ -157,6 +157,22 @@ def _best(fn: Callable[[], Any], repeat: int) -> float:
     return max(best, 1e-9)
 
 
+def _per_call(runners: list[Runner], x: torch.Tensor, repeat: int) -> float:
+    """The mean over ``runners`` of each one's fastest call on ``x`` in ``repeat`` passes (after a warm-up pass).
+
+    Why per call: on a machine other programs keep busy, a pass's best still holds a stall or two; a call's
+    best over a few passes rarely does, and the calls still run in order, each reading its own copy."""
+    best = [float("inf")] * len(runners)
+    for r in runners:
+        r(x)
+    for _ in range(max(repeat, 1)):
+        for i, r in enumerate(runners):
+            t = time.perf_counter()
+            r(x)
+            best[i] = min(best[i], time.perf_counter() - t)
+    return max(sum(best) / len(best), 1e-9)
+
+
 def probe_format(name: str, probe: ProbeSettings, gen: torch.Generator) -> FormatCost:
     """Time format ``name`` on one row, on ``probe.kernel_rows`` rows and on a tiny matrix; fit the costs."""
     build = BUILDERS[name]
@@ -177,9 +193,9 @@ def probe_format(name: str, probe: ProbeSettings, gen: torch.Generator) -> Forma
     xp = torch.randn(rows, k, generator=gen).to(act)
     xt = torch.randn(1, TINY_K, generator=gen).to(act)
     with torch.inference_mode():
-        call = _best(lambda: [tiny(xt) for _ in range(16)], probe.repeat) / 16
-        one = _best(lambda: [r(x1) for r in runners], probe.repeat) / copies
-        many = _best(lambda: [r(xp) for r in runners], max(1, probe.repeat // 2)) / copies
+        call = _per_call(16 * [tiny], xt, probe.repeat)
+        one = _per_call(runners, x1, max(probe.repeat, 3))
+        many = _per_call(runners, xp, max(1, probe.repeat // 2))
     # The first row is priced by the bytes it reads, each further row by its FLOPs: no difference of noisy
     # timings is subtracted from the one-row figure (a busy machine inflates the long calls most).
     s_per_flop = max(0.0, many - one) / (2.0 * n * k * (rows - 1))
