@@ -179,10 +179,11 @@ def _run_remote(addr: remote.ServerAddress, model: str, prompt: str | None, mode
     values = dict(values)
     from llmsys.engine import names
 
+    unknown: LLMSysError | None = None
     try:
         named = names.resolve(model)
-    except LLMSysError:
-        named = None  # the server may know it (its catalog, its store); its 404 says so otherwise
+    except LLMSysError as e:
+        named, unknown = None, e  # the server may know it (its catalog, its store); its 404 says so otherwise
     if named is not None and named.ollama is not None:  # Ollama's stop strings and system, as locally
         values["stop"], system = _ollama_stop_system(model, tuple(values.get("stop") or ()), system,
                                                      mode is PromptMode.CHAT)
@@ -207,6 +208,8 @@ def _run_remote(addr: remote.ServerAddress, model: str, prompt: str | None, mode
                 stream = remote.RemoteStream(addr, "/v1/completions", remote.request_body(name, values, prompt=prompt))
                 label = _NO_TEMPLATE_LABEL
     except remote.RemoteError as e:
+        if e.status == 404 and unknown is not None:
+            raise unknown from None  # unknown here and there: the local error, one line
         if e.status == 404:
             remote.say(f"the llmsys server at {addr.url} does not serve {model} ({e}): running in this process")
             return None
