@@ -295,8 +295,10 @@ def test_loading_commands_refuse_unknown_and_unpulled_names_in_one_line(home, ca
                 ["bench", "qwen2.5:0.5b"]):
         rc, _, err = _main([*cmd, "--no-pull"], capsys)
         assert rc == 2 and "qwen2.5:0.5b is not downloaded and --no-pull was given; run `llmsys pull qwen2.5:0.5b`" in err
-    rc, _, err = _main(["run", "llama-8b", "hi"], capsys)
-    assert rc == 2 and "llama-8b is a synthetic benchmark shape" in err and len(err.strip().splitlines()) == 1
+    for cmd in (["run", "llama-8b", "hi"], ["chat", "llama-8b", "--plain"], ["serve", "llama-8b"], ["pull", "llama-8b"]):
+        rc, out, err = _main(cmd, capsys)  # refused before anything starts (serve: no HTTP server)
+        assert rc == 2 and not out and len(err.strip().splitlines()) == 1, (cmd, out, err)
+        assert err.startswith("error: llama-8b is a synthetic benchmark shape"), (cmd, err)
 
 
 def test_plan_takes_name_tag_before_and_after_the_pull(home, capsys):
@@ -312,7 +314,7 @@ def test_plan_takes_name_tag_before_and_after_the_pull(home, capsys):
 def test_plan_reads_the_pulled_config(home, pulled_qwen, capsys):
     rc, out, err = _main(["plan", "qwen2.5:0.5b", "--dtype", "float32"], capsys)
     stories = json.loads((STORIES_HF / "config.json").read_text())["num_hidden_layers"]
-    assert rc == 0 and out.startswith(f"{home / 'models' / QWEN}: {stories} layers"), (out, err)
+    assert rc == 0 and out.startswith(f"qwen2.5:0.5b ({home / 'models' / QWEN}): {stories} layers"), (out, err)
 
 
 def test_bench_takes_name_tag_and_shape_names(home, pulled_qwen, monkeypatch, capsys):

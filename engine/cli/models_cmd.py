@@ -254,6 +254,8 @@ def ensure_pulled(model: str, allowed: bool, endpoint: str | None = None) -> nam
     nothing fails here, in one line with its near misses, before anything loads.
     """
     found = names.resolve(model)
+    if found.kind is names.NameKind.SHAPE:
+        found.local()  # raises: a shape has no weights to load (plan and bench --synthetic take it)
     if not found.needs_pull:
         return found
     d = found.download()

@@ -47,12 +47,13 @@ def _config_for(model: str) -> tuple[dict[str, Any], str, ModelSource | None]:
         return (dict(synthetic_configs()[found.shape]),
                 f"{found.name} (not downloaded: its shape, models.toml [synthetic.{found.shape}])", None)
     src = found.source()  # not downloaded and no shape: the one-line `llmsys pull` hint
+    where = str(src.path) if found.kind is names.NameKind.PATH else f"{found.name} ({src.path})"
     if src.format is ModelFormat.GGUF:
-        return gguf_io.hf_config(src.path, src.gguf_header), str(src.path), src
+        return gguf_io.hf_config(src.path, src.gguf_header), where, src
     if src.format is ModelFormat.LLAMA2C:
         raise CheckpointError(f"{src.path}: a llama2.c checkpoint; `llmsys plan` needs a Hugging Face model directory, "
                               "a GGUF file or a catalog name")
-    return json.loads((src.path / "config.json").read_text()), str(src.path), None
+    return json.loads((src.path / "config.json").read_text()), where, None
 
 
 def meta_model(cfg: dict[str, Any], source: str = "config.json"):
