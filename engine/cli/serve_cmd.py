@@ -1,4 +1,7 @@
-"""``llmsys serve MODEL``: a local OpenAI-compatible HTTP server."""
+"""``llmsys serve [MODEL...]``: a local OpenAI- and Ollama-compatible HTTP server.
+
+The models given are loaded at start; any other a request names is loaded on first use and unloaded after
+``--keep-alive`` (engine/server/models.py), all within one memory budget (``--cpu-mem``, else the RAM free)."""
 
 from __future__ import annotations
 
@@ -18,7 +21,9 @@ from llmsys.kernels.common.errors import InvalidParameterError
 @pulling_command
 @engine_command
 def serve_command(
-    model: Annotated[str, typer.Argument(help="model folder, .gguf or llama2.c file, catalog name or alias (qwen2.5:0.5b), org/repo or Ollama NAME:TAG")],
+    model: Annotated[Optional[list[str]], typer.Argument(help="models loaded at start (none: requests load what they "
+                     "name): model folder, .gguf or llama2.c file, catalog name or alias (qwen2.5:0.5b), org/repo or "
+                     "Ollama NAME:TAG")] = None,
     host: Annotated[str, typer.Option("--host", help="address to bind (loopback by default)")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="TCP port")] = 8000,
     api_key: Annotated[
@@ -72,6 +77,11 @@ def serve_command(
                             "it is aborted and its slot freed")
     ] = 30.0,
     log_level: Annotated[str, typer.Option("--log-level", help="uvicorn log level")] = "info",
+    keep_alive: Annotated[
+        Optional[str], typer.Option("--keep-alive", help="how long a model stays loaded after its last request: a "
+                                    "duration (5m, 1h), 0 (unload at once) or -1 (for ever); default $LLMSYS_KEEP_ALIVE "
+                                    "or 5m; the models given here stay until a request sets keep_alive")
+    ] = None,
     chat_template: ChatTemplateOption = None,
     *,
     engine_flags: dict[str, Any],
@@ -98,10 +108,15 @@ def serve_command(
             raise InvalidParameterError(f"{flag} must be >= 1, got {v}")
     check_port(host, port)  # before the server's imports, a download or a load: uvicorn would fail only then
     from llmsys.engine.cli.models_cmd import ensure_pulled
+    from llmsys.engine.server.models import default_keep_alive, memory_budget
 
-    ensure_pulled(model, auto_pull)
+    keep = default_keep_alive(keep_alive)
+    for m in model or []:
+        ensure_pulled(m, auto_pull)
     engine_flags = kv_disk_on(engine_flags)  # a restarted server reads its prompts' KV back from disk
-    config = build_engine_config(model, dict(engine_flags, chat_template=chat_template))
+    flags = dict(engine_flags, chat_template=chat_template)
+    configs = [build_engine_config(m, flags) for m in model or []]
+    budget = memory_budget(configs[0].cpu_mem if configs else build_engine_config("", flags).cpu_mem)
     from llmsys.engine.server.serve import serve
     from llmsys.engine.server.state import ServerSettings
 
@@ -121,7 +136,8 @@ def serve_command(
         max_prompt_tokens=max_prompt_tokens,
         send_timeout_s=send_timeout,
     )
-    return serve(config, settings, host=host, port=port, log_level=log_level)
+    return serve(configs, settings, host=host, port=port, log_level=log_level,
+                 config_for=lambda spec: build_engine_config(spec, flags), budget=budget, keep_alive_s=keep)
 
 
 def check_port(host: str, port: int) -> None:

@@ -62,6 +62,7 @@ from llmsys.engine.server.protocol import (
     validation_message,
 )
 from llmsys.engine.server.tools import ToolChoiceError, ToolPlan, chat_messages, plan_tools, template_messages
+from llmsys.engine.server.models import available, bare
 from llmsys.engine.server.state import ServerState
 
 log = logging.getLogger("llmsys.server")
@@ -118,6 +119,7 @@ class GuardMiddleware:
         endpoint = path if path in _ENDPOINTS else "other"
         status_box = {"status": 500}
         record, record_token = request_log.begin(scope)  # the request's log line, written when it ends
+        models_token = self.state.begin_request()  # the models it uses stay loaded until it ends
 
         async def send_counted(msg: dict) -> None:
             if msg["type"] == "http.response.start":
@@ -136,7 +138,7 @@ class GuardMiddleware:
             # over the limit is refused before any handler sees it, whether or
             # not the client sent Content-Length.
             limit = self.state.settings.max_body_bytes
-            body, more = [], scope.get("method") in ("POST", "PUT", "PATCH")
+            body, more = [], scope.get("method") in ("POST", "PUT", "PATCH", "DELETE")  # Ollama deletes with a body
             seen = 0
             stall = self.state.settings.body_timeout_s
             whole = self.state.settings.body_deadline_s
@@ -174,8 +176,9 @@ class GuardMiddleware:
             await self.app(scope, replay_receive, send_counted)
         finally:
             self.state.metrics.count_request(endpoint, status_box["status"])
+            used = self.state.end_request(models_token)
             if record.generated:
-                record.model = self.state.model_name
+                record.model = used or self.state.model_name
             request_log.end(record, record_token, status_box["status"])
 
     def _check(self, scope: dict) -> APIError | None:
@@ -288,6 +291,8 @@ def create_app(state: ServerState) -> ServerAPI:
         if not state.ready:
             body = {"status": "error", "reason": state.load_error} if state.load_error else {"status": "loading"}
             return JSONResponse(body, status_code=503)
+        if state.worker is None:  # no model loaded (yet): requests load what they name
+            return JSONResponse({"status": "ok", "models": 0}, status_code=200)
         h = state.worker.health()
         step = None if h.step_s is None else round(h.step_s, 3)
         body = {"status": "ok", "running": h.running, "queued": h.queued, "step_s": step,
@@ -307,11 +312,17 @@ def create_app(state: ServerState) -> ServerAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
+        """What a request may name: the loaded models first, then those on disk (loaded on first use)."""
         need_ready()
-        return {"object": "list", "data": [{
-            "id": state.model_name, "object": "model", "created": state.created, "owned_by": "llmsys",
-            "max_model_len": state.llm.max_model_len,
-        }]}
+        data = []
+        for m in await asyncio.to_thread(available, state.models):
+            slot = state.models.find(m.name) if m.loaded else None
+            item = {"id": m.name, "object": "model", "created": int(m.modified), "owned_by": "llmsys",
+                    "loaded": m.loaded}
+            if slot is not None and slot.llm is not None:
+                item["max_model_len"] = slot.llm.max_model_len
+            data.append(item)
+        return {"object": "list", "data": data}
 
     def sampling(req: Any, max_tokens: int | None, logprobs: int | None, policy: KVPolicy | None,
                  prediction: list[int] | None = None) -> SamplingParams:
@@ -339,9 +350,10 @@ def create_app(state: ServerState) -> ServerAPI:
     def check_model(model: str | None) -> None:
         """The request's ``model`` must be one this server serves (its name, ``name:latest``,
         or a --model-alias); None means the served one."""
-        if model is not None and model not in state.model_names():
-            raise APIError(404, f"the model '{model}' does not exist on this server; it serves "
-                                f"'{state.model_name}' (GET /v1/models lists it; --model-alias adds names)",
+        slot = state.slot
+        if model and (slot is None or not slot.answers_to(model)):
+            raise APIError(404, f"the model '{model}' does not exist on this server; GET /v1/models lists "
+                                "those it can load (--model-alias adds names)",
                            type="invalid_request_error", param="model", code="model_not_found")
 
     def check_common(req: Any) -> None:
@@ -432,13 +444,20 @@ def create_app(state: ServerState) -> ServerAPI:
     @app.get("/v1/models/{model_id:path}")
     async def model_info(model_id: str) -> dict[str, Any]:
         need_ready()
-        check_model(model_id)
+        slot = state.models.find(model_id)
+        if slot is None:  # not loaded: listed ones answer without a load
+            listed = {bare(m.name) for m in await asyncio.to_thread(available, state.models)}
+            if bare(model_id) not in listed:
+                check_model(model_id)
+            return {"id": model_id, "object": "model", "created": state.created, "owned_by": "llmsys",
+                    "loaded": False}
         return {"id": model_id, "object": "model", "created": state.created, "owned_by": "llmsys",
-                "max_model_len": state.llm.max_model_len}
+                "max_model_len": slot.llm.max_model_len, "loaded": True}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         need_ready()
+        await state.use(req.model)
         check_common(req)
         policy = prep.kv_policy(req.kv_policy)
         tools = [{"name": t.function.name, "description": t.function.description,
@@ -486,6 +505,7 @@ def create_app(state: ServerState) -> ServerAPI:
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         need_ready()
+        await state.use(req.model)
         check_common(req)
         if req.best_of is not None and req.best_of != req.n:
             raise APIError(400, f"best_of={req.best_of} with n={req.n}: this server returns every completion it "
@@ -531,6 +551,7 @@ def create_app(state: ServerState) -> ServerAPI:
         """One vector per input, pooled as the model says (``LLM.pooling``); an input longer than the
         context is a 400 naming both lengths (``dimensions`` keeps the first values, normalized again)."""
         need_ready()
+        await state.use(req.model)
         check_model(req.model)
         if req.user is not None:
             log.info("request identifiers: user=%r", req.user)

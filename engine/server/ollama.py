@@ -2,7 +2,8 @@
 
 Chat and generate (NDJSON streams; ``"stream": false``: one object), tags, show, ps, version and ``/``;
 embeddings (``/api/embed``, the legacy ``/api/embeddings``: engine/server/embeddings.py); model management
-answers 501. Requests share ``/v1``'s :class:`Preparer` and :class:`Job`
+loads models on demand (engine/server/models.py: keep_alive, ``/api/ps``, ``/api/pull``, ``/api/delete``;
+push, create and copy answer 501). Requests share ``/v1``'s :class:`Preparer` and :class:`Job`
 (both APIs batch together); only the wire differs: errors are ``{"error": ...}`` (``"code"`` for
 :data:`SEMANTIC_CODES`; the guard middleware's 401/403/408/413 keep OpenAI's shape), a body is JSON
 whatever its ``Content-Type``, and sampling defaults are Ollama's (temperature 0.8, top_k 40, top_p 0.9)
@@ -15,6 +16,8 @@ messages is Ollama's load ping (``done_reason`` "load").
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import hashlib
 import json
 import logging
@@ -27,7 +30,7 @@ from typing import Annotated, Any, ClassVar, Literal
 import torch
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -52,6 +55,7 @@ from llmsys.engine.server.protocol import (
     sampling_check,
     validation_message,
 )
+from llmsys.engine.server.models import available, bare, parse_keep_alive, weights_on_disk
 from llmsys.engine.server.state import ServerState
 from llmsys.kernels.common.errors import ContextOverflowError, LLMSysError, TokenizerError
 
@@ -174,7 +178,8 @@ class OllamaMessage(BaseModel):
     tool_name: str | None = Field(None, max_length=256)
 
 
-_KEEP_ALIVE = r"^-?([0-9]+(\.[0-9]+)?(ns|us|µs|ms|s|m|h)?)+$"
+# Go's durations ("5m", "1h30m": a unit on every part), or a bare number of seconds, either signed
+_KEEP_ALIVE = r"^-?(([0-9]+(\.[0-9]+)?(ns|us|µs|ms|s|m|h))+|[0-9]+(\.[0-9]+)?)$"
 # format: "" (none), "json", or a JSON schema; tools: Ollama's function tools (OpenAI's shape).
 _Format = Literal["", "json"] | dict[str, Any] | None
 
@@ -185,7 +190,8 @@ class _Generating(_Model):
     options: OllamaOptions | None = None
     format: _Format = Field(None, description="\"json\" (any JSON object) or a JSON schema the output matches")
     keep_alive: float | Annotated[str, Field(max_length=64, pattern=_KEEP_ALIVE)] | None = Field(
-        None, description="accepted; the served model stays loaded for the server's life")
+        None, description="how long the model stays loaded after this request: a duration ('5m'), seconds, "
+                          "0 unloads it after the request, negative keeps it")
     think: bool | Literal["low", "medium", "high"] | None = Field(
         None, description="only false: no separate thinking output")
     logprobs: bool | None = None
@@ -222,7 +228,8 @@ class OllamaEmbedRequest(_Model):
     dimensions: int | None = Field(None, ge=1, description="keep the first that many values, normalized again")
     options: OllamaOptions | None = None
     keep_alive: float | Annotated[str, Field(max_length=64, pattern=_KEEP_ALIVE)] | None = Field(
-        None, description="accepted; the served model stays loaded for the server's life")
+        None, description="how long the model stays loaded after this request: a duration ('5m'), seconds, "
+                          "0 unloads it after the request, negative keeps it")
 
 
 class OllamaEmbeddingsRequest(_Model):
@@ -232,7 +239,8 @@ class OllamaEmbeddingsRequest(_Model):
     prompt: str = Field("", description="empty: load the model, answer an empty embedding")
     options: OllamaOptions | None = None
     keep_alive: float | Annotated[str, Field(max_length=64, pattern=_KEEP_ALIVE)] | None = Field(
-        None, description="accepted; the served model stays loaded for the server's life")
+        None, description="how long the model stays loaded after this request: a duration ('5m'), seconds, "
+                          "0 unloads it after the request, negative keeps it")
 
 
 class OllamaShowRequest(_Model):
@@ -245,6 +253,13 @@ class OllamaShowRequest(_Model):
         if isinstance(data, dict) and "model" not in data and isinstance(data.get("name"), str):
             return {**data, "model": data["name"]}  # older clients send "name"
         return data
+
+
+class OllamaPullRequest(OllamaShowRequest):
+    """``/api/pull``: a catalog name or alias, or ``org/repo[@revision]``."""
+
+    stream: bool | None = Field(None, description="default true: one progress object per line")
+    insecure: bool | None = Field(None, description="accepted; downloads use the Hub's HTTPS endpoint")
 
 
 # -- errors, in Ollama's shape -----------------------------------------------------------
@@ -262,7 +277,7 @@ _WHY = {
     400: "the body breaks the schema, or (with a code) a limit of the loaded model or an option it cannot honour",
     401: "missing or wrong API key (servers started with one)",
     403: "a Host or browser Origin this server does not serve",
-    404: "no such model: this server serves one",
+    404: "no such model: not on disk, in the catalog or the Ollama store (pull it first)",
     408: "the request body did not arrive in time",
     413: "the body is larger than --max-body",
     429: "every running and queued place is taken; retry after Retry-After",
@@ -447,13 +462,17 @@ class _Ollama:
     def check_model(self, name: str) -> None:
         """The served model answers to its name, its --model-alias names, each with ``:latest``
         or without; any other is a 404."""
-        if self._bare(name) not in {self._bare(n) for n in self.state.model_names()}:
-            raise APIError(404, f"model '{name}' not found (this server serves '{self.display_name()}')",
+        slot = self.state.slot
+        if slot is None or not slot.answers_to(name):
+            raise APIError(404, f"model '{name}' not found (GET /api/tags lists those this server can load)",
                            code="model_not_found")
 
     def facts(self) -> dict[str, Any]:
-        """What /api/tags, /api/show and /api/ps say about the model (computed once: it reads files)."""
-        if self._facts is None:
+        """What /api/show and /api/ps say about the request's model (computed once per model: it reads files)."""
+        return self.state.per_model("ollama_facts", self._facts_now)
+
+    def _facts_now(self) -> dict[str, Any]:
+        if True:
             state = self.state
             llm = state.llm
             ld = llm.loaded
@@ -462,7 +481,7 @@ class _Ollama:
                 mtime = path.stat().st_mtime
             except OSError:
                 mtime = state.created
-            self._facts = {
+            return {
                 "modified_at": datetime.fromtimestamp(mtime, timezone.utc).isoformat().replace("+00:00", "Z"),
                 "digest": hashlib.sha256(f"{path.resolve()}\n{state.model_name}".encode()).hexdigest(),
                 "n_params": _param_count(ld.args),
@@ -470,18 +489,17 @@ class _Ollama:
                             "families": [ld.family], "parameter_size": _human(_param_count(ld.args)),
                             "quantization_level": _quant_level(llm)},
             }
-        return self._facts
 
     def defaults(self) -> dict[str, float]:
-        if self._defaults is None:
-            self._defaults = _defaults(self.state.llm.loaded.generation_config)
-        return self._defaults
+        llm = self.state.llm
+        return self.state.per_model("ollama_defaults", lambda: _defaults(llm.loaded.generation_config))
 
     def sizes(self) -> tuple[int, int, int]:
         """(weight bytes, resident bytes, bytes on the GPU): ``MemoryReport.resident`` (weights, the KV
         pool's pages backed by memory, buffers; not its untouched reservation) from the engine
         thread's last memory report (/metrics' snapshot), or one taken now before the first."""
-        snap = getattr(self.state.metrics, "engine", None)
+        worker = self.state.worker
+        snap = worker.last_report if worker is not None else None  # this model's engine thread's last report
         w, res = (snap.weights, snap.resident) if snap is not None and snap.weights else (None, None)
         if w is None:
             rep = self.state.llm.core.memory_report()
@@ -792,8 +810,122 @@ class _Ollama:
             job.abort_rest()
 
     def ping(self, req: Any, chat: bool) -> JSONResponse:
-        """Ollama's "load the model": the model is loaded, so done at once."""
+        """Ollama's "load the model": the model is loaded (:meth:`ServerState.use` did it), so done at once."""
         return JSONResponse({**self.head(req, chat, "", True), "done_reason": "load"})
+
+    def unload(self, req: Any, chat: bool) -> JSONResponse:
+        """Ollama's "unload the model": an empty request with keep_alive 0 (its requests in flight finish first)."""
+        self.state.models.unload(req.model)
+        return JSONResponse({**self.head(req, chat, "", True), "done_reason": "unload"})
+
+
+PULL_PROGRESS_S = 0.5  # a progress line at least this often while a pull downloads
+
+
+async def pull_model(name: str, stream: bool) -> Response:
+    """``/api/pull``: what :func:`llmsys.engine.hub.download` fetches for ``name`` (``llmsys pull``'s logic), as
+    Ollama's progress lines; bytes counted in the destination folder while it downloads."""
+    from llmsys.engine import hub, names
+
+    def plan() -> tuple[Any, Any, str, dict[str, int]]:
+        found = names.resolve(name)
+        d = found.download() if found.needs_pull else None
+        if d is None:
+            return found, None, "", {}
+        sha, files = hub.plan_download(d)
+        return found, d, sha, files
+
+    try:
+        found, d, sha, files = await asyncio.to_thread(plan)
+    except OSError as e:  # a name no file system takes
+        return _error(404, f"model '{name[:80]}' not found ({e.strerror or e})", code="model_not_found")
+    except LLMSysError as e:
+        status = 404 if type(e).__name__ == "ModelNotFoundError" else 400
+        return _error(status, redact_paths(str(e).splitlines()[0]))
+    total = sum(files.values())
+
+    async def lines() -> AsyncIterator[dict[str, Any]]:
+        yield {"status": "pulling manifest"}
+        if d is not None:
+            digest = f"sha256:{hashlib.sha256(f'{d.repo}@{sha}'.encode()).hexdigest()}"
+            fut = asyncio.get_running_loop().run_in_executor(None, functools.partial(hub.download, d, progress=False))
+            while True:
+                done, _ = await asyncio.wait({fut}, timeout=PULL_PROGRESS_S)
+                got = total if done else min(total, _bytes_under(d.dest))
+                yield {"status": f"pulling {d.repo}@{sha[:12]}", "digest": digest, "total": total, "completed": got}
+                if done:
+                    break
+            try:
+                fut.result()
+            except Exception as e:  # noqa: BLE001 - the error line, as Ollama's client expects
+                yield {"error": redact_paths(str(e).splitlines()[0] if str(e) else type(e).__name__)}
+                return
+            yield {"status": "verifying sha256 digest"}
+            yield {"status": "writing manifest"}
+        yield {"status": "success"}
+
+    if not stream:
+        last: dict[str, Any] = {}
+        async for obj in lines():
+            last = obj
+        return JSONResponse(last, status_code=500 if "error" in last else 200)
+
+    async def body() -> AsyncIterator[str]:
+        async for obj in lines():
+            yield _line(obj)
+
+    return StreamingResponse(body(), media_type="application/x-ndjson")
+
+
+def _bytes_under(folder: Any) -> int:
+    try:
+        return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    except OSError:
+        return 0
+
+
+def delete_model(state: ServerState, name: str) -> None:
+    """``/api/delete``: a catalog model or Hub repo pulled into $LLMSYS_HOME/models loses its folder (an idle
+    loaded copy is unloaded first); anything else (a path, the Ollama store, a folder outside) is refused."""
+    import shutil
+
+    from llmsys.engine import names
+    from llmsys.kernels.common.errors import ModelNotFoundError
+    from llmsys.kernels.common.paths import llmsys_home
+
+    try:
+        found = names.resolve(name)
+    except OSError as e:
+        raise APIError(404, f"model '{name[:80]}' not found ({e.strerror or e})", code="model_not_found") from None
+    except ModelNotFoundError as e:
+        raise APIError(404, f"model '{name}' not found: {e}", code="model_not_found") from None
+    if found.kind not in (names.NameKind.CATALOG, names.NameKind.HUB) or found.path is None:
+        raise APIError(400, f"model '{name}' was not pulled into $LLMSYS_HOME ({found.kind.value}); this server "
+                            "deletes only what it or `llmsys pull` downloaded", code="not_deletable")
+    if found.needs_pull or not found.path.exists():
+        raise APIError(404, f"model '{name}' is not downloaded", code="model_not_found")
+    root = (llmsys_home() / "models").resolve()
+    path = found.path.resolve()
+    if path == root or not path.is_relative_to(root):
+        raise APIError(400, f"model '{name}' lives outside $LLMSYS_HOME/models; not deleting it", code="not_deletable")
+    if not state.models.drop(str(path)):
+        raise APIError(409, f"model '{name}' is answering requests; delete it when they end", code="model_busy")
+    shutil.rmtree(path)
+    log.info("deleted %s (%s)", found.name, path.name)
+
+
+def _keep_alive(req: Any) -> Any:
+    """The request's keep_alive in seconds (None: for ever), or ``...`` when it gives none (the model keeps its own)."""
+    if req.keep_alive is None:
+        return ...
+    try:
+        return parse_keep_alive(req.keep_alive)
+    except LLMSysError as e:
+        raise APIError(400, str(e), param="keep_alive", code="invalid_keep_alive") from None
+
+
+def _iso(t: float) -> str:
+    return datetime.fromtimestamp(t, timezone.utc).isoformat().replace("+00:00", "Z")
 
 
 def _line(obj: Any) -> str:
@@ -813,6 +945,11 @@ def add_ollama_routes(app: FastAPI, state: ServerState, prep: Preparer | None = 
     async def chat(req: OllamaChatRequest, request: Request):
         """The next assistant message of a conversation (Ollama's chat API)."""
         t0 = time.perf_counter()
+        keep = _keep_alive(req)
+        api.prep.need_ready()
+        if not req.messages and keep == 0:
+            return api.unload(req, chat=True)
+        await state.use(req.model, keep)
         api.begin(req)
         for i, m in enumerate(req.messages):
             if m.images:
@@ -829,6 +966,11 @@ def add_ollama_routes(app: FastAPI, state: ServerState, prep: Preparer | None = 
     async def generate(req: OllamaGenerateRequest, request: Request):
         """A completion of ``prompt``, in the chat template unless ``raw`` (Ollama's generate API)."""
         t0 = time.perf_counter()
+        keep = _keep_alive(req)
+        api.prep.need_ready()
+        if not req.prompt and keep == 0:
+            return api.unload(req, chat=False)
+        await state.use(req.model, keep)
         api.begin(req)
         if req.suffix:
             raise _unsupported("suffix", "insertion (fill in the middle) is not implemented; send the prefix as "
@@ -850,18 +992,30 @@ def add_ollama_routes(app: FastAPI, state: ServerState, prep: Preparer | None = 
 
     @router.get("/api/tags", responses=_responses(401, 403, 503))
     async def tags() -> dict[str, Any]:
-        """The served model (Ollama lists the models it has; this server has one)."""
+        """The models a request can name: loaded, the catalog's downloaded ones, the Ollama store's."""
         api.prep.need_ready()
-        facts = await state.off_loop(api.facts)
-        weights, _, _ = await state.off_loop(api.sizes)
-        name = api.display_name()
-        return {"models": [{"name": name, "model": name, "modified_at": facts["modified_at"], "size": weights,
-                            "digest": facts["digest"], "details": facts["details"]}]}
+        out = []
+        for m in await asyncio.to_thread(available, state.models):
+            name = m.name if ":" in bare(m.name) else f"{bare(m.name)}:latest"
+            item = {"name": name, "model": name, "modified_at": _iso(m.modified), "size": m.size,
+                    "digest": hashlib.sha256(f"{m.path}\n{m.name}".encode()).hexdigest(),
+                    "details": {"parent_model": "", "format": _model_format(m.path) if m.path else "",
+                                "family": "", "families": [], "parameter_size": "", "quantization_level": ""}}
+            slot = state.models.find(m.name) if m.loaded else None
+            if slot is not None and slot.llm is not None:  # loaded: what its engine knows
+                state.select(slot)
+                facts = await state.off_loop(api.facts)
+                weights, _, _ = await state.off_loop(api.sizes)
+                item.update(modified_at=facts["modified_at"], size=weights, digest=facts["digest"],
+                            details=facts["details"])
+            out.append(item)
+        return {"models": out}
 
     @router.post("/api/show", responses=_responses(400, 401, 403, 404, 408, 413, 503))
     async def show(req: OllamaShowRequest) -> dict[str, Any]:
         """The model's details, chat template, default parameters and architecture."""
         api.prep.need_ready()
+        await state.use(req.model)
         api.check_model(req.model)
         facts = await state.off_loop(api.facts)
         llm = state.llm
@@ -917,14 +1071,22 @@ def add_ollama_routes(app: FastAPI, state: ServerState, prep: Preparer | None = 
 
     @router.get("/api/ps", responses=_responses(401, 403, 503))
     async def ps() -> dict[str, Any]:
-        """The loaded model: it stays loaded for the server's life."""
+        """The loaded models, their true resident sizes (memory reports) and when each unloads."""
         api.prep.need_ready()
-        facts = await state.off_loop(api.facts)
-        _, resident, vram = await state.off_loop(api.sizes)
-        name = api.display_name()
-        return {"models": [{"name": name, "model": name, "size": resident, "digest": facts["digest"],
-                            "details": facts["details"], "expires_at": EXPIRES_NEVER, "size_vram": vram,
-                            "context_length": state.llm.max_model_len}]}
+        out = []
+        for slot in sorted(state.models.loaded(), key=lambda s: -s.last_used):
+            llm = slot.llm
+            if llm is None:
+                continue
+            state.select(slot)
+            facts = await state.off_loop(api.facts)
+            exp = slot.expires_at()
+            name = api.display_name()
+            out.append({"name": name, "model": name, "size": slot.resident(), "digest": facts["digest"],
+                        "details": facts["details"], "expires_at": EXPIRES_NEVER if exp is None else _iso(exp),
+                        "size_vram": slot.resident_vram(), "context_length": llm.max_model_len,
+                        "busy": slot.busy(), "loads": slot.loads})
+        return {"models": out}
 
     @router.get("/api/version", responses=_responses(401, 403))
     async def version() -> dict[str, str]:
@@ -941,6 +1103,7 @@ def add_ollama_routes(app: FastAPI, state: ServerState, prep: Preparer | None = 
     async def embed_inputs(req: Any, inputs: list[str], truncate: bool, normalize: bool, dimensions: int | None,
                            request: Request) -> Embedded | None:
         api.prep.need_ready()
+        await state.use(req.model, _keep_alive(req))
         api.check_model(req.model)
         if req.options is not None:
             api.check_options(req.options)
@@ -956,6 +1119,7 @@ def add_ollama_routes(app: FastAPI, state: ServerState, prep: Preparer | None = 
         inputs = ([req.input] if req.input else []) if isinstance(req.input, str) else list(req.input)  # "": a ping
         if not inputs:
             api.prep.need_ready()
+            await state.use(req.model, _keep_alive(req))
             api.check_model(req.model)
             return {"model": api.display_name(), "embeddings": []}
         out = await embed_inputs(req, inputs, req.truncate, True, req.dimensions, request)
@@ -970,6 +1134,7 @@ def add_ollama_routes(app: FastAPI, state: ServerState, prep: Preparer | None = 
         """The legacy embeddings API: one prompt's vector, not normalized (as Ollama), cut to the context."""
         if not req.prompt:
             api.prep.need_ready()
+            await state.use(req.model, _keep_alive(req))
             api.check_model(req.model)
             return {"embedding": []}
         out = await embed_inputs(req, [req.prompt], True, False, None, request)
@@ -977,14 +1142,23 @@ def add_ollama_routes(app: FastAPI, state: ServerState, prep: Preparer | None = 
             return JSONResponse({}, status_code=499)
         return {"embedding": out.vectors[0].tolist()}
 
-    @router.post("/api/pull", include_in_schema=False)
+    @router.post("/api/pull", responses=_responses(400, 401, 403, 404))
+    async def pull(req: OllamaPullRequest):
+        """Download a catalog model or a Hugging Face repo into $LLMSYS_HOME, with Ollama's progress lines
+        (``{status, digest, total, completed}``; ``stream: false``: the last one)."""
+        return await pull_model(req.model, req.stream is not False)
+
+    @router.delete("/api/delete", responses=_responses(400, 401, 403, 404))
+    async def delete(req: OllamaShowRequest) -> Response:
+        """Remove a pulled model's files from $LLMSYS_HOME (never anything outside it); unloaded first."""
+        await asyncio.to_thread(delete_model, state, req.model)
+        return Response(status_code=200)
+
     @router.post("/api/push", include_in_schema=False)
     @router.post("/api/create", include_in_schema=False)
     @router.post("/api/copy", include_in_schema=False)
-    @router.delete("/api/delete", include_in_schema=False)
     async def manage() -> JSONResponse:
-        return _error(501, f"this server serves one model, '{api.display_name()}', chosen when it starts; models "
-                           "are not pulled, created, copied or deleted through it (`llmsys pull NAME` downloads one, "
-                           "`llmsys serve NAME` serves it)")
+        return _error(501, "models are not pushed, created or copied through this server (`llmsys pull NAME` "
+                           "downloads one; a request that names a model loads it)")
 
     app.include_router(router)

@@ -19,7 +19,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import h11
 import uvicorn
@@ -29,6 +29,7 @@ from llmsys.engine.config import EngineConfig
 from llmsys.engine.server.app import create_app
 from llmsys.engine.server.metrics import Metrics
 from llmsys.engine.server.protocol import APIError, redact_paths
+from llmsys.engine.server.models import DEFAULT_KEEP_ALIVE_S
 from llmsys.engine.server.state import ConnectionCaps, ServerSettings, ServerState
 
 log = logging.getLogger("llmsys.server")
@@ -297,27 +298,39 @@ def _uvicorn_config(state: ServerState, host: str, port: int, log_level: str,
     )
 
 
-def serve(config: EngineConfig, settings: ServerSettings, host: str = "127.0.0.1", port: int = 8000,
-          log_level: str = "info") -> int:
-    """Serve until SIGINT/SIGTERM; 0 on a clean stop, 2 if the model failed to load."""
-    state = ServerState(settings)
+def serve(config: EngineConfig | list[EngineConfig], settings: ServerSettings, host: str = "127.0.0.1",
+          port: int = 8000, log_level: str = "info", config_for: Callable[[str], EngineConfig] | None = None,
+          budget: int | None = None, keep_alive_s: float | None = DEFAULT_KEEP_ALIVE_S) -> int:
+    """Serve until SIGINT/SIGTERM; 0 on a clean stop, 2 if a model given at start failed to load.
+
+    ``config``: the models loaded at start (none is fine: requests load what they name, through
+    ``config_for``); ``budget``: bytes all loaded models may hold together; ``keep_alive_s``: how long a
+    model loaded on demand stays after its last request (None: for ever)."""
+    configs = config if isinstance(config, list) else [config]
+    state = ServerState(settings, config_for=config_for, budget=budget, keep_alive_s=keep_alive_s)
     server = _Server(_uvicorn_config(state, host, port, log_level, log_config(log_level)), state)
     if not settings.api_key and not _is_loopback(host):
         log.warning("serving on %s without an API key: anyone who can reach this address can use the model; "
                     "set LLMSYS_API_KEY or --api-key-file", host)
 
     def load() -> None:
-        t0 = time.perf_counter()
-        try:
-            state.load(config)
-        except Exception as e:  # LLMSysError or worse: report and stop serving
-            first = str(e).splitlines()[0] if str(e) else type(e).__name__
-            print(f"error: {first}", flush=True)  # the operator sees the paths; clients do not
-            state.load_error = redact_paths(first)
-            server.should_exit = True
-            return
-        print(f"llmsys: model '{state.model_name}' ready in {time.perf_counter() - t0:.1f} s; "
-              f"OpenAI API at http://{host}:{port}/v1", flush=True)
+        for cfg in configs:
+            t0 = time.perf_counter()
+            try:
+                state.load(cfg)
+            except Exception as e:  # LLMSysError or worse: report and stop serving
+                first = str(e).splitlines()[0] if str(e) else type(e).__name__
+                print(f"error: {first}", flush=True)  # the operator sees the paths; clients do not
+                state.load_error = redact_paths(first)
+                server.should_exit = True
+                return
+            print(f"llmsys: model '{state.models.loaded()[-1].name}' ready in {time.perf_counter() - t0:.1f} s; "
+                  f"OpenAI API at http://{host}:{port}/v1", flush=True)
+        state.mark_started()
+        if not configs:
+            print(f"llmsys: serving models on demand (budget {budget / 2**20:.0f} MiB); OpenAI API at "
+                  f"http://{host}:{port}/v1, Ollama API at http://{host}:{port}/api" if budget else
+                  f"llmsys: serving models on demand; OpenAI API at http://{host}:{port}/v1", flush=True)
 
     threading.Thread(target=load, name="llmsys-load", daemon=True).start()
     server.run()

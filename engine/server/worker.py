@@ -43,7 +43,14 @@ class EngineWorker(EngineClient):
     def __init__(self, core: EngineCore, metrics: Metrics, max_concurrency: int, max_queue: int):
         super().__init__(core, max_concurrency, max_queue)
         self.metrics = metrics
+        self.last_report = None  # the latest MemoryReport (registry: true resident sizes, /api/ps)
         self._update_gauges()  # /metrics says the memory before the first request (the thread is not started yet)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests submitted and not yet finished (an idle model can be unloaded)."""
+        with self._lock:
+            return self._in_system
 
     def describe_failure(self, e: BaseException) -> str:
         return redact_paths(super().describe_failure(e))  # /health shows it to clients
@@ -62,7 +69,7 @@ class EngineWorker(EngineClient):
         self._update_gauges()
 
     def _update_gauges(self) -> None:
-        rep = self.core.memory_report()
+        rep = self.last_report = self.core.memory_report()
         tiers = {t: 0 for t in rep.kv_total} or {"cpu": 0}
         first = next(iter(tiers))
         tiers[first] = rep.kv_blocks_used  # the pool (hot blocks) lives on one tier
