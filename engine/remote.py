@@ -71,7 +71,8 @@ def server_address(host: str | None = None) -> ServerAddress:
         raise RemoteError(f"{where}={given!r} is not a server address; give HOST:PORT or http://HOST:PORT, "
                           f"e.g. {DEFAULT_HOST}:{DEFAULT_PORT}")
     tls = parts.scheme == "https"
-    return ServerAddress(parts.hostname or DEFAULT_HOST, port if port is not None else (443 if tls else DEFAULT_PORT), tls)
+    default_port = 443 if tls else DEFAULT_PORT
+    return ServerAddress(parts.hostname or DEFAULT_HOST, port if port is not None else default_port, tls)
 
 
 def answers(addr: ServerAddress, timeout: float = PROBE_TIMEOUT_S) -> bool:
