@@ -13,11 +13,11 @@ process's own maximum (``os.wait4``'s ru_maxrss). Medians over rounds; the goals
 wall time and <= 1.5x its peak RSS, and ``llmsys --version`` under 0.3 s.
 
 "Cold" is the process, not the machine: one unmeasured warm-up of each side first fills what an installed
-program has after its first use (compiled bytecode, llmsys's C kernels and tokenizer cache in $LLMSYS_HOME,
+program has after its first use (compiled bytecode, llmsys's C kernels and machine record in $LLMSYS_HOME,
 the model file in the page cache). Bytecode goes to a private ``PYTHONPYCACHEPREFIX`` for both sides, as a pip
 install writes it, so an environment that sets PYTHONDONTWRITEBYTECODE does not recompile every module on
 every start. ``--pythonpath DIR`` puts DIR first on the llmsys side's path (a folder holding an ``llmsys``
-link to another checkout: the before/after figures of one change).
+folder or link: another checkout, e.g. ``git archive`` of the commit before a change).
 
     flock /tmp/bench46.lock python benchmarks/cold_start.py --rounds 5
 """
