@@ -314,12 +314,15 @@ class ModelRegistry:
                 if used + need <= self.budget:
                     return
                 idle = sorted((s for s in slots if not s.busy()), key=lambda s: s.last_used)
-                victim = idle[0] if idle else None
+                busy = sum(s.resident() for s in slots if s not in idle)
+                # unload nothing when even every idle model's room would not do: the 503 comes at once
+                victim = idle[0] if idle and busy + need <= self.budget else None
                 if victim is not None:
                     victim.closed = True
                     self._slots.pop(victim.key, None)
             if victim is None:
-                held = ", ".join(f"{s.name} ({_mib(s.resident())}, busy)" for s in slots) or "nothing"
+                held = ", ".join(f"{s.name} ({_mib(s.resident())}, {'busy' if s.busy() else 'idle'})"
+                                 for s in slots) or "nothing"
                 why = "is more than the budget by itself" if need > self.budget else "does not fit beside the busy ones"
                 raise ModelBusyError(f"model {name} needs ~{_mib(need)} and {why}: budget {_mib(self.budget)} "
                                      f"(--cpu-mem), loaded: {held}; retry when they are idle, or raise --cpu-mem")
