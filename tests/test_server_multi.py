@@ -279,3 +279,44 @@ def test_keep_alive_parsing():
     assert parse_keep_alive(-1) is None and parse_keep_alive("-1m") is None
     with pytest.raises(InvalidParameterError, match="not a duration"):
         parse_keep_alive("5 minutes")
+
+
+def test_pull_load_and_delete_through_a_local_hub(tmp_path, monkeypatch):
+    """/api/pull of a catalog alias from a fake hub streams Ollama's progress, the model is then listed and
+    loads on first use; /api/delete unloads it and removes its folder from $LLMSYS_HOME."""
+    from test_catalog import _endpoint
+    from test_names import QWEN, _qwen_hub
+
+    from llmsys.engine.server.serve import start_server_thread
+    from llmsys.engine.server.state import ServerSettings, ServerState
+
+    monkeypatch.setenv("LLMSYS_HOME", str(tmp_path / "home"))
+    (tmp_path / "ollama" / "manifests").mkdir(parents=True)
+    monkeypatch.setenv("OLLAMA_MODELS", str(tmp_path / "ollama"))
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    hub, _ = _qwen_hub()
+    monkeypatch.setenv("HF_ENDPOINT", _endpoint(hub))
+    state = ServerState(ServerSettings(), keep_alive_s=None)
+    state.mark_started()
+    srv = start_server_thread(state)
+    try:
+        client = ollama.Client(host=srv.url, timeout=60)
+        progress = list(client.pull("qwen2.5:0.5b", stream=True))
+        assert progress[0].status == "pulling manifest" and progress[-1].status == "success"
+        sized = [p for p in progress if p.total]
+        assert sized and sized[-1].completed == sized[-1].total > 0 and sized[-1].digest.startswith("sha256:")
+        dest = tmp_path / "home" / "models" / QWEN
+        assert dest.is_dir()
+        assert QWEN in {m.model.removesuffix(":latest") for m in client.list().models}
+        out = client.generate(model="qwen2.5:0.5b", prompt="Once", raw=True, options={"num_predict": 2})
+        assert out.done and "qwen2.5:0.5b" in {m.model for m in client.ps().models}
+        client.delete("qwen2.5:0.5b")
+        assert not dest.exists() and client.ps().models == []
+    finally:
+        srv.stop()
+        hub.shutdown()
+        hub.server_close()
