@@ -111,6 +111,7 @@ def test_list_chat_a_b_a_keep_alive_0(live):
     a2 = client.chat(model=str(SMOL), messages=[{"role": "user", "content": "Say hi."}],
                      options={"num_predict": 8, "temperature": 0})
     assert a2.message.content == a.message.content
+    assert a.load_duration > 0 and a2.load_duration == 0  # Ollama's field: the first request waited for the load
 
     ps = _ps(live)
     assert set(ps) == {"SmolLM2-135M-Instruct.Q4_1:latest", "stories260k-hf:latest"}, ps
@@ -133,7 +134,7 @@ def test_list_chat_a_b_a_keep_alive_0(live):
 
     # keep_alive 0 on a real request: answered, then unloaded; an empty request with keep_alive loads
     r = client.generate(model=str(live["tiny"]), prompt="", keep_alive="1m")
-    assert r.done_reason == "load" and "tiny-random:latest" in _ps(live)
+    assert r.done_reason == "load" and "tiny-random:latest" in _ps(live) and r.load_duration > 0
     out = client.generate(model=str(live["tiny"]), prompt="Once", options={"num_predict": 4}, keep_alive=0)
     assert out.done
     deadline = time.monotonic() + 10

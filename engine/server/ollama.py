@@ -701,7 +701,7 @@ class _Ollama:
         d.update({
             "done_reason": (ch.finish_reason if ch is not None else None) or "stop",
             "total_duration": int((time.perf_counter() - t0) * 1e9),
-            "load_duration": 0,  # the model is loaded when the server starts
+            "load_duration": int(self.state.load_seconds() * 1e9),  # this request waited for its model's load
             "prompt_eval_count": len(ids),
             "prompt_eval_duration": ns(t.prefill_s, len(ids)),
             "eval_count": len(gen),
@@ -811,7 +811,8 @@ class _Ollama:
 
     def ping(self, req: Any, chat: bool) -> JSONResponse:
         """Ollama's "load the model": the model is loaded (:meth:`ServerState.use` did it), so done at once."""
-        return JSONResponse({**self.head(req, chat, "", True), "done_reason": "load"})
+        return JSONResponse({**self.head(req, chat, "", True), "done_reason": "load",
+                             "load_duration": int(self.state.load_seconds() * 1e9)})
 
     def unload(self, req: Any, chat: bool) -> JSONResponse:
         """Ollama's "unload the model": an empty request with keep_alive 0 (its requests in flight finish first)."""

@@ -108,6 +108,7 @@ class ServerState:
         self._current: contextvars.ContextVar[ModelSlot | None] = contextvars.ContextVar("llmsys_model", default=None)
         self._leases: contextvars.ContextVar[list[ModelSlot] | None] = contextvars.ContextVar("llmsys_leases",
                                                                                               default=None)
+        self._load_s: contextvars.ContextVar[float] = contextvars.ContextVar("llmsys_load_s", default=0.0)
         self._started = False  # the models given at start are loaded (or there were none)
         self.load_error: str | None = None
         self.created = int(time.time())
@@ -181,8 +182,10 @@ class ServerState:
                 slot = self.models.acquire(model, keep_alive_s)  # loaded: a lock, no I/O
             else:
                 ctx = contextvars.copy_context()
+                t0 = time.perf_counter()
                 slot = await asyncio.get_running_loop().run_in_executor(
                     None, ctx.run, functools.partial(self.models.acquire, model, keep_alive_s))
+                self._load_s.set(time.perf_counter() - t0)
         except (ModelNotFoundError, InvalidParameterError) as e:  # a name that means no model here
             loaded = ", ".join(f"'{s.name}'" for s in self.models.loaded()) or "none"
             raise APIError(404, f"model '{model[:200]}' not found: {e} (loaded: {loaded}; GET /v1/models lists "
@@ -196,6 +199,10 @@ class ServerState:
             held.append(slot)
         self._current.set(slot)
         return slot
+
+    def load_seconds(self) -> float:
+        """How long this request waited for its model to load (0 when it was loaded): Ollama's load_duration."""
+        return self._load_s.get()
 
     def load(self, config: EngineConfig) -> None:
         """Load a model given at start and start its engine thread (blocking; run it in a thread)."""
