@@ -67,7 +67,10 @@ def main() -> None:
     args = ap.parse_args()
 
     cache = tempfile.mkdtemp(prefix="llmsys-pycache-")
-    env = dict(os.environ, PYTHONPYCACHEPREFIX=cache)
+    # bytecode written once and read after, as an installed program has it, even where the environment sets
+    # PYTHONDONTWRITEBYTECODE (every start would compile every module from source)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env["PYTHONPYCACHEPREFIX"] = cache
     server = None
     host = args.host
     if host is None:
