@@ -321,3 +321,24 @@ def test_pull_load_and_delete_through_a_local_hub(tmp_path, monkeypatch):
         srv.stop()
         hub.shutdown()
         hub.server_close()
+
+
+def test_request_without_keep_alive_resets_to_the_default():
+    """Ollama's rule: a request that gives no keep_alive puts the model back on the server's default, so an
+    earlier ``-1`` or ``1h`` does not outlive its request; a model given at start stays until one sets it."""
+    from types import SimpleNamespace
+
+    from llmsys.engine.server.models import ModelRegistry, RegistryHooks
+
+    reg = ModelRegistry(RegistryHooks(None, None), budget=None, keep_alive_s=300.0)  # type: ignore[arg-type]
+    slot = reg.adopt(SimpleNamespace(), None, "m")  # given at start: kept for ever
+    reg.release(reg.acquire("m"))
+    assert slot.keep_alive_s is None  # no request set one yet
+    reg.release(reg.acquire("m", None))  # keep_alive -1
+    assert slot.keep_alive_s is None
+    reg.release(reg.acquire("m"))  # none given: the default again, not the -1
+    assert slot.keep_alive_s == 300.0
+    reg.release(reg.acquire("m", 3600.0))
+    assert slot.keep_alive_s == 3600.0 and slot.expires_at() > time.time() + 3000
+    reg.release(reg.acquire("m"))
+    assert slot.keep_alive_s == 300.0 and slot.expires_at() < time.time() + 301

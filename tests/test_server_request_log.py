@@ -105,6 +105,48 @@ def test_errors_and_plain_routes_logged_polls_at_debug_only(srv, caplog):
     assert any(r.levelno == logging.DEBUG and r.getMessage().startswith("GET /health 200") for r in caplog.records)
 
 
+def test_line_names_the_requests_model_and_embeddings_count_their_prompt(tmp_path, caplog):
+    """With two models loaded, each line names the model its request used (not the first one), and the
+    three embedding routes log their prompt tokens as the completions do."""
+    need_shared(STORIES_HF)
+    from test_server_multi import tiny_random
+
+    from llmsys import LLM
+    from llmsys.engine.server.serve import start_server_thread
+    from llmsys.engine.server.state import ServerSettings, ServerState
+
+    state = ServerState(ServerSettings())
+    state.attach(LLM(str(STORIES_HF), dtype="float32", threads=1, progress=False), "stories")
+    tiny = tiny_random(tmp_path / "tiny-a", 1)
+    state.attach(LLM(str(tiny), dtype="float32", threads=1, progress=False), "tiny-a")
+    s = start_server_thread(state)
+    caplog.set_level(logging.INFO, logger="llmsys.server")
+    try:
+        r = httpx.post(s.url + "/v1/completions", json={**BODY, "model": "tiny-a"}, timeout=60)
+        assert r.status_code == 200
+        (m,) = _lines(caplog, "/v1/completions")
+        assert m["model"] == "tiny-a" and int(m["prompt"]) == r.json()["usage"]["prompt_tokens"]
+        for path, body, tokens in (
+            ("/v1/embeddings", {"model": "tiny-a", "input": ["Once upon a time", "a cat"]},
+             lambda j: j["usage"]["prompt_tokens"]),
+            ("/api/embed", {"model": "tiny-a", "input": "Once upon a time"}, lambda j: j["prompt_eval_count"]),
+            ("/api/embeddings", {"model": "stories", "prompt": "Once upon a time"}, None),
+        ):
+            r = httpx.post(s.url + path, json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            (m,) = _lines(caplog, path)
+            assert m["model"] == body["model"], m.group(0)
+            assert int(m["prompt"]) > 0 and m["generated"] == "0", m.group(0)
+            if tokens is not None:
+                assert int(m["prompt"]) == tokens(r.json()), (m.group(0), r.json())
+        r = httpx.post(s.url + "/v1/completions", json={**BODY, "model": "no-such-model"}, timeout=60)
+        assert r.status_code == 404
+        (_, missing) = _lines(caplog, "/v1/completions", 2)
+        assert missing["status"] == "404" and missing["model"] is None  # never the first model's name
+    finally:
+        s.stop()
+
+
 def test_cli_serve_prints_request_lines_at_its_default_level():
     """The bug: ``llmsys.server`` had no handler, so nothing below a warning reached the terminal."""
     need_shared(STORIES_HF)

@@ -177,8 +177,7 @@ class GuardMiddleware:
         finally:
             self.state.metrics.count_request(endpoint, status_box["status"])
             used = self.state.end_request(models_token)
-            if record.generated:
-                record.model = used or self.state.model_name
+            record.model = record.model or used  # the model the request resolved to (state.use), never a default
             request_log.end(record, record_token, status_box["status"])
 
     def _check(self, scope: dict) -> APIError | None:

@@ -105,6 +105,8 @@ class ModelSlot:
     estimate: int  # bytes estimated before loading
     keep_alive_s: float | None
     last_used: float = field(default_factory=time.monotonic)
+    # given at start: kept for ever until a request sets keep_alive (from then on, Ollama's rules)
+    pinned: bool = False
     users: int = 0  # requests holding it (preparing, queued, running or streaming)
     closed: bool = False
     loads: int = 1  # times this key was loaded by this registry (a reload after an unload counts)
@@ -203,8 +205,9 @@ class ModelRegistry:
     # -- acquiring (blocking: call it off the event loop) ----------------------
     def acquire(self, spec: str, keep_alive_s: Any = ...) -> ModelSlot:
         """The slot for ``spec``, loaded if need be, with one more user (call :meth:`release` after);
-        ``keep_alive_s``: this request's keep_alive (``...``: none given: a loaded model keeps its own, a
-        new one gets the server's default)."""
+        ``keep_alive_s``: this request's keep_alive (``...``: none given: the server's default, as Ollama
+        does, so one request's ``-1`` or ``1h`` does not outlive it; a model given at start keeps its
+        "for ever" until some request sets keep_alive)."""
         while True:
             slot = self.find(spec) or self._load_named(spec)
             with self._lock:
@@ -212,7 +215,9 @@ class ModelRegistry:
                     continue  # unloaded between its load and now: load again
                 slot.users += 1
                 if keep_alive_s is not ...:  # Ollama: each request's keep_alive replaces the model's
-                    slot.keep_alive_s = keep_alive_s
+                    slot.keep_alive_s, slot.pinned = keep_alive_s, False
+                elif not slot.pinned:
+                    slot.keep_alive_s = self.keep_alive_s
                 slot.last_used = time.monotonic()
                 return slot
 
@@ -226,7 +231,7 @@ class ModelRegistry:
               keep_alive_s: float | None = None) -> ModelSlot:
         """Register a model loaded elsewhere (the first model of ``serve``, tests): kept for ever by default."""
         key = str(Path(llm.loaded.path).resolve()) if getattr(llm, "loaded", None) is not None else name
-        slot = ModelSlot(key, name, aliases, llm, worker, 0.0, 0, keep_alive_s)
+        slot = ModelSlot(key, name, aliases, llm, worker, 0.0, 0, keep_alive_s, pinned=keep_alive_s is None)
         with self._lock:
             self._slots[key] = slot
             self._remember(slot, getattr(llm, "config", None))

@@ -916,7 +916,7 @@ def delete_model(state: ServerState, name: str) -> None:
 
 
 def _keep_alive(req: Any) -> Any:
-    """The request's keep_alive in seconds (None: for ever), or ``...`` when it gives none (the model keeps its own)."""
+    """The request's keep_alive in seconds (None: for ever), or ``...`` when it gives none (the server's default)."""
     if req.keep_alive is None:
         return ...
     try:

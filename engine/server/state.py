@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from llmsys.engine.config import EngineConfig
+from llmsys.engine.server import request_log
 from llmsys.engine.server.metrics import Metrics
 from llmsys.engine.server.models import DEFAULT_KEEP_ALIVE_S, ModelRegistry, ModelSlot, RegistryHooks
 
@@ -166,7 +167,7 @@ class ServerState:
     async def use(self, model: str | None, keep_alive_s: Any = ...) -> ModelSlot:
         """Make ``model`` (any name :mod:`llmsys.engine.names` takes; None or "": the default model) this
         request's model, loading it first if need be (off the event loop; /health keeps answering).
-        ``keep_alive_s``: the request's keep_alive in seconds (None: for ever; ``...``: unchanged)."""
+        ``keep_alive_s``: the request's keep_alive in seconds (None: for ever; ``...``: none given, the default)."""
         from llmsys.engine.server.models import ModelBusyError
         from llmsys.engine.server.protocol import APIError
         from llmsys.kernels.common.errors import InvalidParameterError, ModelNotFoundError
@@ -198,6 +199,9 @@ class ServerState:
         else:
             held.append(slot)
         self._current.set(slot)
+        rec = request_log.current()
+        if rec is not None:  # the request's log line names the model it used, whatever its route
+            rec.model = slot.name
         return slot
 
     def load_seconds(self) -> float:
