@@ -234,7 +234,7 @@ def test_experts_on_disk_read_on_demand_identical(dtype, tmp_path):
     from llmsys.engine.server.metrics import Metrics, parse_metrics
 
     m = Metrics()
-    m.set_memory(mem)
+    m.add_engine().set_memory(mem)
     scraped = parse_metrics(m.render())
     assert scraped["llmsys_expert_cache_hits_total"] == rep.hits
     assert scraped["llmsys_expert_cache_misses_total"] == rep.misses

@@ -58,11 +58,11 @@ def _complete(srv, n: int = 1) -> None:
         assert r.status_code == 200, r.text
 
 
-def _idle_metrics(srv) -> dict[str, float]:
+def _idle_metrics(srv, model: str | None = None) -> dict[str, float]:
     """/metrics once the request has finished (the gauges are updated after the step that ends it)."""
     t0 = time.monotonic()
     while True:
-        m = parse_metrics(httpx.get(srv.url + "/metrics").text)
+        m = parse_metrics(httpx.get(srv.url + "/metrics").text, model)
         if m["llmsys_requests_running"] == 0 and sum(v for k, v in m.items() if k.startswith("llmsys_request_finished")):
             return m
         assert time.monotonic() - t0 < 30, "the server did not go idle"
@@ -190,3 +190,57 @@ def test_llmsys_monitor_in_a_terminal_shows_the_bytes(servers):
         assert "n/a" not in cpu and ("█" in cpu or "▆" in cpu or "▒" in cpu), cpu
     finally:
         subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+
+
+def test_each_loaded_model_has_its_own_series(tmp_path):
+    """Two models in one server: every per-engine gauge carries ``model``, each series is that engine's
+    own report (not whichever updated last), the monitor adds them up, and an unloaded model's go."""
+    from test_server_multi import tiny_random
+
+    from llmsys import LLM
+    from llmsys.engine.server.serve import start_server_thread
+    from llmsys.engine.server.state import ServerSettings, ServerState
+    from llmsys.tui.metrics import MetricsTracker, parse_prometheus
+
+    state = ServerState(ServerSettings())
+    big = LLM(str(STORIES_HF), dtype="float32", progress=False, cpu_mem="256MiB")
+    small = LLM(str(tiny_random(tmp_path / "tiny-a", 1)), dtype="float32", progress=False, cpu_mem="128MiB")
+    state.attach(big, "stories")
+    state.attach(small, "tiny-a")
+    srv = start_server_thread(state)
+    try:
+        for model in ("stories", "tiny-a"):
+            r = httpx.post(srv.url + "/v1/completions", timeout=60,
+                           json={"model": model, "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0})
+            assert r.status_code == 200, r.text
+        for model in ("stories", "tiny-a"):
+            _idle_metrics(srv, model)
+        text = httpx.get(srv.url + "/metrics").text
+        both = parse_metrics(text)  # two models: the label stays in the keys
+        assert 'llmsys_memory_resident_bytes{model="stories",tier="cpu"}' in both
+        assert not any(k.startswith("llmsys_memory_resident_bytes{tier=") for k in both)
+        for model, llm in (("stories", big), ("tiny-a", small)):
+            m = parse_metrics(text, model=model)
+            rep = llm.core.memory_report()
+            assert _tiers(m, "llmsys_memory_resident_bytes") == rep.resident, model
+            assert _tiers(m, "llmsys_kv_bytes_reserved") == rep.kv_total, model
+            assert _tiers(m, "llmsys_kv_bytes_resident") == rep.kv_resident, model
+            assert _tiers(m, "llmsys_kv_bytes_in_use") == rep.kv_in_use, model
+            assert _tiers(m, "llmsys_weight_bytes") == rep.weights, model
+            assert _tiers(m, "llmsys_memory_budget_bytes") == {"cpu": llm.config.cpu_mem}, model
+            assert m["llmsys_kv_blocks_total"] == rep.kv_blocks_total, model
+            layers = [k for k in m if k.startswith("llmsys_layer_info")]
+            assert len(layers) == llm.loaded.args.num_hidden_layers, model
+        assert big.core.memory_report().resident != small.core.memory_report().resident
+        # the monitor: bytes add up over the models, the budget is not counted twice
+        snap = MetricsTracker().update(parse_prometheus(text), 0.0)
+        cpu = snap.tier("cpu")
+        assert cpu.weights == sum(llm.core.memory_report().weights["cpu"] for llm in (big, small))
+        assert cpu.budget == 256 * MiB
+        # unloaded: its series go, the other model's stay
+        assert state.models.drop("tiny-a")
+        m = parse_metrics(httpx.get(srv.url + "/metrics").text)
+        assert not [k for k in m if 'model="tiny-a"' in k]
+        assert _tiers(m, "llmsys_memory_resident_bytes") == big.core.memory_report().resident  # one model again
+    finally:
+        srv.stop()

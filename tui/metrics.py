@@ -35,13 +35,21 @@ class Samples:
             return series.get(tuple(sorted(labels.items())))
         return sum(series.values())
 
-    def by_label(self, name: str, label: str) -> dict[str, float]:
+    def by_label(self, name: str, label: str, largest: bool = False) -> dict[str, float]:
+        """Values per ``label``, summed over the other labels (a server with several models labels
+        each engine's series ``model``: their bytes add up), or the ``largest`` (a per-model budget
+        is one budget, not one each)."""
         out: dict[str, float] = {}
         for labels, v in self.values.get(name, {}).items():
             d = dict(labels)
             if label in d:
-                out[d[label]] = out.get(d[label], 0.0) + v
+                k = d[label]
+                out[k] = max(out.get(k, v), v) if largest else out.get(k, 0.0) + v
         return out
+
+    def models(self) -> list[str]:
+        """The served ids the per-engine series name (none: a one-model server from before the label)."""
+        return sorted({v for series in self.values.values() for labels in series for k, v in labels if k == "model"})
 
 
 def parse_prometheus(text: str) -> Samples:
@@ -78,11 +86,17 @@ def weights_on_gpu(s: Samples) -> bool:
     return bool(s.by_label("llmsys_weight_bytes", "tier").get("gpu"))
 
 
-def layer_placement(s: Samples) -> tuple[tuple[str, ...], tuple[bool, ...]]:
-    """Each layer's tier and streamed flag from ``llmsys_layer_info{layer,tier,streamed}`` (none: ``((), ())``)."""
+def layer_placement(s: Samples, model: str | None = None) -> tuple[tuple[str, ...], tuple[bool, ...]]:
+    """Each layer's tier and streamed flag from ``llmsys_layer_info{layer,tier,streamed}`` (none: ``((), ())``),
+    of one model: ``model``, else the first the server names (one panel shows one model's layers)."""
+    infos = list(s.values.get("llmsys_layer_info", {}))
+    named = sorted({dict(labels)["model"] for labels in infos if "model" in dict(labels)})
+    pick = model if model is not None else (named[0] if named else None)
     layers: dict[int, tuple[str, bool]] = {}
-    for labels in s.values.get("llmsys_layer_info", {}):
+    for labels in infos:
         d = dict(labels)
+        if d.get("model", pick) != pick:
+            continue
         try:
             layers[int(d["layer"])] = (d.get("tier", "?"), d.get("streamed") == "true")
         except (KeyError, ValueError):
@@ -116,7 +130,7 @@ class MetricsTracker:
         kv_used_bytes = s.by_label("llmsys_kv_bytes_in_use", "tier") or s.by_label("llmsys_kv_bytes_used", "tier")
         # a server from before the resident gauge: its reservation was all it said
         kv_resident = s.by_label("llmsys_kv_bytes_resident", "tier") or kv_bytes
-        budgets = s.by_label("llmsys_memory_budget_bytes", "tier")
+        budgets = s.by_label("llmsys_memory_budget_bytes", "tier", largest=True)
         staging = s.by_label("llmsys_staging_bytes", "tier")
         tiers = tuple(
             TierUsage(

@@ -3,14 +3,17 @@
 Each :class:`Metrics` owns its :class:`CollectorRegistry` (never the global one), so two servers in one
 process never share a count. On it: the library's counters and histograms (updated by the HTTP handlers
 and the engine thread; ``_created`` samples left out so names stay as they were); a collector of the
-engine's state that reads the immutable snapshot the engine thread replaces after each step
-(:meth:`Metrics.set_gauges`, :meth:`Metrics.set_memory`), so no HTTP thread touches the engine core;
-and the process and platform collectors. :func:`parse_metrics` reads the text back.
+engine's state that reads, for each loaded model, the immutable snapshot its engine thread replaces
+after each step (:class:`EngineMetrics`), so no HTTP thread touches an engine core; and the process
+and platform collectors. Every per-engine series carries ``model="<served id>"`` (a server holds
+several models, and one model's pool must not overwrite another's), and a model's series go when it
+unloads. :func:`parse_metrics` reads the text back.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -104,92 +107,106 @@ class _Instruments(Collector):
                 yield fam
 
 
-def _per_tier(name: str, help_: str, values: dict[str, int], kind: type = GaugeMetricFamily) -> Metric:
-    fam = kind(name, help_, labels=["tier"])
-    for tier, v in sorted(values.items()):
-        fam.add_metric([tier], v)
-    return fam
+class _Families:
+    """One family per metric name with every engine's samples in it (a scrape may name a family once);
+    ``model`` first among the labels, left out for an engine without a name (a bare :class:`Metrics`)."""
+
+    def __init__(self) -> None:
+        self._fams: dict[str, Metric] = {}
+
+    def add(self, kind: type, name: str, help_: str, model: str, value: Any, /, **labels: str) -> None:
+        fam = self._fams.get(name)
+        if fam is None:
+            names = (["model"] if model else []) + list(labels)
+            fam = self._fams[name] = kind(name, help_, labels=names)
+        fam.add_metric(([model] if model else []) + list(labels.values()), value)
+
+    def per_tier(self, name: str, help_: str, model: str, values: dict[str, int]) -> None:
+        for tier, v in sorted(values.items()):
+            self.add(GaugeMetricFamily, name, help_, model, v, tier=tier)
+
+    def __iter__(self) -> Iterator[Metric]:
+        return iter(self._fams.values())
 
 
 class _EngineCollector(Collector):
-    """Gauges (and the swap counters) from the engine thread's latest :class:`EngineGauges`."""
+    """Gauges (and the swap, expert and disk-tier counters) from each engine's latest :class:`EngineGauges`."""
 
     def __init__(self, metrics: Metrics):
         self._metrics = metrics
 
     def collect(self) -> Iterator[Metric]:
-        g = self._metrics.engine  # one read: a consistent snapshot
-        yield GaugeMetricFamily("llmsys_kv_blocks_cached", "Free KV blocks still holding a reusable prompt prefix.",
-                                value=g.kv_blocks_cached)
-        yield GaugeMetricFamily("llmsys_queue_depth", "Requests waiting (server queue + engine waiting).",
-                                value=g.queue_depth)
-        yield GaugeMetricFamily("llmsys_requests_running", "Requests being decoded.", value=g.running)
-        yield GaugeMetricFamily("llmsys_kv_blocks_total", "KV blocks in the pool.", value=g.kv_blocks_total)
-        if g.kv_cold_blocks_total:
-            yield GaugeMetricFamily("llmsys_kv_cold_blocks_total",
-                                    "KV blocks of the cold tier (offloaded beyond the pool).", value=g.kv_cold_blocks_total)
-        yield _per_tier("llmsys_kv_blocks_used", "KV blocks in use, per memory tier (pool and cold tier).",
-                        g.kv_blocks_used)
-        sw = g.swap
-        if sw:
-            yield _per_tier("llmsys_kv_swap_blocks_used", "Swap-space blocks holding preempted requests' KV.",
-                            {sw["tier"]: sw["used"]})
-            pre = CounterMetricFamily("llmsys_kv_preemptions", "Preempted requests, by what happened to their KV.",
-                                      labels=["kind"])
-            pre.add_metric(["swap"], sw["swap_outs"])
-            pre.add_metric(["recompute"], sw["recomputes"])
-            yield pre
-        for name, help_, values in (
-            ("llmsys_weight_bytes", "Model weight bytes per memory tier (disk: streamed from the offload folder).",
-             g.weights),
-            ("llmsys_memory_resident_bytes", "Bytes llmsys's own buffers hold per memory tier: weights, the KV "
-             "pool's resident pages, staging and swap buffers (the process's RSS is this plus the runtime).",
-             g.resident),
-            ("llmsys_kv_bytes_reserved", "Bytes reserved for KV per memory tier (pool and cold tier); a CPU pool's "
-             "pages are backed only once written.", g.kv_total),
-            ("llmsys_kv_bytes_resident", "Bytes of the KV pool backed by memory per tier (pages up to the highest "
-             "block ever written).", g.kv_resident),
-            ("llmsys_kv_bytes_in_use", "Bytes of KV blocks holding tokens per memory tier: live requests' and "
-             "cached prompt prefixes'.", g.kv_in_use),
-            ("llmsys_kv_bytes_total", "Same as llmsys_kv_bytes_reserved (the older name).", g.kv_total),
-            ("llmsys_kv_bytes_used", "Bytes of KV blocks live requests hold per memory tier.", g.kv_used),
-            ("llmsys_staging_bytes", "Offload ring / staging buffer bytes per memory tier.", g.staging),
-            ("llmsys_kv_swap_bytes_total", "Swap space for preempted requests' KV, per memory tier.", g.swap_total),
-            ("llmsys_kv_swap_bytes_used", "Bytes of swapped-out KV blocks per memory tier.", g.swap_used),
-            ("llmsys_memory_budget_bytes", "Bytes llmsys may use per memory tier (--gpu-mem / --cpu-mem or the "
-             "offload plan's); tiers without a budget are absent.", g.budgets),
-        ):
-            if values:
-                yield _per_tier(name, help_, values)
-        ex = g.experts
-        if ex is not None:
-            yield _per_tier("llmsys_expert_bytes", "MoE expert weight bytes kept apart from their layers, per tier "
-                            "(disk: read on demand into the expert cache).", {ex.tier: ex.expert_bytes})
-            yield GaugeMetricFamily("llmsys_expert_cache_bytes", "RAM expert cache: bytes holding an expert now.",
-                                    value=ex.cache_bytes)
-            yield GaugeMetricFamily("llmsys_expert_cache_capacity_bytes", "RAM expert cache size.",
-                                    value=ex.cache_capacity)
-            yield CounterMetricFamily("llmsys_expert_cache_hits", "Routed experts found in the cache.", value=ex.hits)
-            yield CounterMetricFamily("llmsys_expert_cache_misses", "Routed experts read from disk.", value=ex.misses)
-            yield CounterMetricFamily("llmsys_expert_read_bytes", "Expert bytes read from disk.", value=ex.bytes_read)
-        if g.kv_disk is not None:
-            yield from _kv_disk_metrics(g.kv_disk)
-        if g.layers:
-            info = InfoMetricFamily("llmsys_layer", "Where each decoder layer's weights live (streamed: copied to "
-                                    "the compute tier each step).", labels=["layer"])
-            for i, (tier, streamed) in enumerate(g.layers):
-                info.add_metric([str(i)], {"tier": tier, "streamed": "true" if streamed else "false"})
-            yield info
+        out = _Families()
+        for em in self._metrics.engines():
+            _engine_samples(out, em.model, em.engine)  # one read of each: a consistent snapshot
+        yield from out
 
 
-def _kv_disk_metrics(d: KVDiskReport) -> Iterator[Metric]:
+def _engine_samples(out: _Families, model: str, g: EngineGauges) -> None:
+    G, C = GaugeMetricFamily, CounterMetricFamily
+    out.add(G, "llmsys_kv_blocks_cached", "Free KV blocks still holding a reusable prompt prefix.", model,
+            g.kv_blocks_cached)
+    out.add(G, "llmsys_queue_depth", "Requests waiting (server queue + engine waiting).", model, g.queue_depth)
+    out.add(G, "llmsys_requests_running", "Requests being decoded.", model, g.running)
+    out.add(G, "llmsys_kv_blocks_total", "KV blocks in the pool.", model, g.kv_blocks_total)
+    if g.kv_cold_blocks_total:
+        out.add(G, "llmsys_kv_cold_blocks_total", "KV blocks of the cold tier (offloaded beyond the pool).", model,
+                g.kv_cold_blocks_total)
+    out.per_tier("llmsys_kv_blocks_used", "KV blocks in use, per memory tier (pool and cold tier).", model,
+                 g.kv_blocks_used)
+    sw = g.swap
+    if sw:
+        out.per_tier("llmsys_kv_swap_blocks_used", "Swap-space blocks holding preempted requests' KV.", model,
+                     {sw["tier"]: sw["used"]})
+        help_ = "Preempted requests, by what happened to their KV."
+        out.add(C, "llmsys_kv_preemptions", help_, model, sw["swap_outs"], kind="swap")
+        out.add(C, "llmsys_kv_preemptions", help_, model, sw["recomputes"], kind="recompute")
+    for name, help_, values in (
+        ("llmsys_weight_bytes", "Model weight bytes per memory tier (disk: streamed from the offload folder).",
+         g.weights),
+        ("llmsys_memory_resident_bytes", "Bytes llmsys's own buffers hold per memory tier: weights, the KV "
+         "pool's resident pages, staging and swap buffers (the process's RSS is this plus the runtime).",
+         g.resident),
+        ("llmsys_kv_bytes_reserved", "Bytes reserved for KV per memory tier (pool and cold tier); a CPU pool's "
+         "pages are backed only once written.", g.kv_total),
+        ("llmsys_kv_bytes_resident", "Bytes of the KV pool backed by memory per tier (pages up to the highest "
+         "block ever written).", g.kv_resident),
+        ("llmsys_kv_bytes_in_use", "Bytes of KV blocks holding tokens per memory tier: live requests' and "
+         "cached prompt prefixes'.", g.kv_in_use),
+        ("llmsys_kv_bytes_total", "Same as llmsys_kv_bytes_reserved (the older name).", g.kv_total),
+        ("llmsys_kv_bytes_used", "Bytes of KV blocks live requests hold per memory tier.", g.kv_used),
+        ("llmsys_staging_bytes", "Offload ring / staging buffer bytes per memory tier.", g.staging),
+        ("llmsys_kv_swap_bytes_total", "Swap space for preempted requests' KV, per memory tier.", g.swap_total),
+        ("llmsys_kv_swap_bytes_used", "Bytes of swapped-out KV blocks per memory tier.", g.swap_used),
+        ("llmsys_memory_budget_bytes", "Bytes llmsys may use per memory tier (--gpu-mem / --cpu-mem or the "
+         "offload plan's); tiers without a budget are absent.", g.budgets),
+    ):
+        out.per_tier(name, help_, model, values)
+    ex = g.experts
+    if ex is not None:
+        out.add(G, "llmsys_expert_bytes", "MoE expert weight bytes kept apart from their layers, per tier "
+                "(disk: read on demand into the expert cache).", model, ex.expert_bytes, tier=ex.tier)
+        out.add(G, "llmsys_expert_cache_bytes", "RAM expert cache: bytes holding an expert now.", model, ex.cache_bytes)
+        out.add(G, "llmsys_expert_cache_capacity_bytes", "RAM expert cache size.", model, ex.cache_capacity)
+        out.add(C, "llmsys_expert_cache_hits", "Routed experts found in the cache.", model, ex.hits)
+        out.add(C, "llmsys_expert_cache_misses", "Routed experts read from disk.", model, ex.misses)
+        out.add(C, "llmsys_expert_read_bytes", "Expert bytes read from disk.", model, ex.bytes_read)
+    if g.kv_disk is not None:
+        _kv_disk_samples(out, model, g.kv_disk)
+    for i, (tier, streamed) in enumerate(g.layers):
+        out.add(InfoMetricFamily, "llmsys_layer", "Where each decoder layer's weights live (streamed: copied to "
+                "the compute tier each step).", model, {"tier": tier, "streamed": "true" if streamed else "false"},
+                layer=str(i))
+
+
+def _kv_disk_samples(out: _Families, model: str, d: KVDiskReport) -> None:
     """The prefix cache's disk tier: its bytes, its limit, whether it is on, and its counters (in blocks)."""
     s = d.stats
-    yield GaugeMetricFamily("llmsys_kv_disk_bytes", "Bytes of KV block files in the disk tier's folder (--kv-disk).",
-                            value=s.bytes_on_disk)
-    yield GaugeMetricFamily("llmsys_kv_disk_limit_bytes", "The disk tier's size limit (--kv-disk).", value=d.limit)
-    yield GaugeMetricFamily("llmsys_kv_disk_enabled", "1 while the disk tier works; 0 after a disk failure turned "
-                            "it off.", value=1 if d.enabled else 0)
+    out.add(GaugeMetricFamily, "llmsys_kv_disk_bytes", "Bytes of KV block files in the disk tier's folder "
+            "(--kv-disk).", model, s.bytes_on_disk)
+    out.add(GaugeMetricFamily, "llmsys_kv_disk_limit_bytes", "The disk tier's size limit (--kv-disk).", model, d.limit)
+    out.add(GaugeMetricFamily, "llmsys_kv_disk_enabled", "1 while the disk tier works; 0 after a disk failure "
+            "turned it off.", model, 1 if d.enabled else 0)
     for name, help_, v in (
         ("llmsys_kv_disk_hit_blocks", "KV blocks read back from disk instead of computed.", s.hits),
         ("llmsys_kv_disk_misses", "Prompts that looked on disk past the pool's prefix and found nothing.", s.misses),
@@ -198,7 +215,44 @@ def _kv_disk_metrics(d: KVDiskReport) -> Iterator[Metric]:
         ("llmsys_kv_disk_dropped_blocks", "KV blocks not written (the write queue was full).", s.dropped),
         ("llmsys_kv_disk_evicted_blocks", "Block files deleted to stay within --kv-disk.", s.evicted),
     ):
-        yield CounterMetricFamily(name, help_, value=v)
+        out.add(CounterMetricFamily, name, help_, model, v)
+
+
+class EngineMetrics:
+    """One engine's gauges, replaced whole by its engine thread (:class:`EngineGauges`); ``model`` is
+    the served id its series are labelled with ("" until the server names it: no label)."""
+
+    def __init__(self, model: str = "") -> None:
+        self.model = model
+        self.engine = EngineGauges()
+
+    def set_gauges(self, queue_depth: int, running: int, kv_used: dict[str, int], kv_total: int,
+                   swap: dict[str, int] | None = None, kv_cached: int = 0, kv_cold_total: int = 0) -> None:
+        """``swap``: swap space counters (``llmsys.offload.kv_swap``), None when swap is off;
+        ``kv_cached``: free blocks still holding a reusable prompt prefix; ``kv_used`` counts hot
+        blocks under the pool's tier and cold ones (``kv_cold_total`` of them) under theirs."""
+        self.engine = dataclasses.replace(
+            self.engine, queue_depth=queue_depth, running=running, kv_blocks_used=dict(kv_used),
+            kv_blocks_total=kv_total, kv_blocks_cached=kv_cached, kv_cold_blocks_total=kv_cold_total,
+            swap=dict(swap) if swap else {})
+
+    def set_memory(self, rep: MemoryReport) -> None:
+        """Bytes per tier from the engine's own accounting (``EngineCore.memory_report()``)."""
+        self.engine = dataclasses.replace(
+            self.engine, weights=dict(rep.weights), kv_total=dict(rep.kv_total), kv_used=dict(rep.kv_used),
+            kv_resident=dict(rep.kv_resident), kv_in_use=rep.kv_in_use, resident=rep.resident,
+            staging=dict(rep.staging), swap_total=dict(rep.kv_swap_total), swap_used=dict(rep.kv_swap_used),
+            experts=rep.experts)
+        if rep.kv_disk is not None:
+            self.engine = dataclasses.replace(self.engine, kv_disk=rep.kv_disk)
+
+    @property
+    def has_placement(self) -> bool:
+        return bool(self.engine.layers)
+
+    def set_placement(self, budgets: dict[str, int], layers: Sequence[tuple[str, bool]]) -> None:
+        """What does not change once the model is loaded: budgets per tier, each layer's tier."""
+        self.engine = dataclasses.replace(self.engine, budgets=dict(budgets), layers=tuple(layers))
 
 
 class Metrics:
@@ -206,7 +260,8 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.engine = EngineGauges()
+        self._engines: list[EngineMetrics] = []  # one per loaded model (replaced whole: scrapes read a copy)
+        self._lock = threading.Lock()
         self.requests = Counter("llmsys_requests", "HTTP requests by endpoint and status code.",
                                 ["endpoint", "status"], registry=None)
         self.finished = Counter("llmsys_request_finished", "Engine requests finished, by reason.", ["reason"],
@@ -264,32 +319,21 @@ class Metrics:
         self.cached_tokens.inc(cached)
         self.e2e.observe(e2e)
 
-    def set_gauges(self, queue_depth: int, running: int, kv_used: dict[str, int], kv_total: int,
-                   swap: dict[str, int] | None = None, kv_cached: int = 0, kv_cold_total: int = 0) -> None:
-        """``swap``: swap space counters (``llmsys.offload.kv_swap``), None when swap is off;
-        ``kv_cached``: free blocks still holding a reusable prompt prefix; ``kv_used`` counts hot
-        blocks under the pool's tier and cold ones (``kv_cold_total`` of them) under theirs."""
-        self.engine = dataclasses.replace(
-            self.engine, queue_depth=queue_depth, running=running, kv_blocks_used=dict(kv_used),
-            kv_blocks_total=kv_total, kv_blocks_cached=kv_cached, kv_cold_blocks_total=kv_cold_total,
-            swap=dict(swap) if swap else {})
+    # -- the engines (one per loaded model) -------------------------------------
+    def add_engine(self, model: str = "") -> EngineMetrics:
+        """A new engine's gauges, exported (labelled ``model``) until :meth:`remove_engine`."""
+        em = EngineMetrics(model)
+        with self._lock:
+            self._engines = [*self._engines, em]
+        return em
 
-    def set_memory(self, rep: MemoryReport) -> None:
-        """Bytes per tier from the engine's own accounting (``EngineCore.memory_report()``)."""
-        self.engine = dataclasses.replace(
-            self.engine, weights=dict(rep.weights), kv_total=dict(rep.kv_total), kv_used=dict(rep.kv_used),
-            kv_resident=dict(rep.kv_resident), kv_in_use=rep.kv_in_use, resident=rep.resident, staging=dict(rep.staging), swap_total=dict(rep.kv_swap_total), swap_used=dict(rep.kv_swap_used),
-            experts=rep.experts)
-        if rep.kv_disk is not None:
-            self.engine = dataclasses.replace(self.engine, kv_disk=rep.kv_disk)
+    def remove_engine(self, em: EngineMetrics) -> None:
+        """An engine stopped (its model unloaded): its series go from the next scrape."""
+        with self._lock:
+            self._engines = [e for e in self._engines if e is not em]
 
-    @property
-    def has_placement(self) -> bool:
-        return bool(self.engine.layers)
-
-    def set_placement(self, budgets: dict[str, int], layers: Sequence[tuple[str, bool]]) -> None:
-        """What does not change once the model is loaded: budgets per tier, each layer's tier."""
-        self.engine = dataclasses.replace(self.engine, budgets=dict(budgets), layers=tuple(layers))
+    def engines(self) -> list[EngineMetrics]:
+        return self._engines
 
     # -- /metrics --------------------------------------------------------------
     def render(self) -> str:
@@ -301,12 +345,23 @@ def _label_value(v: str) -> str:
     return v.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
 
 
-def parse_metrics(text: str) -> dict[str, float]:
+def parse_metrics(text: str, model: str | None = None) -> dict[str, float]:
     """``{'name{k="v",...}': value}`` from exposition text (tests, the benchmark): labels in the
-    order the text gives them, every sample (``_bucket``, ``_sum``, ``_count`` of a histogram)."""
+    order the text gives them, every sample (``_bucket``, ``_sum``, ``_count`` of a histogram).
+    One model's view: ``model`` keeps that model's per-engine series (and every series without a
+    ``model`` label) with the label left out of the keys; without ``model``, a text that names one
+    model only is read as that model's (the keys a one-model server always had), several keep it."""
+    fams = list(text_string_to_metric_families(text))
+    if model is None:
+        seen = {s.labels["model"] for fam in fams for s in fam.samples if "model" in s.labels}
+        model = next(iter(seen)) if len(seen) == 1 else None
     out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
+    for fam in fams:
         for s in fam.samples:
-            labels = ",".join(f'{k}="{_label_value(v)}"' for k, v in s.labels.items())
-            out[f"{s.name}{{{labels}}}" if labels else s.name] = float(s.value)
+            labels = dict(s.labels)
+            if model is not None and "model" in labels:
+                if labels.pop("model") != model:
+                    continue
+            text_labels = ",".join(f'{k}="{_label_value(v)}"' for k, v in labels.items())
+            out[f"{s.name}{{{text_labels}}}" if text_labels else s.name] = float(s.value)
     return out

@@ -148,7 +148,7 @@ class RegistryHooks:
     """How the registry builds a model (the server passes them: the engine flags live in the CLI)."""
 
     config_for: Callable[[str], EngineConfig]
-    start_worker: Callable[[LLM], EngineWorker]
+    start_worker: Callable[[LLM, str], EngineWorker]  # (the model, its served id: its /metrics label)
 
 
 class ModelRegistry:
@@ -292,11 +292,11 @@ class ModelRegistry:
             from llmsys.engine.llm import LLM
 
             llm = LLM(config)
-            worker = self.hooks.start_worker(llm)
             if known is not None:  # loaded again: the id and names it had
                 _, name, aliases = known
             else:
                 name, aliases = found.name, tuple(a for a in (*found.aliases, spec) if a != found.name)
+            worker = self.hooks.start_worker(llm, name)
             slot = ModelSlot(key, name, aliases, llm, worker, time.perf_counter() - t0, est, self.keep_alive_s)
             with self._lock:
                 self._slots[key] = slot

@@ -228,16 +228,17 @@ class ServerState:
         (the first model also answers to --model-alias)."""
         first = self.models.primary is None
         extra = self.settings.model_aliases if first else ()
-        slot = self.models.adopt(llm, self._start_worker(llm), name, (*aliases, *extra), keep_alive_s=None)
+        slot = self.models.adopt(llm, self._start_worker(llm, name), name, (*aliases, *extra), keep_alive_s=None)
         if started:
             self._started = True
         return slot
 
-    def _start_worker(self, llm: LLM) -> EngineWorker:
+    def _start_worker(self, llm: LLM, name: str) -> EngineWorker:
         from llmsys.engine.server.worker import EngineWorker
 
         s = self.settings
-        worker = EngineWorker(llm.core, self.metrics, s.max_concurrency or llm.config.max_num_seqs, s.max_queue)
+        worker = EngineWorker(llm.core, self.metrics, s.max_concurrency or llm.config.max_num_seqs, s.max_queue,
+                              model=name)
         worker.start()
         return worker
 

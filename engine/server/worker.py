@@ -40,9 +40,10 @@ def asyncio_sink(loop: asyncio.AbstractEventLoop, out: asyncio.Queue) -> Callabl
 
 
 class EngineWorker(EngineClient):
-    def __init__(self, core: EngineCore, metrics: Metrics, max_concurrency: int, max_queue: int):
+    def __init__(self, core: EngineCore, metrics: Metrics, max_concurrency: int, max_queue: int, model: str = ""):
         super().__init__(core, max_concurrency, max_queue)
         self.metrics = metrics
+        self.gauges = metrics.add_engine(model)  # this model's series on /metrics, until stop()
         self.last_report = None  # the latest MemoryReport (registry: true resident sizes, /api/ps)
         self._update_gauges()  # /metrics says the memory before the first request (the thread is not started yet)
 
@@ -51,6 +52,10 @@ class EngineWorker(EngineClient):
         """Requests submitted and not yet finished (an idle model can be unloaded)."""
         with self._lock:
             return self._in_system
+
+    def stop(self, timeout: float = 10.0) -> None:
+        super().stop(timeout)
+        self.metrics.remove_engine(self.gauges)  # unloaded: its series go
 
     def describe_failure(self, e: BaseException) -> str:
         return redact_paths(super().describe_failure(e))  # /health shows it to clients
@@ -79,8 +84,9 @@ class EngineWorker(EngineClient):
         sw = self.core.swap
         swap = None if sw is None else {"tier": sw.tier, "used": sw.num_used, "swap_outs": sw.stats.swap_outs,
                                         "recomputes": sw.stats.recomputes}
-        self.metrics.set_gauges(len(self._waiting) + len(sched.waiting), len(sched.running), tiers,
-                                rep.kv_blocks_total, swap, self.core.allocator.num_cached, rep.kv_cold_blocks_total)
-        self.metrics.set_memory(rep)
-        if not self.metrics.has_placement:  # fixed once loaded: read the plan and flags once
-            self.metrics.set_placement(memory_budgets(self.core), layer_placement(self.core))
+        g = self.gauges
+        g.set_gauges(len(self._waiting) + len(sched.waiting), len(sched.running), tiers,
+                     rep.kv_blocks_total, swap, self.core.allocator.num_cached, rep.kv_cold_blocks_total)
+        g.set_memory(rep)
+        if not g.has_placement:  # fixed once loaded: read the plan and flags once
+            g.set_placement(memory_budgets(self.core), layer_placement(self.core))
