@@ -8,6 +8,7 @@ from a separate ``LLM`` instance on the same rendered prompts.
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -253,9 +254,16 @@ def test_tags_show_ps_version(env):
     assert s.template == env["ref"].tokenizer.chat_template and "num_ctx" in s.parameters
     assert s.modelinfo["llama.context_length"] == 512 and s.modelinfo["general.parameter_count"] == 260032
     assert s.capabilities == ["completion", "tools"] and s.details.family == "llama"  # tools: the generic format
+    assert c.generate("stories-chat", "", keep_alive=-1).done_reason == "load"
     (p,) = c.ps().models
     assert p.model == "stories-chat:latest" and p.size_vram == 0 and p.size >= m.size
     assert p.expires_at.year > 2100 and p.context_length == 512
+    # Ollama's rule: a request without keep_alive puts the model back on the default (5 minutes here)
+    assert c.generate("stories-chat", "").done_reason == "load"
+    (p,) = c.ps().models
+    left = p.expires_at.timestamp() - time.time()
+    assert 250 < left <= 301, left
+    c.generate("stories-chat", "", keep_alive=-1)  # the tests after this one keep it loaded
     v = httpx.get(env["a"].url + "/api/version").json()["version"]
     assert v.count(".") == 2
     root = httpx.get(env["a"].url + "/")
