@@ -24,7 +24,7 @@ from llmsys.engine.cli.options import (
     sampling_values_command,
 )
 from llmsys.engine.cli.main import import_engine
-from llmsys.engine.cli.options import kv_disk_on
+from llmsys.engine.cli.options import kv_disk_on, one_conversation
 
 DEFAULT_MODEL = "stories260k"
 
@@ -67,7 +67,7 @@ def chat_command(
 
     sampling = build_sampling(sampling_values)
     ensure_pulled(model, auto_pull)  # before the full-screen app: the question and the bars need the terminal
-    engine_flags = kv_disk_on(engine_flags)  # a later chat reads the conversation's KV back from disk
+    engine_flags = one_conversation(kv_disk_on(engine_flags))  # a later chat reads the conversation's KV back from disk
     config = build_engine_config(model, dict(engine_flags, chat_template=chat_template))
 
     if plain or not tty:

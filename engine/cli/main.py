@@ -146,35 +146,48 @@ def _interruptible(fn: Callable[..., Any]) -> Callable[..., Any]:
     return command
 
 
-def _register(app: Any) -> None:
-    # Imported here, not at module level: each command module pulls in only
-    # what it needs, and `llmsys --help` stays fast.
-    from llmsys.engine.cli.bench_cmd import bench_command
-    from llmsys.engine.cli.chat_cmd import chat_command
-    from llmsys.engine.cli.models_cmd import models_command, pull_command
-    from llmsys.engine.cli.monitor_cmd import monitor_command
-    from llmsys.engine.cli.perplexity_cmd import perplexity_command
-    from llmsys.engine.cli.plan_cmd import plan_command
-    from llmsys.engine.cli.quantize_cmd import quantize_command
-    from llmsys.engine.cli.run_cmd import run_command
-    from llmsys.engine.cli.serve_cmd import serve_command
+@dataclass(frozen=True)
+class CommandEntry:
+    """A command's name, where it lives (imported only when registered) and its one-line help."""
 
-    app.command("run", help="Answer PROMPT (through the chat template when the model has one); no PROMPT: chat "
-                            "at the terminal.")(_interruptible(run_command))
-    app.command("chat", help="Chat with MODEL in a terminal app (--plain: line REPL).")(_interruptible(chat_command))
-    app.command("serve", help="Serve MODEL over an OpenAI-compatible HTTP API.")(_interruptible(serve_command))
-    app.command("bench", help="Benchmark prefill/decode (llama-bench tests), sweeping engine settings.")(_interruptible(bench_command))
-    app.command("plan", help="Show where each layer would live (GPU/CPU/disk) under the memory budgets.")(_interruptible(plan_command))
-    app.command("perplexity", help="Score a text file with a model directory or GGUF file (llama-perplexity's job).")(_interruptible(perplexity_command))
-    app.command("quantize", help="Write a quantized checkpoint (int8/int4/nf4/fp8; --method rtn|gptq|awq).")(_interruptible(quantize_command))
-    app.command("models", help="List the model catalog and what is downloaded.")(_interruptible(models_command))
-    app.command("pull", help="Download a catalog model into $LLMSYS_HOME.")(_interruptible(pull_command))
-    app.command("monitor", help="Live memory/throughput panel of a running llmsys serve.")(_interruptible(monitor_command))
+    name: str
+    module: str
+    function: str
+    help: str
 
 
-def build_app() -> typer.Typer:
-    """A fresh app with every command registered (fresh per call, so repeated
-    ``main()`` calls in one process never register a command twice)."""
+COMMAND_TABLE = (
+    CommandEntry("run", "run_cmd", "run_command",
+                 "Answer PROMPT (through the chat template when the model has one); no PROMPT: chat at the terminal."),
+    CommandEntry("chat", "chat_cmd", "chat_command", "Chat with MODEL in a terminal app (--plain: line REPL)."),
+    CommandEntry("serve", "serve_cmd", "serve_command", "Serve MODEL over an OpenAI-compatible HTTP API."),
+    CommandEntry("bench", "bench_cmd", "bench_command",
+                 "Benchmark prefill/decode (llama-bench tests), sweeping engine settings."),
+    CommandEntry("plan", "plan_cmd", "plan_command",
+                 "Show where each layer would live (GPU/CPU/disk) under the memory budgets."),
+    CommandEntry("perplexity", "perplexity_cmd", "perplexity_command",
+                 "Score a text file with a model directory or GGUF file (llama-perplexity's job)."),
+    CommandEntry("quantize", "quantize_cmd", "quantize_command",
+                 "Write a quantized checkpoint (int8/int4/nf4/fp8; --method rtn|gptq|awq)."),
+    CommandEntry("models", "models_cmd", "models_command", "List the model catalog and what is downloaded."),
+    CommandEntry("pull", "models_cmd", "pull_command", "Download a catalog model into $LLMSYS_HOME."),
+    CommandEntry("monitor", "monitor_cmd", "monitor_command", "Live memory/throughput panel of a running llmsys serve."),
+)
+
+
+def _register(app: Any, only: str | None = None) -> None:
+    """Register the commands, each module imported here (not at module level) so each pulls in only what it
+    needs. ``only``: the command this process runs, the one module imported (a warm ``run`` through a
+    server starts in less time); None or an unknown name (``--help``, a typo to suggest from): all."""
+    entries = [e for e in COMMAND_TABLE if e.name == only] or list(COMMAND_TABLE)
+    for e in entries:
+        fn = getattr(importlib.import_module(f"llmsys.engine.cli.{e.module}"), e.function)
+        app.command(e.name, help=e.help)(_interruptible(fn))
+
+
+def build_app(only: str | None = None) -> typer.Typer:
+    """A fresh app with every command registered, or only ``only`` when it names one (fresh per call, so
+    repeated ``main()`` calls in one process never register a command twice)."""
     import typer
 
     app = typer.Typer(
@@ -185,7 +198,7 @@ def build_app() -> typer.Typer:
         pretty_exceptions_enable=False,
     )
     app.callback()(_root_callback())
-    _register(app)
+    _register(app, only)
     return app
 
 
@@ -270,7 +283,7 @@ def _run(argv: list[str] | None) -> int:
         from llmsys.kernels.common.errors import LLMSysError  # no torch: commands import it when they run
 
         errors = click_errors()
-        app = build_app()
+        app = build_app(_command(argv))
         if _command(argv) in MODEL_COMMANDS - SERVER_CLIENTS:  # the engine's imports too (numpy's, torch's submodules)
             importlib.import_module("llmsys.engine.llm")
     try:

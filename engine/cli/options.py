@@ -43,7 +43,8 @@ ENGINE_PARAMS = [
     _opt("max_model_len", Optional[int], None, "--max-model-len", help="context limit in tokens (default and most: the model's positions)"),
     _opt("block_size", int, 16, "--block-size", help="tokens per KV block"),
     _opt("kv_cache_tokens", Optional[int], None, "--kv-cache-tokens", help="KV pool capacity in tokens (default: from free memory)"),
-    _opt("max_num_seqs", int, 32, "--max-num-seqs", help="sequences decoded together at most"),
+    _opt("max_num_seqs", Optional[int], None, "--max-num-seqs",
+         help="sequences decoded together at most (default: 1 for run and chat, 32 otherwise)"),
     _opt("max_num_batched_tokens", int, 512, "--max-batched-tokens", help="tokens per step (chunked prefill)"),
     _opt("threads", Optional[int], None, "--threads", "-t", help="CPU threads (default: the idle physical cores; more than the CPUs present are clamped)"),
     _opt("quant", str, "none", "--quant", help="weight format: none, int8, int8:g32, int4[:g32|:g64|:g128], nf4, fp8"),
@@ -96,7 +97,22 @@ def build_engine_config(model: str, values: dict[str, Any]) -> EngineConfig:
     """The engine flags as one config (EngineConfig parses sizes, --quant, --kv-dtype and --kv-policy)."""
     from llmsys.engine.config import EngineConfig
 
-    return EngineConfig(model=model, **values)
+    # --max-num-seqs not given: the config's default (one_conversation set it for run and chat)
+    return EngineConfig(model=model, **{k: v for k, v in values.items() if not (k == "max_num_seqs" and v is None)})
+
+
+def one_conversation(values: dict[str, Any]) -> dict[str, Any]:
+    """``run`` and ``chat`` (in-process) decode one conversation: unless ``--max-num-seqs`` says otherwise,
+    one sequence, so the default KV pool is one context (builder.kv_pool_tokens), not the four a server
+    keeps for parallel requests, and every view's "reserved" is what such a front end can use."""
+    return values if values.get("max_num_seqs") is not None else dict(values, max_num_seqs=1)
+
+
+def kv_disk_on(values: dict[str, Any]) -> dict[str, Any]:
+    """``serve`` and ``chat`` keep prompts' KV on disk across restarts unless ``--kv-disk`` says otherwise."""
+    from llmsys.engine.config import DEFAULT_KV_DISK
+
+    return values if values.get("kv_disk") is not None else dict(values, kv_disk=DEFAULT_KV_DISK)
 
 
 def cli_max_tokens(n: int | None) -> int | None:
@@ -106,13 +122,6 @@ def cli_max_tokens(n: int | None) -> int | None:
     if n < 1:
         raise InvalidParameterError(f"--max-tokens/-n must be >= 1, or -1 for until EOS or the context is full; got {n}")
     return n
-
-
-def kv_disk_on(values: dict[str, Any]) -> dict[str, Any]:
-    """``serve`` and ``chat`` keep prompts' KV on disk across restarts unless ``--kv-disk`` says otherwise."""
-    from llmsys.engine.config import DEFAULT_KV_DISK
-
-    return values if values.get("kv_disk") is not None else dict(values, kv_disk=DEFAULT_KV_DISK)
 
 
 def build_sampling(values: dict[str, Any]) -> SamplingParams:

@@ -33,6 +33,7 @@ from llmsys.engine.cli.options import (
     build_sampling,
     changed_engine_flags,
     engine_command,
+    one_conversation,
     pulling_command,
     sampling_values_command,
 )
@@ -146,7 +147,7 @@ def _run_local(model: str, prompt: str | None, mode: PromptMode, system: str | N
     from llmsys.engine.llm import LLM
 
     named = ensure_pulled(model, auto_pull)
-    config = build_engine_config(model, dict(engine_flags, chat_template=chat_template))
+    config = build_engine_config(model, dict(one_conversation(engine_flags), chat_template=chat_template))
     user_system = system
     if named.ollama is not None:  # in Ollama's store (ollama:NAME, or a NAME:TAG it holds): its stop strings and system
         sampling, system = _ollama_settings(model, sampling, system, mode is PromptMode.CHAT)
