@@ -139,6 +139,10 @@ def test_line_names_the_requests_model_and_embeddings_count_their_prompt(tmp_pat
             assert int(m["prompt"]) > 0 and m["generated"] == "0", m.group(0)
             if tokens is not None:
                 assert int(m["prompt"]) == tokens(r.json()), (m.group(0), r.json())
+        for path, body in (("/api/show", {"model": "tiny-a"}), ("/api/generate", {"model": "tiny-a", "prompt": ""})):
+            assert httpx.post(s.url + path, json=body, timeout=60).status_code == 200  # no tokens: still named
+            (m,) = _lines(caplog, path)
+            assert m["model"] == "tiny-a" and m["prompt"] is None, m.group(0)
         r = httpx.post(s.url + "/v1/completions", json={**BODY, "model": "no-such-model"}, timeout=60)
         assert r.status_code == 404
         (_, missing) = _lines(caplog, "/v1/completions", 2)
