@@ -175,7 +175,7 @@ def test_cli_sweep_2x2_gives_4_rows_and_plot(tiny, tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_cli_layers_cuts_a_synthetic_shape(capsys):
+def test_cli_layers_cuts_a_synthetic_shape(tiny, capsys):
     """--layers N: the shape at full width with its first N layers; the row and its command say so."""
     from llmsys.engine.bench.synthetic import synthetic_dir
 
@@ -188,7 +188,7 @@ def test_cli_layers_cuts_a_synthetic_shape(capsys):
     cfg = json.loads((synthetic_dir("smollm2-135m-1l") / "config.json").read_text())
     assert cfg["num_hidden_layers"] == 1 and cfg["hidden_size"] == 576  # full width
     for argv, said in ((["--synthetic", "smollm2-135m", "--layers", "31"], "smollm2-135m has 30 layers"),
-                       (["some-model", "--layers", "2"], "--layers cuts a --synthetic shape")):
+                       ([str(tiny), "--layers", "2"], "--layers cuts a --synthetic shape")):
         assert main(["bench", *argv, "-p", "4", "-n", "0", "-r", "1"]) == 2
         assert said in capsys.readouterr().err
 
