@@ -12,9 +12,8 @@ context becomes a notice, not a crash.
 
 from __future__ import annotations
 
-import dataclasses
-import sys
 from pathlib import Path
+import dataclasses
 from typing import Any, Callable
 
 from textual import events
@@ -50,9 +49,6 @@ from llmsys.tui.worker import Abort, EngineWorker, Generate, Refresh, error_line
 NARROW_AT = 90  # below this many columns the memory panel hides (Ctrl+B shows it)
 WIDE_AT = 120  # from here on the panel has its full width
 RESIZE_SETTLE_S = 0.15  # a resize burst (a window being dragged) is over when no new size came for this long
-
-
-GIL_SWITCH_S = 0.0005  # seconds a thread holds the GIL while another waits (sys.setswitchinterval)
 
 
 class ChatApp(App):
@@ -95,7 +91,6 @@ class ChatApp(App):
         self.notices: list[tuple[str, str]] = []  # (severity, text) of every notice shown
         self._settle: Any = None  # the timer of the redraw after a resize burst
         self.full_redraws = 0  # those done (tests)
-        self._switch_interval = sys.getswitchinterval()  # the process's, put back on unmount
         if theme:
             self.theme = theme
 
@@ -127,10 +122,6 @@ class ChatApp(App):
     def on_mount(self) -> None:
         self.status.show_loading(self.model_name)
         self.query_one(PromptInput).focus()
-        # The decode loop waits for the GIL whenever the screen holds it; Python hands it over only
-        # after the switch interval (5 ms by default: most of a small model's decode step). A short
-        # interval makes the screen give it back at once; restored when the app ends.
-        sys.setswitchinterval(GIL_SWITCH_S)
         self.worker = EngineWorker(self._load, self.post_message, refresh_hz=self.refresh_hz)
         self.worker.start()
 
@@ -155,7 +146,6 @@ class ChatApp(App):
     def on_unmount(self) -> None:
         if self.worker is not None:
             self.worker.stop()
-        sys.setswitchinterval(self._switch_interval)
 
     def _show_status(self, state: str) -> None:
         if self.info is not None:
