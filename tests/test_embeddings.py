@@ -276,7 +276,7 @@ def test_many_inputs_take_one_queue_place(server, emb_llm):
     ({"input": "x " * 100}, 400, "input has 200 tokens but this model's context holds 64"),
     ({"input": "hi", "dimensions": 65}, 400, "dimensions=65 is outside 1..64"),
     ({"input": [[1, 2, 99999]]}, 400, "token id 99999 is outside the vocabulary (0..511)"),
-    ({"input": "hi", "model": "nope"}, 404, "the model 'nope' does not exist"),
+    ({"input": "hi", "model": "nope"}, 404, "model 'nope' not found"),
     ({"input": "hi", "encoding_format": "int8"}, 400, "encoding_format"),
     ({"input": []}, 400, "input"),
 ])
