@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import STORIES_HF, need_shared
-from tiny_models import ARCH_CONFIGS, TINY, write_tiny_tokenizer
+from tiny_models import ARCH_CONFIGS, TINY, spread_weights, write_tiny_tokenizer
 
 from llmsys.engine.embedding import DEFAULT_POOLING, PoolingType, read_pooling
 from llmsys.kernels.common.errors import ContextOverflowError, InvalidParameterError
@@ -50,12 +50,7 @@ def make_embedding_model(out: Path) -> Path:
     cfg.architectures = ["Qwen3ForCausalLM"]  # as Qwen3-Embedding's config.json says
     torch.manual_seed(0)
     model = AutoModel.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.08)
-            elif "norm" in n:
-                p.uniform_(0.8, 1.2)
+    spread_weights(model)
     model.save_pretrained(out, safe_serialization=True)
     write_tiny_tokenizer(out, spec["vocab_size"])
     _write_st_config(out, "pooling_mode_lasttoken")

@@ -70,6 +70,22 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
+def spread_weights(model: torch.nn.Module) -> None:
+    """Random init has a tiny std: scaled up so logits are not all ~0 and greedy is decisive."""
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+            elif "norm" in n:
+                p.uniform_(0.8, 1.2)
+            elif n.endswith("sinks"):  # gpt-oss: sinks that take a visible share of each softmax
+                p.normal_(0, 1.0)
+            elif n.endswith("experts.gate_up_proj"):  # gpt-oss: gate|up values past swiglu_limit (7) now and then
+                p.normal_(0, 0.4)
+            else:
+                p.normal_(0, 0.05)
+
+
 def make_hf_model(kind: str, out: Path, seed: int = 0, **overrides: Any) -> Path:
     """Save a random transformers model of family ``kind`` to ``out``."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -85,19 +101,7 @@ def make_hf_model(kind: str, out: Path, seed: int = 0, **overrides: Any) -> Path
     cfg = AutoConfig.for_model(mt, **spec)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
-    # Random init has tiny std; scale up so logits are not all ~0 and greedy is decisive.
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.08)
-            elif "norm" in n:
-                p.uniform_(0.8, 1.2)
-            elif n.endswith("sinks"):  # gpt-oss: sinks that take a visible share of each softmax
-                p.normal_(0, 1.0)
-            elif n.endswith("experts.gate_up_proj"):  # gpt-oss: gate|up values past swiglu_limit (7) now and then
-                p.normal_(0, 0.4)
-            else:
-                p.normal_(0, 0.05)
+    spread_weights(model)
     model.save_pretrained(out, safe_serialization=True)
     write_tiny_tokenizer(out, spec["vocab_size"])
     return out
