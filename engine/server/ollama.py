@@ -180,6 +180,12 @@ class OllamaMessage(BaseModel):
 
 # Go's durations ("5m", "1h30m": a unit on every part), or a bare number of seconds, either signed
 _KEEP_ALIVE = r"^-?(([0-9]+(\.[0-9]+)?(ns|us|µs|ms|s|m|h))+|[0-9]+(\.[0-9]+)?)$"
+# The one keep_alive field of every request that names a model (Ollama's semantics).
+_KeepAlive = Annotated[
+    float | Annotated[str, Field(max_length=64, pattern=_KEEP_ALIVE)] | None,
+    Field(description="how long the model stays loaded after this request: a duration ('5m'), seconds, "
+                      "0 unloads it after the request, negative keeps it"),
+]
 # format: "" (none), "json", or a JSON schema; tools: Ollama's function tools (OpenAI's shape).
 _Format = Literal["", "json"] | dict[str, Any] | None
 
@@ -189,9 +195,7 @@ class _Generating(_Model):
     stream: bool | None = Field(None, description="default true: NDJSON, one object per line")
     options: OllamaOptions | None = None
     format: _Format = Field(None, description="\"json\" (any JSON object) or a JSON schema the output matches")
-    keep_alive: float | Annotated[str, Field(max_length=64, pattern=_KEEP_ALIVE)] | None = Field(
-        None, description="how long the model stays loaded after this request: a duration ('5m'), seconds, "
-                          "0 unloads it after the request, negative keeps it")
+    keep_alive: _KeepAlive = None
     think: bool | Literal["low", "medium", "high"] | None = Field(
         None, description="only false: no separate thinking output")
     logprobs: bool | None = None
@@ -227,9 +231,7 @@ class OllamaEmbedRequest(_Model):
     truncate: bool = Field(True, description="false: an input longer than the context is a 400")
     dimensions: int | None = Field(None, ge=1, description="keep the first that many values, normalized again")
     options: OllamaOptions | None = None
-    keep_alive: float | Annotated[str, Field(max_length=64, pattern=_KEEP_ALIVE)] | None = Field(
-        None, description="how long the model stays loaded after this request: a duration ('5m'), seconds, "
-                          "0 unloads it after the request, negative keeps it")
+    keep_alive: _KeepAlive = None
 
 
 class OllamaEmbeddingsRequest(_Model):
@@ -238,9 +240,7 @@ class OllamaEmbeddingsRequest(_Model):
     model: str = Field(..., min_length=1, max_length=512)
     prompt: str = Field("", description="empty: load the model, answer an empty embedding")
     options: OllamaOptions | None = None
-    keep_alive: float | Annotated[str, Field(max_length=64, pattern=_KEEP_ALIVE)] | None = Field(
-        None, description="how long the model stays loaded after this request: a duration ('5m'), seconds, "
-                          "0 unloads it after the request, negative keeps it")
+    keep_alive: _KeepAlive = None
 
 
 class OllamaShowRequest(_Model):
