@@ -156,6 +156,13 @@ class KernelCosts:
 FORMAT_STAND_INS = {"float16": "bfloat16", "int4:g32": "int4", "int4:g128": "int4", "nf4:dq": "nf4"}
 
 
+def _positive_figure(gflops: dict[str, float], dtype: torch.dtype, default: float) -> float:
+    """``dtype``'s GFLOP/s, else the slowest other dtype's, else ``default``. A figure of 0 (a probe under
+    emulation or on a starved CPU rounds to 0.0) counts as missing: the planner divides by it."""
+    got = gflops.get(str(dtype).removeprefix("torch."), 0.0)
+    return got if got > 0 else min((v for v in gflops.values() if v > 0), default=default)
+
+
 @dataclass(frozen=True)
 class Bandwidths:
     """Measured sequential bandwidths in GB/s (1e9 bytes per second) and GEMM GFLOP/s.
@@ -197,12 +204,10 @@ class Bandwidths:
         return self.mem_gbps
 
     def cpu_flops(self, dtype: torch.dtype) -> float:
-        name = str(dtype).removeprefix("torch.")
-        return 1e9 * self.cpu_gflops.get(name, min(self.cpu_gflops.values(), default=20.0))
+        return 1e9 * _positive_figure(self.cpu_gflops, dtype, 20.0)
 
     def gpu_flops(self, dtype: torch.dtype) -> float:
-        name = str(dtype).removeprefix("torch.")
-        return 1e9 * self.gpu_gflops.get(name, min(self.gpu_gflops.values(), default=50_000.0))
+        return 1e9 * _positive_figure(self.gpu_gflops, dtype, 50_000.0)
 
     def with_disk(self, disk: DiskSpeed) -> "Bandwidths":
         return replace(self, disk_read_gbps=disk.gbps, disk_cached=disk.cached, disk_probe_dir=disk.folder)

@@ -247,3 +247,13 @@ def test_host_probe_runs_in_a_small_cgroup():
     assert 0 < int(room) < cap and int(size) <= max(int(room) // bandwidth.MEM_PROBE_SHARE,
                                                    bandwidth.MIN_MEM_PROBE_BYTES)
     assert float(gbps) > 0
+
+
+def test_a_zero_gflops_figure_counts_as_missing():
+    """A probe under emulation rounds a slow dtype's GEMM to 0.0 GFLOP/s; the planner divides by the figure,
+    so 0 falls back to the slowest other dtype's (or the default), never to 0."""
+    from llmsys.offload.bandwidth import Bandwidths
+
+    bw = Bandwidths(mem_gbps=10.0, disk_read_gbps=1.0, cpu_gflops={"bfloat16": 0.0, "float32": 2.0})
+    assert bw.cpu_flops(torch.bfloat16) == 2e9 and bw.cpu_flops(torch.float32) == 2e9
+    assert Bandwidths(mem_gbps=10.0, disk_read_gbps=1.0, cpu_gflops={"bfloat16": 0.0}).cpu_flops(torch.bfloat16) == 20e9
