@@ -398,6 +398,9 @@ class DiskExperts:
     def each(self, experts: list[int]) -> Iterator[int]:
         return self.cache.each(self.layer, experts, self.weights)
 
+    def prefetch_next(self, x: torch.Tensor) -> None:
+        """No guess yet: the next layer's experts are read when it routes."""
+
 
 @dataclass
 class ResidentExperts:
@@ -411,3 +414,6 @@ class ResidentExperts:
     def each(self, experts: list[int]) -> Iterator[int]:
         self.uses += 1
         return iter(experts)
+
+    def prefetch_next(self, x: torch.Tensor) -> None:
+        """Resident experts: nothing to read."""

@@ -78,6 +78,8 @@ class MoE(nn.Module):
         T, H = x.shape
         k = self.top_k
         weights, chosen = route(self.gate(x), k, self.normalize, self.float_weights, self.topk_first)  # [T, k] each
+        if experts is not None:
+            experts.prefetch_next(x)  # a disk source may start reading the next layer's likely experts
         flat = chosen.reshape(-1)  # [T k]: row r is token r // k's slot r % k
         order = torch.argsort(flat, stable=True)  # rows grouped by expert, each group in token order
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()

@@ -106,3 +106,9 @@ class ExpertSource(Protocol):
         """Yield every id of ``experts`` once (in any order), each while the layer's expert module of that
         id holds its weights; they are unbound again when the consumer asks for the next one."""
         ...
+
+    def prefetch_next(self, x: torch.Tensor) -> None:
+        """Called once the layer has routed ``x [T, hidden]`` (its router's input): a source whose experts are
+        read from disk may guess the next sparse layer's experts from ``x`` and start reading them while this
+        layer computes (pre-gating); others do nothing."""
+        ...
