@@ -80,6 +80,7 @@ if TYPE_CHECKING:
     )
     from llmsys.kernels.cpu_report import CpuKernels, QuantMatmulSupport, cpu_kernels, quant_matmul_support
     from llmsys.kernels.reference import dequant_int4, pack_int4, quantize_int8_ref, softmax_with_sinks, unpack_int4
+    from llmsys.kernels.repack import repack_q4k, repack_q6k
     from llmsys.kernels.rope_cache import build_rope_cache, rope_attention_factor, rope_inv_freq, rope_type
 
 # name -> (module of this package, its name there)
@@ -156,6 +157,8 @@ _EXPORTS = MappingProxyType({
     "quantize_int8_ref": ("reference", "quantize_int8_ref"),
     "softmax_with_sinks": ("reference", "softmax_with_sinks"),
     "unpack_int4": ("reference", "unpack_int4"),
+    "repack_q4k": ("repack", "repack_q4k"),
+    "repack_q6k": ("repack", "repack_q6k"),
     "build_rope_cache": ("rope_cache", "build_rope_cache"),
     "rope_attention_factor": ("rope_cache", "rope_attention_factor"),
     "rope_inv_freq": ("rope_cache", "rope_inv_freq"),
@@ -225,6 +228,8 @@ __all__ = [
     "paged_decode_attention",
     "paged_prefill_attention",
     "quantize_int8_ref",
+    "repack_q4k",
+    "repack_q6k",
     "rms_norm",
     "rope",
     "rope_attention_factor",

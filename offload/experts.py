@@ -87,6 +87,9 @@ class StoredTensor:
     layer: Callable[[torch.Tensor, "torch.Tensor | None"], nn.Module] | None = None  # (uint8 [nbytes], bias) -> layer
     decode: Callable[[torch.Tensor, torch.dtype], torch.Tensor] | None = None  # (uint8 [nbytes], dtype) -> tensor
     dtype: torch.dtype = torch.uint8  # what the file holds, as bytes
+    # ``layer``'s tensors written from the stored bytes straight into place (uint8 [nbytes], {buffer name: where it
+    # goes}) -> False (nothing written) where that is not the layout it writes; a loader's faster way to ``layer``'s bits
+    fill: Callable[[torch.Tensor, dict[str, torch.Tensor]], bool] | None = None
 
 
 @dataclass(frozen=True)
@@ -136,6 +139,8 @@ class Repacked:
     make: Callable[[list[torch.Tensor]], list[torch.Tensor]]  # stored bytes (uint8 [nbytes] each) -> tensors
     tensors: tuple[SlotTensor, ...]
     bindings: tuple[Binding, ...]
+    # stored bytes, each tensor's view in the slot -> True when it wrote them all there (``make``'s bits, in one pass)
+    fill: Callable[[list[torch.Tensor], list[torch.Tensor]], bool] | None = None
 
 
 @dataclass(frozen=True)
@@ -277,6 +282,8 @@ class ExpertCache:
             r0 = time.perf_counter()
             slot_t = self.slots[slot]
             for r, raw in zip(w.repacked, raws):
+                if r.fill is not None and r.fill(raw, [st.view(slot_t) for st in r.tensors]):
+                    continue
                 outs = r.make(raw)
                 if len(outs) != len(r.tensors):
                     raise RuntimeError(f"{r.name}: built {len(outs)} tensors, its slot holds {len(r.tensors)}")

@@ -92,6 +92,41 @@ def _template(built: nn.Module) -> tuple[nn.Module, list[SlotTensor]]:
     return built, layout
 
 
+def _leaves(meta: nn.Module) -> list[str] | None:
+    """A template's buffer names in :func:`_tensor_slots` order (None when two share a name)."""
+    names = [leaf for _, leaf, _, _ in _tensor_slots(meta)]
+    return names if len(set(names)) == len(names) else None
+
+
+def _fill_checked(info: Any, raw: torch.Tensor, meta: nn.Module, layout: list[SlotTensor], want: list[torch.Tensor],
+                  what: str) -> bool:
+    """May an expert's layer be written by ``info.fill`` (:class:`StoredTensor`) in place of being built? Only where
+    it writes, for the template's expert, exactly the bytes the built layer holds (``want``, in ``layout``): a
+    fill that does not know this layout says so and the layer is built, as one that disagrees (with a warning)."""
+    names = _leaves(meta) if isinstance(info, StoredTensor) and info.fill is not None else None
+    if names is None:
+        return False
+    size = max(t.offset + t.nbytes for t in layout)
+    built, filled = torch.zeros(size, dtype=torch.uint8), torch.zeros(size, dtype=torch.uint8)
+    for st, t in zip(layout, want):
+        st.put(built, t, what)
+    if not info.fill(raw, {n: st.view(filled) for n, st in zip(names, layout)}):
+        return False
+    if torch.equal(built, filled):
+        return True
+    import warnings
+
+    warnings.warn(f"{what}: the loader's one-pass repack differs from the layer it builds; experts read at run "
+                  f"time are built the slow way", RuntimeWarning, stacklevel=2)
+    return False
+
+
+def _slot_fill(info: StoredTensor, meta: nn.Module) -> Callable[[list[torch.Tensor], list[torch.Tensor]], bool]:
+    """:attr:`Repacked.fill` of one expert's layer: its stored weight bytes and slot views -> ``info.fill``."""
+    names = _leaves(meta)
+    return lambda raws, views: info.fill(raws[0], dict(zip(names, views)))
+
+
 def _meta_like(t: torch.Tensor, is_param: bool) -> torch.Tensor:
     m = torch.empty(t.shape, dtype=t.dtype, device="meta")
     return nn.Parameter(m, requires_grad=False) if is_param else m
@@ -418,7 +453,7 @@ class OffloadRuntime:
         (``--cpu-moe``), a source that only moves the routed rows to the CPU and back."""
         layers = model.model.layers
         disk: dict[int, list[ExpertWeights]] = {}
-        templates: dict[tuple[int, str], tuple[nn.Module, list[SlotTensor]]] = {}
+        templates: dict[tuple[int, str], tuple[nn.Module, list[SlotTensor], bool]] = {}
         for i, tier in sorted(self.expert_tier.items()):
             if tier == "cpu":
                 self._experts[i] = ResidentExperts(torch.device("cpu"))
@@ -444,7 +479,7 @@ class OffloadRuntime:
             self._experts[i] = DiskExperts(i, ws, self.expert_cache)
 
     def _stored_expert(self, i: int, mod: nn.Module, u: str,
-                       templates: dict[tuple[int, str], tuple[nn.Module, list[SlotTensor]]]) -> ExpertWeights:
+                       templates: dict[tuple[int, str], tuple[nn.Module, list[SlotTensor], bool]]) -> ExpertWeights:
         """Expert ``u`` (``mod``, its meta MLP) read from the checkpoint as stored (``self._stored[u]``): tensors the
         engine computes on as stored go straight into the slot; converted ones (F16 for a bf16 engine) and the
         layers a GGUF keeps as block codes are built from their stored bytes in the slot (:class:`Repacked`).
@@ -468,13 +503,18 @@ class OffloadRuntime:
                 make, build = self._layer_maker(winfo, bias[1][1] if bias else None)
                 key = (i, sub)
                 if key not in templates:
-                    templates[key] = _template(build(_read_sources(stored)))
-                meta, layout = templates[key]
+                    raws = _read_sources(stored)
+                    built = build(raws)
+                    want = [t for *_, t in _tensor_slots(built)]
+                    meta, layout = _template(built)
+                    fills = bias is None and _fill_checked(winfo, raws[0], meta, layout, want, f"{u}.{sub}")
+                    templates[key] = (meta, layout, fills)
+                meta, layout, fills = templates[key]
                 new = copy.deepcopy(meta)
                 owner, _, leaf = sub.rpartition(".")
                 setattr(mod.get_submodule(owner) if owner else mod, leaf, new)
                 binds = [_Binding(o, lf, p, t) for o, lf, p, t in _tensor_slots(new)]
-                later.append((f"{u}.{sub}", stored, make, layout, binds))
+                later.append((f"{u}.{sub}", stored, make, layout, binds, _slot_fill(winfo, meta) if fills else None))
                 continue
             for leaf, (name, (path, info)) in leaves.items():
                 p = lin._parameters[leaf]
@@ -486,14 +526,14 @@ class OffloadRuntime:
                     continue
                 st = SlotTensor(self.dtype, tuple(p.shape), _contiguous_stride(tuple(p.shape)), 0, p.numel())
                 later.append((f"{u}.{sub}.{leaf}", (TensorSource(str(path), info.offset, info.nbytes),),
-                              self._tensor_maker(info), [st], [b]))
+                              self._tensor_maker(info), [st], [b], None))
         unit = StreamUnit(u, [it for _, it in direct])
         base = -(-unit.nbytes // ALIGN) * ALIGN
         repacked = []
-        for name, stored, make, layout, binds in later:
+        for name, stored, make, layout, binds, fill in later:
             tensors = tuple(replace(t, offset=base + t.offset) for t in layout)
             base += -(-max(t.offset + t.nbytes for t in layout) // ALIGN) * ALIGN
-            repacked.append(Repacked(name, stored, make, tensors, tuple(binds)))
+            repacked.append(Repacked(name, stored, make, tensors, tuple(binds), fill))
         return ExpertWeights(unit, tuple(b for b, _ in direct), tuple(repacked))
 
     def _tensor_maker(self, info: Any):

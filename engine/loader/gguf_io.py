@@ -27,7 +27,7 @@ import torch
 
 from llmsys.engine.loader import validate
 from llmsys.engine.loader.gguf_header import MAGIC, GGUFHeader, TensorEntry, check_end, read_bytes, read_header
-from llmsys.kernels import KScales, pack_int4, unpack_int4
+from llmsys.kernels import KScales, pack_int4, repack_q4k, repack_q6k, unpack_int4
 from llmsys.kernels.common.errors import CheckpointError, UnsupportedModelError
 
 if TYPE_CHECKING:
@@ -139,6 +139,10 @@ KSCALE_KEYS = ("k_sc", "k_m", "k_d", "k_dmin")  # Q4_K's stored scales, as Int4L
 # The float factors of kept block formats, checked finite at load (int8 / uint8 ones cannot be otherwise).
 BLOCK_FACTORS = {"scales": "block scales", "block_scales": "block scales", "offsets": "block minimums",
                  "k_d": "super-block scales", "k_dmin": "super-block minimums", "super_scales": "super-block scales"}
+# The kept types whose run-time layer tensors one C pass writes from the stored blocks (GGUFIndex._fill_from), by
+# the layer's buffer names: an expert read at run time is rebuilt so (the torch rebuild cost several reads' time).
+FILLED = {"Q4_K": ("packed", "zeros_u8", "zeros_gm", "k_sc", "k_m", "k_d", "k_dmin"),
+          "Q6_K": ("qweight", "block_scales", "super_scales")}
 Q4K_BLOCK = 144  # bytes of one Q4_K super-block of 256 weights: d, dmin (fp16), 12 bytes of 6-bit sc/m, 128 of codes
 Q6K_BLOCK = 210  # Q6_K: 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 scales, d (fp16)
 Q5K_BLOCK = 176  # Q5_K: d, dmin (fp16), 12 bytes of 6-bit sc/m (as Q4_K), 32 bytes of 5th bits, 128 of low nibbles
@@ -542,12 +546,44 @@ class GGUFIndex:
         if len(shape) != 2:
             return None
         if kind in KEPT:  # as materialize_gguf without --quant: the codes kept (a run with --quant loads in memory)
-            return self.path, StoredTensor(t.offset, t.nbytes, shape, layer=partial(self._layer_from, name, KEPT[kind]))
+            fill = partial(self._fill_from, name) if kind in FILLED else None
+            return self.path, StoredTensor(t.offset, t.nbytes, shape, layer=partial(self._layer_from, name, KEPT[kind]),
+                                           fill=fill)
         return self.path, StoredTensor(t.offset, t.nbytes, shape, decode=partial(self._tensor_from, name))
 
     def _layer_from(self, name: str, target: str, raw: torch.Tensor, bias: torch.Tensor | None) -> Any:
         """``StoredTensor.layer``: :meth:`kept_layer` of ``name``'s stored bytes ``raw`` (``uint8 [nbytes]``)."""
         return self.kept_layer(name, target, bias, raw=raw)
+
+    def _fill_from(self, name: str, raw: torch.Tensor, out: dict[str, torch.Tensor]) -> bool:
+        """``StoredTensor.fill``: :meth:`kept_layer`'s tensors of ``name`` written from its stored bytes ``raw``
+        straight into ``out`` (the layer's buffers by name, in its own dtypes, shapes and strides) by one C pass
+        (``kernels.repack_q4k`` / ``repack_q6k``), their float factors checked finite as ``kept_layer`` checks them.
+        False, with nothing written, where ``out`` is not the layout this writes (another kernel build's layer,
+        no C library): the caller builds the layer instead."""
+        t = self._tensors[name]
+        n, k = int(t.shape[1]), int(t.shape[0])
+        kind = _qtype(t)
+        reordered = self._interleaved and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name)
+        if kind not in FILLED or set(out) != set(FILLED[kind]) or reordered:
+            return False
+        o = out
+        try:
+            if kind == "Q4_K":
+                if any(s != 0 for z in ("zeros_u8", "zeros_gm") for s in o[z].stride()):
+                    return False  # offsets layers hold their all-zero zeros as one byte
+                if not repack_q4k(raw, n, k, o["packed"], o["k_sc"], o["k_m"], o["k_d"], o["k_dmin"]):
+                    return False
+                for z in ("zeros_u8", "zeros_gm"):
+                    o[z].as_strided((1,), (1,)).zero_()
+            elif not repack_q6k(raw, n, k, o["qweight"], o["block_scales"], o["super_scales"]):
+                return False
+        except ValueError:  # a dtype, shape or stride the kernel does not write
+            return False
+        for key in FILLED[kind]:
+            if key in BLOCK_FACTORS and o[key].is_floating_point():
+                validate.check_finite(f"{self.info(name).gguf_name} ({BLOCK_FACTORS[key]})", o[key], self.path)
+        return True
 
     def _tensor_from(self, name: str, raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``StoredTensor.decode``: :meth:`read` of ``name``'s stored bytes ``raw`` (``uint8 [nbytes]``)."""
