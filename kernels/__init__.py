@@ -55,6 +55,8 @@ if TYPE_CHECKING:
         w4a16_matmul,
         w8a16_matmul,
     )
+    # An MoE layer's routed experts in one C call (the grouped expert kernel).
+    from llmsys.kernels.cpu_moe import MoEExperts, moe_experts, moe_experts_args
     # The CPU decode GEMVs and the fused decode layers (two C calls per decoder layer around attention).
     from llmsys.kernels.cpu_qgemv import (
         DecodeLayer,
@@ -128,6 +130,9 @@ _EXPORTS = MappingProxyType({
     "silu_mul": ("ops", "silu_mul"),
     "w4a16_matmul": ("ops", "w4a16_matmul"),
     "w8a16_matmul": ("ops", "w8a16_matmul"),
+    "MoEExperts": ("cpu_moe", "MoEExperts"),
+    "moe_experts": ("cpu_moe", "moe_experts"),
+    "moe_experts_args": ("cpu_moe", "moe_experts_args"),
     "DecodeLayer": ("cpu_qgemv", "DecodeLayer"),
     "DecodeStack": ("cpu_qgemv", "DecodeStack"),
     "DecodeWeight": ("cpu_qgemv", "DecodeWeight"),
@@ -168,6 +173,9 @@ _EXPORTS = MappingProxyType({
 __all__ = [
     "BF16_UPCAST_MIN_ROWS",
     "DecodeLayer",
+    "MoEExperts",
+    "moe_experts",
+    "moe_experts_args",
     "DecodeStack",
     "StackLayer",
     "decode_stack",

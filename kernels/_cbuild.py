@@ -42,9 +42,10 @@ class Library:
 
 FEATURES = Library("cpu_features", (HERE / "cpu_features.c",))  # the CPU probe, baseline level only
 # every kernel, one library per level: row ops and attention, the int4 layout, the GEMVs, the fused layers, the
-# GGUF block repacks
+# GGUF block repacks, the grouped MoE experts
 KERNELS = Library("llmsys_kernels", tuple(HERE / f for f in (
-    "cpu_decode.c", "cpu_int4.c", "a8_gemv.c", "dense_gemv.c", "fused_layer.c", "decode_stack.c", "repack.c")))
+    "cpu_decode.c", "cpu_int4.c", "a8_gemv.c", "dense_gemv.c", "fused_layer.c", "decode_stack.c", "repack.c",
+    "moe_experts.c")))
 LIBRARIES = (FEATURES, KERNELS)  # what the install hook builds
 KERNEL_SOURCES = KERNELS.sources
 

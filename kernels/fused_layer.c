@@ -19,19 +19,19 @@
 #include "fused_layer.h"
 
 
-static int64_t qw_nb(const llmsys_qw *w) { return w->kind == WEIGHT_INT4 ? w->kp / A8 : (w->k + A8 - 1) / A8; }
+int64_t qw_nb(const llmsys_qw *w) { return w->kind == WEIGHT_INT4 ? w->kp / A8 : (w->k + A8 - 1) / A8; }
 
 /* weights that read x as it is (bf16 or float32), not as a8 blocks */
-static int qw_plain(const llmsys_qw *w) { return w->kind == WEIGHT_BF16 || w->kind == WEIGHT_F32; }
+int qw_plain(const llmsys_qw *w) { return w->kind == WEIGHT_BF16 || w->kind == WEIGHT_F32; }
 
 /* Rows of a work item: 32 for weights read a row at a time (bf16, float32), so a 576-row matrix splits 9 / 9
    between 2 threads, not 5 / 4 items of 64 (one thread idle a ninth of each o_proj and down_proj: measured as
    ~0.4 ms of a SmolLM2-135M bf16 decode step); 64 else (int4's blocks; int8's 16- or 32-row items measured no
    faster in the decode stack). */
-static int64_t qw_step(const llmsys_qw *w) { return qw_plain(w) ? 32 : 64; }
+int64_t qw_step(const llmsys_qw *w) { return qw_plain(w) ? 32 : 64; }
 
 /* 0 when w is a weight of k columns the a8 GEMVs take (their own argument checks), else 1 */
-static int qw_check(const llmsys_qw *w, int64_t k) {
+int qw_check(const llmsys_qw *w, int64_t k) {
     if (w->n <= 0 || w->k != k || !w->q) return 1;
     if (w->kind == WEIGHT_BF16 || w->kind == WEIGHT_F32) return w->kp < k;
     if (w->kind == WEIGHT_INT4 && w->ksc) /* Q4_K's scales as stored: group 32, whole super-blocks */
@@ -50,7 +50,7 @@ static int qw_check(const llmsys_qw *w, int64_t k) {
 
 /* Rows [step it, step it + step) of w (step = qw_step(w)) against the m_count rows of x (contiguous bf16, read by bf16 weights; a: its
    a8 blocks, read by int8 / int4 weights; float32 for a float32 weight): out[m * ldo + n], bias added. */
-static void qw_item(const llmsys_qw *w, const a8_x *a, const void *xv, const uint32_t *xs, int64_t m_count,
+void qw_item(const llmsys_qw *w, const a8_x *a, const void *xv, const uint32_t *xs, int64_t m_count,
                     int64_t it, void *outv, int64_t ldo) {
     const int64_t step = qw_step(w), n0 = it * step, n1 = n0 + step < w->n ? n0 + step : w->n;
     if (w->kind == WEIGHT_F32) {

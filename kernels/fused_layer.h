@@ -49,6 +49,36 @@ typedef struct {
     int64_t f32;               /* 1: float32 activations, weights (WEIGHT_F32) and norm weights; 0: bf16 activations */
 } llmsys_layer;
 
+/* An MoE layer's routed experts (kernels/cpu_qgemv.py MoEExperts): moe_experts.c runs them. */
+enum moe_act { MOE_SILU = 0 }; /* the experts' gate activation: SwiGLU (cpu_ops.h's silu * mul rows) */
+typedef struct {
+    const llmsys_qw *gu;   /* [n_experts * n_gu]: expert e's gate | up weights side by side at gu[e * n_gu ..] */
+    int64_t n_gu;
+    const llmsys_qw *down; /* [n_experts] */
+    int64_t n_experts, d, inter; /* experts, hidden size, each expert's intermediate size */
+    int64_t act;           /* enum moe_act */
+    int64_t f32;           /* 1: float32 activations and weights (WEIGHT_F32); 0: bf16 activations */
+    int64_t max_rows;      /* an expert with more rows of a step is left to the caller (its weights' own forward) */
+} llmsys_moe;
+
+int llmsys_moe_experts(const llmsys_moe *M, const void *x, int64_t t_count, const int64_t *chosen, int64_t top_k,
+                       const void *w, int w_f32, void *rows_out, void *out, int64_t *counts, int threads);
+
+#ifdef LLMSYS_GEMV_COMMON_H /* what fused_layer.c shares with the other GEMV sources (moe_experts.c) */
+/* x's a8 block count for w */
+QG_HIDDEN int64_t qw_nb(const llmsys_qw *w);
+/* 1 when w reads x as it is (bf16, float32), not as a8 blocks */
+QG_HIDDEN int qw_plain(const llmsys_qw *w);
+/* rows of one work item of w */
+QG_HIDDEN int64_t qw_step(const llmsys_qw *w);
+/* 0 when w is a weight of k columns the a8 GEMVs take, else 1 */
+QG_HIDDEN int qw_check(const llmsys_qw *w, int64_t k);
+/* work item `it` of w (rows [qw_step it, ..)) against m_count rows of x (a: its a8 blocks; xs: its lane pairs in the
+   AVX512-BF16 build) -> out[m * ldo + n], bias added */
+QG_HIDDEN void qw_item(const llmsys_qw *w, const a8_x *a, const void *xv, const uint32_t *xs, int64_t m_count,
+                       int64_t it, void *outv, int64_t ldo);
+#endif
+
 int llmsys_layer_attn_in(const llmsys_layer *L, const void *x, const void *res, void *out, void *new_res,
                          int64_t m_count, int threads);
 int llmsys_layer_mlp(const llmsys_layer *L, const void *o, const void *res, void *out, void *new_res,

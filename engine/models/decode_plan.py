@@ -22,6 +22,7 @@ import torch
 from llmsys import kernels
 from llmsys.engine.attention import AttentionBackend, BackendDecorator, CpuBackend
 from llmsys.engine.models.base import MLP, DecoderLayer, DecoderModel, Linear, RMSNorm
+from llmsys.engine.models.moe import MoE
 from llmsys.kernels.common.protocols import LayerRunner
 from llmsys.quant.base import QuantLinear
 
@@ -79,6 +80,33 @@ def layer_plan(layer: DecoderLayer, dtype: torch.dtype) -> LayerPlan | None:
     return LayerPlan(fused, min(m.DECODE_MAX_ROWS for m in mods), dtype, holds)
 
 
+def moe_plan(moe: MoE, dtype: torch.dtype) -> kernels.MoEExperts | None:
+    """The grouped expert kernel's arguments for ``moe`` on ``dtype`` activations when every expert is a resident
+    SwiGLU MLP whose projections run a C decode GEMV and whose SwiGLU runs the C row code (what the per-expert path
+    then computes: the same bits), all experts in one format; else None (expert by expert)."""
+    if dtype not in (torch.bfloat16, torch.float32) or not kernels.cpu_fused_available():
+        return None
+    gate_up, down, rows = [], [], []
+    for ex in moe.experts:
+        if type(ex) is not MLP or not ex.silu or not ex.c_silu:
+            return None  # (gpt-oss's clamped SwiGLU, GeGLU: torch's activation)
+        gu = [ex.gate_up_proj] if ex.gate_up_proj is not None else [ex.gate_proj, ex.up_proj]
+        mods = [*gu, ex.down_proj]
+        if not all(isinstance(m, (QuantLinear, Linear)) for m in mods) or any(
+                t.device.type != "cpu" for m in mods for t in (*m.parameters(), *m.buffers())):
+            return None  # (experts on disk or on another device: their source runs them)
+        ws = [m.decode_weight() for m in mods]
+        if any(w is None for w in ws) or any((w.kind == kernels.WeightKind.F32) != (dtype == torch.float32) for w in ws):
+            return None
+        gate_up.append(ws[:-1])
+        down.append(ws[-1])
+        rows.append(min(m.DECODE_MAX_ROWS for m in mods))
+    shape = {(len(g), *((w.kind, w.n, w.k) for w in (*g, d))) for g, d in zip(gate_up, down)}
+    if len(shape) != 1 or min(rows) < 1:
+        return None  # experts in several formats: expert by expert
+    return kernels.moe_experts_args(gate_up, down, min(rows))
+
+
 def build_decode_plan(model: DecoderModel, attn: AttentionBackend, layers: LayerRunner | None = None
                       ) -> DecodePlan | None:
     """The plan of ``model`` over ``attn``'s pool, set on the model and its layers (and returned); None (and the
@@ -91,6 +119,8 @@ def build_decode_plan(model: DecoderModel, attn: AttentionBackend, layers: Layer
     plan_kernels(model, dtype)
     plans: list[LayerPlan | None] = []
     for i, layer in enumerate(model.model.layers):
+        if isinstance(layer.mlp, MoE) and not (layers is not None and layers.rebinds(i)):
+            layer.mlp.grouped = moe_plan(layer.mlp, dtype)
         lp = None if layers is not None and layers.rebinds(i) else layer_plan(layer, dtype)
         layer.decode = lp
         plans.append(lp)
@@ -131,6 +161,8 @@ def clear_decode_plan(model: DecoderModel) -> None:
     model.decode_plan = None
     for layer in model.model.layers:
         layer.decode = None
+        if isinstance(layer.mlp, MoE):
+            layer.mlp.grouped = None
 
 
 def _on_cpu(mod: torch.nn.Module) -> bool:

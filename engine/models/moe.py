@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmsys import kernels
 from llmsys.kernels.common.protocols import ExpertSource
 
 
@@ -69,6 +70,9 @@ class MoE(nn.Module):
         shared = a.shared_expert_intermediate_size
         self.shared_expert = expert(shared) if shared else None
         self.shared_expert_gate = FloatLinear(a.hidden_size, 1) if shared else None
+        # The grouped expert kernel's arguments (every routed expert in one C call), set once by the engine's decode
+        # plan when every expert is resident with a C GEMV (engine/models/decode_plan.py); None: expert by expert.
+        self.grouped: kernels.MoEExperts | None = None
 
     def forward(self, x: torch.Tensor, decode: bool = False, experts: ExpertSource | None = None) -> torch.Tensor:
         """``x [T, hidden]`` -> ``[T, hidden]``. ``decode``: the experts' projections run without module
@@ -80,6 +84,12 @@ class MoE(nn.Module):
         weights, chosen = route(self.gate(x), k, self.normalize, self.float_weights, self.topk_first)  # [T, k] each
         if experts is not None:
             experts.prefetch_next(x)  # a disk source may start reading the next layer's likely experts
+        g = self.grouped
+        if g is not None and experts is None and x.dtype is g.dtype and not torch.is_grad_enabled():
+            h, rows, counts = kernels.moe_experts(g, x, chosen, weights)  # [T, H]: every routed expert, one C call
+            if h is None:  # a long prompt's expert with more rows than the C GEMV's bits hold for
+                h = self._left_over(x, chosen, weights, rows, counts, g.max_rows, decode)
+            return self._shared(x, h, decode)
         flat = chosen.reshape(-1)  # [T k]: row r is token r // k's slot r % k
         order = torch.argsort(flat, stable=True)  # rows grouped by expert, each group in token order
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
@@ -100,6 +110,23 @@ class MoE(nn.Module):
             y = self.experts[e].forward(xe.index_select(0, rows // k), decode)  # [n, H]: one GEMM per projection
             out.index_copy_(0, rows, y * w.index_select(0, rows))
         h = out.view(T, k, H).sum(dim=1).to(device=x.device, dtype=x.dtype)  # [T, H]
+        return self._shared(x, h, decode)
+
+    def _shared(self, x: torch.Tensor, h: torch.Tensor, decode: bool) -> torch.Tensor:
+        """``h`` plus Qwen2-MoE's sigmoid-gated shared expert of ``x`` (``[T, H]`` each)."""
         if self.shared_expert is not None:
             h = h + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert.forward(x, decode)
         return h
+
+    def _left_over(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor,
+                   counts: torch.Tensor, max_rows: int, decode: bool) -> torch.Tensor:
+        """The grouped kernel's left-over experts (more than ``max_rows`` rows) by their own forward, their products
+        into ``rows [T k, H]`` beside the kernel's, then the per-expert path's sum -> ``[T, H]``."""
+        T, k = chosen.shape
+        flat = chosen.reshape(-1)  # [T k]
+        w = weights.reshape(-1, 1)  # [T k, 1]
+        for e in (counts > max_rows).nonzero().flatten().tolist():
+            r = (flat == e).nonzero().flatten()  # [n]: its rows, in token order
+            y = self.experts[e].forward(x.index_select(0, r // k), decode)  # [n, H]
+            rows.index_copy_(0, r, y * w.index_select(0, r))
+        return rows.view(T, k, -1).sum(dim=1).to(x.dtype)

@@ -1,0 +1,103 @@
+"""The grouped expert kernel (``kernels.moe_experts``: every routed expert of an MoE layer in one C call) against
+the per-expert path it replaces: the same bits for every stored format, batch size and left-over expert, and
+the same greedy tokens from a whole engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmsys import kernels
+from tiny_models import make_hf_model
+
+pytestmark = pytest.mark.skipif(not kernels.cpu_fused_available(), reason="the C kernels are not built here "
+                                "(no compiler, or LLMSYS_NO_CKERNELS=1): nothing to compare")
+
+MOE = ["qwen3_moe", "qwen2_moe", "mixtral"]
+GREEDY = dict(temperature=0, ignore_eos=True)
+
+
+def _llm(path, dtype: str, quant: str | None):
+    from llmsys import LLM
+
+    return LLM(str(path), dtype=dtype, device="cpu", kv_cache_tokens=1024, progress=False,
+               **({"quant": quant} if quant else {}))
+
+
+def _moes(llm):
+    from llmsys.engine.models.moe import MoE
+
+    return [layer.mlp for layer in llm.loaded.model.model.layers if isinstance(layer.mlp, MoE)]
+
+
+def _per_expert(moe, x: torch.Tensor, decode: bool) -> torch.Tensor:
+    g, moe.grouped = moe.grouped, None
+    try:
+        return moe.forward(x, decode)
+    finally:
+        moe.grouped = g
+
+
+@pytest.mark.parametrize("dtype,quant", [("bfloat16", None), ("bfloat16", "int8"), ("bfloat16", "int4"),
+                                         ("float32", None)])
+@pytest.mark.parametrize("arch", MOE)
+def test_grouped_equals_per_expert_bit_for_bit(arch, dtype, quant, tmp_path):
+    """Every sparse layer plans the grouped kernel, and its output equals the per-expert path's bit for bit at
+    1 token, a decode batch, and a prompt long enough that popular experts exceed the kernel's rows (their own
+    forward runs them, the sum is shared)."""
+    from llmsys.engine.models.moe import route
+
+    llm = _llm(make_hf_model(arch, tmp_path / arch, seed=4), dtype, quant)
+    moes = _moes(llm)
+    assert moes and all(m.grouped is not None for m in moes), "the decode plan should give every MoE block the kernel"
+    g = torch.Generator().manual_seed(1)
+    dt = getattr(torch, dtype)
+    for moe in moes:
+        h = moe.gate.weight.shape[1]
+        for t in (1, 5, 8 * moe.grouped.max_rows):
+            x = (torch.randn(t, h, generator=g) * 2).to(dt)
+            with torch.no_grad():
+                got, want = moe.forward(x, t <= 8), _per_expert(moe, x, t <= 8)
+            assert got.dtype == want.dtype == dt and torch.equal(got, want), (t, (got.float() - want.float()).abs().max())
+        with torch.no_grad():
+            _, chosen = route(moe.gate(x), moe.top_k, moe.normalize, moe.float_weights, moe.topk_first)
+        counts = torch.bincount(chosen.flatten(), minlength=len(moe.experts))
+        assert int(counts.max()) > moe.grouped.max_rows  # the long case did leave experts to their own forward
+
+
+@pytest.mark.parametrize("arch", MOE)
+def test_engine_tokens_with_and_without_the_kernel(arch, tmp_path):
+    """Greedy tokens of a batch of int4 prompts are the same with the grouped kernel and expert by expert."""
+    from llmsys import SamplingParams
+    from llmsys.engine.models import decode_plan
+
+    path = make_hf_model(arch, tmp_path / arch, seed=3)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 512, (int(n),), generator=g).tolist() for n in (3, 17, 40, 9)]
+    sp = SamplingParams(max_tokens=12, **GREEDY)
+    llm = _llm(path, "bfloat16", "int4")
+    assert all(m.grouped is not None for m in _moes(llm))
+    grouped = [o.token_ids for o in llm.generate(prompts, sp)]
+    planned = decode_plan.moe_plan
+    try:
+        decode_plan.moe_plan = lambda moe, dtype: None  # the engine's plan without the kernel
+        ref = _llm(path, "bfloat16", "int4")
+        assert all(m.grouped is None for m in _moes(ref))
+        per_expert = [o.token_ids for o in ref.generate(prompts, sp)]
+    finally:
+        decode_plan.moe_plan = planned
+    assert grouped == per_expert
+
+
+def test_kernel_rejects_bad_arguments(tmp_path):
+    """Ids outside the experts or a wrong x shape are a clear error, not a read out of bounds."""
+    llm = _llm(make_hf_model("qwen3_moe", tmp_path / "m", seed=4), "bfloat16", "int8")
+    moe = _moes(llm)[0]
+    h = moe.gate.weight.shape[1]
+    x = torch.randn(2, h).to(torch.bfloat16)
+    w = torch.full((2, moe.top_k), 0.5).to(torch.bfloat16)
+    bad = torch.full((2, moe.top_k), len(moe.experts), dtype=torch.int64)
+    with pytest.raises(ValueError, match="rejected the layer"):
+        kernels.moe_experts(moe.grouped, x, bad, w)
+    with pytest.raises(ValueError, match="contiguous"):
+        kernels.moe_experts(moe.grouped, x.float(), bad.clamp(max=0), w)
