@@ -27,13 +27,13 @@ import pytest
 import torch
 
 from conftest import STORIES_HF, need_shared
-from tiny_models import make_hf_model
+from tiny_models import ARCH_CONFIGS, make_hf_model
 
 gguf = pytest.importorskip("gguf", reason="the GGUF export needs the gguf package (pip install -e '.[test]')")
 
 from llmsys.engine.bench import gguf_export  # noqa: E402
 from llmsys.engine.bench.gguf_export import gguf_file  # noqa: E402
-from llmsys.engine.loader.gguf_io import hf_to_interleaved, interleaved_to_hf  # noqa: E402
+from llmsys.engine.loader.gguf_io import hf_name, hf_to_interleaved, interleaved_to_hf  # noqa: E402
 from llmsys.kernels.common.errors import CheckpointError, InvalidParameterError, UnsupportedModelError  # noqa: E402
 
 try:
@@ -72,7 +72,13 @@ def families(tmp_path_factory) -> dict[str, Path]:
         out[kind] = make_hf_model(kind, root / kind, seed=1)
     (root / "qwen3_moe").mkdir()  # every layer sparse, as llama.cpp's qwen3moe reads it
     out["qwen3_moe"] = make_hf_model("qwen3_moe", root / "qwen3_moe", seed=1, mlp_only_layers=[])
+    (root / "gpt_oss").mkdir()  # YaRN's correction range rounded to whole dimensions, as llama.cpp always does
+    out["gpt_oss"] = make_hf_model("gpt_oss", root / "gpt_oss", seed=1, rope_parameters=_gpt_oss_yarn(truncate=True))
     return out
+
+
+def _gpt_oss_yarn(truncate: bool) -> dict:
+    return dict(ARCH_CONFIGS["gpt_oss"]["rope_parameters"], truncate=truncate)
 
 
 def _hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -85,13 +91,10 @@ def _field(reader, key: str):
     return reader.fields[key].contents()  # a scalar, a string or a list
 
 
-def _hf_name(g: str) -> str:
-    top = {v: k for k, v in gguf_export._TOP_NAMES.items()}
-    if g in top:
-        return top[g]
-    _, n, rest = g.split(".", 2)
-    layer = {v: k for k, v in gguf_export._LAYER_NAMES.items()}[rest]
-    return f"model.layers.{n}.{layer}"
+def _hf_name(g: str, arch: str = "llama") -> str:
+    name = hf_name(g, arch)  # the GGUF reader's tables: the export writes their inverse
+    assert name is not None, g
+    return name
 
 
 # --------------------------------------------------------------------------
@@ -209,12 +212,65 @@ def test_llama3_rope_scaling_becomes_rope_freqs(families):
     assert "output.weight" not in {t.name for t in r.tensors}  # tied
 
 
+def test_gpt_oss_writes_sinks_biases_stacked_experts_window_and_yarn(families):
+    src = families["gpt_oss"]
+    r = gguf.GGUFReader(str(gguf_file(src, "f32")))
+    meta = {k: _field(r, k) for k in r.fields}
+    assert meta["general.architecture"] == "gpt-oss"
+    assert meta["gpt-oss.attention.sliding_window"] == 12
+    assert meta["gpt-oss.attention.sliding_window_pattern"] == [True, False]  # layer 0 slides, layer 1 does not
+    assert meta["gpt-oss.rope.scaling.type"] == "yarn" and meta["gpt-oss.rope.scaling.factor"] == 4.0
+    assert meta["gpt-oss.rope.scaling.original_context_length"] == 64
+    assert (meta["gpt-oss.rope.scaling.yarn_beta_fast"], meta["gpt-oss.rope.scaling.yarn_beta_slow"]) == (32.0, 1.0)
+    assert (meta["gpt-oss.expert_count"], meta["gpt-oss.expert_used_count"]) == (4, 2)
+    assert meta["gpt-oss.expert_feed_forward_length"] == 96 and meta["gpt-oss.attention.key_length"] == 24
+
+    hf = _hf_tensors(src)  # transformers' fused layout: gate_up_proj [E, H, 2 I] (gate, up interleaved by column)
+    got = {t.name: torch.from_numpy(np.array(t.data)) for t in r.tensors}
+    assert all(t.tensor_type == gguf.GGMLQuantizationType.F32 for t in r.tensors)
+    gate_up, gate_up_b = hf["model.layers.1.mlp.experts.gate_up_proj"], hf["model.layers.1.mlp.experts.gate_up_proj_bias"]
+    want = {
+        "blk.1.attn_sinks.weight": hf["model.layers.1.self_attn.sinks"],
+        "blk.1.attn_output.bias": hf["model.layers.1.self_attn.o_proj.bias"],
+        "blk.1.attn_q.bias": hf["model.layers.1.self_attn.q_proj.bias"],
+        "blk.1.post_attention_norm.weight": hf["model.layers.1.post_attention_layernorm.weight"],
+        "blk.1.ffn_gate_inp.weight": hf["model.layers.1.mlp.router.weight"],
+        "blk.1.ffn_gate_inp.bias": hf["model.layers.1.mlp.router.bias"],
+        "blk.1.ffn_gate_exps.weight": gate_up[:, :, 0::2].transpose(1, 2),  # [E, I, H]: each expert's x @ W, as rows
+        "blk.1.ffn_up_exps.weight": gate_up[:, :, 1::2].transpose(1, 2),
+        "blk.1.ffn_down_exps.weight": hf["model.layers.1.mlp.experts.down_proj"].transpose(1, 2),  # [E, H, I]
+        "blk.1.ffn_gate_exps.bias": gate_up_b[:, 0::2],
+        "blk.1.ffn_up_exps.bias": gate_up_b[:, 1::2],
+        "blk.1.ffn_down_exps.bias": hf["model.layers.1.mlp.experts.down_proj_bias"],
+    }
+    for name, w in want.items():
+        assert torch.equal(got[name].reshape(w.shape), w), name
+    assert "blk.1.ffn_norm.weight" not in got  # gpt-oss's pre-MLP norm has llama.cpp's post-attention name
+
+    f16 = {t.name: t.tensor_type for t in gguf.GGUFReader(str(gguf_file(src, "f16"))).tensors}
+    assert f16["blk.0.ffn_gate_exps.weight"] == f16["blk.0.attn_q.weight"] == gguf.GGMLQuantizationType.F16
+    assert {f16["blk.0.ffn_gate_exps.bias"], f16["blk.0.attn_sinks.weight"]} == {gguf.GGMLQuantizationType.F32}
+
+
+def test_gpt_oss_llama_cpp_cannot_run_gets_one_line_errors(tmp_path):
+    (tmp_path / "limit").mkdir()
+    src = make_hf_model("gpt_oss", tmp_path / "limit", seed=0, swiglu_limit=5.0)  # llama.cpp's is fixed at 7
+    with pytest.raises(UnsupportedModelError, match=r"clamped SwiGLU of alpha 1.702, limit 7.0; this config has "
+                                                    r"attention_bias True, swiglu_alpha 1.702, swiglu_limit 5.0$"):
+        gguf_file(src, "f32")
+    (tmp_path / "yarn").mkdir()
+    qwen = make_hf_model("qwen3", tmp_path / "yarn", seed=0, rope_scaling=dict(rope_type="yarn", factor=4.0))
+    with pytest.raises(UnsupportedModelError, match="does not handle rope scaling 'yarn' for qwen3"):
+        gguf_file(qwen, "f32")
+
+
 def test_unhandled_inputs_get_one_line_errors(families, tmp_path):
     phi = tmp_path / "phi3"
     phi.mkdir()
     (phi / "config.json").write_text('{"model_type": "phi3"}')
     (phi / "model.safetensors").write_bytes(b"")
-    with pytest.raises(UnsupportedModelError, match="handles model_type llama, mistral, qwen2, qwen3, qwen3_moe, not 'phi3'"):
+    with pytest.raises(UnsupportedModelError,
+                       match="handles model_type llama, mistral, qwen2, qwen3, qwen3_moe, gpt_oss, not 'phi3'"):
         gguf_file(phi, "f32")
     dense1 = make_hf_model("qwen3_moe", tmp_path / "moe", seed=0)  # layer 1 dense: llama.cpp's qwen3moe has none
     with pytest.raises(UnsupportedModelError, match="every layer sparse"):
@@ -329,10 +385,12 @@ def test_llama_cpp_f32_matches_transformers_on_stories(stories, monkeypatch):
 
 
 @needs_llama_cpp
-@pytest.mark.parametrize("kind", ["qwen2", "llama3.2", "mistral", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["qwen2", "llama3.2", "mistral", "qwen3_moe", "gpt_oss"])
 def test_llama_cpp_f32_matches_transformers_on_other_families(families, kind):
     """qwen2: biases + NEOX RoPE, tied; llama3.2: llama3 rope scaling (rope_freqs), tied; mistral: llama arch;
-    qwen3_moe: stacked experts (ffn_*_exps) and the router, as llama.cpp's qwen3moe."""
+    qwen3_moe: stacked experts (ffn_*_exps) and the router, as llama.cpp's qwen3moe; gpt_oss: attention sinks,
+    a 12-token window on layer 0 (the 40-token prompt passes it), q/k/v/o biases, YaRN, the biased router's
+    softmax over its top 2, experts' biases and the clamped SwiGLU, as llama.cpp's gpt-oss."""
     ids = list(range(20, 60))
     ref, ref_gen = _hf_logits_and_greedy(families[kind], ids, 20)
     llm = _llama(gguf_file(families[kind], "f32"), logits_all=True)
@@ -340,6 +398,24 @@ def test_llama_cpp_f32_matches_transformers_on_other_families(families, kind):
     llm.eval(ids)
     assert _rel_err(np.array(llm.scores[: len(ids)]), ref).max() < F32_RTOL
     assert _greedy(llm, ids, 20) == ref_gen
+    llm.close()
+
+
+@needs_llama_cpp
+def test_gpt_oss_yarn_without_truncation_differs_in_llama_cpp(tmp_path):
+    """The released configs' ``truncate: false`` keeps YaRN's correction range fractional; llama.cpp rounds it
+    out to whole dimensions (its gpt-oss cannot be told otherwise), which moves this tiny model's second
+    rotated pair (range 0..2.3 against 0..3) enough to show: the file is written all the same, and the
+    tolerance above tells a RoPE difference from none."""
+    (tmp_path / "m").mkdir()
+    src = make_hf_model("gpt_oss", tmp_path / "m", seed=1, rope_parameters=_gpt_oss_yarn(truncate=False))
+    ids = list(range(20, 60))
+    ref, _ = _hf_logits_and_greedy(src, ids, 1)
+    llm = _llama(gguf_file(src, "f32"), logits_all=True)
+    llm.reset()
+    llm.eval(ids)
+    err = _rel_err(np.array(llm.scores[: len(ids)]), ref)
+    assert err[0] < F32_RTOL and err[1:].max() > 10 * F32_RTOL, err  # position 0 has no rotation
     llm.close()
 
 

@@ -3,9 +3,14 @@
 f32/f16 are written here with the ``gguf`` package; q8_0, q4_0 and q4_K_M come from that file through
 llama.cpp's own quantizer (``llama_cpp.llama_model_quantize``), so the baseline runs its real formats.
 Exported: ``llama`` (SmolLM2, Llama 3.x) and ``mistral`` as ``llama``, ``qwen2``, ``qwen3``, ``qwen3_moe``
-as ``qwen3moe`` (experts stacked into ``ffn_{gate,up,down}_exps``); tied embeddings once. llama.cpp's
+as ``qwen3moe`` and ``gpt_oss`` as ``gpt-oss`` (experts stacked into ``ffn_{gate,up,down}_exps``, their
+biases likewise, as plain float tensors llama.cpp's quantizer takes; gpt-oss's fused or MXFP4 experts are read
+through the loader's per-expert views); tied embeddings once. Tensor names are the GGUF reader's
+(``gguf_io.stored_name``), so the two directions cannot disagree. llama.cpp's
 ``llama`` rotates adjacent pairs, so q/k rows are reordered from rotate-half (:func:`hf_to_interleaved`;
-``qwen2`` stays NEOX). A SentencePiece-style ``tokenizer.json`` becomes a real SPM vocabulary; any other
+``qwen2`` stays NEOX). llama.cpp's gpt-oss always rounds YaRN's correction range to whole dimensions (a
+checkpoint's ``truncate: false`` cannot be written), so on such a config its RoPE differs from transformers'
+in the one or two dimensions at the range's ends. A SentencePiece-style ``tokenizer.json`` becomes a real SPM vocabulary; any other
 gets ``<tok_N>`` placeholders (benches feed ids). Cached under ``$LLMSYS_HOME/gguf/<folder>-<key>/``,
 the key hashing the folder's path, config, tokenizer and each shard's name, size and mtime.
 """
@@ -44,17 +49,17 @@ GGUF_FORMATS = FLOAT_FORMATS + QUANT_FORMATS
 _FTYPES = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
 # HF model_type -> (llama.cpp architecture, q/k rows reordered for interleaved RoPE)
 _ARCHS = {"llama": ("llama", True), "mistral": ("llama", True), "qwen2": ("qwen2", False), "qwen3": ("qwen3", False),
-          "qwen3_moe": ("qwen3moe", False)}
-_FUSED_EXPERTS = re.compile(r"\.mlp\.experts\.(gate_up|down)_proj$|\.block_sparse_moe\.")
-# An MoE layer's tensors: the router, and each expert's matrix stacked over the experts ([E, rows, cols]).
-_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.(?:gate\.weight|experts\.(\d+)\.(gate|up|down)_proj\.weight)$")
-_EXPORT_VERSION = 1  # part of the cache key: bump when the written bytes change
+          "qwen3_moe": ("qwen3moe", False), "gpt_oss": ("gpt-oss", False)}
+# Experts as a checkpoint may store them (fused, MXFP4, Mixtral's or gpt-oss's router names): written through
+# the loader's per-expert views of them instead.
+_FUSED_EXPERTS = re.compile(r"\.mlp\.experts\.(gate_up|down)_proj(_bias|_blocks|_scales)?$|\.block_sparse_moe\."
+                            r"|\.mlp\.router\.")
+# One expert's matrix or bias: stacked over the experts ([E, rows, cols] / [E, rows]) into the layer's *_exps.
+_EXPERT = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.(weight|bias)$")
+# llama.cpp's gpt-oss hard-codes the clamped SwiGLU's constants (alpha, limit).
+_GPT_OSS_SWIGLU = (1.702, 7.0)
+_EXPORT_VERSION = 2  # part of the cache key: bump when the written bytes change
 _INSTALL = 'pip install -e ".[llamacpp]" (builds llama.cpp, ~15 min)'
-
-# HF tensor names -> llama.cpp's: the inverse of the GGUF reader's tables (one list of names).
-_LAYER_NAMES = {hf: g for g, hf in gguf_io.LAYER_NAMES.items()}
-_TOP_NAMES = {hf: g for g, hf in gguf_io.TOP_NAMES.items()}
-
 
 @dataclass(frozen=True)
 class GGUFSource:
@@ -62,7 +67,7 @@ class GGUFSource:
 
     folder: Path
     args: TransformerArgs  # the family's reading of config.json (head counts, rope, eps, tying)
-    arch: str  # "llama" or "qwen2"
+    arch: str  # llama.cpp's architecture: "llama", "qwen2", "qwen3", "qwen3moe" or "gpt-oss"
     interleave_qk: bool  # reorder q/k rows for llama.cpp's interleaved RoPE
 
 
@@ -82,35 +87,36 @@ def open_source(folder: str | Path) -> GGUFSource:
         )
     args = family_for(cfg).ModelArgs.from_hf_config(cfg)
     rope_type = (args.rope_scaling or {}).get("rope_type", (args.rope_scaling or {}).get("type", "default"))
-    if rope_type not in ("default", "linear", "llama3") or (rope_type == "llama3" and mt in ("qwen2", "qwen3")):
+    if (rope_type not in ("default", "linear", "llama3", "yarn") or (rope_type == "llama3" and mt in ("qwen2", "qwen3"))
+            or (rope_type == "yarn") != (mt == "gpt_oss")):
         raise UnsupportedModelError(f"{folder}: the GGUF export does not handle rope scaling {rope_type!r} for {mt}")
     arch, interleave = _ARCHS[mt]
-    if args.num_experts and (not args.norm_topk_prob or args.sparse_layers is not None
-                             and len(args.sparse_layers) != args.num_hidden_layers):
+    if mt == "gpt_oss" and ((args.swiglu_alpha, args.swiglu_limit) != _GPT_OSS_SWIGLU or not args.o_proj_bias):
+        raise UnsupportedModelError(
+            f"{folder}: llama.cpp's gpt-oss has attention biases and a clamped SwiGLU of alpha {_GPT_OSS_SWIGLU[0]}, "
+            f"limit {_GPT_OSS_SWIGLU[1]}; this config has attention_bias {args.o_proj_bias}, swiglu_alpha "
+            f"{args.swiglu_alpha}, swiglu_limit {args.swiglu_limit}")
+    if arch == "qwen3moe" and (not args.norm_topk_prob or args.sparse_layers is not None
+                               and len(args.sparse_layers) != args.num_hidden_layers):
         # llama.cpp's qwen3moe renormalises the top-k weights and has an MoE block in every layer.
         raise UnsupportedModelError(f"{folder}: the GGUF export handles {mt} with norm_topk_prob true and every "
                                     "layer sparse (no mlp_only_layers / decoder_sparse_step), as llama.cpp reads it")
     return GGUFSource(folder, args, arch, interleave)
 
 
-def gguf_name(hf_name: str) -> str | None:
-    """llama.cpp's name for an HF tensor name; None for a tensor llama.cpp does not read (RoPE buffers).
+def gguf_name(hf_name: str, arch: str = "llama") -> str | None:
+    """llama.cpp's name for an HF tensor name in a file of architecture ``arch`` (the GGUF reader's tables,
+    ``gguf_io.stored_name``); None for a tensor llama.cpp does not read (RoPE buffers).
 
-    An expert's matrix maps to its layer's stacked tensor (``blk.N.ffn_gate_exps.weight``: every expert's
-    gate rows, :func:`_plan`), the router to ``blk.N.ffn_gate_inp.weight``.
+    An expert's matrix or bias maps to its layer's stacked tensor (``blk.N.ffn_gate_exps.weight``: every
+    expert's gate rows, :func:`_plan`), the router to ``blk.N.ffn_gate_inp.weight`` (and ``.bias``).
     """
-    m = _EXPERT.match(hf_name)
-    if m is not None:
-        layer, expert, part = m.groups()
-        return f"blk.{layer}.ffn_gate_inp.weight" if expert is None else f"blk.{layer}.ffn_{part}_exps.weight"
-    if hf_name in _TOP_NAMES:
-        return _TOP_NAMES[hf_name]
     if hf_name.endswith("rotary_emb.inv_freq"):
         return None
-    parts = hf_name.split(".", 3)  # model.layers.N.<suffix>
-    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in _LAYER_NAMES:
-        return f"blk.{parts[2]}.{_LAYER_NAMES[parts[3]]}"
-    raise UnsupportedModelError(f"tensor {hf_name!r} has no llama.cpp counterpart in the GGUF export")
+    g = gguf_io.stored_name(hf_name, arch)
+    if g is None:
+        raise UnsupportedModelError(f"tensor {hf_name!r} has no llama.cpp counterpart in the GGUF export")
+    return g
 
 
 def _source_key(src: GGUFSource) -> str:
@@ -198,9 +204,10 @@ def export_float(folder: str | Path, out: Path, fmt: str = "f32", matrices: str 
     def quantized(shape: tuple[int, ...]) -> bool:
         return qtype is not None and len(shape) == 2 and shape[1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0
 
-    def target(shape: tuple[int, ...]) -> torch.dtype:
-        # Matrices (and stacked experts) in the file's format; norms and biases f32, as llama.cpp wants them.
-        return torch.float16 if fmt == "f16" and len(shape) >= 2 else torch.float32
+    def target(g: str, shape: tuple[int, ...]) -> torch.dtype:
+        # Matrices (and stacked experts) in the file's format; norms and biases (stacked experts' too) f32, as
+        # llama.cpp wants them.
+        return torch.float16 if fmt == "f16" and len(shape) >= 2 and g.endswith(".weight") else torch.float32
 
     for names, g in plan:
         shape = _stacked_shape(index, names)
@@ -208,7 +215,7 @@ def export_float(folder: str | Path, out: Path, fmt: str = "f32", matrices: str 
             block, size = gguf.GGML_QUANT_SIZES[qtype]
             w.add_tensor_info(g, shape, np.dtype(np.float32), shape[0] * shape[1] // block * size, raw_dtype=qtype)
             continue
-        dt = np.dtype(np.float16 if target(shape) == torch.float16 else np.float32)
+        dt = np.dtype(np.float16 if target(g, shape) == torch.float16 else np.float32)
         w.add_tensor_info(g, shape, dt, int(np.prod(shape)) * dt.itemsize)
     if extra is not None:
         w.add_tensor_info("rope_freqs.weight", tuple(extra.shape), np.dtype(np.float32), extra.numel() * 4)
@@ -225,7 +232,7 @@ def export_float(folder: str | Path, out: Path, fmt: str = "f32", matrices: str 
                        gguf.GGMLQuantizationType.Q6_K: quantize_q6_k}
                 w.write_tensor_data(own[qtype](x) if qtype in own else gguf.quants.quantize(x, qtype))
             else:
-                w.write_tensor_data(t.to(target(tuple(t.shape))).contiguous().numpy())  # bf16 -> f16 rounds once
+                w.write_tensor_data(t.to(target(g, tuple(t.shape))).contiguous().numpy())  # bf16 -> f16 rounds once
         if extra is not None:
             w.write_tensor_data(extra.numpy())
         w.close()
@@ -240,8 +247,9 @@ def _plan(src: GGUFSource, index) -> list[tuple[tuple[str, ...], str]]:
     """The file's tensors in order: (the HF names written as one tensor, its llama.cpp name).
 
     One name each, except an MoE layer's experts: each of gate / up / down is one ``[E, rows, cols]``
-    tensor of the E experts' matrices in expert order, as llama.cpp's ``*_exps`` tensors hold them.
-    Experts stored fused or under Mixtral's names are read through the loader's views of them.
+    tensor of the E experts' matrices in expert order, as llama.cpp's ``*_exps`` tensors hold them (their
+    biases one ``[E, rows]``). Experts stored fused, as MXFP4 or under Mixtral's names are read through the
+    loader's views of them.
     """
     a = src.args
     if a.num_experts:
@@ -250,21 +258,20 @@ def _plan(src: GGUFSource, index) -> list[tuple[tuple[str, ...], str]]:
 
         cfg = json.loads((src.folder / "config.json").read_text())
         shapes = dict(_param_shapes(cfg))
-        add_expert_views(index, shapes, shapes, src.folder)
+        add_expert_views(index, shapes, shapes, src.folder, a.experts_layout)
     groups: dict[str, list[tuple[int, str]]] = {}
-    for name in sorted(index.where, key=_order):
+    for name in sorted({*index.where, *index.derived}, key=_order):
         if a.num_experts and _FUSED_EXPERTS.search(name):
             continue  # stored fused / Mixtral-named: written through the views added above
-        g = gguf_name(name)
+        g = gguf_name(name, src.arch)
         if g is None or (g == "output.weight" and a.tie_word_embeddings):
             continue
         m = _EXPERT.match(name)
-        expert = int(m.group(2)) if m is not None and m.group(2) is not None else 0
-        groups.setdefault(g, []).append((expert, name))
+        groups.setdefault(g, []).append((int(m.group(1)) if m is not None else 0, name))
     plan = []
     for g, members in groups.items():
         members.sort()
-        if g.endswith("_exps.weight") and [e for e, _ in members] != list(range(a.num_experts)):
+        if "_exps." in g and [e for e, _ in members] != list(range(a.num_experts)):
             raise CheckpointError(f"{src.folder}: {g} needs experts 0..{a.num_experts - 1}, "
                                   f"the checkpoint has {len(members)} of them")
         plan.append((tuple(n for _, n in members), g))
@@ -401,10 +408,20 @@ def _write_metadata(w: gguf.GGUFWriter, src: GGUFSource, fmt: str) -> None:
         w.add_expert_count(a.num_experts)
         w.add_expert_used_count(a.num_experts_per_tok)
         w.add_expert_feed_forward_length(a.moe_intermediate_size)
+    if src.arch == "gpt-oss":  # llama.cpp reads a window and which layers use it (no window: none does)
+        w.add_sliding_window(a.sliding_window or a.max_position_embeddings)
+        w.add_sliding_window_pattern([a.sliding(i) for i in range(a.num_hidden_layers)])
     scaling = a.rope_scaling or {}
-    if scaling.get("rope_type", scaling.get("type")) == "linear":
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(float(scaling["factor"]))
+    elif kind == "yarn":  # llama.cpp derives YaRN's attention factor (0.1 ln(factor) + 1) as transformers does
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(float(scaling["factor"]))
+        w.add_rope_scaling_orig_ctx_len(int(scaling["original_max_position_embeddings"]))
+        w.add_rope_scaling_yarn_beta_fast(float(scaling.get("beta_fast", 32.0)))
+        w.add_rope_scaling_yarn_beta_slow(float(scaling.get("beta_slow", 1.0)))
     _write_vocab(w, src)
 
 
