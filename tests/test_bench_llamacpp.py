@@ -228,7 +228,8 @@ def test_gpt_oss_writes_sinks_biases_stacked_experts_window_and_yarn(families):
     hf = _hf_tensors(src)  # transformers' fused layout: gate_up_proj [E, H, 2 I] (gate, up interleaved by column)
     got = {t.name: torch.from_numpy(np.array(t.data)) for t in r.tensors}
     assert all(t.tensor_type == gguf.GGMLQuantizationType.F32 for t in r.tensors)
-    gate_up, gate_up_b = hf["model.layers.1.mlp.experts.gate_up_proj"], hf["model.layers.1.mlp.experts.gate_up_proj_bias"]
+    gate_up = hf["model.layers.1.mlp.experts.gate_up_proj"]
+    gate_up_b = hf["model.layers.1.mlp.experts.gate_up_proj_bias"]
     want = {
         "blk.1.attn_sinks.weight": hf["model.layers.1.self_attn.sinks"],
         "blk.1.attn_output.bias": hf["model.layers.1.self_attn.o_proj.bias"],

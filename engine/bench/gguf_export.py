@@ -6,13 +6,14 @@ Exported: ``llama`` (SmolLM2, Llama 3.x) and ``mistral`` as ``llama``, ``qwen2``
 as ``qwen3moe`` and ``gpt_oss`` as ``gpt-oss`` (experts stacked into ``ffn_{gate,up,down}_exps``, their
 biases likewise, as plain float tensors llama.cpp's quantizer takes; gpt-oss's fused or MXFP4 experts are read
 through the loader's per-expert views); tied embeddings once. Tensor names are the GGUF reader's
-(``gguf_io.stored_name``), so the two directions cannot disagree. llama.cpp's
-``llama`` rotates adjacent pairs, so q/k rows are reordered from rotate-half (:func:`hf_to_interleaved`;
-``qwen2`` stays NEOX). llama.cpp's gpt-oss always rounds YaRN's correction range to whole dimensions (a
-checkpoint's ``truncate: false`` cannot be written), so on such a config its RoPE differs from transformers'
-in the one or two dimensions at the range's ends. A SentencePiece-style ``tokenizer.json`` becomes a real SPM vocabulary; any other
-gets ``<tok_N>`` placeholders (benches feed ids). Cached under ``$LLMSYS_HOME/gguf/<folder>-<key>/``,
-the key hashing the folder's path, config, tokenizer and each shard's name, size and mtime.
+(``gguf_io.stored_name``), so the two directions cannot disagree. llama.cpp's ``llama`` rotates adjacent
+pairs, so q/k rows are reordered from rotate-half (:func:`hf_to_interleaved`; the others stay NEOX).
+llama.cpp's gpt-oss always rounds YaRN's correction range out to whole dimensions (a checkpoint's
+``truncate: false`` cannot be written), so on such a config its RoPE differs from transformers' in the one
+or two dimensions at the range's ends. A SentencePiece-style ``tokenizer.json`` becomes a real SPM
+vocabulary; any other gets ``<tok_N>`` placeholders (benches feed ids). Cached under
+``$LLMSYS_HOME/gguf/<folder>-<key>/``, the key hashing the folder's path, config, tokenizer and each shard's
+name, size and mtime.
 """
 
 from __future__ import annotations
