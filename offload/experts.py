@@ -8,7 +8,10 @@ Eviction is LFU by default: a decode step sweeps every layer, so LRU evicts ever
 experts exceed the cache; counts halve every ``AGE_USES_PER_SLOT`` uses per slot, so drifting popularity
 wins slots back (``placement={"expert_policy": "lru"}`` picks LRU; hit rates: docs/benchmarks.md, ``moe``).
 Cached experts run while up to ``READ_DEPTH`` reads fetch the rest; the order changes no bit (each
-``(token, slot)`` row is written once and summed in slot order: ``engine/models/moe.py``).
+``(token, slot)`` row is written once and summed in slot order: ``engine/models/moe.py``). Pre-gating: once a
+layer has routed, the next sparse layer's router runs on the same input (the hidden state changes little over one
+layer) and the experts it names are read ahead in the reads left over (``DiskExperts.prefetch_next``), so the next
+layer finds them landed or in flight; the guess's hit rate and the bytes read ahead for nothing are counted.
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ READ_DEPTH = 4
 # slots, so every ~3000 uses = ~64 decode steps of 6 x 8 experts): long enough that a stable router's ranks
 # settle, short enough that a drift in popularity (a new topic, greedy vs sampled text) is followed.
 AGE_USES_PER_SLOT = 16
+# Experts of the next sparse layer read ahead on one guess at most (pre-gating: a decode step's guess names top_k;
+# a prompt's many tokens name most experts, ranked by how many tokens picked each).
+AHEAD = 16
 
 
 @dataclass
@@ -50,6 +56,17 @@ class ExpertCacheStats:
     repack_s: float = 0.0  # building run-time tensors from stored bytes (:class:`Repacked`), either thread
     evictions: int = 0
     files: dict[str, int] = field(default_factory=dict)  # bytes read per file (the checkpoint, an offload file)
+    # pre-gating: the next layer's experts guessed from this layer's router input and read ahead
+    guess_hits: int = 0  # experts a layer routed to that its guess named
+    guess_chosen: int = 0  # experts routed to by layers that had a guess
+    ahead_reads: int = 0  # experts read ahead on a guess (also in misses when routed to, in bytes_read)
+    ahead_used: int = 0  # of those, routed to by the layer they were read for
+    ahead_bytes: int = 0
+    ahead_unused_bytes: int = 0  # read ahead, evicted without ever being routed to
+
+    @property
+    def guess_rate(self) -> float:
+        return self.guess_hits / max(self.guess_chosen, 1)
 
     @property
     def hit_rate(self) -> float:
@@ -68,10 +85,22 @@ class ExpertReport:
     hits: int
     misses: int
     bytes_read: int
+    # pre-gating (disk tier): how often the guess of a layer's experts named the ones it routed to, and the reads ahead
+    guess_hits: int = 0
+    guess_chosen: int = 0
+    ahead_reads: int = 0
+    ahead_used: int = 0
+    ahead_bytes: int = 0
+    ahead_unused_bytes: int = 0  # read ahead and never routed to (evicted so, or in the cache still)
 
     @property
     def hit_rate(self) -> float:
         return self.hits / max(self.hits + self.misses, 1)
+
+    @property
+    def guess_rate(self) -> float:
+        """Experts routed to that the pre-gating guess named, of all routed to by layers that had a guess."""
+        return self.guess_hits / max(self.guess_chosen, 1)
 
 
 @dataclass(frozen=True)
@@ -225,6 +254,17 @@ class ExpertCache:
                                           initializer=torch.set_num_threads, initargs=(1,))
         self._staging = threading.local()  # per reading thread: uint8 buffer for stored bytes to repack
         self.staging_bytes = 0  # those buffers' bytes, all threads
+        # Pre-gating (:meth:`expect`), all on the compute thread: the guess per layer (scored when it routes), the reads
+        # still to start, reads ahead by key (slots held apart from the cache until that layer routes; at most
+        # _ahead_max, so a miss always finds a slot: depth reads + the one computing + these < the slots), ones its
+        # layer did not use (into the cache once landed), and those in the cache never routed to (their bytes).
+        self._guess: dict[int, set[int]] = {}
+        self._want: tuple[int, list[int], list[ExpertWeights]] | None = None
+        self._ahead: dict[tuple[int, int], tuple[int, Future]] = {}
+        self._stale: dict[tuple[int, int], tuple[int, Future]] = {}
+        self._ahead_bytes: dict[tuple[int, int], int] = {}
+        self._unused: dict[tuple[int, int], int] = {}
+        self._ahead_max = max(0, min(AHEAD, n - depth - 2))
 
     def _stage(self, n: int) -> torch.Tensor:
         """This thread's staging buffer of at least ``n`` bytes (grown, never shrunk)."""
@@ -238,6 +278,11 @@ class ExpertCache:
     @property
     def cached_bytes(self) -> int:
         return len(self._lru) * self.slot_bytes
+
+    @property
+    def unused_ahead_bytes(self) -> int:
+        """Bytes read ahead on a guess and never routed to: evicted so, or in the cache still."""
+        return self.stats.ahead_unused_bytes + sum(self._unused.values())
 
     def _fd(self, path: str) -> int:
         with self._fd_lock:
@@ -305,29 +350,87 @@ class ExpertCache:
             self._since_age = 0
             self._uses = {k: c // 2 for k, c in self._uses.items() if c > 1}
 
-    def _take(self, layer: int, keep: set[int], busy: set[int], strict: bool) -> int | None:
+    def _take(self, layer: int, keep: set[int], busy: set[int], strict: bool,
+              spare: frozenset[tuple[int, int]] = frozenset()) -> int | None:
         """A slot to fill: a free one, else the least recently used not in ``busy`` (being read or
-        computed) nor, for ``strict``, one of ``layer``'s experts in ``keep`` (still to run this step)."""
+        computed) nor, for ``strict``, one of ``layer``'s experts in ``keep`` (still to run this step) or in ``spare``."""
         if self._free:
             return self._free.pop()
         for passes in ((True,) if strict else (True, False)):
             ok = [key for key, s in self._lru.items()
-                  if s not in busy and not (passes and key[0] == layer and key[1] in keep)]
+                  if s not in busy and not (passes and (key[0] == layer and key[1] in keep or key in spare))]
             if not ok:
                 continue
             # "lru": the oldest use; "lfu": the expert routed to least often lately (aged counts; ties: the oldest use)
             key = ok[0] if self.policy == "lru" else min(ok, key=lambda k: self._uses.get(k, 0))
             self.stats.evictions += 1
+            if key in self._unused:  # read ahead on a guess, never routed to
+                self.stats.ahead_unused_bytes += self._unused.pop(key)
             return self._lru.pop(key)
         if strict:
             return None
         raise RuntimeError("expert cache: every slot is busy (it needs at least one)")
 
+    def expect(self, layer: int, ids: list[int], weights: list[ExpertWeights]) -> None:
+        """Pre-gating: ``layer`` will likely route to ``ids`` (most likely first). Reads of the ones not cached start
+        from the next :meth:`each` on, once that layer's own reads are under way (never in place of them), into
+        free slots or evicted ones that layer does not need; ``layer``'s :meth:`each` picks them up."""
+        self._guess[layer] = set(ids)
+        self._settle()
+        self._want = (layer, [e for e in ids[:AHEAD] if (layer, e) not in self._lru], weights)
+
+    def _settle(self) -> None:
+        """Reads ahead that the guessed layer did not use: into the cache once landed, their slot freed if they failed
+        (the expert is read again when routed to, and a failure then is that read's error)."""
+        for key, (slot, fut) in list(self._stale.items()):
+            if not fut.done():
+                continue
+            del self._stale[key]
+            if fut.exception() is None and key not in self._lru:
+                self._lru[key] = slot
+                self._unused[key] = self._ahead_bytes.pop(key, 0)
+            else:
+                self._free.append(slot)
+                self._ahead_bytes.pop(key, None)
+
+    def _read_ahead(self, layer: int, keep: set[int], busy: set[int], reading: int) -> None:
+        """Start reads of the guessed next layer's experts while fewer than ``depth`` reads are in flight
+        (``reading``: the current layer's), into slots that are not ``busy`` nor hold ``layer``'s ``keep``."""
+        if self._want is None:
+            return
+        nxt, ids, weights = self._want
+        inflight = reading + sum(1 for _, f in self._ahead.values() if not f.done())
+        spare = frozenset((nxt, e) for e in self._guess.get(nxt, ()))
+        while ids and inflight < self.depth and len(self._ahead) < self._ahead_max:
+            e = ids.pop(0)
+            key = (nxt, e)
+            if key in self._lru or key in self._ahead or key in self._stale:
+                continue
+            slot = self._take(layer, keep, busy, strict=True, spare=spare)
+            if slot is None:
+                ids.clear()
+                break
+            busy.add(slot)
+            self._ahead[key] = (slot, self._reader.submit(self._read, weights[e], slot))
+            self._ahead_bytes[key] = weights[e].read_bytes
+            self.stats.ahead_reads += 1
+            self.stats.ahead_bytes += weights[e].read_bytes
+            inflight += 1
+
     def each(self, layer: int, ids: list[int], weights: list[ExpertWeights]) -> Iterator[int]:
-        """:meth:`ExpertSource.each` for one layer: cached experts first, the missing ones as they are read
-        (up to ``depth`` reads in flight while the compute thread works)."""
-        lru = self._lru
-        order = [e for e in ids if (layer, e) in lru] + [e for e in ids if (layer, e) not in lru]
+        """:meth:`ExpertSource.each` for one layer: cached experts first, then those read ahead on a guess
+        (:meth:`expect`), the missing ones as they are read (up to ``depth`` reads in flight while the compute thread
+        works, the next layer's guessed experts read in what is left)."""
+        lru, ahead = self._lru, self._ahead
+        self._settle()
+        guess = self._guess.pop(layer, None)
+        if guess is not None:
+            self.stats.guess_hits += len(guess.intersection(ids))
+            self.stats.guess_chosen += len(ids)
+        if self._want is not None and self._want[0] == layer:  # its guess is spent: this layer routed
+            self._want = None
+        order = ([e for e in ids if (layer, e) in lru] + [e for e in ids if (layer, e) in ahead]
+                 + [e for e in ids if (layer, e) not in lru and (layer, e) not in ahead])
         left = set(order)
         pending: dict[int, tuple[int, Future]] = {}  # expert -> (slot, read) in flight
         try:
@@ -338,9 +441,14 @@ class ExpertCache:
                     slot = lru[key]
                     lru.move_to_end(key)
                     self.stats.hits += 1
+                    self._unused.pop(key, None)
                 else:
                     t = time.perf_counter()
-                    if e in pending:
+                    if key in ahead:
+                        slot, fut = ahead.pop(key)
+                        self._ahead_bytes.pop(key, None)
+                        self.stats.ahead_used += 1
+                    elif e in pending:
                         slot, fut = pending.pop(e)
                     else:
                         slot = self._take(layer, left, {s for s, _ in pending.values()}, strict=False)
@@ -359,13 +467,14 @@ class ExpertCache:
                 for x in order[i + 1 :]:
                     if len(pending) >= self.depth:
                         break
-                    if (layer, x) in lru or x in pending:
+                    if (layer, x) in lru or x in pending or (layer, x) in ahead:
                         continue
                     s = self._take(layer, left - {e}, busy, strict=True)
                     if s is None:
                         break
                     busy.add(s)
                     pending[x] = (s, self._reader.submit(self._read, weights[x], s))
+                self._read_ahead(layer, left, busy, len(pending))  # the next layer's guess, in the reads left over
                 w = weights[e]
                 w.bind(self.slots[slot])
                 try:
@@ -380,6 +489,9 @@ class ExpertCache:
                     lru[(layer, x)] = s
                 except BaseException:
                     self._free.append(s)
+            for key in [k for k in ahead if k[0] == layer]:  # read ahead for this layer, not routed to
+                self._stale[key] = ahead.pop(key)
+            self._settle()
 
     def close(self) -> None:
         self._reader.shutdown(wait=True)
@@ -388,25 +500,49 @@ class ExpertCache:
                 os.close(fd)
             self._fds.clear()
         self._lru.clear()
+        self._ahead.clear()
+        self._stale.clear()
         self.slots = []
         self._views = []
         self._staging = threading.local()
 
 
+@dataclass(frozen=True)
+class NextRouter:
+    """The router of the sparse layer after a layer, for pre-gating (``DiskExperts.prefetch_next``): ``router``
+    maps a ``[T, hidden]`` input to ``[T, experts]`` logits (the next layer's ``gate`` module, a callable so this
+    package does not import the engine), and each token routes to the ``top_k`` largest of them."""
+
+    router: Callable[[torch.Tensor], torch.Tensor]
+    top_k: int
+    experts: "DiskExperts"
+
+
 @dataclass
 class DiskExperts:
-    """A sparse layer's experts on disk (``ExpertSource``): read on demand into the shared cache."""
+    """A sparse layer's experts on disk (``ExpertSource``): read on demand into the shared cache; with ``next``, the
+    next sparse layer's likely experts are read ahead (pre-gating)."""
 
     layer: int
     weights: list[ExpertWeights]
     cache: ExpertCache
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    next: NextRouter | None = None
 
     def each(self, experts: list[int]) -> Iterator[int]:
         return self.cache.each(self.layer, experts, self.weights)
 
     def prefetch_next(self, x: torch.Tensor) -> None:
-        """No guess yet: the next layer's experts are read when it routes."""
+        """Guess the next sparse layer's experts from this layer's router input ``x`` through the next router (its
+        hidden state drifts little over one layer), the experts most tokens pick first, and queue their reads."""
+        nxt = self.next
+        if nxt is None:
+            return
+        logits = nxt.router(x)  # [T, E]
+        top = torch.topk(logits, min(nxt.top_k, logits.shape[-1]), dim=-1).indices.reshape(-1)
+        votes = torch.bincount(top.cpu(), minlength=logits.shape[-1])
+        ids = torch.argsort(votes, descending=True, stable=True)[: int((votes > 0).sum())].tolist()
+        self.cache.expect(nxt.experts.layer, ids, nxt.experts.weights)
 
 
 @dataclass

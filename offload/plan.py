@@ -158,6 +158,8 @@ class ExpertPlan:
     # bytes a read of one expert takes from disk, where the file stores them in another form than a cache slot
     # holds (a GGUF's blocks: read as stored, repacked in the slot); 0: bytes_per_expert
     stored_bytes_per_expert: int = 0
+    # pre-gating (disk tier): each sparse layer guesses the next one's experts and reads them ahead (offload/experts.py)
+    prefetch: bool = True
 
     @property
     def expert_bytes(self) -> int:
@@ -454,6 +456,7 @@ def plan_placement(shape: ModelShape, budgets: Budgets, bw: Bandwidths, workload
     want_experts = force.pop("experts", None)
     cache_cap = force.pop("expert_cache", None)
     policy = str(force.pop("expert_policy", "lfu"))
+    prefetch = bool(force.pop("expert_prefetch", True))
     sparse = shape.sparse
     moe_cpu = tuple(sparse if cpu_moe < 0 else sparse[:cpu_moe]) if cpu_moe else ()
     fixed_cpu = sum(shape.layers[i].expert_bytes for i in moe_cpu)  # --cpu-moe experts: CPU RAM whatever the kinds
@@ -591,7 +594,7 @@ def plan_placement(shape: ModelShape, budgets: Budgets, bw: Bandwidths, workload
                 if cache < bpe:
                     continue
                 ep = ExpertPlan("disk", sparse, first.num_experts, first.top_k, bpe, cache, workload.batch, policy,
-                                spe if spe != bpe else 0)
+                                spe if spe != bpe else 0, prefetch)
                 dec = _step_cost(shape, ["cpu"] * n, ek, hk, workload.batch, ctx, bw, False, ep).total
                 pre = _step_cost(shape, ["cpu"] * n, ek, hk, min(pre_tokens, workload.max_batched_tokens),
                                  workload.prompt_len // 2, bw, False, ep).total

@@ -27,8 +27,8 @@ from torch import nn
 
 from llmsys import kernels
 from llmsys.offload.budgets import scratch_offload_dir
-from llmsys.offload.experts import (DiskExperts, ExpertCache, ExpertReport, ExpertWeights, Repacked, ResidentExperts,
-                                    SlotTensor, StoredTensor)
+from llmsys.offload.experts import (DiskExperts, ExpertCache, ExpertReport, ExpertWeights, NextRouter, Repacked,
+                                    ResidentExperts, SlotTensor, StoredTensor)
 from llmsys.offload.plan import Plan
 from llmsys.offload.streamer import (ALIGN, Binding as _Binding, CudaStager, MappedUnits, ReaderRing, StreamItem, StreamUnit,
                                      TensorSource, pread_full)
@@ -477,6 +477,12 @@ class OffloadRuntime:
                                         policy=ep.policy if ep is not None else "lfu")
         for i, ws in disk.items():
             self._experts[i] = DiskExperts(i, ws, self.expert_cache)
+        if ep is None or ep.prefetch:  # pre-gating: each disk layer guesses the next one's experts through its router
+            order = sorted(disk)
+            for i, j in zip(order, order[1:]):
+                moe = layers[j].mlp
+                if self.kind.get(j) not in ("disk", "cpu->gpu"):  # its router resident (a streamed one is bound per step)
+                    self._experts[i].next = NextRouter(moe.gate, moe.top_k, self._experts[j])
 
     def _stored_expert(self, i: int, mod: nn.Module, u: str,
                        templates: dict[tuple[int, str], tuple[nn.Module, list[SlotTensor], bool]]) -> ExpertWeights:
@@ -563,7 +569,9 @@ class OffloadRuntime:
         if c is not None:
             st = c.stats
             return ExpertReport("disk", sum(1 for x in self._experts.values() if isinstance(x, DiskExperts)),
-                                self.expert_disk_bytes, c.capacity, c.cached_bytes, st.hits, st.misses, st.bytes_read)
+                                self.expert_disk_bytes, c.capacity, c.cached_bytes, st.hits, st.misses, st.bytes_read,
+                                st.guess_hits, st.guess_chosen, st.ahead_reads, st.ahead_used, st.ahead_bytes,
+                                c.unused_ahead_bytes)
         ep = self.plan.experts
         return ExpertReport("cpu", len(self._experts), ep.expert_bytes if ep is not None else 0, 0, 0, 0, 0, 0)
 

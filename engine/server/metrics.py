@@ -191,6 +191,16 @@ def _engine_samples(out: _Families, model: str, g: EngineGauges) -> None:
         out.add(C, "llmsys_expert_cache_hits", "Routed experts found in the cache.", model, ex.hits)
         out.add(C, "llmsys_expert_cache_misses", "Routed experts read from disk.", model, ex.misses)
         out.add(C, "llmsys_expert_read_bytes", "Expert bytes read from disk.", model, ex.bytes_read)
+        out.add(C, "llmsys_expert_pregate_hits", "Routed experts that the pre-gating guess (the next router run on "
+                "the layer before's input) named.", model, ex.guess_hits)
+        out.add(C, "llmsys_expert_pregate_chosen", "Routed experts of layers that had a pre-gating guess.", model,
+                ex.guess_chosen)
+        out.add(C, "llmsys_expert_prefetch_reads", "Experts read ahead on a pre-gating guess.", model, ex.ahead_reads)
+        out.add(C, "llmsys_expert_prefetch_used", "Experts read ahead that their layer routed to.", model, ex.ahead_used)
+        out.add(C, "llmsys_expert_prefetch_bytes", "Expert bytes read ahead on a pre-gating guess.", model,
+                ex.ahead_bytes)
+        out.add(G, "llmsys_expert_prefetch_unused_bytes", "Expert bytes read ahead and never routed to.", model,
+                ex.ahead_unused_bytes)
     if g.kv_disk is not None:
         _kv_disk_samples(out, model, g.kv_disk)
     for i, (tier, streamed) in enumerate(g.layers):
