@@ -6,14 +6,17 @@ attn_v / ffn_down of the layers llama.cpp gives more bits), its blocks drawn at 
 copy of 30B weights, and no llama.cpp quantizer: its Q4_K search took 148 s for one layer's 1.2B weights on
 this 2-core machine, about an hour for the whole model). Made once, here, never by a test.
 
-``run``: greedy decoding of a fixed prompt by llmsys in a fresh process, optionally inside a memory cgroup
-(``offload.memcap``) with ``--cpu-mem`` (experts read from the GGUF's own offsets into the RAM expert cache);
-prints the tokens, decode tok/s, the process's peak RSS, the cgroup's peak charge, the bytes read from the
-file and the expert cache's hit rate, as one JSON line. ``--engine llama.cpp`` runs llama.cpp on the same
-file (its default mmap) the same way.
+``run``: greedy decoding of a fixed prompt (``--prompt-len``, 128 by default) by llmsys in a fresh process, optionally
+inside a memory cgroup (``offload.memcap``) with ``--cpu-mem`` (experts read from the GGUF's own offsets into the
+RAM expert cache, pre-gating on unless ``--no-prefetch``), the page cache dropped first; prints as one JSON line the
+tokens, decode tok/s, the process's peak RSS, the cgroup's peak charge, the bytes read from storage in all and
+during the decode (per token and per second), the expert cache's and the pre-gating guess's hit rates, and the
+disk-bound roof: a cold sequential read of ``--probe`` bytes of the file gives the disk's rate, and that rate over
+the bytes read per decoded token is the decode speed a disk-bound engine could reach (``pct_of_roof``: the share
+reached). ``--engine llama.cpp`` runs llama.cpp on the same file (its default mmap) the same way.
 
     python benchmarks/moe_gguf_fullsize.py make --out /work/big/qwen3-30b-a3b.Q4_K_M.gguf [--layers 48]
-    python benchmarks/moe_gguf_fullsize.py run FILE [--cap 10GiB] [--cpu-mem 8GiB] [--new 16]
+    python benchmarks/moe_gguf_fullsize.py run FILE [--cap 10GiB] [--cpu-mem 8GiB] [--new 32] [--prompt-len 128]
 """
 
 from __future__ import annotations
@@ -140,22 +143,44 @@ def make(out: Path, layers: int = SHAPE["layers"]) -> None:
     print(f"wrote {out} ({out.stat().st_size / 1e9:.1f} GB) in {time.time() - t0:.0f} s", file=sys.stderr)
 
 
-# The measured child: one fresh process per run, so peak RSS is this run's alone.
+# The measured child: one fresh process per run, so peak RSS is this run's alone. Bytes read from storage (the
+# process's /proc/self/io read_bytes: page-cache misses, which is what mmap faults and preads cost) are sampled when
+# the first token is out (the prompt done) and at the end: the decode's share alone.
 _CHILD = r"""
-import json, resource, sys, time
+import json, os, resource, sys, time
 args = json.loads(sys.argv[1])
+
+def io_read():
+    with open(f"/proc/{os.getpid()}/io") as f:
+        return int(next(ln for ln in f if ln.startswith("read_bytes")).split()[1])
+
 t0 = time.time()
 if args["engine"] == "llmsys":
     from llmsys import LLM, SamplingParams
-    llm = LLM(args["file"], cpu_mem=args["cpu_mem"], threads=args["threads"], max_model_len=256, progress=False,
-              kv_cache_tokens=256)
+    llm = LLM(args["file"], cpu_mem=args["cpu_mem"], threads=args["threads"], max_model_len=args["ctx"],
+              progress=False, kv_cache_tokens=args["ctx"],
+              placement=None if args["prefetch"] else {"expert_prefetch": False})
     load = time.time() - t0
-    out = llm.generate(args["prompt"], SamplingParams(max_tokens=args["new"], temperature=0, ignore_eos=True))[0]
-    rep = llm.memory_report().experts
-    res = dict(tokens=list(out.token_ids), decode_tok_s=out.timings.decode_tok_s,
-               prefill_s=out.timings.prefill_s, load_s=load,
-               expert_hit_rate=rep.hit_rate if rep else None, expert_bytes_read=rep.bytes_read if rep else None,
-               expert_cache_bytes=rep.cache_capacity if rep else None)
+    sp = SamplingParams(max_tokens=args["new"], temperature=0, ignore_eos=True)
+    toks, first, timings = [], None, None
+    for ch in llm.stream(args["prompt"], sp):
+        toks += ch.token_ids
+        if first is None and ch.token_ids:  # the prompt is done: the decode starts here
+            first = (time.perf_counter(), io_read(), llm.offload.expert_report() if llm.offload else None)
+        timings = ch.timings or timings
+    end = (time.perf_counter(), io_read(), llm.offload.expert_report() if llm.offload else None)
+    res = dict(tokens=toks, decode_tok_s=timings.decode_tok_s, prefill_s=timings.prefill_s, load_s=load)
+    rep0, rep = first[2], end[2]
+    if rep is not None:
+        d = lambda f: getattr(rep, f) - getattr(rep0, f)
+        res.update(expert_hit_rate=rep.hit_rate, expert_bytes_read=rep.bytes_read, expert_cache_bytes=rep.cache_capacity,
+                   decode_expert_hit_rate=d("hits") / max(d("hits") + d("misses"), 1),
+                   pregate_hit_rate=rep.guess_rate if rep.guess_chosen else None,
+                   decode_pregate_hit_rate=d("guess_hits") / d("guess_chosen") if d("guess_chosen") else None,
+                   prefetch_reads=rep.ahead_reads, prefetch_used=rep.ahead_used, prefetch_bytes=rep.ahead_bytes,
+                   prefetch_unused_bytes=rep.ahead_unused_bytes)
+        st = llm.offload.expert_cache.stats
+        res.update(expert_read_s=st.read_s, expert_wait_s=st.wait_s, expert_repack_s=st.repack_s)
 else:
     import llama_cpp
     import llama_cpp.llama_cpp as lib
@@ -166,18 +191,24 @@ else:
             p.use_extra_bufts = False
             return p
         lib.llama_model_default_params = no_repack
-    m = llama_cpp.Llama(args["file"], n_ctx=256, n_batch=256, n_threads=args["threads"], verbose=False)
+    m = llama_cpp.Llama(args["file"], n_ctx=args["ctx"], n_batch=args["ctx"], n_threads=args["threads"], verbose=False)
     load = time.time() - t0
+    t1 = time.time()
     m.eval(args["prompt"])
-    toks, t1 = [], time.time()
-    for _ in range(args["new"]):
-        toks.append(int(m.scores[m.n_tokens - 1].argmax()))
+    prefill = time.time() - t1
+    toks = [int(m.scores[m.n_tokens - 1].argmax())]  # the prompt's token, as llmsys's first
+    first = (time.perf_counter(), io_read(), None)
+    for _ in range(args["new"] - 1):
         m.eval([toks[-1]])
-    dt = time.time() - t1
-    res = dict(tokens=toks, decode_tok_s=args["new"] / dt, load_s=load)
+        toks.append(int(m.scores[m.n_tokens - 1].argmax()))
+    end = (time.perf_counter(), io_read(), None)
+    res = dict(tokens=toks, decode_tok_s=(args["new"] - 1) / (end[0] - first[0]), prefill_s=prefill, load_s=load)
+steps = len(res["tokens"]) - 1  # decode steps after the first token
+res.update(decode_wall_s=end[0] - first[0], decode_read_bytes=end[1] - first[1],
+           decode_read_bytes_per_token=(end[1] - first[1]) / max(steps, 1),
+           decode_read_rate=(end[1] - first[1]) / max(end[0] - first[0], 1e-9))
 res["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-with open(f"/proc/{__import__('os').getpid()}/io") as f:
-    res["read_bytes"] = int(next(ln for ln in f if ln.startswith("read_bytes")).split()[1])
+res["read_bytes"] = io_read()
 print("RESULT " + json.dumps(res))
 """
 
@@ -190,13 +221,63 @@ def _size(text: str | None) -> int | None:
     return parse_size(text)
 
 
+def drop_page_cache() -> None:
+    """Write back, then drop the page cache (root only): each run and the disk probe start cold."""
+    import os
+
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    except OSError as exc:
+        raise SystemExit(f"dropping the page cache needs root (/proc/sys/vm/drop_caches: {exc.strerror}); "
+                         f"run as root or pass --no-drop-cache") from None
+
+
+def disk_read_rate(file: Path, nbytes: int, chunk: int = 8 << 20) -> float:
+    """Bytes per second of a cold sequential read of ``nbytes`` of ``file`` (from the middle, where the expert
+    tensors are) in ``chunk`` preads: the disk's bandwidth, the roof a disk-bound decode divides."""
+    import os
+
+    size = file.stat().st_size
+    nbytes = min(nbytes, size)
+    start = (size - nbytes) // 2 // 4096 * 4096
+    buf = bytearray(chunk)
+    fd = os.open(file, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, start, nbytes, os.POSIX_FADV_DONTNEED)
+        t, done = time.perf_counter(), 0
+        while done < nbytes:
+            done += os.preadv(fd, [memoryview(buf)[: min(chunk, nbytes - done)]], start + done)
+        dt = time.perf_counter() - t
+        os.posix_fadvise(fd, start, nbytes, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    return done / dt
+
+
+def prompt_ids(n: int) -> list[int]:
+    """``n`` fixed token ids (the first 12 are :data:`PROMPT`, then a fixed stride through the vocabulary)."""
+    return (PROMPT + [(1000 + 7919 * i) % 150000 for i in range(max(n - len(PROMPT), 0))])[:n]
+
+
 def run(file: Path, engine: str, cap: str | None, cpu_mem: str | None, new: int, threads: int,
-        no_repack: bool = False) -> dict:
-    """One measured run in a fresh process (inside a memory cgroup of ``cap`` when given); its JSON result."""
+        no_repack: bool = False, prompt_len: int = 128, prefetch: bool = True, drop: bool = True,
+        probe_bytes: int = 2 << 30) -> dict:
+    """One measured run in a fresh process (inside a memory cgroup of ``cap`` when given), the page cache dropped
+    first, and the disk's cold sequential read rate probed before it; its JSON result with the disk-bound roof
+    (probe bytes per second / bytes read per decoded token) and the share of it the decode reached."""
     import subprocess
 
-    args = dict(file=str(file), engine=engine, cpu_mem=_size(cpu_mem), new=new, threads=threads, prompt=PROMPT,
-                no_repack=no_repack)
+    ctx = max(256, prompt_len + new)
+    bw = None
+    if probe_bytes:
+        if drop:
+            drop_page_cache()
+        bw = disk_read_rate(file, probe_bytes)
+    if drop:
+        drop_page_cache()
+    args = dict(file=str(file), engine=engine, cpu_mem=_size(cpu_mem), new=new, threads=threads,
+                prompt=prompt_ids(prompt_len), no_repack=no_repack, prefetch=prefetch, ctx=ctx)
     cmd = [sys.executable, "-c", _CHILD, json.dumps(args)]
     if cap:
         from llmsys.offload.memcap import run_capped
@@ -210,7 +291,15 @@ def run(file: Path, engine: str, cap: str | None, cpu_mem: str | None, new: int,
     if rc != 0 or line is None:
         raise SystemExit(f"{engine} run failed (rc {rc}): {(err.strip().splitlines() or [''])[-1]}")
     res = json.loads(line[7:])
-    res.update(engine=engine, cap=cap, cpu_mem=cpu_mem, no_repack=no_repack, cgroup_peak=peak)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).resolve().parent).stdout.strip()
+    res.update(engine=engine, cap=cap, cpu_mem=cpu_mem, no_repack=no_repack, cgroup_peak=peak, prompt_len=prompt_len,
+               new=new, threads=threads, commit=commit, prefetch=prefetch if engine == "llmsys" else None,
+               disk_read_rate=bw)
+    per_tok = res["decode_read_bytes_per_token"]
+    if bw and per_tok:
+        res["roof_tok_s"] = bw / per_tok
+        res["pct_of_roof"] = 100 * res["decode_tok_s"] / res["roof_tok_s"]
     return res
 
 
@@ -225,15 +314,20 @@ def main() -> None:
     rn.add_argument("--engine", choices=("llmsys", "llama.cpp"), default="llmsys")
     rn.add_argument("--cap", help="memory cgroup limit, e.g. 10GiB")
     rn.add_argument("--cpu-mem", help="llmsys --cpu-mem, e.g. 8GiB")
-    rn.add_argument("--new", type=int, default=16)
+    rn.add_argument("--new", type=int, default=32, help="tokens generated (the first comes out of the prompt)")
+    rn.add_argument("--prompt-len", type=int, default=128)
     rn.add_argument("--threads", type=int, default=2)
+    rn.add_argument("--no-prefetch", action="store_true", help="llmsys: pre-gating off (placement expert_prefetch)")
+    rn.add_argument("--no-drop-cache", action="store_true", help="keep the page cache (dropping it needs root)")
+    rn.add_argument("--probe", default="2GiB", help="cold sequential read of the file for the disk's rate (0: none)")
     rn.add_argument("--no-repack", action="store_true", help="llama.cpp: keep the weights in the mapped file "
                     "(its default repacks Q4_K into anonymous memory, the whole model, which no cap below it survives)")
     a = ap.parse_args()
     if a.cmd == "make":
         make(a.out, a.layers)
     else:
-        print(json.dumps(run(a.file, a.engine, a.cap, a.cpu_mem, a.new, a.threads, a.no_repack)))
+        print(json.dumps(run(a.file, a.engine, a.cap, a.cpu_mem, a.new, a.threads, a.no_repack, a.prompt_len,
+                             not a.no_prefetch, not a.no_drop_cache, _size(a.probe) if a.probe != "0" else 0)))
 
 
 if __name__ == "__main__":
