@@ -8,7 +8,8 @@ llama.cpp's q4_K_M is reported beside int4. The GGUFs are the ones
 ``llmsys bench --vs llama.cpp`` uses (engine/bench/gguf_export.py: the gguf
 package for f16, llama.cpp's own quantizer for the rest), made before any
 timing. Each measurement is a fresh process (this script with ``--worker``)
-that loads one engine, runs one untimed warm-up and ``--reps`` timed
+that loads one engine (llama.cpp's GGUF read through the page cache first:
+:func:`read_through`), runs one untimed warm-up and ``--reps`` timed
 repetitions of a 128-token prompt then 64 one-token decode steps (batch 1,
 greedy, argmax outside the timer: engine/bench/measure.py's StepDriver for
 llmsys, LlamaCppBaseline for llama.cpp), and reports prefill tok/s, decode
@@ -28,10 +29,14 @@ llama.cpp has no batched row.
 
     python benchmarks/bench_vs_llamacpp.py --threads 2 --rounds 3
     python benchmarks/bench_vs_llamacpp.py --quick   # wiring check: smollm2-135m, 8+4 tokens, one round
-    python benchmarks/bench_vs_llamacpp.py --shapes qwen3-30b-a3b --layers 6 --formats q4_0,q8_0 --batches ''
+    python benchmarks/bench_vs_llamacpp.py --shapes qwen3-30b-a3b,gpt-oss-20b --layers 6 --formats q4_0,q8_0
 
-Mixture-of-experts shapes (``qwen3-30b-a3b``, written for llama.cpp as its ``qwen3moe``): the MB read per
-token counts k/E of the expert tensors (a batch-1 step runs k of each layer's E experts), on both sides.
+Mixture-of-experts shapes (``qwen3-30b-a3b`` and ``gpt-oss-20b``, written for llama.cpp as its ``qwen3moe``
+and ``gpt-oss``, experts as plain f16 tensors its quantizer turns into the row's format): the MB read per
+token counts k/E of the expert tensors and their biases (a batch-1 step runs k of each layer's E experts), on
+both sides. The f16 GGUF such a shape is quantized from is as large as the checkpoint and is not timed: when
+this run wrote it only for that and f16 is not among ``--formats``, it is deleted once the quantized files are
+made (they stay cached).
 
 The tensor-type mix of each GGUF is printed under the table: llama.cpp falls
 back to other types for tensors whose rows do not divide its block size (256
@@ -104,7 +109,7 @@ def llmsys_step_bytes(model) -> int:
 
 def gguf_step_bytes(path: Path) -> int:
     """Bytes of a GGUF's tensors a decode step reads: all, less token_embd when an output.weight exists;
-    the stacked expert tensors (``*_exps``) at k/E of their bytes, as :func:`llmsys_step_bytes`."""
+    the stacked expert tensors (``*_exps``, weights and biases) at k/E of their bytes, as :func:`llmsys_step_bytes`."""
     import gguf
 
     reader = gguf.GGUFReader(str(path))
@@ -115,8 +120,22 @@ def gguf_step_bytes(path: Path) -> int:
         return int(f.parts[-1][0]) if f is not None else 0
 
     share = meta("expert_used_count") / meta("expert_count") if meta("expert_count") else 1.0
-    tensors = {t.name: int(t.n_bytes) * (share if t.name.endswith("_exps.weight") else 1.0) for t in reader.tensors}
+    tensors = {t.name: int(t.n_bytes) * (share if "_exps." in t.name else 1.0) for t in reader.tensors}
     return int(sum(tensors.values()) - (tensors.get("token_embd.weight", 0) if "output.weight" in tensors else 0))
+
+
+def read_through(path: Path, chunk: int = 64 << 20) -> None:
+    """Read ``path`` once, so the pages llama.cpp maps are in the page cache before its warm-up.
+
+    llama.cpp maps the GGUF (its default) and faults each page in on first use, while llmsys reads every
+    weight at load. An expert the warm-up does not route to would otherwise be read from the disk inside a
+    timed step -- after the other engine's process has pushed the file out of the page cache by reading its
+    own checkpoint -- and a short run would time the disk, not the decode.
+    """
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(chunk)
+        while f.readinto(buf):
+            pass
 
 
 def worker(job: Job) -> Figures:
@@ -143,6 +162,7 @@ def worker(job: Job) -> Figures:
         from llmsys.engine.bench.llamacpp import LlamaCppBaseline
 
         path = gguf_file(job.model, job.fmt, job.threads)
+        read_through(path)
         runner = LlamaCppBaseline(path, job.fmt, n_ctx=test.context + 16, n_batch=max(512, job.n_prompt))
         step_bytes = gguf_step_bytes(path)
     runner.run(test, job.batch, gen)  # warm-up
@@ -223,7 +243,7 @@ def main() -> None:
     if a.rounds < 1:
         raise SystemExit("--rounds must be >= 1")
 
-    from llmsys.engine.bench.gguf_export import gguf_file
+    from llmsys.engine.bench.gguf_export import FLOAT_FORMATS, cache_path, gguf_file
     from llmsys.engine.bench.synthetic import cut_layers, make_synthetic, synthetic_config
     from llmsys.offload.bandwidth import probe_mem_gbps
 
@@ -241,6 +261,8 @@ def main() -> None:
         else:
             cfg = cut_layers(synthetic_config(name), a.layers, name)
             shape, model = f"{name} ({a.layers} layers)", str(make_synthetic(f"{name}-{a.layers}l", seed=0, config=cfg))
+        # float GGUFs this run would write only as the quantizer's input (deleted below)
+        scratch = [p for f in FLOAT_FORMATS if f not in formats and not (p := cache_path(model, f)).exists()]
         for quant, fmt in PAIRS:
             if fmt not in formats:
                 continue
@@ -250,6 +272,8 @@ def main() -> None:
                 pair.append(Job("llmsys", shape, model, quant, a.threads, a.prompt, a.new, a.reps))
             pair.append(Job("llama.cpp", shape, model, fmt, a.threads, a.prompt, a.new, a.reps))
             jobs.append(tuple(pair))
+        for p in scratch:
+            p.unlink(missing_ok=True)
 
     results: dict[Job, list[Figures]] = {j: [] for pair in jobs for j in pair}
     for rnd in range(a.rounds):
