@@ -266,6 +266,7 @@ def run(file: Path, engine: str, cap: str | None, cpu_mem: str | None, new: int,
     """One measured run in a fresh process (inside a memory cgroup of ``cap`` when given), the page cache dropped
     first, and the disk's cold sequential read rate probed before it; its JSON result with the disk-bound roof
     (probe bytes per second / bytes read per decoded token) and the share of it the decode reached."""
+    import os
     import subprocess
 
     ctx = max(256, prompt_len + new)
@@ -279,6 +280,7 @@ def run(file: Path, engine: str, cap: str | None, cpu_mem: str | None, new: int,
     args = dict(file=str(file), engine=engine, cpu_mem=_size(cpu_mem), new=new, threads=threads,
                 prompt=prompt_ids(prompt_len), no_repack=no_repack, prefetch=prefetch, ctx=ctx)
     cmd = [sys.executable, "-c", _CHILD, json.dumps(args)]
+    load_before = os.getloadavg()[0]  # the machine's 1-minute load: a run beside other work says so
     if cap:
         from llmsys.offload.memcap import run_capped
 
@@ -295,7 +297,7 @@ def run(file: Path, engine: str, cap: str | None, cpu_mem: str | None, new: int,
                             cwd=Path(__file__).resolve().parent).stdout.strip()
     res.update(engine=engine, cap=cap, cpu_mem=cpu_mem, no_repack=no_repack, cgroup_peak=peak, prompt_len=prompt_len,
                new=new, threads=threads, commit=commit, prefetch=prefetch if engine == "llmsys" else None,
-               disk_read_rate=bw)
+               disk_read_rate=bw, loadavg_before=load_before, loadavg_after=os.getloadavg()[0])
     per_tok = res["decode_read_bytes_per_token"]
     if bw and per_tok:
         res["roof_tok_s"] = bw / per_tok
