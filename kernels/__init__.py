@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from llmsys.kernels.cpu_decode import rms_norm as cpu_fused_rms_norm
     from llmsys.kernels.cpu_decode import rope_store as cpu_fused_rope_store
     from llmsys.kernels.cpu_decode import rope_store_attend as cpu_fused_rope_store_attend
+    from llmsys.kernels.cpu_decode import clamped_swiglu as cpu_fused_clamped_swiglu
     from llmsys.kernels.cpu_decode import silu_mul as cpu_fused_silu_mul
     from llmsys.kernels.cpu_int4 import Scratch as Int4Scratch
     from llmsys.kernels.cpu_int4 import CPU_BLOCK_N as CPU_INT4_BLOCK_N
@@ -102,6 +103,7 @@ _EXPORTS = MappingProxyType({
     "cpu_fused_rms_norm": ("cpu_decode", "rms_norm"),
     "cpu_fused_rope_store": ("cpu_decode", "rope_store"),
     "cpu_fused_rope_store_attend": ("cpu_decode", "rope_store_attend"),
+    "cpu_fused_clamped_swiglu": ("cpu_decode", "clamped_swiglu"),
     "cpu_fused_silu_mul": ("cpu_decode", "silu_mul"),
     "Int4Scratch": ("cpu_int4", "Scratch"),
     "CPU_INT4_BLOCK_N": ("cpu_int4", "CPU_BLOCK_N"),
@@ -194,6 +196,7 @@ __all__ = [
     "int8_decode_weight",
     "int8g_decode_weight",
     "int8g_gemv_a8",
+    "cpu_fused_clamped_swiglu",
     "cpu_fused_silu_mul",
     "cpu_fused_rope_store_attend",
     "ColdBlocks",

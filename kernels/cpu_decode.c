@@ -73,6 +73,19 @@ int llmsys_silu_mul(const void *g, int64_t ldg, const void *u, int64_t ldu, void
     return 0;
 }
 
+/* gpt-oss's clamped SwiGLU y [T, I] (contiguous) of g and u [T, I] rows of strides ldg, ldu (cpu_ops.h
+   ops_cswiglu_row); bf16 (f32 = 0) or float32 (f32 = 1). */
+int llmsys_clamped_swiglu(const void *g, int64_t ldg, const void *u, int64_t ldu, void *y, int64_t rows, int64_t inter,
+                          float alpha, float limit, int f32, int threads) {
+    if (inter <= 0 || ldg < inter || ldu < inter) return 1;
+    const size_t es = f32 ? 4 : 2;
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * inter >= (1 << 16))
+    for (int64_t t = 0; t < rows; t++)
+        ops_cswiglu_row((const char *)g + es * (size_t)(t * ldg), (const char *)u + es * (size_t)(t * ldu),
+                        (char *)y + es * (size_t)(t * inter), inter, alpha, limit, f32);
+    return 0;
+}
+
 /* element i of a bf16 (f32 = 0) or float32 array, as float32; and a float32 value stored (rounded for bf16) */
 static inline float ld_el(const void *p, int64_t i, int f32) {
     return f32 ? ((const float *)p)[i] : bf(((const uint16_t *)p)[i]);

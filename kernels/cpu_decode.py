@@ -23,6 +23,7 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "llmsys_rms_norm": [_P, _P, _P, _P, _P, _I, _I, _F, ctypes.c_int, ctypes.c_int],
     "llmsys_silu_mul": [_P, _I, _P, _I, _P, _I, _I, ctypes.c_int, ctypes.c_int],
+    "llmsys_clamped_swiglu": [_P, _I, _P, _I, _P, _I, _I, _F, _F, ctypes.c_int, ctypes.c_int],
     "llmsys_rope": [_P, _I, _P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_int],
     "llmsys_rope_store": [_P, _I, _P, _I, _P, _I, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, ctypes.c_int],
     "llmsys_decode_attention": [_P, _P, _P, _P, _P, _F, _P, _I, _I, _I, _I, _I, ctypes.c_int, ctypes.c_int],
@@ -153,6 +154,25 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if lib.llmsys_silu_mul(gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), y.data_ptr(), t, inter,
                            int(gate.dtype == torch.float32), torch.get_num_threads()):
         raise ValueError(f"silu_mul: the C kernel rejected I={inter} with row strides {gate.stride(0)}, {up.stride(0)}")
+    return y
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's expert activation ``[T, I], [T, I] -> [T, I]`` contiguous (bf16 or float32 of one dtype, unit
+    column stride): transformers' bf16 torch ops in their order (``engine.models.base.clamped_swiglu``) with
+    ``cpu_ops.h``'s exp in the sigmoid. Why C: the grouped expert kernel computes it with the same row code, so
+    gpt-oss's experts give the same bits one by one or grouped."""
+    lib = _KERNEL.lib()
+    t, inter = gate.shape
+    if up.shape != gate.shape or gate.stride(1) != 1 or up.stride(1) != 1 or gate.dtype not in DTYPES \
+            or up.dtype != gate.dtype:
+        raise ValueError(f"clamped_swiglu: gate and up must be bf16 or float32 [T, I] of one dtype with unit column "
+                         f"stride, got {gate.dtype} {tuple(gate.shape)}, {up.dtype} {tuple(up.shape)}")
+    y = torch.empty(t, inter, dtype=gate.dtype)
+    if lib is None or lib.llmsys_clamped_swiglu(gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0),
+                                                y.data_ptr(), t, inter, alpha, limit,
+                                                int(gate.dtype == torch.float32), torch.get_num_threads()):
+        raise ValueError(f"clamped_swiglu: the C kernel is not loaded ({kernel_status()}) or rejected I={inter}")
     return y
 
 

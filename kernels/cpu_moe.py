@@ -27,7 +27,7 @@ class _MoEArgs(ctypes.Structure):
     """``llmsys_moe`` in fused_layer.h."""
 
     _fields_ = [("gu", _P), ("n_gu", _I), ("down", _P), ("n_experts", _I), ("d", _I), ("inter", _I), ("act", _I),
-                ("f32", _I), ("max_rows", _I)]
+                ("f32", _I), ("max_rows", _I), ("alpha", ctypes.c_float), ("limit", ctypes.c_float)]
 
 
 @dataclass(frozen=True)
@@ -43,10 +43,12 @@ class MoEExperts:
     dtype: torch.dtype  # the activations': bf16, or float32 for float32 weights
 
 
-def moe_experts_args(gate_up: list[list[DecodeWeight]], down: list[DecodeWeight], max_rows: int) -> MoEExperts:
+def moe_experts_args(gate_up: list[list[DecodeWeight]], down: list[DecodeWeight], max_rows: int,
+                     clamped: tuple[float, float] | None = None) -> MoEExperts:
     """The :class:`MoEExperts` of ``E`` experts: ``gate_up[e]`` expert e's 1-4 gate|up weights (outputs side by
     side: gate's ``I`` rows then up's), ``down[e]`` its down weight; every expert in the same formats and shapes.
-    ``max_rows``: the most rows an expert's weights give the C GEMV's bits for (their ``DECODE_MAX_ROWS``)."""
+    ``max_rows``: the most rows an expert's weights give the C GEMV's bits for (their ``DECODE_MAX_ROWS``).
+    ``clamped``: gpt-oss's ``(alpha, limit)`` (its clamped SwiGLU); None: SwiGLU."""
     e = len(down)
     if not 1 <= e <= MAX_EXPERTS or len(gate_up) != e or any(len(g) != len(gate_up[0]) for g in gate_up) \
             or not 1 <= len(gate_up[0]) <= 4:
@@ -58,8 +60,9 @@ def moe_experts_args(gate_up: list[list[DecodeWeight]], down: list[DecodeWeight]
     flat = [w for g in gate_up for w in g]
     arrays = ((DecodeWeight * len(flat))(*flat), (DecodeWeight * e)(*down))
     inter = down[0].k
+    alpha, limit = clamped or (0.0, 0.0)
     args = _MoEArgs(ctypes.addressof(arrays[0]), len(gate_up[0]), ctypes.addressof(arrays[1]), e, down[0].n, inter,
-                    0, int(f32), max_rows)
+                    int(clamped is not None), int(f32), max_rows, alpha, limit)
     return MoEExperts(args, arrays, e, down[0].n, max_rows, torch.float32 if f32 else torch.bfloat16)
 
 

@@ -161,6 +161,58 @@ static inline void ops_silu_mul_row(const uint16_t *g, const uint16_t *u, uint16
     }
 }
 
+/* One row of gpt-oss's clamped SwiGLU (transformers' GptOssExperts, its bf16 torch ops in order):
+   g' = min(g, limit), u' = clamp(u, -limit, limit), a = bf16(g' alpha), s = bf16(1 / (1 + ops_exp(-a))),
+   y = bf16(bf16(u' + 1) * bf16(g' s)); NaN stays NaN. float32 rows (f32): the same without the roundings. */
+static inline float ops_cswiglu1(float g, float u, float alpha, float limit, int f32) {
+    g = g > limit ? limit : g;
+    u = u < -limit ? -limit : (u > limit ? limit : u);
+    float a = g * alpha;
+    if (!f32) a = bf(rne(a));
+    float s = 1.0f / (1.0f + ops_exp(-a));
+    if (!f32) s = bf(rne(s));
+    float m = g * s, u1 = u + 1.0f;
+    if (!f32) m = bf(rne(m)), u1 = bf(rne(u1));
+    return u1 * m;
+}
+
+#if defined(__AVX2__)
+/* 8 lanes of ops_cswiglu1 (bf16 rounding after each step when !f32) */
+static inline __m256 ops_round_bf8(__m256 v, int f32) {
+    return f32 ? v : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(ops_rne8(v)), 16));
+}
+static inline __m256 ops_cswiglu8(__m256 g, __m256 u, float alpha, float limit, int f32) {
+    const __m256 lim = _mm256_set1_ps(limit), nlim = _mm256_set1_ps(-limit), one = _mm256_set1_ps(1.0f);
+    g = _mm256_blendv_ps(g, lim, _mm256_cmp_ps(g, lim, _CMP_GT_OQ));
+    u = _mm256_blendv_ps(u, nlim, _mm256_cmp_ps(u, nlim, _CMP_LT_OQ));
+    u = _mm256_blendv_ps(u, lim, _mm256_cmp_ps(u, lim, _CMP_GT_OQ));
+    const __m256 a = ops_round_bf8(_mm256_mul_ps(g, _mm256_set1_ps(alpha)), f32);
+    const __m256 s = ops_round_bf8(_mm256_div_ps(one, _mm256_add_ps(one, ops_exp8(_mm256_sub_ps(_mm256_setzero_ps(), a)))), f32);
+    return _mm256_mul_ps(ops_round_bf8(_mm256_add_ps(u, one), f32), ops_round_bf8(_mm256_mul_ps(g, s), f32));
+}
+#endif
+
+/* gate | up rows g, u of n (bf16, or float32 with f32) -> y = ops_cswiglu1 of each element */
+static inline void ops_cswiglu_row(const void *g, const void *u, void *y, int64_t n, float alpha, float limit, int f32) {
+    int64_t i = 0;
+#if defined(__AVX2__)
+    for (; i + 8 <= n; i += 8) {
+        const __m256 gv = f32 ? _mm256_loadu_ps((const float *)g + i) : ops_bf8((const uint16_t *)g + i);
+        const __m256 uv = f32 ? _mm256_loadu_ps((const float *)u + i) : ops_bf8((const uint16_t *)u + i);
+        const __m256 r = ops_cswiglu8(gv, uv, alpha, limit, f32);
+        if (f32) _mm256_storeu_ps((float *)y + i, r);
+        else _mm_storeu_si128((__m128i *)((uint16_t *)y + i), ops_rne8(r));
+    }
+#endif
+    for (; i < n; i++) {
+        if (f32) {
+            ((float *)y)[i] = ops_cswiglu1(((const float *)g)[i], ((const float *)u)[i], alpha, limit, 1);
+        } else {
+            ((uint16_t *)y)[i] = rne(ops_cswiglu1(bf(((const uint16_t *)g)[i]), bf(((const uint16_t *)u)[i]), alpha, limit, 0));
+        }
+    }
+}
+
 /* ops_silu_mul_row for float32 rows: y[i] = (g[i] / (1 + e)) * u[i], e = ops_exp(-g[i]) */
 static inline void ops_silu_mul_row_f32(const float *g, const float *u, float *y, int64_t n) {
     int64_t i = 0;

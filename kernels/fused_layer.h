@@ -50,7 +50,8 @@ typedef struct {
 } llmsys_layer;
 
 /* An MoE layer's routed experts (kernels/cpu_qgemv.py MoEExperts): moe_experts.c runs them. */
-enum moe_act { MOE_SILU = 0 }; /* the experts' gate activation: SwiGLU (cpu_ops.h's silu * mul rows) */
+/* the experts' gate activation (cpu_ops.h's rows): SwiGLU, or gpt-oss's clamped SwiGLU (alpha, limit) */
+enum moe_act { MOE_SILU = 0, MOE_CLAMPED_SWIGLU = 1 };
 typedef struct {
     const llmsys_qw *gu;   /* [n_experts * n_gu]: expert e's gate | up weights side by side at gu[e * n_gu ..] */
     int64_t n_gu;
@@ -59,6 +60,7 @@ typedef struct {
     int64_t act;           /* enum moe_act */
     int64_t f32;           /* 1: float32 activations and weights (WEIGHT_F32); 0: bf16 activations */
     int64_t max_rows;      /* an expert with more rows of a step is left to the caller (its weights' own forward) */
+    float alpha, limit;    /* MOE_CLAMPED_SWIGLU's */
 } llmsys_moe;
 
 int llmsys_moe_experts(const llmsys_moe *M, const void *x, int64_t t_count, const int64_t *chosen, int64_t top_k,

@@ -6,11 +6,11 @@
  *   1. the tokens' rows grouped by expert (each expert's rows in token order), and x as a8 blocks once;
  *   2. every routed expert's gate | up rows as one parallel loop over (expert, weight, row block) items, so both
  *      threads stay busy at batch 1 (8 experts x 24 blocks, not 24 blocks 8 times over);
- *   3. silu * mul on each row, its a8 blocks, then every expert's down rows as one parallel loop the same way;
+ *   3. the activation on each row (SwiGLU, or gpt-oss's clamped SwiGLU), its a8 blocks, then every expert's down rows as one parallel loop the same way;
  *   4. the weighted sum of each token's k rows.
  *
  * Arithmetic: the fused decode layers' (fused_layer.c): each projection through qw_item (the a8 GEMVs, bf16 and
- * float32 rows, a bf16 bias as bf16(y + b)), cpu_ops.h's silu * mul rows, then engine/models/moe.py's sum: a row's
+ * float32 rows, a bf16 bias as bf16(y + b)), cpu_ops.h's activation rows, then engine/models/moe.py's sum: a row's
  * product p = y * w (bf16 routing weights: float product rounded to bf16; float32 weights or activations:
  * float32), a token's k products added in float32 in slot order, rounded once to the activations' dtype. Every
  * output row is computed alone, so the bits are the per-expert path's for any batch or grouping
@@ -106,7 +106,7 @@ int llmsys_moe_experts(const llmsys_moe *M, const void *x, int64_t t_count, cons
                        const void *w, int w_f32, void *rows_out, void *out, int64_t *counts, int threads) {
     const int64_t E = M->n_experts, D = M->d, I = M->inter, T = t_count, K = top_k, f32 = M->f32 != 0;
     if (T <= 0 || K <= 0 || E <= 0 || E > MOE_MAX_EXPERTS || D <= 0 || I <= 0 || M->n_gu < 1 || M->n_gu > QW_MAX
-        || K > E || M->act != MOE_SILU || (f32 && !w_f32))
+        || K > E || (M->act != MOE_SILU && M->act != MOE_CLAMPED_SWIGLU) || (f32 && !w_f32))
         return 1;
     const size_t es = f32 ? 4 : 2;
     const int pf32 = f32 || w_f32; /* the products' dtype: float32, else bf16 */
@@ -168,11 +168,14 @@ int llmsys_moe_experts(const llmsys_moe *M, const void *x, int64_t t_count, cons
         qw_item(&M->gu[e * M->n_gu + j], whichx[j] >= 0 ? &av : NULL, (const char *)xg + es * (size_t)(x0 * D), xsv,
                 n[e], items[i].it, g + es * (size_t)(off[e] * two_i + col[j]), two_i);
     }
-    /* silu * mul on each row */
+    /* the activation on each row: silu * mul, or the clamped SwiGLU */
     par = threads > 1 && R > 1 && R * I >= PAR_MIN / 4;
 #pragma omp parallel for num_threads(threads) schedule(static) if (par)
     for (int64_t i = 0; i < R; i++) {
-        if (f32) {
+        if (M->act == MOE_CLAMPED_SWIGLU) {
+            ops_cswiglu_row(g + es * (size_t)(i * two_i), g + es * (size_t)(i * two_i + I), y + es * (size_t)(i * I), I,
+                            M->alpha, M->limit, (int)f32);
+        } else if (f32) {
             const float *gi = (const float *)g + i * two_i;
             ops_silu_mul_row_f32(gi, gi + I, (float *)y + i * I, I);
         } else {

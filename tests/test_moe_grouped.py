@@ -13,7 +13,7 @@ from tiny_models import make_hf_model
 pytestmark = pytest.mark.skipif(not kernels.cpu_fused_available(), reason="the C kernels are not built here "
                                 "(no compiler, or LLMSYS_NO_CKERNELS=1): nothing to compare")
 
-MOE = ["qwen3_moe", "qwen2_moe", "mixtral"]
+MOE = ["qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss"]
 GREEDY = dict(temperature=0, ignore_eos=True)
 
 
@@ -87,6 +87,24 @@ def test_engine_tokens_with_and_without_the_kernel(arch, tmp_path):
     finally:
         decode_plan.moe_plan = planned
     assert grouped == per_expert
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_clamped_swiglu_row_code_is_transformers_ops(dtype):
+    """gpt-oss's activation in C (what its experts run, one by one or grouped) against transformers' torch ops:
+    bf16 bit for bit on a sweep across the clamp (NaN and infinities included); float32 within an ulp (the exp)."""
+    from llmsys.engine.models.base import clamped_swiglu
+
+    g = torch.Generator().manual_seed(2)
+    gate, up = ((torch.randn(64, 2880, generator=g) * 6).to(dtype) for _ in range(2))
+    gate[0, :5] = torch.tensor([float("nan"), float("inf"), -float("inf"), 7.0, 100.0])
+    up[0, :5] = torch.tensor([1.0, float("nan"), -100.0, 7.5, 0.0])
+    want, got = clamped_swiglu(gate, up, 1.702, 7.0), kernels.cpu_fused_clamped_swiglu(gate, up, 1.702, 7.0)
+    same = (got == want) | (got.isnan() & want.isnan())
+    if dtype == torch.bfloat16:
+        assert bool(same.all())
+    else:
+        assert same.float().mean() > 0.99 and torch.allclose(got[~same], want[~same], rtol=1e-6, atol=0)
 
 
 def test_kernel_rejects_bad_arguments(tmp_path):

@@ -374,16 +374,18 @@ class MLP(nn.Module):
         self.down_proj = Linear(inter, a.hidden_size, bias=bias)
         # SwiGLU (the C row kernels' silu * mul; not gpt-oss's clamped one)
         self.silu = a.hidden_act in ("silu", "swish") and a.swiglu_limit is None
-        # SwiGLU by the C row code (kernels.cpu_fused_silu_mul), decided once by the engine's decode plan
-        self.c_silu = False
         self.act_fn = GATE_ACTIVATIONS[a.hidden_act]
         self.swiglu = (a.swiglu_alpha, a.swiglu_limit) if a.swiglu_limit is not None else None  # gpt-oss
+        # SwiGLU or gpt-oss's clamped SwiGLU by the C row code (kernels.cpu_fused_silu_mul,
+        # kernels.cpu_fused_clamped_swiglu), decided once by the engine's decode plan
+        self.c_glu = False
 
     def act(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, I]
         """``silu(gate(x)) * up(x)`` (GeGLU: ``gelu_tanh(gate(x)) * up(x)``), the input of ``down_proj``.
 
-        With ``c_silu`` (planned once for CPU bfloat16 and float32): the C row code
-        (``kernels.cpu_fused_silu_mul``) that the fused decode layers run too, so both give the same bits.
+        With ``c_glu`` (planned once for CPU bfloat16 and float32): the C row code (``kernels.cpu_fused_silu_mul``,
+        gpt-oss's ``kernels.cpu_fused_clamped_swiglu``) that the fused decode layers and the grouped expert kernel
+        run too, so each gives the same bits.
         """
         if self.gate_up_proj is None:
             g, u = self.gate_proj(x), self.up_proj(x)
@@ -391,7 +393,9 @@ class MLP(nn.Module):
             gu = self.gate_up_proj(x)  # [T, 2 I]
             inter = gu.shape[-1] // 2
             g, u = gu[..., :inter], gu[..., inter:]
-        if self.c_silu and g.dim() == 2 and not g.requires_grad:  # (a graph to record: torch's ops)
+        if self.c_glu and g.dim() == 2 and not g.requires_grad:  # (a graph to record: torch's ops)
+            if self.swiglu is not None:
+                return kernels.cpu_fused_clamped_swiglu(g, u, *self.swiglu)
             return kernels.cpu_fused_silu_mul(g, u)
         return self.glu(g, u)
 

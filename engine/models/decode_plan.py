@@ -4,7 +4,7 @@ A small model's decode step is ~30 layers of tens of microseconds, and asking pe
 cost as much Python as the kernels take. :func:`build_decode_plan` (after loading, packing and fusing) plans
 from what never changes; a step asks only its own facts (rows, autograd, ``GatherPlan.one_call``)::
 
-    per module     Linear.kernel: LinearKernel    RMSNorm.c_rows    MLP.c_silu     (plan_kernels)
+    per module     Linear.kernel: LinearKernel    RMSNorm.c_rows    MLP.c_glu      (plan_kernels)
     per layer      DecoderLayer.decode: LayerPlan | None -> kernels.DecodeLayer: 2 C calls around attention
     per model      DecoderModel.decode_plan: DecodePlan -> stack: kernels.DecodeStack | None: 1 C call a step
 
@@ -82,14 +82,15 @@ def layer_plan(layer: DecoderLayer, dtype: torch.dtype) -> LayerPlan | None:
 
 def moe_plan(moe: MoE, dtype: torch.dtype) -> kernels.MoEExperts | None:
     """The grouped expert kernel's arguments for ``moe`` on ``dtype`` activations when every expert is a resident
-    SwiGLU MLP whose projections run a C decode GEMV and whose SwiGLU runs the C row code (what the per-expert path
+    SwiGLU MLP (or gpt-oss's clamped one) whose projections run a C decode GEMV and whose activation runs the C row
+    code (what the per-expert path
     then computes: the same bits), all experts in one format; else None (expert by expert)."""
     if dtype not in (torch.bfloat16, torch.float32) or not kernels.cpu_fused_available():
         return None
     gate_up, down, rows = [], [], []
     for ex in moe.experts:
-        if type(ex) is not MLP or not ex.silu or not ex.c_silu:
-            return None  # (gpt-oss's clamped SwiGLU, GeGLU: torch's activation)
+        if type(ex) is not MLP or not ex.c_glu:
+            return None  # (GeGLU: torch's activation)
         gu = [ex.gate_up_proj] if ex.gate_up_proj is not None else [ex.gate_proj, ex.up_proj]
         mods = [*gu, ex.down_proj]
         if not all(isinstance(m, (QuantLinear, Linear)) for m in mods) or any(
@@ -104,7 +105,7 @@ def moe_plan(moe: MoE, dtype: torch.dtype) -> kernels.MoEExperts | None:
     shape = {(len(g), *((w.kind, w.n, w.k) for w in (*g, d))) for g, d in zip(gate_up, down)}
     if len(shape) != 1 or min(rows) < 1:
         return None  # experts in several formats: expert by expert
-    return kernels.moe_experts_args(gate_up, down, min(rows))
+    return kernels.moe_experts_args(gate_up, down, min(rows), moe.experts[0].swiglu)
 
 
 def build_decode_plan(model: DecoderModel, attn: AttentionBackend, layers: LayerRunner | None = None
@@ -152,7 +153,7 @@ def plan_kernels(model: DecoderModel, dtype: torch.dtype) -> None:
             w = mod.weight
             mod.c_rows = not mod.offset and w.dtype in rows and w.device.type == "cpu" and w.is_contiguous()
         elif type(mod) is MLP:
-            mod.c_silu = mod.silu and dtype in rows and _on_cpu(mod)
+            mod.c_glu = (mod.silu or mod.swiglu is not None) and dtype in rows and _on_cpu(mod)
 
 
 def clear_decode_plan(model: DecoderModel) -> None:
