@@ -203,12 +203,24 @@ class ExpertWeights:
         """Staging bytes a read of the repacked parts needs (each part ALIGN-aligned)."""
         return sum(-(-s.nbytes // ALIGN) * ALIGN for r in self.repacked for s in r.stored)
 
-    def bind(self, buf: torch.Tensor) -> None:
-        for b, o, it in zip(self.bindings, self.unit.offsets, self.unit.items):
-            b.bind(buf[o : o + it.src.nbytes].view(it.dtype).view(it.shape))
+    def views(self, buf: torch.Tensor) -> list[torch.Tensor]:
+        """The tensors this expert's modules hold when its weights are in ``buf`` (a slot), in :meth:`bind_views`
+        order: making them costs more than the expert's GEMVs, so the cache keeps them while the slot holds it."""
+        out = [buf[o : o + it.src.nbytes].view(it.dtype).view(it.shape)
+               for o, it in zip(self.unit.offsets, self.unit.items)]
+        return out + [t.view(buf) for r in self.repacked for t in r.tensors]
+
+    def bind_views(self, views: list[torch.Tensor]) -> None:
+        for b, t in zip(self.bindings, views):
+            b.bind(t)
+        rest = views[len(self.bindings) :]
         for r in self.repacked:
-            for b, t in zip(r.bindings, r.tensors):
-                b.bind(t.view(buf))
+            for b, t in zip(r.bindings, rest):
+                b.bind(t)
+            rest = rest[len(r.bindings) :]
+
+    def bind(self, buf: torch.Tensor) -> None:
+        self.bind_views(self.views(buf))
 
     def unbind(self) -> None:
         for b in self.bindings:
@@ -265,6 +277,7 @@ class ExpertCache:
         self._ahead_bytes: dict[tuple[int, int], int] = {}
         self._unused: dict[tuple[int, int], int] = {}
         self._ahead_max = max(0, min(AHEAD, n - depth - 2))
+        self._bound: dict[int, tuple[ExpertWeights, list[torch.Tensor]]] = {}  # slot -> its expert's module tensors
 
     def _stage(self, n: int) -> torch.Tensor:
         """This thread's staging buffer of at least ``n`` bytes (grown, never shrunk)."""
@@ -476,7 +489,10 @@ class ExpertCache:
                     pending[x] = (s, self._reader.submit(self._read, weights[x], s))
                 self._read_ahead(layer, left, busy, len(pending))  # the next layer's guess, in the reads left over
                 w = weights[e]
-                w.bind(self.slots[slot])
+                views = self._bound.get(slot)
+                if views is None or views[0] is not w:  # the slot's views are made once per expert it holds
+                    views = self._bound[slot] = (w, w.views(self.slots[slot]))
+                w.bind_views(views[1])
                 try:
                     yield e
                 finally:
@@ -502,6 +518,7 @@ class ExpertCache:
         self._lru.clear()
         self._ahead.clear()
         self._stale.clear()
+        self._bound.clear()
         self.slots = []
         self._views = []
         self._staging = threading.local()
