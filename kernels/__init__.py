@@ -83,7 +83,7 @@ if TYPE_CHECKING:
     )
     from llmsys.kernels.cpu_report import CpuKernels, QuantMatmulSupport, cpu_kernels, quant_matmul_support
     from llmsys.kernels.reference import dequant_int4, pack_int4, quantize_int8_ref, softmax_with_sinks, unpack_int4
-    from llmsys.kernels.repack import repack_q4k, repack_q6k
+    from llmsys.kernels.repack import repack_q4_0, repack_q4k, repack_q6k, repack_q8_0
     from llmsys.kernels.rope_cache import build_rope_cache, rope_attention_factor, rope_inv_freq, rope_type
 
 # name -> (module of this package, its name there)
@@ -166,6 +166,8 @@ _EXPORTS = MappingProxyType({
     "unpack_int4": ("reference", "unpack_int4"),
     "repack_q4k": ("repack", "repack_q4k"),
     "repack_q6k": ("repack", "repack_q6k"),
+    "repack_q4_0": ("repack", "repack_q4_0"),
+    "repack_q8_0": ("repack", "repack_q8_0"),
     "build_rope_cache": ("rope_cache", "build_rope_cache"),
     "rope_attention_factor": ("rope_cache", "rope_attention_factor"),
     "rope_inv_freq": ("rope_cache", "rope_inv_freq"),
@@ -241,6 +243,8 @@ __all__ = [
     "quantize_int8_ref",
     "repack_q4k",
     "repack_q6k",
+    "repack_q4_0",
+    "repack_q8_0",
     "rms_norm",
     "rope",
     "rope_attention_factor",

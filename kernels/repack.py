@@ -1,4 +1,4 @@
-"""GGUF Q4_K / Q6_K blocks written straight into the run-time layouts (``repack.c``), in one pass.
+"""GGUF Q4_K / Q6_K / Q4_0 / Q8_0 blocks written straight into the run-time layouts (``repack.c``), in one pass.
 
 Why: an expert read from a GGUF file at run time is rebuilt from its stored blocks each time it is read, and
 the torch definition of that rebuild (``engine/loader/gguf_io.py``'s block parsers, then ``Int4Linear``'s CPU
@@ -19,9 +19,12 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = {
     "llmsys_repack_q4k": [_P, _I, _I, _I, _P, _P, _P, _P, _P],
     "llmsys_repack_q6k": [_P, _I, _I, _P, _P, _P],
+    "llmsys_repack_q4_0": [_P, _I, _I, _I, _P, _P],
+    "llmsys_repack_q8_0": [_P, _I, _I, _P, _P],
 }
 _KERNEL = _cbuild.Kernel(_cbuild.KERNELS, _SIGNATURES)  # the one kernel library, loaded once per process
 Q4K_BLOCK, Q6K_BLOCK = 144, 210  # bytes of one super-block of 256 weights
+Q4_0_BLOCK, Q8_0_BLOCK = 18, 34  # bytes of one block of 32 weights
 
 
 def _check(op: str, name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
@@ -68,6 +71,42 @@ def repack_q6k(src: torch.Tensor, n: int, k: int, q: torch.Tensor, sc: torch.Ten
     if lib is None:
         return False
     if lib.llmsys_repack_q6k(src.data_ptr(), n, k, q.data_ptr(), sc.data_ptr(), d.data_ptr()):
+        raise ValueError(f"{op}: the C kernel refused N={n}, K={k}")
+    return True
+
+
+def repack_q4_0(src: torch.Tensor, n: int, k: int, packed: torch.Tensor, d: torch.Tensor) -> bool:
+    """Q4_0 blocks ``src uint8 [N * K / 32 * 18]`` -> the CPU int4 tiling ``packed uint8 [Np, K/2]`` (as
+    :func:`repack_q4k`) and the blocks' fp16 scales group-major ``d [K/32, N]`` (``Int4Linear``'s ``packed`` and the
+    storage of its ``scales_orig``)."""
+    op = "repack_q4_0"
+    if k % 32:
+        raise ValueError(f"{op}: K={k} is not a multiple of 32 (whole Q4_0 blocks)")
+    np_ = -(-n // CPU_BLOCK_N) * CPU_BLOCK_N
+    _check(op, "src", src, torch.uint8, (n * k // 32 * Q4_0_BLOCK,))
+    _check(op, "packed", packed, torch.uint8, (np_, k // 2))
+    _check(op, "d", d, torch.float16, (k // 32, n))
+    lib = _KERNEL.lib()
+    if lib is None:
+        return False
+    if lib.llmsys_repack_q4_0(src.data_ptr(), n, k, np_, packed.data_ptr(), d.data_ptr()):
+        raise ValueError(f"{op}: the C kernel refused N={n}, K={k}")
+    return True
+
+
+def repack_q8_0(src: torch.Tensor, n: int, k: int, q: torch.Tensor, d: torch.Tensor) -> bool:
+    """Q8_0 blocks ``src uint8 [N * K / 32 * 34]`` -> the codes ``q int8 [N, K]`` and the fp16 scales group-major
+    ``d [K/32, N]`` (``Int8BlockLinear``'s ``qweight`` and ``block_scales``)."""
+    op = "repack_q8_0"
+    if k % 32:
+        raise ValueError(f"{op}: K={k} is not a multiple of 32 (whole Q8_0 blocks)")
+    _check(op, "src", src, torch.uint8, (n * k // 32 * Q8_0_BLOCK,))
+    _check(op, "q", q, torch.int8, (n, k))
+    _check(op, "d", d, torch.float16, (k // 32, n))
+    lib = _KERNEL.lib()
+    if lib is None:
+        return False
+    if lib.llmsys_repack_q8_0(src.data_ptr(), n, k, q.data_ptr(), d.data_ptr()):
         raise ValueError(f"{op}: the C kernel refused N={n}, K={k}")
     return True
 

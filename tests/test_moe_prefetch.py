@@ -200,10 +200,10 @@ def test_failed_read_ahead_is_the_using_layers_one_line_error():
 # -- GGUF blocks rebuilt in one pass -------------------------------------------------------------------------------
 
 def test_repack_kernels_write_the_torch_definitions_bytes():
-    """Random Q4_K and Q6_K blocks (100 rows: the int4 tiling pads them to 128 with code 8): the C repacks give
-    the torch block parsers' codes and scales and the CPU int4 tiling of those codes, byte for byte."""
+    """Random Q4_K, Q6_K, Q4_0 and Q8_0 blocks (100 rows: the int4 tiling pads them to 128 with code 8): the C
+    repacks give the torch block parsers' codes and scales and the CPU int4 tiling of those codes, byte for byte."""
     from llmsys.engine.loader.gguf_io import _q4k_parts, _q6k_parts
-    from llmsys.kernels import pack_cpu_int4, repack_q4k, repack_q6k
+    from llmsys.kernels import pack_cpu_int4, repack_q4_0, repack_q4k, repack_q6k, repack_q8_0
 
     g = torch.Generator().manual_seed(0)
     n, k = 100, 512
@@ -226,12 +226,26 @@ def test_repack_kernels_write_the_torch_definitions_bytes():
         assert torch.equal(got.view(torch.uint8), ref.contiguous().view(torch.uint8))
     with pytest.raises(ValueError, match="repack_q4k: K=300 is not a multiple of 256"):
         repack_q4k(blocks.reshape(-1), n, 300, *out)
+    # Q4_0: fp16 d, byte i of 16 holding column i (low nibble) and i + 16 (high); Q8_0: fp16 d, 32 int8 codes
+    b4 = torch.randint(0, 256, (n, k // 32, 18), dtype=torch.uint8, generator=g)
+    codes4 = torch.cat([b4[..., 2:] & 15, b4[..., 2:] >> 4], dim=-1).reshape(n, k)
+    d4 = b4[..., :2].contiguous().view(torch.float16).view(n, k // 32)
+    got4 = [torch.empty(128, k // 2, dtype=torch.uint8), torch.empty(k // 32, n, dtype=torch.float16)]
+    assert repack_q4_0(b4.reshape(-1), n, k, *got4)
+    assert torch.equal(got4[0], pack_cpu_int4(F.pad(codes4, (0, 0, 0, 28), value=8)))
+    assert torch.equal(got4[1].view(torch.int16), d4.t().contiguous().view(torch.int16))
+    b8 = torch.randint(0, 256, (n, k // 32, 34), dtype=torch.uint8, generator=g)
+    got8 = [torch.empty(n, k, dtype=torch.int8), torch.empty(k // 32, n, dtype=torch.float16)]
+    assert repack_q8_0(b8.reshape(-1), n, k, *got8)
+    assert torch.equal(got8[0], b8[..., 2:].contiguous().view(torch.int8).reshape(n, k))
+    assert torch.equal(got8[1].view(torch.int16), b8[..., :2].contiguous().view(torch.int16).view(n, k // 32).t())
 
 
-def test_gguf_q4_k_m_experts_are_filled_in_one_pass():
-    """A converter-made Qwen3-MoE Q4_K_M file with its experts on disk: every expert's Q4_K / Q6_K projections are
-    written by the one-pass fill (checked against the built layer at install), and the tokens are the resident
-    run's with pre-gating on."""
+@pytest.mark.parametrize("fmt", ["q4_K_M", "q4_0", "q8_0"])
+def test_gguf_experts_are_filled_in_one_pass(fmt):
+    """Converter-made Qwen3-MoE files with their experts on disk: every expert's projection (Q4_K and Q6_K, Q4_0,
+    Q8_0) is written by the one-pass fill (checked against the built layer at install), and the tokens are the
+    resident run's with pre-gating on."""
     pytest.importorskip("gguf", reason="reading GGUF needs the gguf package (a dependency of llmsys)")
     from gguf_families import cache_root, converted
 
@@ -239,8 +253,8 @@ def test_gguf_q4_k_m_experts_are_filled_in_one_pass():
 
     if not repack.available():
         pytest.skip("the C kernel library is not loaded (LLMSYS_NO_CKERNELS or no compiler)")
-    path = cache_root() / "qwen3moe" / "qwen3moe.q4_K_M.gguf"
-    path = path if path.exists() else converted("qwen3moe", "q4_K_M")
+    path = cache_root() / "qwen3moe" / f"qwen3moe.{fmt}.gguf"
+    path = path if path.exists() else converted("qwen3moe", fmt)
     _, ref = _generate(path)
     llm, got = _generate(path, placement={"experts": "disk", "expert_cache": 1 << 20}, cpu_mem="64MiB")
     assert got == ref

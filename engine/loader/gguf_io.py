@@ -27,7 +27,7 @@ import torch
 
 from llmsys.engine.loader import validate
 from llmsys.engine.loader.gguf_header import MAGIC, GGUFHeader, TensorEntry, check_end, read_bytes, read_header
-from llmsys.kernels import KScales, pack_int4, repack_q4k, repack_q6k, unpack_int4
+from llmsys.kernels import KScales, pack_int4, repack_q4_0, repack_q4k, repack_q6k, repack_q8_0, unpack_int4
 from llmsys.kernels.common.errors import CheckpointError, UnsupportedModelError
 
 if TYPE_CHECKING:
@@ -142,7 +142,9 @@ BLOCK_FACTORS = {"scales": "block scales", "block_scales": "block scales", "offs
 # The kept types whose run-time layer tensors one C pass writes from the stored blocks (GGUFIndex._fill_from), by
 # the layer's buffer names: an expert read at run time is rebuilt so (the torch rebuild cost several reads' time).
 FILLED = {"Q4_K": ("packed", "zeros_u8", "zeros_gm", "k_sc", "k_m", "k_d", "k_dmin"),
-          "Q6_K": ("qweight", "block_scales", "super_scales")}
+          "Q6_K": ("qweight", "block_scales", "super_scales"),
+          "Q4_0": ("packed", "zeros_u8", "zeros_gm", "scales_orig"),  # scales_orig: an [N, G] view of [G, N]
+          "Q8_0": ("qweight", "block_scales")}
 Q4K_BLOCK = 144  # bytes of one Q4_K super-block of 256 weights: d, dmin (fp16), 12 bytes of 6-bit sc/m, 128 of codes
 Q6K_BLOCK = 210  # Q6_K: 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 scales, d (fp16)
 Q5K_BLOCK = 176  # Q5_K: d, dmin (fp16), 12 bytes of 6-bit sc/m (as Q4_K), 32 bytes of 5th bits, 128 of low nibbles
@@ -558,7 +560,8 @@ class GGUFIndex:
     def _fill_from(self, name: str, raw: torch.Tensor, out: dict[str, torch.Tensor]) -> bool:
         """``StoredTensor.fill``: :meth:`kept_layer`'s tensors of ``name`` written from its stored bytes ``raw``
         straight into ``out`` (the layer's buffers by name, in its own dtypes, shapes and strides) by one C pass
-        (``kernels.repack_q4k`` / ``repack_q6k``), their float factors checked finite as ``kept_layer`` checks them.
+        (``kernels.repack_q4k`` / ``repack_q6k`` / ``repack_q4_0`` / ``repack_q8_0``), their float factors checked
+        finite as ``kept_layer`` checks them.
         False, with nothing written, where ``out`` is not the layout this writes (another kernel build's layer,
         no C library): the caller builds the layer instead."""
         t = self._tensors[name]
@@ -576,13 +579,25 @@ class GGUFIndex:
                     return False
                 for z in ("zeros_u8", "zeros_gm"):
                     o[z].as_strided((1,), (1,)).zero_()
+            elif kind == "Q4_0":  # zeros 8, as two uint8 tables (row- and group-major)
+                scales, zeros = o["scales_orig"], (o["zeros_u8"], o["zeros_gm"])
+                if scales.stride() != (1, n) or not all(z.is_contiguous() for z in zeros):
+                    return False
+                if not repack_q4_0(raw, n, k, o["packed"], scales.t()):
+                    return False
+                for z in zeros:
+                    z.fill_(8)
+            elif kind == "Q8_0":
+                if not repack_q8_0(raw, n, k, o["qweight"], o["block_scales"]):
+                    return False
             elif not repack_q6k(raw, n, k, o["qweight"], o["block_scales"], o["super_scales"]):
                 return False
         except ValueError:  # a dtype, shape or stride the kernel does not write
             return False
-        for key in FILLED[kind]:
-            if key in BLOCK_FACTORS and o[key].is_floating_point():
-                validate.check_finite(f"{self.info(name).gguf_name} ({BLOCK_FACTORS[key]})", o[key], self.path)
+        for key in FILLED[kind]:  # the blocks' float factors, as kept_layer checks them (its "scales": scales_orig)
+            what = BLOCK_FACTORS.get(key.removesuffix("_orig"))
+            if what is not None and o[key].is_floating_point():
+                validate.check_finite(f"{self.info(name).gguf_name} ({what})", o[key], self.path)
         return True
 
     def _tensor_from(self, name: str, raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
