@@ -293,8 +293,12 @@ def run(file: Path, engine: str, cap: str | None, cpu_mem: str | None, new: int,
     if rc != 0 or line is None:
         raise SystemExit(f"{engine} run failed (rc {rc}): {(err.strip().splitlines() or [''])[-1]}")
     res = json.loads(line[7:])
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).resolve().parent).stdout.strip()
+    here = Path(__file__).resolve().parent
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=here).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
+                           cwd=here).stdout.split()[1::2]
+    if dirty:  # the tree ran with uncommitted edits: name the files
+        commit += " + uncommitted " + ", ".join(dirty)
     res.update(engine=engine, cap=cap, cpu_mem=cpu_mem, no_repack=no_repack, cgroup_peak=peak, prompt_len=prompt_len,
                new=new, threads=threads, commit=commit, prefetch=prefetch if engine == "llmsys" else None,
                disk_read_rate=bw, loadavg_before=load_before, loadavg_after=os.getloadavg()[0])
