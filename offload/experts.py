@@ -430,10 +430,18 @@ class ExpertCache:
             self.stats.ahead_bytes += weights[e].read_bytes
             inflight += 1
 
-    def each(self, layer: int, ids: list[int], weights: list[ExpertWeights]) -> Iterator[int]:
+    def holds(self, n: int) -> bool:
+        """Can ``n`` experts be bound at once (``each(..., hold=True)``), with the reads in flight beside them (the
+        step's own and those ahead)?"""
+        return n + self.depth + 1 + self._ahead_max <= len(self.slots)
+
+    def each(self, layer: int, ids: list[int], weights: list[ExpertWeights], hold: bool = False) -> Iterator[int]:
         """:meth:`ExpertSource.each` for one layer: cached experts first, then those read ahead on a guess
         (:meth:`expect`), the missing ones as they are read (up to ``depth`` reads in flight while the compute thread
-        works, the next layer's guessed experts read in what is left)."""
+        works, the next layer's guessed experts read in what is left). ``hold``: every expert yielded stays bound
+        and in its slot until the generator is closed (for one call over all of them; :meth:`holds` says whether
+        they fit)."""
+        held: set[int] = set()  # slots of the experts yielded and still bound (hold)
         lru, ahead = self._lru, self._ahead
         self._settle()
         guess = self._guess.pop(layer, None)
@@ -464,7 +472,7 @@ class ExpertCache:
                     elif e in pending:
                         slot, fut = pending.pop(e)
                     else:
-                        slot = self._take(layer, left, {s for s, _ in pending.values()}, strict=False)
+                        slot = self._take(layer, left, {s for s, _ in pending.values()} | held, strict=False)
                         # a repack runs on a reader (one intra-op thread, as every repack), the rest here
                         fut = self._reader.submit(self._read, weights[e], slot) if weights[e].repacked else None
                     try:
@@ -476,7 +484,7 @@ class ExpertCache:
                     lru[key] = slot
                     self.stats.misses += 1
                 # Keep up to `depth` of the step's next missing experts reading while this one computes.
-                busy = {slot} | {s for s, _ in pending.values()}
+                busy = {slot} | {s for s, _ in pending.values()} | held
                 for x in order[i + 1 :]:
                     if len(pending) >= self.depth:
                         break
@@ -493,12 +501,18 @@ class ExpertCache:
                 if views is None or views[0] is not w:  # the slot's views are made once per expert it holds
                     views = self._bound[slot] = (w, w.views(self.slots[slot]))
                 w.bind_views(views[1])
+                if hold:  # unbound when the generator closes; its slot neither taken nor evicted until then
+                    held.add(slot)
+                    yield e
+                    continue
                 try:
                     yield e
                 finally:
                     w.unbind()
                 left.discard(e)
         finally:
+            for e in order if hold else ():
+                weights[e].unbind()
             for x, (s, fut) in pending.items():  # the consumer stopped early: let reads land, keep slots usable
                 try:
                     fut.result()
@@ -546,8 +560,11 @@ class DiskExperts:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     next: NextRouter | None = None
 
-    def each(self, experts: list[int]) -> Iterator[int]:
-        return self.cache.each(self.layer, experts, self.weights)
+    def each(self, experts: list[int], hold: bool = False) -> Iterator[int]:
+        return self.cache.each(self.layer, experts, self.weights, hold)
+
+    def holds(self, n: int) -> bool:
+        return self.cache.holds(n)
 
     def prefetch_next(self, x: torch.Tensor) -> None:
         """Guess the next sparse layer's experts from this layer's router input ``x`` through the next router (its
@@ -571,9 +588,12 @@ class ResidentExperts:
     device: torch.device
     uses: int = 0
 
-    def each(self, experts: list[int]) -> Iterator[int]:
+    def each(self, experts: list[int], hold: bool = False) -> Iterator[int]:
         self.uses += 1
         return iter(experts)
+
+    def holds(self, n: int) -> bool:
+        return True
 
     def prefetch_next(self, x: torch.Tensor) -> None:
         """Resident experts: nothing to read."""

@@ -89,6 +89,28 @@ def test_engine_tokens_with_and_without_the_kernel(arch, tmp_path):
     assert grouped == per_expert
 
 
+@pytest.mark.parametrize("dtype,quant", [("float32", "none"), ("bfloat16", "int4"), ("bfloat16", "int8")])
+def test_experts_held_from_disk_run_grouped(dtype, quant, tmp_path):
+    """Experts on disk, read into a cache that holds a step's experts at once: each layer binds its routed
+    experts together and runs them in one grouped call, with the all-resident run's tokens and logprobs bit for
+    bit; with a cache too small to hold them, expert by expert, the same bits."""
+    from test_moe import _moe_engine_pair
+
+    llm, ref, got = _moe_engine_pair(tmp_path, dtype, quant, cpu_mem="24MiB",
+                                     placement={"experts": "disk", "expert_cache": 12 * 2**20})
+    assert llm.plan.experts.tier == "disk" and got == ref
+    moes = _moes(llm)
+    assert all(m.grouped is None for m in moes)  # (the experts are not resident: no plan-time arguments)
+    assert all(m.held_args is not None and m.held_args.bound for m in moes), "every layer should have run grouped"
+    assert llm.offload.expert_report().misses > 0
+    rep = llm.offload.expert_report()
+    small, ref2, got2 = _moe_engine_pair(tmp_path / "small", dtype, quant, cpu_mem="24MiB",
+                                         placement={"experts": "disk", "expert_cache": 4 * rep.expert_bytes // 64})
+    assert not small.offload.expert_cache.holds(moes[0].top_k)  # 4 slots: room for a read or two, not a step
+    assert got2 == ref2 == ref
+    assert not any(m.held_args is not None and m.held_args.bound for m in _moes(small))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_clamped_swiglu_row_code_is_transformers_ops(dtype):
     """gpt-oss's activation in C (what its experts run, one by one or grouped) against transformers' torch ops:

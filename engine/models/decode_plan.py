@@ -15,7 +15,7 @@ weights bound per step (``LayerRunner.rebinds``). Replacing a planned layer's we
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -80,32 +80,98 @@ def layer_plan(layer: DecoderLayer, dtype: torch.dtype) -> LayerPlan | None:
     return LayerPlan(fused, min(m.DECODE_MAX_ROWS for m in mods), dtype, holds)
 
 
+def _expert_modules(ex: torch.nn.Module) -> list[torch.nn.Module] | None:
+    """An expert's gate|up projections then its down projection when it is a SwiGLU MLP (or gpt-oss's clamped one)
+    whose activation runs the C row code and whose projections may run a C decode GEMV; else None (GeGLU)."""
+    if type(ex) is not MLP or not ex.c_glu:
+        return None
+    mods = [*([ex.gate_up_proj] if ex.gate_up_proj is not None else [ex.gate_proj, ex.up_proj]), ex.down_proj]
+    return mods if all(isinstance(m, (QuantLinear, Linear)) for m in mods) else None
+
+
+def _expert_weights(mods: list[torch.nn.Module], dtype: torch.dtype) -> list[kernels.DecodeWeight] | None:
+    """The C decode weights of an expert's projections as they are bound now, or None (no C GEMV for them)."""
+    ws = [m.decode_weight() for m in mods]
+    if any(w is None for w in ws) or any((w.kind == kernels.WeightKind.F32) != (dtype == torch.float32) for w in ws):
+        return None
+    return ws
+
+
+def _one_format(ws: list[list[kernels.DecodeWeight]]) -> bool:
+    """Are these experts' weights (each expert's list) all of one format and shape (what the kernel takes)?"""
+    return len({tuple((w.kind, w.n, w.k) for w in e) for e in ws}) == 1
+
+
 def moe_plan(moe: MoE, dtype: torch.dtype) -> kernels.MoEExperts | None:
-    """The grouped expert kernel's arguments for ``moe`` on ``dtype`` activations when every expert is a resident
-    SwiGLU MLP (or gpt-oss's clamped one) whose projections run a C decode GEMV and whose activation runs the C row
-    code (what the per-expert path
-    then computes: the same bits), all experts in one format; else None (expert by expert)."""
+    """The grouped expert kernel's arguments for ``moe`` on ``dtype`` activations when every expert is resident with
+    a C decode GEMV per projection and the C row activation (what the per-expert path then computes: the same
+    bits), all experts in one format; else None (expert by expert, or :func:`held_plan`)."""
     if dtype not in (torch.bfloat16, torch.float32) or not kernels.cpu_fused_available():
         return None
-    gate_up, down, rows = [], [], []
+    ws, rows = [], []
     for ex in moe.experts:
-        if type(ex) is not MLP or not ex.c_glu:
-            return None  # (GeGLU: torch's activation)
-        gu = [ex.gate_up_proj] if ex.gate_up_proj is not None else [ex.gate_proj, ex.up_proj]
-        mods = [*gu, ex.down_proj]
-        if not all(isinstance(m, (QuantLinear, Linear)) for m in mods) or any(
-                t.device.type != "cpu" for m in mods for t in (*m.parameters(), *m.buffers())):
-            return None  # (experts on disk or on another device: their source runs them)
-        ws = [m.decode_weight() for m in mods]
-        if any(w is None for w in ws) or any((w.kind == kernels.WeightKind.F32) != (dtype == torch.float32) for w in ws):
+        mods = _expert_modules(ex)
+        if mods is None or any(t.device.type != "cpu" for m in mods for t in (*m.parameters(), *m.buffers())):
+            return None  # (experts on disk or on another device: their source binds them)
+        w = _expert_weights(mods, dtype)
+        if w is None:
             return None
-        gate_up.append(ws[:-1])
-        down.append(ws[-1])
+        ws.append(w)
         rows.append(min(m.DECODE_MAX_ROWS for m in mods))
-    shape = {(len(g), *((w.kind, w.n, w.k) for w in (*g, d))) for g, d in zip(gate_up, down)}
-    if len(shape) != 1 or min(rows) < 1:
+    if not _one_format(ws) or min(rows) < 1:
         return None  # experts in several formats: expert by expert
-    return kernels.moe_experts_args(gate_up, down, min(rows), moe.experts[0].swiglu)
+    return kernels.moe_experts_args([w[:-1] for w in ws], [w[-1] for w in ws], min(rows), moe.experts[0].swiglu)
+
+
+@dataclass
+class HeldExperts:
+    """``MoE.held_args`` for experts an expert source binds (``each(..., hold=True)``: slots of the RAM expert
+    cache): the grouped kernel's arguments with the entries of the ids bound now. An expert's decode weights are
+    made once per slot it is bound from (its modules hold the same views of that slot each time)."""
+
+    experts: list[torch.nn.Module]
+    dtype: torch.dtype
+    max_rows: int
+    clamped: tuple[float, float] | None
+    bound: dict[int, tuple[tuple[int, ...], list[kernels.DecodeWeight]]] = field(default_factory=dict)
+    args: kernels.MoEExperts | None = None
+
+    def __call__(self, ids: list[int]) -> kernels.MoEExperts | None:
+        ws = []
+        for e in ids:
+            mods = _expert_modules(self.experts[e])
+            key = tuple(next(t for t in (*m._parameters.values(), *m._buffers.values()) if t is not None).data_ptr()
+                        for m in mods)
+            got = self.bound.get(e)
+            if got is None or got[0] != key:
+                w = _expert_weights(mods, self.dtype)
+                if w is None:
+                    return None
+                got = self.bound[e] = (key, w)
+            ws.append(got[1])
+        if self.args is None:  # every entry the first expert's until its own is bound (the kernel reads routed ids only)
+            n = len(self.experts)
+            self.args = kernels.moe_experts_args([ws[0][:-1]] * n, [ws[0][-1]] * n, self.max_rows, self.clamped)
+        gu, down = self.args.arrays
+        n_gu = len(ws[0]) - 1
+        if not _one_format([*ws, [*gu[:n_gu], down[0]]]):
+            return None
+        for e, w in zip(ids, ws):
+            for j in range(n_gu):
+                gu[e * n_gu + j] = w[j]
+            down[e] = w[-1]
+        return self.args
+
+
+def held_plan(moe: MoE, dtype: torch.dtype) -> HeldExperts | None:
+    """:class:`HeldExperts` for ``moe`` when its experts' modules may run the grouped kernel once bound, else None."""
+    if dtype not in (torch.bfloat16, torch.float32) or not kernels.cpu_fused_available():
+        return None
+    mods = [_expert_modules(ex) for ex in moe.experts]
+    if any(m is None for m in mods):
+        return None
+    rows = min(m.DECODE_MAX_ROWS for ms in mods for m in ms)
+    return HeldExperts(list(moe.experts), dtype, rows, moe.experts[0].swiglu) if rows >= 1 else None
 
 
 def build_decode_plan(model: DecoderModel, attn: AttentionBackend, layers: LayerRunner | None = None
@@ -120,8 +186,9 @@ def build_decode_plan(model: DecoderModel, attn: AttentionBackend, layers: Layer
     plan_kernels(model, dtype)
     plans: list[LayerPlan | None] = []
     for i, layer in enumerate(model.model.layers):
-        if isinstance(layer.mlp, MoE) and not (layers is not None and layers.rebinds(i)):
-            layer.mlp.grouped = moe_plan(layer.mlp, dtype)
+        if isinstance(layer.mlp, MoE):
+            layer.mlp.grouped = None if layers is not None and layers.rebinds(i) else moe_plan(layer.mlp, dtype)
+            layer.mlp.held_args = held_plan(layer.mlp, dtype) if layer.mlp.grouped is None else None
         lp = None if layers is not None and layers.rebinds(i) else layer_plan(layer, dtype)
         layer.decode = lp
         plans.append(lp)
@@ -163,7 +230,7 @@ def clear_decode_plan(model: DecoderModel) -> None:
     for layer in model.model.layers:
         layer.decode = None
         if isinstance(layer.mlp, MoE):
-            layer.mlp.grouped = None
+            layer.mlp.grouped = layer.mlp.held_args = None
 
 
 def _on_cpu(mod: torch.nn.Module) -> bool:

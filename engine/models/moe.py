@@ -14,7 +14,7 @@ hands them in, so this module does not import it.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -73,6 +73,9 @@ class MoE(nn.Module):
         # The grouped expert kernel's arguments (every routed expert in one C call), set once by the engine's decode
         # plan when every expert is resident with a C GEMV (engine/models/decode_plan.py); None: expert by expert.
         self.grouped: kernels.MoEExperts | None = None
+        # Experts bound by an expert source (on disk, read into the cache): the grouped kernel's arguments for the
+        # ids bound at the moment (engine/models/decode_plan.py held_plan), or None: expert by expert.
+        self.held_args: Optional[Callable[[list[int]], Optional[kernels.MoEExperts]]] = None
 
     def forward(self, x: torch.Tensor, decode: bool = False, experts: ExpertSource | None = None) -> torch.Tensor:
         """``x [T, hidden]`` -> ``[T, hidden]``. ``decode``: the experts' projections run without module
@@ -84,12 +87,14 @@ class MoE(nn.Module):
         weights, chosen = route(self.gate(x), k, self.normalize, self.float_weights, self.topk_first)  # [T, k] each
         if experts is not None:
             experts.prefetch_next(x)  # a disk source may start reading the next layer's likely experts
-        g = self.grouped
-        if g is not None and experts is None and x.dtype is g.dtype and not torch.is_grad_enabled():
-            h, rows, counts = kernels.moe_experts(g, x, chosen, weights)  # [T, H]: every routed expert, one C call
-            if h is None:  # a long prompt's expert with more rows than the C GEMV's bits hold for
-                h = self._left_over(x, chosen, weights, rows, counts, g.max_rows, decode)
-            return self._shared(x, h, decode)
+        if not torch.is_grad_enabled():
+            g = self.grouped
+            if g is not None and experts is None and x.dtype is g.dtype:
+                return self._shared(x, self._grouped(g, x, chosen, weights, decode), decode)
+            if self.held_args is not None and experts is not None and experts.device == x.device:
+                h = self._grouped_held(x, chosen, weights, experts, decode)
+                if h is not None:
+                    return self._shared(x, h, decode)
         flat = chosen.reshape(-1)  # [T k]: row r is token r // k's slot r % k
         order = torch.argsort(flat, stable=True)  # rows grouped by expert, each group in token order
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
@@ -111,6 +116,34 @@ class MoE(nn.Module):
             out.index_copy_(0, rows, y * w.index_select(0, rows))
         h = out.view(T, k, H).sum(dim=1).to(device=x.device, dtype=x.dtype)  # [T, H]
         return self._shared(x, h, decode)
+
+    def _grouped(self, g: kernels.MoEExperts, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
+                 decode: bool) -> torch.Tensor:
+        """Every routed expert in one C call (``kernels.moe_experts``) -> ``[T, H]``, the per-expert path's bits."""
+        h, rows, counts = kernels.moe_experts(g, x, chosen, weights)
+        if h is None:  # a long prompt's expert with more rows than the C GEMV's bits hold for
+            h = self._left_over(x, chosen, weights, rows, counts, g.max_rows, decode)
+        return h
+
+    def _grouped_held(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, experts: ExpertSource,
+                      decode: bool) -> torch.Tensor | None:
+        """:meth:`_grouped` over experts an expert source binds all at once (``each(..., hold=True)``: reads of the
+        missing ones in flight together); None when they do not fit its cache or their formats have no C kernel
+        (the caller goes expert by expert)."""
+        active = torch.unique(chosen).tolist()  # [n] ascending
+        if not experts.holds(len(active)):
+            return None
+        held = experts.each(active, hold=True)
+        try:
+            for _ in active:
+                next(held)
+            g = self.held_args(active)
+            if g is None or x.dtype is not g.dtype:
+                self.held_args = None  # formats without a C decode weight: expert by expert from now on
+                return None
+            return self._grouped(g, x, chosen, weights, decode)
+        finally:
+            held.close()  # every expert unbound again
 
     def _shared(self, x: torch.Tensor, h: torch.Tensor, decode: bool) -> torch.Tensor:
         """``h`` plus Qwen2-MoE's sigmoid-gated shared expert of ``x`` (``[T, H]`` each)."""

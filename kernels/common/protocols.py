@@ -102,9 +102,14 @@ class ExpertSource(Protocol):
         """Where the experts compute: the block sends the routed hidden rows there and the sum back."""
         ...
 
-    def each(self, experts: list[int]) -> Iterator[int]:
+    def each(self, experts: list[int], hold: bool = False) -> Iterator[int]:
         """Yield every id of ``experts`` once (in any order), each while the layer's expert module of that
-        id holds its weights; they are unbound again when the consumer asks for the next one."""
+        id holds its weights; they are unbound again when the consumer asks for the next one, or with ``hold``
+        only when the generator is closed (every expert bound at once, for one grouped call)."""
+        ...
+
+    def holds(self, n: int) -> bool:
+        """Can ``n`` experts be bound at once (``each(..., hold=True)``)?"""
         ...
 
     def prefetch_next(self, x: torch.Tensor) -> None:
