@@ -66,7 +66,7 @@ def moe_experts_args(gate_up: list[list[DecodeWeight]], down: list[DecodeWeight]
     return MoEExperts(args, arrays, e, down[0].n, max_rows, torch.float32 if f32 else torch.bfloat16)
 
 
-def moe_experts(m: MoEExperts, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor
+def moe_experts(m: MoEExperts, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, *, lib=None
                 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Every token's routed experts: ``x [T, D]`` (``m.dtype``, contiguous), ``chosen [T, k]`` int64 and
     ``weights [T, k]`` (bf16, or float32) from ``moe.route`` -> ``(out, rows, counts)``.
@@ -75,6 +75,7 @@ def moe_experts(m: MoEExperts, x: torch.Tensor, chosen: torch.Tensor, weights: t
     an expert had more than ``m.max_rows`` rows (only possible for ``T > m.max_rows``): then ``rows [T k, D]``
     (the products' dtype) holds every other expert's products and ``counts [E]`` each expert's rows, and the
     caller runs the left-over experts and sums. ``rows`` and ``counts`` are None when ``T <= m.max_rows``.
+    ``lib``: another build of the kernel library (tests of other ISA levels); None: the one this CPU loads.
     """
     t, k = chosen.shape
     if x.dtype != m.dtype or x.dim() != 2 or x.shape != (t, m.d) or not x.is_contiguous():
@@ -90,7 +91,7 @@ def moe_experts(m: MoEExperts, x: torch.Tensor, chosen: torch.Tensor, weights: t
     if t > m.max_rows:
         rows = torch.empty(t * k, m.d, dtype=torch.float32 if (w_f32 or x.dtype == torch.float32) else x.dtype)
         counts = torch.empty(m.n_experts, dtype=torch.int64)
-    rc = _KERNEL.lib().llmsys_moe_experts(
+    rc = (lib or _KERNEL.lib()).llmsys_moe_experts(
         ctypes.byref(m.args), x.data_ptr(), t, ids.data_ptr(), k, w.data_ptr(), int(w_f32),
         None if rows is None else rows.data_ptr(), out.data_ptr(), None if counts is None else counts.data_ptr(),
         torch.get_num_threads())
