@@ -80,6 +80,7 @@ if TYPE_CHECKING:
         int8_gemv_a8,
         layer_attn_in,
         layer_mlp,
+        layer_post_attn,
     )
     from llmsys.kernels.cpu_report import CpuKernels, QuantMatmulSupport, cpu_kernels, quant_matmul_support
     from llmsys.kernels.reference import dequant_int4, pack_int4, quantize_int8_ref, softmax_with_sinks, unpack_int4
@@ -155,6 +156,7 @@ _EXPORTS = MappingProxyType({
     "int8_gemv_a8": ("cpu_qgemv", "int8_gemv_a8"),
     "layer_attn_in": ("cpu_qgemv", "layer_attn_in"),
     "layer_mlp": ("cpu_qgemv", "layer_mlp"),
+    "layer_post_attn": ("cpu_qgemv", "layer_post_attn"),
     "CpuKernels": ("cpu_report", "CpuKernels"),
     "QuantMatmulSupport": ("cpu_report", "QuantMatmulSupport"),
     "cpu_kernels": ("cpu_report", "cpu_kernels"),
@@ -191,6 +193,7 @@ __all__ = [
     "layer_attn_in",
     "decode_layer_args",
     "layer_mlp",
+    "layer_post_attn",
     "int4_decode_weight",
     "int4k_decode_weight",
     "int4k_gemv_a8",

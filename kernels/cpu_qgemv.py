@@ -49,6 +49,7 @@ _SIGNATURES = {
     "llmsys_gemv_f32": [_P, _I, _P, _I, _P, _I, _I, _I, _I, _C],
     "llmsys_layer_attn_in": [_P, _P, _P, _P, _P, _I, _C],
     "llmsys_layer_mlp": [_P, _P, _P, _P, _P, _I, _C],
+    "llmsys_layer_post_attn": [_P, _P, _P, _P, _P, _I, _C],
     "llmsys_decode_stack": [_P, _P, _P, _P, _I, _C],
 }
 A8_BLOCK = 32  # columns of x per int8 block in the a8 GEMVs
@@ -636,20 +637,26 @@ class DecodeLayer:
 
     def describe(self) -> str:
         a = self.args
+        mlp = (f"gate|up {[w.n for w in self.arrays[2]]} rows, down {self.arrays[3][0].n}x{self.arrays[3][0].k}"
+               if len(self.arrays[3]) else "experts apart (an MoE layer)")
         return (f"D={self.d}, q|k|v {[w.n for w in self.arrays[0]]} rows, o_proj {self.arrays[1][0].n}x{self.k_o}, "
-                f"gate|up {[w.n for w in self.arrays[2]]} rows, down {self.arrays[3][0].n}x{self.arrays[3][0].k} "
-                f"({a.n_qkv} + 1 + {a.n_gu} + 1 weights)")
+                f"{mlp} ({a.n_qkv} + 1 + {a.n_gu} + {len(self.arrays[3])} weights)")
 
 
-def decode_layer_args(qkv: list[DecodeWeight], o_proj: DecodeWeight, gate_up: list[DecodeWeight], down: DecodeWeight, ln1: torch.Tensor, eps1: float,
-             ln2: torch.Tensor, eps2: float) -> DecodeLayer:
+def decode_layer_args(qkv: list[DecodeWeight], o_proj: DecodeWeight, gate_up: list[DecodeWeight],
+                      down: DecodeWeight | None, ln1: torch.Tensor, eps1: float, ln2: torch.Tensor,
+                      eps2: float) -> DecodeLayer:
     """The :class:`DecodeLayer` of a layer's weights (q|k|v and gate|up: 1-4 weights each whose outputs lie
     side by side, one fused weight or several) and its two RMSNorm weights (``[D]``, contiguous): bf16 norms
-    with a8 / bf16 weights, float32 norms with float32 weights (a float32 layer: float32 activations)."""
-    if not (1 <= len(qkv) <= 4 and 1 <= len(gate_up) <= 4):
-        raise ValueError(f"decode_layer_args: q|k|v and gate|up take 1-4 weights each, got {len(qkv)} and {len(gate_up)}")
+    with a8 / bf16 weights, float32 norms with float32 weights (a float32 layer: float32 activations).
+    An MoE layer's: no gate|up (``[]``) nor down (None); its experts run in their own call (:func:`layer_post_attn`
+    ends where they start)."""
+    moe = not gate_up and down is None
+    if not (1 <= len(qkv) <= 4 and (moe or 1 <= len(gate_up) <= 4)) or (down is None) != moe:
+        raise ValueError(f"decode_layer_args: q|k|v and gate|up take 1-4 weights each, got {len(qkv)} and "
+                         f"{len(gate_up)} (an MoE layer: no gate|up nor down)")
     d = qkv[0].k
-    ws = [*qkv, o_proj, *gate_up, down]
+    ws = [*qkv, o_proj, *gate_up, *([] if moe else [down])]
     f32 = ws[0].kind == WeightKind.F32
     if any((w.kind == WeightKind.F32) != f32 for w in ws):
         raise ValueError("decode_layer_args: float32 weights cannot be mixed with bf16 or quantized ones in a layer")
@@ -658,10 +665,11 @@ def decode_layer_args(qkv: list[DecodeWeight], o_proj: DecodeWeight, gate_up: li
         if t.dtype != dtype or tuple(t.shape) != (d,) or not t.is_contiguous() or t.device.type != "cpu":
             raise ValueError(f"decode_layer_args: {name} must be a contiguous CPU {_dname(dtype)} [{d}] tensor, "
                              f"got {t.dtype} {tuple(t.shape)} on {t.device}")
-    arrays = ((DecodeWeight * len(qkv))(*qkv), (DecodeWeight * 1)(o_proj), (DecodeWeight * len(gate_up))(*gate_up), (DecodeWeight * 1)(down))
+    arrays = ((DecodeWeight * len(qkv))(*qkv), (DecodeWeight * 1)(o_proj), (DecodeWeight * len(gate_up))(*gate_up),
+              (DecodeWeight * (0 if moe else 1))(*([] if moe else [down])))
     args = _LayerArgs(ln1.data_ptr(), ln2.data_ptr(), eps1, eps2, d, o_proj.k, ctypes.addressof(arrays[0]),
-                      len(qkv), ctypes.addressof(arrays[1]), ctypes.addressof(arrays[2]), len(gate_up),
-                      ctypes.addressof(arrays[3]), int(f32))
+                      len(qkv), ctypes.addressof(arrays[1]), None if moe else ctypes.addressof(arrays[2]),
+                      len(gate_up), None if moe else ctypes.addressof(arrays[3]), int(f32))
     return DecodeLayer(args, arrays, d, sum(w.n for w in qkv), o_proj.k, dtype)
 
 
@@ -696,6 +704,24 @@ def layer_attn_in(layer: DecodeLayer, x: torch.Tensor, residual: torch.Tensor | 
         raise ValueError(f"layer_attn_in: the C kernel rejected the layer (code {rc}; 2: out of memory): "
                          f"{layer.describe()}")
     return out, new_res
+
+
+def layer_post_attn(layer: DecodeLayer, o: torch.Tensor, residual: torch.Tensor, *,
+                    check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """An MoE layer's attention output to its MoE block's input in one C call: ``o [M, Hq D]``, ``residual [M, D]``
+    ``-> (rms_norm(a + residual), a + residual)`` with ``a`` o_proj's output: :func:`layer_mlp`'s first half, the
+    same bits. ``check`` as :func:`layer_attn_in`."""
+    m = o.shape[0]
+    if check:
+        _check_rows("layer_post_attn", o, layer.k_o, layer.dtype)
+        _check_rows("layer_post_attn", residual, layer.d, layer.dtype, m)
+    xn, new_res = torch.empty(m, layer.d, dtype=layer.dtype), torch.empty(m, layer.d, dtype=layer.dtype)
+    rc = _KERNEL.lib().llmsys_layer_post_attn(ctypes.byref(layer.args), o.data_ptr(), residual.data_ptr(),
+                                              xn.data_ptr(), new_res.data_ptr(), m, torch.get_num_threads())
+    if rc:
+        raise ValueError(f"layer_post_attn: the C kernel rejected the layer (code {rc}; 2: out of memory): "
+                         f"{layer.describe()}")
+    return xn, new_res
 
 
 def layer_mlp(layer: DecodeLayer, o: torch.Tensor, residual: torch.Tensor, *,

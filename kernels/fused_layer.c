@@ -161,8 +161,10 @@ static int norm_rows(const void *xv, const void *resv, const void *wv, float eps
 
 /* 0 when the layer's shapes fit together (what proj_run does not check itself), else 1 */
 static int layer_check(const llmsys_layer *L, int64_t m_count) {
-    if (m_count <= 0 || L->d <= 0 || L->d > (1 << 20) || L->o->n != L->d || L->down->n != L->d || L->n_gu < 1
-        || L->n_gu > QW_MAX)
+    if (m_count <= 0 || L->d <= 0 || L->d > (1 << 20) || L->o->n != L->d)
+        return 1;
+    if (!L->gu && !L->down && !L->n_gu) return 0; /* an MoE layer's: attention only (llmsys_layer_post_attn) */
+    if (!L->gu || !L->down || L->down->n != L->d || L->n_gu < 1 || L->n_gu > QW_MAX)
         return 1;
     int64_t two_i = 0;
     for (int64_t j = 0; j < L->n_gu; j++) two_i += L->gu[j].n;
@@ -189,7 +191,7 @@ int llmsys_layer_attn_in(const llmsys_layer *L, const void *x, const void *res, 
  * 0, 1 bad arguments, 2 no memory. */
 int llmsys_layer_mlp(const llmsys_layer *L, const void *o, const void *res, void *out, void *new_res,
                      int64_t m_count, int threads) {
-    if (layer_check(L, m_count)) return 1;
+    if (layer_check(L, m_count) || !L->gu) return 1;
     const int64_t d = L->d, f32 = L->f32 != 0;
     const size_t es = f32 ? 4 : 2;
     int64_t two_i = 0;
@@ -214,6 +216,20 @@ int llmsys_layer_mlp(const llmsys_layer *L, const void *o, const void *res, void
         }
         rc = proj_run(L->down, 1, y, m_count, inter, out, f32, threads);
     }
+    free(a);
+    return rc;
+}
+
+/* An MoE layer's attention output to its MoE block's input: o [M, K_o], res [M, D] -> a = o times o;
+ * xn [M, D] = RMSNorm(a + res) (ln2), new_res = bf16(a + res): the first half of llmsys_layer_mlp (the experts run
+ * in one call of their own: moe_experts.c). 0, 1 bad arguments, 2 no memory. */
+int llmsys_layer_post_attn(const llmsys_layer *L, const void *o, const void *res, void *xn, void *new_res,
+                           int64_t m_count, int threads) {
+    if (layer_check(L, m_count)) return 1;
+    const int64_t d = L->d, f32 = L->f32 != 0;
+    void *a = malloc((f32 ? 4 : 2) * (size_t)(m_count * d));
+    int rc = a ? proj_run(L->o, 1, o, m_count, L->k_o, a, f32, threads) : 2;
+    if (!rc) rc = norm_rows(a, res, L->ln2, L->eps2, xn, new_res, m_count, d, f32);
     free(a);
     return rc;
 }

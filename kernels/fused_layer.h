@@ -43,7 +43,7 @@ typedef struct {
     const llmsys_qw *qkv;      /* q | k | v: n_qkv weights side by side */
     int64_t n_qkv;
     const llmsys_qw *o;        /* one weight */
-    const llmsys_qw *gu;       /* gate | up: n_gu weights side by side */
+    const llmsys_qw *gu;       /* gate | up: n_gu weights side by side (NULL, and down NULL: an MoE layer's) */
     int64_t n_gu;
     const llmsys_qw *down;     /* one weight */
     int64_t f32;               /* 1: float32 activations, weights (WEIGHT_F32) and norm weights; 0: bf16 activations */
@@ -83,6 +83,8 @@ QG_HIDDEN void qw_item(const llmsys_qw *w, const a8_x *a, const void *xv, const 
 
 int llmsys_layer_attn_in(const llmsys_layer *L, const void *x, const void *res, void *out, void *new_res,
                          int64_t m_count, int threads);
+int llmsys_layer_post_attn(const llmsys_layer *L, const void *o, const void *res, void *xn, void *new_res,
+                           int64_t m_count, int threads);
 int llmsys_layer_mlp(const llmsys_layer *L, const void *o, const void *res, void *out, void *new_res,
                      int64_t m_count, int threads);
 #endif

@@ -67,7 +67,8 @@ def test_grouped_equals_per_expert_bit_for_bit(arch, dtype, quant, tmp_path):
 
 @pytest.mark.parametrize("arch", MOE)
 def test_engine_tokens_with_and_without_the_kernel(arch, tmp_path):
-    """Greedy tokens of a batch of int4 prompts are the same with the grouped kernel and expert by expert."""
+    """Greedy tokens of a batch of int4 prompts are the same with the grouped kernel (and the sparse layers' fused
+    attention around it) and expert by expert, op by op."""
     from llmsys import SamplingParams
     from llmsys.engine.models import decode_plan
 
@@ -77,6 +78,8 @@ def test_engine_tokens_with_and_without_the_kernel(arch, tmp_path):
     sp = SamplingParams(max_tokens=12, **GREEDY)
     llm = _llm(path, "bfloat16", "int4")
     assert all(m.grouped is not None for m in _moes(llm))
+    sparse = [layer for layer in llm.loaded.model.model.layers if layer.mlp in _moes(llm)]
+    assert all(layer.decode is not None and layer.decode.moe for layer in sparse)  # attention fused around them
     grouped = [o.token_ids for o in llm.generate(prompts, sp)]
     planned = decode_plan.moe_plan
     try:

@@ -489,6 +489,9 @@ class DecoderLayer(nn.Module):
             if at.q_norm is not None:
                 q, k = at.q_norm(q.contiguous()), at.k_norm(k.contiguous())
             o = at.attend(at.rope_store(q, k, v, positions, rope_cache, attn, meta), attn, meta)  # [T, Hq * D]
+        if self.decode.moe:  # o_proj and the norm in C, then the block's routed experts in one C call
+            x, residual = kernels.layer_post_attn(fused, o.contiguous(), residual, check=False)
+            return self.mlp.forward(x, True), residual
         return kernels.layer_mlp(fused, o.contiguous(), residual, check=False)
 
 

@@ -35,6 +35,7 @@ class LayerPlan:
     max_rows: int  # the most rows every projection's C GEMV takes (the formats' PACKED_MAX_ROWS)
     dtype: torch.dtype  # the activations' (bf16, or float32 for float32 weights)
     holds: tuple[torch.Tensor, ...]  # every tensor ``fused`` points into, kept alive with the plan
+    moe: bool = False  # an MoE layer: attention fused, then its block's grouped experts (``MoE.grouped``)
 
 
 @dataclass(frozen=True)
@@ -57,27 +58,31 @@ def layer_plan(layer: DecoderLayer, dtype: torch.dtype) -> LayerPlan | None:
         return None
     at, mlp = layer.self_attn, layer.mlp
     ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
-    if type(mlp) is not MLP:
-        return None  # an MoE block routes each token to its own experts; the C layer runs one SwiGLU MLP
-    if layer.pre_feedforward_layernorm is not None or ln1.offset or not mlp.silu:
+    moe = isinstance(mlp, MoE)
+    if moe and mlp.grouped is None:
+        return None  # experts expert by expert, or bound per step by their source: op by op
+    if not moe and (type(mlp) is not MLP or not mlp.silu):
+        return None  # (GeGLU, gpt-oss's clamped SwiGLU in a dense MLP: the C layer runs SwiGLU)
+    if layer.pre_feedforward_layernorm is not None or ln1.offset:
         return None
     if ln1.weight.dtype != dtype or ln2.weight.dtype != dtype or ln1.weight.device.type != "cpu":
         return None
     if not ln1.weight.is_contiguous() or not ln2.weight.is_contiguous():
         return None
     qkv = [at.qkv_proj] if at.qkv_proj is not None else [at.q_proj, at.k_proj, at.v_proj]
-    gu = [mlp.gate_up_proj] if mlp.gate_up_proj is not None else [mlp.gate_proj, mlp.up_proj]
-    mods = [*qkv, at.o_proj, *gu, mlp.down_proj]
+    gu = [] if moe else [mlp.gate_up_proj] if mlp.gate_up_proj is not None else [mlp.gate_proj, mlp.up_proj]
+    mods = [*qkv, at.o_proj, *gu, *([] if moe else [mlp.down_proj])]
     if not all(isinstance(m, (QuantLinear, Linear)) for m in mods):
         return None
     ws = [m.decode_weight() for m in mods]
     if any(w is None for w in ws) or any((w.kind == kernels.WeightKind.F32) != (dtype == torch.float32) for w in ws):
         return None  # (float32 activations read float32 weights only; bf16 ones the rest)
     n = len(qkv)
-    fused = kernels.decode_layer_args(ws[:n], ws[n], ws[n + 1 : -1], ws[-1], ln1.weight, ln1.eps, ln2.weight, ln2.eps)
+    gu_ws, down_w = ([], None) if moe else (ws[n + 1 : -1], ws[-1])
+    fused = kernels.decode_layer_args(ws[:n], ws[n], gu_ws, down_w, ln1.weight, ln1.eps, ln2.weight, ln2.eps)
     holds = tuple(t for m in (*mods, ln1, ln2) for t in (*m._parameters.values(), *m._buffers.values())
                   if t is not None)
-    return LayerPlan(fused, min(m.DECODE_MAX_ROWS for m in mods), dtype, holds)
+    return LayerPlan(fused, min(m.DECODE_MAX_ROWS for m in mods), dtype, holds, moe)
 
 
 def _expert_modules(ex: torch.nn.Module) -> list[torch.nn.Module] | None:
@@ -195,7 +200,8 @@ def build_decode_plan(model: DecoderModel, attn: AttentionBackend, layers: Layer
     while isinstance(attn, BackendDecorator):  # a KV policy's: the stack runs on steps it steps aside from
         attn = attn.inner
     stack, pools = None, attn.decode_pools() if isinstance(attn, CpuBackend) else None
-    if layers is None and pools is not None and pools[0][0].dtype == dtype and all(p is not None for p in plans) and all(
+    if layers is None and pools is not None and pools[0][0].dtype == dtype and all(
+            p is not None and not p.moe for p in plans) and all(
             _one_call_attention(layer) for layer in model.model.layers):
         stack = kernels.decode_stack_args([
             kernels.StackLayer(p.fused, *pools[layer.self_attn.index], layer.self_attn.n_heads, layer.self_attn.n_kv,
