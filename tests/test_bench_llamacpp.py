@@ -17,6 +17,7 @@ tiny random transformers checkpoints (tests/tiny_models.py) the other families.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
@@ -263,6 +264,33 @@ def test_gpt_oss_llama_cpp_cannot_run_gets_one_line_errors(tmp_path):
     qwen = make_hf_model("qwen3", tmp_path / "yarn", seed=0, rope_scaling=dict(rope_type="yarn", factor=4.0))
     with pytest.raises(UnsupportedModelError, match="does not handle rope scaling 'yarn' for qwen3"):
         gguf_file(qwen, "f32")
+
+
+def _bench_script():
+    """benchmarks/bench_vs_llamacpp.py as a module (its byte counts are what its table's MB / token shows)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_vs_llamacpp.py"
+    spec = importlib.util.spec_from_file_location("bench_vs_llamacpp", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_vs_llamacpp"] = mod  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("kind, share", [("qwen3_moe", 2 / 8), ("gpt_oss", 2 / 4)])
+def test_moe_bytes_per_token_count_k_of_e_experts_alike_in_both_engines(families, kind, share):
+    """The bench's MB read per token: every float32 tensor but the embedding table (the head is its own), an
+    expert's matrices and biases at k/E -- the same sum from llmsys's loaded model and from the f32 GGUF."""
+    from safetensors.torch import load_file
+
+    from llmsys import LLM
+
+    bench = _bench_script()
+    src = families[kind]
+    want = sum(t.numel() * 4 * (share if ".experts." in n else 1.0)
+               for n, t in load_file(str(src / "model.safetensors")).items() if "embed_tokens" not in n)
+    assert bench.gguf_step_bytes(gguf_file(src, "f32")) == int(want)
+    llm = LLM(str(src), dtype="float32", device="cpu", progress=False)
+    assert bench.llmsys_step_bytes(llm.loaded.model) == int(want)
 
 
 def test_unhandled_inputs_get_one_line_errors(families, tmp_path):
