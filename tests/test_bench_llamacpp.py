@@ -252,6 +252,11 @@ def test_gpt_oss_writes_sinks_biases_stacked_experts_window_and_yarn(families):
     f16 = {t.name: t.tensor_type for t in gguf.GGUFReader(str(gguf_file(src, "f16"))).tensors}
     assert f16["blk.0.ffn_gate_exps.weight"] == f16["blk.0.attn_q.weight"] == gguf.GGMLQuantizationType.F16
     assert {f16["blk.0.ffn_gate_exps.bias"], f16["blk.0.attn_sinks.weight"]} == {gguf.GGMLQuantizationType.F32}
+    # Quantized matrices (the readers' test files): the [E, rows] stacks of biases are not matrices.
+    q8 = gguf_export.export_float(src, src.parent / "gpt_oss-q8.gguf", "f32", matrices="Q8_0")
+    q8_types = {t.name: t.tensor_type for t in gguf.GGUFReader(str(q8)).tensors}
+    assert q8_types["blk.0.attn_q.weight"] == gguf.GGMLQuantizationType.Q8_0
+    assert q8_types["blk.0.ffn_up_exps.bias"] == q8_types["blk.0.attn_q.bias"] == gguf.GGMLQuantizationType.F32
 
 
 def test_gpt_oss_llama_cpp_cannot_run_gets_one_line_errors(tmp_path):

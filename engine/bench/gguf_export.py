@@ -89,7 +89,7 @@ def open_source(folder: str | Path) -> GGUFSource:
     args = family_for(cfg).ModelArgs.from_hf_config(cfg)
     rope_type = (args.rope_scaling or {}).get("rope_type", (args.rope_scaling or {}).get("type", "default"))
     if (rope_type not in ("default", "linear", "llama3", "yarn") or (rope_type == "llama3" and mt in ("qwen2", "qwen3"))
-            or (rope_type == "yarn") != (mt == "gpt_oss")):
+            or (rope_type == "yarn" and mt != "gpt_oss")):
         raise UnsupportedModelError(f"{folder}: the GGUF export does not handle rope scaling {rope_type!r} for {mt}")
     arch, interleave = _ARCHS[mt]
     if mt == "gpt_oss" and ((args.swiglu_alpha, args.swiglu_limit) != _GPT_OSS_SWIGLU or not args.o_proj_bias):
@@ -202,8 +202,9 @@ def export_float(folder: str | Path, out: Path, fmt: str = "f32", matrices: str 
     w = gguf.GGUFWriter(str(tmp), src.arch)
     _write_metadata(w, src, fmt)
 
-    def quantized(shape: tuple[int, ...]) -> bool:
-        return qtype is not None and len(shape) == 2 and shape[1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0
+    def quantized(g: str, shape: tuple[int, ...]) -> bool:  # a matrix, never a stack of experts' biases
+        return (qtype is not None and len(shape) == 2 and g.endswith(".weight")
+                and shape[1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0)
 
     def target(g: str, shape: tuple[int, ...]) -> torch.dtype:
         # Matrices (and stacked experts) in the file's format; norms and biases (stacked experts' too) f32, as
@@ -212,7 +213,7 @@ def export_float(folder: str | Path, out: Path, fmt: str = "f32", matrices: str 
 
     for names, g in plan:
         shape = _stacked_shape(index, names)
-        if quantized(shape):
+        if quantized(g, shape):
             block, size = gguf.GGML_QUANT_SIZES[qtype]
             w.add_tensor_info(g, shape, np.dtype(np.float32), shape[0] * shape[1] // block * size, raw_dtype=qtype)
             continue
@@ -227,7 +228,7 @@ def export_float(folder: str | Path, out: Path, fmt: str = "f32", matrices: str 
         for names, g in plan:
             t = _layout(src, names[0], torch.stack([index.read(n) for n in names]) if len(names) > 1
                         else index.read(names[0]))
-            if quantized(tuple(t.shape)):
+            if quantized(g, tuple(t.shape)):
                 x = t.float().numpy()
                 own = {gguf.GGMLQuantizationType.Q4_K: quantize_q4_k, gguf.GGMLQuantizationType.Q5_K: quantize_q5_k,
                        gguf.GGMLQuantizationType.Q6_K: quantize_q6_k}
