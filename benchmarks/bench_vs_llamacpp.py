@@ -22,10 +22,10 @@ model's tensors, llama.cpp: the GGUF's tensors) times decode tok/s, over this
 machine's read bandwidth measured once before the rounds
 (``llmsys.offload.bandwidth.probe_mem_gbps``, a large tensor reduction on the
 same threads): 100% is the physical limit of a weight-streaming decode.
-``--batches 8,16``: llmsys's aggregate decode tok/s with that many sequences
-decoding together (one fresh process per shape, format and batch, after the
-rounds); llama-cpp-python's high-level API decodes one sequence at a time, so
-llama.cpp has no batched row.
+``--batches 8,16``: each engine's aggregate decode tok/s with that many sequences
+decoding together (one fresh process per shape, engine, format and batch, after
+the rounds; llama.cpp through its batch API, every sequence's token of a step in
+one ``llama_decode`` call: ``LlamaCppBaseline.run_batched``).
 
     python benchmarks/bench_vs_llamacpp.py --threads 2 --rounds 3
     python benchmarks/bench_vs_llamacpp.py --quick   # wiring check: smollm2-135m, 8+4 tokens, one round
@@ -165,8 +165,9 @@ def worker(job: Job) -> Figures:
         read_through(path)
         runner = LlamaCppBaseline(path, job.fmt, n_ctx=test.context + 16, n_batch=max(512, job.n_prompt))
         step_bytes = gguf_step_bytes(path)
-    runner.run(test, job.batch, gen)  # warm-up
-    runs = [runner.run(test, job.batch, gen) for _ in range(job.reps)]
+    run = runner.run_batched if job.engine == "llama.cpp" and job.batch > 1 else runner.run
+    run(test, job.batch, gen)  # warm-up
+    runs = [run(test, job.batch, gen) for _ in range(job.reps)]
     cpu, _ = peak_memory()
     return Figures(
         prefill_tok_s=statistics.median(job.batch * job.n_prompt / r.prefill_s for r in runs),
@@ -232,7 +233,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=1, help="timed repetitions inside each process")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=64)
-    ap.add_argument("--batches", default="8,16", help="llmsys aggregate decode at these batch sizes ('' for none)")
+    ap.add_argument("--batches", default="8,16", help="both engines' aggregate decode at these batch sizes ('' for none)")
     ap.add_argument("--quick", action="store_true", help="wiring check: smollm2-135m, 8 + 4 tokens, one round")
     a = ap.parse_args()
     if a.worker:
@@ -287,12 +288,12 @@ def main() -> None:
     batches = [int(b) for b in a.batches.split(",") if b.strip()]
     batched: dict[Job, Figures] = {}
     for pair in jobs:
-        for job in pair:
-            if job.engine != "llmsys":
-                continue
-            for b in batches:
+        if len(pair) < 2:
+            continue  # a llama.cpp-only format: no llmsys pair to set it beside
+        for b in batches:
+            for job in pair:  # A B, as the rounds
                 bj = Job(job.engine, job.shape, job.model, job.fmt, job.threads, job.n_prompt, job.n_gen, 1, b)
-                sys.stderr.write(f"batched: llmsys {job.shape} {job.fmt} x{b}\n")
+                sys.stderr.write(f"batched: {job.engine} {job.shape} {job.fmt} x{b}\n")
                 batched[bj] = run_job(bj)
 
     def med(job: Job) -> Figures:
@@ -324,14 +325,22 @@ def main() -> None:
             print(f"| {job.shape} | {job.engine} | {label} | {f.prefill_tok_s:.1f} | {f.decode_tok_s:.1f} | "
                   f"{f.step_bytes / 1e6:.0f} | {roof(f)} | {_mib(f.peak_rss)} | {ratio[0]} | {ratio[1]} |")
     if batched:
-        print(f"\nllmsys aggregate decode, {a.prompt}-token prompts, {a.new} tokens each, sequences decoding together "
-              "(one fresh process each):\n")
-        print("| shape | format | " + " | ".join(f"batch {b} tok/s" for b in batches) + " |")
-        print("|---|---|" + "---|" * len(batches))
-        for key in dict.fromkeys((j.shape, j.fmt) for j in batched):
-            cells = [f"{batched[j].decode_tok_s:.1f}" for b in batches for j in batched if (j.shape, j.fmt, j.batch) == (*key, b)]
-            label = {"none": "bf16"}.get(key[1], key[1])
-            print(f"| {key[0]} | {label} | " + " | ".join(cells) + " |")
+        print(f"\nAggregate decode tok/s, {a.prompt}-token prompts, {a.new} tokens each, sequences decoding together "
+              "(one fresh process each; llama.cpp: one llama_decode call per step for all of them):\n")
+        print("| shape | llmsys | llama.cpp | " + " | ".join(f"batch {b}: llmsys | llama.cpp | ratio" for b in batches)
+              + " |")
+        print("|---|---|---|" + "---|---|---|" * len(batches))
+        by = {(j.shape, j.engine, j.fmt, j.batch): f for j, f in batched.items()}
+        for pair in jobs:
+            if len(pair) < 2 or not batches:
+                continue
+            ours, theirs = pair
+            cells = []
+            for b in batches:
+                m, t = by[(ours.shape, ours.engine, ours.fmt, b)], by[(theirs.shape, theirs.engine, theirs.fmt, b)]
+                cells += [f"{m.decode_tok_s:.1f}", f"{t.decode_tok_s:.1f}", f"{m.decode_tok_s / t.decode_tok_s:.2f}x"]
+            label = {"none": "bf16"}.get(ours.fmt, ours.fmt)
+            print(f"| {ours.shape} | {label} | {theirs.fmt} | " + " | ".join(cells) + " |")
     print("\nGGUF tensor types (by bytes; llama.cpp's fallbacks where rows do not divide the block):")
     for (shape, fmt), mix in mixes.items():
         print(f"- {shape} {fmt}: {mix}")

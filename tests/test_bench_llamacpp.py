@@ -498,6 +498,27 @@ def test_baseline_batch_above_one_is_a_row_error(stories):
 
 
 @needs_llama_cpp
+@pytest.mark.parametrize("kind", ["stories", "gpt_oss"])
+def test_batched_decode_gives_each_sequence_its_own_greedy_tokens(stories, families, kind):
+    """run_batched's sequences share each llama_decode call: each must continue from its own prompt at its own
+    positions, as one sequence alone does (gpt-oss: a 12-token window the 30 positions pass)."""
+    from llmsys.engine.bench.llamacpp import LlamaCppBaseline
+    from llmsys.engine.bench.measure import TestSpec
+
+    path = gguf_file(stories if kind == "stories" else families[kind], "f32")
+    base = LlamaCppBaseline(path, "f32", n_ctx=64, n_batch=512)
+    prompts = [[1, 403, 407, 261, 378, 432, 383, 286, 261, 376], [1, 383, 286, 261, 376, 298, 315, 421, 300, 301],
+               [1, 315, 421, 300, 301, 302, 261, 378, 432, 383]]
+    times, got = base.decode_batched(prompts, 20)
+    assert got == [_greedy(base.model, ids, 20) for ids in prompts]
+    assert len({tuple(g) for g in got}) == 3  # three different continuations
+    assert times.prefill_s > 0 and len(times.decode_steps) == 20
+    res = base.run_batched(TestSpec(8, 4), 4, torch.Generator().manual_seed(0))
+    assert res.prefill_s > 0 and len(res.decode_steps) == 4 and all(t > 0 for t in res.decode_steps)
+    base.close()
+
+
+@needs_llama_cpp
 def test_cli_bench_vs_llama_cpp_rows_and_ratio(stories, capsys):
     from llmsys.engine.cli.main import main
 

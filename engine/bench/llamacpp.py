@@ -5,7 +5,8 @@ bit width (float32 -> f32, bf16/f16 -> f16, int8 -> q8_0, int4 -> q4_0) or as ``
 llama-cpp-python's ``Llama`` then runs what :class:`~llmsys.engine.bench.baseline.HFBaseline` runs: KV
 cleared, a timed prompt eval of the same random ids, ``n_gen`` timed one-token evals (argmax outside the
 timer), the row's threads, ``n_gpu_layers=0``; its thin per-call Python layer is timed, as our scheduler
-step is. One sequence only (parallel ones need the low-level batch API): a row with ``-b`` > 1 errors.
+step is. One sequence only in ``llmsys bench`` rows (a row with ``-b`` > 1 errors); :meth:`LlamaCppBaseline.run_batched`
+decodes several together through llama.cpp's batch API, for benchmarks/bench_vs_llamacpp.py's aggregate rows.
 """
 
 from __future__ import annotations
@@ -88,8 +89,12 @@ class LlamaCppBaseline:
             verbose=False,
         )
         self.vocab = self.model.n_vocab()
+        self._batched: tuple[tuple[int, int], object] | None = None  # ((sequences, length), context): run_batched
 
     def close(self) -> None:
+        if self._batched is not None:
+            self._lib.llama_free(self._batched[1])
+            self._batched = None
         if self.model is not None:
             self.model.close()
         self.model = None
@@ -122,6 +127,81 @@ class LlamaCppBaseline:
             times.decode_steps.append(time.perf_counter() - t0)
             nxt = self._argmax()
         return times
+
+    def _batched_ctx(self, batch: int, per_seq: int):
+        """A second llama.cpp context on the same weights with room for ``batch`` sequences of ``per_seq`` positions
+        each (``Llama`` makes its own for one sequence); made once per (batch, length)."""
+        if self._batched is not None and self._batched[0] == (batch, per_seq):
+            return self._batched[1]
+        if self._batched is not None:
+            self._lib.llama_free(self._batched[1])
+            self._batched = None
+        params = self._lib.llama_context_default_params()
+        params.n_ctx = batch * -(-per_seq // 256) * 256  # llama.cpp pads a context to 256 and splits it evenly
+        params.n_batch = params.n_ubatch = max(512, batch)
+        params.n_seq_max = batch
+        params.n_threads = params.n_threads_batch = torch.get_num_threads()
+        ctx = self._lib.llama_init_from_model(self.model._model.model, params)
+        if not ctx:
+            raise InvalidParameterError(f"llama.cpp could not make a context for {batch} sequences of {per_seq} tokens")
+        self._batched = ((batch, per_seq), ctx)
+        return ctx
+
+    def run_batched(self, test: TestSpec, batch: int, gen: torch.Generator) -> RunTimes:
+        """``batch`` sequences decoding together, as our scheduler runs them: random prompts of ``n_prompt`` ids
+        evaluated (timed together as the prefill), then ``n_gen`` steps each evaluating one new token of every
+        sequence in one ``llama_decode`` call (argmax of each outside the timer). No ``depth``."""
+        prompts = [_random_ids(test.n_prompt, self.vocab, gen) for _ in range(batch)]
+        return self.decode_batched(prompts, test.n_gen)[0]
+
+    def decode_batched(self, prompts: list[list[int]], n_gen: int) -> tuple[RunTimes, list[list[int]]]:
+        """(times, each sequence's ``n_gen`` greedy tokens) of the prompts (all of one length) decoding together:
+        as :meth:`run`, ``n_gen`` timed steps, each evaluating the token the one before picked."""
+        lib = self._lib
+        batch, n_prompt = len(prompts), len(prompts[0])
+        if any(len(ids) != n_prompt for ids in prompts) or not n_prompt:
+            raise InvalidParameterError("decode_batched: the prompts must be of one length, at least 1")
+        ctx = self._batched_ctx(batch, n_prompt + n_gen + 16)
+        lib.llama_memory_clear(lib.llama_get_memory(ctx), True)
+        cap = max(512, batch)
+        tokens = lib.llama_batch_init(cap, 0, 1)
+        times = RunTimes()
+        out: list[list[int]] = [[] for _ in range(batch)]
+
+        def decode(items: list[tuple[int, int, int, bool]]) -> None:  # (token, position, sequence, wants logits)
+            for i, (tok, pos, seq, want) in enumerate(items):
+                tokens.token[i], tokens.pos[i], tokens.n_seq_id[i] = tok, pos, 1
+                tokens.seq_id[i][0], tokens.logits[i] = seq, want
+            tokens.n_tokens = len(items)
+            rc = lib.llama_decode(ctx, tokens)
+            if rc != 0:
+                raise InvalidParameterError(f"llama.cpp's llama_decode returned {rc} for {len(items)} tokens")
+
+        def argmax(i: int) -> int:
+            return int(np.ctypeslib.as_array(lib.llama_get_logits_ith(ctx, i), shape=(self.vocab,)).argmax())
+
+        try:
+            items = [(tok, p, s, p == n_prompt - 1) for s, ids in enumerate(prompts) for p, tok in enumerate(ids)]
+            nxt: list[int] = []
+            t0 = time.perf_counter()
+            for start in range(0, len(items), cap):
+                chunk = items[start:start + cap]
+                decode(chunk)
+                lib.llama_synchronize(ctx)
+                times.prefill_s += time.perf_counter() - t0
+                nxt += [argmax(i) for i, it in enumerate(chunk) if it[3]]  # untimed
+                t0 = time.perf_counter()
+            for step in range(n_gen):
+                for s, tok in enumerate(nxt):
+                    out[s].append(tok)
+                t0 = time.perf_counter()
+                decode([(tok, n_prompt + step, s, True) for s, tok in enumerate(nxt)])
+                lib.llama_synchronize(ctx)
+                times.decode_steps.append(time.perf_counter() - t0)
+                nxt = [argmax(i) for i in range(batch)]
+        finally:
+            lib.llama_batch_free(tokens)
+        return times, out
 
     def measure(self, test: TestSpec, batch: int, reps: int, seed: int = 0, warmup: bool = True) -> TestResult:
         if batch != 1:
