@@ -573,9 +573,12 @@ class DiskExperts:
         if nxt is None:
             return
         logits = nxt.router(x)  # [T, E]
-        top = torch.topk(logits, min(nxt.top_k, logits.shape[-1]), dim=-1).indices.reshape(-1)
-        votes = torch.bincount(top.cpu(), minlength=logits.shape[-1])
-        ids = torch.argsort(votes, descending=True, stable=True)[: int((votes > 0).sum())].tolist()
+        top = torch.topk(logits, min(nxt.top_k, logits.shape[-1]), dim=-1).indices  # [T, k], most likely first
+        if top.shape[0] == 1:  # a decode step of one sequence: its top k as they rank
+            ids = top[0].tolist()
+        else:
+            votes = torch.bincount(top.reshape(-1).cpu(), minlength=logits.shape[-1])
+            ids = torch.argsort(votes, descending=True, stable=True)[: int((votes > 0).sum())].tolist()
         self.cache.expect(nxt.experts.layer, ids, nxt.experts.weights)
 
 
