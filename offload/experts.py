@@ -430,6 +430,21 @@ class ExpertCache:
             self.stats.ahead_bytes += weights[e].read_bytes
             inflight += 1
 
+    def _bind(self, w: ExpertWeights, slot: int) -> None:
+        """``w``'s modules onto its weights in ``slot`` (the slot's views are made once per expert it holds)."""
+        views = self._bound.get(slot)
+        if views is None or views[0] is not w:
+            views = self._bound[slot] = (w, w.views(self.slots[slot]))
+        w.bind_views(views[1])
+
+    def slot_of(self, layer: int, e: int) -> int:
+        """The slot ``layer``'s expert ``e`` is cached in (KeyError if it is not)."""
+        return self._lru[(layer, e)]
+
+    def bind_held(self, layer: int, e: int, w: ExpertWeights) -> None:
+        """Bind an expert held by ``each(..., hold=True)`` (unbound again when that generator closes)."""
+        self._bind(w, self._lru[(layer, e)])
+
     def holds(self, n: int) -> bool:
         """Can ``n`` experts be bound at once (``each(..., hold=True)``), with the reads in flight beside them (the
         step's own and those ahead)?"""
@@ -438,9 +453,9 @@ class ExpertCache:
     def each(self, layer: int, ids: list[int], weights: list[ExpertWeights], hold: bool = False) -> Iterator[int]:
         """:meth:`ExpertSource.each` for one layer: cached experts first, then those read ahead on a guess
         (:meth:`expect`), the missing ones as they are read (up to ``depth`` reads in flight while the compute thread
-        works, the next layer's guessed experts read in what is left). ``hold``: every expert yielded stays bound
-        and in its slot until the generator is closed (for one call over all of them; :meth:`holds` says whether
-        they fit)."""
+        works, the next layer's guessed experts read in what is left). ``hold``: every expert yielded stays in its
+        slot until the generator is closed, not bound (for one call over all of them: :meth:`slot_of` names where,
+        :meth:`bind_held` binds one; :meth:`holds` says whether they fit)."""
         held: set[int] = set()  # slots of the experts yielded and still bound (hold)
         lru, ahead = self._lru, self._ahead
         self._settle()
@@ -497,14 +512,11 @@ class ExpertCache:
                     pending[x] = (s, self._reader.submit(self._read, weights[x], s))
                 self._read_ahead(layer, left, busy, len(pending))  # the next layer's guess, in the reads left over
                 w = weights[e]
-                views = self._bound.get(slot)
-                if views is None or views[0] is not w:  # the slot's views are made once per expert it holds
-                    views = self._bound[slot] = (w, w.views(self.slots[slot]))
-                w.bind_views(views[1])
-                if hold:  # unbound when the generator closes; its slot neither taken nor evicted until then
+                if hold:  # in its slot, neither taken nor evicted until the generator closes; bound on request (bind)
                     held.add(slot)
                     yield e
                     continue
+                self._bind(w, slot)
                 try:
                     yield e
                 finally:
@@ -512,7 +524,7 @@ class ExpertCache:
                 left.discard(e)
         finally:
             for e in order if hold else ():
-                weights[e].unbind()
+                weights[e].unbind()  # (a no-op for those never bound)
             for x, (s, fut) in pending.items():  # the consumer stopped early: let reads land, keep slots usable
                 try:
                     fut.result()
@@ -566,6 +578,12 @@ class DiskExperts:
     def holds(self, n: int) -> bool:
         return self.cache.holds(n)
 
+    def where(self, e: int) -> int:
+        return self.cache.slot_of(self.layer, e)
+
+    def bind(self, e: int) -> None:
+        self.cache.bind_held(self.layer, e, self.weights[e])
+
     def prefetch_next(self, x: torch.Tensor) -> None:
         """Guess the next sparse layer's experts from this layer's router input ``x`` through the next router (its
         hidden state drifts little over one layer), the experts most tokens pick first, and queue their reads."""
@@ -597,6 +615,12 @@ class ResidentExperts:
 
     def holds(self, n: int) -> bool:
         return True
+
+    def where(self, e: int) -> int:
+        return 0  # (always where they are)
+
+    def bind(self, e: int) -> None:
+        """Resident: always bound."""
 
     def prefetch_next(self, x: torch.Tensor) -> None:
         """Resident experts: nothing to read."""

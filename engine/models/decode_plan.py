@@ -23,7 +23,7 @@ from llmsys import kernels
 from llmsys.engine.attention import AttentionBackend, BackendDecorator, CpuBackend
 from llmsys.engine.models.base import MLP, DecoderLayer, DecoderModel, Linear, RMSNorm
 from llmsys.engine.models.moe import MoE
-from llmsys.kernels.common.protocols import LayerRunner
+from llmsys.kernels.common.protocols import ExpertSource, LayerRunner
 from llmsys.quant.base import QuantLinear
 
 
@@ -130,31 +130,31 @@ def moe_plan(moe: MoE, dtype: torch.dtype) -> kernels.MoEExperts | None:
 
 @dataclass
 class HeldExperts:
-    """``MoE.held_args`` for experts an expert source binds (``each(..., hold=True)``: slots of the RAM expert
-    cache): the grouped kernel's arguments with the entries of the ids bound now. An expert's decode weights are
-    made once per slot it is bound from (its modules hold the same views of that slot each time)."""
+    """``MoE.held_args`` for experts an expert source holds (``each(..., hold=True)``: slots of the RAM expert
+    cache): the grouped kernel's arguments with the entries of the ids held now. An expert's decode weights are
+    made once per place its weights are held in (``ExpertSource.where``: binding its module costs more than its
+    GEMVs), and its module is bound only then."""
 
     experts: list[torch.nn.Module]
     dtype: torch.dtype
     max_rows: int
     clamped: tuple[float, float] | None
-    bound: dict[int, tuple[tuple[int, ...], list[kernels.DecodeWeight]]] = field(default_factory=dict)
+    bound: dict[int, tuple[int, list[kernels.DecodeWeight]]] = field(default_factory=dict)  # id -> (where, weights)
     args: kernels.MoEExperts | None = None
 
-    def __call__(self, ids: list[int]) -> kernels.MoEExperts | None:
+    def __call__(self, ids: list[int], source: ExpertSource) -> kernels.MoEExperts | None:
         ws = []
         for e in ids:
-            mods = _expert_modules(self.experts[e])
-            key = tuple(next(t for t in (*m._parameters.values(), *m._buffers.values()) if t is not None).data_ptr()
-                        for m in mods)
+            where = source.where(e)
             got = self.bound.get(e)
-            if got is None or got[0] != key:
-                w = _expert_weights(mods, self.dtype)
+            if got is None or got[0] != where:
+                source.bind(e)
+                w = _expert_weights(_expert_modules(self.experts[e]), self.dtype)
                 if w is None:
                     return None
-                got = self.bound[e] = (key, w)
+                got = self.bound[e] = (where, w)
             ws.append(got[1])
-        if self.args is None:  # every entry the first expert's until its own is bound (the kernel reads routed ids only)
+        if self.args is None:  # every entry the first expert's until its own is held (the kernel reads routed ids only)
             n = len(self.experts)
             self.args = kernels.moe_experts_args([ws[0][:-1]] * n, [ws[0][-1]] * n, self.max_rows, self.clamped)
         gu, down = self.args.arrays

@@ -75,7 +75,7 @@ class MoE(nn.Module):
         self.grouped: kernels.MoEExperts | None = None
         # Experts bound by an expert source (on disk, read into the cache): the grouped kernel's arguments for the
         # ids bound at the moment (engine/models/decode_plan.py held_plan), or None: expert by expert.
-        self.held_args: Optional[Callable[[list[int]], Optional[kernels.MoEExperts]]] = None
+        self.held_args: Optional[Callable[[list[int], ExpertSource], Optional[kernels.MoEExperts]]] = None
 
     def forward(self, x: torch.Tensor, decode: bool = False, experts: ExpertSource | None = None) -> torch.Tensor:
         """``x [T, hidden]`` -> ``[T, hidden]``. ``decode``: the experts' projections run without module
@@ -118,16 +118,17 @@ class MoE(nn.Module):
         return self._shared(x, h, decode)
 
     def _grouped(self, g: kernels.MoEExperts, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
-                 decode: bool) -> torch.Tensor:
-        """Every routed expert in one C call (``kernels.moe_experts``) -> ``[T, H]``, the per-expert path's bits."""
+                 decode: bool, held: ExpertSource | None = None) -> torch.Tensor:
+        """Every routed expert in one C call (``kernels.moe_experts``) -> ``[T, H]``, the per-expert path's bits.
+        ``held``: the source holding the experts (bound on demand for the left-over ones)."""
         h, rows, counts = kernels.moe_experts(g, x, chosen, weights)
         if h is None:  # a long prompt's expert with more rows than the C GEMV's bits hold for
-            h = self._left_over(x, chosen, weights, rows, counts, g.max_rows, decode)
+            h = self._left_over(x, chosen, weights, rows, counts, g.max_rows, decode, held)
         return h
 
     def _grouped_held(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, experts: ExpertSource,
                       decode: bool) -> torch.Tensor | None:
-        """:meth:`_grouped` over experts an expert source binds all at once (``each(..., hold=True)``: reads of the
+        """:meth:`_grouped` over experts an expert source holds all at once (``each(..., hold=True)``: reads of the
         missing ones in flight together); None when they do not fit its cache or their formats have no C kernel
         (the caller goes expert by expert)."""
         active = torch.unique(chosen).tolist()  # [n] ascending
@@ -137,11 +138,11 @@ class MoE(nn.Module):
         try:
             for _ in active:
                 next(held)
-            g = self.held_args(active)
+            g = self.held_args(active, experts)
             if g is None or x.dtype is not g.dtype:
                 self.held_args = None  # formats without a C decode weight: expert by expert from now on
                 return None
-            return self._grouped(g, x, chosen, weights, decode)
+            return self._grouped(g, x, chosen, weights, decode, experts)
         finally:
             held.close()  # every expert unbound again
 
@@ -152,13 +153,15 @@ class MoE(nn.Module):
         return h
 
     def _left_over(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor,
-                   counts: torch.Tensor, max_rows: int, decode: bool) -> torch.Tensor:
+                   counts: torch.Tensor, max_rows: int, decode: bool, held: ExpertSource | None) -> torch.Tensor:
         """The grouped kernel's left-over experts (more than ``max_rows`` rows) by their own forward, their products
         into ``rows [T k, H]`` beside the kernel's, then the per-expert path's sum -> ``[T, H]``."""
         T, k = chosen.shape
         flat = chosen.reshape(-1)  # [T k]
         w = weights.reshape(-1, 1)  # [T k, 1]
         for e in (counts > max_rows).nonzero().flatten().tolist():
+            if held is not None:
+                held.bind(e)
             r = (flat == e).nonzero().flatten()  # [n]: its rows, in token order
             y = self.experts[e].forward(x.index_select(0, r // k), decode)  # [n, H]
             rows.index_copy_(0, r, y * w.index_select(0, r))

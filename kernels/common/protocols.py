@@ -104,12 +104,22 @@ class ExpertSource(Protocol):
 
     def each(self, experts: list[int], hold: bool = False) -> Iterator[int]:
         """Yield every id of ``experts`` once (in any order), each while the layer's expert module of that
-        id holds its weights; they are unbound again when the consumer asks for the next one, or with ``hold``
-        only when the generator is closed (every expert bound at once, for one grouped call)."""
+        id holds its weights; they are unbound again when the consumer asks for the next one. ``hold``: each
+        yielded expert's weights stay in place until the generator is closed, its module bound only on
+        :meth:`bind` (a grouped call over all of them reads the weights where they are: :meth:`where`)."""
         ...
 
     def holds(self, n: int) -> bool:
-        """Can ``n`` experts be bound at once (``each(..., hold=True)``)?"""
+        """Can ``n`` experts be held at once (``each(..., hold=True)``)?"""
+        ...
+
+    def where(self, e: int) -> int:
+        """Where held expert ``e``'s weights are (the same number while they stay there): a key for what was
+        built from them."""
+        ...
+
+    def bind(self, e: int) -> None:
+        """Bind held expert ``e``'s module to its weights (until the holding generator closes)."""
         ...
 
     def prefetch_next(self, x: torch.Tensor) -> None:
