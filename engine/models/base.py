@@ -443,9 +443,9 @@ class DecoderLayer(nn.Module):
         offload runtime's ``run_layer`` hands it in), passed to the MoE block.
         """
         lp = self.decode
-        if (lp is not None and experts is None and h.shape[0] <= lp.max_rows and h.dtype is lp.dtype
+        if (lp is not None and (experts is None or lp.moe) and h.shape[0] <= lp.max_rows and h.dtype is lp.dtype
                 and not torch.is_grad_enabled()):  # (the C kernels record no autograd)
-            return self._forward_fused(lp.fused, h, residual, positions, rope_cache, attn, meta)
+            return self._forward_fused(lp.fused, h, residual, positions, rope_cache, attn, meta, experts)
         if residual is None:
             x, residual = self.input_layernorm.forward(h), h
         else:
@@ -465,7 +465,7 @@ class DecoderLayer(nn.Module):
         return self.mlp.forward(x, decode, experts)  # an MoE block (only sparse layers get a source)
 
     def _forward_fused(self, fused: kernels.DecodeLayer, h, residual, positions, rope_cache,
-                       attn: AttentionBackend, meta: AttentionMetadata):
+                       attn: AttentionBackend, meta: AttentionMetadata, experts: ExpertSource | None = None):
         """:meth:`forward` in two C calls around attention (``kernels.layer_attn_in``: input norm and q|k|v;
         ``kernels.layer_mlp``: o_proj, post-attention norm, gate|up, silu * mul, down).
 
@@ -491,7 +491,7 @@ class DecoderLayer(nn.Module):
             o = at.attend(at.rope_store(q, k, v, positions, rope_cache, attn, meta), attn, meta)  # [T, Hq * D]
         if self.decode.moe:  # o_proj and the norm in C, then the block's routed experts in one C call
             x, residual = kernels.layer_post_attn(fused, o.contiguous(), residual, check=False)
-            return self.mlp.forward(x, True), residual
+            return self._mlp(x, True, experts), residual
         return kernels.layer_mlp(fused, o.contiguous(), residual, check=False)
 
 

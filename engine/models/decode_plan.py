@@ -59,8 +59,8 @@ def layer_plan(layer: DecoderLayer, dtype: torch.dtype) -> LayerPlan | None:
     at, mlp = layer.self_attn, layer.mlp
     ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
     moe = isinstance(mlp, MoE)
-    if moe and mlp.grouped is None:
-        return None  # experts expert by expert, or bound per step by their source: op by op
+    if moe and mlp.grouped is None and mlp.held_args is None:
+        return None  # experts expert by expert: op by op
     if not moe and (type(mlp) is not MLP or not mlp.silu):
         return None  # (GeGLU, gpt-oss's clamped SwiGLU in a dense MLP: the C layer runs SwiGLU)
     if layer.pre_feedforward_layernorm is not None or ln1.offset:
