@@ -233,7 +233,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=1, help="timed repetitions inside each process")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=64)
-    ap.add_argument("--batches", default="8,16", help="both engines' aggregate decode at these batch sizes ('' for none)")
+    ap.add_argument("--batches", default="8,16", help="both engines' aggregate decode at these batches ('' for none)")
     ap.add_argument("--quick", action="store_true", help="wiring check: smollm2-135m, 8 + 4 tokens, one round")
     a = ap.parse_args()
     if a.worker:
