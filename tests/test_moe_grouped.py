@@ -106,7 +106,9 @@ def test_experts_held_from_disk_run_grouped(dtype, quant, tmp_path):
     assert all(m.grouped is None for m in moes)  # (the experts are not resident: no plan-time arguments)
     assert all(m.held_args is not None and m.held_args.bound for m in moes), "every layer should have run grouped"
     layers = llm.loaded.model.model.layers
-    assert llm.plan.layer_kinds() == ["cpu"] * len(layers) and all(layer.decode.moe for layer in layers)
+    assert llm.plan.layer_kinds() == ["cpu"] * len(layers)
+    if quant != "none":  # (float32's plain projections take the C float32 GEMV only when small: op by op here)
+        assert all(layer.decode is not None and layer.decode.moe for layer in layers if layer.mlp in moes)  # fused too
     assert llm.offload.expert_report().misses > 0
     rep = llm.offload.expert_report()
     small, ref2, got2 = _moe_engine_pair(tmp_path / "small", dtype, quant, cpu_mem="24MiB",
