@@ -255,6 +255,23 @@ def disk_read_rate(file: Path, nbytes: int, chunk: int = 8 << 20) -> float:
     return done / dt
 
 
+def _busy_cpu_s() -> float:
+    """CPU seconds every core of the machine has spent busy since boot (``/proc/stat``)."""
+    import os
+
+    with open("/proc/stat") as f:
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in f.readline().split()[1:9])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_s() -> float:
+    """CPU seconds of this process and its finished children (the measured run, the probe)."""
+    import resource
+
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
 def prompt_ids(n: int) -> list[int]:
     """``n`` fixed token ids (the first 12 are :data:`PROMPT`, then a fixed stride through the vocabulary)."""
     return (PROMPT + [(1000 + 7919 * i) % 150000 for i in range(max(n - len(PROMPT), 0))])[:n]
@@ -281,6 +298,7 @@ def run(file: Path, engine: str, cap: str | None, cpu_mem: str | None, new: int,
                 prompt=prompt_ids(prompt_len), no_repack=no_repack, prefetch=prefetch, ctx=ctx)
     cmd = [sys.executable, "-c", _CHILD, json.dumps(args)]
     load_before = os.getloadavg()[0]  # the machine's 1-minute load: a run beside other work says so
+    busy0, mine0 = _busy_cpu_s(), _own_cpu_s()
     if cap:
         from llmsys.offload.memcap import run_capped
 
@@ -301,7 +319,9 @@ def run(file: Path, engine: str, cap: str | None, cpu_mem: str | None, new: int,
         commit += " + uncommitted " + ", ".join(dirty)
     res.update(engine=engine, cap=cap, cpu_mem=cpu_mem, no_repack=no_repack, cgroup_peak=peak, prompt_len=prompt_len,
                new=new, threads=threads, commit=commit, prefetch=prefetch if engine == "llmsys" else None,
-               disk_read_rate=bw, loadavg_before=load_before, loadavg_after=os.getloadavg()[0])
+               disk_read_rate=bw, loadavg_before=load_before, loadavg_after=os.getloadavg()[0],
+               # CPU seconds the rest of the machine used while this run went (0 on a quiet machine)
+               other_cpu_s=round((_busy_cpu_s() - busy0) - (_own_cpu_s() - mine0), 1))
     per_tok = res["decode_read_bytes_per_token"]
     if bw and per_tok:
         res["roof_tok_s"] = bw / per_tok
