@@ -278,6 +278,7 @@ class ExpertCache:
         self._unused: dict[tuple[int, int], int] = {}
         self._ahead_max = max(0, min(AHEAD, n - depth - 2))
         self._bound: dict[int, tuple[ExpertWeights, list[torch.Tensor]]] = {}  # slot -> its expert's module tensors
+        self._held_bound: dict[int, list[ExpertWeights]] = {}  # layer -> experts bound while held (bind_held)
 
     def _stage(self, n: int) -> torch.Tensor:
         """This thread's staging buffer of at least ``n`` bytes (grown, never shrunk)."""
@@ -444,6 +445,7 @@ class ExpertCache:
     def bind_held(self, layer: int, e: int, w: ExpertWeights) -> None:
         """Bind an expert held by ``each(..., hold=True)`` (unbound again when that generator closes)."""
         self._bind(w, self._lru[(layer, e)])
+        self._held_bound.setdefault(layer, []).append(w)
 
     def holds(self, n: int) -> bool:
         """Can ``n`` experts be bound at once (``each(..., hold=True)``), with the reads in flight beside them (the
@@ -523,8 +525,9 @@ class ExpertCache:
                     w.unbind()
                 left.discard(e)
         finally:
-            for e in order if hold else ():
-                weights[e].unbind()  # (a no-op for those never bound)
+            if hold:  # the experts bound while held (bind_held), unbound again
+                for w in self._held_bound.pop(layer, ()):
+                    w.unbind()
             for x, (s, fut) in pending.items():  # the consumer stopped early: let reads land, keep slots usable
                 try:
                     fut.result()
