@@ -173,7 +173,8 @@ if args["engine"] == "llmsys":
     rep0, rep = first[2], end[2]
     if rep is not None:
         d = lambda f: getattr(rep, f) - getattr(rep0, f)
-        res.update(expert_hit_rate=rep.hit_rate, expert_bytes_read=rep.bytes_read, expert_cache_bytes=rep.cache_capacity,
+        res.update(expert_hit_rate=rep.hit_rate, expert_bytes_read=rep.bytes_read,
+                   expert_cache_bytes=rep.cache_capacity,
                    decode_expert_hit_rate=d("hits") / max(d("hits") + d("misses"), 1),
                    pregate_hit_rate=rep.guess_rate if rep.guess_chosen else None,
                    decode_pregate_hit_rate=d("guess_hits") / d("guess_chosen") if d("guess_chosen") else None,
@@ -312,7 +313,8 @@ def run(file: Path, engine: str, cap: str | None, cpu_mem: str | None, new: int,
         raise SystemExit(f"{engine} run failed (rc {rc}): {(err.strip().splitlines() or [''])[-1]}")
     res = json.loads(line[7:])
     here = Path(__file__).resolve().parent
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=here).stdout.strip()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=here).stdout.strip()
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
                            cwd=here).stdout.split()[1::2]
     if dirty:  # the tree ran with uncommitted edits: name the files

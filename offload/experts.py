@@ -117,7 +117,7 @@ class StoredTensor:
     decode: Callable[[torch.Tensor, torch.dtype], torch.Tensor] | None = None  # (uint8 [nbytes], dtype) -> tensor
     dtype: torch.dtype = torch.uint8  # what the file holds, as bytes
     # ``layer``'s tensors written from the stored bytes straight into place (uint8 [nbytes], {buffer name: where it
-    # goes}) -> False (nothing written) where that is not the layout it writes; a loader's faster way to ``layer``'s bits
+    # goes}) -> False (nothing written) where that is not the layout it writes: a loader's faster way to its bits
     fill: Callable[[torch.Tensor, dict[str, torch.Tensor]], bool] | None = None
 
 
@@ -366,8 +366,8 @@ class ExpertCache:
 
     def _take(self, layer: int, keep: set[int], busy: set[int], strict: bool,
               spare: frozenset[tuple[int, int]] = frozenset()) -> int | None:
-        """A slot to fill: a free one, else the least recently used not in ``busy`` (being read or
-        computed) nor, for ``strict``, one of ``layer``'s experts in ``keep`` (still to run this step) or in ``spare``."""
+        """A slot to fill: a free one, else the least recently used not in ``busy`` (being read or computed)
+        nor, for ``strict``, one of ``layer``'s experts in ``keep`` (still to run this step) or in ``spare``."""
         if self._free:
             return self._free.pop()
         for passes in ((True,) if strict else (True, False)):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import os
 import shutil
+import warnings
 import weakref
 from dataclasses import replace
 from pathlib import Path
@@ -114,8 +115,6 @@ def _fill_checked(info: Any, raw: torch.Tensor, meta: nn.Module, layout: list[Sl
         return False
     if torch.equal(built, filled):
         return True
-    import warnings
-
     warnings.warn(f"{what}: the loader's one-pass repack differs from the layer it builds; experts read at run "
                   f"time are built the slow way", RuntimeWarning, stacklevel=2)
     return False
@@ -481,7 +480,7 @@ class OffloadRuntime:
             order = sorted(disk)
             for i, j in zip(order, order[1:]):
                 moe = layers[j].mlp
-                if self.kind.get(j) not in ("disk", "cpu->gpu"):  # its router resident (a streamed one is bound per step)
+                if self.kind.get(j) not in ("disk", "cpu->gpu"):  # its router resident (a streamed one: bound per step)
                     self._experts[i].next = NextRouter(moe.gate, moe.top_k, self._experts[j])
 
     def _stored_expert(self, i: int, mod: nn.Module, u: str,

@@ -86,17 +86,19 @@ class _Layers:
 
         self.file = tempfile.NamedTemporaryFile()
         data = torch.arange(2 * E * 16, dtype=torch.float32).view(2 * E, 16)
-        self.file.write(data[: E + min(missing, default=E)].numpy().tobytes())  # layer 1's from the first missing on cut
+        self.file.write(data[: E + min(missing, default=E)].numpy().tobytes())  # layer 1's cut from the first missing
         self.file.flush()
         self.data, self.mods = data, [[torch.nn.Linear(4, 4, bias=False) for _ in range(E)] for _ in range(2)]
         ws = []
         for layer in range(2):
             row = []
             for e, m in enumerate(self.mods[layer]):
-                b = Binding(m, "weight", True, torch.nn.Parameter(torch.empty(4, 4, device="meta"), requires_grad=False))
+                meta = torch.nn.Parameter(torch.empty(4, 4, device="meta"), requires_grad=False)
+                b = Binding(m, "weight", True, meta)
                 b.unbind()
                 src = TensorSource(self.file.name, (layer * E + e) * BYTES, BYTES)
-                row.append(ExpertWeights(StreamUnit(f"layers.{layer}.experts.{e}", [StreamItem(torch.float32, (4, 4), src)]), (b,)))
+                unit = StreamUnit(f"layers.{layer}.experts.{e}", [StreamItem(torch.float32, (4, 4), src)])
+                row.append(ExpertWeights(unit, (b,)))
             ws.append(row)
         self.cache = ExpertCache(slots * BYTES, BYTES)
         self.reads: list[int] = []

@@ -196,7 +196,8 @@ def _engine_samples(out: _Families, model: str, g: EngineGauges) -> None:
         out.add(C, "llmsys_expert_pregate_chosen", "Routed experts of layers that had a pre-gating guess.", model,
                 ex.guess_chosen)
         out.add(C, "llmsys_expert_prefetch_reads", "Experts read ahead on a pre-gating guess.", model, ex.ahead_reads)
-        out.add(C, "llmsys_expert_prefetch_used", "Experts read ahead that their layer routed to.", model, ex.ahead_used)
+        out.add(C, "llmsys_expert_prefetch_used", "Experts read ahead that their layer routed to.", model,
+                ex.ahead_used)
         out.add(C, "llmsys_expert_prefetch_bytes", "Expert bytes read ahead on a pre-gating guess.", model,
                 ex.ahead_bytes)
         out.add(G, "llmsys_expert_prefetch_unused_bytes", "Expert bytes read ahead and never routed to.", model,
