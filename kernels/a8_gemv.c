@@ -128,7 +128,7 @@ static inline void meta_prefetch(const int4_meta *md, int64_t row0, int64_t g) {
 static void meta_scalar(const int4_meta *md, int64_t row0, int64_t rows, int64_t g, float *zf, float *sf) {
     for (int64_t j = 0; j < 64; j++) {
         const int in = j < rows;
-        zf[j] = in ? (float)md->zeros[(row0 + j) * md->z_n + g * md->z_g] : 0.0f;
+        zf[j] = in && !md->offs ? (float)md->zeros[(row0 + j) * md->z_n + g * md->z_g] : 0.0f; /* offsets: no zeros */
         sf[j] = in ? load_scale(md->scales, (row0 + j) * md->s_n + g * md->s_g, md->kind) : 0.0f;
     }
 }
@@ -138,14 +138,16 @@ static void meta_scalar(const int4_meta *md, int64_t row0, int64_t rows, int64_t
    of a group lie contiguously (zeros with z_n = 1, Int4Linear's group-major copy; bf16 scales with
    s_n = 2, a view into its scales_zeros [G, Np, 2]; or s_n = 1), else the scalar gather. */
 static inline void meta_vec(const int4_meta *md, int64_t row0, int64_t rows, int64_t g, __m512i *z, __m512 *s) {
-    const int vz = md->z_n == 1, vs = (md->kind == SCALE_BF16 && (md->s_n == 2 || md->s_n == 1)) || (md->kind != SCALE_BF16 && md->s_n == 1);
+    const int vz = md->z_n == 1 || md->offs, vs = (md->kind == SCALE_BF16 && (md->s_n == 2 || md->s_n == 1)) || (md->kind != SCALE_BF16 && md->s_n == 1);
     float zf[64], sf[64];
     if (!vz || !vs) meta_scalar(md, row0, rows, g, zf, sf);
     for (int v = 0; v < 4; v++) {
         const int64_t left = rows - 16 * v;
         const __mmask16 m = left >= 16 ? 0xffff : left <= 0 ? 0 : (__mmask16)((1u << left) - 1u);
         const int64_t r = row0 + 16 * v;
-        if (vz)
+        if (md->offs)
+            z[v] = _mm512_setzero_si512(); /* w = scale * q + offset: no zero points */
+        else if (vz)
             z[v] = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, md->zeros + r + g * md->z_g));
         else
             z[v] = _mm512_cvtps_epi32(_mm512_loadu_ps(zf + 16 * v));
@@ -161,6 +163,33 @@ static inline void meta_vec(const int4_meta *md, int64_t row0, int64_t rows, int
         } else {
             const __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)md->scales + r + g * md->s_g);
             s[v] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+        }
+    }
+}
+#endif
+
+#ifdef QG_AVX512
+/* A group's offsets (w = scale * q + offset) as vectors in row order, o[v] rows 16v .. 16v+15, 0 past rows: GGUF
+   Q4_K's -(dmin * m) from its stored bytes, or md->offs (a vector load where a group's rows are contiguous). With
+   Q4_K, s[v] its scales d * sc too (meta_vec reads the other formats' scales). The products llama.cpp's
+   dequantization computes, as k_meta / a8_offsets do for the AVX2 code. */
+static inline void offs_vec(const int4_meta *md, int64_t row0, int64_t rows, int64_t g, __m512 *s, __m512 *o) {
+    for (int v = 0; v < 4; v++) {
+        const int64_t left = rows - 16 * v, r = row0 + 16 * v;
+        const __mmask16 m = left >= 16 ? 0xffff : left <= 0 ? 0 : (__mmask16)((1u << left) - 1u);
+        if (md->ksc) {
+            const __m512 d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, md->kd + (g / 8) * md->k_n + r));
+            const __m512 dm = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, md->kdm + (g / 8) * md->k_n + r));
+            const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, md->ksc + g * md->k_n + r)));
+            const __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, md->km + g * md->k_n + r)));
+            s[v] = _mm512_mul_ps(d, sc);
+            o[v] = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(_mm512_mul_ps(dm, mn)), _mm512_set1_epi32((int)0x80000000u)));
+        } else if (md->o_n == 1) {
+            o[v] = _mm512_maskz_loadu_ps(m, md->offs + r + g * md->o_g);
+        } else {
+            float t[16];
+            for (int i = 0; i < 16; i++) t[i] = i < left ? md->offs[(r + i) * md->o_n + g * md->o_g] : 0.0f;
+            o[v] = _mm512_loadu_ps(t);
         }
     }
 }
@@ -854,16 +883,26 @@ static inline __attribute__((always_inline)) void int4_a8_vnni_tile(
     __m512 acc[I4_MT][4];
     for (int m = 0; m < mt; m++)
         for (int v = 0; v < 4; v++) acc[m][v] = _mm512_setzero_ps();
+    const int offsets = has_offsets(md);
     for (int64_t g = 0; g < n_groups; g++) {
         __m512i zr[4], zs[4];
-        __m512 sr[4], ss[4];
-        meta_vec(md, row0, rows, g, zr, sr);
+        __m512 sr[4], ss[4], orow[4], os[4];
+        if (md->ksc) {
+            for (int v = 0; v < 4; v++) zr[v] = _mm512_setzero_si512();
+        } else {
+            meta_vec(md, row0, rows, g, zr, sr);
+        }
+        if (offsets) offs_vec(md, row0, rows, g, sr, orow); /* (Q4_K: its scales too) */
         meta_prefetch(md, row0 + 64, g);
         for (int h = 0; h < 2; h++) {
             zs[2 * h] = _mm512_permutex2var_epi32(zr[2 * h], ie, zr[2 * h + 1]);
             zs[2 * h + 1] = _mm512_permutex2var_epi32(zr[2 * h], io, zr[2 * h + 1]);
             ss[2 * h] = _mm512_permutex2var_ps(sr[2 * h], ie, sr[2 * h + 1]);
             ss[2 * h + 1] = _mm512_permutex2var_ps(sr[2 * h], io, sr[2 * h + 1]);
+            if (offsets) {
+                os[2 * h] = _mm512_permutex2var_ps(orow[2 * h], ie, orow[2 * h + 1]);
+                os[2 * h + 1] = _mm512_permutex2var_ps(orow[2 * h], io, orow[2 * h + 1]);
+            }
         }
         for (int64_t bi = 0; bi < per_g; bi++) {
             const int64_t b = g * per_g + bi;
@@ -897,6 +936,15 @@ static inline __attribute__((always_inline)) void int4_a8_vnni_tile(
             for (int m = 0; m < mt; m++) {
                 const __m512i sx = _mm512_set1_epi32(a->s[(mb + m) * nb + b]);
                 const __m512 dv = _mm512_set1_ps(a->d[(mb + m) * nb + b]);
+                if (offsets) { /* f + (float(S_b) * (scale * d_b) + float(sum qx_b) * (offset * d_b)) */
+                    const __m512 sxf = _mm512_set1_ps((float)a->s[(mb + m) * nb + b]);
+                    for (int v = 0; v < 4; v++) {
+                        const __m512 prod = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(S[m][v]), _mm512_mul_ps(ss[v], dv)),
+                                                          _mm512_mul_ps(sxf, _mm512_mul_ps(os[v], dv)));
+                        acc[m][v] = _mm512_add_ps(acc[m][v], prod);
+                    }
+                    continue;
+                }
                 for (int v = 0; v < 4; v++) {
                     const __m512i t = _mm512_sub_epi32(S[m][v], _mm512_mullo_epi32(zs[v], sx));
                     const __m512 prod = _mm512_mul_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(ss[v], dv));
@@ -924,14 +972,12 @@ static void int4_a8_block_vnni(const a8_x *a, int64_t m0, int64_t m1, const uint
 }
 #endif
 
-/* A 64-row block of the tiling against x rows [m0, m1): the VNNI code where built (but offsets: AVX2's). */
+/* A 64-row block of the tiling against x rows [m0, m1): the VNNI code where built (offsets included), else AVX2 / isa.h. */
 void int4_a8_rows(const a8_x *a, int64_t m0, int64_t m1, const uint8_t *blk, const int4_meta *md,
                          int64_t n_groups, int64_t gs, int64_t row0, int64_t n_rows, qout out) {
 #ifdef QA8_VNNI
-    if (!has_offsets(md)) { /* offsets: the AVX2 code (also in this build) */
-        int4_a8_block_vnni(a, m0, m1, blk, md, n_groups, gs, row0, n_rows, out);
-        return;
-    }
+    int4_a8_block_vnni(a, m0, m1, blk, md, n_groups, gs, row0, n_rows, out);
+    return;
 #endif
     int4_a8_block(a, m0, m1, blk, md, n_groups, gs, row0, n_rows, out);
 }
