@@ -385,6 +385,13 @@ class ExpertCache:
             return None
         raise RuntimeError("expert cache: every slot is busy (it needs at least one)")
 
+    def _victim(self, layer: int, keep: set[int], busy: set[int],
+                spare: frozenset[tuple[int, int]]) -> tuple[int, int] | None:
+        """The expert :meth:`_take` with ``strict`` would evict (LFU), or None."""
+        ok = [key for key, s in self._lru.items()
+              if s not in busy and not (key[0] == layer and key[1] in keep or key in spare)]
+        return min(ok, key=lambda k: self._uses.get(k, 0)) if ok else None
+
     def expect(self, layer: int, ids: list[int], weights: list[ExpertWeights]) -> None:
         """Pre-gating: ``layer`` will likely route to ``ids`` (most likely first). Reads of the ones not cached start
         from the next :meth:`each` on, once that layer's own reads are under way (never in place of them), into
@@ -420,6 +427,15 @@ class ExpertCache:
             key = (nxt, e)
             if key in self._lru or key in self._ahead or key in self._stale:
                 continue
+            if not self._free and self.policy == "lfu":
+                # Over a full cache a guess may only evict an expert routed to less often lately than itself: a
+                # wrong guess lands unused (count 0) and would be the next guess's victim, read again every step.
+                victim = self._victim(layer, keep, busy, spare)
+                if victim is None:
+                    ids.clear()
+                    break
+                if self._uses.get(victim, 0) >= self._uses.get(key, 0):
+                    continue
             slot = self._take(layer, keep, busy, strict=True, spare=spare)
             if slot is None:
                 ids.clear()
@@ -452,6 +468,22 @@ class ExpertCache:
         step's own and those ahead)?"""
         return n + self.depth + 1 + self._ahead_max <= len(self.slots)
 
+    def _held_hits(self, layer: int, ids: list[int]) -> Iterator[int]:
+        """:meth:`each` with ``hold`` when every expert is cached and no read is due (a cache that holds the model
+        once warm): the same counts and order of uses, without the per-expert read planning."""
+        lru = self._lru
+        for e in ids:
+            key = (layer, e)
+            self._count(key)
+            lru.move_to_end(key)
+            self._unused.pop(key, None)
+        self.stats.hits += len(ids)
+        try:
+            yield from ids
+        finally:
+            for w in self._held_bound.pop(layer, ()):
+                w.unbind()
+
     def each(self, layer: int, ids: list[int], weights: list[ExpertWeights], hold: bool = False) -> Iterator[int]:
         """:meth:`ExpertSource.each` for one layer: cached experts first, then those read ahead on a guess
         (:meth:`expect`), the missing ones as they are read (up to ``depth`` reads in flight while the compute thread
@@ -467,6 +499,9 @@ class ExpertCache:
             self.stats.guess_chosen += len(ids)
         if self._want is not None and self._want[0] == layer:  # its guess is spent: this layer routed
             self._want = None
+        if hold and self._want is None and not ahead and all((layer, e) in lru for e in ids):  # cached, no read due
+            yield from self._held_hits(layer, ids)
+            return
         order = ([e for e in ids if (layer, e) in lru] + [e for e in ids if (layer, e) in ahead]
                  + [e for e in ids if (layer, e) not in lru and (layer, e) not in ahead])
         left = set(order)

@@ -166,10 +166,28 @@ def test_read_ahead_never_evicts_what_the_layer_needs():
         nxt, t.src[0].next = t.src[0].next, None
         t.step([4, 5, 6, 7], [0, 1, 2, 3])  # fill every slot, no guess
         assert not c._free and c.stats.ahead_reads == 0
+        for e in (4, 5, 6, 7):
+            c._uses[(1, e)] = 5  # routed to often lately (then evicted): worth a read ahead over a full cache
         t.src[0].next = nxt
         t.step([0, 1, 2, 3], [4, 5, 6, 7])
         assert c.stats.ahead_reads == 2 and c.stats.ahead_used == 2 and c.stats.guess_hits == 4
         assert len(c._lru) + len(c._free) == 8 and not c._ahead and not c._stale
+    finally:
+        t.close()
+
+
+def test_read_ahead_over_a_full_cache_only_for_a_more_popular_guess():
+    """Over a full cache, a guess never routed to (or less often than every expert it could evict) is not read
+    ahead: a wrong guess would land unused, be the next guess's victim and be read again every step. The layer
+    still routes to its experts, read on demand."""
+    t = _Layers([4, 5, 6, 7], slots=8)
+    try:
+        c = t.cache
+        nxt, t.src[0].next = t.src[0].next, None
+        t.step([4, 5, 6, 7], [0, 1, 2, 3])
+        t.src[0].next = nxt
+        t.step([0, 1, 2, 3], [4, 5, 6, 7])
+        assert c.stats.ahead_reads == 0 and c.stats.guess_hits == 4 and c.stats.misses == 16
     finally:
         t.close()
 
