@@ -476,7 +476,8 @@ class OffloadRuntime:
                                         policy=ep.policy if ep is not None else "lfu")
         for i, ws in disk.items():
             self._experts[i] = DiskExperts(i, ws, self.expert_cache)
-        if ep is None or ep.prefetch:  # pre-gating: each disk layer guesses the next one's experts through its router
+        holds_all = len(self.expert_cache.slots) >= sum(len(ws) for ws in disk.values())  # nothing left to guess
+        if (ep is None or ep.prefetch) and not holds_all:  # pre-gating: each disk layer guesses the next one's experts
             order = sorted(disk)
             for i, j in zip(order, order[1:]):
                 moe = layers[j].mlp
