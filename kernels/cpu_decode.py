@@ -91,6 +91,13 @@ def silu_mul_def(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return (s.float() * up.float()).to(gate.dtype)
 
 
+def clamped_swiglu_def(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """The C clamped SwiGLU in torch ops (``torch.exp`` in the sigmoid for ``cpu_ops.h``'s exp): gpt-oss's
+    ``(clamp(up) + 1) * (g * sigmoid(g * alpha))`` with ``g = min(gate, limit)``, rounded to the dtype after each op."""
+    g = gate.clamp(max=limit)
+    return (up.clamp(min=-limit, max=limit) + 1) * (g * torch.sigmoid(g * alpha))
+
+
 def decode_attention_def(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor,
                          scale: float) -> torch.Tensor:
     """The C decode attention in torch ops (``torch.exp`` for ``cpu_ops.h``'s exp): ``q [B, Hq, D]``, ``k, v [B, L, Hk, D]``."""
@@ -137,6 +144,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     return out if residual is None else (out, new_res)
 
 
+def _glu_rows(op: str, gate: torch.Tensor, up: torch.Tensor) -> tuple[int, int]:
+    """``(T, I)`` of a gate|up pair the C activation rows take (one bf16 or float32 dtype, unit column stride)."""
+    if up.shape != gate.shape or gate.dim() != 2 or gate.stride(1) != 1 or up.stride(1) != 1 \
+            or gate.dtype not in DTYPES or up.dtype != gate.dtype:
+        raise ValueError(f"{op}: gate and up must be bf16 or float32 [T, I] of one dtype with unit column "
+                         f"stride, got {gate.dtype} {tuple(gate.shape)}, {up.dtype} {tuple(up.shape)}")
+    return gate.shape[0], gate.shape[1]
+
+
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """SwiGLU's ``silu(gate) * up``: ``[T, I]`` bf16 or float32 each (rows may be strided, e.g. the halves of one
     gate|up output) ``-> [T, I]`` contiguous, as :func:`silu_mul_def` (up to the exp). Why C: the fused
@@ -145,11 +161,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     lib = _KERNEL.lib()
     if lib is None:
         return silu_mul_def(gate, up)
-    t, inter = gate.shape
-    if up.shape != gate.shape or gate.stride(1) != 1 or up.stride(1) != 1 or gate.dtype not in DTYPES \
-            or up.dtype != gate.dtype:
-        raise ValueError(f"silu_mul: gate and up must be bf16 or float32 [T, I] of one dtype with unit column "
-                         f"stride, got {gate.dtype} {tuple(gate.shape)}, {up.dtype} {tuple(up.shape)}")
+    t, inter = _glu_rows("silu_mul", gate, up)
     y = torch.empty(t, inter, dtype=gate.dtype)
     if lib.llmsys_silu_mul(gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), y.data_ptr(), t, inter,
                            int(gate.dtype == torch.float32), torch.get_num_threads()):
@@ -163,16 +175,15 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: fl
     ``cpu_ops.h``'s exp in the sigmoid. Why C: the grouped expert kernel computes it with the same row code, so
     gpt-oss's experts give the same bits one by one or grouped."""
     lib = _KERNEL.lib()
-    t, inter = gate.shape
-    if up.shape != gate.shape or gate.stride(1) != 1 or up.stride(1) != 1 or gate.dtype not in DTYPES \
-            or up.dtype != gate.dtype:
-        raise ValueError(f"clamped_swiglu: gate and up must be bf16 or float32 [T, I] of one dtype with unit column "
-                         f"stride, got {gate.dtype} {tuple(gate.shape)}, {up.dtype} {tuple(up.shape)}")
+    if lib is None:
+        return clamped_swiglu_def(gate, up, alpha, limit)
+    t, inter = _glu_rows("clamped_swiglu", gate, up)
     y = torch.empty(t, inter, dtype=gate.dtype)
-    if lib is None or lib.llmsys_clamped_swiglu(gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0),
+    if lib.llmsys_clamped_swiglu(gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0),
                                                 y.data_ptr(), t, inter, alpha, limit,
                                                 int(gate.dtype == torch.float32), torch.get_num_threads()):
-        raise ValueError(f"clamped_swiglu: the C kernel is not loaded ({kernel_status()}) or rejected I={inter}")
+        raise ValueError(f"clamped_swiglu: the C kernel rejected I={inter} with row strides {gate.stride(0)}, "
+                         f"{up.stride(0)}")
     return y
 
 
