@@ -4,9 +4,11 @@ A router (``gate``) scores the experts; each token runs its top ``k`` SwiGLU exp
 routing weights (Qwen2-MoE adds a sigmoid-gated shared expert). :func:`route` follows transformers
 exactly: a float32 softmax over all experts, ``topk``, optional renormalisation, weights rounded to the
 model dtype (Qwen) or kept in float32 (Mixtral); gpt-oss's biased router takes the top ``k`` logits first,
-then a softmax over those. Tokens are grouped by expert (one GEMM per active expert, ``index_select``);
-each ``(token, slot)`` row is written once (``index_copy_``) and a token's ``k`` rows are summed at the
-end, as transformers' ``grouped_mm`` path sums them. Experts are the engine's ``MLP`` modules (quantized
+then a softmax over those. Where the engine's decode plan allows it, every routed expert of the step runs in one
+C call (``kernels.moe_experts``: resident experts, or those an expert source holds in its cache); otherwise tokens
+are grouped by expert (one GEMM per active expert, ``index_select``). Either way each ``(token, slot)`` row is
+written once and a token's ``k`` rows are summed at the end in slot order, as transformers' ``grouped_mm`` path
+sums them: the same bits. Experts are the engine's ``MLP`` modules (quantized
 and prepacked like any projection); the router and the shared expert's gate are :class:`FloatLinear`,
 which quantization passes by (an int4 router would pick other experts). ``base`` builds the experts and
 hands them in, so this module does not import it.
@@ -144,7 +146,7 @@ class MoE(nn.Module):
                 return None
             return self._grouped(g, x, chosen, weights, decode, experts)
         finally:
-            held.close()  # every expert unbound again
+            held.close()  # the experts released (any bound for a left-over one unbound)
 
     def _shared(self, x: torch.Tensor, h: torch.Tensor, decode: bool) -> torch.Tensor:
         """``h`` plus Qwen2-MoE's sigmoid-gated shared expert of ``x`` (``[T, H]`` each)."""
