@@ -5,11 +5,13 @@ cost as much Python as the kernels take. :func:`build_decode_plan` (after loadin
 from what never changes; a step asks only its own facts (rows, autograd, ``GatherPlan.one_call``)::
 
     per module     Linear.kernel: LinearKernel    RMSNorm.c_rows    MLP.c_glu      (plan_kernels)
+    per MoE block  MoE.grouped: kernels.MoEExperts | None (resident experts), MoE.held_args (held by their source)
     per layer      DecoderLayer.decode: LayerPlan | None -> kernels.DecodeLayer: 2 C calls around attention
+                   (an MoE layer's: attention's 2, then the router and the grouped experts' 1)
     per model      DecoderModel.decode_plan: DecodePlan -> stack: kernels.DecodeStack | None: 1 C call a step
 
-No fused plan (op by op, the same bits) for a projection without a C decode GEMV, an MoE or Gemma MLP, or
-weights bound per step (``LayerRunner.rebinds``). Replacing a planned layer's weights or modules needs
+No fused plan (op by op, the same bits) for a projection without a C decode GEMV, a Gemma MLP, an MoE block
+whose experts run one by one, or weights bound per step (``LayerRunner.rebinds``); no stack with an MoE layer. Replacing a planned layer's weights or modules needs
 :func:`clear_decode_plan` or a rebuild (a stale plan holds its tensors: old weights, never freed memory).
 """
 
