@@ -33,6 +33,16 @@ def _check(op: str, name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple
                          f"got {t.dtype} {tuple(t.shape)} (contiguous: {t.is_contiguous()})")
 
 
+def _run(op: str, src: torch.Tensor, n: int, k: int, *outs: int) -> bool:
+    """``llmsys_<op>(src, n, k, *outs)`` when the C kernel is loaded (True), False without it; a refusal is an error."""
+    lib = _KERNEL.lib()
+    if lib is None:
+        return False
+    if getattr(lib, f"llmsys_{op}")(src.data_ptr(), n, k, *outs):
+        raise ValueError(f"{op}: the C kernel refused N={n}, K={k}")
+    return True
+
+
 def repack_q4k(src: torch.Tensor, n: int, k: int, packed: torch.Tensor, sc: torch.Tensor, m: torch.Tensor,
                d: torch.Tensor, dmin: torch.Tensor) -> bool:
     """Q4_K blocks ``src uint8 [N * K / 256 * 144]`` -> the CPU int4 tiling ``packed uint8 [Np, K/2]`` (Np: N
@@ -47,13 +57,8 @@ def repack_q4k(src: torch.Tensor, n: int, k: int, packed: torch.Tensor, sc: torc
     for name, t, dt, rows in (("sc", sc, torch.uint8, k // 32), ("m", m, torch.uint8, k // 32),
                               ("d", d, torch.float16, k // 256), ("dmin", dmin, torch.float16, k // 256)):
         _check(op, name, t, dt, (rows, n))
-    lib = _KERNEL.lib()
-    if lib is None:
-        return False
-    if lib.llmsys_repack_q4k(src.data_ptr(), n, k, np_, packed.data_ptr(), sc.data_ptr(), m.data_ptr(),
-                             d.data_ptr(), dmin.data_ptr()):
-        raise ValueError(f"{op}: the C kernel refused N={n}, K={k}")
-    return True
+    return _run(op, src, n, k, np_, packed.data_ptr(), sc.data_ptr(), m.data_ptr(), d.data_ptr(),
+                dmin.data_ptr())
 
 
 def repack_q6k(src: torch.Tensor, n: int, k: int, q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> bool:
@@ -67,12 +72,7 @@ def repack_q6k(src: torch.Tensor, n: int, k: int, q: torch.Tensor, sc: torch.Ten
     _check(op, "q", q, torch.int8, (n, k))
     _check(op, "sc", sc, torch.int8, (k // 16, n))
     _check(op, "d", d, torch.float16, (k // 256, n))
-    lib = _KERNEL.lib()
-    if lib is None:
-        return False
-    if lib.llmsys_repack_q6k(src.data_ptr(), n, k, q.data_ptr(), sc.data_ptr(), d.data_ptr()):
-        raise ValueError(f"{op}: the C kernel refused N={n}, K={k}")
-    return True
+    return _run(op, src, n, k, q.data_ptr(), sc.data_ptr(), d.data_ptr())
 
 
 def repack_q4_0(src: torch.Tensor, n: int, k: int, packed: torch.Tensor, d: torch.Tensor) -> bool:
@@ -86,12 +86,7 @@ def repack_q4_0(src: torch.Tensor, n: int, k: int, packed: torch.Tensor, d: torc
     _check(op, "src", src, torch.uint8, (n * k // 32 * Q4_0_BLOCK,))
     _check(op, "packed", packed, torch.uint8, (np_, k // 2))
     _check(op, "d", d, torch.float16, (k // 32, n))
-    lib = _KERNEL.lib()
-    if lib is None:
-        return False
-    if lib.llmsys_repack_q4_0(src.data_ptr(), n, k, np_, packed.data_ptr(), d.data_ptr()):
-        raise ValueError(f"{op}: the C kernel refused N={n}, K={k}")
-    return True
+    return _run(op, src, n, k, np_, packed.data_ptr(), d.data_ptr())
 
 
 def repack_q8_0(src: torch.Tensor, n: int, k: int, q: torch.Tensor, d: torch.Tensor) -> bool:
@@ -103,12 +98,7 @@ def repack_q8_0(src: torch.Tensor, n: int, k: int, q: torch.Tensor, d: torch.Ten
     _check(op, "src", src, torch.uint8, (n * k // 32 * Q8_0_BLOCK,))
     _check(op, "q", q, torch.int8, (n, k))
     _check(op, "d", d, torch.float16, (k // 32, n))
-    lib = _KERNEL.lib()
-    if lib is None:
-        return False
-    if lib.llmsys_repack_q8_0(src.data_ptr(), n, k, q.data_ptr(), d.data_ptr()):
-        raise ValueError(f"{op}: the C kernel refused N={n}, K={k}")
-    return True
+    return _run(op, src, n, k, q.data_ptr(), d.data_ptr())
 
 
 def available() -> bool:
