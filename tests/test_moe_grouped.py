@@ -148,3 +148,5 @@ def test_kernel_rejects_bad_arguments(tmp_path):
         kernels.moe_experts(moe.grouped, x, bad, w)
     with pytest.raises(ValueError, match="contiguous"):
         kernels.moe_experts(moe.grouped, x.float(), bad.clamp(max=0), w)
+    with pytest.raises(ValueError, match=r"clamped_swiglu: gate and up must be bf16 or float32 \[T, I\] of one dtype"):
+        kernels.cpu_fused_clamped_swiglu(x, x.float(), 1.702, 7.0)
